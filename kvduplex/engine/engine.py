@@ -1,0 +1,251 @@
+"""The engine of one instance: schedule → run the model → update.
+
+`LLMEngine` is synchronous and single-threaded: the caller owns the loop.
+`AsyncEngine` (in `async_engine.py`) runs it in its own thread for the server.
+
+A `KVConnector` (see `connector.py`) plugs disaggregation into the step
+without the step knowing about prefill or decode roles::
+
+    out = scheduler.schedule()
+    connector.on_scheduled(out)               # e.g. register remote-KV blocks with P
+    logits = runner.execute(inputs, on_layer_done=connector.layer_hook(out))
+    finished = scheduler.update(out, sampled)
+    connector.on_step_done(out, sampled, finished)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvduplex.config import EngineConfig
+from kvduplex.engine.block_pool import BlockPool
+from kvduplex.engine.connector import KVConnector, NullConnector
+from kvduplex.engine.detokenizer import IncrementalDetokenizer
+from kvduplex.engine.kv_cache import KVCacheLayout, allocate_kv_pool
+from kvduplex.engine.kv_manager import KVCacheManager
+from kvduplex.engine.request import FinishReason, RemoteKVSpec, Request, RequestStatus
+from kvduplex.engine.runner import ModelRunner, SeqInput, kv_layout_for, num_blocks_for_memory
+from kvduplex.engine.sampler import RequestGenerators, sample
+from kvduplex.engine.sampling import SamplingParams
+from kvduplex.engine.scheduler import Scheduler, SchedulerOutput
+from kvduplex.model.loader import LoadedModel, load_model
+
+logger = logging.getLogger(__name__)
+
+
+class RequestRejected(ValueError):
+    """A request that can never be served as asked (e.g. too long); the message says why."""
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    """"stop", "length" or "abort" once finished."""
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    """Prompt tokens served from the prefix cache (local hits plus KV received)."""
+    num_output_tokens: int
+
+
+_FINISH_NAMES = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class LLMEngine:
+    """One model, one paged KV pool, one scheduler."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self.loaded = loaded if loaded is not None else load_model(config.model)
+        model_cfg = self.loaded.config
+        dtype_name = str(self.loaded.dtype).removeprefix("torch.")
+        num_blocks = config.cache.num_blocks or num_blocks_for_memory(
+            model_cfg, config.cache.block_size, self.loaded.dtype, config.cache.kv_cache_mb
+        )
+        self.layout: KVCacheLayout = kv_layout_for(
+            model_cfg, config.cache.block_size, num_blocks, dtype_name
+        )
+        self.kv_pool = allocate_kv_pool(self.layout, self.loaded.device)
+        self.block_pool = BlockPool(num_blocks, enable_caching=config.cache.enable_prefix_caching)
+        self.kv_manager = KVCacheManager(
+            self.block_pool, config.cache.block_size, identity=self.loaded.identity
+        )
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager)
+        self.runner = ModelRunner(
+            self.loaded.model, model_cfg, self.kv_pool, self.layout, self.loaded.device
+        )
+        self.max_model_len = min(
+            model_cfg.max_position_embeddings, num_blocks * config.cache.block_size
+        )
+        self.eos_token_ids = tuple(self.loaded.tokenizer.eos_token_ids)
+        self.connector: KVConnector = NullConnector()
+        self._generators = RequestGenerators()
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._num_emitted: dict[str, int] = {}
+        logger.info(
+            "engine ready: model=%s layout=%s max_model_len=%d",
+            self.loaded.name, self.layout, self.max_model_len,
+        )
+
+    # ---------------------------------------------------------------- requests
+
+    def check_request(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise RequestRejected when a request of this size can never be served."""
+        if num_prompt_tokens < 1:
+            raise RequestRejected("the prompt is empty; send at least one token")
+        total = num_prompt_tokens + max_tokens
+        if total > self.max_model_len:
+            raise RequestRejected(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the "
+                f"request asks for {total} ({num_prompt_tokens} in the prompt + {max_tokens} "
+                "to generate); shorten the prompt or lower max_tokens"
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        remote_kv: RemoteKVSpec | None = None,
+        hold_blocks_on_finish: bool = False,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Queue a request. Raises RequestRejected if it can never fit."""
+        self.check_request(len(prompt_token_ids), params.max_tokens)
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.loaded.config.vocab_size]
+        if bad:
+            raise RequestRejected(
+                f"token id {bad[0]} is outside the vocabulary [0, {self.loaded.config.vocab_size})"
+            )
+        if self.scheduler.get_request(request_id) is not None:
+            raise RequestRejected(f"request id {request_id!r} is already in use")
+        if not params.extra_eos_token_ids:
+            params = _with_eos(params, self.eos_token_ids)
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=params,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            remote_kv=remote_kv,
+            hold_blocks_on_finish=hold_blocks_on_finish,
+        )
+        self.scheduler.add_request(req)
+        self._detok[request_id] = IncrementalDetokenizer(self.loaded.tokenizer, params.stop)
+        self._num_emitted[request_id] = 0
+        return req
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request and free its blocks; False if it is unknown or already gone."""
+        found = self.scheduler.abort_request(request_id)
+        self._forget(request_id)
+        return found
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or self.connector.has_pending_work()
+
+    # -------------------------------------------------------------------- step
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; return what changed for each request."""
+        out = self.scheduler.schedule()
+        self.connector.on_scheduled(out)
+        sampled = self._execute(out) if out.seqs else {}
+        finished = self.scheduler.update(out, sampled)
+        self.connector.on_step_done(out, sampled, finished)
+        touched = {seq.request.request_id: seq.request for seq in out.seqs if seq.needs_sample}
+        for req in finished:
+            touched[req.request_id] = req
+        for req in self.connector.take_updated_requests():
+            touched[req.request_id] = req
+        return [o for req in touched.values() if (o := self._make_output(req)) is not None]
+
+    def _execute(self, out: SchedulerOutput) -> dict[str, int]:
+        inputs = [
+            SeqInput(
+                token_ids=seq.token_ids,
+                start_pos=seq.start_pos,
+                block_table=seq.block_table,
+                needs_logits=seq.needs_sample,
+            )
+            for seq in out.seqs
+        ]
+        logits = self.runner.execute(inputs, on_layer_done=self.connector.layer_hook(out))
+        sampling = [seq for seq in out.seqs if seq.needs_sample]
+        if not sampling:
+            return {}
+        params = [seq.request.sampling_params for seq in sampling]
+        gens = [self._generators.get(seq.request.request_id, p) for seq, p in zip(sampling, params)]
+        tokens = sample(logits, params, gens)
+        return {seq.request.request_id: tok for seq, tok in zip(sampling, tokens)}
+
+    def _make_output(self, req: Request) -> RequestOutput | None:
+        rid = req.request_id
+        detok = self._detok.get(rid)
+        if detok is None:
+            return None
+        emitted = self._num_emitted[rid]
+        new_ids = req.output_token_ids[emitted:]
+        finished = req.is_finished
+        new_text = detok.update(req.output_token_ids, is_final=finished)
+        if detok.stopped_by is not None and not finished:
+            self.scheduler.finish_request(rid, FinishReason.STOP)
+            finished = True
+        if not new_ids and not finished:
+            return None
+        self._num_emitted[rid] = len(req.output_token_ids)
+        reason = _FINISH_NAMES.get(req.status) if finished else None
+        if detok.stopped_by is not None:
+            reason = "stop"
+        output = RequestOutput(
+            request_id=rid,
+            new_token_ids=list(new_ids),
+            new_text=new_text,
+            finished=finished,
+            finish_reason=reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+            num_output_tokens=len(req.output_token_ids),
+        )
+        if finished:
+            self._forget(rid)
+        return output
+
+    def _forget(self, request_id: str) -> None:
+        self._detok.pop(request_id, None)
+        self._num_emitted.pop(request_id, None)
+        self._generators.drop(request_id)
+
+    # ------------------------------------------------------------------- stats
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the block pool's accounting is inconsistent."""
+        self.block_pool.check_integrity()
+
+    def warmup(self) -> None:
+        """Run one tiny forward so the first request does not pay for lazy init."""
+        with torch.inference_mode():
+            rid = "__warmup__"
+            self.add_request(rid, [1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0))
+            while self.scheduler.get_request(rid) is not None and self.scheduler.has_unfinished():
+                self.step()
+            self.abort_request(rid)
+
+
+def _with_eos(params: SamplingParams, eos: tuple[int, ...]) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(params, extra_eos_token_ids=eos)

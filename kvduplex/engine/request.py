@@ -1,0 +1,158 @@
+"""A request as the scheduler sees it: tokens, progress, blocks, state.
+
+Token layout of one request (``num_computed_tokens`` = tokens whose KV is in
+the cache; the rest is computed by the next steps)::
+
+    all_token_ids:  [ prompt ........................ | output ...... ]
+                    0                    num_prompt_tokens      num_tokens
+    KV in cache:    [ computed ............... )
+                    0             num_computed_tokens
+
+Lifecycle::
+
+    WAITING ──admit──► RUNNING ──stop/length──► FINISHED_STOPPED / FINISHED_LENGTH
+       │  ▲               │
+       │  └──PREEMPTED ◄──┘ (out of blocks: KV dropped, recomputed on re-admission)
+       │
+       └─(remote_kv)─► WAITING_FOR_REMOTE_KV ──done──► RUNNING (decodes)
+                                            └─failed─► RUNNING (prefills locally)
+
+    any unfinished state ──abort──► FINISHED_ABORTED
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvduplex.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from kvduplex.engine.block_pool import BlockHash
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its lifecycle (see the module diagram)."""
+
+    WAITING = "waiting"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+
+class FinishReason(enum.Enum):
+    """Why a request finished; the value is the OpenAI ``finish_reason``."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+    @property
+    def status(self) -> RequestStatus:
+        """The final status a request finished for this reason ends in."""
+        return _STATUS_OF_REASON[self]
+
+
+_FINISHED = frozenset(
+    {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+)
+_STATUS_OF_REASON = {
+    FinishReason.STOP: RequestStatus.FINISHED_STOPPED,
+    FinishReason.LENGTH: RequestStatus.FINISHED_LENGTH,
+    FinishReason.ABORT: RequestStatus.FINISHED_ABORTED,
+}
+
+
+@dataclass(frozen=True)
+class RemoteKVSpec:
+    """The prompt's KV will be written into this request's blocks by another instance."""
+
+    transfer_id: str
+    """Transfer id chosen by the router, shared by sender and receiver."""
+    source_engine_id: str | None = None
+    """Engine id of the sending instance, when known at admission."""
+
+    def __post_init__(self) -> None:
+        if not self.transfer_id:
+            raise ValueError("RemoteKVSpec.transfer_id must be a non-empty string")
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request. Mutated only by the scheduler (and its KV manager).
+
+    ``eq=False``: two requests are the same only if they are the same object.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    """Monotonic seconds; orders admission and picks preemption victims."""
+    remote_kv: RemoteKVSpec | None = None
+    """Set when the prompt's KV will arrive from another instance."""
+    hold_blocks_on_finish: bool = False
+    """Keep the blocks after finishing until `Scheduler.release_held` (a sender's lease)."""
+
+    output_token_ids: list[int] = field(default_factory=list, init=False)
+    status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
+    num_computed_tokens: int = field(default=0, init=False)
+    """Tokens of `all_token_ids` whose KV is in this request's blocks."""
+    block_ids: list[int] = field(default_factory=list, init=False)
+    """Block table: block ``i`` holds positions ``[i*block_size, (i+1)*block_size)``."""
+    num_cached_tokens: int = field(default=0, init=False)
+    """Prompt tokens served from the local prefix cache at first admission."""
+    stop_reason: int | None = field(default=None, init=False)
+    """The stop token id that ended the request (None for EOS, length and abort)."""
+    finish_reason: FinishReason | None = field(default=None, init=False)
+    num_preemptions: int = field(default=0, init=False)
+    block_hashes: list[BlockHash] = field(default_factory=list, init=False, repr=False)
+    """Prefix-cache keys of the full blocks of `all_token_ids`, extended incrementally."""
+    _all_token_ids: list[int] = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.request_id:
+            raise ValueError("request_id must be a non-empty string")
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id}: the prompt must have at least one token")
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        self._all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def all_token_ids(self) -> Sequence[int]:
+        """Prompt then output tokens (a live view: do not mutate)."""
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        """Append one generated token (its KV is computed by the next step)."""
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+
+
+__all__ = ["FinishReason", "RemoteKVSpec", "Request", "RequestStatus"]

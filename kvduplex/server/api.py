@@ -1,0 +1,331 @@
+"""The OpenAI-compatible HTTP API of one instance.
+
+Routes: /v1/completions, /v1/chat/completions (streaming SSE or not),
+/v1/models, /health, /metrics. Extra routes (internal KV endpoints of a
+disaggregated instance) are added by the caller through `extra_routers`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from kvduplex.engine.async_engine import AsyncEngine, EngineDeadError
+from kvduplex.engine.engine import RequestOutput, RequestRejected
+from kvduplex.engine.sampling import SamplingParams
+from kvduplex.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    _SamplingFields,
+    error_body,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    """An error to send to the client as OpenAI error JSON."""
+
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+
+    def response(self) -> JSONResponse:
+        err_type = "invalid_request_error" if self.status < 500 else "server_error"
+        return JSONResponse(
+            error_body(self.message, err_type, self.param, self.code), status_code=self.status
+        )
+
+
+@dataclass
+class Generation:
+    """What the API layer hands the engine for one request (hooks let roles adjust it)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    body: _SamplingFields
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class InstanceState:
+    """What the routes need."""
+
+    engine: AsyncEngine
+    served_model_names: list[str]
+    registry: CollectorRegistry
+    role: str = "both"
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.engine.loaded.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.engine.max_model_len
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    parts = []
+    param = None
+    for err in exc.errors():
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if err.get("type") == "json_invalid":
+            return "the request body is not valid JSON", None
+        where = ".".join(loc) or "body"
+        param = param or where
+        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        parts.append(f"{where}: {msg}")
+    return "; ".join(parts) or "invalid request", param
+
+
+def create_app(state: InstanceState, extra_routers: Sequence[APIRouter] = ()) -> FastAPI:
+    """Build the FastAPI app of one instance."""
+    app = FastAPI(title="kvduplex", version="0.1.0")
+    app.state.instance = state
+
+    @app.exception_handler(RequestValidationError)
+    async def _on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return JSONResponse(error_body(message, param=param), status_code=400)
+
+    @app.exception_handler(APIError)
+    async def _on_api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if state.engine.is_healthy:
+            return JSONResponse({"status": "ok", "role": state.role})
+        return JSONResponse({"status": "unavailable", "role": state.role}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name, "object": "model", "created": state.created,
+                    "owned_by": "kvduplex", "max_model_len": state.max_model_len,
+                }
+                for name in state.served_model_names
+            ],
+        }
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        _check_model(state, body.model)
+        try:
+            prompt = body.single_prompt()
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="prompt") from None
+        if isinstance(prompt, str):
+            if not prompt:
+                raise APIError(400, "prompt is empty", param="prompt")
+            ids = state.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            ids = prompt
+        gen = _make_generation(state, raw, body, ids, body.max_tokens, "cmpl")
+        return await _serve(state, raw, gen, chat=False)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        _check_model(state, body.model)
+        text = state.tokenizer.apply_chat_template(body.plain_messages(), add_generation_prompt=True)
+        ids = state.tokenizer.encode(text, add_special_tokens=False)
+        max_tokens = body.requested_max_tokens()
+        if max_tokens is None:
+            max_tokens = max(1, state.max_model_len - len(ids))
+        gen = _make_generation(state, raw, body, ids, max_tokens, "chatcmpl")
+        return await _serve(state, raw, gen, chat=True)
+
+    for router in extra_routers:
+        app.include_router(router)
+    return app
+
+
+def _check_model(state: InstanceState, model: str | None) -> None:
+    if model is not None and model not in state.served_model_names:
+        raise APIError(
+            404,
+            f"the model {model!r} does not exist; this server serves {state.served_model_names}",
+            code="model_not_found",
+            param="model",
+        )
+
+
+def _make_generation(
+    state: InstanceState,
+    raw: Request,
+    body: _SamplingFields,
+    ids: list[int],
+    max_tokens: int,
+    prefix: str,
+) -> Generation:
+    if not ids:
+        raise APIError(400, "the prompt is empty", param="prompt")
+    vocab = state.engine.engine.loaded.config.vocab_size
+    if any(not 0 <= t < vocab for t in ids):
+        raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+    try:
+        params = body.to_sampling_params(max_tokens)
+        state.engine.engine.check_request(len(ids), max_tokens)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="max_tokens") from None
+    rid = raw.headers.get("x-request-id") or f"{prefix}-{uuid.uuid4().hex}"
+    return Generation(request_id=rid, prompt_token_ids=ids, params=params, body=body)
+
+
+async def _serve(state: InstanceState, raw: Request, gen: Generation, chat: bool) -> Response:
+    outputs = state.engine.generate(gen.request_id, gen.prompt_token_ids, gen.params)
+    if gen.body.stream:
+        include_usage = bool(gen.body.stream_options and gen.body.stream_options.include_usage)
+        return StreamingResponse(
+            _sse(state, gen, outputs, chat, include_usage), media_type="text/event-stream"
+        )
+    return await _collect(state, raw, gen, outputs, chat)
+
+
+async def _collect(
+    state: InstanceState,
+    raw: Request,
+    gen: Generation,
+    outputs: AsyncIterator[RequestOutput],
+    chat: bool,
+) -> Response:
+    """Gather a whole answer; abort if the client disconnects first."""
+
+    async def gather() -> tuple[str, list[int], RequestOutput | None]:
+        text, ids, last = [], [], None
+        async for out in outputs:
+            text.append(out.new_text)
+            ids.extend(out.new_token_ids)
+            last = out
+        return "".join(text), ids, last
+
+    async def disconnected() -> None:
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
+
+    gather_task = asyncio.ensure_future(gather())
+    watch_task = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({gather_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch_task.cancel()
+    if gather_task not in done:
+        gather_task.cancel()
+        await asyncio.gather(gather_task, return_exceptions=True)
+        await outputs.aclose()
+        logger.info("request %s aborted: client disconnected", gen.request_id)
+        return Response(status_code=499)
+    try:
+        text, ids, last = gather_task.result()
+    except RequestRejected as exc:
+        raise APIError(400, str(exc)) from None
+    except EngineDeadError as exc:
+        raise APIError(503, str(exc)) from None
+    assert last is not None
+    return JSONResponse(_final_body(state, gen, text, ids, last, chat))
+
+
+def _usage(last: RequestOutput) -> dict[str, Any]:
+    return {
+        "prompt_tokens": last.num_prompt_tokens,
+        "completion_tokens": last.num_output_tokens,
+        "total_tokens": last.num_prompt_tokens + last.num_output_tokens,
+        "prompt_tokens_details": {"cached_tokens": last.num_cached_tokens},
+    }
+
+
+def _final_body(
+    state: InstanceState, gen: Generation, text: str, ids: list[int], last: RequestOutput, chat: bool
+) -> dict[str, Any]:
+    model = gen.body.model or state.served_model_names[0]
+    choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    if gen.body.return_token_ids:
+        choice["token_ids"] = ids
+    body: dict[str, Any] = {
+        "id": gen.request_id,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": _usage(last),
+    }
+    if gen.body.return_token_ids:
+        body["prompt_token_ids"] = gen.prompt_token_ids
+    body.update(gen.extra)
+    return body
+
+
+async def _sse(
+    state: InstanceState,
+    gen: Generation,
+    outputs: AsyncIterator[RequestOutput],
+    chat: bool,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    model = gen.body.model or state.served_model_names[0]
+    created = int(time.time())
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(choice: dict[str, Any] | None, usage: dict[str, Any] | None = None) -> str:
+        body: dict[str, Any] = {
+            "id": gen.request_id, "object": obj, "created": created, "model": model,
+            "choices": [choice] if choice is not None else [],
+        }
+        if usage is not None:
+            body["usage"] = usage
+        return f"data: {json.dumps(body)}\n\n"
+
+    def choice(text: str, ids: list[int], finish: str | None, first: bool) -> dict[str, Any]:
+        c: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+        if chat:
+            delta: dict[str, Any] = {"content": text}
+            if first:
+                delta["role"] = "assistant"
+            c["delta"] = delta
+        else:
+            c["text"] = text
+        if gen.body.return_token_ids:
+            c["token_ids"] = ids
+        return c
+
+    first = True
+    last: RequestOutput | None = None
+    try:
+        async for out in outputs:
+            last = out
+            yield chunk(choice(out.new_text, out.new_token_ids, out.finish_reason, first))
+            first = False
+    except (RequestRejected, EngineDeadError) as exc:
+        yield f"data: {json.dumps(error_body(str(exc)))}\n\n"
+        return
+    if include_usage and last is not None:
+        yield chunk(None, _usage(last))
+    yield "data: [DONE]\n\n"

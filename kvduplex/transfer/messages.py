@@ -1,0 +1,210 @@
+"""Typed messages of the transfer layer.
+
+Two families:
+
+* `HandshakeInfo` (JSON over HTTP, ``GET /internal/kv/handshake``): what a peer
+  needs to reach this instance's KV pool: engine id, NIXL agent name and
+  metadata, memory description and pool layout.
+* `ControlMessage` (msgpack, carried in NIXL notifications): a tagged union of
+  small control messages. Later flows (push, pull, duplex) extend it by
+  subclassing `ControlMessage` with their own ``tag``; `MessageCodec` decodes
+  every subclass defined at the time it is built.
+
+Notifications are wrapped in an `Envelope` by the transport, so the receiver
+always learns the sender's engine id and the transfer id, whatever the payload.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import msgspec
+
+from kvduplex.engine.kv_cache import KVCacheLayout
+
+HANDSHAKE_VERSION = 1
+"""Bumped when `HandshakeInfo` or the envelope changes incompatibly."""
+
+
+class LayoutInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """`KVCacheLayout` on the wire (same field names as ``KVCacheLayout.to_dict()``)."""
+
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+    @classmethod
+    def from_layout(cls, layout: KVCacheLayout) -> LayoutInfo:
+        return cls(
+            num_layers=layout.num_layers,
+            num_blocks=layout.num_blocks,
+            block_size=layout.block_size,
+            num_kv_heads=layout.num_kv_heads,
+            head_dim=layout.head_dim,
+            dtype=layout.dtype,
+        )
+
+    def to_layout(self) -> KVCacheLayout:
+        """The layout; raises ValueError if the fields are not a valid layout."""
+        return KVCacheLayout(
+            num_layers=self.num_layers,
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=self.dtype,
+        )
+
+
+class HandshakeInfo(msgspec.Struct, frozen=True):
+    """Everything a peer needs to connect to this instance's KV pool.
+
+    ``agent_metadata`` is opaque transport metadata (base64 in JSON). The
+    ``engine_id`` is chosen at start-up; a different id at the same address
+    means the instance restarted and every connection to it must be redone.
+    """
+
+    engine_id: str
+    agent_name: str
+    agent_metadata: bytes
+    layout: LayoutInfo
+    base_address: int
+    """Address of the pool's first byte in the owner's address space."""
+    mem_type: str = "DRAM"
+    """DRAM (host memory) or VRAM (device memory)."""
+    device_id: int = 0
+    """CUDA device index for VRAM, 0 for DRAM."""
+    transport: str = "nixl"
+    """Which transport implementation produced this (nixl, inprocess)."""
+    version: int = HANDSHAKE_VERSION
+
+
+def encode_handshake(info: HandshakeInfo) -> bytes:
+    return msgspec.json.encode(info)
+
+
+def decode_handshake(data: bytes | str) -> HandshakeInfo:
+    """Decode a handshake; raises msgspec.ValidationError/DecodeError on bad input."""
+    return msgspec.json.decode(data, type=HandshakeInfo)
+
+
+# --------------------------------------------------------------------------
+# Notifications
+
+
+class EnvelopeKind(enum.IntEnum):
+    """What a notification envelope carries."""
+
+    USER = 0
+    """A caller's payload (from `send_notif` or a transfer's ``notif``)."""
+    XFER_BEGIN = 1
+    """Internal: a large transfer to this target began; poll fast until XFER_END."""
+    XFER_END = 2
+    """Internal: that transfer ended (done or failed)."""
+
+
+class Envelope(msgspec.Struct, array_like=True, frozen=True):
+    """What travels in one NIXL notification (msgpack array)."""
+
+    kind: EnvelopeKind
+    sender: str
+    """Sender's engine id."""
+    xid: str | None
+    payload: bytes = b""
+    deadline_s: float = 0.0
+    """XFER_BEGIN only: the transfer's deadline, relative to its post."""
+
+
+def encode_envelope(env: Envelope) -> bytes:
+    return msgspec.msgpack.encode(env)
+
+
+def decode_envelope(data: bytes) -> Envelope:
+    """Decode an envelope; raises msgspec.DecodeError/ValidationError on bad input."""
+    return msgspec.msgpack.decode(data, type=Envelope)
+
+
+class ControlMessage(msgspec.Struct, tag_field="type", frozen=True):
+    """Base of the small control messages exchanged in notifications.
+
+    Subclass with ``class MyMsg(ControlMessage, tag="my_msg")`` to extend the
+    union; every message names the transfer it belongs to.
+    """
+
+    xid: str
+
+
+class KVDone(ControlMessage, tag="kv_done"):
+    """The sender finished writing the KV of transfer ``xid``."""
+
+    num_tokens: int = 0
+    """Tokens whose KV the transfer carried."""
+    first_token: int | None = None
+    """First sampled token, when the sender is a prefill instance."""
+
+
+class KVFailed(ControlMessage, tag="kv_failed"):
+    """The sender gave up on transfer ``xid``; the receiver should fall back."""
+
+    reason: str = ""
+
+
+def _all_subclasses(cls: type[ControlMessage]) -> list[type[ControlMessage]]:
+    out: list[type[ControlMessage]] = []
+    for sub in cls.__subclasses__():
+        out.append(sub)
+        out.extend(_all_subclasses(sub))
+    return out
+
+
+class MessageCodec:
+    """Encode and decode `ControlMessage`s (msgpack, tagged by ``type``).
+
+    ``types`` defaults to every subclass of `ControlMessage` defined when the
+    codec is built, so build it after importing the flows that extend the union.
+    """
+
+    def __init__(self, types: Sequence[type[ControlMessage]] | None = None) -> None:
+        chosen = list(types) if types is not None else _all_subclasses(ControlMessage)
+        if not chosen:
+            raise ValueError("MessageCodec needs at least one ControlMessage subclass")
+        self.types: tuple[type[ControlMessage], ...] = tuple(chosen)
+        union: Any = self.types[0]
+        for t in self.types[1:]:
+            union = union | t
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(union)
+
+    def encode(self, msg: ControlMessage) -> bytes:
+        return self._encoder.encode(msg)
+
+    def decode(self, data: bytes) -> ControlMessage:
+        """Decode; raises msgspec.DecodeError/ValidationError on malformed or unknown input."""
+        msg = self._decoder.decode(data)
+        assert isinstance(msg, ControlMessage)
+        return msg
+
+    def decode_many(self, items: Iterable[bytes]) -> list[ControlMessage]:
+        return [self.decode(item) for item in items]
+
+
+__all__ = [
+    "HANDSHAKE_VERSION",
+    "ControlMessage",
+    "Envelope",
+    "EnvelopeKind",
+    "HandshakeInfo",
+    "KVDone",
+    "KVFailed",
+    "LayoutInfo",
+    "MessageCodec",
+    "decode_envelope",
+    "decode_handshake",
+    "encode_envelope",
+    "encode_handshake",
+]

@@ -1,0 +1,95 @@
+"""Prometheus metrics of the KV transfer layer.
+
+`TransferMetrics.default()` uses the metric objects below, registered once on
+prometheus_client's default registry (what an instance's ``/metrics`` serves);
+``TransferMetrics(registry)`` creates a fresh set on a registry of your own
+(tests, several transports in one process).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
+
+from kvduplex.transfer.transport import FailureKind, TransferHandle, TransferOp
+
+_POST_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2, 0.1)
+_XFER_BUCKETS = (1e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class TransferMetrics:
+    """Counters and histograms, labelled by ``direction`` (write, read)."""
+
+    def __init__(self, registry: CollectorRegistry | None) -> None:
+        """Create the metrics on ``registry`` (None: unregistered, for throwaway use)."""
+        self.bytes_total = Counter(
+            "kvduplex_kv_transfer_bytes",
+            "Bytes moved by completed KV transfers.",
+            ["direction"],
+            registry=registry,
+        )
+        self.transfers_total = Counter(
+            "kvduplex_kv_transfers",
+            "KV transfers posted.",
+            ["direction"],
+            registry=registry,
+        )
+        self.descriptors_total = Counter(
+            "kvduplex_kv_transfer_descriptors",
+            "Descriptors (layer, K|V, block regions) in posted KV transfers.",
+            ["direction"],
+            registry=registry,
+        )
+        self.failures_total = Counter(
+            "kvduplex_kv_transfer_failures",
+            "KV transfers that ended failed, by cause.",
+            ["direction", "cause"],
+            registry=registry,
+        )
+        self.post_seconds = Histogram(
+            "kvduplex_kv_transfer_post_seconds",
+            "Time to create and post one KV transfer.",
+            ["direction"],
+            buckets=_POST_BUCKETS,
+            registry=registry,
+        )
+        self.transfer_seconds = Histogram(
+            "kvduplex_kv_transfer_seconds",
+            "Time from post to completion of successful KV transfers.",
+            ["direction"],
+            buckets=_XFER_BUCKETS,
+            registry=registry,
+        )
+        self.notifications_total = Counter(
+            "kvduplex_kv_notifications",
+            "Transfer-layer notifications, by direction (sent, received).",
+            ["direction"],
+            registry=registry,
+        )
+
+    @classmethod
+    def default(cls) -> TransferMetrics:
+        """The process-wide set on prometheus_client's default registry."""
+        return _DEFAULT
+
+    def on_posted(self, handle: TransferHandle) -> None:
+        direction = handle.op.value
+        self.transfers_total.labels(direction).inc()
+        self.descriptors_total.labels(direction).inc(handle.num_descriptors)
+        self.post_seconds.labels(direction).observe(handle.post_time_s)
+
+    def on_done(self, handle: TransferHandle) -> None:
+        direction = handle.op.value
+        self.bytes_total.labels(direction).inc(handle.num_bytes)
+        if handle.duration_s is not None:
+            self.transfer_seconds.labels(direction).observe(handle.duration_s)
+
+    def on_failed(self, op: TransferOp, failure: FailureKind) -> None:
+        self.failures_total.labels(op.value, failure.value).inc()
+
+    def on_notification(self, direction: str) -> None:
+        self.notifications_total.labels(direction).inc()
+
+
+_DEFAULT = TransferMetrics(REGISTRY)
+
+__all__ = ["TransferMetrics"]

@@ -1,0 +1,352 @@
+"""The transport Protocol: move KV regions between two instances' pools.
+
+A *region* is one (layer, K|V, block) slice of a pool, ``layout.block_bytes``
+long (see `kvduplex.engine.kv_cache`). Each transport registers its whole pool
+once and prepares one descriptor per region; a peer's descriptors are prepared
+once at `Transport.connect`. A transfer then only names region *indices*::
+
+    index = (layer * 2 + kv) * num_blocks + block
+
+Transfers are one-sided: the initiator WRITEs its regions into the peer's or
+READs the peer's into its own; the peer's CPU is not involved beyond polling
+its agent. A WRITE may carry a notification that the target receives once,
+after the data landed, through `Transport.poll_notifs`.
+
+Lifecycle of a transfer (``xid`` chosen by the caller)::
+
+    write()/read() ──► PENDING ──► DONE
+                          │
+                          └──────► FAILED (reason: peer error, deadline, disconnect)
+
+Every transfer has a deadline. ``write``/``read`` never raise for transport
+failures: they return a handle, possibly already FAILED. They raise
+``ValueError`` only for caller bugs (block ids out of range, length mismatch).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from kvduplex.engine.kv_cache import KVCacheLayout, KVKind
+from kvduplex.transfer.messages import HandshakeInfo
+
+logger = logging.getLogger(__name__)
+
+
+class TransferState(enum.Enum):
+    """Where a transfer is; DONE and FAILED are final."""
+
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class TransferOp(enum.Enum):
+    """Direction of a transfer, seen from its initiator."""
+
+    WRITE = "write"
+    READ = "read"
+
+
+class FailureKind(enum.Enum):
+    """Why a transfer failed (a metrics label; the reason string has the details)."""
+
+    DEADLINE = "deadline"
+    PEER = "peer"
+    """The transport reported an error (peer died, connection lost)."""
+    POST = "post"
+    """The transfer could not be posted."""
+    DISCONNECTED = "disconnected"
+    """`Transport.disconnect` or `Transport.close` while in flight."""
+    INJECTED = "injected"
+    """Fault injection of the in-process fake."""
+
+
+@dataclass(frozen=True)
+class Region:
+    """One (layer, K|V, block) region of a pool."""
+
+    layer: int
+    kv: KVKind
+    block: int
+
+
+ALL_KINDS: tuple[KVKind, ...] = (KVKind.K, KVKind.V)
+
+
+class TransferError(Exception):
+    """Base of the transfer layer's errors."""
+
+
+class TransferFailed(TransferError):
+    """A transfer ended FAILED; carries its transfer id and the reason."""
+
+    def __init__(self, xid: str, reason: str) -> None:
+        super().__init__(f"transfer {xid} failed: {reason}")
+        self.xid = xid
+        self.reason = reason
+
+
+class IncompatibleLayoutError(TransferError):
+    """A peer's pool cannot exchange blocks with ours; the message says what differs."""
+
+
+class PeerUnavailableError(TransferError):
+    """A peer could not be reached (handshake, notification)."""
+
+
+@dataclass(frozen=True)
+class PeerHandle:
+    """A connected peer, returned by `Transport.connect`. Opaque to callers."""
+
+    engine_id: str
+    agent_name: str
+    layout: KVCacheLayout
+
+
+@dataclass(frozen=True)
+class Notification:
+    """A notification received from a peer.
+
+    ``xid`` is the transfer id of the WRITE that carried it, or the one given
+    to `Transport.send_notif`. ``payload`` is the sender's bytes, typically a
+    `kvduplex.transfer.messages.MessageCodec`-encoded `ControlMessage`.
+    """
+
+    peer_engine_id: str
+    xid: str | None
+    payload: bytes
+
+
+DoneCallback = Callable[["TransferHandle"], None]
+
+
+class TransferHandle:
+    """The state of one posted transfer. Thread-safe.
+
+    The transport finishes a handle exactly once (DONE or FAILED), then calls
+    the done callbacks on the finishing thread (usually the progress thread):
+    callbacks must be quick and must not raise (exceptions are logged).
+    """
+
+    def __init__(
+        self,
+        xid: str,
+        op: TransferOp,
+        peer_engine_id: str,
+        num_descriptors: int,
+        num_bytes: int,
+        deadline_s: float,
+    ) -> None:
+        self.xid = xid
+        self.op = op
+        self.peer_engine_id = peer_engine_id
+        self.num_descriptors = num_descriptors
+        self.num_bytes = num_bytes
+        self.deadline_s = deadline_s
+        self.created_at = time.monotonic()
+        self.expires_at = self.created_at + deadline_s
+        self.post_time_s = 0.0
+        """Seconds spent creating and posting the transfer (the caller's cost)."""
+        self.finished_at: float | None = None
+        self._state = TransferState.PENDING
+        self._reason: str | None = None
+        self._failure: FailureKind | None = None
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._callbacks: list[DoneCallback] = []
+
+    def __repr__(self) -> str:
+        return f"TransferHandle(xid={self.xid!r}, op={self.op.value}, state={self._state.value})"
+
+    @property
+    def state(self) -> TransferState:
+        return self._state
+
+    @property
+    def reason(self) -> str | None:
+        """Why it failed, or None."""
+        return self._reason
+
+    @property
+    def failure(self) -> FailureKind | None:
+        return self._failure
+
+    @property
+    def duration_s(self) -> float | None:
+        """Seconds from creation to completion, or None while pending."""
+        return None if self.finished_at is None else self.finished_at - self.created_at
+
+    def done(self) -> bool:
+        return self._state is not TransferState.PENDING
+
+    def wait(self, timeout: float | None = None) -> TransferState:
+        """Block until final or ``timeout`` seconds passed; return the state then."""
+        self._event.wait(timeout)
+        return self._state
+
+    def result(self, timeout: float | None = None) -> None:
+        """Wait; return if DONE, raise TransferFailed if FAILED, TimeoutError if still pending."""
+        state = self.wait(timeout)
+        if state is TransferState.FAILED:
+            raise TransferFailed(self.xid, self._reason or "unknown")
+        if state is TransferState.PENDING:
+            raise TimeoutError(f"transfer {self.xid} still pending after {timeout} s")
+
+    def add_done_callback(self, fn: DoneCallback) -> None:
+        """Call ``fn(handle)`` once it is final (at once, here, if it already is)."""
+        with self._lock:
+            if self._state is TransferState.PENDING:
+                self._callbacks.append(fn)
+                return
+        self._run_callback(fn)
+
+    def finish(
+        self, state: TransferState, reason: str | None = None, failure: FailureKind | None = None
+    ) -> bool:
+        """Make the handle final. Transport-internal; returns False if it already was."""
+        assert state is not TransferState.PENDING
+        with self._lock:
+            if self._state is not TransferState.PENDING:
+                return False
+            self.finished_at = time.monotonic()
+            self._reason = reason
+            self._failure = failure
+            self._state = state
+            callbacks, self._callbacks = self._callbacks, []
+        self._event.set()
+        for fn in callbacks:
+            self._run_callback(fn)
+        return True
+
+    def _run_callback(self, fn: DoneCallback) -> None:
+        try:
+            fn(self)
+        except Exception:
+            logger.exception("xid=%s done callback %r raised", self.xid, fn)
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """Moves KV regions between this instance's pool and connected peers' pools.
+
+    One per instance. Thread-safe: any thread may post transfers; completions,
+    deadlines and notifications are handled by the transport's own progress.
+    """
+
+    @property
+    def layout(self) -> KVCacheLayout: ...
+
+    @property
+    def engine_id(self) -> str:
+        """Chosen at start; a restarted instance has a new one."""
+        ...
+
+    def local_metadata(self) -> HandshakeInfo:
+        """What a peer passes to its `connect` to reach this instance."""
+        ...
+
+    def connect(self, info: HandshakeInfo) -> PeerHandle:
+        """Load a peer and prepare its descriptors once; idempotent per engine id.
+
+        Raises IncompatibleLayoutError if the layouts cannot exchange blocks,
+        TransferError if the transport refuses the peer.
+        """
+        ...
+
+    def write(
+        self,
+        peer: PeerHandle,
+        xid: str,
+        local_blocks: Sequence[int],
+        remote_blocks: Sequence[int],
+        layers: Sequence[int] | None = None,
+        kinds: Sequence[KVKind] = ALL_KINDS,
+        notif: bytes | None = None,
+        deadline_s: float | None = None,
+    ) -> TransferHandle:
+        """WRITE ``local_blocks[i]`` into the peer's ``remote_blocks[i]`` for each layer and kind.
+
+        ``layers`` None means all. ``notif`` is delivered to the peer once, after
+        the data, as a `Notification` carrying ``xid``. ``deadline_s`` None means
+        the transport's default.
+        """
+        ...
+
+    def read(
+        self,
+        peer: PeerHandle,
+        xid: str,
+        local_blocks: Sequence[int],
+        remote_blocks: Sequence[int],
+        layers: Sequence[int] | None = None,
+        kinds: Sequence[KVKind] = ALL_KINDS,
+        deadline_s: float | None = None,
+    ) -> TransferHandle:
+        """READ the peer's ``remote_blocks[i]`` into ``local_blocks[i]``; no notification."""
+        ...
+
+    def write_regions(
+        self,
+        peer: PeerHandle,
+        xid: str,
+        local: Sequence[Region],
+        remote: Sequence[Region],
+        notif: bytes | None = None,
+        deadline_s: float | None = None,
+    ) -> TransferHandle:
+        """WRITE arbitrary regions: ``local[i]`` into the peer's ``remote[i]``."""
+        ...
+
+    def read_regions(
+        self,
+        peer: PeerHandle,
+        xid: str,
+        local: Sequence[Region],
+        remote: Sequence[Region],
+        deadline_s: float | None = None,
+    ) -> TransferHandle:
+        """READ arbitrary regions: the peer's ``remote[i]`` into ``local[i]``."""
+        ...
+
+    def state(self, handle: TransferHandle) -> TransferState: ...
+
+    def send_notif(self, peer: PeerHandle, payload: bytes, xid: str | None = None) -> None:
+        """Send a small standalone notification; raises PeerUnavailableError if it cannot."""
+        ...
+
+    def poll_notifs(self, timeout: float = 0.0) -> list[Notification]:
+        """Take the notifications received so far, waiting up to ``timeout`` s for one."""
+        ...
+
+    def disconnect(self, peer: PeerHandle) -> None:
+        """Fail the peer's in-flight transfers and forget it; idempotent."""
+        ...
+
+    def close(self) -> None:
+        """Fail everything in flight, stop progress, release the pool registration."""
+        ...
+
+
+__all__ = [
+    "ALL_KINDS",
+    "DoneCallback",
+    "FailureKind",
+    "IncompatibleLayoutError",
+    "Notification",
+    "PeerHandle",
+    "PeerUnavailableError",
+    "Region",
+    "TransferError",
+    "TransferFailed",
+    "TransferHandle",
+    "TransferOp",
+    "TransferState",
+    "Transport",
+]
