@@ -1,0 +1,101 @@
+"""A light streaming client: client-observed TTFT, TPOT and end-to-end latency.
+
+Each call streams one OpenAI request and timestamps chunks as they arrive. The
+client does no tokenization; token counts come from the server's usage.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+
+@dataclass
+class RequestResult:
+    """What one streamed request looked like from the client."""
+
+    ok: bool
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+    tpot_s: float = 0.0
+    """Mean gap between content chunks after the first."""
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    error: str = ""
+
+
+async def stream_request(
+    client: httpx.AsyncClient, url: str, path: str, body: dict[str, Any],
+    headers: dict[str, str] | None = None,
+) -> RequestResult:
+    """POST `body` with stream=True to url+path and time the answer."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+    start = time.perf_counter()
+    first: float | None = None
+    last = start
+    chunks = 0
+    text: list[str] = []
+    ids: list[int] = []
+    usage: dict[str, Any] = {}
+    try:
+        async with client.stream("POST", url + path, json=body, headers=headers) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                return RequestResult(ok=False, error=f"HTTP {resp.status_code}: {resp.text[:300]}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                msg = json.loads(data)
+                if "error" in msg:
+                    return RequestResult(ok=False, error=str(msg["error"]))
+                if msg.get("usage"):
+                    usage = msg["usage"]
+                for choice in msg.get("choices", []):
+                    new_ids = choice.get("token_ids") or []
+                    piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                    if not new_ids and not piece:
+                        continue
+                    now = time.perf_counter()
+                    if first is None:
+                        first = now
+                    last = now
+                    chunks += 1
+                    text.append(piece)
+                    ids.extend(new_ids)
+    except httpx.HTTPError as exc:
+        return RequestResult(ok=False, error=repr(exc))
+    if first is None:
+        return RequestResult(ok=False, error="no tokens received")
+    n = max(len(ids), chunks)
+    return RequestResult(
+        ok=True,
+        ttft_s=first - start,
+        e2e_s=last - start,
+        tpot_s=(last - first) / (n - 1) if n > 1 else 0.0,
+        text="".join(text),
+        token_ids=ids,
+        prompt_tokens=int(usage.get("prompt_tokens", 0)),
+        cached_tokens=int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)),
+        completion_tokens=int(usage.get("completion_tokens", len(ids))),
+    )
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100) by linear interpolation; 0.0 for no values."""
+    if not values:
+        return 0.0
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100.0
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)

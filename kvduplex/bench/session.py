@@ -1,0 +1,93 @@
+"""A seeded multi-turn (agentic) chat session, the shape of the main job.
+
+Each turn appends a user message (a tool result or a question of seeded
+random words) to the whole history and asks for an answer; the history grows
+turn by turn, which is what prefix caching and duplex return are for.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from kvduplex.bench.client import RequestResult, stream_request
+
+_WORDS = (
+    "tool result file path error line value list query index table cache block token "
+    "layer prefix model shard vector batch stream request answer plan step check patch"
+).split()
+
+
+def seeded_text(rng: random.Random, num_chars: int) -> str:
+    """About `num_chars` characters of seeded pseudo-text."""
+    out: list[str] = []
+    size = 0
+    while size < num_chars:
+        w = rng.choice(_WORDS)
+        out.append(w)
+        size += len(w) + 1
+    return " ".join(out)[:num_chars]
+
+
+@dataclass
+class TurnResult:
+    turn: int
+    result: RequestResult
+
+
+async def run_session(
+    base_url: str,
+    model: str,
+    *,
+    num_turns: int = 4,
+    first_turn_chars: int = 600,
+    turn_chars: int = 120,
+    max_tokens: int = 32,
+    seed: int = 0,
+    session_id: str | None = None,
+    timeout_s: float = 300.0,
+) -> list[TurnResult]:
+    """Run one session against an OpenAI-compatible server; one result per turn."""
+    rng = random.Random(seed)
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a coding agent. " + seeded_text(rng, first_turn_chars)}
+    ]
+    results: list[TurnResult] = []
+    headers = {"X-Session-Id": session_id} if session_id else None
+    async with httpx.AsyncClient(timeout=timeout_s) as client:
+        for turn in range(num_turns):
+            messages.append({"role": "user", "content": seeded_text(rng, turn_chars)})
+            body = {
+                "model": model,
+                "messages": messages,
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+                "ignore_eos": True,
+            }
+            res = await stream_request(client, base_url, "/v1/chat/completions", body, headers)
+            results.append(TurnResult(turn=turn, result=res))
+            if not res.ok:
+                break
+            messages.append({"role": "assistant", "content": res.text})
+    return results
+
+
+def format_session(results: list[TurnResult]) -> str:
+    """A Markdown table of one session."""
+    lines = [
+        "| turn | prompt tokens | cached | output tokens | TTFT ms | TPOT ms | e2e ms |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for t in results:
+        r = t.result
+        if not r.ok:
+            lines.append(f"| {t.turn} | error: {r.error} | | | | | |")
+            continue
+        lines.append(
+            f"| {t.turn} | {r.prompt_tokens} | {r.cached_tokens} | {r.completion_tokens} | "
+            f"{r.ttft_s * 1e3:.1f} | {r.tpot_s * 1e3:.2f} | {r.e2e_s * 1e3:.1f} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,116 @@
+"""`kvduplex` command line: serve, up, bench."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import tempfile
+from pathlib import Path
+
+from kvduplex.config import (
+    CacheConfig,
+    EngineConfig,
+    Environment,
+    ModelLoadConfig,
+    SchedulerConfig,
+    ServerConfig,
+    TransferConfig,
+)
+from kvduplex.server.flags import add_dataclass_flags, dataclass_from_args
+
+logger = logging.getLogger("kvduplex")
+
+_ENGINE_SECTIONS = (ModelLoadConfig, CacheConfig, SchedulerConfig, TransferConfig)
+
+
+def _setup_logging(level: str) -> None:
+    env = Environment.read()
+    logging.basicConfig(
+        level=(env.log_level or level).upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=dataclass_from_args(ModelLoadConfig, args),
+        cache=dataclass_from_args(CacheConfig, args),
+        scheduler=dataclass_from_args(SchedulerConfig, args),
+        transfer=dataclass_from_args(TransferConfig, args),
+    )
+
+
+def _cmd_serve(args: argparse.Namespace) -> None:
+    from kvduplex.server.instance import serve
+
+    serve(_engine_config(args), dataclass_from_args(ServerConfig, args))
+
+
+def _cmd_up(args: argparse.Namespace) -> None:
+    from kvduplex.bench.session import format_session, run_session
+    from kvduplex.server.cluster import LocalCluster, free_port
+
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvduplex-up-"))
+    with LocalCluster(log_dir=log_dir) as cluster:
+        port = args.port or free_port()
+        serve_args = ["serve", "--model", args.model, "--role", "both"]
+        if args.dtype:
+            serve_args += ["--dtype", args.dtype]
+        proc = cluster.start("instance", serve_args, port)
+        print(f"starting {args.model} on {proc.url} (logs in {log_dir}) ...", flush=True)
+        cluster.wait_healthy(timeout_s=args.start_timeout)
+        print(f"ready: OpenAI API at {proc.url}/v1", flush=True)
+        if args.demo_turns > 0:
+            results = asyncio.run(
+                run_session(
+                    proc.url, args.model, num_turns=args.demo_turns,
+                    max_tokens=args.demo_max_tokens, seed=args.seed,
+                )
+            )
+            print(format_session(results), flush=True)
+            if not all(t.result.ok for t in results):
+                sys.exit(1)
+            if not args.keep_serving:
+                return
+        print("serving; press Ctrl-C to stop", flush=True)
+        try:
+            proc.popen.wait()
+        except KeyboardInterrupt:
+            print("\nstopping ...", flush=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvduplex", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve one instance (OpenAI API)")
+    for section in _ENGINE_SECTIONS:
+        add_dataclass_flags(serve, section)
+    add_dataclass_flags(serve, ServerConfig)
+    serve.set_defaults(func=_cmd_serve)
+
+    up = sub.add_parser("up", help="start a local cluster on a built-in model and run a session")
+    up.add_argument("--model", default="tiny", help="preset or local HF folder (default: tiny)")
+    up.add_argument("--dtype", default="", help="model dtype (default: auto)")
+    up.add_argument("--port", type=int, default=0, help="front-door port (default: a free one)")
+    up.add_argument("--demo-turns", type=int, default=4, help="turns of the demo session; 0 skips it")
+    up.add_argument("--demo-max-tokens", type=int, default=32, help="tokens per answer")
+    up.add_argument("--seed", type=int, default=0, help="seed of the demo session")
+    up.add_argument("--keep-serving", action="store_true", help="keep serving after the demo")
+    up.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for health")
+    up.add_argument("--log-dir", default="", help="where process logs go (default: a temp dir)")
+    up.add_argument("--log-level", default="warning")
+    up.set_defaults(func=_cmd_up)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    _setup_logging(getattr(args, "log_level", "info"))
+    try:
+        args.func(args)
+    except ValueError as exc:  # config errors: say what to change, no traceback
+        print(f"kvduplex: error: {exc}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,127 @@
+"""Start and stop local kvduplex processes (instances, router) on 127.0.0.1.
+
+Used by `kvduplex up`, the benchmarks and the integration tests. Every process
+started here is stopped by `LocalCluster.stop()` (also on context exit): first
+SIGTERM, then SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+logger = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that is free right now on `host`."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Process:
+    name: str
+    url: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+
+    def is_alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-num_chars:]
+        except OSError:
+            return ""
+
+
+@dataclass
+class LocalCluster:
+    """A set of local processes; `start_*` launch, `stop` ends them all."""
+
+    log_dir: Path
+    env: dict[str, str] = field(default_factory=dict)
+    processes: list[Process] = field(default_factory=list)
+
+    def start(
+        self, name: str, args: list[str], port: int, *, cpus: list[int] | None = None
+    ) -> Process:
+        """Run ``python -m kvduplex <args> --port <port>`` in the background."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"{name}.log"
+        cmd = [sys.executable, "-m", "kvduplex", *args, "--port", str(port)]
+        if cpus:
+            cmd = ["taskset", "-c", ",".join(map(str, cpus)), *cmd]
+        env = {**os.environ, **self.env}
+        with open(log_path, "wb") as log:
+            popen = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        proc = Process(name=name, url=f"http://127.0.0.1:{port}", popen=popen, log_path=log_path)
+        self.processes.append(proc)
+        logger.info("started %s (pid %d): %s", name, popen.pid, " ".join(cmd))
+        return proc
+
+    def wait_healthy(self, timeout_s: float = 120.0) -> None:
+        """Block until every process answers GET /health with 200.
+
+        Raises RuntimeError with the log tail of a process that exited or
+        stayed unhealthy past the deadline.
+        """
+        deadline = time.monotonic() + timeout_s
+        pending = list(self.processes)
+        with httpx.Client(timeout=2.0) as client:
+            while pending:
+                proc = pending[0]
+                if not proc.is_alive():
+                    raise RuntimeError(f"{proc.name} exited during start-up:\n{proc.log_tail()}")
+                try:
+                    if client.get(proc.url + "/health").status_code == 200:
+                        pending.pop(0)
+                        continue
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{proc.name} not healthy after {timeout_s}s:\n{proc.log_tail()}")
+                time.sleep(0.1)  # polling a process we do not control; not test synchronisation
+
+    def stop_process(self, proc: Process, grace_s: float = 10.0) -> None:
+        if proc.is_alive():
+            try:
+                os.killpg(proc.popen.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                proc.popen.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.popen.pid, signal.SIGKILL)
+                proc.popen.wait()
+        if proc in self.processes:
+            self.processes.remove(proc)
+
+    def kill_process(self, proc: Process) -> None:
+        """SIGKILL at once (failure tests)."""
+        if proc.is_alive():
+            os.killpg(proc.popen.pid, signal.SIGKILL)
+            proc.popen.wait()
+
+    def stop(self) -> None:
+        for proc in reversed(list(self.processes)):
+            self.stop_process(proc)
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
