@@ -119,6 +119,27 @@ def create_app(state: InstanceState, extra_routers: Sequence[APIRouter] = ()) ->
     async def metrics() -> Response:
         return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/internal/kv/stats")
+    async def kv_stats() -> JSONResponse:
+        """Block-pool accounting, checked in the engine thread (tests, operators)."""
+
+        def read(engine: Any) -> dict[str, Any]:
+            error = None
+            try:
+                engine.check_integrity()
+            except AssertionError as exc:
+                error = str(exc) or "integrity check failed"
+            st = engine.block_pool.stats()
+            return {
+                "num_free": st.num_free, "num_in_use": st.num_in_use,
+                "num_cached": st.num_cached, "total": st.total,
+                "integrity_ok": error is None, "integrity_error": error,
+                "num_running": engine.scheduler.num_running,
+                "num_waiting": engine.scheduler.num_waiting,
+            }
+
+        return JSONResponse(await state.engine.run_in_engine(read))
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {
