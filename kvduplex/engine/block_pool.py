@@ -48,15 +48,6 @@ BLOCK_HASH_BYTES = 32
 _ROOT = BlockHash(bytes(BLOCK_HASH_BYTES))
 
 
-def make_cache_identity(*parts: str) -> bytes:
-    """Identity bytes for `compute_block_hashes` from model/dtype names.
-
-    Instances that exchange KV must build it from the same parts, e.g.
-    ``make_cache_identity(model_name, dtype)``.
-    """
-    return "\x1f".join(parts).encode("utf-8")
-
-
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int], identity: bytes) -> BlockHash:
     """Key of one full block whose predecessor's key is `parent` (None for the first)."""
     h = hashlib.blake2b(digest_size=BLOCK_HASH_BYTES)
@@ -111,13 +102,15 @@ class BlockPool:
 
     Callers (the KV manager, the transfer layer) hold references: every block
     id returned by `try_allocate` or passed to `acquire` must later be passed
-    to `release` exactly once.
+    to `release` exactly once. Block ids are ``0 .. num_blocks-1``.
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
         if num_blocks < 1:
             raise ValueError(f"the block pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
+        # Off: nothing is ever cached; lookups miss, insert_cached registers nothing.
+        self.enable_caching = enable_caching
         self._ref_counts = [0] * num_blocks
         self._keys: list[BlockHash | None] = [None] * num_blocks
         self._cached: dict[BlockHash, int] = {}
@@ -224,15 +217,21 @@ class BlockPool:
 
         If `key` is already cached by another block, that one is kept and its id
         returned (the caller's block stays unkeyed and becomes FREE on release).
-        Re-inserting a block under its own key is a no-op.
+        Re-inserting a block under its own key is a no-op. With caching
+        disabled nothing is registered and `block_id` is returned.
         """
         if self._ref_counts[block_id] <= 0:
             raise ValueError(f"block {block_id} must be referenced to be inserted into the cache")
+        if not self.enable_caching:
+            return block_id
+        own_key = self._keys[block_id]
+        if own_key is not None:
+            if own_key != key:
+                raise ValueError(f"block {block_id} is already cached under another key")
+            return block_id
         existing = self._cached.get(key)
         if existing is not None:
             return existing
-        if self._keys[block_id] is not None:
-            raise ValueError(f"block {block_id} is already cached under another key")
         self._keys[block_id] = key
         self._cached[key] = block_id
         return block_id
@@ -245,7 +244,9 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> int:
         """Drop every unreferenced cached block; return how many were dropped."""
-        return len(self.evict(len(self._evictable)))
+        num_dropped = len(self.evict(len(self._evictable)))
+        logger.info("prefix cache reset: %d cached blocks dropped", num_dropped)
+        return num_dropped
 
     def _evict_oldest(self) -> int:
         block_id, _ = self._evictable.popitem(last=False)
@@ -305,5 +306,4 @@ __all__ = [
     "PoolStats",
     "compute_block_hashes",
     "hash_block",
-    "make_cache_identity",
 ]

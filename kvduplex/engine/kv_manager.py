@@ -1,0 +1,169 @@
+"""Per-request view over the block pool: prefix hits, slot allocation, caching, freeing.
+
+A request's block table after admission with a prefix hit (block_size 4)::
+
+    positions   0 1 2 3 | 4 5 6 7 | 8 9 . . | . . . .
+    blocks      [  b7   |   b2    |   b9    |   b4   ]
+                 hit (acquired)     fresh (try_allocate)
+    computed    ├─────────────────┤            hit: num_computed_tokens = 8
+    this step                     ├──────────┤ num_new_tokens = 2 (slots 8, 9)
+
+Rules:
+
+* Only FULL blocks are cached, and only once their KV is computed
+  (`cache_full_blocks` after each step; blocks of generated tokens too).
+* A hit never covers the whole token sequence unless asked: the last token
+  must be computed to produce logits. KV that arrives from a remote sender
+  (``allow_full_hit=True``) needs no local logits.
+* Blocks are released tail first, so a request's tail is evicted before its
+  head, which other requests are more likely to share.
+
+Block hashes are computed once per full block and kept on the Request
+(`Request.block_hashes`), extended as tokens arrive: O(tokens) overall.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from kvduplex.engine.block_pool import BlockPool, compute_block_hashes
+from kvduplex.engine.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """The longest usable cached prefix of a request (no references taken yet)."""
+
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    """``len(block_ids) * block_size``."""
+
+
+_NO_HIT = PrefixHit((), 0)
+
+
+class KVCacheManager:
+    """Allocates and caches the blocks of requests; the scheduler's only way to memory."""
+
+    def __init__(self, pool: BlockPool, block_size: int, identity: bytes) -> None:
+        """`identity` (model and dtype) enters every block key; prefix caching is on
+        if ``pool.enable_caching``."""
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.pool = pool
+        self.block_size = block_size
+        self.identity = identity
+        # request id -> leading blocks of its table already in the prefix cache
+        self._num_cached_blocks: dict[str, int] = {}
+        # Prefix-cache hit rate = num_hit_tokens / num_queried_tokens (admission lookups).
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.pool.enable_caching
+
+    @property
+    def max_num_tokens(self) -> int:
+        """Most tokens one request's KV can ever occupy (the whole pool)."""
+        return self.pool.num_blocks * self.block_size
+
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def update_block_hashes(self, req: Request) -> None:
+        """Extend ``req.block_hashes`` to cover every full block of its known tokens."""
+        num_full = req.num_tokens // self.block_size
+        have = len(req.block_hashes)
+        if num_full <= have:
+            return
+        parent = req.block_hashes[-1] if have else None
+        tokens = req.all_token_ids[have * self.block_size : num_full * self.block_size]
+        req.block_hashes.extend(compute_block_hashes(tokens, self.block_size, self.identity, parent))
+
+    def find_prefix_hit(self, req: Request, *, allow_full_hit: bool = False) -> PrefixHit:
+        """The cached prefix of ``req.all_token_ids`` usable at admission.
+
+        Without `allow_full_hit` at least the last token is left to compute.
+        Takes no references: pass the hit to `try_allocate_slots` in the same step.
+        """
+        if not self.enable_prefix_caching:
+            return _NO_HIT
+        self.update_block_hashes(req)
+        max_tokens = req.num_tokens if allow_full_hit else req.num_tokens - 1
+        max_blocks = max_tokens // self.block_size
+        block_ids = self.pool.lookup(req.block_hashes[:max_blocks])
+        hit = PrefixHit(tuple(block_ids), len(block_ids) * self.block_size)
+        self.num_queried_tokens += req.num_tokens
+        self.num_hit_tokens += hit.num_tokens
+        return hit
+
+    def try_allocate_slots(
+        self, req: Request, num_new_tokens: int, hit: PrefixHit | None = None
+    ) -> list[int] | None:
+        """Make the block table cover ``num_computed + hit + num_new_tokens`` positions.
+
+        With a `hit` (admission only: the request holds no blocks and has
+        computed nothing), the hit blocks are acquired first, so allocating the
+        rest can never evict them. Returns the freshly allocated block ids, or
+        None (nothing changed) if the pool cannot supply them now.
+        """
+        hit = hit or _NO_HIT
+        if hit.block_ids and (req.block_ids or req.num_computed_tokens):
+            raise ValueError(f"request {req.request_id}: a prefix hit applies only at admission")
+        num_tokens_after = req.num_computed_tokens + hit.num_tokens + num_new_tokens
+        num_have = len(req.block_ids) + len(hit.block_ids)
+        num_new_blocks = max(0, self.num_blocks_needed(num_tokens_after) - num_have)
+        num_revived = sum(1 for block_id in hit.block_ids if self.pool.is_evictable(block_id))
+        if num_new_blocks + num_revived > self.pool.num_allocatable_blocks:
+            return None
+        self.pool.acquire(hit.block_ids)
+        new_block_ids = self.pool.try_allocate(num_new_blocks)
+        assert new_block_ids is not None, "allocation failed after the capacity check"
+        if hit.block_ids:
+            req.block_ids.extend(hit.block_ids)
+            self._num_cached_blocks[req.request_id] = len(hit.block_ids)
+        req.block_ids.extend(new_block_ids)
+        return new_block_ids
+
+    def cache_full_blocks(self, req: Request) -> int:
+        """Insert the request's newly computed full blocks into the prefix cache.
+
+        Call after ``req.num_computed_tokens`` advanced. A block whose key is
+        already cached by another block stays private to this request. Returns
+        the number of blocks newly registered.
+        """
+        if not self.enable_prefix_caching:
+            return 0
+        num_full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
+        start = self._num_cached_blocks.get(req.request_id, 0)
+        if num_full <= start:
+            return 0
+        self.update_block_hashes(req)
+        num_inserted = 0
+        for i in range(start, num_full):
+            if self.pool.insert_cached(req.block_ids[i], req.block_hashes[i]) == req.block_ids[i]:
+                num_inserted += 1
+        self._num_cached_blocks[req.request_id] = num_full
+        return num_inserted
+
+    def drop_tail(self, req: Request, num_blocks_kept: int) -> None:
+        """Release the request's blocks after the first `num_blocks_kept`, tail first."""
+        tail = req.block_ids[num_blocks_kept:]
+        self.pool.release(reversed(tail))
+        del req.block_ids[num_blocks_kept:]
+        cached = self._num_cached_blocks.get(req.request_id)
+        if cached is not None and cached > num_blocks_kept:
+            self._num_cached_blocks[req.request_id] = num_blocks_kept
+
+    def free(self, req: Request) -> None:
+        """Release all of the request's blocks, tail first; cached ones stay reusable."""
+        self.pool.release(reversed(req.block_ids))
+        req.block_ids.clear()
+        self._num_cached_blocks.pop(req.request_id, None)
+
+
+__all__ = ["KVCacheManager", "PrefixHit"]
