@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Sets up .venv if needed, then runs lint, type checks and the whole test suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+.venv/bin/ruff check kvduplex tests benchmarks
+.venv/bin/mypy
+.venv/bin/python -m pytest -q "$@"
