@@ -190,7 +190,9 @@ class BlockPool:
         for block_id in block_ids:
             if self._ref_counts[block_id] == 0:
                 if block_id not in self._evictable:
-                    raise ValueError(f"block {block_id} is free; only used or cached blocks can be acquired")
+                    raise ValueError(
+                        f"block {block_id} is free; only used or cached blocks can be acquired"
+                    )
                 del self._evictable[block_id]
             self._ref_counts[block_id] += 1
 
@@ -251,7 +253,9 @@ class BlockPool:
     def _evict_oldest(self) -> int:
         block_id, _ = self._evictable.popitem(last=False)
         key = self._keys[block_id]
-        assert key is not None and self._cached.get(key) == block_id, f"evictable block {block_id} not in the cache"
+        assert key is not None and self._cached.get(key) == block_id, (
+            f"evictable block {block_id} not in the cache"
+        )
         del self._cached[key]
         self._keys[block_id] = None
         return block_id
@@ -288,7 +292,9 @@ class BlockPool:
                 problems.append(f"block {block_id}'s key maps to {self._cached.get(key)}")
         for key, block_id in self._cached.items():
             if self._keys[block_id] != key:
-                problems.append(f"key {key.hex()[:12]} maps to block {block_id}, which has another key")
+                problems.append(
+                    f"key {key.hex()[:12]} maps to block {block_id}, which has another key"
+                )
         stats = self.stats()
         num_in_use = sum(1 for ref in self._ref_counts if ref > 0)
         if stats.num_free + num_in_use + stats.num_cached != self.num_blocks:

@@ -82,7 +82,9 @@ class KVCacheManager:
             return
         parent = req.block_hashes[-1] if have else None
         tokens = req.all_token_ids[have * self.block_size : num_full * self.block_size]
-        req.block_hashes.extend(compute_block_hashes(tokens, self.block_size, self.identity, parent))
+        req.block_hashes.extend(
+            compute_block_hashes(tokens, self.block_size, self.identity, parent)
+        )
 
     def find_prefix_hit(self, req: Request, *, allow_full_hit: bool = False) -> PrefixHit:
         """The cached prefix of ``req.all_token_ids`` usable at admission.

@@ -32,112 +32,18 @@ import bisect
 import logging
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 from kvduplex.config import SchedulerConfig
 from kvduplex.engine.kv_manager import KVCacheManager
 from kvduplex.engine.request import FinishReason, Request, RequestStatus
+from kvduplex.engine.scheduler_output import (
+    ScheduledSeq,
+    SchedulerOutput,
+    StepBuilder,
+    check_stop,
+)
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ScheduledSeq:
-    """One request's share of a step."""
-
-    request: Request
-    start_pos: int
-    """Position of the first token to compute (num_computed_tokens before the step)."""
-    num_new_tokens: int
-    token_ids: list[int]
-    """The tokens to compute: ``all_token_ids[start_pos : start_pos + num_new_tokens]``."""
-    block_table: list[int]
-    """The request's blocks, covering positions up to ``start_pos + num_new_tokens``."""
-    needs_sample: bool
-    """This chunk reaches the end of the known tokens: sample the next one."""
-
-
-@dataclass
-class SchedulerOutput:
-    """What one step computes, plus the state changes the engine must act on."""
-
-    seqs: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    """Requests whose KV was dropped this step (the runner forgets their state)."""
-    remote_kv_allocated: list[Request] = field(default_factory=list)
-    """Requests whose blocks were just allocated for remote KV: tell the sender
-    ``block_ids`` and ``num_cached_tokens`` (what is already here)."""
-    num_batched_tokens: int = 0
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.seqs
-
-
-class _StepBuilder:
-    """Collects one step's seqs under the token budget."""
-
-    def __init__(self, token_budget: int) -> None:
-        self.token_budget = token_budget
-        self.seqs: dict[str, tuple[Request, int]] = {}
-        self.preempted: list[Request] = []
-        self.remote_kv_allocated: list[Request] = []
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(n for _, n in self.seqs.values())
-
-    @property
-    def budget_left(self) -> int:
-        return max(0, self.token_budget - self.num_scheduled_tokens)
-
-    def add(self, req: Request, num_new_tokens: int) -> None:
-        self.seqs[req.request_id] = (req, num_new_tokens)
-
-    def drop(self, req: Request) -> None:
-        self.seqs.pop(req.request_id, None)
-
-    def build(self) -> SchedulerOutput:
-        out = SchedulerOutput(
-            preempted=self.preempted, remote_kv_allocated=self.remote_kv_allocated
-        )
-        for req, n in self.seqs.values():
-            start = req.num_computed_tokens
-            out.seqs.append(
-                ScheduledSeq(
-                    request=req,
-                    start_pos=start,
-                    num_new_tokens=n,
-                    token_ids=list(req.all_token_ids[start : start + n]),
-                    block_table=list(req.block_ids),
-                    needs_sample=start + n == req.num_tokens,
-                )
-            )
-            out.num_batched_tokens += n
-        return out
-
-
-def check_stop(req: Request, max_num_tokens: int) -> FinishReason | None:
-    """Why the request must finish after its latest output token, or None.
-
-    Order: stop_token_ids and EOS (unless ignore_eos), both only once
-    ``min_tokens`` are out; then max_tokens; then the pool's capacity (the next
-    step could not hold the request's KV even alone).
-    """
-    sp = req.sampling_params
-    n = req.num_output_tokens
-    if n == 0:
-        return None
-    last = req.output_token_ids[-1]
-    if n >= sp.min_tokens:
-        if last in sp.stop_token_ids:
-            req.stop_reason = last
-            return FinishReason.STOP
-        if not sp.ignore_eos and last in sp.extra_eos_token_ids:
-            return FinishReason.STOP
-    if n >= sp.max_tokens or req.num_tokens > max_num_tokens:
-        return FinishReason.LENGTH
-    return None
 
 
 class Scheduler:
@@ -233,7 +139,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Choose this step's batch and allocate its slots (see the module docstring)."""
-        step = _StepBuilder(self.config.max_num_batched_tokens)
+        step = StepBuilder(self.config.max_num_batched_tokens)
         self._schedule_running(step, decodes=True)
         self._schedule_running(step, decodes=False)
         if not step.preempted:
@@ -251,11 +157,15 @@ class Scheduler:
             req = seq.request
             if req.status is not RequestStatus.RUNNING:
                 continue
-            assert req.num_computed_tokens == seq.start_pos, f"request {req.request_id} moved mid-step"
+            assert req.num_computed_tokens == seq.start_pos, (
+                f"request {req.request_id} moved mid-step"
+            )
             req.num_computed_tokens += seq.num_new_tokens
             if seq.needs_sample:
                 if req.request_id not in sampled:
-                    raise ValueError(f"request {req.request_id} needed a sampled token but got none")
+                    raise ValueError(
+                        f"request {req.request_id} needed a sampled token but got none"
+                    )
                 req.append_output_token(sampled[req.request_id])
             self.kv.cache_full_blocks(req)
             if seq.needs_sample:
@@ -332,7 +242,7 @@ class Scheduler:
 
     # ---- parts of schedule() ----
 
-    def _chunk_size(self, num_remaining: int, step: _StepBuilder) -> int:
+    def _chunk_size(self, num_remaining: int, step: StepBuilder) -> int:
         """Tokens of a request to compute this step (0: not this step)."""
         budget = step.budget_left
         if not self.config.enable_chunked_prefill:
@@ -345,7 +255,7 @@ class Scheduler:
             n = min(n, self.config.long_prefill_token_threshold)
         return min(n, budget)
 
-    def _schedule_running(self, step: _StepBuilder, *, decodes: bool) -> None:
+    def _schedule_running(self, step: StepBuilder, *, decodes: bool) -> None:
         """Give running requests their next token (decodes) or next chunk (prefills)."""
         for req in list(self._running):
             if req.status is not RequestStatus.RUNNING or req.request_id in step.seqs:
@@ -365,7 +275,7 @@ class Scheduler:
             else:
                 step.add(req, n)
 
-    def _admit_waiting(self, step: _StepBuilder) -> None:
+    def _admit_waiting(self, step: StepBuilder) -> None:
         """Admit waiting requests in order while seats, budget and blocks last."""
         while self._waiting:
             if len(self._running) + len(self._remote_waiting) >= self.config.max_num_seqs:
@@ -395,7 +305,7 @@ class Scheduler:
                 req.num_tokens - hit.num_tokens,
             )
 
-    def _admit_remote(self, req: Request, step: _StepBuilder) -> bool:
+    def _admit_remote(self, req: Request, step: StepBuilder) -> bool:
         """Allocate blocks for the whole prompt and wait for the sender to fill them."""
         hit = self.kv.find_prefix_hit(req, allow_full_hit=True)
         if self.kv.try_allocate_slots(req, req.num_prompt_tokens - hit.num_tokens, hit) is None:
@@ -415,7 +325,7 @@ class Scheduler:
         )
         return True
 
-    def _preempt(self, req: Request, step: _StepBuilder) -> None:
+    def _preempt(self, req: Request, step: StepBuilder) -> None:
         self._running.remove(req)
         step.drop(req)
         self.kv.free(req)
