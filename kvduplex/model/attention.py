@@ -1,0 +1,192 @@
+"""Attention over a paged KV cache, with plain torch ops (same code on CPU and CUDA).
+
+Design note. One engine step runs one flattened batch of tokens from many
+sequences; each sequence contributes ``q_len`` new tokens at positions
+``[start_pos, start_pos + q_len)`` and attends to its whole context
+``[0, start_pos + q_len)``. Per layer:
+
+1. the new K and V are scattered into the pool at ``slot_mapping``
+   (``slot = block_table[pos // block_size] * block_size + pos % block_size``);
+2. prefill sequences (``q_len > 1``) are attended one by one: a fresh prompt
+   (``start_pos == 0``) uses its own K/V with a causal mask, a continued one
+   (chunked prefill or a prefix-cache hit) gathers its context from the pool
+   through its block table and uses an offset causal mask;
+3. all decode sequences (``q_len == 1``) together: their block tables are
+   padded to one width, the context gathered in one indexing op, and one
+   batched SDPA runs with a length mask.
+
+Masks depend only on the step, not the layer, so `AttentionContext` builds
+them once per step and per distinct sliding window.
+
+::
+
+    context of one sequence, block_size 4, start_pos 6, q_len 3
+    positions  0 1 2 3 | 4 5 6 7 | 8 . . .
+    blocks     [  b0   ] [  b1   ] [  b2   ]
+    cached     x x x x   x x
+    new                      q q   q
+    query at 7 sees 0..7; the pool holds 0..8 after step 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class PrefillSpan:
+    """One sequence with several new tokens in this step."""
+
+    token_start: int
+    """Index of its first new token in the flattened batch."""
+    q_len: int
+    """New tokens."""
+    start_pos: int
+    """Tokens already in the cache before this step (position of the first new token)."""
+    block_table: torch.Tensor  # (num_blocks_of_seq,) int64, on device
+    """Blocks covering ``[0, start_pos + q_len)``."""
+
+    @property
+    def context_len(self) -> int:
+        return self.start_pos + self.q_len
+
+
+@dataclass
+class AttentionContext:
+    """Everything attention needs about one step, shared by all layers.
+
+    Built by the runner before the forward pass; read-only during it except for
+    the mask cache (filled on first use per window).
+    """
+
+    slot_mapping: torch.Tensor  # (num_tokens,) int64
+    """Pool slot of every new token."""
+    block_size: int
+    """Tokens per block."""
+    prefills: list[PrefillSpan]
+    """Sequences with more than one new token, in batch order."""
+    decode_token_index: torch.Tensor  # (num_decodes,) int64
+    """Flattened-batch index of each decode sequence's single new token."""
+    decode_block_tables: torch.Tensor  # (num_decodes, max_blocks) int64, padded with block 0
+    """Block tables of the decode sequences."""
+    decode_context_lens: torch.Tensor  # (num_decodes,) int64
+    """Context length of each decode sequence, its new token included."""
+    max_decode_context_len: int
+    """Largest of `decode_context_lens` (0 without decodes)."""
+    _masks: dict[tuple[str, int, int | None], torch.Tensor | None] = field(default_factory=dict)
+
+    @property
+    def num_decodes(self) -> int:
+        return int(self.decode_token_index.shape[0])
+
+    def decode_mask(self, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """Additive mask ``(num_decodes, 1, 1, max_blocks * block_size)``: 0 where visible, -inf elsewhere."""
+        key = ("decode", 0, window)
+        mask = self._masks.get(key)
+        if mask is None:
+            width = int(self.decode_block_tables.shape[1]) * self.block_size
+            kpos = torch.arange(width, device=self.decode_context_lens.device)[None, :]
+            last = (self.decode_context_lens - 1)[:, None]
+            visible = kpos <= last
+            if window is not None:
+                visible &= kpos > last - window
+            mask = _additive(visible, dtype)[:, None, None, :]
+            self._masks[key] = mask
+        return mask
+
+    def prefill_mask(self, index: int, window: int | None, dtype: torch.dtype) -> torch.Tensor | None:
+        """Additive mask ``(q_len, context_len)`` of prefill `index`, or None when plain causal suffices."""
+        key = ("prefill", index, window)
+        if key in self._masks:
+            return self._masks[key]
+        span = self.prefills[index]
+        needs_window = window is not None and span.context_len > window
+        mask: torch.Tensor | None = None
+        if span.start_pos > 0 or needs_window:
+            device = span.block_table.device
+            qpos = torch.arange(span.start_pos, span.context_len, device=device)[:, None]
+            kpos = torch.arange(span.context_len, device=device)[None, :]
+            visible = kpos <= qpos
+            if needs_window:
+                assert window is not None
+                visible &= kpos > qpos - window
+            mask = _additive(visible, dtype)
+        self._masks[key] = mask
+        return mask
+
+
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    zeros = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    return zeros.masked_fill_(~visible, float("-inf"))
+
+
+def write_kv(
+    layer_pool: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim)
+    k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+    v: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+    slot_mapping: torch.Tensor,  # (num_tokens,)
+) -> None:
+    """Scatter the new K and V of one layer into their slots."""
+    heads, dim = layer_pool.shape[-2:]
+    layer_pool[0].view(-1, heads, dim).index_copy_(0, slot_mapping, k)
+    layer_pool[1].view(-1, heads, dim).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(
+    q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
+    k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+    v: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+    layer_pool: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim)
+    ctx: AttentionContext,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
+    """Attention output of every new token; K/V of this step must already be in `layer_pool`.
+
+    Tokens that belong to neither a prefill span nor the decode set do not exist:
+    the runner puts every sequence in exactly one of them.
+    """
+    out = torch.empty_like(q)
+    k_cache, v_cache = layer_pool[0], layer_pool[1]  # (num_blocks, block_size, kv_heads, head_dim)
+    gqa = q.shape[1] != k.shape[1]
+    for i, span in enumerate(ctx.prefills):
+        end = span.token_start + span.q_len
+        qs = q[span.token_start:end].transpose(0, 1)  # (num_heads, q_len, head_dim)
+        mask = ctx.prefill_mask(i, window, q.dtype)
+        if span.start_pos == 0:
+            ks = k[span.token_start:end].transpose(0, 1)  # (num_kv_heads, q_len, head_dim)
+            vs = v[span.token_start:end].transpose(0, 1)
+        else:
+            ks = _gather(k_cache, span.block_table, span.context_len)
+            vs = _gather(v_cache, span.block_table, span.context_len)
+        o = F.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
+        )  # (num_heads, q_len, head_dim)
+        out[span.token_start:end] = o.transpose(0, 1)
+    if ctx.num_decodes:
+        width = ctx.decode_block_tables.shape[1] * ctx.block_size
+        n = ctx.num_decodes
+        heads, dim = k_cache.shape[-2:]
+        kd = k_cache[ctx.decode_block_tables].view(n, width, heads, dim).transpose(1, 2)
+        vd = v_cache[ctx.decode_block_tables].view(n, width, heads, dim).transpose(1, 2)
+        # (num_decodes, num_kv_heads, width, head_dim)
+        qd = q[ctx.decode_token_index][:, :, None, :]  # (num_decodes, num_heads, 1, head_dim)
+        mask = ctx.decode_mask(window, q.dtype)
+        o = F.scaled_dot_product_attention(
+            qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=gqa
+        )  # (num_decodes, num_heads, 1, head_dim)
+        out[ctx.decode_token_index] = o[:, :, 0, :]
+    return out
+
+
+def _gather(
+    cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    block_table: torch.Tensor,  # (num_blocks_of_seq,)
+    context_len: int,
+) -> torch.Tensor:  # (num_kv_heads, context_len, head_dim)
+    heads, dim = cache.shape[-2:]
+    flat = cache[block_table].view(-1, heads, dim)[:context_len]
+    return flat.transpose(0, 1)

@@ -1,0 +1,213 @@
+"""One config-driven decoder for the Llama, Qwen2, Qwen3 and Mistral families.
+
+Pre-norm residual blocks: RMSNorm → attention (fused q/k/v projection,
+optional per-head q/k RMSNorm, RoPE, paged KV) → RMSNorm → gated MLP (fused
+gate/up projection). Numerics follow transformers: RMSNorm computes in float32
+and casts back before the weight; RoPE tables are float32 cast to the model
+dtype.
+
+The module holds no KV state: the caller passes the pool and an
+`AttentionContext` on every forward, so one model object can serve any number
+of pools. Parameter names are ours (fused projections); `hf_weight_target`
+maps Hugging Face checkpoint names onto them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvduplex.model.attention import AttentionContext, paged_attention, write_kv
+from kvduplex.model.config import DecoderConfig
+from kvduplex.model.rope import RotaryEmbedding, apply_rotary
+
+_ACT: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm as in transformers: normalise in float32, cast back, then scale."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class Attention(nn.Module):
+    """Self-attention of one layer over the paged KV cache."""
+
+    def __init__(self, config: DecoderConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.q_size
+        self.kv_size = config.kv_size
+        self.scale = config.head_dim**-0.5
+        self.window = config.window_of(layer)
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_output_bias)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (num_tokens, hidden_size)
+        cos: torch.Tensor,  # (num_tokens, 1, head_dim)
+        sin: torch.Tensor,  # (num_tokens, 1, head_dim)
+        layer_pool: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim)
+        ctx: AttentionContext,
+        on_kv_written: Callable[[int], None] | None,
+    ) -> torch.Tensor:  # (num_tokens, hidden_size)
+        n = x.shape[0]
+        qkv = self.qkv_proj(x)  # (num_tokens, q_size + 2 * kv_size)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(n, self.num_heads, self.head_dim)
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        write_kv(layer_pool, k, v, ctx.slot_mapping)
+        if on_kv_written is not None:
+            on_kv_written(self.layer)
+        o = paged_attention(q, k, v, layer_pool, ctx, self.scale, self.window)
+        return self.o_proj(o.reshape(n, self.q_size))
+
+
+class MLP(nn.Module):
+    """Gated MLP: down(act(gate(x)) * up(x)) with gate and up fused."""
+
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(
+            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
+        )
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.act = _ACT[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: DecoderConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (num_tokens, hidden_size)
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        layer_pool: torch.Tensor,
+        ctx: AttentionContext,
+        on_kv_written: Callable[[int], None] | None,
+    ) -> torch.Tensor:  # (num_tokens, hidden_size)
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, layer_pool, ctx, on_kv_written)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderForCausalLM(nn.Module):
+    """The whole model: embeddings, layers, final norm, output projection."""
+
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config)
+        self.lm_head: nn.Linear | None = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (num_tokens,)
+        positions: torch.Tensor,  # (num_tokens,)
+        kv_pool: torch.Tensor,  # (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+        ctx: AttentionContext,
+        on_layer_done: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:  # (num_tokens, hidden_size), before the final norm
+        """Run all layers; K/V of the new tokens land in `kv_pool` at `ctx.slot_mapping`.
+
+        `on_layer_done(layer)` is called once per layer, in order, as soon as
+        that layer's K and V for every token of the batch are in the pool
+        (before its attention output is computed).
+        """
+        h = self.embed_tokens(input_ids)  # (num_tokens, hidden_size)
+        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, kv_pool[i], ctx, on_layer_done)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits ``(rows, vocab_size)`` in float32 of hidden states ``(rows, hidden_size)``."""
+        h = self.norm(hidden)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, weight).to(torch.float32)
+
+
+def hf_weight_target(name: str, config: DecoderConfig) -> tuple[str, int | None] | None:
+    """Where a Hugging Face checkpoint tensor goes: (our parameter name, fused shard) or None to skip.
+
+    The shard is the row block of a fused parameter: for ``qkv_proj`` 0/1/2 are
+    q/k/v, for ``gate_up_proj`` 0/1 are gate/up; None means the whole tensor.
+    Raises ValueError for a name that belongs to no supported parameter.
+    """
+    if name.startswith("model."):
+        name = name[len("model."):]
+    if name.endswith("rotary_emb.inv_freq"):
+        return None
+    if name == "lm_head.weight":
+        return (None if config.tie_word_embeddings else ("lm_head.weight", None))
+    fused = {
+        ".q_proj.": (".qkv_proj.", 0),
+        ".k_proj.": (".qkv_proj.", 1),
+        ".v_proj.": (".qkv_proj.", 2),
+        ".gate_proj.": (".gate_up_proj.", 0),
+        ".up_proj.": (".gate_up_proj.", 1),
+    }
+    for old, (new, shard) in fused.items():
+        if old in name:
+            return name.replace(old, new), shard
+    return name, None
+
+
+def fused_shard_rows(param_name: str, shard: int, config: DecoderConfig) -> tuple[int, int]:
+    """Row range ``[start, end)`` of `shard` inside fused parameter `param_name`."""
+    if ".qkv_proj." in param_name:
+        sizes = [config.q_size, config.kv_size, config.kv_size]
+    elif ".gate_up_proj." in param_name:
+        sizes = [config.intermediate_size, config.intermediate_size]
+    else:
+        raise ValueError(f"{param_name} is not a fused parameter")
+    start = sum(sizes[:shard])
+    return start, start + sizes[shard]

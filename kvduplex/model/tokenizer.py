@@ -1,0 +1,284 @@
+"""Tokenizers: a Hugging Face folder's own, or a built-in byte-level one.
+
+Both implement the `Tokenizer` protocol. Conventions follow transformers:
+``apply_chat_template`` returns the prompt string (the template adds BOS if the
+model wants one), and `encode_chat` encodes it without adding special tokens
+again. Special-token strings inside a text (``<|im_start|>``) encode as their ids.
+
+Ids the tokenizer does not know. A model's vocabulary is often larger than its
+tokenizer's (padded embeddings; presets with random weights sample anywhere in
+it). `decode` maps every id ``>= vocab_size`` to one printable ASCII character,
+``chr(32 + id % 95)``: deterministic, harmless in any output channel, and one
+visible character per token. Negative ids raise ValueError.
+
+Streaming: `decode` is a pure function of the id list, so decoding a growing
+list is always consistent; `IncrementalDecoder` turns that into text deltas
+that never end inside a multi-byte character.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+_REPLACEMENT = "\ufffd"
+
+
+def unknown_id_text(token_id: int) -> str:
+    """What `decode` renders for an id outside the tokenizer's vocabulary."""
+    return chr(32 + token_id % 95)
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What the engine and the server need from a tokenizer."""
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids ``[0, vocab_size)`` are known (special tokens included)."""
+        ...
+
+    @property
+    def bos_token_id(self) -> int | None: ...
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends a generation."""
+        ...
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; with `add_special_tokens`, the BOS (etc.) the model expects."""
+        ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`; unknown ids as `unknown_id_text`."""
+        ...
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        """The prompt string of a conversation; ValueError if the model has no template."""
+        ...
+
+    def encode_chat(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of `apply_chat_template` (no special tokens added on top)."""
+        ...
+
+
+def _check_messages(messages: list[dict[str, str]]) -> None:
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(
+            m.get("content"), str
+        ):
+            raise ValueError(f"message {i} must be a dict with string 'role' and 'content'")
+
+
+class ByteTokenizer:
+    """Bytes 0..255 are ids 0..255; a handful of special tokens follow.
+
+    Chat template (ChatML with a leading BOS)::
+
+        <|bos|><|im_start|>user\\nhi<|im_end|>\\n<|im_start|>assistant\\n
+    """
+
+    BOS_ID = 256
+    EOS_ID = 257
+    IM_START_ID = 258
+    IM_END_ID = 259
+    PAD_ID = 260
+    EOS_IDS: tuple[int, ...] = (EOS_ID, IM_END_ID)
+    SPECIAL_TOKENS: tuple[str, ...] = ("<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>", "<|pad|>")
+
+    def __init__(self) -> None:
+        self._special_ids = {tok: 256 + i for i, tok in enumerate(self.SPECIAL_TOKENS)}
+        self._split = re.compile("(" + "|".join(re.escape(t) for t in self.SPECIAL_TOKENS) + ")")
+
+    @property
+    def vocab_size(self) -> int:
+        return 256 + len(self.SPECIAL_TOKENS)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.BOS_ID
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.EOS_IDS
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = [self.BOS_ID] if add_special_tokens else []
+        for part in self._split.split(text):
+            special = self._special_ids.get(part)
+            if special is not None:
+                ids.append(special)
+            elif part:
+                ids.extend(part.encode("utf-8"))
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        pieces: list[str] = []
+        pending = bytearray()
+        for t in ids:
+            t = int(t)
+            if 0 <= t < 256:
+                pending.append(t)
+                continue
+            if t < 0:
+                raise ValueError(f"token id must be >= 0, got {t}")
+            if pending:
+                pieces.append(pending.decode("utf-8", errors="replace"))
+                pending.clear()
+            if t < self.vocab_size:
+                if not skip_special_tokens:
+                    pieces.append(self.SPECIAL_TOKENS[t - 256])
+            else:
+                pieces.append(unknown_id_text(t))
+        if pending:
+            pieces.append(pending.decode("utf-8", errors="replace"))
+        return "".join(pieces)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        _check_messages(messages)
+        parts = ["<|bos|>"]
+        parts.extend(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        if add_generation_prompt:
+            parts.append("<|im_start|>assistant\n")
+        return "".join(parts)
+
+    def encode_chat(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), False)
+
+
+class HFTokenizer:
+    """A Hugging Face folder's tokenizer (tokenizer.json + tokenizer_config.json) via transformers."""
+
+    def __init__(self, folder: str | Path, extra_eos_token_ids: Sequence[int] = ()) -> None:
+        """Load from `folder`; `extra_eos_token_ids` (e.g. config.json's) also end generation.
+
+        EOS ids are the union of the tokenizer's eos token, `extra_eos_token_ids`
+        and ``generation_config.json``'s ``eos_token_id`` when present.
+        """
+        from transformers import AutoTokenizer
+
+        folder = Path(folder)
+        if not (folder / "tokenizer.json").is_file():
+            raise ValueError(f"{folder} has no tokenizer.json; only fast (tokenizers) files are supported")
+        self._tok: Any = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        self._vocab_size = len(self._tok)
+        eos: list[int] = []
+        if self._tok.eos_token_id is not None:
+            eos.append(int(self._tok.eos_token_id))
+        eos.extend(int(e) for e in extra_eos_token_ids)
+        eos.extend(_generation_eos(folder))
+        self._eos = tuple(dict.fromkeys(eos))
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def bos_token_id(self) -> int | None:
+        bos = self._tok.bos_token_id
+        return None if bos is None else int(bos)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._eos
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        pieces: list[str] = []
+        run: list[int] = []
+        for t in ids:
+            t = int(t)
+            if t < 0:
+                raise ValueError(f"token id must be >= 0, got {t}")
+            if t < self._vocab_size:
+                run.append(t)
+                continue
+            if run:
+                pieces.append(self._tok.decode(run, skip_special_tokens=skip_special_tokens))
+                run = []
+            pieces.append(unknown_id_text(t))
+        if run:
+            pieces.append(self._tok.decode(run, skip_special_tokens=skip_special_tokens))
+        return "".join(pieces)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        _check_messages(messages)
+        if not getattr(self._tok, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; send a plain prompt")
+        text = self._tok.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        return str(text)
+
+    def encode_chat(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), False)
+
+
+def _generation_eos(folder: Path) -> list[int]:
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return []
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    if eos is None:
+        return []
+    return [int(e) for e in eos] if isinstance(eos, list) else [int(eos)]
+
+
+class IncrementalDecoder:
+    """Text deltas of a growing id list, for streaming.
+
+    Each `push` returns only new text; a delta never ends in an incomplete
+    character (U+FFFD is held back until the next ids complete it, or until
+    `flush`). Decoding restarts a few tokens back (``prefix_offset``), so
+    tokenizers whose pieces depend on their left neighbour (leading spaces)
+    still produce the text a full decode would.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        context_ids: Sequence[int] = (),
+        skip_special_tokens: bool = True,
+    ) -> None:
+        """`context_ids` (e.g. the prompt) are decoded as left context only, never emitted."""
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = list(context_ids[-6:])
+        self._prefix_offset = max(len(self._ids) - 5, 0)
+        self._read_offset = len(self._ids)
+
+    def push(self, new_ids: Sequence[int]) -> str:
+        """Append `new_ids`; return the text they complete (possibly "")."""
+        self._ids.extend(int(t) for t in new_ids)
+        prefix = self._tok.decode(self._ids[self._prefix_offset:self._read_offset], self._skip)
+        text = self._tok.decode(self._ids[self._prefix_offset:], self._skip)
+        if len(text) <= len(prefix) or text.endswith(_REPLACEMENT):
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return text[len(prefix):]
+
+    def flush(self) -> str:
+        """Whatever is still held back (at the end of a generation)."""
+        prefix = self._tok.decode(self._ids[self._prefix_offset:self._read_offset], self._skip)
+        text = self._tok.decode(self._ids[self._prefix_offset:], self._skip)
+        self._prefix_offset = self._read_offset = len(self._ids)
+        return text[len(prefix):] if len(text) > len(prefix) else ""

@@ -1,0 +1,164 @@
+"""Tokenizers: the built-in byte tokenizer and a Hugging Face folder's tokenizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvduplex.model.tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    IncrementalDecoder,
+    Tokenizer,
+    unknown_id_text,
+)
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIALS = ("<s>", "</s>", "<|im_start|>", "<|im_end|>")
+
+
+def write_hf_tokenizer(folder: Path, vocab_size: int = 300, chat_template: str | None = CHAT_TEMPLATE) -> None:
+    """A byte-level BPE trained on a few sentences, saved as tokenizer.json + tokenizer_config.json."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+    tok = RawTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIALS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(
+        ["the quick brown fox jumps over the lazy dog", "hello world", "paged attention moves kv"],
+        trainer,
+    )
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    config: dict[str, str] = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
+                              "eos_token": "<|im_end|>"}
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+# ---------------------------------------------------------------- byte tokenizer
+
+
+def test_byte_round_trip_and_bos() -> None:
+    tok = ByteTokenizer()
+    text = "héllo, wörld ✓"
+    ids = tok.encode(text)
+    assert ids[0] == tok.BOS_ID
+    assert ids[1:] == list(text.encode("utf-8"))
+    assert tok.encode(text, add_special_tokens=False) == ids[1:]
+    assert tok.decode(ids) == text
+    assert tok.decode(ids, skip_special_tokens=False) == "<|bos|>" + text
+    assert isinstance(tok, Tokenizer)
+
+
+def test_byte_chat_template_encodes_specials_as_ids() -> None:
+    tok = ByteTokenizer()
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    text = tok.apply_chat_template(msgs)
+    assert text == (
+        "<|bos|><|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    ids = tok.encode_chat(msgs)
+    assert ids[:2] == [tok.BOS_ID, tok.IM_START_ID]
+    assert ids.count(tok.BOS_ID) == 1
+    assert ids.count(tok.IM_END_ID) == 2
+    assert tok.decode(ids, skip_special_tokens=False) == text
+    assert not tok.apply_chat_template(msgs, add_generation_prompt=False).endswith("assistant\n")
+    with pytest.raises(ValueError, match="role"):
+        tok.apply_chat_template([{"content": "no role"}])
+
+
+def test_byte_out_of_range_ids_are_printable_and_deterministic() -> None:
+    tok = ByteTokenizer()
+    ids = [ord("a"), 1000, 49151, ord("b")]
+    out = tok.decode(ids)
+    assert out == "a" + unknown_id_text(1000) + unknown_id_text(49151) + "b"
+    assert all(c.isprintable() for c in out)
+    assert tok.eos_token_ids == (tok.EOS_ID, tok.IM_END_ID)
+    with pytest.raises(ValueError):
+        tok.decode([-1])
+
+
+def test_incremental_decoder_holds_back_partial_characters() -> None:
+    tok = ByteTokenizer()
+    text = "a✓b€"
+    ids = tok.encode(text, add_special_tokens=False)
+    dec = IncrementalDecoder(tok)
+    deltas = [dec.push([t]) for t in ids]
+    assert "".join(deltas) + dec.flush() == text
+    assert all("\ufffd" not in d for d in deltas)
+    assert deltas[1] == "" and deltas[2] == ""  # first two bytes of ✓
+
+
+def test_incremental_decoder_flushes_invalid_tail() -> None:
+    tok = ByteTokenizer()
+    dec = IncrementalDecoder(tok, context_ids=tok.encode("prompt"))
+    assert dec.push([ord("x")]) == "x"
+    assert dec.push([0xE2]) == ""
+    assert dec.flush() == "\ufffd"
+
+
+# ---------------------------------------------------------------- HF tokenizer
+
+
+def test_hf_tokenizer_encode_decode_and_chat(tmp_path: Path) -> None:
+    write_hf_tokenizer(tmp_path)
+    tok = HFTokenizer(tmp_path, extra_eos_token_ids=[1])
+    assert isinstance(tok, Tokenizer)
+    assert tok.vocab_size == 300
+    bos = tok.bos_token_id
+    assert bos == 0
+    assert tok.eos_token_ids == (3, 1)  # <|im_end|> from the tokenizer, then </s> from the config
+
+    ids = tok.encode("hello world")
+    assert ids[0] == bos
+    assert tok.decode(ids) == "hello world"
+    assert tok.encode("hello world", add_special_tokens=False) == ids[1:]
+
+    msgs = [{"role": "user", "content": "the lazy dog"}]
+    text = tok.apply_chat_template(msgs)
+    assert text == "<s><|im_start|>user\nthe lazy dog<|im_end|>\n<|im_start|>assistant\n"
+    chat_ids = tok.encode_chat(msgs)
+    assert chat_ids[:2] == [0, 2]  # <s> once (from the template), <|im_start|> as its id
+    assert chat_ids.count(0) == 1 and chat_ids.count(3) == 1
+    assert tok.decode(chat_ids, skip_special_tokens=False) == text
+
+    # unknown ids render like the byte tokenizer's, between correctly decoded runs
+    mixed = tok.decode([*ids[1:], 5000, *ids[1:]])
+    assert mixed == "hello world" + unknown_id_text(5000) + "hello world"
+
+    dec = IncrementalDecoder(tok)
+    streamed = "".join(dec.push([t]) for t in ids) + dec.flush()
+    assert streamed == "hello world"
+
+
+def test_hf_tokenizer_generation_config_eos_and_missing_template(tmp_path: Path) -> None:
+    write_hf_tokenizer(tmp_path, chat_template=None)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 3]}))
+    tok = HFTokenizer(tmp_path)
+    assert tok.eos_token_ids == (3, 1)
+    with pytest.raises(ValueError, match="chat template"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_hf_tokenizer_requires_tokenizer_json(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"tokenizer\.json"):
+        HFTokenizer(tmp_path)
