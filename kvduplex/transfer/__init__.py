@@ -1,0 +1,54 @@
+"""KV transfer between instances: the transport Protocol, its NIXL and in-process
+implementations, the handshake, typed control messages and metrics.
+
+Import `kvduplex.transfer.nixl` only where NIXL is installed.
+"""
+
+from __future__ import annotations
+
+from kvduplex.transfer.base import block_region_indices, region_indices
+from kvduplex.transfer.messages import (
+    ControlMessage,
+    HandshakeInfo,
+    KVDone,
+    KVFailed,
+    MessageCodec,
+)
+from kvduplex.transfer.transport import (
+    ALL_KINDS,
+    FailureKind,
+    IncompatibleLayoutError,
+    Notification,
+    PeerHandle,
+    PeerUnavailableError,
+    Region,
+    TransferError,
+    TransferFailed,
+    TransferHandle,
+    TransferOp,
+    TransferState,
+    Transport,
+)
+
+__all__ = [
+    "ALL_KINDS",
+    "ControlMessage",
+    "FailureKind",
+    "HandshakeInfo",
+    "IncompatibleLayoutError",
+    "KVDone",
+    "KVFailed",
+    "MessageCodec",
+    "Notification",
+    "PeerHandle",
+    "PeerUnavailableError",
+    "Region",
+    "TransferError",
+    "TransferFailed",
+    "TransferHandle",
+    "TransferOp",
+    "TransferState",
+    "Transport",
+    "block_region_indices",
+    "region_indices",
+]

@@ -132,14 +132,14 @@ def decode_envelope(data: bytes) -> Envelope:
 class ControlMessage(msgspec.Struct, tag_field="type", frozen=True):
     """Base of the small control messages exchanged in notifications.
 
-    Subclass with ``class MyMsg(ControlMessage, tag="my_msg")`` to extend the
+    Subclass with ``class MyMsg(ControlMessage, tag="my_msg", frozen=True)`` to extend the
     union; every message names the transfer it belongs to.
     """
 
     xid: str
 
 
-class KVDone(ControlMessage, tag="kv_done"):
+class KVDone(ControlMessage, tag="kv_done", frozen=True):
     """The sender finished writing the KV of transfer ``xid``."""
 
     num_tokens: int = 0
@@ -148,7 +148,7 @@ class KVDone(ControlMessage, tag="kv_done"):
     """First sampled token, when the sender is a prefill instance."""
 
 
-class KVFailed(ControlMessage, tag="kv_failed"):
+class KVFailed(ControlMessage, tag="kv_failed", frozen=True):
     """The sender gave up on transfer ``xid``; the receiver should fall back."""
 
     reason: str = ""

@@ -1,0 +1,310 @@
+"""Shared machinery of the transports: region indices, validation, completion.
+
+Both transports turn a transfer request into two equal-length int32 arrays of
+region indices (local and remote) and hand them to ``_post``. The blocks×layers
+form expands with numpy in layer-major, K-before-V, block order, which is also
+pool memory order, so runs of consecutive blocks are contiguous in memory::
+
+    layers [l0, l1] × kinds [K, V] × blocks [b0, b1, b2]
+    → (l0,K,b0) (l0,K,b1) (l0,K,b2) (l0,V,b0) ... (l1,V,b2)
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from kvduplex.engine.kv_cache import KVCacheLayout, KVKind
+from kvduplex.transfer.messages import HANDSHAKE_VERSION, HandshakeInfo
+from kvduplex.transfer.metrics import TransferMetrics
+from kvduplex.transfer.transport import (
+    ALL_KINDS,
+    FailureKind,
+    IncompatibleLayoutError,
+    PeerHandle,
+    Region,
+    TransferHandle,
+    TransferOp,
+    TransferState,
+)
+
+logger = logging.getLogger(__name__)
+
+IndexArray = npt.NDArray[np.int32]
+
+
+def _as_index_array(
+    values: Sequence[int] | npt.NDArray[np.integer], what: str
+) -> npt.NDArray[np.int64]:
+    arr = np.asarray(values, dtype=np.int64)
+    if arr.ndim != 1:
+        raise ValueError(f"{what} must be a flat sequence of ints, got shape {arr.shape}")
+    return arr
+
+
+def block_region_indices(
+    layout: KVCacheLayout,
+    blocks: Sequence[int] | npt.NDArray[np.integer],
+    layers: Sequence[int] | npt.NDArray[np.integer] | None = None,
+    kinds: Sequence[KVKind] = ALL_KINDS,
+) -> IndexArray:
+    """Region indices of ``layers × kinds × blocks`` in ``layout``'s pool.
+
+    Raises ValueError naming the offending value if a block or layer is out of range.
+    """
+    b = _as_index_array(blocks, "blocks")
+    if b.size and (b.min() < 0 or b.max() >= layout.num_blocks):
+        bad = b[(b < 0) | (b >= layout.num_blocks)][0]
+        raise ValueError(f"block id {int(bad)} out of range [0, {layout.num_blocks})")
+    if layers is None:
+        lay = np.arange(layout.num_layers, dtype=np.int64)
+    else:
+        lay = _as_index_array(layers, "layers")
+        if lay.size and (lay.min() < 0 or lay.max() >= layout.num_layers):
+            bad = lay[(lay < 0) | (lay >= layout.num_layers)][0]
+            raise ValueError(f"layer {int(bad)} out of range [0, {layout.num_layers})")
+    kv = np.asarray([int(k) for k in kinds], dtype=np.int64)
+    if kv.size and (kv.min() < 0 or kv.max() > 1):
+        raise ValueError(f"kinds must be KVKind.K or KVKind.V, got {list(kinds)}")
+    rows = (lay[:, None] * 2 + kv[None, :]) * layout.num_blocks  # (layers, kinds)
+    idx = rows[:, :, None] + b[None, None, :]  # (layers, kinds, blocks)
+    return idx.reshape(-1).astype(np.int32)
+
+
+def region_indices(layout: KVCacheLayout, regions: Sequence[Region]) -> IndexArray:
+    """Region indices of arbitrary regions; ValueError if any is out of range."""
+    out = np.empty(len(regions), dtype=np.int64)
+    for i, r in enumerate(regions):
+        if not (0 <= r.layer < layout.num_layers and 0 <= r.block < layout.num_blocks):
+            raise ValueError(f"region {r} out of range for layout {layout}")
+        out[i] = layout.region_index(r.layer, r.kv, r.block)
+    return out.astype(np.int32)
+
+
+def check_compatible(
+    layout: KVCacheLayout, engine_id: str, info: HandshakeInfo, expected_transport: str
+) -> KVCacheLayout:
+    """The peer's layout if ``info`` describes a pool we can exchange blocks with.
+
+    Raises IncompatibleLayoutError saying what differs and what to change.
+    """
+    who = f"peer {info.engine_id} ({info.transport})"
+    if info.version != HANDSHAKE_VERSION:
+        raise IncompatibleLayoutError(
+            f"{who} speaks handshake version {info.version}, this instance {HANDSHAKE_VERSION}; "
+            "run the same kvduplex version on both"
+        )
+    if info.transport != expected_transport:
+        raise IncompatibleLayoutError(
+            f"{who} uses transport {info.transport!r}, this instance {expected_transport!r}"
+        )
+    if info.engine_id == engine_id:
+        raise IncompatibleLayoutError(f"{who} is this instance itself; connect to another instance")
+    try:
+        peer_layout = info.layout.to_layout()
+    except ValueError as exc:
+        raise IncompatibleLayoutError(f"{who} sent an invalid KV layout: {exc}") from exc
+    diff = layout.incompatibility(peer_layout)
+    if diff is not None:
+        raise IncompatibleLayoutError(
+            f"{who} has an incompatible KV cache layout ({diff}); start both instances "
+            "with the same model, dtype and block size"
+        )
+    return peer_layout
+
+
+class TransportBase(abc.ABC):
+    """Implements the request side of the `Transport` Protocol over ``_post``.
+
+    Subclasses post index arrays and later finish the handle through
+    ``_complete``, which records metrics and logs the lifecycle.
+    """
+
+    def __init__(
+        self,
+        layout: KVCacheLayout,
+        engine_id: str,
+        default_deadline_s: float,
+        metrics: TransferMetrics | None,
+    ) -> None:
+        if default_deadline_s <= 0:
+            raise ValueError(f"default_deadline_s must be > 0, got {default_deadline_s}")
+        if layout.num_layers * 2 * layout.num_blocks >= 2**31:
+            raise ValueError("the pool has more than 2**31 regions; use larger blocks")
+        self._layout = layout
+        self._engine_id = engine_id
+        self.default_deadline_s = default_deadline_s
+        self.metrics = metrics if metrics is not None else TransferMetrics.default()
+
+    @property
+    def layout(self) -> KVCacheLayout:
+        return self._layout
+
+    @property
+    def engine_id(self) -> str:
+        return self._engine_id
+
+    # -- request side -------------------------------------------------------
+
+    def write(
+        self,
+        peer: PeerHandle,
+        xid: str,
+        local_blocks: Sequence[int],
+        remote_blocks: Sequence[int],
+        layers: Sequence[int] | None = None,
+        kinds: Sequence[KVKind] = ALL_KINDS,
+        notif: bytes | None = None,
+        deadline_s: float | None = None,
+    ) -> TransferHandle:
+        local, remote = self._block_indices(peer, local_blocks, remote_blocks, layers, kinds)
+        return self._submit(TransferOp.WRITE, peer, xid, local, remote, notif, deadline_s)
+
+    def read(
+        self,
+        peer: PeerHandle,
+        xid: str,
+        local_blocks: Sequence[int],
+        remote_blocks: Sequence[int],
+        layers: Sequence[int] | None = None,
+        kinds: Sequence[KVKind] = ALL_KINDS,
+        deadline_s: float | None = None,
+    ) -> TransferHandle:
+        local, remote = self._block_indices(peer, local_blocks, remote_blocks, layers, kinds)
+        return self._submit(TransferOp.READ, peer, xid, local, remote, None, deadline_s)
+
+    def write_regions(
+        self,
+        peer: PeerHandle,
+        xid: str,
+        local: Sequence[Region],
+        remote: Sequence[Region],
+        notif: bytes | None = None,
+        deadline_s: float | None = None,
+    ) -> TransferHandle:
+        li, ri = self._region_pair(peer, local, remote)
+        return self._submit(TransferOp.WRITE, peer, xid, li, ri, notif, deadline_s)
+
+    def read_regions(
+        self,
+        peer: PeerHandle,
+        xid: str,
+        local: Sequence[Region],
+        remote: Sequence[Region],
+        deadline_s: float | None = None,
+    ) -> TransferHandle:
+        li, ri = self._region_pair(peer, local, remote)
+        return self._submit(TransferOp.READ, peer, xid, li, ri, None, deadline_s)
+
+    def state(self, handle: TransferHandle) -> TransferState:
+        return handle.state
+
+    # -- helpers --------------------------------------------------------------
+
+    def _block_indices(
+        self,
+        peer: PeerHandle,
+        local_blocks: Sequence[int],
+        remote_blocks: Sequence[int],
+        layers: Sequence[int] | None,
+        kinds: Sequence[KVKind],
+    ) -> tuple[IndexArray, IndexArray]:
+        if len(local_blocks) != len(remote_blocks):
+            raise ValueError(
+                f"local_blocks ({len(local_blocks)}) and remote_blocks ({len(remote_blocks)}) "
+                "must have the same length"
+            )
+        local = block_region_indices(self._layout, local_blocks, layers, kinds)
+        remote = block_region_indices(peer.layout, remote_blocks, layers, kinds)
+        return local, remote
+
+    def _region_pair(
+        self, peer: PeerHandle, local: Sequence[Region], remote: Sequence[Region]
+    ) -> tuple[IndexArray, IndexArray]:
+        if len(local) != len(remote):
+            raise ValueError(
+                f"local ({len(local)}) and remote ({len(remote)}) regions differ in length"
+            )
+        return region_indices(self._layout, local), region_indices(peer.layout, remote)
+
+    def _submit(
+        self,
+        op: TransferOp,
+        peer: PeerHandle,
+        xid: str,
+        local: IndexArray,
+        remote: IndexArray,
+        notif: bytes | None,
+        deadline_s: float | None,
+    ) -> TransferHandle:
+        deadline = self.default_deadline_s if deadline_s is None else deadline_s
+        if deadline <= 0:
+            raise ValueError(f"deadline_s must be > 0, got {deadline}")
+        handle = TransferHandle(
+            xid=xid,
+            op=op,
+            peer_engine_id=peer.engine_id,
+            num_descriptors=int(local.size),
+            num_bytes=int(local.size) * self._layout.block_bytes,
+            deadline_s=deadline,
+        )
+        t0 = time.perf_counter()
+        try:
+            self._post(op, peer, handle, local, remote, notif)
+        except Exception as exc:  # a post failure is a FAILED transfer, never an escape
+            logger.warning("xid=%s %s to %s failed to post: %s", xid, op.value, peer.engine_id, exc)
+            self._complete(handle, TransferState.FAILED, f"post failed: {exc}", FailureKind.POST)
+        handle.post_time_s = time.perf_counter() - t0
+        self.metrics.on_posted(handle)
+        logger.debug(
+            "xid=%s %s posted to %s: %d descriptors, %d bytes, post %.1f us",
+            xid, op.value, peer.engine_id, handle.num_descriptors, handle.num_bytes,
+            handle.post_time_s * 1e6,
+        )  # fmt: skip
+        return handle
+
+    def _complete(
+        self,
+        handle: TransferHandle,
+        state: TransferState,
+        reason: str | None = None,
+        failure: FailureKind | None = None,
+    ) -> None:
+        """Finish ``handle`` once, with metrics and a lifecycle log line."""
+        if not handle.finish(state, reason, failure):
+            return
+        if state is TransferState.DONE:
+            self.metrics.on_done(handle)
+            logger.debug(
+                "xid=%s %s done: %d bytes in %.3f ms",
+                handle.xid, handle.op.value, handle.num_bytes, (handle.duration_s or 0.0) * 1e3,
+            )  # fmt: skip
+        else:
+            self.metrics.on_failed(handle.op, failure or FailureKind.PEER)
+            logger.warning(
+                "xid=%s %s to %s failed: %s",
+                handle.xid,
+                handle.op.value,
+                handle.peer_engine_id,
+                reason,
+            )
+
+    @abc.abstractmethod
+    def _post(
+        self,
+        op: TransferOp,
+        peer: PeerHandle,
+        handle: TransferHandle,
+        local: IndexArray,
+        remote: IndexArray,
+        notif: bytes | None,
+    ) -> None:
+        """Start moving ``local[i]`` <-> ``remote[i]``; finish ``handle`` now or later.
+
+        May raise: the caller turns the exception into a FAILED handle.
+        """

@@ -1,0 +1,275 @@
+"""InProcessTransport: the `Transport` between pools in one process, for tests.
+
+Endpoints live on an `InProcessFabric` (think "the network"): ``connect``
+looks the peer up by engine id, a transfer copies regions with torch at post
+time and delivers its notification into the target's queue afterwards. Same
+Protocol, same validation and metrics as `NixlTransport`, plus fault
+injection for tests of the flows built on top::
+
+    fabric = InProcessFabric()
+    p, d = fabric.endpoint(pool_p, layout), fabric.endpoint(pool_d, layout)
+    peer = p.connect(d.local_metadata())
+    p.fail_next("boom")          # next transfer ends FAILED, nothing copied
+    p.hang_next()                # next transfer stays PENDING until its deadline
+
+Closing an endpoint fails the transfers in flight to it, like a dead peer.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvduplex.engine.kv_cache import KVCacheLayout
+from kvduplex.transfer.base import IndexArray, TransportBase, check_compatible
+from kvduplex.transfer.messages import HandshakeInfo, LayoutInfo
+from kvduplex.transfer.metrics import TransferMetrics
+from kvduplex.transfer.transport import (
+    FailureKind,
+    Notification,
+    PeerHandle,
+    PeerUnavailableError,
+    TransferError,
+    TransferHandle,
+    TransferOp,
+    TransferState,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class InProcessFabric:
+    """Connects `InProcessTransport` endpoints of one process by engine id."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._endpoints: dict[str, InProcessTransport] = {}
+
+    def endpoint(
+        self,
+        pool: torch.Tensor,
+        layout: KVCacheLayout,
+        *,
+        engine_id: str | None = None,
+        default_deadline_s: float = 10.0,
+        metrics: TransferMetrics | None = None,
+    ) -> InProcessTransport:
+        """A new endpoint over ``pool`` (shape and dtype must match ``layout``)."""
+        ep = InProcessTransport(self, pool, layout, engine_id, default_deadline_s, metrics)
+        with self._lock:
+            self._endpoints[ep.engine_id] = ep
+        return ep
+
+    def lookup(self, engine_id: str) -> InProcessTransport | None:
+        with self._lock:
+            return self._endpoints.get(engine_id)
+
+    def endpoints(self) -> list[InProcessTransport]:
+        with self._lock:
+            return list(self._endpoints.values())
+
+    def _remove(self, engine_id: str) -> None:
+        with self._lock:
+            self._endpoints.pop(engine_id, None)
+
+
+@dataclass
+class _Fault:
+    kind: FailureKind | None  # INJECTED: fail; None: hang
+    reason: str
+
+
+class InProcessTransport(TransportBase):
+    """One endpoint of an `InProcessFabric`; see the module docstring."""
+
+    def __init__(
+        self,
+        fabric: InProcessFabric,
+        pool: torch.Tensor,  # (L, 2, NB, BS, H, D)
+        layout: KVCacheLayout,
+        engine_id: str | None,
+        default_deadline_s: float,
+        metrics: TransferMetrics | None,
+    ) -> None:
+        super().__init__(layout, engine_id or uuid.uuid4().hex, default_deadline_s, metrics)
+        if tuple(pool.shape) != layout.shape or pool.dtype != layout.torch_dtype:
+            raise ValueError(
+                f"pool {tuple(pool.shape)} {pool.dtype} does not match layout {layout}"
+            )
+        self._fabric = fabric
+        self._pool = pool
+        self._regions = pool.view(layout.num_layers * 2 * layout.num_blocks, -1)  # (regions, elems)
+        self._lock = threading.Lock()
+        self._notif_cv = threading.Condition(self._lock)
+        self._notifs: deque[Notification] = deque()
+        self._peers: dict[str, PeerHandle] = {}
+        self._faults: deque[_Fault] = deque()
+        self._hung: dict[int, tuple[TransferHandle, threading.Timer]] = {}
+        self._closed = False
+        self.num_posted = 0
+        """Transfers posted so far (for tests)."""
+
+    # -- fault injection --------------------------------------------------
+
+    def fail_next(self, reason: str = "injected failure") -> None:
+        """The next transfer posted here ends FAILED with ``reason``; nothing is copied."""
+        with self._lock:
+            self._faults.append(_Fault(FailureKind.INJECTED, reason))
+
+    def hang_next(self) -> None:
+        """The next transfer posted here never completes: it fails at its deadline."""
+        with self._lock:
+            self._faults.append(_Fault(None, "hang"))
+
+    # -- Protocol -----------------------------------------------------------
+
+    def local_metadata(self) -> HandshakeInfo:
+        return HandshakeInfo(
+            engine_id=self.engine_id,
+            agent_name=f"inprocess-{self.engine_id}",
+            agent_metadata=b"",
+            layout=LayoutInfo.from_layout(self._layout),
+            base_address=int(self._pool.data_ptr()),
+            transport="inprocess",
+        )
+
+    def connect(self, info: HandshakeInfo) -> PeerHandle:
+        peer_layout = check_compatible(
+            self._layout, self.engine_id, info, expected_transport="inprocess"
+        )
+        if self._fabric.lookup(info.engine_id) is None:
+            raise TransferError(f"no in-process endpoint {info.engine_id} on this fabric")
+        with self._lock:
+            self._ensure_open()
+            handle = self._peers.get(info.engine_id)
+            if handle is None:
+                handle = PeerHandle(info.engine_id, info.agent_name, peer_layout)
+                self._peers[info.engine_id] = handle
+        return handle
+
+    def disconnect(self, peer: PeerHandle) -> None:
+        with self._lock:
+            self._peers.pop(peer.engine_id, None)
+        self._fail_hung(lambda h: h.peer_engine_id == peer.engine_id, "peer disconnected")
+
+    def send_notif(self, peer: PeerHandle, payload: bytes, xid: str | None = None) -> None:
+        target = self._target(peer)
+        if target is None:
+            raise PeerUnavailableError(f"xid={xid}: peer {peer.engine_id} is gone")
+        target._deliver(Notification(self.engine_id, xid, payload))
+        self.metrics.on_notification("sent")
+
+    def poll_notifs(self, timeout: float = 0.0) -> list[Notification]:
+        with self._notif_cv:
+            if not self._notifs and timeout > 0:
+                self._notif_cv.wait_for(lambda: bool(self._notifs) or self._closed, timeout)
+            out = list(self._notifs)
+            self._notifs.clear()
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._notif_cv.notify_all()
+        self._fabric._remove(self.engine_id)
+        self._fail_hung(lambda h: True, "transport closed")
+        # Peers' transfers in flight to us fail like transfers to a dead process.
+        for other in self._fabric.endpoints():
+            other._fail_hung(
+                lambda h: h.peer_engine_id == self.engine_id, "peer closed", FailureKind.PEER
+            )
+
+    # -- internals -------------------------------------------------------------
+
+    def _post(
+        self,
+        op: TransferOp,
+        peer: PeerHandle,
+        handle: TransferHandle,
+        local: IndexArray,
+        remote: IndexArray,
+        notif: bytes | None,
+    ) -> None:
+        with self._lock:
+            self._ensure_open()
+            if peer.engine_id not in self._peers:
+                raise TransferError(f"peer {peer.engine_id} is not connected")
+            fault = self._faults.popleft() if self._faults else None
+            self.num_posted += 1
+        if fault is not None and fault.kind is FailureKind.INJECTED:
+            self._complete(handle, TransferState.FAILED, fault.reason, FailureKind.INJECTED)
+            return
+        target = self._target(peer)
+        if target is None:
+            self._complete(handle, TransferState.FAILED, "peer is gone", FailureKind.PEER)
+            return
+        if fault is not None:  # hang until the deadline
+            timer = threading.Timer(handle.deadline_s, self._expire, args=(handle,))
+            timer.daemon = True
+            with self._lock:
+                self._hung[id(handle)] = (handle, timer)
+            timer.start()
+            return
+        li = torch.from_numpy(local.astype("int64"))
+        ri = torch.from_numpy(remote.astype("int64"))
+        if op is TransferOp.WRITE:
+            target._regions.index_copy_(0, ri, self._regions.index_select(0, li))
+        else:
+            self._regions.index_copy_(0, li, target._regions.index_select(0, ri))
+        self._complete(handle, TransferState.DONE)
+        if notif is not None:
+            target._deliver(Notification(self.engine_id, handle.xid, notif))
+            self.metrics.on_notification("sent")
+
+    def _target(self, peer: PeerHandle) -> InProcessTransport | None:
+        target = self._fabric.lookup(peer.engine_id)
+        if target is None or target._closed:
+            return None
+        return target
+
+    def _deliver(self, notif: Notification) -> None:
+        with self._notif_cv:
+            if self._closed:
+                return
+            self._notifs.append(notif)
+            self._notif_cv.notify_all()
+        self.metrics.on_notification("received")
+
+    def _expire(self, handle: TransferHandle) -> None:
+        with self._lock:
+            self._hung.pop(id(handle), None)
+        self._complete(
+            handle,
+            TransferState.FAILED,
+            f"deadline exceeded after {handle.deadline_s:g} s",
+            FailureKind.DEADLINE,
+        )
+
+    def _fail_hung(
+        self,
+        pred: Callable[[TransferHandle], bool],
+        reason: str,
+        failure: FailureKind = FailureKind.DISCONNECTED,
+    ) -> None:
+        with self._lock:
+            doomed = [(h, t) for h, t in self._hung.values() if pred(h)]
+            for h, _ in doomed:
+                self._hung.pop(id(h), None)
+        for h, timer in doomed:
+            timer.cancel()
+            self._complete(h, TransferState.FAILED, reason, failure)
+
+    def _ensure_open(self) -> None:
+        if self._closed:
+            raise TransferError("transport is closed")
+
+
+__all__ = ["InProcessFabric", "InProcessTransport"]

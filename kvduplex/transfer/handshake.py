@@ -1,0 +1,145 @@
+"""Handshake over HTTP and the per-URL peer cache.
+
+Each instance serves ``GET /internal/kv/handshake`` (the router built by
+`make_handshake_router`, mounted by the instance server). A peer fetches it
+with `fetch_handshake` and passes it to `Transport.connect`.
+
+`PeerDirectory` caches one `PeerHandle` per base URL. A restarted instance has
+a new engine id at the same URL; the directory notices when told (a message or
+HTTP answer naming another engine id: ``get_peer(url, engine_id=...)``) or when
+asked to `PeerDirectory.refresh` after a failure, and then disconnects the old
+peer and connects the new one::
+
+    get_peer(url) ─ cached? ─ yes, same engine id ──────────────► PeerHandle
+                       │ no / engine id differs
+                       ▼
+              fetch_handshake(url) ─► disconnect(old) ─► connect(new) ─► PeerHandle
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import httpx
+import msgspec
+from fastapi import APIRouter, Response
+
+from kvduplex.transfer.messages import HandshakeInfo, decode_handshake, encode_handshake
+from kvduplex.transfer.transport import PeerHandle, PeerUnavailableError, Transport
+
+logger = logging.getLogger(__name__)
+
+HANDSHAKE_PATH = "/internal/kv/handshake"
+
+
+def make_handshake_router(transport: Transport) -> APIRouter:
+    """An APIRouter serving ``GET /internal/kv/handshake`` with ``transport``'s metadata."""
+    router = APIRouter()
+    body = encode_handshake(transport.local_metadata())
+
+    @router.get(HANDSHAKE_PATH)
+    def handshake() -> Response:
+        return Response(content=body, media_type="application/json")
+
+    return router
+
+
+def fetch_handshake(
+    base_url: str, timeout: float = 2.0, client: httpx.Client | None = None
+) -> HandshakeInfo:
+    """GET a peer's handshake; raises PeerUnavailableError saying why it failed."""
+    url = base_url.rstrip("/") + HANDSHAKE_PATH
+    try:
+        if client is None:
+            resp = httpx.get(url, timeout=timeout)
+        else:
+            resp = client.get(url, timeout=timeout)
+    except httpx.HTTPError as exc:
+        raise PeerUnavailableError(
+            f"handshake with {base_url} failed: {type(exc).__name__}: {exc}"
+        ) from exc
+    if resp.status_code != 200:
+        raise PeerUnavailableError(
+            f"handshake with {base_url} failed: HTTP {resp.status_code} from {url}; "
+            "is it a kvduplex instance with KV transfer enabled?"
+        )
+    try:
+        return decode_handshake(resp.content)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise PeerUnavailableError(f"handshake with {base_url}: malformed answer: {exc}") from exc
+
+
+class PeerDirectory:
+    """Connections by peer base URL, re-handshaking when the engine at a URL changed.
+
+    Thread-safe; calls block on HTTP (run them off the event loop).
+    """
+
+    def __init__(
+        self, transport: Transport, timeout_s: float = 2.0, client: httpx.Client | None = None
+    ) -> None:
+        self.transport = transport
+        self.timeout_s = timeout_s
+        self._client = client
+        self._lock = threading.Lock()
+        self._peers: dict[str, PeerHandle] = {}
+
+    @staticmethod
+    def _key(url: str) -> str:
+        return url.rstrip("/")
+
+    def get_peer(self, url: str, engine_id: str | None = None) -> PeerHandle:
+        """The peer at ``url``, connecting on first use.
+
+        If ``engine_id`` is given and differs from the cached peer's (the
+        instance restarted), re-handshakes. Raises PeerUnavailableError,
+        IncompatibleLayoutError.
+        """
+        key = self._key(url)
+        with self._lock:
+            cached = self._peers.get(key)
+        if cached is not None and (engine_id is None or cached.engine_id == engine_id):
+            return cached
+        return self.refresh(url)
+
+    def refresh(self, url: str) -> PeerHandle:
+        """Fetch the handshake again; reconnect if the engine id changed. Returns the current peer."""
+        key = self._key(url)
+        info = fetch_handshake(key, self.timeout_s, self._client)
+        with self._lock:
+            cached = self._peers.get(key)
+            if cached is not None and cached.engine_id == info.engine_id:
+                return cached
+            if cached is not None:
+                logger.info(
+                    "peer at %s restarted: engine %s -> %s; re-handshaking",
+                    key, cached.engine_id, info.engine_id,
+                )  # fmt: skip
+                self.transport.disconnect(cached)
+                del self._peers[key]
+            peer = self.transport.connect(info)
+            self._peers[key] = peer
+        return peer
+
+    def forget(self, url: str) -> None:
+        """Disconnect and drop the peer at ``url`` (no-op if unknown)."""
+        with self._lock:
+            peer = self._peers.pop(self._key(url), None)
+        if peer is not None:
+            self.transport.disconnect(peer)
+
+    def url_of(self, engine_id: str) -> str | None:
+        """The URL of a connected engine, or None."""
+        with self._lock:
+            for url, peer in self._peers.items():
+                if peer.engine_id == engine_id:
+                    return url
+        return None
+
+    def peers(self) -> dict[str, PeerHandle]:
+        with self._lock:
+            return dict(self._peers)
+
+
+__all__ = ["HANDSHAKE_PATH", "PeerDirectory", "fetch_handshake", "make_handshake_router"]

@@ -1,0 +1,408 @@
+"""NixlTransport: the `Transport` over one NIXL agent (UCX backend).
+
+Design note. One agent per instance registers the whole pool once (DRAM, or
+VRAM for a CUDA pool) and prepares the local descriptor list of every
+(layer, K|V, block) region once. `connect` loads a peer's agent metadata and
+prepares the peer's region list once; a transfer is then two index arrays.
+
+NIXL's own progress thread busy-polls a core, so it is off; our progress
+thread drives the agent instead::
+
+    loop:  check in-flight transfers  ─► DONE / ERR ─► release handle, finish
+           expire past-deadline ones  ─► release (cancel) handle, FAILED
+           drain notifications        ─► queue for poll_notifs()
+           sleep: poll_interval_s while anything is in flight, a peer's large
+                  transfer targets us (XFER_BEGIN..END), or recently active;
+                  otherwise back off to idle_poll_interval_s; a post wakes it.
+
+Software-emulated transports (TCP RMA) progress only while the *target* polls,
+hence the XFER_BEGIN/XFER_END hints around large transfers. UCX transport
+selection passes through the environment (UCX_TLS, UCX_NET_DEVICES...), read
+when the agent is created; see docs/transfer.md.
+
+All agent calls are serialised by one lock (the UCX worker runs in serialised
+mode). The progress thread never raises: errors are logged and turn the
+transfer FAILED.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import torch
+
+from kvduplex.engine.kv_cache import KVCacheLayout, pool_base_address
+from kvduplex.transfer.base import IndexArray, TransportBase, check_compatible
+from kvduplex.transfer.messages import (
+    Envelope,
+    EnvelopeKind,
+    HandshakeInfo,
+    LayoutInfo,
+    decode_envelope,
+    encode_envelope,
+)
+from kvduplex.transfer.metrics import TransferMetrics
+from kvduplex.transfer.nixl_agent import NixlAgent, nixl_available, region_descs
+from kvduplex.transfer.transport import (
+    FailureKind,
+    Notification,
+    PeerHandle,
+    PeerUnavailableError,
+    TransferError,
+    TransferHandle,
+    TransferOp,
+    TransferState,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Peer:
+    handle: PeerHandle
+    dlist: Any
+    """Prepared remote descriptor list."""
+
+
+@dataclass
+class _Inflight:
+    handle: TransferHandle
+    xfer: Any
+    peer_id: str
+    agent_name: str
+    hinted: bool
+    """An XFER_BEGIN was sent; XFER_END is owed."""
+
+
+@dataclass
+class _Progress:
+    """State owned by the progress thread."""
+
+    remote_hints: dict[tuple[str, str], float] = field(default_factory=dict)
+    """(sender, xid) -> monotonic expiry of peers' large transfers targeting us."""
+    zombies: list[tuple[str, Any]] = field(default_factory=list)
+    """(xid, xfer) handles NIXL could not release yet."""
+    last_active: float = 0.0
+    idle_wait: float = 0.0
+
+
+class NixlTransport(TransportBase):
+    """`Transport` over NIXL. Construct once per instance; `close` on shutdown."""
+
+    def __init__(
+        self,
+        pool: torch.Tensor,  # (L, 2, NB, BS, H, D)
+        layout: KVCacheLayout,
+        *,
+        engine_id: str | None = None,
+        default_deadline_s: float = 10.0,
+        metrics: TransferMetrics | None = None,
+        backend_params: dict[str, str] | None = None,
+        poll_interval_s: float = 100e-6,
+        idle_poll_interval_s: float = 1e-3,
+        linger_s: float = 0.05,
+        hint_min_bytes: int = 1 << 20,
+    ) -> None:
+        """Register ``pool`` (whose shape and dtype must match ``layout``) with a new agent.
+
+        ``backend_params`` go to NIXL's UCX backend (e.g. ``ucx_devices``);
+        ``hint_min_bytes`` is the size from which a transfer asks its target to
+        poll fast while it runs.
+        """
+        super().__init__(layout, engine_id or uuid.uuid4().hex, default_deadline_s, metrics)
+        if tuple(pool.shape) != layout.shape or pool.dtype != layout.torch_dtype:
+            raise ValueError(
+                f"pool of shape {tuple(pool.shape)} and dtype {pool.dtype} does not match "
+                f"layout {layout.shape} {layout.dtype}; allocate it with allocate_kv_pool(layout)"
+            )
+        if not pool.is_contiguous():
+            raise ValueError("the KV pool must be contiguous")
+        self._pool = pool
+        self.poll_interval_s = poll_interval_s
+        self.idle_poll_interval_s = idle_poll_interval_s
+        self.linger_s = linger_s
+        self.hint_min_bytes = hint_min_bytes
+        mem_type = "DRAM" if pool.device.type == "cpu" else "VRAM"
+        device_id = 0 if pool.device.type == "cpu" else int(pool.device.index or 0)
+        base = pool_base_address(pool)
+        num_regions = layout.num_layers * 2 * layout.num_blocks
+
+        self._lock = threading.Lock()  # peers, in-flight, notifications
+        self._notif_cv = threading.Condition(self._lock)
+        self._peers: dict[str, _Peer] = {}
+        self._inflight: dict[int, _Inflight] = {}
+        self._notifs: deque[Notification] = deque()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._closed = False
+
+        self._agent = NixlAgent(f"kvduplex-{self.engine_id}", backend_params)
+        self._agent.register(base, layout.total_bytes, mem_type, device_id)
+        descs = region_descs(base, num_regions, layout.block_bytes, device_id)
+        self._local_dlist = self._agent.prep_dlist("NIXL_INIT_AGENT", descs, mem_type)
+        self._metadata = HandshakeInfo(
+            engine_id=self.engine_id,
+            agent_name=self._agent.name,
+            agent_metadata=self._agent.metadata(),
+            layout=LayoutInfo.from_layout(layout),
+            base_address=base,
+            mem_type=mem_type,
+            device_id=device_id,
+            transport="nixl",
+        )
+        self._progress = _Progress(last_active=time.monotonic(), idle_wait=poll_interval_s)
+        self._thread = threading.Thread(
+            target=self._run_progress, name=f"kv-progress-{self.engine_id[:8]}", daemon=True
+        )
+        self._thread.start()
+        logger.info(
+            "NIXL transport %s: %d regions of %d bytes (%s), %.1f MiB registered",
+            self.engine_id, num_regions, layout.block_bytes, mem_type, layout.total_bytes / 2**20,
+        )  # fmt: skip
+
+    # -- connection -------------------------------------------------------
+
+    def local_metadata(self) -> HandshakeInfo:
+        return self._metadata
+
+    def connect(self, info: HandshakeInfo) -> PeerHandle:
+        peer_layout = check_compatible(self._layout, self.engine_id, info, "nixl")
+        with self._lock:
+            self._ensure_open()
+            existing = self._peers.get(info.engine_id)
+            if existing is not None:
+                return existing.handle
+        num_regions = peer_layout.num_layers * 2 * peer_layout.num_blocks
+        descs = region_descs(
+            info.base_address, num_regions, peer_layout.block_bytes, info.device_id
+        )
+        try:
+            name = self._agent.add_peer(info.agent_metadata)
+            dlist = self._agent.prep_dlist(name, descs, info.mem_type)
+        except Exception as exc:
+            raise TransferError(f"cannot load NIXL peer {info.engine_id}: {exc}") from exc
+        handle = PeerHandle(engine_id=info.engine_id, agent_name=name, layout=peer_layout)
+        with self._lock:
+            self._peers[info.engine_id] = _Peer(handle=handle, dlist=dlist)
+        logger.info("connected to peer %s (%d regions)", info.engine_id, num_regions)
+        return handle
+
+    def disconnect(self, peer: PeerHandle) -> None:
+        with self._lock:
+            p = self._peers.pop(peer.engine_id, None)
+            doomed = [r for r in self._inflight.values() if r.peer_id == peer.engine_id]
+            for rec in doomed:
+                del self._inflight[id(rec.handle)]
+        for rec in doomed:
+            self._release(rec)
+            self._complete(
+                rec.handle, TransferState.FAILED, "peer disconnected", FailureKind.DISCONNECTED
+            )
+        if p is not None:
+            self._agent.try_remove_peer(p.handle.agent_name, p.dlist)
+            logger.info(
+                "disconnected from peer %s (%d transfers failed)", peer.engine_id, len(doomed)
+            )
+
+    # -- transfers ----------------------------------------------------------
+
+    def _post(
+        self,
+        op: TransferOp,
+        peer: PeerHandle,
+        handle: TransferHandle,
+        local: IndexArray,
+        remote: IndexArray,
+        notif: bytes | None,
+    ) -> None:
+        with self._lock:
+            self._ensure_open()
+            p = self._peers.get(peer.engine_id)
+        if p is None:
+            raise TransferError(f"peer {peer.engine_id} is not connected")
+        if local.size == 0:
+            self._complete(handle, TransferState.DONE)
+            return
+        msg = b""
+        if notif is not None:
+            msg = encode_envelope(Envelope(EnvelopeKind.USER, self.engine_id, handle.xid, notif))
+        hint = None
+        if handle.num_bytes >= self.hint_min_bytes:
+            hint = (p.handle.agent_name, self._hint(EnvelopeKind.XFER_BEGIN, handle))
+        xfer, status = self._agent.post(
+            op.name, self._local_dlist, local, p.dlist, remote, msg, hint
+        )
+        if status == "ERR":
+            raise TransferError("NIXL refused to post the transfer")
+        rec = _Inflight(handle, xfer, peer.engine_id, p.handle.agent_name, hint is not None)
+        if status == "DONE":  # completed inside the call (small transfers)
+            self._release(rec)
+            self._complete(handle, TransferState.DONE)
+            return
+        with self._lock:
+            self._inflight[id(handle)] = rec
+        self._wake.set()
+
+    def send_notif(self, peer: PeerHandle, payload: bytes, xid: str | None = None) -> None:
+        with self._lock:
+            self._ensure_open()
+            p = self._peers.get(peer.engine_id)
+        if p is None:
+            raise PeerUnavailableError(f"xid={xid}: peer {peer.engine_id} is not connected")
+        msg = encode_envelope(Envelope(EnvelopeKind.USER, self.engine_id, xid, payload))
+        try:
+            self._agent.send_notif(p.handle.agent_name, msg)
+        except Exception as exc:
+            raise PeerUnavailableError(
+                f"xid={xid}: notification to {peer.engine_id} failed: {exc}"
+            ) from exc
+        self.metrics.on_notification("sent")
+        self._wake.set()
+
+    def poll_notifs(self, timeout: float = 0.0) -> list[Notification]:
+        with self._notif_cv:
+            if not self._notifs and timeout > 0:
+                self._notif_cv.wait_for(lambda: bool(self._notifs) or self._closed, timeout)
+            out = list(self._notifs)
+            self._notifs.clear()
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._notif_cv.notify_all()
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=5.0)
+        with self._lock:
+            recs = list(self._inflight.values())
+            self._inflight.clear()
+            peers = list(self._peers.values())
+            self._peers.clear()
+        for rec in recs:
+            self._release(rec)
+            self._complete(
+                rec.handle, TransferState.FAILED, "transport closed", FailureKind.DISCONNECTED
+            )
+        for xid, xfer in self._progress.zombies:
+            self._agent.try_release(xfer, f"xid={xid} release at close")
+        for p in peers:
+            self._agent.try_remove_peer(p.handle.agent_name, p.dlist)
+        self._agent.try_close(self._local_dlist)
+        logger.info("NIXL transport %s closed", self.engine_id)
+
+    # -- progress thread ------------------------------------------------------
+
+    def _run_progress(self) -> None:
+        pr = self._progress
+        while not self._stop.is_set():
+            try:
+                busy = self._progress_once()
+            except Exception:  # never let the thread die
+                logger.exception("NIXL progress iteration failed")
+                busy = True
+            if busy:
+                pr.idle_wait = self.poll_interval_s
+            else:
+                pr.idle_wait = min(pr.idle_wait * 2, self.idle_poll_interval_s)
+            if self._wake.wait(pr.idle_wait):
+                self._wake.clear()
+
+    def _progress_once(self) -> bool:
+        """One pass; True if fast polling should continue."""
+        now = time.monotonic()
+        pr = self._progress
+        with self._lock:
+            recs = list(self._inflight.values())
+        for rec in recs:
+            self._check(rec, now)
+        received = self._drain_notifs(now)
+        if pr.zombies:
+            pr.zombies = [(x, h) for x, h in pr.zombies if not self._agent.try_release(h, None)]
+        if pr.remote_hints:
+            pr.remote_hints = {k: exp for k, exp in pr.remote_hints.items() if exp > now}
+        if recs or received:
+            pr.last_active = now
+        return bool(recs) or bool(pr.remote_hints) or now - pr.last_active < self.linger_s
+
+    def _check(self, rec: _Inflight, now: float) -> None:
+        handle = rec.handle
+        try:
+            status, reason = self._agent.check(rec.xfer), "NIXL reported ERR"
+        except Exception as exc:
+            status, reason = "ERR", f"{type(exc).__name__}: {exc}"
+        if status == "PROC" and now < handle.expires_at:
+            return
+        with self._lock:
+            if self._inflight.pop(id(handle), None) is None:
+                return  # disconnect() or close() took it
+        self._release(rec)
+        if status == "DONE":
+            self._complete(handle, TransferState.DONE)
+        elif status == "PROC":
+            reason = f"deadline exceeded after {handle.deadline_s:g} s"
+            self._complete(handle, TransferState.FAILED, reason, FailureKind.DEADLINE)
+        else:
+            self._complete(
+                handle, TransferState.FAILED, f"transport error: {reason}", FailureKind.PEER
+            )
+
+    def _release(self, rec: _Inflight) -> None:
+        """Release (cancelling if active) the NIXL handle; keep it for retry if NIXL refuses."""
+        if not self._agent.try_release(rec.xfer, f"xid={rec.handle.xid} release"):
+            self._progress.zombies.append((rec.handle.xid, rec.xfer))
+        if rec.hinted:
+            self._agent.try_send_notif(
+                rec.agent_name, self._hint(EnvelopeKind.XFER_END, rec.handle)
+            )
+
+    def _hint(self, kind: EnvelopeKind, handle: TransferHandle) -> bytes:
+        return encode_envelope(Envelope(kind, self.engine_id, handle.xid, b"", handle.deadline_s))
+
+    def _drain_notifs(self, now: float) -> int:
+        try:
+            new = self._agent.new_notifs()
+        except Exception:
+            logger.exception("reading NIXL notifications failed")
+            return 0
+        out: list[Notification] = []
+        count = 0
+        for agent_name, msgs in new.items():
+            for raw in msgs:
+                count += 1
+                try:
+                    env = decode_envelope(raw)
+                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                    logger.warning("dropping malformed notification from %s: %s", agent_name, exc)
+                    continue
+                key = (env.sender, env.xid or "")
+                if env.kind is EnvelopeKind.USER:
+                    out.append(Notification(env.sender, env.xid, env.payload))
+                    logger.debug("xid=%s notification from %s", env.xid, env.sender)
+                elif env.kind is EnvelopeKind.XFER_BEGIN:
+                    self._progress.remote_hints[key] = now + env.deadline_s
+                else:
+                    self._progress.remote_hints.pop(key, None)
+        if out:
+            for _ in out:
+                self.metrics.on_notification("received")
+            with self._notif_cv:
+                self._notifs.extend(out)
+                self._notif_cv.notify_all()
+        return count
+
+    def _ensure_open(self) -> None:
+        if self._closed:
+            raise TransferError("transport is closed")
+
+
+__all__ = ["NixlTransport", "nixl_available"]
