@@ -31,12 +31,45 @@ _ACT: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+_Device = torch.device | str | None
+
+
+class Linear(nn.Module):
+    """``x @ weight.T + bias``; parameters are allocated, not initialised (loaders fill them)."""
+
+    bias: nn.Parameter | None
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: _Device
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device))
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    """Token embedding table, allocated uninitialised."""
+
+    def __init__(self, num_embeddings: int, dim: int, dtype: torch.dtype, device: _Device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, dim, dtype=dtype, device=device))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm as in transformers: normalise in float32, cast back, then scale."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: _Device) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -49,7 +82,7 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """Self-attention of one layer over the paged KV cache."""
 
-    def __init__(self, config: DecoderConfig, layer: int) -> None:
+    def __init__(self, config: DecoderConfig, layer: int, dtype: torch.dtype, device: _Device) -> None:
         super().__init__()
         self.layer = layer
         self.num_heads = config.num_heads
@@ -59,15 +92,17 @@ class Attention(nn.Module):
         self.kv_size = config.kv_size
         self.scale = config.head_dim**-0.5
         self.window = config.window_of(layer)
-        self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        self.qkv_proj = Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, config.attention_bias, dtype, device
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_output_bias)
+        self.o_proj = Linear(
+            self.q_size, config.hidden_size, config.attention_output_bias, dtype, device
+        )
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device)
 
     def forward(
         self,
@@ -99,13 +134,15 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """Gated MLP: down(act(gate(x)) * up(x)) with gate and up fused."""
 
-    def __init__(self, config: DecoderConfig) -> None:
+    def __init__(self, config: DecoderConfig, dtype: torch.dtype, device: _Device) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(
-            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
+        self.gate_up_proj = Linear(
+            config.hidden_size, 2 * config.intermediate_size, config.mlp_bias, dtype, device
         )
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.down_proj = Linear(
+            config.intermediate_size, config.hidden_size, config.mlp_bias, dtype, device
+        )
         self.act = _ACT[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -114,12 +151,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: DecoderConfig, layer: int) -> None:
+    def __init__(self, config: DecoderConfig, layer: int, dtype: torch.dtype, device: _Device) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
+        self.self_attn = Attention(config, layer, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
+        self.mlp = MLP(config, dtype, device)
 
     def forward(
         self,
@@ -135,18 +173,26 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    """The whole model: embeddings, layers, final norm, output projection."""
+    """The whole model: embeddings, layers, final norm, output projection.
 
-    def __init__(self, config: DecoderConfig) -> None:
+    Matrices are allocated uninitialised on `device` in `dtype` (norm weights
+    are ones); fill them with a loader or `init_random_weights`.
+    """
+
+    def __init__(
+        self, config: DecoderConfig, dtype: torch.dtype = torch.float32, device: _Device = None
+    ) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config)
-        self.lm_head: nn.Linear | None = None
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, dtype, device) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.rotary = RotaryEmbedding(config, device)
+        self.lm_head: Linear | None = None
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device)
 
     def forward(
         self,

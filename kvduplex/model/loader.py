@@ -29,7 +29,6 @@ from kvduplex.engine.kv_cache import dtype_from_name
 from kvduplex.model.config import DecoderConfig
 from kvduplex.model.decoder import DecoderForCausalLM, fused_shard_rows, hf_weight_target
 from kvduplex.model.presets import PRESETS, init_random_weights, preset_config
-from kvduplex.model.rope import inverse_frequencies
 from kvduplex.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -132,13 +131,8 @@ def _read_config(folder: Path) -> DecoderConfig:
 
 
 def _empty_model(config: DecoderConfig, dtype: torch.dtype, device: torch.device) -> DecoderForCausalLM:
-    """Parameters allocated on `device` in `dtype`, uninitialised (buffers recomputed)."""
-    with torch.device("meta"):
-        model = DecoderForCausalLM(config)
-    model = model.to(dtype).to_empty(device=device)
-    # Buffers (RoPE frequencies) are not weights: compute them for real, in float32.
-    model.rotary.inv_freq = inverse_frequencies(config).to(device)
-    return model
+    """Parameters allocated on `device` in `dtype`, uninitialised."""
+    return DecoderForCausalLM(config, dtype, device)
 
 
 def weight_files(folder: Path) -> list[Path]:

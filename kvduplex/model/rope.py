@@ -54,9 +54,10 @@ class RotaryEmbedding(nn.Module):
 
     inv_freq: torch.Tensor
 
-    def __init__(self, config: DecoderConfig) -> None:
+    def __init__(self, config: DecoderConfig, device: torch.device | str | None = None) -> None:
         super().__init__()
-        self.register_buffer("inv_freq", inverse_frequencies(config), persistent=False)
+        freqs = inverse_frequencies(config)
+        self.register_buffer("inv_freq", freqs if device is None else freqs.to(device), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin ``(num_tokens, 1, head_dim)`` in `dtype` for `positions` ``(num_tokens,)``.

@@ -1,0 +1,141 @@
+"""The model runner over the paged KV pool (tiny preset, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvduplex.config import ModelLoadConfig
+from kvduplex.engine.kv_cache import KVCacheLayout, allocate_kv_pool
+from kvduplex.engine.runner import ModelRunner, SeqInput, kv_layout_for, num_blocks_for_memory
+from kvduplex.model.loader import LoadedModel, load_model
+from kvduplex.model.presets import preset_config
+
+BS = 4
+NUM_BLOCKS = 32
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LoadedModel:
+    return load_model(ModelLoadConfig(model="tiny", seed=3))
+
+
+@pytest.fixture
+def runner(tiny: LoadedModel) -> ModelRunner:
+    layout = kv_layout_for(tiny.config, BS, NUM_BLOCKS, tiny.dtype)
+    return ModelRunner(tiny.model, tiny.config, allocate_kv_pool(layout), layout, tiny.device)
+
+
+def _ids(n: int, offset: int = 0) -> list[int]:
+    return [(offset + 37 * i) % 300 for i in range(n)]
+
+
+def test_layout_and_memory_sizing() -> None:
+    cfg = preset_config("tiny")
+    layout = kv_layout_for(cfg, 16, 10, torch.bfloat16)
+    assert layout == KVCacheLayout(cfg.num_layers, 10, 16, cfg.num_kv_heads, cfg.head_dim, "bfloat16")
+    per_block = cfg.num_layers * 2 * 16 * cfg.num_kv_heads * cfg.head_dim * 2
+    assert num_blocks_for_memory(cfg, 16, torch.bfloat16, 1) == 2**20 // per_block
+    assert num_blocks_for_memory(cfg, 16, "float32", 8) == 8 * 2**20 // (2 * per_block)
+    with pytest.raises(ValueError, match="kv_cache_mb"):
+        num_blocks_for_memory(preset_config("kv-heavy"), 1024, "float32", 1)
+
+
+def test_on_layer_done_once_per_layer_after_its_kv_is_written(runner: ModelRunner) -> None:
+    pool = runner.kv_pool
+    seqs = [SeqInput(_ids(6), 0, [3, 7], True), SeqInput(_ids(1, 5), 4, [9, 2], True)]
+    slots = torch.tensor([3 * BS + p for p in range(4)] + [7 * BS + p for p in range(2)] + [2 * BS])
+    seen: list[int] = []
+    snapshots: dict[int, torch.Tensor] = {}
+
+    def on_layer_done(layer: int) -> None:
+        seen.append(layer)
+        flat = pool[layer].view(2, -1, *pool.shape[-2:])
+        snapshots[layer] = flat[:, slots].clone()
+        if layer + 1 < pool.shape[0]:
+            later = pool[layer + 1].view(2, -1, *pool.shape[-2:])[:, slots]
+            assert not later.any(), "a later layer was written before its hook"
+
+    runner.execute(seqs, on_layer_done=on_layer_done)
+    assert seen == list(range(runner.config.num_layers))
+    for layer, snap in snapshots.items():
+        assert snap.abs().sum(dim=(-1, -2)).gt(0).all(), f"layer {layer}: a slot is still empty"
+        final = pool[layer].view(2, -1, *pool.shape[-2:])[:, slots]
+        assert torch.equal(snap, final)
+
+
+def test_mixed_batch_equals_separate_steps(tiny: LoadedModel) -> None:
+    def fresh() -> ModelRunner:
+        layout = kv_layout_for(tiny.config, BS, NUM_BLOCKS, tiny.dtype)
+        return ModelRunner(tiny.model, tiny.config, allocate_kv_pool(layout), layout, tiny.device)
+
+    a, b, c = _ids(9), _ids(5, 1), _ids(14, 2)
+    tables = [[0, 1, 2], [5, 4], [10, 11, 12, 13]]
+    # separately: a and b fully prefilled, c prefilled up to 10
+    sep = fresh()
+    sep.execute([SeqInput(a[:8], 0, tables[0], False)])
+    sep.execute([SeqInput(b[:4], 0, tables[1], False)])
+    sep.execute([SeqInput(c[:10], 0, tables[2], False)])
+    ref = [
+        sep.execute([SeqInput(a[8:], 8, tables[0], True)])[0],
+        sep.execute([SeqInput(b[4:], 4, tables[1], True)])[0],
+        sep.execute([SeqInput(c[10:], 10, tables[2], True)])[0],
+    ]
+    # together: two decodes of different context lengths and a prefill chunk in one step
+    mix = fresh()
+    mix.execute([SeqInput(a[:8], 0, tables[0], False), SeqInput(b[:4], 0, tables[1], False),
+                 SeqInput(c[:10], 0, tables[2], False)])
+    out = mix.execute([SeqInput(a[8:], 8, tables[0], True), SeqInput(c[10:], 10, tables[2], True),
+                       SeqInput(b[4:], 4, tables[1], True)])
+    assert out.shape == (3, tiny.config.vocab_size) and out.dtype == torch.float32
+    torch.testing.assert_close(out, torch.stack([ref[0], ref[2], ref[1]]), atol=1e-5, rtol=1e-5)
+
+
+def test_logits_only_for_rows_that_ask(runner: ModelRunner) -> None:
+    out = runner.execute([SeqInput(_ids(3), 0, [0], False), SeqInput(_ids(2), 0, [1], True)])
+    assert out.shape == (1, runner.config.vocab_size)
+    assert runner.execute([]).shape == (0, runner.config.vocab_size)
+    none = runner.execute([SeqInput(_ids(2), 0, [2], False)])
+    assert none.shape == (0, runner.config.vocab_size)
+
+
+def test_shared_prefix_blocks_give_same_logits_as_full_prefill(runner: ModelRunner) -> None:
+    prefix, tail = _ids(8), _ids(5, 9)
+    full = runner.execute([SeqInput(prefix + tail, 0, [20, 21, 22, 23], True)])[0]
+    # another sequence whose first two blocks are the cached prefix, computing only its tail
+    runner.execute([SeqInput(prefix, 0, [4, 5], False)])
+    hit = runner.execute([SeqInput(tail, 8, [4, 5, 6, 7], True)])[0]
+    torch.testing.assert_close(hit, full, atol=1e-5, rtol=1e-5)
+
+
+def test_rejects_malformed_inputs(runner: ModelRunner) -> None:
+    with pytest.raises(ValueError, match="cannot hold"):
+        runner.execute([SeqInput(_ids(5), 0, [0], True)])
+    with pytest.raises(ValueError, match="block ids"):
+        runner.execute([SeqInput(_ids(2), 0, [NUM_BLOCKS], True)])
+    with pytest.raises(ValueError, match="new token"):
+        runner.execute([SeqInput([], 0, [0], True)])
+
+
+def test_rejects_pool_that_does_not_fit(tiny: LoadedModel) -> None:
+    layout = kv_layout_for(tiny.config, BS, NUM_BLOCKS, tiny.dtype)
+    wrong = KVCacheLayout(tiny.config.num_layers, NUM_BLOCKS, BS, 1, tiny.config.head_dim)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        ModelRunner(tiny.model, tiny.config, allocate_kv_pool(wrong), wrong, tiny.device)
+    bf16 = kv_layout_for(tiny.config, BS, NUM_BLOCKS, torch.bfloat16)
+    with pytest.raises(ValueError, match="dtype"):
+        ModelRunner(tiny.model, tiny.config, allocate_kv_pool(bf16), bf16, tiny.device)
+    with pytest.raises(ValueError, match="KV pool is"):
+        ModelRunner(tiny.model, tiny.config, torch.zeros(1), layout, tiny.device)
+
+
+def test_bfloat16_runs_and_tracks_float32(tiny: LoadedModel) -> None:
+    lm = load_model(ModelLoadConfig(model="tiny", seed=3, dtype="bfloat16"))
+    layout = kv_layout_for(lm.config, BS, NUM_BLOCKS, lm.dtype)
+    r16 = ModelRunner(lm.model, lm.config, allocate_kv_pool(layout), layout, lm.device)
+    layout32 = kv_layout_for(tiny.config, BS, NUM_BLOCKS, tiny.dtype)
+    r32 = ModelRunner(tiny.model, tiny.config, allocate_kv_pool(layout32), layout32, tiny.device)
+    seq = [SeqInput(_ids(10), 0, [0, 1, 2], True)]
+    out16, out32 = r16.execute(seq), r32.execute(seq)
+    assert out16.dtype == torch.float32 and torch.isfinite(out16).all()
+    assert (out16 - out32).abs().max() < 0.05 * out32.abs().max() + 1e-3
