@@ -58,7 +58,7 @@ class KVCacheManager:
         self.identity = identity
         # request id -> leading blocks of its table already in the prefix cache
         self._num_cached_blocks: dict[str, int] = {}
-        # Prefix-cache hit rate = num_hit_tokens / num_queried_tokens (admission lookups).
+        # Prefix-cache hit rate = num_hit_tokens / num_queried_tokens, over admissions.
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
 
@@ -98,10 +98,7 @@ class KVCacheManager:
         max_tokens = req.num_tokens if allow_full_hit else req.num_tokens - 1
         max_blocks = max_tokens // self.block_size
         block_ids = self.pool.lookup(req.block_hashes[:max_blocks])
-        hit = PrefixHit(tuple(block_ids), len(block_ids) * self.block_size)
-        self.num_queried_tokens += req.num_tokens
-        self.num_hit_tokens += hit.num_tokens
-        return hit
+        return PrefixHit(tuple(block_ids), len(block_ids) * self.block_size)
 
     def try_allocate_slots(
         self, req: Request, num_new_tokens: int, hit: PrefixHit | None = None
@@ -114,7 +111,8 @@ class KVCacheManager:
         None (nothing changed) if the pool cannot supply them now.
         """
         hit = hit or _NO_HIT
-        if hit.block_ids and (req.block_ids or req.num_computed_tokens):
+        is_admission = not req.block_ids and req.num_computed_tokens == 0
+        if hit.block_ids and not is_admission:
             raise ValueError(f"request {req.request_id}: a prefix hit applies only at admission")
         num_tokens_after = req.num_computed_tokens + hit.num_tokens + num_new_tokens
         num_have = len(req.block_ids) + len(hit.block_ids)
@@ -129,6 +127,9 @@ class KVCacheManager:
             req.block_ids.extend(hit.block_ids)
             self._num_cached_blocks[req.request_id] = len(hit.block_ids)
         req.block_ids.extend(new_block_ids)
+        if is_admission:
+            self.num_queried_tokens += req.num_tokens
+            self.num_hit_tokens += hit.num_tokens
         return new_block_ids
 
     def cache_full_blocks(self, req: Request) -> int:

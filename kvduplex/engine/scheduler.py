@@ -192,7 +192,7 @@ class Scheduler:
         self.kv.cache_full_blocks(req)
         req.status = RequestStatus.RUNNING
         self._insert_running(req)
-        logger.info("request %s: remote KV done (first token %s)", request_id, first_token)
+        logger.debug("request %s: remote KV done (first token %s)", request_id, first_token)
         if first_token is None:
             return False
         req.append_output_token(first_token)
@@ -316,7 +316,7 @@ class Scheduler:
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self._remote_waiting[req.request_id] = req
         step.remote_kv_allocated.append(req)
-        logger.info(
+        logger.debug(
             "request %s: %d blocks allocated for remote KV (transfer %s, %d tokens cached)",
             req.request_id,
             len(req.block_ids),
@@ -359,7 +359,7 @@ class Scheduler:
             self._held[req.request_id] = req
         else:
             self.kv.free(req)
-        logger.info(
+        logger.debug(
             "request %s finished (%s): %d prompt + %d output tokens, %d cached, %d preemptions",
             req.request_id,
             reason.value,

@@ -52,20 +52,22 @@ class StepBuilder:
         self.seqs: dict[str, tuple[Request, int]] = {}
         self.preempted: list[Request] = []
         self.remote_kv_allocated: list[Request] = []
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(n for _, n in self.seqs.values())
+        self._num_tokens = 0
 
     @property
     def budget_left(self) -> int:
-        return max(0, self.token_budget - self.num_scheduled_tokens)
+        return max(0, self.token_budget - self._num_tokens)
 
     def add(self, req: Request, num_new_tokens: int) -> None:
+        assert req.request_id not in self.seqs, f"request {req.request_id} scheduled twice"
         self.seqs[req.request_id] = (req, num_new_tokens)
+        self._num_tokens += num_new_tokens
 
     def drop(self, req: Request) -> None:
-        self.seqs.pop(req.request_id, None)
+        """Take a request out of this step again (it was preempted)."""
+        entry = self.seqs.pop(req.request_id, None)
+        if entry is not None:
+            self._num_tokens -= entry[1]
 
     def build(self) -> SchedulerOutput:
         out = SchedulerOutput(
