@@ -267,13 +267,20 @@ class Scheduler:
             n = self._chunk_size(num_remaining, step)
             if n == 0:
                 continue
-            while self.kv.try_allocate_slots(req, n) is None:
-                victim = max(self._running, key=lambda r: r.arrival_time)
-                self._preempt(victim, step)
-                if victim is req:
-                    break
-            else:
+            if self._allocate_or_preempt(req, n, step):
                 step.add(req, n)
+
+    def _allocate_or_preempt(self, req: Request, num_new_tokens: int, step: StepBuilder) -> bool:
+        """Allocate slots for a running request, preempting the latest arrivals as needed.
+
+        Returns False if `req` itself was preempted.
+        """
+        while self.kv.try_allocate_slots(req, num_new_tokens) is None:
+            victim = max(self._running, key=lambda r: r.arrival_time)
+            self._preempt(victim, step)
+            if victim is req:
+                return False
+        return True
 
     def _admit_waiting(self, step: StepBuilder) -> None:
         """Admit waiting requests in order while seats, budget and blocks last."""
