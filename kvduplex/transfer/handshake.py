@@ -48,13 +48,16 @@ def make_handshake_router(transport: Transport) -> APIRouter:
 def fetch_handshake(
     base_url: str, timeout: float = 2.0, client: httpx.Client | None = None
 ) -> HandshakeInfo:
-    """GET a peer's handshake; raises PeerUnavailableError saying why it failed."""
+    """GET a peer's handshake; raises PeerUnavailableError saying why it failed.
+
+    With ``client`` given, its own timeout applies and ``timeout`` is ignored.
+    """
     url = base_url.rstrip("/") + HANDSHAKE_PATH
     try:
         if client is None:
             resp = httpx.get(url, timeout=timeout)
         else:
-            resp = client.get(url, timeout=timeout)
+            resp = client.get(url)
     except httpx.HTTPError as exc:
         raise PeerUnavailableError(
             f"handshake with {base_url} failed: {type(exc).__name__}: {exc}"

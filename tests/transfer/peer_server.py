@@ -2,8 +2,9 @@
 
 Allocates its own pool with the given layout, runs a NixlTransport and serves
 the handshake endpoint plus a few test endpoints under uvicorn on 127.0.0.1.
-Prints ``READY_PREFIX {"port": ..., "engine_id": ...}`` on stdout once the
-socket listens (NIXL may log other lines there); stops on SIGTERM.
+Writes one line ``{"port": ..., "engine_id": ...}`` to ``--ready-fd`` (a pipe
+from the parent; default stdout, where NIXL also logs, prefixed READY_PREFIX)
+once the socket listens; stops on SIGTERM.
 
 Test endpoints (bodies are JSON):
 
@@ -22,6 +23,7 @@ import argparse
 import base64
 import json
 import logging
+import os
 import socket
 import sys
 import time
@@ -120,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-kv-heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=32)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--ready-fd", type=int, default=-1, help="write the ready line here")
     ap.add_argument(
         "--seed", type=int, default=0, help="fill the whole pool with this seed (-1: zeros)"
     )
@@ -143,11 +146,12 @@ def main(argv: list[str] | None = None) -> int:
         sock.listen(128)
         app = build_app(transport, pool)
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-        print(
-            READY_PREFIX,
-            json.dumps({"port": sock.getsockname()[1], "engine_id": transport.engine_id}),
-            flush=True,
-        )
+        ready = json.dumps({"port": sock.getsockname()[1], "engine_id": transport.engine_id})
+        if args.ready_fd >= 0:
+            with os.fdopen(args.ready_fd, "w") as f:
+                f.write(ready + "\n")
+        else:
+            print(READY_PREFIX, ready, flush=True)
         server.run(sockets=[sock])
     finally:
         transport.close()

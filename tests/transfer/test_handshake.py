@@ -1,0 +1,109 @@
+"""Handshake endpoint, client and the peer directory's restart detection (in-process)."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from kvduplex.engine.kv_cache import KVCacheLayout, allocate_kv_pool
+from kvduplex.transfer import IncompatibleLayoutError, PeerUnavailableError, TransferState
+from kvduplex.transfer.fake import InProcessFabric, InProcessTransport
+from kvduplex.transfer.handshake import (
+    HANDSHAKE_PATH,
+    PeerDirectory,
+    fetch_handshake,
+    make_handshake_router,
+)
+from kvduplex.transfer.messages import decode_handshake
+from kvduplex.transfer.metrics import TransferMetrics
+
+pytestmark = pytest.mark.timeout(30)
+
+LAYOUT = KVCacheLayout(num_layers=2, num_blocks=8, block_size=4, num_kv_heads=1, head_dim=8)
+URL = "http://testserver"
+
+
+def endpoint(fabric: InProcessFabric, layout: KVCacheLayout = LAYOUT) -> InProcessTransport:
+    return fabric.endpoint(allocate_kv_pool(layout), layout, metrics=TransferMetrics(None))
+
+
+class Switchboard:
+    """An ASGI app forwarding to whichever instance "listens" at the URL now."""
+
+    def __init__(self) -> None:
+        self.app: FastAPI | None = None
+
+    def serve(self, transport: InProcessTransport) -> None:
+        self.app = FastAPI()
+        self.app.include_router(make_handshake_router(transport))
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        assert self.app is not None
+        await self.app(scope, receive, send)
+
+
+def test_endpoint_serves_json_with_base64_metadata() -> None:
+    fabric = InProcessFabric()
+    ep = endpoint(fabric)
+    sb = Switchboard()
+    sb.serve(ep)
+    resp = TestClient(sb).get(HANDSHAKE_PATH)
+    assert resp.status_code == 200
+    body = resp.json()
+    assert body["engine_id"] == ep.engine_id
+    assert body["layout"] == LAYOUT.to_dict()
+    assert base64.b64decode(body["agent_metadata"]) == ep.local_metadata().agent_metadata
+    assert decode_handshake(resp.content) == ep.local_metadata()
+
+
+def test_fetch_handshake_errors_say_why() -> None:
+    app = FastAPI()
+    with pytest.raises(PeerUnavailableError, match="HTTP 404"):
+        fetch_handshake(URL, client=TestClient(app))
+    with pytest.raises(PeerUnavailableError, match=r"handshake with http://127\.0\.0\.1:9 failed"):
+        fetch_handshake("http://127.0.0.1:9", timeout=0.5)  # discard port: refused
+
+
+def test_directory_reconnects_after_restart_at_the_same_url() -> None:
+    fabric = InProcessFabric()
+    local = endpoint(fabric)
+    first = endpoint(fabric)
+    sb = Switchboard()
+    sb.serve(first)
+    directory = PeerDirectory(local, client=TestClient(sb))
+
+    peer = directory.get_peer(URL)
+    assert peer.engine_id == first.engine_id
+    assert directory.get_peer(URL) is peer  # cached, no new handshake needed
+    assert directory.url_of(first.engine_id) == URL
+
+    # The instance restarts: a new engine answers at the same URL.
+    first.close()
+    second = endpoint(fabric)
+    sb.serve(second)
+    assert local.write(peer, "stale", [0], [0]).state is TransferState.FAILED
+    # Told by a message that the engine there is now `second`: re-handshake.
+    new_peer = directory.get_peer(URL, engine_id=second.engine_id)
+    assert new_peer.engine_id == second.engine_id
+    assert local.write(new_peer, "fresh", [0], [0]).wait(1) is TransferState.DONE
+    assert directory.refresh(URL) is new_peer  # unchanged engine: same handle
+    directory.forget(URL)
+    assert directory.peers() == {}
+
+
+def test_directory_refuses_incompatible_peer() -> None:
+    fabric = InProcessFabric()
+    local = endpoint(fabric)
+    other_layout = KVCacheLayout(
+        num_layers=2, num_blocks=8, block_size=4, num_kv_heads=1, head_dim=16
+    )
+    sb = Switchboard()
+    sb.serve(endpoint(fabric, other_layout))
+    directory = PeerDirectory(local, client=TestClient(sb))
+    with pytest.raises(IncompatibleLayoutError, match=r"head_dim: 8 here vs 16 there"):
+        directory.get_peer(URL)
+    assert directory.peers() == {}
