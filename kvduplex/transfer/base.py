@@ -47,33 +47,74 @@ def _as_index_array(
     return arr
 
 
+def _check_range(arr: npt.NDArray[np.int64], limit: int, what: str) -> None:
+    # One reduction: negative values wrap to huge unsigned ones.
+    if arr.size and int(arr.view(np.uint64).max()) >= limit:
+        bad = arr[(arr < 0) | (arr >= limit)][0]
+        raise ValueError(f"{what} {int(bad)} out of range [0, {limit})")
+
+
+class RegionIndexer:
+    """Expands ``layers × kinds × blocks`` to region indices of one layout.
+
+    Keeps the row offsets per (layers, kinds) selection, so a transfer costs a
+    few numpy operations on its block list. Not thread-safe for writers of the
+    cache, but a lost cache entry is only recomputed.
+    """
+
+    _MAX_CACHED = 256
+
+    def __init__(self, layout: KVCacheLayout) -> None:
+        self.layout = layout
+        self._rows: dict[tuple[tuple[int, ...] | None, tuple[int, ...]], npt.NDArray[np.int64]] = {}
+
+    def rows(
+        self, layers: Sequence[int] | npt.NDArray[np.integer] | None, kinds: Sequence[KVKind]
+    ) -> npt.NDArray[np.int64]:
+        """Offset of block 0 of each selected (layer, kind), shape (layers * kinds, 1)."""
+        key = (
+            None if layers is None else tuple(int(x) for x in layers),
+            tuple(int(k) for k in kinds),
+        )
+        rows = self._rows.get(key)
+        if rows is None:
+            lay = (
+                np.arange(self.layout.num_layers, dtype=np.int64)
+                if layers is None
+                else _as_index_array(layers, "layers")
+            )
+            _check_range(lay, self.layout.num_layers, "layer")
+            kv = np.asarray(key[1], dtype=np.int64)
+            _check_range(kv, 2, "kind")
+            rows = ((lay[:, None] * 2 + kv[None, :]) * self.layout.num_blocks).reshape(-1, 1)
+            if len(self._rows) >= self._MAX_CACHED:
+                self._rows.clear()
+            self._rows[key] = rows
+        return rows
+
+    def __call__(
+        self,
+        blocks: Sequence[int] | npt.NDArray[np.integer],
+        layers: Sequence[int] | npt.NDArray[np.integer] | None = None,
+        kinds: Sequence[KVKind] = ALL_KINDS,
+    ) -> IndexArray:
+        """Region indices; ValueError naming the offending value if one is out of range."""
+        b = _as_index_array(blocks, "blocks")
+        _check_range(b, self.layout.num_blocks, "block id")
+        return (self.rows(layers, kinds) + b).reshape(-1).astype(np.int32)  # (layers*kinds*blocks,)
+
+
 def block_region_indices(
     layout: KVCacheLayout,
     blocks: Sequence[int] | npt.NDArray[np.integer],
     layers: Sequence[int] | npt.NDArray[np.integer] | None = None,
     kinds: Sequence[KVKind] = ALL_KINDS,
 ) -> IndexArray:
-    """Region indices of ``layers × kinds × blocks`` in ``layout``'s pool.
+    """Region indices of ``layers × kinds × blocks`` in ``layout``'s pool, in that order.
 
     Raises ValueError naming the offending value if a block or layer is out of range.
     """
-    b = _as_index_array(blocks, "blocks")
-    if b.size and (b.min() < 0 or b.max() >= layout.num_blocks):
-        bad = b[(b < 0) | (b >= layout.num_blocks)][0]
-        raise ValueError(f"block id {int(bad)} out of range [0, {layout.num_blocks})")
-    if layers is None:
-        lay = np.arange(layout.num_layers, dtype=np.int64)
-    else:
-        lay = _as_index_array(layers, "layers")
-        if lay.size and (lay.min() < 0 or lay.max() >= layout.num_layers):
-            bad = lay[(lay < 0) | (lay >= layout.num_layers)][0]
-            raise ValueError(f"layer {int(bad)} out of range [0, {layout.num_layers})")
-    kv = np.asarray([int(k) for k in kinds], dtype=np.int64)
-    if kv.size and (kv.min() < 0 or kv.max() > 1):
-        raise ValueError(f"kinds must be KVKind.K or KVKind.V, got {list(kinds)}")
-    rows = (lay[:, None] * 2 + kv[None, :]) * layout.num_blocks  # (layers, kinds)
-    idx = rows[:, :, None] + b[None, None, :]  # (layers, kinds, blocks)
-    return idx.reshape(-1).astype(np.int32)
+    return RegionIndexer(layout)(blocks, layers, kinds)
 
 
 def region_indices(layout: KVCacheLayout, regions: Sequence[Region]) -> IndexArray:
@@ -137,6 +178,8 @@ class TransportBase(abc.ABC):
         if layout.num_layers * 2 * layout.num_blocks >= 2**31:
             raise ValueError("the pool has more than 2**31 regions; use larger blocks")
         self._layout = layout
+        self._block_bytes = layout.block_bytes
+        self._indexers: dict[KVCacheLayout, RegionIndexer] = {layout: RegionIndexer(layout)}
         self._engine_id = engine_id
         self.default_deadline_s = default_deadline_s
         self.metrics = metrics if metrics is not None else TransferMetrics.default()
@@ -219,9 +262,15 @@ class TransportBase(abc.ABC):
                 f"local_blocks ({len(local_blocks)}) and remote_blocks ({len(remote_blocks)}) "
                 "must have the same length"
             )
-        local = block_region_indices(self._layout, local_blocks, layers, kinds)
-        remote = block_region_indices(peer.layout, remote_blocks, layers, kinds)
+        local = self._indexer(self._layout)(local_blocks, layers, kinds)
+        remote = self._indexer(peer.layout)(remote_blocks, layers, kinds)
         return local, remote
+
+    def _indexer(self, layout: KVCacheLayout) -> RegionIndexer:
+        indexer = self._indexers.get(layout)
+        if indexer is None:
+            indexer = self._indexers[layout] = RegionIndexer(layout)
+        return indexer
 
     def _region_pair(
         self, peer: PeerHandle, local: Sequence[Region], remote: Sequence[Region]
@@ -250,7 +299,7 @@ class TransportBase(abc.ABC):
             op=op,
             peer_engine_id=peer.engine_id,
             num_descriptors=int(local.size),
-            num_bytes=int(local.size) * self._layout.block_bytes,
+            num_bytes=int(local.size) * self._block_bytes,
             deadline_s=deadline,
         )
         t0 = time.perf_counter()

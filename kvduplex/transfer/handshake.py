@@ -54,10 +54,7 @@ def fetch_handshake(
     """
     url = base_url.rstrip("/") + HANDSHAKE_PATH
     try:
-        if client is None:
-            resp = httpx.get(url, timeout=timeout)
-        else:
-            resp = client.get(url)
+        resp = httpx.get(url, timeout=timeout) if client is None else client.get(url)
     except httpx.HTTPError as exc:
         raise PeerUnavailableError(
             f"handshake with {base_url} failed: {type(exc).__name__}: {exc}"

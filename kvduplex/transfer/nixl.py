@@ -8,12 +8,20 @@ prepares the peer's region list once; a transfer is then two index arrays.
 NIXL's own progress thread busy-polls a core, so it is off; our progress
 thread drives the agent instead::
 
-    loop:  check in-flight transfers  ─► DONE / ERR ─► release handle, finish
+    loop:  post queued transfers      ─► NIXL make + post (FIFO)
+           check in-flight transfers  ─► DONE / ERR ─► release handle, finish
            expire past-deadline ones  ─► release (cancel) handle, FAILED
            drain notifications        ─► queue for poll_notifs()
            sleep: poll_interval_s while anything is in flight, a peer's large
                   transfer targets us (XFER_BEGIN..END), or recently active;
                   otherwise back off to idle_poll_interval_s; a post wakes it.
+
+Posting. Over shared memory (UCX cma) NIXL copies the data inside its post
+call, so a post costs as long as the copy. A transfer larger than
+``inline_post_max_bytes`` is therefore queued and posted by the progress
+thread (NIXL releases the GIL meanwhile): the caller pays only the index
+computation. Smaller ones post inline when nothing is queued, which keeps the
+latency of small transfers low. Transfers are posted in call order either way.
 
 Software-emulated transports (TCP RMA) progress only while the *target* polls,
 hence the XFER_BEGIN/XFER_END hints around large transfers. UCX transport
@@ -50,6 +58,7 @@ from kvduplex.transfer.messages import (
 )
 from kvduplex.transfer.metrics import TransferMetrics
 from kvduplex.transfer.nixl_agent import NixlAgent, nixl_available, region_descs
+from kvduplex.transfer.nixl_xfers import Job, XferTable
 from kvduplex.transfer.transport import (
     FailureKind,
     Notification,
@@ -72,23 +81,11 @@ class _Peer:
 
 
 @dataclass
-class _Inflight:
-    handle: TransferHandle
-    xfer: Any
-    peer_id: str
-    agent_name: str
-    hinted: bool
-    """An XFER_BEGIN was sent; XFER_END is owed."""
-
-
-@dataclass
 class _Progress:
     """State owned by the progress thread."""
 
     remote_hints: dict[tuple[str, str], float] = field(default_factory=dict)
     """(sender, xid) -> monotonic expiry of peers' large transfers targeting us."""
-    zombies: list[tuple[str, Any]] = field(default_factory=list)
-    """(xid, xfer) handles NIXL could not release yet."""
     last_active: float = 0.0
     idle_wait: float = 0.0
 
@@ -109,12 +106,14 @@ class NixlTransport(TransportBase):
         idle_poll_interval_s: float = 1e-3,
         linger_s: float = 0.05,
         hint_min_bytes: int = 1 << 20,
+        inline_post_max_bytes: int = 256 << 10,
     ) -> None:
         """Register ``pool`` (whose shape and dtype must match ``layout``) with a new agent.
 
         ``backend_params`` go to NIXL's UCX backend (e.g. ``ucx_devices``);
         ``hint_min_bytes`` is the size from which a transfer asks its target to
-        poll fast while it runs.
+        poll fast while it runs; ``inline_post_max_bytes`` the size up to
+        which the caller's thread posts (see the module docstring).
         """
         super().__init__(layout, engine_id or uuid.uuid4().hex, default_deadline_s, metrics)
         if tuple(pool.shape) != layout.shape or pool.dtype != layout.torch_dtype:
@@ -134,10 +133,9 @@ class NixlTransport(TransportBase):
         base = pool_base_address(pool)
         num_regions = layout.num_layers * 2 * layout.num_blocks
 
-        self._lock = threading.Lock()  # peers, in-flight, notifications
+        self._lock = threading.Lock()  # peers, notifications
         self._notif_cv = threading.Condition(self._lock)
         self._peers: dict[str, _Peer] = {}
-        self._inflight: dict[int, _Inflight] = {}
         self._notifs: deque[Notification] = deque()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -147,6 +145,9 @@ class NixlTransport(TransportBase):
         self._agent.register(base, layout.total_bytes, mem_type, device_id)
         descs = region_descs(base, num_regions, layout.block_bytes, device_id)
         self._local_dlist = self._agent.prep_dlist("NIXL_INIT_AGENT", descs, mem_type)
+        self._xfers = XferTable(
+            self._agent, self._local_dlist, self._complete, self._wake.set, inline_post_max_bytes
+        )
         self._metadata = HandshakeInfo(
             engine_id=self.engine_id,
             agent_name=self._agent.name,
@@ -197,19 +198,10 @@ class NixlTransport(TransportBase):
     def disconnect(self, peer: PeerHandle) -> None:
         with self._lock:
             p = self._peers.pop(peer.engine_id, None)
-            doomed = [r for r in self._inflight.values() if r.peer_id == peer.engine_id]
-            for rec in doomed:
-                del self._inflight[id(rec.handle)]
-        for rec in doomed:
-            self._release(rec)
-            self._complete(
-                rec.handle, TransferState.FAILED, "peer disconnected", FailureKind.DISCONNECTED
-            )
+        num = self._xfers.fail(peer.engine_id, "peer disconnected", FailureKind.DISCONNECTED)
         if p is not None:
             self._agent.try_remove_peer(p.handle.agent_name, p.dlist)
-            logger.info(
-                "disconnected from peer %s (%d transfers failed)", peer.engine_id, len(doomed)
-            )
+            logger.info("disconnected from peer %s (%d transfers failed)", peer.engine_id, num)
 
     # -- transfers ----------------------------------------------------------
 
@@ -233,22 +225,11 @@ class NixlTransport(TransportBase):
         msg = b""
         if notif is not None:
             msg = encode_envelope(Envelope(EnvelopeKind.USER, self.engine_id, handle.xid, notif))
-        hint = None
+        job = Job(handle, peer.engine_id, p.handle.agent_name, p.dlist, local, remote, msg)
         if handle.num_bytes >= self.hint_min_bytes:
-            hint = (p.handle.agent_name, self._hint(EnvelopeKind.XFER_BEGIN, handle))
-        xfer, status = self._agent.post(
-            op.name, self._local_dlist, local, p.dlist, remote, msg, hint
-        )
-        if status == "ERR":
-            raise TransferError("NIXL refused to post the transfer")
-        rec = _Inflight(handle, xfer, peer.engine_id, p.handle.agent_name, hint is not None)
-        if status == "DONE":  # completed inside the call (small transfers)
-            self._release(rec)
-            self._complete(handle, TransferState.DONE)
-            return
-        with self._lock:
-            self._inflight[id(handle)] = rec
-        self._wake.set()
+            job.begin_hint = self._hint(EnvelopeKind.XFER_BEGIN, handle)
+            job.end_hint = self._hint(EnvelopeKind.XFER_END, handle)
+        self._xfers.submit(job)
 
     def send_notif(self, peer: PeerHandle, payload: bytes, xid: str | None = None) -> None:
         with self._lock:
@@ -283,18 +264,11 @@ class NixlTransport(TransportBase):
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=5.0)
+        self._xfers.fail(None, "transport closed", FailureKind.DISCONNECTED)
+        self._xfers.retry_releases(final=True)
         with self._lock:
-            recs = list(self._inflight.values())
-            self._inflight.clear()
             peers = list(self._peers.values())
             self._peers.clear()
-        for rec in recs:
-            self._release(rec)
-            self._complete(
-                rec.handle, TransferState.FAILED, "transport closed", FailureKind.DISCONNECTED
-            )
-        for xid, xfer in self._progress.zombies:
-            self._agent.try_release(xfer, f"xid={xid} release at close")
         for p in peers:
             self._agent.try_remove_peer(p.handle.agent_name, p.dlist)
         self._agent.try_close(self._local_dlist)
@@ -321,49 +295,15 @@ class NixlTransport(TransportBase):
         """One pass; True if fast polling should continue."""
         now = time.monotonic()
         pr = self._progress
-        with self._lock:
-            recs = list(self._inflight.values())
-        for rec in recs:
-            self._check(rec, now)
+        posted = self._xfers.drain_posts()
+        checked = self._xfers.check_all()
         received = self._drain_notifs(now)
-        if pr.zombies:
-            pr.zombies = [(x, h) for x, h in pr.zombies if not self._agent.try_release(h, None)]
+        self._xfers.retry_releases()
         if pr.remote_hints:
             pr.remote_hints = {k: exp for k, exp in pr.remote_hints.items() if exp > now}
-        if recs or received:
+        if posted or checked or received:
             pr.last_active = now
-        return bool(recs) or bool(pr.remote_hints) or now - pr.last_active < self.linger_s
-
-    def _check(self, rec: _Inflight, now: float) -> None:
-        handle = rec.handle
-        try:
-            status, reason = self._agent.check(rec.xfer), "NIXL reported ERR"
-        except Exception as exc:
-            status, reason = "ERR", f"{type(exc).__name__}: {exc}"
-        if status == "PROC" and now < handle.expires_at:
-            return
-        with self._lock:
-            if self._inflight.pop(id(handle), None) is None:
-                return  # disconnect() or close() took it
-        self._release(rec)
-        if status == "DONE":
-            self._complete(handle, TransferState.DONE)
-        elif status == "PROC":
-            reason = f"deadline exceeded after {handle.deadline_s:g} s"
-            self._complete(handle, TransferState.FAILED, reason, FailureKind.DEADLINE)
-        else:
-            self._complete(
-                handle, TransferState.FAILED, f"transport error: {reason}", FailureKind.PEER
-            )
-
-    def _release(self, rec: _Inflight) -> None:
-        """Release (cancelling if active) the NIXL handle; keep it for retry if NIXL refuses."""
-        if not self._agent.try_release(rec.xfer, f"xid={rec.handle.xid} release"):
-            self._progress.zombies.append((rec.handle.xid, rec.xfer))
-        if rec.hinted:
-            self._agent.try_send_notif(
-                rec.agent_name, self._hint(EnvelopeKind.XFER_END, rec.handle)
-            )
+        return self._xfers.busy or bool(pr.remote_hints) or now - pr.last_active < self.linger_s
 
     def _hint(self, kind: EnvelopeKind, handle: TransferHandle) -> bytes:
         return encode_envelope(Envelope(kind, self.engine_id, handle.xid, b"", handle.deadline_s))

@@ -153,7 +153,10 @@ class TransferHandle:
         self.created_at = time.monotonic()
         self.expires_at = self.created_at + deadline_s
         self.post_time_s = 0.0
-        """Seconds spent creating and posting the transfer (the caller's cost)."""
+        """Seconds the caller's write()/read() took (the caller's cost)."""
+        self.backend_post_s: float | None = None
+        """Seconds the backend's post took (NIXL make + post; over shared memory
+        it includes the copy), or None if it was never posted."""
         self.finished_at: float | None = None
         self._state = TransferState.PENDING
         self._reason: str | None = None

@@ -1,0 +1,202 @@
+"""The table of NIXL transfers of one transport: post queue, in flight, deadlines.
+
+Lifecycle of one transfer here::
+
+    submit ─► posted inline (small, queue empty) ─┐
+       └────► queued ─► drain_posts (progress) ───┴► in flight ─► check_all:
+                                                      DONE ─► release, finish DONE
+                                                      ERR  ─► release, finish FAILED
+                                                      past deadline ─► release (cancel),
+                                                                       finish FAILED
+
+Posting holds the post lock, so transfers are posted in submit order. A NIXL
+handle that cannot be released (still active) is kept and released later.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvduplex.transfer.base import IndexArray
+from kvduplex.transfer.nixl_agent import NixlAgent
+from kvduplex.transfer.transport import (
+    FailureKind,
+    TransferError,
+    TransferHandle,
+    TransferOp,
+    TransferState,
+)
+
+logger = logging.getLogger(__name__)
+
+Complete = Callable[[TransferHandle, TransferState, "str | None", "FailureKind | None"], None]
+
+
+@dataclass
+class Job:
+    """One transfer to post."""
+
+    handle: TransferHandle
+    peer_id: str
+    agent_name: str
+    """The target's NIXL agent."""
+    dlist: Any
+    """The target's prepared descriptor list."""
+    local: IndexArray
+    remote: IndexArray
+    notif: bytes
+    """Encoded envelope, or b"" for none."""
+    begin_hint: bytes | None = None
+    """XFER_BEGIN envelope to send first (large transfers)."""
+    end_hint: bytes | None = None
+    """XFER_END envelope to send when it ends."""
+
+
+class XferTable:
+    """Thread-safe; `drain_posts`, `check_all` and `retry_releases` run on the progress thread."""
+
+    def __init__(
+        self,
+        agent: NixlAgent,
+        local_dlist: Any,
+        complete: Complete,
+        wake: Callable[[], None],
+        inline_post_max_bytes: int,
+    ) -> None:
+        self._agent = agent
+        self._local_dlist = local_dlist
+        self._complete = complete
+        self._wake = wake
+        self.inline_post_max_bytes = inline_post_max_bytes
+        self._post_lock = threading.Lock()  # the queue; held while posting
+        self._queue: deque[Job] = deque()
+        self._lock = threading.Lock()  # in-flight table
+        self._inflight: dict[int, tuple[Job, Any]] = {}
+        self._unreleased: list[tuple[str, Any]] = []
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._queue) or bool(self._inflight)
+
+    def submit(self, job: Job) -> None:
+        """Post now if small and nothing is queued (may raise), else queue for the progress thread."""
+        with self._post_lock:
+            if not self._queue and job.handle.num_bytes <= self.inline_post_max_bytes:
+                self._post(job)
+                return
+            self._queue.append(job)
+        self._wake()
+
+    def drain_posts(self) -> int:
+        """Post every queued job; a job that cannot be posted ends FAILED. Returns how many."""
+        count = 0
+        while True:
+            with self._post_lock:
+                if not self._queue:
+                    return count
+                job = self._queue.popleft()
+                count += 1
+                h = job.handle
+                if time.monotonic() >= h.expires_at:
+                    reason = f"deadline exceeded after {h.deadline_s:g} s (never posted)"
+                    self._complete(h, TransferState.FAILED, reason, FailureKind.DEADLINE)
+                    continue
+                try:
+                    self._post(job)
+                except Exception as exc:
+                    logger.warning("xid=%s failed to post to %s: %s", h.xid, job.peer_id, exc)
+                    self._complete(h, TransferState.FAILED, f"post failed: {exc}", FailureKind.POST)
+
+    def check_all(self) -> int:
+        """Check every transfer in flight once; returns how many were checked."""
+        with self._lock:
+            items = list(self._inflight.values())
+        now = time.monotonic()
+        for job, xfer in items:
+            self._check(job, xfer, now)
+        return len(items)
+
+    def fail(self, peer_id: str | None, reason: str, failure: FailureKind) -> int:
+        """Fail the queued and in-flight transfers of ``peer_id`` (None: all); returns how many."""
+        with self._post_lock:
+            queued = [j for j in self._queue if peer_id in (None, j.peer_id)]
+            self._queue = deque(j for j in self._queue if peer_id not in (None, j.peer_id))
+        with self._lock:
+            taken = [v for v in self._inflight.values() if peer_id in (None, v[0].peer_id)]
+            for job, _ in taken:
+                del self._inflight[id(job.handle)]
+        for job, xfer in taken:
+            self._release(job, xfer)
+        for job in queued + [j for j, _ in taken]:
+            self._complete(job.handle, TransferState.FAILED, reason, failure)
+        return len(queued) + len(taken)
+
+    def retry_releases(self, final: bool = False) -> None:
+        """Release handles NIXL refused to release before (log if ``final`` and still refused)."""
+        if not self._unreleased:
+            return
+        with self._lock:
+            pending, self._unreleased = self._unreleased, []
+        what = "release at close" if final else None
+        still = [(x, h) for x, h in pending if not self._agent.try_release(h, what)]
+        with self._lock:
+            self._unreleased.extend(still)
+
+    # -- internals ------------------------------------------------------------
+
+    def _post(self, job: Job) -> None:
+        """Create and post; caller holds the post lock. Raises if NIXL refuses."""
+        h = job.handle
+        before = (job.agent_name, job.begin_hint) if job.begin_hint is not None else None
+        t0 = time.perf_counter()
+        op = "WRITE" if h.op is TransferOp.WRITE else "READ"
+        xfer, status = self._agent.post(
+            op, self._local_dlist, job.local, job.dlist, job.remote, job.notif, before
+        )
+        h.backend_post_s = time.perf_counter() - t0
+        if status == "ERR":
+            raise TransferError("NIXL refused to post the transfer")
+        if status == "DONE":  # completed inside the call (shared memory)
+            self._release(job, xfer)
+            self._complete(h, TransferState.DONE, None, None)
+            return
+        with self._lock:
+            self._inflight[id(h)] = (job, xfer)
+        self._wake()
+
+    def _check(self, job: Job, xfer: Any, now: float) -> None:
+        h = job.handle
+        try:
+            status, reason = self._agent.check(xfer), "NIXL reported ERR"
+        except Exception as exc:
+            status, reason = "ERR", f"{type(exc).__name__}: {exc}"
+        if status == "PROC" and now < h.expires_at:
+            return
+        with self._lock:
+            if self._inflight.pop(id(h), None) is None:
+                return  # fail() took it
+        self._release(job, xfer)
+        if status == "DONE":
+            self._complete(h, TransferState.DONE, None, None)
+        elif status == "PROC":
+            reason = f"deadline exceeded after {h.deadline_s:g} s"
+            self._complete(h, TransferState.FAILED, reason, FailureKind.DEADLINE)
+        else:
+            self._complete(h, TransferState.FAILED, f"transport error: {reason}", FailureKind.PEER)
+
+    def _release(self, job: Job, xfer: Any) -> None:
+        """Release (cancelling if active) the NIXL handle; keep it for retry if NIXL refuses."""
+        if not self._agent.try_release(xfer, f"xid={job.handle.xid} release"):
+            with self._lock:
+                self._unreleased.append((job.handle.xid, xfer))
+        if job.end_hint is not None:
+            self._agent.try_send_notif(job.agent_name, job.end_hint)
+
+
+__all__ = ["Job", "XferTable"]
