@@ -305,7 +305,7 @@ def main() -> int:
         layout = small_layout(16, total)
         bench.setup(layout)
         sweep = []
-        for nblocks in (1, 8, 16, 128, min(512, layout.num_blocks)):
+        for nblocks in sorted({min(n, layout.num_blocks) for n in (1, 8, 16, 128, 512)}):
             r = bench.run("write", layout.num_layers, nblocks)
             sweep.append({"blocks": nblocks, **r})
         lat_busy = bench.latency(args.latency_iters, 0.0)
