@@ -15,10 +15,7 @@ import httpx
 
 from kvduplex.bench.client import RequestResult, stream_request
 
-_WORDS = (
-    "tool result file path error line value list query index table cache block token "
-    "layer prefix model shard vector batch stream request answer plan step check patch"
-).split()
+_WORDS = ["tool", "result", "file", "path", "error", "line", "value", "list", "query", "index", "table", "cache", "block", "token", "layer", "prefix", "model", "shard", "vector", "batch", "stream", "request", "answer", "plan", "step", "check", "patch"]
 
 
 def seeded_text(rng: random.Random, num_chars: int) -> str:

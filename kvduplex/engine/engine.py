@@ -188,9 +188,9 @@ class LLMEngine:
         if not sampling:
             return {}
         params = [seq.request.sampling_params for seq in sampling]
-        gens = [self._generators.get(seq.request.request_id, p) for seq, p in zip(sampling, params)]
+        gens = [self._generators.get(seq.request.request_id, p) for seq, p in zip(sampling, params, strict=False)]
         tokens = sample(logits, params, gens)
-        return {seq.request.request_id: tok for seq, tok in zip(sampling, tokens)}
+        return {seq.request.request_id: tok for seq, tok in zip(sampling, tokens, strict=False)}
 
     def _make_output(self, req: Request) -> RequestOutput | None:
         rid = req.request_id

@@ -257,7 +257,7 @@ async def _collect(
     if gather_task not in done:
         gather_task.cancel()
         await asyncio.gather(gather_task, return_exceptions=True)
-        await outputs.aclose()
+        await outputs.aclose()  # type: ignore[attr-defined]
         logger.info("request %s aborted: client disconnected", gen.request_id)
         return Response(status_code=499)
     try:

@@ -7,6 +7,7 @@ SIGTERM, then SIGKILL after a grace period.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -98,10 +99,8 @@ class LocalCluster:
 
     def stop_process(self, proc: Process, grace_s: float = 10.0) -> None:
         if proc.is_alive():
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.popen.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
             try:
                 proc.popen.wait(grace_s)
             except subprocess.TimeoutExpired:

@@ -12,6 +12,7 @@ import dataclasses
 import enum
 import functools
 import inspect
+import itertools
 import textwrap
 import typing
 from typing import Any, TypeVar
@@ -28,7 +29,7 @@ def field_docs(cls: type) -> dict[str, str]:
         return {}
     docs: dict[str, str] = {}
     body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-    for prev, node in zip(body, body[1:]):
+    for prev, node in itertools.pairwise(body):
         if (
             isinstance(prev, ast.AnnAssign)
             and isinstance(prev.target, ast.Name)

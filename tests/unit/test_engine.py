@@ -46,7 +46,7 @@ def run(
     """Add all prompts at once, step to completion, return token ids per prompt."""
     plist = params if isinstance(params, list) else [params] * len(prompts)
     rids = [f"r{next(_ids)}" for _ in prompts]
-    for rid, prompt, p in zip(rids, prompts, plist):
+    for rid, prompt, p in zip(rids, prompts, plist, strict=False):
         engine.add_request(rid, prompt, p)
     tokens: dict[str, list[int]] = {rid: [] for rid in rids}
     finals: dict[str, RequestOutput] = {}
@@ -90,7 +90,7 @@ def test_prefix_cache_hit_gives_same_tokens(tiny: LoadedModel) -> None:
     assert miss_out.num_cached_tokens == 0
     # All full blocks but the one holding the last prompt token come from the cache.
     assert hit_out.num_cached_tokens == (len(prompt) - 1) // 4 * 4
-    longer = prompt + [7, 8, 9, 10, 11]
+    longer = [*prompt, 7, 8, 9, 10, 11]
     (ext,), (ext_out,) = run(engine, [longer])
     assert ext_out.num_cached_tokens >= 28
     cold = make_engine(tiny, caching=False)
@@ -160,7 +160,6 @@ def test_max_tokens_and_stop_token(tiny: LoadedModel) -> None:
 def test_stop_string_truncates_text(tiny: LoadedModel) -> None:
     engine = make_engine(tiny)
     prompt = random_prompts(1, seed=8)[0]
-    _, (full,) = run(engine, [prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
     rid = "stop-text"
     engine.add_request(rid, prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
     text = ""
