@@ -12,7 +12,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from kvduplex.engine.async_engine import AsyncEngine, EngineDeadError
 from kvduplex.engine.engine import RequestOutput, RequestRejected
+from kvduplex.engine.request import RemoteKVSpec
 from kvduplex.engine.sampling import SamplingParams
 from kvduplex.server.protocol import (
     ChatCompletionRequest,
@@ -60,6 +61,7 @@ class Generation:
     params: SamplingParams
     body: _SamplingFields
     extra: dict[str, Any] = field(default_factory=dict)
+    remote_kv: RemoteKVSpec | None = None
 
 
 @dataclass
@@ -70,6 +72,8 @@ class InstanceState:
     served_model_names: list[str]
     registry: CollectorRegistry
     role: str = "both"
+    prepare: Callable[[Request, Generation], Awaitable[None]] | None = None
+    """Role hook run before a generation is submitted (e.g. set `remote_kv`)."""
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -218,7 +222,11 @@ def _make_generation(
 
 
 async def _serve(state: InstanceState, raw: Request, gen: Generation, chat: bool) -> Response:
-    outputs = state.engine.generate(gen.request_id, gen.prompt_token_ids, gen.params)
+    if state.prepare is not None:
+        await state.prepare(raw, gen)
+    outputs = state.engine.generate(
+        gen.request_id, gen.prompt_token_ids, gen.params, remote_kv=gen.remote_kv
+    )
     if gen.body.stream:
         include_usage = bool(gen.body.stream_options and gen.body.stream_options.include_usage)
         return StreamingResponse(

@@ -1,4 +1,4 @@
-"""`kvduplex` command line: serve, up, bench."""
+"""`kvduplex` command line: serve, router, up, bench."""
 
 from __future__ import annotations
 
@@ -48,6 +48,14 @@ def _cmd_serve(args: argparse.Namespace) -> None:
     serve(_engine_config(args), dataclass_from_args(ServerConfig, args))
 
 
+def _cmd_router(args: argparse.Namespace) -> None:
+    from kvduplex.server.router import serve_router
+
+    if args.mode != "pull":
+        raise ValueError(f"--mode {args.mode} is not supported yet; use --mode pull")
+    serve_router(args.prefill, args.decode, args.model, args.host, args.port)
+
+
 def _cmd_up(args: argparse.Namespace) -> None:
     from kvduplex.bench.session import format_session, run_session
     from kvduplex.server.cluster import LocalCluster, free_port
@@ -90,6 +98,16 @@ def build_parser() -> argparse.ArgumentParser:
         add_dataclass_flags(serve, section)
     add_dataclass_flags(serve, ServerConfig)
     serve.set_defaults(func=_cmd_serve)
+
+    router = sub.add_parser("router", help="route OpenAI requests to prefill and decode instances")
+    router.add_argument("--prefill", nargs="*", default=[], help="prefill instance URLs")
+    router.add_argument("--decode", nargs="+", required=True, help="decode instance URLs")
+    router.add_argument("--mode", default="pull", help="KV transfer mode (pull)")
+    router.add_argument("--model", default="tiny", help="preset or local HF folder (its tokenizer)")
+    router.add_argument("--host", default="127.0.0.1")
+    router.add_argument("--port", type=int, default=8000)
+    router.add_argument("--log-level", default="warning")
+    router.set_defaults(func=_cmd_router)
 
     up = sub.add_parser("up", help="start a local cluster on a built-in model and run a session")
     up.add_argument("--model", default="tiny", help="preset or local HF folder (default: tiny)")

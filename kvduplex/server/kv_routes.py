@@ -1,0 +1,121 @@
+"""Internal KV routes of a disaggregated instance (pull flow).
+
+Prefill: ``POST /internal/prefill`` runs a prompt to its first token and keeps
+its blocks under a lease; ``POST /internal/release`` drops the lease early.
+Decode: `decode_prepare` reads ``kv_transfer_params`` from an OpenAI body and
+registers the pull before the request reaches the engine;
+``GET /internal/kv/pull/stats`` counts what was pulled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import asdict
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+
+from kvduplex.engine.engine import RequestRejected
+from kvduplex.engine.request import RemoteKVSpec
+from kvduplex.engine.sampling import SamplingParams
+from kvduplex.server.api import APIError, Generation, InstanceState
+from kvduplex.server.protocol import error_body
+from kvduplex.transfer.handshake import PeerDirectory
+from kvduplex.transfer.pull import LeaseTable, PullConnector, PullSpec, block_ids_of
+from kvduplex.transfer.transport import Transport
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillRequest(BaseModel):
+    xid: str = Field(min_length=1)
+    prompt_token_ids: list[int] = Field(min_length=1)
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+
+
+class ReleaseRequest(BaseModel):
+    xid: str = Field(min_length=1)
+
+
+class KVTransferParams(BaseModel):
+    mode: Literal["pull"]
+    xid: str = Field(min_length=1)
+    prefill_url: str
+    block_ids: list[int]
+    num_tokens: int
+    engine_id: str | None = None
+
+
+def _not_found(xid: str) -> JSONResponse:
+    return JSONResponse(error_body(f"no held KV for xid {xid!r}", code="not_found"), status_code=404)
+
+
+def make_prefill_router(state: InstanceState, transport: Transport, lease_s: float) -> APIRouter:
+    router = APIRouter()
+    leases = LeaseTable(state.engine, lease_s)
+    engine = state.engine
+
+    @router.post("/internal/prefill")
+    async def prefill(body: PrefillRequest) -> JSONResponse:
+        params = SamplingParams(
+            max_tokens=1, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+            seed=body.seed, ignore_eos=True,
+        )  # fmt: skip
+        try:
+            async for _ in engine.generate(
+                body.xid, body.prompt_token_ids, params, hold_blocks_on_finish=True
+            ):
+                pass
+        except (RequestRejected, ValueError) as exc:
+            raise APIError(400, str(exc)) from None
+        info = await engine.run_in_engine(lambda e: block_ids_of(e, body.xid))
+        if info is None:
+            raise APIError(500, f"xid {body.xid}: finished without held blocks")
+        leases.start(body.xid)
+        return JSONResponse({"xid": body.xid, "engine_id": transport.engine_id, **info})
+
+    @router.post("/internal/release")
+    async def release(body: ReleaseRequest) -> JSONResponse:
+        if not await leases.release(body.xid):
+            return _not_found(body.xid)
+        return JSONResponse({"xid": body.xid, "released": True})
+
+    return router
+
+
+def make_decode_hooks(
+    state: InstanceState, connector: PullConnector, directory: PeerDirectory
+) -> APIRouter:
+    """Set `state.prepare` for pulls; return the stats router."""
+
+    async def prepare(raw: Request, gen: Generation) -> None:
+        body: Any = await raw.json()
+        params = body.get("kv_transfer_params") if isinstance(body, dict) else None
+        if not params:
+            return
+        try:
+            kv = KVTransferParams.model_validate(params)
+        except ValueError as exc:
+            raise APIError(400, f"kv_transfer_params: {exc}", param="kv_transfer_params") from None
+        try:
+            peer = await asyncio.to_thread(directory.get_peer, kv.prefill_url, kv.engine_id)
+        except Exception as exc:  # no peer: compute the prompt here
+            logger.warning("xid=%s: no connection to %s (%s); computing locally", kv.xid, kv.prefill_url, exc)
+            return
+        connector.register(PullSpec(kv.xid, peer, kv.prefill_url, kv.block_ids, kv.num_tokens))
+        gen.remote_kv = RemoteKVSpec(kv.xid, source_engine_id=peer.engine_id)
+
+    state.prepare = prepare
+    router = APIRouter()
+
+    @router.get("/internal/kv/pull/stats")
+    async def pull_stats() -> JSONResponse:
+        return JSONResponse(asdict(connector.stats))
+
+    return router

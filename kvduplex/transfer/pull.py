@@ -1,0 +1,219 @@
+"""The pull flow: decode READs a finished prefill's held blocks.
+
+Prefill side: `LeaseTable` keeps a finished request's blocks (held by the
+scheduler) until decode releases them or the lease expires.
+
+Decode side: `PullConnector` (a `KVConnector`) posts one NIXL READ per request
+once the scheduler allocated its blocks, for the blocks the local prefix
+cache lacks. Its done callback runs on the transport's progress thread and
+only enqueues a call into the engine thread, which resumes the request
+(`on_remote_kv_done` / `on_remote_kv_failed`). Release requests to prefill go
+over HTTP from a small worker pool, never from the engine thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from kvduplex.engine.request import Request
+from kvduplex.engine.scheduler import SchedulerOutput
+from kvduplex.transfer.transport import PeerHandle, TransferHandle, TransferState, Transport
+
+if TYPE_CHECKING:
+    from kvduplex.engine.async_engine import AsyncEngine
+    from kvduplex.engine.engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+RELEASE_PATH = "/internal/release"
+
+
+class LeaseTable:
+    """Prefill's leases on held blocks, keyed by xid. Use from the event loop."""
+
+    def __init__(self, engine: AsyncEngine, lease_s: float) -> None:
+        self.engine = engine
+        self.lease_s = lease_s
+        self._timers: dict[str, asyncio.TimerHandle] = {}
+
+    def start(self, xid: str) -> None:
+        loop = asyncio.get_running_loop()
+        self._timers[xid] = loop.call_later(self.lease_s, self._expire, xid)
+
+    def _expire(self, xid: str) -> None:
+        if self._timers.pop(xid, None) is not None:
+            logger.warning("xid=%s: pull lease expired after %.1f s; releasing", xid, self.lease_s)
+            self.engine.call(lambda e: e.scheduler.release_held(xid))
+
+    async def release(self, xid: str) -> bool:
+        """Release now; False if no lease is held under `xid`."""
+        timer = self._timers.pop(xid, None)
+        if timer is not None:
+            timer.cancel()
+        released = await self.engine.run_in_engine(lambda e: e.scheduler.release_held(xid))
+        return bool(released)
+
+    def __len__(self) -> int:
+        return len(self._timers)
+
+
+@dataclass
+class PullSpec:
+    """Where decode reads a request's prompt KV from."""
+
+    xid: str
+    peer: PeerHandle
+    prefill_url: str
+    block_ids: list[int]
+    num_tokens: int
+
+
+@dataclass
+class PullStats:
+    num_pulls: int = 0
+    num_pulled_blocks: int = 0
+    num_failed: int = 0
+    num_skipped_blocks: int = 0
+    """Blocks not read because the local prefix cache had them."""
+
+
+class PullConnector:
+    """Decode's connector for the pull flow; `register` a spec before adding the request."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        engine: AsyncEngine,
+        block_size: int,
+        deadline_s: float,
+        release: Callable[[str, str], None] | None = None,
+    ) -> None:
+        self.transport = transport
+        self.engine = engine
+        self.block_size = block_size
+        self.deadline_s = deadline_s
+        self.stats = PullStats()
+        self._release = release or http_release
+        self._lock = threading.Lock()
+        self._specs: dict[str, PullSpec] = {}
+        self._in_flight: dict[str, TransferHandle] = {}  # request id -> read
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-release")
+
+    def register(self, spec: PullSpec) -> None:
+        with self._lock:
+            self._specs[spec.xid] = spec
+
+    def forget(self, xid: str) -> PullSpec | None:
+        with self._lock:
+            return self._specs.pop(xid, None)
+
+    # ---- KVConnector ----
+
+    def on_scheduled(self, out: SchedulerOutput) -> None:
+        for req in out.remote_kv_allocated:
+            self._start(req)
+
+    def layer_hook(self, out: SchedulerOutput) -> Callable[[int], None] | None:
+        return None
+
+    def on_step_done(
+        self, out: SchedulerOutput, sampled: dict[str, int], finished: list[Request]
+    ) -> None:
+        return None
+
+    def take_updated_requests(self) -> list[Request]:
+        return []
+
+    def has_pending_work(self) -> bool:
+        return bool(self._in_flight)
+
+    # ---- engine thread ----
+
+    def _start(self, req: Request) -> None:
+        assert req.remote_kv is not None
+        rid = req.request_id
+        spec = self.forget(req.remote_kv.transfer_id)
+        if spec is None:
+            logger.warning("request %s: no pull spec; computing the prompt locally", rid)
+            self.engine.engine.scheduler.on_remote_kv_failed(rid)
+            return
+        num_blocks = -(-req.num_prompt_tokens // self.block_size)
+        first = req.num_cached_tokens // self.block_size
+        if spec.num_tokens != req.num_prompt_tokens or len(spec.block_ids) < num_blocks:
+            logger.warning(
+                "request %s: prefill has %d tokens in %d blocks, the prompt %d tokens; "
+                "computing locally", rid, spec.num_tokens, len(spec.block_ids),
+                req.num_prompt_tokens,
+            )  # fmt: skip
+            self._finish(rid, spec, ok=False, num_read=0)
+            return
+        local = req.block_ids[first:num_blocks]
+        remote = spec.block_ids[first:num_blocks]
+        self.stats.num_skipped_blocks += first
+        if not local:
+            self._finish(rid, spec, ok=True, num_read=0)
+            return
+        try:
+            handle = self.transport.read(
+                spec.peer, spec.xid, local, remote, deadline_s=self.deadline_s
+            )
+        except Exception as exc:  # validation or a dead peer: compute locally
+            logger.warning("request %s: READ from %s failed to post: %s", rid, spec.prefill_url, exc)
+            self._finish(rid, spec, ok=False, num_read=0)
+            return
+        self._in_flight[rid] = handle
+
+        def done(h: TransferHandle) -> None:  # progress thread: hand over to the engine thread
+            ok = h.state is TransferState.DONE
+            self.engine.call(lambda _e: self._on_read_done(rid, spec, ok, len(local)))
+
+        handle.add_done_callback(done)
+
+    def _on_read_done(self, rid: str, spec: PullSpec, ok: bool, num_read: int) -> None:
+        self._in_flight.pop(rid, None)
+        self._finish(rid, spec, ok=ok, num_read=num_read)
+
+    def _finish(self, rid: str, spec: PullSpec, *, ok: bool, num_read: int) -> None:
+        sched = self.engine.engine.scheduler
+        try:
+            if ok:
+                sched.on_remote_kv_done(rid, None)
+                self.stats.num_pulls += 1
+                self.stats.num_pulled_blocks += num_read
+            else:
+                self.stats.num_failed += 1
+                sched.on_remote_kv_failed(rid)
+        except KeyError:  # aborted meanwhile
+            logger.info("request %s: gone before its KV arrived", rid)
+        self._pool.submit(self._release, spec.prefill_url, spec.xid)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+
+
+def http_release(prefill_url: str, xid: str) -> None:
+    """Tell prefill to drop its lease on `xid` (best effort: the lease expires anyway)."""
+    try:
+        httpx.post(prefill_url.rstrip("/") + RELEASE_PATH, json={"xid": xid}, timeout=5.0)
+    except httpx.HTTPError as exc:
+        logger.warning("xid=%s: release at %s failed: %s", xid, prefill_url, exc)
+
+
+def block_ids_of(engine: LLMEngine, request_id: str) -> dict[str, Any] | None:
+    """A held request's blocks and first token (engine thread)."""
+    req = engine.scheduler.get_request(request_id)
+    if req is None:
+        return None
+    return {
+        "block_ids": list(req.block_ids),
+        "num_tokens": req.num_prompt_tokens,
+        "first_token": req.output_token_ids[0] if req.output_token_ids else None,
+    }
