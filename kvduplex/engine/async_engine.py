@@ -159,6 +159,9 @@ class AsyncEngine:
                 self._drain_inbox()
                 if self.engine.has_unfinished():
                     self._dispatch(self.engine.step())
+                    if self._only_waiting_for_remote_kv():
+                        self._wake.wait(timeout=0.01)  # a transfer's completion wakes us
+                        self._wake.clear()
                 else:
                     self._wake.wait(timeout=1.0)
                     self._wake.clear()
@@ -166,6 +169,11 @@ class AsyncEngine:
             logger.exception("engine loop crashed")
             self._error = exc
             self._fail_all(EngineDeadError(f"the engine stopped: {exc!r}"))
+
+    def _only_waiting_for_remote_kv(self) -> bool:
+        """Nothing to compute until remote KV arrives (no busy stepping meanwhile)."""
+        sched = self.engine.scheduler
+        return sched.num_running == 0 and sched.num_waiting == 0
 
     def _drain_inbox(self) -> None:
         while True:

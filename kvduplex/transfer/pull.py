@@ -161,25 +161,33 @@ class PullConnector:
         if not local:
             self._finish(rid, spec, ok=True, num_read=0)
             return
+        # Our own reference keeps the target blocks allocated while the READ can
+        # still land, even if the request is aborted meanwhile.
+        pool = self.engine.engine.block_pool
+        pool.acquire(local)
         try:
             handle = self.transport.read(
                 spec.peer, spec.xid, local, remote, deadline_s=self.deadline_s
             )
         except Exception as exc:  # validation or a dead peer: compute locally
             logger.warning("request %s: READ from %s failed to post: %s", rid, spec.prefill_url, exc)
+            pool.release(reversed(local))
             self._finish(rid, spec, ok=False, num_read=0)
             return
         self._in_flight[rid] = handle
 
         def done(h: TransferHandle) -> None:  # progress thread: hand over to the engine thread
             ok = h.state is TransferState.DONE
-            self.engine.call(lambda _e: self._on_read_done(rid, spec, ok, len(local)))
+            if not ok:
+                logger.warning("request %s: READ %s failed: %s", rid, h.xid, h.reason)
+            self.engine.call(lambda _e: self._on_read_done(rid, spec, ok, local))
 
         handle.add_done_callback(done)
 
-    def _on_read_done(self, rid: str, spec: PullSpec, ok: bool, num_read: int) -> None:
+    def _on_read_done(self, rid: str, spec: PullSpec, ok: bool, local: list[int]) -> None:
         self._in_flight.pop(rid, None)
-        self._finish(rid, spec, ok=ok, num_read=num_read)
+        self.engine.engine.block_pool.release(reversed(local))
+        self._finish(rid, spec, ok=ok, num_read=len(local))
 
     def _finish(self, rid: str, spec: PullSpec, *, ok: bool, num_read: int) -> None:
         sched = self.engine.engine.scheduler
