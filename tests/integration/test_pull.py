@@ -164,6 +164,32 @@ def test_mismatched_pull_spec_fails_over_to_local_prefill(dep: Deployment) -> No
     assert stats["num_failed"] == failed + 1
 
 
+def test_prefill_release_then_404(dep: Deployment) -> None:
+    body = {"xid": "x-release", "prompt_token_ids": list(range(1, 20))}
+    ans = httpx.post(dep.prefill + "/internal/prefill", json=body, timeout=60).json()
+    assert ans["xid"] == "x-release" and ans["num_tokens"] == 19 and len(ans["block_ids"]) == 3
+    assert isinstance(ans["engine_id"], str) and isinstance(ans["first_token"], int)
+    rel = httpx.post(dep.prefill + "/internal/release", json={"xid": "x-release"}, timeout=10)
+    assert rel.status_code == 200
+    again = httpx.post(dep.prefill + "/internal/release", json={"xid": "x-release"}, timeout=10)
+    assert again.status_code == 404
+    bad = httpx.post(dep.prefill + "/internal/prefill", json={"xid": "", "prompt_token_ids": []})
+    assert bad.status_code in (400, 422)
+
+
+def test_lease_expiry_releases_blocks(cluster: LocalCluster, dep: Deployment) -> None:
+    p = cluster.start(
+        "prefill-short-lease", [*_SERVE, "--role", "prefill", "--pull-lease-s", "0.3"], free_port()
+    )
+    cluster.wait_healthy(timeout_s=120)
+    body = {"xid": "x-lease", "prompt_token_ids": list(range(1, 30))}
+    assert httpx.post(p.url + "/internal/prefill", json=body, timeout=60).status_code == 200
+    assert_pool_clean(p.url)
+    rel = httpx.post(p.url + "/internal/release", json={"xid": "x-lease"}, timeout=10)
+    assert rel.status_code == 404
+    cluster.stop_process(p)
+
+
 def test_pools_clean_and_transfers_happened(dep: Deployment) -> None:
     assert _pulled_blocks(dep.decode) > 0
     assert_pool_clean(dep.prefill)
