@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import asdict
 from typing import Any, Literal
 
@@ -50,6 +51,8 @@ class KVTransferParams(BaseModel):
     block_ids: list[int]
     num_tokens: int
     engine_id: str | None = None
+    lease_s: float | None = None
+    """Seconds prefill keeps the blocks from its answer on (None: unknown)."""
 
 
 def _not_found(xid: str) -> JSONResponse:
@@ -78,7 +81,9 @@ def make_prefill_router(state: InstanceState, transport: Transport, lease_s: flo
         if info is None:
             raise APIError(500, f"xid {body.xid}: finished without held blocks")
         leases.start(body.xid)
-        return JSONResponse({"xid": body.xid, "engine_id": transport.engine_id, **info})
+        return JSONResponse(
+            {"xid": body.xid, "engine_id": transport.engine_id, "lease_s": lease_s, **info}
+        )
 
     @router.post("/internal/release")
     async def release(body: ReleaseRequest) -> JSONResponse:
@@ -95,6 +100,7 @@ def make_decode_hooks(
     """Set `state.prepare` for pulls; return the stats router."""
 
     async def prepare(raw: Request, gen: Generation) -> None:
+        arrived = time.monotonic()
         body: Any = await raw.json()
         params = body.get("kv_transfer_params") if isinstance(body, dict) else None
         if not params:
@@ -108,7 +114,10 @@ def make_decode_hooks(
         except Exception as exc:  # no peer: compute the prompt here
             logger.warning("xid=%s: no connection to %s (%s); computing locally", kv.xid, kv.prefill_url, exc)
             return
-        connector.register(PullSpec(kv.xid, peer, kv.prefill_url, kv.block_ids, kv.num_tokens))
+        lease_ends_at = None if kv.lease_s is None else arrived + kv.lease_s
+        connector.register(
+            PullSpec(kv.xid, peer, kv.prefill_url, kv.block_ids, kv.num_tokens, lease_ends_at)
+        )
         gen.remote_kv = RemoteKVSpec(kv.xid, source_engine_id=peer.engine_id)
 
     state.prepare = prepare

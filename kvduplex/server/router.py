@@ -109,6 +109,7 @@ async def _prefill(state: RouterState, ids: list[int], body: dict[str, Any]) -> 
     return {
         "mode": "pull", "xid": xid, "prefill_url": p.url, "engine_id": ans.get("engine_id"),
         "block_ids": ans["block_ids"], "num_tokens": ans["num_tokens"],
+        "lease_s": ans.get("lease_s"),
     }  # fmt: skip
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -74,6 +75,12 @@ class PullSpec:
     prefill_url: str
     block_ids: list[int]
     num_tokens: int
+    lease_ends_at: float | None = None
+    """Monotonic time (here) after which prefill may have reused the blocks."""
+
+
+# A READ must be able to finish this long before prefill's lease ends.
+LEASE_MARGIN_S = 0.5
 
 
 @dataclass
@@ -161,14 +168,19 @@ class PullConnector:
         if not local:
             self._finish(rid, spec, ok=True, num_read=0)
             return
+        deadline_s = self.deadline_s
+        if spec.lease_ends_at is not None:
+            deadline_s = min(deadline_s, spec.lease_ends_at - time.monotonic() - LEASE_MARGIN_S)
+        if deadline_s <= 0:
+            logger.warning("request %s: prefill's lease on %s ran out; computing locally", rid, spec.xid)
+            self._finish(rid, spec, ok=False, num_read=0)
+            return
         # Our own reference keeps the target blocks allocated while the READ can
         # still land, even if the request is aborted meanwhile.
         pool = self.engine.engine.block_pool
         pool.acquire(local)
         try:
-            handle = self.transport.read(
-                spec.peer, spec.xid, local, remote, deadline_s=self.deadline_s
-            )
+            handle = self.transport.read(spec.peer, spec.xid, local, remote, deadline_s=deadline_s)
         except Exception as exc:  # validation or a dead peer: compute locally
             logger.warning("request %s: READ from %s failed to post: %s", rid, spec.prefill_url, exc)
             pool.release(reversed(local))

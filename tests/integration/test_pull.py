@@ -190,6 +190,32 @@ def test_lease_expiry_releases_blocks(cluster: LocalCluster, dep: Deployment) ->
     cluster.stop_process(p)
 
 
+def test_expired_lease_is_not_read(dep: Deployment) -> None:
+    prompt = PROMPTS[3] + " late"
+    ids = httpx.post(
+        dep.decode + "/v1/completions",
+        json={"model": "tiny", "prompt": prompt, "max_tokens": 1, "return_token_ids": True},
+        timeout=60,
+    ).json()["prompt_token_ids"]
+    ans = httpx.post(
+        dep.prefill + "/internal/prefill", json={"xid": "x-late", "prompt_token_ids": ids}, timeout=60
+    ).json()
+    body = {
+        "model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0.0,
+        "ignore_eos": True, "return_token_ids": True,
+        "kv_transfer_params": {
+            "mode": "pull", "xid": "x-late", "prefill_url": dep.prefill,
+            "block_ids": ans["block_ids"], "num_tokens": ans["num_tokens"], "lease_s": 0.01,
+        },
+    }  # fmt: skip
+    failed = httpx.get(dep.decode + "/internal/kv/pull/stats", timeout=10).json()["num_failed"]
+    resp = httpx.post(dep.decode + "/v1/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["token_ids"] == _complete(dep.reference, prompt, 6)
+    stats = httpx.get(dep.decode + "/internal/kv/pull/stats", timeout=10).json()
+    assert stats["num_failed"] == failed + 1
+
+
 def test_pools_clean_and_transfers_happened(dep: Deployment) -> None:
     assert _pulled_blocks(dep.decode) > 0
     assert_pool_clean(dep.prefill)
