@@ -1,0 +1,124 @@
+"""PullConnector over the in-process transport: READ, failure fallback, abort mid-READ."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from kvduplex.config import CacheConfig, EngineConfig, ModelLoadConfig
+from kvduplex.engine.async_engine import AsyncEngine
+from kvduplex.engine.engine import LLMEngine
+from kvduplex.engine.request import RemoteKVSpec
+from kvduplex.engine.sampling import SamplingParams
+from kvduplex.model.loader import LoadedModel, load_model
+from kvduplex.transfer.fake import InProcessFabric, InProcessTransport
+from kvduplex.transfer.pull import PullConnector, PullSpec
+
+BS = 4
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+PROMPT = list(range(1, 19))  # 18 tokens: 5 blocks, the last one partial
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LoadedModel:
+    return load_model(ModelLoadConfig(model="tiny", seed=0))
+
+
+def _engine(tiny: LoadedModel) -> LLMEngine:
+    cfg = EngineConfig(cache=CacheConfig(block_size=BS, num_blocks=64))
+    return LLMEngine(cfg, loaded=tiny)
+
+
+def _run(engine: LLMEngine, rid: str, params: SamplingParams, hold: bool = False) -> list[int]:
+    engine.add_request(rid, PROMPT, params, hold_blocks_on_finish=hold)
+    out: list[int] = []
+    while (req := engine.scheduler.get_request(rid)) is not None and not req.is_finished:
+        for o in engine.step():
+            out.extend(o.new_token_ids)
+    return out
+
+
+class Setup:
+    def __init__(self, tiny: LoadedModel, deadline_s: float = 5.0) -> None:
+        self.p, self.d = _engine(tiny), _engine(tiny)
+        fabric = InProcessFabric()
+        self.tp: InProcessTransport = fabric.endpoint(self.p.kv_pool, self.p.layout)
+        self.td: InProcessTransport = fabric.endpoint(self.d.kv_pool, self.d.layout)
+        self.peer = self.td.connect(self.tp.local_metadata())
+        self.released: list[tuple[str, str]] = []
+        self.ad = AsyncEngine(self.d)
+        self.conn = PullConnector(
+            self.td, self.ad, BS, deadline_s, release=lambda u, x: self.released.append((u, x))
+        )
+        self.d.connector = self.conn
+        self.ad.start()
+
+    def prefill(self, xid: str) -> PullSpec:
+        _run(self.p, xid, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), hold=True)
+        req = self.p.scheduler.get_request(xid)
+        assert req is not None
+        return PullSpec(xid, self.peer, "http://p", list(req.block_ids), req.num_prompt_tokens)
+
+    async def decode(self, xid: str) -> list[int]:
+        out: list[int] = []
+        async for o in self.ad.generate(xid, PROMPT, GREEDY, remote_kv=RemoteKVSpec(xid)):
+            out.extend(o.new_token_ids)
+        return out
+
+    def close(self) -> None:
+        self.ad.shutdown()
+        self.conn.close()
+
+
+def test_pull_reads_prefill_blocks_and_matches_local(tiny: LoadedModel) -> None:
+    s = Setup(tiny)
+    try:
+        expected = _run(_engine(tiny), "ref", GREEDY)
+        s.conn.register(s.prefill("x1"))
+        assert asyncio.run(s.decode("x1")) == expected
+        assert s.conn.stats.num_pulled_blocks == 5 and s.conn.stats.num_failed == 0
+        assert s.released == [("http://p", "x1")]
+    finally:
+        s.close()
+    s.d.check_integrity()
+    assert s.d.block_pool.stats().num_in_use == 0
+
+
+def test_failed_read_falls_back_to_local_prefill(tiny: LoadedModel) -> None:
+    s = Setup(tiny)
+    try:
+        expected = _run(_engine(tiny), "ref", GREEDY)
+        s.conn.register(s.prefill("x2"))
+        s.td.fail_next("boom")
+        assert asyncio.run(s.decode("x2")) == expected
+        assert s.conn.stats.num_failed == 1 and s.conn.stats.num_pulled_blocks == 0
+        assert s.released == [("http://p", "x2")]
+    finally:
+        s.close()
+
+
+def test_abort_during_read_keeps_targets_until_it_ends(tiny: LoadedModel) -> None:
+    s = Setup(tiny, deadline_s=0.3)
+    try:
+        s.conn.register(s.prefill("x3"))
+        s.td.hang_next()
+
+        async def start_then_leave() -> None:
+            agen = s.decode("x3")
+            task = asyncio.ensure_future(agen)
+            await asyncio.sleep(0.1)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+        asyncio.run(start_then_leave())
+        in_use = s.ad.call(lambda e: e.block_pool.stats().num_in_use).result(5)
+        assert in_use == 5  # the READ may still land: its targets stay allocated
+        deadline = time.monotonic() + 5
+        while s.ad.call(lambda e: e.block_pool.stats().num_in_use).result(5) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert s.ad.call(lambda e: e.block_pool.stats().num_in_use).result(5) == 0
+        s.ad.call(lambda e: e.check_integrity()).result(5)
+    finally:
+        s.close()
