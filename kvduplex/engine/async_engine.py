@@ -156,7 +156,8 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                self._drain_inbox()
+                if self._drain_inbox():
+                    self._dispatch(self.engine.connector_outputs())
                 if self.engine.has_unfinished():
                     self._dispatch(self.engine.step())
                     if self._only_waiting_for_remote_kv():
@@ -175,17 +176,20 @@ class AsyncEngine:
         sched = self.engine.scheduler
         return sched.num_running == 0 and sched.num_waiting == 0
 
-    def _drain_inbox(self) -> None:
+    def _drain_inbox(self) -> bool:
+        """Apply queued commands; True if any `call` ran (it may have changed requests)."""
+        ran_call = False
         while True:
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                return ran_call
             if isinstance(item, _Add):
                 self._apply_add(item)
             elif item[0] == "abort":
                 self.engine.abort_request(item[1])
             elif item[0] == "call":
+                ran_call = True
                 _, fn, fut = item
                 if fut.set_running_or_notify_cancel():
                     try:
@@ -200,8 +204,11 @@ class AsyncEngine:
             return
         try:
             self.engine.add_request(
-                add.request_id, add.prompt_token_ids, add.params,
-                remote_kv=add.remote_kv, hold_blocks_on_finish=add.hold_blocks_on_finish,
+                add.request_id,
+                add.prompt_token_ids,
+                add.params,
+                remote_kv=add.remote_kv,
+                hold_blocks_on_finish=add.hold_blocks_on_finish,
                 arrival_time=add.arrival,
             )
         except ValueError as exc:

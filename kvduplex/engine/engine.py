@@ -97,7 +97,9 @@ class LLMEngine:
         self._num_emitted: dict[str, int] = {}
         logger.info(
             "engine ready: model=%s layout=%s max_model_len=%d",
-            self.loaded.name, self.layout, self.max_model_len,
+            self.loaded.name,
+            self.layout,
+            self.max_model_len,
         )
 
     # ---------------------------------------------------------------- requests
@@ -173,6 +175,12 @@ class LLMEngine:
             touched[req.request_id] = req
         return [o for req in touched.values() if (o := self._make_output(req)) is not None]
 
+    def connector_outputs(self) -> list[RequestOutput]:
+        """Outputs of requests the connector changed between steps (e.g. a first
+        token that arrived with remote KV), so they reach clients before the next step."""
+        updated = self.connector.take_updated_requests()
+        return [o for req in updated if (o := self._make_output(req)) is not None]
+
     def _execute(self, out: SchedulerOutput) -> dict[str, int]:
         inputs = [
             SeqInput(
@@ -188,7 +196,10 @@ class LLMEngine:
         if not sampling:
             return {}
         params = [seq.request.sampling_params for seq in sampling]
-        gens = [self._generators.get(seq.request.request_id, p) for seq, p in zip(sampling, params, strict=False)]
+        gens = [
+            self._generators.get(seq.request.request_id, p)
+            for seq, p in zip(sampling, params, strict=False)
+        ]
         tokens = sample(logits, params, gens)
         return {seq.request.request_id: tok for seq, tok in zip(sampling, tokens, strict=False)}
 

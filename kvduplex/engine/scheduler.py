@@ -202,13 +202,19 @@ class Scheduler:
             return True
         return False
 
-    def on_remote_kv_failed(self, request_id: str) -> None:
-        """The remote KV will not come: keep the blocks and prefill the uncached part here.
+    def on_remote_kv_failed(self, request_id: str, *, discard_blocks: bool = False) -> None:
+        """The remote KV will not come: prefill the uncached part here.
 
-        Call only once no write into the request's blocks can still land.
+        By default the request keeps its blocks: call so only once no write
+        into them can still land. With ``discard_blocks`` (a sender that may
+        still write late) the blocks beyond the local prefix hit are released
+        and the prompt is computed into fresh ones; whoever might still be
+        written into must hold its own reference on the released blocks.
         Raises KeyError if the request is not waiting for remote KV.
         """
         req = self._pop_remote_waiting(request_id)
+        if discard_blocks:
+            self.kv.drop_tail(req, req.num_cached_tokens // self.kv.block_size)
         self._resume_locally(req, min(req.num_cached_tokens, req.num_prompt_tokens - 1))
         req.status = RequestStatus.RUNNING
         self._insert_running(req)

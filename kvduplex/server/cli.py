@@ -51,9 +51,7 @@ def _cmd_serve(args: argparse.Namespace) -> None:
 def _cmd_router(args: argparse.Namespace) -> None:
     from kvduplex.server.router import serve_router
 
-    if args.mode != "pull":
-        raise ValueError(f"--mode {args.mode} is not supported yet; use --mode pull")
-    serve_router(args.prefill, args.decode, args.model, args.host, args.port)
+    serve_router(args.prefill, args.decode, args.model, args.host, args.port, args.mode)
 
 
 def _cmd_up(args: argparse.Namespace) -> None:
@@ -73,8 +71,11 @@ def _cmd_up(args: argparse.Namespace) -> None:
         if args.demo_turns > 0:
             results = asyncio.run(
                 run_session(
-                    proc.url, args.model, num_turns=args.demo_turns,
-                    max_tokens=args.demo_max_tokens, seed=args.seed,
+                    proc.url,
+                    args.model,
+                    num_turns=args.demo_turns,
+                    max_tokens=args.demo_max_tokens,
+                    seed=args.seed,
                 )
             )
             print(format_session(results), flush=True)
@@ -102,7 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     router = sub.add_parser("router", help="route OpenAI requests to prefill and decode instances")
     router.add_argument("--prefill", nargs="*", default=[], help="prefill instance URLs")
     router.add_argument("--decode", nargs="+", required=True, help="decode instance URLs")
-    router.add_argument("--mode", default="pull", help="KV transfer mode (pull)")
+    router.add_argument(
+        "--mode", default="push", choices=["push", "pull"],
+        help="KV transfer: push (prefill writes layer by layer) or pull (decode reads after)",
+    )  # fmt: skip
     router.add_argument("--model", default="tiny", help="preset or local HF folder (its tokenizer)")
     router.add_argument("--host", default="127.0.0.1")
     router.add_argument("--port", type=int, default=8000)
@@ -113,7 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--model", default="tiny", help="preset or local HF folder (default: tiny)")
     up.add_argument("--dtype", default="", help="model dtype (default: auto)")
     up.add_argument("--port", type=int, default=0, help="front-door port (default: a free one)")
-    up.add_argument("--demo-turns", type=int, default=4, help="turns of the demo session; 0 skips it")
+    up.add_argument(
+        "--demo-turns", type=int, default=4, help="turns of the demo session; 0 skips it"
+    )
     up.add_argument("--demo-max-tokens", type=int, default=32, help="tokens per answer")
     up.add_argument("--seed", type=int, default=0, help="seed of the demo session")
     up.add_argument("--keep-serving", action="store_true", help="keep serving after the demo")

@@ -1,10 +1,19 @@
-"""Internal KV routes of a disaggregated instance (pull flow).
+"""Internal KV routes of a disaggregated instance (pull and push flows).
 
-Prefill: ``POST /internal/prefill`` runs a prompt to its first token and keeps
-its blocks under a lease; ``POST /internal/release`` drops the lease early.
-Decode: `decode_prepare` reads ``kv_transfer_params`` from an OpenAI body and
-registers the pull before the request reaches the engine;
-``GET /internal/kv/pull/stats`` counts what was pulled.
+Prefill:
+
+* ``POST /internal/prefill`` (pull) runs a prompt to its first token and keeps
+  its blocks under a lease; ``POST /internal/release`` drops the lease early.
+* ``POST /internal/push/prefill`` (push) runs a prompt to its first token while
+  `PushSender` writes its KV into the decode instance named in the body;
+  answers with the first token as soon as it is sampled.
+* ``POST /internal/push/cancel`` stops a push (the router: decode refused it).
+
+Decode: the ``prepare`` hook reads ``kv_transfer_params`` from an OpenAI body
+and registers the pull or push before the request reaches the engine;
+``POST /internal/push/cancel`` stops waiting for a push (the router: prefill
+failed); ``GET /internal/kv/pull/stats`` and ``/internal/kv/push/stats``
+count what moved.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from kvduplex.server.api import APIError, Generation, InstanceState
 from kvduplex.server.protocol import error_body
 from kvduplex.transfer.handshake import PeerDirectory
 from kvduplex.transfer.pull import LeaseTable, PullConnector, PullSpec, block_ids_of
+from kvduplex.transfer.push import PushReceiver, PushSender, PushSpec
 from kvduplex.transfer.transport import Transport
 
 logger = logging.getLogger(__name__)
@@ -44,19 +54,33 @@ class ReleaseRequest(BaseModel):
     xid: str = Field(min_length=1)
 
 
+class PushPrefillRequest(PrefillRequest):
+    decode_url: str = Field(min_length=1)
+    decode_engine_id: str | None = None
+
+
+class CancelRequest(BaseModel):
+    xid: str = Field(min_length=1)
+    reason: str = "cancelled by the router"
+
+
 class KVTransferParams(BaseModel):
-    mode: Literal["pull"]
+    mode: Literal["pull", "push"]
     xid: str = Field(min_length=1)
     prefill_url: str
-    block_ids: list[int]
-    num_tokens: int
+    block_ids: list[int] = Field(default_factory=list)
+    """Pull: prefill's held blocks."""
+    num_tokens: int = 0
+    """Pull: tokens in them."""
     engine_id: str | None = None
     lease_s: float | None = None
     """Seconds prefill keeps the blocks from its answer on (None: unknown)."""
 
 
 def _not_found(xid: str) -> JSONResponse:
-    return JSONResponse(error_body(f"no held KV for xid {xid!r}", code="not_found"), status_code=404)
+    return JSONResponse(
+        error_body(f"no held KV for xid {xid!r}", code="not_found"), status_code=404
+    )
 
 
 def make_prefill_router(state: InstanceState, transport: Transport, lease_s: float) -> APIRouter:
@@ -66,10 +90,7 @@ def make_prefill_router(state: InstanceState, transport: Transport, lease_s: flo
 
     @router.post("/internal/prefill")
     async def prefill(body: PrefillRequest) -> JSONResponse:
-        params = SamplingParams(
-            max_tokens=1, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-            seed=body.seed, ignore_eos=True,
-        )  # fmt: skip
+        params = _first_token_params(body)
         try:
             async for _ in engine.generate(
                 body.xid, body.prompt_token_ids, params, hold_blocks_on_finish=True
@@ -94,10 +115,78 @@ def make_prefill_router(state: InstanceState, transport: Transport, lease_s: flo
     return router
 
 
-def make_decode_hooks(
-    state: InstanceState, connector: PullConnector, directory: PeerDirectory
+def make_push_prefill_router(
+    state: InstanceState, sender: PushSender, directory: PeerDirectory
 ) -> APIRouter:
-    """Set `state.prepare` for pulls; return the stats router."""
+    router = APIRouter()
+    engine = state.engine
+
+    @router.post("/internal/push/prefill")
+    async def push_prefill(body: PushPrefillRequest) -> JSONResponse:
+        xid = body.xid
+        try:
+            peer = await asyncio.to_thread(
+                directory.get_peer, body.decode_url, body.decode_engine_id
+            )
+        except Exception as exc:
+            raise APIError(502, f"cannot reach decode at {body.decode_url}: {exc}") from None
+        params = _first_token_params(body)
+        try:
+            engine.engine.check_request(len(body.prompt_token_ids), 1)
+            await engine.run_in_engine(
+                lambda _e: sender.expect(xid, peer, len(body.prompt_token_ids))
+            )
+        except (RequestRejected, ValueError) as exc:
+            raise APIError(400, str(exc)) from None
+        last, ids, text = None, [], []
+        try:
+            async for out in engine.generate(
+                xid, body.prompt_token_ids, params, hold_blocks_on_finish=True
+            ):
+                last = out
+                ids.extend(out.new_token_ids)
+                text.append(out.new_text)
+        except (RequestRejected, ValueError) as exc:
+            raise APIError(400, str(exc)) from None
+        finally:
+            if last is None or not last.finished:  # rejected, the router left, the engine failed
+                engine.call(lambda _e: sender.cancel(xid, "prefill did not finish"))
+        if last is None or not ids:
+            raise APIError(500, f"xid {xid}: prefill finished without a token")
+        return JSONResponse({
+            "xid": xid, "engine_id": sender.transport.engine_id, "first_token": ids[0],
+            "text": "".join(text), "num_tokens": last.num_prompt_tokens,
+            "num_cached_tokens": last.num_cached_tokens,
+        })  # fmt: skip
+
+    @router.post("/internal/push/cancel")
+    async def push_cancel(body: CancelRequest) -> JSONResponse:
+        found = await engine.run_in_engine(lambda _e: sender.cancel(body.xid, body.reason))
+        if not found:
+            return _not_found(body.xid)
+        return JSONResponse({"xid": body.xid, "cancelled": True})
+
+    @router.get("/internal/kv/push/stats")
+    async def push_stats() -> JSONResponse:
+        return JSONResponse(asdict(sender.stats))
+
+    return router
+
+
+def _first_token_params(body: PrefillRequest) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=1, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+        seed=body.seed, ignore_eos=True,
+    )  # fmt: skip
+
+
+def make_decode_hooks(
+    state: InstanceState,
+    connector: PullConnector,
+    receiver: PushReceiver,
+    directory: PeerDirectory,
+) -> APIRouter:
+    """Set `state.prepare` for pulls and pushes; return the decode-side routes."""
 
     async def prepare(raw: Request, gen: Generation) -> None:
         arrived = time.monotonic()
@@ -112,12 +201,17 @@ def make_decode_hooks(
         try:
             peer = await asyncio.to_thread(directory.get_peer, kv.prefill_url, kv.engine_id)
         except Exception as exc:  # no peer: compute the prompt here
-            logger.warning("xid=%s: no connection to %s (%s); computing locally", kv.xid, kv.prefill_url, exc)
+            logger.warning(
+                "xid=%s: no connection to %s (%s); computing locally", kv.xid, kv.prefill_url, exc
+            )
             return
-        lease_ends_at = None if kv.lease_s is None else arrived + kv.lease_s
-        connector.register(
-            PullSpec(kv.xid, peer, kv.prefill_url, kv.block_ids, kv.num_tokens, lease_ends_at)
-        )
+        if kv.mode == "push":
+            receiver.register(PushSpec(kv.xid, peer, kv.prefill_url))
+        else:
+            lease_ends_at = None if kv.lease_s is None else arrived + kv.lease_s
+            connector.register(
+                PullSpec(kv.xid, peer, kv.prefill_url, kv.block_ids, kv.num_tokens, lease_ends_at)
+            )
         gen.remote_kv = RemoteKVSpec(kv.xid, source_engine_id=peer.engine_id)
 
     state.prepare = prepare
@@ -126,5 +220,16 @@ def make_decode_hooks(
     @router.get("/internal/kv/pull/stats")
     async def pull_stats() -> JSONResponse:
         return JSONResponse(asdict(connector.stats))
+
+    @router.get("/internal/kv/push/stats")
+    async def push_stats() -> JSONResponse:
+        return JSONResponse(asdict(receiver.stats))
+
+    @router.post("/internal/push/cancel")
+    async def push_cancel(body: CancelRequest) -> JSONResponse:
+        found = await state.engine.run_in_engine(lambda _e: receiver.cancel(body.xid, body.reason))
+        if not found:
+            return _not_found(body.xid)
+        return JSONResponse({"xid": body.xid, "cancelled": True})
 
     return router

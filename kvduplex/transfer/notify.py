@@ -1,0 +1,91 @@
+"""One thread per instance that takes the transport's notifications and dispatches them.
+
+Flows (push, duplex) register a handler per `ControlMessage` type and a tick
+(deadline checks). Handlers run on the pump thread: they must be quick and
+hand real work to the engine thread (`AsyncEngine.call`). A malformed
+notification is logged and dropped; a handler that raises is logged and the
+pump goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import msgspec
+
+from kvduplex.transfer.messages import ControlMessage, MessageCodec
+from kvduplex.transfer.transport import Transport
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[[ControlMessage, str], None]
+"""``handler(message, sender_engine_id)``."""
+Tick = Callable[[float], None]
+"""``tick(now)``: called at least every ``tick_s`` with `time.monotonic()`."""
+
+
+class NotificationPump:
+    """Polls `transport.poll_notifs` and routes each message to its type's handler."""
+
+    def __init__(self, transport: Transport, tick_s: float = 0.05) -> None:
+        self.transport = transport
+        self.tick_s = tick_s
+        self._handlers: dict[type[ControlMessage], Handler] = {}
+        self._ticks: list[Tick] = []
+        self._codec: MessageCodec | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kv-notify", daemon=True)
+
+    def on(self, msg_type: type[ControlMessage], handler: Handler) -> None:
+        """Route messages of `msg_type` to `handler`; register before `start`."""
+        self._handlers[msg_type] = handler
+
+    def every_tick(self, tick: Tick) -> None:
+        self._ticks.append(tick)
+
+    def start(self) -> None:
+        self._codec = MessageCodec()
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2.0)
+
+    def _run(self) -> None:
+        assert self._codec is not None
+        while not self._stop.is_set():
+            try:
+                notifs = self.transport.poll_notifs(timeout=self.tick_s)
+            except Exception:  # transport closed under us
+                logger.exception("polling notifications failed; the pump stops")
+                return
+            for n in notifs:
+                self._dispatch(n.payload, n.peer_engine_id)
+            now = time.monotonic()
+            for tick in self._ticks:
+                try:
+                    tick(now)
+                except Exception:
+                    logger.exception("notification tick %r raised", tick)
+
+    def _dispatch(self, payload: bytes, sender: str) -> None:
+        assert self._codec is not None
+        try:
+            msg = self._codec.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            logger.warning("dropping a malformed notification from %s: %s", sender, exc)
+            return
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            logger.warning(
+                "no handler for %s from %s (xid=%s)", type(msg).__name__, sender, msg.xid
+            )
+            return
+        try:
+            handler(msg, sender)
+        except Exception:
+            logger.exception("handler of %s (xid=%s) raised", type(msg).__name__, msg.xid)
