@@ -86,6 +86,7 @@ def _role_routers(instance: Instance, config: EngineConfig, role: Role) -> list[
         sender = PushSender(
             transport, async_engine, block_size, registration_wait_s=cfg.kv_wait_timeout_s,
             deadline_s=cfg.transfer_timeout_s, metrics=flow_metrics,
+            peer_of=directory.peer_by_engine,
         )  # fmt: skip
         sender.attach(pump)
         engine.connector = sender

@@ -38,6 +38,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvduplex.engine.detokenizer import IncrementalDetokenizer
 from kvduplex.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from kvduplex.server.protocol import error_body
 
@@ -310,8 +311,10 @@ async def _route_push(
     if not body.get("stream") or body.get("stop"):
         # Stop strings act on text: only D, which sees the whole answer, can apply them.
         return _relay(upstream, d, _raw_parts(upstream))
-    first = _FirstChunk(rid=rid, chat=chat, model=str(body.get("model") or state.model),
-                        token_ids=bool(body.get("return_token_ids")))  # fmt: skip
+    first = _FirstChunk(
+        rid=rid, chat=chat, model=str(body.get("model") or state.model),
+        token_ids=bool(body.get("return_token_ids")), tokenizer=state.tokenizer,
+    )  # fmt: skip
     return _relay(upstream, d, _push_stream(upstream, watcher, first))
 
 
@@ -323,6 +326,7 @@ class _FirstChunk:
     chat: bool
     model: str
     token_ids: bool
+    tokenizer: Tokenizer
 
     def render(self, token: int, text: str) -> bytes:
         choice: dict[str, Any] = {"index": 0, "finish_reason": None, "logprobs": None}
@@ -355,8 +359,12 @@ async def _push_stream(
         if not prefill.done():
             await asyncio.wait({prefill, next_event}, return_when=asyncio.FIRST_COMPLETED)
         ans = prefill.result() if prefill.done() else None
+        sent_text = ""
         if ans is not None and not next_event.done():
-            yield first.render(int(ans["first_token"]), str(ans.get("text", "")))
+            token = int(ans["first_token"])
+            # Text as D's detokenizer releases it for a first token that is not the last.
+            sent_text = IncrementalDetokenizer(first.tokenizer).update([token], is_final=False)
+            yield first.render(token, sent_text)
             sent_first = True
         skip = sent_first
         while True:
@@ -365,7 +373,7 @@ async def _push_stream(
                 return
             next_event = asyncio.ensure_future(anext(events, None))
             if skip:
-                dropped = _drop_first_token(event)
+                dropped = _drop_first_token(event, sent_text)
                 if dropped is not _NOT_CONTENT:
                     skip = False
                     if dropped is None:
@@ -381,9 +389,12 @@ async def _push_stream(
 _NOT_CONTENT = b""
 
 
-def _drop_first_token(event: bytes) -> bytes | None:
-    """D's first content chunk without its token: None to drop it, a finish-only chunk
-    if it also ended the answer, or `_NOT_CONTENT` if the event carries no token."""
+def _drop_first_token(event: bytes, sent_text: str) -> bytes | None:
+    """D's first content chunk minus what the router already sent for the first token.
+
+    None to drop it; the rest of its text (a final flush) and its finish reason
+    if there is any; `_NOT_CONTENT` if the event carries no token.
+    """
     line = event.strip()
     if not line.startswith(b"data: ") or line == b"data: [DONE]":
         return _NOT_CONTENT
@@ -395,12 +406,15 @@ def _drop_first_token(event: bytes) -> bytes | None:
     if not choices:
         return _NOT_CONTENT
     choice = choices[0]
-    if choice.get("finish_reason") is None:
+    text = (choice.get("delta") or {}).get("content") if "delta" in choice else choice.get("text")
+    text = text or ""
+    rest = text[len(sent_text) :] if text.startswith(sent_text) else ""
+    if choice.get("finish_reason") is None and not rest:
         return None
     if "delta" in choice:
-        choice["delta"] = {"content": ""}
+        choice["delta"] = {"content": rest}
     else:
-        choice["text"] = ""
+        choice["text"] = rest
     if "token_ids" in choice:
         choice["token_ids"] = []
     return f"data: {json.dumps(chunk)}\n\n".encode()

@@ -137,6 +137,14 @@ class PeerDirectory:
                     return url
         return None
 
+    def peer_by_engine(self, engine_id: str) -> PeerHandle | None:
+        """The connected peer with this engine id, or None."""
+        with self._lock:
+            for peer in self._peers.values():
+                if peer.engine_id == engine_id:
+                    return peer
+        return None
+
     def peers(self) -> dict[str, PeerHandle]:
         with self._lock:
             return dict(self._peers)

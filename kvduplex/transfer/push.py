@@ -142,10 +142,14 @@ class PushSender:
         registration_wait_s: float,
         deadline_s: float,
         metrics: KVFlowMetrics | None = None,
+        peer_of: Callable[[str], PeerHandle | None] | None = None,
     ) -> None:
+        """``peer_of(engine_id)`` finds a connected peer (to answer registrations of
+        pushes that no longer exist)."""
         self.transport = transport
         self.engine = engine
         self.block_size = block_size
+        self.peer_of = peer_of
         self.registration_wait_s = registration_wait_s
         self.deadline_s = deadline_s
         self.metrics = metrics
@@ -209,6 +213,11 @@ class PushSender:
             if msg.xid not in self._cancelled:
                 with self._lock:
                     self._early[msg.xid] = (msg, sender, time.monotonic() + self.registration_wait_s)
+                return
+            # Cancelled before it began: nothing will be written, decode may reuse the blocks.
+            peer = self.peer_of(sender) if self.peer_of is not None else None
+            if peer is not None:
+                self._notify.submit(self._send, peer, KVFailed(msg.xid, "cancelled"))
             return
         if job.reg is not None or job.ended:
             logger.warning("xid=%s: duplicate registration from %s ignored", msg.xid, sender)

@@ -1,0 +1,275 @@
+"""Disaggregated serving end to end, push (layer-wise) and pull, against a colocated instance.
+
+One prefill (P, chunked prefill with a small token budget), one decode (D),
+a colocated reference, and two routers over the same P and D: one in push
+mode, one in pull mode. Every test ends with all pools consistent and empty
+of request blocks.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvduplex.server.cluster import LocalCluster, Process, free_port
+from tests.integration.conftest import assert_pool_clean, wait_until
+
+pytestmark = pytest.mark.integration
+
+if importlib.util.find_spec("nixl_cu12") is None and importlib.util.find_spec("nixl") is None:
+    pytest.skip("NIXL is not installed (pip install nixl-cu12)", allow_module_level=True)
+
+_SERVE = ["serve", "--model", "tiny", "--num-blocks", "160", "--block-size", "8", "--log-level", "warning"]
+MODES = ["push", "pull"]
+
+
+@dataclass
+class Deployment:
+    prefill: str
+    decode: str
+    reference: str
+    routers: dict[str, str]
+
+    @property
+    def instances(self) -> list[str]:
+        return [self.prefill, self.decode, self.reference]
+
+
+def _router(cluster: LocalCluster, name: str, mode: str, p: str, d: str) -> Process:
+    args = ["router", "--mode", mode, "--model", "tiny", "--prefill", p, "--decode", d]
+    return cluster.start(name, args, free_port())
+
+
+@pytest.fixture(scope="module")
+def dep(cluster: LocalCluster) -> Deployment:
+    # P's budget of 24 tokens per step makes every prompt over 24 tokens a chunked prefill.
+    p = cluster.start(
+        "prefill", [*_SERVE, "--role", "prefill", "--max-num-batched-tokens", "24"], free_port()
+    )
+    d = cluster.start("decode", [*_SERVE, "--role", "decode"], free_port())
+    ref = cluster.start("reference", [*_SERVE, "--role", "both"], free_port())
+    cluster.wait_healthy(timeout_s=180)
+    routers = {m: _router(cluster, f"router-{m}", m, p.url, d.url).url for m in MODES}
+    cluster.wait_healthy(timeout_s=60)
+    return Deployment(p.url, d.url, ref.url, routers)
+
+
+@pytest.fixture(autouse=True)
+def clean_pools(dep: Deployment) -> Iterator[None]:
+    yield
+    for url in dep.instances:
+        assert_pool_clean(url)
+
+
+def _body(prompt: str | list[int], max_tokens: int = 10, **extra: object) -> dict:
+    return {
+        "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+        "ignore_eos": True, "return_token_ids": True, **extra,
+    }  # fmt: skip
+
+
+def _complete(url: str, body: dict, path: str = "/v1/completions") -> list[int]:
+    resp = httpx.post(url + path, json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    return list(resp.json()["choices"][0]["token_ids"])
+
+
+def _stream(url: str, path: str, body: dict) -> tuple[list[int], str, list[dict]]:
+    """Token ids, text and the chunks of a streamed answer."""
+    ids: list[int] = []
+    text: list[str] = []
+    chunks: list[dict] = []
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=120) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            chunks.append(chunk)
+            for choice in chunk["choices"]:
+                ids.extend(choice.get("token_ids") or [])
+                text.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+    return ids, "".join(text), chunks
+
+
+def _push_stats(url: str) -> dict:
+    return dict(httpx.get(url + "/internal/kv/push/stats", timeout=10).json())
+
+
+def _metric(url: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+def _ids(n: int, salt: int) -> list[int]:
+    """A token-id prompt of `n` tokens, distinct per salt."""
+    return [(salt * 131 + i * 7) % 250 + 1 for i in range(n)]
+
+
+# Lengths: shorter than a block, not a multiple of 8, exact multiples, several P chunks.
+LENGTHS = [3, 13, 16, 40, 77]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_concurrent_mixed_lengths_match_colocated(dep: Deployment, mode: str) -> None:
+    bodies = [_body(_ids(n, salt=n + len(mode)), max_tokens=4 + n % 7) for n in LENGTHS]
+    push_before = _push_stats(dep.decode)
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        routed = list(pool.map(lambda b: _complete(dep.routers[mode], b), bodies))
+    assert routed == [_complete(dep.reference, b) for b in bodies]
+    after = _push_stats(dep.decode)
+    if mode == "push":
+        assert after["num_received"] == push_before["num_received"] + len(bodies)
+        assert after["num_fallbacks"] == push_before["num_fallbacks"]
+    else:
+        assert after["num_received"] == push_before["num_received"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_streaming_completion_and_chat_match_colocated(dep: Deployment, mode: str) -> None:
+    body = _body(_ids(45, salt=3 + len(mode)), max_tokens=8)
+    routed_ids, routed_text, chunks = _stream(dep.routers[mode], "/v1/completions", body)
+    ref_ids, ref_text, _ = _stream(dep.reference, "/v1/completions", body)
+    assert routed_ids == ref_ids and routed_text == ref_text
+    assert len({c["id"] for c in chunks}) == 1, "one id for the whole answer"
+    chat = _body("", max_tokens=6)
+    del chat["prompt"]
+    chat["messages"] = [{"role": "user", "content": f"hello over the {mode} path, streamed"}]
+    path = "/v1/chat/completions"
+    routed_ids, routed_text, chunks = _stream(dep.routers[mode], path, chat)
+    ref_ids, ref_text, _ = _stream(dep.reference, path, chat)
+    assert routed_ids == ref_ids and routed_text == ref_text
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert _complete(dep.routers[mode], chat, path) == ref_ids
+
+
+def test_push_streams_prefill_first_token_then_the_rest(dep: Deployment) -> None:
+    """max_tokens=1 and an early stop: D's copy of the first token never doubles P's."""
+    for max_tokens in (1, 2):
+        body = _body(_ids(30, salt=50 + max_tokens), max_tokens=max_tokens)
+        ids, _, chunks = _stream(dep.routers["push"], "/v1/completions", body)
+        assert ids == _complete(dep.reference, body)
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_decode_prefix_hit_shrinks_the_push(dep: Deployment) -> None:
+    history = _ids(64, salt=77)
+    first = _body(history, max_tokens=3)
+    assert _complete(dep.routers["push"], first) == _complete(dep.reference, first)
+    before = _push_stats(dep.decode)
+    hits_before = _metric(dep.decode, "kvduplex_kv_remote_prefix_hit_tokens_total")
+    follow = _body([*history, 9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12], max_tokens=5)
+    assert _complete(dep.routers["push"], follow) == _complete(dep.reference, follow)
+    after = _push_stats(dep.decode)
+    # D held the 64-token history (8 blocks): only the 2 blocks of new tokens moved.
+    assert after["num_skipped_blocks"] - before["num_skipped_blocks"] == 8
+    assert after["num_received_blocks"] - before["num_received_blocks"] == 2
+    assert _metric(dep.decode, "kvduplex_kv_remote_prefix_hit_tokens_total") - hits_before == 64
+
+
+def test_push_metrics_on_both_sides(dep: Deployment) -> None:
+    written = _metric(dep.prefill, "kvduplex_kv_transfer_bytes_total", direction="write")
+    pushes = _metric(dep.prefill, "kvduplex_kv_pushes_total", outcome="done")
+    body = _body(_ids(50, salt=91), max_tokens=3)
+    assert _complete(dep.routers["push"], body) == _complete(dep.reference, body)
+    wait_until(
+        lambda: _metric(dep.prefill, "kvduplex_kv_pushes_total", outcome="done") == pushes + 1,
+        what="the push counted on prefill",
+    )
+    assert _metric(dep.prefill, "kvduplex_kv_transfer_bytes_total", direction="write") > written
+    assert _metric(dep.prefill, "kvduplex_kv_push_transfer_seconds_total") > 0
+    exposed = _metric(dep.prefill, "kvduplex_kv_push_exposed_seconds_total")
+    assert 0 <= exposed <= _metric(dep.prefill, "kvduplex_kv_push_transfer_seconds_total")
+    assert _metric(dep.decode, "kvduplex_kv_received_tokens_total") > 0
+
+
+def test_internal_push_routes_reject_bad_input(dep: Deployment) -> None:
+    for url in (dep.prefill, dep.decode):
+        resp = httpx.post(url + "/internal/push/cancel", json={"xid": "nope"}, timeout=10)
+        assert resp.status_code == 404 and "error" in resp.json()
+        resp = httpx.post(url + "/internal/push/cancel", json={"xid": 3}, timeout=10)
+        assert resp.status_code == 400
+    bad = {"xid": "x", "prompt_token_ids": [], "decode_url": dep.decode}
+    assert httpx.post(dep.prefill + "/internal/push/prefill", json=bad, timeout=10).status_code == 400
+    nowhere = {"xid": "x2", "prompt_token_ids": [1, 2, 3], "decode_url": f"http://127.0.0.1:{free_port()}"}
+    resp = httpx.post(dep.prefill + "/internal/push/prefill", json=nowhere, timeout=30)
+    assert resp.status_code == 502 and "cannot reach decode" in resp.json()["error"]["message"]
+    bad_params = _body([1, 2, 3], kv_transfer_params={"mode": "teleport", "xid": "x"})
+    assert httpx.post(dep.decode + "/v1/completions", json=bad_params, timeout=10).status_code == 400
+
+
+def test_router_rejects_bad_input_without_leaking(dep: Deployment) -> None:
+    resp = httpx.post(
+        dep.routers["push"] + "/v1/completions",
+        json=_body(_ids(20, salt=5), max_tokens=0),
+        timeout=30,
+    )
+    assert resp.status_code == 400 and "error" in resp.json()
+    resp = httpx.post(
+        dep.routers["push"] + "/v1/completions", content=b"{not json", timeout=30,
+        headers={"content-type": "application/json"},
+    )  # fmt: skip
+    assert resp.status_code == 400
+
+
+# ---- failures: P that never writes ----
+
+
+@pytest.fixture(scope="module")
+def stalled(cluster: LocalCluster, dep: Deployment) -> Iterator[tuple[Process, Process, str]]:
+    """A P and D with a 2 s push deadline behind their own push router."""
+    p = cluster.start("prefill-stall", [*_SERVE, "--role", "prefill"], free_port())
+    d = cluster.start(
+        "decode-short-wait",
+        [*_SERVE, "--role", "decode", "--kv-wait-timeout-s", "2", "--transfer-timeout-s", "2"],
+        free_port(),
+    )
+    cluster.wait_healthy(timeout_s=180)
+    r = _router(cluster, "router-stall", "push", p.url, d.url)
+    cluster.wait_healthy(timeout_s=60)
+    yield p, d, r.url
+    os.killpg(p.popen.pid, signal.SIGCONT)
+
+
+def test_push_whose_prefill_never_writes_falls_back(
+    dep: Deployment, stalled: tuple[Process, Process, str]
+) -> None:
+    p, d, router = stalled
+    warm = _body(_ids(20, salt=11), max_tokens=2)
+    assert _complete(router, warm) == _complete(dep.reference, warm)  # handshakes done
+    os.killpg(p.popen.pid, signal.SIGSTOP)
+    try:
+        body = _body(_ids(37, salt=12), max_tokens=6)
+        started = time.monotonic()
+        stream_ids, _, _ = _stream(router, "/v1/completions", body)
+        full = _complete(router, _body(_ids(29, salt=13), max_tokens=4))
+        elapsed = time.monotonic() - started
+        assert stream_ids == _complete(dep.reference, body)
+        assert full == _complete(dep.reference, _body(_ids(29, salt=13), max_tokens=4))
+        assert elapsed < 2 * (2 + 3), "each request falls back within its 2 s deadline"
+        stats = _push_stats(d.url)
+        assert stats["num_fallbacks"] >= 2
+        assert _metric(d.url, "kvduplex_kv_fallbacks_total", reason="deadline") >= 2
+    finally:
+        os.killpg(p.popen.pid, signal.SIGCONT)
+    # Resumed, P learns of the cancellations; nothing stays allocated anywhere
+    # (D's quarantined blocks come back at the latest one transfer deadline later).
+    for url in (p.url, d.url):
+        assert_pool_clean(url)
+    again = _body(_ids(33, salt=14), max_tokens=3)
+    assert _complete(router, again) == _complete(dep.reference, again)
+    assert _push_stats(d.url)["num_fallbacks"] == stats["num_fallbacks"]
