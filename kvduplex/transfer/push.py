@@ -506,7 +506,7 @@ class PushReceiverStats:
 
 
 class PushReceiver:
-    """Decode's half of the push flow (a `KVConnector` part; see `DecodeConnector`)."""
+    """Decode's half of the push flow (a `KVConnector`; beside pull in `DecodeConnector`)."""
 
     def __init__(
         self,
@@ -550,9 +550,20 @@ class PushReceiver:
         for req in out.remote_kv_allocated:
             self._start(req)
 
+    def layer_hook(self, out: SchedulerOutput) -> Callable[[int], None] | None:
+        return None
+
+    def on_step_done(
+        self, out: SchedulerOutput, sampled: dict[str, int], finished: list[Request]
+    ) -> None:
+        return None
+
     def take_updated_requests(self) -> list[Request]:
         updated, self._updated = self._updated, []
         return updated
+
+    def has_pending_work(self) -> bool:
+        return False
 
     def _start(self, req: Request) -> None:
         assert req.remote_kv is not None

@@ -1,0 +1,254 @@
+"""PushSender and PushReceiver over the in-process transport, in every order of events.
+
+Two engines (P and D) in one process, each in its own engine thread, each with
+its notification pump; P writes layer by layer into D's registered blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import pytest
+
+from kvduplex.config import CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig
+from kvduplex.engine.async_engine import AsyncEngine
+from kvduplex.engine.engine import LLMEngine
+from kvduplex.engine.request import RemoteKVSpec
+from kvduplex.engine.sampling import SamplingParams
+from kvduplex.model.loader import LoadedModel, load_model
+from kvduplex.transfer.fake import InProcessFabric, InProcessTransport
+from kvduplex.transfer.notify import NotificationPump
+from kvduplex.transfer.push import PushReceiver, PushSender, PushSpec
+
+BS = 4
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+FIRST = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+PROMPT = list(range(1, 19))  # 18 tokens: 5 blocks, the last one partial
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LoadedModel:
+    return load_model(ModelLoadConfig(model="tiny", seed=0))
+
+
+def _engine(tiny: LoadedModel, budget: int = 256) -> LLMEngine:
+    cfg = EngineConfig(
+        cache=CacheConfig(block_size=BS, num_blocks=64),
+        scheduler=SchedulerConfig(max_num_batched_tokens=budget),
+    )
+    return LLMEngine(cfg, loaded=tiny)
+
+
+def _reference(tiny: LoadedModel, prompt: list[int] = PROMPT) -> list[int]:
+    engine = _engine(tiny)
+    engine.add_request("ref", prompt, GREEDY)
+    out: list[int] = []
+    while engine.has_unfinished():
+        for o in engine.step():
+            out.extend(o.new_token_ids)
+    return out
+
+
+def _wait_for(cond: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+class Pair:
+    """P and D engines joined by an in-process fabric."""
+
+    def __init__(self, tiny: LoadedModel, wait_s: float = 5.0, p_budget: int = 256) -> None:
+        self.p, self.d = _engine(tiny, p_budget), _engine(tiny)
+        fabric = InProcessFabric()
+        self.tp: InProcessTransport = fabric.endpoint(self.p.kv_pool, self.p.layout)
+        self.td: InProcessTransport = fabric.endpoint(self.d.kv_pool, self.d.layout)
+        self.d_peer = self.tp.connect(self.td.local_metadata())  # P writes into D
+        self.p_peer = self.td.connect(self.tp.local_metadata())  # D notifies P
+        self.ap, self.ad = AsyncEngine(self.p), AsyncEngine(self.d)
+        self.sender = PushSender(self.tp, self.ap, BS, registration_wait_s=wait_s, deadline_s=5.0)
+        self.receiver = PushReceiver(self.td, self.ad, BS, wait_s=wait_s, quarantine_s=0.5)
+        self.p.connector = self.sender
+        self.d.connector = self.receiver
+        self.pumps = [NotificationPump(self.tp, 0.01), NotificationPump(self.td, 0.01)]
+        self.sender.attach(self.pumps[0])
+        self.receiver.attach(self.pumps[1])
+        for pump in self.pumps:
+            pump.start()
+        self.ap.start()
+        self.ad.start()
+
+    async def prefill(self, xid: str, prompt: list[int] = PROMPT) -> list[int]:
+        await self.ap.run_in_engine(lambda _e: self.sender.expect(xid, self.d_peer, len(prompt)))
+        out: list[int] = []
+        async for o in self.ap.generate(xid, prompt, FIRST, hold_blocks_on_finish=True):
+            out.extend(o.new_token_ids)
+        return out
+
+    async def decode(self, xid: str, prompt: list[int] = PROMPT) -> list[int]:
+        self.receiver.register(PushSpec(xid, self.p_peer, "http://p"))
+        out: list[int] = []
+        async for o in self.ad.generate(f"d-{xid}", prompt, GREEDY, remote_kv=RemoteKVSpec(xid)):
+            out.extend(o.new_token_ids)
+        return out
+
+    def in_use(self, engine: AsyncEngine) -> int:
+        return engine.call(lambda e: e.block_pool.stats().num_in_use).result(5)
+
+    def assert_clean(self) -> None:
+        for engine in (self.ap, self.ad):
+            _wait_for(lambda engine=engine: self.in_use(engine) == 0, "pools to empty")  # type: ignore[misc]
+            engine.call(lambda e: e.check_integrity()).result(5)
+
+    def close(self) -> None:
+        for pump in self.pumps:
+            pump.close()
+        self.ap.shutdown()
+        self.ad.shutdown()
+        self.sender.close()
+
+
+@pytest.fixture
+def pair(tiny: LoadedModel) -> Pair:
+    return Pair(tiny)
+
+
+def test_concurrent_push_matches_local(tiny: LoadedModel) -> None:
+    s = Pair(tiny)
+    try:
+        async def both() -> tuple[list[int], list[int]]:
+            return await asyncio.gather(s.prefill("x1"), s.decode("x1"))
+
+        p_out, d_out = asyncio.run(both())
+        expected = _reference(tiny)
+        assert d_out == expected and p_out == expected[:1]
+        assert s.receiver.stats.num_received == 1 and s.receiver.stats.num_fallbacks == 0
+        assert s.receiver.stats.num_received_blocks == 5
+        s.assert_clean()
+        assert s.sender.stats.num_done == 1 and s.sender.stats.transfer_s > 0
+    finally:
+        s.close()
+
+
+def test_chunked_prefill_pushes_each_chunk_layer_by_layer(tiny: LoadedModel) -> None:
+    s = Pair(tiny, p_budget=6)  # 18 tokens in chunks of 6: blocks finish mid-chunk
+    try:
+        async def both() -> tuple[list[int], list[int]]:
+            d = asyncio.ensure_future(s.decode("xc"))
+            # Registration first, so that every chunk streams.
+            await asyncio.to_thread(_wait_for, lambda: s.receiver.num_waiting() == 1, "registration")
+            return await asyncio.gather(s.prefill("xc"), d)
+
+        _, d_out = asyncio.run(both())
+        assert d_out == _reference(tiny)
+        num_layers = s.p.layout.num_layers
+        assert s.sender.stats.num_writes == 3 * num_layers  # one WRITE per layer per chunk
+        s.assert_clean()
+    finally:
+        s.close()
+
+
+def test_registration_after_prefill_finished(tiny: LoadedModel) -> None:
+    s = Pair(tiny)
+    try:
+        assert asyncio.run(s.prefill("late")) == _reference(tiny)[:1]
+        assert s.in_use(s.ap) == 5  # held for the push
+        assert asyncio.run(s.decode("late")) == _reference(tiny)
+        assert s.sender.stats.num_writes == 1  # everything at once
+        s.assert_clean()
+    finally:
+        s.close()
+
+
+def test_registration_before_prefill_arrives(tiny: LoadedModel) -> None:
+    s = Pair(tiny)
+    try:
+        async def decode_first() -> tuple[list[int], list[int]]:
+            d = asyncio.ensure_future(s.decode("early"))
+            await asyncio.to_thread(
+                _wait_for, lambda: "early" in s.sender._early, "the early registration"
+            )
+            return await asyncio.gather(d, s.prefill("early"))
+
+        d_out, _ = asyncio.run(decode_first())
+        assert d_out == _reference(tiny)
+        s.assert_clean()
+    finally:
+        s.close()
+
+
+def test_decode_prefix_hit_is_not_pushed(tiny: LoadedModel) -> None:
+    s = Pair(tiny)
+    try:
+        async def run(xid: str, prompt: list[int]) -> list[int]:
+            _, out = await asyncio.gather(s.prefill(xid, prompt), s.decode(xid, prompt))
+            return out
+
+        asyncio.run(run("h1", PROMPT))
+        longer = [*PROMPT, 30, 31, 32, 33, 34, 35]  # 24 tokens: 6 blocks, D has 4 of them
+        assert asyncio.run(run("h2", longer)) == _reference(tiny, longer)
+        assert s.receiver.stats.num_skipped_blocks == 4
+        assert s.receiver.stats.num_received_blocks == 5 + 2
+        s.assert_clean()
+    finally:
+        s.close()
+
+
+def test_failed_write_makes_decode_compute_locally(tiny: LoadedModel) -> None:
+    s = Pair(tiny)
+    try:
+        s.tp.fail_next("link down")
+
+        async def both() -> tuple[list[int], list[int]]:
+            return await asyncio.gather(s.prefill("xf"), s.decode("xf"))
+
+        _, d_out = asyncio.run(both())
+        assert d_out == _reference(tiny)
+        assert s.receiver.stats.num_fallbacks == 1 and s.sender.stats.num_failed == 1
+        s.assert_clean()
+    finally:
+        s.close()
+
+
+def test_prefill_that_never_comes_falls_back_and_quarantine_ends(tiny: LoadedModel) -> None:
+    s = Pair(tiny, wait_s=0.2)
+    try:
+        assert asyncio.run(s.decode("ghost")) == _reference(tiny)
+        assert s.receiver.stats.num_fallbacks == 1
+        s.assert_clean()  # registered blocks come back after the quarantine
+        assert s.receiver.num_waiting() == 0
+    finally:
+        s.close()
+
+
+def test_cancelled_push_is_refused_when_prefill_arrives_later(tiny: LoadedModel) -> None:
+    s = Pair(tiny)
+    try:
+        assert not s.ap.call(lambda _e: s.sender.cancel("gone", "router")).result(5)
+        with pytest.raises(ValueError, match="cancelled"):
+            asyncio.run(s.prefill("gone"))
+        s.assert_clean()
+    finally:
+        s.close()
+
+
+def test_aborted_decode_keeps_registered_blocks_until_prefill_is_done(tiny: LoadedModel) -> None:
+    s = Pair(tiny)
+    try:
+        async def leave_early() -> None:
+            task = asyncio.ensure_future(s.decode("ab"))
+            await asyncio.to_thread(_wait_for, lambda: s.receiver.num_waiting() == 1, "registration")
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+        asyncio.run(leave_early())
+        # The request is gone, its registered blocks are not: P may still write into them.
+        _wait_for(lambda: s.in_use(s.ad) == 5, "abort to reach the engine")
+        asyncio.run(s.prefill("ab"))
+        s.assert_clean()
+        assert s.receiver.stats.num_received == 0
+    finally:
+        s.close()
