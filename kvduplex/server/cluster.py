@@ -1,4 +1,4 @@
-"""Start and stop local kvduplex processes (instances, router) on 127.0.0.1.
+"""Start and stop local kvduplex processes (instances, router), on 127.0.0.1 by default.
 
 Used by `kvduplex up`, the benchmarks and the integration tests. Every process
 started here is stopped by `LocalCluster.stop()` (also on context exit): first
@@ -56,20 +56,40 @@ class LocalCluster:
     processes: list[Process] = field(default_factory=list)
 
     def start(
-        self, name: str, args: list[str], port: int, *, cpus: list[int] | None = None
+        self,
+        name: str,
+        args: list[str],
+        port: int,
+        *,
+        cpus: list[int] | None = None,
+        netns: str | None = None,
+        host: str = "127.0.0.1",
+        env: dict[str, str] | None = None,
     ) -> Process:
-        """Run ``python -m kvduplex <args> --port <port>`` in the background."""
+        """Run ``python -m kvduplex <args> --host <host> --port <port>`` in the background.
+
+        `host` is the address the process listens on and is reached at
+        (`Process.url`); a ``--host`` in `args` is overridden by it. `cpus` pins
+        the process (taskset); `netns` runs it inside that network namespace
+        (``ip netns exec``, see `kvduplex.server.netns`), where `host` must be
+        one of the namespace's addresses reachable from here. `env` adds
+        variables for this process only, over the cluster's `env`. The process
+        leads its own session, so `stop_process`/`kill_process` end its whole
+        process group, in a namespace too (``ip netns exec`` execs the command).
+        """
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
-        cmd = [sys.executable, "-m", "kvduplex", *args, "--port", str(port)]
+        cmd = [sys.executable, "-m", "kvduplex", *args, "--host", host, "--port", str(port)]
         if cpus:
             cmd = ["taskset", "-c", ",".join(map(str, cpus)), *cmd]
-        env = {**os.environ, **self.env}
+        if netns is not None:
+            cmd = ["ip", "netns", "exec", netns, *cmd]
+        proc_env = {**os.environ, **self.env, **(env or {})}
         with open(log_path, "wb") as log:
             popen = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=proc_env, start_new_session=True
             )
-        proc = Process(name=name, url=f"http://127.0.0.1:{port}", popen=popen, log_path=log_path)
+        proc = Process(name=name, url=f"http://{host}:{port}", popen=popen, log_path=log_path)
         self.processes.append(proc)
         logger.info("started %s (pid %d): %s", name, popen.pid, " ".join(cmd))
         return proc
@@ -94,7 +114,9 @@ class LocalCluster:
                 except httpx.HTTPError:
                     pass
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"{proc.name} not healthy after {timeout_s}s:\n{proc.log_tail()}")
+                    raise RuntimeError(
+                        f"{proc.name} not healthy after {timeout_s}s:\n{proc.log_tail()}"
+                    )
                 time.sleep(0.1)  # polling a process we do not control; not test synchronisation
 
     def stop_process(self, proc: Process, grace_s: float = 10.0) -> None:
