@@ -7,6 +7,7 @@ import asyncio
 import logging
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from kvduplex.config import (
@@ -57,37 +58,55 @@ def _cmd_router(args: argparse.Namespace) -> None:
 def _cmd_up(args: argparse.Namespace) -> None:
     from kvduplex.bench.session import format_session, run_session
     from kvduplex.server.cluster import LocalCluster, free_port
+    from kvduplex.server.report import format_kv_report
 
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvduplex-up-"))
     with LocalCluster(log_dir=log_dir) as cluster:
-        port = args.port or free_port()
-        serve_args = ["serve", "--model", args.model, "--role", "both"]
+        serve_args = ["serve", "--model", args.model]
         if args.dtype:
             serve_args += ["--dtype", args.dtype]
-        proc = cluster.start("instance", serve_args, port)
-        print(f"starting {args.model} on {proc.url} (logs in {log_dir}) ...", flush=True)
+        front_port = args.port or free_port()
+        instances: dict[str, str] = {}
+        if args.mode == "colocated":
+            proc = cluster.start("instance", [*serve_args, "--role", "both"], front_port)
+            front = proc.url
+        else:
+            p = cluster.start("prefill", [*serve_args, "--role", "prefill"], free_port())
+            d = cluster.start("decode", [*serve_args, "--role", "decode"], free_port())
+            instances = {"prefill": p.url, "decode": d.url}
+        print(f"starting {args.model} ({args.mode}; logs in {log_dir}) ...", flush=True)
         cluster.wait_healthy(timeout_s=args.start_timeout)
-        print(f"ready: OpenAI API at {proc.url}/v1", flush=True)
+        if args.mode != "colocated":
+            router_args = ["router", "--mode", args.mode, "--model", args.model]
+            router_args += ["--prefill", instances["prefill"], "--decode", instances["decode"]]
+            front = cluster.start("router", router_args, front_port).url
+            cluster.wait_healthy(timeout_s=args.start_timeout)
+            print(f"prefill {instances['prefill']}, decode {instances['decode']}", flush=True)
+        print(f"ready: OpenAI API at {front}/v1", flush=True)
         if args.demo_turns > 0:
             results = asyncio.run(
                 run_session(
-                    proc.url,
-                    args.model,
-                    num_turns=args.demo_turns,
-                    max_tokens=args.demo_max_tokens,
-                    seed=args.seed,
+                    front, args.model, num_turns=args.demo_turns,
+                    max_tokens=args.demo_max_tokens, seed=args.seed,
                 )
-            )
+            )  # fmt: skip
             print(format_session(results), flush=True)
+            if instances:
+                print(format_kv_report(instances), flush=True)
             if not all(t.result.ok for t in results):
                 sys.exit(1)
             if not args.keep_serving:
                 return
         print("serving; press Ctrl-C to stop", flush=True)
         try:
-            proc.popen.wait()
+            while all(proc.is_alive() for proc in cluster.processes):
+                time.sleep(0.5)  # supervising: stop everything if one process dies
         except KeyboardInterrupt:
             print("\nstopping ...", flush=True)
+        dead = [proc.name for proc in cluster.processes if not proc.is_alive()]
+        if dead:
+            print(f"{', '.join(dead)} exited; stopping the rest (logs in {log_dir})", flush=True)
+            sys.exit(1)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,7 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--log-level", default="warning")
     router.set_defaults(func=_cmd_router)
 
-    up = sub.add_parser("up", help="start a local cluster on a built-in model and run a session")
+    up = sub.add_parser(
+        "up", help="start prefill, decode and a router locally on a built-in model; run a session"
+    )
+    up.add_argument(
+        "--mode", default="push", choices=["push", "pull", "colocated"],
+        help="push (layer-wise, default), pull, or one colocated instance",
+    )  # fmt: skip
     up.add_argument("--model", default="tiny", help="preset or local HF folder (default: tiny)")
     up.add_argument("--dtype", default="", help="model dtype (default: auto)")
     up.add_argument("--port", type=int, default=0, help="front-door port (default: a free one)")

@@ -97,6 +97,9 @@ class _Chunk:
     hi: int
     """Prompt blocks [0, hi) are sent once this chunk's layers are posted."""
     num_pending: int = 0
+    """WRITEs of this chunk not ended yet; the last one drops the source references."""
+    from_layer: int = 0
+    """First layer the layer hook still WRITEs (a registration mid-forward did the rest)."""
 
 
 @dataclass
@@ -160,6 +163,8 @@ class PushSender:
         self._early: dict[str, tuple[PushRegister, str, float]] = {}
         self._cancelled: dict[str, float] = {}  # xid -> until when it is refused
         self._chunks: dict[str, _Chunk] = {}  # this step's, by request id (= xid)
+        self._step_seqs: dict[str, tuple[int, int]] = {}  # this step's jobs: xid -> (start, end)
+        self._regs: list[tuple[PushRegister, str]] = []  # received, not applied yet
         self._notify = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-push-notify")
 
     def attach(self, pump: NotificationPump) -> None:
@@ -207,7 +212,8 @@ class PushSender:
         self._fail(job, reason)
         return True
 
-    def _register(self, msg: PushRegister, sender: str) -> None:
+    def _register(self, msg: PushRegister, sender: str, layer: int | None = None) -> None:
+        """Apply a registration; `layer` is the last computed layer when called mid-forward."""
         job = self._jobs.get(msg.xid)
         if job is None:
             if msg.xid not in self._cancelled:
@@ -233,20 +239,40 @@ class PushSender:
         if left <= 0:
             self._fail(job, "the registration arrived after decode stopped waiting")
             return
-        req = self.engine.engine.scheduler.get_request(msg.xid)
-        done = 0
-        if req is not None:
-            computed = req.num_computed_tokens
-            done = (
-                job.num_blocks if computed >= job.num_prompt_tokens else computed // self.block_size
-            )
         job.sent = msg.first_block
-        if req is not None and done > job.sent:
-            # Registration after prefill began: write what is computed at once.
-            chunk = self._plan(job, req, done)
-            self._post(job, chunk, layers=None)
-            job.sent = done
+        req = self.engine.engine.scheduler.get_request(msg.xid)
+        if req is None:
+            self._maybe_end(job)
+            return
+        # Registration after prefill began: write what is computed at once.
+        step = self._step_seqs.get(msg.xid)
+        if step is not None and layer is not None:  # mid-forward: this chunk's layers 0..layer
+            start, end = step
+            self._catch_up(job, req, self._blocks_done(job, start))
+            hi = self._blocks_done(job, end)
+            if hi > job.sent:
+                chunk = self._plan(job, req, hi)
+                chunk.num_pending = self.transport.layout.num_layers - layer
+                chunk.from_layer = layer + 1
+                self._chunks[job.xid] = chunk
+                self._post(job, chunk, layers=list(range(layer + 1)))
+        else:
+            self._catch_up(job, req, self._blocks_done(job, req.num_computed_tokens))
         self._maybe_end(job)
+
+    def _blocks_done(self, job: _Job, num_computed: int) -> int:
+        """Prompt blocks whose every token is computed once `num_computed` tokens are."""
+        if num_computed >= job.num_prompt_tokens:
+            return job.num_blocks
+        return num_computed // self.block_size
+
+    def _catch_up(self, job: _Job, req: Request, hi: int) -> None:
+        """WRITE blocks [sent, hi), all layers, in one transfer."""
+        if hi > job.sent:
+            chunk = self._plan(job, req, hi)
+            chunk.num_pending = 1
+            self._post(job, chunk, layers=None)
+            job.sent = hi
 
     def _check_registration(self, job: _Job, msg: PushRegister, sender: str) -> str | None:
         if sender != job.peer.engine_id:
@@ -275,27 +301,32 @@ class PushSender:
 
     def on_scheduled(self, out: SchedulerOutput) -> None:
         self._chunks.clear()
+        self._step_seqs.clear()
         if not self._jobs:
             return
         for seq in out.seqs:
             job = self._jobs.get(seq.request.request_id)
-            if job is None or job.reg is None or job.error is not None:
+            if job is None or job.error is not None:
                 continue
             end = seq.start_pos + seq.num_new_tokens
-            hi = job.num_blocks if end >= job.num_prompt_tokens else end // self.block_size
+            self._step_seqs[job.xid] = (seq.start_pos, end)
+            if job.reg is None:
+                continue
+            hi = self._blocks_done(job, end)
             if hi > job.sent:
                 chunk = self._plan(job, seq.request, hi)
                 chunk.num_pending = self.transport.layout.num_layers
                 self._chunks[job.xid] = chunk
 
     def layer_hook(self, out: SchedulerOutput) -> Callable[[int], None] | None:
-        if not self._chunks:
+        if not self._step_seqs:
             return None
-        chunks = [(self._jobs[xid], c) for xid, c in self._chunks.items()]
 
         def on_layer_done(layer: int) -> None:
-            for job, chunk in chunks:
-                self._post(job, chunk, layers=[layer])
+            self._drain_registrations(layer)
+            for xid, chunk in self._chunks.items():
+                if chunk.from_layer <= layer:
+                    self._post(self._jobs[xid], chunk, layers=[layer])
 
         return on_layer_done
 
@@ -305,6 +336,7 @@ class PushSender:
         for xid, chunk in self._chunks.items():
             self._jobs[xid].sent = chunk.hi
         self._chunks.clear()
+        self._step_seqs.clear()
         now = time.monotonic()
         for req in finished:
             job = self._jobs.get(req.request_id)
@@ -313,6 +345,13 @@ class PushSender:
             job.first_token = req.output_token_ids[0]
             job.compute_done_at = now
             self._maybe_end(job)
+
+    def _drain_registrations(self, layer: int | None = None) -> None:
+        """Apply registrations the pump received (between steps, or between two layers)."""
+        with self._lock:
+            regs, self._regs = self._regs, []
+        for msg, sender in regs:
+            self._register(msg, sender, layer)
 
     def take_updated_requests(self) -> list[Request]:
         return []
@@ -432,8 +471,11 @@ class PushSender:
     # ---- notification pump ----
 
     def _on_register_notif(self, msg: ControlMessage, sender: str) -> None:
+        """Queue it; the next layer of a running forward applies it, or the engine call does."""
         assert isinstance(msg, PushRegister)
-        self.engine.call(lambda _e: self._register(msg, sender))
+        with self._lock:
+            self._regs.append((msg, sender))
+        self.engine.call(lambda _e: self._drain_registrations())
 
     def _on_cancel_notif(self, msg: ControlMessage, sender: str) -> None:
         assert isinstance(msg, PushCancel)

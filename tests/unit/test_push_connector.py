@@ -17,10 +17,12 @@ from kvduplex.engine.async_engine import AsyncEngine
 from kvduplex.engine.engine import LLMEngine
 from kvduplex.engine.request import RemoteKVSpec
 from kvduplex.engine.sampling import SamplingParams
+from kvduplex.engine.scheduler import SchedulerOutput
 from kvduplex.model.loader import LoadedModel, load_model
 from kvduplex.transfer.fake import InProcessFabric, InProcessTransport
+from kvduplex.transfer.messages import ControlMessage
 from kvduplex.transfer.notify import NotificationPump
-from kvduplex.transfer.push import PushReceiver, PushSender, PushSpec
+from kvduplex.transfer.push import PushReceiver, PushRegister, PushSender, PushSpec
 
 BS = 4
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -250,5 +252,41 @@ def test_aborted_decode_keeps_registered_blocks_until_prefill_is_done(tiny: Load
         asyncio.run(s.prefill("ab"))
         s.assert_clean()
         assert s.receiver.stats.num_received == 0
+    finally:
+        s.close()
+
+
+def test_registration_mid_forward_writes_finished_layers_then_streams(tiny: LoadedModel) -> None:
+    s = Pair(tiny)
+    try:
+        held: list[tuple[ControlMessage, str]] = []
+        s.pumps[0].on(PushRegister, lambda msg, sender: held.append((msg, sender)))
+        orig = s.sender.layer_hook
+
+        def late_hook(out: SchedulerOutput) -> Callable[[int], None] | None:
+            hook = orig(out)
+
+            def on_layer_done(layer: int) -> None:
+                if layer == 0 and held:  # the registration lands while layer 1 is computed
+                    msg, sender = held.pop()
+                    assert isinstance(msg, PushRegister)
+                    s.sender._regs.append((msg, sender))
+                if hook is not None:
+                    hook(layer)
+
+            return on_layer_done
+
+        s.sender.layer_hook = late_hook  # type: ignore[method-assign]
+
+        async def decode_first() -> list[int]:
+            d = asyncio.ensure_future(s.decode("mid"))
+            await asyncio.to_thread(_wait_for, lambda: bool(held), "the registration")
+            await s.prefill("mid")
+            return await d
+
+        assert asyncio.run(decode_first()) == _reference(tiny)
+        # Layer 0 in one WRITE when the registration landed, then one per remaining layer.
+        assert s.sender.stats.num_writes == s.p.layout.num_layers
+        s.assert_clean()
     finally:
         s.close()
