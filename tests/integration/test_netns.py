@@ -30,8 +30,10 @@ _SERVE = ["serve", "--model", "tiny", "--num-blocks", "128", "--block-size", "8"
 _SERVE += ["--log-level", "warning"]
 
 # D's stats route and counter of KV blocks that reached it from P, per router mode.
-# Add "push" (/internal/kv/push/stats, num_received_blocks) when the router serves it.
-_RECEIVED_BLOCKS = {"pull": ("/internal/kv/pull/stats", "num_pulled_blocks")}
+_RECEIVED_BLOCKS = {
+    "pull": ("/internal/kv/pull/stats", "num_pulled_blocks"),
+    "push": ("/internal/kv/push/stats", "num_received_blocks"),
+}
 MODES = list(_RECEIVED_BLOCKS)
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
