@@ -175,6 +175,18 @@ class LLMEngine:
             touched[req.request_id] = req
         return [o for req in touched.values() if (o := self._make_output(req)) is not None]
 
+    def resume_with_first_token(self, request_id: str, first_token: int) -> Request:
+        """A request whose prompt KV and first token came from elsewhere starts decoding.
+
+        Raises KeyError if it is not waiting for remote KV.
+        """
+        req = self.scheduler.get_request(request_id)
+        if req is None:
+            raise KeyError(f"request {request_id!r} is not waiting for remote KV")
+        self.scheduler.on_remote_kv_done(request_id, first_token)
+        self._generators.skip(request_id, req.sampling_params, self.loaded.config.vocab_size)
+        return req
+
     def connector_outputs(self) -> list[RequestOutput]:
         """Outputs of requests the connector changed between steps (e.g. a first
         token that arrived with remote KV), so they reach clients before the next step."""

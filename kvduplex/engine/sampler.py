@@ -27,6 +27,15 @@ class RequestGenerators:
             self._generators[request_id] = gen
         return gen
 
+    def skip(self, request_id: str, params: SamplingParams, vocab_size: int) -> None:
+        """Advance the request's generator past one token sampled elsewhere (e.g. a
+        prefill instance's first token), so the next draw is the one a single
+        instance would make. A draw consumes the same state whatever the probabilities."""
+        if params.is_greedy:
+            return
+        uniform = torch.full((vocab_size,), 1.0 / vocab_size)
+        torch.multinomial(uniform, 1, generator=self.get(request_id, params))
+
     def drop(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 

@@ -129,6 +129,8 @@ class PushSenderStats:
     num_failed: int = 0
     num_written_blocks: int = 0
     num_writes: int = 0
+    num_late_registrations: int = 0
+    """Registrations that found blocks already computed (written at once)."""
     transfer_s: float = 0.0
     exposed_s: float = 0.0
     """Part of ``transfer_s`` after the prefill's compute ended (not hidden)."""
@@ -269,6 +271,7 @@ class PushSender:
     def _catch_up(self, job: _Job, req: Request, hi: int) -> None:
         """WRITE blocks [sent, hi), all layers, in one transfer."""
         if hi > job.sent:
+            self.stats.num_late_registrations += 1
             chunk = self._plan(job, req, hi)
             chunk.num_pending = 1
             self._post(job, chunk, layers=None)
@@ -666,7 +669,7 @@ class PushReceiver:
                 self._fall_back(wait.request_id, "no_first_token", discard_blocks=False)
             return
         try:
-            sched.on_remote_kv_done(wait.request_id, msg.first_token)
+            self.engine.engine.resume_with_first_token(wait.request_id, msg.first_token)
         except KeyError:
             return
         self._updated.append(req)

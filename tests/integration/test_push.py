@@ -22,7 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvduplex.server.cluster import LocalCluster, Process, free_port
-from tests.integration.conftest import assert_pool_clean, wait_until
+from tests.integration.conftest import assert_pool_clean, kv_stats, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -224,6 +224,34 @@ def test_router_rejects_bad_input_without_leaking(dep: Deployment) -> None:
         headers={"content-type": "application/json"},
     )  # fmt: skip
     assert resp.status_code == 400
+
+
+def test_registration_after_prefill_finished_through_the_router(
+    cluster: LocalCluster, dep: Deployment
+) -> None:
+    """D has one seat, taken by a long answer: the push waits in D's queue, so its
+    registration reaches P only after P's prefill ended."""
+    d = cluster.start(
+        "decode-one-seat", [*_SERVE, "--role", "decode", "--max-num-seqs", "1"], free_port()
+    )
+    cluster.wait_healthy(timeout_s=120)
+    r = _router(cluster, "router-one-seat", "push", dep.prefill, d.url)
+    cluster.wait_healthy(timeout_s=60)
+    try:
+        late_before = _push_stats(dep.prefill)["num_late_registrations"]
+        long_answer = _body(_ids(12, salt=60), max_tokens=200)
+        queued = _body(_ids(70, salt=61), max_tokens=5)
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(_complete, r.url, long_answer)
+            wait_until(lambda: kv_stats(d.url)["num_running"] == 1, what="the seat taken")
+            second = pool.submit(_complete, r.url, queued)
+            assert second.result() == _complete(dep.reference, queued)
+            assert first.result() == _complete(dep.reference, long_answer)
+        assert _push_stats(dep.prefill)["num_late_registrations"] > late_before
+        assert_pool_clean(d.url)
+    finally:
+        cluster.stop_process(r)
+        cluster.stop_process(d)
 
 
 # ---- failures: P that never writes ----

@@ -43,9 +43,11 @@ def _engine(tiny: LoadedModel, budget: int = 256) -> LLMEngine:
     return LLMEngine(cfg, loaded=tiny)
 
 
-def _reference(tiny: LoadedModel, prompt: list[int] = PROMPT) -> list[int]:
+def _reference(
+    tiny: LoadedModel, prompt: list[int] = PROMPT, params: SamplingParams = GREEDY
+) -> list[int]:
     engine = _engine(tiny)
-    engine.add_request("ref", prompt, GREEDY)
+    engine.add_request("ref", prompt, params)
     out: list[int] = []
     while engine.has_unfinished():
         for o in engine.step():
@@ -83,17 +85,21 @@ class Pair:
         self.ap.start()
         self.ad.start()
 
-    async def prefill(self, xid: str, prompt: list[int] = PROMPT) -> list[int]:
+    async def prefill(
+        self, xid: str, prompt: list[int] = PROMPT, params: SamplingParams = FIRST
+    ) -> list[int]:
         await self.ap.run_in_engine(lambda _e: self.sender.expect(xid, self.d_peer, len(prompt)))
         out: list[int] = []
-        async for o in self.ap.generate(xid, prompt, FIRST, hold_blocks_on_finish=True):
+        async for o in self.ap.generate(xid, prompt, params, hold_blocks_on_finish=True):
             out.extend(o.new_token_ids)
         return out
 
-    async def decode(self, xid: str, prompt: list[int] = PROMPT) -> list[int]:
+    async def decode(
+        self, xid: str, prompt: list[int] = PROMPT, params: SamplingParams = GREEDY
+    ) -> list[int]:
         self.receiver.register(PushSpec(xid, self.p_peer, "http://p"))
         out: list[int] = []
-        async for o in self.ad.generate(f"d-{xid}", prompt, GREEDY, remote_kv=RemoteKVSpec(xid)):
+        async for o in self.ad.generate(f"d-{xid}", prompt, params, remote_kv=RemoteKVSpec(xid)):
             out.extend(o.new_token_ids)
         return out
 
@@ -287,6 +293,24 @@ def test_registration_mid_forward_writes_finished_layers_then_streams(tiny: Load
         assert asyncio.run(decode_first()) == _reference(tiny)
         # Layer 0 in one WRITE when the registration landed, then one per remaining layer.
         assert s.sender.stats.num_writes == s.p.layout.num_layers
+        s.assert_clean()
+    finally:
+        s.close()
+
+
+def test_seeded_sampling_continues_where_prefill_stopped(tiny: LoadedModel) -> None:
+    s = Pair(tiny)
+    seeded = SamplingParams(max_tokens=8, temperature=1.0, top_k=50, seed=1234, ignore_eos=True)
+    first = SamplingParams(max_tokens=1, temperature=1.0, top_k=50, seed=1234, ignore_eos=True)
+    try:
+        async def both() -> tuple[list[int], list[int]]:
+            return await asyncio.gather(
+                s.prefill("seeded", params=first), s.decode("seeded", params=seeded)
+            )
+
+        p_out, d_out = asyncio.run(both())
+        expected = _reference(tiny, params=seeded)
+        assert p_out == expected[:1] and d_out == expected
         s.assert_clean()
     finally:
         s.close()
