@@ -94,7 +94,9 @@ def _role_routers(instance: Instance, config: EngineConfig, role: Role) -> list[
         routers.append(make_push_prefill_router(state, sender, directory))
         instance.closers.append(sender.close)
     else:
-        pull = PullConnector(transport, async_engine, block_size, cfg.kv_wait_timeout_s)
+        pull = PullConnector(
+            transport, async_engine, block_size, cfg.kv_wait_timeout_s, metrics=flow_metrics
+        )
         receiver = PushReceiver(
             transport, async_engine, block_size, wait_s=cfg.kv_wait_timeout_s,
             quarantine_s=cfg.transfer_timeout_s + 1.0, metrics=flow_metrics,

@@ -26,6 +26,7 @@ import httpx
 
 from kvduplex.engine.request import Request
 from kvduplex.engine.scheduler import SchedulerOutput
+from kvduplex.transfer.metrics import KVFlowMetrics
 from kvduplex.transfer.transport import PeerHandle, TransferHandle, TransferState, Transport
 
 if TYPE_CHECKING:
@@ -102,8 +103,10 @@ class PullConnector:
         block_size: int,
         deadline_s: float,
         release: Callable[[str, str], None] | None = None,
+        metrics: KVFlowMetrics | None = None,
     ) -> None:
         self.transport = transport
+        self.metrics = metrics
         self.engine = engine
         self.block_size = block_size
         self.deadline_s = deadline_s
@@ -165,6 +168,8 @@ class PullConnector:
         local = req.block_ids[first:num_blocks]
         remote = spec.block_ids[first:num_blocks]
         self.stats.num_skipped_blocks += first
+        if self.metrics is not None:
+            self.metrics.remote_prefix_hit_tokens.inc(req.num_cached_tokens)
         if not local:
             self._finish(rid, spec, ok=True, num_read=0)
             return
@@ -205,11 +210,16 @@ class PullConnector:
         sched = self.engine.engine.scheduler
         try:
             if ok:
+                req = sched.get_request(rid)
                 sched.on_remote_kv_done(rid, None)
                 self.stats.num_pulls += 1
                 self.stats.num_pulled_blocks += num_read
+                if self.metrics is not None and req is not None:
+                    self.metrics.received_tokens.inc(req.num_prompt_tokens - req.num_cached_tokens)
             else:
                 self.stats.num_failed += 1
+                if self.metrics is not None:
+                    self.metrics.fallbacks.labels("pull_failed").inc()
                 sched.on_remote_kv_failed(rid)
         except KeyError:  # aborted meanwhile
             logger.info("request %s: gone before its KV arrived", rid)
