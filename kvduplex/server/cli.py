@@ -152,7 +152,22 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--log-dir", default="", help="where process logs go (default: a temp dir)")
     up.add_argument("--log-level", default="warning")
     up.set_defaults(func=_cmd_up)
+
+    from kvduplex.bench.serving import add_arguments
+
+    bench = sub.add_parser(
+        "bench", help="colocated / pull / push side by side on local instances (TTFT, TPOT)"
+    )
+    add_arguments(bench)
+    bench.add_argument("--log-level", default="warning")
+    bench.set_defaults(func=_cmd_bench)
     return parser
+
+
+def _cmd_bench(args: argparse.Namespace) -> None:
+    from kvduplex.bench.serving import main as bench_main
+
+    bench_main(args)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,34 @@
+"""Disaggregated serving benchmark (not a test): colocated / pull / push in one run.
+
+    .venv/bin/python benchmarks/bench_serving.py --model small
+    .venv/bin/python benchmarks/bench_serving.py --model kv-heavy --netns --link-gbit 10
+    .venv/bin/python benchmarks/bench_serving.py --quick
+
+Also reachable as ``kvduplex bench``. Writes results/serving-<model>[-netns].json
+and .md (see `kvduplex.bench.serving` for what runs where).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import write_results
+from kvduplex.bench.serving import add_arguments, main
+
+
+def cli() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    args = parser.parse_args()
+    result = main(args)
+    name = f"serving-{result['options']['model']}" + ("-netns" if args.netns else "")
+    path = write_results(name, result, result["table"])
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    cli()

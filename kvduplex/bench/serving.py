@@ -1,0 +1,309 @@
+"""Disaggregated serving benchmark: colocated, pull and push side by side in one run.
+
+One colocated instance, one prefill (P) and one decode (D) instance, and two
+routers over the same P and D (``--mode pull`` and ``--mode push``). P and the
+colocated instance are pinned to the same core (they never run at the same
+time: modes are interleaved request round by request round), D to the other;
+every engine gets one torch thread. Each cell (prompt length x load) runs its
+rounds as A B C A B C ..., after a warm-up request per mode.
+
+Workload: single-turn token-id prompts (seeded, distinct per request, so no
+prefix cache hits), greedy, ``--max-tokens`` output tokens; "low" load sends
+one request at a time, "queue" sends ``--concurrency`` at once (they queue on
+P, which prefills one chunk budget per step). Figures are client-observed
+from streaming responses.
+
+Optionally (``--netns``) P runs in its own network namespace joined to D's by
+a veth link shaped with tc to ``--link-gbit`` (two hosts on one machine; UCX
+over TCP on the link).
+
+    python -m kvduplex bench --model small
+    python -m kvduplex bench --model kv-heavy --netns --link-gbit 10
+    python benchmarks/bench_serving.py --quick      # a smoke run on tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import tempfile
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvduplex.bench.client import RequestResult, percentile, stream_request
+from kvduplex.server.cluster import LocalCluster, free_port
+from kvduplex.server.report import metric_sum, scrape
+
+MODES = ("colocated", "pull", "push")
+
+
+@dataclass
+class Cell:
+    mode: str
+    prompt_len: int
+    load: str
+    results: list[RequestResult] = field(default_factory=list)
+
+    def ok(self) -> list[RequestResult]:
+        return [r for r in self.results if r.ok]
+
+    def stat(self, what: str, q: float) -> float:
+        return percentile([getattr(r, what) for r in self.ok()], q)
+
+
+@dataclass
+class Options:
+    model: str = "small"
+    prompt_lens: tuple[int, ...] = (512, 2048)
+    max_tokens: int = 64
+    rounds: int = 3
+    """Low load: requests per (mode, prompt length). Queue load: bursts."""
+    queue_rounds: int = 1
+    concurrency: int = 4
+    loads: tuple[str, ...] = ("low", "queue")
+    modes: tuple[str, ...] = MODES
+    kv_cache_mb: int = 2048
+    netns: bool = False
+    link_gbit: float = 10.0
+    seed: int = 0
+    log_dir: str = ""
+
+
+def _prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(1, 250) for _ in range(n)]
+
+
+async def _burst(
+    client: httpx.AsyncClient, url: str, model: str, prompts: list[list[int]], max_tokens: int
+) -> list[RequestResult]:
+    bodies = [
+        {"model": model, "prompt": p, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+        for p in prompts
+    ]
+    return list(
+        await asyncio.gather(*(stream_request(client, url, "/v1/completions", b) for b in bodies))
+    )
+
+
+def _start(cluster: LocalCluster, opts: Options, stack: ExitStack) -> tuple[dict[str, str], str, str, str]:
+    """Start the instances and routers; returns (front door per mode, P, D, how pinned)."""
+    serve = ["serve", "--model", opts.model, "--num-threads", "1", "--kv-cache-mb", str(opts.kv_cache_mb)]
+    serve += ["--log-level", "warning", "--kv-wait-timeout-s", "120", "--transfer-timeout-s", "120"]
+    serve += ["--pull-lease-s", "300"]
+    cpus = sorted(os.sched_getaffinity(0))
+    p_cpu, d_cpu = [cpus[0]], [cpus[-1]]
+    p_host = d_host = "127.0.0.1"
+    p_env: dict[str, str] = {}
+    d_env: dict[str, str] = {}
+    netns = None
+    if opts.netns:
+        from kvduplex.server.netns import NetnsHost, netns_unavailable_reason
+
+        reason = netns_unavailable_reason()
+        if reason is not None:
+            raise RuntimeError(f"--netns: {reason}")
+        host = stack.enter_context(NetnsHost(rate_mbit=int(opts.link_gbit * 1000)))
+        netns = host
+        p_host, d_host = host.inner.ip, host.outer.ip
+        p_env, d_env = host.inner.ucx_env(), host.outer.ucx_env()
+    fronts: dict[str, str] = {}
+    if "colocated" in opts.modes:
+        c = cluster.start("colocated", [*serve, "--role", "both"], free_port(), cpus=p_cpu)
+        fronts["colocated"] = c.url
+    p = cluster.start(
+        "prefill", [*serve, "--role", "prefill"], free_port(), cpus=p_cpu, host=p_host,
+        env=p_env, netns=netns.inner.netns if netns is not None else None,
+    )  # fmt: skip
+    d = cluster.start(
+        "decode", [*serve, "--role", "decode"], free_port(), cpus=d_cpu, host=d_host, env=d_env
+    )
+    cluster.wait_healthy(timeout_s=600)
+    for mode in ("pull", "push"):
+        if mode in opts.modes:
+            args = ["router", "--mode", mode, "--model", opts.model, "--prefill", p.url, "--decode", d.url]
+            fronts[mode] = cluster.start(f"router-{mode}", args, free_port()).url
+    cluster.wait_healthy(timeout_s=120)
+    link = f"; P in netns over veth shaped to {opts.link_gbit:g} Gbit/s (UCX tcp)" if opts.netns else ""
+    pinned = (
+        f"colocated and P on cpu {p_cpu[0]}, D on cpu {d_cpu[0]}, 1 torch thread each; "
+        f"routers and client unpinned{link}"
+    )
+    return fronts, p.url, d.url, pinned
+
+
+async def _run(opts: Options, fronts: dict[str, str]) -> list[Cell]:
+    rng = random.Random(opts.seed)
+    cells: dict[tuple[str, int, str], Cell] = {}
+    timeout = httpx.Timeout(1800.0, connect=10.0)
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        for mode, url in fronts.items():  # warm-up: handshakes, lazy init
+            for r in await _burst(client, url, opts.model, [_prompt(rng, 64)], 4):
+                if not r.ok:
+                    raise RuntimeError(f"warm-up on {mode} failed: {r.error}")
+        for load in opts.loads:
+            n_per = 1 if load == "low" else opts.concurrency
+            rounds = opts.rounds if load == "low" else opts.queue_rounds
+            for prompt_len in opts.prompt_lens:
+                for rnd in range(rounds):
+                    order = list(fronts)
+                    order = order[rnd % len(order) :] + order[: rnd % len(order)]
+                    for mode in order:
+                        prompts = [_prompt(rng, prompt_len) for _ in range(n_per)]
+                        got = await _burst(client, fronts[mode], opts.model, prompts, opts.max_tokens)
+                        cell = cells.setdefault((mode, prompt_len, load), Cell(mode, prompt_len, load))
+                        cell.results.extend(got)
+                        print(
+                            f"  {load:5} {prompt_len:5} {mode:9} round {rnd}: TTFT "
+                            + " ".join(f"{r.ttft_s * 1e3:.0f}" if r.ok else "ERR" for r in got)
+                            + " ms",
+                            flush=True,
+                        )
+    return list(cells.values())
+
+
+def summarize(cells: list[Cell]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Per-cell rows and per-(prompt length, load) ratios between modes."""
+    rows = []
+    by_key = {(c.mode, c.prompt_len, c.load): c for c in cells}
+    for c in sorted(cells, key=lambda c: (c.load, c.prompt_len, MODES.index(c.mode))):
+        colo = by_key.get(("colocated", c.prompt_len, c.load))
+        rows.append({
+            "mode": c.mode, "prompt_len": c.prompt_len, "load": c.load, "n": len(c.ok()),
+            "errors": len(c.results) - len(c.ok()),
+            "ttft_p50_ms": c.stat("ttft_s", 50) * 1e3, "ttft_p90_ms": c.stat("ttft_s", 90) * 1e3,
+            "tpot_p50_ms": c.stat("tpot_s", 50) * 1e3, "tpot_p90_ms": c.stat("tpot_s", 90) * 1e3,
+            "e2e_p50_ms": c.stat("e2e_s", 50) * 1e3, "e2e_p90_ms": c.stat("e2e_s", 90) * 1e3,
+            "pd_overhead_ms": (c.stat("ttft_s", 50) - colo.stat("ttft_s", 50)) * 1e3
+            if colo is not None else None,
+        })  # fmt: skip
+    ratios = []
+    for load, plen in sorted({(c.load, c.prompt_len) for c in cells}):
+        colo, pull, push = (by_key.get((m, plen, load)) for m in MODES)
+        entry: dict[str, Any] = {"load": load, "prompt_len": plen}
+        if push is not None and colo is not None:
+            entry["push_ttft_over_colocated"] = _div(push.stat("ttft_s", 50), colo.stat("ttft_s", 50))
+        if push is not None and pull is not None:
+            entry["push_p90_ttft_over_pull"] = _div(push.stat("ttft_s", 90), pull.stat("ttft_s", 90))
+        if push is not None and pull is not None and colo is not None:
+            base = colo.stat("ttft_s", 50)
+            entry["push_overhead_over_pull"] = _div(
+                push.stat("ttft_s", 50) - base, pull.stat("ttft_s", 50) - base
+            )
+        ratios.append(entry)
+    return rows, ratios
+
+
+def _div(a: float, b: float) -> float | None:
+    return a / b if b > 0 else None
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, float):
+        return f"{v:.2f}" if abs(v) < 10 else f"{v:.0f}"
+    return str(v)
+
+
+def format_tables(rows: list[dict[str, Any]], ratios: list[dict[str, Any]], kv: dict[str, Any]) -> str:
+    cols = ["mode", "prompt_len", "load", "n", "ttft_p50_ms", "ttft_p90_ms", "pd_overhead_ms",
+            "tpot_p50_ms", "tpot_p90_ms", "e2e_p50_ms", "e2e_p90_ms"]  # fmt: skip
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(_fmt(r[c]) for c in cols) + " |" for r in rows]
+    rcols = ["load", "prompt_len", "push_ttft_over_colocated", "push_overhead_over_pull",
+             "push_p90_ttft_over_pull"]  # fmt: skip
+    lines += ["", "| " + " | ".join(rcols) + " |", "|" + "---|" * len(rcols)]
+    lines += ["| " + " | ".join(_fmt(r.get(c)) for c in rcols) + " |" for r in ratios]
+    lines += ["", "KV moved: " + ", ".join(f"{k} {_fmt(v)}" for k, v in kv.items())]
+    return "\n".join(lines)
+
+
+def _kv_figures(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    def delta(side: str, name: str, **labels: str) -> float:
+        return metric_sum(after[side], name, **labels) - metric_sum(before[side], name, **labels)
+
+    transfer = delta("p", "kvduplex_kv_push_transfer_seconds_total")
+    exposed = delta("p", "kvduplex_kv_push_exposed_seconds_total")
+    return {
+        "push_written_MiB": delta("p", "kvduplex_kv_transfer_bytes_total", direction="write") / 2**20,
+        "pull_read_MiB": delta("d", "kvduplex_kv_transfer_bytes_total", direction="read") / 2**20,
+        "pushes_done": delta("p", "kvduplex_kv_pushes_total", outcome="done"),
+        "push_transfer_s": transfer,
+        "push_exposed_s": exposed,
+        "push_hidden_share": 1 - exposed / transfer if transfer > 0 else None,
+        "fallbacks": delta("d", "kvduplex_kv_fallbacks_total"),
+    }
+
+
+def run(opts: Options) -> dict[str, Any]:
+    log_dir = Path(opts.log_dir or tempfile.mkdtemp(prefix="kvduplex-bench-"))
+    with ExitStack() as stack:
+        cluster = stack.enter_context(LocalCluster(log_dir=log_dir, env={"OMP_NUM_THREADS": "1"}))
+        fronts, p_url, d_url, pinned = _start(cluster, opts, stack)
+        print(f"modes {list(fronts)}; {pinned}; logs in {log_dir}", flush=True)
+        before = {"p": scrape(p_url), "d": scrape(d_url)}
+        cells = asyncio.run(_run(opts, fronts))
+        after = {"p": scrape(p_url), "d": scrape(d_url)}
+    rows, ratios = summarize(cells)
+    kv = _kv_figures(before, after)
+    table = format_tables(rows, ratios, kv)
+    return {
+        "options": asdict(opts), "pinned": pinned, "rows": rows, "ratios": ratios, "kv": kv,
+        "table": table,
+        "raw": [
+            {"mode": c.mode, "prompt_len": c.prompt_len, "load": c.load,
+             "results": [{k: v for k, v in asdict(r).items() if k not in ("text", "token_ids")}
+                         for r in c.results]}
+            for c in cells
+        ],
+    }  # fmt: skip
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = Options()
+    parser.add_argument("--model", default=d.model, help="preset (small, kv-heavy, tiny)")
+    parser.add_argument("--prompt-lens", default=",".join(map(str, d.prompt_lens)))
+    parser.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    parser.add_argument("--rounds", type=int, default=d.rounds, help="low-load requests per mode")
+    parser.add_argument("--queue-rounds", type=int, default=d.queue_rounds, help="bursts per mode")
+    parser.add_argument("--concurrency", type=int, default=d.concurrency, help="requests per burst")
+    parser.add_argument("--loads", default=",".join(d.loads), help="low,queue")
+    parser.add_argument("--modes", default=",".join(d.modes), help="colocated,pull,push")
+    parser.add_argument("--kv-cache-mb", type=int, default=d.kv_cache_mb)
+    parser.add_argument("--netns", action="store_true", help="P in a network namespace over veth")
+    parser.add_argument("--link-gbit", type=float, default=d.link_gbit, help="tc rate of the veth")
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--log-dir", default="")
+    parser.add_argument("--quick", action="store_true", help="a smoke run on tiny")
+    parser.add_argument("--out", default="", help="write JSON here (default: print only)")
+
+
+def options_from(args: argparse.Namespace) -> Options:
+    opts = Options(
+        model=args.model, prompt_lens=tuple(int(x) for x in args.prompt_lens.split(",")),
+        max_tokens=args.max_tokens, rounds=args.rounds, queue_rounds=args.queue_rounds,
+        concurrency=args.concurrency, loads=tuple(args.loads.split(",")),
+        modes=tuple(m for m in MODES if m in args.modes.split(",")),
+        kv_cache_mb=args.kv_cache_mb, netns=args.netns, link_gbit=args.link_gbit,
+        seed=args.seed, log_dir=args.log_dir,
+    )  # fmt: skip
+    if args.quick:
+        opts.model, opts.prompt_lens, opts.max_tokens = "tiny", (64, 256), 8
+        opts.rounds, opts.concurrency, opts.kv_cache_mb = 2, 3, 256
+    return opts
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    result = run(options_from(args))
+    print(result["table"], flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    return result
