@@ -11,6 +11,7 @@ and .md (see `kvduplex.bench.serving` for what runs where).
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from kvduplex.bench.serving import add_arguments, main
 
 
 def cli() -> None:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the cluster
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     args = parser.parse_args()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 import sys
 import tempfile
 import time
@@ -172,6 +173,9 @@ def _cmd_bench(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if args.command in ("up", "bench"):
+        # SIGTERM unwinds like Ctrl-C, so the local cluster stops what it started.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     _setup_logging(getattr(args, "log_level", "info"))
     try:
         args.func(args)

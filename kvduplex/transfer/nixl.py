@@ -295,13 +295,17 @@ class NixlTransport(TransportBase):
         """One pass; True if fast polling should continue."""
         now = time.monotonic()
         pr = self._progress
-        posted = self._xfers.drain_posts()
+        self._xfers.drain_posts()
         checked = self._xfers.check_all()
         received = self._drain_notifs(now)
         self._xfers.retry_releases()
         if pr.remote_hints:
             pr.remote_hints = {k: exp for k, exp in pr.remote_hints.items() if exp > now}
-        if posted or checked or received:
+        # Linger (poll fast a while) after traffic that tends to come in runs: transfers
+        # that were in flight, notifications. Not after posts that completed inside the
+        # call (shared memory): a prefill streaming one WRITE per layer would otherwise
+        # keep its own core busy polling between layers.
+        if checked or received:
             pr.last_active = now
         return self._xfers.busy or bool(pr.remote_hints) or now - pr.last_active < self.linger_s
 
