@@ -48,6 +48,7 @@ class _Add:
     remote_kv: RemoteKVSpec | None
     hold_blocks_on_finish: bool
     arrival: float
+    on_admit: Callable[[], None] | None = None
 
 
 class AsyncEngine:
@@ -98,8 +99,12 @@ class AsyncEngine:
         *,
         remote_kv: RemoteKVSpec | None = None,
         hold_blocks_on_finish: bool = False,
+        on_admit: Callable[[], None] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs until it finishes.
+
+        `on_admit` runs in the engine thread just before the request is added,
+        with nothing else in between; a ValueError from it rejects the request.
 
         Raises RequestRejected (from the engine) for requests that can never be
         served, EngineDeadError if the engine stopped. Closing the iterator
@@ -115,9 +120,11 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-        self._send(
-            _Add(request_id, prompt_token_ids, params, remote_kv, hold_blocks_on_finish, arrival)
-        )
+        add = _Add(
+            request_id, prompt_token_ids, params, remote_kv, hold_blocks_on_finish, arrival,
+            on_admit,
+        )  # fmt: skip
+        self._send(add)
         finished = False
         try:
             while True:
@@ -203,6 +210,8 @@ class AsyncEngine:
         if stream is None:  # the client left before the request reached the engine
             return
         try:
+            if add.on_admit is not None:
+                add.on_admit()
             self.engine.add_request(
                 add.request_id,
                 add.prompt_token_ids,

@@ -131,17 +131,17 @@ def make_push_prefill_router(
         except Exception as exc:
             raise APIError(502, f"cannot reach decode at {body.decode_url}: {exc}") from None
         params = _first_token_params(body)
-        try:
-            engine.engine.check_request(len(body.prompt_token_ids), 1)
-            await engine.run_in_engine(
-                lambda _e: sender.expect(xid, peer, len(body.prompt_token_ids))
-            )
-        except (RequestRejected, ValueError) as exc:
-            raise APIError(400, str(exc)) from None
+        expected = False
+
+        def admit() -> None:  # engine thread: no cancel can come between expect and add
+            nonlocal expected
+            sender.expect(xid, peer, len(body.prompt_token_ids))
+            expected = True
+
         last, ids, text = None, [], []
         try:
             async for out in engine.generate(
-                xid, body.prompt_token_ids, params, hold_blocks_on_finish=True
+                xid, body.prompt_token_ids, params, hold_blocks_on_finish=True, on_admit=admit
             ):
                 last = out
                 ids.extend(out.new_token_ids)
@@ -149,7 +149,7 @@ def make_push_prefill_router(
         except (RequestRejected, ValueError) as exc:
             raise APIError(400, str(exc)) from None
         finally:
-            if last is None or not last.finished:  # rejected, the router left, the engine failed
+            if expected and (last is None or not last.finished):  # the router left, engine failed
                 engine.call(lambda _e: sender.cancel(xid, "prefill did not finish"))
         if last is None or not ids:
             raise APIError(500, f"xid {xid}: prefill finished without a token")

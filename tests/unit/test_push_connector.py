@@ -88,9 +88,11 @@ class Pair:
     async def prefill(
         self, xid: str, prompt: list[int] = PROMPT, params: SamplingParams = FIRST
     ) -> list[int]:
-        await self.ap.run_in_engine(lambda _e: self.sender.expect(xid, self.d_peer, len(prompt)))
         out: list[int] = []
-        async for o in self.ap.generate(xid, prompt, params, hold_blocks_on_finish=True):
+        async for o in self.ap.generate(
+            xid, prompt, params, hold_blocks_on_finish=True,
+            on_admit=lambda: self.sender.expect(xid, self.d_peer, len(prompt)),
+        ):  # fmt: skip
             out.extend(o.new_token_ids)
         return out
 
@@ -127,6 +129,7 @@ def pair(tiny: LoadedModel) -> Pair:
 def test_concurrent_push_matches_local(tiny: LoadedModel) -> None:
     s = Pair(tiny)
     try:
+
         async def both() -> tuple[list[int], list[int]]:
             return await asyncio.gather(s.prefill("x1"), s.decode("x1"))
 
@@ -144,10 +147,13 @@ def test_concurrent_push_matches_local(tiny: LoadedModel) -> None:
 def test_chunked_prefill_pushes_each_chunk_layer_by_layer(tiny: LoadedModel) -> None:
     s = Pair(tiny, p_budget=6)  # 18 tokens in chunks of 6: blocks finish mid-chunk
     try:
+
         async def both() -> tuple[list[int], list[int]]:
             d = asyncio.ensure_future(s.decode("xc"))
             # Registration first, so that every chunk streams.
-            await asyncio.to_thread(_wait_for, lambda: s.receiver.num_waiting() == 1, "registration")
+            await asyncio.to_thread(
+                _wait_for, lambda: s.receiver.num_waiting() == 1, "registration"
+            )
             return await asyncio.gather(s.prefill("xc"), d)
 
         _, d_out = asyncio.run(both())
@@ -174,6 +180,7 @@ def test_registration_after_prefill_finished(tiny: LoadedModel) -> None:
 def test_registration_before_prefill_arrives(tiny: LoadedModel) -> None:
     s = Pair(tiny)
     try:
+
         async def decode_first() -> tuple[list[int], list[int]]:
             d = asyncio.ensure_future(s.decode("early"))
             await asyncio.to_thread(
@@ -191,6 +198,7 @@ def test_registration_before_prefill_arrives(tiny: LoadedModel) -> None:
 def test_decode_prefix_hit_is_not_pushed(tiny: LoadedModel) -> None:
     s = Pair(tiny)
     try:
+
         async def run(xid: str, prompt: list[int]) -> list[int]:
             _, out = await asyncio.gather(s.prefill(xid, prompt), s.decode(xid, prompt))
             return out
@@ -246,9 +254,12 @@ def test_cancelled_push_is_refused_when_prefill_arrives_later(tiny: LoadedModel)
 def test_aborted_decode_keeps_registered_blocks_until_prefill_is_done(tiny: LoadedModel) -> None:
     s = Pair(tiny)
     try:
+
         async def leave_early() -> None:
             task = asyncio.ensure_future(s.decode("ab"))
-            await asyncio.to_thread(_wait_for, lambda: s.receiver.num_waiting() == 1, "registration")
+            await asyncio.to_thread(
+                _wait_for, lambda: s.receiver.num_waiting() == 1, "registration"
+            )
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 
@@ -303,6 +314,7 @@ def test_seeded_sampling_continues_where_prefill_stopped(tiny: LoadedModel) -> N
     seeded = SamplingParams(max_tokens=8, temperature=1.0, top_k=50, seed=1234, ignore_eos=True)
     first = SamplingParams(max_tokens=1, temperature=1.0, top_k=50, seed=1234, ignore_eos=True)
     try:
+
         async def both() -> tuple[list[int], list[int]]:
             return await asyncio.gather(
                 s.prefill("seeded", params=first), s.decode("seeded", params=seeded)
