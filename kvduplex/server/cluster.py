@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -23,8 +24,30 @@ import httpx
 logger = logging.getLogger(__name__)
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that is free right now on `host`."""
+    """A port that is free right now on `host`, below the kernel's ephemeral range.
+
+    Ports the kernel hands out (``bind(0)``, outgoing connections, UCX's own
+    listeners) come from the ephemeral range; a port picked there can be taken
+    by one of those before the process it is meant for binds it.
+    """
+    low, _ = _ephemeral_range()
+    for _ in range(100):
+        port = random.randint(min(10000, low - 1), low - 1)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
