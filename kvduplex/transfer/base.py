@@ -244,6 +244,13 @@ class TransportBase(abc.ABC):
         li, ri = self._region_pair(peer, local, remote)
         return self._submit(TransferOp.READ, peer, xid, li, ri, None, deadline_s)
 
+    def set_compute_busy(self, busy: bool) -> None:  # noqa: B027 - optional for transports
+        """The instance's engine starts (True) or ends (False) a forward on this CPU.
+
+        A transport that polls in the background may poll less meanwhile, so
+        that it does not take the core the forward runs on. No-op by default.
+        """
+
     def state(self, handle: TransferHandle) -> TransferState:
         return handle.state
 

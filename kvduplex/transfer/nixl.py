@@ -15,6 +15,11 @@ thread drives the agent instead::
            sleep: poll_interval_s while anything is in flight, a peer's large
                   transfer targets us (XFER_BEGIN..END), or recently active;
                   otherwise back off to idle_poll_interval_s; a post wakes it.
+                  While the engine runs a forward (`set_compute_busy`), the
+                  intervals become busy_poll_interval_s and
+                  busy_idle_poll_interval_s: a pass costs tens of microseconds
+                  of the core the forward needs (on CPU), and what the engine
+                  does with a notification waits for its next layer anyway.
 
 Posting. Over shared memory (UCX cma) NIXL copies the data inside its post
 call, so a post costs as long as the copy. A transfer larger than
@@ -105,6 +110,8 @@ class NixlTransport(TransportBase):
         poll_interval_s: float = 100e-6,
         idle_poll_interval_s: float = 1e-3,
         linger_s: float = 0.05,
+        busy_poll_interval_s: float = 1e-3,
+        busy_idle_poll_interval_s: float = 10e-3,
         hint_min_bytes: int = 1 << 20,
         inline_post_max_bytes: int = 256 << 10,
     ) -> None:
@@ -127,6 +134,9 @@ class NixlTransport(TransportBase):
         self.poll_interval_s = poll_interval_s
         self.idle_poll_interval_s = idle_poll_interval_s
         self.linger_s = linger_s
+        self.busy_poll_interval_s = busy_poll_interval_s
+        self.busy_idle_poll_interval_s = busy_idle_poll_interval_s
+        self._compute_busy = False
         self.hint_min_bytes = hint_min_bytes
         mem_type = "DRAM" if pool.device.type == "cpu" else "VRAM"
         device_id = 0 if pool.device.type == "cpu" else int(pool.device.index or 0)
@@ -284,12 +294,16 @@ class NixlTransport(TransportBase):
             except Exception:  # never let the thread die
                 logger.exception("NIXL progress iteration failed")
                 busy = True
-            if busy:
-                pr.idle_wait = self.poll_interval_s
+            if self._compute_busy:
+                fast, slow = self.busy_poll_interval_s, self.busy_idle_poll_interval_s
             else:
-                pr.idle_wait = min(pr.idle_wait * 2, self.idle_poll_interval_s)
+                fast, slow = self.poll_interval_s, self.idle_poll_interval_s
+            pr.idle_wait = fast if busy else min(max(pr.idle_wait * 2, fast), slow)
             if self._wake.wait(pr.idle_wait):
                 self._wake.clear()
+
+    def set_compute_busy(self, busy: bool) -> None:
+        self._compute_busy = busy  # read by the progress thread at its next pass
 
     def _progress_once(self) -> bool:
         """One pass; True if fast polling should continue."""

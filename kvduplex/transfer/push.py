@@ -305,6 +305,8 @@ class PushSender:
     def on_scheduled(self, out: SchedulerOutput) -> None:
         self._chunks.clear()
         self._step_seqs.clear()
+        if out.seqs:
+            self.transport.set_compute_busy(True)
         if not self._jobs:
             return
         for seq in out.seqs:
@@ -336,6 +338,7 @@ class PushSender:
     def on_step_done(
         self, out: SchedulerOutput, sampled: dict[str, int], finished: list[Request]
     ) -> None:
+        self.transport.set_compute_busy(False)
         for xid, chunk in self._chunks.items():
             self._jobs[xid].sent = chunk.hi
         self._chunks.clear()

@@ -328,6 +328,10 @@ class Transport(Protocol):
         """Take the notifications received so far, waiting up to ``timeout`` s for one."""
         ...
 
+    def set_compute_busy(self, busy: bool) -> None:
+        """The engine starts (True) or ends (False) a forward: background polling may slow."""
+        ...
+
     def disconnect(self, peer: PeerHandle) -> None:
         """Fail the peer's in-flight transfers and forget it; idempotent."""
         ...
