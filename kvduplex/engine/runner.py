@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from kvduplex.engine.kv_cache import KVCacheLayout
-from kvduplex.model.attention import AttentionContext, PrefillSpan
+from kvduplex.model.attention import AttentionContext, DecodeSpan, PrefillSpan
 from kvduplex.model.config import DecoderConfig
 from kvduplex.model.decoder import DecoderForCausalLM
 
@@ -121,6 +121,8 @@ class ModelRunner:
         self.kv_pool = kv_pool
         self.layout = layout
         self.block_size = layout.block_size
+        # Scratch for one layer's decode K/V, reused by every layer and step; grows, never shrinks.
+        self._decode_kv_buffer = torch.empty(0, dtype=kv_pool.dtype, device=self.device)
 
     @torch.inference_mode()
     def execute(
@@ -148,6 +150,17 @@ class ModelRunner:
 
         hidden = self.model(batch.input_ids, batch.positions, self.kv_pool, batch.ctx, hook)
         return self.model.compute_logits(hidden[batch.logits_index])
+
+    def _decode_kv(self, num_blocks: int) -> torch.Tensor:
+        """A view ``(2, num_blocks, block_size, num_kv_heads, head_dim)`` of the decode K/V scratch."""
+        _, _, _, bs, heads, dim = self.layout.shape
+        per_block = 2 * bs * heads * dim
+        if self._decode_kv_buffer.numel() < num_blocks * per_block:
+            capacity = max(num_blocks, 2 * self._decode_kv_buffer.numel() // per_block)
+            self._decode_kv_buffer = torch.empty(
+                capacity * per_block, dtype=self.kv_pool.dtype, device=self.device
+            )
+        return self._decode_kv_buffer[: num_blocks * per_block].view(2, num_blocks, bs, heads, dim)
 
     def _prepare(self, seqs: list[SeqInput]) -> _Batch:
         bs = self.block_size
@@ -182,29 +195,25 @@ class ModelRunner:
 
         dev = self.device
         prefills: list[PrefillSpan] = []
-        decode_seqs: list[int] = []
-        decode_tokens: list[int] = []
+        decodes: list[DecodeSpan] = []
+        decode_blocks: list[int] = []
         offset = 0
         for i, seq in enumerate(seqs):
             n = lens[i]
+            nb = -(-(seq.start_pos + n) // bs)
             if n == 1:
-                decode_seqs.append(i)
-                decode_tokens.append(offset)
+                decodes.append(DecodeSpan(offset, seq.start_pos + 1, len(decode_blocks) * bs))
+                decode_blocks.extend(seq.block_table[:nb])
             else:
-                nb = -(-(seq.start_pos + n) // bs)
                 prefills.append(PrefillSpan(offset, n, seq.start_pos, tables[i, :nb].to(dev)))
             offset += n
-        ctx_lens = torch.tensor([seqs[i].start_pos + 1 for i in decode_seqs], dtype=torch.int64)
-        max_ctx = int(ctx_lens.max()) if decode_seqs else 0
-        decode_tables = tables[decode_seqs, : -(-max_ctx // bs)]  # (num_decodes, decode_blocks)
         ctx = AttentionContext(
             slot_mapping=slots.to(dev),
             block_size=bs,
             prefills=prefills,
-            decode_token_index=torch.tensor(decode_tokens, dtype=torch.int64).to(dev),
-            decode_block_tables=decode_tables.to(dev),
-            decode_context_lens=ctx_lens.to(dev),
-            max_decode_context_len=max_ctx,
+            decodes=decodes,
+            decode_block_index=torch.tensor(decode_blocks, dtype=torch.int64).to(dev),
+            decode_kv=self._decode_kv(len(decode_blocks)),
         )
         return _Batch(
             input_ids=torch.tensor(token_ids, dtype=torch.int64).to(dev),

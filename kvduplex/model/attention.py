@@ -11,12 +11,19 @@ sequences; each sequence contributes ``q_len`` new tokens at positions
    (``start_pos == 0``) uses its own K/V with a causal mask, a continued one
    (chunked prefill or a prefix-cache hit) gathers its context from the pool
    through its block table and uses an offset causal mask;
-3. all decode sequences (``q_len == 1``) together: their block tables are
-   padded to one width, the context gathered in one indexing op, and one
-   batched SDPA runs with a length mask.
+3. decode sequences (``q_len == 1``): once per layer, the blocks of all of
+   them are copied with one ``index_select`` per K and V into a scratch
+   buffer the runner owns (no padding, no allocation per layer); then each
+   sequence attends over its own rows of that buffer with two matmuls, its
+   query heads grouped under their KV head (GQA without repeating K/V).
 
-Masks depend only on the step, not the layer, so `AttentionContext` builds
-them once per step and per distinct sliding window.
+Why not one padded batched SDPA for the decodes: on CPU the padded copy
+(every sequence widened to the longest) and a fresh allocation of it in every
+layer cost more than the attention itself; attending per sequence over an
+unpadded copy reads each cached token once, and makes a sequence's result
+independent of which others share the step. Prefill masks depend only on the
+step, not the layer, so `AttentionContext` builds them once per step and per
+distinct sliding window.
 
 ::
 
@@ -54,12 +61,25 @@ class PrefillSpan:
         return self.start_pos + self.q_len
 
 
+@dataclass(frozen=True)
+class DecodeSpan:
+    """One sequence with a single new token in this step."""
+
+    token_index: int
+    """Index of its new token in the flattened batch."""
+    context_len: int
+    """Tokens it attends to, its new token included."""
+    kv_offset: int
+    """Row of its first context token in the gathered decode K/V (`AttentionContext.decode_kv`)."""
+
+
 @dataclass
 class AttentionContext:
     """Everything attention needs about one step, shared by all layers.
 
     Built by the runner before the forward pass; read-only during it except for
-    the mask cache (filled on first use per window).
+    the mask cache (filled on first use per window) and `decode_kv`, which
+    every layer overwrites with its own K/V.
     """
 
     slot_mapping: torch.Tensor  # (num_tokens,) int64
@@ -68,38 +88,21 @@ class AttentionContext:
     """Tokens per block."""
     prefills: list[PrefillSpan]
     """Sequences with more than one new token, in batch order."""
-    decode_token_index: torch.Tensor  # (num_decodes,) int64
-    """Flattened-batch index of each decode sequence's single new token."""
-    decode_block_tables: torch.Tensor  # (num_decodes, max_blocks) int64, padded with block 0
-    """Block tables of the decode sequences."""
-    decode_context_lens: torch.Tensor  # (num_decodes,) int64
-    """Context length of each decode sequence, its new token included."""
-    max_decode_context_len: int
-    """Largest of `decode_context_lens` (0 without decodes)."""
-    _masks: dict[tuple[str, int, int | None], torch.Tensor | None] = field(default_factory=dict)
+    decodes: list[DecodeSpan]
+    """Sequences with one new token, in batch order."""
+    decode_block_index: torch.Tensor  # (num_decode_blocks,) int64
+    """The blocks of every decode sequence covering its context, concatenated in `decodes` order."""
+    decode_kv: torch.Tensor  # (2, num_decode_blocks, block_size, num_kv_heads, head_dim)
+    """Scratch for one layer's K and V of `decode_block_index`; contents are garbage between layers."""
+    _masks: dict[tuple[int, int | None], torch.Tensor | None] = field(default_factory=dict)
 
     @property
     def num_decodes(self) -> int:
-        return int(self.decode_token_index.shape[0])
-
-    def decode_mask(self, window: int | None, dtype: torch.dtype) -> torch.Tensor:
-        """Additive mask ``(num_decodes, 1, 1, max_blocks * block_size)``: 0 where visible, -inf elsewhere."""
-        key = ("decode", 0, window)
-        mask = self._masks.get(key)
-        if mask is None:
-            width = int(self.decode_block_tables.shape[1]) * self.block_size
-            kpos = torch.arange(width, device=self.decode_context_lens.device)[None, :]
-            last = (self.decode_context_lens - 1)[:, None]
-            visible = kpos <= last
-            if window is not None:
-                visible &= kpos > last - window
-            mask = _additive(visible, dtype)[:, None, None, :]
-            self._masks[key] = mask
-        return mask
+        return len(self.decodes)
 
     def prefill_mask(self, index: int, window: int | None, dtype: torch.dtype) -> torch.Tensor | None:
         """Additive mask ``(q_len, context_len)`` of prefill `index`, or None when plain causal suffices."""
-        key = ("prefill", index, window)
+        key = (index, window)
         if key in self._masks:
             return self._masks[key]
         span = self.prefills[index]
@@ -149,7 +152,7 @@ def paged_attention(
     Tokens that belong to neither a prefill span nor the decode set do not exist:
     the runner puts every sequence in exactly one of them.
     """
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape)
     k_cache, v_cache = layer_pool[0], layer_pool[1]  # (num_blocks, block_size, kv_heads, head_dim)
     gqa = q.shape[1] != k.shape[1]
     for i, span in enumerate(ctx.prefills):
@@ -166,20 +169,37 @@ def paged_attention(
             qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
         )  # (num_heads, q_len, head_dim)
         out[span.token_start:end] = o.transpose(0, 1)
-    if ctx.num_decodes:
-        width = ctx.decode_block_tables.shape[1] * ctx.block_size
-        n = ctx.num_decodes
-        heads, dim = k_cache.shape[-2:]
-        kd = k_cache[ctx.decode_block_tables].view(n, width, heads, dim).transpose(1, 2)
-        vd = v_cache[ctx.decode_block_tables].view(n, width, heads, dim).transpose(1, 2)
-        # (num_decodes, num_kv_heads, width, head_dim)
-        qd = q[ctx.decode_token_index][:, :, None, :]  # (num_decodes, num_heads, 1, head_dim)
-        mask = ctx.decode_mask(window, q.dtype)
-        o = F.scaled_dot_product_attention(
-            qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=gqa
-        )  # (num_decodes, num_heads, 1, head_dim)
-        out[ctx.decode_token_index] = o[:, :, 0, :]
+    if ctx.decodes:
+        _decode_attention(q, layer_pool, ctx, scale, window, out)
     return out
+
+
+def _decode_attention(
+    q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
+    layer_pool: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim)
+    ctx: AttentionContext,
+    scale: float,
+    window: int | None,
+    out: torch.Tensor,  # (num_tokens, num_heads, head_dim), written at the decode tokens
+) -> None:
+    kv_heads, dim = layer_pool.shape[-2:]
+    group = q.shape[1] // kv_heads
+    k_all, v_all = ctx.decode_kv[0], ctx.decode_kv[1]
+    torch.index_select(layer_pool[0], 0, ctx.decode_block_index, out=k_all)
+    torch.index_select(layer_pool[1], 0, ctx.decode_block_index, out=v_all)
+    k_rows = k_all.view(-1, kv_heads, dim)  # (num_decode_blocks * block_size, kv_heads, head_dim)
+    v_rows = v_all.view(-1, kv_heads, dim)
+    for span in ctx.decodes:
+        first = span.kv_offset
+        if window is not None and span.context_len > window:
+            first += span.context_len - window
+        end = span.kv_offset + span.context_len
+        ks = k_rows[first:end]  # (visible, kv_heads, head_dim)
+        vs = v_rows[first:end]
+        qg = q[span.token_index].view(kv_heads, group, dim)
+        scores = torch.matmul(qg, ks.permute(1, 2, 0)).mul_(scale)  # (kv_heads, group, visible)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        torch.matmul(probs, vs.transpose(0, 1), out=out[span.token_index].view(kv_heads, group, dim))
 
 
 def _gather(
@@ -188,5 +208,5 @@ def _gather(
     context_len: int,
 ) -> torch.Tensor:  # (num_kv_heads, context_len, head_dim)
     heads, dim = cache.shape[-2:]
-    flat = cache[block_table].view(-1, heads, dim)[:context_len]
+    flat = cache.index_select(0, block_table).view(-1, heads, dim)[:context_len]
     return flat.transpose(0, 1)

@@ -91,6 +91,19 @@ def test_mixed_batch_equals_separate_steps(tiny: LoadedModel) -> None:
     torch.testing.assert_close(out, torch.stack([ref[0], ref[2], ref[1]]), atol=1e-5, rtol=1e-5)
 
 
+def test_decodes_of_any_length_batched_equal_each_alone(runner: ModelRunner) -> None:
+    # 1. prefill three sequences of different lengths in scattered blocks
+    tables = [[9, 2, 30], [5, 17, 6, 11, 0], [25]]
+    prompts = [_ids(9), _ids(17, 3), _ids(2, 7)]
+    runner.execute([SeqInput(p, 0, t, False) for p, t in zip(prompts, tables, strict=True)])
+    steps = [SeqInput([40 + i], len(p), t, True) for i, (p, t) in enumerate(zip(prompts, tables, strict=True))]
+    # 2. decode each alone, shortest context first, so the decode K/V scratch grows between steps
+    alone = {i: runner.execute([steps[i]])[0] for i in (2, 0, 1)}
+    # 3. decode all three in one step (their new K/V land in the same slots again)
+    together = runner.execute(steps)
+    torch.testing.assert_close(together, torch.stack([alone[0], alone[1], alone[2]]), atol=1e-5, rtol=1e-5)
+
+
 def test_logits_only_for_rows_that_ask(runner: ModelRunner) -> None:
     out = runner.execute([SeqInput(_ids(3), 0, [0], False), SeqInput(_ids(2), 0, [1], True)])
     assert out.shape == (1, runner.config.vocab_size)
