@@ -165,10 +165,11 @@ def paged_attention(
         else:
             ks = _gather(k_cache, span.block_table, span.context_len)
             vs = _gather(v_cache, span.block_table, span.context_len)
+        # With a batch dim (4-D inputs) CPU SDPA takes the flash kernel; 3-D falls back to the math path.
         o = F.scaled_dot_product_attention(
-            qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
-        )  # (num_heads, q_len, head_dim)
-        out[span.token_start:end] = o.transpose(0, 1)
+            qs[None], ks[None], vs[None], attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
+        )  # (1, num_heads, q_len, head_dim)
+        out[span.token_start:end] = o[0].transpose(0, 1)
     if ctx.decodes:
         _decode_attention(q, layer_pool, ctx, scale, window, out)
     return out
