@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from kvduplex.engine.kv_cache import KVCacheLayout
-from kvduplex.model.attention import AttentionContext, DecodeSpan, PrefillSpan
+from kvduplex.model.attention import AttentionContext, DecodeGroup, PrefillSpan
 from kvduplex.model.config import DecoderConfig
 from kvduplex.model.decoder import DecoderForCausalLM
 
@@ -195,25 +195,37 @@ class ModelRunner:
 
         dev = self.device
         prefills: list[PrefillSpan] = []
-        decodes: list[DecodeSpan] = []
-        decode_blocks: list[int] = []
+        decode_seqs: list[int] = []
+        decode_tokens: list[int] = []
         offset = 0
         for i, seq in enumerate(seqs):
             n = lens[i]
-            nb = -(-(seq.start_pos + n) // bs)
             if n == 1:
-                decodes.append(DecodeSpan(offset, seq.start_pos + 1, len(decode_blocks) * bs))
-                decode_blocks.extend(seq.block_table[:nb])
+                decode_seqs.append(i)
+                decode_tokens.append(offset)
             else:
+                nb = -(-(seq.start_pos + n) // bs)
                 prefills.append(PrefillSpan(offset, n, seq.start_pos, tables[i, :nb].to(dev)))
             offset += n
+        ctx_lens = [seqs[i].start_pos + 1 for i in decode_seqs]
+        groups: list[DecodeGroup] = []
+        for members in group_by_length(ctx_lens, bs):
+            width = -(-max(ctx_lens[j] for j in members) // bs)
+            rows = [decode_seqs[j] for j in members]
+            groups.append(
+                DecodeGroup(
+                    token_index=torch.tensor([decode_tokens[j] for j in members]).to(dev),
+                    block_index=tables[rows, :width].reshape(-1).to(dev),
+                    context_lens=torch.tensor([ctx_lens[j] for j in members]).to(dev),
+                    width_blocks=width,
+                )
+            )
         ctx = AttentionContext(
             slot_mapping=slots.to(dev),
             block_size=bs,
             prefills=prefills,
-            decodes=decodes,
-            decode_block_index=torch.tensor(decode_blocks, dtype=torch.int64).to(dev),
-            decode_kv=self._decode_kv(len(decode_blocks)),
+            decode_groups=groups,
+            decode_kv=self._decode_kv(max((g.block_index.shape[0] for g in groups), default=0)),
         )
         return _Batch(
             input_ids=torch.tensor(token_ids, dtype=torch.int64).to(dev),
@@ -221,6 +233,40 @@ class ModelRunner:
             logits_index=torch.tensor(logits_index, dtype=torch.int64).to(dev),
             ctx=ctx,
         )
+
+
+GROUP_COST_TOKENS = 256
+"""Padding (in tokens, summed over a group's sequences) that one more decode group is worth."""
+
+
+def group_by_length(context_lens: list[int], block_size: int) -> list[list[int]]:
+    """Indices of `context_lens` split into groups of similar length, each in ascending order.
+
+    Minimises the padded tokens (each sequence widened to its group's longest
+    context, in whole blocks) plus `GROUP_COST_TOKENS` per group, by dynamic
+    programming over the sorted lengths::
+
+        lengths  130 140 150 | 600 610 | 1000      three groups, widths 160, 624, 1008
+    """
+    order = sorted(range(len(context_lens)), key=lambda i: context_lens[i])
+    sorted_lens = [context_lens[i] for i in order]
+    prefix = [0]
+    for n in sorted_lens:
+        prefix.append(prefix[-1] + n)
+    best = [0] + [0] * len(order)  # best[j]: cost of grouping the j shortest
+    cut = [0] * (len(order) + 1)  # cut[j]: start of the last group in that best split
+    for j in range(1, len(order) + 1):
+        width = -(-sorted_lens[j - 1] // block_size) * block_size
+        costs = (
+            best[i] + GROUP_COST_TOKENS + width * (j - i) - (prefix[j] - prefix[i]) for i in range(j)
+        )
+        best[j], cut[j] = min((c, i) for i, c in enumerate(costs))
+    groups: list[list[int]] = []
+    j = len(order)
+    while j > 0:
+        groups.append(order[cut[j]:j])
+        j = cut[j]
+    return groups[::-1]
 
 
 def _pad(block_table: list[int], width: int) -> list[int]:

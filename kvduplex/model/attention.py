@@ -11,19 +11,17 @@ sequences; each sequence contributes ``q_len`` new tokens at positions
    (``start_pos == 0``) uses its own K/V with a causal mask, a continued one
    (chunked prefill or a prefix-cache hit) gathers its context from the pool
    through its block table and uses an offset causal mask;
-3. decode sequences (``q_len == 1``): once per layer, the blocks of all of
-   them are copied with one ``index_select`` per K and V into a scratch
-   buffer the runner owns (no padding, no allocation per layer); then each
-   sequence attends over its own rows of that buffer with two matmuls, its
-   query heads grouped under their KV head (GQA without repeating K/V).
+3. decode sequences (``q_len == 1``) in groups of similar context length
+   (the runner picks them): per group, the blocks of its sequences, padded to
+   the group's longest context, are copied with one ``index_select`` per K and
+   V into a scratch buffer the runner owns (no allocation per layer), and one
+   batched SDPA runs with a length mask.
 
-Why not one padded batched SDPA for the decodes: on CPU the padded copy
-(every sequence widened to the longest) and a fresh allocation of it in every
-layer cost more than the attention itself; attending per sequence over an
-unpadded copy reads each cached token once, and makes a sequence's result
-independent of which others share the step. Prefill masks depend only on the
-step, not the layer, so `AttentionContext` builds them once per step and per
-distinct sliding window.
+Why groups: padding every decode to the longest context of the step, into a
+fresh tensor in every layer, cost more on CPU than the attention itself; one
+sequence at a time wastes nothing but issues many small ops, each a thread
+barrier. Masks depend only on the step, not the layer, so `AttentionContext`
+builds them once per step and per distinct sliding window.
 
 ::
 
@@ -62,15 +60,25 @@ class PrefillSpan:
 
 
 @dataclass(frozen=True)
-class DecodeSpan:
-    """One sequence with a single new token in this step."""
+class DecodeGroup:
+    """Decode sequences of similar context length, attended together in one SDPA.
 
-    token_index: int
-    """Index of its new token in the flattened batch."""
-    context_len: int
-    """Tokens it attends to, its new token included."""
-    kv_offset: int
-    """Row of its first context token in the gathered decode K/V (`AttentionContext.decode_kv`)."""
+    Each sequence's blocks are padded (with block 0, masked out) to the longest
+    context of the group, never of the whole step.
+    """
+
+    token_index: torch.Tensor  # (num_seqs,) int64
+    """Flattened-batch index of each sequence's new token."""
+    block_index: torch.Tensor  # (num_seqs * width_blocks,) int64
+    """Row-major ``(num_seqs, width_blocks)`` block tables, padded with block 0."""
+    context_lens: torch.Tensor  # (num_seqs,) int64
+    """Tokens each sequence attends to, its new token included."""
+    width_blocks: int
+    """Blocks per padded row."""
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.token_index.shape[0])
 
 
 @dataclass
@@ -79,7 +87,7 @@ class AttentionContext:
 
     Built by the runner before the forward pass; read-only during it except for
     the mask cache (filled on first use per window) and `decode_kv`, which
-    every layer overwrites with its own K/V.
+    attention overwrites for every layer and group.
     """
 
     slot_mapping: torch.Tensor  # (num_tokens,) int64
@@ -88,21 +96,35 @@ class AttentionContext:
     """Tokens per block."""
     prefills: list[PrefillSpan]
     """Sequences with more than one new token, in batch order."""
-    decodes: list[DecodeSpan]
-    """Sequences with one new token, in batch order."""
-    decode_block_index: torch.Tensor  # (num_decode_blocks,) int64
-    """The blocks of every decode sequence covering its context, concatenated in `decodes` order."""
-    decode_kv: torch.Tensor  # (2, num_decode_blocks, block_size, num_kv_heads, head_dim)
-    """Scratch for one layer's K and V of `decode_block_index`; contents are garbage between layers."""
-    _masks: dict[tuple[int, int | None], torch.Tensor | None] = field(default_factory=dict)
+    decode_groups: list[DecodeGroup]
+    """Sequences with one new token, grouped by context length."""
+    decode_kv: torch.Tensor  # (2, max group blocks, block_size, num_kv_heads, head_dim)
+    """Scratch for one group's K and V in one layer (no allocation per layer); garbage in between."""
+    _masks: dict[tuple[str, int, int | None], torch.Tensor | None] = field(default_factory=dict)
 
     @property
     def num_decodes(self) -> int:
-        return len(self.decodes)
+        return sum(group.num_seqs for group in self.decode_groups)
+
+    def decode_mask(self, index: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """Additive mask ``(num_seqs, 1, 1, width_blocks * block_size)`` of decode group `index`."""
+        key = ("decode", index, window)
+        mask = self._masks.get(key)
+        if mask is None:
+            group = self.decode_groups[index]
+            device = group.context_lens.device
+            kpos = torch.arange(group.width_blocks * self.block_size, device=device)[None, :]
+            last = (group.context_lens - 1)[:, None]
+            visible = kpos <= last
+            if window is not None:
+                visible &= kpos > last - window
+            mask = _additive(visible, dtype)[:, None, None, :]
+            self._masks[key] = mask
+        return mask
 
     def prefill_mask(self, index: int, window: int | None, dtype: torch.dtype) -> torch.Tensor | None:
         """Additive mask ``(q_len, context_len)`` of prefill `index`, or None when plain causal suffices."""
-        key = (index, window)
+        key = ("prefill", index, window)
         if key in self._masks:
             return self._masks[key]
         span = self.prefills[index]
@@ -170,7 +192,7 @@ def paged_attention(
             qs[None], ks[None], vs[None], attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
         )  # (1, num_heads, q_len, head_dim)
         out[span.token_start:end] = o[0].transpose(0, 1)
-    if ctx.decodes:
+    if ctx.decode_groups:
         _decode_attention(q, layer_pool, ctx, scale, window, out)
     return out
 
@@ -183,24 +205,21 @@ def _decode_attention(
     window: int | None,
     out: torch.Tensor,  # (num_tokens, num_heads, head_dim), written at the decode tokens
 ) -> None:
-    kv_heads, dim = layer_pool.shape[-2:]
-    group = q.shape[1] // kv_heads
-    k_all, v_all = ctx.decode_kv[0], ctx.decode_kv[1]
-    torch.index_select(layer_pool[0], 0, ctx.decode_block_index, out=k_all)
-    torch.index_select(layer_pool[1], 0, ctx.decode_block_index, out=v_all)
-    k_rows = k_all.view(-1, kv_heads, dim)  # (num_decode_blocks * block_size, kv_heads, head_dim)
-    v_rows = v_all.view(-1, kv_heads, dim)
-    for span in ctx.decodes:
-        first = span.kv_offset
-        if window is not None and span.context_len > window:
-            first += span.context_len - window
-        end = span.kv_offset + span.context_len
-        ks = k_rows[first:end]  # (visible, kv_heads, head_dim)
-        vs = v_rows[first:end]
-        qg = q[span.token_index].view(kv_heads, group, dim)
-        scores = torch.matmul(qg, ks.permute(1, 2, 0)).mul_(scale)  # (kv_heads, group, visible)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        torch.matmul(probs, vs.transpose(0, 1), out=out[span.token_index].view(kv_heads, group, dim))
+    _, _, bs, kv_heads, dim = layer_pool.shape
+    gqa = q.shape[1] != kv_heads
+    for i, group in enumerate(ctx.decode_groups):
+        n, width = group.num_seqs, group.width_blocks * bs
+        num_blocks = group.block_index.shape[0]
+        k_rows, v_rows = ctx.decode_kv[0, :num_blocks], ctx.decode_kv[1, :num_blocks]
+        torch.index_select(layer_pool[0], 0, group.block_index, out=k_rows)
+        torch.index_select(layer_pool[1], 0, group.block_index, out=v_rows)
+        kd = k_rows.view(n, width, kv_heads, dim).transpose(1, 2)  # (n, kv_heads, width, head_dim)
+        vd = v_rows.view(n, width, kv_heads, dim).transpose(1, 2)
+        qd = q.index_select(0, group.token_index)[:, :, None, :]  # (n, num_heads, 1, head_dim)
+        o = F.scaled_dot_product_attention(
+            qd, kd, vd, attn_mask=ctx.decode_mask(i, window, q.dtype), scale=scale, enable_gqa=gqa
+        )  # (n, num_heads, 1, head_dim)
+        out.index_copy_(0, group.token_index, o[:, :, 0, :])
 
 
 def _gather(

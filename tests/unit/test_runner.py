@@ -7,7 +7,14 @@ import torch
 
 from kvduplex.config import ModelLoadConfig
 from kvduplex.engine.kv_cache import KVCacheLayout, allocate_kv_pool
-from kvduplex.engine.runner import ModelRunner, SeqInput, kv_layout_for, num_blocks_for_memory
+from kvduplex.engine.runner import (
+    GROUP_COST_TOKENS,
+    ModelRunner,
+    SeqInput,
+    group_by_length,
+    kv_layout_for,
+    num_blocks_for_memory,
+)
 from kvduplex.model.loader import LoadedModel, load_model
 from kvduplex.model.presets import preset_config
 
@@ -102,6 +109,16 @@ def test_decodes_of_any_length_batched_equal_each_alone(runner: ModelRunner) -> 
     # 3. decode all three in one step (their new K/V land in the same slots again)
     together = runner.execute(steps)
     torch.testing.assert_close(together, torch.stack([alone[0], alone[1], alone[2]]), atol=1e-5, rtol=1e-5)
+
+
+def test_decode_groups_split_where_padding_costs_more_than_a_group() -> None:
+    lens = [610, 140, 1000, 130, 600, 150]
+    assert group_by_length(lens, 16) == [[3, 1, 5], [4, 0], [2]]
+    # lengths within one block of each other share a group, whatever their order
+    assert group_by_length([33, 40, 47], 16) == [[0, 1, 2]]
+    # padding below the cost of a group never splits
+    assert group_by_length([100, 100 + GROUP_COST_TOKENS - 16], 16) == [[0, 1]]
+    assert group_by_length([], 16) == []
 
 
 def test_logits_only_for_rows_that_ask(runner: ModelRunner) -> None:
