@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from kvduplex.engine.kv_cache import KVCacheLayout
-from kvduplex.model.attention import AttentionContext, PrefillSpan
+from kvduplex.model.attention import AttentionContext, DecodeGroup, PrefillSpan
 from kvduplex.model.config import DecoderConfig
 from kvduplex.model.decoder import DecoderForCausalLM
 
@@ -121,6 +121,8 @@ class ModelRunner:
         self.kv_pool = kv_pool
         self.layout = layout
         self.block_size = layout.block_size
+        # Scratch for one layer's decode K/V, reused by every layer and step; grows, never shrinks.
+        self._decode_kv_buffer = torch.empty(0, dtype=kv_pool.dtype, device=self.device)
 
     @torch.inference_mode()
     def execute(
@@ -148,6 +150,17 @@ class ModelRunner:
 
         hidden = self.model(batch.input_ids, batch.positions, self.kv_pool, batch.ctx, hook)
         return self.model.compute_logits(hidden[batch.logits_index])
+
+    def _decode_kv(self, num_blocks: int) -> torch.Tensor:
+        """A view ``(2, num_blocks, block_size, num_kv_heads, head_dim)`` of the decode K/V scratch."""
+        _, _, _, bs, heads, dim = self.layout.shape
+        per_block = 2 * bs * heads * dim
+        if self._decode_kv_buffer.numel() < num_blocks * per_block:
+            capacity = max(num_blocks, 2 * self._decode_kv_buffer.numel() // per_block)
+            self._decode_kv_buffer = torch.empty(
+                capacity * per_block, dtype=self.kv_pool.dtype, device=self.device
+            )
+        return self._decode_kv_buffer[: num_blocks * per_block].view(2, num_blocks, bs, heads, dim)
 
     def _prepare(self, seqs: list[SeqInput]) -> _Batch:
         bs = self.block_size
@@ -194,17 +207,25 @@ class ModelRunner:
                 nb = -(-(seq.start_pos + n) // bs)
                 prefills.append(PrefillSpan(offset, n, seq.start_pos, tables[i, :nb].to(dev)))
             offset += n
-        ctx_lens = torch.tensor([seqs[i].start_pos + 1 for i in decode_seqs], dtype=torch.int64)
-        max_ctx = int(ctx_lens.max()) if decode_seqs else 0
-        decode_tables = tables[decode_seqs, : -(-max_ctx // bs)]  # (num_decodes, decode_blocks)
+        ctx_lens = [seqs[i].start_pos + 1 for i in decode_seqs]
+        groups: list[DecodeGroup] = []
+        for members in group_by_length(ctx_lens, bs):
+            width = -(-max(ctx_lens[j] for j in members) // bs)
+            rows = [decode_seqs[j] for j in members]
+            groups.append(
+                DecodeGroup(
+                    token_index=torch.tensor([decode_tokens[j] for j in members]).to(dev),
+                    block_index=tables[rows, :width].reshape(-1).to(dev),
+                    context_lens=torch.tensor([ctx_lens[j] for j in members]).to(dev),
+                    width_blocks=width,
+                )
+            )
         ctx = AttentionContext(
             slot_mapping=slots.to(dev),
             block_size=bs,
             prefills=prefills,
-            decode_token_index=torch.tensor(decode_tokens, dtype=torch.int64).to(dev),
-            decode_block_tables=decode_tables.to(dev),
-            decode_context_lens=ctx_lens.to(dev),
-            max_decode_context_len=max_ctx,
+            decode_groups=groups,
+            decode_kv=self._decode_kv(max((g.block_index.shape[0] for g in groups), default=0)),
         )
         return _Batch(
             input_ids=torch.tensor(token_ids, dtype=torch.int64).to(dev),
@@ -212,6 +233,40 @@ class ModelRunner:
             logits_index=torch.tensor(logits_index, dtype=torch.int64).to(dev),
             ctx=ctx,
         )
+
+
+GROUP_COST_TOKENS = 256
+"""Padding (in tokens, summed over a group's sequences) that one more decode group is worth."""
+
+
+def group_by_length(context_lens: list[int], block_size: int) -> list[list[int]]:
+    """Indices of `context_lens` split into groups of similar length, each in ascending order.
+
+    Minimises the padded tokens (each sequence widened to its group's longest
+    context, in whole blocks) plus `GROUP_COST_TOKENS` per group, by dynamic
+    programming over the sorted lengths::
+
+        lengths  130 140 150 | 600 610 | 1000      three groups, widths 160, 624, 1008
+    """
+    order = sorted(range(len(context_lens)), key=lambda i: context_lens[i])
+    sorted_lens = [context_lens[i] for i in order]
+    prefix = [0]
+    for n in sorted_lens:
+        prefix.append(prefix[-1] + n)
+    best = [0] + [0] * len(order)  # best[j]: cost of grouping the j shortest
+    cut = [0] * (len(order) + 1)  # cut[j]: start of the last group in that best split
+    for j in range(1, len(order) + 1):
+        width = -(-sorted_lens[j - 1] // block_size) * block_size
+        costs = (
+            best[i] + GROUP_COST_TOKENS + width * (j - i) - (prefix[j] - prefix[i]) for i in range(j)
+        )
+        best[j], cut[j] = min((c, i) for i, c in enumerate(costs))
+    groups: list[list[int]] = []
+    j = len(order)
+    while j > 0:
+        groups.append(order[cut[j]:j])
+        j = cut[j]
+    return groups[::-1]
 
 
 def _pad(block_table: list[int], width: int) -> list[int]:

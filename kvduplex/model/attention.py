@@ -11,12 +11,17 @@ sequences; each sequence contributes ``q_len`` new tokens at positions
    (``start_pos == 0``) uses its own K/V with a causal mask, a continued one
    (chunked prefill or a prefix-cache hit) gathers its context from the pool
    through its block table and uses an offset causal mask;
-3. all decode sequences (``q_len == 1``) together: their block tables are
-   padded to one width, the context gathered in one indexing op, and one
+3. decode sequences (``q_len == 1``) in groups of similar context length
+   (the runner picks them): per group, the blocks of its sequences, padded to
+   the group's longest context, are copied with one ``index_select`` per K and
+   V into a scratch buffer the runner owns (no allocation per layer), and one
    batched SDPA runs with a length mask.
 
-Masks depend only on the step, not the layer, so `AttentionContext` builds
-them once per step and per distinct sliding window.
+Why groups: padding every decode to the longest context of the step, into a
+fresh tensor in every layer, cost more on CPU than the attention itself; one
+sequence at a time wastes nothing but issues many small ops, each a thread
+barrier. Masks depend only on the step, not the layer, so `AttentionContext`
+builds them once per step and per distinct sliding window.
 
 ::
 
@@ -54,12 +59,35 @@ class PrefillSpan:
         return self.start_pos + self.q_len
 
 
+@dataclass(frozen=True)
+class DecodeGroup:
+    """Decode sequences of similar context length, attended together in one SDPA.
+
+    Each sequence's blocks are padded (with block 0, masked out) to the longest
+    context of the group, never of the whole step.
+    """
+
+    token_index: torch.Tensor  # (num_seqs,) int64
+    """Flattened-batch index of each sequence's new token."""
+    block_index: torch.Tensor  # (num_seqs * width_blocks,) int64
+    """Row-major ``(num_seqs, width_blocks)`` block tables, padded with block 0."""
+    context_lens: torch.Tensor  # (num_seqs,) int64
+    """Tokens each sequence attends to, its new token included."""
+    width_blocks: int
+    """Blocks per padded row."""
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.token_index.shape[0])
+
+
 @dataclass
 class AttentionContext:
     """Everything attention needs about one step, shared by all layers.
 
     Built by the runner before the forward pass; read-only during it except for
-    the mask cache (filled on first use per window).
+    the mask cache (filled on first use per window) and `decode_kv`, which
+    attention overwrites for every layer and group.
     """
 
     slot_mapping: torch.Tensor  # (num_tokens,) int64
@@ -68,28 +96,25 @@ class AttentionContext:
     """Tokens per block."""
     prefills: list[PrefillSpan]
     """Sequences with more than one new token, in batch order."""
-    decode_token_index: torch.Tensor  # (num_decodes,) int64
-    """Flattened-batch index of each decode sequence's single new token."""
-    decode_block_tables: torch.Tensor  # (num_decodes, max_blocks) int64, padded with block 0
-    """Block tables of the decode sequences."""
-    decode_context_lens: torch.Tensor  # (num_decodes,) int64
-    """Context length of each decode sequence, its new token included."""
-    max_decode_context_len: int
-    """Largest of `decode_context_lens` (0 without decodes)."""
+    decode_groups: list[DecodeGroup]
+    """Sequences with one new token, grouped by context length."""
+    decode_kv: torch.Tensor  # (2, max group blocks, block_size, num_kv_heads, head_dim)
+    """Scratch for one group's K and V in one layer (no allocation per layer); garbage in between."""
     _masks: dict[tuple[str, int, int | None], torch.Tensor | None] = field(default_factory=dict)
 
     @property
     def num_decodes(self) -> int:
-        return int(self.decode_token_index.shape[0])
+        return sum(group.num_seqs for group in self.decode_groups)
 
-    def decode_mask(self, window: int | None, dtype: torch.dtype) -> torch.Tensor:
-        """Additive mask ``(num_decodes, 1, 1, max_blocks * block_size)``: 0 where visible, -inf elsewhere."""
-        key = ("decode", 0, window)
+    def decode_mask(self, index: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """Additive mask ``(num_seqs, 1, 1, width_blocks * block_size)`` of decode group `index`."""
+        key = ("decode", index, window)
         mask = self._masks.get(key)
         if mask is None:
-            width = int(self.decode_block_tables.shape[1]) * self.block_size
-            kpos = torch.arange(width, device=self.decode_context_lens.device)[None, :]
-            last = (self.decode_context_lens - 1)[:, None]
+            group = self.decode_groups[index]
+            device = group.context_lens.device
+            kpos = torch.arange(group.width_blocks * self.block_size, device=device)[None, :]
+            last = (group.context_lens - 1)[:, None]
             visible = kpos <= last
             if window is not None:
                 visible &= kpos > last - window
@@ -149,7 +174,7 @@ def paged_attention(
     Tokens that belong to neither a prefill span nor the decode set do not exist:
     the runner puts every sequence in exactly one of them.
     """
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape)
     k_cache, v_cache = layer_pool[0], layer_pool[1]  # (num_blocks, block_size, kv_heads, head_dim)
     gqa = q.shape[1] != k.shape[1]
     for i, span in enumerate(ctx.prefills):
@@ -162,24 +187,39 @@ def paged_attention(
         else:
             ks = _gather(k_cache, span.block_table, span.context_len)
             vs = _gather(v_cache, span.block_table, span.context_len)
+        # With a batch dim (4-D inputs) CPU SDPA takes the flash kernel; 3-D falls back to the math path.
         o = F.scaled_dot_product_attention(
-            qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
-        )  # (num_heads, q_len, head_dim)
-        out[span.token_start:end] = o.transpose(0, 1)
-    if ctx.num_decodes:
-        width = ctx.decode_block_tables.shape[1] * ctx.block_size
-        n = ctx.num_decodes
-        heads, dim = k_cache.shape[-2:]
-        kd = k_cache[ctx.decode_block_tables].view(n, width, heads, dim).transpose(1, 2)
-        vd = v_cache[ctx.decode_block_tables].view(n, width, heads, dim).transpose(1, 2)
-        # (num_decodes, num_kv_heads, width, head_dim)
-        qd = q[ctx.decode_token_index][:, :, None, :]  # (num_decodes, num_heads, 1, head_dim)
-        mask = ctx.decode_mask(window, q.dtype)
-        o = F.scaled_dot_product_attention(
-            qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=gqa
-        )  # (num_decodes, num_heads, 1, head_dim)
-        out[ctx.decode_token_index] = o[:, :, 0, :]
+            qs[None], ks[None], vs[None], attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
+        )  # (1, num_heads, q_len, head_dim)
+        out[span.token_start:end] = o[0].transpose(0, 1)
+    if ctx.decode_groups:
+        _decode_attention(q, layer_pool, ctx, scale, window, out)
     return out
+
+
+def _decode_attention(
+    q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
+    layer_pool: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim)
+    ctx: AttentionContext,
+    scale: float,
+    window: int | None,
+    out: torch.Tensor,  # (num_tokens, num_heads, head_dim), written at the decode tokens
+) -> None:
+    _, _, bs, kv_heads, dim = layer_pool.shape
+    gqa = q.shape[1] != kv_heads
+    for i, group in enumerate(ctx.decode_groups):
+        n, width = group.num_seqs, group.width_blocks * bs
+        num_blocks = group.block_index.shape[0]
+        k_rows, v_rows = ctx.decode_kv[0, :num_blocks], ctx.decode_kv[1, :num_blocks]
+        torch.index_select(layer_pool[0], 0, group.block_index, out=k_rows)
+        torch.index_select(layer_pool[1], 0, group.block_index, out=v_rows)
+        kd = k_rows.view(n, width, kv_heads, dim).transpose(1, 2)  # (n, kv_heads, width, head_dim)
+        vd = v_rows.view(n, width, kv_heads, dim).transpose(1, 2)
+        qd = q.index_select(0, group.token_index)[:, :, None, :]  # (n, num_heads, 1, head_dim)
+        o = F.scaled_dot_product_attention(
+            qd, kd, vd, attn_mask=ctx.decode_mask(i, window, q.dtype), scale=scale, enable_gqa=gqa
+        )  # (n, num_heads, 1, head_dim)
+        out.index_copy_(0, group.token_index, o[:, :, 0, :])
 
 
 def _gather(
@@ -188,5 +228,5 @@ def _gather(
     context_len: int,
 ) -> torch.Tensor:  # (num_kv_heads, context_len, head_dim)
     heads, dim = cache.shape[-2:]
-    flat = cache[block_table].view(-1, heads, dim)[:context_len]
+    flat = cache.index_select(0, block_table).view(-1, heads, dim)[:context_len]
     return flat.transpose(0, 1)

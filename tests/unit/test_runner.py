@@ -7,7 +7,14 @@ import torch
 
 from kvduplex.config import ModelLoadConfig
 from kvduplex.engine.kv_cache import KVCacheLayout, allocate_kv_pool
-from kvduplex.engine.runner import ModelRunner, SeqInput, kv_layout_for, num_blocks_for_memory
+from kvduplex.engine.runner import (
+    GROUP_COST_TOKENS,
+    ModelRunner,
+    SeqInput,
+    group_by_length,
+    kv_layout_for,
+    num_blocks_for_memory,
+)
 from kvduplex.model.loader import LoadedModel, load_model
 from kvduplex.model.presets import preset_config
 
@@ -89,6 +96,29 @@ def test_mixed_batch_equals_separate_steps(tiny: LoadedModel) -> None:
                        SeqInput(b[4:], 4, tables[1], True)])
     assert out.shape == (3, tiny.config.vocab_size) and out.dtype == torch.float32
     torch.testing.assert_close(out, torch.stack([ref[0], ref[2], ref[1]]), atol=1e-5, rtol=1e-5)
+
+
+def test_decodes_of_any_length_batched_equal_each_alone(runner: ModelRunner) -> None:
+    # 1. prefill three sequences of different lengths in scattered blocks
+    tables = [[9, 2, 30], [5, 17, 6, 11, 0], [25]]
+    prompts = [_ids(9), _ids(17, 3), _ids(2, 7)]
+    runner.execute([SeqInput(p, 0, t, False) for p, t in zip(prompts, tables, strict=True)])
+    steps = [SeqInput([40 + i], len(p), t, True) for i, (p, t) in enumerate(zip(prompts, tables, strict=True))]
+    # 2. decode each alone, shortest context first, so the decode K/V scratch grows between steps
+    alone = {i: runner.execute([steps[i]])[0] for i in (2, 0, 1)}
+    # 3. decode all three in one step (their new K/V land in the same slots again)
+    together = runner.execute(steps)
+    torch.testing.assert_close(together, torch.stack([alone[0], alone[1], alone[2]]), atol=1e-5, rtol=1e-5)
+
+
+def test_decode_groups_split_where_padding_costs_more_than_a_group() -> None:
+    lens = [610, 140, 1000, 130, 600, 150]
+    assert group_by_length(lens, 16) == [[3, 1, 5], [4, 0], [2]]
+    # lengths within one block of each other share a group, whatever their order
+    assert group_by_length([33, 40, 47], 16) == [[0, 1, 2]]
+    # padding below the cost of a group never splits
+    assert group_by_length([100, 100 + GROUP_COST_TOKENS - 16], 16) == [[0, 1]]
+    assert group_by_length([], 16) == []
 
 
 def test_logits_only_for_rows_that_ask(runner: ModelRunner) -> None:
