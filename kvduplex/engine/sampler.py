@@ -6,11 +6,14 @@ its own seed and logits, never on which other requests shared the batch.
 
 from __future__ import annotations
 
+import logging
 import random
 
 import torch
 
 from kvduplex.engine.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class RequestGenerators:
@@ -70,5 +73,11 @@ def sample(
             continue
         row = _filter_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
         probs = torch.softmax(row, dim=-1)
+        if not bool(torch.isfinite(probs).all()):
+            # NaN logits (e.g. an overflow in the model): one request degrades to
+            # greedy over the finite logits instead of the engine loop dying.
+            logger.warning("row %d: logits are not finite; taking the argmax of the finite ones", i)
+            tokens[i] = int(torch.argmax(torch.nan_to_num(logits[i], nan=float("-inf"))).item())
+            continue
         tokens[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())
     return [int(t) for t in tokens]

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+GREEDY_BELOW_TEMPERATURE = 1e-5
+"""Temperatures below this sample greedily (logits / t would overflow float32)."""
+SEED_RANGE = (-(2**63), 2**64)
+"""Seeds a torch.Generator accepts: [lo, hi)."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    temperature 0 means greedy. A request with a seed is reproducible: its
+    temperature 0 (or below `GREEDY_BELOW_TEMPERATURE`) means greedy. A request with a seed is reproducible: its
     tokens depend only on its own seed and logits, never on the batch it ran in.
     """
 
@@ -43,9 +48,11 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
+            raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE

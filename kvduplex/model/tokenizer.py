@@ -221,9 +221,12 @@ class HFTokenizer:
         _check_messages(messages)
         if not getattr(self._tok, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; send a plain prompt")
-        text = self._tok.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+        try:
+            text = self._tok.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except Exception as exc:  # the template's own checks (jinja2 TemplateError)
+            raise ValueError(f"the chat template refused these messages: {exc}") from exc
         return str(text)
 
     def encode_chat(

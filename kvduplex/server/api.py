@@ -176,7 +176,12 @@ def create_app(state: InstanceState, extra_routers: Sequence[APIRouter] = ()) ->
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         _check_model(state, body.model)
-        text = state.tokenizer.apply_chat_template(body.plain_messages(), add_generation_prompt=True)
+        try:
+            text = state.tokenizer.apply_chat_template(
+                body.plain_messages(), add_generation_prompt=True
+            )
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="messages") from None
         ids = state.tokenizer.encode(text, add_special_tokens=False)
         max_tokens = body.requested_max_tokens()
         if max_tokens is None:

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from kvduplex.engine.sampling import SamplingParams
+from kvduplex.engine.sampling import SEED_RANGE, SamplingParams
 
 
 class StreamOptions(BaseModel):
@@ -26,7 +26,7 @@ class _SamplingFields(BaseModel):
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     top_k: int = -1
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=SEED_RANGE[0], lt=SEED_RANGE[1])] | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     ignore_eos: bool = False

@@ -151,7 +151,10 @@ def _prompt_ids(state: RouterState, body: dict[str, Any], chat: bool) -> list[in
             if not isinstance(content, str):
                 return None
             plain.append({"role": str(m.get("role", "user")), "content": content})
-        text = tok.apply_chat_template(plain, add_generation_prompt=True)
+        try:
+            text = tok.apply_chat_template(plain, add_generation_prompt=True)
+        except ValueError:
+            return None  # the instance answers with the error
         return list(tok.encode(text, add_special_tokens=False))
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:

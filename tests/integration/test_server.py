@@ -100,6 +100,9 @@ BAD_BODIES = [
     ("model", {"model": "no-such-model", "prompt": "x"}, 404),
     ("token ids", {"model": "tiny", "prompt": [10**9]}, 400),
     ("stop", {"model": "tiny", "prompt": "x", "stop": [""]}, 400),
+    ("seed", {"model": "tiny", "prompt": "x", "seed": 2**70}, 400),
+    ("seed", {"model": "tiny", "prompt": "x", "seed": "lucky"}, 400),
+    ("temperature", {"model": "tiny", "prompt": "x", "temperature": "hot"}, 400),
 ]
 
 
@@ -109,6 +112,7 @@ def test_bad_completion_input(server: Process, what: str, body: dict, status: in
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["message"] and err["type"] == "invalid_request_error"
+    assert_pool_clean(server.url)
 
 
 @pytest.mark.parametrize(
@@ -124,7 +128,9 @@ def test_bad_completion_input(server: Process, what: str, body: dict, status: in
 def test_bad_chat_input(server: Process, body: dict) -> None:
     r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == 400, r.text
-    assert r.json()["error"]["message"]
+    err = r.json()["error"]
+    assert err["message"] and err["type"] == "invalid_request_error"
+    assert_pool_clean(server.url)
 
 
 def test_malformed_json(server: Process) -> None:

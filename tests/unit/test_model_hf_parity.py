@@ -82,11 +82,22 @@ class Family:
     folder: Path
 
 
+def _perturb_biases_and_norms(hf: Any) -> None:
+    """transformers initialises biases to 0 and norm weights to 1, which would let a
+    missing bias or a misplaced norm weight pass; give every one of them noise."""
+    gen = torch.Generator().manual_seed(99)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(".bias") or "norm" in name:
+                p.add_(0.2 * torch.randn(p.shape, generator=gen))
+
+
 @pytest.fixture(scope="module", params=sorted(BUILDERS))
 def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Family:
     name: str = request.param
     torch.manual_seed(1234)
     hf = BUILDERS[name]().eval()
+    _perturb_biases_and_norms(hf)
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = 0
     folder = tmp_path_factory.mktemp(name)

@@ -159,6 +159,19 @@ def test_hf_tokenizer_generation_config_eos_and_missing_template(tmp_path: Path)
         tok.apply_chat_template([{"role": "user", "content": "hi"}])
 
 
+def test_hf_tokenizer_template_refusal_is_a_value_error(tmp_path: Path) -> None:
+    strict = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}"
+        "{{ raise_exception('system messages are not supported') }}{% endif %}"
+        "{{ m['content'] }}{% endfor %}"
+    )
+    write_hf_tokenizer(tmp_path, chat_template=strict)
+    tok = HFTokenizer(tmp_path)
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], False) == "hi"
+    with pytest.raises(ValueError, match="system messages are not supported"):
+        tok.apply_chat_template([{"role": "system", "content": "be brief"}])
+
+
 def test_hf_tokenizer_requires_tokenizer_json(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"tokenizer\.json"):
         HFTokenizer(tmp_path)
