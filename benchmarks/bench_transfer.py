@@ -4,7 +4,10 @@ For the `small` preset's KV layout (30 layers, 3 KV heads, head_dim 64,
 float32; one region = block_size * 3 * 64 * 4 bytes), in one run:
 
 1. Baselines over the same bytes: one-thread memcpy between two pools in one
-   process, and a plain TCP socket on 127.0.0.1 between two processes.
+   process, and a plain TCP socket on 127.0.0.1 between two processes. Per
+   block size, also a one-thread in-process copy of the same random regions
+   (gathered from random places into one contiguous buffer: one copy, one
+   side scattered, a bound on what random region access costs in memory).
 2. 256 MiB moved by WRITE and by READ, blocks of 16, 64 and 128 tokens, as
    per-layer transfers (30 posted back to back, as layer-wise push does) and
    as one transfer: GB/s, post time per transfer, descriptors per transfer.
@@ -254,6 +257,23 @@ def memcpy_gbps(nbytes: int, reps: int) -> float:
     return nbytes / statistics.median(times[1:]) / 1e9
 
 
+def scattered_copy_gbps(layout: KVCacheLayout, reps: int, seed: int) -> float:
+    """One-thread gather of every region of `layout`'s pool, in random order, into a
+    contiguous buffer (torch.index_select): the in-process cost of random region access."""
+    torch.set_num_threads(1)
+    src = allocate_kv_pool(layout)
+    fill(src, 0)
+    regions = src.view(layout.num_layers * 2 * layout.num_blocks, -1)
+    order = torch.randperm(regions.shape[0], generator=torch.Generator().manual_seed(seed))
+    out = torch.empty_like(regions)
+    times = []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        torch.index_select(regions, 0, order, out=out)
+        times.append(time.perf_counter() - t0)
+    return regions.numel() * regions.element_size() / statistics.median(times[1:]) / 1e9
+
+
 def tcp_gbps(bench: Bench, nbytes: int, reps: int) -> float:
     port = bench.call("tcp", (nbytes, reps + 1))
     data = memoryview(bytearray(nbytes))
@@ -290,8 +310,10 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     try:
         base = {"memcpy": memcpy_gbps(total, args.reps), "tcp": tcp_gbps(bench, total, args.reps)}
+        base["scattered"] = {}
         for block_size in (16, 64, 128):
             layout = small_layout(block_size, total)
+            base["scattered"][block_size] = scattered_copy_gbps(layout, args.reps, args.seed)
             bench.setup(layout)
             nb = layout.num_blocks
             for op in ("write", "read"):
@@ -336,12 +358,16 @@ def render(
     total: int,
 ) -> str:
     out = [f"Baselines, {total // MiB} MiB: memcpy in one process (1 thread) "
-           f"{base['memcpy']:.2f} GB/s; TCP socket on 127.0.0.1 {base['tcp']:.2f} GB/s.", ""]  # fmt: skip
+           f"{base['memcpy']:.2f} GB/s; TCP socket on 127.0.0.1 {base['tcp']:.2f} GB/s; "
+           "in-process copy of the same regions gathered in random order (1 thread): "
+           + ", ".join(f"{bs}-token blocks {g:.2f} GB/s" for bs, g in base["scattered"].items()) + ".",
+           ""]  # fmt: skip
     out.append(md_table(
         ["op", "block tokens", "region KiB", "transfers (blocks)", "descriptors/transfer", "GB/s",
-         "vs memcpy", "vs TCP", "caller post us", "NIXL post us"],
+         "vs memcpy", "vs scattered copy", "vs TCP", "caller post us", "NIXL post us"],
         [[r["op"], r["block_size"], r["block_size"] * 3 * 64 * 4 // 1024, f"{r['transfers']} ({r['shape']})",
           r["descriptors"], f"{r['gbps']:.2f}", f"{r['gbps'] / base['memcpy']:.2f}",
+          f"{r['gbps'] / base['scattered'][r['block_size']]:.2f}" if "random" in r["shape"] else "",
           f"{r['gbps'] / base['tcp']:.2f}", f"{r['post_us']:.0f}", f"{r['nixl_post_us']:.0f}"]
          for r in rows],
     ))  # fmt: skip
