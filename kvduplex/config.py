@@ -102,7 +102,8 @@ class TransferConfig:
     """KV transfer between instances."""
 
     kv_wait_timeout_s: float = 10.0
-    """How long decode waits for pushed KV before computing the prompt itself."""
+    """How long decode waits for pushed KV without word from prefill before computing the
+    prompt itself (and prefill for decode's registration); heartbeats restart it."""
     pull_lease_s: float = 30.0
     """How long prefill keeps a finished request's blocks for decode to read."""
     transfer_timeout_s: float = 10.0

@@ -206,7 +206,7 @@ def make_decode_hooks(
             )
             return
         if kv.mode == "push":
-            receiver.register(PushSpec(kv.xid, peer, kv.prefill_url))
+            receiver.register(PushSpec(kv.xid, peer, kv.prefill_url, gen.request_id))
         else:
             lease_ends_at = None if kv.lease_s is None else arrived + kv.lease_s
             connector.register(

@@ -17,7 +17,13 @@ notification pump only take a lock or enqueue an engine call.
 
 Failure rules:
 
-* D waits at most ``kv_wait_timeout_s``. On expiry it tells P to stop
+* Deadlines bound silence, not queueing. While P holds a registered job (queued
+  behind other prefills, computing, writing) it sends D a `PushAlive` every
+  third of D's wait, and each one restarts D's wait; while D's request waits
+  for admission on D (not registered yet), D does the same for P's wait for
+  the registration. Only a healthy engine sends them, so a stopped, killed or
+  failed peer goes silent and the wait runs out.
+* D waits at most ``kv_wait_timeout_s`` without word from P. On expiry it tells P to stop
   (`PushCancel`), computes the prompt itself into fresh blocks, and keeps its
   own reference on the registered blocks (quarantine) until P confirms that no
   WRITE can land any more (`KVFailed` / `KVDone`) or a further transfer
@@ -28,7 +34,8 @@ Failure rules:
 * P keeps the request's blocks (held) until every WRITE from them ended, and
   references the source blocks of each WRITE, so a preemption cannot hand them
   to another request under an in-flight WRITE.
-* P waits at most ``kv_wait_timeout_s`` for a registration, then drops the job.
+* P waits at most ``kv_wait_timeout_s`` for a registration (without word from
+  D), then drops the job.
 """
 
 from __future__ import annotations
@@ -64,10 +71,19 @@ class PushRegister(ControlMessage, tag="push_register", frozen=True):
     """Prompt blocks before this one decode already has (its prefix cache)."""
     num_prompt_tokens: int
     wait_s: float
-    """How long decode waits from sending this; prefill writes nothing after that."""
+    """How long decode waits from sending this without hearing from prefill (each
+    `PushAlive` restarts it); prefill writes nothing after that."""
     sent_at: float
     """Decode's wall clock (`time.time`) when it sent this: a registration that arrives
     late (prefill stalled) gets only what is left of decode's wait."""
+
+
+class PushAlive(ControlMessage, tag="push_alive", frozen=True):
+    """The sender still holds transfer ``xid`` and its engine runs: restart the wait for it."""
+
+
+HEARTBEATS_PER_WAIT = 3
+"""`PushAlive` messages per wait period: a lost one or two do not end the wait."""
 
 
 class PushCancel(ControlMessage, tag="push_cancel", frozen=True):
@@ -109,8 +125,10 @@ class _Job:
     num_prompt_tokens: int
     num_blocks: int
     expires_at: float
-    """Registration deadline (until registered), then decode's own deadline."""
+    """Registration deadline (until registered), then decode's own deadline; each
+    `PushAlive` sent or received moves it on."""
     reg: PushRegister | None = None
+    alive_sent_at: float = 0.0
     sent: int = 0
     """Prompt blocks [0, sent) are written (or decode has them)."""
     in_flight: int = 0
@@ -134,6 +152,8 @@ class PushSenderStats:
     transfer_s: float = 0.0
     exposed_s: float = 0.0
     """Part of ``transfer_s`` after the prefill's compute ended (not hidden)."""
+    num_alive_sent: int = 0
+    num_alive_received: int = 0
 
 
 class PushSender:
@@ -172,6 +192,7 @@ class PushSender:
     def attach(self, pump: NotificationPump) -> None:
         pump.on(PushRegister, self._on_register_notif)
         pump.on(PushCancel, self._on_cancel_notif)
+        pump.on(PushAlive, self._on_alive_notif)
         pump.every_tick(self._tick)
 
     # ---- engine thread: jobs ----
@@ -238,6 +259,7 @@ class PushSender:
         job.reg = msg
         left = min(msg.wait_s, msg.sent_at + msg.wait_s - time.time())
         job.expires_at = time.monotonic() + left
+        job.alive_sent_at = time.monotonic()
         if left <= 0:
             self._fail(job, "the registration arrived after decode stopped waiting")
             return
@@ -488,12 +510,35 @@ class PushSender:
         logger.info("xid=%s: decode %s cancelled the push: %s", msg.xid, sender, msg.reason)
         self.engine.call(lambda _e: self.cancel(msg.xid, f"cancelled by decode: {msg.reason}"))
 
-    def _tick(self, now: float) -> None:
+    def _on_alive_notif(self, msg: ControlMessage, sender: str) -> None:
+        """Decode still waits to admit ``xid``: keep waiting for its registration."""
+        now = time.monotonic()
         with self._lock:
+            job = self._jobs.get(msg.xid)
+            if job is None or job.reg is not None or job.ended or sender != job.peer.engine_id:
+                return
+            job.expires_at = max(job.expires_at, now + self.registration_wait_s)
+            self.stats.num_alive_received += 1
+
+    def _tick(self, now: float) -> None:
+        beats: list[_Job] = []
+        healthy = self.engine.is_healthy
+        with self._lock:
+            for j in self._jobs.values():
+                if not healthy or j.reg is None or j.ended or j.error is not None:
+                    continue
+                if now - j.alive_sent_at >= j.reg.wait_s / HEARTBEATS_PER_WAIT:
+                    # Decode restarts its wait when this arrives, later than now.
+                    j.alive_sent_at = now
+                    j.expires_at = max(j.expires_at, now + j.reg.wait_s)
+                    beats.append(j)
+            self.stats.num_alive_sent += len(beats)
             expired = [j.xid for j in self._jobs.values() if not j.ended and now > j.expires_at]
             stale = [xid for xid, (_, _, until) in self._early.items() if now > until]
             for xid in [x for x, until in self._cancelled.items() if now > until]:
                 del self._cancelled[xid]
+        for j in beats:
+            self._notify.submit(self._send, j.peer, PushAlive(j.xid))
         for xid in expired:
             self.engine.call(partial(_run, self._expire, xid))
         for xid in stale:
@@ -528,6 +573,8 @@ class PushSpec:
     xid: str
     peer: PeerHandle
     prefill_url: str
+    request_id: str | None = None
+    """Decode's request for it; a spec whose request is gone before admission is dropped."""
 
 
 @dataclass
@@ -551,6 +598,8 @@ class PushReceiverStats:
     """Blocks not pushed because the local prefix cache had them."""
     num_late: int = 0
     """KVDone/KVFailed that arrived after the deadline had passed."""
+    num_alive_sent: int = 0
+    num_alive_received: int = 0
 
 
 class PushReceiver:
@@ -575,18 +624,21 @@ class PushReceiver:
         self.codec = MessageCodec()
         self._lock = threading.Lock()
         self._specs: dict[str, PushSpec] = {}
+        self._spec_alive_at: dict[str, float] = {}  # xid -> last PushAlive to its prefill
         self._waits: dict[str, _Wait] = {}  # by xid
         self._updated: list[Request] = []
 
     def attach(self, pump: NotificationPump) -> None:
         pump.on(KVDone, self._on_done_notif)
         pump.on(KVFailed, self._on_failed_notif)
+        pump.on(PushAlive, self._on_alive_notif)
         pump.every_tick(self._tick)
 
     def register(self, spec: PushSpec) -> None:
         """From any thread, before the request is added."""
         with self._lock:
             self._specs[spec.xid] = spec
+            self._spec_alive_at[spec.xid] = time.monotonic()
 
     def owns(self, xid: str) -> bool:
         with self._lock:
@@ -618,6 +670,7 @@ class PushReceiver:
         xid = req.remote_kv.transfer_id
         with self._lock:
             spec = self._specs.pop(xid, None)
+            self._spec_alive_at.pop(xid, None)
         sched = self.engine.engine.scheduler
         if spec is None:
             logger.warning(
@@ -712,6 +765,7 @@ class PushReceiver:
         """Stop waiting for `xid` now (compute locally); False if unknown."""
         with self._lock:
             spec = self._specs.pop(xid, None)
+            self._spec_alive_at.pop(xid, None)
             wait = self._waits.get(xid)
         if spec is not None:  # not admitted yet: it computes locally when admitted
             return True
@@ -745,22 +799,58 @@ class PushReceiver:
         assert isinstance(msg, KVFailed)
         self.engine.call(lambda _e: self._on_failed(msg, sender))
 
+    def _on_alive_notif(self, msg: ControlMessage, sender: str) -> None:
+        """Prefill still holds ``xid``: restart the wait (nothing to do in the engine)."""
+        now = time.monotonic()
+        with self._lock:
+            wait = self._waits.get(msg.xid)
+            if wait is None or wait.fell_back or sender != wait.spec.peer.engine_id:
+                return
+            wait.deadline = max(wait.deadline, now + self.wait_s)
+            self.stats.num_alive_received += 1
+
     def _tick(self, now: float) -> None:
+        beats: list[PushSpec] = []
         due: list[_Wait] = []
+        with self._lock:
+            if self.engine.is_healthy:
+                for xid, at in self._spec_alive_at.items():
+                    if now - at >= self.wait_s / HEARTBEATS_PER_WAIT:
+                        self._spec_alive_at[xid] = now
+                        beats.append(self._specs[xid])
+                self.stats.num_alive_sent += len(beats)
+        if beats:
+            self.engine.call(partial(_run, self._drop_orphan_specs, beats))
         with self._lock:
             for wait in self._waits.values():
                 limit = wait.quarantine_until if wait.fell_back else wait.deadline
                 if now > limit and not wait.expiring:
                     wait.expiring = True
                     due.append(wait)
+        for spec in beats:
+            try:
+                self.transport.send_notif(spec.peer, self.codec.encode(PushAlive(spec.xid)), spec.xid)
+            except Exception as exc:
+                logger.info("xid=%s: cannot reach %s: %s", spec.xid, spec.prefill_url, exc)
         for wait in due:
             self.engine.call(partial(_run, self._expire, wait))
+
+    def _drop_orphan_specs(self, specs: list[PushSpec]) -> None:
+        """Forget specs whose request left before admission (aborted), so that their
+        heartbeats stop; prefill's own wait for the registration then ends the job."""
+        sched = self.engine.engine.scheduler
+        gone = [s.xid for s in specs if s.request_id and sched.get_request(s.request_id) is None]
+        with self._lock:
+            for xid in gone:
+                if self._specs.pop(xid, None) is not None:
+                    logger.info("xid=%s: decode request gone before admission", xid)
+                self._spec_alive_at.pop(xid, None)
 
     def _expire(self, wait: _Wait) -> None:
         wait.expiring = False
         if not wait.fell_back:
             self._give_up(
-                wait, f"no pushed KV within the deadline of {self.wait_s:g} s", "deadline"
+                wait, f"no word from prefill for {self.wait_s:g} s", "deadline"
             )
             return
         with self._lock:

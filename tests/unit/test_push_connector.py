@@ -7,6 +7,7 @@ its notification pump; P writes layer by layer into D's registered blocks.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable
 
@@ -99,7 +100,7 @@ class Pair:
     async def decode(
         self, xid: str, prompt: list[int] = PROMPT, params: SamplingParams = GREEDY
     ) -> list[int]:
-        self.receiver.register(PushSpec(xid, self.p_peer, "http://p"))
+        self.receiver.register(PushSpec(xid, self.p_peer, "http://p", f"d-{xid}"))
         out: list[int] = []
         async for o in self.ad.generate(f"d-{xid}", prompt, params, remote_kv=RemoteKVSpec(xid)):
             out.extend(o.new_token_ids)
@@ -326,3 +327,91 @@ def test_seeded_sampling_continues_where_prefill_stopped(tiny: LoadedModel) -> N
         s.assert_clean()
     finally:
         s.close()
+
+
+def test_prefill_queued_longer_than_the_wait_keeps_decode_waiting(tiny: LoadedModel) -> None:
+    """P holds the registered job but its engine is busy elsewhere for over D's wait:
+    its heartbeats restart D's wait, and D gets the pushed KV instead of recomputing."""
+    s = Pair(tiny, wait_s=0.3)
+    gate = threading.Event()
+    try:
+
+        def admit_then_stall() -> None:
+            s.sender.expect("q", s.d_peer, len(PROMPT))  # applies the early registration
+            gate.wait(30)  # P's engine thread is busy: no step runs meanwhile
+
+        async def run() -> list[int]:
+            d = asyncio.ensure_future(s.decode("q"))
+            await asyncio.to_thread(_wait_for, lambda: "q" in s.sender._early, "registration")
+            p = asyncio.ensure_future(_collect(s.ap.generate(
+                "q", PROMPT, FIRST, hold_blocks_on_finish=True, on_admit=admit_then_stall)))  # fmt: skip
+            # Four heartbeats at 0.1 s intervals: D's original 0.3 s wait is over.
+            await asyncio.to_thread(
+                _wait_for, lambda: s.receiver.stats.num_alive_received >= 4, "heartbeats"
+            )
+            gate.set()
+            await p
+            return await d
+
+        assert asyncio.run(run()) == _reference(tiny)
+        assert s.receiver.stats.num_fallbacks == 0 and s.receiver.stats.num_received == 1
+        assert s.sender.stats.num_alive_sent >= 4 and s.sender.stats.num_done == 1
+        s.assert_clean()
+    finally:
+        gate.set()
+        s.close()
+
+
+def test_decode_queued_longer_than_the_wait_keeps_prefill_holding(tiny: LoadedModel) -> None:
+    """D's request waits for admission for over P's wait for the registration: D's
+    heartbeats keep P holding the computed KV, then P pushes it."""
+    s = Pair(tiny, wait_s=0.3)
+    gate = threading.Event()
+    try:
+        s.ad.call(lambda _e: gate.wait(30))  # D's engine thread is busy: nothing is admitted
+
+        async def run() -> list[int]:
+            d = asyncio.ensure_future(s.decode("dq"))
+            assert await s.prefill("dq") == _reference(tiny)[:1]
+            await asyncio.to_thread(
+                _wait_for, lambda: s.sender.stats.num_alive_received >= 4, "heartbeats"
+            )
+            assert s.in_use(s.ap) == 5  # still held for the push
+            gate.set()
+            return await d
+
+        assert asyncio.run(run()) == _reference(tiny)
+        assert s.receiver.stats.num_fallbacks == 0 and s.sender.stats.num_failed == 0
+        s.assert_clean()
+    finally:
+        gate.set()
+        s.close()
+
+
+def test_decode_request_gone_before_admission_stops_its_heartbeats(tiny: LoadedModel) -> None:
+    s = Pair(tiny, wait_s=0.3)
+    gate = threading.Event()
+    try:
+        s.ad.call(lambda _e: gate.wait(30))
+
+        async def leave_before_admission() -> None:
+            task = asyncio.ensure_future(s.decode("orphan"))
+            await asyncio.to_thread(_wait_for, lambda: s.receiver.owns("orphan"), "the spec")
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+        asyncio.run(leave_before_admission())
+        gate.set()
+        _wait_for(lambda: not s.receiver.owns("orphan"), "the orphaned spec to be dropped")
+        assert not s.receiver._spec_alive_at  # nothing left to send heartbeats for
+        s.assert_clean()
+    finally:
+        gate.set()
+        s.close()
+
+
+async def _collect(gen: object) -> list[int]:
+    out: list[int] = []
+    async for o in gen:  # type: ignore[attr-defined]
+        out.extend(o.new_token_ids)
+    return out
