@@ -243,7 +243,7 @@ class AsyncEngine:
         m.generation_tokens.inc(len(out.new_token_ids))
         if out.finished:
             m.prompt_tokens.inc(out.num_prompt_tokens)
-            m.prefix_cache_hit_tokens.inc(out.num_cached_tokens)
+            m.prefix_cache_hit_tokens.inc(out.num_local_cached_tokens)
             m.requests_finished.labels(reason=out.finish_reason or "unknown").inc()
             m.e2e.observe(now - stream.arrival)
             if stream.first_token_time is not None and out.num_output_tokens > 1:

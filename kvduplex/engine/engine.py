@@ -53,7 +53,10 @@ class RequestOutput:
     """"stop", "length" or "abort" once finished."""
     num_prompt_tokens: int
     num_cached_tokens: int
-    """Prompt tokens served from the prefix cache (local hits plus KV received)."""
+    """Prompt tokens nobody computed for this request: the prefix-cache hits of the
+    instance that computed its prompt (this one, or the sender of its KV)."""
+    num_local_cached_tokens: int
+    """Prompt tokens served from this instance's prefix cache."""
     num_output_tokens: int
 
 
@@ -240,7 +243,12 @@ class LLMEngine:
             finished=finished,
             finish_reason=reason,
             num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=req.num_cached_tokens,
+            num_cached_tokens=(
+                req.num_cached_tokens
+                if req.num_remote_cached_tokens is None
+                else req.num_remote_cached_tokens
+            ),
+            num_local_cached_tokens=req.num_cached_tokens,
             num_output_tokens=len(req.output_token_ids),
         )
         if finished:

@@ -112,6 +112,9 @@ class Request:
     """Block table: block ``i`` holds positions ``[i*block_size, (i+1)*block_size)``."""
     num_cached_tokens: int = field(default=0, init=False)
     """Prompt tokens served from the local prefix cache at first admission."""
+    num_remote_cached_tokens: int | None = field(default=None, init=False)
+    """When the prompt's KV came from another instance: the prompt tokens that instance
+    served from its own prefix cache (it computed the rest). None: computed here."""
     stop_reason: int | None = field(default=None, init=False)
     """The stop token id that ended the request (None for EOS, length and abort)."""
     finish_reason: FinishReason | None = field(default=None, init=False)

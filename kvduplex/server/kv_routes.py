@@ -75,6 +75,8 @@ class KVTransferParams(BaseModel):
     engine_id: str | None = None
     lease_s: float | None = None
     """Seconds prefill keeps the blocks from its answer on (None: unknown)."""
+    num_cached_tokens: int = Field(default=0, ge=0)
+    """Pull: prompt tokens prefill served from its prefix cache."""
 
 
 def _not_found(xid: str) -> JSONResponse:
@@ -210,7 +212,10 @@ def make_decode_hooks(
         else:
             lease_ends_at = None if kv.lease_s is None else arrived + kv.lease_s
             connector.register(
-                PullSpec(kv.xid, peer, kv.prefill_url, kv.block_ids, kv.num_tokens, lease_ends_at)
+                PullSpec(
+                    kv.xid, peer, kv.prefill_url, kv.block_ids, kv.num_tokens, lease_ends_at,
+                    kv.num_cached_tokens,
+                )
             )
         gen.remote_kv = RemoteKVSpec(kv.xid, source_engine_id=peer.engine_id)
 

@@ -210,7 +210,7 @@ async def _pull_params(
     return {
         "mode": "pull", "xid": xid, "prefill_url": p.url, "engine_id": ans.get("engine_id"),
         "block_ids": ans["block_ids"], "num_tokens": ans["num_tokens"],
-        "lease_s": ans.get("lease_s"),
+        "lease_s": ans.get("lease_s"), "num_cached_tokens": ans.get("num_cached_tokens", 0),
     }  # fmt: skip
 
 

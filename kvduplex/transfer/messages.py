@@ -146,6 +146,8 @@ class KVDone(ControlMessage, tag="kv_done", frozen=True):
     """Tokens whose KV the transfer carried."""
     first_token: int | None = None
     """First sampled token, when the sender is a prefill instance."""
+    num_cached_tokens: int = 0
+    """Prompt tokens the sender served from its prefix cache (it computed the rest)."""
 
 
 class KVFailed(ControlMessage, tag="kv_failed", frozen=True):

@@ -78,6 +78,8 @@ class PullSpec:
     num_tokens: int
     lease_ends_at: float | None = None
     """Monotonic time (here) after which prefill may have reused the blocks."""
+    num_cached_tokens: int = 0
+    """Prompt tokens prefill served from its prefix cache."""
 
 
 # A READ must be able to finish this long before prefill's lease ends.
@@ -212,6 +214,8 @@ class PullConnector:
             if ok:
                 req = sched.get_request(rid)
                 sched.on_remote_kv_done(rid, None)
+                if req is not None:
+                    req.num_remote_cached_tokens = spec.num_cached_tokens
                 self.stats.num_pulls += 1
                 self.stats.num_pulled_blocks += num_read
                 if self.metrics is not None and req is not None:
@@ -246,4 +250,5 @@ def block_ids_of(engine: LLMEngine, request_id: str) -> dict[str, Any] | None:
         "block_ids": list(req.block_ids),
         "num_tokens": req.num_prompt_tokens,
         "first_token": req.output_token_ids[0] if req.output_token_ids else None,
+        "num_cached_tokens": req.num_cached_tokens,
     }

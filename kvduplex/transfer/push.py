@@ -134,6 +134,8 @@ class _Job:
     in_flight: int = 0
     error: str | None = None
     first_token: int | None = None
+    num_cached_tokens: int = 0
+    """Prompt tokens prefill served from its own prefix cache."""
     compute_done_at: float | None = None
     first_post_at: float | None = None
     last_done_at: float | None = None
@@ -371,6 +373,7 @@ class PushSender:
             if job is None or not req.output_token_ids:
                 continue
             job.first_token = req.output_token_ids[0]
+            job.num_cached_tokens = req.num_cached_tokens
             job.compute_done_at = now
             self._maybe_end(job)
 
@@ -454,7 +457,9 @@ class PushSender:
             end = time.monotonic()
         if job.error is None:
             assert job.first_token is not None
-            msg: ControlMessage = KVDone(job.xid, job.num_prompt_tokens, job.first_token)
+            msg: ControlMessage = KVDone(
+                job.xid, job.num_prompt_tokens, job.first_token, job.num_cached_tokens
+            )
         else:
             msg = KVFailed(job.xid, job.error)
         if job.reg is not None:
@@ -728,6 +733,7 @@ class PushReceiver:
             self.engine.engine.resume_with_first_token(wait.request_id, msg.first_token)
         except KeyError:
             return
+        req.num_remote_cached_tokens = msg.num_cached_tokens
         self._updated.append(req)
         self.stats.num_received += 1
         self.stats.num_received_blocks += len(wait.blocks)

@@ -191,6 +191,17 @@ def test_decode_prefix_hit_shrinks_the_push(dep: Deployment) -> None:
     assert _metric(dep.decode, "kvduplex_kv_remote_prefix_hit_tokens_total") - hits_before == 64
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_usage_cached_tokens_are_prefills_prefix_hits(dep: Deployment, mode: str) -> None:
+    prompt = _ids(45, salt=300 + len(mode))
+    _complete(dep.routers[mode], _body(prompt, max_tokens=2))
+    resp = httpx.post(dep.routers[mode] + "/v1/completions", json=_body(prompt, max_tokens=2), timeout=120)
+    assert resp.status_code == 200, resp.text
+    usage = resp.json()["usage"]
+    # P computed the prompt: 5 full blocks of 8 came from its prefix cache, the rest it computed.
+    assert usage["prompt_tokens"] == 45 and usage["prompt_tokens_details"]["cached_tokens"] == 40
+
+
 def test_push_metrics_on_both_sides(dep: Deployment) -> None:
     written = _metric(dep.prefill, "kvduplex_kv_transfer_bytes_total", direction="write")
     pushes = _metric(dep.prefill, "kvduplex_kv_pushes_total", outcome="done")

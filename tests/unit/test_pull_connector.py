@@ -9,7 +9,7 @@ import pytest
 
 from kvduplex.config import CacheConfig, EngineConfig, ModelLoadConfig
 from kvduplex.engine.async_engine import AsyncEngine
-from kvduplex.engine.engine import LLMEngine
+from kvduplex.engine.engine import LLMEngine, RequestOutput
 from kvduplex.engine.request import RemoteKVSpec
 from kvduplex.engine.sampling import SamplingParams
 from kvduplex.model.loader import LoadedModel, load_model
@@ -59,13 +59,22 @@ class Setup:
         _run(self.p, xid, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), hold=True)
         req = self.p.scheduler.get_request(xid)
         assert req is not None
-        return PullSpec(xid, self.peer, "http://p", list(req.block_ids), req.num_prompt_tokens)
+        return PullSpec(
+            xid, self.peer, "http://p", list(req.block_ids), req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+        )  # fmt: skip
 
     async def decode(self, xid: str) -> list[int]:
+        return (await self.decode_outputs(xid))[0]
+
+    async def decode_outputs(self, xid: str) -> tuple[list[int], RequestOutput]:
         out: list[int] = []
+        last = None
         async for o in self.ad.generate(xid, PROMPT, GREEDY, remote_kv=RemoteKVSpec(xid)):
             out.extend(o.new_token_ids)
-        return out
+            last = o
+        assert last is not None
+        return out, last
 
     def close(self) -> None:
         self.ad.shutdown()
@@ -120,5 +129,19 @@ def test_abort_during_read_keeps_targets_until_it_ends(tiny: LoadedModel) -> Non
             time.sleep(0.02)
         assert s.ad.call(lambda e: e.block_pool.stats().num_in_use).result(5) == 0
         s.ad.call(lambda e: e.check_integrity()).result(5)
+    finally:
+        s.close()
+
+
+def test_cached_tokens_are_prefills_prefix_hits(tiny: LoadedModel) -> None:
+    """D computed nothing: the usage it reports counts what P served from its cache."""
+    s = Setup(tiny)
+    try:
+        _run(s.p, "warm", SamplingParams(max_tokens=1, temperature=0.0))  # P caches PROMPT's blocks
+        spec = s.prefill("x3")
+        assert spec.num_cached_tokens == 16  # 4 full blocks of 4; the partial one is computed
+        s.conn.register(spec)
+        _, last = asyncio.run(s.decode_outputs("x3"))
+        assert last.num_cached_tokens == 16 and last.num_local_cached_tokens == 0
     finally:
         s.close()

@@ -415,3 +415,25 @@ async def _collect(gen: object) -> list[int]:
     async for o in gen:  # type: ignore[attr-defined]
         out.extend(o.new_token_ids)
     return out
+
+
+def test_cached_tokens_are_prefills_prefix_hits(tiny: LoadedModel) -> None:
+    s = Pair(tiny)
+    try:
+        asyncio.run(_collect(s.ap.generate("warm", PROMPT, FIRST)))  # P caches PROMPT's blocks
+
+        async def both() -> object:
+            s.receiver.register(PushSpec("c1", s.p_peer, "http://p", "d-c1"))
+            last = None
+            d = s.ad.generate("d-c1", PROMPT, GREEDY, remote_kv=RemoteKVSpec("c1"))
+            p = asyncio.ensure_future(s.prefill("c1"))
+            async for o in d:
+                last = o
+            await p
+            return last
+
+        last = asyncio.run(both())
+        assert last.num_cached_tokens == 16 and last.num_local_cached_tokens == 0  # type: ignore[attr-defined]
+        s.assert_clean()
+    finally:
+        s.close()
