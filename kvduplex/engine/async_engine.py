@@ -19,7 +19,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvduplex.engine.engine import LLMEngine, RequestOutput
+from kvduplex.engine.engine import LLMEngine, RequestOutput, RequestRejected
 from kvduplex.engine.metrics import EngineMetrics
 from kvduplex.engine.request import RemoteKVSpec
 from kvduplex.engine.sampling import SamplingParams
@@ -106,8 +106,8 @@ class AsyncEngine:
         `on_admit` runs in the engine thread just before the request is added,
         with nothing else in between; a ValueError from it rejects the request.
 
-        Raises RequestRejected (from the engine) for requests that can never be
-        served, EngineDeadError if the engine stopped. Closing the iterator
+        Raises RequestRejected for requests that can never be served (or whose id
+        is in use), EngineDeadError if the engine stopped. Closing the iterator
         early aborts the request.
         """
         if not self.is_healthy:
@@ -118,7 +118,7 @@ class AsyncEngine:
         stream = _Stream(loop=loop, queue=asyncio.Queue(), arrival=arrival)
         with self._streams_lock:
             if request_id in self._streams:
-                raise ValueError(f"request id {request_id!r} is already in use")
+                raise RequestRejected(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
         add = _Add(
             request_id, prompt_token_ids, params, remote_kv, hold_blocks_on_finish, arrival,

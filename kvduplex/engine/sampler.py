@@ -52,8 +52,11 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
         sorted_logits, sorted_idx = torch.sort(logits, descending=True)
         probs = torch.softmax(sorted_logits, dim=-1)
         cum = torch.cumsum(probs, dim=-1)
-        # Drop a token when the mass before it already reaches top_p (keeps at least one).
+        # Drop a token when the mass before it already reaches top_p. The most likely
+        # token always stays: a top_p below float32's smallest subnormal (5e-324) rounds
+        # to 0, and 0 >= 0 would drop every token.
         drop = (cum - probs) >= top_p
+        drop[0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(0, sorted_idx, sorted_logits)
     return logits

@@ -20,6 +20,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.exceptions import HTTPException
 
 from kvduplex.engine.async_engine import AsyncEngine, EngineDeadError
 from kvduplex.engine.engine import RequestOutput, RequestRejected
@@ -112,6 +113,18 @@ def create_app(state: InstanceState, extra_routers: Sequence[APIRouter] = ()) ->
     @app.exception_handler(APIError)
     async def _on_api_error(_: Request, exc: APIError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(HTTPException)
+    async def _on_http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        """FastAPI's own errors (a body it cannot parse, e.g. nested too deeply or with
+        a number too long to convert; unknown route; wrong method) as OpenAI JSON."""
+        message = str(exc.detail)
+        if exc.__cause__ is not None:
+            message = f"{message}: {exc.__cause__}"
+        err_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse(
+            error_body(message, err_type), status_code=exc.status_code, headers=exc.headers
+        )
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -13,8 +13,25 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from kvduplex.engine.sampling import SEED_RANGE, SamplingParams
 
 
+def _check_unicode(text: str) -> str:
+    """Text the tokenizer will encode must be valid Unicode: JSON can carry lone
+    surrogates (``"\\ud800"``), which no UTF-8 tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"text must be valid Unicode; it has a lone surrogate {text[exc.start]!r} at "
+            f"position {exc.start}"
+        ) from None
+    return text
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class ResponseFormat(BaseModel):
+    type: str
 
 
 class _SamplingFields(BaseModel):
@@ -37,6 +54,7 @@ class _SamplingFields(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
     user: str | None = None
     return_token_ids: bool = False
     """Non-standard: include prompt and output token ids in the response."""
@@ -69,6 +87,13 @@ class _SamplingFields(BaseModel):
     def _check_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         if v:
             raise ValueError("logit_bias is not supported")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _check_response_format(cls, v: ResponseFormat | None) -> ResponseFormat | None:
+        if v is not None and v.type != "text":
+            raise ValueError(f"response_format type {v.type!r} is not supported; only 'text'")
         return v
 
     @field_validator("stop")
@@ -108,6 +133,16 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
     suffix: str | None = None
 
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt_text(
+        cls, v: str | list[int] | list[str] | list[list[int]]
+    ) -> str | list[int] | list[str] | list[list[int]]:
+        for p in [v] if isinstance(v, str) else v:
+            if isinstance(p, str):
+                _check_unicode(p)
+        return v
+
     @model_validator(mode="after")
     def _check_unsupported(self) -> CompletionRequest:
         if self.echo:
@@ -139,12 +174,22 @@ class TextPart(BaseModel):
     type: Literal["text"]
     text: str
 
+    @field_validator("text")
+    @classmethod
+    def _check_text(cls, v: str) -> str:
+        return _check_unicode(v)
+
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _check_content(cls, v: str | list[TextPart] | None) -> str | list[TextPart] | None:
+        return _check_unicode(v) if isinstance(v, str) else v
 
     def text(self) -> str:
         if self.content is None:
