@@ -88,3 +88,17 @@ def test_health_is_503_once_the_engine_stopped() -> None:
             assert r.status_code == 503 and r.json()["error"]["message"]
     finally:
         inst.async_engine.shutdown()
+
+
+def test_null_fields_take_their_defaults(client: TestClient) -> None:
+    nulls = {k: None for k in ("temperature", "top_p", "n", "presence_penalty", "frequency_penalty",
+                               "stream", "stop", "seed", "logprobs", "user", "response_format")}
+    greedy = _complete(client, temperature=0)["choices"][0]["text"]
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 4, **nulls, "top_k": 1}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == greedy  # top_k=1 at the default temperature
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **nulls}
+    assert client.post("/v1/chat/completions", json=chat).status_code == 200
+    missing = client.post("/v1/chat/completions", json={"model": "tiny", "messages": None})
+    assert missing.status_code == 400 and "messages" in missing.json()["error"]["message"]
