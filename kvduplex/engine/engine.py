@@ -98,6 +98,7 @@ class LLMEngine:
         self._generators = RequestGenerators()
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._num_emitted: dict[str, int] = {}
+        self._aborted: list[RequestOutput] = []  # final outputs of aborts, not yet returned
         logger.info(
             "engine ready: model=%s layout=%s max_model_len=%d",
             self.loaded.name,
@@ -154,8 +155,16 @@ class LLMEngine:
         return req
 
     def abort_request(self, request_id: str) -> bool:
-        """Stop a request and free its blocks; False if it is unknown or already gone."""
+        """Stop a request and free its blocks; False if it is unknown or already gone.
+
+        Its final output (finish_reason "abort") comes with the next `step` or
+        `connector_outputs`, so that whoever still reads the request's outputs sees it
+        end: the abort may come from a connector (a cancelled push), not the client.
+        """
+        req = self.scheduler.get_request(request_id)
         found = self.scheduler.abort_request(request_id)
+        if found and req is not None and (out := self._make_output(req)) is not None:
+            self._aborted.append(out)
         self._forget(request_id)
         return found
 
@@ -176,7 +185,8 @@ class LLMEngine:
             touched[req.request_id] = req
         for req in self.connector.take_updated_requests():
             touched[req.request_id] = req
-        return [o for req in touched.values() if (o := self._make_output(req)) is not None]
+        outputs = [o for req in touched.values() if (o := self._make_output(req)) is not None]
+        return self._take_aborted() + outputs
 
     def resume_with_first_token(self, request_id: str, first_token: int) -> Request:
         """A request whose prompt KV and first token came from elsewhere starts decoding.
@@ -194,7 +204,12 @@ class LLMEngine:
         """Outputs of requests the connector changed between steps (e.g. a first
         token that arrived with remote KV), so they reach clients before the next step."""
         updated = self.connector.take_updated_requests()
-        return [o for req in updated if (o := self._make_output(req)) is not None]
+        outputs = [o for req in updated if (o := self._make_output(req)) is not None]
+        return self._take_aborted() + outputs
+
+    def _take_aborted(self) -> list[RequestOutput]:
+        aborted, self._aborted = self._aborted, []
+        return aborted
 
     def _execute(self, out: SchedulerOutput) -> dict[str, int]:
         inputs = [

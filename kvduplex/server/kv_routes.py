@@ -153,6 +153,8 @@ def make_push_prefill_router(
         finally:
             if expected and (last is None or not last.finished):  # the router left, engine failed
                 engine.call(lambda _e: sender.cancel(xid, "prefill did not finish"))
+        if last is not None and last.finish_reason == "abort":
+            raise APIError(409, f"xid {xid}: the push was cancelled (by decode, or its deadline)")
         if last is None or not ids:
             raise APIError(500, f"xid {xid}: prefill finished without a token")
         return JSONResponse({

@@ -19,10 +19,12 @@ Failure rules:
 
 * Deadlines bound silence, not queueing. While P holds a registered job (queued
   behind other prefills, computing, writing) it sends D a `PushAlive` every
-  third of D's wait, and each one restarts D's wait; while D's request waits
-  for admission on D (not registered yet), D does the same for P's wait for
-  the registration. Only a healthy engine sends them, so a stopped, killed or
-  failed peer goes silent and the wait runs out.
+  third of D's wait; each one restarts D's wait, and D's `PushAliveAck` moves
+  P's own deadline on by the wait from when the heartbeat left, so P still never
+  writes after D's deadline (a D that gave up does not answer). While D's
+  request waits for admission on D (not registered yet), D sends P heartbeats
+  that keep P's wait for the registration open. Only a healthy engine sends
+  them, so a stopped, killed or failed peer goes silent and the wait runs out.
 * D waits at most ``kv_wait_timeout_s`` without word from P. On expiry it tells P to stop
   (`PushCancel`), computes the prompt itself into fresh blocks, and keeps its
   own reference on the registered blocks (quarantine) until P confirms that no
@@ -81,6 +83,15 @@ class PushRegister(ControlMessage, tag="push_register", frozen=True):
 class PushAlive(ControlMessage, tag="push_alive", frozen=True):
     """The sender still holds transfer ``xid`` and its engine runs: restart the wait for it."""
 
+    sent_at: float = 0.0
+    """The sender's `time.monotonic()` when it sent this (echoed by `PushAliveAck`)."""
+
+
+class PushAliveAck(ControlMessage, tag="push_alive_ack", frozen=True):
+    """Decode restarted its wait for ``xid`` on the `PushAlive` sent at ``sent_at``."""
+
+    sent_at: float
+
 
 HEARTBEATS_PER_WAIT = 3
 """`PushAlive` messages per wait period: a lost one or two do not end the wait."""
@@ -125,8 +136,8 @@ class _Job:
     num_prompt_tokens: int
     num_blocks: int
     expires_at: float
-    """Registration deadline (until registered), then decode's own deadline; each
-    `PushAlive` sent or received moves it on."""
+    """Registration deadline (until registered; decode's heartbeats move it on), then
+    decode's own deadline (moved on by each acknowledged heartbeat)."""
     reg: PushRegister | None = None
     alive_sent_at: float = 0.0
     sent: int = 0
@@ -195,6 +206,7 @@ class PushSender:
         pump.on(PushRegister, self._on_register_notif)
         pump.on(PushCancel, self._on_cancel_notif)
         pump.on(PushAlive, self._on_alive_notif)
+        pump.on(PushAliveAck, self._on_alive_ack_notif)
         pump.every_tick(self._tick)
 
     # ---- engine thread: jobs ----
@@ -393,6 +405,8 @@ class PushSender:
     # ---- posting and completion (any thread after posting) ----
 
     def _post(self, job: _Job, chunk: _Chunk, layers: list[int] | None) -> None:
+        if job.error is None and time.monotonic() >= job.expires_at:
+            self._fail(job, "decode's wait ran out")  # never WRITE after decode's deadline
         if job.error is not None:
             self._chunk_part_done(job, chunk)
             return
@@ -525,6 +539,16 @@ class PushSender:
             job.expires_at = max(job.expires_at, now + self.registration_wait_s)
             self.stats.num_alive_received += 1
 
+    def _on_alive_ack_notif(self, msg: ControlMessage, sender: str) -> None:
+        """Decode restarted its wait when our heartbeat sent at ``sent_at`` arrived, so
+        its deadline is at least ``sent_at`` + its wait: ours may move there."""
+        assert isinstance(msg, PushAliveAck)
+        with self._lock:
+            job = self._jobs.get(msg.xid)
+            if job is None or job.reg is None or job.ended or sender != job.peer.engine_id:
+                return
+            job.expires_at = max(job.expires_at, msg.sent_at + job.reg.wait_s)
+
     def _tick(self, now: float) -> None:
         beats: list[_Job] = []
         healthy = self.engine.is_healthy
@@ -533,9 +557,7 @@ class PushSender:
                 if not healthy or j.reg is None or j.ended or j.error is not None:
                     continue
                 if now - j.alive_sent_at >= j.reg.wait_s / HEARTBEATS_PER_WAIT:
-                    # Decode restarts its wait when this arrives, later than now.
                     j.alive_sent_at = now
-                    j.expires_at = max(j.expires_at, now + j.reg.wait_s)
                     beats.append(j)
             self.stats.num_alive_sent += len(beats)
             expired = [j.xid for j in self._jobs.values() if not j.ended and now > j.expires_at]
@@ -543,7 +565,7 @@ class PushSender:
             for xid in [x for x, until in self._cancelled.items() if now > until]:
                 del self._cancelled[xid]
         for j in beats:
-            self._notify.submit(self._send, j.peer, PushAlive(j.xid))
+            self._notify.submit(self._send, j.peer, PushAlive(j.xid, now))
         for xid in expired:
             self.engine.call(partial(_run, self._expire, xid))
         for xid in stale:
@@ -807,13 +829,20 @@ class PushReceiver:
 
     def _on_alive_notif(self, msg: ControlMessage, sender: str) -> None:
         """Prefill still holds ``xid``: restart the wait (nothing to do in the engine)."""
+        assert isinstance(msg, PushAlive)
         now = time.monotonic()
         with self._lock:
             wait = self._waits.get(msg.xid)
             if wait is None or wait.fell_back or sender != wait.spec.peer.engine_id:
-                return
+                return  # no answer: prefill's deadline stays where ours was
             wait.deadline = max(wait.deadline, now + self.wait_s)
             self.stats.num_alive_received += 1
+            peer = wait.spec.peer
+        try:
+            ack = PushAliveAck(msg.xid, msg.sent_at)
+            self.transport.send_notif(peer, self.codec.encode(ack), msg.xid)
+        except Exception as exc:
+            logger.info("xid=%s: cannot answer a heartbeat: %s", msg.xid, exc)
 
     def _tick(self, now: float) -> None:
         beats: list[PushSpec] = []

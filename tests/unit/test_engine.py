@@ -197,3 +197,8 @@ def test_abort_frees_blocks(tiny: LoadedModel) -> None:
     assert engine.abort_request("a")
     assert not engine.abort_request("a")
     assert_no_leak(engine)
+    # Whoever reads the request's outputs sees it end, once.
+    outs = [o for o in engine.connector_outputs() if o.request_id == "a"]
+    assert len(outs) == 1 and outs[0].finished and outs[0].finish_reason == "abort"
+    assert outs[0].num_output_tokens == 2
+    assert not [o for o in engine.step() if o.request_id == "a"]

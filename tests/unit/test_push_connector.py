@@ -23,7 +23,7 @@ from kvduplex.model.loader import LoadedModel, load_model
 from kvduplex.transfer.fake import InProcessFabric, InProcessTransport
 from kvduplex.transfer.messages import ControlMessage
 from kvduplex.transfer.notify import NotificationPump
-from kvduplex.transfer.push import PushReceiver, PushRegister, PushSender, PushSpec
+from kvduplex.transfer.push import PushCancel, PushReceiver, PushRegister, PushSender, PushSpec
 
 BS = 4
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -436,4 +436,41 @@ def test_cached_tokens_are_prefills_prefix_hits(tiny: LoadedModel) -> None:
         assert last.num_cached_tokens == 16 and last.num_local_cached_tokens == 0  # type: ignore[attr-defined]
         s.assert_clean()
     finally:
+        s.close()
+
+
+def test_unanswered_heartbeats_do_not_extend_prefills_deadline(tiny: LoadedModel) -> None:
+    """D gave up (and its PushCancel is lost): it does not acknowledge P's heartbeats,
+    so P's deadline stays D's, and P writes nothing into the blocks D let go of."""
+    s = Pair(tiny, wait_s=0.3)
+    gate = threading.Event()
+    s.pumps[0].on(PushCancel, lambda _msg, _sender: None)  # the cancel never arrives
+    try:
+
+        def admit_then_stall() -> None:
+            s.sender.expect("u", s.d_peer, len(PROMPT))
+            gate.wait(30)
+
+        async def run() -> list[int]:
+            d = asyncio.ensure_future(s.decode("u"))
+            await asyncio.to_thread(_wait_for, lambda: "u" in s.sender._early, "registration")
+            p = asyncio.ensure_future(_collect(s.ap.generate(
+                "u", PROMPT, FIRST, hold_blocks_on_finish=True, on_admit=admit_then_stall)))  # fmt: skip
+            await asyncio.to_thread(_wait_for, lambda: s.receiver.stats.num_alive_received >= 1, "a beat")
+            assert s.ad.call(lambda _e: s.receiver.cancel("u", "test")).result(5)
+            sent = s.sender.stats.num_alive_sent
+            await asyncio.to_thread(
+                _wait_for, lambda: s.sender.stats.num_alive_sent >= sent + 3, "unanswered beats"
+            )
+            assert s.sender._jobs["u"].expires_at < time.monotonic()
+            gate.set()
+            await p
+            return await d
+
+        assert asyncio.run(run()) == _reference(tiny)  # computed on D
+        assert s.sender.stats.num_writes == 0 and s.sender.stats.num_failed == 1
+        assert s.receiver.stats.num_fallbacks == 1
+        s.assert_clean()
+    finally:
+        gate.set()
         s.close()
