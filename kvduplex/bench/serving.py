@@ -13,6 +13,13 @@ one request at a time, "queue" sends ``--concurrency`` at once (they queue on
 P, which prefills one chunk budget per step). Figures are client-observed
 from streaming responses.
 
+At low load the benchmark also reads, around each request, the TTFT histogram
+of the instance that computed the prompt (colocated, or P): the request's
+engine-side TTFT. Client TTFT minus it is the request's handoff (HTTP, router,
+and for pull D's READ and first step), free of the prefill's own run-to-run
+noise; a mode's handoff minus colocated's estimates its PD overhead without
+that noise (the prefill is the same computation on the same core).
+
 Optionally (``--netns``) P runs in its own network namespace joined to D's by
 a veth link shaped with tc to ``--link-gbit`` (two hosts on one machine; UCX
 over TCP on the link).
@@ -50,12 +57,17 @@ class Cell:
     prompt_len: int
     load: str
     results: list[RequestResult] = field(default_factory=list)
+    handoff_s: list[float] = field(default_factory=list)
+    """Low load: client TTFT minus the computing instance's engine-side TTFT, per request."""
 
     def ok(self) -> list[RequestResult]:
         return [r for r in self.results if r.ok]
 
     def stat(self, what: str, q: float) -> float:
         return percentile([getattr(r, what) for r in self.ok()], q)
+
+    def handoff(self, q: float) -> float | None:
+        return percentile(self.handoff_s, q) if self.handoff_s else None
 
 
 @dataclass
@@ -90,6 +102,15 @@ async def _burst(
     return list(
         await asyncio.gather(*(stream_request(client, url, "/v1/completions", b) for b in bodies))
     )
+
+
+_TTFT = "kvduplex_time_to_first_token_seconds"
+
+
+async def _engine_ttft(url: str) -> tuple[float, float]:
+    """(sum, count) of an instance's engine-side TTFT histogram."""
+    samples = await asyncio.to_thread(scrape, url)
+    return metric_sum(samples, _TTFT + "_sum"), metric_sum(samples, _TTFT + "_count")
 
 
 def _start(cluster: LocalCluster, opts: Options, stack: ExitStack) -> tuple[dict[str, str], str, str, str]:
@@ -138,7 +159,8 @@ def _start(cluster: LocalCluster, opts: Options, stack: ExitStack) -> tuple[dict
     return fronts, p.url, d.url, pinned
 
 
-async def _run(opts: Options, fronts: dict[str, str]) -> list[Cell]:
+async def _run(opts: Options, fronts: dict[str, str], computes: dict[str, str]) -> list[Cell]:
+    """`computes[mode]`: the instance that computes that mode's prompts (colocated, or P)."""
     rng = random.Random(opts.seed)
     cells: dict[tuple[str, int, str], Cell] = {}
     timeout = httpx.Timeout(1800.0, connect=10.0)
@@ -157,9 +179,15 @@ async def _run(opts: Options, fronts: dict[str, str]) -> list[Cell]:
                     order = order[rnd % len(order) :] + order[: rnd % len(order)]
                     for mode in order:
                         prompts = [_prompt(rng, prompt_len) for _ in range(n_per)]
+                        if load == "low":
+                            sum0, n0 = await _engine_ttft(computes[mode])
                         got = await _burst(client, fronts[mode], opts.model, prompts, opts.max_tokens)
                         cell = cells.setdefault((mode, prompt_len, load), Cell(mode, prompt_len, load))
                         cell.results.extend(got)
+                        if load == "low":
+                            sum1, n1 = await _engine_ttft(computes[mode])
+                            if n1 - n0 == 1 and got[0].ok:
+                                cell.handoff_s.append(got[0].ttft_s - (sum1 - sum0))
                         print(
                             f"  {load:5} {prompt_len:5} {mode:9} round {rnd}: TTFT "
                             + " ".join(f"{r.ttft_s * 1e3:.0f}" if r.ok else "ERR" for r in got)
@@ -183,6 +211,8 @@ def summarize(cells: list[Cell]) -> tuple[list[dict[str, Any]], list[dict[str, A
             "e2e_p50_ms": c.stat("e2e_s", 50) * 1e3, "e2e_p90_ms": c.stat("e2e_s", 90) * 1e3,
             "pd_overhead_ms": (c.stat("ttft_s", 50) - colo.stat("ttft_s", 50)) * 1e3
             if colo is not None else None,
+            "handoff_p50_ms": _ms(c.handoff(50)),
+            "pd_overhead_engine_ms": _ms(_sub(c.handoff(50), colo.handoff(50) if colo else None)),
         })  # fmt: skip
     ratios = []
     for load, plen in sorted({(c.load, c.prompt_len) for c in cells}):
@@ -197,12 +227,24 @@ def summarize(cells: list[Cell]) -> tuple[list[dict[str, Any]], list[dict[str, A
             entry["push_overhead_over_pull"] = _div(
                 push.stat("ttft_s", 50) - base, pull.stat("ttft_s", 50) - base
             )
+            colo_h = colo.handoff(50)
+            push_h, pull_h = _sub(push.handoff(50), colo_h), _sub(pull.handoff(50), colo_h)
+            if push_h is not None and pull_h is not None:
+                entry["push_overhead_over_pull_engine"] = _div(push_h, pull_h)
         ratios.append(entry)
     return rows, ratios
 
 
 def _div(a: float, b: float) -> float | None:
     return a / b if b > 0 else None
+
+
+def _sub(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a - b
+
+
+def _ms(v: float | None) -> float | None:
+    return None if v is None else v * 1e3
 
 
 def _fmt(v: Any) -> str:
@@ -215,11 +257,12 @@ def _fmt(v: Any) -> str:
 
 def format_tables(rows: list[dict[str, Any]], ratios: list[dict[str, Any]], kv: dict[str, Any]) -> str:
     cols = ["mode", "prompt_len", "load", "n", "ttft_p50_ms", "ttft_p90_ms", "pd_overhead_ms",
-            "tpot_p50_ms", "tpot_p90_ms", "e2e_p50_ms", "e2e_p90_ms"]  # fmt: skip
+            "handoff_p50_ms", "pd_overhead_engine_ms", "tpot_p50_ms", "tpot_p90_ms", "e2e_p50_ms",
+            "e2e_p90_ms"]  # fmt: skip
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(_fmt(r[c]) for c in cols) + " |" for r in rows]
     rcols = ["load", "prompt_len", "push_ttft_over_colocated", "push_overhead_over_pull",
-             "push_p90_ttft_over_pull"]  # fmt: skip
+             "push_overhead_over_pull_engine", "push_p90_ttft_over_pull"]  # fmt: skip
     lines += ["", "| " + " | ".join(rcols) + " |", "|" + "---|" * len(rcols)]
     lines += ["| " + " | ".join(_fmt(r.get(c)) for c in rcols) + " |" for r in ratios]
     lines += ["", "KV moved: " + ", ".join(f"{k} {_fmt(v)}" for k, v in kv.items())]
@@ -250,7 +293,8 @@ def run(opts: Options) -> dict[str, Any]:
         fronts, p_url, d_url, pinned = _start(cluster, opts, stack)
         print(f"modes {list(fronts)}; {pinned}; logs in {log_dir}", flush=True)
         before = {"p": scrape(p_url), "d": scrape(d_url)}
-        cells = asyncio.run(_run(opts, fronts))
+        computes = {m: (fronts["colocated"] if m == "colocated" else p_url) for m in fronts}
+        cells = asyncio.run(_run(opts, fronts, computes))
         after = {"p": scrape(p_url), "d": scrape(d_url)}
     rows, ratios = summarize(cells)
     kv = _kv_figures(before, after)
@@ -261,7 +305,7 @@ def run(opts: Options) -> dict[str, Any]:
         "raw": [
             {"mode": c.mode, "prompt_len": c.prompt_len, "load": c.load,
              "results": [{k: v for k, v in asdict(r).items() if k not in ("text", "token_ids")}
-                         for r in c.results]}
+                         for r in c.results], "handoff_s": c.handoff_s}
             for c in cells
         ],
     }  # fmt: skip
