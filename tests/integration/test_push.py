@@ -286,6 +286,45 @@ def test_registration_after_prefill_finished_through_the_router(
         cluster.stop_process(d)
 
 
+# ---- a queue on P longer than decode's wait ----
+
+
+def test_prefill_queue_longer_than_the_wait_does_not_fall_back(
+    cluster: LocalCluster, dep: Deployment
+) -> None:
+    """P computes one token per step, so a burst queues on it for several times D's 1 s
+    wait; P's heartbeats keep D waiting, and D computes none of the prompts itself."""
+    p = cluster.start(
+        "prefill-slow",
+        [*_SERVE, "--role", "prefill", "--max-num-batched-tokens", "1", "--kv-wait-timeout-s", "1"],
+        free_port(),
+    )
+    d = cluster.start(
+        "decode-1s-wait", [*_SERVE, "--role", "decode", "--kv-wait-timeout-s", "1"], free_port()
+    )
+    procs = [p, d]
+    try:
+        cluster.wait_healthy(timeout_s=180)
+        r = _router(cluster, "router-slow", "push", p.url, d.url)
+        procs.append(r)
+        cluster.wait_healthy(timeout_s=60)
+        bodies = [_body(_ids(300, salt=400 + i), max_tokens=3) for i in range(6)]
+        started = time.monotonic()
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            got = list(pool.map(lambda b: _complete(r.url, b), bodies))
+        elapsed = time.monotonic() - started
+        assert elapsed > 2.0, f"the burst took {elapsed:.1f} s: P did not queue past the 1 s wait"
+        assert got == [_complete(dep.reference, b) for b in bodies]
+        assert _push_stats(d.url)["num_fallbacks"] == 0
+        assert _push_stats(d.url)["num_alive_received"] > 0
+        assert _push_stats(p.url)["num_done"] == len(bodies)
+        for url in (p.url, d.url):
+            assert_pool_clean(url)
+    finally:
+        for proc in reversed(procs):
+            cluster.stop_process(proc)
+
+
 # ---- failures: P that never writes ----
 
 
