@@ -309,3 +309,16 @@ TestPoolMachine.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+
+
+def test_allocations_come_in_ascending_order_after_churn() -> None:
+    """Blocks released tail first (descending) come back ascending: adjacent ascending
+    blocks are what a KV transfer moves fastest."""
+    pool = BlockPool(16)
+    a, b = pool.try_allocate(8), pool.try_allocate(8)
+    assert a is not None and b is not None
+    pool.release(reversed(b))
+    pool.release(reversed(a))  # the free queue now holds 15..8, 7..0
+    again = pool.try_allocate(12)
+    assert again == list(range(4, 16))  # 15..4 taken from the front, handed out ascending
+    pool.check_integrity()
