@@ -11,7 +11,10 @@ float32; one region = block_size * 3 * 64 * 4 bytes), in one run:
 2. 256 MiB moved by WRITE and by READ, blocks of 16, 64 and 128 tokens, as
    per-layer transfers (30 posted back to back, as layer-wise push does) and
    as one transfer: GB/s, post time per transfer, descriptors per transfer.
-   Block ids are random permutations (no two regions of a transfer adjacent).
+   Block ids are random permutations (no two regions of a transfer adjacent),
+   one contiguous run, or the ids a `BlockPool` hands out after churn
+   (requests of 128-1024 tokens allocated and released tail first, in random
+   order; then the transfer's blocks allocated 512 tokens at a time).
 3. Post time against descriptors per transfer (blocks of 16 tokens).
 4. Latency of one small WRITE (1 layer x 4 blocks x K,V = 8 descriptors) with
    its notification: post -> DONE at the initiator, post -> notification seen by
@@ -45,6 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import md_table, write_results
+from kvduplex.engine.block_pool import BlockPool
 from kvduplex.engine.kv_cache import KVCacheLayout, allocate_kv_pool
 from kvduplex.model.presets import preset_config
 from kvduplex.transfer.messages import decode_handshake, encode_handshake
@@ -156,15 +160,19 @@ class Bench:
         self.call("connect", encode_handshake(self.t.local_metadata()))
 
     def run(
-        self, op: str, layers_per_xfer: int, num_blocks: int, contiguous: bool = False
+        self, op: str, layers_per_xfer: int, num_blocks: int, pattern: str = "random"
     ) -> dict[str, Any]:
-        """Move ``num_blocks`` blocks (random, or one contiguous run) of every layer; medians over reps."""
+        """Move ``num_blocks`` blocks of every layer, chosen by ``pattern`` (random,
+        contiguous, pool); medians over reps."""
         assert self.t is not None and self.peer is not None
         layout = self.t.layout
         post_fn = self.t.write if op == "write" else self.t.read
         gbps, posts, backend, ndesc = [], [], [], 0
         for rep in range(self.reps + 1):  # the first is the warm-up
-            if contiguous:
+            if pattern == "pool":
+                local = churned_blocks(layout.num_blocks, num_blocks, self.rng)
+                remote = churned_blocks(self.peer.layout.num_blocks, num_blocks, self.rng)
+            elif pattern == "contiguous":
                 local = list(range(num_blocks))
                 remote = list(
                     range(self.peer.layout.num_blocks - num_blocks, self.peer.layout.num_blocks)
@@ -257,6 +265,28 @@ def memcpy_gbps(nbytes: int, reps: int) -> float:
     return nbytes / statistics.median(times[1:]) / 1e9
 
 
+def churned_blocks(pool_blocks: int, num_blocks: int, rng: np.random.Generator) -> list[int]:
+    """Block ids a `BlockPool` of ``pool_blocks`` hands out for ``num_blocks`` blocks
+    after churn: 40 requests come and go (released tail first, as the engine does),
+    then the blocks are allocated a request at a time. Sizes are those of 16-token
+    blocks (8-64 blocks, 32 at a time, in a 365-block pool), scaled to the pool."""
+    pool = BlockPool(pool_blocks)
+    live: list[list[int]] = []
+    for _ in range(40):
+        n = int(rng.integers(8, 65)) * pool_blocks // 365  # request sizes scale with the pool
+        while (got := pool.try_allocate(n)) is None:
+            pool.release(reversed(live.pop(int(rng.integers(len(live))))))
+        live.append(got)
+    for i in rng.permutation(len(live)):
+        pool.release(reversed(live[i]))
+    out: list[int] = []
+    while len(out) < num_blocks:
+        got = pool.try_allocate(min(max(1, 32 * pool_blocks // 365), num_blocks - len(out)))
+        assert got is not None
+        out.extend(got)
+    return out
+
+
 def scattered_copy_gbps(layout: KVCacheLayout, reps: int, seed: int) -> float:
     """One-thread gather of every region of `layout`'s pool, in random order, into a
     contiguous buffer (torch.index_select): the in-process cost of random region access."""
@@ -317,12 +347,14 @@ def main() -> int:
             bench.setup(layout)
             nb = layout.num_blocks
             for op in ("write", "read"):
-                for shape, per, contiguous in (
-                    ("per layer, random", 1, False),
-                    ("one, random", layout.num_layers, False),
-                    ("one, contiguous", layout.num_layers, True),
+                for shape, per, pattern in (
+                    ("per layer, random", 1, "random"),
+                    ("one, random", layout.num_layers, "random"),
+                    ("one, contiguous", layout.num_layers, "contiguous"),
+                    ("per layer, as the pool allocates", 1, "pool"),
+                    ("one, as the pool allocates", layout.num_layers, "pool"),
                 ):
-                    r = bench.run(op, per, nb, contiguous)
+                    r = bench.run(op, per, nb, pattern)
                     rows.append({"op": op, "block_size": block_size, "shape": shape, **r})
         layout = small_layout(16, total)
         bench.setup(layout)
