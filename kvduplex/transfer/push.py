@@ -140,6 +140,8 @@ class _Job:
     decode's own deadline (moved on by each acknowledged heartbeat)."""
     reg: PushRegister | None = None
     alive_sent_at: float = 0.0
+    expiring: bool = False
+    """An `_expire` call is queued for the engine thread (one at a time)."""
     sent: int = 0
     """Prompt blocks [0, sent) are written (or decode has them)."""
     in_flight: int = 0
@@ -560,7 +562,11 @@ class PushSender:
                     j.alive_sent_at = now
                     beats.append(j)
             self.stats.num_alive_sent += len(beats)
-            expired = [j.xid for j in self._jobs.values() if not j.ended and now > j.expires_at]
+            expired = []
+            for j in self._jobs.values():
+                if not j.ended and not j.expiring and now > j.expires_at:
+                    j.expiring = True  # a busy engine thread gets one call, not one per tick
+                    expired.append(j.xid)
             stale = [xid for xid, (_, _, until) in self._early.items() if now > until]
             for xid in [x for x, until in self._cancelled.items() if now > until]:
                 del self._cancelled[xid]
@@ -573,6 +579,9 @@ class PushSender:
 
     def _expire(self, xid: str) -> None:
         job = self._jobs.get(xid)
+        if job is not None:
+            with self._lock:
+                job.expiring = False
         if job is None or job.ended or time.monotonic() <= job.expires_at:
             return
         what = "no registration from decode" if job.reg is None else "decode's wait ran out"
