@@ -14,8 +14,9 @@ SEED_RANGE = (-(2**63), 2**64)
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    temperature 0 (or below `GREEDY_BELOW_TEMPERATURE`) means greedy. A request with a seed is reproducible: its
-    tokens depend only on its own seed and logits, never on the batch it ran in.
+    temperature 0 (or below `GREEDY_BELOW_TEMPERATURE`) means greedy. A request
+    with a seed is reproducible: its tokens depend only on its own seed and
+    logits, never on the batch it ran in.
     """
 
     max_tokens: int = 16

@@ -816,14 +816,7 @@ class PushReceiver:
         wait.fell_back = True
         wait.quarantine_until = time.monotonic() + self.quarantine_s
         logger.warning("xid=%s: %s; computing the prompt locally", wait.spec.xid, reason)
-        try:
-            self.transport.send_notif(
-                wait.spec.peer, self.codec.encode(PushCancel(wait.spec.xid, reason)), wait.spec.xid
-            )
-        except Exception as exc:
-            logger.info(
-                "xid=%s: cannot cancel at %s: %s", wait.spec.xid, wait.spec.prefill_url, exc
-            )
+        self._tell(wait.spec, PushCancel(wait.spec.xid, reason))
         self._fall_back(wait.request_id, label, discard_blocks=True)
 
     # ---- pump thread ----
@@ -846,12 +839,15 @@ class PushReceiver:
                 return  # no answer: prefill's deadline stays where ours was
             wait.deadline = max(wait.deadline, now + self.wait_s)
             self.stats.num_alive_received += 1
-            peer = wait.spec.peer
+            spec = wait.spec
+        self._tell(spec, PushAliveAck(msg.xid, msg.sent_at))
+
+    def _tell(self, spec: PushSpec, msg: ControlMessage) -> None:
+        """Send `msg` to the push's prefill; a peer we cannot reach is only logged."""
         try:
-            ack = PushAliveAck(msg.xid, msg.sent_at)
-            self.transport.send_notif(peer, self.codec.encode(ack), msg.xid)
+            self.transport.send_notif(spec.peer, self.codec.encode(msg), msg.xid)
         except Exception as exc:
-            logger.info("xid=%s: cannot answer a heartbeat: %s", msg.xid, exc)
+            logger.info("xid=%s: cannot tell %s: %s", msg.xid, spec.prefill_url, exc)
 
     def _tick(self, now: float) -> None:
         beats: list[PushSpec] = []
@@ -872,10 +868,7 @@ class PushReceiver:
                     wait.expiring = True
                     due.append(wait)
         for spec in beats:
-            try:
-                self.transport.send_notif(spec.peer, self.codec.encode(PushAlive(spec.xid)), spec.xid)
-            except Exception as exc:
-                logger.info("xid=%s: cannot reach %s: %s", spec.xid, spec.prefill_url, exc)
+            self._tell(spec, PushAlive(spec.xid))
         for wait in due:
             self.engine.call(partial(_run, self._expire, wait))
 
