@@ -81,7 +81,13 @@ class LLMEngine:
         self.layout: KVCacheLayout = kv_layout_for(
             model_cfg, config.cache.block_size, num_blocks, dtype_name
         )
+        t0 = time.perf_counter()
         self.kv_pool = allocate_kv_pool(self.layout, self.loaded.device)
+        logger.info(
+            "KV pool: %d blocks of %d tokens, %.0f MiB, resident after %.2f s",
+            num_blocks, config.cache.block_size, self.layout.total_bytes / 2**20,
+            time.perf_counter() - t0,
+        )  # fmt: skip
         self.block_pool = BlockPool(num_blocks, enable_caching=config.cache.enable_prefix_caching)
         self.kv_manager = KVCacheManager(
             self.block_pool, config.cache.block_size, identity=self.loaded.identity
