@@ -18,7 +18,10 @@ of the instance that computed the prompt (colocated, or P): the request's
 engine-side TTFT. Client TTFT minus it is the request's handoff (HTTP, router,
 and for pull D's READ and first step), free of the prefill's own run-to-run
 noise; a mode's handoff minus colocated's estimates its PD overhead without
-that noise (the prefill is the same computation on the same core).
+that noise (the prefill is the same computation on the same core). For a
+load that queues, ``push_p90_over_pull_floor`` is the lowest push/pull TTFT
+ratio a queue on P allows given those low-load handoffs (a queue adds the
+same wait to both modes); it needs the low load in the same run.
 
 Optionally (``--netns``) P runs in its own network namespace joined to D's by
 a veth link shaped with tc to ``--link-gbit`` (two hosts on one machine; UCX
@@ -231,8 +234,29 @@ def summarize(cells: list[Cell]) -> tuple[list[dict[str, Any]], list[dict[str, A
             push_h, pull_h = _sub(push.handoff(50), colo_h), _sub(pull.handoff(50), colo_h)
             if push_h is not None and pull_h is not None:
                 entry["push_overhead_over_pull_engine"] = _div(push_h, pull_h)
+        if load != "low":
+            floor = _queue_floor(*(by_key.get((m, plen, "low")) for m in MODES))
+            if floor is not None:
+                entry["push_p90_over_pull_floor"] = floor
         ratios.append(entry)
     return rows, ratios
+
+
+def _queue_floor(colo: Cell | None, pull: Cell | None, push: Cell | None) -> float | None:
+    """The lowest push/pull TTFT ratio a queue on P allows, from low-load handoffs.
+
+    A queue on P adds the same wait W to both modes, and the modes differ only
+    in their handoffs h: (W + T + h_push) / (W + T + h_pull) is at least
+    (T + h_push) / (T + h_pull), with T the prefill's engine-side TTFT
+    (colocated's client TTFT minus its handoff).
+    """
+    if colo is None or pull is None or push is None:
+        return None
+    colo_h, pull_h, push_h = colo.handoff(50), pull.handoff(50), push.handoff(50)
+    if colo_h is None or pull_h is None or push_h is None:
+        return None
+    prefill = colo.stat("ttft_s", 50) - colo_h
+    return _div(prefill + push_h, prefill + pull_h)
 
 
 def _div(a: float, b: float) -> float | None:
@@ -262,7 +286,8 @@ def format_tables(rows: list[dict[str, Any]], ratios: list[dict[str, Any]], kv: 
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(_fmt(r[c]) for c in cols) + " |" for r in rows]
     rcols = ["load", "prompt_len", "push_ttft_over_colocated", "push_overhead_over_pull",
-             "push_overhead_over_pull_engine", "push_p90_ttft_over_pull"]  # fmt: skip
+             "push_overhead_over_pull_engine", "push_p90_ttft_over_pull",
+             "push_p90_over_pull_floor"]  # fmt: skip
     lines += ["", "| " + " | ".join(rcols) + " |", "|" + "---|" * len(rcols)]
     lines += ["| " + " | ".join(_fmt(r.get(c)) for c in rcols) + " |" for r in ratios]
     lines += ["", "KV moved: " + ", ".join(f"{k} {_fmt(v)}" for k, v in kv.items())]
