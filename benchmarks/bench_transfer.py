@@ -51,10 +51,10 @@ from benchmarks.common import md_table, write_results
 from kvduplex.engine.block_pool import BlockPool
 from kvduplex.engine.kv_cache import KVCacheLayout, allocate_kv_pool
 from kvduplex.model.presets import preset_config
-from kvduplex.transfer.messages import decode_handshake, encode_handshake
-from kvduplex.transfer.metrics import TransferMetrics
-from kvduplex.transfer.nixl import NixlTransport
-from kvduplex.transfer.transport import PeerHandle, TransferHandle, TransferState
+from kvduplex.transport.messages import decode_handshake, encode_handshake
+from kvduplex.transport.metrics import TransferMetrics
+from kvduplex.transport.nixl import NixlTransport
+from kvduplex.transport.protocol import PeerHandle, TransferHandle, TransferState
 
 MiB = 1 << 20
 

@@ -49,6 +49,21 @@ class _Add:
     hold_blocks_on_finish: bool
     arrival: float
     on_admit: Callable[[], None] | None = None
+    connector_meta: object | None = None
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Call:
+    fn: Callable[[LLMEngine], Any]
+    future: Future[Any]
+
+
+_Command = _Add | _Abort | _Call
 
 
 class AsyncEngine:
@@ -57,7 +72,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, metrics: EngineMetrics | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
-        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._streams: dict[str, _Stream] = {}
@@ -100,6 +115,7 @@ class AsyncEngine:
         remote_kv: RemoteKVSpec | None = None,
         hold_blocks_on_finish: bool = False,
         on_admit: Callable[[], None] | None = None,
+        connector_meta: object | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs until it finishes.
 
@@ -122,7 +138,7 @@ class AsyncEngine:
             self._streams[request_id] = stream
         add = _Add(
             request_id, prompt_token_ids, params, remote_kv, hold_blocks_on_finish, arrival,
-            on_admit,
+            on_admit, connector_meta,
         )  # fmt: skip
         self._send(add)
         finished = False
@@ -143,12 +159,12 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; unknown ids are ignored."""
-        self._send(("abort", request_id))
+        self._send(_Abort(request_id))
 
     def call(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
         """Run `fn(engine)` in the engine thread between steps; returns a Future."""
         fut: Future[T] = Future()
-        self._send(("call", fn, fut))
+        self._send(_Call(fn, fut))
         return fut
 
     async def run_in_engine(self, fn: Callable[[LLMEngine], T]) -> T:
@@ -156,7 +172,7 @@ class AsyncEngine:
 
     # ------------------------------------------------------------ engine thread
 
-    def _send(self, item: Any) -> None:
+    def _send(self, item: _Command) -> None:
         self._inbox.put(item)
         self._wake.set()
 
@@ -193,16 +209,15 @@ class AsyncEngine:
                 return ran_call
             if isinstance(item, _Add):
                 self._apply_add(item)
-            elif item[0] == "abort":
-                self.engine.abort_request(item[1])
-            elif item[0] == "call":
+            elif isinstance(item, _Abort):
+                self.engine.abort_request(item.request_id)
+            else:
                 ran_call = True
-                _, fn, fut = item
-                if fut.set_running_or_notify_cancel():
+                if item.future.set_running_or_notify_cancel():
                     try:
-                        fut.set_result(fn(self.engine))
+                        item.future.set_result(item.fn(self.engine))
                     except BaseException as exc:
-                        fut.set_exception(exc)
+                        item.future.set_exception(exc)
 
     def _apply_add(self, add: _Add) -> None:
         with self._streams_lock:
@@ -219,6 +234,7 @@ class AsyncEngine:
                 remote_kv=add.remote_kv,
                 hold_blocks_on_finish=add.hold_blocks_on_finish,
                 arrival_time=add.arrival,
+                connector_meta=add.connector_meta,
             )
         except ValueError as exc:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)

@@ -23,7 +23,7 @@ import torch
 
 from kvduplex.config import EngineConfig
 from kvduplex.engine.block_pool import BlockPool
-from kvduplex.engine.connector import KVConnector, NullConnector
+from kvduplex.engine.connector import KVConnector
 from kvduplex.engine.detokenizer import IncrementalDetokenizer
 from kvduplex.engine.kv_cache import KVCacheLayout, allocate_kv_pool
 from kvduplex.engine.kv_manager import KVCacheManager
@@ -100,11 +100,12 @@ class LLMEngine:
             model_cfg.max_position_embeddings, num_blocks * config.cache.block_size
         )
         self.eos_token_ids = tuple(self.loaded.tokenizer.eos_token_ids)
-        self.connector: KVConnector = NullConnector()
+        self.connector: KVConnector = KVConnector()
         self._generators = RequestGenerators()
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._num_emitted: dict[str, int] = {}
         self._aborted: list[RequestOutput] = []  # final outputs of aborts, not yet returned
+        self._stopped_by_text: list[Request] = []  # finished by a stop string, not reported yet
         logger.info(
             "engine ready: model=%s layout=%s max_model_len=%d",
             self.loaded.name,
@@ -135,6 +136,7 @@ class LLMEngine:
         remote_kv: RemoteKVSpec | None = None,
         hold_blocks_on_finish: bool = False,
         arrival_time: float | None = None,
+        connector_meta: object | None = None,
     ) -> Request:
         """Queue a request. Raises RequestRejected if it can never fit."""
         self.check_request(len(prompt_token_ids), params.max_tokens)
@@ -154,6 +156,7 @@ class LLMEngine:
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
             remote_kv=remote_kv,
             hold_blocks_on_finish=hold_blocks_on_finish,
+            connector_meta=connector_meta,
         )
         self.scheduler.add_request(req)
         self._detok[request_id] = IncrementalDetokenizer(self.loaded.tokenizer, params.stop)
@@ -192,6 +195,7 @@ class LLMEngine:
         for req in self.connector.take_updated_requests():
             touched[req.request_id] = req
         outputs = [o for req in touched.values() if (o := self._make_output(req)) is not None]
+        self._report_finished(finished)
         return self._take_aborted() + outputs
 
     def resume_with_first_token(self, request_id: str, first_token: int) -> Request:
@@ -211,7 +215,15 @@ class LLMEngine:
         token that arrived with remote KV), so they reach clients before the next step."""
         updated = self.connector.take_updated_requests()
         outputs = [o for req in updated if (o := self._make_output(req)) is not None]
+        self._report_finished([])
         return self._take_aborted() + outputs
+
+    def _report_finished(self, finished: list[Request]) -> None:
+        """Tell the connector every request that finished (aborts aside): those of the
+        step's update, and those a stop string ended while their output was made."""
+        late, self._stopped_by_text = self._stopped_by_text, []
+        if finished or late:
+            self.connector.on_finished(finished + late)
 
     def _take_aborted(self) -> list[RequestOutput]:
         aborted, self._aborted = self._aborted, []
@@ -250,6 +262,7 @@ class LLMEngine:
         new_text = detok.update(req.output_token_ids, is_final=finished)
         if detok.stopped_by is not None and not finished:
             self.scheduler.finish_request(rid, FinishReason.STOP)
+            self._stopped_by_text.append(req)
             finished = True
         if not new_ids and not finished:
             return None

@@ -25,9 +25,10 @@ Block hashes are computed once per full block and kept on the Request
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvduplex.engine.block_pool import BlockPool, compute_block_hashes
+from kvduplex.engine.block_pool import BlockHash, BlockPool, compute_block_hashes
 from kvduplex.engine.request import Request
 
 logger = logging.getLogger(__name__)
@@ -161,6 +162,34 @@ class KVCacheManager:
         cached = self._num_cached_blocks.get(req.request_id)
         if cached is not None and cached > num_blocks_kept:
             self._num_cached_blocks[req.request_id] = num_blocks_kept
+
+    # ---- blocks outside any request (KV transfers) ----
+
+    def acquire_blocks(self, block_ids: Sequence[int]) -> None:
+        """Take one more reference on each block (a transfer reads or fills it)."""
+        self.pool.acquire(block_ids)
+
+    def release_blocks(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference on each block, tail first."""
+        self.pool.release(reversed(block_ids))
+
+    def num_cached_prefix(self, keys: Sequence[BlockHash]) -> int:
+        """How many leading `keys` the prefix cache holds."""
+        return self.pool.num_cached_prefix(keys) if self.enable_prefix_caching else 0
+
+    def try_allocate_blocks(self, num_blocks: int) -> list[int] | None:
+        """Fresh blocks (one reference each) for KV that arrives from elsewhere, evicting
+        unreferenced cached blocks if needed; None if the pool cannot supply them now."""
+        return self.pool.try_allocate(num_blocks)
+
+    def cache_blocks(self, block_ids: Sequence[int], keys: Sequence[BlockHash]) -> int:
+        """Insert filled blocks into the prefix cache under `keys`; the number newly cached
+        (a key another block already holds keeps that block)."""
+        if not self.enable_prefix_caching:
+            return 0
+        return sum(
+            1 for b, k in zip(block_ids, keys, strict=True) if self.pool.insert_cached(b, k) == b
+        )
 
     def free(self, req: Request) -> None:
         """Release all of the request's blocks, tail first; cached ones stay reusable."""

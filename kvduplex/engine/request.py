@@ -102,6 +102,9 @@ class Request:
     remote_kv: RemoteKVSpec | None = None
     """Set when the prompt's KV will arrive from another instance."""
     hold_blocks_on_finish: bool = False
+    connector_meta: object | None = None
+    """Opaque to the engine: what a connector attached before admission (e.g. where the
+    finished turn's KV is returned); the connector reads it when the request finishes."""
     """Keep the blocks after finishing until `Scheduler.release_held` (a sender's lease)."""
 
     output_token_ids: list[int] = field(default_factory=list, init=False)

@@ -63,6 +63,9 @@ class Generation:
     body: _SamplingFields
     extra: dict[str, Any] = field(default_factory=dict)
     remote_kv: RemoteKVSpec | None = None
+    hold_blocks_on_finish: bool = False
+    connector_meta: object | None = None
+    """Set by a role's `prepare` hook (e.g. where the finished turn's KV is returned)."""
 
 
 @dataclass
@@ -243,7 +246,8 @@ async def _serve(state: InstanceState, raw: Request, gen: Generation, chat: bool
     if state.prepare is not None:
         await state.prepare(raw, gen)
     outputs = state.engine.generate(
-        gen.request_id, gen.prompt_token_ids, gen.params, remote_kv=gen.remote_kv
+        gen.request_id, gen.prompt_token_ids, gen.params, remote_kv=gen.remote_kv,
+        hold_blocks_on_finish=gen.hold_blocks_on_finish, connector_meta=gen.connector_meta
     )
     if gen.body.stream:
         include_usage = bool(gen.body.stream_options and gen.body.stream_options.include_usage)

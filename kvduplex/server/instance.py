@@ -55,56 +55,49 @@ def build_instance(engine_config: EngineConfig, server_config: ServerConfig) -> 
 
 
 def _role_routers(instance: Instance, config: EngineConfig, role: Role) -> list[APIRouter]:
-    """The transport, connector and internal KV routes of a prefill or decode instance."""
+    """The transport, connector and internal KV routes of a prefill or decode instance.
+
+    Each role runs one `KVSender` and one `KVReceiver`: prefill sends pushes and
+    receives returns, decode receives pushes and sends returns.
+    """
     if role is Role.BOTH:
         return []
+    from kvduplex.kvflow.connectors import FlowTiming, decode_flows, prefill_flows
+    from kvduplex.kvflow.metrics import KVFlowMetrics
     from kvduplex.server.kv_routes import (
         make_decode_hooks,
         make_prefill_router,
         make_push_prefill_router,
     )
-    from kvduplex.transfer.decode import DecodeConnector
-    from kvduplex.transfer.handshake import PeerDirectory, make_handshake_router
-    from kvduplex.transfer.metrics import KVFlowMetrics, TransferMetrics
-    from kvduplex.transfer.nixl import NixlTransport
-    from kvduplex.transfer.notify import NotificationPump
-    from kvduplex.transfer.pull import PullConnector
-    from kvduplex.transfer.push import PushReceiver, PushSender
+    from kvduplex.transport.handshake import PeerDirectory, make_handshake_router
+    from kvduplex.transport.metrics import TransferMetrics
+    from kvduplex.transport.nixl import NixlTransport
+    from kvduplex.transport.notify import NotificationPump
 
-    engine, async_engine, state = instance.engine, instance.async_engine, instance.state
+    engine, state = instance.engine, instance.state
     cfg = config.transfer
-    block_size = engine.layout.block_size
     transport = NixlTransport(
         engine.kv_pool, engine.layout, default_deadline_s=cfg.transfer_timeout_s,
         metrics=TransferMetrics(state.registry),
     )  # fmt: skip
-    flow_metrics = KVFlowMetrics(state.registry)
+    metrics = KVFlowMetrics(state.registry)
     directory = PeerDirectory(transport)
     pump = NotificationPump(transport)
+    timing = FlowTiming(cfg.kv_wait_timeout_s, cfg.transfer_timeout_s, cfg.transfer_timeout_s + 1)
     routers = [make_handshake_router(transport)]
     if role is Role.PREFILL:
-        sender = PushSender(
-            transport, async_engine, block_size, registration_wait_s=cfg.kv_wait_timeout_s,
-            deadline_s=cfg.transfer_timeout_s, metrics=flow_metrics,
-            peer_of=directory.peer_by_engine,
-        )  # fmt: skip
-        sender.attach(pump)
-        engine.connector = sender
-        routers.append(make_prefill_router(state, transport, cfg.pull_lease_s))
-        routers.append(make_push_prefill_router(state, sender, directory))
-        instance.closers.append(sender.close)
-    else:
-        pull = PullConnector(
-            transport, async_engine, block_size, cfg.kv_wait_timeout_s, metrics=flow_metrics
+        p = prefill_flows(
+            transport, instance.async_engine, pump, timing, directory.peer_by_engine, metrics
         )
-        receiver = PushReceiver(
-            transport, async_engine, block_size, wait_s=cfg.kv_wait_timeout_s,
-            quarantine_s=cfg.transfer_timeout_s + 1.0, metrics=flow_metrics,
-        )  # fmt: skip
-        receiver.attach(pump)
-        engine.connector = DecodeConnector(pull, receiver)
-        routers.append(make_decode_hooks(state, pull, receiver, directory))
-        instance.closers.append(pull.close)
+        routers.append(make_prefill_router(state, transport, cfg.pull_lease_s))
+        routers.append(make_push_prefill_router(state, p.sender, directory, p.acceptor))
+        instance.closers.append(p.sender.close)
+    else:
+        d = decode_flows(
+            transport, instance.async_engine, pump, timing, directory.peer_by_engine, metrics
+        )
+        routers.append(make_decode_hooks(state, d.pull, d.push, d.offerer, directory))
+        instance.closers += [d.pull.close, d.sender.close]
     pump.start()
     instance.closers += [pump.close, transport.close]
     return routers

@@ -26,17 +26,20 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from kvduplex.engine.engine import RequestRejected
 from kvduplex.engine.request import RemoteKVSpec
 from kvduplex.engine.sampling import SamplingParams
+from kvduplex.kvflow.lease import LeaseTable
+from kvduplex.kvflow.pull import PullConnector, PullSpec, block_ids_of
+from kvduplex.kvflow.push_decode import PushDecode, PushSpec
+from kvduplex.kvflow.returns import ReturnAcceptor, ReturnOfferer, ReturnSpec
+from kvduplex.kvflow.sender import KVSender
 from kvduplex.server.api import APIError, Generation, InstanceState
 from kvduplex.server.protocol import error_body
-from kvduplex.transfer.handshake import PeerDirectory
-from kvduplex.transfer.pull import LeaseTable, PullConnector, PullSpec, block_ids_of
-from kvduplex.transfer.push import PushReceiver, PushSender, PushSpec
-from kvduplex.transfer.transport import Transport
+from kvduplex.transport.handshake import PeerDirectory
+from kvduplex.transport.protocol import Transport
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +68,11 @@ class CancelRequest(BaseModel):
 
 
 class KVTransferParams(BaseModel):
-    mode: Literal["pull", "push"]
-    xid: str = Field(min_length=1)
-    prefill_url: str
+    mode: Literal["pull", "push", "local"]
+    """push/pull: the prompt's KV comes from ``prefill_url``; local: decode computes
+    the prompt itself (a short append over its cached history)."""
+    xid: str = ""
+    prefill_url: str = ""
     block_ids: list[int] = Field(default_factory=list)
     """Pull: prefill's held blocks."""
     num_tokens: int = 0
@@ -77,6 +82,19 @@ class KVTransferParams(BaseModel):
     """Seconds prefill keeps the blocks from its answer on (None: unknown)."""
     num_cached_tokens: int = Field(default=0, ge=0)
     """Pull: prompt tokens prefill served from its prefix cache."""
+    session_id: str | None = None
+    return_to: str | None = None
+    """Duplex return: the prefill instance that receives this turn's blocks when it ends."""
+    return_from_block: int | None = Field(default=None, ge=0)
+    """First block to return (None: the first that is not wholly prompt)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> KVTransferParams:
+        if self.mode != "local" and (not self.xid or not self.prefill_url):
+            raise ValueError(f"mode {self.mode} needs xid and prefill_url")
+        if self.return_to is not None and not self.session_id:
+            raise ValueError("return_to needs a session_id")
+        return self
 
 
 def _not_found(xid: str) -> JSONResponse:
@@ -118,7 +136,7 @@ def make_prefill_router(state: InstanceState, transport: Transport, lease_s: flo
 
 
 def make_push_prefill_router(
-    state: InstanceState, sender: PushSender, directory: PeerDirectory
+    state: InstanceState, sender: KVSender, directory: PeerDirectory, acceptor: ReturnAcceptor
 ) -> APIRouter:
     router = APIRouter()
     engine = state.engine
@@ -174,6 +192,10 @@ def make_push_prefill_router(
     async def push_stats() -> JSONResponse:
         return JSONResponse(asdict(sender.stats))
 
+    @router.get("/internal/kv/return/stats")
+    async def return_stats() -> JSONResponse:
+        return JSONResponse(asdict(acceptor.stats))
+
     return router
 
 
@@ -187,10 +209,11 @@ def _first_token_params(body: PrefillRequest) -> SamplingParams:
 def make_decode_hooks(
     state: InstanceState,
     connector: PullConnector,
-    receiver: PushReceiver,
+    push: PushDecode,
+    offerer: ReturnOfferer,
     directory: PeerDirectory,
 ) -> APIRouter:
-    """Set `state.prepare` for pulls and pushes; return the decode-side routes."""
+    """Set `state.prepare` for pulls, pushes and returns; return the decode-side routes."""
 
     async def prepare(raw: Request, gen: Generation) -> None:
         arrived = time.monotonic()
@@ -202,6 +225,10 @@ def make_decode_hooks(
             kv = KVTransferParams.model_validate(params)
         except ValueError as exc:
             raise APIError(400, f"kv_transfer_params: {exc}", param="kv_transfer_params") from None
+        if kv.return_to is not None and kv.session_id:
+            await _prepare_return(kv, gen)
+        if kv.mode == "local":
+            return
         try:
             peer = await asyncio.to_thread(directory.get_peer, kv.prefill_url, kv.engine_id)
         except Exception as exc:  # no peer: compute the prompt here
@@ -210,7 +237,7 @@ def make_decode_hooks(
             )
             return
         if kv.mode == "push":
-            receiver.register(PushSpec(kv.xid, peer, kv.prefill_url, gen.request_id))
+            push.register(PushSpec(kv.xid, peer, kv.prefill_url, gen.request_id))
         else:
             lease_ends_at = None if kv.lease_s is None else arrived + kv.lease_s
             connector.register(
@@ -221,6 +248,16 @@ def make_decode_hooks(
             )
         gen.remote_kv = RemoteKVSpec(kv.xid, source_engine_id=peer.engine_id)
 
+    async def _prepare_return(kv: KVTransferParams, gen: Generation) -> None:
+        assert kv.return_to is not None and kv.session_id is not None
+        try:
+            peer = await asyncio.to_thread(directory.get_peer, kv.return_to, None)
+        except Exception as exc:  # no return this turn: the next one recomputes
+            logger.warning("session %s: no connection to %s (%s)", kv.session_id, kv.return_to, exc)
+            return
+        gen.connector_meta = ReturnSpec(kv.session_id, peer, kv.return_from_block)
+        gen.hold_blocks_on_finish = True
+
     state.prepare = prepare
     router = APIRouter()
 
@@ -230,11 +267,22 @@ def make_decode_hooks(
 
     @router.get("/internal/kv/push/stats")
     async def push_stats() -> JSONResponse:
-        return JSONResponse(asdict(receiver.stats))
+        waits = push.receiver.stats
+        return JSONResponse(
+            {
+                **asdict(push.stats),
+                "num_alive_received": waits.num_alive_received,
+                "num_late": waits.num_late,
+            }
+        )
+
+    @router.get("/internal/kv/return/stats")
+    async def return_stats() -> JSONResponse:
+        return JSONResponse(asdict(offerer.stats))
 
     @router.post("/internal/push/cancel")
     async def push_cancel(body: CancelRequest) -> JSONResponse:
-        found = await state.engine.run_in_engine(lambda _e: receiver.cancel(body.xid, body.reason))
+        found = await state.engine.run_in_engine(lambda _e: push.cancel(body.xid, body.reason))
         if not found:
             return _not_found(body.xid)
         return JSONResponse({"xid": body.xid, "cancelled": True})

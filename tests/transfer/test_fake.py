@@ -12,10 +12,10 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from kvduplex.engine.kv_cache import KVCacheLayout, KVKind, allocate_kv_pool
-from kvduplex.transfer import (
+from kvduplex.kvflow.messages import KVDone
+from kvduplex.transport import (
     ControlMessage,
     IncompatibleLayoutError,
-    KVDone,
     MessageCodec,
     Region,
     TransferFailed,
@@ -24,9 +24,9 @@ from kvduplex.transfer import (
     Transport,
     block_region_indices,
 )
-from kvduplex.transfer.fake import InProcessFabric, InProcessTransport
-from kvduplex.transfer.metrics import TransferMetrics
-from kvduplex.transfer.transport import FailureKind, PeerHandle, PeerUnavailableError
+from kvduplex.transport.fake import InProcessFabric, InProcessTransport
+from kvduplex.transport.metrics import TransferMetrics
+from kvduplex.transport.protocol import FailureKind, PeerHandle, PeerUnavailableError
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -10,16 +10,16 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from kvduplex.engine.kv_cache import KVCacheLayout, allocate_kv_pool
-from kvduplex.transfer import IncompatibleLayoutError, PeerUnavailableError, TransferState
-from kvduplex.transfer.fake import InProcessFabric, InProcessTransport
-from kvduplex.transfer.handshake import (
+from kvduplex.transport import IncompatibleLayoutError, PeerUnavailableError, TransferState
+from kvduplex.transport.fake import InProcessFabric, InProcessTransport
+from kvduplex.transport.handshake import (
     HANDSHAKE_PATH,
     PeerDirectory,
     fetch_handshake,
     make_handshake_router,
 )
-from kvduplex.transfer.messages import decode_handshake
-from kvduplex.transfer.metrics import TransferMetrics
+from kvduplex.transport.messages import decode_handshake
+from kvduplex.transport.metrics import TransferMetrics
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -25,23 +25,23 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from kvduplex.engine.kv_cache import KVCacheLayout, KVKind, allocate_kv_pool
-from kvduplex.transfer import (
+from kvduplex.kvflow.messages import KVDone
+from kvduplex.transport import (
     IncompatibleLayoutError,
-    KVDone,
     MessageCodec,
     TransferHandle,
     TransferState,
 )
-from kvduplex.transfer.handshake import PeerDirectory, fetch_handshake
-from kvduplex.transfer.messages import encode_handshake
-from kvduplex.transfer.metrics import TransferMetrics
+from kvduplex.transport.handshake import PeerDirectory, fetch_handshake
+from kvduplex.transport.messages import encode_handshake
+from kvduplex.transport.metrics import TransferMetrics
 from tests.transfer.peer_procs import PeerLauncher, PeerProcess
 from tests.transfer.peer_server import fill_blocks, regions_bytes
 
 if importlib.util.find_spec("nixl_cu12") is None and importlib.util.find_spec("nixl") is None:
     pytest.skip("NIXL is not installed (pip install nixl-cu12)", allow_module_level=True)
 
-from kvduplex.transfer.nixl import NixlTransport
+from kvduplex.transport.nixl import NixlTransport
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 

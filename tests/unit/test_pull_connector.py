@@ -12,9 +12,11 @@ from kvduplex.engine.async_engine import AsyncEngine
 from kvduplex.engine.engine import LLMEngine, RequestOutput
 from kvduplex.engine.request import RemoteKVSpec
 from kvduplex.engine.sampling import SamplingParams
+from kvduplex.kvflow.connectors import FlowTiming, decode_flows
+from kvduplex.kvflow.pull import PullSpec
 from kvduplex.model.loader import LoadedModel, load_model
-from kvduplex.transfer.fake import InProcessFabric, InProcessTransport
-from kvduplex.transfer.pull import PullConnector, PullSpec
+from kvduplex.transport.fake import InProcessFabric, InProcessTransport
+from kvduplex.transport.notify import NotificationPump
 
 BS = 4
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -49,10 +51,12 @@ class Setup:
         self.peer = self.td.connect(self.tp.local_metadata())
         self.released: list[tuple[str, str]] = []
         self.ad = AsyncEngine(self.d)
-        self.conn = PullConnector(
-            self.td, self.ad, BS, deadline_s, release=lambda u, x: self.released.append((u, x))
-        )
-        self.d.connector = self.conn
+        timing = FlowTiming(wait_s=deadline_s, transfer_timeout_s=deadline_s, quarantine_s=1.0)
+        flows = decode_flows(
+            self.td, self.ad, NotificationPump(self.td), timing, lambda _e: None,
+            release=lambda u, x: self.released.append((u, x)),
+        )  # fmt: skip
+        self.conn = flows.pull
         self.ad.start()
 
     def prefill(self, xid: str) -> PullSpec:

@@ -1,7 +1,9 @@
-"""PushSender and PushReceiver over the in-process transport, in every order of events.
+"""The push flow (`KVSender` on P, `PushDecode` + `KVReceiver` on D) over the in-process
+transport, in every order of events.
 
 Two engines (P and D) in one process, each in its own engine thread, each with
-its notification pump; P writes layer by layer into D's registered blocks.
+its notification pump and the flows of its role, wired as an instance wires them;
+P writes layer by layer into D's registered blocks.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ from kvduplex.engine.engine import LLMEngine
 from kvduplex.engine.request import RemoteKVSpec
 from kvduplex.engine.sampling import SamplingParams
 from kvduplex.engine.scheduler import SchedulerOutput
+from kvduplex.kvflow.connectors import FlowTiming, decode_flows, prefill_flows
+from kvduplex.kvflow.messages import KVCancel, KVRegister
+from kvduplex.kvflow.push_decode import PushSpec
 from kvduplex.model.loader import LoadedModel, load_model
-from kvduplex.transfer.fake import InProcessFabric, InProcessTransport
-from kvduplex.transfer.messages import ControlMessage
-from kvduplex.transfer.notify import NotificationPump
-from kvduplex.transfer.push import PushCancel, PushReceiver, PushRegister, PushSender, PushSpec
+from kvduplex.transport.fake import InProcessFabric, InProcessTransport
+from kvduplex.transport.messages import ControlMessage
+from kvduplex.transport.notify import NotificationPump
 
 BS = 4
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -74,13 +78,17 @@ class Pair:
         self.d_peer = self.tp.connect(self.td.local_metadata())  # P writes into D
         self.p_peer = self.td.connect(self.tp.local_metadata())  # D notifies P
         self.ap, self.ad = AsyncEngine(self.p), AsyncEngine(self.d)
-        self.sender = PushSender(self.tp, self.ap, BS, registration_wait_s=wait_s, deadline_s=5.0)
-        self.receiver = PushReceiver(self.td, self.ad, BS, wait_s=wait_s, quarantine_s=0.5)
-        self.p.connector = self.sender
-        self.d.connector = self.receiver
         self.pumps = [NotificationPump(self.tp, 0.01), NotificationPump(self.td, 0.01)]
-        self.sender.attach(self.pumps[0])
-        self.receiver.attach(self.pumps[1])
+        timing = FlowTiming(wait_s=wait_s, transfer_timeout_s=5.0, quarantine_s=0.5)
+        self.pf = prefill_flows(
+            self.tp, self.ap, self.pumps[0], timing, {self.td.engine_id: self.d_peer}.get
+        )
+        self.df = decode_flows(
+            self.td, self.ad, self.pumps[1], timing, {self.tp.engine_id: self.p_peer}.get,
+            release=lambda _url, _xid: None,
+        )  # fmt: skip
+        self.sender = self.pf.sender
+        self.push = self.df.push
         for pump in self.pumps:
             pump.start()
         self.ap.start()
@@ -100,7 +108,7 @@ class Pair:
     async def decode(
         self, xid: str, prompt: list[int] = PROMPT, params: SamplingParams = GREEDY
     ) -> list[int]:
-        self.receiver.register(PushSpec(xid, self.p_peer, "http://p", f"d-{xid}"))
+        self.push.register(PushSpec(xid, self.p_peer, "http://p", f"d-{xid}"))
         out: list[int] = []
         async for o in self.ad.generate(f"d-{xid}", prompt, params, remote_kv=RemoteKVSpec(xid)):
             out.extend(o.new_token_ids)
@@ -120,6 +128,7 @@ class Pair:
         self.ap.shutdown()
         self.ad.shutdown()
         self.sender.close()
+        self.df.sender.close()
 
 
 @pytest.fixture
@@ -137,8 +146,8 @@ def test_concurrent_push_matches_local(tiny: LoadedModel) -> None:
         p_out, d_out = asyncio.run(both())
         expected = _reference(tiny)
         assert d_out == expected and p_out == expected[:1]
-        assert s.receiver.stats.num_received == 1 and s.receiver.stats.num_fallbacks == 0
-        assert s.receiver.stats.num_received_blocks == 5
+        assert s.push.stats.num_received == 1 and s.push.stats.num_fallbacks == 0
+        assert s.push.stats.num_received_blocks == 5
         s.assert_clean()
         assert s.sender.stats.num_done == 1 and s.sender.stats.transfer_s > 0
     finally:
@@ -153,7 +162,7 @@ def test_chunked_prefill_pushes_each_chunk_layer_by_layer(tiny: LoadedModel) -> 
             d = asyncio.ensure_future(s.decode("xc"))
             # Registration first, so that every chunk streams.
             await asyncio.to_thread(
-                _wait_for, lambda: s.receiver.num_waiting() == 1, "registration"
+                _wait_for, lambda: s.df.receiver.num_waiting() == 1, "registration"
             )
             return await asyncio.gather(s.prefill("xc"), d)
 
@@ -207,8 +216,8 @@ def test_decode_prefix_hit_is_not_pushed(tiny: LoadedModel) -> None:
         asyncio.run(run("h1", PROMPT))
         longer = [*PROMPT, 30, 31, 32, 33, 34, 35]  # 24 tokens: 6 blocks, D has 4 of them
         assert asyncio.run(run("h2", longer)) == _reference(tiny, longer)
-        assert s.receiver.stats.num_skipped_blocks == 4
-        assert s.receiver.stats.num_received_blocks == 5 + 2
+        assert s.push.stats.num_skipped_blocks == 4
+        assert s.push.stats.num_received_blocks == 5 + 2
         s.assert_clean()
     finally:
         s.close()
@@ -224,7 +233,7 @@ def test_failed_write_makes_decode_compute_locally(tiny: LoadedModel) -> None:
 
         _, d_out = asyncio.run(both())
         assert d_out == _reference(tiny)
-        assert s.receiver.stats.num_fallbacks == 1 and s.sender.stats.num_failed == 1
+        assert s.push.stats.num_fallbacks == 1 and s.sender.stats.num_failed == 1
         s.assert_clean()
     finally:
         s.close()
@@ -234,9 +243,9 @@ def test_prefill_that_never_comes_falls_back_and_quarantine_ends(tiny: LoadedMod
     s = Pair(tiny, wait_s=0.2)
     try:
         assert asyncio.run(s.decode("ghost")) == _reference(tiny)
-        assert s.receiver.stats.num_fallbacks == 1
+        assert s.push.stats.num_fallbacks == 1
         s.assert_clean()  # registered blocks come back after the quarantine
-        assert s.receiver.num_waiting() == 0
+        assert s.df.receiver.num_waiting() == 0
     finally:
         s.close()
 
@@ -259,7 +268,7 @@ def test_aborted_decode_keeps_registered_blocks_until_prefill_is_done(tiny: Load
         async def leave_early() -> None:
             task = asyncio.ensure_future(s.decode("ab"))
             await asyncio.to_thread(
-                _wait_for, lambda: s.receiver.num_waiting() == 1, "registration"
+                _wait_for, lambda: s.df.receiver.num_waiting() == 1, "registration"
             )
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
@@ -269,7 +278,7 @@ def test_aborted_decode_keeps_registered_blocks_until_prefill_is_done(tiny: Load
         _wait_for(lambda: s.in_use(s.ad) == 5, "abort to reach the engine")
         asyncio.run(s.prefill("ab"))
         s.assert_clean()
-        assert s.receiver.stats.num_received == 0
+        assert s.push.stats.num_received == 0
     finally:
         s.close()
 
@@ -278,7 +287,7 @@ def test_registration_mid_forward_writes_finished_layers_then_streams(tiny: Load
     s = Pair(tiny)
     try:
         held: list[tuple[ControlMessage, str]] = []
-        s.pumps[0].on(PushRegister, lambda msg, sender: held.append((msg, sender)))
+        s.pumps[0].on(KVRegister, lambda msg, sender: held.append((msg, sender)))
         orig = s.sender.layer_hook
 
         def late_hook(out: SchedulerOutput) -> Callable[[int], None] | None:
@@ -287,7 +296,7 @@ def test_registration_mid_forward_writes_finished_layers_then_streams(tiny: Load
             def on_layer_done(layer: int) -> None:
                 if layer == 0 and held:  # the registration lands while layer 1 is computed
                     msg, sender = held.pop()
-                    assert isinstance(msg, PushRegister)
+                    assert isinstance(msg, KVRegister)
                     s.sender._regs.append((msg, sender))
                 if hook is not None:
                     hook(layer)
@@ -347,14 +356,14 @@ def test_prefill_queued_longer_than_the_wait_keeps_decode_waiting(tiny: LoadedMo
                 "q", PROMPT, FIRST, hold_blocks_on_finish=True, on_admit=admit_then_stall)))  # fmt: skip
             # Four heartbeats at 0.1 s intervals: D's original 0.3 s wait is over.
             await asyncio.to_thread(
-                _wait_for, lambda: s.receiver.stats.num_alive_received >= 4, "heartbeats"
+                _wait_for, lambda: s.df.receiver.stats.num_alive_received >= 4, "heartbeats"
             )
             gate.set()
             await p
             return await d
 
         assert asyncio.run(run()) == _reference(tiny)
-        assert s.receiver.stats.num_fallbacks == 0 and s.receiver.stats.num_received == 1
+        assert s.push.stats.num_fallbacks == 0 and s.push.stats.num_received == 1
         assert s.sender.stats.num_alive_sent >= 4 and s.sender.stats.num_done == 1
         s.assert_clean()
     finally:
@@ -374,14 +383,14 @@ def test_decode_queued_longer_than_the_wait_keeps_prefill_holding(tiny: LoadedMo
             d = asyncio.ensure_future(s.decode("dq"))
             assert await s.prefill("dq") == _reference(tiny)[:1]
             await asyncio.to_thread(
-                _wait_for, lambda: s.sender.stats.num_alive_received >= 4, "heartbeats"
+                _wait_for, lambda: s.sender.stats.num_waiting_received >= 4, "heartbeats"
             )
             assert s.in_use(s.ap) == 5  # still held for the push
             gate.set()
             return await d
 
         assert asyncio.run(run()) == _reference(tiny)
-        assert s.receiver.stats.num_fallbacks == 0 and s.sender.stats.num_failed == 0
+        assert s.push.stats.num_fallbacks == 0 and s.sender.stats.num_failed == 0
         s.assert_clean()
     finally:
         gate.set()
@@ -396,14 +405,14 @@ def test_decode_request_gone_before_admission_stops_its_heartbeats(tiny: LoadedM
 
         async def leave_before_admission() -> None:
             task = asyncio.ensure_future(s.decode("orphan"))
-            await asyncio.to_thread(_wait_for, lambda: s.receiver.owns("orphan"), "the spec")
+            await asyncio.to_thread(_wait_for, lambda: s.push.owns("orphan"), "the spec")
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 
         asyncio.run(leave_before_admission())
         gate.set()
-        _wait_for(lambda: not s.receiver.owns("orphan"), "the orphaned spec to be dropped")
-        assert not s.receiver._spec_alive_at  # nothing left to send heartbeats for
+        _wait_for(lambda: not s.push.owns("orphan"), "the orphaned spec to be dropped")
+        assert not s.push._spec_waiting_at  # nothing left to send heartbeats for
         s.assert_clean()
     finally:
         gate.set()
@@ -423,7 +432,7 @@ def test_cached_tokens_are_prefills_prefix_hits(tiny: LoadedModel) -> None:
         asyncio.run(_collect(s.ap.generate("warm", PROMPT, FIRST)))  # P caches PROMPT's blocks
 
         async def both() -> object:
-            s.receiver.register(PushSpec("c1", s.p_peer, "http://p", "d-c1"))
+            s.push.register(PushSpec("c1", s.p_peer, "http://p", "d-c1"))
             last = None
             d = s.ad.generate("d-c1", PROMPT, GREEDY, remote_kv=RemoteKVSpec("c1"))
             p = asyncio.ensure_future(s.prefill("c1"))
@@ -440,11 +449,11 @@ def test_cached_tokens_are_prefills_prefix_hits(tiny: LoadedModel) -> None:
 
 
 def test_unanswered_heartbeats_do_not_extend_prefills_deadline(tiny: LoadedModel) -> None:
-    """D gave up (and its PushCancel is lost): it does not acknowledge P's heartbeats,
+    """D gave up (and its KVCancel is lost): it does not acknowledge P's heartbeats,
     so P's deadline stays D's, and P writes nothing into the blocks D let go of."""
     s = Pair(tiny, wait_s=0.3)
     gate = threading.Event()
-    s.pumps[0].on(PushCancel, lambda _msg, _sender: None)  # the cancel never arrives
+    s.pumps[0].on(KVCancel, lambda _msg, _sender: None)  # the cancel never arrives
     try:
 
         def admit_then_stall() -> None:
@@ -456,8 +465,8 @@ def test_unanswered_heartbeats_do_not_extend_prefills_deadline(tiny: LoadedModel
             await asyncio.to_thread(_wait_for, lambda: "u" in s.sender._early, "registration")
             p = asyncio.ensure_future(_collect(s.ap.generate(
                 "u", PROMPT, FIRST, hold_blocks_on_finish=True, on_admit=admit_then_stall)))  # fmt: skip
-            await asyncio.to_thread(_wait_for, lambda: s.receiver.stats.num_alive_received >= 1, "a beat")
-            assert s.ad.call(lambda _e: s.receiver.cancel("u", "test")).result(5)
+            await asyncio.to_thread(_wait_for, lambda: s.df.receiver.stats.num_alive_received >= 1, "a beat")
+            assert s.ad.call(lambda _e: s.push.cancel("u", "test")).result(5)
             sent = s.sender.stats.num_alive_sent
             await asyncio.to_thread(
                 _wait_for, lambda: s.sender.stats.num_alive_sent >= sent + 3, "unanswered beats"
@@ -469,7 +478,7 @@ def test_unanswered_heartbeats_do_not_extend_prefills_deadline(tiny: LoadedModel
 
         assert asyncio.run(run()) == _reference(tiny)  # computed on D
         assert s.sender.stats.num_writes == 0 and s.sender.stats.num_failed == 1
-        assert s.receiver.stats.num_fallbacks == 1
+        assert s.push.stats.num_fallbacks == 1
         s.assert_clean()
     finally:
         gate.set()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
-from kvduplex.transfer.transport import FailureKind, TransferHandle, TransferOp
+from kvduplex.transport.protocol import FailureKind, TransferHandle, TransferOp
 
 _POST_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2, 0.1)
 _XFER_BUCKETS = (
@@ -107,56 +107,6 @@ class TransferMetrics:
         self.notifications_total.labels(direction).inc()
 
 
-class KVFlowMetrics:
-    """What the push and pull flows did, per instance (beside `TransferMetrics`' bytes).
-
-    The share of push transfer time hidden behind prefill compute is
-    ``1 - exposed_seconds_total / transfer_seconds_total``.
-    """
-
-    def __init__(self, registry: CollectorRegistry | None) -> None:
-        self.pushes = Counter(
-            "kvduplex_kv_pushes",
-            "Pushes of a prompt's KV that prefill finished, by outcome (done, failed).",
-            ["outcome"],
-            registry=registry,
-        )
-        self.push_transfer_seconds = Counter(
-            "kvduplex_kv_push_transfer_seconds",
-            "Seconds from a push's first WRITE post to its last WRITE's completion, summed.",
-            registry=registry,
-        )
-        self.push_exposed_seconds = Counter(
-            "kvduplex_kv_push_exposed_seconds",
-            "Seconds a push still ran after the prefill's first token was sampled, summed "
-            "(the part of the transfer not hidden behind compute).",
-            registry=registry,
-        )
-        self.fallbacks = Counter(
-            "kvduplex_kv_fallbacks",
-            "Requests whose remote KV did not come, computed locally instead, by reason.",
-            ["reason"],
-            registry=registry,
-        )
-        self.remote_prefix_hit_tokens = Counter(
-            "kvduplex_kv_remote_prefix_hit_tokens",
-            "Prompt tokens of remote-KV requests that decode's own prefix cache held "
-            "(not transferred).",
-            registry=registry,
-        )
-        self.received_tokens = Counter(
-            "kvduplex_kv_received_tokens",
-            "Prompt tokens whose KV arrived from another instance.",
-            registry=registry,
-        )
-
-    def on_push_sent(self, ok: bool, transfer_s: float, exposed_s: float) -> None:
-        self.pushes.labels("done" if ok else "failed").inc()
-        if ok:
-            self.push_transfer_seconds.inc(transfer_s)
-            self.push_exposed_seconds.inc(min(exposed_s, transfer_s) if transfer_s else 0.0)
-
-
 _DEFAULT = TransferMetrics(REGISTRY)
 
-__all__ = ["KVFlowMetrics", "TransferMetrics"]
+__all__ = ["TransferMetrics"]

@@ -20,9 +20,9 @@ import numpy as np
 import numpy.typing as npt
 
 from kvduplex.engine.kv_cache import KVCacheLayout, KVKind
-from kvduplex.transfer.messages import HANDSHAKE_VERSION, HandshakeInfo
-from kvduplex.transfer.metrics import TransferMetrics
-from kvduplex.transfer.transport import (
+from kvduplex.transport.messages import HANDSHAKE_VERSION, HandshakeInfo
+from kvduplex.transport.metrics import TransferMetrics
+from kvduplex.transport.protocol import (
     ALL_KINDS,
     FailureKind,
     IncompatibleLayoutError,

@@ -23,9 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvduplex.transfer.base import IndexArray
-from kvduplex.transfer.nixl_agent import NixlAgent
-from kvduplex.transfer.transport import (
+from kvduplex.transport.base import IndexArray
+from kvduplex.transport.nixl_agent import NixlAgent
+from kvduplex.transport.protocol import (
     FailureKind,
     TransferError,
     TransferHandle,

@@ -1,9 +1,9 @@
 """The pull flow: decode READs a finished prefill's held blocks.
 
-Prefill side: `LeaseTable` keeps a finished request's blocks (held by the
-scheduler) until decode releases them or the lease expires.
+Prefill side: `kvduplex.kvflow.lease.LeaseTable` keeps a finished request's
+blocks (held by the scheduler) until decode releases them or the lease expires.
 
-Decode side: `PullConnector` (a `KVConnector`) posts one NIXL READ per request
+Decode side: `PullConnector` (part of decode's connector) posts one NIXL READ per request
 once the scheduler allocated its blocks, for the blocks the local prefix
 cache lacks. Its done callback runs on the transport's progress thread and
 only enqueues a call into the engine thread, which resumes the request
@@ -13,7 +13,6 @@ over HTTP from a small worker pool, never from the engine thread.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
@@ -24,47 +23,18 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from kvduplex.engine.connector import EngineHandle
 from kvduplex.engine.request import Request
-from kvduplex.engine.scheduler import SchedulerOutput
-from kvduplex.transfer.metrics import KVFlowMetrics
-from kvduplex.transfer.transport import PeerHandle, TransferHandle, TransferState, Transport
+from kvduplex.kvflow.metrics import KVFlowMetrics
+from kvduplex.transport.protocol import PeerHandle, TransferHandle, TransferState, Transport
+from kvduplex.util import ceil_div
 
 if TYPE_CHECKING:
-    from kvduplex.engine.async_engine import AsyncEngine
     from kvduplex.engine.engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
 RELEASE_PATH = "/internal/release"
-
-
-class LeaseTable:
-    """Prefill's leases on held blocks, keyed by xid. Use from the event loop."""
-
-    def __init__(self, engine: AsyncEngine, lease_s: float) -> None:
-        self.engine = engine
-        self.lease_s = lease_s
-        self._timers: dict[str, asyncio.TimerHandle] = {}
-
-    def start(self, xid: str) -> None:
-        loop = asyncio.get_running_loop()
-        self._timers[xid] = loop.call_later(self.lease_s, self._expire, xid)
-
-    def _expire(self, xid: str) -> None:
-        if self._timers.pop(xid, None) is not None:
-            logger.warning("xid=%s: pull lease expired after %.1f s; releasing", xid, self.lease_s)
-            self.engine.call(lambda e: e.scheduler.release_held(xid))
-
-    async def release(self, xid: str) -> bool:
-        """Release now; False if no lease is held under `xid`."""
-        timer = self._timers.pop(xid, None)
-        if timer is not None:
-            timer.cancel()
-        released = await self.engine.run_in_engine(lambda e: e.scheduler.release_held(xid))
-        return bool(released)
-
-    def __len__(self) -> int:
-        return len(self._timers)
 
 
 @dataclass
@@ -101,8 +71,7 @@ class PullConnector:
     def __init__(
         self,
         transport: Transport,
-        engine: AsyncEngine,
-        block_size: int,
+        engine: EngineHandle,
         deadline_s: float,
         release: Callable[[str, str], None] | None = None,
         metrics: KVFlowMetrics | None = None,
@@ -110,7 +79,7 @@ class PullConnector:
         self.transport = transport
         self.metrics = metrics
         self.engine = engine
-        self.block_size = block_size
+        self.block_size = engine.block_size
         self.deadline_s = deadline_s
         self.stats = PullStats()
         self._release = release or http_release
@@ -127,37 +96,21 @@ class PullConnector:
         with self._lock:
             return self._specs.pop(xid, None)
 
-    # ---- KVConnector ----
-
-    def on_scheduled(self, out: SchedulerOutput) -> None:
-        for req in out.remote_kv_allocated:
-            self._start(req)
-
-    def layer_hook(self, out: SchedulerOutput) -> Callable[[int], None] | None:
-        return None
-
-    def on_step_done(
-        self, out: SchedulerOutput, sampled: dict[str, int], finished: list[Request]
-    ) -> None:
-        return None
-
-    def take_updated_requests(self) -> list[Request]:
-        return []
-
     def has_pending_work(self) -> bool:
         return bool(self._in_flight)
 
     # ---- engine thread ----
 
-    def _start(self, req: Request) -> None:
+    def start(self, req: Request) -> None:
+        """The request was admitted with blocks for its prompt: READ what is missing."""
         assert req.remote_kv is not None
         rid = req.request_id
         spec = self.forget(req.remote_kv.transfer_id)
         if spec is None:
             logger.warning("request %s: no pull spec; computing the prompt locally", rid)
-            self.engine.engine.scheduler.on_remote_kv_failed(rid)
+            self.engine.compute_locally(rid, discard_blocks=False)
             return
-        num_blocks = -(-req.num_prompt_tokens // self.block_size)
+        num_blocks = ceil_div(req.num_prompt_tokens, self.block_size)
         first = req.num_cached_tokens // self.block_size
         if spec.num_tokens != req.num_prompt_tokens or len(spec.block_ids) < num_blocks:
             logger.warning(
@@ -184,13 +137,12 @@ class PullConnector:
             return
         # Our own reference keeps the target blocks allocated while the READ can
         # still land, even if the request is aborted meanwhile.
-        pool = self.engine.engine.block_pool
-        pool.acquire(local)
+        self.engine.acquire_blocks(local)
         try:
             handle = self.transport.read(spec.peer, spec.xid, local, remote, deadline_s=deadline_s)
         except Exception as exc:  # validation or a dead peer: compute locally
             logger.warning("request %s: READ from %s failed to post: %s", rid, spec.prefill_url, exc)
-            pool.release(reversed(local))
+            self.engine.release_blocks(local)
             self._finish(rid, spec, ok=False, num_read=0)
             return
         self._in_flight[rid] = handle
@@ -199,21 +151,20 @@ class PullConnector:
             ok = h.state is TransferState.DONE
             if not ok:
                 logger.warning("request %s: READ %s failed: %s", rid, h.xid, h.reason)
-            self.engine.call(lambda _e: self._on_read_done(rid, spec, ok, local))
+            self.engine.call(lambda: self._on_read_done(rid, spec, ok, local))
 
         handle.add_done_callback(done)
 
     def _on_read_done(self, rid: str, spec: PullSpec, ok: bool, local: list[int]) -> None:
         self._in_flight.pop(rid, None)
-        self.engine.engine.block_pool.release(reversed(local))
+        self.engine.release_blocks(local)
         self._finish(rid, spec, ok=ok, num_read=len(local))
 
     def _finish(self, rid: str, spec: PullSpec, *, ok: bool, num_read: int) -> None:
-        sched = self.engine.engine.scheduler
         try:
             if ok:
-                req = sched.get_request(rid)
-                sched.on_remote_kv_done(rid, None)
+                req = self.engine.get_request(rid)
+                self.engine.resume_after_read(rid)
                 if req is not None:
                     req.num_remote_cached_tokens = spec.num_cached_tokens
                 self.stats.num_pulls += 1
@@ -224,7 +175,7 @@ class PullConnector:
                 self.stats.num_failed += 1
                 if self.metrics is not None:
                     self.metrics.fallbacks.labels("pull_failed").inc()
-                sched.on_remote_kv_failed(rid)
+                self.engine.compute_locally(rid, discard_blocks=False)
         except KeyError:  # aborted meanwhile
             logger.info("request %s: gone before its KV arrived", rid)
         self._pool.submit(self._release, spec.prefill_url, spec.xid)

@@ -27,10 +27,10 @@ from dataclasses import dataclass
 import torch
 
 from kvduplex.engine.kv_cache import KVCacheLayout
-from kvduplex.transfer.base import IndexArray, TransportBase, check_compatible
-from kvduplex.transfer.messages import HandshakeInfo, LayoutInfo
-from kvduplex.transfer.metrics import TransferMetrics
-from kvduplex.transfer.transport import (
+from kvduplex.transport.base import IndexArray, TransportBase, check_compatible
+from kvduplex.transport.messages import HandshakeInfo, LayoutInfo
+from kvduplex.transport.metrics import TransferMetrics
+from kvduplex.transport.protocol import (
     FailureKind,
     Notification,
     PeerHandle,

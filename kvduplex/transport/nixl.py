@@ -52,8 +52,8 @@ import msgspec
 import torch
 
 from kvduplex.engine.kv_cache import KVCacheLayout, pool_base_address
-from kvduplex.transfer.base import IndexArray, TransportBase, check_compatible
-from kvduplex.transfer.messages import (
+from kvduplex.transport.base import IndexArray, TransportBase, check_compatible
+from kvduplex.transport.messages import (
     Envelope,
     EnvelopeKind,
     HandshakeInfo,
@@ -61,10 +61,10 @@ from kvduplex.transfer.messages import (
     decode_envelope,
     encode_envelope,
 )
-from kvduplex.transfer.metrics import TransferMetrics
-from kvduplex.transfer.nixl_agent import NixlAgent, nixl_available, region_descs
-from kvduplex.transfer.nixl_xfers import Job, XferTable
-from kvduplex.transfer.transport import (
+from kvduplex.transport.metrics import TransferMetrics
+from kvduplex.transport.nixl_agent import NixlAgent, nixl_available, region_descs
+from kvduplex.transport.nixl_xfers import Job, XferTable
+from kvduplex.transport.protocol import (
     FailureKind,
     Notification,
     PeerHandle,

@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 import msgspec
 
-from kvduplex.transfer.messages import ControlMessage, MessageCodec
-from kvduplex.transfer.transport import Transport
+from kvduplex.transport.messages import ControlMessage, MessageCodec
+from kvduplex.transport.protocol import Transport
 
 logger = logging.getLogger(__name__)
 

@@ -1,20 +1,18 @@
 """KV transfer between instances: the transport Protocol, its NIXL and in-process
 implementations, the handshake, typed control messages and metrics.
 
-Import `kvduplex.transfer.nixl` only where NIXL is installed.
+Import `kvduplex.transport.nixl` only where NIXL is installed.
 """
 
 from __future__ import annotations
 
-from kvduplex.transfer.base import block_region_indices, region_indices
-from kvduplex.transfer.messages import (
+from kvduplex.transport.base import block_region_indices, region_indices
+from kvduplex.transport.messages import (
     ControlMessage,
     HandshakeInfo,
-    KVDone,
-    KVFailed,
     MessageCodec,
 )
-from kvduplex.transfer.transport import (
+from kvduplex.transport.protocol import (
     ALL_KINDS,
     FailureKind,
     IncompatibleLayoutError,
@@ -36,8 +34,6 @@ __all__ = [
     "FailureKind",
     "HandshakeInfo",
     "IncompatibleLayoutError",
-    "KVDone",
-    "KVFailed",
     "MessageCodec",
     "Notification",
     "PeerHandle",

@@ -139,23 +139,6 @@ class ControlMessage(msgspec.Struct, tag_field="type", frozen=True):
     xid: str
 
 
-class KVDone(ControlMessage, tag="kv_done", frozen=True):
-    """The sender finished writing the KV of transfer ``xid``."""
-
-    num_tokens: int = 0
-    """Tokens whose KV the transfer carried."""
-    first_token: int | None = None
-    """First sampled token, when the sender is a prefill instance."""
-    num_cached_tokens: int = 0
-    """Prompt tokens the sender served from its prefix cache (it computed the rest)."""
-
-
-class KVFailed(ControlMessage, tag="kv_failed", frozen=True):
-    """The sender gave up on transfer ``xid``; the receiver should fall back."""
-
-    reason: str = ""
-
-
 def _all_subclasses(cls: type[ControlMessage]) -> list[type[ControlMessage]]:
     out: list[type[ControlMessage]] = []
     for sub in cls.__subclasses__():
@@ -201,8 +184,6 @@ __all__ = [
     "Envelope",
     "EnvelopeKind",
     "HandshakeInfo",
-    "KVDone",
-    "KVFailed",
     "LayoutInfo",
     "MessageCodec",
     "decode_envelope",

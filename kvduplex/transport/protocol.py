@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from kvduplex.engine.kv_cache import KVCacheLayout, KVKind
-from kvduplex.transfer.messages import HandshakeInfo
+from kvduplex.transport.messages import HandshakeInfo
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ class Notification:
 
     ``xid`` is the transfer id of the WRITE that carried it, or the one given
     to `Transport.send_notif`. ``payload`` is the sender's bytes, typically a
-    `kvduplex.transfer.messages.MessageCodec`-encoded `ControlMessage`.
+    `kvduplex.transport.messages.MessageCodec`-encoded `ControlMessage`.
     """
 
     peer_engine_id: str

@@ -25,8 +25,8 @@ import httpx
 import msgspec
 from fastapi import APIRouter, Response
 
-from kvduplex.transfer.messages import HandshakeInfo, decode_handshake, encode_handshake
-from kvduplex.transfer.transport import PeerHandle, PeerUnavailableError, Transport
+from kvduplex.transport.messages import HandshakeInfo, decode_handshake, encode_handshake
+from kvduplex.transport.protocol import PeerHandle, PeerUnavailableError, Transport
 
 logger = logging.getLogger(__name__)
 

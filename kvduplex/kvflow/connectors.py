@@ -1,0 +1,150 @@
+"""Each disaggregated role's engine connector, composed of the flows it serves.
+
+* prefill: the `KVSender`'s push hooks (plan each step's WRITEs, stream them
+  layer by layer, end jobs when the first token is sampled);
+* decode: pushed and pulled requests waiting for their prompt's KV (by the
+  flow their ``kv_transfer_params`` named), and the duplex return of finished
+  session turns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvduplex.engine.async_engine import AsyncEngine
+from kvduplex.engine.connector import EngineHandle, KVConnector
+from kvduplex.engine.request import Request
+from kvduplex.engine.scheduler_output import SchedulerOutput
+from kvduplex.kvflow.metrics import KVFlowMetrics
+from kvduplex.kvflow.pull import PullConnector
+from kvduplex.kvflow.push_decode import PushDecode
+from kvduplex.kvflow.receiver import KVReceiver
+from kvduplex.kvflow.returns import ReturnAcceptor, ReturnOfferer
+from kvduplex.kvflow.sender import KVSender
+from kvduplex.transport.notify import NotificationPump
+from kvduplex.transport.protocol import PeerHandle, Transport
+
+
+class PrefillConnector(KVConnector):
+    def __init__(self, sender: KVSender) -> None:
+        self.sender = sender
+
+    def on_scheduled(self, out: SchedulerOutput) -> None:
+        self.sender.on_scheduled(out)
+
+    def layer_hook(self, out: SchedulerOutput) -> Callable[[int], None] | None:
+        return self.sender.layer_hook(out)
+
+    def on_step_done(
+        self, out: SchedulerOutput, sampled: dict[str, int], finished: list[Request]
+    ) -> None:
+        self.sender.on_step_done(out, sampled, finished)
+
+
+class DecodeConnector(KVConnector):
+    def __init__(self, pull: PullConnector, push: PushDecode, returns: ReturnOfferer) -> None:
+        self.pull = pull
+        self.push = push
+        self.returns = returns
+
+    def on_scheduled(self, out: SchedulerOutput) -> None:
+        for req in out.remote_kv_allocated:
+            assert req.remote_kv is not None
+            if self.push.owns(req.remote_kv.transfer_id):
+                self.push.start(req)
+            else:
+                self.pull.start(req)  # the pull flow computes unknown ones locally
+
+    def on_finished(self, finished: list[Request]) -> None:
+        self.returns.on_finished(finished)
+
+    def take_updated_requests(self) -> list[Request]:
+        return self.push.take_updated_requests()
+
+    def has_pending_work(self) -> bool:
+        return self.pull.has_pending_work()
+
+
+@dataclass
+class PrefillFlows:
+    """A prefill instance's flows: it sends pushes and receives returns."""
+
+    sender: KVSender
+    receiver: KVReceiver
+    acceptor: ReturnAcceptor
+    connector: PrefillConnector
+
+
+@dataclass
+class DecodeFlows:
+    """A decode instance's flows: it receives pushes (or pulls) and sends returns."""
+
+    sender: KVSender
+    receiver: KVReceiver
+    push: PushDecode
+    pull: PullConnector
+    offerer: ReturnOfferer
+    connector: DecodeConnector
+
+
+def _halves(
+    transport: Transport, handle: EngineHandle, timing: FlowTiming, metrics: KVFlowMetrics | None,
+    peer_of: Callable[[str], PeerHandle | None], pump: NotificationPump,
+) -> tuple[KVSender, KVReceiver]:  # fmt: skip
+    sender = KVSender(
+        transport, handle, registration_wait_s=timing.wait_s, deadline_s=timing.transfer_timeout_s,
+        metrics=metrics, peer_of=peer_of,
+    )  # fmt: skip
+    receiver = KVReceiver(transport, handle, timing.wait_s, timing.quarantine_s)
+    sender.attach(pump)
+    receiver.attach(pump)
+    return sender, receiver
+
+
+def prefill_flows(
+    transport: Transport, engine: AsyncEngine, pump: NotificationPump, timing: FlowTiming,
+    peer_of: Callable[[str], PeerHandle | None], metrics: KVFlowMetrics | None = None,
+) -> PrefillFlows:  # fmt: skip
+    """Build prefill's flows on `pump` and install its connector into the engine."""
+    handle = EngineHandle(engine)
+    sender, receiver = _halves(transport, handle, timing, metrics, peer_of, pump)
+    acceptor = ReturnAcceptor(receiver, handle, peer_of, metrics)
+    acceptor.attach(pump)
+    flows = PrefillFlows(sender, receiver, acceptor, PrefillConnector(sender))
+    engine.engine.connector = flows.connector
+    return flows
+
+
+def decode_flows(
+    transport: Transport, engine: AsyncEngine, pump: NotificationPump, timing: FlowTiming,
+    peer_of: Callable[[str], PeerHandle | None], metrics: KVFlowMetrics | None = None,
+    release: Callable[[str, str], None] | None = None,
+) -> DecodeFlows:  # fmt: skip
+    """Build decode's flows on `pump` and install its connector into the engine.
+
+    ``release(prefill_url, xid)`` ends a pull's lease (default: over HTTP).
+    """
+    handle = EngineHandle(engine)
+    sender, receiver = _halves(transport, handle, timing, metrics, peer_of, pump)
+    push = PushDecode(receiver, handle, metrics)
+    push.attach(pump)
+    pull = PullConnector(transport, handle, timing.wait_s, release=release, metrics=metrics)
+    offerer = ReturnOfferer(sender, handle, metrics)
+    offerer.attach(pump)
+    flows = DecodeFlows(sender, receiver, push, pull, offerer, DecodeConnector(pull, push, offerer))
+    engine.engine.connector = flows.connector
+    return flows
+
+
+@dataclass(frozen=True)
+class FlowTiming:
+    """The deadlines every flow shares."""
+
+    wait_s: float
+    """A receiver's wait without word from its sender (and a sender's for a registration)."""
+    transfer_timeout_s: float
+    """One transfer's deadline."""
+    quarantine_s: float
+    """How long a receiver that gave up keeps its registered blocks unless the sender
+    confirms sooner that no WRITE can land."""

@@ -1,0 +1,110 @@
+"""Control messages of the KV flows, carried in NIXL notifications.
+
+One sender and one receiver serve every flow, whichever instance plays which
+part (push: prefill sends, decode receives; return: decode sends, prefill
+receives)::
+
+    receiver ── KVRegister{dst blocks} ──► sender        (push: D→P; return: P→D)
+    receiver ── KVWaiting ──────────────► sender         (not registered yet, still coming)
+    sender ──── WRITE ... ─────────────► receiver's blocks
+    sender ──── KVAlive ───────────────► receiver ── KVAliveAck ──► sender
+    sender ──── KVDone / KVFailed ─────► receiver
+    receiver ── KVCancel ──────────────► sender          (stopped waiting)
+    sender ──── KVOffer{keys, tokens} ─► receiver        (return only: what could be sent)
+"""
+
+from __future__ import annotations
+
+from kvduplex.transport.messages import ControlMessage
+
+
+class KVRegister(ControlMessage, tag="kv_register", frozen=True):
+    """The receiver's destination blocks for blocks ``first_block ..`` of transfer ``xid``."""
+
+    block_ids: list[int]
+    first_block: int
+    """Blocks before this one the receiver already has (its prefix cache)."""
+    num_tokens: int
+    """Tokens the transfer covers, as the receiver counts them (a check)."""
+    wait_s: float
+    """How long the receiver waits from sending this without hearing from the sender
+    (each `KVAlive` restarts it); the sender writes nothing after that."""
+    sent_at: float
+    """The receiver's wall clock (`time.time`) when it sent this: a registration that
+    arrives late gets only what is left of the receiver's wait."""
+
+
+class KVWaiting(ControlMessage, tag="kv_waiting", frozen=True):
+    """The receiver will register ``xid`` but cannot yet (queued): keep the job."""
+
+
+class KVAlive(ControlMessage, tag="kv_alive", frozen=True):
+    """The sender still holds transfer ``xid`` and its engine runs: restart the wait."""
+
+    sent_at: float = 0.0
+    """The sender's `time.monotonic()` when it sent this (echoed by `KVAliveAck`)."""
+
+
+class KVAliveAck(ControlMessage, tag="kv_alive_ack", frozen=True):
+    """The receiver restarted its wait for ``xid`` on the `KVAlive` sent at ``sent_at``."""
+
+    sent_at: float
+
+
+class KVCancel(ControlMessage, tag="kv_cancel", frozen=True):
+    """The receiver stopped waiting for ``xid``; the sender stops and confirms with KVFailed."""
+
+    reason: str = ""
+
+
+class KVDone(ControlMessage, tag="kv_done", frozen=True):
+    """The sender finished writing the KV of transfer ``xid``."""
+
+    num_tokens: int = 0
+    """Tokens whose KV the transfer carried."""
+    first_token: int | None = None
+    """First sampled token, when the sender is a prefill instance."""
+    num_cached_tokens: int = 0
+    """Prompt tokens the sender served from its prefix cache (it computed the rest)."""
+
+
+class KVFailed(ControlMessage, tag="kv_failed", frozen=True):
+    """The sender gave up on transfer ``xid``; the receiver should fall back."""
+
+    reason: str = ""
+
+
+class KVOffer(ControlMessage, tag="kv_offer", frozen=True):
+    """Return: full blocks the sender holds, for the receiver's prefix cache.
+
+    Block ``i`` of the offer holds ``token_ids[i*block_size : (i+1)*block_size]``;
+    its prefix-cache key is ``keys[i]``, chained from ``parent_key`` (None: the
+    offer starts at the sequence's first block). The receiver recomputes the keys
+    from the tokens and declines an offer whose keys do not match.
+    """
+
+    session_id: str
+    keys: list[bytes]
+    token_ids: list[int]
+    parent_key: bytes | None = None
+
+
+class KVDecline(ControlMessage, tag="kv_decline", frozen=True):
+    """Return: the receiver takes nothing of offer ``xid`` (it has it all, or no room)."""
+
+    reason: str = ""
+    num_held: int = 0
+    """Offered blocks the receiver already had."""
+
+
+__all__ = [
+    "KVAlive",
+    "KVAliveAck",
+    "KVCancel",
+    "KVDecline",
+    "KVDone",
+    "KVFailed",
+    "KVOffer",
+    "KVRegister",
+    "KVWaiting",
+]

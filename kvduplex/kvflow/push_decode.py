@@ -1,0 +1,194 @@
+"""Decode's side of the layer-wise push: a request waits for its prompt's KV.
+
+::
+
+    HTTP prepare: register(PushSpec)      (before the request reaches the engine)
+    admission: prefix hit + blocks for the rest ──► KVReceiver.expect (KVRegister to P)
+    KVDone{first_token} ──► the request decodes on from P's first token
+    KVFailed / deadline / cancel ──► the request prefills its prompt here
+
+While a request waits for admission (queued on decode), its spec sends
+prefill `KVWaiting` every third of the wait, which keeps prefill's wait for
+the registration open; a spec whose request left before admission is dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from functools import partial
+
+from kvduplex.engine.connector import EngineHandle
+from kvduplex.engine.request import Request
+from kvduplex.kvflow.messages import KVDone, KVWaiting
+from kvduplex.kvflow.metrics import KVFlowMetrics
+from kvduplex.kvflow.receiver import KVReceiver, WaitFailure
+from kvduplex.kvflow.sender import HEARTBEATS_PER_WAIT
+from kvduplex.transport.messages import MessageCodec
+from kvduplex.transport.notify import NotificationPump
+from kvduplex.transport.protocol import PeerHandle
+from kvduplex.util import ceil_div
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PushSpec:
+    """Where a decode request's pushed KV comes from (set before it is added)."""
+
+    xid: str
+    peer: PeerHandle
+    prefill_url: str
+    request_id: str | None = None
+    """Decode's request for it; a spec whose request is gone before admission is dropped."""
+
+
+@dataclass
+class PushDecodeStats:
+    num_received: int = 0
+    num_received_blocks: int = 0
+    num_fallbacks: int = 0
+    num_skipped_blocks: int = 0
+    """Blocks not pushed because the local prefix cache had them."""
+    num_waiting_sent: int = 0
+
+
+class PushDecode:
+    """Pushed requests on decode: specs until admission, then a `KVReceiver` wait."""
+
+    def __init__(
+        self,
+        receiver: KVReceiver,
+        engine: EngineHandle,
+        metrics: KVFlowMetrics | None = None,
+    ) -> None:
+        self.receiver = receiver
+        self.engine = engine
+        self.block_size = engine.block_size
+        self.wait_s = receiver.wait_s
+        self.metrics = metrics
+        self.stats = PushDecodeStats()
+        self.codec = MessageCodec()
+        self._lock = threading.Lock()
+        self._specs: dict[str, PushSpec] = {}
+        self._spec_waiting_at: dict[str, float] = {}  # xid -> last KVWaiting to its prefill
+        self._updated: list[Request] = []
+
+    def attach(self, pump: NotificationPump) -> None:
+        pump.every_tick(self._tick)
+
+    def register(self, spec: PushSpec) -> None:
+        """From any thread, before the request is added."""
+        with self._lock:
+            self._specs[spec.xid] = spec
+            self._spec_waiting_at[spec.xid] = time.monotonic()
+
+    def owns(self, xid: str) -> bool:
+        with self._lock:
+            return xid in self._specs
+
+    def take_updated_requests(self) -> list[Request]:
+        updated, self._updated = self._updated, []
+        return updated
+
+    # ---- engine thread ----
+
+    def start(self, req: Request) -> None:
+        """The request was admitted with blocks for its whole prompt: register them."""
+        assert req.remote_kv is not None
+        xid, rid = req.remote_kv.transfer_id, req.request_id
+        with self._lock:
+            spec = self._specs.pop(xid, None)
+            self._spec_waiting_at.pop(xid, None)
+        if spec is None:
+            logger.warning("request %s: no push spec for %s; computing locally", rid, xid)
+            self.engine.compute_locally(rid, discard_blocks=False)
+            return
+        first = req.num_cached_tokens // self.block_size
+        blocks = list(req.block_ids[first : ceil_div(req.num_prompt_tokens, self.block_size)])
+        self.stats.num_skipped_blocks += first
+        if self.metrics is not None:
+            self.metrics.remote_prefix_hit_tokens.inc(req.num_cached_tokens)
+        ok = self.receiver.expect(
+            xid, spec.peer, blocks, first, req.num_prompt_tokens,
+            on_done=partial(self._on_done, rid, len(blocks)),
+            on_failed=partial(self._on_failed, rid),
+        )  # fmt: skip
+        if not ok:
+            self._fall_back(rid, "register_failed", discard_blocks=False)
+
+    def cancel(self, xid: str, reason: str) -> bool:
+        """Stop waiting for `xid` (the router: prefill failed); False if unknown."""
+        with self._lock:
+            spec = self._specs.pop(xid, None)
+            self._spec_waiting_at.pop(xid, None)
+        if spec is not None:  # not admitted yet: it computes locally when admitted
+            return True
+        return self.receiver.cancel(xid, reason)
+
+    def _on_done(self, rid: str, num_blocks: int, msg: KVDone) -> None:
+        req = self.engine.get_request(rid)
+        if req is None:
+            return
+        if msg.first_token is None:
+            self._fall_back(rid, "no_first_token", discard_blocks=False)
+            return
+        try:
+            self.engine.resume_with_first_token(rid, msg.first_token)
+        except KeyError:
+            return
+        req.num_remote_cached_tokens = msg.num_cached_tokens
+        self._updated.append(req)
+        self.stats.num_received += 1
+        self.stats.num_received_blocks += num_blocks
+        if self.metrics is not None:
+            self.metrics.received_tokens.inc(msg.num_tokens - req.num_cached_tokens)
+
+    def _on_failed(self, rid: str, cause: WaitFailure, reason: str) -> None:
+        self._fall_back(rid, cause.value, discard_blocks=cause.may_still_be_written)
+
+    def _fall_back(self, rid: str, reason: str, *, discard_blocks: bool) -> None:
+        self.stats.num_fallbacks += 1
+        if self.metrics is not None:
+            self.metrics.fallbacks.labels(reason).inc()
+        try:
+            self.engine.compute_locally(rid, discard_blocks=discard_blocks)
+        except KeyError:
+            logger.info("request %s: gone before its KV arrived", rid)
+
+    def _drop_orphan_specs(self, specs: list[PushSpec]) -> None:
+        """Forget specs whose request left before admission (aborted), so that their
+        heartbeats stop; prefill's own wait for the registration then ends the job."""
+        gone = [s.xid for s in specs if s.request_id and self.engine.get_request(s.request_id) is None]
+        with self._lock:
+            for xid in gone:
+                if self._specs.pop(xid, None) is not None:
+                    logger.info("xid=%s: decode request gone before admission", xid)
+                self._spec_waiting_at.pop(xid, None)
+
+    # ---- pump thread ----
+
+    def _tick(self, now: float) -> None:
+        beats: list[PushSpec] = []
+        with self._lock:
+            if self.engine.is_healthy:
+                for xid, at in self._spec_waiting_at.items():
+                    if now - at >= self.wait_s / HEARTBEATS_PER_WAIT:
+                        self._spec_waiting_at[xid] = now
+                        beats.append(self._specs[xid])
+                self.stats.num_waiting_sent += len(beats)
+        if not beats:
+            return
+        self.engine.call(partial(self._drop_orphan_specs, beats))
+        for spec in beats:
+            try:
+                self.receiver.transport.send_notif(
+                    spec.peer, self.codec.encode(KVWaiting(spec.xid)), spec.xid
+                )
+            except Exception as exc:
+                logger.info("xid=%s: cannot tell %s: %s", spec.xid, spec.prefill_url, exc)
+
+
+__all__ = ["PushDecode", "PushDecodeStats", "PushSpec"]

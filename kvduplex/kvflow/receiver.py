@@ -1,0 +1,268 @@
+"""The receiving half of every KV flow: register destination blocks, wait for them.
+
+`KVReceiver.expect` takes a reference on the destination blocks, sends the
+sender a `KVRegister`, and waits; the flow that asked learns the outcome
+through its callbacks, on the engine thread::
+
+    expect(xid, blocks, on_done, on_failed) ── KVRegister ──► sender
+         ◄── KVAlive (restarts the wait; answered by KVAliveAck)
+         ◄── KVDone  ──► release our references, on_done(msg)
+         ◄── KVFailed ─► release our references, on_failed(reason, discard=False)
+    no word for wait_s ──► KVCancel to the sender, on_failed(reason, discard=True),
+                           our references kept (quarantine) until the sender
+                           confirms (KVDone/KVFailed) or quarantine_s passed
+
+Push uses it on decode (the blocks belong to a request waiting for its
+prompt's KV); the duplex return uses it on prefill (fresh blocks that enter
+the prefix cache once filled). A late WRITE therefore never lands in a block
+that holds someone else's KV: whoever gives blocks up after a fallback does
+so while the receiver still references them.
+
+Threads: waits are created and ended on the engine thread; the pump only
+takes ``_lock`` (which guards ``_waits``) and queues engine calls.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+from kvduplex.engine.connector import EngineHandle
+from kvduplex.kvflow.messages import (
+    KVAlive,
+    KVAliveAck,
+    KVCancel,
+    KVDone,
+    KVFailed,
+    KVRegister,
+)
+from kvduplex.transport.messages import ControlMessage, MessageCodec
+from kvduplex.transport.notify import NotificationPump
+from kvduplex.transport.protocol import PeerHandle, Transport
+
+logger = logging.getLogger(__name__)
+
+class WaitFailure(enum.Enum):
+    """Why a wait ended without the KV (a metrics label too)."""
+
+    SENDER_FAILED = "sender_failed"
+    """KVFailed: nothing is in flight any more; the blocks may be reused."""
+    DEADLINE = "deadline"
+    CANCELLED = "cancelled"
+
+    @property
+    def may_still_be_written(self) -> bool:
+        """A late WRITE may still land in the registered blocks: compute elsewhere."""
+        return self is not WaitFailure.SENDER_FAILED
+
+
+OnDone = Callable[[KVDone], None]
+OnFailed = Callable[[WaitFailure, str], None]
+
+
+@dataclass
+class _Wait:
+    xid: str
+    peer: PeerHandle
+    blocks: list[int]
+    """Our own references on the registered blocks (released when the sender is done)."""
+    deadline: float
+    on_done: OnDone
+    on_failed: OnFailed
+    fell_back: bool = False
+    quarantine_until: float = 0.0
+    expiring: bool = False
+
+
+@dataclass
+class KVReceiverStats:
+    num_received: int = 0
+    num_received_blocks: int = 0
+    num_failed: int = 0
+    num_late: int = 0
+    """KVDone/KVFailed that arrived after the deadline had passed."""
+    num_alive_received: int = 0
+
+
+class KVReceiver:
+    """Waits for senders to fill registered blocks, with deadlines and quarantine."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        engine: EngineHandle,
+        wait_s: float,
+        quarantine_s: float,
+    ) -> None:
+        self.transport = transport
+        self.engine = engine
+        self.wait_s = wait_s
+        self.quarantine_s = quarantine_s
+        self.stats = KVReceiverStats()
+        self.codec = MessageCodec()
+        self._lock = threading.Lock()
+        self._waits: dict[str, _Wait] = {}
+
+    def attach(self, pump: NotificationPump) -> None:
+        pump.on(KVDone, self._on_done_notif)
+        pump.on(KVFailed, self._on_failed_notif)
+        pump.on(KVAlive, self._on_alive_notif)
+        pump.every_tick(self._tick)
+
+    # ---- engine thread ----
+
+    def expect(
+        self,
+        xid: str,
+        peer: PeerHandle,
+        blocks: list[int],
+        first_block: int,
+        num_tokens: int,
+        on_done: OnDone,
+        on_failed: OnFailed,
+    ) -> bool:
+        """Register `blocks` (for the transfer's blocks ``first_block ..``) with the sender.
+
+        Takes our own reference on them until the sender is done. False (nothing
+        kept, nothing called) if the registration could not be sent.
+        """
+        self.engine.acquire_blocks(blocks)
+        msg = KVRegister(xid, blocks, first_block, num_tokens, self.wait_s, time.time())
+        wait = _Wait(xid, peer, list(blocks), time.monotonic() + self.wait_s, on_done, on_failed)
+        with self._lock:
+            self._waits[xid] = wait
+        try:
+            self.transport.send_notif(peer, self.codec.encode(msg), xid)
+        except Exception as exc:
+            logger.warning("xid=%s: cannot register with %s: %s", xid, peer.engine_id, exc)
+            with self._lock:
+                self._waits.pop(xid, None)
+            self.engine.release_blocks(blocks)
+            return False
+        return True
+
+    def cancel(self, xid: str, reason: str) -> bool:
+        """Stop waiting for `xid` now (its flow falls back); False if unknown or over."""
+        with self._lock:
+            wait = self._waits.get(xid)
+        if wait is None or wait.fell_back:
+            return False
+        self._give_up(wait, reason, WaitFailure.CANCELLED)
+        return True
+
+    def _on_done(self, msg: KVDone, sender: str) -> None:
+        wait = self._pop_wait(msg.xid, sender)
+        if wait is None:
+            return
+        self.engine.release_blocks(wait.blocks)
+        if wait.fell_back:
+            self.stats.num_late += 1
+            return
+        self.stats.num_received += 1
+        self.stats.num_received_blocks += len(wait.blocks)
+        wait.on_done(msg)
+
+    def _on_failed(self, msg: KVFailed, sender: str) -> None:
+        wait = self._pop_wait(msg.xid, sender)
+        if wait is None:
+            return
+        self.engine.release_blocks(wait.blocks)
+        if wait.fell_back:
+            self.stats.num_late += 1
+            return
+        self.stats.num_failed += 1
+        logger.warning("xid=%s: the sender gave up (%s)", msg.xid, msg.reason)
+        wait.on_failed(WaitFailure.SENDER_FAILED, msg.reason)
+
+    def _pop_wait(self, xid: str, sender: str) -> _Wait | None:
+        with self._lock:
+            wait = self._waits.get(xid)
+            if wait is None:
+                logger.info("xid=%s: message from %s for no pending transfer", xid, sender)
+                return None
+            if sender != wait.peer.engine_id:
+                logger.warning(
+                    "xid=%s: message from %s, expected %s; ignored", xid, sender, wait.peer.engine_id
+                )
+                return None
+            return self._waits.pop(xid)
+
+    def _give_up(self, wait: _Wait, reason: str, cause: WaitFailure) -> None:
+        """Stop waiting: the flow falls back; quarantine the registered blocks."""
+        with self._lock:
+            wait.fell_back = True
+            wait.quarantine_until = time.monotonic() + self.quarantine_s
+        self.stats.num_failed += 1
+        logger.warning("xid=%s: %s; falling back", wait.xid, reason)
+        self._tell(wait.peer, KVCancel(wait.xid, reason))
+        wait.on_failed(cause, reason)
+
+    def _expire(self, wait: _Wait) -> None:
+        with self._lock:
+            wait.expiring = False
+            current = self._waits.get(wait.xid) is wait
+        if not current:
+            return
+        if not wait.fell_back:
+            if time.monotonic() > wait.deadline:
+                self._give_up(
+                    wait, f"no word from the sender for {self.wait_s:g} s", WaitFailure.DEADLINE
+                )
+            return
+        with self._lock:
+            del self._waits[wait.xid]
+        logger.warning("xid=%s: no word from the sender; releasing quarantined blocks", wait.xid)
+        self.engine.release_blocks(wait.blocks)
+
+    # ---- pump thread ----
+
+    def _on_done_notif(self, msg: ControlMessage, sender: str) -> None:
+        assert isinstance(msg, KVDone)
+        self.engine.call(lambda: self._on_done(msg, sender))
+
+    def _on_failed_notif(self, msg: ControlMessage, sender: str) -> None:
+        assert isinstance(msg, KVFailed)
+        self.engine.call(lambda: self._on_failed(msg, sender))
+
+    def _on_alive_notif(self, msg: ControlMessage, sender: str) -> None:
+        """The sender still holds ``xid``: restart the wait (nothing to do in the engine)."""
+        assert isinstance(msg, KVAlive)
+        now = time.monotonic()
+        with self._lock:
+            wait = self._waits.get(msg.xid)
+            if wait is None or wait.fell_back or sender != wait.peer.engine_id:
+                return  # no answer: the sender's deadline stays where ours was
+            wait.deadline = max(wait.deadline, now + self.wait_s)
+            self.stats.num_alive_received += 1
+            peer = wait.peer
+        self._tell(peer, KVAliveAck(msg.xid, msg.sent_at))
+
+    def _tell(self, peer: PeerHandle, msg: ControlMessage) -> None:
+        """Send `msg` to a sender; a peer we cannot reach is only logged."""
+        try:
+            self.transport.send_notif(peer, self.codec.encode(msg), msg.xid)
+        except Exception as exc:
+            logger.info("xid=%s: cannot tell %s: %s", msg.xid, peer.engine_id, exc)
+
+    def _tick(self, now: float) -> None:
+        due: list[_Wait] = []
+        with self._lock:
+            for wait in self._waits.values():
+                limit = wait.quarantine_until if wait.fell_back else wait.deadline
+                if now > limit and not wait.expiring:
+                    wait.expiring = True
+                    due.append(wait)
+        for wait in due:
+            self.engine.call(partial(self._expire, wait))
+
+    def num_waiting(self) -> int:
+        with self._lock:
+            return len(self._waits)
+
+
+__all__ = ["KVReceiver", "KVReceiverStats", "OnDone", "OnFailed", "WaitFailure"]

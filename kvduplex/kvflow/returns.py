@@ -1,0 +1,275 @@
+"""The duplex return: decode pushes a finished turn's blocks into prefill's prefix cache.
+
+It is the push flow reversed, built from the same `KVSender` (on decode) and
+`KVReceiver` (on prefill)::
+
+    D: turn finished (blocks held) ── next engine call, after the answer went out
+    D: KVOffer{session, keys, token ids, parent key} ──────────────► P
+                         P: recompute the keys from the tokens (else decline);
+                            keep the leading blocks it has, allocate the rest
+                            (evicting unreferenced cached blocks) or decline
+    D ◄── KVRegister{dst for blocks first_block..} (or KVDecline) ── P
+    D: one WRITE of every layer of those blocks ──────────────────► P's blocks
+    D: KVDone ─────────────────────────────────────────────────────► P: insert the
+                                                            blocks into its prefix cache
+
+Nothing is pinned: decode's job references its blocks from the offer until its
+WRITE ended (the request itself released them at the offer); prefill's new
+blocks enter its cache only once complete, so a turn that arrives meanwhile
+misses and recomputes, never reads half-written KV. Every wait is a
+`KVSender`/`KVReceiver` wait with its deadline; any failure leaves the blocks
+uncached (slower next turn, never a wrong token).
+
+Which blocks: the offer starts at ``from_block`` (by default the first block
+that is not wholly prompt: prefill computed the prompt and cached its full
+blocks) and ends at the last full block whose KV decode computed.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+from kvduplex.engine.block_pool import BlockHash, compute_block_hashes
+from kvduplex.engine.connector import EngineHandle
+from kvduplex.engine.request import FinishReason, Request
+from kvduplex.kvflow.messages import KVDecline, KVDone, KVOffer
+from kvduplex.kvflow.metrics import KVFlowMetrics
+from kvduplex.kvflow.receiver import KVReceiver, WaitFailure
+from kvduplex.kvflow.sender import KVSender, SendJob
+from kvduplex.transport.messages import ControlMessage, MessageCodec
+from kvduplex.transport.notify import NotificationPump
+from kvduplex.transport.protocol import PeerHandle
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ReturnSpec:
+    """Where a decode request's finished turn goes: the request's ``connector_meta``
+    (added with ``hold_blocks_on_finish``, so its blocks outlive the finish)."""
+
+    session_id: str
+    peer: PeerHandle
+    from_block: int | None = None
+    """First block to offer; None: the first block that is not wholly prompt."""
+
+
+@dataclass
+class ReturnStats:
+    num_offered: int = 0
+    num_done: int = 0
+    num_failed: int = 0
+    num_declined: int = 0
+    num_sent_blocks: int = 0
+    num_sent_bytes: int = 0
+    num_received_blocks: int = 0
+    """Prefill side: blocks inserted into the prefix cache."""
+    num_accepted: int = 0
+    num_refused: int = 0
+    """Prefill side: offers declined (see the metrics for why)."""
+
+
+class ReturnOfferer:
+    """Decode's side: offer each finished session turn, WRITE what prefill lacks."""
+
+    def __init__(
+        self, sender: KVSender, engine: EngineHandle, metrics: KVFlowMetrics | None = None
+    ) -> None:
+        self.sender = sender
+        self.engine = engine
+        self.block_size = engine.block_size
+        self.metrics = metrics
+        self.stats = ReturnStats()
+        self.codec = MessageCodec()
+
+    def attach(self, pump: NotificationPump) -> None:
+        pump.on(KVDecline, self._on_decline_notif)
+
+    # ---- engine thread ----
+
+    def on_finished(self, finished: list[Request]) -> None:
+        """After a step: offer the finished turns once their answers went out.
+
+        An aborted request is never held, so it is never offered.
+        """
+        for req in finished:
+            if isinstance(req.connector_meta, ReturnSpec):
+                # The engine dispatches this step's outputs before it runs calls.
+                self.engine.call(partial(self._offer, req, req.connector_meta))
+
+    def _offer(self, req: Request, spec: ReturnSpec) -> None:
+        rid = req.request_id
+        try:
+            if req.finish_reason is None or req.finish_reason is FinishReason.ABORT:
+                return
+            offer = self._build_offer(req, spec)
+            if offer is None:
+                return
+            xid, blocks, msg = offer
+            self.sender.offer(
+                xid, spec.peer, blocks, len(msg.token_ids), on_end=partial(self._on_end, msg)
+            )
+        finally:
+            self.engine.release_held(rid)
+        self.stats.num_offered += 1
+        try:
+            self.sender.transport.send_notif(spec.peer, self.codec.encode(msg), xid)
+        except Exception as exc:
+            logger.warning("xid=%s: cannot offer to %s: %s", xid, spec.peer.engine_id, exc)
+            self.sender.decline(xid, f"offer not sent: {exc}")
+        logger.debug(
+            "xid=%s: session %s offers blocks %d..+%d to %s",
+            xid, spec.session_id, spec.from_block, len(blocks), spec.peer.engine_id,
+        )  # fmt: skip
+
+    def _build_offer(self, req: Request, spec: ReturnSpec) -> tuple[str, list[int], KVOffer] | None:
+        bs = self.block_size
+        num_full = min(req.num_computed_tokens // bs, len(req.block_ids), len(req.block_hashes))
+        first = req.num_prompt_tokens // bs if spec.from_block is None else spec.from_block
+        if first >= num_full:
+            return None
+        keys = req.block_hashes[first:num_full]
+        parent = req.block_hashes[first - 1] if first > 0 else None
+        xid = f"ret-{uuid.uuid4().hex}"
+        msg = KVOffer(
+            xid, spec.session_id, [bytes(k) for k in keys],
+            list(req.all_token_ids[first * bs : num_full * bs]),
+            None if parent is None else bytes(parent),
+        )  # fmt: skip
+        return xid, list(req.block_ids[first:num_full]), msg
+
+    def _on_end(self, msg: KVOffer, job: SendJob) -> None:
+        if job.error is None:
+            self.stats.num_done += 1
+            num_sent = job.num_blocks - (job.reg.first_block if job.reg else 0)
+            self.stats.num_sent_blocks += num_sent
+            self.stats.num_sent_bytes += job.num_bytes
+            outcome = "done"
+            if self.metrics is not None:
+                self.metrics.return_blocks.labels("sent").inc(num_sent)
+                self.metrics.return_bytes.labels("sent").inc(job.num_bytes)
+        elif job.reg is None:
+            self.stats.num_declined += 1
+            outcome = "declined"
+        else:
+            self.stats.num_failed += 1
+            outcome = "failed"
+        if self.metrics is not None:
+            self.metrics.returns.labels(outcome).inc()
+
+    def _on_decline_notif(self, msg: ControlMessage, sender: str) -> None:
+        assert isinstance(msg, KVDecline)
+        logger.debug("xid=%s: %s declined the return: %s", msg.xid, sender, msg.reason)
+        self.engine.call(lambda: self.sender.decline(msg.xid, f"declined: {msg.reason}"))
+
+
+class ReturnAcceptor:
+    """Prefill's side: take the blocks of an offer its prefix cache lacks."""
+
+    def __init__(
+        self,
+        receiver: KVReceiver,
+        engine: EngineHandle,
+        peer_of: Callable[[str], PeerHandle | None],
+        metrics: KVFlowMetrics | None = None,
+        max_blocks_per_offer: int | None = None,
+    ) -> None:
+        self.receiver = receiver
+        self.engine = engine
+        self.block_size = engine.block_size
+        self.peer_of = peer_of
+        self.metrics = metrics
+        self.max_blocks_per_offer = max_blocks_per_offer
+        self.stats = ReturnStats()
+        self.codec = MessageCodec()
+
+    def attach(self, pump: NotificationPump) -> None:
+        pump.on(KVOffer, self._on_offer_notif)
+
+    def _on_offer_notif(self, msg: ControlMessage, sender: str) -> None:
+        assert isinstance(msg, KVOffer)
+        self.engine.call(lambda: self.accept(msg, sender))
+
+    # ---- engine thread ----
+
+    def accept(self, msg: KVOffer, sender: str) -> None:
+        """Answer an offer: register destination blocks, or decline (and say why)."""
+        peer = self.peer_of(sender)
+        if peer is None:
+            logger.warning("xid=%s: offer from %s, which is not a connected peer", msg.xid, sender)
+            self._count_refusal("unknown_peer")
+            return
+        problem, keys = self._check(msg)
+        if problem is not None:
+            self._decline(peer, msg.xid, problem)
+            return
+        num_have = self.engine.num_cached_prefix(keys)
+        missing = keys[num_have:]
+        if not missing:
+            self._decline(peer, msg.xid, "has_all", num_have)
+            return
+        blocks = self.engine.try_allocate_blocks(len(missing))
+        if blocks is None:
+            self._decline(peer, msg.xid, "no_room", num_have)
+            return
+        ok = self.receiver.expect(
+            msg.xid, peer, blocks, num_have, len(msg.token_ids),
+            on_done=partial(self._on_done, blocks, missing),
+            on_failed=partial(self._on_failed, blocks),
+        )  # fmt: skip
+        if not ok:
+            self.engine.release_blocks(blocks)
+            return
+        self.stats.num_accepted += 1
+
+    def _check(self, msg: KVOffer) -> tuple[str | None, list[BlockHash]]:
+        """Why the offer cannot be taken (a metrics label), and its keys."""
+        bs = self.block_size
+        n = len(msg.keys)
+        if n == 0 or len(msg.token_ids) != n * bs:
+            return "malformed", []
+        if self.max_blocks_per_offer is not None and n > self.max_blocks_per_offer:
+            return "too_large", []
+        parent = None if msg.parent_key is None else BlockHash(msg.parent_key)
+        keys = compute_block_hashes(msg.token_ids, bs, self.engine.identity, parent)
+        if [bytes(k) for k in keys] != list(msg.keys):
+            return "keys_mismatch", []
+        if parent is not None and self.engine.num_cached_prefix([parent]) == 0:
+            # Blocks after a prefix we lack could never be hit: lookups stop at a miss.
+            return "prefix_missing", []
+        return None, keys
+
+    def _decline(self, peer: PeerHandle, xid: str, reason: str, num_held: int = 0) -> None:
+        self._count_refusal(reason)
+        try:
+            self.receiver.transport.send_notif(
+                peer, self.codec.encode(KVDecline(xid, reason, num_held)), xid
+            )
+        except Exception as exc:
+            logger.info("xid=%s: cannot decline to %s: %s", xid, peer.engine_id, exc)
+
+    def _count_refusal(self, reason: str) -> None:
+        self.stats.num_refused += 1
+        if self.metrics is not None:
+            self.metrics.return_declined.labels(reason).inc()
+
+    def _on_done(self, blocks: list[int], keys: list[BlockHash], msg: KVDone) -> None:
+        num_cached = self.engine.cache_blocks(blocks, keys)
+        self.engine.release_blocks(blocks)
+        self.stats.num_received_blocks += len(blocks)
+        if self.metrics is not None:
+            self.metrics.return_blocks.labels("received").inc(len(blocks))
+            self.metrics.returns.labels("received").inc()
+        logger.debug("xid=%s: %d returned blocks cached (%d new)", msg.xid, len(blocks), num_cached)
+
+    def _on_failed(self, blocks: list[int], cause: WaitFailure, reason: str) -> None:
+        self.engine.release_blocks(blocks)
+        if self.metrics is not None:
+            self.metrics.returns.labels(f"receive_{cause.value}").inc()
+
+
+__all__ = ["ReturnAcceptor", "ReturnOfferer", "ReturnSpec", "ReturnStats"]

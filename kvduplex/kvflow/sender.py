@@ -1,0 +1,623 @@
+"""The sending half of every KV flow: WRITE blocks into blocks a peer registered.
+
+A *job* is one transfer ``xid`` to one peer, over a run of ``num_blocks``
+blocks. Its source is either
+
+* a prefill request (push): its blocks fill as the prefill computes, and the
+  engine's layer hook WRITEs each layer of a chunk's finished blocks while the
+  next layer runs (see `on_scheduled` / `layer_hook`); or
+* blocks already computed (return): the job holds its own references on them
+  and WRITEs them all at once when the registration arrives.
+
+::
+
+    expect()/offer()     registration (KVRegister: dst for blocks first_block..)
+         │                   │
+         ▼                   ▼
+    [ 0 .. first_block │ first_block ......................... num_blocks )
+       peer has them      WRITE as computed (push) or at once (return)
+                          every WRITE ended ──► KVDone{first_token} / KVFailed
+
+Failure rules:
+
+* Deadlines bound silence, not queueing. While the job is registered, the
+  sender sends `KVAlive` every third of the receiver's wait; the receiver's
+  `KVAliveAck` moves the sender's own deadline on by the wait from when the
+  heartbeat left, so the sender never WRITEs after the receiver's deadline (a
+  receiver that gave up does not answer). Before registration, the receiver's
+  `KVWaiting` keeps the job. Only a healthy engine sends heartbeats.
+* `KVFailed` goes out only once none of the job's WRITEs is in flight.
+* Source blocks of each WRITE are referenced until it ends, so a preemption or
+  an abort cannot hand them to another request under an in-flight WRITE.
+* A job whose registration never comes is dropped after ``registration_wait_s``.
+
+Threads: jobs are created, registered and ended on the engine thread; the
+transport's completion callbacks and the notification pump only take
+``_lock`` (which guards ``_jobs`` and every job's counters) or queue an engine
+call.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+
+from kvduplex.engine.connector import EngineHandle
+from kvduplex.engine.request import Request
+from kvduplex.engine.scheduler_output import SchedulerOutput
+from kvduplex.kvflow.messages import (
+    KVAlive,
+    KVAliveAck,
+    KVCancel,
+    KVDone,
+    KVFailed,
+    KVRegister,
+    KVWaiting,
+)
+from kvduplex.kvflow.metrics import KVFlowMetrics
+from kvduplex.transport.messages import ControlMessage, MessageCodec
+from kvduplex.transport.notify import NotificationPump
+from kvduplex.transport.protocol import PeerHandle, TransferHandle, TransferState, Transport
+from kvduplex.util import ceil_div
+
+logger = logging.getLogger(__name__)
+
+HEARTBEATS_PER_WAIT = 3
+"""`KVAlive` messages per wait period: a lost one or two do not end the wait."""
+
+
+@dataclass
+class _Chunk:
+    """Blocks one step (or one catch-up) WRITEs for one job, layer by layer or at once."""
+
+    src: list[int]
+    dst: list[int]
+    hi: int
+    """Job blocks [0, hi) are sent once this chunk's layers are posted."""
+    num_pending: int = 0
+    """WRITEs of this chunk not ended yet; the last one drops the source references."""
+    from_layer: int = 0
+    """First layer the layer hook still WRITEs (a registration mid-forward did the rest)."""
+
+
+@dataclass
+class SendJob:
+    """One transfer this instance sends."""
+
+    xid: str
+    peer: PeerHandle
+    num_tokens: int
+    num_blocks: int
+    expires_at: float
+    """Registration deadline (until registered; `KVWaiting` moves it on), then the
+    receiver's own deadline (moved on by each acknowledged heartbeat)."""
+    src_blocks: list[int] | None = None
+    """Computed source blocks the job references (return); None: the request ``xid``'s
+    blocks, as its prefill computes them (push)."""
+    needs_first_token: bool = False
+    """Push: KVDone carries the prefill's first token, so the job ends after it."""
+    reg: KVRegister | None = None
+    alive_sent_at: float = 0.0
+    expiring: bool = False
+    """An `_expire` call is queued for the engine thread (one at a time)."""
+    sent: int = 0
+    """Blocks [0, sent) are written (or the receiver has them)."""
+    in_flight: int = 0
+    error: str | None = None
+    first_token: int | None = None
+    num_cached_tokens: int = 0
+    """Prompt tokens the prefill served from its own prefix cache."""
+    compute_done_at: float | None = None
+    first_post_at: float | None = None
+    last_done_at: float | None = None
+    ended: bool = False
+    num_bytes: int = 0
+    on_end: list[Callable[[SendJob], None]] = field(default_factory=list)
+    """Engine-thread callbacks once the job ended (done or failed)."""
+
+
+@dataclass
+class KVSenderStats:
+    num_done: int = 0
+    num_failed: int = 0
+    num_written_blocks: int = 0
+    num_writes: int = 0
+    num_bytes: int = 0
+    num_late_registrations: int = 0
+    """Registrations that found blocks already computed (written at once)."""
+    transfer_s: float = 0.0
+    exposed_s: float = 0.0
+    """Part of ``transfer_s`` after the job's compute ended (not hidden)."""
+    num_alive_sent: int = 0
+    num_waiting_received: int = 0
+
+
+class KVSender:
+    """Streams jobs' KV into peers' registered blocks; the push part is a connector."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        engine: EngineHandle,
+        registration_wait_s: float,
+        deadline_s: float,
+        metrics: KVFlowMetrics | None = None,
+        peer_of: Callable[[str], PeerHandle | None] | None = None,
+    ) -> None:
+        """``peer_of(engine_id)`` finds a connected peer (to answer registrations of
+        jobs that no longer exist)."""
+        self.transport = transport
+        self.engine = engine
+        self.block_size = engine.block_size
+        self.peer_of = peer_of
+        self.registration_wait_s = registration_wait_s
+        self.deadline_s = deadline_s
+        self.metrics = metrics
+        self.stats = KVSenderStats()
+        self.codec = MessageCodec()
+        self._lock = threading.Lock()
+        self._jobs: dict[str, SendJob] = {}
+        self._early: dict[str, tuple[KVRegister, str, float]] = {}
+        self._cancelled: dict[str, float] = {}  # xid -> until when it is refused
+        self._chunks: dict[str, _Chunk] = {}  # this step's, by request id (= xid)
+        self._step_seqs: dict[str, tuple[int, int]] = {}  # this step's jobs: xid -> (start, end)
+        self._regs: list[tuple[KVRegister, str]] = []  # received, not applied yet
+        self._notify = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-send-notify")
+
+    def attach(self, pump: NotificationPump) -> None:
+        pump.on(KVRegister, self._on_register_notif)
+        pump.on(KVCancel, self._on_cancel_notif)
+        pump.on(KVWaiting, self._on_waiting_notif)
+        pump.on(KVAliveAck, self._on_alive_ack_notif)
+        pump.every_tick(self._tick)
+
+    # ---- engine thread: jobs ----
+
+    def expect(self, xid: str, peer: PeerHandle, num_prompt_tokens: int) -> None:
+        """Push: a prefill named `xid` is about to be added (its request id is `xid`).
+
+        Raises ValueError for an xid in progress or one the receiver already cancelled.
+        """
+        job = SendJob(
+            xid, peer, num_prompt_tokens, ceil_div(num_prompt_tokens, self.block_size),
+            expires_at=time.monotonic() + self.registration_wait_s, needs_first_token=True,
+        )  # fmt: skip
+        self._add(job)
+
+    def offer(
+        self,
+        xid: str,
+        peer: PeerHandle,
+        src_blocks: list[int],
+        num_tokens: int,
+        on_end: Callable[[SendJob], None] | None = None,
+    ) -> SendJob:
+        """Return: send computed `src_blocks` once the peer registers destinations.
+
+        Takes a reference on each block until the job ends. Raises ValueError for
+        an xid in progress.
+        """
+        job = SendJob(
+            xid, peer, num_tokens, len(src_blocks),
+            expires_at=time.monotonic() + self.registration_wait_s,
+            src_blocks=list(src_blocks), on_end=[on_end] if on_end else [],
+        )  # fmt: skip
+        self.engine.acquire_blocks(job.src_blocks or [])
+        job.compute_done_at = time.monotonic()
+        try:
+            self._add(job)
+        except ValueError:
+            self.engine.release_blocks(job.src_blocks or [])
+            raise
+        return job
+
+    def _add(self, job: SendJob) -> None:
+        with self._lock:
+            if job.xid in self._jobs:
+                raise ValueError(f"a transfer with xid {job.xid!r} is already in progress")
+            if job.xid in self._cancelled:
+                raise ValueError(f"the transfer {job.xid!r} was cancelled by its receiver")
+            self._jobs[job.xid] = job
+            early = self._early.pop(job.xid, None)
+        if early is not None:
+            self._register(early[0], early[1])
+
+    def decline(self, xid: str, reason: str) -> bool:
+        """The receiver takes nothing of job `xid` (an offer declined): end it quietly."""
+        job = self._jobs.get(xid)
+        if job is None or job.reg is not None:
+            return False
+        self._fail(job, reason, notify=False)
+        return True
+
+    def cancel(self, xid: str, reason: str) -> bool:
+        """Stop writing `xid`; the receiver hears KVFailed once nothing is in flight.
+
+        False if unknown; an unknown xid is remembered for a while, so that a job
+        or registration arriving after its cancellation is refused.
+        """
+        job = self._jobs.get(xid)
+        if job is None:
+            with self._lock:
+                self._cancelled[xid] = time.monotonic() + 2 * self.registration_wait_s
+                self._early.pop(xid, None)
+            return False
+        if job.src_blocks is None:
+            req = self.engine.get_request(xid)
+            if req is not None and not req.is_finished:
+                self.engine.abort(xid)
+        self._fail(job, reason)
+        return True
+
+    def _register(self, msg: KVRegister, sender: str, layer: int | None = None) -> None:
+        """Apply a registration; `layer` is the last computed layer when called mid-forward."""
+        job = self._jobs.get(msg.xid)
+        if job is None:
+            self._register_unknown(msg, sender)
+            return
+        if job.reg is not None or job.ended:
+            logger.warning("xid=%s: duplicate registration from %s ignored", msg.xid, sender)
+            return
+        problem = self._check_registration(job, msg, sender)
+        if problem is not None:
+            logger.warning("xid=%s: registration refused: %s", msg.xid, problem)
+            self._fail(job, problem)
+            return
+        left = min(msg.wait_s, msg.sent_at + msg.wait_s - time.time())
+        with self._lock:
+            job.reg = msg
+            job.expires_at = time.monotonic() + left
+            job.alive_sent_at = time.monotonic()
+            job.sent = msg.first_block
+        if left <= 0:
+            self._fail(job, "the registration arrived after the receiver stopped waiting")
+            return
+        if job.src_blocks is not None:
+            self._catch_up(job, None, job.num_blocks)
+            self._maybe_end(job)
+            return
+        req = self.engine.get_request(msg.xid)
+        if req is None:
+            self._maybe_end(job)
+            return
+        # Registration after prefill began: write what is computed at once.
+        step = self._step_seqs.get(msg.xid)
+        if step is not None and layer is not None:  # mid-forward: this chunk's layers 0..layer
+            start, end = step
+            self._catch_up(job, req, self._blocks_done(job, start))
+            hi = self._blocks_done(job, end)
+            if hi > job.sent:
+                chunk = self._plan(job, req, hi)
+                chunk.num_pending = self.transport.layout.num_layers - layer
+                chunk.from_layer = layer + 1
+                self._chunks[job.xid] = chunk
+                self._post(job, chunk, layers=list(range(layer + 1)))
+        else:
+            self._catch_up(job, req, self._blocks_done(job, req.num_computed_tokens))
+        self._maybe_end(job)
+
+    def _register_unknown(self, msg: KVRegister, sender: str) -> None:
+        if msg.xid not in self._cancelled:
+            with self._lock:
+                self._early[msg.xid] = (msg, sender, time.monotonic() + self.registration_wait_s)
+            return
+        # Cancelled before it began: nothing will be written, the receiver may reuse the blocks.
+        peer = self.peer_of(sender) if self.peer_of is not None else None
+        if peer is not None:
+            self._notify.submit(self._send, peer, KVFailed(msg.xid, "cancelled"))
+
+    def _blocks_done(self, job: SendJob, num_computed: int) -> int:
+        """Job blocks whose every token is computed once `num_computed` tokens are."""
+        if num_computed >= job.num_tokens:
+            return job.num_blocks
+        return num_computed // self.block_size
+
+    def _catch_up(self, job: SendJob, req: Request | None, hi: int) -> None:
+        """WRITE blocks [sent, hi), all layers, in one transfer."""
+        if hi > job.sent:
+            if job.src_blocks is None:
+                self.stats.num_late_registrations += 1
+            chunk = self._plan(job, req, hi)
+            chunk.num_pending = 1
+            self._post(job, chunk, layers=None)
+            job.sent = hi
+
+    def _check_registration(self, job: SendJob, msg: KVRegister, sender: str) -> str | None:
+        if sender != job.peer.engine_id:
+            return f"sent by {sender}, but the transfer goes to {job.peer.engine_id}"
+        if msg.num_tokens != job.num_tokens:
+            return f"the receiver has {msg.num_tokens} tokens, the sender {job.num_tokens}"
+        if not 0 <= msg.first_block <= job.num_blocks or (
+            msg.first_block + len(msg.block_ids) != job.num_blocks
+        ):
+            return (
+                f"the receiver registered blocks {msg.first_block}..+{len(msg.block_ids)} "
+                f"of a {job.num_blocks}-block transfer"
+            )
+        return None
+
+    def _plan(self, job: SendJob, req: Request | None, hi: int) -> _Chunk:
+        assert job.reg is not None
+        lo, first = job.sent, job.reg.first_block
+        if job.src_blocks is not None:
+            src = job.src_blocks[lo:hi]
+        else:
+            assert req is not None
+            src = list(req.block_ids[lo:hi])
+        self.engine.acquire_blocks(src)
+        return _Chunk(src=src, dst=list(job.reg.block_ids[lo - first : hi - first]), hi=hi)
+
+    # ---- the push connector's hooks (engine thread) ----
+
+    def on_scheduled(self, out: SchedulerOutput) -> None:
+        self._chunks.clear()
+        self._step_seqs.clear()
+        if out.seqs:
+            self.transport.set_compute_busy(True)
+        if not self._jobs:
+            return
+        for seq in out.seqs:
+            job = self._jobs.get(seq.request.request_id)
+            if job is None or job.error is not None or job.src_blocks is not None:
+                continue
+            end = seq.start_pos + seq.num_new_tokens
+            self._step_seqs[job.xid] = (seq.start_pos, end)
+            if job.reg is None:
+                continue
+            hi = self._blocks_done(job, end)
+            if hi > job.sent:
+                chunk = self._plan(job, seq.request, hi)
+                chunk.num_pending = self.transport.layout.num_layers
+                self._chunks[job.xid] = chunk
+
+    def layer_hook(self, out: SchedulerOutput) -> Callable[[int], None] | None:
+        if not self._step_seqs:
+            return None
+
+        def on_layer_done(layer: int) -> None:
+            self._drain_registrations(layer)
+            for xid, chunk in self._chunks.items():
+                if chunk.from_layer <= layer:
+                    self._post(self._jobs[xid], chunk, layers=[layer])
+
+        return on_layer_done
+
+    def on_step_done(
+        self, out: SchedulerOutput, sampled: dict[str, int], finished: list[Request]
+    ) -> None:
+        self.transport.set_compute_busy(False)
+        for xid, chunk in self._chunks.items():
+            self._jobs[xid].sent = chunk.hi
+        self._chunks.clear()
+        self._step_seqs.clear()
+        now = time.monotonic()
+        for req in finished:
+            job = self._jobs.get(req.request_id)
+            if job is None or job.src_blocks is not None or not req.output_token_ids:
+                continue
+            job.first_token = req.output_token_ids[0]
+            job.num_cached_tokens = req.num_cached_tokens
+            job.compute_done_at = now
+            self._maybe_end(job)
+
+    def _drain_registrations(self, layer: int | None = None) -> None:
+        """Apply registrations the pump received (between steps, or between two layers)."""
+        with self._lock:
+            regs, self._regs = self._regs, []
+        for msg, sender in regs:
+            self._register(msg, sender, layer)
+
+    # ---- posting and completion (any thread after posting) ----
+
+    def _post(self, job: SendJob, chunk: _Chunk, layers: list[int] | None) -> None:
+        if job.error is None and time.monotonic() >= job.expires_at:
+            self._fail(job, "the receiver's wait ran out")  # never WRITE after its deadline
+        if job.error is not None:
+            self._chunk_part_done(job, chunk)
+            return
+        with self._lock:
+            job.in_flight += 1
+            if job.first_post_at is None:
+                job.first_post_at = time.monotonic()
+            deadline = min(self.deadline_s, max(0.001, job.expires_at - time.monotonic()))
+        try:
+            handle = self.transport.write(
+                job.peer, job.xid, chunk.src, chunk.dst, layers=layers, deadline_s=deadline
+            )
+        except Exception as exc:  # a bug in the plan, or the transport closed
+            logger.exception("xid=%s: WRITE failed to post", job.xid)
+            self._on_write_done(job, chunk, None, f"post failed: {exc}")
+            return
+        handle.add_done_callback(lambda h: self._on_write_done(job, chunk, h, h.reason))
+
+    def _on_write_done(
+        self, job: SendJob, chunk: _Chunk, handle: TransferHandle | None, reason: str | None
+    ) -> None:
+        ok = handle is not None and handle.state is TransferState.DONE
+        with self._lock:
+            job.in_flight -= 1
+            job.last_done_at = time.monotonic()
+            if ok:
+                assert handle is not None
+                job.num_bytes += handle.num_bytes
+                self.stats.num_writes += 1
+            elif job.error is None:
+                job.error = f"WRITE failed: {reason}"
+        if not ok:
+            logger.warning("xid=%s: WRITE to %s failed: %s", job.xid, job.peer.engine_id, reason)
+        self._chunk_part_done(job, chunk)
+        self._maybe_end(job)
+
+    def _chunk_part_done(self, job: SendJob, chunk: _Chunk) -> None:
+        """One of the chunk's WRITEs ended (or was skipped); the last one drops the source refs."""
+        with self._lock:
+            chunk.num_pending -= 1
+            last = chunk.num_pending <= 0
+        if last and chunk.src:
+            src = chunk.src
+            self.engine.call(lambda: self.engine.release_blocks(src))
+
+    def _fail(self, job: SendJob, reason: str, *, notify: bool = True) -> None:
+        with self._lock:
+            if job.error is None:
+                job.error = reason
+        self._maybe_end(job, notify=notify)
+
+    def _maybe_end(self, job: SendJob, *, notify: bool = True) -> None:
+        """Send KVDone / KVFailed once nothing is in flight; then forget the job."""
+        with self._lock:
+            if job.ended or job.in_flight > 0:
+                return
+            if job.error is None and (
+                job.reg is None
+                or job.sent < job.num_blocks
+                or (job.needs_first_token and job.first_token is None)
+            ):
+                return
+            job.ended = True
+            end = time.monotonic()
+        if job.error is None:
+            msg: ControlMessage = KVDone(
+                job.xid, job.num_tokens, job.first_token, job.num_cached_tokens
+            )
+        else:
+            msg = KVFailed(job.xid, job.error)
+        if job.reg is not None and notify:
+            self._notify.submit(self._send, job.peer, msg)
+        self._account(job, end)
+        self.engine.call(lambda: self._forget(job))
+
+    def _forget(self, job: SendJob) -> None:
+        """Engine thread: drop an ended job and the blocks it kept."""
+        with self._lock:
+            if self._jobs.get(job.xid) is job:
+                del self._jobs[job.xid]
+        if job.src_blocks is not None:
+            self.engine.release_blocks(job.src_blocks)
+        else:
+            self.engine.release_held(job.xid)
+        for fn in job.on_end:
+            fn(job)
+
+    def _account(self, job: SendJob, end: float) -> None:
+        s = self.stats
+        transfer_s = exposed_s = 0.0
+        if job.first_post_at is not None and job.last_done_at is not None:
+            transfer_s = job.last_done_at - job.first_post_at
+            if job.compute_done_at is not None:
+                exposed_s = max(0.0, end - max(job.compute_done_at, job.first_post_at))
+        if job.error is None:
+            s.num_done += 1
+            s.num_written_blocks += job.num_blocks - (job.reg.first_block if job.reg else 0)
+            s.num_bytes += job.num_bytes
+            s.transfer_s += transfer_s
+            s.exposed_s += min(exposed_s, transfer_s) if transfer_s else exposed_s
+        else:
+            s.num_failed += 1
+        if self.metrics is not None and job.src_blocks is None:
+            self.metrics.on_push_sent(job.error is None, transfer_s, exposed_s)
+        logger.debug(
+            "xid=%s: send %s, %d bytes, transfer %.1f ms, exposed %.1f ms",
+            job.xid, "done" if job.error is None else f"failed ({job.error})",
+            job.num_bytes, transfer_s * 1e3, exposed_s * 1e3,
+        )  # fmt: skip
+
+    def _send(self, peer: PeerHandle, msg: ControlMessage) -> None:
+        try:
+            self.transport.send_notif(peer, self.codec.encode(msg), msg.xid)
+        except Exception as exc:
+            logger.warning("xid=%s: cannot tell %s: %s", msg.xid, peer.engine_id, exc)
+
+    # ---- notification pump ----
+
+    def _on_register_notif(self, msg: ControlMessage, sender: str) -> None:
+        """Queue it; the next layer of a running forward applies it, or the engine call does."""
+        assert isinstance(msg, KVRegister)
+        with self._lock:
+            self._regs.append((msg, sender))
+        self.engine.call(self._drain_registrations)
+
+    def _on_cancel_notif(self, msg: ControlMessage, sender: str) -> None:
+        assert isinstance(msg, KVCancel)
+        logger.info("xid=%s: receiver %s cancelled: %s", msg.xid, sender, msg.reason)
+        self.engine.call(lambda: self.cancel(msg.xid, f"cancelled by the receiver: {msg.reason}"))
+
+    def _on_waiting_notif(self, msg: ControlMessage, sender: str) -> None:
+        """The receiver still means to register ``xid``: keep waiting for it."""
+        now = time.monotonic()
+        with self._lock:
+            job = self._jobs.get(msg.xid)
+            if job is None or job.reg is not None or job.ended or sender != job.peer.engine_id:
+                return
+            job.expires_at = max(job.expires_at, now + self.registration_wait_s)
+            self.stats.num_waiting_received += 1
+
+    def _on_alive_ack_notif(self, msg: ControlMessage, sender: str) -> None:
+        """The receiver restarted its wait when our heartbeat sent at ``sent_at`` arrived,
+        so its deadline is at least ``sent_at`` + its wait: ours may move there."""
+        assert isinstance(msg, KVAliveAck)
+        with self._lock:
+            job = self._jobs.get(msg.xid)
+            if job is None or job.reg is None or job.ended or sender != job.peer.engine_id:
+                return
+            job.expires_at = max(job.expires_at, msg.sent_at + job.reg.wait_s)
+
+    def _tick(self, now: float) -> None:
+        beats: list[SendJob] = []
+        healthy = self.engine.is_healthy
+        with self._lock:
+            jobs = list(self._jobs.values())
+            for j in jobs:
+                if not healthy or j.reg is None or j.ended or j.error is not None:
+                    continue
+                if now - j.alive_sent_at >= j.reg.wait_s / HEARTBEATS_PER_WAIT:
+                    j.alive_sent_at = now
+                    beats.append(j)
+            self.stats.num_alive_sent += len(beats)
+            expired = []
+            for j in jobs:
+                if not j.ended and not j.expiring and now > j.expires_at:
+                    j.expiring = True  # a busy engine thread gets one call, not one per tick
+                    expired.append(j.xid)
+            stale = [xid for xid, (_, _, until) in self._early.items() if now > until]
+            for xid in [x for x, until in self._cancelled.items() if now > until]:
+                del self._cancelled[xid]
+        for j in beats:
+            self._notify.submit(self._send, j.peer, KVAlive(j.xid, now))
+        for xid in expired:
+            self.engine.call(partial(self._expire, xid))
+        for xid in stale:
+            self.engine.call(partial(self._drop_early, xid))
+
+    def _expire(self, xid: str) -> None:
+        job = self._jobs.get(xid)
+        if job is not None:
+            with self._lock:
+                job.expiring = False
+        if job is None or job.ended or time.monotonic() <= job.expires_at:
+            return
+        what = "no registration from the receiver" if job.reg is None else "the receiver's wait ran out"
+        logger.warning("xid=%s: %s; dropping the transfer", xid, what)
+        self.cancel(xid, what)
+
+    def _drop_early(self, xid: str) -> None:
+        """A registration for a job that never came (the receiver's deadline covers it)."""
+        with self._lock:
+            early = self._early.pop(xid, None)
+        if early is not None:
+            logger.warning("xid=%s: registration from %s but no such transfer", xid, early[1])
+
+    def num_jobs(self) -> int:
+        with self._lock:
+            return len(self._jobs)
+
+    def close(self) -> None:
+        self._notify.shutdown(wait=False)
+
+
+__all__ = ["HEARTBEATS_PER_WAIT", "KVSender", "KVSenderStats", "SendJob"]
