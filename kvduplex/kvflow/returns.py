@@ -152,7 +152,7 @@ class ReturnOfferer:
             if self.metrics is not None:
                 self.metrics.return_blocks.labels("sent").inc(num_sent)
                 self.metrics.return_bytes.labels("sent").inc(job.num_bytes)
-        elif job.reg is None:
+        elif job.declined:
             self.stats.num_declined += 1
             outcome = "declined"
         else:

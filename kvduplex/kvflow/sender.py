@@ -116,6 +116,8 @@ class SendJob:
     first_post_at: float | None = None
     last_done_at: float | None = None
     ended: bool = False
+    declined: bool = False
+    """The receiver took nothing (a return offer it did not need or had no room for)."""
     num_bytes: int = 0
     on_end: list[Callable[[SendJob], None]] = field(default_factory=list)
     """Engine-thread callbacks once the job ended (done or failed)."""
@@ -232,6 +234,7 @@ class KVSender:
         job = self._jobs.get(xid)
         if job is None or job.reg is not None:
             return False
+        job.declined = True
         self._fail(job, reason, notify=False)
         return True
 

@@ -15,120 +15,15 @@ from collections.abc import Callable
 
 import pytest
 
-from kvduplex.config import CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig
-from kvduplex.engine.async_engine import AsyncEngine
-from kvduplex.engine.engine import LLMEngine
 from kvduplex.engine.request import RemoteKVSpec
 from kvduplex.engine.sampling import SamplingParams
 from kvduplex.engine.scheduler import SchedulerOutput
-from kvduplex.kvflow.connectors import FlowTiming, decode_flows, prefill_flows
 from kvduplex.kvflow.messages import KVCancel, KVRegister
 from kvduplex.kvflow.push_decode import PushSpec
-from kvduplex.model.loader import LoadedModel, load_model
-from kvduplex.transport.fake import InProcessFabric, InProcessTransport
+from kvduplex.model.loader import LoadedModel
 from kvduplex.transport.messages import ControlMessage
-from kvduplex.transport.notify import NotificationPump
-
-BS = 4
-GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-FIRST = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-PROMPT = list(range(1, 19))  # 18 tokens: 5 blocks, the last one partial
-
-
-@pytest.fixture(scope="module")
-def tiny() -> LoadedModel:
-    return load_model(ModelLoadConfig(model="tiny", seed=0))
-
-
-def _engine(tiny: LoadedModel, budget: int = 256) -> LLMEngine:
-    cfg = EngineConfig(
-        cache=CacheConfig(block_size=BS, num_blocks=64),
-        scheduler=SchedulerConfig(max_num_batched_tokens=budget),
-    )
-    return LLMEngine(cfg, loaded=tiny)
-
-
-def _reference(
-    tiny: LoadedModel, prompt: list[int] = PROMPT, params: SamplingParams = GREEDY
-) -> list[int]:
-    engine = _engine(tiny)
-    engine.add_request("ref", prompt, params)
-    out: list[int] = []
-    while engine.has_unfinished():
-        for o in engine.step():
-            out.extend(o.new_token_ids)
-    return out
-
-
-def _wait_for(cond: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
-
-
-class Pair:
-    """P and D engines joined by an in-process fabric."""
-
-    def __init__(self, tiny: LoadedModel, wait_s: float = 5.0, p_budget: int = 256) -> None:
-        self.p, self.d = _engine(tiny, p_budget), _engine(tiny)
-        fabric = InProcessFabric()
-        self.tp: InProcessTransport = fabric.endpoint(self.p.kv_pool, self.p.layout)
-        self.td: InProcessTransport = fabric.endpoint(self.d.kv_pool, self.d.layout)
-        self.d_peer = self.tp.connect(self.td.local_metadata())  # P writes into D
-        self.p_peer = self.td.connect(self.tp.local_metadata())  # D notifies P
-        self.ap, self.ad = AsyncEngine(self.p), AsyncEngine(self.d)
-        self.pumps = [NotificationPump(self.tp, 0.01), NotificationPump(self.td, 0.01)]
-        timing = FlowTiming(wait_s=wait_s, transfer_timeout_s=5.0, quarantine_s=0.5)
-        self.pf = prefill_flows(
-            self.tp, self.ap, self.pumps[0], timing, {self.td.engine_id: self.d_peer}.get
-        )
-        self.df = decode_flows(
-            self.td, self.ad, self.pumps[1], timing, {self.tp.engine_id: self.p_peer}.get,
-            release=lambda _url, _xid: None,
-        )  # fmt: skip
-        self.sender = self.pf.sender
-        self.push = self.df.push
-        for pump in self.pumps:
-            pump.start()
-        self.ap.start()
-        self.ad.start()
-
-    async def prefill(
-        self, xid: str, prompt: list[int] = PROMPT, params: SamplingParams = FIRST
-    ) -> list[int]:
-        out: list[int] = []
-        async for o in self.ap.generate(
-            xid, prompt, params, hold_blocks_on_finish=True,
-            on_admit=lambda: self.sender.expect(xid, self.d_peer, len(prompt)),
-        ):  # fmt: skip
-            out.extend(o.new_token_ids)
-        return out
-
-    async def decode(
-        self, xid: str, prompt: list[int] = PROMPT, params: SamplingParams = GREEDY
-    ) -> list[int]:
-        self.push.register(PushSpec(xid, self.p_peer, "http://p", f"d-{xid}"))
-        out: list[int] = []
-        async for o in self.ad.generate(f"d-{xid}", prompt, params, remote_kv=RemoteKVSpec(xid)):
-            out.extend(o.new_token_ids)
-        return out
-
-    def in_use(self, engine: AsyncEngine) -> int:
-        return engine.call(lambda e: e.block_pool.stats().num_in_use).result(5)
-
-    def assert_clean(self) -> None:
-        for engine in (self.ap, self.ad):
-            _wait_for(lambda engine=engine: self.in_use(engine) == 0, "pools to empty")  # type: ignore[misc]
-            engine.call(lambda e: e.check_integrity()).result(5)
-
-    def close(self) -> None:
-        for pump in self.pumps:
-            pump.close()
-        self.ap.shutdown()
-        self.ad.shutdown()
-        self.sender.close()
-        self.df.sender.close()
+from tests.unit.flow_pair import FIRST, GREEDY, PROMPT, Pair, _reference, _wait_for
+from tests.unit.flow_pair import tiny as tiny  # the module-scoped model fixture
 
 
 @pytest.fixture
