@@ -260,6 +260,7 @@ class AsyncEngine:
         if out.finished:
             m.prompt_tokens.inc(out.num_prompt_tokens)
             m.prefix_cache_hit_tokens.inc(out.num_local_cached_tokens)
+            m.prompt_computed_tokens.observe(out.num_prompt_computed_here)
             m.requests_finished.labels(reason=out.finish_reason or "unknown").inc()
             m.e2e.observe(now - stream.arrival)
             if stream.first_token_time is not None and out.num_output_tokens > 1:

@@ -58,6 +58,12 @@ class RequestOutput:
     num_local_cached_tokens: int
     """Prompt tokens served from this instance's prefix cache."""
     num_output_tokens: int
+    num_prompt_computed_here: int = 0
+    """Prompt tokens this instance computed for the request."""
+    num_prompt_computed_remotely: int = 0
+    """Prompt tokens the instance that sent the prompt's KV computed."""
+    num_remote_kv_bytes: int = 0
+    """Bytes of prompt KV that arrived from that instance."""
 
 
 _FINISH_NAMES = {
@@ -185,6 +191,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return what changed for each request."""
         out = self.scheduler.schedule()
+        for seq in out.seqs:
+            req = seq.request
+            if seq.start_pos < req.num_prompt_tokens:
+                end = min(seq.start_pos + seq.num_new_tokens, req.num_prompt_tokens)
+                req.num_prompt_computed_here += end - seq.start_pos
         self.connector.on_scheduled(out)
         sampled = self._execute(out) if out.seqs else {}
         finished = self.scheduler.update(out, sampled)
@@ -284,6 +295,13 @@ class LLMEngine:
             ),
             num_local_cached_tokens=req.num_cached_tokens,
             num_output_tokens=len(req.output_token_ids),
+            num_prompt_computed_here=req.num_prompt_computed_here,
+            num_prompt_computed_remotely=(
+                0
+                if req.num_remote_cached_tokens is None
+                else req.num_prompt_tokens - req.num_remote_cached_tokens
+            ),
+            num_remote_kv_bytes=req.num_remote_kv_bytes,
         )
         if finished:
             self._forget(rid)

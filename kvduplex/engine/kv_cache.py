@@ -87,6 +87,11 @@ class KVCacheLayout:
         return self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
 
     @property
+    def bytes_per_block(self) -> int:
+        """K and V of one block across every layer: what moving one block costs."""
+        return self.num_layers * 2 * self.block_bytes
+
+    @property
     def total_bytes(self) -> int:
         return self.num_layers * 2 * self.num_blocks * self.block_bytes
 

@@ -47,6 +47,13 @@ class EngineMetrics:
             "Prompt tokens served from the prefix cache instead of computed.",
             registry=registry,
         )
+        self.prompt_computed_tokens = Histogram(
+            "kvduplex_request_prompt_computed_tokens",
+            "Prompt tokens this instance computed per finished request (0 when the prompt's "
+            "KV came from another instance; recomputations count).",
+            buckets=(0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768),
+            registry=registry,
+        )
         self.requests_finished = Counter(
             "kvduplex_requests_finished", "Finished requests by reason.", ["reason"],
             registry=registry,

@@ -102,10 +102,10 @@ class Request:
     remote_kv: RemoteKVSpec | None = None
     """Set when the prompt's KV will arrive from another instance."""
     hold_blocks_on_finish: bool = False
+    """Keep the blocks after finishing until `Scheduler.release_held` (a sender's lease)."""
     connector_meta: object | None = None
     """Opaque to the engine: what a connector attached before admission (e.g. where the
     finished turn's KV is returned); the connector reads it when the request finishes."""
-    """Keep the blocks after finishing until `Scheduler.release_held` (a sender's lease)."""
 
     output_token_ids: list[int] = field(default_factory=list, init=False)
     status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
@@ -118,6 +118,10 @@ class Request:
     num_remote_cached_tokens: int | None = field(default=None, init=False)
     """When the prompt's KV came from another instance: the prompt tokens that instance
     served from its own prefix cache (it computed the rest). None: computed here."""
+    num_prompt_computed_here: int = field(default=0, init=False)
+    """Prompt tokens this instance computed (prefill chunks, recomputations included)."""
+    num_remote_kv_bytes: int = field(default=0, init=False)
+    """Bytes of prompt KV that arrived from another instance."""
     stop_reason: int | None = field(default=None, init=False)
     """The stop token id that ended the request (None for EOS, length and abort)."""
     finish_reason: FinishReason | None = field(default=None, init=False)

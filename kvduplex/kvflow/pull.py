@@ -167,6 +167,7 @@ class PullConnector:
                 self.engine.resume_after_read(rid)
                 if req is not None:
                     req.num_remote_cached_tokens = spec.num_cached_tokens
+                    req.num_remote_kv_bytes = num_read * self.transport.layout.bytes_per_block
                 self.stats.num_pulls += 1
                 self.stats.num_pulled_blocks += num_read
                 if self.metrics is not None and req is not None:

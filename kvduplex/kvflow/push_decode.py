@@ -140,6 +140,7 @@ class PushDecode:
         except KeyError:
             return
         req.num_remote_cached_tokens = msg.num_cached_tokens
+        req.num_remote_kv_bytes = num_blocks * self.receiver.transport.layout.bytes_per_block
         self._updated.append(req)
         self.stats.num_received += 1
         self.stats.num_received_blocks += num_blocks

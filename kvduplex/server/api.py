@@ -306,6 +306,12 @@ def _usage(last: RequestOutput) -> dict[str, Any]:
         "completion_tokens": last.num_output_tokens,
         "total_tokens": last.num_prompt_tokens + last.num_output_tokens,
         "prompt_tokens_details": {"cached_tokens": last.num_cached_tokens},
+        # Not OpenAI's: where the prompt was computed, and the KV that moved for it.
+        "kv": {
+            "prefill_computed_tokens": last.num_prompt_computed_remotely,
+            "decode_computed_tokens": last.num_prompt_computed_here,
+            "bytes_to_decode": last.num_remote_kv_bytes,
+        },
     }
 
 
