@@ -108,9 +108,12 @@ class TransferConfig:
     """How long prefill keeps a finished request's blocks for decode to read."""
     transfer_timeout_s: float = 10.0
     """Deadline of one transfer; on expiry it fails and its blocks are released."""
+    retain_lease_s: float = 60.0
+    """Decode, ``--return-mode pull`` only: how long a session's last turn stays held
+    for prefill to read at the next turn."""
 
     def __post_init__(self) -> None:
-        for name in ("kv_wait_timeout_s", "pull_lease_s", "transfer_timeout_s"):
+        for name in ("kv_wait_timeout_s", "pull_lease_s", "transfer_timeout_s", "retain_lease_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 

@@ -20,6 +20,7 @@ from kvduplex.kvflow.metrics import KVFlowMetrics
 from kvduplex.kvflow.pull import PullConnector
 from kvduplex.kvflow.push_decode import PushDecode
 from kvduplex.kvflow.receiver import KVReceiver
+from kvduplex.kvflow.return_pull import RetainedReader, TurnRetainer
 from kvduplex.kvflow.returns import ReturnAcceptor, ReturnOfferer
 from kvduplex.kvflow.sender import KVSender
 from kvduplex.transport.notify import NotificationPump
@@ -43,10 +44,13 @@ class PrefillConnector(KVConnector):
 
 
 class DecodeConnector(KVConnector):
-    def __init__(self, pull: PullConnector, push: PushDecode, returns: ReturnOfferer) -> None:
+    def __init__(
+        self, pull: PullConnector, push: PushDecode, returns: ReturnOfferer, retainer: TurnRetainer
+    ) -> None:
         self.pull = pull
         self.push = push
         self.returns = returns
+        self.retainer = retainer
 
     def on_scheduled(self, out: SchedulerOutput) -> None:
         for req in out.remote_kv_allocated:
@@ -58,6 +62,7 @@ class DecodeConnector(KVConnector):
 
     def on_finished(self, finished: list[Request]) -> None:
         self.returns.on_finished(finished)
+        self.retainer.on_finished(finished)
 
     def take_updated_requests(self) -> list[Request]:
         return self.push.take_updated_requests()
@@ -73,6 +78,7 @@ class PrefillFlows:
     sender: KVSender
     receiver: KVReceiver
     acceptor: ReturnAcceptor
+    reader: RetainedReader
     connector: PrefillConnector
 
 
@@ -85,6 +91,7 @@ class DecodeFlows:
     push: PushDecode
     pull: PullConnector
     offerer: ReturnOfferer
+    retainer: TurnRetainer
     connector: DecodeConnector
 
 
@@ -111,7 +118,8 @@ def prefill_flows(
     sender, receiver = _halves(transport, handle, timing, metrics, peer_of, pump)
     acceptor = ReturnAcceptor(receiver, handle, peer_of, metrics)
     acceptor.attach(pump)
-    flows = PrefillFlows(sender, receiver, acceptor, PrefillConnector(sender))
+    reader = RetainedReader(transport, handle, timing.transfer_timeout_s, metrics)
+    flows = PrefillFlows(sender, receiver, acceptor, reader, PrefillConnector(sender))
     engine.engine.connector = flows.connector
     return flows
 
@@ -132,7 +140,12 @@ def decode_flows(
     pull = PullConnector(transport, handle, timing.wait_s, release=release, metrics=metrics)
     offerer = ReturnOfferer(sender, handle, metrics)
     offerer.attach(pump)
-    flows = DecodeFlows(sender, receiver, push, pull, offerer, DecodeConnector(pull, push, offerer))
+    retainer = TurnRetainer(handle, timing.retain_lease_s)
+    retainer.attach(pump)
+    flows = DecodeFlows(
+        sender, receiver, push, pull, offerer, retainer,
+        DecodeConnector(pull, push, offerer, retainer),
+    )  # fmt: skip
     engine.engine.connector = flows.connector
     return flows
 
@@ -148,3 +161,5 @@ class FlowTiming:
     quarantine_s: float
     """How long a receiver that gave up keeps its registered blocks unless the sender
     confirms sooner that no WRITE can land."""
+    retain_lease_s: float = 60.0
+    """``--return-mode pull``: how long decode holds a session's last turn."""

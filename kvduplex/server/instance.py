@@ -64,11 +64,8 @@ def _role_routers(instance: Instance, config: EngineConfig, role: Role) -> list[
         return []
     from kvduplex.kvflow.connectors import FlowTiming, decode_flows, prefill_flows
     from kvduplex.kvflow.metrics import KVFlowMetrics
-    from kvduplex.server.kv_routes import (
-        make_decode_hooks,
-        make_prefill_router,
-        make_push_prefill_router,
-    )
+    from kvduplex.server.decode_routes import make_decode_hooks
+    from kvduplex.server.kv_routes import make_prefill_router, make_push_prefill_router
     from kvduplex.transport.handshake import PeerDirectory, make_handshake_router
     from kvduplex.transport.metrics import TransferMetrics
     from kvduplex.transport.nixl import NixlTransport
@@ -83,20 +80,23 @@ def _role_routers(instance: Instance, config: EngineConfig, role: Role) -> list[
     metrics = KVFlowMetrics(state.registry)
     directory = PeerDirectory(transport)
     pump = NotificationPump(transport)
-    timing = FlowTiming(cfg.kv_wait_timeout_s, cfg.transfer_timeout_s, cfg.transfer_timeout_s + 1)
+    timing = FlowTiming(
+        cfg.kv_wait_timeout_s, cfg.transfer_timeout_s, cfg.transfer_timeout_s + 1,
+        cfg.retain_lease_s,
+    )  # fmt: skip
     routers = [make_handshake_router(transport)]
     if role is Role.PREFILL:
         p = prefill_flows(
             transport, instance.async_engine, pump, timing, directory.peer_by_engine, metrics
         )
         routers.append(make_prefill_router(state, transport, cfg.pull_lease_s))
-        routers.append(make_push_prefill_router(state, p.sender, directory, p.acceptor))
+        routers.append(make_push_prefill_router(state, p, directory))
         instance.closers.append(p.sender.close)
     else:
         d = decode_flows(
             transport, instance.async_engine, pump, timing, directory.peer_by_engine, metrics
         )
-        routers.append(make_decode_hooks(state, d.pull, d.push, d.offerer, directory))
+        routers.append(make_decode_hooks(state, d, directory))
         instance.closers += [d.pull.close, d.sender.close]
     pump.start()
     instance.closers += [pump.close, transport.close]

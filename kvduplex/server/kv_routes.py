@@ -9,34 +9,27 @@ Prefill:
   answers with the first token as soon as it is sampled.
 * ``POST /internal/push/cancel`` stops a push (the router: decode refused it).
 
-Decode: the ``prepare`` hook reads ``kv_transfer_params`` from an OpenAI body
-and registers the pull or push before the request reaches the engine;
-``POST /internal/push/cancel`` stops waiting for a push (the router: prefill
-failed); ``GET /internal/kv/pull/stats`` and ``/internal/kv/push/stats``
-count what moved.
+With ``pull_from`` (``--return-mode pull``), the push prefill first READs
+the decode's retained turn blocks its prefix cache lacks. Decode's routes are
+in `decode_routes`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import asdict
-from typing import Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field
 
 from kvduplex.engine.engine import RequestRejected
-from kvduplex.engine.request import RemoteKVSpec
 from kvduplex.engine.sampling import SamplingParams
+from kvduplex.kvflow.connectors import PrefillFlows
 from kvduplex.kvflow.lease import LeaseTable
-from kvduplex.kvflow.pull import PullConnector, PullSpec, block_ids_of
-from kvduplex.kvflow.push_decode import PushDecode, PushSpec
-from kvduplex.kvflow.returns import ReturnAcceptor, ReturnOfferer, ReturnSpec
-from kvduplex.kvflow.sender import KVSender
-from kvduplex.server.api import APIError, Generation, InstanceState
+from kvduplex.kvflow.pull import block_ids_of
+from kvduplex.server.api import APIError, InstanceState
 from kvduplex.server.protocol import error_body
 from kvduplex.transport.handshake import PeerDirectory
 from kvduplex.transport.protocol import Transport
@@ -57,9 +50,21 @@ class ReleaseRequest(BaseModel):
     xid: str = Field(min_length=1)
 
 
+class RetainedTurn(BaseModel):
+    """A decode's retained turn (``--return-mode pull``), as its /internal/kv/retained says."""
+
+    decode_url: str = Field(min_length=1)
+    engine_id: str | None = None
+    block_ids: list[int]
+    keys: list[str]
+    token_ids: list[int]
+
+
 class PushPrefillRequest(PrefillRequest):
     decode_url: str = Field(min_length=1)
     decode_engine_id: str | None = None
+    pull_from: RetainedTurn | None = None
+    """Read these blocks (those this prefix cache lacks) before prefilling."""
 
 
 class CancelRequest(BaseModel):
@@ -67,37 +72,7 @@ class CancelRequest(BaseModel):
     reason: str = "cancelled by the router"
 
 
-class KVTransferParams(BaseModel):
-    mode: Literal["pull", "push", "local"]
-    """push/pull: the prompt's KV comes from ``prefill_url``; local: decode computes
-    the prompt itself (a short append over its cached history)."""
-    xid: str = ""
-    prefill_url: str = ""
-    block_ids: list[int] = Field(default_factory=list)
-    """Pull: prefill's held blocks."""
-    num_tokens: int = 0
-    """Pull: tokens in them."""
-    engine_id: str | None = None
-    lease_s: float | None = None
-    """Seconds prefill keeps the blocks from its answer on (None: unknown)."""
-    num_cached_tokens: int = Field(default=0, ge=0)
-    """Pull: prompt tokens prefill served from its prefix cache."""
-    session_id: str | None = None
-    return_to: str | None = None
-    """Duplex return: the prefill instance that receives this turn's blocks when it ends."""
-    return_from_block: int | None = Field(default=None, ge=0)
-    """First block to return (None: the first that is not wholly prompt)."""
-
-    @model_validator(mode="after")
-    def _check(self) -> KVTransferParams:
-        if self.mode != "local" and (not self.xid or not self.prefill_url):
-            raise ValueError(f"mode {self.mode} needs xid and prefill_url")
-        if self.return_to is not None and not self.session_id:
-            raise ValueError("return_to needs a session_id")
-        return self
-
-
-def _not_found(xid: str) -> JSONResponse:
+def not_found(xid: str) -> JSONResponse:
     return JSONResponse(
         error_body(f"no held KV for xid {xid!r}", code="not_found"), status_code=404
     )
@@ -129,17 +104,30 @@ def make_prefill_router(state: InstanceState, transport: Transport, lease_s: flo
     @router.post("/internal/release")
     async def release(body: ReleaseRequest) -> JSONResponse:
         if not await leases.release(body.xid):
-            return _not_found(body.xid)
+            return not_found(body.xid)
         return JSONResponse({"xid": body.xid, "released": True})
 
     return router
 
 
 def make_push_prefill_router(
-    state: InstanceState, sender: KVSender, directory: PeerDirectory, acceptor: ReturnAcceptor
+    state: InstanceState, flows: PrefillFlows, directory: PeerDirectory
 ) -> APIRouter:
     router = APIRouter()
     engine = state.engine
+    sender, acceptor = flows.sender, flows.acceptor
+
+    async def read_retained(xid: str, src: RetainedTurn) -> int:
+        """``--return-mode pull``: READ the decode's retained blocks this cache lacks."""
+        try:
+            peer = await asyncio.to_thread(directory.get_peer, src.decode_url, src.engine_id)
+        except Exception as exc:
+            logger.warning("xid=%s: retained turn at %s unreachable: %s", xid, src.decode_url, exc)
+            return 0
+        done = await engine.run_in_engine(
+            lambda _e: flows.reader.start(peer, f"{xid}-read", src.block_ids, src.keys, src.token_ids)
+        )
+        return await asyncio.wrap_future(done)
 
     @router.post("/internal/push/prefill")
     async def push_prefill(body: PushPrefillRequest) -> JSONResponse:
@@ -152,6 +140,8 @@ def make_push_prefill_router(
             raise APIError(502, f"cannot reach decode at {body.decode_url}: {exc}") from None
         params = _first_token_params(body)
         expected = False
+        if body.pull_from is not None:
+            await read_retained(xid, body.pull_from)
 
         def admit() -> None:  # engine thread: no cancel can come between expect and add
             nonlocal expected
@@ -185,7 +175,7 @@ def make_push_prefill_router(
     async def push_cancel(body: CancelRequest) -> JSONResponse:
         found = await engine.run_in_engine(lambda _e: sender.cancel(body.xid, body.reason))
         if not found:
-            return _not_found(body.xid)
+            return not_found(body.xid)
         return JSONResponse({"xid": body.xid, "cancelled": True})
 
     @router.get("/internal/kv/push/stats")
@@ -204,87 +194,3 @@ def _first_token_params(body: PrefillRequest) -> SamplingParams:
         max_tokens=1, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
         seed=body.seed, ignore_eos=True,
     )  # fmt: skip
-
-
-def make_decode_hooks(
-    state: InstanceState,
-    connector: PullConnector,
-    push: PushDecode,
-    offerer: ReturnOfferer,
-    directory: PeerDirectory,
-) -> APIRouter:
-    """Set `state.prepare` for pulls, pushes and returns; return the decode-side routes."""
-
-    async def prepare(raw: Request, gen: Generation) -> None:
-        arrived = time.monotonic()
-        body: Any = await raw.json()
-        params = body.get("kv_transfer_params") if isinstance(body, dict) else None
-        if not params:
-            return
-        try:
-            kv = KVTransferParams.model_validate(params)
-        except ValueError as exc:
-            raise APIError(400, f"kv_transfer_params: {exc}", param="kv_transfer_params") from None
-        if kv.return_to is not None and kv.session_id:
-            await _prepare_return(kv, gen)
-        if kv.mode == "local":
-            return
-        try:
-            peer = await asyncio.to_thread(directory.get_peer, kv.prefill_url, kv.engine_id)
-        except Exception as exc:  # no peer: compute the prompt here
-            logger.warning(
-                "xid=%s: no connection to %s (%s); computing locally", kv.xid, kv.prefill_url, exc
-            )
-            return
-        if kv.mode == "push":
-            push.register(PushSpec(kv.xid, peer, kv.prefill_url, gen.request_id))
-        else:
-            lease_ends_at = None if kv.lease_s is None else arrived + kv.lease_s
-            connector.register(
-                PullSpec(
-                    kv.xid, peer, kv.prefill_url, kv.block_ids, kv.num_tokens, lease_ends_at,
-                    kv.num_cached_tokens,
-                )
-            )
-        gen.remote_kv = RemoteKVSpec(kv.xid, source_engine_id=peer.engine_id)
-
-    async def _prepare_return(kv: KVTransferParams, gen: Generation) -> None:
-        assert kv.return_to is not None and kv.session_id is not None
-        try:
-            peer = await asyncio.to_thread(directory.get_peer, kv.return_to, None)
-        except Exception as exc:  # no return this turn: the next one recomputes
-            logger.warning("session %s: no connection to %s (%s)", kv.session_id, kv.return_to, exc)
-            return
-        gen.connector_meta = ReturnSpec(kv.session_id, peer, kv.return_from_block)
-        gen.hold_blocks_on_finish = True
-
-    state.prepare = prepare
-    router = APIRouter()
-
-    @router.get("/internal/kv/pull/stats")
-    async def pull_stats() -> JSONResponse:
-        return JSONResponse(asdict(connector.stats))
-
-    @router.get("/internal/kv/push/stats")
-    async def push_stats() -> JSONResponse:
-        waits = push.receiver.stats
-        return JSONResponse(
-            {
-                **asdict(push.stats),
-                "num_alive_received": waits.num_alive_received,
-                "num_late": waits.num_late,
-            }
-        )
-
-    @router.get("/internal/kv/return/stats")
-    async def return_stats() -> JSONResponse:
-        return JSONResponse(asdict(offerer.stats))
-
-    @router.post("/internal/push/cancel")
-    async def push_cancel(body: CancelRequest) -> JSONResponse:
-        found = await state.engine.run_in_engine(lambda _e: push.cancel(body.xid, body.reason))
-        if not found:
-            return _not_found(body.xid)
-        return JSONResponse({"xid": body.xid, "cancelled": True})
-
-    return router

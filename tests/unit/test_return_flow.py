@@ -12,6 +12,7 @@ from kvduplex.engine.request import RemoteKVSpec
 from kvduplex.engine.sampling import SamplingParams
 from kvduplex.kvflow.messages import KVOffer
 from kvduplex.kvflow.push_decode import PushSpec
+from kvduplex.kvflow.return_pull import RetainSpec
 from kvduplex.kvflow.returns import ReturnSpec
 from kvduplex.model.loader import LoadedModel
 from tests.unit.flow_pair import BS, FIRST, PROMPT, Pair, _reference, _wait_for
@@ -182,4 +183,40 @@ def test_jobs_ending_on_the_engine_thread_while_the_pump_ticks(tiny: LoadedModel
         s.assert_clean()
     finally:
         stop.set()
+        s.close()
+
+
+def test_retained_turn_is_read_by_prefill(tiny: LoadedModel) -> None:
+    """``--return-mode pull``: decode holds the finished turn; prefill READs what it lacks."""
+    s = Pair(tiny)
+    try:
+
+        async def turn() -> list[int]:
+            s.push.register(PushSpec("r1", s.p_peer, "http://p", "d-r1"))
+            out: list[int] = []
+            d = s.ad.generate(
+                "d-r1", PROMPT, ANSWER, remote_kv=RemoteKVSpec("r1"), hold_blocks_on_finish=True,
+                connector_meta=RetainSpec("s1"),
+            )  # fmt: skip
+            p = asyncio.ensure_future(s.prefill("r1", PROMPT))
+            async for o in d:
+                out.extend(o.new_token_ids)
+            await p
+            return out
+
+        history = PROMPT + asyncio.run(turn())
+        assert s.df.retainer.num_retained() == 1
+        assert s.in_use(s.ad) == 7  # the turn's blocks stay pinned on decode
+        info = s.ad.call(lambda _e: s.df.retainer.describe("s1")).result(5)
+        assert info is not None and len(info["block_ids"]) == 7
+        done = s.ap.call(
+            lambda _e: s.pf.reader.start(
+                s.d_peer, "rd", info["block_ids"], info["keys"], info["token_ids"]
+            )
+        ).result(5)
+        assert done.result(10) == 3  # P had the prompt's 4 full blocks
+        assert _p_cached_prefix(s, history) == 28
+        s.ad.call(lambda _e: s.df.retainer._expire()).result(5)  # nothing expired yet
+        assert s.df.retainer.num_retained() == 1
+    finally:
         s.close()

@@ -1,0 +1,182 @@
+"""The vLLM-style return, kept for comparison (``--return-mode pull``).
+
+Decode keeps each session's last finished turn (its blocks held) for a lease;
+at the start of the session's next turn, prefill READs the blocks its prefix
+cache lacks and then prefills::
+
+    D: turn finished ── held under a lease (the session's previous turn released)
+    next turn, router: POST D /internal/kv/retained {session} ──► block ids, keys, tokens
+    router ──► P /internal/push/prefill {..., pull_from: those}
+    P: READ the blocks it lacks from D (its prefill waits for it), cache them, prefill
+
+Unlike the duplex return, decode pins the turn's blocks between turns, and the
+READ sits on the next turn's critical path.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from kvduplex.engine.block_pool import BlockHash, compute_block_hashes
+from kvduplex.engine.connector import EngineHandle
+from kvduplex.engine.request import FinishReason, Request
+from kvduplex.kvflow.metrics import KVFlowMetrics
+from kvduplex.transport.notify import NotificationPump
+from kvduplex.transport.protocol import PeerHandle, TransferHandle, TransferState, Transport
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RetainSpec:
+    """A decode request whose finished turn is kept for the next turn's READ (its
+    ``connector_meta``; added with ``hold_blocks_on_finish``)."""
+
+    session_id: str
+
+
+class TurnRetainer:
+    """Decode's side: keep each session's last turn held for ``lease_s``."""
+
+    def __init__(self, engine: EngineHandle, lease_s: float) -> None:
+        self.engine = engine
+        self.lease_s = lease_s
+        self._lock = threading.Lock()
+        self._by_session: dict[str, tuple[str, float]] = {}  # session -> (request id, expiry)
+        self._expiring = False
+
+    def attach(self, pump: NotificationPump) -> None:
+        pump.every_tick(self._tick)
+
+    # ---- engine thread ----
+
+    def on_finished(self, finished: list[Request]) -> None:
+        for req in finished:
+            if not isinstance(req.connector_meta, RetainSpec):
+                continue
+            if req.finish_reason is FinishReason.ABORT:
+                continue
+            with self._lock:
+                previous = self._by_session.get(req.connector_meta.session_id)
+                self._by_session[req.connector_meta.session_id] = (
+                    req.request_id, time.monotonic() + self.lease_s
+                )
+            if previous is not None:
+                self.engine.release_held(previous[0])
+
+    def describe(self, session_id: str) -> dict[str, Any] | None:
+        """The retained turn's full blocks, their keys and tokens; None if none is held."""
+        with self._lock:
+            entry = self._by_session.get(session_id)
+        if entry is None:
+            return None
+        req = self.engine.get_request(entry[0])
+        if req is None:
+            return None
+        bs = self.engine.block_size
+        n = min(req.num_computed_tokens // bs, len(req.block_ids), len(req.block_hashes))
+        return {
+            "block_ids": list(req.block_ids[:n]),
+            "keys": [bytes(k).hex() for k in req.block_hashes[:n]],
+            "token_ids": list(req.all_token_ids[: n * bs]),
+        }
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._expiring = False
+            gone = [s for s, (_, until) in self._by_session.items() if now > until]
+            rids = [self._by_session.pop(s)[0] for s in gone]
+        for rid in rids:
+            self.engine.release_held(rid)
+
+    def num_retained(self) -> int:
+        with self._lock:
+            return len(self._by_session)
+
+    # ---- pump thread ----
+
+    def _tick(self, now: float) -> None:
+        with self._lock:
+            due = not self._expiring and any(now > u for _, u in self._by_session.values())
+            if due:
+                self._expiring = True
+        if due:
+            self.engine.call(self._expire)
+
+
+class RetainedReader:
+    """Prefill's side: READ the retained blocks its prefix cache lacks, then cache them."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        engine: EngineHandle,
+        deadline_s: float,
+        metrics: KVFlowMetrics | None = None,
+    ) -> None:
+        self.transport = transport
+        self.engine = engine
+        self.deadline_s = deadline_s
+        self.metrics = metrics
+        self.num_read_blocks = 0
+
+    def start(
+        self, peer: PeerHandle, xid: str, remote_blocks: list[int], keys_hex: list[str],
+        token_ids: list[int],
+    ) -> Future[int]:  # fmt: skip
+        """Engine thread: post the READ of the missing blocks; the future gives the number
+        of blocks cached once it ended (0: nothing was missing, or it failed)."""
+        done: Future[int] = Future()
+        bs = self.engine.block_size
+        keys = compute_block_hashes(token_ids, bs, self.engine.identity)
+        if len(keys) != len(remote_blocks) or [bytes(k).hex() for k in keys] != keys_hex:
+            logger.warning("xid=%s: retained blocks do not match their tokens; not read", xid)
+            done.set_result(0)
+            return done
+        num_have = self.engine.num_cached_prefix(keys)
+        missing = keys[num_have:]
+        local = self.engine.try_allocate_blocks(len(missing)) if missing else None
+        if not missing or local is None:
+            done.set_result(0)
+            return done
+        try:
+            handle = self.transport.read(
+                peer, xid, local, remote_blocks[num_have:], deadline_s=self.deadline_s
+            )
+        except Exception as exc:
+            logger.warning("xid=%s: READ of retained blocks failed to post: %s", xid, exc)
+            self.engine.release_blocks(local)
+            done.set_result(0)
+            return done
+
+        def on_done(h: TransferHandle) -> None:  # progress thread
+            self.engine.call(partial(self._finish, h, local, missing, done))
+
+        handle.add_done_callback(on_done)
+        return done
+
+    def _finish(
+        self, handle: TransferHandle, local: list[int], keys: list[BlockHash], done: Future[int]
+    ) -> None:
+        n = 0
+        if handle.state is TransferState.DONE:
+            self.engine.cache_blocks(local, keys)
+            n = len(local)
+            self.num_read_blocks += n
+            if self.metrics is not None:
+                self.metrics.return_blocks.labels("read").inc(n)
+                self.metrics.return_bytes.labels("read").inc(handle.num_bytes)
+        else:
+            logger.warning("xid=%s: READ of retained blocks failed: %s", handle.xid, handle.reason)
+        self.engine.release_blocks(local)
+        done.set_result(n)
+
+
+__all__ = ["RetainSpec", "RetainedReader", "TurnRetainer"]

@@ -1,0 +1,170 @@
+"""Internal routes and the request hook of a decode instance.
+
+The ``prepare`` hook reads ``kv_transfer_params`` from an OpenAI body before
+the request reaches the engine: it registers the push or pull of the prompt's
+KV (mode ``local``: decode computes the prompt over its own cache, a short
+append), and the duplex return of the finished turn (``return_to``, or
+``return_mode: pull`` to keep it for the next turn's READ).
+
+Routes: ``POST /internal/push/cancel`` stops waiting for a push (the router:
+prefill failed); ``POST /internal/kv/retained`` describes a session's retained
+turn; ``GET /internal/kv/{pull,push,return}/stats`` count what moved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import asdict
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field, model_validator
+
+from kvduplex.engine.request import RemoteKVSpec
+from kvduplex.kvflow.connectors import DecodeFlows
+from kvduplex.kvflow.pull import PullSpec
+from kvduplex.kvflow.push_decode import PushSpec
+from kvduplex.kvflow.return_pull import RetainSpec
+from kvduplex.kvflow.returns import ReturnSpec
+from kvduplex.server.api import APIError, Generation, InstanceState
+from kvduplex.server.kv_routes import CancelRequest, not_found
+from kvduplex.transport.handshake import PeerDirectory
+
+logger = logging.getLogger(__name__)
+
+
+class KVTransferParams(BaseModel):
+    mode: Literal["pull", "push", "local"]
+    """push/pull: the prompt's KV comes from ``prefill_url``; local: decode computes
+    the prompt itself (a short append over its cached history)."""
+    xid: str = ""
+    prefill_url: str = ""
+    block_ids: list[int] = Field(default_factory=list)
+    """Pull: prefill's held blocks."""
+    num_tokens: int = 0
+    """Pull: tokens in them."""
+    engine_id: str | None = None
+    lease_s: float | None = None
+    """Seconds prefill keeps the blocks from its answer on (None: unknown)."""
+    num_cached_tokens: int = Field(default=0, ge=0)
+    """Pull: prompt tokens prefill served from its prefix cache."""
+    session_id: str | None = None
+    return_mode: Literal["push", "pull"] = "push"
+    """push: offer the finished turn to ``return_to`` (duplex); pull: keep it held for
+    the next turn's prefill to READ (vLLM-style, for comparison)."""
+    return_to: str | None = None
+    """Duplex return: the prefill instance that receives this turn's blocks when it ends."""
+    return_from_block: int | None = Field(default=None, ge=0)
+    """First block to return (None: the first that is not wholly prompt)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> KVTransferParams:
+        if self.mode != "local" and (not self.xid or not self.prefill_url):
+            raise ValueError(f"mode {self.mode} needs xid and prefill_url")
+        if self.return_to is not None and not self.session_id:
+            raise ValueError("return_to needs a session_id")
+        return self
+
+
+class RetainedRequest(BaseModel):
+    session_id: str = Field(min_length=1)
+
+
+def make_decode_hooks(
+    state: InstanceState, flows: DecodeFlows, directory: PeerDirectory
+) -> APIRouter:
+    """Set `state.prepare` for pulls, pushes and returns; return the decode-side routes."""
+
+    async def prepare(raw: Request, gen: Generation) -> None:
+        arrived = time.monotonic()
+        body: Any = await raw.json()
+        params = body.get("kv_transfer_params") if isinstance(body, dict) else None
+        if not params:
+            return
+        try:
+            kv = KVTransferParams.model_validate(params)
+        except ValueError as exc:
+            raise APIError(400, f"kv_transfer_params: {exc}", param="kv_transfer_params") from None
+        if kv.session_id:
+            await _prepare_return(kv, gen)
+        if kv.mode == "local":
+            return
+        try:
+            peer = await asyncio.to_thread(directory.get_peer, kv.prefill_url, kv.engine_id)
+        except Exception as exc:  # no peer: compute the prompt here
+            logger.warning(
+                "xid=%s: no connection to %s (%s); computing locally", kv.xid, kv.prefill_url, exc
+            )
+            return
+        if kv.mode == "push":
+            flows.push.register(PushSpec(kv.xid, peer, kv.prefill_url, gen.request_id))
+        else:
+            lease_ends_at = None if kv.lease_s is None else arrived + kv.lease_s
+            flows.pull.register(
+                PullSpec(
+                    kv.xid, peer, kv.prefill_url, kv.block_ids, kv.num_tokens, lease_ends_at,
+                    kv.num_cached_tokens,
+                )
+            )
+        gen.remote_kv = RemoteKVSpec(kv.xid, source_engine_id=peer.engine_id)
+
+    async def _prepare_return(kv: KVTransferParams, gen: Generation) -> None:
+        assert kv.session_id is not None
+        if kv.return_mode == "pull":
+            gen.connector_meta = RetainSpec(kv.session_id)
+            gen.hold_blocks_on_finish = True
+            return
+        if kv.return_to is None:
+            return
+        try:
+            peer = await asyncio.to_thread(directory.get_peer, kv.return_to, None)
+        except Exception as exc:  # no return this turn: the next one recomputes
+            logger.warning("session %s: no connection to %s (%s)", kv.session_id, kv.return_to, exc)
+            return
+        gen.connector_meta = ReturnSpec(kv.session_id, peer, kv.return_from_block)
+        gen.hold_blocks_on_finish = True
+
+    state.prepare = prepare
+    router = APIRouter()
+
+    @router.get("/internal/kv/pull/stats")
+    async def pull_stats() -> JSONResponse:
+        return JSONResponse(asdict(flows.pull.stats))
+
+    @router.get("/internal/kv/push/stats")
+    async def push_stats() -> JSONResponse:
+        waits = flows.receiver.stats
+        return JSONResponse(
+            {
+                **asdict(flows.push.stats),
+                "num_alive_received": waits.num_alive_received,
+                "num_late": waits.num_late,
+            }
+        )
+
+    @router.get("/internal/kv/return/stats")
+    async def return_stats() -> JSONResponse:
+        return JSONResponse(
+            {**asdict(flows.offerer.stats), "num_retained": flows.retainer.num_retained()}
+        )
+
+    @router.post("/internal/kv/retained")
+    async def retained(body: RetainedRequest) -> JSONResponse:
+        info = await state.engine.run_in_engine(lambda _e: flows.retainer.describe(body.session_id))
+        if info is None:
+            return not_found(body.session_id)
+        return JSONResponse({"engine_id": flows.sender.transport.engine_id, **info})
+
+    @router.post("/internal/push/cancel")
+    async def push_cancel(body: CancelRequest) -> JSONResponse:
+        found = await state.engine.run_in_engine(
+            lambda _e: flows.push.cancel(body.xid, body.reason)
+        )
+        if not found:
+            return not_found(body.xid)
+        return JSONResponse({"xid": body.xid, "cancelled": True})
+
+    return router
