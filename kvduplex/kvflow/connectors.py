@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from kvduplex.engine.async_engine import AsyncEngine
 from kvduplex.engine.connector import EngineHandle, KVConnector
@@ -19,6 +20,7 @@ from kvduplex.engine.scheduler_output import SchedulerOutput
 from kvduplex.kvflow.metrics import KVFlowMetrics
 from kvduplex.kvflow.pull import PullConnector
 from kvduplex.kvflow.push_decode import PushDecode
+from kvduplex.kvflow.push_prefill import PushSender
 from kvduplex.kvflow.receiver import KVReceiver
 from kvduplex.kvflow.return_pull import RetainedReader, TurnRetainer
 from kvduplex.kvflow.returns import ReturnAcceptor, ReturnOfferer
@@ -26,9 +28,11 @@ from kvduplex.kvflow.sender import KVSender
 from kvduplex.transport.notify import NotificationPump
 from kvduplex.transport.protocol import PeerHandle, Transport
 
+S = TypeVar("S", bound=KVSender)
+
 
 class PrefillConnector(KVConnector):
-    def __init__(self, sender: KVSender) -> None:
+    def __init__(self, sender: PushSender) -> None:
         self.sender = sender
 
     def on_scheduled(self, out: SchedulerOutput) -> None:
@@ -75,7 +79,7 @@ class DecodeConnector(KVConnector):
 class PrefillFlows:
     """A prefill instance's flows: it sends pushes and receives returns."""
 
-    sender: KVSender
+    sender: PushSender
     receiver: KVReceiver
     acceptor: ReturnAcceptor
     reader: RetainedReader
@@ -97,9 +101,9 @@ class DecodeFlows:
 
 def _halves(
     transport: Transport, handle: EngineHandle, timing: FlowTiming, metrics: KVFlowMetrics | None,
-    peer_of: Callable[[str], PeerHandle | None], pump: NotificationPump,
-) -> tuple[KVSender, KVReceiver]:  # fmt: skip
-    sender = KVSender(
+    peer_of: Callable[[str], PeerHandle | None], pump: NotificationPump, kind: type[S],
+) -> tuple[S, KVReceiver]:  # fmt: skip
+    sender = kind(
         transport, handle, registration_wait_s=timing.wait_s, deadline_s=timing.transfer_timeout_s,
         metrics=metrics, peer_of=peer_of,
     )  # fmt: skip
@@ -115,7 +119,7 @@ def prefill_flows(
 ) -> PrefillFlows:  # fmt: skip
     """Build prefill's flows on `pump` and install its connector into the engine."""
     handle = EngineHandle(engine)
-    sender, receiver = _halves(transport, handle, timing, metrics, peer_of, pump)
+    sender, receiver = _halves(transport, handle, timing, metrics, peer_of, pump, PushSender)
     acceptor = ReturnAcceptor(receiver, handle, peer_of, metrics)
     acceptor.attach(pump)
     reader = RetainedReader(transport, handle, timing.transfer_timeout_s, metrics)
@@ -134,7 +138,7 @@ def decode_flows(
     ``release(prefill_url, xid)`` ends a pull's lease (default: over HTTP).
     """
     handle = EngineHandle(engine)
-    sender, receiver = _halves(transport, handle, timing, metrics, peer_of, pump)
+    sender, receiver = _halves(transport, handle, timing, metrics, peer_of, pump, KVSender)
     push = PushDecode(receiver, handle, metrics)
     push.attach(pump)
     pull = PullConnector(transport, handle, timing.wait_s, release=release, metrics=metrics)

@@ -3,11 +3,12 @@
 A *job* is one transfer ``xid`` to one peer, over a run of ``num_blocks``
 blocks. Its source is either
 
-* a prefill request (push): its blocks fill as the prefill computes, and the
-  engine's layer hook WRITEs each layer of a chunk's finished blocks while the
-  next layer runs (see `on_scheduled` / `layer_hook`); or
+* a prefill request (push): its blocks fill as the prefill computes, and
+  `kvduplex.kvflow.push_prefill.PushSender` (this class plus the engine's
+  step hooks) WRITEs each layer of a chunk's finished blocks while the next
+  layer runs; or
 * blocks already computed (return): the job holds its own references on them
-  and WRITEs them all at once when the registration arrives.
+  and WRITEs them all at once when the registration arrives (`offer`).
 
 ::
 
@@ -34,7 +35,9 @@ Failure rules:
 Threads: jobs are created, registered and ended on the engine thread; the
 transport's completion callbacks and the notification pump only take
 ``_lock`` (which guards ``_jobs`` and every job's counters) or queue an engine
-call.
+call. (The file is longer than most: the engine-thread, completion and pump
+parts of one job state machine share that lock and its invariants, so they
+stay together.)
 """
 
 from __future__ import annotations
@@ -49,7 +52,6 @@ from functools import partial
 
 from kvduplex.engine.connector import EngineHandle
 from kvduplex.engine.request import Request
-from kvduplex.engine.scheduler_output import SchedulerOutput
 from kvduplex.kvflow.messages import (
     KVAlive,
     KVAliveAck,
@@ -63,7 +65,6 @@ from kvduplex.kvflow.metrics import KVFlowMetrics
 from kvduplex.transport.messages import ControlMessage, MessageCodec
 from kvduplex.transport.notify import NotificationPump
 from kvduplex.transport.protocol import PeerHandle, TransferHandle, TransferState, Transport
-from kvduplex.util import ceil_div
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ HEARTBEATS_PER_WAIT = 3
 
 
 @dataclass
-class _Chunk:
+class Chunk:
     """Blocks one step (or one catch-up) WRITEs for one job, layer by layer or at once."""
 
     src: list[int]
@@ -166,8 +167,6 @@ class KVSender:
         self._jobs: dict[str, SendJob] = {}
         self._early: dict[str, tuple[KVRegister, str, float]] = {}
         self._cancelled: dict[str, float] = {}  # xid -> until when it is refused
-        self._chunks: dict[str, _Chunk] = {}  # this step's, by request id (= xid)
-        self._step_seqs: dict[str, tuple[int, int]] = {}  # this step's jobs: xid -> (start, end)
         self._regs: list[tuple[KVRegister, str]] = []  # received, not applied yet
         self._notify = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-send-notify")
 
@@ -179,17 +178,6 @@ class KVSender:
         pump.every_tick(self._tick)
 
     # ---- engine thread: jobs ----
-
-    def expect(self, xid: str, peer: PeerHandle, num_prompt_tokens: int) -> None:
-        """Push: a prefill named `xid` is about to be added (its request id is `xid`).
-
-        Raises ValueError for an xid in progress or one the receiver already cancelled.
-        """
-        job = SendJob(
-            xid, peer, num_prompt_tokens, ceil_div(num_prompt_tokens, self.block_size),
-            expires_at=time.monotonic() + self.registration_wait_s, needs_first_token=True,
-        )  # fmt: skip
-        self._add(job)
 
     def offer(
         self,
@@ -284,25 +272,14 @@ class KVSender:
             self._catch_up(job, None, job.num_blocks)
             self._maybe_end(job)
             return
-        req = self.engine.get_request(msg.xid)
-        if req is None:
-            self._maybe_end(job)
-            return
-        # Registration after prefill began: write what is computed at once.
-        step = self._step_seqs.get(msg.xid)
-        if step is not None and layer is not None:  # mid-forward: this chunk's layers 0..layer
-            start, end = step
-            self._catch_up(job, req, self._blocks_done(job, start))
-            hi = self._blocks_done(job, end)
-            if hi > job.sent:
-                chunk = self._plan(job, req, hi)
-                chunk.num_pending = self.transport.layout.num_layers - layer
-                chunk.from_layer = layer + 1
-                self._chunks[job.xid] = chunk
-                self._post(job, chunk, layers=list(range(layer + 1)))
-        else:
-            self._catch_up(job, req, self._blocks_done(job, req.num_computed_tokens))
+        self._register_request_job(job, layer)
         self._maybe_end(job)
+
+    def _register_request_job(self, job: SendJob, layer: int | None) -> None:
+        """A registration for a job whose source is a request: WRITE what it computed."""
+        req = self.engine.get_request(job.xid)
+        if req is not None:
+            self._catch_up(job, req, self._blocks_done(job, req.num_computed_tokens))
 
     def _register_unknown(self, msg: KVRegister, sender: str) -> None:
         if msg.xid not in self._cancelled:
@@ -344,7 +321,7 @@ class KVSender:
             )
         return None
 
-    def _plan(self, job: SendJob, req: Request | None, hi: int) -> _Chunk:
+    def _plan(self, job: SendJob, req: Request | None, hi: int) -> Chunk:
         assert job.reg is not None
         lo, first = job.sent, job.reg.first_block
         if job.src_blocks is not None:
@@ -353,60 +330,7 @@ class KVSender:
             assert req is not None
             src = list(req.block_ids[lo:hi])
         self.engine.acquire_blocks(src)
-        return _Chunk(src=src, dst=list(job.reg.block_ids[lo - first : hi - first]), hi=hi)
-
-    # ---- the push connector's hooks (engine thread) ----
-
-    def on_scheduled(self, out: SchedulerOutput) -> None:
-        self._chunks.clear()
-        self._step_seqs.clear()
-        if out.seqs:
-            self.transport.set_compute_busy(True)
-        if not self._jobs:
-            return
-        for seq in out.seqs:
-            job = self._jobs.get(seq.request.request_id)
-            if job is None or job.error is not None or job.src_blocks is not None:
-                continue
-            end = seq.start_pos + seq.num_new_tokens
-            self._step_seqs[job.xid] = (seq.start_pos, end)
-            if job.reg is None:
-                continue
-            hi = self._blocks_done(job, end)
-            if hi > job.sent:
-                chunk = self._plan(job, seq.request, hi)
-                chunk.num_pending = self.transport.layout.num_layers
-                self._chunks[job.xid] = chunk
-
-    def layer_hook(self, out: SchedulerOutput) -> Callable[[int], None] | None:
-        if not self._step_seqs:
-            return None
-
-        def on_layer_done(layer: int) -> None:
-            self._drain_registrations(layer)
-            for xid, chunk in self._chunks.items():
-                if chunk.from_layer <= layer:
-                    self._post(self._jobs[xid], chunk, layers=[layer])
-
-        return on_layer_done
-
-    def on_step_done(
-        self, out: SchedulerOutput, sampled: dict[str, int], finished: list[Request]
-    ) -> None:
-        self.transport.set_compute_busy(False)
-        for xid, chunk in self._chunks.items():
-            self._jobs[xid].sent = chunk.hi
-        self._chunks.clear()
-        self._step_seqs.clear()
-        now = time.monotonic()
-        for req in finished:
-            job = self._jobs.get(req.request_id)
-            if job is None or job.src_blocks is not None or not req.output_token_ids:
-                continue
-            job.first_token = req.output_token_ids[0]
-            job.num_cached_tokens = req.num_cached_tokens
-            job.compute_done_at = now
-            self._maybe_end(job)
+        return Chunk(src=src, dst=list(job.reg.block_ids[lo - first : hi - first]), hi=hi)
 
     def _drain_registrations(self, layer: int | None = None) -> None:
         """Apply registrations the pump received (between steps, or between two layers)."""
@@ -417,7 +341,7 @@ class KVSender:
 
     # ---- posting and completion (any thread after posting) ----
 
-    def _post(self, job: SendJob, chunk: _Chunk, layers: list[int] | None) -> None:
+    def _post(self, job: SendJob, chunk: Chunk, layers: list[int] | None) -> None:
         if job.error is None and time.monotonic() >= job.expires_at:
             self._fail(job, "the receiver's wait ran out")  # never WRITE after its deadline
         if job.error is not None:
@@ -439,7 +363,7 @@ class KVSender:
         handle.add_done_callback(lambda h: self._on_write_done(job, chunk, h, h.reason))
 
     def _on_write_done(
-        self, job: SendJob, chunk: _Chunk, handle: TransferHandle | None, reason: str | None
+        self, job: SendJob, chunk: Chunk, handle: TransferHandle | None, reason: str | None
     ) -> None:
         ok = handle is not None and handle.state is TransferState.DONE
         with self._lock:
@@ -456,7 +380,7 @@ class KVSender:
         self._chunk_part_done(job, chunk)
         self._maybe_end(job)
 
-    def _chunk_part_done(self, job: SendJob, chunk: _Chunk) -> None:
+    def _chunk_part_done(self, job: SendJob, chunk: Chunk) -> None:
         """One of the chunk's WRITEs ended (or was skipped); the last one drops the source refs."""
         with self._lock:
             chunk.num_pending -= 1
@@ -623,4 +547,4 @@ class KVSender:
         self._notify.shutdown(wait=False)
 
 
-__all__ = ["HEARTBEATS_PER_WAIT", "KVSender", "KVSenderStats", "SendJob"]
+__all__ = ["HEARTBEATS_PER_WAIT", "Chunk", "KVSender", "KVSenderStats", "SendJob"]

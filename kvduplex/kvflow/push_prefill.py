@@ -1,0 +1,135 @@
+"""Prefill's side of the layer-wise push: stream a prefill's KV into decode's blocks.
+
+::
+
+    router ──► P /internal/push/prefill {xid, prompt, decode_url}     (at the same time)
+    router ──► D /v1/... {kv_transfer_params: {mode: push, xid, prefill_url}}
+    D: admit, allocate the blocks its prefix cache lacks ──KVRegister──► P
+    P: after each layer of each chunk, WRITE that layer's finished blocks
+       (registration late? first WRITE everything already computed, then stream)
+    P: first token sampled, every WRITE done ──KVDone{first_token}──► D
+
+`PushSender` is a `KVSender` whose jobs are prefill requests (``expect``)
+plus the engine hooks that plan each step's WRITEs (`on_scheduled`), post
+them layer by layer from the runner (`layer_hook`), and end a job once its
+first token is sampled (`on_step_done`). A registration that lands between
+two layers of a forward WRITEs the finished layers at once and streams the
+rest. Deadlines, heartbeats and failure rules are `KVSender`'s.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from kvduplex.engine.connector import EngineHandle
+from kvduplex.engine.request import Request
+from kvduplex.engine.scheduler_output import SchedulerOutput
+from kvduplex.kvflow.metrics import KVFlowMetrics
+from kvduplex.kvflow.sender import Chunk, KVSender, SendJob
+from kvduplex.transport.protocol import PeerHandle, Transport
+from kvduplex.util import ceil_div
+
+
+class PushSender(KVSender):
+    """Prefill's sender: jobs fed by running prefills, streamed layer by layer."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        engine: EngineHandle,
+        registration_wait_s: float,
+        deadline_s: float,
+        metrics: KVFlowMetrics | None = None,
+        peer_of: Callable[[str], PeerHandle | None] | None = None,
+    ) -> None:
+        super().__init__(transport, engine, registration_wait_s, deadline_s, metrics, peer_of)
+        self._chunks: dict[str, Chunk] = {}  # this step's, by request id (= xid)
+        self._step_seqs: dict[str, tuple[int, int]] = {}  # this step's jobs: xid -> (start, end)
+
+    def expect(self, xid: str, peer: PeerHandle, num_prompt_tokens: int) -> None:
+        """Push: a prefill named `xid` is about to be added (its request id is `xid`).
+
+        Raises ValueError for an xid in progress or one the receiver already cancelled.
+        """
+        job = SendJob(
+            xid, peer, num_prompt_tokens, ceil_div(num_prompt_tokens, self.block_size),
+            expires_at=time.monotonic() + self.registration_wait_s, needs_first_token=True,
+        )  # fmt: skip
+        self._add(job)
+
+    def _register_request_job(self, job: SendJob, layer: int | None) -> None:
+        """Registration after prefill began: write what is computed at once (mid-forward:
+        this chunk's layers 0..layer at once, the later ones as they finish)."""
+        req = self.engine.get_request(job.xid)
+        if req is None:
+            return
+        step = self._step_seqs.get(job.xid)
+        if step is None or layer is None:
+            self._catch_up(job, req, self._blocks_done(job, req.num_computed_tokens))
+            return
+        start, end = step
+        self._catch_up(job, req, self._blocks_done(job, start))
+        hi = self._blocks_done(job, end)
+        if hi > job.sent:
+            chunk = self._plan(job, req, hi)
+            chunk.num_pending = self.transport.layout.num_layers - layer
+            chunk.from_layer = layer + 1
+            self._chunks[job.xid] = chunk
+            self._post(job, chunk, layers=list(range(layer + 1)))
+
+    # ---- engine hooks (engine thread) ----
+
+    def on_scheduled(self, out: SchedulerOutput) -> None:
+        self._chunks.clear()
+        self._step_seqs.clear()
+        if out.seqs:
+            self.transport.set_compute_busy(True)
+        if not self._jobs:
+            return
+        for seq in out.seqs:
+            job = self._jobs.get(seq.request.request_id)
+            if job is None or job.error is not None or job.src_blocks is not None:
+                continue
+            end = seq.start_pos + seq.num_new_tokens
+            self._step_seqs[job.xid] = (seq.start_pos, end)
+            if job.reg is None:
+                continue
+            hi = self._blocks_done(job, end)
+            if hi > job.sent:
+                chunk = self._plan(job, seq.request, hi)
+                chunk.num_pending = self.transport.layout.num_layers
+                self._chunks[job.xid] = chunk
+
+    def layer_hook(self, out: SchedulerOutput) -> Callable[[int], None] | None:
+        if not self._step_seqs:
+            return None
+
+        def on_layer_done(layer: int) -> None:
+            self._drain_registrations(layer)
+            for xid, chunk in self._chunks.items():
+                if chunk.from_layer <= layer:
+                    self._post(self._jobs[xid], chunk, layers=[layer])
+
+        return on_layer_done
+
+    def on_step_done(
+        self, out: SchedulerOutput, sampled: dict[str, int], finished: list[Request]
+    ) -> None:
+        self.transport.set_compute_busy(False)
+        for xid, chunk in self._chunks.items():
+            self._jobs[xid].sent = chunk.hi
+        self._chunks.clear()
+        self._step_seqs.clear()
+        now = time.monotonic()
+        for req in finished:
+            job = self._jobs.get(req.request_id)
+            if job is None or job.src_blocks is not None or not req.output_token_ids:
+                continue
+            job.first_token = req.output_token_ids[0]
+            job.num_cached_tokens = req.num_cached_tokens
+            job.compute_done_at = now
+            self._maybe_end(job)
+
+
+__all__ = ["PushSender"]
