@@ -22,30 +22,24 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from kvduplex.engine.connector import EngineHandle
 from kvduplex.engine.request import Request
 from kvduplex.engine.scheduler_output import SchedulerOutput
-from kvduplex.kvflow.metrics import KVFlowMetrics
 from kvduplex.kvflow.sender import Chunk, KVSender, SendJob
-from kvduplex.transport.protocol import PeerHandle, Transport
+from kvduplex.transport.protocol import PeerHandle
 from kvduplex.util import ceil_div
 
 
 class PushSender(KVSender):
     """Prefill's sender: jobs fed by running prefills, streamed layer by layer."""
 
-    def __init__(
-        self,
-        transport: Transport,
-        engine: EngineHandle,
-        registration_wait_s: float,
-        deadline_s: float,
-        metrics: KVFlowMetrics | None = None,
-        peer_of: Callable[[str], PeerHandle | None] | None = None,
-    ) -> None:
-        super().__init__(transport, engine, registration_wait_s, deadline_s, metrics, peer_of)
-        self._chunks: dict[str, Chunk] = {}  # this step's, by request id (= xid)
-        self._step_seqs: dict[str, tuple[int, int]] = {}  # this step's jobs: xid -> (start, end)
+    _chunks: dict[str, Chunk]
+    """This step's WRITE plans, by request id (= xid)."""
+    _step_seqs: dict[str, tuple[int, int]]
+    """This step's jobs: xid -> (start, end) of the scheduled chunk."""
+
+    def _init_flow_state(self) -> None:
+        self._chunks = {}
+        self._step_seqs = {}
 
     def expect(self, xid: str, peer: PeerHandle, num_prompt_tokens: int) -> None:
         """Push: a prefill named `xid` is about to be added (its request id is `xid`).

@@ -109,8 +109,8 @@ class KVReceiver:
         self._waits: dict[str, _Wait] = {}
 
     def attach(self, pump: NotificationPump) -> None:
-        pump.on(KVDone, self._on_done_notif)
-        pump.on(KVFailed, self._on_failed_notif)
+        pump.on(KVDone, self._on_end_notif)
+        pump.on(KVFailed, self._on_end_notif)
         pump.on(KVAlive, self._on_alive_notif)
         pump.every_tick(self._tick)
 
@@ -155,29 +155,22 @@ class KVReceiver:
         self._give_up(wait, reason, WaitFailure.CANCELLED)
         return True
 
-    def _on_done(self, msg: KVDone, sender: str) -> None:
+    def _on_end(self, msg: KVDone | KVFailed, sender: str) -> None:
+        """The sender is done with ``msg.xid``: no WRITE can land any more."""
         wait = self._pop_wait(msg.xid, sender)
         if wait is None:
             return
         self.engine.release_blocks(wait.blocks)
         if wait.fell_back:
             self.stats.num_late += 1
-            return
-        self.stats.num_received += 1
-        self.stats.num_received_blocks += len(wait.blocks)
-        wait.on_done(msg)
-
-    def _on_failed(self, msg: KVFailed, sender: str) -> None:
-        wait = self._pop_wait(msg.xid, sender)
-        if wait is None:
-            return
-        self.engine.release_blocks(wait.blocks)
-        if wait.fell_back:
-            self.stats.num_late += 1
-            return
-        self.stats.num_failed += 1
-        logger.warning("xid=%s: the sender gave up (%s)", msg.xid, msg.reason)
-        wait.on_failed(WaitFailure.SENDER_FAILED, msg.reason)
+        elif isinstance(msg, KVDone):
+            self.stats.num_received += 1
+            self.stats.num_received_blocks += len(wait.blocks)
+            wait.on_done(msg)
+        else:
+            self.stats.num_failed += 1
+            logger.warning("xid=%s: the sender gave up (%s)", msg.xid, msg.reason)
+            wait.on_failed(WaitFailure.SENDER_FAILED, msg.reason)
 
     def _pop_wait(self, xid: str, sender: str) -> _Wait | None:
         with self._lock:
@@ -221,13 +214,9 @@ class KVReceiver:
 
     # ---- pump thread ----
 
-    def _on_done_notif(self, msg: ControlMessage, sender: str) -> None:
-        assert isinstance(msg, KVDone)
-        self.engine.call(lambda: self._on_done(msg, sender))
-
-    def _on_failed_notif(self, msg: ControlMessage, sender: str) -> None:
-        assert isinstance(msg, KVFailed)
-        self.engine.call(lambda: self._on_failed(msg, sender))
+    def _on_end_notif(self, msg: ControlMessage, sender: str) -> None:
+        assert isinstance(msg, KVDone | KVFailed)
+        self.engine.call(lambda: self._on_end(msg, sender))
 
     def _on_alive_notif(self, msg: ControlMessage, sender: str) -> None:
         """The sender still holds ``xid``: restart the wait (nothing to do in the engine)."""

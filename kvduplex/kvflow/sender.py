@@ -169,6 +169,10 @@ class KVSender:
         self._cancelled: dict[str, float] = {}  # xid -> until when it is refused
         self._regs: list[tuple[KVRegister, str]] = []  # received, not applied yet
         self._notify = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-send-notify")
+        self._init_flow_state()
+
+    def _init_flow_state(self) -> None:
+        """Subclasses set up the state of their own kind of job here."""
 
     def attach(self, pump: NotificationPump) -> None:
         pump.on(KVRegister, self._on_register_notif)
