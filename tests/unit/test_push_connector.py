@@ -122,11 +122,6 @@ class Pair:
         self.sender.close()
 
 
-@pytest.fixture
-def pair(tiny: LoadedModel) -> Pair:
-    return Pair(tiny)
-
-
 def test_concurrent_push_matches_local(tiny: LoadedModel) -> None:
     s = Pair(tiny)
     try:
