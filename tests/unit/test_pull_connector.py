@@ -38,6 +38,7 @@ def _run(engine: LLMEngine, rid: str, params: SamplingParams, hold: bool = False
     while (req := engine.scheduler.get_request(rid)) is not None and not req.is_finished:
         for o in engine.step():
             out.extend(o.new_token_ids)
+    assert out and (len(out) == params.max_tokens or not params.ignore_eos)
     return out
 
 
