@@ -240,12 +240,13 @@ class Bench:
                 done.append(t_done - t0)
                 seen.append(struct.unpack("d", reply[0].payload)[0] - t0)
         self.call("echo_stop")
-        q = statistics.quantiles
+        done_p50, done_p90 = np.percentile(done, [50, 90]) * 1e6
+        seen_p50, seen_p90 = np.percentile(seen, [50, 90]) * 1e6
         return {
-            "done_p50_us": statistics.median(done) * 1e6,
-            "done_p90_us": q(done, n=10)[-1] * 1e6,
-            "notif_p50_us": statistics.median(seen) * 1e6,
-            "notif_p90_us": q(seen, n=10)[-1] * 1e6,
+            "done_p50_us": float(done_p50),
+            "done_p90_us": float(done_p90),
+            "notif_p50_us": float(seen_p50),
+            "notif_p90_us": float(seen_p90),
             "bytes": h.num_bytes,
             "descriptors": h.num_descriptors,
         }

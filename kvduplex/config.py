@@ -1,7 +1,10 @@
 """Configuration: one frozen dataclass per concern.
 
-CLI flags are generated from these (see `kvduplex.server.cli`), so every field's
-docstring line doubles as its ``--help`` text and its default is the CLI default.
+The flags of ``kvduplex serve`` are generated from these (see
+`kvduplex.server.flags`), so every field's docstring doubles as its ``--help``
+text and its default is the CLI default. The flags of ``kvduplex router`` and
+``kvduplex up`` are written out in `kvduplex.server.cli`, and those of
+``kvduplex bench`` in `kvduplex.bench.serving` (defaulted by its `Options`).
 Environment variables are read only here, all prefixed ``KVDUPLEX_``.
 """
 
@@ -103,11 +106,16 @@ class TransferConfig:
 
     kv_wait_timeout_s: float = 10.0
     """How long decode waits for pushed KV without word from prefill before computing the
-    prompt itself (and prefill for decode's registration); heartbeats restart it."""
+    prompt itself (and prefill for decode's registration); heartbeats restart it. Also the
+    deadline of a pull READ, shortened to end 0.5 s before prefill's lease does."""
     pull_lease_s: float = 30.0
     """How long prefill keeps a finished request's blocks for decode to read."""
     transfer_timeout_s: float = 10.0
-    """Deadline of one transfer; on expiry it fails and its blocks are released."""
+    """Deadline of each WRITE of a push (prefill) or a return (decode), never past the
+    receiver's wait; a failed WRITE
+    fails the transfer and decode computes the prompt. Decode keeps the blocks of a push it gave
+    up on until prefill confirms that no WRITE can land, or for this long plus 1 s. Pull
+    READs use kv_wait_timeout_s instead."""
     retain_lease_s: float = 60.0
     """Decode, ``--return-mode pull`` only: how long a session's last turn stays held
     for prefill to read at the next turn."""

@@ -89,13 +89,3 @@ async def stream_request(
         completion_tokens=int(usage.get("completion_tokens", len(ids))),
     )
 
-
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0-100) by linear interpolation; 0.0 for no values."""
-    if not values:
-        return 0.0
-    s = sorted(values)
-    k = (len(s) - 1) * q / 100.0
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)

@@ -46,8 +46,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 
-from kvduplex.bench.client import RequestResult, percentile, stream_request
+from kvduplex.bench.client import RequestResult, stream_request
 from kvduplex.server.cluster import LocalCluster, free_port
 from kvduplex.server.report import metric_sum, scrape
 
@@ -67,10 +68,12 @@ class Cell:
         return [r for r in self.results if r.ok]
 
     def stat(self, what: str, q: float) -> float:
-        return percentile([getattr(r, what) for r in self.ok()], q)
+        """The q-th percentile (0-100) of `what` over the successful requests; 0.0 for none."""
+        values = [getattr(r, what) for r in self.ok()]
+        return float(np.percentile(values, q)) if values else 0.0
 
     def handoff(self, q: float) -> float | None:
-        return percentile(self.handoff_s, q) if self.handoff_s else None
+        return float(np.percentile(self.handoff_s, q)) if self.handoff_s else None
 
 
 @dataclass

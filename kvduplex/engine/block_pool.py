@@ -284,19 +284,7 @@ class BlockPool:
         if both:
             problems.append(f"blocks both free and cached: {sorted(both)}")
         for block_id, ref in enumerate(self._ref_counts):
-            key = self._keys[block_id]
-            if ref < 0:
-                problems.append(f"block {block_id} has ref count {ref}")
-            elif ref == 0 and (block_id in free) == (block_id in self._evictable):
-                problems.append(f"unreferenced block {block_id} is neither free nor cached")
-            elif ref > 0 and (block_id in free or block_id in self._evictable):
-                problems.append(f"referenced block {block_id} (ref {ref}) is in a free/cached list")
-            if block_id in free and key is not None:
-                problems.append(f"free block {block_id} still has a key")
-            if block_id in self._evictable and key is None:
-                problems.append(f"cached block {block_id} has no key")
-            if key is not None and self._cached.get(key) != block_id:
-                problems.append(f"block {block_id}'s key maps to {self._cached.get(key)}")
+            problems.extend(self._block_problems(block_id, ref, block_id in free))
         for key, block_id in self._cached.items():
             if self._keys[block_id] != key:
                 problems.append(
@@ -309,6 +297,25 @@ class BlockPool:
                 f"free {stats.num_free} + in use {num_in_use} + cached {stats.num_cached}"
                 f" != total {self.num_blocks}"
             )
+        return problems
+
+    def _block_problems(self, block_id: int, ref: int, is_free: bool) -> list[str]:
+        """One block's ref count against the free queue and the cache, and its key."""
+        problems: list[str] = []
+        key = self._keys[block_id]
+        is_cached = block_id in self._evictable
+        if ref < 0:
+            problems.append(f"block {block_id} has ref count {ref}")
+        elif ref == 0 and is_free == is_cached:
+            problems.append(f"unreferenced block {block_id} is neither free nor cached")
+        elif ref > 0 and (is_free or is_cached):
+            problems.append(f"referenced block {block_id} (ref {ref}) is in a free/cached list")
+        if is_free and key is not None:
+            problems.append(f"free block {block_id} still has a key")
+        if is_cached and key is None:
+            problems.append(f"cached block {block_id} has no key")
+        if key is not None and self._cached.get(key) != block_id:
+            problems.append(f"block {block_id}'s key maps to {self._cached.get(key)}")
         return problems
 
 

@@ -46,6 +46,11 @@ def dtype_from_name(name: str) -> torch.dtype:
         raise ValueError(f"unsupported dtype {name!r}; choose one of {sorted(_DTYPES)}") from None
 
 
+def num_blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold `num_tokens` tokens: ``ceil(num_tokens / block_size)``, in integers."""
+    return -(-num_tokens // block_size)
+
+
 @dataclass(frozen=True)
 class KVCacheLayout:
     """Shape of one instance's KV pool; two instances can exchange blocks only if equal."""

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvduplex.engine.block_pool import BlockHash, BlockPool, compute_block_hashes
+from kvduplex.engine.kv_cache import num_blocks_for_tokens
 from kvduplex.engine.request import Request
 
 logger = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ class KVCacheManager:
         return self.pool.num_blocks * self.block_size
 
     def num_blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return num_blocks_for_tokens(num_tokens, self.block_size)
 
     def update_block_hashes(self, req: Request) -> None:
         """Extend ``req.block_hashes`` to cover every full block of its known tokens."""

@@ -63,7 +63,8 @@ class EngineMetrics:
         )
         self.waiting = Gauge(
             "kvduplex_num_requests_waiting",
-            "Requests queued, including those waiting for remote KV.", registry=registry,
+            "Requests queued for admission (new or preempted); not those waiting for remote KV.",
+            registry=registry,
         )
         self.blocks_in_use = Gauge(
             "kvduplex_kv_blocks_in_use", "KV blocks held by live requests.", registry=registry

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvduplex.engine.kv_cache import KVCacheLayout
+from kvduplex.engine.kv_cache import KVCacheLayout, num_blocks_for_tokens
 from kvduplex.model.attention import AttentionContext, DecodeGroup, PrefillSpan
 from kvduplex.model.config import DecoderConfig
 from kvduplex.model.decoder import DecoderForCausalLM
@@ -183,7 +183,7 @@ class ModelRunner:
             lens.append(n)
             if seq.needs_logits:
                 logits_index.append(len(token_ids) - 1)
-            max_blocks = max(max_blocks, -(-end // bs))
+            max_blocks = max(max_blocks, num_blocks_for_tokens(end, bs))
         tables = torch.tensor(
             [_pad(seq.block_table, max_blocks) for seq in seqs], dtype=torch.int64
         )  # (num_seqs, max_blocks)
@@ -204,13 +204,13 @@ class ModelRunner:
                 decode_seqs.append(i)
                 decode_tokens.append(offset)
             else:
-                nb = -(-(seq.start_pos + n) // bs)
+                nb = num_blocks_for_tokens(seq.start_pos + n, bs)
                 prefills.append(PrefillSpan(offset, n, seq.start_pos, tables[i, :nb].to(dev)))
             offset += n
         ctx_lens = [seqs[i].start_pos + 1 for i in decode_seqs]
         groups: list[DecodeGroup] = []
         for members in group_by_length(ctx_lens, bs):
-            width = -(-max(ctx_lens[j] for j in members) // bs)
+            width = num_blocks_for_tokens(max(ctx_lens[j] for j in members), bs)
             rows = [decode_seqs[j] for j in members]
             groups.append(
                 DecodeGroup(
@@ -256,7 +256,7 @@ def group_by_length(context_lens: list[int], block_size: int) -> list[list[int]]
     best = [0] + [0] * len(order)  # best[j]: cost of grouping the j shortest
     cut = [0] * (len(order) + 1)  # cut[j]: start of the last group in that best split
     for j in range(1, len(order) + 1):
-        width = -(-sorted_lens[j - 1] // block_size) * block_size
+        width = num_blocks_for_tokens(sorted_lens[j - 1], block_size) * block_size
         costs = (
             best[i] + GROUP_COST_TOKENS + width * (j - i) - (prefix[j] - prefix[i]) for i in range(j)
         )

@@ -3,7 +3,8 @@
 One engine step::
 
     out = scheduler.schedule()                # which tokens of which requests
-    sampled = runner.execute(out)             # {request_id: token} for seqs with needs_sample
+    sampled = engine._execute(out)            # forward over out.seqs (runner.execute), then
+                                              # sampling: {request_id: token} for needs_sample
     finished = scheduler.update(out, sampled)
 
 `schedule` fills the token budget (``max_num_batched_tokens``) in this order:

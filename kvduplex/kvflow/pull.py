@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from kvduplex.engine.connector import EngineHandle
+from kvduplex.engine.kv_cache import num_blocks_for_tokens
 from kvduplex.engine.request import Request
 from kvduplex.kvflow.metrics import KVFlowMetrics
 from kvduplex.transport.protocol import PeerHandle, TransferHandle, TransferState, Transport
-from kvduplex.util import ceil_div
 
 if TYPE_CHECKING:
     from kvduplex.engine.engine import LLMEngine
@@ -110,7 +110,7 @@ class PullConnector:
             logger.warning("request %s: no pull spec; computing the prompt locally", rid)
             self.engine.compute_locally(rid, discard_blocks=False)
             return
-        num_blocks = ceil_div(req.num_prompt_tokens, self.block_size)
+        num_blocks = num_blocks_for_tokens(req.num_prompt_tokens, self.block_size)
         first = req.num_cached_tokens // self.block_size
         if spec.num_tokens != req.num_prompt_tokens or len(spec.block_ids) < num_blocks:
             logger.warning(

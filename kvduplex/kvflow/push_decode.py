@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from kvduplex.engine.connector import EngineHandle
+from kvduplex.engine.kv_cache import num_blocks_for_tokens
 from kvduplex.engine.request import Request
 from kvduplex.kvflow.messages import KVDone, KVWaiting
 from kvduplex.kvflow.metrics import KVFlowMetrics
@@ -29,7 +30,6 @@ from kvduplex.kvflow.sender import HEARTBEATS_PER_WAIT
 from kvduplex.transport.messages import MessageCodec
 from kvduplex.transport.notify import NotificationPump
 from kvduplex.transport.protocol import PeerHandle
-from kvduplex.util import ceil_div
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class PushDecode:
             self.engine.compute_locally(rid, discard_blocks=False)
             return
         first = req.num_cached_tokens // self.block_size
-        blocks = list(req.block_ids[first : ceil_div(req.num_prompt_tokens, self.block_size)])
+        blocks = list(req.block_ids[first : num_blocks_for_tokens(req.num_prompt_tokens, self.block_size)])
         self.stats.num_skipped_blocks += first
         if self.metrics is not None:
             self.metrics.remote_prefix_hit_tokens.inc(req.num_cached_tokens)

@@ -22,11 +22,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from kvduplex.engine.kv_cache import num_blocks_for_tokens
 from kvduplex.engine.request import Request
 from kvduplex.engine.scheduler_output import SchedulerOutput
 from kvduplex.kvflow.sender import Chunk, KVSender, SendJob
 from kvduplex.transport.protocol import PeerHandle
-from kvduplex.util import ceil_div
 
 
 class PushSender(KVSender):
@@ -47,7 +47,7 @@ class PushSender(KVSender):
         Raises ValueError for an xid in progress or one the receiver already cancelled.
         """
         job = SendJob(
-            xid, peer, num_prompt_tokens, ceil_div(num_prompt_tokens, self.block_size),
+            xid, peer, num_prompt_tokens, num_blocks_for_tokens(num_prompt_tokens, self.block_size),
             expires_at=time.monotonic() + self.registration_wait_s, needs_first_token=True,
         )  # fmt: skip
         self._add(job)

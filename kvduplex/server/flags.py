@@ -2,6 +2,7 @@
 
 Each field becomes ``--field-name`` with the field's default and the docstring
 line under it as help text, so the dataclasses stay the one source of truth.
+A boolean field becomes the pair ``--field-name`` / ``--no-field-name``.
 """
 
 from __future__ import annotations
@@ -41,15 +42,6 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def _str2bool(text: str) -> bool:
-    low = text.lower()
-    if low in ("1", "true", "yes", "on"):
-        return True
-    if low in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-
-
 def add_dataclass_flags(
     parser: argparse.ArgumentParser, cls: type, *, skip: tuple[str, ...] = (), prefix: str = ""
 ) -> None:
@@ -65,13 +57,11 @@ def add_dataclass_flags(
         flag = "--" + (prefix + f.name).replace("_", "-")
         kwargs: dict[str, Any] = {"dest": prefix + f.name, "default": default, "help": docs.get(f.name, "")}
         if isinstance(tp, type) and issubclass(tp, enum.Enum):
-            kwargs["type"] = tp
             kwargs["choices"] = list(tp)
             kwargs["metavar"] = "{" + ",".join(str(m.value) for m in tp) + "}"
             kwargs["type"] = lambda s, tp=tp: tp(s)
         elif tp is bool:
-            kwargs["type"] = _str2bool
-            kwargs["metavar"] = "BOOL"
+            kwargs["action"] = argparse.BooleanOptionalAction
         elif tp in (int, float, str):
             kwargs["type"] = tp
         else:

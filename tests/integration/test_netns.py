@@ -93,7 +93,9 @@ def _complete(url: str, prompt: list[int]) -> list[int]:
     }  # fmt: skip
     resp = httpx.post(url + "/v1/completions", json=body, timeout=120)
     assert resp.status_code == 200, resp.text
-    return list(resp.json()["choices"][0]["token_ids"])
+    ids = list(resp.json()["choices"][0]["token_ids"])
+    assert len(ids) == body["max_tokens"], ids
+    return ids
 
 
 def _received_blocks(decode: str, mode: str) -> int:

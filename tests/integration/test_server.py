@@ -8,8 +8,10 @@ import socket
 import httpx
 import openai
 import pytest
+from openai.types import Completion
 
 from kvduplex.server.cluster import LocalCluster, Process, free_port
+from kvduplex.server.report import metric_sum, scrape
 from tests.integration.conftest import assert_pool_clean, kv_stats, wait_until
 
 pytestmark = pytest.mark.integration
@@ -171,15 +173,57 @@ def test_non_streaming_disconnect_aborts(server: Process) -> None:
     assert_pool_clean(server.url)
 
 
-def test_metrics(server: Process, client: openai.OpenAI) -> None:
-    client.completions.create(model="tiny", prompt="metrics please", max_tokens=4, temperature=0)
-    text = httpx.get(server.url + "/metrics").text
-    for name in (
-        "kvduplex_time_to_first_token_seconds_bucket",
-        "kvduplex_time_per_output_token_seconds_bucket",
-        "kvduplex_num_requests_running",
-        "kvduplex_num_requests_waiting",
-        "kvduplex_kv_blocks_in_use",
-        "kvduplex_prefix_cache_hit_tokens_total",
-    ):
-        assert name in text, name
+def test_metrics_count_served_requests(server: Process, client: openai.OpenAI) -> None:
+    assert_pool_clean(server.url)
+    before = scrape(server.url)
+    prompt = "metrics please, with a prompt longer than one block of eight tokens"
+    first = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+    )
+    again = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+    )
+    after = scrape(server.url)
+
+    def cached_tokens(c: Completion) -> int:
+        assert c.usage is not None
+        details = c.usage.prompt_tokens_details
+        return (details.cached_tokens or 0) if details is not None else 0
+
+    assert first.usage is not None and cached_tokens(again) > 0
+
+    def delta(name: str, **labels: str) -> float:
+        return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
+
+    assert delta("kvduplex_requests_finished_total", reason="length") == 2
+    assert delta("kvduplex_generation_tokens_total") == 8
+    assert delta("kvduplex_prompt_tokens_total") == first.usage.prompt_tokens * 2
+    hits = cached_tokens(first) + cached_tokens(again)
+    assert delta("kvduplex_prefix_cache_hit_tokens_total") == hits
+    for histogram in ("time_to_first_token", "time_per_output_token", "e2e_request_latency"):
+        assert delta(f"kvduplex_{histogram}_seconds_count") == 2, histogram
+        assert delta(f"kvduplex_{histogram}_seconds_sum") > 0, histogram
+    assert metric_sum(after, "kvduplex_kv_blocks_total") == 128
+    assert metric_sum(after, "kvduplex_kv_blocks_in_use") == 0
+    assert metric_sum(after, "kvduplex_kv_blocks_cached") > 0  # the prompt's blocks
+
+
+def test_gauges_follow_a_running_request(server: Process) -> None:
+    def gauges() -> tuple[float, float, float]:
+        m = scrape(server.url)
+        return (
+            metric_sum(m, "kvduplex_num_requests_running"),
+            metric_sum(m, "kvduplex_num_requests_waiting"),
+            metric_sum(m, "kvduplex_kv_blocks_in_use"),
+        )
+
+    body = {"model": "tiny", "prompt": "gauges", "max_tokens": 900, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()  # held: closing the iterator would close the stream
+        for line in lines:
+            if line.startswith("data: "):
+                break  # the request runs
+        running, waiting, in_use = gauges()
+        assert (running, waiting) == (1, 0) and in_use > 0
+    wait_until(lambda: gauges() == (0, 0, 0), what="the gauges to drop after the disconnect")

@@ -14,7 +14,6 @@ import importlib.util
 import os
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -27,6 +26,7 @@ from prometheus_client import CollectorRegistry
 from kvduplex.engine.kv_cache import KVCacheLayout, KVKind, allocate_kv_pool
 from kvduplex.kvflow.messages import KVDone
 from kvduplex.transport import (
+    FailureKind,
     IncompatibleLayoutError,
     MessageCodec,
     TransferHandle,
@@ -194,8 +194,10 @@ def test_concurrent_writes_deliver_each_notification_once(local: Local, peer: Pe
         assert (
             isinstance(msg, KVDone) and msg.xid == n["xid"] and n["peer_engine_id"] == t.engine_id
         )
-    # Nothing is delivered twice (bounded wait for stragglers).
-    assert httpx.get(f"{peer.url}/test/notifs", params={"timeout": 0.3, "min": 1}).json() == []
+    # Nothing is delivered twice: a notification sent after all of them is the next to arrive.
+    t.send_notif(handle, b"last", xid="after-all")
+    later = httpx.get(f"{peer.url}/test/notifs", params={"timeout": 10, "min": 1}, timeout=20)
+    assert [n["xid"] for n in later.json()] == ["after-all"]
     # Every notification followed its data.
     assert dump(peer, list(range(32, 32 + num))) == regions_bytes(
         local.pool, LOCAL, list(range(num)), None
@@ -230,11 +232,10 @@ def test_deadline_expires_when_peer_is_stopped(local_tcp: Local, fleet: Fleet) -
     assert t.read(handle, "warm", [0], [0]).wait(10) is TransferState.DONE
 
     p.signal(signal.SIGSTOP)
-    t0 = time.monotonic()
     h = t.read(handle, "stalled", [1, 2], [1, 2], deadline_s=1.0)
     assert h.wait(10) is TransferState.FAILED
-    assert 1.0 <= time.monotonic() - t0 < 3.0
-    assert h.reason == "deadline exceeded after 1 s"
+    assert h.failure is FailureKind.DEADLINE and h.reason == "deadline exceeded after 1 s"
+    assert h.duration_s is not None and h.duration_s >= 1.0  # not before its deadline
     assert (
         local_tcp.sample("kvduplex_kv_transfer_failures_total", direction="read", cause="deadline")
         == 1
@@ -260,13 +261,11 @@ def test_peer_killed_mid_transfer_fails_fast_and_others_keep_working(
     h = t.read(to_doomed, "mid", list(range(32)), list(range(32)), deadline_s=20)
     h.add_done_callback(lambda hd: returned.append(hd.xid))
     assert h.state is TransferState.PENDING  # the target cannot answer while stopped
-    t0 = time.monotonic()
     doomed.kill()
     assert h.wait(20) is TransferState.FAILED
-    assert (
-        time.monotonic() - t0 < 5.0
-    )  # the transport notices the dead peer, well before the deadline
-    assert "transport error" in (h.reason or "") and returned == ["mid"]
+    # The transport noticed the dead peer: the 20 s deadline is not what ended it.
+    assert h.failure is FailureKind.PEER and "transport error" in (h.reason or "")
+    assert returned == ["mid"]
 
     # A new transfer to the dead peer fails at once instead of raising.
     assert t.write(to_doomed, "late", [0], [0]).wait(10) is TransferState.FAILED

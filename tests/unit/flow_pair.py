@@ -47,6 +47,7 @@ def _reference(
     while engine.has_unfinished():
         for o in engine.step():
             out.extend(o.new_token_ids)
+    assert len(out) == params.max_tokens  # every reference ignores EOS
     return out
 
 

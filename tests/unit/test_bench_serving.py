@@ -35,3 +35,13 @@ def test_queue_floor_needs_the_low_load_in_the_same_run() -> None:
     cells = [_cell(m, "queue", [5.0]) for m in ("colocated", "pull", "push")]
     _, ratios = summarize(cells)
     assert "push_p90_over_pull_floor" not in ratios[0]
+
+
+def test_percentiles_interpolate_over_successful_requests() -> None:
+    cell = _cell("push", "low", [1.0, 2.0, 3.0, 4.0, 5.0], [0.1, 0.3])
+    cell.results.append(RequestResult(ok=False, ttft_s=100.0))
+    assert cell.stat("ttft_s", 50) == pytest.approx(3.0)
+    assert cell.stat("ttft_s", 90) == pytest.approx(4.6)
+    assert cell.handoff(50) == pytest.approx(0.2)
+    assert _cell("push", "low", []).stat("ttft_s", 50) == 0.0
+    assert _cell("push", "low", [1.0]).handoff(50) is None

@@ -103,6 +103,7 @@ def test_chunked_prefill_gives_same_tokens(tiny: LoadedModel) -> None:
     ref, _ = run(make_engine(tiny, caching=False), prompts)
     engine = make_engine(tiny, caching=False, budget=7)
     chunked, _ = run(engine, prompts)
+    assert all(len(r) == GREEDY.max_tokens for r in ref)
     assert chunked == ref
     assert_no_leak(engine)
 
@@ -125,6 +126,7 @@ def test_preemption_keeps_outputs_identical(tiny: LoadedModel) -> None:
     engine.scheduler.schedule = counting_schedule  # type: ignore[method-assign]
     got, _ = run(engine, prompts, params)
     assert preempted > 0, "the pool was meant to be too small to run all requests at once"
+    assert all(len(r) == 24 for r in ref)
     assert got == ref
     assert_no_leak(engine)
 

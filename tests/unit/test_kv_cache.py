@@ -6,7 +6,12 @@ import sys
 
 import pytest
 
-from kvduplex.engine.kv_cache import KVCacheLayout, allocate_kv_pool, pool_base_address
+from kvduplex.engine.kv_cache import (
+    KVCacheLayout,
+    allocate_kv_pool,
+    num_blocks_for_tokens,
+    pool_base_address,
+)
 
 
 def _resident_kib(addr: int) -> int:
@@ -31,3 +36,7 @@ def test_pool_pages_are_resident_and_zero_before_first_use() -> None:
     assert pool_base_address(pool) % 4096 == 0
     assert _resident_kib(pool_base_address(pool)) * 1024 >= layout.total_bytes
     assert int(pool.count_nonzero()) == 0
+
+
+def test_num_blocks_for_tokens_rounds_up() -> None:
+    assert [num_blocks_for_tokens(n, 4) for n in (0, 1, 3, 4, 5, 8, 9)] == [0, 1, 1, 1, 2, 2, 3]

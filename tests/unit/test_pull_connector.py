@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -39,7 +40,15 @@ def _run(engine: LLMEngine, rid: str, params: SamplingParams, hold: bool = False
     while (req := engine.scheduler.get_request(rid)) is not None and not req.is_finished:
         for o in engine.step():
             out.extend(o.new_token_ids)
+    assert out and (len(out) == params.max_tokens or not params.ignore_eos)
     return out
+
+
+def _wait_for(cond: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
 
 
 class Setup:
@@ -113,25 +122,31 @@ def test_failed_read_falls_back_to_local_prefill(tiny: LoadedModel) -> None:
 
 
 def test_abort_during_read_keeps_targets_until_it_ends(tiny: LoadedModel) -> None:
-    s = Setup(tiny, deadline_s=0.3)
+    s = Setup(tiny, deadline_s=60)  # the READ ends when the test disconnects, not at a deadline
     try:
         s.conn.register(s.prefill("x3"))
         s.td.hang_next()
 
+        def read_in_flight() -> bool:
+            return s.ad.call(lambda e: e.connector.has_pending_work()).result(5)
+
         async def start_then_leave() -> None:
-            agen = s.decode("x3")
-            task = asyncio.ensure_future(agen)
-            await asyncio.sleep(0.1)
+            task = asyncio.ensure_future(s.decode("x3"))
+            await asyncio.to_thread(_wait_for, read_in_flight, "the READ to be posted")
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 
         asyncio.run(start_then_leave())
-        in_use = s.ad.call(lambda e: e.block_pool.stats().num_in_use).result(5)
-        assert in_use == 5  # the READ may still land: its targets stay allocated
-        deadline = time.monotonic() + 5
-        while s.ad.call(lambda e: e.block_pool.stats().num_in_use).result(5) and time.monotonic() < deadline:
-            time.sleep(0.02)
+        # The abort reached the engine (the call queues behind it); the READ may still
+        # land, so its targets stay allocated.
+        gone, in_use = s.ad.call(
+            lambda e: (e.scheduler.get_request("x3") is None, e.block_pool.stats().num_in_use)
+        ).result(5)
+        assert gone and in_use == 5 and read_in_flight()
+        s.td.disconnect(s.peer)  # the hung READ fails now
+        _wait_for(lambda: not read_in_flight(), "the READ to end")
         assert s.ad.call(lambda e: e.block_pool.stats().num_in_use).result(5) == 0
+        assert s.conn.stats.num_failed == 1
         s.ad.call(lambda e: e.check_integrity()).result(5)
     finally:
         s.close()

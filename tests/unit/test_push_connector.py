@@ -26,11 +26,6 @@ from tests.unit.flow_pair import FIRST, GREEDY, PROMPT, Pair, _reference, _wait_
 from tests.unit.flow_pair import tiny as tiny  # the module-scoped model fixture
 
 
-@pytest.fixture
-def pair(tiny: LoadedModel) -> Pair:
-    return Pair(tiny)
-
-
 def test_concurrent_push_matches_local(tiny: LoadedModel) -> None:
     s = Pair(tiny)
     try:
