@@ -73,12 +73,14 @@ class RetainedRequest(BaseModel):
     session_id: str = Field(min_length=1)
 
 
-def make_decode_hooks(
-    state: InstanceState, flows: DecodeFlows, directory: PeerDirectory
-) -> APIRouter:
-    """Set `state.prepare` for pulls, pushes and returns; return the decode-side routes."""
+class DecodePreparer:
+    """`InstanceState.prepare` of a decode instance: what a request's KV params ask for."""
 
-    async def prepare(raw: Request, gen: Generation) -> None:
+    def __init__(self, flows: DecodeFlows, directory: PeerDirectory) -> None:
+        self.flows = flows
+        self.directory = directory
+
+    async def __call__(self, raw: Request, gen: Generation) -> None:
         arrived = time.monotonic()
         body: Any = await raw.json()
         params = body.get("kv_transfer_params") if isinstance(body, dict) else None
@@ -89,21 +91,21 @@ def make_decode_hooks(
         except ValueError as exc:
             raise APIError(400, f"kv_transfer_params: {exc}", param="kv_transfer_params") from None
         if kv.session_id:
-            await _prepare_return(kv, gen)
+            await self._prepare_return(kv, gen)
         if kv.mode == "local":
             return
         try:
-            peer = await asyncio.to_thread(directory.get_peer, kv.prefill_url, kv.engine_id)
+            peer = await asyncio.to_thread(self.directory.get_peer, kv.prefill_url, kv.engine_id)
         except Exception as exc:  # no peer: compute the prompt here
             logger.warning(
                 "xid=%s: no connection to %s (%s); computing locally", kv.xid, kv.prefill_url, exc
             )
             return
         if kv.mode == "push":
-            flows.push.register(PushSpec(kv.xid, peer, kv.prefill_url, gen.request_id))
+            self.flows.push.register(PushSpec(kv.xid, peer, kv.prefill_url, gen.request_id))
         else:
             lease_ends_at = None if kv.lease_s is None else arrived + kv.lease_s
-            flows.pull.register(
+            self.flows.pull.register(
                 PullSpec(
                     kv.xid, peer, kv.prefill_url, kv.block_ids, kv.num_tokens, lease_ends_at,
                     kv.num_cached_tokens,
@@ -111,7 +113,7 @@ def make_decode_hooks(
             )
         gen.remote_kv = RemoteKVSpec(kv.xid, source_engine_id=peer.engine_id)
 
-    async def _prepare_return(kv: KVTransferParams, gen: Generation) -> None:
+    async def _prepare_return(self, kv: KVTransferParams, gen: Generation) -> None:
         assert kv.session_id is not None
         if kv.return_mode == "pull":
             gen.connector_meta = RetainSpec(kv.session_id)
@@ -120,14 +122,19 @@ def make_decode_hooks(
         if kv.return_to is None:
             return
         try:
-            peer = await asyncio.to_thread(directory.get_peer, kv.return_to, None)
+            peer = await asyncio.to_thread(self.directory.get_peer, kv.return_to, None)
         except Exception as exc:  # no return this turn: the next one recomputes
             logger.warning("session %s: no connection to %s (%s)", kv.session_id, kv.return_to, exc)
             return
         gen.connector_meta = ReturnSpec(kv.session_id, peer, kv.return_from_block)
         gen.hold_blocks_on_finish = True
 
-    state.prepare = prepare
+
+def make_decode_hooks(
+    state: InstanceState, flows: DecodeFlows, directory: PeerDirectory
+) -> APIRouter:
+    """Set `state.prepare` for pulls, pushes and returns; return the decode-side routes."""
+    state.prepare = DecodePreparer(flows, directory)
     router = APIRouter()
 
     @router.get("/internal/kv/pull/stats")

@@ -110,38 +110,26 @@ def make_prefill_router(state: InstanceState, transport: Transport, lease_s: flo
     return router
 
 
-def make_push_prefill_router(
-    state: InstanceState, flows: PrefillFlows, directory: PeerDirectory
-) -> APIRouter:
-    router = APIRouter()
-    engine = state.engine
-    sender, acceptor = flows.sender, flows.acceptor
+class PushPrefill:
+    """``POST /internal/push/prefill``: prefill a prompt while `PushSender` streams its KV
+    into the decode instance named in the body; answer with the first token."""
 
-    async def read_retained(xid: str, src: RetainedTurn) -> int:
-        """``--return-mode pull``: READ the decode's retained blocks this cache lacks."""
-        try:
-            peer = await asyncio.to_thread(directory.get_peer, src.decode_url, src.engine_id)
-        except Exception as exc:
-            logger.warning("xid=%s: retained turn at %s unreachable: %s", xid, src.decode_url, exc)
-            return 0
-        done = await engine.run_in_engine(
-            lambda _e: flows.reader.start(peer, f"{xid}-read", src.block_ids, src.keys, src.token_ids)
-        )
-        return await asyncio.wrap_future(done)
+    def __init__(self, state: InstanceState, flows: PrefillFlows, directory: PeerDirectory) -> None:
+        self.engine = state.engine
+        self.flows = flows
+        self.directory = directory
 
-    @router.post("/internal/push/prefill")
-    async def push_prefill(body: PushPrefillRequest) -> JSONResponse:
-        xid = body.xid
+    async def __call__(self, body: PushPrefillRequest) -> JSONResponse:
+        xid, sender = body.xid, self.flows.sender
         try:
             peer = await asyncio.to_thread(
-                directory.get_peer, body.decode_url, body.decode_engine_id
+                self.directory.get_peer, body.decode_url, body.decode_engine_id
             )
         except Exception as exc:
             raise APIError(502, f"cannot reach decode at {body.decode_url}: {exc}") from None
-        params = _first_token_params(body)
-        expected = False
         if body.pull_from is not None:
-            await read_retained(xid, body.pull_from)
+            await self._read_retained(xid, body.pull_from)
+        expected = False
 
         def admit() -> None:  # engine thread: no cancel can come between expect and add
             nonlocal expected
@@ -150,9 +138,10 @@ def make_push_prefill_router(
 
         last, ids, text = None, [], []
         try:
-            async for out in engine.generate(
-                xid, body.prompt_token_ids, params, hold_blocks_on_finish=True, on_admit=admit
-            ):
+            async for out in self.engine.generate(
+                xid, body.prompt_token_ids, _first_token_params(body), hold_blocks_on_finish=True,
+                on_admit=admit,
+            ):  # fmt: skip
                 last = out
                 ids.extend(out.new_token_ids)
                 text.append(out.new_text)
@@ -160,7 +149,7 @@ def make_push_prefill_router(
             raise APIError(400, str(exc)) from None
         finally:
             if expected and (last is None or not last.finished):  # the router left, engine failed
-                engine.call(lambda _e: sender.cancel(xid, "prefill did not finish"))
+                self.engine.call(lambda _e: sender.cancel(xid, "prefill did not finish"))
         if last is not None and last.finish_reason == "abort":
             raise APIError(409, f"xid {xid}: the push was cancelled (by decode, or its deadline)")
         if last is None or not ids:
@@ -170,6 +159,30 @@ def make_push_prefill_router(
             "text": "".join(text), "num_tokens": last.num_prompt_tokens,
             "num_cached_tokens": last.num_cached_tokens,
         })  # fmt: skip
+
+    async def _read_retained(self, xid: str, src: RetainedTurn) -> int:
+        """``--return-mode pull``: READ the decode's retained blocks this cache lacks."""
+        try:
+            peer = await asyncio.to_thread(self.directory.get_peer, src.decode_url, src.engine_id)
+        except Exception as exc:
+            logger.warning("xid=%s: retained turn at %s unreachable: %s", xid, src.decode_url, exc)
+            return 0
+        reader = self.flows.reader
+        done = await self.engine.run_in_engine(
+            lambda _e: reader.start(peer, f"{xid}-read", src.block_ids, src.keys, src.token_ids)
+        )
+        return await asyncio.wrap_future(done)
+
+
+def make_push_prefill_router(
+    state: InstanceState, flows: PrefillFlows, directory: PeerDirectory
+) -> APIRouter:
+    router = APIRouter()
+    engine = state.engine
+    sender, acceptor = flows.sender, flows.acceptor
+    router.add_api_route(
+        "/internal/push/prefill", PushPrefill(state, flows, directory), methods=["POST"]
+    )
 
     @router.post("/internal/push/cancel")
     async def push_cancel(body: CancelRequest) -> JSONResponse:
