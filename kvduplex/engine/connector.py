@@ -49,9 +49,10 @@ class KVConnector:
         """After `update()`: e.g. end pushes whose first token was sampled."""
 
     def on_finished(self, finished: list[Request]) -> None:
-        """Requests that finished (not aborted), once their last outputs were made: those
-        of this step's `update()` and those a stop string ended. A request added with
-        ``hold_blocks_on_finish`` still holds its blocks: e.g. offer a finished turn."""
+        """Requests that finished (not aborted), once their final outputs were made, however
+        they finished (the step's `update()`, a stop string, a first token that came with
+        remote KV). One added with ``hold_blocks_on_finish`` still holds its blocks: e.g.
+        offer a finished turn."""
 
     def take_updated_requests(self) -> list[Request]:
         """Requests the connector changed outside the step (e.g. remote KV arrived

@@ -111,7 +111,7 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._num_emitted: dict[str, int] = {}
         self._aborted: list[RequestOutput] = []  # final outputs of aborts, not yet returned
-        self._stopped_by_text: list[Request] = []  # finished by a stop string, not reported yet
+        self._finished: list[Request] = []  # final output made, not reported to the connector
         logger.info(
             "engine ready: model=%s layout=%s max_model_len=%d",
             self.loaded.name,
@@ -206,7 +206,7 @@ class LLMEngine:
         for req in self.connector.take_updated_requests():
             touched[req.request_id] = req
         outputs = [o for req in touched.values() if (o := self._make_output(req)) is not None]
-        self._report_finished(finished)
+        self._report_finished()
         return self._take_aborted() + outputs
 
     def resume_with_first_token(self, request_id: str, first_token: int) -> Request:
@@ -226,15 +226,16 @@ class LLMEngine:
         token that arrived with remote KV), so they reach clients before the next step."""
         updated = self.connector.take_updated_requests()
         outputs = [o for req in updated if (o := self._make_output(req)) is not None]
-        self._report_finished([])
+        self._report_finished()
         return self._take_aborted() + outputs
 
-    def _report_finished(self, finished: list[Request]) -> None:
-        """Tell the connector every request that finished (aborts aside): those of the
-        step's update, and those a stop string ended while their output was made."""
-        late, self._stopped_by_text = self._stopped_by_text, []
-        if finished or late:
-            self.connector.on_finished(finished + late)
+    def _report_finished(self) -> None:
+        """Tell the connector every request whose final output was just made (aborts
+        aside), however it finished: in the step's update, by a stop string, or with the
+        first token that came with remote KV."""
+        finished, self._finished = self._finished, []
+        if finished:
+            self.connector.on_finished(finished)
 
     def _take_aborted(self) -> list[RequestOutput]:
         aborted, self._aborted = self._aborted, []
@@ -273,7 +274,6 @@ class LLMEngine:
         new_text = detok.update(req.output_token_ids, is_final=finished)
         if detok.stopped_by is not None and not finished:
             self.scheduler.finish_request(rid, FinishReason.STOP)
-            self._stopped_by_text.append(req)
             finished = True
         if not new_ids and not finished:
             return None
@@ -305,6 +305,8 @@ class LLMEngine:
         )
         if finished:
             self._forget(rid)
+            if req.status is not RequestStatus.FINISHED_ABORTED:
+                self._finished.append(req)
         return output
 
     def _forget(self, request_id: str) -> None:

@@ -20,9 +20,12 @@ misses and recomputes, never reads half-written KV. Every wait is a
 `KVSender`/`KVReceiver` wait with its deadline; any failure leaves the blocks
 uncached (slower next turn, never a wrong token).
 
-Which blocks: the offer starts at ``from_block`` (by default the first block
-that is not wholly prompt: prefill computed the prompt and cached its full
-blocks) and ends at the last full block whose KV decode computed.
+Which blocks: the offer starts at ``from_block``, by default the first block
+that is not wholly prompt when the prompt's KV came from prefill (which
+computed the prompt and cached its full blocks), else the first block (decode
+computed the prompt itself: a short append, or a fallback). It ends at the
+last full block whose KV decode computed. Prefill answers with the first
+offered block it lacks, so what it has is never sent again.
 """
 
 from __future__ import annotations
@@ -129,7 +132,9 @@ class ReturnOfferer:
     def _build_offer(self, req: Request, spec: ReturnSpec) -> tuple[str, list[int], KVOffer] | None:
         bs = self.block_size
         num_full = min(req.num_computed_tokens // bs, len(req.block_ids), len(req.block_hashes))
-        first = req.num_prompt_tokens // bs if spec.from_block is None else spec.from_block
+        first = spec.from_block
+        if first is None:  # the prompt's sender has its full blocks; else offer them all
+            first = req.num_prompt_tokens // bs if req.num_remote_cached_tokens is not None else 0
         if first >= num_full:
             return None
         keys = req.block_hashes[first:num_full]

@@ -21,12 +21,14 @@ from tests.unit.flow_pair import tiny as tiny  # the module-scoped model fixture
 ANSWER = SamplingParams(max_tokens=11, temperature=0.0, ignore_eos=True)
 
 
-async def _turn(s: Pair, xid: str, prompt: list[int], session: str = "s1") -> list[int]:
+async def _turn(
+    s: Pair, xid: str, prompt: list[int], session: str = "s1", params: SamplingParams = ANSWER
+) -> list[int]:
     """One push turn whose finished blocks D returns to P."""
     s.push.register(PushSpec(xid, s.p_peer, "http://p", f"d-{xid}"))
     out: list[int] = []
     d = s.ad.generate(
-        f"d-{xid}", prompt, ANSWER, remote_kv=RemoteKVSpec(xid), hold_blocks_on_finish=True,
+        f"d-{xid}", prompt, params, remote_kv=RemoteKVSpec(xid), hold_blocks_on_finish=True,
         connector_meta=ReturnSpec(session, s.p_peer),
     )  # fmt: skip
     p = asyncio.ensure_future(s.prefill(xid, prompt))
@@ -71,6 +73,18 @@ def test_return_fills_prefills_cache_and_next_turn_matches(tiny: LoadedModel) ->
         assert got == _reference(tiny, turn2, FIRST)
         assert first[-1].num_cached_tokens == 28  # type: ignore[attr-defined]
         s.assert_clean()
+    finally:
+        s.close()
+
+
+def test_turn_that_ends_with_prefills_first_token_is_returned_too(tiny: LoadedModel) -> None:
+    """max_tokens=1: the request finishes as the pushed KV arrives, outside a step's update;
+    its held blocks are still released (nothing to offer: P computed the whole prompt)."""
+    s = Pair(tiny)
+    try:
+        assert asyncio.run(_turn(s, "one", PROMPT, params=FIRST)) == _reference(tiny, PROMPT, FIRST)
+        s.assert_clean()
+        assert s.df.offerer.stats.num_offered == 0
     finally:
         s.close()
 
