@@ -31,8 +31,8 @@ from pydantic import BaseModel, Field
 from kvduplex.engine.engine import RequestRejected
 from kvduplex.engine.request import RemoteKVSpec
 from kvduplex.engine.sampling import SamplingParams
+from kvduplex.openai.protocol import error_body
 from kvduplex.server.api import APIError, Generation, InstanceState
-from kvduplex.server.protocol import error_body
 from kvduplex.transfer.handshake import PeerDirectory
 from kvduplex.transfer.pull import LeaseTable, PullConnector, PullSpec, block_ids_of
 from kvduplex.transfer.push import PushReceiver, PushSender, PushSpec

@@ -40,7 +40,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvduplex.engine.detokenizer import IncrementalDetokenizer
 from kvduplex.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
-from kvduplex.server.protocol import error_body
+from kvduplex.openai.protocol import error_body
 
 logger = logging.getLogger(__name__)
 
