@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
+from httpx_sse import connect_sse
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvduplex.server.cluster import LocalCluster, Process, free_port
@@ -99,12 +100,15 @@ def _stream(url: str, path: str, body: dict) -> tuple[list[int], str, list[dict]
     ids: list[int] = []
     text: list[str] = []
     chunks: list[dict] = []
-    with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=120) as resp:
-        assert resp.status_code == 200
-        for line in resp.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+    with (
+        httpx.Client(timeout=120) as http,
+        connect_sse(http, "POST", url + path, json={**body, "stream": True}) as source,
+    ):
+        assert source.response.status_code == 200
+        for event in source.iter_sse():
+            if event.data == "[DONE]":
                 continue
-            chunk = json.loads(line[6:])
+            chunk = json.loads(event.data)
             chunks.append(chunk)
             for choice in chunk["choices"]:
                 ids.extend(choice.get("token_ids") or [])
@@ -242,15 +246,22 @@ def test_internal_push_routes_reject_bad_input(dep: Deployment) -> None:
 
 
 def test_router_rejects_bad_input_without_leaking(dep: Deployment) -> None:
-    # D refuses at once and the router cancels P, racing P's admission of the
-    # prefill: repeated, since a cancel between P's expect and add once leaked.
+    # D refuses at once (past the context length, which only an instance knows) and the
+    # router cancels P, racing P's admission of the prefill: repeated, since a cancel
+    # between P's expect and add once leaked.
     for salt in range(20):
         resp = httpx.post(
             dep.routers["push"] + "/v1/completions",
-            json=_body(_ids(20, salt=500 + salt), max_tokens=0),
+            json=_body(_ids(20, salt=500 + salt), max_tokens=10**6),
             timeout=30,
         )
-        assert resp.status_code == 400 and "error" in resp.json()
+        assert resp.status_code == 400 and "context length" in resp.json()["error"]["message"]
+    # What needs no model the router refuses itself, as the instance would.
+    bad = _body(_ids(20, salt=499), max_tokens=0)
+    routed = httpx.post(dep.routers["push"] + "/v1/completions", json=bad, timeout=30)
+    direct = httpx.post(dep.decode + "/v1/completions", json=bad, timeout=30)
+    assert routed.status_code == direct.status_code == 400
+    assert routed.json() == direct.json()
     resp = httpx.post(
         dep.routers["push"] + "/v1/completions", content=b"{not json", timeout=30,
         headers={"content-type": "application/json"},

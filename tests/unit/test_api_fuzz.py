@@ -19,8 +19,10 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
+from httpx_sse import EventSource
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -424,12 +426,12 @@ def _check_error(body: Any, status: int) -> None:
         assert err["code"] == "model_not_found", err
 
 
-def _check_stream(text: str) -> None:
-    events = [e for e in text.split("\n\n") if e]
+def _check_stream(response: httpx.Response) -> None:
+    events = list(EventSource(response).iter_sse())
     assert events, "empty stream"
     for e in events:
-        assert e.startswith("data: "), e
-    *chunks, last = (e.removeprefix("data: ") for e in events)
+        assert e.event == "message" and e.data, e
+    *chunks, last = (e.data for e in events)
     for c in chunks:
         parsed = json.loads(c)
         assert "error" not in parsed, c
@@ -467,7 +469,7 @@ def _check(
         assert r.status_code != 200, f"an invalid body was served: {r.text[:300]}"
     if r.status_code == 200:
         if r.headers["content-type"].startswith("text/event-stream"):
-            _check_stream(r.text)
+            _check_stream(r)
         else:
             assert r.json()["choices"], r.text
     else:
@@ -565,7 +567,7 @@ def test_request_id_in_use_is_400(
         assert "already in use" in r.json()["error"]["message"]
         r = client.post("/v1/completions", json={**body, "stream": True}, headers=headers)
         assert r.status_code == 200, r.text
-        _check_stream(r.text)
+        _check_stream(r)
         assert "already in use" in r.text
     finally:
         release.set()
