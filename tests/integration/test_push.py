@@ -171,6 +171,42 @@ def test_streaming_completion_and_chat_match_colocated(dep: Deployment, mode: st
     assert _complete(dep.routers[mode], chat, path) == ref_ids
 
 
+AGENT_CHAT: list[dict] = [
+    {"role": "system", "content": "You are an agent with tools."},
+    {"role": "user", "content": "What is in /tmp?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "ls", "arguments": '{"path": "/tmp"}'}},
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "a.txt b.txt"},
+]  # fmt: skip
+TOOLS = [{"type": "function", "function": {"name": "ls", "description": "List a folder",
+          "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_agentic_chat_with_tools_matches_colocated(dep: Deployment, mode: str) -> None:
+    """Tools, a tool call with null content and its result render the same on the router
+    (which prefills by its ids) and on the instance."""
+    chat = _body("", max_tokens=6)
+    del chat["prompt"]
+    chat.update(messages=AGENT_CHAT, tools=TOOLS, tool_choice="auto")
+    path = "/v1/chat/completions"
+    routed_ids, routed_text, _ = _stream(dep.routers[mode], path, chat)
+    ref_ids, ref_text, _ = _stream(dep.reference, path, chat)
+    assert routed_ids == ref_ids and routed_text == ref_text
+    resp = httpx.post(dep.routers[mode] + path, json=chat, timeout=120)
+    assert resp.status_code == 200, resp.text
+    ref = httpx.post(dep.reference + path, json=chat, timeout=120).json()
+    assert resp.json()["prompt_token_ids"] == ref["prompt_token_ids"]
+    assert resp.json()["choices"][0]["token_ids"] == ref_ids
+    assert ref["usage"]["prompt_tokens"] > 100  # the tools and the call are in the prompt
+
+
 def test_push_streams_prefill_first_token_then_the_rest(dep: Deployment) -> None:
     """max_tokens=1 and an early stop: D's copy of the first token never doubles P's."""
     for max_tokens in (1, 2):
