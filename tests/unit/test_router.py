@@ -16,9 +16,18 @@ from fastapi.testclient import TestClient
 from httpx_sse import connect_sse
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvduplex.config import CacheConfig, EngineConfig, ModelLoadConfig, RouterConfig, ServerConfig
+from kvduplex.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelLoadConfig,
+    ReturnMode,
+    RouterConfig,
+    ServerConfig,
+)
 from kvduplex.config import TransferMode as Mode
 from kvduplex.model.tokenizer import ByteTokenizer
+from kvduplex.server.cli import _UP_ROUTER_SKIP, build_parser
+from kvduplex.server.flags import dataclass_from_args, flags_of
 from kvduplex.server.instance import Instance, build_instance
 from kvduplex.server.router.app import create_router_app
 from kvduplex.server.router.relay import NOT_CONTENT, drop_first_token
@@ -219,3 +228,32 @@ def test_drop_first_token_of_decode_stream() -> None:
     assert kept is not None and json.loads(kept)["choices"][0]["delta"] == {"content": ""}
     assert drop_first_token("[DONE]", "") == NOT_CONTENT
     assert drop_first_token(json.dumps({"choices": [], "usage": {}}), "") == NOT_CONTENT
+
+
+# ------------------------------------------------- flags
+
+
+def test_router_flags_come_from_router_config_and_up_passes_them_on() -> None:
+    argv = ["router", "--prefill", "http://p/", "--decode", "http://d", "--mode", "pull",
+            "--session-ttl-s", "30", "--max-sessions", "5", "--return-mode", "push",
+            "--short-append-tokens", "16"]  # fmt: skip
+    args = build_parser().parse_args(argv)
+    cfg = dataclass_from_args(RouterConfig, args, prefill=tuple(args.prefill), decode=tuple(args.decode))
+    assert (cfg.prefill, cfg.decode, cfg.mode) == (("http://p",), ("http://d",), Mode.PULL)
+    assert (cfg.session_ttl_s, cfg.max_sessions) == (30.0, 5)
+    assert (cfg.return_mode, cfg.short_append_tokens) == (ReturnMode.PUSH, 16)
+    up = build_parser().parse_args(["up", "--return-mode", "pull", "--max-sessions", "9"])
+    passed = flags_of(RouterConfig, up, skip=_UP_ROUTER_SKIP)
+    assert passed[passed.index("--return-mode") + 1] == "pull"
+    assert passed[passed.index("--max-sessions") + 1] == "9" and "--mode" not in passed
+    again = build_parser().parse_args(["router", "--decode", "http://d", *passed])
+    assert again.return_mode is ReturnMode.PULL and again.max_sessions == 9
+    for bad, message in [
+        ({"decode": ()}, "at least one --decode"),
+        ({"prefill": ("p0",)}, "http://"),
+        ({"max_sessions": 0}, "max_sessions"),
+        ({"session_ttl_s": 0}, "session_ttl_s"),
+        ({"short_append_tokens": -1}, "short_append_tokens"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            RouterConfig(**{"decode": ("http://d",), **bad})  # type: ignore[arg-type]
