@@ -90,7 +90,7 @@ async def _post_prefill(
             return None
         ans: dict[str, Any] = resp.json()
         return ans
-    except httpx.HTTPError as exc:
+    except (httpx.HTTPError, ValueError) as exc:  # unreachable, or an answer that is not JSON
         outcome = Outcome.FAILED
         logger.warning(
             "xid=%s: prefill at %s failed: %s; decode computes the prompt", req["xid"], p.url, exc
