@@ -24,8 +24,16 @@ class Role(enum.Enum):
 
 
 class TransferMode(enum.Enum):
-    """How KV moves from prefill to decode."""
+    """How KV moves from prefill to decode (the router's --mode)."""
 
+    PUSH = "push"
+    PULL = "pull"
+
+
+class ReturnMode(enum.Enum):
+    """How decode hands a finished turn's KV back to prefill (duplex return)."""
+
+    NONE = "none"
     PUSH = "push"
     PULL = "pull"
 
@@ -142,6 +150,65 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """The router: the OpenAI front door over prefill and decode instances."""
+
+    prefill: tuple[str, ...] = ()
+    """Prefill instance URLs (none: decode instances compute whole requests)."""
+    decode: tuple[str, ...] = ()
+    """Decode instance URLs."""
+    mode: TransferMode = TransferMode.PUSH
+    """KV transfer: push (prefill writes layer by layer) or pull (decode reads after)."""
+    model: str = "tiny"
+    """A preset or local Hugging Face folder: its tokenizer and chat template."""
+    host: str = "127.0.0.1"
+    """Address to listen on."""
+    port: int = 8000
+    """Port to listen on."""
+    session_ttl_s: float = 600.0
+    """Seconds a session is remembered after its last turn."""
+    max_sessions: int = 100_000
+    """Most sessions remembered; the least recently used is forgotten first."""
+    session_busy_margin: int = 2
+    """A session's next turn leaves its instance when that one has more than this many
+    requests in flight beyond the least busy one."""
+    load_half_life_s: float = 30.0
+    """Half-life of the count of recent assignments that spreads new sessions."""
+    backend_retry_s: float = 10.0
+    """After a failed call, how long an instance gets no new work (unless all failed)."""
+    return_mode: ReturnMode = ReturnMode.NONE
+    """Duplex return of a finished turn's KV from decode to prefill: none, push or pull
+    (accepted; not active yet)."""
+    short_append_tokens: int = 0
+    """Turns adding at most this many tokens to their session go to decode alone
+    (0: off; accepted, not active yet)."""
+    log_level: str = "warning"
+    """Python log level."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prefill", tuple(u.rstrip("/") for u in self.prefill))
+        object.__setattr__(self, "decode", tuple(u.rstrip("/") for u in self.decode))
+        if not self.decode:
+            raise ValueError("give at least one --decode URL")
+        for url in (*self.prefill, *self.decode):
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"instance URLs start with http:// or https://, got {url!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        for name in ("session_ttl_s", "load_half_life_s", "backend_retry_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_sessions < 1:
+            raise ValueError(f"max_sessions must be >= 1, got {self.max_sessions}")
+        if self.session_busy_margin < 0:
+            raise ValueError(f"session_busy_margin must be >= 0, got {self.session_busy_margin}")
+        if self.short_append_tokens < 0:
+            raise ValueError(
+                f"short_append_tokens must be >= 0 (0 = off), got {self.short_append_tokens}"
+            )
 
 
 @dataclass(frozen=True)

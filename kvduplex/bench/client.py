@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import numpy as np
+from httpx_sse import SSEError, aconnect_sse
 
 
 @dataclass
@@ -45,17 +47,17 @@ async def stream_request(
     ids: list[int] = []
     usage: dict[str, Any] = {}
     try:
-        async with client.stream("POST", url + path, json=body, headers=headers) as resp:
+        async with aconnect_sse(
+            client, "POST", url + path, json=body, headers=dict(headers or {})
+        ) as source:
+            resp = source.response
             if resp.status_code != 200:
                 await resp.aread()
                 return RequestResult(ok=False, error=f"HTTP {resp.status_code}: {resp.text[:300]}")
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
+            async for event in source.aiter_sse():
+                if event.data == "[DONE]":
                     break
-                msg = json.loads(data)
+                msg = json.loads(event.data)
                 if "error" in msg:
                     return RequestResult(ok=False, error=str(msg["error"]))
                 if msg.get("usage"):
@@ -72,7 +74,7 @@ async def stream_request(
                     chunks += 1
                     text.append(piece)
                     ids.extend(new_ids)
-    except httpx.HTTPError as exc:
+    except (httpx.HTTPError, SSEError) as exc:
         return RequestResult(ok=False, error=repr(exc))
     if first is None:
         return RequestResult(ok=False, error="no tokens received")
@@ -89,3 +91,7 @@ async def stream_request(
         completion_tokens=int(usage.get("completion_tokens", len(ids))),
     )
 
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100) by linear interpolation; 0.0 for no values."""
+    return float(np.percentile(values, q)) if values else 0.0

@@ -90,7 +90,6 @@ def load_model(cfg: ModelLoadConfig) -> LoadedModel:
         config = preset_config(cfg.model)
         model = _empty_model(config, dtype, device)
         init_random_weights(model, cfg.seed)
-        tokenizer: Tokenizer = ByteTokenizer()
         source = f"preset:{cfg.model}:seed={cfg.seed}"
     else:
         folder = Path(cfg.model)
@@ -103,8 +102,8 @@ def load_model(cfg: ModelLoadConfig) -> LoadedModel:
         files = weight_files(folder)
         model = _empty_model(config, dtype, device)
         load_safetensors(model, files)
-        tokenizer = HFTokenizer(folder, extra_eos_token_ids=config.eos_token_ids)
         source = "files:" + ",".join(f"{f.name}={f.stat().st_size}" for f in files)
+    tokenizer = load_tokenizer(cfg.model)
     model.eval()
     identity = model_identity(config, dtype, source)
     logger.info(
@@ -112,6 +111,22 @@ def load_model(cfg: ModelLoadConfig) -> LoadedModel:
         config.num_layers, str(dtype).removeprefix("torch."), device,
     )
     return LoadedModel(model, config, tokenizer, name, identity, dtype, device)
+
+
+def load_tokenizer(model: str) -> Tokenizer:
+    """The tokenizer `load_model` gives `model` (preset name or folder), without the weights.
+
+    A folder's tokenizer also ends generation at config.json's EOS ids. The
+    router uses this to render and tokenize prompts exactly as the instances do.
+    """
+    if model in PRESETS:
+        return ByteTokenizer()
+    folder = Path(model)
+    if not folder.is_dir():
+        raise ValueError(
+            f"model {model!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a local folder"
+        )
+    return HFTokenizer(folder, extra_eos_token_ids=_read_config(folder).eos_token_ids)
 
 
 def model_identity(config: DecoderConfig, dtype: torch.dtype, source: str) -> bytes:

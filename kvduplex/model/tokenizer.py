@@ -4,6 +4,9 @@ Both implement the `Tokenizer` protocol. Conventions follow transformers:
 ``apply_chat_template`` returns the prompt string (the template adds BOS if the
 model wants one), and `encode_chat` encodes it without adding special tokens
 again. Special-token strings inside a text (``<|im_start|>``) encode as their ids.
+Messages reach the template as transformers passes them: ``role`` and string
+``content``, plus ``tool_calls`` (assistant) and ``tool_call_id`` (tool) when
+present; ``tools`` is the request's list of OpenAI tool definitions.
 
 Ids the tokenizer does not know. A model's vocabulary is often larger than its
 tokenizer's (padded embeddings; presets with random weights sample anywhere in
@@ -58,24 +61,33 @@ class Tokenizer(Protocol):
         ...
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """The prompt string of a conversation; ValueError if the model has no template."""
+        """The prompt string of a conversation (and the tools it may call); ValueError if
+        the model has no template or the template refuses the messages."""
         ...
 
     def encode_chat(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Token ids of `apply_chat_template` (no special tokens added on top)."""
         ...
 
 
-def _check_messages(messages: list[dict[str, str]]) -> None:
+def _check_messages(messages: list[dict[str, Any]]) -> None:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(
             m.get("content"), str
         ):
             raise ValueError(f"message {i} must be a dict with string 'role' and 'content'")
+        if not isinstance(m.get("tool_calls", []), list):
+            raise ValueError(f"message {i}: 'tool_calls' must be a list")
 
 
 class ByteTokenizer:
@@ -84,6 +96,13 @@ class ByteTokenizer:
     Chat template (ChatML with a leading BOS)::
 
         <|bos|><|im_start|>user\\nhi<|im_end|>\\n<|im_start|>assistant\\n
+
+    Tools, tool calls and tool results render as JSON in plain text (the
+    vocabulary has no tool tokens); a conversation without them renders as above::
+
+        <|bos|><|im_start|>tools\\n[{"type": "function", "function": {...}}]<|im_end|>\\n
+        <|im_start|>assistant\\n<tool_calls>[{"id": "c1", "name": "f", "arguments": {...}}]</tool_calls><|im_end|>\\n
+        <|im_start|>tool\\n<tool_call_id>c1</tool_call_id>42<|im_end|>\\n
     """
 
     BOS_ID = 256
@@ -143,19 +162,42 @@ class ByteTokenizer:
         return "".join(pieces)
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         _check_messages(messages)
         parts = ["<|bos|>"]
-        parts.extend(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        if tools:
+            parts.append(f"<|im_start|>tools\n{json.dumps(tools, ensure_ascii=False)}<|im_end|>\n")
+        parts.extend(f"<|im_start|>{m['role']}\n{_byte_content(m)}<|im_end|>\n" for m in messages)
         if add_generation_prompt:
             parts.append("<|im_start|>assistant\n")
         return "".join(parts)
 
     def encode_chat(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), False)
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools), False)
+
+
+def _byte_content(message: dict[str, Any]) -> str:
+    """A message's text in the byte tokenizer's template, tool calls and result ids included."""
+    text = str(message["content"])
+    if message.get("tool_call_id") is not None:
+        text = f"<tool_call_id>{message['tool_call_id']}</tool_call_id>{text}"
+    calls = message.get("tool_calls")
+    if calls:
+        rendered = [
+            {"id": c.get("id"), **{k: c["function"][k] for k in ("name", "arguments")}}
+            for c in calls
+        ]
+        text += f"<tool_calls>{json.dumps(rendered, ensure_ascii=False)}</tool_calls>"
+    return text
 
 
 class HFTokenizer:
@@ -216,23 +258,30 @@ class HFTokenizer:
         return "".join(pieces)
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         _check_messages(messages)
         if not getattr(self._tok, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; send a plain prompt")
         try:
             text = self._tok.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
-            )
+                messages, tools=tools or None, tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+            )  # fmt: skip
         except Exception as exc:  # the template's own checks (jinja2 TemplateError)
             raise ValueError(f"the chat template refused these messages: {exc}") from exc
         return str(text)
 
     def encode_chat(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), False)
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools), False)
 
 
 def _generation_eos(folder: Path) -> list[int]:

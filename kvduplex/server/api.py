@@ -8,7 +8,6 @@ disaggregated instance) are added by the caller through `extra_routers`.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -17,40 +16,26 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from starlette.exceptions import HTTPException
 
 from kvduplex.engine.async_engine import AsyncEngine, EngineDeadError
 from kvduplex.engine.engine import RequestOutput, RequestRejected
 from kvduplex.engine.request import RemoteKVSpec
 from kvduplex.engine.sampling import SamplingParams
-from kvduplex.server.protocol import (
+from kvduplex.openai import render
+from kvduplex.openai.errors import APIError, install_error_handlers
+from kvduplex.openai.prompt import PromptError, prompt_token_ids
+from kvduplex.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    OpenAIRequest,
     _SamplingFields,
-    error_body,
 )
 
 logger = logging.getLogger(__name__)
 
-
-class APIError(Exception):
-    """An error to send to the client as OpenAI error JSON."""
-
-    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.code = code
-        self.param = param
-
-    def response(self) -> JSONResponse:
-        err_type = "invalid_request_error" if self.status < 500 else "server_error"
-        return JSONResponse(
-            error_body(self.message, err_type, self.param, self.code), status_code=self.status
-        )
+__all__ = ["APIError", "Generation", "InstanceState", "create_app"]
 
 
 @dataclass
@@ -89,45 +74,11 @@ class InstanceState:
         return self.engine.engine.max_model_len
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    parts = []
-    param = None
-    for err in exc.errors():
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        if err.get("type") == "json_invalid":
-            return "the request body is not valid JSON", None
-        where = ".".join(loc) or "body"
-        param = param or where
-        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
-        parts.append(f"{where}: {msg}")
-    return "; ".join(parts) or "invalid request", param
-
-
 def create_app(state: InstanceState, extra_routers: Sequence[APIRouter] = ()) -> FastAPI:
     """Build the FastAPI app of one instance."""
     app = FastAPI(title="kvduplex", version="0.1.0")
     app.state.instance = state
-
-    @app.exception_handler(RequestValidationError)
-    async def _on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
-        return JSONResponse(error_body(message, param=param), status_code=400)
-
-    @app.exception_handler(APIError)
-    async def _on_api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
-
-    @app.exception_handler(HTTPException)
-    async def _on_http_error(_: Request, exc: HTTPException) -> JSONResponse:
-        """FastAPI's own errors (a body it cannot parse, e.g. nested too deeply or with
-        a number too long to convert; unknown route; wrong method) as OpenAI JSON."""
-        message = str(exc.detail)
-        if exc.__cause__ is not None:
-            message = f"{message}: {exc.__cause__}"
-        err_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return JSONResponse(
-            error_body(message, err_type), status_code=exc.status_code, headers=exc.headers
-        )
+    install_error_handlers(app)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -176,29 +127,14 @@ def create_app(state: InstanceState, extra_routers: Sequence[APIRouter] = ()) ->
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         _check_model(state, body.model)
-        try:
-            prompt = body.single_prompt()
-        except ValueError as exc:
-            raise APIError(400, str(exc), param="prompt") from None
-        if isinstance(prompt, str):
-            if not prompt:
-                raise APIError(400, "prompt is empty", param="prompt")
-            ids = state.tokenizer.encode(prompt, add_special_tokens=True)
-        else:
-            ids = prompt
+        ids = _prompt_ids(state, body)
         gen = _make_generation(state, raw, body, ids, body.max_tokens, "cmpl")
         return await _serve(state, raw, gen, chat=False)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         _check_model(state, body.model)
-        try:
-            text = state.tokenizer.apply_chat_template(
-                body.plain_messages(), add_generation_prompt=True
-            )
-        except ValueError as exc:
-            raise APIError(400, str(exc), param="messages") from None
-        ids = state.tokenizer.encode(text, add_special_tokens=False)
+        ids = _prompt_ids(state, body)
         max_tokens = body.requested_max_tokens()
         if max_tokens is None:
             max_tokens = max(1, state.max_model_len - len(ids))
@@ -208,6 +144,13 @@ def create_app(state: InstanceState, extra_routers: Sequence[APIRouter] = ()) ->
     for router in extra_routers:
         app.include_router(router)
     return app
+
+
+def _prompt_ids(state: InstanceState, body: OpenAIRequest) -> list[int]:
+    try:
+        return prompt_token_ids(body, state.tokenizer)
+    except PromptError as exc:
+        raise APIError(400, exc.message, param=exc.param) from None
 
 
 def _check_model(state: InstanceState, model: str | None) -> None:
@@ -228,8 +171,6 @@ def _make_generation(
     max_tokens: int,
     prefix: str,
 ) -> Generation:
-    if not ids:
-        raise APIError(400, "the prompt is empty", param="prompt")
     vocab = state.engine.engine.loaded.config.vocab_size
     if any(not 0 <= t < vocab for t in ids):
         raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
@@ -300,42 +241,30 @@ async def _collect(
     return JSONResponse(_final_body(state, gen, text, ids, last, chat))
 
 
+def _head(state: InstanceState, gen: Generation, chat: bool) -> render.ResponseHead:
+    return render.ResponseHead(
+        request_id=gen.request_id, model=gen.body.model or state.served_model_names[0],
+        is_chat=chat, return_token_ids=gen.body.return_token_ids,
+    )  # fmt: skip
+
+
 def _usage(last: RequestOutput) -> dict[str, Any]:
-    return {
-        "prompt_tokens": last.num_prompt_tokens,
-        "completion_tokens": last.num_output_tokens,
-        "total_tokens": last.num_prompt_tokens + last.num_output_tokens,
-        "prompt_tokens_details": {"cached_tokens": last.num_cached_tokens},
-        # Not OpenAI's: where the prompt was computed, and the KV that moved for it.
-        "kv": {
-            "prefill_computed_tokens": last.num_prompt_computed_remotely,
-            "decode_computed_tokens": last.num_prompt_computed_here,
-            "bytes_to_decode": last.num_remote_kv_bytes,
-        },
+    out = render.usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
+    # Not OpenAI's: where the prompt was computed, and the KV that moved for it.
+    out["kv"] = {
+        "prefill_computed_tokens": last.num_prompt_computed_remotely,
+        "decode_computed_tokens": last.num_prompt_computed_here,
+        "bytes_to_decode": last.num_remote_kv_bytes,
     }
+    return out
 
 
 def _final_body(
     state: InstanceState, gen: Generation, text: str, ids: list[int], last: RequestOutput, chat: bool
 ) -> dict[str, Any]:
-    model = gen.body.model or state.served_model_names[0]
-    choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
-    if gen.body.return_token_ids:
-        choice["token_ids"] = ids
-    body: dict[str, Any] = {
-        "id": gen.request_id,
-        "object": "chat.completion" if chat else "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [choice],
-        "usage": _usage(last),
-    }
-    if gen.body.return_token_ids:
-        body["prompt_token_ids"] = gen.prompt_token_ids
+    body = render.completion_body(
+        _head(state, gen, chat), text, ids, last.finish_reason, _usage(last), gen.prompt_token_ids
+    )
     body.update(gen.extra)
     return body
 
@@ -347,42 +276,20 @@ async def _sse(
     chat: bool,
     include_usage: bool,
 ) -> AsyncIterator[str]:
-    model = gen.body.model or state.served_model_names[0]
-    created = int(time.time())
-    obj = "chat.completion.chunk" if chat else "text_completion"
-
-    def chunk(choice: dict[str, Any] | None, usage: dict[str, Any] | None = None) -> str:
-        body: dict[str, Any] = {
-            "id": gen.request_id, "object": obj, "created": created, "model": model,
-            "choices": [choice] if choice is not None else [],
-        }
-        if usage is not None:
-            body["usage"] = usage
-        return f"data: {json.dumps(body)}\n\n"
-
-    def choice(text: str, ids: list[int], finish: str | None, first: bool) -> dict[str, Any]:
-        c: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
-        if chat:
-            delta: dict[str, Any] = {"content": text}
-            if first:
-                delta["role"] = "assistant"
-            c["delta"] = delta
-        else:
-            c["text"] = text
-        if gen.body.return_token_ids:
-            c["token_ids"] = ids
-        return c
-
+    head = _head(state, gen, chat)
     first = True
     last: RequestOutput | None = None
     try:
         async for out in outputs:
             last = out
-            yield chunk(choice(out.new_text, out.new_token_ids, out.finish_reason, first))
+            choice = render.stream_choice(
+                head, out.new_text, out.new_token_ids, out.finish_reason, is_first=first
+            )
+            yield render.sse_data(render.stream_chunk(head, choice))
             first = False
     except (RequestRejected, EngineDeadError) as exc:
-        yield f"data: {json.dumps(error_body(str(exc)))}\n\n"
+        yield render.sse_error(str(exc))
         return
     if include_usage and last is not None:
-        yield chunk(None, _usage(last))
-    yield "data: [DONE]\n\n"
+        yield render.sse_data(render.stream_chunk(head, None, _usage(last)))
+    yield render.SSE_DONE

@@ -16,15 +16,18 @@ from kvduplex.config import (
     EngineConfig,
     Environment,
     ModelLoadConfig,
+    RouterConfig,
     SchedulerConfig,
     ServerConfig,
     TransferConfig,
 )
-from kvduplex.server.flags import add_dataclass_flags, dataclass_from_args
+from kvduplex.server.flags import add_dataclass_flags, dataclass_from_args, flags_of
 
 logger = logging.getLogger("kvduplex")
 
 _ENGINE_SECTIONS = (ModelLoadConfig, CacheConfig, SchedulerConfig, TransferConfig)
+_UP_ROUTER_SKIP = ("prefill", "decode", "mode", "model", "host", "port", "log_level")
+"""Router flags that `kvduplex up` sets itself; it passes the others through."""
 
 
 def _setup_logging(level: str) -> None:
@@ -51,9 +54,10 @@ def _cmd_serve(args: argparse.Namespace) -> None:
 
 
 def _cmd_router(args: argparse.Namespace) -> None:
-    from kvduplex.server.router import serve_router
+    from kvduplex.server.router.app import serve_router
 
-    serve_router(args.prefill, args.decode, args.model, args.host, args.port, args.mode)
+    prefill, decode = tuple(args.prefill), tuple(args.decode)
+    serve_router(dataclass_from_args(RouterConfig, args, prefill=prefill, decode=decode))
 
 
 def _cmd_up(args: argparse.Namespace) -> None:
@@ -80,6 +84,7 @@ def _cmd_up(args: argparse.Namespace) -> None:
         if args.mode != "colocated":
             router_args = ["router", "--mode", args.mode, "--model", args.model]
             router_args += ["--prefill", instances["prefill"], "--decode", instances["decode"]]
+            router_args += flags_of(RouterConfig, args, skip=_UP_ROUTER_SKIP)
             front = cluster.start("router", router_args, front_port).url
             cluster.wait_healthy(timeout_s=args.start_timeout)
             print(f"prefill {instances['prefill']}, decode {instances['decode']}", flush=True)
@@ -123,14 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     router = sub.add_parser("router", help="route OpenAI requests to prefill and decode instances")
     router.add_argument("--prefill", nargs="*", default=[], help="prefill instance URLs")
     router.add_argument("--decode", nargs="+", required=True, help="decode instance URLs")
-    router.add_argument(
-        "--mode", default="push", choices=["push", "pull"],
-        help="KV transfer: push (prefill writes layer by layer) or pull (decode reads after)",
-    )  # fmt: skip
-    router.add_argument("--model", default="tiny", help="preset or local HF folder (its tokenizer)")
-    router.add_argument("--host", default="127.0.0.1")
-    router.add_argument("--port", type=int, default=8000)
-    router.add_argument("--log-level", default="warning")
+    add_dataclass_flags(router, RouterConfig)
     router.set_defaults(func=_cmd_router)
 
     up = sub.add_parser(
@@ -152,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for health")
     up.add_argument("--log-dir", default="", help="where process logs go (default: a temp dir)")
     up.add_argument("--log-level", default="warning")
+    add_dataclass_flags(up, RouterConfig, skip=_UP_ROUTER_SKIP)
     up.set_defaults(func=_cmd_up)
 
     from kvduplex.bench.serving import add_arguments

@@ -81,3 +81,19 @@ def dataclass_from_args(cls: type[T], args: argparse.Namespace, *, prefix: str =
             values[f.name] = getattr(args, key)
     values.update(extra)
     return cls(**values)
+
+
+def flags_of(cls: type, args: argparse.Namespace, *, skip: tuple[str, ...] = ()) -> list[str]:
+    """The flags of `cls`'s fields as parsed in `args`, as a child process's arguments.
+
+    Fields in `skip` and fields without a flag (not in `args`) are left out.
+    """
+    out: list[str] = []
+    for f in dataclasses.fields(cls):
+        if f.name in skip or f.name not in vars(args):
+            continue
+        value = getattr(args, f.name)
+        if isinstance(value, enum.Enum):
+            value = value.value
+        out += ["--" + f.name.replace("_", "-"), str(value)]
+    return out

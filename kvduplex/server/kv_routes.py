@@ -29,8 +29,8 @@ from kvduplex.engine.sampling import SamplingParams
 from kvduplex.kvflow.connectors import PrefillFlows
 from kvduplex.kvflow.lease import LeaseTable
 from kvduplex.kvflow.pull import block_ids_of
+from kvduplex.openai.protocol import error_body
 from kvduplex.server.api import APIError, InstanceState
-from kvduplex.server.protocol import error_body
 from kvduplex.transport.handshake import PeerDirectory
 from kvduplex.transport.protocol import Transport
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
+from httpx_sse import connect_sse
 
 from kvduplex.server.cluster import LocalCluster, free_port
 from tests.integration.conftest import assert_pool_clean
@@ -58,12 +59,15 @@ def _complete(url: str, prompt: str, max_tokens: int = 10) -> list[int]:
 
 def _stream(url: str, path: str, body: dict) -> list[int]:
     ids: list[int] = []
-    with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=120) as resp:
-        assert resp.status_code == 200
-        for line in resp.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+    with (
+        httpx.Client(timeout=120) as http,
+        connect_sse(http, "POST", url + path, json={**body, "stream": True}) as source,
+    ):
+        assert source.response.status_code == 200
+        for event in source.iter_sse():
+            if event.data == "[DONE]":
                 continue
-            for choice in json.loads(line[6:])["choices"]:
+            for choice in json.loads(event.data)["choices"]:
                 ids.extend(choice.get("token_ids") or [])
     assert len(ids) == body["max_tokens"], ids
     return ids

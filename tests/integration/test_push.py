@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
+from httpx_sse import connect_sse
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvduplex.server.cluster import LocalCluster, Process, free_port
@@ -100,12 +101,15 @@ def _stream(url: str, path: str, body: dict) -> tuple[list[int], str, list[dict]
     ids: list[int] = []
     text: list[str] = []
     chunks: list[dict] = []
-    with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=120) as resp:
-        assert resp.status_code == 200
-        for line in resp.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+    with (
+        httpx.Client(timeout=120) as http,
+        connect_sse(http, "POST", url + path, json={**body, "stream": True}) as source,
+    ):
+        assert source.response.status_code == 200
+        for event in source.iter_sse():
+            if event.data == "[DONE]":
                 continue
-            chunk = json.loads(line[6:])
+            chunk = json.loads(event.data)
             chunks.append(chunk)
             for choice in chunk["choices"]:
                 ids.extend(choice.get("token_ids") or [])
@@ -167,6 +171,42 @@ def test_streaming_completion_and_chat_match_colocated(dep: Deployment, mode: st
     assert routed_ids == ref_ids and routed_text == ref_text
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     assert _complete(dep.routers[mode], chat, path) == ref_ids
+
+
+AGENT_CHAT: list[dict] = [
+    {"role": "system", "content": "You are an agent with tools."},
+    {"role": "user", "content": "What is in /tmp?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "ls", "arguments": '{"path": "/tmp"}'}},
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "a.txt b.txt"},
+]  # fmt: skip
+TOOLS = [{"type": "function", "function": {"name": "ls", "description": "List a folder",
+          "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_agentic_chat_with_tools_matches_colocated(dep: Deployment, mode: str) -> None:
+    """Tools, a tool call with null content and its result render the same on the router
+    (which prefills by its ids) and on the instance."""
+    chat = _body("", max_tokens=6)
+    del chat["prompt"]
+    chat.update(messages=AGENT_CHAT, tools=TOOLS, tool_choice="auto")
+    path = "/v1/chat/completions"
+    routed_ids, routed_text, _ = _stream(dep.routers[mode], path, chat)
+    ref_ids, ref_text, _ = _stream(dep.reference, path, chat)
+    assert routed_ids == ref_ids and routed_text == ref_text
+    resp = httpx.post(dep.routers[mode] + path, json=chat, timeout=120)
+    assert resp.status_code == 200, resp.text
+    ref = httpx.post(dep.reference + path, json=chat, timeout=120).json()
+    assert resp.json()["prompt_token_ids"] == ref["prompt_token_ids"]
+    assert resp.json()["choices"][0]["token_ids"] == ref_ids
+    assert ref["usage"]["prompt_tokens"] > 100  # the tools and the call are in the prompt
 
 
 def test_push_streams_prefill_first_token_then_the_rest(dep: Deployment) -> None:
@@ -244,15 +284,22 @@ def test_internal_push_routes_reject_bad_input(dep: Deployment) -> None:
 
 
 def test_router_rejects_bad_input_without_leaking(dep: Deployment) -> None:
-    # D refuses at once and the router cancels P, racing P's admission of the
-    # prefill: repeated, since a cancel between P's expect and add once leaked.
+    # D refuses at once (past the context length, which only an instance knows) and the
+    # router cancels P, racing P's admission of the prefill: repeated, since a cancel
+    # between P's expect and add once leaked.
     for salt in range(20):
         resp = httpx.post(
             dep.routers["push"] + "/v1/completions",
-            json=_body(_ids(20, salt=500 + salt), max_tokens=0),
+            json=_body(_ids(20, salt=500 + salt), max_tokens=10**6),
             timeout=30,
         )
-        assert resp.status_code == 400 and "error" in resp.json()
+        assert resp.status_code == 400 and "context length" in resp.json()["error"]["message"]
+    # What needs no model the router refuses itself, as the instance would.
+    bad = _body(_ids(20, salt=499), max_tokens=0)
+    routed = httpx.post(dep.routers["push"] + "/v1/completions", json=bad, timeout=30)
+    direct = httpx.post(dep.decode + "/v1/completions", json=bad, timeout=30)
+    assert routed.status_code == direct.status_code == 400
+    assert routed.json() == direct.json()
     resp = httpx.post(
         dep.routers["push"] + "/v1/completions", content=b"{not json", timeout=30,
         headers={"content-type": "application/json"},

@@ -8,6 +8,7 @@ import socket
 import httpx
 import openai
 import pytest
+from httpx_sse import connect_sse
 from openai.types import Completion
 
 from kvduplex.server.cluster import LocalCluster, Process, free_port
@@ -147,10 +148,13 @@ def test_malformed_json(server: Process) -> None:
 def test_client_disconnect_aborts_and_frees_blocks(server: Process) -> None:
     body = {"model": "tiny", "prompt": "a long one", "max_tokens": 900, "temperature": 0,
             "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
-        lines = r.iter_lines()
-        for line in lines:
-            if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"] is not None:
+    with (
+        httpx.Client(timeout=60) as http,
+        connect_sse(http, "POST", server.url + "/v1/completions", json=body) as source,
+    ):
+        events = source.iter_sse()  # kept: a dropped iterator would close the stream here
+        for event in events:
+            if json.loads(event.data)["choices"][0]["text"] is not None:
                 break
         assert kv_stats(server.url)["num_in_use"] > 0
     # Closing the stream is the disconnect: the request must be aborted and its blocks freed.

@@ -66,7 +66,7 @@ def test_chat_template_refusal_is_400(
 ) -> None:
     tok = instance.engine.loaded.tokenizer
 
-    def refuse(messages: object, add_generation_prompt: bool = True) -> str:
+    def refuse(messages: object, add_generation_prompt: bool = True, tools: object = None) -> str:
         raise ValueError("this model's tokenizer has no chat template; send a plain prompt")
 
     monkeypatch.setattr(tok, "apply_chat_template", refuse)

@@ -19,8 +19,10 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
+from httpx_sse import EventSource
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -237,14 +239,65 @@ completion_bodies = bodies(
 )
 
 text_part = st.fixed_dictionaries({"type": st.just("text"), "text": clean_texts})
-valid_message = st.fixed_dictionaries(
+json_values = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-5, 5), clean_texts),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.dictionaries(clean_texts, inner, max_size=3)
+    ),
+    max_leaves=5,
+)
+"""JSON values of valid Unicode."""
+json_texts = json_values.map(json.dumps)
+"""JSON text of any value, as a model writes tool-call arguments (an object, usually)."""
+tool_call = st.fixed_dictionaries(
+    {
+        "id": clean_texts,
+        "type": st.just("function"),
+        "function": st.fixed_dictionaries(
+            {"name": clean_texts, "arguments": st.one_of(json_texts, clean_texts)}
+        ),
+    }
+)
+plain_message = st.fixed_dictionaries(
     {
         "role": st.sampled_from(["system", "developer", "user", "assistant", "tool"]),
         "content": st.one_of(clean_texts, st.none(), st.lists(text_part, max_size=3)),
     },
-    optional={"name": texts, "tool_call_id": texts},
+    optional={"name": clean_texts, "tool_call_id": clean_texts},
+)
+valid_message = st.one_of(
+    plain_message,
+    st.fixed_dictionaries(
+        {
+            "role": st.just("assistant"),
+            "content": st.one_of(st.none(), clean_texts),
+            "tool_calls": st.lists(tool_call, max_size=2),
+        }
+    ),
+)
+bad_tool_calls = st.one_of(
+    st.sampled_from([[{"id": "c"}], [{"function": {"name": "f", "arguments": "{}"}}], "call", [3]]),
+    st.sampled_from([[{"id": "c", "function": {"name": "f", "arguments": 7}}]]),
+    surrogate_texts.map(
+        lambda t: [{"id": "c", "type": "function", "function": {"name": "f", "arguments": t}}]
+    ),
 )
 invalid_message = st.one_of(
+    plain_message.flatmap(
+        lambda m: st.sampled_from(["name", "tool_call_id"]).flatmap(
+            lambda k: surrogate_texts.map(lambda t: {**m, k: t})
+        )
+    ),
+    st.fixed_dictionaries(
+        {"role": st.just("assistant"), "content": st.none(), "tool_calls": bad_tool_calls}
+    ),
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["user", "system", "tool"]),
+            "content": clean_texts,
+            "tool_calls": st.lists(tool_call, min_size=1, max_size=1),
+        }
+    ),
     valid_message.map(lambda m: {k: v for k, v in m.items() if k != "role"}),
     valid_message.flatmap(
         lambda m: st.sampled_from(["function", "bot", "", "USER", None, 3]).map(
@@ -264,6 +317,18 @@ invalid_message = st.one_of(
     ),
     st.one_of(st.none(), ints, texts, st.lists(junk, max_size=2)),
 )
+tool = st.fixed_dictionaries(
+    {
+        "type": st.just("function"),
+        "function": st.fixed_dictionaries(
+            {"name": clean_texts.filter(bool)},
+            optional={
+                "description": clean_texts,
+                "parameters": st.dictionaries(clean_texts, json_values, max_size=3),
+            },
+        ),
+    }
+)
 chat_fields: dict[str, Field] = {
     "messages": field(
         st.lists(valid_message, min_size=1, max_size=3),
@@ -279,10 +344,28 @@ chat_fields: dict[str, Field] = {
     "logprobs": field(st.just(False), st.sampled_from([True, "yes"])),
     "top_logprobs": field(st.sampled_from([None, 0]), st.sampled_from([1, 5, -1])),
     "tools": field(
-        st.sampled_from([None, []]),
-        st.just([{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+        st.one_of(st.sampled_from([None, []]), st.lists(tool, min_size=1, max_size=2)),
+        st.sampled_from(
+            [
+                [{"type": "function"}],
+                [{"type": "retrieval", "function": {"name": "f"}}],
+                [{"type": "function", "function": {"name": ""}}],
+                [{"type": "function", "function": {"name": "f", "parameters": "{}"}}],
+                "f",
+                {"type": "function"},
+            ]
+        ),
+        surrogate_texts.map(
+            lambda t: [{"type": "function", "function": {"name": "f", "description": t}}]
+        ),
     ),
-    "session_id": field(texts, st.sampled_from([1, []])),
+    "tool_choice": field(
+        st.sampled_from([None, "auto", "none"]),
+        st.sampled_from(["required", "any", {"type": "function", "function": {"name": "f"}}, 3]),
+    ),
+    "parallel_tool_calls": field(st.sampled_from([None, True, False]), st.just("both")),
+    "session_id": field(clean_texts, st.sampled_from([1, [], "s" * 513]), surrogate_texts),
+    "prompt_cache_key": field(clean_texts, st.sampled_from([1, {}, "k" * 513]), surrogate_texts),
 }
 
 
@@ -343,12 +426,12 @@ def _check_error(body: Any, status: int) -> None:
         assert err["code"] == "model_not_found", err
 
 
-def _check_stream(text: str) -> None:
-    events = [e for e in text.split("\n\n") if e]
+def _check_stream(response: httpx.Response) -> None:
+    events = list(EventSource(response).iter_sse())
     assert events, "empty stream"
     for e in events:
-        assert e.startswith("data: "), e
-    *chunks, last = (e.removeprefix("data: ") for e in events)
+        assert e.event == "message" and e.data, e
+    *chunks, last = (e.data for e in events)
     for c in chunks:
         parsed = json.loads(c)
         assert "error" not in parsed, c
@@ -386,7 +469,7 @@ def _check(
         assert r.status_code != 200, f"an invalid body was served: {r.text[:300]}"
     if r.status_code == 200:
         if r.headers["content-type"].startswith("text/event-stream"):
-            _check_stream(r.text)
+            _check_stream(r)
         else:
             assert r.json()["choices"], r.text
     else:
@@ -484,7 +567,7 @@ def test_request_id_in_use_is_400(
         assert "already in use" in r.json()["error"]["message"]
         r = client.post("/v1/completions", json={**body, "stream": True}, headers=headers)
         assert r.status_code == 200, r.text
-        _check_stream(r.text)
+        _check_stream(r)
         assert "already in use" in r.text
     finally:
         release.set()

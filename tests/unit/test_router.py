@@ -1,71 +1,259 @@
-"""Router pieces without processes: backend choice, first-token handling of D's stream."""
+"""The router in process, over fake instances (httpx MockTransport): what it refuses
+itself, what it sends each instance, its metrics, and the first-token relay of push."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
-from kvduplex.model.tokenizer import ByteTokenizer
-from kvduplex.server.router import (
-    _NOT_CONTENT,
-    Backend,
-    PrefixAffinity,
-    RouterState,
-    _drop_first_token,
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+from httpx_sse import connect_sse
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvduplex.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelLoadConfig,
+    ReturnMode,
+    RouterConfig,
+    ServerConfig,
 )
+from kvduplex.config import TransferMode as Mode
+from kvduplex.model.tokenizer import ByteTokenizer
+from kvduplex.server.cli import _UP_ROUTER_SKIP, build_parser
+from kvduplex.server.flags import dataclass_from_args, flags_of
+from kvduplex.server.instance import Instance, build_instance
+from kvduplex.server.router.app import create_router_app
+from kvduplex.server.router.relay import NOT_CONTENT, drop_first_token
+from kvduplex.server.router.state import RouterState
+
+P, D = "http://p0", "http://d0"
 
 
-def _state(n: int) -> RouterState:
-    return RouterState(
-        prefill=[Backend(f"http://p{i}") for i in range(n)],
-        decode=[Backend(f"http://d{i}") for i in range(n)],
-        tokenizer=ByteTokenizer(),
-        model="tiny",
-        affinity=PrefixAffinity(chunk=4),
-    )
+def _chunk(choice: dict[str, Any]) -> str:
+    return json.dumps({"id": "cmpl-x", "object": "text_completion", "choices": [choice]})
 
 
-def test_least_loaded_without_history() -> None:
-    st = _state(3)
-    st.decode[0].in_flight, st.decode[1].in_flight = 2, 0
-    st.decode[2].in_flight = 1
-    assert st.pick(st.decode, list(range(20))) is st.decode[1]
+@dataclass
+class FakeInstances:
+    """One P and one D: records what they get; D answers with `answer_ids`."""
+
+    answer_ids: list[int] = field(default_factory=lambda: [104, 105])
+    calls: list[tuple[str, dict[str, Any], httpx.Headers]] = field(default_factory=list)
+    gate: threading.Event | None = None
+    """When set, D's stream waits for it before its first event."""
+
+    def bodies(self, path: str) -> list[dict[str, Any]]:
+        return [body for p, body, _ in self.calls if p == path]
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content) if request.content else {}
+        self.calls.append((str(request.url), body, request.headers))
+        url = str(request.url)
+        if url == P + "/internal/push/prefill":
+            return httpx.Response(200, json={"xid": body["xid"], "first_token": self.answer_ids[0]})
+        if url == P + "/internal/prefill":
+            return httpx.Response(200, json={"xid": body["xid"], "block_ids": [0], "num_tokens": 3})
+        if url.endswith("/internal/push/cancel"):
+            return httpx.Response(200, json={"xid": body["xid"], "cancelled": True})
+        if not body.get("stream"):
+            choice = {"index": 0, "text": "hi", "token_ids": self.answer_ids, "finish_reason": "length"}
+            return httpx.Response(200, json={"id": "cmpl-x", "choices": [choice]})
+        return httpx.Response(
+            200, headers={"content-type": "text/event-stream"}, content=self._stream()
+        )
+
+    async def _stream(self) -> AsyncIterator[bytes]:
+        if self.gate is not None:
+            await asyncio.to_thread(self.gate.wait, 10)
+        for i, tok in enumerate(self.answer_ids):
+            finish = "length" if i == len(self.answer_ids) - 1 else None
+            choice = {"index": 0, "text": chr(tok), "token_ids": [tok], "finish_reason": finish}
+            yield f"data: {_chunk(choice)}\n\n".encode()
+        yield b"data: [DONE]\n\n"
 
 
-def test_prefers_the_backend_that_served_the_prefix_unless_much_busier() -> None:
-    st = _state(2)
-    history = list(range(1, 30))
-    st.remember(st.decode[1], history)
-    next_turn = [*history, 40, 41, 42, 43, 44]
-    assert st.pick(st.decode, next_turn) is st.decode[1]
-    st.decode[1].in_flight = 1  # one more than the least loaded: still worth the cache
-    assert st.pick(st.decode, next_turn) is st.decode[1]
-    st.decode[1].in_flight = 2
-    assert st.pick(st.decode, next_turn) is st.decode[0]
-    assert st.pick(st.decode, [99, 98, 97, 96, 95]) is st.decode[0]  # unrelated prompt
+def _router(fake: FakeInstances, mode: Mode = Mode.PUSH) -> TestClient:
+    config = RouterConfig(prefill=(P,), decode=(D,), mode=mode)
+    state = RouterState.create(config, ByteTokenizer(), transport=httpx.MockTransport(fake.handle))
+    return TestClient(create_router_app(state))
 
 
-def test_affinity_forgets_beyond_capacity() -> None:
-    aff = PrefixAffinity(chunk=2, capacity=4)
-    b = Backend("http://x")
-    aff.add(b, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])  # 5 chunks, only 4 kept (oldest dropped)
-    assert aff.best([b], [1, 2, 3, 4]) == (None, 0)
+def _metric(client: TestClient, name: str, **labels: str) -> float:
+    for family in text_string_to_metric_families(client.get("/metrics").text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
 
 
-def _event(choice: dict) -> bytes:
-    return f"data: {json.dumps({'id': 'c', 'choices': [choice]})}\n\n".encode()
+# ------------------------------------------------- refusals: the instance's words
+
+
+@pytest.fixture(scope="module")
+def instance() -> Iterator[Instance]:
+    cfg = EngineConfig(model=ModelLoadConfig(model="tiny"), cache=CacheConfig(kv_cache_mb=16))
+    inst = build_instance(cfg, ServerConfig(port=0))
+    try:
+        yield inst
+    finally:
+        inst.async_engine.shutdown()
+
+
+SURROGATE = b'{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}'
+BAD = [
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}),
+    ("/v1/completions", {"prompt": "x", "n": 3}),
+    ("/v1/completions", {"prompt": ""}),
+    ("/v1/completions", {"prompt": []}),
+    ("/v1/completions", {"prompt": ["a", "b"]}),
+    ("/v1/completions", {"max_tokens": 3}),
+    ("/v1/completions", {"prompt": "x", "echo": True}),
+    ("/v1/chat/completions", {"messages": []}),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}], "prompt_cache_key": "k" * 600}),
+    ("/v1/chat/completions", b"{not json"),
+    ("/v1/chat/completions", SURROGATE),
+]
+
+
+@pytest.mark.parametrize(("path", "body"), BAD, ids=[f"{i}" for i in range(len(BAD))])
+def test_router_refuses_bad_input_in_the_instances_words(
+    instance: Instance, path: str, body: dict[str, Any] | bytes
+) -> None:
+    fake = FakeInstances()
+    content = body if isinstance(body, bytes) else json.dumps({"model": "tiny", **body}).encode()
+    headers = {"content-type": "application/json"}
+    with TestClient(instance.app) as direct, _router(fake) as router:
+        want = direct.post(path, content=content, headers=headers)
+        got = router.post(path, content=content, headers=headers)
+    assert 400 <= want.status_code < 500, want.text
+    assert (got.status_code, got.json()) == (want.status_code, want.json())
+    assert fake.calls == [], "refused without reaching an instance"
+
+
+# ------------------------------------------------- what the instances get
+
+
+@pytest.mark.parametrize("mode", [Mode.PUSH, Mode.PULL])
+def test_instances_get_the_prompt_ids_the_body_and_the_session(mode: Mode) -> None:
+    fake = FakeInstances()
+    tok = ByteTokenizer()
+    messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": None}]
+    body = {
+        "model": "tiny", "messages": messages, "max_tokens": 2, "temperature": 0.0,
+        "user": "\ud800", "kv_transfer_params": {"mode": "pull", "xid": "spoofed", "prefill_url": "x"},
+    }  # fmt: skip
+    with _router(fake, mode) as router:
+        r = router.post(
+            "/v1/chat/completions", content=json.dumps(body).encode(),
+            headers={"content-type": "application/json", "x-session-id": "abc"},
+        )  # fmt: skip
+        assert r.status_code == 200, r.text
+        r = router.post("/v1/chat/completions", json={**body, "user": "u", "prompt_cache_key": "k"})
+        assert r.status_code == 200, r.text
+    p_path = P + ("/internal/push/prefill" if mode is Mode.PUSH else "/internal/prefill")
+    p_bodies = fake.bodies(p_path)
+    d_bodies = fake.bodies(D + "/v1/chat/completions")
+    ids = tok.encode("<|bos|><|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n<|im_end|>\n"
+                     "<|im_start|>assistant\n", add_special_tokens=False)  # fmt: skip
+    assert [b["prompt_token_ids"] for b in p_bodies] == [ids, ids]
+    assert [b["session_id"] for b in p_bodies] == ["abc", "k"]
+    assert [b["kv_transfer_params"]["session_id"] for b in d_bodies] == ["abc", "k"]
+    assert {b["kv_transfer_params"]["mode"] for b in d_bodies} == {mode.value}
+    assert all(b["kv_transfer_params"]["xid"] != "spoofed" for b in d_bodies)
+    sent = {k: v for k, v in d_bodies[0].items() if k != "kv_transfer_params"}
+    assert sent == {k: v for k, v in body.items() if k != "kv_transfer_params"}
+
+
+def test_metrics_count_sessions_and_flows() -> None:
+    fake = FakeInstances()
+    base = {"model": "tiny", "max_tokens": 2, "temperature": 0.0}
+    with _router(fake) as router:
+        for turn in range(3):
+            prompt = list(range(1, 40 + 10 * turn))  # each turn extends the one before
+            assert router.post("/v1/completions", json={**base, "prompt": prompt}).status_code == 200
+        for _ in range(2):
+            r = router.post("/v1/completions", json={**base, "prompt": [7, 8]}, headers={"x-session-id": "n"})
+            assert r.status_code == 200
+        assert _metric(router, "kvduplex_router_session_misses_total") == 2
+        assert _metric(router, "kvduplex_router_session_hits_total") == 3
+        assert _metric(router, "kvduplex_router_requests_total", mode="push") == 5
+        assert _metric(router, "kvduplex_router_sessions") == 2
+        assert router.get("/health").json() == {"status": "ok", "role": "router"}
+
+
+# ------------------------------------------------- push: P's first token first
+
+
+def test_push_stream_sends_prefills_token_first_and_drops_decodes_copy() -> None:
+    fake = FakeInstances(answer_ids=[65, 66, 67], gate=threading.Event())
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 3, "temperature": 0.0,
+            "stream": True, "return_token_ids": True}  # fmt: skip
+    with _router(fake) as router, connect_sse(router, "POST", "/v1/completions", json=body) as src:
+        events = src.iter_sse()
+        first = json.loads(next(events).data)
+        fake.gate.set()  # only now may D's stream begin: the first chunk came from P's answer
+        rest = [e.data for e in events]
+    assert first["choices"][0]["text"] == "A" and first["choices"][0]["token_ids"] == [65]
+    assert rest[-1] == "[DONE]"
+    chunks = [json.loads(data)["choices"][0] for data in rest[:-1]]
+    assert [c["token_ids"] for c in chunks] == [[66], [67]]
+    assert "".join(c["text"] for c in chunks) == "BC" and chunks[-1]["finish_reason"] == "length"
+
+
+def _event(choice: dict[str, Any]) -> str:
+    return json.dumps({"id": "c", "choices": [choice]})
 
 
 def test_drop_first_token_of_decode_stream() -> None:
     mid = _event({"index": 0, "text": "a", "token_ids": [97], "finish_reason": None})
-    assert _drop_first_token(mid, "a") is None
+    assert drop_first_token(mid, "a") is None
     final = _event({"index": 0, "text": "\ufffd", "token_ids": [226], "finish_reason": "length"})
-    kept = _drop_first_token(final, "")
-    assert kept is not None and kept is not _NOT_CONTENT
-    choice = json.loads(kept[6:])["choices"][0]
+    kept = drop_first_token(final, "")
+    assert kept is not None and kept != NOT_CONTENT
+    choice = json.loads(kept)["choices"][0]
     assert choice == {"index": 0, "text": "\ufffd", "token_ids": [], "finish_reason": "length"}
     chat = _event({"index": 0, "delta": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"})
-    kept = _drop_first_token(chat, "hi")
-    assert kept is not None and json.loads(kept[6:])["choices"][0]["delta"] == {"content": ""}
-    assert _drop_first_token(b"data: [DONE]\n\n", "") is _NOT_CONTENT
-    usage_only = f"data: {json.dumps({'choices': [], 'usage': {}})}\n\n".encode()
-    assert _drop_first_token(usage_only, "") is _NOT_CONTENT
+    kept = drop_first_token(chat, "hi")
+    assert kept is not None and json.loads(kept)["choices"][0]["delta"] == {"content": ""}
+    assert drop_first_token("[DONE]", "") == NOT_CONTENT
+    assert drop_first_token(json.dumps({"choices": [], "usage": {}}), "") == NOT_CONTENT
+
+
+# ------------------------------------------------- flags
+
+
+def test_router_flags_come_from_router_config_and_up_passes_them_on() -> None:
+    argv = ["router", "--prefill", "http://p/", "--decode", "http://d", "--mode", "pull",
+            "--session-ttl-s", "30", "--max-sessions", "5", "--return-mode", "push",
+            "--short-append-tokens", "16"]  # fmt: skip
+    args = build_parser().parse_args(argv)
+    cfg = dataclass_from_args(RouterConfig, args, prefill=tuple(args.prefill), decode=tuple(args.decode))
+    assert (cfg.prefill, cfg.decode, cfg.mode) == (("http://p",), ("http://d",), Mode.PULL)
+    assert (cfg.session_ttl_s, cfg.max_sessions) == (30.0, 5)
+    assert (cfg.return_mode, cfg.short_append_tokens) == (ReturnMode.PUSH, 16)
+    up = build_parser().parse_args(["up", "--return-mode", "pull", "--max-sessions", "9"])
+    passed = flags_of(RouterConfig, up, skip=_UP_ROUTER_SKIP)
+    assert passed[passed.index("--return-mode") + 1] == "pull"
+    assert passed[passed.index("--max-sessions") + 1] == "9" and "--mode" not in passed
+    again = build_parser().parse_args(["router", "--decode", "http://d", *passed])
+    assert again.return_mode is ReturnMode.PULL and again.max_sessions == 9
+    for bad, message in [
+        ({"decode": ()}, "at least one --decode"),
+        ({"prefill": ("p0",)}, "http://"),
+        ({"max_sessions": 0}, "max_sessions"),
+        ({"session_ttl_s": 0}, "session_ttl_s"),
+        ({"short_append_tokens": -1}, "short_append_tokens"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            RouterConfig(**{"decode": ("http://d",), **bad})  # type: ignore[arg-type]

@@ -1,7 +1,8 @@
 """OpenAI request bodies (pydantic) and the error format.
 
 Validation happens here, so a bad request turns into a 400 with a message that
-names the field, before anything reaches the engine.
+names the field, before anything reaches the engine. The router validates with
+the same models, so it refuses what an instance would, in the same words.
 """
 
 from __future__ import annotations
@@ -24,6 +25,20 @@ def _check_unicode(text: str) -> str:
             f"position {exc.start}"
         ) from None
     return text
+
+
+def check_unicode_tree(value: Any) -> None:
+    """`_check_unicode` on every string (dict keys too) of a JSON value, however deep."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            _check_unicode(item)
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
 
 
 class StreamOptions(BaseModel):
@@ -68,6 +83,10 @@ class _SamplingFields(BaseModel):
     """Non-standard: include prompt and output token ids in the response."""
     kv_transfer_params: dict[str, Any] | None = None
     """Internal: set by the router for disaggregated serving."""
+    prompt_cache_key: Annotated[str, Field(max_length=512)] | None = None
+    """Names the conversation; the router sends its turns to the same instances."""
+    session_id: Annotated[str, Field(max_length=512)] | None = None
+    """Non-standard alias of prompt_cache_key (the router also reads X-Session-Id)."""
 
     @field_validator("top_k")
     @classmethod
@@ -188,16 +207,59 @@ class TextPart(BaseModel):
         return _check_unicode(v)
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str | dict[str, Any]
+    """JSON text of the arguments, as the model wrote it (OpenAI sends a string)."""
+
+
+class ToolCall(BaseModel):
+    """A tool call of an earlier assistant turn, sent back as history."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(BaseModel):
+    name: Annotated[str, Field(min_length=1)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """JSON Schema of the arguments."""
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    """A tool the model may call; its definition reaches the chat template."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    """null (an assistant turn that only called tools) renders as ""."""
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    """Assistant: the tool calls it made."""
+    tool_call_id: str | None = None
+    """Tool: which call this message answers."""
 
     @field_validator("content")
     @classmethod
     def _check_content(cls, v: str | list[TextPart] | None) -> str | list[TextPart] | None:
         return _check_unicode(v) if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _check_tool_fields(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"tool_calls belong to assistant messages, not {self.role!r} ones")
+        calls = [(c.id, c.function.name, c.function.arguments) for c in self.tool_calls or ()]
+        check_unicode_tree([self.name, self.tool_call_id, calls])
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -213,23 +275,42 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    session_id: str | None = None
-    """Non-standard: names a multi-turn session (the router also reads X-Session-Id)."""
+    tools: list[ChatTool] | None = None
+    """Shown to the model through its chat template; calls are not parsed from the answer."""
+    tool_choice: str | dict[str, Any] | None = None
+    """auto or none; forcing a call (required, a named function) is not supported."""
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _check_tools(cls, v: list[ChatTool] | None) -> list[ChatTool] | None:
+        for tool in v or ():
+            f = tool.function
+            check_unicode_tree([f.name, f.description, f.parameters])
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _check_tool_choice(cls, v: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+        if v is not None and v not in ("auto", "none"):
+            raise ValueError(
+                f"tool_choice {v!r} is not supported: tool calls are not parsed from the "
+                "answer, so none can be forced; send 'auto' or 'none'"
+            )
+        return v
 
     @model_validator(mode="after")
     def _check_unsupported(self) -> ChatCompletionRequest:
         if self.logprobs or self.top_logprobs:
             raise ValueError("logprobs are not supported")
-        if self.tools:
-            raise ValueError("tools are not supported")
         return self
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def plain_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+OpenAIRequest = CompletionRequest | ChatCompletionRequest
+"""A validated body of either endpoint."""
 
 
 def error_body(

@@ -1,0 +1,128 @@
+"""A request's prompt as token ids: one function for the instance and the router.
+
+* Completions: a text prompt is encoded with the model's special tokens (BOS);
+  a token-id prompt is taken as it is; a batch of one prompt is unwrapped.
+* Chat: the messages and tools go through the model's chat template the way
+  transformers' ``apply_chat_template`` takes them (as vLLM passes them too):
+  ``content`` as one string (text parts joined; null is ""), an assistant's
+  ``tool_calls`` with their ``function.arguments`` parsed into an object when
+  they are JSON text of one, a tool message's ``tool_call_id``, and
+  ``tools=[{"type": "function", "function": {...}}]``. The template's text is
+  encoded without adding special tokens again.
+
+Because the router computes exactly the ids an instance would, it can route by
+them (prefix, session) and hand them to the prefill instance.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from kvduplex.model.tokenizer import Tokenizer
+from kvduplex.openai.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    ChatTool,
+    CompletionRequest,
+    OpenAIRequest,
+    check_unicode_tree,
+)
+
+
+class PromptError(ValueError):
+    """A prompt that cannot be built; `param` names the request field to fix."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+def prompt_token_ids(request: OpenAIRequest, tokenizer: Tokenizer) -> list[int]:
+    """The prompt's token ids; PromptError if there is none to build."""
+    if isinstance(request, ChatCompletionRequest):
+        ids = chat_prompt_ids(request, tokenizer)
+    else:
+        ids = completion_prompt_ids(request, tokenizer)
+    if not ids:
+        raise PromptError("the prompt is empty", "prompt")
+    return ids
+
+
+def completion_prompt_ids(request: CompletionRequest, tokenizer: Tokenizer) -> list[int]:
+    try:
+        prompt = request.single_prompt()
+    except ValueError as exc:
+        raise PromptError(str(exc), "prompt") from None
+    if isinstance(prompt, str):
+        if not prompt:
+            raise PromptError("prompt is empty", "prompt")
+        return list(tokenizer.encode(prompt, add_special_tokens=True))
+    return prompt
+
+
+def chat_prompt_ids(request: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
+    try:
+        text = tokenizer.apply_chat_template(
+            template_messages(request.messages),
+            add_generation_prompt=True,
+            tools=template_tools(request.tools),
+        )
+    except ValueError as exc:
+        raise PromptError(str(exc), "messages") from None
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as a chat template reads them (see the module docstring)."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        msg: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.name is not None:
+            msg["name"] = m.name
+        if m.tool_calls:
+            msg["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": c.type,
+                    "function": {
+                        "name": c.function.name,
+                        "arguments": _arguments(c.function.arguments),
+                    },
+                }
+                for c in m.tool_calls
+            ]
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        out.append(msg)
+    return out
+
+
+def template_tools(tools: Sequence[ChatTool] | None) -> list[dict[str, Any]] | None:
+    """The tool definitions as a chat template reads them; None without tools."""
+    if not tools:
+        return None
+    out: list[dict[str, Any]] = []
+    for tool in tools:
+        function: dict[str, Any] = {"name": tool.function.name}
+        if tool.function.description is not None:
+            function["description"] = tool.function.description
+        if tool.function.parameters is not None:
+            function["parameters"] = tool.function.parameters
+        out.append({"type": tool.type, "function": function})
+    return out
+
+
+def _arguments(arguments: str | dict[str, Any]) -> str | dict[str, Any]:
+    """Arguments as an object when they are JSON text of one (templates expect a mapping);
+    otherwise unchanged (a model may have written invalid JSON; the history keeps it)."""
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        parsed = json.loads(arguments)
+        check_unicode_tree(parsed)  # "\\ud800" in JSON text is a lone surrogate once parsed
+    except (ValueError, RecursionError):
+        return arguments
+    return parsed if isinstance(parsed, dict) else arguments

@@ -1,0 +1,119 @@
+"""OpenAI response bodies and stream chunks, written the same by the instance and the router.
+
+One answer shares a `ResponseHead` (id, model, endpoint, whether token ids are
+returned). Non-streamed: `completion_body`. Streamed: `stream_chunk` around a
+`stream_choice` per step, a usage-only chunk at the end when asked for, then
+`SSE_DONE`; each chunk is framed with `sse_data`. The chat completion's first
+delta carries ``role: assistant``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvduplex.openai.protocol import error_body
+
+SSE_DONE = "data: [DONE]\n\n"
+"""The last event of a stream."""
+
+
+@dataclass(frozen=True)
+class ResponseHead:
+    """What every body and chunk of one answer shares."""
+
+    request_id: str
+    """``id`` of the answer (cmpl-... or chatcmpl-...)."""
+    model: str
+    """The model name the client sees."""
+    is_chat: bool
+    """Chat completion (message / delta) or text completion (text)."""
+    return_token_ids: bool = False
+    """Non-standard: add ``token_ids`` to choices (and ``prompt_token_ids`` to bodies)."""
+    created: int = field(default_factory=lambda: int(time.time()))
+    """Unix time of the answer."""
+
+    @property
+    def object(self) -> str:
+        return "chat.completion" if self.is_chat else "text_completion"
+
+    @property
+    def chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.is_chat else "text_completion"
+
+
+def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int) -> dict[str, Any]:
+    """The ``usage`` object; cached tokens are prompt tokens served from a prefix cache."""
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_output_tokens,
+        "total_tokens": num_prompt_tokens + num_output_tokens,
+        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
+    }
+
+
+def completion_body(
+    head: ResponseHead,
+    text: str,
+    token_ids: list[int],
+    finish_reason: str | None,
+    usage_: dict[str, Any],
+    prompt_token_ids: list[int],
+) -> dict[str, Any]:
+    """A whole (non-streamed) answer."""
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+    if head.is_chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    if head.return_token_ids:
+        choice["token_ids"] = token_ids
+    body: dict[str, Any] = {
+        "id": head.request_id, "object": head.object, "created": head.created,
+        "model": head.model, "choices": [choice], "usage": usage_,
+    }  # fmt: skip
+    if head.return_token_ids:
+        body["prompt_token_ids"] = prompt_token_ids
+    return body
+
+
+def stream_choice(
+    head: ResponseHead, text: str, token_ids: list[int], finish_reason: str | None, is_first: bool
+) -> dict[str, Any]:
+    """The choice of one stream chunk: new text (and ids), the finish reason once finished."""
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+    if head.is_chat:
+        delta: dict[str, Any] = (
+            {"role": "assistant", "content": text} if is_first else {"content": text}
+        )
+        choice["delta"] = delta
+    else:
+        choice["text"] = text
+    if head.return_token_ids:
+        choice["token_ids"] = token_ids
+    return choice
+
+
+def stream_chunk(
+    head: ResponseHead, choice: dict[str, Any] | None, usage_: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """One chunk: a choice, or none (the usage chunk at the end)."""
+    chunk: dict[str, Any] = {
+        "id": head.request_id, "object": head.chunk_object, "created": head.created,
+        "model": head.model, "choices": [choice] if choice is not None else [],
+    }  # fmt: skip
+    if usage_ is not None:
+        chunk["usage"] = usage_
+    return chunk
+
+
+def sse_data(payload: dict[str, Any]) -> str:
+    """One SSE event carrying `payload` as JSON."""
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def sse_error(message: str) -> str:
+    """An error event ending a stream that has already begun (status 200 was sent)."""
+    return sse_data(error_body(message))

@@ -1,0 +1,122 @@
+"""The router's HTTP app: the OpenAI front door of a disaggregated deployment.
+
+Each request is validated with the instances' own models and its prompt built
+into token ids with the model's own tokenizer and chat template
+(`kvduplex.openai`), so a bad request is refused here in the words an instance
+would use. The policy then picks P and D (sessions, load), and one of the
+flows (`flows.py`) forwards the body as the client sent it.
+
+Routes: /v1/completions, /v1/chat/completions, /v1/models (a decode
+instance's), /health, /metrics (``kvduplex_router_*``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvduplex.config import RouterConfig, TransferMode
+from kvduplex.model.loader import load_tokenizer
+from kvduplex.openai.errors import APIError, install_error_handlers
+from kvduplex.openai.prompt import PromptError, prompt_token_ids
+from kvduplex.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest
+from kvduplex.server.router.flows import Forward, serve_decode_only, serve_pull, serve_push
+from kvduplex.server.router.policy import Outcome
+from kvduplex.server.router.state import RouterState
+
+logger = logging.getLogger(__name__)
+
+SESSION_HEADER = "x-session-id"
+MAX_SESSION_KEY_LEN = 512
+
+
+def session_key(raw: Request, request: OpenAIRequest) -> str | None:
+    """The client's name for its session: X-Session-Id, else prompt_cache_key, else session_id."""
+    key = raw.headers.get(SESSION_HEADER) or request.prompt_cache_key or request.session_id
+    if key is not None and len(key) > MAX_SESSION_KEY_LEN:
+        raise APIError(
+            400,
+            f"X-Session-Id must be at most {MAX_SESSION_KEY_LEN} characters",
+            param="x-session-id",
+        )
+    return key or None
+
+
+async def route_request(
+    state: RouterState, raw: Request, request: OpenAIRequest, path: str
+) -> Response:
+    """Build the prompt, choose the instances and run the configured flow."""
+    try:
+        ids = prompt_token_ids(request, state.tokenizer)
+    except PromptError as exc:
+        raise APIError(400, exc.message, param=exc.param) from None
+    key = session_key(raw, request)
+    body = dict(await raw.json())  # validated above; forwarded as the client sent it
+    body.pop("kv_transfer_params", None)  # the router's to set, never the client's
+    route = state.policy.route(ids, key)
+    metrics = state.metrics
+    (metrics.session_hits if route.is_session_hit else metrics.session_misses).inc()
+    fwd = Forward(path=path, request=request, body=body, ids=ids, route=route)
+    if route.prefill is None:
+        mode, flow = "decode", serve_decode_only
+    elif state.config.mode is TransferMode.PUSH:
+        mode, flow = "push", serve_push
+    else:
+        mode, flow = "pull", serve_pull
+    metrics.requests.labels(mode=mode).inc()
+    try:
+        return await flow(state, fwd)
+    except BaseException:  # no relay took the route over: release what it holds
+        state.policy.prefill_done(route, Outcome.REFUSED)
+        state.policy.decode_done(route, Outcome.REFUSED)
+        raise
+
+
+def create_router_app(state: RouterState) -> FastAPI:
+    app = FastAPI(title="kvduplex-router")
+    install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse({"status": "ok", "role": "router"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        d = state.policy.decode.available(state.policy.clock())[0]
+        try:
+            resp = await state.client.get(d.url + "/v1/models")
+        except httpx.HTTPError as exc:
+            raise APIError(502, f"decode at {d.url} failed: {exc}") from None
+        return Response(resp.content, resp.status_code, media_type="application/json")
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        return await route_request(state, raw, body, "/v1/completions")
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
+        return await route_request(state, raw, body, "/v1/chat/completions")
+
+    return app
+
+
+def serve_router(config: RouterConfig) -> None:
+    """Serve until interrupted."""
+    state = RouterState.create(config, load_tokenizer(config.model))
+    logger.info(
+        "router (%s) on http://%s:%d: prefill %s, decode %s; sessions: ttl %.0f s, at most %d; "
+        "return %s, short appends up to %d tokens",
+        config.mode.value, config.host, config.port, list(config.prefill), list(config.decode),
+        config.session_ttl_s, config.max_sessions, config.return_mode.value,
+        config.short_append_tokens,
+    )  # fmt: skip
+    uvicorn.run(create_router_app(state), host=config.host, port=config.port, log_level="warning")

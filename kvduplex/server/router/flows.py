@@ -1,0 +1,201 @@
+"""The router's flows: how one routed request reaches its prefill (P) and decode (D).
+
+* **push** (default): ``POST /internal/push/prefill`` on P and the OpenAI
+  request with ``kv_transfer_params: {mode: push, xid, prefill_url,
+  session_id}`` on D, at the same time. P streams the prompt's KV into D's
+  blocks layer by layer and answers with its first token as soon as it is
+  sampled; a streaming client gets that token at once, then D's tokens (D's
+  own copy of the first token is dropped). If P fails, D is told to stop
+  waiting and computes the prompt itself; if D refuses the request, P is told
+  to stop.
+* **pull** (baseline): ``POST /internal/prefill`` on P, then the request with
+  ``kv_transfer_params: {mode: pull, ...}`` on D, which READs P's blocks; D's
+  answer is relayed unchanged. If P fails, D computes the prompt itself.
+* **decode** (no prefill instance): the request goes to D unchanged.
+
+Either way the client never sees a transfer fault, only a slower answer.
+P's bodies carry ``session_id`` too; instances may ignore it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi.responses import JSONResponse, Response
+
+from kvduplex.openai import render
+from kvduplex.openai.protocol import OpenAIRequest, error_body
+from kvduplex.server.router.policy import Outcome, Route
+from kvduplex.server.router.relay import FirstToken, body_parts, push_stream, relay
+from kvduplex.server.router.state import RouterState, json_request
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Forward:
+    """One validated request on its way to the instances."""
+
+    path: str
+    """/v1/completions or /v1/chat/completions."""
+    request: OpenAIRequest
+    """The validated body."""
+    body: dict[str, Any]
+    """The body as the client sent it (less any kv_transfer_params): what D gets."""
+    ids: list[int]
+    """The prompt's token ids, as the instances compute them."""
+    route: Route
+
+    @property
+    def is_chat(self) -> bool:
+        return self.path.endswith("/chat/completions")
+
+
+def _outcome(status: int) -> Outcome:
+    return Outcome.OK if status < 400 else Outcome.REFUSED if status < 500 else Outcome.FAILED
+
+
+def _prefill_body(fwd: Forward, xid: str, seed: int | None) -> dict[str, Any]:
+    """P samples the first token with the request's own parameters (D's, on a fallback)."""
+    req = fwd.request
+    return {
+        "xid": xid, "prompt_token_ids": fwd.ids, "temperature": req.temperature,
+        "top_p": req.top_p, "top_k": req.top_k, "seed": seed, "session_id": fwd.route.session_id,
+    }  # fmt: skip
+
+
+async def _post_prefill(
+    state: RouterState, fwd: Forward, path: str, req: dict[str, Any]
+) -> dict[str, Any] | None:
+    """POST to the route's P; its JSON answer, or None (logged) if it failed."""
+    p = fwd.route.prefill
+    assert p is not None
+    outcome = Outcome.REFUSED  # until the call ends one way or the other
+    try:
+        resp = await state.client.send(json_request(state.client, p.url + path, req))
+        outcome = _outcome(resp.status_code)
+        if resp.status_code != 200:
+            logger.warning(
+                "xid=%s: prefill at %s answered %d: %s",
+                req["xid"], p.url, resp.status_code, resp.text[:200],
+            )  # fmt: skip
+            return None
+        ans: dict[str, Any] = resp.json()
+        return ans
+    except (httpx.HTTPError, ValueError) as exc:  # unreachable, or an answer that is not JSON
+        outcome = Outcome.FAILED
+        logger.warning(
+            "xid=%s: prefill at %s failed: %s; decode computes the prompt", req["xid"], p.url, exc
+        )
+        return None
+    finally:
+        state.policy.prefill_done(fwd.route, outcome)
+
+
+async def _cancel(state: RouterState, url: str, xid: str, reason: str) -> None:
+    with contextlib.suppress(httpx.HTTPError):
+        await state.client.send(
+            json_request(
+                state.client, url + "/internal/push/cancel", {"xid": xid, "reason": reason}
+            )
+        )
+
+
+async def _open_decode(
+    state: RouterState, fwd: Forward, body: dict[str, Any], headers: dict[str, str]
+) -> httpx.Response | Response:
+    """D's streaming response, or a 502 if D cannot be reached."""
+    d = fwd.route.decode
+    try:
+        return await state.client.send(
+            json_request(state.client, d.url + fwd.path, body, headers), stream=True
+        )
+    except httpx.HTTPError as exc:
+        state.policy.decode_done(fwd.route, Outcome.FAILED)
+        return JSONResponse(error_body(f"decode at {d.url} failed: {exc}", "server_error"), 502)
+
+
+def _relay_decode(
+    state: RouterState, fwd: Forward, upstream: httpx.Response, parts: AsyncIterator[bytes]
+) -> Response:
+    outcome = _outcome(upstream.status_code)
+    return relay(upstream, parts, lambda: state.policy.decode_done(fwd.route, outcome))
+
+
+async def serve_decode_only(state: RouterState, fwd: Forward) -> Response:
+    upstream = await _open_decode(state, fwd, fwd.body, {})
+    if isinstance(upstream, Response):
+        return upstream
+    return _relay_decode(state, fwd, upstream, body_parts(upstream))
+
+
+async def serve_pull(state: RouterState, fwd: Forward) -> Response:
+    p = fwd.route.prefill
+    assert p is not None
+    xid = f"pull-{uuid.uuid4().hex}"
+    ans = await _post_prefill(
+        state, fwd, "/internal/prefill", _prefill_body(fwd, xid, fwd.request.seed)
+    )
+    body = fwd.body
+    if ans is not None:
+        params = {
+            "mode": "pull", "xid": xid, "prefill_url": p.url, "engine_id": ans.get("engine_id"),
+            "block_ids": ans["block_ids"], "num_tokens": ans["num_tokens"],
+            "lease_s": ans.get("lease_s"), "num_cached_tokens": ans.get("num_cached_tokens", 0),
+            "session_id": fwd.route.session_id,
+        }  # fmt: skip
+        body = {**body, "kv_transfer_params": params}
+    upstream = await _open_decode(state, fwd, body, {})
+    if isinstance(upstream, Response):
+        return upstream
+    return _relay_decode(state, fwd, upstream, body_parts(upstream))
+
+
+async def serve_push(state: RouterState, fwd: Forward) -> Response:
+    p = fwd.route.prefill
+    d = fwd.route.decode
+    assert p is not None
+    xid = f"push-{uuid.uuid4().hex}"
+    rid = f"{'chatcmpl' if fwd.is_chat else 'cmpl'}-{uuid.uuid4().hex}"
+    body, seed = fwd.body, fwd.request.seed
+    if fwd.request.temperature != 0 and seed is None:
+        # P samples the first token, D the rest (or all, if it falls back): one seed
+        # keeps a fallback's first token equal to the one already streamed.
+        seed = random.getrandbits(31)
+        body = {**body, "seed": seed}
+    p_req = {**_prefill_body(fwd, xid, seed), "decode_url": d.url}
+    prefill = asyncio.create_task(_post_prefill(state, fwd, "/internal/push/prefill", p_req))
+    params = {"mode": "push", "xid": xid, "prefill_url": p.url, "session_id": fwd.route.session_id}
+    upstream = await _open_decode(
+        state, fwd, {**body, "kv_transfer_params": params}, {"x-request-id": rid}
+    )
+
+    async def watch_prefill() -> dict[str, Any] | None:
+        ans = await prefill
+        if ans is None:
+            await _cancel(state, d.url, xid, "prefill failed")
+        return ans
+
+    watcher = asyncio.create_task(watch_prefill())
+    if isinstance(upstream, Response) or upstream.status_code != 200:
+        await _cancel(state, p.url, xid, "decode refused the request")
+        if isinstance(upstream, Response):
+            return upstream
+        return _relay_decode(state, fwd, upstream, body_parts(upstream))
+    if not fwd.request.stream or fwd.request.stop:
+        # Stop strings act on text: only D, which sees the whole answer, can apply them.
+        return _relay_decode(state, fwd, upstream, body_parts(upstream))
+    head = render.ResponseHead(
+        request_id=rid, model=fwd.request.model or state.config.model, is_chat=fwd.is_chat,
+        return_token_ids=fwd.request.return_token_ids,
+    )  # fmt: skip
+    first = FirstToken(head, state.tokenizer)
+    return _relay_decode(state, fwd, upstream, push_stream(upstream, watcher, first))

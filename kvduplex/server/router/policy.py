@@ -1,0 +1,203 @@
+"""Which prefill (P) and decode (D) instance serves a request.
+
+Design note. A turn of a known session goes back to the P and D that served
+the session's last turn, where its history is cached, unless that instance is
+much busier than the least busy one (more than `busy_margin` requests in
+flight beyond it) or a call to it failed recently; then it goes where a new
+session would, and the session moves there.
+
+A new session goes to the least loaded instance. Load is what the router
+itself assigned: requests in flight (counted from the moment of choosing,
+so requests that arrive together see each other) plus a count of recent
+assignments that decays with a half-life, so sessions that will come back
+spread as well as the requests of the moment. Equal loads are broken
+round-robin. The prompt's prefix alone never attracts a new session: a
+system prompt shared by every conversation would send them all to one place.
+
+The policy is plain Python over its own counters; the flows report back
+when each call ends (`prefill_done`, `decode_done`) and whether the instance
+failed.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvduplex.config import RouterConfig
+from kvduplex.server.router.sessions import SessionTable
+
+
+class Outcome(enum.Enum):
+    """How a call to an instance ended."""
+
+    OK = "ok"
+    REFUSED = "refused"
+    """A 4xx, or a call abandoned: it says nothing of the instance."""
+    FAILED = "failed"
+    """Unreachable, or a 5xx: the instance gets no new work for a while."""
+
+
+@dataclass
+class Backend:
+    """One instance, and what the router knows of its load."""
+
+    url: str
+    in_flight: int = 0
+    """Requests assigned and not done (P: until its prefill answer; D: until the stream ends)."""
+    recent: float = 0.0
+    """Assignments, decayed, as of `recent_at`."""
+    recent_at: float = 0.0
+    failed_until: float = 0.0
+    """A failed call keeps new work away until this clock time (unless all failed)."""
+
+
+class BackendPool:
+    """The instances of one role, their load and the round-robin cursor that breaks ties."""
+
+    def __init__(self, urls: Sequence[str], half_life_s: float, retry_s: float) -> None:
+        self.backends = [Backend(url) for url in urls]
+        self.half_life_s = half_life_s
+        self.retry_s = retry_s
+        self._index = {b.url: i for i, b in enumerate(self.backends)}
+        self._cursor = 0
+
+    def by_url(self, url: str | None) -> Backend | None:
+        return None if url is None or url not in self._index else self.backends[self._index[url]]
+
+    def _recent(self, b: Backend, now: float) -> float:
+        return b.recent * 0.5 ** (max(0.0, now - b.recent_at) / self.half_life_s)
+
+    def load(self, b: Backend, now: float) -> float:
+        """Requests in flight plus recent assignments (decayed)."""
+        return b.in_flight + self._recent(b, now)
+
+    def available(self, now: float) -> list[Backend]:
+        """Instances without a recent failure; all of them if every one failed."""
+        return [b for b in self.backends if b.failed_until <= now] or list(self.backends)
+
+    def least_loaded(self, now: float) -> Backend:
+        """The available instance with the least load; equal loads (to 1/100) round-robin."""
+        n = len(self.backends)
+        best = min(
+            self.available(now),
+            key=lambda b: (round(self.load(b, now), 2), (self._index[b.url] - self._cursor) % n),
+        )
+        self._cursor = (self._index[best.url] + 1) % n
+        return best
+
+    def can_keep(self, b: Backend, now: float, busy_margin: int) -> bool:
+        """Whether a session may stay on `b`: available, and not much busier than the least."""
+        up = self.available(now)
+        return b in up and b.in_flight <= min(x.in_flight for x in up) + busy_margin
+
+    def assign(self, b: Backend, now: float) -> None:
+        b.recent = self._recent(b, now) + 1.0
+        b.recent_at = now
+        b.in_flight += 1
+
+    def done(self, b: Backend, outcome: Outcome, now: float) -> None:
+        b.in_flight -= 1
+        if outcome is Outcome.FAILED:
+            b.failed_until = now + self.retry_s
+        elif outcome is Outcome.OK:
+            b.failed_until = 0.0
+
+
+@dataclass
+class Route:
+    """The instances chosen for one request; each is released once with its outcome."""
+
+    session_id: str
+    """The client's session id, or one the router made up for a recognised conversation."""
+    is_session_hit: bool
+    """The session was known (named before, or its previous prompt recognised)."""
+    prefill: Backend | None
+    """None: decode serves the request alone."""
+    decode: Backend
+    prefill_open: bool = True
+    decode_open: bool = True
+
+
+class RoutingPolicy:
+    """Sessions and load of a router's instances (see the module docstring)."""
+
+    def __init__(
+        self,
+        prefill_urls: Sequence[str],
+        decode_urls: Sequence[str],
+        *,
+        session_ttl_s: float = 600.0,
+        max_sessions: int = 100_000,
+        busy_margin: int = 2,
+        load_half_life_s: float = 30.0,
+        retry_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not decode_urls:
+            raise ValueError("give at least one decode instance")
+        self.prefill = BackendPool(prefill_urls, load_half_life_s, retry_s)
+        self.decode = BackendPool(decode_urls, load_half_life_s, retry_s)
+        self.sessions = SessionTable(session_ttl_s, max_sessions)
+        self.busy_margin = busy_margin
+        self.clock = clock
+
+    @classmethod
+    def from_config(
+        cls, config: RouterConfig, clock: Callable[[], float] = time.monotonic
+    ) -> RoutingPolicy:
+        return cls(
+            config.prefill, config.decode, session_ttl_s=config.session_ttl_s,
+            max_sessions=config.max_sessions, busy_margin=config.session_busy_margin,
+            load_half_life_s=config.load_half_life_s, retry_s=config.backend_retry_s, clock=clock,
+        )  # fmt: skip
+
+    def route(self, ids: Sequence[int], session_key: str | None) -> Route:
+        """Choose P (if there are prefill instances) and D for a request with prompt `ids`.
+
+        `session_key` is the client's name for the session; without one the
+        session is recognised by its prompt. Counts the request as in flight
+        on both; the caller reports back with `prefill_done` / `decode_done`.
+        """
+        now = self.clock()
+        if session_key is not None:
+            session = self.sessions.get(session_key, now)
+        else:
+            session = self.sessions.find_by_prompt(ids, now)
+        if session_key is not None:
+            session_id = session_key
+        elif session is not None:
+            session_id = session.session_id
+        else:
+            session_id = f"s-{uuid.uuid4().hex}"
+        prefill = None
+        if self.prefill.backends:
+            pinned = session.prefill_url if session is not None else None
+            prefill = self._choose(self.prefill, pinned, now)
+        decode = self._choose(self.decode, session.decode_url if session else None, now)
+        self.sessions.record(session_id, prefill.url if prefill else None, decode.url, ids, now)
+        return Route(session_id, session is not None, prefill, decode)
+
+    def _choose(self, pool: BackendPool, pinned_url: str | None, now: float) -> Backend:
+        pinned = pool.by_url(pinned_url)
+        if pinned is not None and pool.can_keep(pinned, now, self.busy_margin):
+            chosen = pinned
+        else:
+            chosen = pool.least_loaded(now)
+        pool.assign(chosen, now)
+        return chosen
+
+    def prefill_done(self, route: Route, outcome: Outcome) -> None:
+        """The call to `route.prefill` ended (idempotent)."""
+        if route.prefill is not None and route.prefill_open:
+            route.prefill_open = False
+            self.prefill.done(route.prefill, outcome, self.clock())
+
+    def decode_done(self, route: Route, outcome: Outcome) -> None:
+        """The call to `route.decode` ended, its stream included (idempotent)."""
+        if route.decode_open:
+            route.decode_open = False
+            self.decode.done(route.decode, outcome, self.clock())

@@ -1,0 +1,139 @@
+"""Relaying decode's answer to the client: unchanged, or with prefill's first token first.
+
+In push mode P samples the answer's first token and the router streams it at
+once; D, which continues from that token, emits its own copy of it in a chunk
+of its own. `push_stream` writes P's token as the first chunk, then D's stream
+with that copy dropped (`drop_first_token`). D's events are read with
+httpx-sse, the one SSE parser of the project.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi.responses import StreamingResponse
+from httpx_sse import EventSource
+
+from kvduplex.engine.detokenizer import IncrementalDetokenizer
+from kvduplex.model.tokenizer import Tokenizer
+from kvduplex.openai import render
+
+
+def relay(
+    upstream: httpx.Response, parts: AsyncIterator[bytes], on_close: Callable[[], None]
+) -> StreamingResponse:
+    """Stream `parts` with `upstream`'s status and content type; close it and call `on_close`
+    when the stream ends or the client leaves."""
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for part in parts:
+                yield part
+        finally:
+            await upstream.aclose()
+            on_close()
+
+    headers = {"content-type": upstream.headers.get("content-type", "application/json")}
+    return StreamingResponse(body(), status_code=upstream.status_code, headers=headers)
+
+
+async def body_parts(upstream: httpx.Response) -> AsyncIterator[bytes]:
+    """`upstream`'s body as it arrives (decoded: only the content type is relayed)."""
+    async for part in upstream.aiter_bytes():
+        yield part
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    """What the router needs to write P's first token as the answer's first chunk."""
+
+    head: render.ResponseHead
+    tokenizer: Tokenizer
+
+    def chunk(self, token: int) -> tuple[str, bytes]:
+        """The token's text as D's detokenizer releases it (not the last token), and the chunk."""
+        text = IncrementalDetokenizer(self.tokenizer).update([token], is_final=False)
+        choice = render.stream_choice(self.head, text, [token], None, is_first=True)
+        return text, render.sse_data(render.stream_chunk(self.head, choice)).encode()
+
+
+async def push_stream(
+    upstream: httpx.Response,
+    prefill: asyncio.Task[dict[str, Any] | None],
+    first: FirstToken,
+) -> AsyncIterator[bytes]:
+    """P's first token as soon as P answers, then D's stream without D's first token.
+
+    D emits its first token in a chunk of its own (received or computed), so
+    dropping D's first content chunk drops exactly that token. If D's stream
+    starts before P answers (or P failed), D's stream is relayed unchanged.
+    """
+    events = EventSource(upstream).aiter_sse()
+    next_event = asyncio.ensure_future(anext(events, None))
+    try:
+        if not prefill.done():
+            await asyncio.wait({prefill, next_event}, return_when=asyncio.FIRST_COMPLETED)
+        ans = prefill.result() if prefill.done() else None
+        sent_text = ""
+        skip = False
+        if ans is not None and not next_event.done():
+            sent_text, chunk = first.chunk(int(ans["first_token"]))
+            yield chunk
+            skip = True
+        while True:
+            event = await next_event
+            if event is None:
+                return
+            next_event = asyncio.ensure_future(anext(events, None))
+            data: str | None = event.data
+            if skip:
+                dropped = drop_first_token(event.data, sent_text)
+                if dropped != NOT_CONTENT:
+                    skip = False
+                    data = dropped
+            if data is not None:
+                yield f"data: {data}\n\n".encode()
+    finally:
+        next_event.cancel()
+        with contextlib.suppress(BaseException):
+            await next_event
+        await events.aclose()
+
+
+NOT_CONTENT = ""
+"""`drop_first_token`'s answer for an event without a token (usage, [DONE], an error);
+never a chunk, which is not empty JSON text."""
+
+
+def drop_first_token(data: str, sent_text: str) -> str | None:
+    """D's first content chunk (an event's data) minus what the router already sent.
+
+    None to drop the chunk; else the chunk with the rest of its text (a final
+    flush) and its finish reason; `NOT_CONTENT` if it carries no token.
+    """
+    try:
+        chunk = json.loads(data)
+    except ValueError:
+        return NOT_CONTENT
+    choices = chunk.get("choices") if isinstance(chunk, dict) else None
+    if not choices:
+        return NOT_CONTENT
+    choice = choices[0]
+    text = (choice.get("delta") or {}).get("content") if "delta" in choice else choice.get("text")
+    text = text or ""
+    rest = text[len(sent_text) :] if text.startswith(sent_text) else ""
+    if choice.get("finish_reason") is None and not rest:
+        return None
+    if "delta" in choice:
+        choice["delta"] = {"content": rest}
+    else:
+        choice["text"] = rest
+    if "token_ids" in choice:
+        choice["token_ids"] = []
+    return json.dumps(chunk)

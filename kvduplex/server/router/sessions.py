@@ -1,0 +1,165 @@
+"""The session table: which prefill and decode instance served a conversation.
+
+A session is named by the client (OpenAI's ``prompt_cache_key``, or an
+``X-Session-Id`` header) or recognised by its prompt: a conversation's next
+prompt starts with its whole previous prompt (the template renders the
+history, the answer, then the new message), which a new conversation that
+only shares a system prompt never does.
+
+`PrefixIndex` finds, for a prompt, the session whose latest prompt is a
+strict prefix of it. Each session's latest prompt is filed under the hash
+chain of its full chunks, with the tokens after them kept for an exact check::
+
+    latest prompt  |-- chunk 0 --|-- chunk 1 --|- tail -|
+    filed under    (2, h(h(0, chunk 0), chunk 1)) + tail
+    next prompt    |-- chunk 0 --|-- chunk 1 --|- tail -|-- answer, new message --|
+
+A lookup hashes the new prompt's chunks once and walks its chain from the
+longest full-chunk prefix down, so it costs one hash per chunk, not per token.
+
+`SessionTable` holds at most `max_sessions` sessions, each forgotten `ttl_s`
+after its last turn (least recently used first when full).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+PromptKey = tuple[int, int]
+"""(number of full chunks, hash chain over them): where a prompt is filed."""
+
+
+class PrefixIndex:
+    """Latest prompt of each session, looked up by a longer prompt that starts with it."""
+
+    def __init__(self, chunk: int = 16, max_per_key: int = 8) -> None:
+        """`chunk` tokens per hashed chunk; at most `max_per_key` sessions (the most recent)
+        are filed under one key (prompts that differ only in their last < `chunk` tokens)."""
+        if chunk < 1 or max_per_key < 1:
+            raise ValueError("chunk and max_per_key must be >= 1")
+        self.chunk = chunk
+        self.max_per_key = max_per_key
+        self._files: dict[PromptKey, list[tuple[str, tuple[int, ...]]]] = {}
+
+    def _chain(self, ids: Sequence[int]) -> list[int]:
+        """h_0 = 0, h_k = hash(h_{k-1}, chunk k-1): one entry per full-chunk prefix."""
+        chain = [0]
+        for start in range(0, len(ids) - self.chunk + 1, self.chunk):
+            chain.append(hash((chain[-1], tuple(ids[start : start + self.chunk]))))
+        return chain
+
+    def add(self, session_id: str, ids: Sequence[int]) -> PromptKey:
+        """File `ids` as `session_id`'s latest prompt; the key `remove` needs later."""
+        chain = self._chain(ids)
+        num_chunks = len(chain) - 1
+        key = (num_chunks, chain[-1])
+        entries = self._files.setdefault(key, [])
+        entries.append((session_id, tuple(ids[num_chunks * self.chunk :])))
+        if len(entries) > self.max_per_key:
+            del entries[0]
+        return key
+
+    def remove(self, session_id: str, key: PromptKey) -> None:
+        entries = self._files.get(key)
+        if entries is None:
+            return
+        entries[:] = [e for e in entries if e[0] != session_id]
+        if not entries:
+            del self._files[key]
+
+    def find(self, ids: Sequence[int]) -> str | None:
+        """The session whose latest prompt is the longest strict prefix of `ids`, if any."""
+        chain = self._chain(ids)
+        for num_chunks in range(len(chain) - 1, -1, -1):
+            entries = self._files.get((num_chunks, chain[num_chunks]))
+            if not entries:
+                continue
+            start = num_chunks * self.chunk
+            best, best_len = None, -1
+            for session_id, tail in entries:
+                end = start + len(tail)
+                if end < len(ids) and len(tail) > best_len and tuple(ids[start:end]) == tail:
+                    best, best_len = session_id, len(tail)
+            if best is not None:
+                return best
+        return None
+
+    def __len__(self) -> int:
+        return sum(len(entries) for entries in self._files.values())
+
+
+@dataclass(frozen=True)
+class Session:
+    """Where a session's last turn went."""
+
+    session_id: str
+    prefill_url: str | None
+    """None when the turn went to decode alone."""
+    decode_url: str
+    last_used: float
+    """Clock time of the last turn."""
+    num_turns: int
+    prompt_key: PromptKey
+    """Where its latest prompt is filed in the prefix index."""
+
+
+class SessionTable:
+    """Sessions by id, bounded in number and age; see the module docstring."""
+
+    def __init__(self, ttl_s: float, max_sessions: int, index: PrefixIndex | None = None) -> None:
+        if ttl_s <= 0 or max_sessions < 1:
+            raise ValueError("ttl_s must be > 0 and max_sessions >= 1")
+        self.ttl_s = ttl_s
+        self.max_sessions = max_sessions
+        self.index = index if index is not None else PrefixIndex()
+        self._sessions: OrderedDict[str, Session] = OrderedDict()
+        """Least recently used first (insertion order: `record` re-inserts)."""
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def get(self, session_id: str, now: float) -> Session | None:
+        """The live session of this id, if any."""
+        self._expire(now)
+        return self._sessions.get(session_id)
+
+    def find_by_prompt(self, ids: Sequence[int], now: float) -> Session | None:
+        """The live session that `ids` continues (its latest prompt is a strict prefix)."""
+        self._expire(now)
+        session_id = self.index.find(ids)
+        return None if session_id is None else self._sessions.get(session_id)
+
+    def record(
+        self,
+        session_id: str,
+        prefill_url: str | None,
+        decode_url: str,
+        ids: Sequence[int],
+        now: float,
+    ) -> Session:
+        """Remember that a turn of `session_id` with prompt `ids` went to these instances."""
+        old = self._sessions.pop(session_id, None)
+        if old is not None:
+            self.index.remove(session_id, old.prompt_key)
+        session = Session(
+            session_id=session_id, prefill_url=prefill_url, decode_url=decode_url, last_used=now,
+            num_turns=1 if old is None else old.num_turns + 1,
+            prompt_key=self.index.add(session_id, ids),
+        )  # fmt: skip
+        self._sessions[session_id] = session
+        while len(self._sessions) > self.max_sessions:
+            self._drop_oldest()
+        return session
+
+    def _expire(self, now: float) -> None:
+        while self._sessions:
+            oldest = next(iter(self._sessions.values()))
+            if now - oldest.last_used <= self.ttl_s:
+                return
+            self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
+        session_id, session = self._sessions.popitem(last=False)
+        self.index.remove(session_id, session.prompt_key)

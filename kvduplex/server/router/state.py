@@ -1,0 +1,62 @@
+"""What the router's routes and flows share: config, tokenizer, policy, metrics, HTTP client."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from prometheus_client import CollectorRegistry
+
+from kvduplex.config import RouterConfig
+from kvduplex.model.tokenizer import Tokenizer
+from kvduplex.server.router.metrics import RouterMetrics
+from kvduplex.server.router.policy import RoutingPolicy
+
+
+@dataclass
+class RouterState:
+    config: RouterConfig
+    """Flags; `return_mode` and `short_append_tokens` are kept here for the flows to come."""
+    tokenizer: Tokenizer
+    """The served model's tokenizer and chat template (see `load_tokenizer`)."""
+    policy: RoutingPolicy
+    registry: CollectorRegistry
+    metrics: RouterMetrics
+    client: httpx.AsyncClient
+    """To the instances."""
+
+    @classmethod
+    def create(
+        cls,
+        config: RouterConfig,
+        tokenizer: Tokenizer,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> RouterState:
+        """`transport` replaces the network (tests); `clock` the policy's clock."""
+        policy = RoutingPolicy.from_config(config, clock)
+        registry = CollectorRegistry()
+        client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0), transport=transport)
+        return cls(
+            config, tokenizer, policy, registry,
+            RouterMetrics(registry, lambda: len(policy.sessions)), client,
+        )  # fmt: skip
+
+
+def json_request(
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict[str, Any],
+    headers: dict[str, str] | None = None,
+) -> httpx.Request:
+    """A POST of `body` as JSON. Lone surrogates (valid in a request a client sent us, e.g.
+    in ``user``) are escaped rather than refused, as `json.dumps` writes them."""
+    return client.build_request(
+        "POST", url, content=json.dumps(body).encode(),
+        headers={"content-type": "application/json", **(headers or {})},
+    )  # fmt: skip

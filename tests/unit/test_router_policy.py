@@ -1,0 +1,166 @@
+"""The router's policy in plain Python: sessions, load spreading, prefix recognition."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from kvduplex.server.router.policy import Outcome, Route, RoutingPolicy
+from kvduplex.server.router.sessions import PrefixIndex, SessionTable
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _policy(num_p: int = 2, num_d: int = 2, **kw: object) -> tuple[RoutingPolicy, Clock]:
+    clock = Clock()
+    policy = RoutingPolicy(
+        [f"http://p{i}" for i in range(num_p)],
+        [f"http://d{i}" for i in range(num_d)],
+        clock=clock,
+        **kw,  # type: ignore[arg-type]
+    )
+    return policy, clock
+
+
+SYSTEM = list(range(1, 200))
+"""A system prompt every conversation shares (12 chunks of 16 and a tail)."""
+
+
+def _turn1(i: int) -> list[int]:
+    return [*SYSTEM, 1000 + i, 7, 7, 7]
+
+
+def _done(policy: RoutingPolicy, route: Route, outcome: Outcome = Outcome.OK) -> None:
+    policy.prefill_done(route, outcome)
+    policy.decode_done(route, outcome)
+
+
+def test_concurrent_new_sessions_sharing_a_system_prompt_spread_evenly() -> None:
+    policy, _ = _policy(2, 2)
+    routes = [policy.route(_turn1(i), None) for i in range(8)]  # all in flight at once
+    assert Counter(r.prefill.url for r in routes if r.prefill) == {"http://p0": 4, "http://p1": 4}
+    assert Counter(r.decode.url for r in routes) == {"http://d0": 4, "http://d1": 4}
+    assert not any(r.is_session_hit for r in routes)
+    assert len({r.session_id for r in routes}) == 8
+
+
+def test_sequential_new_sessions_spread_by_recent_assignments() -> None:
+    """Each request is done before the next arrives: in-flight counts are all zero, yet
+    recent assignments still spread the sessions (and ties go round-robin)."""
+    policy, clock = _policy(3, 2)
+    seen = []
+    for i in range(6):
+        route = policy.route(_turn1(i), None)
+        _done(policy, route)
+        clock.now += 0.5
+        seen.append(route.prefill.url if route.prefill else "")
+    assert Counter(seen) == {"http://p0": 2, "http://p1": 2, "http://p2": 2}
+
+
+def test_named_session_sticks_unless_much_busier() -> None:
+    policy, _ = _policy(2, 2, busy_margin=2)
+    first = policy.route(_turn1(0), "alice")
+    _done(policy, first)
+    p, d = first.prefill, first.decode
+    assert p is not None
+    for _ in range(3):  # other sessions keep the other instances busy too
+        policy.route(_turn1(50), None)
+    again = policy.route([*_turn1(0), 5, 5], "alice")
+    assert again.is_session_hit and again.session_id == "alice"
+    assert (again.prefill, again.decode) == (p, d)
+    _done(policy, again)
+    least = min(b.in_flight for b in policy.prefill.backends if b is not p)
+    extra = least + 2 - p.in_flight
+    p.in_flight += extra  # two more than the least busy one: within the margin
+    kept = policy.route([*_turn1(0), 5, 5, 6], "alice")
+    assert kept.prefill is p
+    _done(policy, kept)
+    p.in_flight += 1  # three more: past it
+    moved = policy.route([*_turn1(0), 5, 5, 6], "alice")
+    assert moved.is_session_hit and moved.prefill is not p and moved.decode is d
+    _done(policy, moved)
+    p.in_flight -= extra + 1
+    back = policy.route([*_turn1(0), 5, 5, 6, 7], "alice")
+    assert back.prefill is moved.prefill, "the session moved: its next turn follows"
+
+
+def test_a_failed_instance_loses_its_sessions_until_the_retry_time() -> None:
+    policy, clock = _policy(2, 2, retry_s=5.0)
+    first = policy.route(_turn1(0), "s")
+    policy.prefill_done(first, Outcome.FAILED)
+    policy.decode_done(first, Outcome.OK)
+    failed = first.prefill
+    for i in range(4):
+        route = policy.route([*_turn1(0), i], "s" if i == 0 else None)
+        assert route.prefill is not failed
+        _done(policy, route)
+    clock.now += 6.0
+    assert failed in policy.prefill.available(clock())
+    all_down = _policy(1, 1)[0]
+    only = all_down.route([1, 2, 3], None)
+    _done(all_down, only, Outcome.FAILED)
+    assert all_down.route([1, 2, 3, 4], None).decode is only.decode, "all down: still served"
+
+
+def test_a_continuing_conversation_is_recognised_by_its_whole_previous_prompt() -> None:
+    policy, _ = _policy(2, 2)
+    a1 = policy.route(_turn1(0), None)
+    b1 = policy.route(_turn1(1), None)  # shares the system prompt with a1: a new session
+    assert not b1.is_session_hit and b1.prefill is not a1.prefill
+    _done(policy, a1)
+    _done(policy, b1)
+    a2 = policy.route([*_turn1(0), 42, 43, 44], None)  # a1's prompt + answer + new message
+    assert a2.is_session_hit and a2.session_id == a1.session_id
+    assert (a2.prefill, a2.decode) == (a1.prefill, a1.decode)
+    _done(policy, a2)
+    a3 = policy.route([*_turn1(0), 42, 43, 44, *range(300, 340)], None)
+    assert a3.session_id == a1.session_id and a3.prefill is a1.prefill
+    # The same first prompt again is not a continuation: concurrent duplicates spread.
+    dup = policy.route(_turn1(0), None)
+    assert not dup.is_session_hit
+
+
+def test_session_table_expires_and_bounds() -> None:
+    table = SessionTable(ttl_s=10.0, max_sessions=2)
+    table.record("a", "http://p0", "http://d0", [1, 2, 3], now=0.0)
+    table.record("b", "http://p1", "http://d1", [4, 5, 6], now=5.0)
+    assert table.get("a", now=9.0) is not None
+    assert table.get("a", now=10.5) is None and len(table) == 1  # a expired
+    assert table.find_by_prompt([1, 2, 3, 4], now=10.5) is None  # and left the index
+    table.record("c", "http://p0", "http://d0", [7, 8], now=11.0)
+    table.record("d", "http://p0", "http://d0", [9, 9], now=12.0)  # over 2: b (oldest) goes
+    assert table.get("b", now=12.0) is None and len(table) == 2
+    assert table.find_by_prompt([4, 5, 6, 7], now=12.0) is None
+    again = table.record("c", "http://p1", "http://d1", [7, 8, 1], now=13.0)
+    assert again.num_turns == 2 and table.find_by_prompt([7, 8, 1, 2], 13.0) is again
+    assert table.find_by_prompt([7, 8, 9], now=13.0) is None, "only the latest prompt is filed"
+    assert len(table.index) == 2
+
+
+@pytest.mark.parametrize("length", [3, 16, 17, 31, 32, 100])
+def test_prefix_index_finds_the_longest_strict_prefix(length: int) -> None:
+    index = PrefixIndex(chunk=16)
+    prompt = list(range(length))
+    index.add("short", prompt[: length // 2])
+    index.add("whole", prompt)
+    assert index.find([*prompt, 999]) == "whole"
+    assert index.find(prompt) == ("short" if length // 2 else None)  # strict: not itself
+    assert index.find([*prompt[:-1], 999, 1000]) == ("short" if length // 2 else None)
+    assert index.find([5000, *prompt]) is None
+
+
+def test_prefix_index_bounds_one_key() -> None:
+    index = PrefixIndex(chunk=4, max_per_key=2)
+    for i in range(3):
+        index.add(f"s{i}", [1, 2, 3, 4, 100 + i])  # one full chunk, tails differ
+    assert index.find([1, 2, 3, 4, 100, 0]) is None  # s0 dropped from the full key
+    assert index.find([1, 2, 3, 4, 102, 0]) == "s2"
+    index.remove("s2", (1, index._chain([1, 2, 3, 4])[1]))
+    assert index.find([1, 2, 3, 4, 102, 0]) is None and len(index) == 1
