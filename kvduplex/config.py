@@ -180,8 +180,9 @@ class RouterConfig:
     backend_retry_s: float = 10.0
     """After a failed call, how long an instance gets no new work (unless all failed)."""
     return_mode: ReturnMode = ReturnMode.NONE
-    """Duplex return of a finished turn's KV from decode to prefill: none, push or pull
-    (accepted; not active yet)."""
+    """Return of a finished turn's KV from decode to prefill, push mode only: none; push
+    (duplex: decode WRITEs the blocks prefill lacks into its prefix cache after the turn);
+    pull (vLLM-style, for comparison: decode keeps the turn, prefill READs it next turn)."""
     short_append_tokens: int = 0
     """Turns adding at most this many tokens to their session go to decode alone
     (0: off; accepted, not active yet)."""

@@ -31,6 +31,7 @@ from typing import Any
 import httpx
 from fastapi.responses import JSONResponse, Response
 
+from kvduplex.config import ReturnMode
 from kvduplex.openai import render
 from kvduplex.openai.protocol import OpenAIRequest, error_body
 from kvduplex.server.router.policy import Outcome, Route
@@ -98,6 +99,21 @@ async def _post_prefill(
         return None
     finally:
         state.policy.prefill_done(fwd.route, outcome)
+
+
+async def _retained(state: RouterState, d_url: str, session_id: str) -> dict[str, Any] | None:
+    """``--return-mode pull``: the session's last turn that D retained, for P to READ."""
+    try:
+        resp = await state.client.send(
+            json_request(state.client, d_url + "/internal/kv/retained", {"session_id": session_id})
+        )
+    except httpx.HTTPError as exc:
+        logger.info("session %s: retained turn at %s unavailable: %s", session_id, d_url, exc)
+        return None
+    if resp.status_code != 200:
+        return None
+    info: dict[str, Any] = resp.json()
+    return {"decode_url": d_url, **info}
 
 
 async def _cancel(state: RouterState, url: str, xid: str, reason: str) -> None:
@@ -172,8 +188,17 @@ async def serve_push(state: RouterState, fwd: Forward) -> Response:
         seed = random.getrandbits(31)
         body = {**body, "seed": seed}
     p_req = {**_prefill_body(fwd, xid, seed), "decode_url": d.url}
+    params: dict[str, Any] = {
+        "mode": "push", "xid": xid, "prefill_url": p.url, "session_id": fwd.route.session_id,
+    }  # fmt: skip
+    mode = state.config.return_mode
+    if mode is ReturnMode.PUSH:
+        params["return_to"] = p.url
+    elif mode is ReturnMode.PULL:
+        params["return_mode"] = "pull"
+        if fwd.route.is_session_hit:
+            p_req["pull_from"] = await _retained(state, d.url, fwd.route.session_id)
     prefill = asyncio.create_task(_post_prefill(state, fwd, "/internal/push/prefill", p_req))
-    params = {"mode": "push", "xid": xid, "prefill_url": p.url, "session_id": fwd.route.session_id}
     upstream = await _open_decode(
         state, fwd, {**body, "kv_transfer_params": params}, {"x-request-id": rid}
     )
