@@ -2,7 +2,10 @@
 
 Each instance serves ``GET /internal/kv/handshake`` (the router built by
 `make_handshake_router`, mounted by the instance server). A peer fetches it
-with `fetch_handshake` and passes it to `Transport.connect`.
+with `fetch_handshake` and passes it to `Transport.connect`. The answer lets
+its holder read and write the whole KV pool, so an instance with a cluster
+secret serves it only to callers that send the secret (`kvduplex.server.guard`);
+`fetch_handshake` and `PeerDirectory` send it when given one.
 
 `PeerDirectory` caches one `PeerHandle` per base URL. A restarted instance has
 a new engine id at the same URL; the directory notices when told (a message or
@@ -27,6 +30,7 @@ from fastapi import APIRouter, Response
 
 from kvduplex.transport.messages import HandshakeInfo, decode_handshake, encode_handshake
 from kvduplex.transport.protocol import PeerHandle, PeerUnavailableError, Transport
+from kvduplex.transport.trust import secret_headers
 
 logger = logging.getLogger(__name__)
 
@@ -46,19 +50,32 @@ def make_handshake_router(transport: Transport) -> APIRouter:
 
 
 def fetch_handshake(
-    base_url: str, timeout: float = 2.0, client: httpx.Client | None = None
+    base_url: str,
+    timeout: float = 2.0,
+    client: httpx.Client | None = None,
+    secret: str | None = None,
 ) -> HandshakeInfo:
-    """GET a peer's handshake; raises PeerUnavailableError saying why it failed.
+    """GET a peer's handshake (sending the cluster ``secret``, if any); raises
+    PeerUnavailableError saying why it failed.
 
     With ``client`` given, its own timeout applies and ``timeout`` is ignored.
     """
     url = base_url.rstrip("/") + HANDSHAKE_PATH
+    headers = secret_headers(secret)
     try:
-        resp = httpx.get(url, timeout=timeout) if client is None else client.get(url)
+        if client is None:
+            resp = httpx.get(url, timeout=timeout, headers=headers)
+        else:
+            resp = client.get(url, headers=headers)
     except httpx.HTTPError as exc:
         raise PeerUnavailableError(
             f"handshake with {base_url} failed: {type(exc).__name__}: {exc}"
         ) from exc
+    if resp.status_code == 401:
+        raise PeerUnavailableError(
+            f"handshake with {base_url} refused (HTTP 401): give both instances the same "
+            "cluster secret (KVDUPLEX_CLUSTER_SECRET or --cluster-secret-file)"
+        )
     if resp.status_code != 200:
         raise PeerUnavailableError(
             f"handshake with {base_url} failed: HTTP {resp.status_code} from {url}; "
@@ -73,15 +90,23 @@ def fetch_handshake(
 class PeerDirectory:
     """Connections by peer base URL, re-handshaking when the engine at a URL changed.
 
-    Thread-safe; calls block on HTTP (run them off the event loop).
+    Thread-safe; calls block on HTTP (run them off the event loop). The peers
+    are the engines this instance handshook with itself (sending ``secret``):
+    flows accept control messages that need trust (a return offer) only from
+    them (`peer_by_engine`).
     """
 
     def __init__(
-        self, transport: Transport, timeout_s: float = 2.0, client: httpx.Client | None = None
+        self,
+        transport: Transport,
+        timeout_s: float = 2.0,
+        client: httpx.Client | None = None,
+        secret: str | None = None,
     ) -> None:
         self.transport = transport
         self.timeout_s = timeout_s
         self._client = client
+        self._secret = secret
         self._lock = threading.Lock()
         self._peers: dict[str, PeerHandle] = {}
 
@@ -106,7 +131,7 @@ class PeerDirectory:
     def refresh(self, url: str) -> PeerHandle:
         """Fetch the handshake again; reconnect if the engine id changed. Returns the current peer."""
         key = self._key(url)
-        info = fetch_handshake(key, self.timeout_s, self._client)
+        info = fetch_handshake(key, self.timeout_s, self._client, self._secret)
         with self._lock:
             cached = self._peers.get(key)
             if cached is not None and cached.engine_id == info.engine_id:
