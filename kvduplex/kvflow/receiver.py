@@ -253,6 +253,11 @@ class KVReceiver:
         for wait in due:
             self.engine.call(partial(self._expire, wait))
 
+    def is_waiting(self, xid: str) -> bool:
+        """Whether a wait (or its quarantine) holds `xid`."""
+        with self._lock:
+            return xid in self._waits
+
     def num_waiting(self) -> int:
         with self._lock:
             return len(self._waits)

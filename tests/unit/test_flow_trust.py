@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvduplex.engine.block_pool import compute_block_hashes
+from kvduplex.engine.engine import RequestRejected
 from kvduplex.kvflow.lease import LeaseTable
 from kvduplex.kvflow.messages import KVDone, KVOffer, KVRegister
 from kvduplex.kvflow.push_decode import PushSpec
@@ -72,6 +73,14 @@ def test_push_prefill_under_another_requests_id_is_refused(tiny: LoadedModel) ->
             s.ap.call(lambda _e: s.sender.expect("lease-1", s.d_peer, len(PROMPT))).result(5)
         assert s.sender.num_jobs() == 0 and s.in_use(s.ap) == in_use
 
+        async def again() -> None:  # a second request under the held id: rejected, nothing aborted
+            async for _ in s.ap.generate("lease-1", PROMPT, FIRST, hold_blocks_on_finish=True):
+                pass
+
+        with pytest.raises(RequestRejected, match="already in use"):
+            asyncio.run(again())
+        assert s.in_use(s.ap) == in_use, "the held request lost its blocks"
+
         async def release() -> tuple[bool, bool]:
             leases = LeaseTable(s.ap, lease_s=30.0)
             foreign = await leases.release("lease-1")  # held, but not under a lease
@@ -96,9 +105,13 @@ def test_transfer_ids_waited_on_are_not_taken_twice(tiny: LoadedModel) -> None:
         def twice() -> tuple[bool, bool, int]:
             blocks = s.d.kv_manager.try_allocate_blocks(2)
             assert blocks is not None
-            first = receiver.expect("x2", s.p_peer, blocks, 0, 2 * BS, lambda _m: None, lambda *_: None)
+            first = receiver.expect(
+                "x2", s.p_peer, blocks, 0, 2 * BS, lambda _m: None, lambda *_: None
+            )
             refs = s.d.block_pool.ref_count(blocks[0])
-            second = receiver.expect("x2", s.p_peer, blocks, 0, 2 * BS, lambda _m: None, lambda *_: None)
+            second = receiver.expect(
+                "x2", s.p_peer, blocks, 0, 2 * BS, lambda _m: None, lambda *_: None
+            )
             assert s.d.block_pool.ref_count(blocks[0]) == refs, "no second reference"
             receiver.cancel("x2", "test")
             s.d.kv_manager.release_blocks(blocks)

@@ -71,7 +71,10 @@ def test_internal_routes_without_the_secret_are_401(
 def test_the_secret_opens_internal_routes_and_public_ones_need_none(guarded: TestClient) -> None:
     ok = secret_headers(SECRET)
     assert guarded.get("/internal/kv/stats", headers=ok).json() == {"ok": True}
-    assert guarded.get("/internal/kv/stats", headers={SECRET_HEADER.upper(): SECRET}).status_code == 200
+    assert (
+        guarded.get("/internal/kv/stats", headers={SECRET_HEADER.upper(): SECRET}).status_code
+        == 200
+    )
     assert guarded.post("/internal/echo", content=b"x" * CAP, headers=ok).json() == {"size": CAP}
     assert guarded.post("/v1/echo", content=b"abc").json() == {"size": 3}
 
@@ -91,7 +94,9 @@ def test_oversize_internal_bodies_are_413_announced_or_chunked(guarded: TestClie
         for _ in range(3):
             yield b"y" * (CAP // 2)
 
-    _assert_error(guarded.post("/internal/echo", content=chunks(), headers=ok), 413, "request_too_large")
+    _assert_error(
+        guarded.post("/internal/echo", content=chunks(), headers=ok), 413, "request_too_large"
+    )
     # The cap is on internal routes only.
     assert guarded.post("/v1/echo", content=b"z" * (4 * CAP)).json() == {"size": 4 * CAP}
 
@@ -99,7 +104,10 @@ def test_oversize_internal_bodies_are_413_announced_or_chunked(guarded: TestClie
 def test_without_a_secret_internal_routes_are_open_but_capped() -> None:
     with TestClient(_app(None)) as c:
         assert c.get("/internal/kv/stats").status_code == 200
-        assert c.post("/internal/echo", content=b"{}", headers=secret_headers("any")).status_code == 200
+        assert (
+            c.post("/internal/echo", content=b"{}", headers=secret_headers("any")).status_code
+            == 200
+        )
         _assert_error(c.post("/internal/echo", content=b"x" * (CAP + 1)), 413, "request_too_large")
 
 
