@@ -119,8 +119,14 @@ class TransferConfig:
     retain_lease_s: float = 60.0
     """Decode, ``--return-mode pull`` only: how long a session's last turn stays held
     for prefill to read at the next turn."""
+    peer_recheck_s: float = 1.0
+    """How long a connection to a peer is used before the engine id at its URL is checked
+    again (one small HTTP GET, at the next request that needs the peer); a peer restarted
+    at the same address is handshaken afresh at its first use after this."""
 
     def __post_init__(self) -> None:
+        if self.peer_recheck_s < 0:
+            raise ValueError(f"peer_recheck_s must be >= 0, got {self.peer_recheck_s}")
         for name in ("kv_wait_timeout_s", "pull_lease_s", "transfer_timeout_s", "retain_lease_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -100,7 +100,7 @@ def _role_routers(
         metrics=TransferMetrics(state.registry),
     )  # fmt: skip
     metrics = KVFlowMetrics(state.registry)
-    directory = PeerDirectory(transport, secret=secret)
+    directory = PeerDirectory(transport, secret=secret, recheck_s=cfg.peer_recheck_s)
     pump = NotificationPump(transport, drop_types=env.test_drop_messages)
     timing = FlowTiming(
         cfg.kv_wait_timeout_s, cfg.transfer_timeout_s, cfg.transfer_timeout_s + 1,

@@ -9,20 +9,26 @@ secret serves it only to callers that send the secret (`kvduplex.server.guard`);
 
 `PeerDirectory` caches one `PeerHandle` per base URL. A restarted instance has
 a new engine id at the same URL; the directory notices when told (a message or
-HTTP answer naming another engine id: ``get_peer(url, engine_id=...)``) or when
-asked to `PeerDirectory.refresh` after a failure, and then disconnects the old
-peer and connects the new one::
+HTTP answer naming another engine id: ``get_peer(url, engine_id=...)``), when
+asked to `PeerDirectory.refresh` after a failure, or, with ``recheck_s`` set,
+when a cached peer is used more than ``recheck_s`` after its engine id was
+last checked; it then disconnects the old peer (its transfers in flight fail:
+nothing meant for the old engine reaches the new one) and connects the new one::
 
-    get_peer(url) ─ cached? ─ yes, same engine id ──────────────► PeerHandle
-                       │ no / engine id differs
+    get_peer(url) ─ cached, same engine id, checked < recheck_s ago ──► PeerHandle
+                       │ no / engine id differs / check due
                        ▼
-              fetch_handshake(url) ─► disconnect(old) ─► connect(new) ─► PeerHandle
+              fetch_handshake(url) ─ same engine id ─────────────────► PeerHandle
+                       │ another one
+                       ▼
+              disconnect(old) ─► connect(new) ───────────────────────► PeerHandle
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import httpx
 import msgspec
@@ -102,13 +108,18 @@ class PeerDirectory:
         timeout_s: float = 2.0,
         client: httpx.Client | None = None,
         secret: str | None = None,
+        recheck_s: float | None = None,
     ) -> None:
+        """``recheck_s``: how long a cached peer is used without checking the engine id
+        at its URL again (None: until told otherwise)."""
         self.transport = transport
         self.timeout_s = timeout_s
+        self.recheck_s = recheck_s
         self._client = client
         self._secret = secret
         self._lock = threading.Lock()
         self._peers: dict[str, PeerHandle] = {}
+        self._checked_at: dict[str, float] = {}  # url -> when its engine id was last seen
 
     @staticmethod
     def _key(url: str) -> str:
@@ -124,8 +135,13 @@ class PeerDirectory:
         key = self._key(url)
         with self._lock:
             cached = self._peers.get(key)
-        if cached is not None and (engine_id is None or cached.engine_id == engine_id):
-            return cached
+            checked_at = self._checked_at.get(key, 0.0)
+        if cached is not None:
+            if engine_id is not None and cached.engine_id == engine_id:
+                return cached
+            fresh = self.recheck_s is None or time.monotonic() - checked_at < self.recheck_s
+            if engine_id is None and fresh:
+                return cached
         return self.refresh(url)
 
     def refresh(self, url: str) -> PeerHandle:
@@ -133,6 +149,7 @@ class PeerDirectory:
         key = self._key(url)
         info = fetch_handshake(key, self.timeout_s, self._client, self._secret)
         with self._lock:
+            self._checked_at[key] = time.monotonic()
             cached = self._peers.get(key)
             if cached is not None and cached.engine_id == info.engine_id:
                 return cached
@@ -151,6 +168,7 @@ class PeerDirectory:
         """Disconnect and drop the peer at ``url`` (no-op if unknown)."""
         with self._lock:
             peer = self._peers.pop(self._key(url), None)
+            self._checked_at.pop(self._key(url), None)
         if peer is not None:
             self.transport.disconnect(peer)
 
