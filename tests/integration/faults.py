@@ -75,7 +75,7 @@ def reference_tokens(reference: str, b: dict[str, Any]) -> list[int]:
     return list(resp.json()["choices"][0]["token_ids"])
 
 
-@dataclass
+@dataclass(eq=False)
 class Victim:
     """One request in flight: the tokens it has seen so far and how it ended."""
 
@@ -120,7 +120,10 @@ class Victim:
 
     def _call(self) -> None:
         resp = httpx.post(
-            self.url + self.path, json=self.body, headers=self.headers, timeout=self.client_timeout_s
+            self.url + self.path,
+            json=self.body,
+            headers=self.headers,
+            timeout=self.client_timeout_s,
         )
         self.status = resp.status_code
         try:
@@ -198,7 +201,8 @@ class Counts:
     wrong: int = 0
     leaked_blocks: int = 0
     max_s: float = 0.0
-    notes: set[str] = field(default_factory=set)
+    notes: dict[str, int] = field(default_factory=dict)
+    """What else was seen, and how often (e.g. where a return was when its peer died)."""
 
 
 @dataclass
@@ -218,7 +222,8 @@ class Tally:
         self.rows.setdefault((fault, moment), Counts()).leaked_blocks += num_blocks
 
     def note(self, fault: str, moment: str, text: str) -> None:
-        self.rows.setdefault((fault, moment), Counts()).notes.add(text)
+        notes = self.rows.setdefault((fault, moment), Counts()).notes
+        notes[text] = notes.get(text, 0) + 1
 
     def table(self) -> str:
         head = "| fault | moment | trials | completed | clear error | cut | hung | wrong | leaked blocks | slowest (s) |"
@@ -228,14 +233,12 @@ class Tally:
                 f"| {fault} | {moment} | {c.trials} | {c.completed} | {c.error} | {c.cut} | "
                 f"{c.hung} | {c.wrong} | {c.leaked_blocks} | {c.max_s:.1f} |"
             )
-            lines += [f"|   | note: {n} |" + " |" * 8 for n in sorted(c.notes)]
+            lines += [f"|   | {n}: {k} of {c.trials} |" + " |" * 8 for n, k in sorted(c.notes.items())]
         return "\n".join(lines)
 
     def write(self, path: Path) -> None:
         rows = [
-            {"fault": f, "moment": m, **{k: v for k, v in vars(c).items() if k != "notes"},
-             "notes": sorted(c.notes)}
-            for (f, m), c in self.rows.items()
+            {"fault": f, "moment": m, **vars(c)} for (f, m), c in self.rows.items()
         ]  # fmt: skip
         path.write_text(json.dumps({"title": self.title, "rows": rows}, indent=1))
 
@@ -245,10 +248,12 @@ def report_tally(request: pytest.FixtureRequest, tally: Tally, name: str) -> Non
     out = Path(str(request.config._tmp_path_factory.getbasetemp())) / f"{name}.json"  # type: ignore[attr-defined]
     tally.write(out)
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line("")
-        reporter.write_line(tally.table())
-        reporter.write_line(f"(written to {out})")
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    if reporter is not None and capture is not None:
+        with capture.global_and_fixture_disabled():
+            reporter.write_line("")
+            reporter.write_line(tally.table())
+            reporter.write_line(f"(written to {out})")
 
 
 @dataclass
