@@ -18,7 +18,9 @@ import enum
 import json
 import threading
 import time
+import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -233,7 +235,9 @@ class Tally:
                 f"| {fault} | {moment} | {c.trials} | {c.completed} | {c.error} | {c.cut} | "
                 f"{c.hung} | {c.wrong} | {c.leaked_blocks} | {c.max_s:.1f} |"
             )
-            lines += [f"|   | {n}: {k} of {c.trials} |" + " |" * 8 for n, k in sorted(c.notes.items())]
+            lines += [
+                f"|   | {n} ({k}x) |" + " |" * 8 for n, k in sorted(c.notes.items())
+            ]
         return "\n".join(lines)
 
     def write(self, path: Path) -> None:
@@ -310,6 +314,23 @@ def start_rig(
     router = cluster.start(f"router-{tag}", args, free_port())
     cluster.wait_healthy(timeout_s=60)
     return Rig(cluster, reference, p, d, router, p_env, d_env)
+
+
+def duplex_turn(rig: Rig, history: list[int], session: str, max_tokens: int) -> Victim:
+    """One push turn sent to P and D directly, D returning the finished turn to P (what the
+    router's push with a session does); the Victim is D's answer (P's is awaited too)."""
+    xid = f"turn-{uuid.uuid4().hex}"
+    p_req = {"xid": xid, "prompt_token_ids": history, "decode_url": rig.d.url}
+    params = {"mode": "push", "xid": xid, "prefill_url": rig.p.url, "session_id": session,
+              "return_to": rig.p.url}  # fmt: skip
+    with ThreadPoolExecutor(1) as pool:
+        p_ans = pool.submit(
+            httpx.post, rig.p.url + "/internal/push/prefill", json=p_req, timeout=60
+        )
+        v = Victim(rig.d.url, body(history, max_tokens, kv_transfer_params=params)).start()
+        v.done.wait(REQUEST_BOUND_S)
+        p_ans.exception()  # P's answer (or its death) came too
+    return v
 
 
 def metric(url: str, name: str, **labels: str) -> float:

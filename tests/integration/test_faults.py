@@ -15,11 +15,8 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
-import uuid
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 
 from kvduplex.server.cluster import LocalCluster, free_port
@@ -34,6 +31,7 @@ from tests.integration.faults import (
     Victim,
     blocks_left,
     body,
+    duplex_turn,
     poll,
     prompt_ids,
     reference_tokens,
@@ -173,23 +171,6 @@ def test_kill_right_after_the_first_token(
     _recover(rig, tally, FAULT[role], [moment], role, next(salts))
 
 
-def _duplex_turn(rig: Rig, history: list[int], session: str, max_tokens: int) -> Victim:
-    """One push turn sent to P and D directly, D returning the finished turn to P (what the
-    router's push with a session does); the Victim is D's answer (P's is awaited too)."""
-    xid = f"turn-{uuid.uuid4().hex}"
-    p_req = {"xid": xid, "prompt_token_ids": history, "decode_url": rig.d.url}
-    params = {"mode": "push", "xid": xid, "prefill_url": rig.p.url, "session_id": session,
-              "return_to": rig.p.url}  # fmt: skip
-    with ThreadPoolExecutor(1) as pool:
-        p_ans = pool.submit(
-            httpx.post, rig.p.url + "/internal/push/prefill", json=p_req, timeout=60
-        )
-        v = Victim(rig.d.url, body(history, max_tokens, kv_transfer_params=params)).start()
-        v.done.wait(REQUEST_BOUND_S)
-        p_ans.exception()  # P's answer (or its death) came too
-    return v
-
-
 def _return_state(rig: Rig, killed: str, p_before: dict, d_before: dict) -> str:
     """Where the turn's return was when the process died (read from the survivor)."""
     if killed == "D":
@@ -223,13 +204,13 @@ def test_kill_as_a_finished_turn_returns_to_prefill(
     salt = next(salts)
     session, history = f"ret-{role}-{trial}-{salt}", prompt_ids(120, salt)
     p_before, d_before = stats(rig.p.url, RETURN_STATS), stats(rig.d.url, RETURN_STATS)
-    v = _duplex_turn(rig, history, session, 100)
+    v = duplex_turn(rig, history, session, 100)
     rig.kill(role)
     moment = "mid-return (turn answered, KV going back to P)"
     _record(rig, tally, FAULT[role], {v: moment}, lost=False)  # the answer was out before
     tally.note(FAULT[role], moment, _return_state(rig, role, p_before, d_before))
     _recover(rig, tally, FAULT[role], [moment], role, next(salts))
-    nxt = _duplex_turn(rig, [*history, *v.tokens, *prompt_ids(9, salt + 1)], session, 8)
+    nxt = duplex_turn(rig, [*history, *v.tokens, *prompt_ids(9, salt + 1)], session, 8)
     assert nxt.outcome(reference_tokens(rig.reference, nxt.body)) is Outcome.COMPLETED, nxt.error
     for proc in (rig.p, rig.d):
         assert blocks_left(proc.url) == 0
