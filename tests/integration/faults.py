@@ -271,6 +271,7 @@ class Rig:
     router: Process
     p_env: dict[str, str]
     d_env: dict[str, str]
+    p_flags: list[str]
 
     @property
     def url(self) -> str:
@@ -288,7 +289,7 @@ class Rig:
         old = self.proc(role)
         self.cluster.stop_process(old)
         port = int(old.url.rsplit(":", 1)[1])
-        flags, env = (P_FLAGS, self.p_env) if role == "P" else (D_FLAGS, self.d_env)
+        flags, env = (self.p_flags, self.p_env) if role == "P" else (D_FLAGS, self.d_env)
         new = self.cluster.start(old.name, [*SERVE, *flags], port, env=env)
         self.cluster.wait_healthy(timeout_s=120)
         if role == "P":
@@ -304,16 +305,17 @@ class Rig:
 def start_rig(
     cluster: LocalCluster, reference: str, tag: str,
     p_env: dict[str, str] | None = None, d_env: dict[str, str] | None = None,
+    p_flags: list[str] = P_FLAGS,
 ) -> Rig:  # fmt: skip
     """P and D (each with its own extra environment, e.g. a message to drop) and a router."""
     p_env, d_env = p_env or {}, d_env or {}
-    p = cluster.start(f"prefill-{tag}", [*SERVE, *P_FLAGS], free_port(), env=p_env)
+    p = cluster.start(f"prefill-{tag}", [*SERVE, *p_flags], free_port(), env=p_env)
     d = cluster.start(f"decode-{tag}", [*SERVE, *D_FLAGS], free_port(), env=d_env)
     cluster.wait_healthy(timeout_s=120)
     args = ["router", "--mode", "push", "--model", "tiny", "--prefill", p.url, "--decode", d.url]
     router = cluster.start(f"router-{tag}", args, free_port())
     cluster.wait_healthy(timeout_s=60)
-    return Rig(cluster, reference, p, d, router, p_env, d_env)
+    return Rig(cluster, reference, p, d, router, p_env, d_env, list(p_flags))
 
 
 def duplex_turn(rig: Rig, history: list[int], session: str, max_tokens: int) -> Victim:
