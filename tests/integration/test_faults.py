@@ -143,9 +143,10 @@ def test_kill_while_requests_are_queued_prefilled_and_decoded(
     poll(lambda: len(decoding.tokens) >= 3, "a request decoding on D")
     written = write_bytes(rig.p.url)
     prefilling = Victim(rig.url, body(prompt_ids(1600, next(salts)), 4)).start()
-    poll(lambda: write_bytes(rig.p.url) > written, "P streaming a long prefill's KV to D")
+    poll(lambda: kv_stats(rig.p.url)["num_running"] == 1, "a long prefill on P")
     queued = Victim(rig.url, body(prompt_ids(400, next(salts)), 4)).start()
     poll(lambda: kv_stats(rig.p.url)["num_waiting"] == 1, "a request queued on P")
+    poll(lambda: write_bytes(rig.p.url) > written, "P streaming a long prefill's KV to D")
     st = kv_stats(rig.p.url)
     assert st["num_running"] == 1 and st["num_waiting"] == 1, st  # the moments hold
     assert not decoding.done.is_set()
