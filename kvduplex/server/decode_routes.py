@@ -47,10 +47,10 @@ class KVTransferParams(BaseModel):
     prefill_url: str = ""
     block_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
     """Pull: prefill's held blocks."""
-    num_tokens: int = 0
+    num_tokens: int = Field(default=0, ge=0)
     """Pull: tokens in them."""
     engine_id: str | None = None
-    lease_s: float | None = None
+    lease_s: float | None = Field(default=None, ge=0)
     """Seconds prefill keeps the blocks from its answer on (None: unknown)."""
     num_cached_tokens: int = Field(default=0, ge=0)
     """Pull: prompt tokens prefill served from its prefix cache."""

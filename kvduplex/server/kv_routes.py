@@ -89,8 +89,8 @@ def make_prefill_router(state: InstanceState, transport: Transport, lease_s: flo
 
     @router.post("/internal/prefill")
     async def prefill(body: PrefillRequest) -> JSONResponse:
-        params = _first_token_params(body)
         try:
+            params = _first_token_params(body)
             async for _ in engine.generate(
                 body.xid, body.prompt_token_ids, params, hold_blocks_on_finish=True
             ):

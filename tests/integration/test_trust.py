@@ -217,19 +217,17 @@ def test_internal_routes_refuse_oversize_bodies(sec: Secured) -> None:
 def test_internal_routes_refuse_bad_and_foreign_ids(sec: Secured) -> None:
     post = _post
     prompt = _ids(24, salt=4)
-    # Malformed: an xid too long, a token outside the vocabulary, unknown ids.
-    assert (
-        post(
-            sec.prefill, "/internal/prefill", {"xid": "x" * 300, "prompt_token_ids": prompt}
-        ).status_code
-        == 400
-    )
-    assert (
-        post(
-            sec.prefill, "/internal/prefill", {"xid": "v1", "prompt_token_ids": [1, 10**6]}
-        ).status_code
-        == 400
-    )
+    # Malformed: an xid too long or empty, a token outside the vocabulary, bad sampling.
+    malformed = [
+        {"xid": "x" * 300}, {"xid": ""}, {"prompt_token_ids": [1, 10**6]}, {"prompt_token_ids": []},
+        {"temperature": -1}, {"top_k": 0}, {"top_p": 0}, {"seed": 2**80}, {"temperature": "hot"},
+    ]  # fmt: skip
+    for bad in malformed:
+        for path in ("/internal/prefill", "/internal/push/prefill"):
+            fields = {"xid": "bad-1", "prompt_token_ids": prompt, "decode_url": sec.decode, **bad}
+            resp = post(sec.prefill, path, fields)
+            assert resp.status_code == 400 and "error" in resp.json(), (path, bad, resp.text)
+    # Unknown ids.
     assert post(sec.prefill, "/internal/release", {"xid": "never-leased"}).status_code == 404
     assert post(sec.decode, "/internal/push/cancel", {"xid": "never-pushed"}).status_code == 404
     assert post(sec.decode, "/internal/kv/retained", {"session_id": "no-such"}).status_code == 404
