@@ -122,7 +122,8 @@ class TransferConfig:
     peer_recheck_s: float = 1.0
     """How long a connection to a peer is used before the engine id at its URL is checked
     again (one small HTTP GET, at the next request that needs the peer); a peer restarted
-    at the same address is handshaken afresh at its first use after this."""
+    at the same address is handshaken afresh at its first use after this. A peer that does
+    not answer the check within 0.5 s is kept (the transfers' deadlines cover it)."""
 
     def __post_init__(self) -> None:
         if self.peer_recheck_s < 0:

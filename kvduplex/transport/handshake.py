@@ -19,8 +19,8 @@ nothing meant for the old engine reaches the new one) and connects the new one::
                        │ no / engine id differs / check due
                        ▼
               fetch_handshake(url) ─ same engine id ─────────────────► PeerHandle
-                       │ another one
-                       ▼
+                       │ another one              (a due check with no answer
+                       ▼                           keeps the cached peer)
               disconnect(old) ─► connect(new) ───────────────────────► PeerHandle
 """
 
@@ -109,12 +109,15 @@ class PeerDirectory:
         client: httpx.Client | None = None,
         secret: str | None = None,
         recheck_s: float | None = None,
+        recheck_timeout_s: float = 0.5,
     ) -> None:
         """``recheck_s``: how long a cached peer is used without checking the engine id
-        at its URL again (None: until told otherwise)."""
+        at its URL again (None: until told otherwise); ``recheck_timeout_s``: how long
+        such a check waits for an answer before keeping the cached peer."""
         self.transport = transport
         self.timeout_s = timeout_s
         self.recheck_s = recheck_s
+        self.recheck_timeout_s = recheck_timeout_s
         self._client = client
         self._secret = secret
         self._lock = threading.Lock()
@@ -139,15 +142,34 @@ class PeerDirectory:
         if cached is not None:
             if engine_id is not None and cached.engine_id == engine_id:
                 return cached
-            fresh = self.recheck_s is None or time.monotonic() - checked_at < self.recheck_s
-            if engine_id is None and fresh:
-                return cached
+            if engine_id is None:
+                due = self.recheck_s is not None and time.monotonic() - checked_at >= self.recheck_s
+                return self._recheck(key, cached) if due else cached
         return self.refresh(url)
+
+    def _recheck(self, key: str, cached: PeerHandle) -> PeerHandle:
+        """A due check of a cached peer: reconnect if another engine answers at its URL.
+
+        A peer that does not answer within ``recheck_timeout_s`` (stalled, dead, or
+        unreachable) stays cached: its transfers fail or time out, and the flows'
+        deadlines handle that, as they would have without the check.
+        """
+        try:
+            info = fetch_handshake(key, self.recheck_timeout_s, self._client, self._secret)
+        except PeerUnavailableError as exc:
+            with self._lock:
+                self._checked_at[key] = time.monotonic()
+            logger.info("peer at %s did not answer its check (%s); keeping %s", key, exc, cached.engine_id)
+            return cached
+        return self._adopt(key, info)
 
     def refresh(self, url: str) -> PeerHandle:
         """Fetch the handshake again; reconnect if the engine id changed. Returns the current peer."""
         key = self._key(url)
-        info = fetch_handshake(key, self.timeout_s, self._client, self._secret)
+        return self._adopt(key, fetch_handshake(key, self.timeout_s, self._client, self._secret))
+
+    def _adopt(self, key: str, info: HandshakeInfo) -> PeerHandle:
+        """The peer `info` describes at `key`: the cached one if its engine is the same."""
         with self._lock:
             self._checked_at[key] = time.monotonic()
             cached = self._peers.get(key)

@@ -131,6 +131,10 @@ def test_directory_rechecks_a_cached_peer_after_recheck_s() -> None:
     assert local.write(old, "stale", [0], [0]).state is TransferState.FAILED
     assert local.write(new, "fresh", [0], [0]).wait(1) is TransferState.DONE
     assert directory.get_peer(URL) is new  # same engine there: same handle
+    sb.app = FastAPI()  # answers 404: a check that fails keeps the peer it has
+    assert directory.get_peer(URL) is new
+    with pytest.raises(PeerUnavailableError):
+        directory.refresh(URL)  # an explicit refresh says why it failed
 
 
 def test_fetch_handshake_sends_the_secret_and_says_when_it_is_refused() -> None:
