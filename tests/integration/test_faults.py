@@ -219,7 +219,7 @@ def test_kill_as_a_finished_turn_returns_to_prefill(
 
 @pytest.mark.parametrize("role", ["D", "P"])
 def test_restart_between_requests_is_handshaken_afresh(
-    rig: Rig, tally: Tally, salts: Iterator[int], role: str
+    rig: Rig, tally: Tally, salts: Iterator[int], role: str, trial: int
 ) -> None:
     """Stopped and started again at its address: the first request after it is pushed to
     or from the new engine, not to the connection of its previous life."""
@@ -236,7 +236,7 @@ def test_restart_between_requests_is_handshaken_afresh(
 
 
 def test_decode_restarted_at_once_never_gets_the_old_push(
-    rig: Rig, tally: Tally, salts: Iterator[int]
+    rig: Rig, tally: Tally, salts: Iterator[int], trial: int
 ) -> None:
     """D dies while P streams a long prefill's KV to it and comes back at once, while P
     still computes that prefill for the old engine: the new D gets only its own pushes."""
