@@ -127,8 +127,15 @@ class TransferConfig:
     retain_lease_s: float = 60.0
     """Decode, ``--return-mode pull`` only: how long a session's last turn stays held
     for prefill to read at the next turn."""
+    peer_recheck_s: float = 1.0
+    """How long a connection to a peer is used before the engine id at its URL is checked
+    again (one small HTTP GET, at the next request that needs the peer); a peer restarted
+    at the same address is handshaken afresh at its first use after this. A peer that does
+    not answer the check within 0.5 s is kept (the transfers' deadlines cover it)."""
 
     def __post_init__(self) -> None:
+        if self.peer_recheck_s < 0:
+            raise ValueError(f"peer_recheck_s must be >= 0, got {self.peer_recheck_s}")
         for name in ("kv_wait_timeout_s", "pull_lease_s", "transfer_timeout_s", "retain_lease_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -146,10 +153,20 @@ class ServerConfig:
     """prefill, decode or both."""
     log_level: str = "info"
     """Python log level."""
+    cluster_secret_file: str = ""
+    """File holding the cluster's shared secret, which every /internal/* request must carry
+    (header X-KVDuplex-Cluster-Secret); empty: KVDUPLEX_CLUSTER_SECRET, or no secret at all
+    (internal routes open to anyone who can reach the port)."""
+    internal_max_body_mb: int = 16
+    """Largest request body an /internal/* route accepts, in MiB (larger: HTTP 413)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.internal_max_body_mb < 1:
+            raise ValueError(
+                f"internal_max_body_mb must be >= 1, got {self.internal_max_body_mb}"
+            )
 
 
 @dataclass(frozen=True)
@@ -222,13 +239,29 @@ class EngineConfig:
     transfer: TransferConfig = field(default_factory=TransferConfig)
 
 
+CLUSTER_SECRET_VAR = "KVDUPLEX_CLUSTER_SECRET"
+"""The variable `kvduplex up` sets for every process it starts."""
+
+
 @dataclass(frozen=True)
 class Environment:
     """The few environment variables kvduplex reads."""
 
-    log_level: str | None
+    log_level: str | None = None
     """KVDUPLEX_LOG_LEVEL: overrides --log-level."""
+    cluster_secret: str | None = field(default=None, repr=False)
+    """KVDUPLEX_CLUSTER_SECRET: the cluster's shared secret (``--cluster-secret-file``
+    takes precedence)."""
+    test_drop_messages: frozenset[str] = frozenset()
+    """KVDUPLEX_TEST_DROP_MESSAGES, for fault tests only: comma-separated control message
+    types (``kv_register``, ``kv_offer``, ``kv_done``, ...) that this instance's
+    notification pump drops on arrival, as if the network lost them."""
 
     @classmethod
     def read(cls) -> Environment:
-        return cls(log_level=os.environ.get("KVDUPLEX_LOG_LEVEL"))
+        drop = os.environ.get("KVDUPLEX_TEST_DROP_MESSAGES", "")
+        return cls(
+            log_level=os.environ.get("KVDUPLEX_LOG_LEVEL"),
+            cluster_secret=os.environ.get(CLUSTER_SECRET_VAR) or None,
+            test_drop_messages=frozenset(t.strip() for t in drop.split(",") if t.strip()),
+        )

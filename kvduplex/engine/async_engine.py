@@ -146,6 +146,9 @@ class AsyncEngine:
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
+                    # Rejected before it was added (or the engine died): nothing of this
+                    # call's to abort; its id may well name another request (a held one).
+                    finished = True
                     raise item
                 finished = item.finished
                 yield item

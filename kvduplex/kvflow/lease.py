@@ -33,10 +33,12 @@ class LeaseTable:
             self.engine.call(lambda e: e.scheduler.release_held(xid))
 
     async def release(self, xid: str) -> bool:
-        """Release now; False if no lease is held under `xid`."""
+        """Release now; False if no lease is held under `xid` (also when `xid` names a
+        request held for another reason, e.g. a push in flight: not ours to release)."""
         timer = self._timers.pop(xid, None)
-        if timer is not None:
-            timer.cancel()
+        if timer is None:
+            return False
+        timer.cancel()
         released = await self.engine.run_in_engine(lambda e: e.scheduler.release_held(xid))
         return bool(released)
 

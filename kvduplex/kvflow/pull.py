@@ -28,6 +28,7 @@ from kvduplex.engine.kv_cache import num_blocks_for_tokens
 from kvduplex.engine.request import Request
 from kvduplex.kvflow.metrics import KVFlowMetrics
 from kvduplex.transport.protocol import PeerHandle, TransferHandle, TransferState, Transport
+from kvduplex.transport.trust import secret_headers
 
 if TYPE_CHECKING:
     from kvduplex.engine.engine import LLMEngine
@@ -89,7 +90,10 @@ class PullConnector:
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-release")
 
     def register(self, spec: PullSpec) -> None:
+        """Before the request is added. Raises ValueError for an xid another request waits on."""
         with self._lock:
+            if spec.xid in self._specs:
+                raise ValueError(f"xid {spec.xid!r} is in use by another request")
             self._specs[spec.xid] = spec
 
     def forget(self, xid: str) -> PullSpec | None:
@@ -185,10 +189,20 @@ class PullConnector:
         self._pool.shutdown(wait=False)
 
 
-def http_release(prefill_url: str, xid: str) -> None:
-    """Tell prefill to drop its lease on `xid` (best effort: the lease expires anyway)."""
+def http_release(prefill_url: str, xid: str, secret: str | None = None) -> None:
+    """Tell prefill to drop its lease on `xid` (best effort: the lease expires anyway),
+    sending the cluster `secret` if there is one."""
     try:
-        httpx.post(prefill_url.rstrip("/") + RELEASE_PATH, json={"xid": xid}, timeout=5.0)
+        resp = httpx.post(
+            prefill_url.rstrip("/") + RELEASE_PATH, json={"xid": xid}, timeout=5.0,
+            headers=secret_headers(secret),
+        )  # fmt: skip
+        if resp.status_code != 200:  # 404: the lease ended already; 401: secrets differ
+            logger.log(
+                logging.WARNING if resp.status_code == 401 else logging.INFO,
+                "xid=%s: release at %s answered %d: %s",
+                xid, prefill_url, resp.status_code, resp.text[:200],
+            )  # fmt: skip
     except httpx.HTTPError as exc:
         logger.warning("xid=%s: release at %s failed: %s", xid, prefill_url, exc)
 

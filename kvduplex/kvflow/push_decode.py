@@ -80,8 +80,11 @@ class PushDecode:
         pump.every_tick(self._tick)
 
     def register(self, spec: PushSpec) -> None:
-        """From any thread, before the request is added."""
+        """From any thread, before the request is added. Raises ValueError for an xid
+        another request waits on."""
         with self._lock:
+            if spec.xid in self._specs or self.receiver.is_waiting(spec.xid):
+                raise ValueError(f"xid {spec.xid!r} is in use by another request")
             self._specs[spec.xid] = spec
             self._spec_waiting_at[spec.xid] = time.monotonic()
 

@@ -44,8 +44,11 @@ class PushSender(KVSender):
     def expect(self, xid: str, peer: PeerHandle, num_prompt_tokens: int) -> None:
         """Push: a prefill named `xid` is about to be added (its request id is `xid`).
 
-        Raises ValueError for an xid in progress or one the receiver already cancelled.
+        Raises ValueError for an xid in progress, one the receiver already cancelled,
+        or one another request on this engine uses (its blocks are not this job's).
         """
+        if self.engine.get_request(xid) is not None:
+            raise ValueError(f"xid {xid!r} is in use by another request on this instance")
         job = SendJob(
             xid, peer, num_prompt_tokens, num_blocks_for_tokens(num_prompt_tokens, self.block_size),
             expires_at=time.monotonic() + self.registration_wait_s, needs_first_token=True,

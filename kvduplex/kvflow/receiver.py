@@ -129,13 +129,17 @@ class KVReceiver:
         """Register `blocks` (for the transfer's blocks ``first_block ..``) with the sender.
 
         Takes our own reference on them until the sender is done. False (nothing
-        kept, nothing called) if the registration could not be sent.
+        kept, nothing called) if the registration could not be sent, or if another
+        wait (or its quarantine) holds `xid`.
         """
-        self.engine.acquire_blocks(blocks)
         msg = KVRegister(xid, blocks, first_block, num_tokens, self.wait_s, time.time())
         wait = _Wait(xid, peer, list(blocks), time.monotonic() + self.wait_s, on_done, on_failed)
         with self._lock:
+            if xid in self._waits:
+                logger.warning("xid=%s: already waited on; not registering again", xid)
+                return False
             self._waits[xid] = wait
+        self.engine.acquire_blocks(blocks)
         try:
             self.transport.send_notif(peer, self.codec.encode(msg), xid)
         except Exception as exc:
@@ -248,6 +252,11 @@ class KVReceiver:
                     due.append(wait)
         for wait in due:
             self.engine.call(partial(self._expire, wait))
+
+    def is_waiting(self, xid: str) -> bool:
+        """Whether a wait (or its quarantine) holds `xid`."""
+        with self._lock:
+            return xid in self._waits
 
     def num_waiting(self) -> int:
         with self._lock:

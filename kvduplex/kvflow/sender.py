@@ -430,8 +430,12 @@ class KVSender:
                 del self._jobs[job.xid]
         if job.src_blocks is not None:
             self.engine.release_blocks(job.src_blocks)
-        else:
-            self.engine.release_held(job.xid)
+        elif not self.engine.release_held(job.xid):
+            # Failed before its prefill finished (a WRITE failed, the receiver gave up):
+            # nobody would release the blocks it holds when done, and its KV goes nowhere.
+            req = self.engine.get_request(job.xid)
+            if req is not None and not req.is_finished:
+                self.engine.abort(job.xid)
         for fn in job.on_end:
             fn(job)
 

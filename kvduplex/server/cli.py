@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from kvduplex.config import (
+    CLUSTER_SECRET_VAR,
     CacheConfig,
     EngineConfig,
     Environment,
@@ -50,7 +51,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
 def _cmd_serve(args: argparse.Namespace) -> None:
     from kvduplex.server.instance import serve
 
-    serve(_engine_config(args), dataclass_from_args(ServerConfig, args))
+    serve(_engine_config(args), dataclass_from_args(ServerConfig, args), Environment.read())
 
 
 def _cmd_router(args: argparse.Namespace) -> None:
@@ -63,10 +64,14 @@ def _cmd_router(args: argparse.Namespace) -> None:
 def _cmd_up(args: argparse.Namespace) -> None:
     from kvduplex.bench.session import format_session, run_session
     from kvduplex.server.cluster import LocalCluster, free_port
+    from kvduplex.server.guard import new_cluster_secret
     from kvduplex.server.report import format_kv_report
 
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvduplex-up-"))
-    with LocalCluster(log_dir=log_dir) as cluster:
+    # One fresh secret per cluster, in every process's environment: the internal
+    # routes answer only the cluster's own members.
+    secret_env = {CLUSTER_SECRET_VAR: new_cluster_secret()}
+    with LocalCluster(log_dir=log_dir, env=secret_env) as cluster:
         serve_args = ["serve", "--model", args.model]
         if args.dtype:
             serve_args += ["--dtype", args.dtype]

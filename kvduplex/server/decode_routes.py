@@ -1,7 +1,9 @@
 """Internal routes and the request hook of a decode instance.
 
 The ``prepare`` hook reads ``kv_transfer_params`` from an OpenAI body before
-the request reaches the engine: it registers the push or pull of the prompt's
+the request reaches the engine (with a cluster secret configured, only from a
+caller that sends it: the params name peers to handshake with, and so to send
+the secret to, and where this turn's KV goes): it registers the push or pull of the prompt's
 KV (mode ``local``: decode computes the prompt over its own cache, a short
 append), and the duplex return of the finished turn (``return_to``, or
 ``return_mode: pull`` to keep it for the next turn's READ).
@@ -17,7 +19,7 @@ import asyncio
 import logging
 import time
 from dataclasses import asdict
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -30,8 +32,9 @@ from kvduplex.kvflow.push_decode import PushSpec
 from kvduplex.kvflow.return_pull import RetainSpec
 from kvduplex.kvflow.returns import ReturnSpec
 from kvduplex.server.api import APIError, Generation, InstanceState
-from kvduplex.server.kv_routes import CancelRequest, not_found
+from kvduplex.server.kv_routes import MAX_XID_CHARS, CancelRequest, not_found
 from kvduplex.transport.handshake import PeerDirectory
+from kvduplex.transport.trust import SECRET_HEADER, secret_matches
 
 logger = logging.getLogger(__name__)
 
@@ -40,14 +43,14 @@ class KVTransferParams(BaseModel):
     mode: Literal["pull", "push", "local"]
     """push/pull: the prompt's KV comes from ``prefill_url``; local: decode computes
     the prompt itself (a short append over its cached history)."""
-    xid: str = ""
+    xid: str = Field(default="", max_length=MAX_XID_CHARS)
     prefill_url: str = ""
-    block_ids: list[int] = Field(default_factory=list)
+    block_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
     """Pull: prefill's held blocks."""
-    num_tokens: int = 0
+    num_tokens: int = Field(default=0, ge=0)
     """Pull: tokens in them."""
     engine_id: str | None = None
-    lease_s: float | None = None
+    lease_s: float | None = Field(default=None, ge=0)
     """Seconds prefill keeps the blocks from its answer on (None: unknown)."""
     num_cached_tokens: int = Field(default=0, ge=0)
     """Pull: prompt tokens prefill served from its prefix cache."""
@@ -76,9 +79,12 @@ class RetainedRequest(BaseModel):
 class DecodePreparer:
     """`InstanceState.prepare` of a decode instance: what a request's KV params ask for."""
 
-    def __init__(self, flows: DecodeFlows, directory: PeerDirectory) -> None:
+    def __init__(
+        self, flows: DecodeFlows, directory: PeerDirectory, secret: str | None = None
+    ) -> None:
         self.flows = flows
         self.directory = directory
+        self.secret = secret
 
     async def __call__(self, raw: Request, gen: Generation) -> None:
         arrived = time.monotonic()
@@ -86,6 +92,13 @@ class DecodePreparer:
         params = body.get("kv_transfer_params") if isinstance(body, dict) else None
         if not params:
             return
+        if self.secret is not None and not secret_matches(
+            raw.headers.get(SECRET_HEADER), self.secret
+        ):
+            raise APIError(
+                401, f"kv_transfer_params need the cluster secret in the {SECRET_HEADER} header",
+                code="invalid_cluster_secret", param="kv_transfer_params",
+            )  # fmt: skip
         try:
             kv = KVTransferParams.model_validate(params)
         except ValueError as exc:
@@ -101,16 +114,26 @@ class DecodePreparer:
                 "xid=%s: no connection to %s (%s); computing locally", kv.xid, kv.prefill_url, exc
             )
             return
-        if kv.mode == "push":
-            self.flows.push.register(PushSpec(kv.xid, peer, kv.prefill_url, gen.request_id))
-        else:
-            lease_ends_at = None if kv.lease_s is None else arrived + kv.lease_s
-            self.flows.pull.register(
-                PullSpec(
-                    kv.xid, peer, kv.prefill_url, kv.block_ids, kv.num_tokens, lease_ends_at,
-                    kv.num_cached_tokens,
-                )
-            )
+        bad = [b for b in kv.block_ids if b >= peer.layout.num_blocks]
+        if bad:
+            raise APIError(
+                400, f"kv_transfer_params.block_ids: block {bad[0]} is out of range; "
+                f"{kv.prefill_url} has {peer.layout.num_blocks} blocks",
+                param="kv_transfer_params",
+            )  # fmt: skip
+        try:
+            if kv.mode == "push":
+                self.flows.push.register(PushSpec(kv.xid, peer, kv.prefill_url, gen.request_id))
+            else:
+                lease_ends_at = None if kv.lease_s is None else arrived + kv.lease_s
+                self.flows.pull.register(
+                    PullSpec(
+                        kv.xid, peer, kv.prefill_url, kv.block_ids, kv.num_tokens,
+                        lease_ends_at, kv.num_cached_tokens,
+                    )
+                )  # fmt: skip
+        except ValueError as exc:  # a duplicate xid
+            raise APIError(409, str(exc), param="kv_transfer_params") from None
         gen.remote_kv = RemoteKVSpec(kv.xid, source_engine_id=peer.engine_id)
 
     async def _prepare_return(self, kv: KVTransferParams, gen: Generation) -> None:
@@ -131,10 +154,10 @@ class DecodePreparer:
 
 
 def make_decode_hooks(
-    state: InstanceState, flows: DecodeFlows, directory: PeerDirectory
+    state: InstanceState, flows: DecodeFlows, directory: PeerDirectory, secret: str | None = None
 ) -> APIRouter:
     """Set `state.prepare` for pulls, pushes and returns; return the decode-side routes."""
-    state.prepare = DecodePreparer(flows, directory)
+    state.prepare = DecodePreparer(flows, directory, secret)
     router = APIRouter()
 
     @router.get("/internal/kv/pull/stats")

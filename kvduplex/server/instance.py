@@ -5,16 +5,18 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import uvicorn
 from fastapi import APIRouter, FastAPI
 from prometheus_client import CollectorRegistry
 
-from kvduplex.config import EngineConfig, Role, ServerConfig
+from kvduplex.config import EngineConfig, Environment, Role, ServerConfig
 from kvduplex.engine.async_engine import AsyncEngine
 from kvduplex.engine.engine import LLMEngine
 from kvduplex.engine.metrics import EngineMetrics
 from kvduplex.server.api import InstanceState, create_app
+from kvduplex.server.guard import InternalGuard, load_cluster_secret
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +36,17 @@ class Instance:
             close()
 
 
-def build_instance(engine_config: EngineConfig, server_config: ServerConfig) -> Instance:
-    """Load the model, allocate the KV pool, start the engine thread, build the app."""
+def build_instance(
+    engine_config: EngineConfig, server_config: ServerConfig, env: Environment | None = None
+) -> Instance:
+    """Load the model, allocate the KV pool, start the engine thread, build the app.
+
+    `env` (default: the process's environment) gives the cluster secret unless
+    ``server_config.cluster_secret_file`` does; with one, every ``/internal/*``
+    route needs it and every internal call to a peer sends it.
+    """
+    env = env if env is not None else Environment.read()
+    secret = load_cluster_secret(server_config.cluster_secret_file, env.cluster_secret)
     engine = LLMEngine(engine_config)
     engine.warmup()
     registry = CollectorRegistry()
@@ -48,13 +59,23 @@ def build_instance(engine_config: EngineConfig, server_config: ServerConfig) -> 
         role=server_config.role.value,
     )
     instance = Instance(engine=engine, async_engine=async_engine, app=FastAPI(), state=state)
-    routers = _role_routers(instance, engine_config, server_config.role)
+    routers = _role_routers(instance, engine_config, server_config.role, secret, env)
     instance.app = create_app(state, routers)
+    instance.app.add_middleware(
+        InternalGuard, secret=secret, max_body_bytes=server_config.internal_max_body_mb << 20
+    )
+    if secret is None and server_config.role is not Role.BOTH:
+        logger.warning(
+            "no cluster secret: anyone who reaches this port can use its internal KV routes "
+            "(set KVDUPLEX_CLUSTER_SECRET or --cluster-secret-file on every instance and router)"
+        )
     async_engine.start()
     return instance
 
 
-def _role_routers(instance: Instance, config: EngineConfig, role: Role) -> list[APIRouter]:
+def _role_routers(
+    instance: Instance, config: EngineConfig, role: Role, secret: str | None, env: Environment
+) -> list[APIRouter]:
     """The transport, connector and internal KV routes of a prefill or decode instance.
 
     Each role runs one `KVSender` and one `KVReceiver`: prefill sends pushes and
@@ -64,6 +85,7 @@ def _role_routers(instance: Instance, config: EngineConfig, role: Role) -> list[
         return []
     from kvduplex.kvflow.connectors import FlowTiming, decode_flows, prefill_flows
     from kvduplex.kvflow.metrics import KVFlowMetrics
+    from kvduplex.kvflow.pull import http_release
     from kvduplex.server.decode_routes import make_decode_hooks
     from kvduplex.server.kv_routes import make_prefill_router, make_push_prefill_router
     from kvduplex.transport.handshake import PeerDirectory, make_handshake_router
@@ -78,8 +100,8 @@ def _role_routers(instance: Instance, config: EngineConfig, role: Role) -> list[
         metrics=TransferMetrics(state.registry),
     )  # fmt: skip
     metrics = KVFlowMetrics(state.registry)
-    directory = PeerDirectory(transport)
-    pump = NotificationPump(transport)
+    directory = PeerDirectory(transport, secret=secret, recheck_s=cfg.peer_recheck_s)
+    pump = NotificationPump(transport, drop_types=env.test_drop_messages)
     timing = FlowTiming(
         cfg.kv_wait_timeout_s, cfg.transfer_timeout_s, cfg.transfer_timeout_s + 1,
         cfg.retain_lease_s,
@@ -94,18 +116,21 @@ def _role_routers(instance: Instance, config: EngineConfig, role: Role) -> list[
         instance.closers.append(p.sender.close)
     else:
         d = decode_flows(
-            transport, instance.async_engine, pump, timing, directory.peer_by_engine, metrics
-        )
-        routers.append(make_decode_hooks(state, d, directory))
+            transport, instance.async_engine, pump, timing, directory.peer_by_engine, metrics,
+            release=partial(http_release, secret=secret),
+        )  # fmt: skip
+        routers.append(make_decode_hooks(state, d, directory, secret))
         instance.closers += [d.pull.close, d.sender.close]
     pump.start()
     instance.closers += [pump.close, transport.close]
     return routers
 
 
-def serve(engine_config: EngineConfig, server_config: ServerConfig) -> None:
+def serve(
+    engine_config: EngineConfig, server_config: ServerConfig, env: Environment | None = None
+) -> None:
     """Serve until interrupted."""
-    instance = build_instance(engine_config, server_config)
+    instance = build_instance(engine_config, server_config, env)
     logger.info(
         "serving %s as %s on http://%s:%d",
         instance.state.served_model_names[0],

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import asdict
+from typing import Annotated
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
@@ -36,9 +37,12 @@ from kvduplex.transport.protocol import Transport
 
 logger = logging.getLogger(__name__)
 
+MAX_XID_CHARS = 256
+"""Longest transfer id an internal route takes (ids travel in every notification)."""
+
 
 class PrefillRequest(BaseModel):
-    xid: str = Field(min_length=1)
+    xid: str = Field(min_length=1, max_length=MAX_XID_CHARS)
     prompt_token_ids: list[int] = Field(min_length=1)
     temperature: float = 0.0
     top_p: float = 1.0
@@ -47,7 +51,7 @@ class PrefillRequest(BaseModel):
 
 
 class ReleaseRequest(BaseModel):
-    xid: str = Field(min_length=1)
+    xid: str = Field(min_length=1, max_length=MAX_XID_CHARS)
 
 
 class RetainedTurn(BaseModel):
@@ -55,7 +59,7 @@ class RetainedTurn(BaseModel):
 
     decode_url: str = Field(min_length=1)
     engine_id: str | None = None
-    block_ids: list[int]
+    block_ids: list[Annotated[int, Field(ge=0)]]
     keys: list[str]
     token_ids: list[int]
 
@@ -68,7 +72,7 @@ class PushPrefillRequest(PrefillRequest):
 
 
 class CancelRequest(BaseModel):
-    xid: str = Field(min_length=1)
+    xid: str = Field(min_length=1, max_length=MAX_XID_CHARS)
     reason: str = "cancelled by the router"
 
 
@@ -85,8 +89,8 @@ def make_prefill_router(state: InstanceState, transport: Transport, lease_s: flo
 
     @router.post("/internal/prefill")
     async def prefill(body: PrefillRequest) -> JSONResponse:
-        params = _first_token_params(body)
         try:
+            params = _first_token_params(body)
             async for _ in engine.generate(
                 body.xid, body.prompt_token_ids, params, hold_blocks_on_finish=True
             ):
@@ -167,6 +171,12 @@ class PushPrefill:
         except Exception as exc:
             logger.warning("xid=%s: retained turn at %s unreachable: %s", xid, src.decode_url, exc)
             return 0
+        bad = [b for b in src.block_ids if b >= peer.layout.num_blocks]
+        if bad:
+            raise APIError(
+                400, f"pull_from.block_ids: block {bad[0]} is out of range; {src.decode_url} "
+                f"has {peer.layout.num_blocks} blocks", param="pull_from",
+            )  # fmt: skip
         reader = self.flows.reader
         done = await self.engine.run_in_engine(
             lambda _e: reader.start(peer, f"{xid}-read", src.block_ids, src.keys, src.token_ids)

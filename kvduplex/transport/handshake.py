@@ -2,24 +2,33 @@
 
 Each instance serves ``GET /internal/kv/handshake`` (the router built by
 `make_handshake_router`, mounted by the instance server). A peer fetches it
-with `fetch_handshake` and passes it to `Transport.connect`.
+with `fetch_handshake` and passes it to `Transport.connect`. The answer lets
+its holder read and write the whole KV pool, so an instance with a cluster
+secret serves it only to callers that send the secret (`kvduplex.server.guard`);
+`fetch_handshake` and `PeerDirectory` send it when given one.
 
 `PeerDirectory` caches one `PeerHandle` per base URL. A restarted instance has
 a new engine id at the same URL; the directory notices when told (a message or
-HTTP answer naming another engine id: ``get_peer(url, engine_id=...)``) or when
-asked to `PeerDirectory.refresh` after a failure, and then disconnects the old
-peer and connects the new one::
+HTTP answer naming another engine id: ``get_peer(url, engine_id=...)``), when
+asked to `PeerDirectory.refresh` after a failure, or, with ``recheck_s`` set,
+when a cached peer is used more than ``recheck_s`` after its engine id was
+last checked; it then disconnects the old peer (its transfers in flight fail:
+nothing meant for the old engine reaches the new one) and connects the new one::
 
-    get_peer(url) ─ cached? ─ yes, same engine id ──────────────► PeerHandle
-                       │ no / engine id differs
+    get_peer(url) ─ cached, same engine id, checked < recheck_s ago ──► PeerHandle
+                       │ no / engine id differs / check due
                        ▼
-              fetch_handshake(url) ─► disconnect(old) ─► connect(new) ─► PeerHandle
+              fetch_handshake(url) ─ same engine id ─────────────────► PeerHandle
+                       │ another one              (a due check with no answer
+                       ▼                           keeps the cached peer)
+              disconnect(old) ─► connect(new) ───────────────────────► PeerHandle
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import httpx
 import msgspec
@@ -27,6 +36,7 @@ from fastapi import APIRouter, Response
 
 from kvduplex.transport.messages import HandshakeInfo, decode_handshake, encode_handshake
 from kvduplex.transport.protocol import PeerHandle, PeerUnavailableError, Transport
+from kvduplex.transport.trust import secret_headers
 
 logger = logging.getLogger(__name__)
 
@@ -46,19 +56,32 @@ def make_handshake_router(transport: Transport) -> APIRouter:
 
 
 def fetch_handshake(
-    base_url: str, timeout: float = 2.0, client: httpx.Client | None = None
+    base_url: str,
+    timeout: float = 2.0,
+    client: httpx.Client | None = None,
+    secret: str | None = None,
 ) -> HandshakeInfo:
-    """GET a peer's handshake; raises PeerUnavailableError saying why it failed.
+    """GET a peer's handshake (sending the cluster ``secret``, if any); raises
+    PeerUnavailableError saying why it failed.
 
     With ``client`` given, its own timeout applies and ``timeout`` is ignored.
     """
     url = base_url.rstrip("/") + HANDSHAKE_PATH
+    headers = secret_headers(secret)
     try:
-        resp = httpx.get(url, timeout=timeout) if client is None else client.get(url)
+        if client is None:
+            resp = httpx.get(url, timeout=timeout, headers=headers)
+        else:
+            resp = client.get(url, headers=headers)
     except httpx.HTTPError as exc:
         raise PeerUnavailableError(
             f"handshake with {base_url} failed: {type(exc).__name__}: {exc}"
         ) from exc
+    if resp.status_code == 401:
+        raise PeerUnavailableError(
+            f"handshake with {base_url} refused (HTTP 401): give both instances the same "
+            "cluster secret (KVDUPLEX_CLUSTER_SECRET or --cluster-secret-file)"
+        )
     if resp.status_code != 200:
         raise PeerUnavailableError(
             f"handshake with {base_url} failed: HTTP {resp.status_code} from {url}; "
@@ -73,17 +96,33 @@ def fetch_handshake(
 class PeerDirectory:
     """Connections by peer base URL, re-handshaking when the engine at a URL changed.
 
-    Thread-safe; calls block on HTTP (run them off the event loop).
+    Thread-safe; calls block on HTTP (run them off the event loop). The peers
+    are the engines this instance handshook with itself (sending ``secret``):
+    flows accept control messages that need trust (a return offer) only from
+    them (`peer_by_engine`).
     """
 
     def __init__(
-        self, transport: Transport, timeout_s: float = 2.0, client: httpx.Client | None = None
+        self,
+        transport: Transport,
+        timeout_s: float = 2.0,
+        client: httpx.Client | None = None,
+        secret: str | None = None,
+        recheck_s: float | None = None,
+        recheck_timeout_s: float = 0.5,
     ) -> None:
+        """``recheck_s``: how long a cached peer is used without checking the engine id
+        at its URL again (None: until told otherwise); ``recheck_timeout_s``: how long
+        such a check waits for an answer before keeping the cached peer."""
         self.transport = transport
         self.timeout_s = timeout_s
+        self.recheck_s = recheck_s
+        self.recheck_timeout_s = recheck_timeout_s
         self._client = client
+        self._secret = secret
         self._lock = threading.Lock()
         self._peers: dict[str, PeerHandle] = {}
+        self._checked_at: dict[str, float] = {}  # url -> when its engine id was last seen
 
     @staticmethod
     def _key(url: str) -> str:
@@ -99,15 +138,40 @@ class PeerDirectory:
         key = self._key(url)
         with self._lock:
             cached = self._peers.get(key)
-        if cached is not None and (engine_id is None or cached.engine_id == engine_id):
-            return cached
+            checked_at = self._checked_at.get(key, 0.0)
+        if cached is not None:
+            if engine_id is not None and cached.engine_id == engine_id:
+                return cached
+            if engine_id is None:
+                due = self.recheck_s is not None and time.monotonic() - checked_at >= self.recheck_s
+                return self._recheck(key, cached) if due else cached
         return self.refresh(url)
+
+    def _recheck(self, key: str, cached: PeerHandle) -> PeerHandle:
+        """A due check of a cached peer: reconnect if another engine answers at its URL.
+
+        A peer that does not answer within ``recheck_timeout_s`` (stalled, dead, or
+        unreachable) stays cached: its transfers fail or time out, and the flows'
+        deadlines handle that, as they would have without the check.
+        """
+        try:
+            info = fetch_handshake(key, self.recheck_timeout_s, self._client, self._secret)
+        except PeerUnavailableError as exc:
+            with self._lock:
+                self._checked_at[key] = time.monotonic()
+            logger.info("peer at %s did not answer its check (%s); keeping %s", key, exc, cached.engine_id)
+            return cached
+        return self._adopt(key, info)
 
     def refresh(self, url: str) -> PeerHandle:
         """Fetch the handshake again; reconnect if the engine id changed. Returns the current peer."""
         key = self._key(url)
-        info = fetch_handshake(key, self.timeout_s, self._client)
+        return self._adopt(key, fetch_handshake(key, self.timeout_s, self._client, self._secret))
+
+    def _adopt(self, key: str, info: HandshakeInfo) -> PeerHandle:
+        """The peer `info` describes at `key`: the cached one if its engine is the same."""
         with self._lock:
+            self._checked_at[key] = time.monotonic()
             cached = self._peers.get(key)
             if cached is not None and cached.engine_id == info.engine_id:
                 return cached
@@ -126,6 +190,7 @@ class PeerDirectory:
         """Disconnect and drop the peer at ``url`` (no-op if unknown)."""
         with self._lock:
             peer = self._peers.pop(self._key(url), None)
+            self._checked_at.pop(self._key(url), None)
         if peer is not None:
             self.transport.disconnect(peer)
 

@@ -8,6 +8,7 @@ import httpx
 import pytest
 
 from kvduplex.server.cluster import LocalCluster
+from kvduplex.transport.trust import secret_headers
 
 
 @pytest.fixture(scope="module")
@@ -28,13 +29,18 @@ def wait_until(cond: Callable[[], bool], timeout_s: float = 20.0, what: str = "c
         time.sleep(0.02)
 
 
-def kv_stats(url: str) -> dict:
-    return httpx.get(url + "/internal/kv/stats", timeout=10).json()
+def kv_stats(url: str, secret: str | None = None) -> dict:
+    """Block-pool accounting of an instance (sending its cluster secret, if it has one)."""
+    resp = httpx.get(url + "/internal/kv/stats", timeout=10, headers=secret_headers(secret))
+    assert resp.status_code == 200, resp.text
+    return dict(resp.json())
 
 
-def assert_pool_clean(url: str) -> None:
+def assert_pool_clean(url: str, secret: str | None = None, timeout_s: float = 20.0) -> None:
     """The instance's pool is consistent and holds no blocks for requests."""
-    wait_until(lambda: kv_stats(url)["num_in_use"] == 0, what=f"no blocks in use on {url}")
-    st = kv_stats(url)
+    wait_until(
+        lambda: kv_stats(url, secret)["num_in_use"] == 0, timeout_s, what=f"no blocks in use on {url}"
+    )
+    st = kv_stats(url, secret)
     assert st["integrity_ok"], st["integrity_error"]
     assert st["num_free"] + st["num_cached"] == st["total"]

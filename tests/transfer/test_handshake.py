@@ -6,7 +6,7 @@ import base64
 from typing import Any
 
 import pytest
-from fastapi import FastAPI
+from fastapi import FastAPI, Request, Response
 from fastapi.testclient import TestClient
 
 from kvduplex.engine.kv_cache import KVCacheLayout, allocate_kv_pool
@@ -20,6 +20,7 @@ from kvduplex.transport.handshake import (
 )
 from kvduplex.transport.messages import decode_handshake
 from kvduplex.transport.metrics import TransferMetrics
+from kvduplex.transport.trust import SECRET_HEADER
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -107,3 +108,46 @@ def test_directory_refuses_incompatible_peer() -> None:
     with pytest.raises(IncompatibleLayoutError, match=r"head_dim: 8 here vs 16 there"):
         directory.get_peer(URL)
     assert directory.peers() == {}
+
+
+def test_directory_rechecks_a_cached_peer_after_recheck_s() -> None:
+    """Nobody tells the directory of the restart: its periodic check finds the new engine,
+    and transfers still addressed to the old one fail instead of reaching the new one."""
+    fabric = InProcessFabric()
+    local = endpoint(fabric)
+    first = endpoint(fabric)
+    sb = Switchboard()
+    sb.serve(first)
+    directory = PeerDirectory(local, client=TestClient(sb), recheck_s=3600.0)
+    old = directory.get_peer(URL)
+    assert directory.get_peer(URL) is old  # checked just now: no new handshake
+    first.close()
+    second = endpoint(fabric)
+    sb.serve(second)
+    assert directory.get_peer(URL) is old  # not due yet
+    directory.recheck_s = 0.0
+    new = directory.get_peer(URL)
+    assert new.engine_id == second.engine_id
+    assert local.write(old, "stale", [0], [0]).state is TransferState.FAILED
+    assert local.write(new, "fresh", [0], [0]).wait(1) is TransferState.DONE
+    assert directory.get_peer(URL) is new  # same engine there: same handle
+    sb.app = FastAPI()  # answers 404: a check that fails keeps the peer it has
+    assert directory.get_peer(URL) is new
+    with pytest.raises(PeerUnavailableError):
+        directory.refresh(URL)  # an explicit refresh says why it failed
+
+
+def test_fetch_handshake_sends_the_secret_and_says_when_it_is_refused() -> None:
+    app = FastAPI()
+    seen: list[str | None] = []
+
+    @app.get(HANDSHAKE_PATH)
+    def handshake(request: Request) -> Response:
+        seen.append(request.headers.get(SECRET_HEADER))
+        return Response(status_code=401)
+
+    with pytest.raises(PeerUnavailableError, match="same cluster secret"):
+        fetch_handshake(URL, client=TestClient(app), secret="a-cluster-secret-0123")
+    with pytest.raises(PeerUnavailableError):
+        fetch_handshake(URL, client=TestClient(app))
+    assert seen == ["a-cluster-secret-0123", None]

@@ -63,7 +63,7 @@ class Pair:
 
     def __init__(self, tiny: LoadedModel, wait_s: float = 5.0, p_budget: int = 256) -> None:
         self.p, self.d = _engine(tiny, p_budget), _engine(tiny)
-        fabric = InProcessFabric()
+        self.fabric = fabric = InProcessFabric()
         self.tp: InProcessTransport = fabric.endpoint(self.p.kv_pool, self.p.layout)
         self.td: InProcessTransport = fabric.endpoint(self.d.kv_pool, self.d.layout)
         self.d_peer = self.tp.connect(self.td.local_metadata())  # P writes into D

@@ -11,10 +11,11 @@ from typing import Any
 import httpx
 from prometheus_client import CollectorRegistry
 
-from kvduplex.config import RouterConfig
+from kvduplex.config import Environment, RouterConfig
 from kvduplex.model.tokenizer import Tokenizer
 from kvduplex.server.router.metrics import RouterMetrics
 from kvduplex.server.router.policy import RoutingPolicy
+from kvduplex.transport.trust import secret_headers
 
 
 @dataclass
@@ -41,7 +42,10 @@ class RouterState:
         """`transport` replaces the network (tests); `clock` the policy's clock."""
         policy = RoutingPolicy.from_config(config, clock)
         registry = CollectorRegistry()
-        client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0), transport=transport)
+        client = httpx.AsyncClient(
+            timeout=httpx.Timeout(600.0, connect=5.0), transport=transport,
+            headers=secret_headers(Environment.read().cluster_secret),
+        )  # fmt: skip
         return cls(
             config, tokenizer, policy, registry,
             RouterMetrics(registry, lambda: len(policy.sessions)), client,

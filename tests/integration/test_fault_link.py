@@ -1,0 +1,165 @@
+"""The link between P and D cut, on real processes: P in its own network namespace.
+
+P runs behind a veth pair shaped to 40 Mbit/s (`NetnsHost`), so a long
+prompt's KV takes a while to cross and the cut lands while WRITEs are on the
+wire. Cutting the link (the root end set down) partitions P from D and from
+the router; D's wait runs out, it computes the prompts itself and answers
+exactly. Once the link is back, both pools are clean and the next request's KV
+is pushed again over the same connection. Skipped where namespaces cannot be
+made (not root, no iproute2, a container that forbids it).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvduplex.server.cluster import LocalCluster, Process, free_port
+from kvduplex.server.netns import NetnsHost, netns_unavailable_reason
+from tests.integration.conftest import kv_stats
+from tests.integration.faults import (
+    D_FLAGS,
+    P_FLAGS,
+    REQUEST_BOUND_S,
+    SERVE,
+    Outcome,
+    Tally,
+    Victim,
+    blocks_left,
+    body,
+    poll,
+    prompt_ids,
+    reference_tokens,
+    report_tally,
+    stats,
+    write_bytes,
+)
+
+pytestmark = pytest.mark.integration
+
+if importlib.util.find_spec("nixl_cu12") is None and importlib.util.find_spec("nixl") is None:
+    pytest.skip("NIXL is not installed (pip install nixl-cu12)", allow_module_level=True)
+
+RATE_MBIT = 40
+FAULT = f"P-D link cut ({RATE_MBIT} Mbit/s veth set down)"
+PUSH_STATS = "/internal/kv/push/stats"
+
+
+@dataclass
+class Split:
+    link: NetnsHost
+    p: Process
+    d: Process
+    router: str
+    reference: str
+
+    def set_link(self, up: bool) -> None:
+        state = "up" if up else "down"
+        subprocess.run(["ip", "link", "set", self.link.outer.dev, state], check=True)
+
+
+@pytest.fixture(scope="module")
+def split(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Split]:
+    reason = netns_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    logs = Path(tmp_path_factory.mktemp("link-logs"))
+    # Exit order: the processes stop before the namespace is removed.
+    with (
+        NetnsHost(rate_mbit=RATE_MBIT) as link,
+        LocalCluster(log_dir=logs, env={"OMP_NUM_THREADS": "1"}) as cluster,
+    ):
+        p = cluster.start(
+            "prefill", [*SERVE, *P_FLAGS], free_port(), netns=link.inner.netns,
+            host=link.inner.ip, env=link.inner.ucx_env(),
+        )  # fmt: skip
+        d = cluster.start(
+            "decode", [*SERVE, *D_FLAGS], free_port(), host=link.outer.ip, env=link.outer.ucx_env()
+        )
+        ref = cluster.start("reference", [*SERVE, "--role", "both", *D_FLAGS[2:]], free_port())
+        cluster.wait_healthy(timeout_s=180)
+        args = [
+            "router",
+            "--mode",
+            "push",
+            "--model",
+            "tiny",
+            "--prefill",
+            p.url,
+            "--decode",
+            d.url,
+        ]
+        router = cluster.start("router", args, free_port())
+        cluster.wait_healthy(timeout_s=60)
+        s = Split(link, p, d, router.url, ref.url)
+        try:
+            yield s
+        finally:
+            s.set_link(up=True)
+
+
+@pytest.fixture(scope="module")
+def tally(request: pytest.FixtureRequest) -> Iterator[Tally]:
+    t = Tally("The P-D link cut (tests/integration/test_fault_link.py)")
+    yield t
+    report_tally(request, t, "link-counts")
+
+
+@pytest.fixture(scope="module")
+def salts() -> Iterator[int]:
+    return itertools.count(9000)
+
+
+def _pushed(s: Split, salt: int, tries: int = 1) -> int:
+    """Requests until one's KV is pushed (not recomputed), each answered exactly; how many
+    were recomputed first (a connection whose TCP is still retransmitting after the cut
+    delays the registration past D's wait)."""
+    for attempt in range(tries):
+        before = stats(s.d.url, PUSH_STATS)
+        v = Victim(s.router, body(prompt_ids(40, salt * 10 + attempt), 6)).start()
+        v.done.wait(REQUEST_BOUND_S)
+        assert v.outcome(reference_tokens(s.reference, v.body)) is Outcome.COMPLETED, v.error
+        if stats(s.d.url, PUSH_STATS)["num_received"] == before["num_received"] + 1:
+            return attempt
+    raise AssertionError(f"no request was pushed in {tries} tries after the link came back")
+
+
+@pytest.mark.parametrize("trial", range(2))
+def test_link_cut_mid_write_costs_time_not_tokens(
+    split: Split, tally: Tally, salts: Iterator[int], trial: int
+) -> None:
+    _pushed(split, next(salts))  # the link works
+    decoding = Victim(split.router, body(prompt_ids(24, next(salts)), 1200, stream=True)).start()
+    poll(lambda: len(decoding.tokens) >= 3, "a request decoding on D")
+    written = write_bytes(split.p.url)
+    writing = Victim(split.router, body(prompt_ids(1600, next(salts)), 4)).start()
+    poll(lambda: write_bytes(split.p.url) > written, "P's WRITEs crossing the link")
+    queued = Victim(split.router, body(prompt_ids(300, next(salts)), 4)).start()
+    poll(lambda: kv_stats(split.p.url)["num_waiting"] == 1, "a request queued on P")
+    split.set_link(up=False)
+    moments = {decoding: "mid-decode", writing: "mid-WRITE (KV on the wire)",
+               queued: "queued on P (before admission)"}  # fmt: skip
+    try:
+        for v in moments:
+            v.done.wait(REQUEST_BOUND_S)
+        for v, moment in moments.items():
+            outcome = v.outcome(reference_tokens(split.reference, v.body))
+            tally.add(FAULT, moment, outcome, v.elapsed_s)
+            assert outcome is Outcome.COMPLETED, (moment, v.error)
+        d_pool = blocks_left(split.d.url)  # D alone, while the link is still down
+    finally:
+        split.set_link(up=True)
+    leaked = d_pool + sum(blocks_left(proc.url) for proc in (split.p, split.d))
+    for moment in moments.values():
+        tally.leaked(FAULT, moment, leaked)
+    assert leaked == 0
+    num_recomputed = _pushed(split, next(salts), tries=5)  # the same connection carries KV again
+    tally.note(
+        FAULT, "mid-WRITE (KV on the wire)", f"{num_recomputed} recomputed after the link came back"
+    )

@@ -1,0 +1,150 @@
+"""Control messages and transfer ids the flows must not trust, over the in-process
+transport: an offer from an engine this instance never handshook with, transfer
+ids that belong to another request, and the pump's test-only drop hook."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from kvduplex.engine.block_pool import compute_block_hashes
+from kvduplex.engine.engine import RequestRejected
+from kvduplex.kvflow.lease import LeaseTable
+from kvduplex.kvflow.messages import KVDone, KVOffer, KVRegister
+from kvduplex.kvflow.push_decode import PushSpec
+from kvduplex.model.loader import LoadedModel
+from kvduplex.transport.messages import ControlMessage, MessageCodec
+from kvduplex.transport.notify import NotificationPump
+from tests.unit.flow_pair import BS, FIRST, PROMPT, Pair, _wait_for
+from tests.unit.flow_pair import tiny as tiny  # the module-scoped model fixture
+
+
+def _offer(s: Pair, xid: str, tokens: list[int]) -> KVOffer:
+    """A well-formed offer of `tokens` (whole blocks), keys as P computes them."""
+    keys = compute_block_hashes(tokens, BS, s.p.kv_manager.identity)
+    return KVOffer(xid, "session", [bytes(k) for k in keys], tokens)
+
+
+def _p_cached_blocks(s: Pair, tokens: list[int]) -> int:
+    keys = compute_block_hashes(tokens, BS, s.p.kv_manager.identity)
+    return int(s.ap.call(lambda e: e.kv_manager.num_cached_prefix(keys)).result(5))
+
+
+def test_offer_from_an_engine_that_never_handshook_is_refused(tiny: LoadedModel) -> None:
+    """A third endpoint holds P's metadata (it connected to P), but P never connected
+    to it: its offer is refused, nothing is allocated or cached, and it hears nothing."""
+    s = Pair(tiny, wait_s=1.0)
+    try:
+        rogue = s.fabric.endpoint(torch.zeros_like(s.d.kv_pool), s.d.layout)
+        to_p = rogue.connect(s.tp.local_metadata())
+        tokens = PROMPT[:16]  # 4 whole blocks
+        acceptor = s.pf.acceptor
+        rogue.send_notif(to_p, MessageCodec().encode(_offer(s, "rogue-1", tokens)), "rogue-1")
+        _wait_for(lambda: acceptor.stats.num_refused == 1, "the refusal")
+        assert acceptor.stats.num_accepted == 0 and s.pf.receiver.num_waiting() == 0
+        assert rogue.poll_notifs(timeout=0.2) == [], "no registration or decline for a stranger"
+        assert _p_cached_blocks(s, tokens) == 0
+        s.assert_clean()
+        # The same offer from the engine P did handshake with is taken (registered).
+        s.ap.call(lambda _e: acceptor.accept(_offer(s, "d-1", tokens), s.td.engine_id)).result(5)
+        assert acceptor.stats.num_accepted == 1
+        s.assert_clean()  # D never WRITEs it: P's wait ends, its quarantine too
+        assert _p_cached_blocks(s, tokens) == 0
+    finally:
+        s.close()
+
+
+def test_push_prefill_under_another_requests_id_is_refused(tiny: LoadedModel) -> None:
+    """A push named like a request P holds (a pull's leased prefill) must neither start
+    nor, when cancelled, release or abort that request."""
+    s = Pair(tiny)
+    try:
+
+        async def held() -> None:
+            async for _ in s.ap.generate("lease-1", PROMPT, FIRST, hold_blocks_on_finish=True):
+                pass
+
+        asyncio.run(held())
+        in_use = s.in_use(s.ap)
+        assert in_use > 0
+        with pytest.raises(ValueError, match="in use by another request"):
+            s.ap.call(lambda _e: s.sender.expect("lease-1", s.d_peer, len(PROMPT))).result(5)
+        assert s.sender.num_jobs() == 0 and s.in_use(s.ap) == in_use
+
+        async def again() -> None:  # a second request under the held id: rejected, nothing aborted
+            async for _ in s.ap.generate("lease-1", PROMPT, FIRST, hold_blocks_on_finish=True):
+                pass
+
+        with pytest.raises(RequestRejected, match="already in use"):
+            asyncio.run(again())
+        assert s.in_use(s.ap) == in_use, "the held request lost its blocks"
+
+        async def release() -> tuple[bool, bool]:
+            leases = LeaseTable(s.ap, lease_s=30.0)
+            foreign = await leases.release("lease-1")  # held, but not under a lease
+            leases.start("lease-1")
+            return foreign, await leases.release("lease-1")
+
+        assert asyncio.run(release()) == (False, True)
+        s.assert_clean()
+    finally:
+        s.close()
+
+
+def test_transfer_ids_waited_on_are_not_taken_twice(tiny: LoadedModel) -> None:
+    s = Pair(tiny)
+    try:
+        s.push.register(PushSpec("x1", s.p_peer, "http://p", "d-x1"))
+        with pytest.raises(ValueError, match="in use"):
+            s.push.register(PushSpec("x1", s.p_peer, "http://p", "d-other"))
+        assert s.push.cancel("x1", "test")
+        receiver = s.df.receiver
+
+        def twice() -> tuple[bool, bool, int]:
+            blocks = s.d.kv_manager.try_allocate_blocks(2)
+            assert blocks is not None
+            first = receiver.expect(
+                "x2", s.p_peer, blocks, 0, 2 * BS, lambda _m: None, lambda *_: None
+            )
+            refs = s.d.block_pool.ref_count(blocks[0])
+            second = receiver.expect(
+                "x2", s.p_peer, blocks, 0, 2 * BS, lambda _m: None, lambda *_: None
+            )
+            assert s.d.block_pool.ref_count(blocks[0]) == refs, "no second reference"
+            receiver.cancel("x2", "test")
+            s.d.kv_manager.release_blocks(blocks)
+            return first, second, refs
+
+        first, second, refs = s.ad.call(lambda _e: twice()).result(5)
+        assert (first, second, refs) == (True, False, 2)
+        s.assert_clean()  # P cancels its side; D's quarantine ends
+    finally:
+        s.close()
+
+
+def test_pump_drops_the_named_message_types_only(tiny: LoadedModel) -> None:
+    s = Pair(tiny)
+    try:
+        got: list[str] = []
+        pump = NotificationPump(s.tp, 0.01, drop_types=frozenset({"kv_register"}))
+
+        def record(msg: ControlMessage, _sender: str) -> None:
+            got.append(msg.xid)
+
+        pump.on(KVRegister, record)
+        pump.on(KVDone, record)
+        for pump_ in s.pumps:
+            pump_.close()  # the pair's own pumps would take the notifications first
+        pump.start()
+        codec = MessageCodec()
+        s.td.send_notif(s.p_peer, codec.encode(KVRegister("r", [1], 0, BS, 1.0, 0.0)), "r")
+        s.td.send_notif(s.p_peer, codec.encode(KVDone("d", BS, 7, 0)), "d")
+        _wait_for(lambda: got == ["d"], "the KVDone")
+        assert pump.num_dropped == 1
+        pump.close()
+        with pytest.raises(ValueError, match="kv_registr"):
+            NotificationPump(s.tp, drop_types=frozenset({"kv_registr"})).start()
+    finally:
+        s.close()
