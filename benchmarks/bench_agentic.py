@@ -28,7 +28,11 @@ def cli() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     parser.set_defaults(results_dir=str(REPO / "results"))
-    main(parser.parse_args())
+    try:
+        main(parser.parse_args())
+    except ValueError as exc:  # a flag to change: say which, no traceback
+        print(f"bench_agentic: error: {exc}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -167,13 +167,3 @@ async def served_model(url: str) -> str:
         raise RuntimeError(f"{url}/v1/models lists no model; pass --model")
     return str(data[0]["id"])
 
-
-async def endpoint_role(url: str) -> str:
-    """The role a kvduplex process reports at /health (router, prefill, decode, both); '' if none."""
-    async with _http_client() as client:
-        try:
-            resp = await client.get(url + "/health")
-            role = resp.json().get("role", "") if resp.status_code == 200 else ""
-        except (httpx.HTTPError, ValueError, AttributeError):
-            return ""
-    return str(role)

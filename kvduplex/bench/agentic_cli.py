@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvduplex.bench import agentic_report as report
-from kvduplex.bench.agentic import check_tools_accepted, endpoint_role, served_model
+from kvduplex.bench.agentic import check_tools_accepted, served_model
 from kvduplex.bench.agentic_matrix import (
     COSTS,
     Endpoint,
@@ -160,7 +160,7 @@ def _run_local(args: argparse.Namespace, configs: list[WorkloadConfig], notes: l
 def _require_tools(url: str, model: str) -> None:
     refusal = asyncio.run(check_tools_accepted(url, model))
     if refusal is not None:
-        raise RuntimeError(f"{url} refuses chat requests with tools ({refusal}); rerun with --chat-plain")
+        raise ValueError(f"{url} refuses chat requests with tools ({refusal}); rerun with --chat-plain")
 
 
 def _run_url(args: argparse.Namespace, configs: list[WorkloadConfig], notes: list[str],
@@ -168,7 +168,7 @@ def _run_url(args: argparse.Namespace, configs: list[WorkloadConfig], notes: lis
     url = args.url.rstrip("/")
     model = args.model or asyncio.run(served_model(url))
     if args.endpoint_kind == "auto":
-        disaggregated = asyncio.run(endpoint_role(url)) == "router"
+        disaggregated = instance_role(url) == "router"
     else:
         disaggregated = args.endpoint_kind == "disaggregated"
     instances = tuple(Instance(u.rstrip("/"), instance_role(u)) for u in args.metrics_url)
@@ -224,7 +224,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     _echo(table)
     for line in report.ratio_lines(ratio):
         _echo(line)
-    _echo(f"wrote {path}, {path.with_suffix('.md')}, {png}")
+    plot = str(png) if png else "no plot (pip install matplotlib)"
+    _echo(f"wrote {path}, {path.with_suffix('.md')}, {plot}")
     return result
 
 

@@ -216,10 +216,15 @@ def ratio_lines(ratio: dict[str, dict[str, float]]) -> list[str]:
     ]
 
 
-def plot_ttft(turns: list[Stats], path: Path) -> Path:
-    """PNG of TTFT p50 by turn index, one line per mode, one panel per shape."""
-    import matplotlib
+def plot_ttft(turns: list[Stats], path: Path) -> Path | None:
+    """PNG of TTFT p50 by turn index, one line per mode, one panel per shape.
 
+    None (and no file) when matplotlib is not installed.
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator

@@ -140,7 +140,7 @@ def seeded_text(rng: random.Random, num_chars: int) -> str:
     """Exactly `num_chars` ASCII characters of seeded words (one byte-tokenizer token each)."""
     out: list[str] = []
     size = 0
-    while size < num_chars:
+    while size <= num_chars:  # size is the joined length + 1
         word = rng.choice(_WORDS)
         if rng.random() < 0.15:
             word = f"{word}={rng.randrange(10_000)}"
