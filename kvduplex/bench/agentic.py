@@ -17,7 +17,7 @@ import httpx
 from tqdm import tqdm
 
 from kvduplex.bench.client import RequestResult, stream_request
-from kvduplex.bench.conversation import TOOLS, PromptForm, new_conversation
+from kvduplex.bench.conversation import PromptForm, new_conversation, tool_definitions
 from kvduplex.bench.workload import (
     SessionPlan,
     WorkloadConfig,
@@ -146,7 +146,7 @@ async def check_tools_accepted(url: str, model: str) -> str | None:
     body = {
         "model": model,
         "messages": [{"role": "user", "content": "ls"}],
-        "tools": TOOLS,
+        "tools": tool_definitions(),
         "max_tokens": 1,
         "temperature": 0.0,
     }

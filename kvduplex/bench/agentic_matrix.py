@@ -11,8 +11,9 @@ Around each run the instances' KV counters are read, after they settle.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import Any
 
 from kvduplex.bench.agentic import RunTarget, TurnRecord, run_workload
@@ -129,13 +130,13 @@ class CostModel:
     """Starting the deployment (loading every instance)."""
 
 
-COSTS: dict[str, CostModel] = {
+COSTS: Mapping[str, CostModel] = MappingProxyType({
     # From the serving benchmark's runs (README): small prefills ~3.6-4.0 ms/token and
     # decodes at 65-85 ms/token with 1-3 streams; kv-heavy ~3.9-6 ms and 70-180 ms.
     "small": CostModel(prefill_s_per_token=0.004, decode_s_per_token=0.10, start_s=90.0),
     "kv-heavy": CostModel(prefill_s_per_token=0.005, decode_s_per_token=0.12, start_s=90.0),
     "tiny": CostModel(prefill_s_per_token=0.0002, decode_s_per_token=0.005, start_s=20.0),
-}
+})
 
 
 def estimate_run_s(config: WorkloadConfig, cost: CostModel) -> float:

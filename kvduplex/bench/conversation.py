@@ -32,20 +32,24 @@ class PromptForm(enum.Enum):
 
 
 TOOL_NAME = "run_shell"
-TOOLS: list[dict[str, Any]] = [
-    {
-        "type": "function",
-        "function": {
-            "name": TOOL_NAME,
-            "description": "Run a shell command in the repository and return its output.",
-            "parameters": {
-                "type": "object",
-                "properties": {"command": {"type": "string"}},
-                "required": ["command"],
+
+
+def tool_definitions() -> list[dict[str, Any]]:
+    """The ``tools`` of an agentic chat request: one shell tool (a fresh copy each call)."""
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": TOOL_NAME,
+                "description": "Run a shell command in the repository and return its output.",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"command": {"type": "string"}},
+                    "required": ["command"],
+                },
             },
-        },
-    }
-]
+        }
+    ]
 
 
 def text_ids(text: str) -> list[int]:
@@ -128,7 +132,7 @@ class ChatConversation:
             self.messages.append({"role": "user", "content": new_input})
         body = {**_common(self.model, self.session, max_tokens), "messages": list(self.messages)}
         if self.use_tools:
-            body["tools"] = TOOLS
+            body["tools"] = tool_definitions()
         return Request("/v1/chat/completions", body, {"X-Session-Id": self.session})
 
     def add_answer(self, text: str, token_ids: list[int]) -> None:

@@ -15,8 +15,9 @@ kept as they are, per instance. A counter no instance exposes stays unknown
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import httpx
 
@@ -28,12 +29,12 @@ BYTES = "kvduplex_kv_transfer_bytes_total"
 RETURN_PREFIX = "kvduplex_kv_return_"
 
 # (role, direction label) -> which way the bytes went
-_WAY = {
+_WAY: Mapping[tuple[str, str], str] = MappingProxyType({
     ("prefill", "write"): "p_to_d",
     ("prefill", "read"): "d_to_p",
     ("decode", "read"): "p_to_d",
     ("decode", "write"): "d_to_p",
-}
+})
 
 
 @dataclass(frozen=True)

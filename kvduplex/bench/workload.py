@@ -21,7 +21,9 @@ every generated text is ASCII, so a text of n characters is n tokens there.
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 
 _WORDS = (
     "tool", "result", "file", "path", "error", "line", "value", "list", "query", "index",
@@ -62,7 +64,7 @@ AGENTIC = Shape("agentic", input_tokens=(100, 400), answer_tokens=(100, 300))
 """A coding agent: each turn's input is a tool output, answers are tool calls and notes."""
 REASONING = Shape("reasoning", input_tokens=(60, 160), answer_tokens=(400, 800))
 """Short questions, long answers: vLLM's ``benchmarks/multi_turn`` shape, scaled down."""
-SHAPES: dict[str, Shape] = {s.name: s for s in (AGENTIC, REASONING)}
+SHAPES: Mapping[str, Shape] = MappingProxyType({s.name: s for s in (AGENTIC, REASONING)})
 
 
 def shape_named(name: str) -> Shape:
