@@ -12,6 +12,7 @@ import asyncio
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 from tqdm import tqdm
@@ -157,13 +158,12 @@ async def check_tools_accepted(url: str, model: str) -> str | None:
     return f"HTTP {resp.status_code}: {resp.text[:300]}"
 
 
-async def served_model(url: str) -> str:
-    """The first model `url` lists at /v1/models."""
+async def served_models(url: str) -> list[dict[str, Any]]:
+    """The entries of `url`'s /v1/models (id, and for kvduplex max_model_len)."""
     async with _http_client() as client:
         resp = await client.get(url + "/v1/models")
     resp.raise_for_status()
     data = resp.json().get("data") or []
     if not data:
-        raise RuntimeError(f"{url}/v1/models lists no model; pass --model")
-    return str(data[0]["id"])
-
+        raise ValueError(f"{url}/v1/models lists no model; pass --model")
+    return [dict(d) for d in data]

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvduplex.bench import agentic_report as report
-from kvduplex.bench.agentic import check_tools_accepted, served_model
+from kvduplex.bench.agentic import check_tools_accepted, served_models
 from kvduplex.bench.agentic_matrix import (
     COSTS,
     Endpoint,
@@ -104,6 +104,14 @@ def workload_configs(args: argparse.Namespace) -> list[WorkloadConfig]:
     ]
 
 
+def max_session_tokens(config: WorkloadConfig) -> int:
+    """Context the longest session of `config` needs at its last turn (prompt and answer)."""
+    return max(
+        config.system_tokens + sum(t.input_tokens + t.answer_tokens for t in p.turns)
+        for p in plan_sessions(config)
+    )
+
+
 def _max_tokens_in_flight(configs: list[WorkloadConfig]) -> int:
     """Tokens of every session's whole history at its last turn, for the largest shape."""
     return max(
@@ -147,6 +155,8 @@ def _run_local(args: argparse.Namespace, configs: list[WorkloadConfig], notes: l
         notes += [f"mode {m} skipped: {why}" for m, why in dep.skipped.items()]
         meta.update(model=model, kv_cache_mb=kv_mb, skipped=dep.skipped, log_dir=str(log_dir),
                     fronts=dep.fronts)  # fmt: skip
+        models = asyncio.run(served_models(endpoints[0].url))
+        _check_context(configs, models, model, PromptForm(args.form))
         if args.form == "chat" and not args.chat_plain:
             _require_tools(endpoints[0].url, model)
         runs = run_interleaved(
@@ -155,6 +165,23 @@ def _run_local(args: argparse.Namespace, configs: list[WorkloadConfig], notes: l
             progress=not args.no_progress, echo=_echo,
         )  # fmt: skip
     return runs, {e.mode: e.disaggregated for e in endpoints}
+
+
+def _check_context(
+    configs: list[WorkloadConfig], models: list[dict[str, Any]], model: str, form: PromptForm
+) -> None:
+    """Refuse a workload whose longest session outgrows the model's context (if it says)."""
+    limit = next((m.get("max_model_len") for m in models if m.get("id") == model), None)
+    if not isinstance(limit, int):
+        return
+    # chat templates add a few tokens per message; the token-id form adds none
+    overhead = 16 * 2 * max(c.num_turns for c in configs) if form is PromptForm.CHAT else 0
+    need = max(max_session_tokens(c) for c in configs) + overhead
+    if need > limit:
+        raise ValueError(
+            f"the longest session needs up to {need} tokens of context, more than {model}'s "
+            f"max_model_len {limit}; lower --turns, --length-scale or --system-tokens"
+        )
 
 
 def _require_tools(url: str, model: str) -> None:
@@ -166,7 +193,9 @@ def _require_tools(url: str, model: str) -> None:
 def _run_url(args: argparse.Namespace, configs: list[WorkloadConfig], notes: list[str],
              meta: dict[str, Any]) -> tuple[Runs, dict[str, bool]]:  # fmt: skip
     url = args.url.rstrip("/")
-    model = args.model or asyncio.run(served_model(url))
+    models = asyncio.run(served_models(url))
+    model = args.model or str(models[0]["id"])
+    _check_context(configs, models, model, PromptForm(args.form))
     if args.endpoint_kind == "auto":
         disaggregated = instance_role(url) == "router"
     else:

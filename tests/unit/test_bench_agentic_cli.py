@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from kvduplex.bench.agentic_cli import workload_configs
+import pytest
+
+from kvduplex.bench.agentic_cli import _check_context, max_session_tokens, workload_configs
+from kvduplex.bench.conversation import PromptForm
+from kvduplex.bench.workload import REASONING, WorkloadConfig
 from kvduplex.server.cli import bench_workload_of, build_parser
 
 
@@ -28,3 +32,14 @@ def test_configs_from_flags_and_quick() -> None:
     assert [c.shape.name for c in quick] == ["agentic", "reasoning"]
     assert all((c.num_sessions, c.num_turns, c.think_time_s) == (2, 3, (0.0, 0.0)) for c in quick)
     assert all(c.shape.answer_tokens[1] <= 80 and c.system_tokens <= 128 for c in quick)
+
+
+def test_a_session_longer_than_the_context_is_refused() -> None:
+    config = WorkloadConfig(shape=REASONING, num_turns=8, system_tokens=1000)
+    need = max_session_tokens(config)
+    assert 1000 + 8 * (60 + 400) <= need <= 1000 + 8 * (160 + 800)
+    models = [{"id": "small", "max_model_len": need}]
+    _check_context([config], models, "small", PromptForm.TOKENS)  # fits exactly
+    with pytest.raises(ValueError, match="max_model_len"):
+        _check_context([config], models, "small", PromptForm.CHAT)  # template overhead
+    _check_context([config], [{"id": "other"}], "other", PromptForm.CHAT)  # limit unknown
