@@ -33,6 +33,7 @@ from kvduplex.bench.agentic_matrix import (
 )
 from kvduplex.bench.agentic_modes import (
     MODE_NAMES,
+    ModeSpec,
     kv_cache_mb_for,
     modes_named,
     start_deployment,
@@ -104,39 +105,43 @@ def workload_configs(args: argparse.Namespace) -> list[WorkloadConfig]:
     ]
 
 
-def max_session_tokens(config: WorkloadConfig) -> int:
-    """Context the longest session of `config` needs at its last turn (prompt and answer)."""
-    return max(
+def _session_tokens(config: WorkloadConfig) -> list[int]:
+    """Context each session of `config` needs at its last turn (prompt and answer)."""
+    return [
         config.system_tokens + sum(t.input_tokens + t.answer_tokens for t in p.turns)
         for p in plan_sessions(config)
-    )
+    ]
 
 
-def _max_tokens_in_flight(configs: list[WorkloadConfig]) -> int:
-    """Tokens of every session's whole history at its last turn, for the largest shape."""
-    return max(
-        sum(c.system_tokens + sum(t.input_tokens + t.answer_tokens for t in p.turns)
-            for p in plan_sessions(c))
-        for c in configs
-    )  # fmt: skip
+def max_session_tokens(config: WorkloadConfig) -> int:
+    """Context the longest session of `config` needs at its last turn."""
+    return max(_session_tokens(config))
 
 
-def _run_local(args: argparse.Namespace, configs: list[WorkloadConfig], notes: list[str],
-               meta: dict[str, Any]) -> tuple[Runs, dict[str, bool]]:  # fmt: skip
-    model = args.model or ("tiny" if args.quick else "small")
-    modes = modes_named([m.strip() for m in args.modes.split(",") if m.strip()])
+def _fit_local(args: argparse.Namespace, model: str, num_modes: int,
+               configs: list[WorkloadConfig], notes: list[str]) -> list[WorkloadConfig]:  # fmt: skip
+    """`configs` scaled to ``--budget-min`` (unless ``--no-fit``/``--quick``); notes say how."""
     cost = COSTS.get(model)
-    if cost is not None:
-        if not (args.no_fit or args.quick):
-            configs[:], est, scaled = fit_to_budget(
-                configs, len(modes), args.repetitions, cost, args.budget_min * 60
-            )
-            for line in scaled:
-                notes.append(f"scaled to fit ~{args.budget_min:g} min: {line}")
-        else:
-            est = estimate_total_s(configs, len(modes), args.repetitions, cost)
-        notes.append(f"estimated {est / 60:.0f} min (rough cost model: {cost})")
-    kv_mb = args.kv_cache_mb or kv_cache_mb_for(model, _max_tokens_in_flight(configs))
+    if cost is None:
+        return configs
+    if not (args.no_fit or args.quick):
+        configs, est, scaled = fit_to_budget(
+            configs, num_modes, args.repetitions, cost, args.budget_min * 60
+        )
+        notes += [f"scaled to fit ~{args.budget_min:g} min: {line}" for line in scaled]
+    else:
+        est = estimate_total_s(configs, num_modes, args.repetitions, cost)
+    notes.append(f"estimated {est / 60:.0f} min (rough cost model: {cost})")
+    return configs
+
+
+def _run_local(args: argparse.Namespace, model: str, modes: list[ModeSpec],
+               configs: list[WorkloadConfig], notes: list[str],
+               meta: dict[str, Any]) -> tuple[Runs, dict[str, bool]]:  # fmt: skip
+    """Start the local deployment, run `modes` interleaved, stop it; (runs, disaggregated per mode)."""
+    # every session of the largest shape at its last turn
+    in_flight = max(sum(_session_tokens(c)) for c in configs)
+    kv_mb = args.kv_cache_mb or kv_cache_mb_for(model, in_flight)
     notes.append(f"model {model}, KV pool {kv_mb} MiB per instance")
     for n in notes:
         _echo(n)
@@ -229,7 +234,10 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     if args.url:
         runs, disagg = _run_url(args, configs, notes, meta)
     else:
-        runs, disagg = _run_local(args, configs, notes, meta)
+        model = args.model or ("tiny" if args.quick else "small")
+        modes = modes_named([m.strip() for m in args.modes.split(",") if m.strip()])
+        configs = _fit_local(args, model, len(modes), configs, notes)
+        runs, disagg = _run_local(args, model, modes, configs, notes, meta)
     notes.insert(0, _workload_note(configs, args))
     turns = report.per_turn(runs.records, disagg)
     summ = report.summary(runs.records, disagg)

@@ -95,9 +95,11 @@ def router_args(spec: ModeSpec, known: set[str]) -> tuple[str, ...] | str:
 
 def kv_bytes_per_token(model: str) -> int:
     """KV bytes one token takes in a preset's cache (float32, the CPU dtype)."""
-    from kvduplex.model.presets import preset_config
+    from kvduplex.model.presets import PRESETS
 
-    cfg = preset_config(model)
+    cfg = PRESETS.get(model)
+    if cfg is None:
+        raise ValueError(f"{model!r} is not a preset: give the pool size with --kv-cache-mb")
     return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
 
 
