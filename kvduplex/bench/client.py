@@ -16,6 +16,30 @@ import numpy as np
 from httpx_sse import SSEError, aconnect_sse
 
 
+@dataclass(frozen=True)
+class KVUsage:
+    """Non-standard ``usage.kv``: where the prompt was computed and the KV that moved for it."""
+
+    prefill_computed_tokens: int
+    """Prompt tokens computed on a prefill instance (0 when colocated)."""
+    decode_computed_tokens: int
+    """Prompt tokens computed on the instance that answered (D, or the colocated one)."""
+    bytes_to_decode: int
+    """KV bytes that arrived at the answering instance for this prompt."""
+
+
+def try_kv_usage(usage: dict[str, Any]) -> KVUsage | None:
+    """``usage.kv`` if the server sent it; None otherwise."""
+    kv = usage.get("kv")
+    if not isinstance(kv, dict):
+        return None
+    return KVUsage(
+        prefill_computed_tokens=int(kv.get("prefill_computed_tokens") or 0),
+        decode_computed_tokens=int(kv.get("decode_computed_tokens") or 0),
+        bytes_to_decode=int(kv.get("bytes_to_decode") or 0),
+    )
+
+
 @dataclass
 class RequestResult:
     """What one streamed request looked like from the client."""
@@ -31,6 +55,8 @@ class RequestResult:
     cached_tokens: int = 0
     completion_tokens: int = 0
     error: str = ""
+    kv: KVUsage | None = None
+    """``usage.kv`` when the server reports it."""
 
 
 async def stream_request(
@@ -89,6 +115,7 @@ async def stream_request(
         prompt_tokens=int(usage.get("prompt_tokens", 0)),
         cached_tokens=int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)),
         completion_tokens=int(usage.get("completion_tokens", len(ids))),
+        kv=try_kv_usage(usage),
     )
 
 

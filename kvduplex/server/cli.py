@@ -120,7 +120,8 @@ def _cmd_up(args: argparse.Namespace) -> None:
             sys.exit(1)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(bench_workload: str = "serving") -> argparse.ArgumentParser:
+    """The whole command line; `bench_workload` picks which workload's flags ``bench`` takes."""
     parser = argparse.ArgumentParser(prog="kvduplex", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -158,25 +159,56 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_flags(up, RouterConfig, skip=_UP_ROUTER_SKIP)
     up.set_defaults(func=_cmd_up)
 
-    from kvduplex.bench.serving import add_arguments
-
     bench = sub.add_parser(
-        "bench", help="colocated / pull / push side by side on local instances (TTFT, TPOT)"
+        "bench",
+        help="benchmarks on local instances or an endpoint: single-turn serving (colocated / "
+        "pull / push TTFT, TPOT) or multi-turn agentic sessions",
     )
-    add_arguments(bench)
+    bench.add_argument(
+        "--workload", default="serving", choices=BENCH_WORKLOADS,
+        help="serving (single-turn) or agentic (multi-turn sessions); each takes its own "
+        "flags: kvduplex bench --workload agentic --help",
+    )  # fmt: skip
+    if bench_workload == "agentic":
+        from kvduplex.bench.agentic_cli import add_arguments as add_agentic_arguments
+
+        add_agentic_arguments(bench)
+    else:
+        from kvduplex.bench.serving import add_arguments
+
+        add_arguments(bench)
     bench.add_argument("--log-level", default="warning")
     bench.set_defaults(func=_cmd_bench)
     return parser
 
 
+BENCH_WORKLOADS = ["serving", "agentic"]
+
+
+def bench_workload_of(argv: list[str]) -> str:
+    """The ``--workload`` of a ``bench`` command line (its flags depend on it)."""
+    if not argv or argv[0] != "bench":
+        return "serving"
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--workload", default="serving", choices=BENCH_WORKLOADS)
+    known, _ = pre.parse_known_args(argv[1:])
+    return str(known.workload)
+
+
 def _cmd_bench(args: argparse.Namespace) -> None:
+    if args.workload == "agentic":
+        from kvduplex.bench.agentic_cli import main as agentic_main
+
+        agentic_main(args)
+        return
     from kvduplex.bench.serving import main as bench_main
 
     bench_main(args)
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(bench_workload_of(argv)).parse_args(argv)
     if args.command in ("up", "bench"):
         # SIGTERM unwinds like Ctrl-C, so the local cluster stops what it started.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

@@ -1,0 +1,39 @@
+"""Multi-turn agentic benchmark (not a test): every KV mode side by side on local instances.
+
+    .venv/bin/python benchmarks/bench_agentic.py                  # small preset, ~45 min
+    .venv/bin/python benchmarks/bench_agentic.py --quick          # smoke run on tiny
+    .venv/bin/python benchmarks/bench_agentic.py --modes colocated,push,push+duplex --shapes reasoning
+    .venv/bin/python benchmarks/bench_agentic.py --url http://127.0.0.1:8000 --label other-system
+
+Also reachable as ``kvduplex bench --workload agentic``. Writes
+results/agentic-<model>.json, .md and .png (see `kvduplex.bench.agentic_cli`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kvduplex.bench.agentic_cli import add_arguments, main
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def cli() -> None:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the cluster
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    parser.set_defaults(results_dir=str(REPO / "results"))
+    try:
+        main(parser.parse_args())
+    except ValueError as exc:  # a flag to change: say which, no traceback
+        print(f"bench_agentic: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    cli()

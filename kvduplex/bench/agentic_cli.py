@@ -1,0 +1,282 @@
+"""The multi-turn agentic benchmark's command line (``kvduplex bench --workload agentic``,
+``benchmarks/bench_agentic.py``).
+
+Without ``--url`` it starts a local deployment of a preset (see
+`kvduplex.bench.agentic_modes`) and runs the modes interleaved; with ``--url``
+it runs the same workload against that one OpenAI-compatible endpoint.
+Either way it writes results/<name>.json (every request's figures, the
+plan, KV counters, command line, commit, machine), .md and .png.
+
+    kvduplex bench --workload agentic                        # every mode, small preset
+    kvduplex bench --workload agentic --quick                # smoke run on tiny
+    kvduplex bench --workload agentic --url http://127.0.0.1:8000 --shapes reasoning
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from kvduplex.bench import agentic_report as report
+from kvduplex.bench.agentic import check_tools_accepted, served_models
+from kvduplex.bench.agentic_matrix import (
+    COSTS,
+    Endpoint,
+    Runs,
+    estimate_total_s,
+    fit_to_budget,
+    run_interleaved,
+)
+from kvduplex.bench.agentic_modes import (
+    MODE_NAMES,
+    ModeSpec,
+    kv_cache_mb_for,
+    modes_named,
+    start_deployment,
+)
+from kvduplex.bench.conversation import PromptForm
+from kvduplex.bench.kvmetrics import Instance, instance_role
+from kvduplex.bench.results import provenance, write_results
+from kvduplex.bench.workload import WorkloadConfig, plan_sessions, shape_named
+from kvduplex.server.cluster import LocalCluster
+
+
+def _echo(line: str) -> None:
+    print(line, flush=True)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = WorkloadConfig()
+    g = parser.add_argument_group("agentic workload")
+    g.add_argument("--shapes", default="agentic,reasoning", help="agentic, reasoning, or both")
+    g.add_argument("--sessions", type=int, default=d.num_sessions, help="concurrent sessions")
+    g.add_argument("--turns", type=int, default=d.num_turns, help="turns per session")
+    g.add_argument("--system-tokens", type=int, default=d.system_tokens, help="shared system prompt")
+    g.add_argument("--think-min", type=float, default=d.think_time_s[0], help="seconds")
+    g.add_argument("--think-max", type=float, default=d.think_time_s[1], help="seconds")
+    g.add_argument("--length-scale", type=float, default=1.0, help="scales inputs and answers")
+    g.add_argument("--form", default="tokens", choices=[f.value for f in PromptForm],
+                   help="token-id prompts (/v1/completions) or chat messages")  # fmt: skip
+    g.add_argument("--chat-plain", action="store_true",
+                   help="chat without tools (assistant text, user messages)")  # fmt: skip
+    g.add_argument("--repetitions", type=int, default=1, help="runs of the workload per mode")
+    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--quick", action="store_true",
+                   help="smoke run: tiny preset, 2 sessions x 3 turns, short lengths, no think time")  # fmt: skip
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--no-warmup", action="store_true", help="skip the warm-up session per mode")
+    g = parser.add_argument_group("endpoint (--url) or local modes")
+    g.add_argument("--url", default="", help="run against this OpenAI-compatible endpoint")
+    g.add_argument("--model", default="",
+                   help="preset of the local modes (default small); with --url the served model "
+                        "(default: the first of /v1/models)")  # fmt: skip
+    g.add_argument("--label", default="endpoint", help="the endpoint's name in the report (--url)")
+    g.add_argument("--endpoint-kind", default="auto", choices=["auto", "disaggregated", "colocated"],
+                   help="auto: disaggregated if /health says role router")  # fmt: skip
+    g.add_argument("--metrics-url", action="append", default=[],
+                   help="an instance whose /metrics count KV bytes (repeat; --url)")  # fmt: skip
+    g.add_argument("--modes", default=",".join(MODE_NAMES), help="local modes to run")
+    g.add_argument("--kv-cache-mb", type=int, default=0, help="per instance; 0 sizes it from the workload")
+    g.add_argument("--budget-min", type=float, default=45.0,
+                   help="scale the local run down to fit this many minutes (estimate)")  # fmt: skip
+    g.add_argument("--no-fit", action="store_true", help="run the lengths as given")
+    g.add_argument("--log-dir", default="", help="process logs (default: a temp dir)")
+    g.add_argument("--results-dir", default="results")
+    g.add_argument("--name", default="", help="results/<name>.json (default agentic-<model|label>)")
+
+
+def workload_configs(args: argparse.Namespace) -> list[WorkloadConfig]:
+    """One config per shape, from the flags (``--quick`` overrides them)."""
+    sessions, turns, system = args.sessions, args.turns, args.system_tokens
+    think, scale = (args.think_min, args.think_max), args.length_scale
+    if args.quick:
+        sessions, turns, system, think, scale = 2, 3, 128, (0.0, 0.0), 0.1
+    return [
+        WorkloadConfig(
+            shape=shape_named(name.strip()).scaled(scale, scale), num_sessions=sessions,
+            num_turns=turns, system_tokens=system, think_time_s=think, seed=args.seed,
+        )
+        for name in args.shapes.split(",")
+        if name.strip()
+    ]
+
+
+def _session_tokens(config: WorkloadConfig) -> list[int]:
+    """Context each session of `config` needs at its last turn (prompt and answer)."""
+    return [
+        config.system_tokens + sum(t.input_tokens + t.answer_tokens for t in p.turns)
+        for p in plan_sessions(config)
+    ]
+
+
+def max_session_tokens(config: WorkloadConfig) -> int:
+    """Context the longest session of `config` needs at its last turn."""
+    return max(_session_tokens(config))
+
+
+def _fit_local(args: argparse.Namespace, model: str, num_modes: int,
+               configs: list[WorkloadConfig], notes: list[str]) -> list[WorkloadConfig]:  # fmt: skip
+    """`configs` scaled to ``--budget-min`` (unless ``--no-fit``/``--quick``); notes say how."""
+    cost = COSTS.get(model)
+    if cost is None:
+        return configs
+    if not (args.no_fit or args.quick):
+        configs, est, scaled = fit_to_budget(
+            configs, num_modes, args.repetitions, cost, args.budget_min * 60
+        )
+        notes += [f"scaled to fit ~{args.budget_min:g} min: {line}" for line in scaled]
+    else:
+        est = estimate_total_s(configs, num_modes, args.repetitions, cost)
+    notes.append(f"estimated {est / 60:.0f} min (rough cost model: {cost})")
+    return configs
+
+
+def _run_local(args: argparse.Namespace, model: str, modes: list[ModeSpec],
+               configs: list[WorkloadConfig], notes: list[str],
+               meta: dict[str, Any]) -> tuple[Runs, dict[str, bool]]:  # fmt: skip
+    """Start the local deployment, run `modes` interleaved, stop it; (runs, disaggregated per mode)."""
+    # every session of the largest shape at its last turn
+    in_flight = max(sum(_session_tokens(c)) for c in configs)
+    kv_mb = args.kv_cache_mb or kv_cache_mb_for(model, in_flight)
+    notes.append(f"model {model}, KV pool {kv_mb} MiB per instance")
+    for n in notes:
+        _echo(n)
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvduplex-agentic-"))
+    with LocalCluster(log_dir=log_dir, env={"OMP_NUM_THREADS": "1"}) as cluster:
+        dep = start_deployment(cluster, modes, model=model, kv_cache_mb=kv_mb, echo=_echo)
+        endpoints = [
+            Endpoint(m.name, dep.fronts[m.name], m.disaggregated, tuple(dep.instances[m.name]))
+            for m in modes
+            if m.name in dep.fronts
+        ]
+        if not endpoints:
+            raise RuntimeError(f"no mode could start: {dep.skipped}")
+        _echo(f"modes {[e.mode for e in endpoints]}; {dep.pinned}; logs in {log_dir}")
+        notes.append(dep.pinned)
+        notes += [f"mode {m} skipped: {why}" for m, why in dep.skipped.items()]
+        meta.update(model=model, kv_cache_mb=kv_mb, skipped=dep.skipped, log_dir=str(log_dir),
+                    fronts=dep.fronts)  # fmt: skip
+        models = asyncio.run(served_models(endpoints[0].url))
+        _check_context(configs, models, model, PromptForm(args.form))
+        if args.form == "chat" and not args.chat_plain:
+            _require_tools(endpoints[0].url, model)
+        runs = run_interleaved(
+            endpoints, configs, model=model, repetitions=args.repetitions,
+            form=PromptForm(args.form), chat_plain=args.chat_plain, warmup=not args.no_warmup,
+            progress=not args.no_progress, echo=_echo,
+        )  # fmt: skip
+    return runs, {e.mode: e.disaggregated for e in endpoints}
+
+
+def _check_context(
+    configs: list[WorkloadConfig], models: list[dict[str, Any]], model: str, form: PromptForm
+) -> None:
+    """Refuse a workload whose longest session outgrows the model's context (if it says)."""
+    limit = next((m.get("max_model_len") for m in models if m.get("id") == model), None)
+    if not isinstance(limit, int):
+        return
+    # chat templates add a few tokens per message; the token-id form adds none
+    overhead = 16 * 2 * max(c.num_turns for c in configs) if form is PromptForm.CHAT else 0
+    need = max(max_session_tokens(c) for c in configs) + overhead
+    if need > limit:
+        raise ValueError(
+            f"the longest session needs up to {need} tokens of context, more than {model}'s "
+            f"max_model_len {limit}; lower --turns, --length-scale or --system-tokens"
+        )
+
+
+def _require_tools(url: str, model: str) -> None:
+    refusal = asyncio.run(check_tools_accepted(url, model))
+    if refusal is not None:
+        raise ValueError(f"{url} refuses chat requests with tools ({refusal}); rerun with --chat-plain")
+
+
+def _run_url(args: argparse.Namespace, configs: list[WorkloadConfig], notes: list[str],
+             meta: dict[str, Any]) -> tuple[Runs, dict[str, bool]]:  # fmt: skip
+    url = args.url.rstrip("/")
+    models = asyncio.run(served_models(url))
+    model = args.model or str(models[0]["id"])
+    _check_context(configs, models, model, PromptForm(args.form))
+    if args.endpoint_kind == "auto":
+        disaggregated = instance_role(url) == "router"
+    else:
+        disaggregated = args.endpoint_kind == "disaggregated"
+    instances = tuple(Instance(u.rstrip("/"), instance_role(u)) for u in args.metrics_url)
+    kind = "disaggregated" if disaggregated else "colocated"
+    notes.append(f"endpoint {url} ({kind}), model {model}")
+    meta.update(model=model, url=url, metrics_instances=[asdict(i) for i in instances])
+    if args.form == "chat" and not args.chat_plain:
+        _require_tools(url, model)
+    runs = run_interleaved(
+        [Endpoint(args.label, url, disaggregated, instances)], configs, model=model,
+        repetitions=args.repetitions, form=PromptForm(args.form), chat_plain=args.chat_plain,
+        warmup=not args.no_warmup, progress=not args.no_progress, echo=_echo,
+    )  # fmt: skip
+    return runs, {args.label: disaggregated}
+
+
+def _record(r: Any) -> dict[str, Any]:
+    d = asdict(r)
+    d["result"] = {k: v for k, v in d["result"].items() if k not in ("text", "token_ids")}
+    return d
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the benchmark the flags describe; write and print its report."""
+    prov = provenance()
+    configs = workload_configs(args)
+    notes: list[str] = []
+    meta: dict[str, Any] = {}
+    if args.url:
+        runs, disagg = _run_url(args, configs, notes, meta)
+    else:
+        model = args.model or ("tiny" if args.quick else "small")
+        modes = modes_named([m.strip() for m in args.modes.split(",") if m.strip()])
+        configs = _fit_local(args, model, len(modes), configs, notes)
+        runs, disagg = _run_local(args, model, modes, configs, notes, meta)
+    notes.insert(0, _workload_note(configs, args))
+    turns = report.per_turn(runs.records, disagg)
+    summ = report.summary(runs.records, disagg)
+    ratio = report.ratios(summ)
+    table = report.markdown(turns, summ, ratio, runs.kv, notes)
+    name = args.name or "agentic-" + (args.label if args.url else meta["model"])
+    name += "-quick" if args.quick and not args.name else ""
+    result = {
+        "provenance": prov,
+        "options": {k: v for k, v in vars(args).items() if k != "func"},
+        "workloads": [asdict(c) for c in configs],
+        "plans": {c.shape.name: [asdict(p) for p in plan_sessions(c)] for c in configs},
+        "notes": notes, "meta": meta, "disaggregated": disagg,
+        "per_turn": [asdict(s) for s in turns], "summary": [asdict(s) for s in summ],
+        "ratios": ratio, "kv": runs.kv, "runs": runs.runs,
+        "records": [_record(r) for r in runs.records],
+    }  # fmt: skip
+    directory = Path(args.results_dir)
+    path = write_results(directory, name, result, table)
+    png = report.plot_ttft(turns, directory / f"{name}.png")
+    _echo(table)
+    for line in report.ratio_lines(ratio):
+        _echo(line)
+    plot = str(png) if png else "no plot (pip install matplotlib)"
+    _echo(f"wrote {path}, {path.with_suffix('.md')}, {plot}")
+    return result
+
+
+def _workload_note(configs: list[WorkloadConfig], args: argparse.Namespace) -> str:
+    c = configs[0]
+    shapes = "; ".join(
+        f"{x.shape.name}: inputs {x.shape.input_tokens[0]}-{x.shape.input_tokens[1]}, "
+        f"answers {x.shape.answer_tokens[0]}-{x.shape.answer_tokens[1]} tokens"
+        for x in configs
+    )
+    return (
+        f"{c.num_sessions} sessions x {c.num_turns} turns, system prompt {c.system_tokens} tokens, "
+        f"think {c.think_time_s[0]:g}-{c.think_time_s[1]:g} s, {args.form} form"
+        f"{' (plain chat)' if args.chat_plain else ''}, seed {c.seed}, "
+        f"{args.repetitions} repetition(s); {shapes}"
+    )
+

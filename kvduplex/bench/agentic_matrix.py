@@ -1,0 +1,198 @@
+"""Run a multi-turn workload on several endpoints interleaved, and size it to a time budget.
+
+Order: for each shape, for each repetition, every mode once, the order
+rotated by one per repetition (A B C, B C A, ...), after a warm-up session per
+mode. Modes run one at a time (they share cores); within a run all sessions
+are concurrent. Every mode gets the same plan (lengths, think times); the
+words differ per mode and repetition so no run hits another's prefix cache.
+Around each run the instances' KV counters are read, after they settle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any
+
+from kvduplex.bench.agentic import RunTarget, TurnRecord, run_workload
+from kvduplex.bench.agentic_report import SUMMARY_MIN_TURN
+from kvduplex.bench.conversation import PromptForm
+from kvduplex.bench.kvmetrics import Instance, KVMoved, kv_moved, settle
+from kvduplex.bench.workload import Shape, WorkloadConfig, plan_sessions
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One mode's front door and the instances that count its KV."""
+
+    mode: str
+    url: str
+    disaggregated: bool
+    instances: tuple[Instance, ...] = ()
+
+
+@dataclass
+class Runs:
+    """Everything the runs produced."""
+
+    records: list[TurnRecord] = field(default_factory=list)
+    runs: list[dict[str, Any]] = field(default_factory=list)
+    """One entry per (shape, repetition, mode): wall seconds and KV counter deltas."""
+    kv: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    """'mode / shape' -> bytes P->D and D->P summed over its runs (None: not counted)."""
+
+
+def _warmup_config(config: WorkloadConfig) -> WorkloadConfig:
+    # Same system prompt (same seed and length), one short two-turn session.
+    return replace(
+        config, shape=Shape("warmup", (32, 32), (8, 8)), num_sessions=1, num_turns=2,
+        think_time_s=(0.0, 0.0),
+    )  # fmt: skip
+
+
+def _add(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a + (b or 0.0)
+
+
+def run_interleaved(
+    endpoints: list[Endpoint],
+    configs: list[WorkloadConfig],
+    *,
+    model: str,
+    repetitions: int = 1,
+    form: PromptForm = PromptForm.TOKENS,
+    chat_plain: bool = False,
+    warmup: bool = True,
+    progress: bool = True,
+    echo: Callable[[str], None],
+) -> Runs:
+    """Run each config (shape) on every endpoint, interleaved as the module says."""
+    out = Runs()
+
+    def target(ep: Endpoint) -> RunTarget:
+        return RunTarget(url=ep.url, model=model, mode=ep.mode, form=form, chat_plain=chat_plain)
+
+    if warmup:
+        for ep in endpoints:
+            recs, _ = asyncio.run(
+                run_workload(target(ep), _warmup_config(configs[0]), salt=f"warmup-{ep.mode}",
+                             progress=False)
+            )  # fmt: skip
+            failed = [r.result.error for r in recs if not r.result.ok]
+            if failed:
+                raise RuntimeError(f"warm-up on {ep.mode} ({ep.url}) failed: {failed[0]}")
+        echo(f"warmed up {[ep.mode for ep in endpoints]}")
+    for config in configs:
+        shape = config.shape.name
+        for rep in range(repetitions):
+            k = rep % len(endpoints)
+            for ep in endpoints[k:] + endpoints[:k]:
+                before = settle(list(ep.instances)) if ep.instances else {}
+                recs, wall = asyncio.run(
+                    run_workload(target(ep), config, salt=f"{ep.mode}-r{rep}", repetition=rep,
+                                 progress=progress)
+                )  # fmt: skip
+                moved = KVMoved()
+                if ep.instances:
+                    moved = kv_moved(list(ep.instances), before, settle(list(ep.instances)))
+                out.records.extend(recs)
+                out.runs.append({
+                    "mode": ep.mode, "shape": shape, "repetition": rep, "wall_s": wall,
+                    "p_to_d_bytes": moved.p_to_d_bytes, "d_to_p_bytes": moved.d_to_p_bytes,
+                    "counters": moved.per_instance,
+                })  # fmt: skip
+                kv = out.kv.setdefault(f"{ep.mode} / {shape}", {"p_to_d_bytes": None, "d_to_p_bytes": None})
+                kv["p_to_d_bytes"] = _add(kv["p_to_d_bytes"], moved.p_to_d_bytes)
+                kv["d_to_p_bytes"] = _add(kv["d_to_p_bytes"], moved.d_to_p_bytes)
+                echo(_run_line(ep.mode, shape, rep, recs, wall))
+    return out
+
+
+def _run_line(mode: str, shape: str, rep: int, recs: list[TurnRecord], wall: float) -> str:
+    ok = [r for r in recs if r.result.ok]
+    late = sorted(r.result.ttft_s for r in ok if r.turn >= SUMMARY_MIN_TURN)
+    med = f"{late[len(late) // 2] * 1e3:.0f} ms" if late else "n/a"
+    line = f"  {shape:9} rep {rep} {mode:18} {len(ok)}/{len(recs)} ok, TTFT (turns >= 3) ~{med}, {wall:.0f} s"
+    errors = [r.result.error for r in recs if not r.result.ok]
+    return line + (f"; first error: {errors[0][:200]}" if errors else "")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Rough per-token costs of a preset on one core of the development machine."""
+
+    prefill_s_per_token: float
+    decode_s_per_token: float
+    """Per output token of one stream, with about six streams decoding at once."""
+    start_s: float
+    """Starting the deployment (loading every instance)."""
+
+
+COSTS: Mapping[str, CostModel] = MappingProxyType({
+    # From the serving benchmark's runs (README): small prefills ~3.6-4.0 ms/token and
+    # decodes at 65-85 ms/token with 1-3 streams; kv-heavy ~3.9-6 ms and 70-180 ms.
+    "small": CostModel(prefill_s_per_token=0.004, decode_s_per_token=0.10, start_s=90.0),
+    "kv-heavy": CostModel(prefill_s_per_token=0.005, decode_s_per_token=0.12, start_s=90.0),
+    "tiny": CostModel(prefill_s_per_token=0.0002, decode_s_per_token=0.005, start_s=20.0),
+})
+
+
+def estimate_run_s(config: WorkloadConfig, cost: CostModel) -> float:
+    """One run of `config` on one mode: the slowest session, each turn prefilling its new
+    input and the previous answer (no return), then decoding its answer."""
+    longest = 0.0
+    for plan in plan_sessions(config):
+        total, prev_answer = 0.0, 0
+        for turn in plan.turns:
+            total += turn.think_s + (turn.input_tokens + prev_answer) * cost.prefill_s_per_token
+            total += turn.answer_tokens * cost.decode_s_per_token
+            prev_answer = turn.answer_tokens
+        longest = max(longest, total)
+    return longest
+
+
+def estimate_total_s(
+    configs: list[WorkloadConfig], num_modes: int, repetitions: int, cost: CostModel
+) -> float:
+    runs = sum(estimate_run_s(c, cost) for c in configs) * num_modes * repetitions
+    warmup = num_modes * (configs[0].system_tokens + 64) * cost.prefill_s_per_token + num_modes * 2
+    return cost.start_s + runs + warmup
+
+
+_LADDER: tuple[tuple[float, int], ...] = (
+    (1.0, 0), (0.75, 0), (0.5, 0), (0.5, 2), (0.375, 2), (0.25, 2), (0.25, 3),
+)  # fmt: skip
+"""(answer length scale, turns dropped), tried in order until the estimate fits."""
+
+
+def fit_to_budget(
+    configs: list[WorkloadConfig], num_modes: int, repetitions: int, cost: CostModel,
+    budget_s: float,
+) -> tuple[list[WorkloadConfig], float, list[str]]:
+    """The first step of the ladder whose estimate fits `budget_s`: (configs, estimate, notes).
+
+    Notes say what was scaled; the last step is taken if none fits.
+    """
+    min_turns = SUMMARY_MIN_TURN + 2
+    best: tuple[list[WorkloadConfig], float, list[str]] | None = None
+    for answer_scale, drop in _LADDER:
+        scaled = [
+            replace(c, shape=c.shape.scaled(answer_scale=answer_scale),
+                    num_turns=max(min_turns, c.num_turns - drop) if drop else c.num_turns)
+            for c in configs
+        ]  # fmt: skip
+        est = estimate_total_s(scaled, num_modes, repetitions, cost)
+        notes = []
+        if answer_scale != 1.0:
+            notes += [f"answers x{answer_scale:g}: " + ", ".join(
+                f"{c.shape.name} {c.shape.answer_tokens[0]}-{c.shape.answer_tokens[1]} tokens"
+                for c in scaled)]  # fmt: skip
+        if drop and scaled[0].num_turns != configs[0].num_turns:
+            notes.append(f"turns {configs[0].num_turns} -> {scaled[0].num_turns}")
+        best = (scaled, est, notes)
+        if est <= budget_s:
+            break
+    assert best is not None
+    return best

@@ -1,0 +1,250 @@
+"""Aggregate a multi-turn workload's records: per turn index, per mode, ratios, plot.
+
+Tokens prefilled per request come from the non-standard ``usage.kv`` when the
+server sends it (P's and D's share apart). Without it they are estimated as
+``prompt_tokens - cached_tokens`` and counted as P's (for a colocated endpoint:
+the instance's); D's share is then unknown.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvduplex.bench.agentic import TurnRecord
+from kvduplex.bench.client import RequestResult
+
+SUMMARY_MIN_TURN = 3
+"""The summary covers turns with index >= this: the history is long by then."""
+
+RATIOS: tuple[tuple[str, str, str, str], ...] = (
+    ("ttft push+duplex / colocated", "push+duplex", "colocated", "ttft_p50_ms"),
+    ("ttft push+duplex / push", "push+duplex", "push", "ttft_p50_ms"),
+    ("ttft push+duplex / push+return-pull", "push+duplex", "push+return-pull", "ttft_p50_ms"),
+    ("tpot push+duplex / push", "push+duplex", "push", "tpot_p50_ms"),
+    ("ttft 2p1d push+duplex / 2p1d push", "2p1d-push+duplex", "2p1d-push", "ttft_p50_ms"),
+)
+"""(name, numerator mode, denominator mode, statistic), over turns >= SUMMARY_MIN_TURN."""
+
+
+def prefill_split(result: RequestResult, disaggregated: bool) -> tuple[float, float | None]:
+    """Prompt tokens computed (on P or the colocated instance, on D or None if unknown)."""
+    kv = result.kv
+    if kv is not None:
+        if disaggregated:
+            return float(kv.prefill_computed_tokens), float(kv.decode_computed_tokens)
+        return float(kv.prefill_computed_tokens + kv.decode_computed_tokens), None
+    return float(max(0, result.prompt_tokens - result.cached_tokens)), None
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def _mean(values: Iterable[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return float(np.mean(known)) if known else None
+
+
+def _ms(v: float | None) -> float | None:
+    return None if v is None else v * 1e3
+
+
+@dataclass
+class Stats:
+    """Figures over a set of requests (one turn index, or turns >= 3) of one mode and shape."""
+
+    mode: str
+    shape: str
+    turn: str
+    """The turn index, or e.g. '>=3'."""
+    n: int
+    errors: int
+    ttft_p50_ms: float | None
+    ttft_p90_ms: float | None
+    tpot_p50_ms: float | None
+    tpot_p90_ms: float | None
+    e2e_p50_ms: float | None
+    prompt_tokens_mean: float | None
+    cached_tokens_mean: float | None
+    prefilled_p_mean: float | None
+    """Prompt tokens computed on P (colocated: on the instance), mean per request."""
+    prefilled_d_mean: float | None
+    """Prompt tokens computed on D, mean per request (None: not reported)."""
+    bytes_p_to_d_mean: float | None
+    """KV bytes that reached D per request (``usage.kv``; None: not reported, or colocated)."""
+
+
+def stats_of(mode: str, shape: str, turn: str, records: list[TurnRecord], disaggregated: bool) -> Stats:
+    ok = [r.result for r in records if r.result.ok]
+    splits = [prefill_split(r, disaggregated) for r in ok]
+    return Stats(
+        mode=mode, shape=shape, turn=turn, n=len(ok), errors=len(records) - len(ok),
+        ttft_p50_ms=_ms(_pct([r.ttft_s for r in ok], 50)),
+        ttft_p90_ms=_ms(_pct([r.ttft_s for r in ok], 90)),
+        tpot_p50_ms=_ms(_pct([r.tpot_s for r in ok], 50)),
+        tpot_p90_ms=_ms(_pct([r.tpot_s for r in ok], 90)),
+        e2e_p50_ms=_ms(_pct([r.e2e_s for r in ok], 50)),
+        prompt_tokens_mean=_mean(float(r.prompt_tokens) for r in ok),
+        cached_tokens_mean=_mean(float(r.cached_tokens) for r in ok),
+        prefilled_p_mean=_mean(p for p, _ in splits),
+        prefilled_d_mean=_mean(d for _, d in splits),
+        bytes_p_to_d_mean=_mean(
+            float(r.kv.bytes_to_decode) if r.kv and disaggregated else None for r in ok
+        ),
+    )  # fmt: skip
+
+
+def _groups(records: list[TurnRecord]) -> dict[tuple[str, str], list[TurnRecord]]:
+    out: dict[tuple[str, str], list[TurnRecord]] = {}
+    for r in records:
+        out.setdefault((r.mode, r.shape), []).append(r)
+    return out
+
+
+def per_turn(records: list[TurnRecord], disaggregated: dict[str, bool]) -> list[Stats]:
+    """One row per (mode, shape, turn index), in the order the modes first appear."""
+    rows = []
+    for (mode, shape), recs in _groups(records).items():
+        for turn in sorted({r.turn for r in recs}):
+            of_turn = [r for r in recs if r.turn == turn]
+            rows.append(stats_of(mode, shape, str(turn), of_turn, disaggregated.get(mode, False)))
+    return rows
+
+
+def summary(
+    records: list[TurnRecord], disaggregated: dict[str, bool], min_turn: int = SUMMARY_MIN_TURN
+) -> list[Stats]:
+    """One row per (mode, shape) over the turns with index >= `min_turn`."""
+    return [
+        stats_of(mode, shape, f">={min_turn}", [r for r in recs if r.turn >= min_turn],
+                 disaggregated.get(mode, False))
+        for (mode, shape), recs in _groups(records).items()
+    ]  # fmt: skip
+
+
+def ratios(rows: list[Stats]) -> dict[str, dict[str, float]]:
+    """shape -> {ratio name: value} for the RATIOS whose modes both ran."""
+    by = {(s.mode, s.shape): s for s in rows}
+    out: dict[str, dict[str, float]] = {}
+    for shape in dict.fromkeys(s.shape for s in rows):
+        entry: dict[str, float] = {}
+        for name, num, den, stat in RATIOS:
+            a, b = by.get((num, shape)), by.get((den, shape))
+            va = getattr(a, stat) if a else None
+            vb = getattr(b, stat) if b else None
+            if va is not None and vb:
+                entry[name] = va / vb
+        out[shape] = entry
+    return out
+
+
+def fmt(v: object) -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, float):
+        return f"{v:.2f}" if abs(v) < 10 else f"{v:.0f}"
+    return str(v)
+
+
+def _table(header: list[str], rows: list[list[object]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(fmt(c) for c in row) + " |" for row in rows]
+    return lines
+
+
+_COLS = ("n", "errors", "ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "e2e_p50_ms",
+         "prompt_tokens_mean", "cached_tokens_mean", "prefilled_p_mean", "prefilled_d_mean")  # fmt: skip
+
+
+def _kib(v: float | None) -> float | None:
+    return None if v is None else v / 1024
+
+
+def stats_table(rows: list[Stats]) -> list[str]:
+    header = ["mode", "shape", "turn", *_COLS, "KiB P→D/req"]
+    body: list[list[object]] = [
+        [s.mode, s.shape, s.turn, *(getattr(s, c) for c in _COLS), _kib(s.bytes_p_to_d_mean)]
+        for s in rows
+    ]
+    return _table(header, body)
+
+
+def kv_table(kv_by_mode: dict[str, dict[str, float | None]]) -> list[str]:
+    """mode/shape -> {p_to_d_bytes, d_to_p_bytes} summed over the runs (all turns)."""
+    body: list[list[object]] = [
+        [key, _mib(v.get("p_to_d_bytes")), _mib(v.get("d_to_p_bytes"))]
+        for key, v in kv_by_mode.items()
+    ]
+    return _table(["mode / shape", "MiB P→D (all turns)", "MiB D→P (all turns)"], body)
+
+
+def _mib(v: float | None) -> float | None:
+    return None if v is None else v / 2**20
+
+
+def markdown(
+    turns: list[Stats],
+    summ: list[Stats],
+    ratio: dict[str, dict[str, float]],
+    kv_by_mode: dict[str, dict[str, float | None]],
+    notes: list[str],
+) -> str:
+    """The whole report as Markdown: notes, summary, ratios, KV moved, per-turn rows."""
+    lines = [f"- {n}" for n in notes]
+    lines += ["", f"Summary over turns >= {SUMMARY_MIN_TURN} (ms, tokens per request):", ""]
+    lines += stats_table(summ)
+    for shape, entry in ratio.items():
+        if entry:
+            lines += ["", f"Ratios ({shape}, p50, turns >= {SUMMARY_MIN_TURN}):", ""]
+            lines += _table(["ratio", "value"], [[k, v] for k, v in entry.items()])
+    if kv_by_mode:
+        lines += ["", "KV moved (instances' /metrics):", "", *kv_table(kv_by_mode)]
+    lines += ["", "Per turn index:", "", *stats_table(turns)]
+    return "\n".join(lines)
+
+
+def ratio_lines(ratio: dict[str, dict[str, float]]) -> list[str]:
+    """One printable line per shape with its ratios."""
+    return [
+        f"{shape}: " + ", ".join(f"{k} {v:.2f}" for k, v in entry.items())
+        for shape, entry in ratio.items()
+        if entry
+    ]
+
+
+def plot_ttft(turns: list[Stats], path: Path) -> Path | None:
+    """PNG of TTFT p50 by turn index, one line per mode, one panel per shape.
+
+    None (and no file) when matplotlib is not installed.
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    shapes = list(dict.fromkeys(s.shape for s in turns))
+    fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4), squeeze=False)
+    for ax, shape in zip(axes[0], shapes, strict=True):
+        for mode in dict.fromkeys(s.mode for s in turns if s.shape == shape):
+            pts = [(int(s.turn), s.ttft_p50_ms) for s in turns
+                   if s.shape == shape and s.mode == mode and s.ttft_p50_ms is not None]  # fmt: skip
+            if pts:
+                xs, ys = zip(*pts, strict=True)
+                ax.plot(xs, ys, marker="o", label=mode)
+        ax.set_title(f"{shape}: TTFT p50 by turn")
+        ax.set_xlabel("turn index")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylabel("TTFT p50 (ms)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,149 @@
+"""The multi-turn report: per-turn rows, the turns >= 3 summary, ratios, KV attribution,
+fitting the local run to its time budget, and which router flags a mode needs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvduplex.bench import agentic_report as report
+from kvduplex.bench.agentic import TurnRecord
+from kvduplex.bench.agentic_matrix import COSTS, estimate_total_s, fit_to_budget
+from kvduplex.bench.agentic_modes import MODES, modes_named, router_args
+from kvduplex.bench.client import KVUsage, RequestResult
+from kvduplex.bench.kvmetrics import BYTES, Instance, kv_moved
+from kvduplex.bench.workload import AGENTIC, REASONING, WorkloadConfig
+
+
+def _rec(mode: str, turn: int, ttft: float, *, session: int = 0, ok: bool = True,
+         kv: KVUsage | None = None, prompt: int = 100, cached: int = 60,
+         shape: str = "agentic") -> TurnRecord:  # fmt: skip
+    res = RequestResult(
+        ok=ok, ttft_s=ttft, tpot_s=ttft / 10, e2e_s=ttft * 2, prompt_tokens=prompt,
+        cached_tokens=cached, kv=kv, error="" if ok else "HTTP 500",
+    )  # fmt: skip
+    return TurnRecord(mode, shape, 0, session, turn, 0.0, 10, 5, 0.0, res)
+
+
+def test_per_turn_has_one_row_per_mode_shape_and_turn() -> None:
+    recs = [_rec(m, t, 0.1 * (t + 1), session=s) for m in ("colocated", "push")
+            for t in range(4) for s in range(3)]  # fmt: skip
+    recs.append(_rec("push", 2, 9.0, session=3, ok=False))
+    rows = report.per_turn(recs, {"colocated": False, "push": True})
+    assert [(r.mode, r.turn) for r in rows] == [(m, str(t)) for m in ("colocated", "push") for t in range(4)]
+    push2 = next(r for r in rows if r.mode == "push" and r.turn == "2")
+    assert (push2.n, push2.errors) == (3, 1)
+    assert push2.ttft_p50_ms == pytest.approx(300.0)  # the failed request's 9 s is not counted
+    assert push2.tpot_p50_ms == pytest.approx(30.0)
+
+
+def test_percentiles_interpolate_like_numpy() -> None:
+    recs = [_rec("push", 3, t, session=i) for i, t in enumerate([1.0, 2.0, 3.0, 4.0, 10.0])]
+    (row,) = report.summary(recs, {"push": True})
+    assert row.ttft_p50_ms == pytest.approx(3000.0)
+    assert row.ttft_p90_ms == pytest.approx(7600.0)  # 4 + 0.6 * (10 - 4) seconds
+
+
+def test_summary_covers_turns_from_three_on() -> None:
+    recs = [_rec("push", t, float(t), session=s) for t in range(6) for s in range(2)]
+    (row,) = report.summary(recs, {"push": True})
+    assert row.turn == ">=3" and row.n == 6
+    assert row.ttft_p50_ms == pytest.approx(4000.0)
+
+
+def test_prefill_split_prefers_usage_kv() -> None:
+    kv = KVUsage(prefill_computed_tokens=30, decode_computed_tokens=2, bytes_to_decode=4096)
+    with_kv = RequestResult(ok=True, prompt_tokens=100, cached_tokens=68, kv=kv)
+    assert report.prefill_split(with_kv, disaggregated=True) == (30.0, 2.0)
+    assert report.prefill_split(with_kv, disaggregated=False) == (32.0, None)
+    without = RequestResult(ok=True, prompt_tokens=100, cached_tokens=68)
+    assert report.prefill_split(without, disaggregated=True) == (32.0, None)
+    assert report.prefill_split(without, disaggregated=False) == (32.0, None)
+
+
+def test_means_of_prefilled_tokens_and_bytes() -> None:
+    kv = [KVUsage(40, 0, 1000), KVUsage(20, 4, 3000)]
+    recs = [_rec("push", 3, 1.0, session=i, kv=k) for i, k in enumerate(kv)]
+    (row,) = report.summary(recs, {"push": True})
+    assert (row.prefilled_p_mean, row.prefilled_d_mean) == (30.0, 2.0)
+    assert row.bytes_p_to_d_mean == 2000.0
+    (colo,) = report.summary([_rec("colocated", 3, 1.0, kv=kv[0])], {"colocated": False})
+    assert colo.bytes_p_to_d_mean is None and colo.prefilled_d_mean is None
+    (bare,) = report.summary([_rec("x", 3, 1.0)], {"x": True})
+    assert bare.prefilled_p_mean == 40.0 and bare.prefilled_d_mean is None
+    assert bare.bytes_p_to_d_mean is None
+
+
+def test_ratios_between_modes_that_ran() -> None:
+    recs = [_rec("colocated", 3, 2.0), _rec("push", 3, 4.0), _rec("push+duplex", 3, 3.0),
+            _rec("push", 3, 8.0, shape="reasoning")]  # fmt: skip
+    ratio = report.ratios(report.summary(recs, {}))
+    assert ratio["agentic"]["ttft push+duplex / colocated"] == pytest.approx(1.5)
+    assert ratio["agentic"]["ttft push+duplex / push"] == pytest.approx(0.75)
+    assert ratio["agentic"]["tpot push+duplex / push"] == pytest.approx(0.75)
+    assert "ttft push+duplex / push+return-pull" not in ratio["agentic"]
+    assert ratio["reasoning"] == {}
+
+
+def test_markdown_and_plot(tmp_path: Path) -> None:
+    recs = [_rec(m, t, 0.1 * (t + 1)) for m in ("colocated", "push") for t in range(4)]
+    turns, summ = report.per_turn(recs, {}), report.summary(recs, {})
+    kv = {"push / agentic": {"p_to_d_bytes": 2.0**20, "d_to_p_bytes": None}}
+    text = report.markdown(turns, summ, report.ratios(summ), kv, ["a note"])
+    assert text.startswith("- a note")
+    assert "| push / agentic | 1.00 | n/a |" in text
+    assert text.count("| push | agentic |") == 5  # 4 turns + the summary row
+    png = report.plot_ttft(turns, tmp_path / "p.png")
+    assert png is not None and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def _samples(**by_direction: float) -> dict:
+    return {(BYTES, (("direction", d),)): v for d, v in by_direction.items()}
+
+
+def test_kv_bytes_each_way_follow_the_instance_roles() -> None:
+    p, d = Instance("http://p", "prefill"), Instance("http://d", "decode")
+    before = {"http://p": _samples(write=100, read=0), "http://d": _samples(write=0, read=10)}
+    after = {"http://p": _samples(write=600, read=7), "http://d": _samples(write=40, read=30)}
+    ret = ("kvduplex_kv_return_bytes_total", (("direction", "sent"),))
+    after["http://d"][ret] = 40.0
+    moved = kv_moved([p, d], before, after)
+    assert moved.p_to_d_bytes == 500 + 20  # P's WRITEs (push) and D's READs (pull)
+    assert moved.d_to_p_bytes == 40 + 7  # D's WRITEs (duplex) and P's READs (return by pull)
+    assert moved.per_instance["http://d"]["kvduplex_kv_return_bytes_total{direction=sent}"] == 40.0
+
+
+def test_kv_bytes_are_unknown_without_the_counter() -> None:
+    inst = [Instance("http://p", "prefill")]
+    moved = kv_moved(inst, {"http://p": {}}, {"http://p": {}})
+    assert moved.p_to_d_bytes is None and moved.d_to_p_bytes is None
+    colo = kv_moved([Instance("http://c", "both")], {}, {"http://c": _samples(write=5)})
+    assert colo.p_to_d_bytes is None
+
+
+def test_fit_keeps_the_workload_when_it_fits_and_scales_it_when_not() -> None:
+    configs = [WorkloadConfig(shape=AGENTIC), WorkloadConfig(shape=REASONING)]
+    cost = COSTS["small"]
+    same, est, notes = fit_to_budget(configs, 8, 1, cost, budget_s=1e9)
+    assert same == configs and notes == []
+    assert est == pytest.approx(estimate_total_s(configs, 8, 1, cost))
+    fitted, est2, notes2 = fit_to_budget(configs, 8, 1, cost, budget_s=45 * 60)
+    assert est2 <= 45 * 60 < est
+    assert notes2 and "answers x" in notes2[0]
+    assert fitted[1].shape.answer_tokens[1] < REASONING.answer_tokens[1]
+    assert all(c.num_turns >= 5 for c in fitted)
+
+
+def test_router_flags_of_a_mode() -> None:
+    duplex, push = modes_named(["push+duplex", "push"])
+    assert router_args(duplex, {"--mode"}) == "the router does not know --return-mode"
+    assert router_args(duplex, {"--return-mode"}) == ("--return-mode", "push")
+    assert router_args(push, {"--mode"}) == ()  # the default is not restated to an old router
+    assert router_args(push, {"--return-mode"}) == ("--return-mode", "none")
+    short = next(m for m in MODES if m.name == "push+duplex+short")
+    assert router_args(short, {"--return-mode", "--short-append-tokens"}) == (
+        "--return-mode", "push", "--short-append-tokens", "256",
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="unknown modes"):
+        modes_named(["push+magic"])
