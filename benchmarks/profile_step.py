@@ -155,11 +155,17 @@ def split_step(raw: dict[str, float], step_s: float) -> dict[str, float]:
     return parts
 
 
-def make_engine(model: str, seed: int, num_threads: int, max_num_seqs: int) -> Any:
+def make_engine(
+    model: str, seed: int, num_threads: int, max_num_seqs: int, decode_attention: str = ""
+) -> Any:
+    """An engine on CPU in float32 (`decode_attention` empty: the checkout's default)."""
     from kvduplex.config import CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig
     from kvduplex.engine.engine import LLMEngine
 
-    load = ModelLoadConfig(model=model, seed=seed, dtype="float32", device="cpu", num_threads=num_threads)
+    extra = {"decode_attention": decode_attention} if decode_attention else {}
+    load = ModelLoadConfig(
+        model=model, seed=seed, dtype="float32", device="cpu", num_threads=num_threads, **extra
+    )
     cfg = EngineConfig(
         model=load,
         cache=CacheConfig(block_size=16, kv_cache_mb=1024),
@@ -302,6 +308,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cpus", default="0", help="cpus to pin to, e.g. 0 or 0,1")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--decode-attention", default="", help="sdpa or flex (default: the checkout's)")
     ap.add_argument("--torch-profiler", action="store_true")
     ap.add_argument("--src", default="", help="import kvduplex from this checkout instead")
     ap.add_argument("--tag", default="", help="suffix of the result files")
@@ -317,11 +324,13 @@ def main() -> None:
             from benchmarks.llama_folder import build_llama_folder
 
             model = str(build_llama_folder(Path(tmp) / "llama-50m", args.seed))
-        engine = make_engine(model, args.seed, args.threads, max(args.batches))
+        engine = make_engine(model, args.seed, args.threads, max(args.batches), args.decode_attention)
         results = [profile_batch(engine, b, args) for b in args.batches]
     import kvduplex
 
-    text = (f"Decode step of `{args.model}` float32, context {args.context}+, median ms per step "
+    attention = getattr(engine.runner, "decode_attention", "sdpa")
+    text = (f"Decode step of `{args.model}` float32, {attention} decode attention, "
+            f"context {args.context}+, median ms per step "
             f"over {args.reps * args.block} instrumented steps ({pinned}; kvduplex from "
             f"{Path(kvduplex.__file__).parent.parent})\n\n" + table(results))
     name = "profile_step" + (f"-{args.tag}" if args.tag else "")

@@ -100,7 +100,8 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         self.runner = ModelRunner(
-            self.loaded.model, model_cfg, self.kv_pool, self.layout, self.loaded.device
+            self.loaded.model, model_cfg, self.kv_pool, self.layout, self.loaded.device,
+            decode_attention=config.model.decode_attention,
         )
         self.max_model_len = min(
             model_cfg.max_position_embeddings, num_blocks * config.cache.block_size

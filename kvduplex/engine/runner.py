@@ -31,6 +31,7 @@ from kvduplex.engine.runner_inputs import (
 )
 from kvduplex.model.config import DecoderConfig
 from kvduplex.model.decoder import DecoderForCausalLM
+from kvduplex.model.flex_decode import FlexDecode
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +83,15 @@ class ModelRunner:
         kv_pool: torch.Tensor,  # (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
         layout: KVCacheLayout,
         device: torch.device | str,
+        decode_attention: str = "sdpa",
     ) -> None:
-        """ValueError if the pool does not match `layout`, or `layout` does not fit `config`."""
+        """ValueError if the pool does not match `layout`, or `layout` does not fit `config`.
+
+        `decode_attention`: ``sdpa`` (decodes grouped by length, their blocks copied
+        into a scratch buffer, one SDPA per group) or ``flex`` (one compiled
+        FlexAttention call reading the pool in place; models with sliding-window
+        layers keep ``sdpa``).
+        """
         expected = kv_layout_for(config, layout.block_size, layout.num_blocks, layout.dtype)
         if expected != layout:
             raise ValueError(f"KV layout does not fit the model: {expected.incompatibility(layout)}")
@@ -104,7 +112,16 @@ class ModelRunner:
         self.layout = layout
         self.block_size = layout.block_size
         self.tables = BlockTables(layout.num_blocks)
-        self.inputs = InputBuilder(layout, self.device)
+        if decode_attention not in ("sdpa", "flex"):
+            raise ValueError(f"decode_attention must be sdpa or flex, got {decode_attention!r}")
+        flex = None
+        if decode_attention == "flex":
+            if any(config.window_of(i) is not None for i in range(config.num_layers)):
+                logger.warning("sliding-window layers: decode attention stays sdpa")
+            else:
+                flex = FlexDecode(layout.num_blocks, layout.block_size, self.device)
+        self.decode_attention = "flex" if flex is not None else "sdpa"
+        self.inputs = InputBuilder(layout, self.device, flex)
 
     # ---- block tables ----
 

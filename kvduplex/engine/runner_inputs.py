@@ -29,6 +29,7 @@ import torch
 from kvduplex.engine.block_table import BlockTables
 from kvduplex.engine.kv_cache import KVCacheLayout
 from kvduplex.model.attention import AttentionContext, DecodeGroup, PrefillSpan
+from kvduplex.model.flex_decode import FlexDecode
 
 
 @dataclass
@@ -61,8 +62,10 @@ class StepBatch:
 class InputBuilder:
     """Builds `StepBatch`es for one runner (engine thread only)."""
 
-    def __init__(self, layout: KVCacheLayout, device: torch.device) -> None:
+    def __init__(self, layout: KVCacheLayout, device: torch.device, flex: FlexDecode | None = None) -> None:
+        """With `flex`, decodes attend in place through it instead of in groups."""
         self.block_size = layout.block_size
+        self.flex = flex
         self.device = device
         self._pin = device.type == "cuda"
         self._kv_dtype = layout.torch_dtype
@@ -121,13 +124,23 @@ class InputBuilder:
             for i in np.flatnonzero(lens > 1)
         ]  # fmt: skip
         decodes = np.flatnonzero(lens == 1)
-        groups = self._decode_groups(decodes, first, ends, rows, tables) if decodes.size else []
+        groups: list[DecodeGroup] = []
+        flex_batch = None
+        if decodes.size and self.flex is not None:
+            width = -(-int(ends[decodes].max()) // bs)
+            flex_batch = self.flex.batch(
+                self._tensor(first[decodes]), tables.table[rows[decodes], :width], ends[decodes]
+            )
+        elif decodes.size:
+            groups = self._decode_groups(decodes, first, ends, rows, tables)
         ctx = AttentionContext(
             slot_mapping=staged[2],
             block_size=bs,
             prefills=prefills,
             decode_groups=groups,
             decode_kv=self._decode_kv_view(max((g.block_index.shape[0] for g in groups), default=0)),
+            flex=self.flex,
+            flex_batch=flex_batch,
         )
         return StepBatch(
             input_ids=staged[0], positions=staged[1], logits_index=self._tensor(logits_index), ctx=ctx

@@ -190,3 +190,46 @@ def test_tables_held_across_steps_give_the_one_off_results(runner: ModelRunner, 
         runner.execute([SeqInput([1], 13, None, True, "r")])
     with pytest.raises(ValueError, match="block ids must be in"):
         runner.update_table("s", [NUM_BLOCKS], replace=True)
+
+
+@pytest.mark.parametrize("dim", [32, 64, 128, 576, 1000])
+def test_float32_rms_norm_is_bitwise_the_transformers_formula(dim: int) -> None:
+    from kvduplex.model.decoder import RMSNorm
+
+    norm = RMSNorm(dim, 1e-5, torch.float32, None)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(dim, generator=torch.Generator().manual_seed(dim)))
+    for rows in (1, 7, 300):
+        x = torch.randn(rows, dim, generator=torch.Generator().manual_seed(rows)) * 4
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+        assert torch.equal(norm(x), norm.weight * h)
+
+
+@pytest.mark.slow
+def test_flex_decode_attention_is_token_exact_with_sdpa(tiny: LoadedModel) -> None:
+    """In-place FlexAttention decodes (compiled on first use) pick the tokens SDPA picks."""
+    layout = kv_layout_for(tiny.config, BS, NUM_BLOCKS, tiny.dtype)
+    runners = {
+        name: ModelRunner(tiny.model, tiny.config, allocate_kv_pool(layout), layout, tiny.device,
+                          decode_attention=name)
+        for name in ("sdpa", "flex")
+    }  # fmt: skip
+    assert runners["flex"].decode_attention == "flex"
+    prompts = [_ids(5), _ids(13, 3), _ids(9, 7)]
+    tables = [[30, 2, 17, 8], [4, 11, 25, 0, 19, 6], [21, 13, 1, 28, 9]]
+    tokens: dict[str, list[list[int]]] = {}
+    for name, r in runners.items():
+        r.execute([SeqInput(p, 0, t, False) for p, t in zip(prompts, tables, strict=True)])
+        cur, pos, out = [1, 2, 3], [len(p) for p in prompts], []
+        for step in range(8):
+            live = range(1) if step < 2 else range(3)  # batch 1 first, then 3 (two compiles)
+            seqs = [SeqInput([cur[i]], pos[i], tables[i], True) for i in live]
+            picked = r.execute(seqs).argmax(-1).tolist()
+            for j, i in enumerate(live):
+                cur[i], pos[i] = picked[j], pos[i] + 1
+            out.append(picked)
+        tokens[name] = out
+    assert tokens["flex"] == tokens["sdpa"]
+    with pytest.raises(ValueError, match="decode_attention"):
+        ModelRunner(tiny.model, tiny.config, allocate_kv_pool(layout), layout, tiny.device,
+                    decode_attention="paged")
