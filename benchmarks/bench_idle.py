@@ -53,8 +53,19 @@ def cpu_seconds(pid: int) -> dict[str, float]:
 
 
 def start(tree: str, log_dir: Path, model: str) -> tuple[LocalCluster, dict[str, Process]]:
+    """P, D, a colocated instance and a push router, all running `tree`'s kvduplex."""
     env = {"OMP_NUM_THREADS": "1", "PYTHONPATH": tree}
     cluster = LocalCluster(log_dir=log_dir, env=env)
+    # ``python -m`` puts the working directory before PYTHONPATH: start from the tree.
+    cwd = os.getcwd()
+    os.chdir(tree)
+    try:
+        return _start(cluster, model)
+    finally:
+        os.chdir(cwd)
+
+
+def _start(cluster: LocalCluster, model: str) -> tuple[LocalCluster, dict[str, Process]]:
     serve = ["serve", "--model", model, "--kv-cache-mb", "64", "--log-level", "warning"]
     procs = {
         "prefill": cluster.start("prefill", [*serve, "--role", "prefill"], free_port()),
@@ -89,8 +100,8 @@ def main() -> None:
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--duration", type=float, default=60.0, help="idle seconds measured")
     ap.add_argument("--settle", type=float, default=10.0, help="idle seconds before measuring")
-    ap.add_argument("--gap", type=float, default=8.0, help="idle seconds before each latency probe")
-    ap.add_argument("--probes", type=int, default=4, help="latency probes per tree")
+    ap.add_argument("--gap", type=float, default=7.0, help="idle seconds before each latency probe")
+    ap.add_argument("--probes", type=int, default=10, help="latency probes per tree")
     args = ap.parse_args()
     trees = {"this": str(Path(__file__).resolve().parent.parent)}
     if args.baseline_src:
@@ -121,25 +132,33 @@ def main() -> None:
                             key=lambda kv: -kv[1],
                         )[:4],
                     }
-            for _ in range(args.probes):  # A B A B, each after a pause
+            for _ in range(args.probes):  # A B A B: after a pause, then at once again
                 for n, (_, procs) in clusters.items():
                     time.sleep(args.gap)
                     ttft, e2e = timed_request(procs["router"].url, args.model, prompt, 8)
-                    results[n]["probes"].append({"ttft_s": ttft, "e2e_s": e2e})
+                    warm_ttft, warm_e2e = timed_request(procs["router"].url, args.model, prompt, 8)
+                    results[n]["probes"].append({"ttft_s": ttft, "e2e_s": e2e,
+                                                 "warm_ttft_s": warm_ttft, "warm_e2e_s": warm_e2e})
         finally:
             for cluster, _ in clusters.values():
                 cluster.stop()
     rows = []
     for n, res in results.items():
-        idle = res["idle"]
-        ttft = statistics.median(p["ttft_s"] for p in res["probes"]) * 1e3
-        e2e = statistics.median(p["e2e_s"] for p in res["probes"]) * 1e3
-        rows.append([n, *(f"{idle[r]['core_percent']:.2f}" for r in ROLES), f"{ttft:.1f}", f"{e2e:.1f}"])
+        idle, probes = res["idle"], res["probes"]
+
+        def med(key: str, probes: list[dict[str, float]] = probes) -> float:
+            return statistics.median(p[key] for p in probes) * 1e3
+
+        penalty = statistics.median(p["e2e_s"] - p["warm_e2e_s"] for p in probes) * 1e3
+        rows.append([n, *(f"{idle[r]['core_percent']:.2f}" for r in ROLES),
+                     f"{med('ttft_s'):.1f} / {med('warm_ttft_s'):.1f}",
+                     f"{med('e2e_s'):.1f} / {med('warm_e2e_s'):.1f}", f"{penalty:+.1f}"])  # fmt: skip
     table = (
         f"Idle CPU over {args.duration:.0f} s after one request (push router, `{args.model}`), "
-        f"% of one core, and the first request after {args.gap:.0f} s idle "
-        f"(median of {args.probes}, A B A B)\n\n"
-        + md_table(["tree", *(f"{r} %" for r in ROLES), "TTFT ms", "e2e ms (8 tokens)"], rows)
+        f"% of one core; then, A B A B, a request after {args.gap:.0f} s idle and one right after "
+        f"it (medians of {args.probes}; penalty: median of the paired e2e differences)\n\n"
+        + md_table(["tree", *(f"{r} %" for r in ROLES), "TTFT ms after idle / warm",
+                    "e2e ms (8 tokens) after idle / warm", "idle penalty e2e ms"], rows)
     )
     write_results("bench_idle", {"args": vars(args), "trees": trees, "results": results}, table)
     print(table)

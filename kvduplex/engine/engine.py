@@ -326,13 +326,23 @@ class LLMEngine:
         self.block_pool.check_integrity()
 
     def warmup(self) -> None:
-        """Run one tiny forward so the first request does not pay for lazy init."""
+        """Run tiny requests so the first real ones do not pay for lazy init.
+
+        With in-place (flex) decode attention, a lone decode and a batch of two
+        too: each compiles its kernel once (seconds), here rather than mid-serving.
+        """
+        batches = [1, 2] if self.runner.decode_attention == "flex" else [1]
         with torch.inference_mode():
-            rid = "__warmup__"
-            self.add_request(rid, [1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0))
-            while self.scheduler.get_request(rid) is not None and self.scheduler.has_unfinished():
-                self.step()
-            self.abort_request(rid)
+            for n in batches:
+                rids = [f"__warmup__{i}" for i in range(n)]
+                for rid in rids:
+                    self.add_request(rid, [1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0))
+                while self.scheduler.has_unfinished() and any(
+                    self.scheduler.get_request(rid) is not None for rid in rids
+                ):
+                    self.step()
+                for rid in rids:
+                    self.abort_request(rid)
 
 
 def _with_eos(params: SamplingParams, eos: tuple[int, ...]) -> SamplingParams:
