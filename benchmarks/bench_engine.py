@@ -9,7 +9,7 @@
    tokens/s (512-token prompts, 64 greedy tokens), each variant in its own
    process (`decode_worker.py`) pinned to one core, variants interleaved
    A B A B: this checkout, this checkout with ``--decode-attention flex``
-   (``--flex``), and another checkout (``--baseline-src``, e.g. the commit
+   (``--flex``) or in bfloat16 (``--bf16``), and another checkout (``--baseline-src``, e.g. the commit
    before a change, exported with ``git archive``).
 4. ``breakdown``: where a decode step goes at batch 1 and 16 (`profile_step.py`).
 
@@ -51,7 +51,7 @@ def hf_model_and_ours(preset: str, seed: int) -> tuple[torch.nn.Module, object]:
 
     ours = load_model(ModelLoadConfig(model=preset, seed=seed, dtype="float32", device="cpu"))
     c = ours.config
-    hf_cfg = LlamaConfig(
+    hf_cfg = LlamaConfig(  # type: ignore[call-arg]
         hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
         num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
         num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, vocab_size=c.vocab_size,
@@ -63,11 +63,13 @@ def hf_model_and_ours(preset: str, seed: int) -> tuple[torch.nn.Module, object]:
     hf = LlamaForCausalLM(hf_cfg).eval()
     with tempfile.TemporaryDirectory() as tmp:
         hf.save_pretrained(tmp, safe_serialization=True)
-        load_safetensors(ours.model, weight_files(Path(tmp)))  # type: ignore[attr-defined]
+        load_safetensors(ours.model, weight_files(Path(tmp)))
     return hf, ours
 
 
-def workload(n: int, seed: int, vocab: int, prompt_range: tuple[int, int], out_range: tuple[int, int]):
+def workload(
+    n: int, seed: int, vocab: int, prompt_range: tuple[int, int], out_range: tuple[int, int]
+) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
     return [
         ([rng.randrange(3, vocab) for _ in range(rng.randint(*prompt_range))], rng.randint(*out_range))
@@ -132,19 +134,19 @@ def ttft(engine: LLMEngine, prompt: list[int], tag: str) -> tuple[float, int]:
 def decode_section(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     """Single-stream ITL and concurrent tokens/s per variant, variants interleaved A B A B."""
     here = Path(__file__).resolve().parent
-    variants = {"this": (str(here.parent), "")}
+    variants: dict[str, tuple[str, list[str]]] = {"this": (str(here.parent), [])}
     if args.flex:
-        variants["this, flex"] = (str(here.parent), "flex")
+        variants["this, flex"] = (str(here.parent), ["--decode-attention", "flex"])
+    if args.bf16:
+        variants["this, bfloat16"] = (str(here.parent), ["--dtype", "bfloat16"])
     if args.baseline_src:
-        variants["baseline"] = (str(Path(args.baseline_src).resolve()), "")
+        variants["baseline"] = (str(Path(args.baseline_src).resolve()), [])
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
     common = ["--model", args.preset, "--context", str(args.decode_context), "--new-tokens",
               str(args.decode_tokens), "--concurrency", str(args.num_requests)]  # fmt: skip
     for _ in range(args.decode_reps):
-        for name, (src, attention) in variants.items():
-            cmd = [sys.executable, str(here / "decode_worker.py"), "--src", src, *common]
-            if attention:
-                cmd += ["--decode-attention", attention]
+        for name, (src, extra) in variants.items():
+            cmd = [sys.executable, str(here / "decode_worker.py"), "--src", src, *common, *extra]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
             runs[name].append(json.loads(out.strip().splitlines()[-1]))
     rows, summary = [], {}
@@ -166,7 +168,7 @@ def decode_section(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
                     f"{args.num_requests}-concurrent decode tok/s", "decode tok/s: variant / this"],
                    rows)
     )
-    return {"variants": {n: v[1] or "default" for n, v in variants.items()}, "summary": summary,
+    return {"variants": {n: " ".join(v[1]) or "default" for n, v in variants.items()}, "summary": summary,
             "runs": runs}, table  # fmt: skip
 
 
@@ -196,6 +198,7 @@ def main() -> None:
                     choices=["throughput", "ttft", "decode", "breakdown"])
     ap.add_argument("--baseline-src", default="", help="decode: also run this checkout")
     ap.add_argument("--flex", action="store_true", help="decode: also run --decode-attention flex")
+    ap.add_argument("--bf16", action="store_true", help="decode: also run the model in bfloat16")
     ap.add_argument("--decode-reps", type=int, default=3)
     ap.add_argument("--decode-context", type=int, default=512)
     ap.add_argument("--decode-tokens", type=int, default=64)
@@ -258,7 +261,7 @@ def throughput_and_ttft(
         "hf_sequential": n_seq / t_seq,
         "hf_batched_useful": n_bat_useful / t_bat,
     }
-    rows = [
+    rows: list[list[Any]] = [
         ["kvduplex (continuous batching)", f"{t_ours:.1f}", n_ours, f"{thr['kvduplex']:.1f}", "1.00"],
         ["HF generate, sequential", f"{t_seq:.1f}", n_seq, f"{thr['hf_sequential']:.1f}",
          f"{thr['kvduplex'] / thr['hf_sequential']:.2f}"],

@@ -33,6 +33,7 @@ def main() -> None:
     ap.add_argument("--cpus", default="0")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--decode-attention", default="")
+    ap.add_argument("--dtype", default="float32")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(args.src).resolve()))
     import os
@@ -47,7 +48,7 @@ def main() -> None:
 
     extra = {"decode_attention": args.decode_attention} if args.decode_attention else {}
     cfg = EngineConfig(
-        model=ModelLoadConfig(model=args.model, seed=args.seed, dtype="float32", device="cpu", **extra),
+        model=ModelLoadConfig(model=args.model, seed=args.seed, dtype=args.dtype, device="cpu", **extra),
         cache=CacheConfig(block_size=16, kv_cache_mb=1024),
         scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048),
     )
@@ -86,6 +87,7 @@ def main() -> None:
     many = run(args.concurrency, "many")
     print(json.dumps({
         "decode_attention": getattr(engine.runner, "decode_attention", "sdpa"),
+        "dtype": args.dtype,
         "itl_ms": [t * 1e3 for t in single["itl_s"]],
         "concurrent": {
             "output_tokens_per_s": many["output_tokens"] / many["wall_s"],

@@ -156,15 +156,16 @@ def split_step(raw: dict[str, float], step_s: float) -> dict[str, float]:
 
 
 def make_engine(
-    model: str, seed: int, num_threads: int, max_num_seqs: int, decode_attention: str = ""
+    model: str, seed: int, num_threads: int, max_num_seqs: int, decode_attention: str = "",
+    dtype: str = "float32",
 ) -> Any:
-    """An engine on CPU in float32 (`decode_attention` empty: the checkout's default)."""
+    """An engine on CPU (`decode_attention` empty: the checkout's default)."""
     from kvduplex.config import CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig
     from kvduplex.engine.engine import LLMEngine
 
     extra = {"decode_attention": decode_attention} if decode_attention else {}
     load = ModelLoadConfig(
-        model=model, seed=seed, dtype="float32", device="cpu", num_threads=num_threads, **extra
+        model=model, seed=seed, dtype=dtype, device="cpu", num_threads=num_threads, **extra
     )
     cfg = EngineConfig(
         model=load,
@@ -309,27 +310,30 @@ def main() -> None:
     ap.add_argument("--cpus", default="0", help="cpus to pin to, e.g. 0 or 0,1")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--decode-attention", default="", help="sdpa or flex (default: the checkout's)")
+    ap.add_argument("--dtype", default="float32")
     ap.add_argument("--torch-profiler", action="store_true")
     ap.add_argument("--src", default="", help="import kvduplex from this checkout instead")
     ap.add_argument("--tag", default="", help="suffix of the result files")
     args = ap.parse_args()
-    if args.src:
-        sys.path.insert(0, str(Path(args.src).resolve()))
     from benchmarks.common import pin, write_results
+    from benchmarks.llama_folder import build_llama_folder
+
+    if args.src:  # after this checkout's benchmark helpers, before any kvduplex import
+        sys.path.insert(0, str(Path(args.src).resolve()))
 
     pinned = pin({int(c) for c in args.cpus.split(",")}, args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model == "llama-50m":
-            from benchmarks.llama_folder import build_llama_folder
-
             model = str(build_llama_folder(Path(tmp) / "llama-50m", args.seed))
-        engine = make_engine(model, args.seed, args.threads, max(args.batches), args.decode_attention)
+        engine = make_engine(
+            model, args.seed, args.threads, max(args.batches), args.decode_attention, args.dtype
+        )
         results = [profile_batch(engine, b, args) for b in args.batches]
     import kvduplex
 
     attention = getattr(engine.runner, "decode_attention", "sdpa")
-    text = (f"Decode step of `{args.model}` float32, {attention} decode attention, "
+    text = (f"Decode step of `{args.model}` {args.dtype}, {attention} decode attention, "
             f"context {args.context}+, median ms per step "
             f"over {args.reps * args.block} instrumented steps ({pinned}; kvduplex from "
             f"{Path(kvduplex.__file__).parent.parent})\n\n" + table(results))

@@ -28,11 +28,11 @@ when nothing happens::
                   (on CPU), and what the engine does with a notification waits
                   for its next layer anyway.
 
-Each pass costs ~30 us of CPU. Polling every millisecond forever kept an idle
-instance at ~3-8% of a core; deep idle is ~0.1%. Every exchange starts with a
-local action (decode registers blocks, prefill computes, a return offers), so
-the instance is warm before the replies it waits for arrive; only a message
-out of the blue after warm_s of silence waits up to one deep-idle interval.
+A pass costs ~30 us of CPU: a millisecond's polling kept an idle instance at
+3-8% of a core, deep idle at ~0.1% (docs/hot_path.md). Every exchange starts
+with a local action (a registration, a forward, an offer), so replies find
+the thread warm; only a message out of the blue after warm_s of silence
+waits up to one deep-idle interval.
 
 Posting. Over shared memory (UCX cma) NIXL copies the data inside its post
 call, so a post costs as long as the copy. A transfer larger than
