@@ -1,26 +1,38 @@
 """Single-instance engine benchmark (not a test).
 
-1. Output tokens/s for 16 concurrent requests of mixed prompt (128-1024) and
-   output (32-256) lengths on the `small` preset: our engine (continuous
-   batching, paged KV) vs Hugging Face transformers `generate` on the same
-   weights, sequential and batched with left padding, in one run.
-2. TTFT of a 2,048-token prompt, cold vs prefix-cache hit (interleaved).
+1. ``throughput``: output tokens/s for 16 concurrent requests of mixed prompt
+   (128-1024) and output (32-256) lengths on the `small` preset: our engine
+   (continuous batching, paged KV) vs Hugging Face transformers `generate` on
+   the same weights, sequential and batched with left padding, in one run.
+2. ``ttft``: TTFT of a 2,048-token prompt, cold vs prefix-cache hit (interleaved).
+3. ``decode``: single-stream inter-token latency and 16-concurrent output
+   tokens/s (512-token prompts, 64 greedy tokens), each variant in its own
+   process (`decode_worker.py`) pinned to one core, variants interleaved
+   A B A B: this checkout, this checkout with ``--decode-attention flex``
+   (``--flex``) or in bfloat16 (``--bf16``), and another checkout (``--baseline-src``, e.g. the commit
+   before a change, exported with ``git archive``).
+4. ``breakdown``: where a decode step goes at batch 1 and 16 (`profile_step.py`).
 
-    .venv/bin/python benchmarks/bench_engine.py            # full run
-    .venv/bin/python benchmarks/bench_engine.py --quick    # smaller, a smoke run
+    .venv/bin/python benchmarks/bench_engine.py                          # everything
+    .venv/bin/python benchmarks/bench_engine.py --sections decode breakdown \
+        --baseline-src /tmp/kvd-base --flex                              # the decode path
+    .venv/bin/python benchmarks/bench_engine.py --quick                  # smaller, a smoke run
 
-Writes results/bench_engine.json and .md and prints the table.
+Writes results/bench_engine.json and .md and prints the tables.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -39,7 +51,7 @@ def hf_model_and_ours(preset: str, seed: int) -> tuple[torch.nn.Module, object]:
 
     ours = load_model(ModelLoadConfig(model=preset, seed=seed, dtype="float32", device="cpu"))
     c = ours.config
-    hf_cfg = LlamaConfig(
+    hf_cfg = LlamaConfig(  # type: ignore[call-arg]
         hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
         num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
         num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, vocab_size=c.vocab_size,
@@ -51,11 +63,13 @@ def hf_model_and_ours(preset: str, seed: int) -> tuple[torch.nn.Module, object]:
     hf = LlamaForCausalLM(hf_cfg).eval()
     with tempfile.TemporaryDirectory() as tmp:
         hf.save_pretrained(tmp, safe_serialization=True)
-        load_safetensors(ours.model, weight_files(Path(tmp)))  # type: ignore[attr-defined]
+        load_safetensors(ours.model, weight_files(Path(tmp)))
     return hf, ours
 
 
-def workload(n: int, seed: int, vocab: int, prompt_range: tuple[int, int], out_range: tuple[int, int]):
+def workload(
+    n: int, seed: int, vocab: int, prompt_range: tuple[int, int], out_range: tuple[int, int]
+) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
     return [
         ([rng.randrange(3, vocab) for _ in range(rng.randint(*prompt_range))], rng.randint(*out_range))
@@ -117,6 +131,60 @@ def ttft(engine: LLMEngine, prompt: list[int], tag: str) -> tuple[float, int]:
     return elapsed, cached
 
 
+def decode_section(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """Single-stream ITL and concurrent tokens/s per variant, variants interleaved A B A B."""
+    here = Path(__file__).resolve().parent
+    variants: dict[str, tuple[str, list[str]]] = {"this": (str(here.parent), [])}
+    if args.flex:
+        variants["this, flex"] = (str(here.parent), ["--decode-attention", "flex"])
+    if args.bf16:
+        variants["this, bfloat16"] = (str(here.parent), ["--dtype", "bfloat16"])
+    if args.baseline_src:
+        variants["baseline"] = (str(Path(args.baseline_src).resolve()), [])
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
+    common = ["--model", args.preset, "--context", str(args.decode_context), "--new-tokens",
+              str(args.decode_tokens), "--concurrency", str(args.num_requests)]  # fmt: skip
+    for _ in range(args.decode_reps):
+        for name, (src, extra) in variants.items():
+            cmd = [sys.executable, str(here / "decode_worker.py"), "--src", src, *common, *extra]
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+            runs[name].append(json.loads(out.strip().splitlines()[-1]))
+    rows, summary = [], {}
+    ref = None
+    for name, rs in runs.items():
+        itl = statistics.median(statistics.median(r["itl_ms"]) for r in rs)
+        tps = statistics.median(r["concurrent"]["output_tokens_per_s"] for r in rs)
+        dtps = statistics.median(r["concurrent"]["decode_tokens_per_s"] for r in rs)
+        summary[name] = {"itl_ms": itl, "output_tokens_per_s": tps, "decode_tokens_per_s": dtps}
+        ref = ref or summary[name]
+        rows.append([name, f"{itl:.2f}", f"{ref['itl_ms'] / itl:.3f}", f"{tps:.1f}",
+                     f"{dtps:.1f}", f"{dtps / ref['decode_tokens_per_s']:.3f}"])  # fmt: skip
+    table = (
+        f"Decode, `{args.preset}` float32, one core each (cpu 0, 1 torch thread), prompts of "
+        f"{args.decode_context} tokens, {args.decode_tokens} greedy tokens; medians of "
+        f"{args.decode_reps} interleaved runs per variant\n\n"
+        + md_table(["variant", "single-stream ITL ms", "ITL: this / variant",
+                    f"{args.num_requests}-concurrent output tok/s (incl. prefill)",
+                    f"{args.num_requests}-concurrent decode tok/s", "decode tok/s: variant / this"],
+                   rows)
+    )
+    return {"variants": {n: " ".join(v[1]) or "default" for n, v in variants.items()}, "summary": summary,
+            "runs": runs}, table  # fmt: skip
+
+
+def breakdown_section(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """Per-part decode step times of this checkout at batch 1 and 16 (profile_step)."""
+    from benchmarks import profile_step
+
+    ns = argparse.Namespace(context=args.decode_context, reps=4, block=5, warmup=3,
+                            seed=args.seed, torch_profiler=False)  # fmt: skip
+    engine = profile_step.make_engine(args.preset, args.seed, 1, 16)
+    results = [profile_step.profile_batch(engine, b, ns) for b in (1, 16)]
+    return ({"results": results, "summary": [profile_step.summarize(r) for r in results]},
+            "Decode step by part (ms, median; this checkout, 1 torch thread)\n\n"
+            + profile_step.table(results))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="small")
@@ -126,11 +194,40 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="tiny sizes: check that it runs")
+    ap.add_argument("--sections", nargs="+", default=["throughput", "ttft", "decode", "breakdown"],
+                    choices=["throughput", "ttft", "decode", "breakdown"])
+    ap.add_argument("--baseline-src", default="", help="decode: also run this checkout")
+    ap.add_argument("--flex", action="store_true", help="decode: also run --decode-attention flex")
+    ap.add_argument("--bf16", action="store_true", help="decode: also run the model in bfloat16")
+    ap.add_argument("--decode-reps", type=int, default=3)
+    ap.add_argument("--decode-context", type=int, default=512)
+    ap.add_argument("--decode-tokens", type=int, default=64)
     args = ap.parse_args()
     prompt_range, out_range = (128, 1024), (32, 256)
     if args.quick:
         args.num_requests, args.ttft_prompt, args.ttft_reps = 4, 256, 1
         prompt_range, out_range = (16, 64), (4, 16)
+        args.decode_reps, args.decode_context, args.decode_tokens = 1, 64, 8
+    data: dict[str, Any] = {"preset": args.preset, "sections": args.sections}
+    tables: list[str] = []
+    if "decode" in args.sections:
+        data["decode"], text = decode_section(args)
+        tables.append(text)
+    if "breakdown" in args.sections:
+        data["breakdown"], text = breakdown_section(args)
+        tables.append(text)
+    if "throughput" in args.sections or "ttft" in args.sections:
+        data["throughput_ttft"], text = throughput_and_ttft(args, prompt_range, out_range)
+        tables.append(text)
+    table = "\n\n".join(tables)
+    write_results("bench_engine", data, table)
+    print(table)
+
+
+def throughput_and_ttft(
+    args: argparse.Namespace, prompt_range: tuple[int, int], out_range: tuple[int, int]
+) -> tuple[dict[str, Any], str]:
+    """Sections 1 and 2 (they share one engine and the HF model)."""
     pinned = pin(set(range(args.threads)), args.threads)
     hf, ours = hf_model_and_ours(args.preset, args.seed)
     cfg = EngineConfig(
@@ -164,7 +261,7 @@ def main() -> None:
         "hf_sequential": n_seq / t_seq,
         "hf_batched_useful": n_bat_useful / t_bat,
     }
-    rows = [
+    rows: list[list[Any]] = [
         ["kvduplex (continuous batching)", f"{t_ours:.1f}", n_ours, f"{thr['kvduplex']:.1f}", "1.00"],
         ["HF generate, sequential", f"{t_seq:.1f}", n_seq, f"{thr['hf_sequential']:.1f}",
          f"{thr['kvduplex'] / thr['hf_sequential']:.2f}"],
@@ -185,18 +282,13 @@ def main() -> None:
             ],
         )
     )
-    write_results(
-        "bench_engine",
-        {
-            "pinned": pinned, "preset": args.preset, "num_requests": args.num_requests,
-            "workload": [[len(p), o] for p, o in reqs],
-            "throughput_tokens_per_s": thr,
-            "wall_s": {"kvduplex": t_ours, "hf_sequential": t_seq, "hf_batched": t_bat},
-            "ttft_s": {"cold": cold, "hit": hit, "hit_cached_tokens": hit_cached},
-        },
-        table,
-    )
-    print(table)
+    return {
+        "pinned": pinned, "num_requests": args.num_requests,
+        "workload": [[len(p), o] for p, o in reqs],
+        "throughput_tokens_per_s": thr,
+        "wall_s": {"kvduplex": t_ours, "hf_sequential": t_seq, "hf_batched": t_bat},
+        "ttft_s": {"cold": cold, "hit": hit, "hit_cached_tokens": hit_cached},
+    }, table  # fmt: skip
 
 
 if __name__ == "__main__":

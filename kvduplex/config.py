@@ -100,10 +100,15 @@ class ModelLoadConfig:
     """Name clients use in requests; defaults to the model argument."""
     num_threads: int = 0
     """torch intra-op threads; 0 keeps torch's default."""
+    decode_attention: str = "sdpa"
+    """Decode attention: sdpa (blocks copied per length group, then SDPA) or flex
+    (compiled FlexAttention reading the KV pool in place; compiles at start-up)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.decode_attention not in ("sdpa", "flex"):
+            raise ValueError(f"decode_attention must be sdpa or flex, got {self.decode_attention!r}")
         if self.num_threads < 0:
             raise ValueError("num_threads must be >= 0")
 

@@ -100,7 +100,8 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         self.runner = ModelRunner(
-            self.loaded.model, model_cfg, self.kv_pool, self.layout, self.loaded.device
+            self.loaded.model, model_cfg, self.kv_pool, self.layout, self.loaded.device,
+            decode_attention=config.model.decode_attention,
         )
         self.max_model_len = min(
             model_cfg.max_position_embeddings, num_blocks * config.cache.block_size
@@ -181,6 +182,7 @@ class LLMEngine:
         if found and req is not None and (out := self._make_output(req)) is not None:
             self._aborted.append(out)
         self._forget(request_id)
+        self._drop_stale_tables()
         return found
 
     def has_unfinished(self) -> bool:
@@ -197,6 +199,7 @@ class LLMEngine:
                 end = min(seq.start_pos + seq.num_new_tokens, req.num_prompt_tokens)
                 req.num_prompt_computed_here += end - seq.start_pos
         self.connector.on_scheduled(out)
+        self.runner.drop_tables(out.dropped_table_ids)
         sampled = self._execute(out) if out.seqs else {}
         finished = self.scheduler.update(out, sampled)
         self.connector.on_step_done(out, sampled, finished)
@@ -207,6 +210,7 @@ class LLMEngine:
             touched[req.request_id] = req
         outputs = [o for req in touched.values() if (o := self._make_output(req)) is not None]
         self._report_finished()
+        self._drop_stale_tables()
         return self._take_aborted() + outputs
 
     def resume_with_first_token(self, request_id: str, first_token: int) -> Request:
@@ -227,6 +231,7 @@ class LLMEngine:
         updated = self.connector.take_updated_requests()
         outputs = [o for req in updated if (o := self._make_output(req)) is not None]
         self._report_finished()
+        self._drop_stale_tables()
         return self._take_aborted() + outputs
 
     def _report_finished(self) -> None:
@@ -237,31 +242,33 @@ class LLMEngine:
         if finished:
             self.connector.on_finished(finished)
 
+    def _drop_stale_tables(self) -> None:
+        """The runner forgets at once the tables of requests that stopped running."""
+        self.runner.drop_tables(self.scheduler.tables.take_dropped())
+
     def _take_aborted(self) -> list[RequestOutput]:
         aborted, self._aborted = self._aborted, []
         return aborted
 
     def _execute(self, out: SchedulerOutput) -> dict[str, int]:
-        inputs = [
-            SeqInput(
-                token_ids=seq.token_ids,
-                start_pos=seq.start_pos,
-                block_table=seq.block_table,
-                needs_logits=seq.needs_sample,
-            )
-            for seq in out.seqs
-        ]
-        logits = self.runner.execute(inputs, on_layer_done=self.connector.layer_hook(out))
-        sampling = [seq for seq in out.seqs if seq.needs_sample]
+        runner = self.runner
+        inputs: list[SeqInput] = []
+        for seq in out.seqs:
+            rid = seq.request.request_id
+            if seq.new_block_ids or seq.replaces_table:
+                runner.update_table(rid, seq.new_block_ids, seq.replaces_table)
+            inputs.append(SeqInput(seq.token_ids, seq.start_pos, None, seq.needs_sample, rid))
+        logits = runner.execute(inputs, on_layer_done=self.connector.layer_hook(out))
+        sampling = [seq.request for seq in out.seqs if seq.needs_sample]
         if not sampling:
             return {}
-        params = [seq.request.sampling_params for seq in sampling]
+        params = [req.sampling_params for req in sampling]
         gens = [
-            self._generators.get(seq.request.request_id, p)
-            for seq, p in zip(sampling, params, strict=False)
+            None if p.is_greedy else self._generators.get(req.request_id, p)
+            for req, p in zip(sampling, params, strict=True)
         ]
         tokens = sample(logits, params, gens)
-        return {seq.request.request_id: tok for seq, tok in zip(sampling, tokens, strict=False)}
+        return {req.request_id: tok for req, tok in zip(sampling, tokens, strict=True)}
 
     def _make_output(self, req: Request) -> RequestOutput | None:
         rid = req.request_id
@@ -321,13 +328,23 @@ class LLMEngine:
         self.block_pool.check_integrity()
 
     def warmup(self) -> None:
-        """Run one tiny forward so the first request does not pay for lazy init."""
+        """Run tiny requests so the first real ones do not pay for lazy init.
+
+        With in-place (flex) decode attention, a lone decode and a batch of two
+        too: each compiles its kernel once (seconds), here rather than mid-serving.
+        """
+        batches = [1, 2] if self.runner.decode_attention == "flex" else [1]
         with torch.inference_mode():
-            rid = "__warmup__"
-            self.add_request(rid, [1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0))
-            while self.scheduler.get_request(rid) is not None and self.scheduler.has_unfinished():
-                self.step()
-            self.abort_request(rid)
+            for n in batches:
+                rids = [f"__warmup__{i}" for i in range(n)]
+                for rid in rids:
+                    self.add_request(rid, [1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0))
+                while self.scheduler.has_unfinished() and any(
+                    self.scheduler.get_request(rid) is not None for rid in rids
+                ):
+                    self.step()
+                for rid in rids:
+                    self.abort_request(rid)
 
 
 def _with_eos(params: SamplingParams, eos: tuple[int, ...]) -> SamplingParams:

@@ -43,44 +43,69 @@ class RequestGenerators:
         self._generators.pop(request_id, None)
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask logits outside top-k / the top-p nucleus with -inf. logits: (vocab,)."""
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, sorted_idx = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        cum = torch.cumsum(probs, dim=-1)
-        # Drop a token when the mass before it already reaches top_p. The most likely
-        # token always stays: a top_p below float32's smallest subnormal (5e-324) rounds
-        # to 0, and 0 >= 0 would drop every token.
-        drop = (cum - probs) >= top_p
-        drop[0] = False
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(0, sorted_idx, sorted_logits)
+def _filter_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+    """Mask each row outside its top-k with -inf; k <= 0 or >= vocab keeps the row. logits: (n, vocab)."""
+    vocab = logits.shape[-1]
+    k = torch.tensor([t if 0 < t < vocab else vocab for t in top_k])  # (n,)
+    if bool((k == vocab).all()):
+        return logits
+    kth = torch.topk(logits, int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])  # (n, 1)
+    kth[k == vocab] = float("-inf")
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def _filter_top_p(logits: torch.Tensor, top_p: list[float]) -> torch.Tensor:
+    """Keep each row's smallest nucleus reaching its top_p (rows with top_p 1 untouched)."""
+    rows = [i for i, p in enumerate(top_p) if p < 1.0]
+    if not rows:
+        return logits
+    sub = logits[rows]  # (m, vocab)
+    sorted_logits, sorted_idx = torch.sort(sub, dim=-1, descending=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    cum = torch.cumsum(probs, dim=-1)
+    # Drop a token when the mass before it already reaches top_p. The most likely
+    # token always stays: a top_p below float32's smallest subnormal (5e-324) rounds
+    # to 0, and 0 >= 0 would drop every token.
+    drop = (cum - probs) >= torch.tensor([top_p[i] for i in rows])[:, None]
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    logits = logits.clone()
+    logits[rows] = torch.full_like(sub, float("-inf")).scatter(1, sorted_idx, sorted_logits)
     return logits
 
 
 def sample(
-    logits: torch.Tensor,  # (num_seqs, vocab) float32
+    logits: torch.Tensor,  # (num_seqs, vocab), any float dtype
     params: list[SamplingParams],
-    generators: list[torch.Generator],
+    generators: list[torch.Generator | None],
 ) -> list[int]:
-    """Pick one token per row: greedy rows by argmax, others by seeded sampling."""
+    """Pick one token per row: greedy rows by the first maximum, the others by seeded sampling.
+
+    All rows are picked greedily in one reduction over the logits as they are
+    (no float32 copy of a large vocabulary); only the sampled rows are upcast,
+    scaled and filtered together, then drawn one by one, each with its own
+    request's generator (None is fine for a greedy row).
+    """
     assert logits.shape[0] == len(params) == len(generators)
-    logits = logits.float().cpu()
-    tokens = torch.argmax(logits, dim=-1).tolist()
-    for i, p in enumerate(params):
-        if p.is_greedy:
-            continue
-        row = _filter_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
-        probs = torch.softmax(row, dim=-1)
-        if not bool(torch.isfinite(probs).all()):
+    tokens: list[int] = logits.max(dim=-1).indices.tolist()
+    sampled = [i for i, p in enumerate(params) if not p.is_greedy]
+    if not sampled:
+        return tokens
+    rows = logits[sampled].float().cpu()  # (n, vocab)
+    temps = torch.tensor([params[i].temperature for i in sampled], dtype=torch.float32)
+    rows = _filter_top_k(rows / temps[:, None], [params[i].top_k for i in sampled])
+    rows = _filter_top_p(rows, [params[i].top_p for i in sampled])
+    probs = torch.softmax(rows, dim=-1)
+    finite = torch.isfinite(probs).all(dim=-1).tolist()
+    for j, i in enumerate(sampled):
+        if not finite[j]:
             # NaN logits (e.g. an overflow in the model): one request degrades to
             # greedy over the finite logits instead of the engine loop dying.
             logger.warning("row %d: logits are not finite; taking the argmax of the finite ones", i)
-            tokens[i] = int(torch.argmax(torch.nan_to_num(logits[i], nan=float("-inf"))).item())
+            row = logits[i].float().cpu()
+            tokens[i] = int(torch.argmax(torch.nan_to_num(row, nan=float("-inf"))).item())
             continue
-        tokens[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())
-    return [int(t) for t in tokens]
+        gen = generators[i]
+        assert gen is not None, f"row {i} samples but has no generator"
+        tokens[i] = int(torch.multinomial(probs[j], 1, generator=gen).item())
+    return tokens

@@ -38,6 +38,7 @@ from kvduplex.config import SchedulerConfig
 from kvduplex.engine.kv_manager import KVCacheManager
 from kvduplex.engine.request import FinishReason, Request, RequestStatus
 from kvduplex.engine.scheduler_output import (
+    BlockTableTracker,
     ScheduledSeq,
     SchedulerOutput,
     StepBuilder,
@@ -61,6 +62,7 @@ class Scheduler:
         self._running: list[Request] = []  # RUNNING, by arrival_time
         self._remote_waiting: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV
         self._held: dict[str, Request] = {}  # finished, blocks kept for a reader
+        self.tables = BlockTableTracker()  # what the runner holds of each block table
 
     # ---- queries ----
 
@@ -145,7 +147,7 @@ class Scheduler:
         self._schedule_running(step, decodes=False)
         if not step.preempted:
             self._admit_waiting(step)
-        return step.build()
+        return step.build(self.tables)
 
     def update(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> list[Request]:
         """Apply a step's results; return the requests that finished in it.
@@ -215,6 +217,7 @@ class Scheduler:
         """
         req = self._pop_remote_waiting(request_id)
         if discard_blocks:
+            self.tables.forget(request_id)
             self.kv.drop_tail(req, req.num_cached_tokens // self.kv.block_size)
         self._resume_locally(req, min(req.num_cached_tokens, req.num_prompt_tokens - 1))
         req.status = RequestStatus.RUNNING
@@ -242,6 +245,7 @@ class Scheduler:
         num_hit_blocks = req.num_cached_tokens // self.kv.block_size
         if num_computed < num_hit_blocks * self.kv.block_size:
             num_kept = num_computed // self.kv.block_size
+            self.tables.forget(req.request_id)
             self.kv.drop_tail(req, num_kept)
             num_computed = num_kept * self.kv.block_size
             req.num_cached_tokens = num_computed
@@ -342,6 +346,7 @@ class Scheduler:
     def _preempt(self, req: Request, step: StepBuilder) -> None:
         self._running.remove(req)
         step.drop(req)
+        self.tables.forget(req.request_id)
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
@@ -367,6 +372,7 @@ class Scheduler:
         else:
             self._waiting.remove(req)
         del self._requests[req.request_id]
+        self.tables.forget(req.request_id)
         req.status = reason.status
         req.finish_reason = reason
         if req.hold_blocks_on_finish and reason is not FinishReason.ABORT:

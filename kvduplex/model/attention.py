@@ -15,7 +15,9 @@ sequences; each sequence contributes ``q_len`` new tokens at positions
    (the runner picks them): per group, the blocks of its sequences, padded to
    the group's longest context, are copied with one ``index_select`` per K and
    V into a scratch buffer the runner owns (no allocation per layer), and one
-   batched SDPA runs with a length mask.
+   batched SDPA runs with a length mask. Or, when the runner enables it and
+   the layer has no sliding window, all decodes in one compiled FlexAttention
+   call that reads the pool in place (`flex_decode.py`).
 
 Why groups: padding every decode to the longest context of the step, into a
 fresh tensor in every layer, cost more on CPU than the attention itself; one
@@ -39,6 +41,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from kvduplex.model.flex_decode import FlexDecode, FlexDecodeBatch
 
 
 @dataclass(frozen=True)
@@ -100,10 +104,16 @@ class AttentionContext:
     """Sequences with one new token, grouped by context length."""
     decode_kv: torch.Tensor  # (2, max group blocks, block_size, num_kv_heads, head_dim)
     """Scratch for one group's K and V in one layer (no allocation per layer); garbage in between."""
+    flex: FlexDecode | None = None
+    """In-place decode attention; with `flex_batch`, used instead of the groups."""
+    flex_batch: FlexDecodeBatch | None = None
+    """This step's decodes for `flex` (None: the decodes go through `decode_groups`)."""
     _masks: dict[tuple[str, int, int | None], torch.Tensor | None] = field(default_factory=dict)
 
     @property
     def num_decodes(self) -> int:
+        if self.flex_batch is not None:
+            return int(self.flex_batch.token_index.shape[0])
         return sum(group.num_seqs for group in self.decode_groups)
 
     def decode_mask(self, index: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
@@ -192,7 +202,10 @@ def paged_attention(
             qs[None], ks[None], vs[None], attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
         )  # (1, num_heads, q_len, head_dim)
         out[span.token_start:end] = o[0].transpose(0, 1)
-    if ctx.decode_groups:
+    if ctx.flex is not None and ctx.flex_batch is not None:
+        assert window is None, "in-place decode attention has no sliding window"
+        ctx.flex.attend(q, layer_pool, ctx.flex_batch, scale, out)
+    elif ctx.decode_groups:
         _decode_attention(q, layer_pool, ctx, scale, window, out)
     return out
 

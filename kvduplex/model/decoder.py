@@ -215,10 +215,14 @@ class DecoderForCausalLM(nn.Module):
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits ``(rows, vocab_size)`` in float32 of hidden states ``(rows, hidden_size)``."""
+        """Logits ``(rows, vocab_size)`` in the model's dtype of hidden states ``(rows, hidden_size)``.
+
+        Callers upcast only what needs it (a sampled row); a large vocabulary's
+        logits are not copied to float32 for a greedy pick.
+        """
         h = self.norm(hidden)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, weight).to(torch.float32)
+        return F.linear(h, weight)
 
 
 def hf_weight_target(name: str, config: DecoderConfig) -> tuple[str, int | None] | None:

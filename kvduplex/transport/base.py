@@ -183,10 +183,19 @@ class TransportBase(abc.ABC):
         self._engine_id = engine_id
         self.default_deadline_s = default_deadline_s
         self.metrics = metrics if metrics is not None else TransferMetrics.default()
+        self._last_activity = time.monotonic()
 
     @property
     def layout(self) -> KVCacheLayout:
         return self._layout
+
+    @property
+    def last_activity(self) -> float:
+        return self._last_activity
+
+    def _touch(self) -> None:
+        """Record activity now (a post, a notification sent or received)."""
+        self._last_activity = time.monotonic()
 
     @property
     def engine_id(self) -> str:
@@ -309,6 +318,7 @@ class TransportBase(abc.ABC):
             num_bytes=int(local.size) * self._block_bytes,
             deadline_s=deadline,
         )
+        self._touch()
         t0 = time.perf_counter()
         try:
             self._post(op, peer, handle, local, remote, notif)

@@ -162,6 +162,7 @@ class InProcessTransport(TransportBase):
         target = self._target(peer)
         if target is None:
             raise PeerUnavailableError(f"xid={xid}: peer {peer.engine_id} is gone")
+        self._touch()
         target._deliver(Notification(self.engine_id, xid, payload))
         self.metrics.on_notification("sent")
 
@@ -241,6 +242,7 @@ class InProcessTransport(TransportBase):
                 return
             self._notifs.append(notif)
             self._notif_cv.notify_all()
+        self._touch()
         self.metrics.on_notification("received")
 
     def _expire(self, handle: TransferHandle) -> None:

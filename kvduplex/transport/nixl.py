@@ -5,8 +5,11 @@ VRAM for a CUDA pool) and prepares the local descriptor list of every
 (layer, K|V, block) region once. `connect` loads a peer's agent metadata and
 prepares the peer's region list once; a transfer is then two index arrays.
 
-NIXL's own progress thread busy-polls a core, so it is off; our progress
-thread drives the agent instead::
+NIXL's own progress thread is off: its UCX backend waits on the worker's
+event fd only with a non-zero delay, which NIXL's Python API fixes at 0 (a
+busy loop on a core), and NIXL exposes no event to wait on for
+notifications. Our progress thread drives the agent instead, and backs off
+when nothing happens::
 
     loop:  post queued transfers      ─► NIXL make + post (FIFO)
            check in-flight transfers  ─► DONE / ERR ─► release handle, finish
@@ -14,12 +17,22 @@ thread drives the agent instead::
            drain notifications        ─► queue for poll_notifs()
            sleep: poll_interval_s while anything is in flight, a peer's large
                   transfer targets us (XFER_BEGIN..END), or recently active;
-                  otherwise back off to idle_poll_interval_s; a post wakes it.
-                  While the engine runs a forward (`set_compute_busy`), the
-                  intervals become busy_poll_interval_s and
-                  busy_idle_poll_interval_s: a pass costs tens of microseconds
-                  of the core the forward needs (on CPU), and what the engine
-                  does with a notification waits for its next layer anyway.
+                  otherwise back off, doubling, to idle_poll_interval_s while
+                  warm (any post, notification sent or received, or forward
+                  in the last warm_s), then to deep_idle_poll_interval_s.
+                  A post, a sent notification or the start of a forward wakes
+                  it at once. While the engine runs a forward
+                  (`set_compute_busy`), the intervals become
+                  busy_poll_interval_s and busy_idle_poll_interval_s: a pass
+                  costs tens of microseconds of the core the forward needs
+                  (on CPU), and what the engine does with a notification waits
+                  for its next layer anyway.
+
+A pass costs ~30 us of CPU: a millisecond's polling kept an idle instance at
+3-8% of a core, deep idle at ~0.1% (docs/hot_path.md). Every exchange starts
+with a local action (a registration, a forward, an offer), so replies find
+the thread warm; only a message out of the blue after warm_s of silence
+waits up to one deep-idle interval.
 
 Posting. Over shared memory (UCX cma) NIXL copies the data inside its post
 call, so a post costs as long as the copy. A transfer larger than
@@ -93,6 +106,8 @@ class _Progress:
     """(sender, xid) -> monotonic expiry of peers' large transfers targeting us."""
     last_active: float = 0.0
     idle_wait: float = 0.0
+    num_passes: int = 0
+    """Passes so far (idle cost: tests and measurements)."""
 
 
 class NixlTransport(TransportBase):
@@ -112,6 +127,8 @@ class NixlTransport(TransportBase):
         linger_s: float = 0.05,
         busy_poll_interval_s: float = 1e-3,
         busy_idle_poll_interval_s: float = 10e-3,
+        warm_s: float = 5.0,
+        deep_idle_poll_interval_s: float = 50e-3,
         hint_min_bytes: int = 1 << 20,
         inline_post_max_bytes: int = 256 << 10,
     ) -> None:
@@ -120,7 +137,9 @@ class NixlTransport(TransportBase):
         ``backend_params`` go to NIXL's UCX backend (e.g. ``ucx_devices``);
         ``hint_min_bytes`` is the size from which a transfer asks its target to
         poll fast while it runs; ``inline_post_max_bytes`` the size up to
-        which the caller's thread posts (see the module docstring).
+        which the caller's thread posts; ``warm_s`` how long after the last
+        activity polling stays at ``idle_poll_interval_s`` at most before backing
+        off to ``deep_idle_poll_interval_s`` (see the module docstring).
         """
         super().__init__(layout, engine_id or uuid.uuid4().hex, default_deadline_s, metrics)
         if tuple(pool.shape) != layout.shape or pool.dtype != layout.torch_dtype:
@@ -136,6 +155,8 @@ class NixlTransport(TransportBase):
         self.linger_s = linger_s
         self.busy_poll_interval_s = busy_poll_interval_s
         self.busy_idle_poll_interval_s = busy_idle_poll_interval_s
+        self.warm_s = warm_s
+        self.deep_idle_poll_interval_s = deep_idle_poll_interval_s
         self._compute_busy = False
         self.hint_min_bytes = hint_min_bytes
         mem_type = "DRAM" if pool.device.type == "cpu" else "VRAM"
@@ -255,6 +276,7 @@ class NixlTransport(TransportBase):
                 f"xid={xid}: notification to {peer.engine_id} failed: {exc}"
             ) from exc
         self.metrics.on_notification("sent")
+        self._touch()
         self._wake.set()
 
     def poll_notifs(self, timeout: float = 0.0) -> list[Notification]:
@@ -294,21 +316,32 @@ class NixlTransport(TransportBase):
             except Exception:  # never let the thread die
                 logger.exception("NIXL progress iteration failed")
                 busy = True
-            if self._compute_busy:
-                fast, slow = self.busy_poll_interval_s, self.busy_idle_poll_interval_s
-            else:
-                fast, slow = self.poll_interval_s, self.idle_poll_interval_s
-            pr.idle_wait = fast if busy else min(max(pr.idle_wait * 2, fast), slow)
+            pr.idle_wait = self._next_wait(busy, pr.idle_wait)
             if self._wake.wait(pr.idle_wait):
                 self._wake.clear()
 
+    def _next_wait(self, busy: bool, last_wait: float) -> float:
+        """Seconds to sleep after a pass (see the module docstring)."""
+        if self._compute_busy:
+            fast, slow = self.busy_poll_interval_s, self.busy_idle_poll_interval_s
+        else:
+            fast, slow = self.poll_interval_s, self.idle_poll_interval_s
+            quiet_s = time.monotonic() - max(self.last_activity, self._progress.last_active)
+            if quiet_s >= self.warm_s:
+                slow = max(slow, self.deep_idle_poll_interval_s)
+        return fast if busy else min(max(last_wait * 2, fast), slow)
+
     def set_compute_busy(self, busy: bool) -> None:
         self._compute_busy = busy  # read by the progress thread at its next pass
+        self._touch()
+        if busy and self._progress.idle_wait > self.busy_idle_poll_interval_s:
+            self._wake.set()  # out of deep idle: look for a registration now, then poll busy
 
     def _progress_once(self) -> bool:
         """One pass; True if fast polling should continue."""
         now = time.monotonic()
         pr = self._progress
+        pr.num_passes += 1
         self._xfers.drain_posts()
         checked = self._xfers.check_all()
         received = self._drain_notifs(now)
@@ -350,6 +383,8 @@ class NixlTransport(TransportBase):
                     self._progress.remote_hints[key] = now + env.deadline_s
                 else:
                     self._progress.remote_hints.pop(key, None)
+        if count:
+            self._touch()
         if out:
             for _ in out:
                 self.metrics.on_notification("received")

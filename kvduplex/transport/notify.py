@@ -1,10 +1,18 @@
 """One thread per instance that takes the transport's notifications and dispatches them.
 
 Flows (push, duplex) register a handler per `ControlMessage` type and a tick
-(deadline checks). Handlers run on the pump thread: they must be quick and
-hand real work to the engine thread (`AsyncEngine.call`). A malformed
-notification is logged and dropped; a handler that raises is logged and the
-pump goes on.
+(deadline checks, heartbeats). Handlers run on the pump thread: they must be
+quick and hand real work to the engine thread (`AsyncEngine.call`). A
+malformed notification is logged and dropped; a handler that raises is logged
+and the pump goes on.
+
+The pump sleeps in `poll_notifs`, so a notification wakes it at once. Ticks
+run every ``tick_s`` while the transport is active (a post or a notification
+in the last ``hot_s``: something may be pending), else every ``idle_tick_s``;
+heartbeats (a third of a 10 s wait) and deadlines of long silences need no
+more, and an idle instance wakes once a second instead of twenty times::
+
+    activity ─┬─ tick_s ticks ... hot_s ... ─┬─ idle_tick_s ticks ...
 
 Test-only hook: ``drop_types`` (set from ``KVDUPLEX_TEST_DROP_MESSAGES``,
 see `kvduplex.config.Environment`) names message types (``kv_register``,
@@ -30,7 +38,8 @@ logger = logging.getLogger(__name__)
 Handler = Callable[[ControlMessage, str], None]
 """``handler(message, sender_engine_id)``."""
 Tick = Callable[[float], None]
-"""``tick(now)``: called at least every ``tick_s`` with `time.monotonic()`."""
+"""``tick(now)``: called with `time.monotonic()` every ``tick_s`` while the transport is
+active, at least every ``idle_tick_s`` otherwise."""
 
 
 def message_type_of(cls: type[ControlMessage]) -> str:
@@ -46,10 +55,23 @@ class NotificationPump:
     """Polls `transport.poll_notifs` and routes each message to its type's handler."""
 
     def __init__(
-        self, transport: Transport, tick_s: float = 0.05, drop_types: frozenset[str] = frozenset()
+        self,
+        transport: Transport,
+        tick_s: float = 0.05,
+        idle_tick_s: float | None = None,
+        hot_s: float = 15.0,
+        drop_types: frozenset[str] = frozenset(),
     ) -> None:
+        """`idle_tick_s` None: ``max(tick_s, 1.0)``. ValueError for non-positive periods."""
+        idle = max(tick_s, 1.0) if idle_tick_s is None else idle_tick_s
+        if tick_s <= 0 or idle < tick_s or hot_s < 0:
+            raise ValueError("need 0 < tick_s <= idle_tick_s and hot_s >= 0")
         self.transport = transport
         self.tick_s = tick_s
+        self.idle_tick_s = idle
+        self.hot_s = hot_s
+        self.num_wakeups = 0
+        """Times the pump woke (for tests and idle measurements)."""
         self.drop_types = drop_types
         """Message type tags dropped on arrival (fault tests only)."""
         self.num_dropped = 0
@@ -80,17 +102,28 @@ class NotificationPump:
         if self._thread.is_alive():
             self._thread.join(timeout=2.0)
 
+    def _period(self, now: float) -> float:
+        """Seconds between ticks now: short while the transport was recently active."""
+        return self.tick_s if now - self.transport.last_activity < self.hot_s else self.idle_tick_s
+
     def _run(self) -> None:
         assert self._codec is not None
+        next_tick = time.monotonic()
         while not self._stop.is_set():
+            now = time.monotonic()
+            next_tick = min(next_tick, now + self._period(now))
             try:
-                notifs = self.transport.poll_notifs(timeout=self.tick_s)
+                notifs = self.transport.poll_notifs(timeout=max(0.0, next_tick - now))
             except Exception:  # transport closed under us
                 logger.exception("polling notifications failed; the pump stops")
                 return
+            self.num_wakeups += 1
             for n in notifs:
                 self._dispatch(n.payload, n.peer_engine_id)
             now = time.monotonic()
+            if now < next_tick:
+                continue
+            next_tick = now + self._period(now)
             for tick in self._ticks:
                 try:
                     tick(now)

@@ -332,6 +332,12 @@ class Transport(Protocol):
         """The engine starts (True) or ends (False) a forward: background polling may slow."""
         ...
 
+    @property
+    def last_activity(self) -> float:
+        """`time.monotonic()` of the latest post, sent or received notification (or of
+        creation): how long the transport has been idle, for pollers that back off."""
+        ...
+
     def disconnect(self, peer: PeerHandle) -> None:
         """Fail the peer's in-flight transfers and forget it; idempotent."""
         ...

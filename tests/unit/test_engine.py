@@ -64,6 +64,7 @@ def run(
 def assert_no_leak(engine: LLMEngine) -> None:
     engine.check_integrity()
     assert engine.block_pool.stats().num_in_use == 0
+    assert len(engine.runner.tables) == 0, "the runner kept tables of finished requests"
 
 
 def random_prompts(n: int, seed: int, lo: int = 3, hi: int = 40) -> list[list[int]]:
@@ -204,3 +205,21 @@ def test_abort_frees_blocks(tiny: LoadedModel) -> None:
     assert len(outs) == 1 and outs[0].finished and outs[0].finish_reason == "abort"
     assert outs[0].num_output_tokens == 2
     assert not [o for o in engine.step() if o.request_id == "a"]
+
+
+def test_runner_tables_follow_the_scheduler_through_preemption(tiny: LoadedModel) -> None:
+    engine = make_engine(tiny, num_blocks=24, block_size=4, budget=64)
+    prompts = random_prompts(6, seed=11, lo=20, hi=30)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"t{i}", p, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    steps = 0
+    while engine.has_unfinished() and steps < 2000:
+        engine.step()
+        steps += 1
+        for req in engine.scheduler._running:
+            rid = req.request_id
+            if engine.runner.has_table(rid):
+                row = engine.runner.tables.row_of(rid)
+                held = engine.runner.tables.table[row, : engine.runner.tables.num_blocks[row]]
+                assert held.tolist() == req.block_ids, f"{rid}: runner table differs"
+    assert_no_leak(engine)

@@ -65,3 +65,42 @@ def test_non_finite_logits_degrade_one_row_to_greedy() -> None:
     params = [SamplingParams(top_k=1), SamplingParams(temperature=1.0), SamplingParams(top_k=1)]
     gens = [torch.Generator().manual_seed(i) for i in range(3)]
     assert sample(logits, params, gens) == [0, 2, 0]
+
+
+def _one_row_reference(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
+    """The per-row sampler the batched one must match draw for draw."""
+    row = logits.float() / p.temperature
+    if 0 < p.top_k < row.shape[-1]:
+        row = row.masked_fill(row < torch.topk(row, p.top_k).values[-1], float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, idx = torch.sort(row, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= p.top_p
+        drop[0] = False
+        row = torch.full_like(row, float("-inf")).scatter(0, idx, sorted_logits.masked_fill(drop, float("-inf")))
+    return int(torch.multinomial(torch.softmax(row, dim=-1), 1, generator=gen).item())
+
+
+def test_batched_rows_draw_what_each_row_alone_draws() -> None:
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(12, 3000, generator=g) * 3
+    plist = [
+        SamplingParams(temperature=0.0), SamplingParams(temperature=0.7),
+        SamplingParams(top_k=5), SamplingParams(top_p=0.9), SamplingParams(top_k=50, top_p=0.5),
+        SamplingParams(temperature=1.3, top_k=1), SamplingParams(temperature=0.0, top_k=3),
+        SamplingParams(top_p=0.3, temperature=0.5), SamplingParams(), SamplingParams(top_k=2999),
+        SamplingParams(top_k=3000), SamplingParams(temperature=2.0, top_p=0.99),
+    ]  # fmt: skip
+    batched = sample(logits, plist, [None if p.is_greedy else torch.Generator().manual_seed(i)
+                                     for i, p in enumerate(plist)])
+    alone = [
+        int(logits[i].argmax()) if p.is_greedy
+        else _one_row_reference(logits[i], p, torch.Generator().manual_seed(i))
+        for i, p in enumerate(plist)
+    ]
+    assert batched == alone
+
+
+def test_greedy_takes_the_first_maximum_in_the_models_dtype() -> None:
+    logits = torch.tensor([[0.0, 2.0, 2.0, 1.0], [3.0, 3.0, 3.0, 3.0]], dtype=torch.bfloat16)
+    assert sample(logits, [SamplingParams(temperature=0.0)] * 2, [None, None]) == [1, 0]

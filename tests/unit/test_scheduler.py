@@ -68,6 +68,9 @@ class Harness:
         )
         self.kv_store: dict[int, dict[int, tuple[int, int]]] = {}
         self.clock = 0.0
+        # What a runner holds, built from the steps' deltas alone; the fake model
+        # reads and writes KV through these tables, not the requests' own.
+        self.tables: dict[str, list[int]] = {}
 
     def add(
         self, rid: str, prompt: list[int], sp: SamplingParams | None = None, **kw: object
@@ -92,15 +95,28 @@ class Harness:
             tokens.append(slot[1])
         return tokens
 
+    def sync_tables(self, out: SchedulerOutput) -> None:
+        for rid in out.dropped_table_ids:
+            del self.tables[rid]  # only tables the runner was sent are dropped
+        for seq in out.seqs:
+            rid = seq.request.request_id
+            if seq.replaces_table:
+                self.tables[rid] = list(seq.new_block_ids)
+            else:
+                self.tables[rid].extend(seq.new_block_ids)
+            assert self.tables[rid] == seq.request.block_ids, f"{rid}: runner table drifted"
+
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
+        self.sync_tables(out)
         sampled = {}
         for seq in out.seqs:
-            assert len(seq.block_table) * BS >= seq.start_pos + seq.num_new_tokens
+            table = self.tables[seq.request.request_id]
+            assert len(table) * BS >= seq.start_pos + seq.num_new_tokens
             for i, t in enumerate(seq.token_ids):
-                self.write(seq.block_table, seq.start_pos + i, t)
+                self.write(table, seq.start_pos + i, t)
             if seq.needs_sample:
                 end = seq.start_pos + seq.num_new_tokens
-                sampled[seq.request.request_id] = next_token(self.read(seq.block_table, end))
+                sampled[seq.request.request_id] = next_token(self.read(table, end))
         return sampled
 
     def step(self) -> tuple[SchedulerOutput, list[Request]]:
@@ -128,6 +144,8 @@ class Harness:
         self.pool.check_integrity()
         assert self.pool.stats().num_in_use == 0, self.pool.stats()
         assert not self.sched.has_unfinished()
+        self.sync_tables(self.sched.schedule())  # an empty step still drops tables
+        assert self.tables == {}, f"tables of finished requests kept: {sorted(self.tables)}"
 
 
 def by_id(out: SchedulerOutput) -> dict[str, tuple[int, int, bool]]:
@@ -656,4 +674,40 @@ def test_request_waiting_for_remote_kv_holds_a_seat() -> None:
     assert by_id(out) == {"c": (0, 1, True)}
     assert r.output_token_ids == reference([6, 6, 6], 2)
     assert c.output_token_ids == reference([5], 1)
+    h.assert_no_leaks()
+
+
+# ---- block tables travel as deltas ----
+
+
+def test_steps_send_only_new_block_ids_and_drop_finished_tables() -> None:
+    h = Harness()
+    h.add("a", list(range(10, 16)), params(max_tokens=4))  # 6 tokens: blocks 0..1
+    out, _ = h.step()
+    (seq,) = out.seqs
+    assert seq.replaces_table and seq.new_block_ids == h.tables["a"] and len(seq.new_block_ids) == 2
+    out, _ = h.step()  # decodes position 6: no new block
+    assert out.seqs[0].new_block_ids == [] and not out.seqs[0].replaces_table
+    out, _ = h.step()  # position 7: still block 1
+    assert out.seqs[0].new_block_ids == []
+    out, finished = h.step()  # position 8: block 2 appended; the 4th token finishes it
+    assert len(h.tables["a"]) == 3 and out.seqs[0].new_block_ids == h.tables["a"][2:]
+    assert [r.request_id for r in finished] == ["a"]
+    out, _ = h.step()
+    assert out.dropped_table_ids == ["a"] and not out.seqs
+    h.assert_no_leaks()
+
+
+def test_preempted_request_sends_its_whole_table_again() -> None:
+    h = Harness(num_blocks=6, max_num_batched_tokens=64)
+    h.add("a", list(range(10, 18)), params(max_tokens=12))
+    h.add("b", list(range(30, 38)), params(max_tokens=12))
+    saw_drop = saw_replace = False
+    for _ in range(200):
+        if not h.sched.has_unfinished():
+            break
+        out, _ = h.step()
+        saw_drop |= bool(set(out.dropped_table_ids) & {r.request_id for r in out.preempted})
+        saw_replace |= any(s.replaces_table and s.start_pos > 0 for s in out.seqs)
+    assert saw_drop and saw_replace, "the pool was meant to force a preemption and a re-admission"
     h.assert_no_leaks()
