@@ -88,3 +88,25 @@ def format_session(results: list[TurnResult]) -> str:
             f"{r.ttft_s * 1e3:.1f} | {r.tpot_s * 1e3:.2f} | {r.e2e_s * 1e3:.1f} |"
         )
     return "\n".join(lines)
+
+
+def format_side_by_side(runs: dict[str, list[TurnResult]]) -> str:
+    """One row per turn: each run's TTFT and the prompt tokens its prefill computed."""
+    names = list(runs)
+    head = "| turn | prompt tokens | " + " | ".join(
+        f"{n} TTFT ms | {n} prefilled | {n} cached" for n in names
+    ) + " |"
+    lines = [head, "|---:|---:|" + "---:|---:|---:|" * len(names)]
+    for turn in range(max(len(r) for r in runs.values())):
+        cells: list[str] = []
+        prompt = ""
+        for n in names:
+            if turn >= len(runs[n]) or not runs[n][turn].result.ok:
+                cells += ["error", "", ""]
+                continue
+            r = runs[n][turn].result
+            prompt = str(r.prompt_tokens)
+            prefilled = r.prompt_tokens - r.cached_tokens
+            cells += [f"{r.ttft_s * 1e3:.1f}", str(prefilled), str(r.cached_tokens)]
+        lines.append(f"| {turn} | {prompt} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -62,10 +62,8 @@ def _cmd_router(args: argparse.Namespace) -> None:
 
 
 def _cmd_up(args: argparse.Namespace) -> None:
-    from kvduplex.bench.session import format_session, run_session
     from kvduplex.server.cluster import LocalCluster, free_port
     from kvduplex.server.guard import new_cluster_secret
-    from kvduplex.server.report import format_kv_report
 
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvduplex-up-"))
     # One fresh secret per cluster, in every process's environment: the internal
@@ -86,28 +84,24 @@ def _cmd_up(args: argparse.Namespace) -> None:
             instances = {"prefill": p.url, "decode": d.url}
         print(f"starting {args.model} ({args.mode}; logs in {log_dir}) ...", flush=True)
         cluster.wait_healthy(timeout_s=args.start_timeout)
+        routers: dict[str, str] = {}
         if args.mode != "colocated":
             router_args = ["router", "--mode", args.mode, "--model", args.model]
             router_args += ["--prefill", instances["prefill"], "--decode", instances["decode"]]
             router_args += flags_of(RouterConfig, args, skip=_UP_ROUTER_SKIP)
             front = cluster.start("router", router_args, front_port).url
+            routers[f"{args.mode}+{args.return_mode}" if args.return_mode != "none" else args.mode] = front
+            if args.mode == "push" and args.return_mode == "none" and args.demo_turns > 0:
+                # The demo also runs through a duplex router over the same instances.
+                duplex = [*router_args, "--return-mode", "push"]
+                routers["push+duplex"] = cluster.start("router-duplex", duplex, free_port()).url
             cluster.wait_healthy(timeout_s=args.start_timeout)
             print(f"prefill {instances['prefill']}, decode {instances['decode']}", flush=True)
         print(f"ready: OpenAI API at {front}/v1", flush=True)
-        if args.demo_turns > 0:
-            results = asyncio.run(
-                run_session(
-                    front, args.model, num_turns=args.demo_turns,
-                    max_tokens=args.demo_max_tokens, seed=args.seed,
-                )
-            )  # fmt: skip
-            print(format_session(results), flush=True)
-            if instances:
-                print(format_kv_report(instances), flush=True)
-            if not all(t.result.ok for t in results):
-                sys.exit(1)
-            if not args.keep_serving:
-                return
+        if args.demo_turns > 0 and not _demo(args, front, routers, instances):
+            sys.exit(1)
+        if args.demo_turns > 0 and not args.keep_serving:
+            return
         print("serving; press Ctrl-C to stop", flush=True)
         try:
             while all(proc.is_alive() for proc in cluster.processes):
@@ -118,6 +112,35 @@ def _cmd_up(args: argparse.Namespace) -> None:
         if dead:
             print(f"{', '.join(dead)} exited; stopping the rest (logs in {log_dir})", flush=True)
             sys.exit(1)
+
+
+def _demo(
+    args: argparse.Namespace, front: str, routers: dict[str, str], instances: dict[str, str]
+) -> bool:
+    """Run the demo session through each router (or the colocated instance) and print
+    per-turn figures side by side, with what moved each way; False if a turn failed."""
+    from kvduplex.bench.session import format_session, format_side_by_side, run_session
+    from kvduplex.server.report import format_kv_report, kv_snapshot
+
+    runs = {}
+    for i, (name, url) in enumerate((routers or {args.mode: front}).items()):
+        before = kv_snapshot(instances) if instances else None
+        results = asyncio.run(
+            run_session(
+                url, args.model, num_turns=args.demo_turns, max_tokens=args.demo_max_tokens,
+                seed=args.seed + i, session_id=f"demo-{name}",
+            )
+        )  # fmt: skip
+        runs[name] = results
+        if len(routers) <= 1:
+            print(format_session(results), flush=True)
+        if instances:
+            print(f"{name}:\n{format_kv_report(instances, since=before)}", flush=True)
+        if not all(t.result.ok for t in results):
+            return False
+    if len(runs) > 1:
+        print(format_side_by_side(runs), flush=True)
+    return True
 
 
 def build_parser(bench_workload: str = "serving") -> argparse.ArgumentParser:
