@@ -72,6 +72,39 @@ async def run_session(
     return results
 
 
+async def run_token_session(
+    base_url: str,
+    model: str,
+    *,
+    num_turns: int = 4,
+    first_turn_chars: int = 600,
+    turn_chars: int = 120,
+    max_tokens: int = 32,
+    seed: int = 0,
+    session_id: str | None = None,
+    timeout_s: float = 300.0,
+) -> list[TurnResult]:
+    """The same session as `run_session` over /v1/completions with token-id prompts:
+    each turn's prompt is the previous prompt, the answer's token ids as generated, and
+    the new input's bytes (the byte tokenizer's ids). Unlike chat, nothing re-renders
+    the answer, so the history the next turn sends is exactly the KV decode computed."""
+    rng = random.Random(seed)
+    ids = list(("You are a coding agent. " + seeded_text(rng, first_turn_chars)).encode())
+    results: list[TurnResult] = []
+    headers = {"X-Session-Id": session_id} if session_id else None
+    async with httpx.AsyncClient(timeout=timeout_s) as client:
+        for turn in range(num_turns):
+            ids = ids + list(("\n" + seeded_text(rng, turn_chars)).encode())
+            body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0,
+                    "ignore_eos": True}  # fmt: skip
+            res = await stream_request(client, base_url, "/v1/completions", body, headers)
+            results.append(TurnResult(turn=turn, result=res))
+            if not res.ok:
+                break
+            ids = ids + res.token_ids
+    return results
+
+
 def format_session(results: list[TurnResult]) -> str:
     """A Markdown table of one session."""
     lines = [

@@ -17,6 +17,7 @@ from kvduplex.config import (
     EngineConfig,
     Environment,
     ModelLoadConfig,
+    ReturnMode,
     RouterConfig,
     SchedulerConfig,
     ServerConfig,
@@ -90,8 +91,10 @@ def _cmd_up(args: argparse.Namespace) -> None:
             router_args += ["--prefill", instances["prefill"], "--decode", instances["decode"]]
             router_args += flags_of(RouterConfig, args, skip=_UP_ROUTER_SKIP)
             front = cluster.start("router", router_args, front_port).url
-            routers[f"{args.mode}+{args.return_mode}" if args.return_mode != "none" else args.mode] = front
-            if args.mode == "push" and args.return_mode == "none" and args.demo_turns > 0:
+            return_mode = ReturnMode(args.return_mode)
+            name = args.mode if return_mode is ReturnMode.NONE else f"{args.mode}+{return_mode.value}"
+            routers[name] = front
+            if args.mode == "push" and return_mode is ReturnMode.NONE and args.demo_turns > 0:
                 # The demo also runs through a duplex router over the same instances.
                 duplex = [*router_args, "--return-mode", "push"]
                 routers["push+duplex"] = cluster.start("router-duplex", duplex, free_port()).url
@@ -119,14 +122,14 @@ def _demo(
 ) -> bool:
     """Run the demo session through each router (or the colocated instance) and print
     per-turn figures side by side, with what moved each way; False if a turn failed."""
-    from kvduplex.bench.session import format_session, format_side_by_side, run_session
+    from kvduplex.bench.session import format_session, format_side_by_side, run_token_session
     from kvduplex.server.report import format_kv_report, kv_snapshot
 
     runs = {}
     for i, (name, url) in enumerate((routers or {args.mode: front}).items()):
         before = kv_snapshot(instances) if instances else None
         results = asyncio.run(
-            run_session(
+            run_token_session(
                 url, args.model, num_turns=args.demo_turns, max_tokens=args.demo_max_tokens,
                 seed=args.seed + i, session_id=f"demo-{name}",
             )
