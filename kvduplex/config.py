@@ -206,8 +206,9 @@ class RouterConfig:
     (duplex: decode WRITEs the blocks prefill lacks into its prefix cache after the turn);
     pull (vLLM-style, for comparison: decode keeps the turn, prefill READs it next turn)."""
     short_append_tokens: int = 0
-    """Turns adding at most this many tokens to their session go to decode alone
-    (0: off; accepted, not active yet)."""
+    """Push mode: a session's turn whose part decode has not cached (its new input) is at
+    most this many tokens goes to decode alone, which prefills it over its cached history
+    (0: off). With ``return_mode`` push, decode then returns the turn to prefill."""
     log_level: str = "warning"
     """Python log level."""
 

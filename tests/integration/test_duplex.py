@@ -16,6 +16,7 @@ import json
 import random
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 
 import httpx
 import pytest
@@ -189,3 +190,56 @@ def test_prefill_killed_during_returns_leaves_decode_clean(cluster: LocalCluster
         assert_pool_clean(dead.decode.url)
     finally:
         cluster.stop_process(dead.decode)
+
+
+def test_short_appends_skip_prefill_and_the_next_long_turn_still_hits(dup: Duplex) -> None:
+    """With --short-append-tokens, a turn adding little goes to decode alone; decode returns
+    it, so a later long turn through prefill computes only its new input."""
+    args = ["router", "--mode", "push", "--return-mode", "push", "--short-append-tokens", "64",
+            "--model", "tiny", "--prefill", dup.prefill.url, "--decode", dup.decode.url]  # fmt: skip
+    router = dup.cluster.start("router-short", args, free_port())
+    dup.cluster.wait_healthy(timeout_s=60)
+    try:
+        rng = random.Random(900)
+        history = _new_ids(rng, 60)
+        new_lens = [0, 10, 20, 100, 15]  # turn 3 is long: through prefill
+        offered = -1
+        for turn, n_new in enumerate(new_lens):
+            if turn == 3:  # turn 2 (short: decode computed it) is offered from the first block
+                wait_until(partial(_offered_more, dup.decode.url, offered), what="turn 2's offer")
+            wait_until(lambda: _returns_settled(dup.decode.url), what="returns to settle")
+            offered = _num_offered(dup.decode.url)
+            history = history + _new_ids(rng, n_new)
+            body = {"model": "tiny", "prompt": history, "max_tokens": 12, "temperature": 0.0,
+                    "ignore_eos": True}  # fmt: skip
+            got, usage = _complete(router.url, body, "short-1", stream=turn % 2 == 1)
+            want, _ = _complete(dup.reference, body, "short-1-ref", stream=False)
+            assert got == want, f"turn {turn}"
+            kv = usage["kv"]
+            if turn in (1, 2, 4):  # short: decode computed it, prefill nothing
+                assert kv["prefill_computed_tokens"] == 0, (turn, usage)
+                assert kv["decode_computed_tokens"] <= n_new + 12 + BS, (turn, usage)
+            if turn == 3:  # long: prefill has the history, short turns included
+                assert kv["prefill_computed_tokens"] <= n_new + 1 + BS, (turn, usage)
+            history = history + got
+        metrics = httpx.get(router.url + "/metrics", timeout=10).text
+        assert 'kvduplex_router_requests_total{mode="short_append"} 3.0' in metrics
+    finally:
+        dup.cluster.stop_process(router)
+    for url in dup.instances:
+        assert_pool_clean(url)
+
+
+def _returns_settled(decode_url: str) -> bool:
+    """No return of decode's is still in flight (each offer ended one way or another)."""
+    st = httpx.get(decode_url + "/internal/kv/return/stats", timeout=10).json()
+    return bool(st["num_offered"] == st["num_done"] + st["num_declined"] + st["num_failed"])
+
+
+def _offered_more(decode_url: str, than: int) -> bool:
+    return _num_offered(decode_url) > than
+
+
+def _num_offered(decode_url: str) -> int:
+    st = httpx.get(decode_url + "/internal/kv/return/stats", timeout=10).json()
+    return int(st["num_offered"])

@@ -25,7 +25,14 @@ from kvduplex.model.loader import load_tokenizer
 from kvduplex.openai.errors import APIError, install_error_handlers
 from kvduplex.openai.prompt import PromptError, prompt_token_ids
 from kvduplex.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest
-from kvduplex.server.router.flows import Forward, serve_decode_only, serve_pull, serve_push
+from kvduplex.server.router.flows import (
+    Forward,
+    is_short_append,
+    serve_decode_only,
+    serve_pull,
+    serve_push,
+    serve_short_append,
+)
 from kvduplex.server.router.policy import Outcome
 from kvduplex.server.router.state import RouterState
 
@@ -64,6 +71,8 @@ async def route_request(
     fwd = Forward(path=path, request=request, body=body, ids=ids, route=route)
     if route.prefill is None:
         mode, flow = "decode", serve_decode_only
+    elif state.config.mode is TransferMode.PUSH and is_short_append(state, fwd):
+        mode, flow = "short_append", serve_short_append
     elif state.config.mode is TransferMode.PUSH:
         mode, flow = "push", serve_push
     else:

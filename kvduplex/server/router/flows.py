@@ -35,7 +35,13 @@ from kvduplex.config import ReturnMode
 from kvduplex.openai import render
 from kvduplex.openai.protocol import OpenAIRequest, error_body
 from kvduplex.server.router.policy import Outcome, Route
-from kvduplex.server.router.relay import FirstToken, body_parts, push_stream, relay
+from kvduplex.server.router.relay import (
+    FirstToken,
+    body_parts,
+    count_answer,
+    push_stream,
+    relay,
+)
 from kvduplex.server.router.state import RouterState, json_request
 
 logger = logging.getLogger(__name__)
@@ -143,7 +149,41 @@ def _relay_decode(
     state: RouterState, fwd: Forward, upstream: httpx.Response, parts: AsyncIterator[bytes]
 ) -> Response:
     outcome = _outcome(upstream.status_code)
+    if state.config.short_append_tokens > 0 and upstream.status_code == 200:
+        # The session's next turn may be a short append: learn how long this answer was.
+        sessions, sid, n = state.policy.sessions, fwd.route.session_id, len(fwd.ids)
+        parts = count_answer(
+            parts, bool(fwd.request.stream), lambda k: sessions.note_answer(sid, n, k)
+        )
     return relay(upstream, parts, lambda: state.policy.decode_done(fwd.route, outcome))
+
+
+def is_short_append(state: RouterState, fwd: Forward) -> bool:
+    """A turn whose part decode has not cached is at most ``--short-append-tokens`` long:
+    decode prefills it over its cached history, prefill is skipped (and gets the turn back
+    by the duplex return). Decode holds the previous prompt and its answer (but for the
+    answer's last token, which has no KV yet)."""
+    prev, limit = fwd.route.previous, state.config.short_append_tokens
+    if limit <= 0 or prev is None or prev.num_answer_tokens is None:
+        return False
+    if prev.decode_url != fwd.route.decode.url or fwd.route.prefill is None:
+        return False
+    num_new = len(fwd.ids) - (prev.num_prompt_tokens + prev.num_answer_tokens - 1)
+    return 0 < num_new <= limit
+
+
+async def serve_short_append(state: RouterState, fwd: Forward) -> Response:
+    """Decode alone computes the turn over its cached history, then returns it to prefill."""
+    p = fwd.route.prefill
+    assert p is not None
+    state.policy.prefill_done(fwd.route, Outcome.OK)  # not called: nothing to say of it
+    params: dict[str, Any] = {"mode": "local", "session_id": fwd.route.session_id}
+    if state.config.return_mode is ReturnMode.PUSH:
+        params["return_to"] = p.url
+    upstream = await _open_decode(state, fwd, {**fwd.body, "kv_transfer_params": params}, {})
+    if isinstance(upstream, Response):
+        return upstream
+    return _relay_decode(state, fwd, upstream, body_parts(upstream))
 
 
 async def serve_decode_only(state: RouterState, fwd: Forward) -> Response:

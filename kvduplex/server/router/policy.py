@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvduplex.config import RouterConfig
-from kvduplex.server.router.sessions import SessionTable
+from kvduplex.server.router.sessions import Session, SessionTable
 
 
 class Outcome(enum.Enum):
@@ -118,6 +118,8 @@ class Route:
     prefill: Backend | None
     """None: decode serves the request alone."""
     decode: Backend
+    previous: Session | None = None
+    """The session's latest turn before this one (None for a new session)."""
     prefill_open: bool = True
     decode_open: bool = True
 
@@ -179,7 +181,7 @@ class RoutingPolicy:
             prefill = self._choose(self.prefill, pinned, now)
         decode = self._choose(self.decode, session.decode_url if session else None, now)
         self.sessions.record(session_id, prefill.url if prefill else None, decode.url, ids, now)
-        return Route(session_id, session is not None, prefill, decode)
+        return Route(session_id, session is not None, prefill, decode, session)
 
     def _choose(self, pool: BackendPool, pinned_url: str | None, now: float) -> Backend:
         pinned = pool.by_url(pinned_url)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 PromptKey = tuple[int, int]
 """(number of full chunks, hash chain over them): where a prompt is filed."""
@@ -103,6 +103,10 @@ class Session:
     num_turns: int
     prompt_key: PromptKey
     """Where its latest prompt is filed in the prefix index."""
+    num_prompt_tokens: int = 0
+    """The latest turn's prompt length."""
+    num_answer_tokens: int | None = None
+    """The latest turn's answer length, once its response ended (None: not known)."""
 
 
 class SessionTable:
@@ -146,12 +150,19 @@ class SessionTable:
         session = Session(
             session_id=session_id, prefill_url=prefill_url, decode_url=decode_url, last_used=now,
             num_turns=1 if old is None else old.num_turns + 1,
-            prompt_key=self.index.add(session_id, ids),
+            prompt_key=self.index.add(session_id, ids), num_prompt_tokens=len(ids),
         )  # fmt: skip
         self._sessions[session_id] = session
         while len(self._sessions) > self.max_sessions:
             self._drop_oldest()
         return session
+
+    def note_answer(self, session_id: str, num_prompt_tokens: int, num_tokens: int) -> None:
+        """The turn of `session_id` whose prompt had `num_prompt_tokens` tokens answered
+        with `num_tokens` tokens (ignored if a later turn was recorded meanwhile)."""
+        session = self._sessions.get(session_id)
+        if session is not None and session.num_prompt_tokens == num_prompt_tokens:
+            self._sessions[session_id] = replace(session, num_answer_tokens=num_tokens)
 
     def _expire(self, now: float) -> None:
         while self._sessions:
