@@ -198,7 +198,7 @@ def test_short_appends_skip_prefill_and_the_next_long_turn_still_hits(dup: Duple
     args = ["router", "--mode", "push", "--return-mode", "push", "--short-append-tokens", "64",
             "--model", "tiny", "--prefill", dup.prefill.url, "--decode", dup.decode.url]  # fmt: skip
     router = dup.cluster.start("router-short", args, free_port())
-    dup.cluster.wait_healthy(timeout_s=60)
+    wait_until(partial(_healthy, router.url), timeout_s=60, what="the router")
     try:
         rng = random.Random(900)
         history = _new_ids(rng, 60)
@@ -243,3 +243,10 @@ def _offered_more(decode_url: str, than: int) -> bool:
 def _num_offered(decode_url: str) -> int:
     st = httpx.get(decode_url + "/internal/kv/return/stats", timeout=10).json()
     return int(st["num_offered"])
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
