@@ -1,15 +1,14 @@
-"""A seeded multi-turn (agentic) chat session, the shape of the main job.
+"""A seeded multi-turn session, the shape of the main job.
 
-Each turn appends a user message (a tool result or a question of seeded
-random words) to the whole history and asks for an answer; the history grows
-turn by turn, which is what prefix caching and duplex return are for.
+Each turn appends seeded random words (a tool result, a question) to the whole
+history, answer included, and asks for an answer; the history grows turn by
+turn, which is what prefix caching and the duplex return are for.
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any
 
 import httpx
 
@@ -35,43 +34,6 @@ class TurnResult:
     result: RequestResult
 
 
-async def run_session(
-    base_url: str,
-    model: str,
-    *,
-    num_turns: int = 4,
-    first_turn_chars: int = 600,
-    turn_chars: int = 120,
-    max_tokens: int = 32,
-    seed: int = 0,
-    session_id: str | None = None,
-    timeout_s: float = 300.0,
-) -> list[TurnResult]:
-    """Run one session against an OpenAI-compatible server; one result per turn."""
-    rng = random.Random(seed)
-    messages: list[dict[str, Any]] = [
-        {"role": "system", "content": "You are a coding agent. " + seeded_text(rng, first_turn_chars)}
-    ]
-    results: list[TurnResult] = []
-    headers = {"X-Session-Id": session_id} if session_id else None
-    async with httpx.AsyncClient(timeout=timeout_s) as client:
-        for turn in range(num_turns):
-            messages.append({"role": "user", "content": seeded_text(rng, turn_chars)})
-            body = {
-                "model": model,
-                "messages": messages,
-                "max_tokens": max_tokens,
-                "temperature": 0.0,
-                "ignore_eos": True,
-            }
-            res = await stream_request(client, base_url, "/v1/chat/completions", body, headers)
-            results.append(TurnResult(turn=turn, result=res))
-            if not res.ok:
-                break
-            messages.append({"role": "assistant", "content": res.text})
-    return results
-
-
 async def run_token_session(
     base_url: str,
     model: str,
@@ -84,8 +46,9 @@ async def run_token_session(
     session_id: str | None = None,
     timeout_s: float = 300.0,
 ) -> list[TurnResult]:
-    """The same session as `run_session` over /v1/completions with token-id prompts:
-    each turn's prompt is the previous prompt, the answer's token ids as generated, and
+    """Run one session over /v1/completions with token-id prompts; one result per turn.
+
+    Each turn's prompt is the previous prompt, the answer's token ids as generated, and
     the new input's bytes (the byte tokenizer's ids). Unlike chat, nothing re-renders
     the answer, so the history the next turn sends is exactly the KV decode computed."""
     rng = random.Random(seed)
