@@ -45,6 +45,9 @@ class TurnRecord:
     start_s: float
     """When the request was sent, seconds after the run began."""
     result: RequestResult
+    returned_blocks: int | None = None
+    """Blocks of this turn that decode WROTE back to prefill (None: not known)."""
+    returned_bytes: int | None = None
 
 
 @dataclass(frozen=True)

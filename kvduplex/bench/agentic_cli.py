@@ -34,6 +34,7 @@ from kvduplex.bench.agentic_matrix import (
 from kvduplex.bench.agentic_modes import (
     MODE_NAMES,
     ModeSpec,
+    kv_bytes_per_token,
     kv_cache_mb_for,
     modes_named,
     start_deployment,
@@ -42,6 +43,8 @@ from kvduplex.bench.conversation import PromptForm
 from kvduplex.bench.kvmetrics import Instance, instance_role
 from kvduplex.bench.results import provenance, write_results
 from kvduplex.bench.workload import WorkloadConfig, plan_sessions, shape_named
+from kvduplex.config import CacheConfig
+from kvduplex.model.presets import PRESETS
 from kvduplex.server.cluster import LocalCluster
 
 
@@ -242,7 +245,12 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     turns = report.per_turn(runs.records, disagg)
     summ = report.summary(runs.records, disagg)
     ratio = report.ratios(summ)
-    table = report.markdown(turns, summ, ratio, runs.kv, notes)
+    bounds: list[report.BlockBound] = []
+    if not args.url and meta["model"] in PRESETS:
+        block_size = CacheConfig().block_size
+        bytes_per_block = kv_bytes_per_token(meta["model"]) * block_size
+        bounds = report.block_bounds(runs.records, bytes_per_block, block_size)
+    table = report.markdown(turns, summ, ratio, runs.kv, notes, bounds)
     name = args.name or "agentic-" + (args.label if args.url else meta["model"])
     name += "-quick" if args.quick and not args.name else ""
     result = {
@@ -253,6 +261,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "notes": notes, "meta": meta, "disaggregated": disagg,
         "per_turn": [asdict(s) for s in turns], "summary": [asdict(s) for s in summ],
         "ratios": ratio, "kv": runs.kv, "runs": runs.runs,
+        "block_bounds": [asdict(b) for b in bounds],
         "records": [_record(r) for r in runs.records],
     }  # fmt: skip
     directory = Path(args.results_dir)

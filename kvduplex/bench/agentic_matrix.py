@@ -19,7 +19,7 @@ from typing import Any
 from kvduplex.bench.agentic import RunTarget, TurnRecord, run_workload
 from kvduplex.bench.agentic_report import SUMMARY_MIN_TURN
 from kvduplex.bench.conversation import PromptForm
-from kvduplex.bench.kvmetrics import Instance, KVMoved, kv_moved, settle
+from kvduplex.bench.kvmetrics import Instance, KVMoved, kv_moved, return_records, settle
 from kvduplex.bench.workload import Shape, WorkloadConfig, plan_sessions
 
 
@@ -97,6 +97,7 @@ def run_interleaved(
                 moved = KVMoved()
                 if ep.instances:
                     moved = kv_moved(list(ep.instances), before, settle(list(ep.instances)))
+                    attach_returns(recs, return_records(list(ep.instances)))
                 out.records.extend(recs)
                 out.runs.append({
                     "mode": ep.mode, "shape": shape, "repetition": rep, "wall_s": wall,
@@ -108,6 +109,15 @@ def run_interleaved(
                 kv["d_to_p_bytes"] = _add(kv["d_to_p_bytes"], moved.d_to_p_bytes)
                 echo(_run_line(ep.mode, shape, rep, recs, wall))
     return out
+
+
+def attach_returns(recs: list[TurnRecord], by_request: dict[str, dict[str, Any]]) -> None:
+    """Each record's duplex return, from decode's records by response id (if it has one)."""
+    for r in recs:
+        got = by_request.get(r.result.response_id)
+        if got is not None:
+            r.returned_blocks = int(got["num_sent_blocks"])
+            r.returned_bytes = int(got["num_sent_bytes"])
 
 
 def _run_line(mode: str, shape: str, rep: int, recs: list[TurnRecord], wall: float) -> str:

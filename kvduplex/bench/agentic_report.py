@@ -26,6 +26,8 @@ RATIOS: tuple[tuple[str, str, str, str], ...] = (
     ("ttft push+duplex / push+return-pull", "push+duplex", "push+return-pull", "ttft_p50_ms"),
     ("tpot push+duplex / push", "push+duplex", "push", "tpot_p50_ms"),
     ("ttft 2p1d push+duplex / 2p1d push", "2p1d-push+duplex", "2p1d-push", "ttft_p50_ms"),
+    ("ttft push+duplex+short / push+duplex", "push+duplex+short", "push+duplex", "ttft_p50_ms"),
+    ("tpot push+duplex+short / push+duplex", "push+duplex+short", "push+duplex", "tpot_p50_ms"),
 )
 """(name, numerator mode, denominator mode, statistic), over turns >= SUMMARY_MIN_TURN."""
 
@@ -76,10 +78,41 @@ class Stats:
     """Prompt tokens computed on D, mean per request (None: not reported)."""
     bytes_p_to_d_mean: float | None
     """KV bytes that reached D per request (``usage.kv``; None: not reported, or colocated)."""
+    bytes_d_to_p_mean: float | None = None
+    """KV bytes D wrote back to P per request (duplex; None: not known)."""
+    history_hit_mean: float | None = None
+    """Of the previous turn's prompt and answer, the share this turn found cached (turns >= 1)."""
 
 
-def stats_of(mode: str, shape: str, turn: str, records: list[TurnRecord], disaggregated: bool) -> Stats:
+HistoryKey = tuple[str, str, int, int, int]
+"""(mode, shape, repetition, session, turn)."""
+
+
+def history_index(records: list[TurnRecord]) -> dict[HistoryKey, TurnRecord]:
+    return {(r.mode, r.shape, r.repetition, r.session, r.turn): r for r in records}
+
+
+def history_hit(r: TurnRecord, index: dict[HistoryKey, TurnRecord]) -> float | None:
+    """cached_tokens / (previous prompt + previous answer), at most 1; None on turn 0.
+
+    With token-id prompts this is near 1 (all but the last partial block); in
+    chat form it shows how much of the re-rendered history reproduces the ids
+    generated.
+    """
+    prev = index.get((r.mode, r.shape, r.repetition, r.session, r.turn - 1))
+    if prev is None or not prev.result.ok or not r.result.ok:
+        return None
+    history = prev.result.prompt_tokens + prev.result.completion_tokens
+    return min(1.0, r.result.cached_tokens / history) if history else None
+
+
+def stats_of(
+    mode: str, shape: str, turn: str, records: list[TurnRecord], disaggregated: bool,
+    history: dict[HistoryKey, TurnRecord] | None = None,
+) -> Stats:
+    """`history` (see `history_index`) holds the previous turns for the history hit."""
     ok = [r.result for r in records if r.result.ok]
+    index = history or {}
     splits = [prefill_split(r, disaggregated) for r in ok]
     return Stats(
         mode=mode, shape=shape, turn=turn, n=len(ok), errors=len(records) - len(ok),
@@ -95,6 +128,11 @@ def stats_of(mode: str, shape: str, turn: str, records: list[TurnRecord], disagg
         bytes_p_to_d_mean=_mean(
             float(r.kv.bytes_to_decode) if r.kv and disaggregated else None for r in ok
         ),
+        bytes_d_to_p_mean=_mean(
+            None if r.returned_bytes is None else float(r.returned_bytes)
+            for r in records if r.result.ok
+        ),
+        history_hit_mean=_mean(history_hit(r, index) for r in records),
     )  # fmt: skip
 
 
@@ -108,10 +146,13 @@ def _groups(records: list[TurnRecord]) -> dict[tuple[str, str], list[TurnRecord]
 def per_turn(records: list[TurnRecord], disaggregated: dict[str, bool]) -> list[Stats]:
     """One row per (mode, shape, turn index), in the order the modes first appear."""
     rows = []
+    index = history_index(records)
     for (mode, shape), recs in _groups(records).items():
         for turn in sorted({r.turn for r in recs}):
             of_turn = [r for r in recs if r.turn == turn]
-            rows.append(stats_of(mode, shape, str(turn), of_turn, disaggregated.get(mode, False)))
+            rows.append(
+                stats_of(mode, shape, str(turn), of_turn, disaggregated.get(mode, False), index)
+            )
     return rows
 
 
@@ -119,9 +160,10 @@ def summary(
     records: list[TurnRecord], disaggregated: dict[str, bool], min_turn: int = SUMMARY_MIN_TURN
 ) -> list[Stats]:
     """One row per (mode, shape) over the turns with index >= `min_turn`."""
+    index = history_index(records)
     return [
         stats_of(mode, shape, f">={min_turn}", [r for r in recs if r.turn >= min_turn],
-                 disaggregated.get(mode, False))
+                 disaggregated.get(mode, False), index)
         for (mode, shape), recs in _groups(records).items()
     ]  # fmt: skip
 
@@ -140,6 +182,64 @@ def ratios(rows: list[Stats]) -> dict[str, dict[str, float]]:
                 entry[name] = va / vb
         out[shape] = entry
     return out
+
+
+@dataclass
+class BlockBound:
+    """Blocks moved per turn against the bound the design sets, over turns >= 1 of a mode/shape.
+
+    P->D: at most the blocks of the tokens that are new since the previous turn's
+    prompt and answer, plus one (the partial block they start in). D->P: at most
+    the answer's blocks plus one (the block holding the end of the prompt).
+    """
+
+    mode: str
+    shape: str
+    way: str
+    n: int
+    mean_blocks: float
+    mean_bound: float
+    over: int
+    """Turns that moved more blocks than their bound."""
+    max_excess: int
+
+
+def block_bounds(
+    records: list[TurnRecord], bytes_per_block: int, block_size: int
+) -> list[BlockBound]:
+    index = history_index(records)
+    rows = []
+    for (mode, shape), recs in _groups(records).items():
+        pairs: dict[str, list[tuple[int, int]]] = {"P→D": [], "D→P": []}
+        for r in recs:
+            prev = index.get((r.mode, r.shape, r.repetition, r.session, r.turn - 1))
+            if prev is None or not (prev.result.ok and r.result.ok):
+                continue
+            if r.result.kv is not None and r.result.kv.bytes_to_decode:
+                new = r.result.prompt_tokens - prev.result.prompt_tokens - prev.result.completion_tokens
+                pairs["P→D"].append(
+                    (r.result.kv.bytes_to_decode // bytes_per_block, -(-max(new, 0) // block_size) + 1)
+                )
+            if r.returned_bytes:
+                answer = -(-r.result.completion_tokens // block_size)
+                pairs["D→P"].append((r.returned_bytes // bytes_per_block, answer + 1))
+        for way, got in pairs.items():
+            if got:
+                excess = [moved - bound for moved, bound in got]
+                rows.append(BlockBound(
+                    mode, shape, way, len(got), float(np.mean([m for m, _ in got])),
+                    float(np.mean([b for _, b in got])), sum(e > 0 for e in excess),
+                    max(excess),
+                ))  # fmt: skip
+    return rows
+
+
+def bounds_table(rows: list[BlockBound]) -> list[str]:
+    return _table(
+        ["mode", "shape", "way", "turns", "blocks/turn", "bound/turn", "over bound", "max excess"],
+        [[b.mode, b.shape, b.way, b.n, b.mean_blocks, b.mean_bound, b.over, b.max_excess]
+         for b in rows],
+    )  # fmt: skip
 
 
 def fmt(v: object) -> str:
@@ -165,11 +265,12 @@ def _kib(v: float | None) -> float | None:
 
 
 def stats_table(rows: list[Stats]) -> list[str]:
-    header = ["mode", "shape", "turn", *_COLS, "KiB P→D/req"]
+    header = ["mode", "shape", "turn", *_COLS, "KiB P→D/req", "KiB D→P/req", "history hit"]
     body: list[list[object]] = [
-        [s.mode, s.shape, s.turn, *(getattr(s, c) for c in _COLS), _kib(s.bytes_p_to_d_mean)]
+        [s.mode, s.shape, s.turn, *(getattr(s, c) for c in _COLS), _kib(s.bytes_p_to_d_mean),
+         _kib(s.bytes_d_to_p_mean), s.history_hit_mean]
         for s in rows
-    ]
+    ]  # fmt: skip
     return _table(header, body)
 
 
@@ -192,6 +293,7 @@ def markdown(
     ratio: dict[str, dict[str, float]],
     kv_by_mode: dict[str, dict[str, float | None]],
     notes: list[str],
+    bounds: list[BlockBound] | None = None,
 ) -> str:
     """The whole report as Markdown: notes, summary, ratios, KV moved, per-turn rows."""
     lines = [f"- {n}" for n in notes]
@@ -203,6 +305,9 @@ def markdown(
             lines += _table(["ratio", "value"], [[k, v] for k, v in entry.items()])
     if kv_by_mode:
         lines += ["", "KV moved (instances' /metrics):", "", *kv_table(kv_by_mode)]
+    if bounds:
+        lines += ["", "Blocks moved per turn against their bound (turns >= 1):", ""]
+        lines += bounds_table(bounds)
     lines += ["", "Per turn index:", "", *stats_table(turns)]
     return "\n".join(lines)
 

@@ -57,6 +57,8 @@ class RequestResult:
     error: str = ""
     kv: KVUsage | None = None
     """``usage.kv`` when the server reports it."""
+    response_id: str = ""
+    """The response's ``id``: the request id the serving instances log and count under."""
 
 
 async def stream_request(
@@ -72,6 +74,7 @@ async def stream_request(
     text: list[str] = []
     ids: list[int] = []
     usage: dict[str, Any] = {}
+    response_id = ""
     try:
         async with aconnect_sse(
             client, "POST", url + path, json=body, headers=dict(headers or {})
@@ -86,6 +89,7 @@ async def stream_request(
                 msg = json.loads(event.data)
                 if "error" in msg:
                     return RequestResult(ok=False, error=str(msg["error"]))
+                response_id = response_id or str(msg.get("id") or "")
                 if msg.get("usage"):
                     usage = msg["usage"]
                 for choice in msg.get("choices", []):
@@ -116,6 +120,7 @@ async def stream_request(
         cached_tokens=int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)),
         completion_tokens=int(usage.get("completion_tokens", len(ids))),
         kv=try_kv_usage(usage),
+        response_id=response_id,
     )
 
 

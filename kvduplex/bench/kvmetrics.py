@@ -18,15 +18,19 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any
 
 import httpx
 
+from kvduplex.config import Environment
 from kvduplex.server.report import metric_sum, scrape
+from kvduplex.transport.trust import secret_headers
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 BYTES = "kvduplex_kv_transfer_bytes_total"
 RETURN_PREFIX = "kvduplex_kv_return_"
+RETURN_RECORDS = "/internal/kv/return/records"
 
 # (role, direction label) -> which way the bytes went
 _WAY: Mapping[tuple[str, str], str] = MappingProxyType({
@@ -96,6 +100,22 @@ def kv_moved(instances: list[Instance], before: dict[str, Samples], after: dict[
             moved = metric_sum(a, BYTES, direction=direction) - metric_sum(b, BYTES, direction=direction)
             current = getattr(out, f"{way}_bytes")
             setattr(out, f"{way}_bytes", (current or 0.0) + moved)
+    return out
+
+
+def return_records(instances: list[Instance], timeout_s: float = 10.0) -> dict[str, dict[str, Any]]:
+    """The decode instances' recent duplex returns by request id (empty where none says)."""
+    out: dict[str, dict[str, Any]] = {}
+    headers = secret_headers(Environment.read().cluster_secret)
+    for inst in instances:
+        if inst.role != "decode":
+            continue
+        try:
+            resp = httpx.get(inst.url.rstrip("/") + RETURN_RECORDS, headers=headers, timeout=timeout_s)
+        except httpx.HTTPError:
+            continue
+        if resp.status_code == 200:
+            out.update(resp.json())
     return out
 
 

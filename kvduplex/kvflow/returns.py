@@ -31,9 +31,11 @@ offered block it lacks, so what it has is never sent again.
 from __future__ import annotations
 
 import logging
+import threading
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import partial
 
 from kvduplex.engine.block_pool import BlockHash, compute_block_hashes
@@ -76,8 +78,24 @@ class ReturnStats:
     """Prefill side: offers declined (see the metrics for why)."""
 
 
+@dataclass
+class ReturnRecord:
+    """One finished turn's return, as decode saw it (for per-turn accounting)."""
+
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_offered_blocks: int
+    num_sent_blocks: int = 0
+    num_sent_bytes: int = 0
+    outcome: str = "in_flight"
+    """in_flight, done, declined or failed."""
+
+
 class ReturnOfferer:
     """Decode's side: offer each finished session turn, WRITE what prefill lacks."""
+
+    MAX_RECORDS = 4096
+    """Recent returns kept by request id (`records`); the oldest are dropped."""
 
     def __init__(
         self, sender: KVSender, engine: EngineHandle, metrics: KVFlowMetrics | None = None
@@ -88,9 +106,23 @@ class ReturnOfferer:
         self.metrics = metrics
         self.stats = ReturnStats()
         self.codec = MessageCodec()
+        self._records: OrderedDict[str, ReturnRecord] = OrderedDict()
+        self._records_lock = threading.Lock()
+        """`_offer` records on the engine thread, `_on_end` on the pump's."""
 
     def attach(self, pump: NotificationPump) -> None:
         pump.on(KVDecline, self._on_decline_notif)
+
+    def records(self) -> dict[str, dict[str, int | str]]:
+        """The recent returns by request id (any thread)."""
+        with self._records_lock:
+            return {rid: asdict(rec) for rid, rec in self._records.items()}
+
+    def _record(self, rid: str, rec: ReturnRecord) -> None:
+        with self._records_lock:
+            self._records[rid] = rec
+            while len(self._records) > self.MAX_RECORDS:
+                self._records.popitem(last=False)
 
     # ---- engine thread ----
 
@@ -113,8 +145,10 @@ class ReturnOfferer:
             if offer is None:
                 return
             xid, blocks, msg = offer
+            rec = ReturnRecord(req.num_prompt_tokens, req.num_output_tokens, len(blocks))
+            self._record(rid, rec)
             self.sender.offer(
-                xid, spec.peer, blocks, len(msg.token_ids), on_end=partial(self._on_end, msg)
+                xid, spec.peer, blocks, len(msg.token_ids), on_end=partial(self._on_end, rec)
             )
         finally:
             self.engine.release_held(rid)
@@ -147,12 +181,14 @@ class ReturnOfferer:
         )  # fmt: skip
         return xid, list(req.block_ids[first:num_full]), msg
 
-    def _on_end(self, msg: KVOffer, job: SendJob) -> None:
+    def _on_end(self, rec: ReturnRecord, job: SendJob) -> None:
         if job.error is None:
             self.stats.num_done += 1
             num_sent = job.num_blocks - (job.reg.first_block if job.reg else 0)
             self.stats.num_sent_blocks += num_sent
             self.stats.num_sent_bytes += job.num_bytes
+            with self._records_lock:
+                rec.num_sent_blocks, rec.num_sent_bytes = num_sent, job.num_bytes
             outcome = "done"
             if self.metrics is not None:
                 self.metrics.return_blocks.labels("sent").inc(num_sent)
@@ -163,6 +199,8 @@ class ReturnOfferer:
         else:
             self.stats.num_failed += 1
             outcome = "failed"
+        with self._records_lock:
+            rec.outcome = outcome
         if self.metrics is not None:
             self.metrics.returns.labels(outcome).inc()
 

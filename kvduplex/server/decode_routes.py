@@ -181,6 +181,11 @@ def make_decode_hooks(
             {**asdict(flows.offerer.stats), "num_retained": flows.retainer.num_retained()}
         )
 
+    @router.get("/internal/kv/return/records")
+    async def return_records() -> JSONResponse:
+        """The recent returns by request id: blocks offered and sent, bytes, outcome."""
+        return JSONResponse(flows.offerer.records())
+
     @router.post("/internal/kv/retained")
     async def retained(body: RetainedRequest) -> JSONResponse:
         info = await state.engine.run_in_engine(lambda _e: flows.retainer.describe(body.session_id))

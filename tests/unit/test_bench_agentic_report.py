@@ -147,3 +147,30 @@ def test_router_flags_of_a_mode() -> None:
     )  # fmt: skip
     with pytest.raises(ValueError, match="unknown modes"):
         modes_named(["push+magic"])
+
+
+def test_history_hit_is_the_share_of_the_previous_turn_found_cached() -> None:
+    t0 = _rec("push", 0, 1.0, prompt=100, cached=0)
+    t0.result.completion_tokens = 60
+    t1 = _rec("push", 1, 1.0, prompt=200, cached=120)
+    (row,) = [r for r in report.per_turn([t0, t1], {"push": True}) if r.turn == "1"]
+    assert row.history_hit_mean == pytest.approx(120 / 160)
+    assert report.per_turn([t0, t1], {"push": True})[0].history_hit_mean is None
+
+
+def test_block_bounds_count_turns_that_moved_more_than_new_or_answer_blocks() -> None:
+    bpb, bs = 1000, 16
+    t0 = _rec("push+duplex", 0, 1.0, prompt=100, cached=0)
+    t0.result.completion_tokens = 40
+    # 60 new tokens since turn 0's prompt and answer: at most 4 + 1 blocks P->D
+    fine = _rec("push+duplex", 1, 1.0, prompt=200, kv=KVUsage(60, 0, 5 * bpb))
+    fine.result.completion_tokens = 32
+    fine.returned_bytes = 3 * bpb  # answer of 2 blocks, plus one
+    over = _rec("push+duplex", 1, 1.0, session=1, prompt=200, kv=KVUsage(60, 0, 9 * bpb))
+    over.result.completion_tokens = 32
+    over.returned_bytes = 5 * bpb
+    t0b = _rec("push+duplex", 0, 1.0, session=1, prompt=100, cached=0)
+    t0b.result.completion_tokens = 40
+    rows = {b.way: b for b in report.block_bounds([t0, fine, t0b, over], bpb, bs)}
+    assert (rows["P→D"].n, rows["P→D"].over, rows["P→D"].max_excess) == (2, 1, 4)
+    assert (rows["D→P"].n, rows["D→P"].over, rows["D→P"].max_excess) == (2, 1, 2)

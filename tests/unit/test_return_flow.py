@@ -55,6 +55,9 @@ def test_return_fills_prefills_cache_and_next_turn_matches(tiny: LoadedModel) ->
         # P computed the prompt (4 full blocks); the return brought blocks 4..6.
         assert acceptor.stats.num_received_blocks == 3
         assert s.df.offerer.stats.num_done == 1 and s.df.offerer.stats.num_sent_blocks == 3
+        rec = s.df.offerer.records()["d-t1"]
+        assert (rec["outcome"], rec["num_offered_blocks"], rec["num_sent_blocks"]) == ("done", 3, 3)
+        assert rec["num_sent_bytes"] == 3 * s.df.sender.transport.layout.bytes_per_block
         assert _p_cached_prefix(s, history) == 28
         s.assert_clean()
 
@@ -97,6 +100,8 @@ def test_offer_of_blocks_prefill_has_is_declined(tiny: LoadedModel) -> None:
         # The same conversation again: P's prefill hits, D offers the same blocks.
         asyncio.run(_turn(s, "a2", PROMPT))
         _wait_for(lambda: s.df.offerer.stats.num_declined == 1, "the decline")
+        assert s.df.offerer.records()["d-a2"]["outcome"] == "declined"
+        assert s.df.offerer.records()["d-a2"]["num_sent_bytes"] == 0
         assert s.pf.acceptor.stats.num_refused == 1
         assert s.pf.acceptor.stats.num_received_blocks == 3
         s.assert_clean()
