@@ -30,8 +30,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvduplex.server.cluster import LocalCluster, Process, free_port
-from tests.integration.conftest import assert_pool_clean
+from kvduplex.server.cluster import LocalCluster, Process
+from tests.integration.conftest import assert_pool_clean, start_duplex_rig
 
 pytestmark = pytest.mark.integration
 
@@ -66,14 +66,9 @@ class Rig:
 
 
 @pytest.fixture(scope="module")
-def rig(cluster: LocalCluster) -> Iterator[Rig]:
-    p = cluster.start("prefill", [*SERVE, "--role", "prefill"], free_port())
-    d = cluster.start("decode", [*SERVE, "--role", "decode"], free_port())
-    cluster.wait_healthy(timeout_s=120)
-    args = ["router", "--model", "tiny", "--prefill", p.url, "--decode", d.url]
-    router = cluster.start("router", [*args, "--return-mode", "push"], free_port())
-    cluster.wait_healthy(timeout_s=60)
-    yield Rig(router, p, d)
+def rig(cluster: LocalCluster) -> Rig:
+    procs = start_duplex_rig(cluster, SERVE)
+    return Rig(procs["router"], procs["prefill"], procs["decode"])
 
 
 @pytest.fixture(scope="module")

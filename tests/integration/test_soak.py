@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-from collections.abc import Iterator
 
 import pytest
 
 from kvduplex.bench.soak import RssSampler, SoakConfig, format_summary, run_sessions, summarize
-from kvduplex.server.cluster import LocalCluster, Process, free_port
-from tests.integration.conftest import assert_pool_clean, kv_stats
+from kvduplex.server.cluster import LocalCluster, Process
+from tests.integration.conftest import assert_pool_clean, kv_stats, start_duplex_rig
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -31,14 +30,8 @@ MIN_REQUESTS = 100
 
 
 @pytest.fixture(scope="module")
-def rig(cluster: LocalCluster) -> Iterator[dict[str, Process]]:
-    p = cluster.start("prefill", [*SERVE, "--role", "prefill"], free_port())
-    d = cluster.start("decode", [*SERVE, "--role", "decode"], free_port())
-    cluster.wait_healthy(timeout_s=120)
-    args = ["router", "--model", "tiny", "--prefill", p.url, "--decode", d.url]
-    router = cluster.start("router", [*args, "--return-mode", "push"], free_port())
-    cluster.wait_healthy(timeout_s=60)
-    yield {"prefill": p, "decode": d, "router": router}
+def rig(cluster: LocalCluster) -> dict[str, Process]:
+    return start_duplex_rig(cluster, SERVE)
 
 
 def test_soak(rig: dict[str, Process], request: pytest.FixtureRequest) -> None:
