@@ -164,14 +164,17 @@ class ServerConfig:
     (internal routes open to anyone who can reach the port)."""
     internal_max_body_mb: int = 16
     """Largest request body an /internal/* route accepts, in MiB (larger: HTTP 413)."""
+    max_body_mb: int = 32
+    """Largest request body the OpenAI routes accept, in MiB (larger: HTTP 413, before it is
+    parsed). Keep it at least 3x the router's --max-body-mb plus 1: the router forwards a
+    body as ASCII JSON, which can triple the size of non-ASCII text."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.internal_max_body_mb < 1:
-            raise ValueError(
-                f"internal_max_body_mb must be >= 1, got {self.internal_max_body_mb}"
-            )
+        for name in ("internal_max_body_mb", "max_body_mb"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -209,6 +212,9 @@ class RouterConfig:
     """Push mode: a session's turn whose part decode has not cached (its new input) is at
     most this many tokens goes to decode alone, which prefills it over its cached history
     (0: off). With ``return_mode`` push, decode then returns the turn to prefill."""
+    max_body_mb: int = 8
+    """Largest request body accepted, in MiB (larger: HTTP 413, before it is parsed). A
+    prompt that fits a 128k-token context is well under 8 MiB of JSON."""
     log_level: str = "warning"
     """Python log level."""
 
@@ -227,6 +233,8 @@ class RouterConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_sessions < 1:
             raise ValueError(f"max_sessions must be >= 1, got {self.max_sessions}")
+        if self.max_body_mb < 1:
+            raise ValueError(f"max_body_mb must be >= 1, got {self.max_body_mb}")
         if self.session_busy_margin < 0:
             raise ValueError(f"session_busy_margin must be >= 0, got {self.session_busy_margin}")
         if self.short_append_tokens < 0:

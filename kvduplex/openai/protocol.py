@@ -68,7 +68,8 @@ class _SamplingFields(BaseModel):
     top_k: int = -1
     seed: Annotated[int, Field(ge=SEED_RANGE[0], lt=SEED_RANGE[1])] | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=256)] | None = None
+    """At most 256 (each generated token is checked against every one)."""
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0)] = 0
     stream: bool = False

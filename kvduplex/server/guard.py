@@ -1,23 +1,29 @@
-"""The trust boundary of an instance's internal routes.
+"""Two ASGI middlewares at an HTTP server's door: body caps and the trust boundary.
 
-Every ``/internal/*`` route (KV handshake, push and pull prefill, cancels,
-releases, retained turns, stats) moves or describes KV memory: a handshake's
-metadata lets its holder WRITE anywhere in the pool over NIXL, and a push or
-a return puts KV into a prefix cache that later requests read. With a
-cluster secret configured, `InternalGuard` answers these routes only to
-callers that send it (header ``X-KVDuplex-Cluster-Secret``, compared in
-constant time); everyone else gets 401 in the OpenAI error format. Bodies of
-internal routes are capped (413 past the cap) whether or not a secret is set::
+`BodyCap` answers a request whose body passes a cap with 413 (OpenAI error
+JSON) before the app parses it: announced (Content-Length) bodies before a
+byte is read, chunked ones as soon as the cap is passed. The router wraps its
+whole app in one; an instance caps its public routes through `InternalGuard`.
 
-    request ── path /internal/...? ── no ──────────────────────────► app
-                    │ yes
+Every ``/internal/*`` route of an instance (KV handshake, push and pull
+prefill, cancels, releases, retained turns, stats) moves or describes KV
+memory: a handshake's metadata lets its holder WRITE anywhere in the pool over
+NIXL, and a push or a return puts KV into a prefix cache that later requests
+read. With a cluster secret configured, `InternalGuard` answers these routes
+only to callers that send it (header ``X-KVDuplex-Cluster-Secret``, compared
+in constant time); everyone else gets 401 in the OpenAI error format. Bodies
+of internal routes have their own cap, whether or not a secret is set::
+
+    request ── path /internal/...? ── no ── body > public cap ──► 413
+                    │ yes                    else ─────────────────► app
                     ▼
           secret set and header != secret ──► 401
-          body > max_body_bytes ────────────► 413
+          body > internal cap ──────────────► 413
           else ── body replayed ──────────────────────────────────► app
 
-The middleware is pure ASGI (no buffering of other routes' streams), so the
-OpenAI routes' disconnect detection is unchanged.
+Both are pure ASGI (no buffering of responses), and a body is replayed to the
+app followed by the client's own messages, so the OpenAI routes' disconnect
+detection is unchanged.
 """
 
 from __future__ import annotations
@@ -72,54 +78,41 @@ def _reject(status: int, message: str, code: str) -> JSONResponse:
     return JSONResponse(error_body(message, code=code), status_code=status)
 
 
-class InternalGuard:
-    """ASGI middleware: the cluster secret and a body cap on ``/internal/*``."""
+class BodyCap:
+    """ASGI middleware: an HTTP request body over `max_body_bytes` is answered 413.
 
-    def __init__(self, app: ASGIApp, secret: str | None, max_body_bytes: int) -> None:
+    `what` names the request in the error message ("a request", "an internal
+    request"). The body is read here (at most the cap plus one chunk) and
+    replayed to the app.
+    """
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int, what: str = "a request") -> None:
+        if max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
         self.app = app
-        self.secret = secret
         self.max_body_bytes = max_body_bytes
+        self.what = what
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not str(scope["path"]).startswith(INTERNAL_PREFIX):
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        rejection = self._check_headers(scope)
-        body = None if rejection is not None else await self._read_body(receive)
-        if body is None:
-            await (rejection or self._too_large())(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        announced_too_large = (
+            length is not None and length.isdigit() and int(length) > self.max_body_bytes
+        )
+        body = None if announced_too_large else await self._read_body(receive)
+        if body is None:  # refused before reading a byte of it, or once past the cap
+            await self._too_large()(scope, receive, send)
             return
         await self.app(scope, _replay(body, receive), send)
 
     def _too_large(self) -> JSONResponse:
+        cap = self.max_body_bytes
+        size = f"{cap >> 20} MiB" if cap % (1 << 20) == 0 else f"{cap} bytes"
         return _reject(
-            413, f"the body of an internal request is limited to {self.max_body_bytes} bytes",
-            "request_too_large",
-        )  # fmt: skip
-
-    def _check_headers(self, scope: Scope) -> JSONResponse | None:
-        given: list[bytes] = []
-        length: bytes | None = None
-        for key, value in scope["headers"]:
-            if key == _HEADER_KEY:
-                given.append(value)
-            elif key == b"content-length":
-                length = value
-        if self.secret is not None and (
-            len(given) != 1 or not secret_matches(given[0], self.secret)
-        ):
-            client = scope.get("client")
-            logger.warning(
-                "%s %s from %s refused: %s", scope["method"], scope["path"],
-                client[0] if client else "?", "no cluster secret" if not given else "wrong cluster secret",
-            )  # fmt: skip
-            return _reject(
-                401, f"internal routes need the cluster secret in the {SECRET_HEADER} header",
-                "invalid_cluster_secret",
-            )  # fmt: skip
-        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            return self._too_large()  # refused before reading a byte of it
-        return None
+            413, f"the body of {self.what} is limited to {size} ({cap} bytes)", "request_too_large"
+        )
 
     async def _read_body(self, receive: Receive) -> bytes | None:
         """The whole body, or None once it passes the cap (chunked bodies too)."""
@@ -138,6 +131,51 @@ class InternalGuard:
                 return b"".join(parts)
 
 
+class InternalGuard:
+    """ASGI middleware: the cluster secret and a body cap on ``/internal/*``; a body cap
+    of its own (`public_max_body_bytes`, None for none) on every other route."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        secret: str | None,
+        max_body_bytes: int,
+        public_max_body_bytes: int | None = None,
+    ) -> None:
+        self.app = app
+        self.secret = secret
+        self.internal = BodyCap(app, max_body_bytes, "an internal request")
+        self.public: ASGIApp = (
+            app if public_max_body_bytes is None else BodyCap(app, public_max_body_bytes)
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not str(scope["path"]).startswith(INTERNAL_PREFIX):
+            await self.public(scope, receive, send)
+            return
+        rejection = self._check_secret(scope)
+        if rejection is not None:
+            await rejection(scope, receive, send)
+            return
+        await self.internal(scope, receive, send)
+
+    def _check_secret(self, scope: Scope) -> JSONResponse | None:
+        if self.secret is None:
+            return None
+        given = [value for key, value in scope["headers"] if key == _HEADER_KEY]
+        if len(given) == 1 and secret_matches(given[0], self.secret):
+            return None
+        client = scope.get("client")
+        logger.warning(
+            "%s %s from %s refused: %s", scope["method"], scope["path"],
+            client[0] if client else "?", "no cluster secret" if not given else "wrong cluster secret",
+        )  # fmt: skip
+        return _reject(
+            401, f"internal routes need the cluster secret in the {SECRET_HEADER} header",
+            "invalid_cluster_secret",
+        )  # fmt: skip
+
+
 def _replay(body: bytes, receive: Receive) -> Receive:
     """A `receive` that yields `body` once, then the client's own messages (disconnect)."""
     sent = False
@@ -152,4 +190,10 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-__all__ = ["INTERNAL_PREFIX", "InternalGuard", "load_cluster_secret", "new_cluster_secret"]
+__all__ = [
+    "INTERNAL_PREFIX",
+    "BodyCap",
+    "InternalGuard",
+    "load_cluster_secret",
+    "new_cluster_secret",
+]

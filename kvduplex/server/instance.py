@@ -62,8 +62,9 @@ def build_instance(
     routers = _role_routers(instance, engine_config, server_config.role, secret, env)
     instance.app = create_app(state, routers)
     instance.app.add_middleware(
-        InternalGuard, secret=secret, max_body_bytes=server_config.internal_max_body_mb << 20
-    )
+        InternalGuard, secret=secret, max_body_bytes=server_config.internal_max_body_mb << 20,
+        public_max_body_bytes=server_config.max_body_mb << 20,
+    )  # fmt: skip
     if secret is None and server_config.role is not Role.BOTH:
         logger.warning(
             "no cluster secret: anyone who reaches this port can use its internal KV routes "

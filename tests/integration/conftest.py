@@ -7,7 +7,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvduplex.server.cluster import LocalCluster
+from kvduplex.server.cluster import LocalCluster, Process, free_port
 from kvduplex.transport.trust import secret_headers
 
 
@@ -44,3 +44,15 @@ def assert_pool_clean(url: str, secret: str | None = None, timeout_s: float = 20
     st = kv_stats(url, secret)
     assert st["integrity_ok"], st["integrity_error"]
     assert st["num_free"] + st["num_cached"] == st["total"]
+
+
+def start_duplex_rig(cluster: LocalCluster, serve: list[str]) -> dict[str, Process]:
+    """One P and one D (``kvduplex serve`` with `serve`'s flags) and a push router that
+    returns finished turns to P; healthy when this returns. Keys: prefill, decode, router."""
+    p = cluster.start("prefill", [*serve, "--role", "prefill"], free_port())
+    d = cluster.start("decode", [*serve, "--role", "decode"], free_port())
+    cluster.wait_healthy(timeout_s=120)
+    args = ["router", "--model", "tiny", "--prefill", p.url, "--decode", d.url]
+    router = cluster.start("router", [*args, "--return-mode", "push"], free_port())
+    cluster.wait_healthy(timeout_s=60)
+    return {"prefill": p, "decode": d, "router": router}

@@ -171,7 +171,7 @@ sampling_fields: dict[str, Field] = {
             st.none(),
             st.lists(st.one_of(st.integers(0, 600), huge_ints.filter(lambda t: t > 0)), max_size=4),
         ),
-        st.sampled_from([[-1], [-(2**70)], 5, [1.5], ["x"]]),
+        st.sampled_from([[-1], [-(2**70)], 5, [1.5], ["x"], [0] * 257]),
     ),
     "min_tokens": field(
         st.one_of(st.integers(0, 8), st.sampled_from([2**31, 2**70])), st.integers(-3, -1)

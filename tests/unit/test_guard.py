@@ -101,6 +101,36 @@ def test_oversize_internal_bodies_are_413_announced_or_chunked(guarded: TestClie
     assert guarded.post("/v1/echo", content=b"z" * (4 * CAP)).json() == {"size": 4 * CAP}
 
 
+@pytest.mark.parametrize("public_cap", [CAP // 4, 4 * CAP])
+def test_public_routes_have_a_cap_of_their_own(public_cap: int) -> None:
+    app = _app(None)
+    app.user_middleware.clear()
+    app.add_middleware(
+        InternalGuard, secret=SECRET, max_body_bytes=CAP, public_max_body_bytes=public_cap
+    )
+    ok = secret_headers(SECRET)
+
+    def chunks(total: int) -> Iterator[bytes]:  # no content-length: counted as it arrives
+        yield b"y" * (total // 2)
+        yield b"y" * (total - total // 2)
+
+    with TestClient(app) as c:
+        assert c.post("/v1/echo", content=b"z" * public_cap).json() == {"size": public_cap}
+        assert c.post("/v1/echo", content=chunks(public_cap)).json() == {"size": public_cap}
+        for content in (b"z" * (public_cap + 1), chunks(public_cap + 1)):
+            resp = c.post("/v1/echo", content=content)
+            _assert_error(resp, 413, "request_too_large")
+            assert f"({public_cap} bytes)" in resp.json()["error"]["message"]
+        # Internal routes keep theirs, whichever is larger; the secret is still checked first.
+        assert c.post("/internal/echo", content=b"x" * CAP, headers=ok).json() == {"size": CAP}
+        _assert_error(
+            c.post("/internal/echo", content=b"x" * (CAP + 1), headers=ok), 413, "request_too_large"
+        )
+        _assert_error(
+            c.post("/internal/echo", content=b"x" * (CAP + 1)), 401, "invalid_cluster_secret"
+        )
+
+
 def test_without_a_secret_internal_routes_are_open_but_capped() -> None:
     with TestClient(_app(None)) as c:
         assert c.get("/internal/kv/stats").status_code == 200

@@ -25,6 +25,7 @@ from kvduplex.model.loader import load_tokenizer
 from kvduplex.openai.errors import APIError, install_error_handlers
 from kvduplex.openai.prompt import PromptError, prompt_token_ids
 from kvduplex.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest
+from kvduplex.server.guard import BodyCap
 from kvduplex.server.router.flows import (
     Forward,
     is_short_append,
@@ -89,6 +90,7 @@ async def route_request(
 def create_router_app(state: RouterState) -> FastAPI:
     app = FastAPI(title="kvduplex-router")
     install_error_handlers(app)
+    app.add_middleware(BodyCap, max_body_bytes=state.config.max_body_mb << 20)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -1,0 +1,247 @@
+"""Soak: many concurrent multi-turn streaming sessions for a while, and each process's memory.
+
+`run_sessions` keeps `SoakConfig.num_sessions` sessions going until a deadline:
+each sends `num_turns` streaming turns (every turn the whole history, the last
+answer included, plus seeded new input), then starts over as a new session.
+Even-numbered workers send token-id prompts to ``/v1/completions``, odd ones
+chat messages to ``/v1/chat/completions``; every request names its session.
+
+`RssSampler` reads each process's resident memory (VmRSS in
+``/proc/<pid>/status``) every few seconds in a thread of its own. `summarize`
+turns both into one report: requests, errors, TTFT and TPOT percentiles, and
+each process's memory growth after the warm-up::
+
+    RSS │        ┌──── after warm-up: growth = (last - first) / first
+        │   ╱────┘
+        │  ╱
+        └──┴───────────────────────► time
+         warm-up
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvduplex.bench.client import RequestResult, percentile, stream_request
+from kvduplex.bench.conversation import ChatConversation, Conversation, TokenConversation
+from kvduplex.bench.session import seeded_text
+
+
+@dataclass(frozen=True)
+class SoakConfig:
+    """The session mix of a soak."""
+
+    num_sessions: int = 16
+    """Sessions running at once."""
+    num_turns: int = 6
+    """Turns of a session before it ends and a new one starts."""
+    first_turn_chars: int = 200
+    """New input of a session's first turn, in characters (byte tokenizer: tokens)."""
+    turn_chars: int = 40
+    """New input of each later turn."""
+    max_tokens: tuple[int, int] = (4, 24)
+    """Answer length of a turn, drawn uniformly in [lo, hi]."""
+    seed: int = 0
+    """Seed of every session's input and length draws."""
+    request_timeout_s: float = 120.0
+    """A turn that takes longer counts as an error."""
+
+    def __post_init__(self) -> None:
+        if self.num_sessions < 1 or self.num_turns < 1:
+            raise ValueError("num_sessions and num_turns must be >= 1")
+        lo, hi = self.max_tokens
+        if not 1 <= lo <= hi:
+            raise ValueError(f"max_tokens must be a range 1 <= lo <= hi, got {self.max_tokens}")
+
+
+@dataclass
+class Turn:
+    """One finished turn: when it ended (seconds from the start) and how it went."""
+
+    end_s: float
+    session: str
+    result: RequestResult
+
+
+async def _session(
+    client: httpx.AsyncClient, url: str, model: str, cfg: SoakConfig, worker: int, n: int,
+    rng: random.Random, deadline: float, t0: float, turns: list[Turn],
+) -> None:  # fmt: skip
+    name = f"soak-{cfg.seed}-{worker}-{n}"
+    system = "You are a coding agent. " + seeded_text(rng, cfg.first_turn_chars)
+    conv: Conversation = (
+        TokenConversation(model, name, system)
+        if worker % 2 == 0
+        else ChatConversation(model, name, system, use_tools=False)
+    )
+    for turn in range(cfg.num_turns):
+        if time.monotonic() >= deadline:
+            return
+        new_input = seeded_text(rng, cfg.turn_chars if turn else cfg.turn_chars // 2 + 1)
+        req = conv.next_request(new_input, rng.randint(*cfg.max_tokens))
+        res = await stream_request(client, url, req.path, req.body, req.headers)
+        turns.append(Turn(time.monotonic() - t0, name, res))
+        if not res.ok:
+            return
+        conv.add_answer(res.text, res.token_ids)
+
+
+async def run_sessions(url: str, model: str, cfg: SoakConfig, duration_s: float) -> list[Turn]:
+    """Keep `cfg.num_sessions` sessions going against `url` for `duration_s` seconds.
+
+    Turns that started before the deadline finish; every turn is returned.
+    """
+    turns: list[Turn] = []
+    t0 = time.monotonic()
+    deadline = t0 + duration_s
+    limits = httpx.Limits(max_connections=cfg.num_sessions * 2)
+
+    async def worker(i: int) -> None:
+        rng = random.Random(cfg.seed * 1_000_003 + i)
+        n = 0
+        while time.monotonic() < deadline:
+            await _session(client, url, model, cfg, i, n, rng, deadline, t0, turns)
+            n += 1
+
+    async with httpx.AsyncClient(timeout=cfg.request_timeout_s, limits=limits) as client:
+        await asyncio.gather(*(worker(i) for i in range(cfg.num_sessions)))
+    return turns
+
+
+def read_rss_bytes(pid: int) -> int | None:
+    """Resident memory of `pid` (VmRSS), or None once it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+@dataclass
+class RssSampler:
+    """Samples the RSS of named processes every `every_s` seconds, in its own thread.
+
+    `samples` holds ``(seconds since start, {name: bytes})``; a process that is
+    gone is left out of the samples after it. `start` takes the first sample at
+    once; `stop` takes a last one and joins the thread.
+    """
+
+    pids: dict[str, int]
+    every_s: float = 2.0
+    samples: list[tuple[float, dict[str, int]]] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event, repr=False)
+    _thread: threading.Thread | None = field(default=None, repr=False)
+    _t0: float = 0.0
+
+    def start(self) -> RssSampler:
+        self._t0 = time.monotonic()
+        self._sample()
+        self._thread = threading.Thread(target=self._loop, name="rss-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._sample()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self._sample()
+
+    def _sample(self) -> None:
+        now = {name: read_rss_bytes(pid) for name, pid in self.pids.items()}
+        self.samples.append(
+            (time.monotonic() - self._t0, {k: v for k, v in now.items() if v is not None})
+        )
+
+    def growth_after(self, warmup_s: float) -> dict[str, dict[str, float]]:
+        """Per process: RSS (MiB) at the first sample after `warmup_s` and at the last one,
+        and the growth between them in percent."""
+        out: dict[str, dict[str, float]] = {}
+        for name in self.pids:
+            series = [(t, s[name]) for t, s in self.samples if name in s]
+            after = [rss for t, rss in series if t >= warmup_s] or [rss for _, rss in series[-1:]]
+            if not after:
+                continue
+            first, last = after[0], after[-1]
+            out[name] = {
+                "rss_after_warmup_mib": first / 2**20,
+                "rss_end_mib": last / 2**20,
+                "peak_mib": max(after) / 2**20,
+                "growth_pct": 100.0 * (last - first) / first,
+            }
+        return out
+
+
+@dataclass(frozen=True)
+class SoakSummary:
+    """What a soak showed: the load it carried, how it was served, and memory."""
+
+    duration_s: float
+    num_requests: int
+    num_errors: int
+    num_sessions_started: int
+    errors: list[str]
+    """The first few error messages."""
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    tpot_p50_ms: float
+    tpot_p99_ms: float
+    memory: dict[str, dict[str, float]]
+    """Per process: see `RssSampler.growth_after`."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def summarize(
+    turns: list[Turn], sampler: RssSampler, warmup_s: float, duration_s: float
+) -> SoakSummary:
+    """Latencies over turns that ended after the warm-up; errors over all turns."""
+    measured = [t.result for t in turns if t.end_s >= warmup_s and t.result.ok]
+    errors = [t.result.error for t in turns if not t.result.ok]
+    ttft = [r.ttft_s * 1e3 for r in measured]
+    tpot = [r.tpot_s * 1e3 for r in measured if r.completion_tokens > 1]
+    return SoakSummary(
+        duration_s=duration_s,
+        num_requests=len(turns),
+        num_errors=len(errors),
+        num_sessions_started=len({t.session for t in turns}),
+        errors=errors[:5],
+        ttft_p50_ms=percentile(ttft, 50),
+        ttft_p99_ms=percentile(ttft, 99),
+        tpot_p50_ms=percentile(tpot, 50),
+        tpot_p99_ms=percentile(tpot, 99),
+        memory=sampler.growth_after(warmup_s),
+    )
+
+
+def format_summary(s: SoakSummary) -> str:
+    """A Markdown report: the load, then one row per process."""
+    lines = [
+        f"{s.num_requests} streaming requests in {s.duration_s:.0f} s "
+        f"({s.num_sessions_started} sessions), {s.num_errors} errors; "
+        f"TTFT p50 {s.ttft_p50_ms:.1f} ms, p99 {s.ttft_p99_ms:.1f} ms; "
+        f"TPOT p50 {s.tpot_p50_ms:.2f} ms, p99 {s.tpot_p99_ms:.2f} ms.",
+        "",
+        "| process | RSS after warm-up (MiB) | RSS at the end (MiB) | peak (MiB) | growth |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, m in s.memory.items():
+        lines.append(
+            f"| {name} | {m['rss_after_warmup_mib']:.0f} | {m['rss_end_mib']:.0f} | "
+            f"{m['peak_mib']:.0f} | {m['growth_pct']:+.1f}% |"
+        )
+    return "\n".join(lines)
