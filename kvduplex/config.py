@@ -164,6 +164,9 @@ class ServerConfig:
     (internal routes open to anyone who can reach the port)."""
     internal_max_body_mb: int = 16
     """Largest request body an /internal/* route accepts, in MiB (larger: HTTP 413)."""
+    api_key: str = field(default="", repr=False)
+    """Key clients must send on every /v1/* route (header Authorization: Bearer KEY); empty:
+    KVDUPLEX_API_KEY, or no key (open). /health and /metrics stay open."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -201,6 +204,10 @@ class RouterConfig:
     """Half-life of the count of recent assignments that spreads new sessions."""
     backend_retry_s: float = 10.0
     """After a failed call, how long an instance gets no new work (unless all failed)."""
+    api_key: str = field(default="", repr=False)
+    """Key clients must send on every /v1/* route (header Authorization: Bearer KEY); empty:
+    KVDUPLEX_API_KEY, or no key (open). The router sends it on to the instances.
+    /health and /metrics stay open."""
     return_mode: ReturnMode = ReturnMode.NONE
     """Return of a finished turn's KV from decode to prefill, push mode only: none; push
     (duplex: decode WRITEs the blocks prefill lacks into its prefix cache after the turn);
@@ -247,6 +254,9 @@ class EngineConfig:
 
 CLUSTER_SECRET_VAR = "KVDUPLEX_CLUSTER_SECRET"
 """The variable `kvduplex up` sets for every process it starts."""
+API_KEY_VAR = "KVDUPLEX_API_KEY"
+"""The variable that gives the router and the instances their API key (``--api-key``
+takes precedence)."""
 
 
 @dataclass(frozen=True)
@@ -258,6 +268,9 @@ class Environment:
     cluster_secret: str | None = field(default=None, repr=False)
     """KVDUPLEX_CLUSTER_SECRET: the cluster's shared secret (``--cluster-secret-file``
     takes precedence)."""
+    api_key: str | None = field(default=None, repr=False)
+    """KVDUPLEX_API_KEY: the key clients send on /v1/* routes (``--api-key`` takes
+    precedence)."""
     test_drop_messages: frozenset[str] = frozenset()
     """KVDUPLEX_TEST_DROP_MESSAGES, for fault tests only: comma-separated control message
     types (``kv_register``, ``kv_offer``, ``kv_done``, ...) that this instance's
@@ -269,5 +282,6 @@ class Environment:
         return cls(
             log_level=os.environ.get("KVDUPLEX_LOG_LEVEL"),
             cluster_secret=os.environ.get(CLUSTER_SECRET_VAR) or None,
+            api_key=os.environ.get(API_KEY_VAR) or None,
             test_drop_messages=frozenset(t.strip() for t in drop.split(",") if t.strip()),
         )

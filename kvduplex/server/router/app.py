@@ -7,7 +7,8 @@ would use. The policy then picks P and D (sessions, load), and one of the
 flows (`flows.py`) forwards the body as the client sent it.
 
 Routes: /v1/completions, /v1/chat/completions, /v1/models (a decode
-instance's), /health, /metrics (``kvduplex_router_*``).
+instance's), /health, /metrics (``kvduplex_router_*``). With an API key, the
+/v1 routes need it (`kvduplex.server.auth`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from kvduplex.model.loader import load_tokenizer
 from kvduplex.openai.errors import APIError, install_error_handlers
 from kvduplex.openai.prompt import PromptError, prompt_token_ids
 from kvduplex.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest
+from kvduplex.server.auth import APIKeyGuard
 from kvduplex.server.router.flows import (
     Forward,
     is_short_append,
@@ -89,6 +91,7 @@ async def route_request(
 def create_router_app(state: RouterState) -> FastAPI:
     app = FastAPI(title="kvduplex-router")
     install_error_handlers(app)
+    app.add_middleware(APIKeyGuard, api_key=state.api_key)
 
     @app.get("/health")
     async def health() -> JSONResponse:
