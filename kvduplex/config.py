@@ -202,8 +202,12 @@ class RouterConfig:
     requests in flight beyond the least busy one."""
     load_half_life_s: float = 30.0
     """Half-life of the count of recent assignments that spreads new sessions."""
-    backend_retry_s: float = 10.0
-    """After a failed call, how long an instance gets no new work (unless all failed)."""
+    health_interval_s: float = 2.0
+    """Seconds between the router's probes of each instance's /health. A failed call
+    (unreachable, or a 5xx) or probe marks the instance unhealthy at once, and it gets
+    no new work until a probe that began after the failure succeeds."""
+    health_timeout_s: float = 2.0
+    """Deadline of one health probe; a probe past it counts as failed."""
     api_key: str = field(default="", repr=False)
     """Key clients must send on every /v1/* route (header Authorization: Bearer KEY); empty:
     KVDUPLEX_API_KEY, or no key (open). The router sends it on to the instances.
@@ -229,7 +233,7 @@ class RouterConfig:
                 raise ValueError(f"instance URLs start with http:// or https://, got {url!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        for name in ("session_ttl_s", "load_half_life_s", "backend_retry_s"):
+        for name in ("session_ttl_s", "load_half_life_s", "health_interval_s", "health_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_sessions < 1:

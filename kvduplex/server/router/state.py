@@ -52,8 +52,7 @@ class RouterState:
             headers={**secret_headers(env.cluster_secret), **api_key_headers(api_key)},
         )  # fmt: skip
         return cls(
-            config, tokenizer, policy, registry, RouterMetrics(registry, lambda: len(policy.sessions)), client,
-            api_key,
+            config, tokenizer, policy, registry, RouterMetrics(registry, policy), client, api_key
         )
 
 
