@@ -1,8 +1,10 @@
 """The router in process over failing fake instances (httpx MockTransport): a decode
-instance that cannot be reached (routed around, then 503, and taken back by a probe)."""
+instance that cannot be reached (routed around, then 503, and taken back by a probe),
+and one that dies mid-answer (the stream ends with an error event)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,6 +12,7 @@ from typing import Any
 import httpx
 import pytest
 from fastapi.testclient import TestClient
+from httpx_sse import connect_sse
 
 from kvduplex.config import RouterConfig, TransferMode
 from kvduplex.model.tokenizer import ByteTokenizer
@@ -104,3 +107,24 @@ async def _probe_all(state: RouterState) -> None:
     from kvduplex.server.router.health import probe_all
 
     await probe_all(state.client, state.policy, 1.0)
+
+
+# ------------------------------------------------- decode dies mid-answer
+
+
+@pytest.mark.parametrize("mode", [TransferMode.PUSH, TransferMode.PULL])
+def test_decode_dying_mid_stream_ends_the_stream_with_an_error_event(mode: TransferMode) -> None:
+    fake = FailingInstances(answer_ids=[65, 66, 67, 68], cut_after=2)
+    client, state = _router(fake, mode=mode)
+    body = {**BODY, "max_tokens": 4, "stream": True}
+    with client, connect_sse(client, "POST", "/v1/completions", json=body) as src:  # type: ignore[arg-type]
+        events = [e.data for e in src.iter_sse()]
+        assert _metric(client, "kvduplex_router_stream_errors_total") == 1
+        assert _metric(client, "kvduplex_router_instance_healthy", url=D, role="decode") == 0
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "server_error" and error["code"] == "decode_failed"
+    assert f"decode at {D} failed mid-answer" in error["message"]
+    tokens = [t for data in events[:-2] for t in json.loads(data)["choices"][0]["token_ids"]]
+    assert tokens == [65, 66], "what came before the cut, each token once"
+    assert state.policy.decode.backends[0].in_flight == 0

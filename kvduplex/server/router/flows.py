@@ -178,7 +178,13 @@ def _relay_decode(
         parts = count_answer(
             parts, bool(fwd.request.stream), lambda k: sessions.note_answer(sid, n, k)
         )
-    return relay(upstream, parts, lambda: state.policy.decode_done(fwd.route, outcome))
+
+    def close(failed: bool) -> None:
+        if failed:
+            state.metrics.stream_errors.inc()
+        state.policy.decode_done(fwd.route, Outcome.FAILED if failed else outcome)
+
+    return relay(upstream, parts, close, f"decode at {fwd.route.decode.url}")
 
 
 def is_short_append(state: RouterState, fwd: Forward) -> bool:

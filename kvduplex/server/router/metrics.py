@@ -10,7 +10,7 @@ from kvduplex.server.router.policy import RoutingPolicy
 
 class RouterMetrics:
     """Session hits and misses, requests by flow, sessions remembered, instance health,
-    requests routed again or refused for want of a healthy instance."""
+    requests routed again and streams ended by an error."""
 
     def __init__(self, registry: CollectorRegistry, policy: RoutingPolicy) -> None:
         self.session_hits = Counter(
@@ -48,5 +48,10 @@ class RouterMetrics:
         self.unavailable = Counter(
             "kvduplex_router_unavailable",
             "Requests refused with 503: no healthy decode instance.",
+            registry=registry,
+        )
+        self.stream_errors = Counter(
+            "kvduplex_router_stream_errors",
+            "Answers cut by their decode instance mid-way (a stream ended with an error event).",
             registry=registry,
         )
