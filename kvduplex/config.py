@@ -168,6 +168,9 @@ class ServerConfig:
     """Largest request body the OpenAI routes accept, in MiB (larger: HTTP 413, before it is
     parsed). Keep it at least 3x the router's --max-body-mb plus 1: the router forwards a
     body as ASCII JSON, which can triple the size of non-ASCII text."""
+    api_key: str = field(default="", repr=False)
+    """Key clients must send on every /v1/* route (header Authorization: Bearer KEY); empty:
+    KVDUPLEX_API_KEY, or no key (open). /health and /metrics stay open."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -202,8 +205,16 @@ class RouterConfig:
     requests in flight beyond the least busy one."""
     load_half_life_s: float = 30.0
     """Half-life of the count of recent assignments that spreads new sessions."""
-    backend_retry_s: float = 10.0
-    """After a failed call, how long an instance gets no new work (unless all failed)."""
+    health_interval_s: float = 2.0
+    """Seconds between the router's probes of each instance's /health. A failed call
+    (unreachable, or a 5xx) or probe marks the instance unhealthy at once, and it gets
+    no new work until a probe that began after the failure succeeds."""
+    health_timeout_s: float = 2.0
+    """Deadline of one health probe; a probe past it counts as failed."""
+    api_key: str = field(default="", repr=False)
+    """Key clients must send on every /v1/* route (header Authorization: Bearer KEY); empty:
+    KVDUPLEX_API_KEY, or no key (open). The router sends it on to the instances.
+    /health and /metrics stay open."""
     return_mode: ReturnMode = ReturnMode.NONE
     """Return of a finished turn's KV from decode to prefill, push mode only: none; push
     (duplex: decode WRITEs the blocks prefill lacks into its prefix cache after the turn);
@@ -228,7 +239,7 @@ class RouterConfig:
                 raise ValueError(f"instance URLs start with http:// or https://, got {url!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        for name in ("session_ttl_s", "load_half_life_s", "backend_retry_s"):
+        for name in ("session_ttl_s", "load_half_life_s", "health_interval_s", "health_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_sessions < 1:
@@ -255,6 +266,9 @@ class EngineConfig:
 
 CLUSTER_SECRET_VAR = "KVDUPLEX_CLUSTER_SECRET"
 """The variable `kvduplex up` sets for every process it starts."""
+API_KEY_VAR = "KVDUPLEX_API_KEY"
+"""The variable that gives the router and the instances their API key (``--api-key``
+takes precedence)."""
 
 
 @dataclass(frozen=True)
@@ -266,6 +280,9 @@ class Environment:
     cluster_secret: str | None = field(default=None, repr=False)
     """KVDUPLEX_CLUSTER_SECRET: the cluster's shared secret (``--cluster-secret-file``
     takes precedence)."""
+    api_key: str | None = field(default=None, repr=False)
+    """KVDUPLEX_API_KEY: the key clients send on /v1/* routes (``--api-key`` takes
+    precedence)."""
     test_drop_messages: frozenset[str] = frozenset()
     """KVDUPLEX_TEST_DROP_MESSAGES, for fault tests only: comma-separated control message
     types (``kv_register``, ``kv_offer``, ``kv_done``, ...) that this instance's
@@ -277,5 +294,6 @@ class Environment:
         return cls(
             log_level=os.environ.get("KVDUPLEX_LOG_LEVEL"),
             cluster_secret=os.environ.get(CLUSTER_SECRET_VAR) or None,
+            api_key=os.environ.get(API_KEY_VAR) or None,
             test_drop_messages=frozenset(t.strip() for t in drop.split(",") if t.strip()),
         )

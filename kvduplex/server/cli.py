@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from kvduplex.config import (
+    API_KEY_VAR,
     CLUSTER_SECRET_VAR,
     CacheConfig,
     EngineConfig,
@@ -28,8 +29,9 @@ from kvduplex.server.flags import add_dataclass_flags, dataclass_from_args, flag
 logger = logging.getLogger("kvduplex")
 
 _ENGINE_SECTIONS = (ModelLoadConfig, CacheConfig, SchedulerConfig, TransferConfig)
-_UP_ROUTER_SKIP = ("prefill", "decode", "mode", "model", "host", "port", "log_level")
-"""Router flags that `kvduplex up` sets itself; it passes the others through."""
+_UP_ROUTER_SKIP = ("prefill", "decode", "mode", "model", "host", "port", "log_level", "api_key")
+"""Router flags that `kvduplex up` sets itself (its local demo cluster has no API key);
+it passes the others through."""
 
 
 def _setup_logging(level: str) -> None:
@@ -69,7 +71,8 @@ def _cmd_up(args: argparse.Namespace) -> None:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvduplex-up-"))
     # One fresh secret per cluster, in every process's environment: the internal
     # routes answer only the cluster's own members.
-    secret_env = {CLUSTER_SECRET_VAR: new_cluster_secret()}
+    # No API key on the local demo cluster, even if this shell sets one.
+    secret_env = {CLUSTER_SECRET_VAR: new_cluster_secret(), API_KEY_VAR: ""}
     with LocalCluster(log_dir=log_dir, env=secret_env) as cluster:
         serve_args = ["serve", "--model", args.model]
         if args.dtype:

@@ -16,6 +16,7 @@ from kvduplex.engine.async_engine import AsyncEngine
 from kvduplex.engine.engine import LLMEngine
 from kvduplex.engine.metrics import EngineMetrics
 from kvduplex.server.api import InstanceState, create_app
+from kvduplex.server.auth import APIKeyGuard, resolve_api_key
 from kvduplex.server.guard import InternalGuard, load_cluster_secret
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,8 @@ def build_instance(
 
     `env` (default: the process's environment) gives the cluster secret unless
     ``server_config.cluster_secret_file`` does; with one, every ``/internal/*``
-    route needs it and every internal call to a peer sends it.
+    route needs it and every internal call to a peer sends it. The API key
+    (``server_config.api_key``, else the environment's) guards the ``/v1/*`` routes.
     """
     env = env if env is not None else Environment.read()
     secret = load_cluster_secret(server_config.cluster_secret_file, env.cluster_secret)
@@ -65,6 +67,9 @@ def build_instance(
         InternalGuard, secret=secret, max_body_bytes=server_config.internal_max_body_mb << 20,
         public_max_body_bytes=server_config.max_body_mb << 20,
     )  # fmt: skip
+    instance.app.add_middleware(
+        APIKeyGuard, api_key=resolve_api_key(server_config.api_key, env.api_key)
+    )
     if secret is None and server_config.role is not Role.BOTH:
         logger.warning(
             "no cluster secret: anyone who reaches this port can use its internal KV routes "

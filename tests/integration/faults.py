@@ -39,6 +39,8 @@ SERVE += ["--kv-wait-timeout-s", str(DEADLINE_S), "--transfer-timeout-s", str(DE
 P_FLAGS = ["--role", "prefill", "--num-blocks", "640", "--max-num-batched-tokens", "4"]
 P_FLAGS += ["--max-num-seqs", "1"]
 D_FLAGS = ["--role", "decode", "--num-blocks", "1280"]
+HEALTH_INTERVAL_S = 0.5
+"""The routers' probe interval: a restarted instance is taken back within about this."""
 REQUEST_BOUND_S = 40.0
 """Every request ends (an answer or an error) within this, whatever the fault."""
 CLEAN_BOUND_S = 20.0
@@ -296,6 +298,7 @@ class Rig:
             self.p = new
         else:
             self.d = new
+        wait_router_sees(self.url, new.url, "prefill" if role == "P" else "decode", healthy=True)
 
     def stop(self) -> None:
         for proc in (self.router, self.p, self.d):
@@ -313,6 +316,7 @@ def start_rig(
     d = cluster.start(f"decode-{tag}", [*SERVE, *D_FLAGS], free_port(), env=d_env)
     cluster.wait_healthy(timeout_s=120)
     args = ["router", "--mode", "push", "--model", "tiny", "--prefill", p.url, "--decode", d.url]
+    args += ["--health-interval-s", str(HEALTH_INTERVAL_S)]
     router = cluster.start(f"router-{tag}", args, free_port())
     cluster.wait_healthy(timeout_s=60)
     return Rig(cluster, reference, p, d, router, p_env, d_env, list(p_flags))
@@ -335,13 +339,23 @@ def duplex_turn(rig: Rig, history: list[int], session: str, max_tokens: int) -> 
     return v
 
 
-def metric(url: str, name: str, **labels: str) -> float:
+def metric(server: str, name: str, **labels: str) -> float:
     total = 0.0
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+    for family in text_string_to_metric_families(httpx.get(server + "/metrics", timeout=10).text):
         for sample in family.samples:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 total += sample.value
     return total
+
+
+def wait_router_sees(router: str, url: str, role: str, *, healthy: bool) -> None:
+    """Poll the router's ``kvduplex_router_instance_healthy`` gauge (with a deadline) until
+    it says `url` is (un)healthy."""
+    want = 1.0 if healthy else 0.0
+    poll(
+        lambda: metric(router, "kvduplex_router_instance_healthy", url=url, role=role) == want,
+        f"the router to see {url} {'healthy' if healthy else 'unhealthy'}",
+    )
 
 
 def write_bytes(url: str) -> float:

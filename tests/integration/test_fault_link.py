@@ -25,6 +25,7 @@ from kvduplex.server.netns import NetnsHost, netns_unavailable_reason
 from tests.integration.conftest import kv_stats
 from tests.integration.faults import (
     D_FLAGS,
+    HEALTH_INTERVAL_S,
     P_FLAGS,
     REQUEST_BOUND_S,
     SERVE,
@@ -38,6 +39,7 @@ from tests.integration.faults import (
     reference_tokens,
     report_tally,
     stats,
+    wait_router_sees,
     write_bytes,
 )
 
@@ -94,6 +96,8 @@ def split(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Split]:
             p.url,
             "--decode",
             d.url,
+            "--health-interval-s",
+            str(HEALTH_INTERVAL_S),
         ]
         router = cluster.start("router", args, free_port())
         cluster.wait_healthy(timeout_s=60)
@@ -159,6 +163,8 @@ def test_link_cut_mid_write_costs_time_not_tokens(
     for moment in moments.values():
         tally.leaked(FAULT, moment, leaked)
     assert leaked == 0
+    # The router's probes of P crossed the cut link too: wait until it takes P back.
+    wait_router_sees(split.router, split.p.url, "prefill", healthy=True)
     num_recomputed = _pushed(split, next(salts), tries=5)  # the same connection carries KV again
     tally.note(
         FAULT, "mid-WRITE (KV on the wire)", f"{num_recomputed} recomputed after the link came back"

@@ -53,6 +53,8 @@ class FakeInstances:
         return [body for p, body, _ in self.calls if p == path]
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
+        if request.method == "GET" and request.url.path == "/health":
+            return httpx.Response(200, json={"status": "ok"})  # the router's probes
         body = json.loads(request.content) if request.content else {}
         self.calls.append((str(request.url), body, request.headers))
         url = str(request.url)
@@ -236,16 +238,18 @@ def test_drop_first_token_of_decode_stream() -> None:
 def test_router_flags_come_from_router_config_and_up_passes_them_on() -> None:
     argv = ["router", "--prefill", "http://p/", "--decode", "http://d", "--mode", "pull",
             "--session-ttl-s", "30", "--max-sessions", "5", "--return-mode", "push",
-            "--short-append-tokens", "16"]  # fmt: skip
+            "--short-append-tokens", "16", "--health-interval-s", "0.5", "--api-key", "sk-xyzzy"]  # fmt: skip
     args = build_parser().parse_args(argv)
     cfg = dataclass_from_args(RouterConfig, args, prefill=tuple(args.prefill), decode=tuple(args.decode))
     assert (cfg.prefill, cfg.decode, cfg.mode) == (("http://p",), ("http://d",), Mode.PULL)
     assert (cfg.session_ttl_s, cfg.max_sessions) == (30.0, 5)
     assert (cfg.return_mode, cfg.short_append_tokens) == (ReturnMode.PUSH, 16)
+    assert (cfg.health_interval_s, cfg.api_key) == (0.5, "sk-xyzzy") and "xyzzy" not in repr(cfg)
     up = build_parser().parse_args(["up", "--return-mode", "pull", "--max-sessions", "9"])
     passed = flags_of(RouterConfig, up, skip=_UP_ROUTER_SKIP)
     assert passed[passed.index("--return-mode") + 1] == "pull"
     assert passed[passed.index("--max-sessions") + 1] == "9" and "--mode" not in passed
+    assert "--api-key" not in passed, "the local demo cluster has no API key"
     again = build_parser().parse_args(["router", "--decode", "http://d", *passed])
     assert again.return_mode is ReturnMode.PULL and again.max_sessions == 9
     for bad, message in [
@@ -254,6 +258,8 @@ def test_router_flags_come_from_router_config_and_up_passes_them_on() -> None:
         ({"max_sessions": 0}, "max_sessions"),
         ({"session_ttl_s": 0}, "session_ttl_s"),
         ({"short_append_tokens": -1}, "short_append_tokens"),
+        ({"health_interval_s": 0}, "health_interval_s"),
+        ({"health_timeout_s": -1}, "health_timeout_s"),
     ]:
         with pytest.raises(ValueError, match=message):
             RouterConfig(**{"decode": ("http://d",), **bad})  # type: ignore[arg-type]

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from kvduplex.server.router.policy import Outcome, Route, RoutingPolicy
+from kvduplex.server.router.policy import NoHealthyInstance, Outcome, Route, RoutingPolicy
 from kvduplex.server.router.sessions import PrefixIndex, SessionTable
 
 
@@ -91,22 +91,64 @@ def test_named_session_sticks_unless_much_busier() -> None:
     assert back.prefill is moved.prefill, "the session moved: its next turn follows"
 
 
-def test_a_failed_instance_loses_its_sessions_until_the_retry_time() -> None:
-    policy, clock = _policy(2, 2, retry_s=5.0)
+def test_a_failed_call_routes_around_the_instance_until_a_later_probe_succeeds() -> None:
+    """1. a failed call marks P unhealthy: the session and new requests go elsewhere;
+    2. a probe that began before the failure cannot bring it back;
+    3. a probe that began after it does, and new sessions reach it again."""
+    policy, clock = _policy(2, 2)
     first = policy.route(_turn1(0), "s")
+    probe_started = clock()
+    clock.now += 0.1
     policy.prefill_done(first, Outcome.FAILED)
     policy.decode_done(first, Outcome.OK)
     failed = first.prefill
+    assert failed is not None and not failed.is_healthy
     for i in range(4):
         route = policy.route([*_turn1(0), i], "s" if i == 0 else None)
         assert route.prefill is not failed
         _done(policy, route)
-    clock.now += 6.0
-    assert failed in policy.prefill.available(clock())
-    all_down = _policy(1, 1)[0]
-    only = all_down.route([1, 2, 3], None)
-    _done(all_down, only, Outcome.FAILED)
-    assert all_down.route([1, 2, 3, 4], None).decode is only.decode, "all down: still served"
+    assert policy.sessions.get("s", clock()).prefill_url != failed.url, "the session moved"
+    policy.prefill.note_probe(failed, True, probe_started, clock())  # 2.
+    assert not failed.is_healthy
+    clock.now += 2.0
+    policy.prefill.note_probe(failed, True, clock() - 0.01, clock())  # 3.
+    assert failed.is_healthy
+    seen = [policy.route(_turn1(10 + i), None).prefill for i in range(4)]
+    assert failed in seen
+
+
+def test_a_failed_probe_marks_unhealthy_and_none_healthy_is_told_at_once() -> None:
+    policy, clock = _policy(1, 2)
+    d0, d1 = policy.decode.backends
+    policy.decode.note_probe(d0, False, clock(), clock())
+    assert not d0.is_healthy
+    assert {policy.route(_turn1(i), None).decode.url for i in range(3)} == {d1.url}
+    policy.decode.note_probe(d1, False, clock(), clock())
+    with pytest.raises(NoHealthyInstance, match="no healthy decode instance"):
+        policy.route(_turn1(5), None)
+    (p0,) = policy.prefill.backends
+    policy.prefill.note_probe(p0, False, clock(), clock())
+    policy.decode.note_probe(d1, True, clock(), clock())
+    route = policy.route(_turn1(6), None)
+    assert route.prefill is None and route.decode is d1, "no healthy P: D computes alone"
+
+
+def test_reroute_moves_the_request_and_its_session_to_a_healthy_decode() -> None:
+    policy, clock = _policy(2, 2)
+    first = policy.route(_turn1(0), "s")
+    dead = first.decode
+    policy.prefill_done(first, Outcome.REFUSED)
+    policy.decode_done(first, Outcome.FAILED)  # unreachable
+    again = policy.try_reroute(first)
+    assert again is not None and again.decode is not dead and again.prefill is first.prefill
+    assert (again.session_id, again.prefill_open, again.decode_open) == ("s", True, True)
+    session = policy.sessions.get("s", clock())
+    assert session is not None and session.num_turns == 1
+    assert (session.prefill_url, session.decode_url) == (first.prefill.url, again.decode.url)
+    _done(policy, again)
+    assert all(b.in_flight == 0 for b in (*policy.prefill.backends, *policy.decode.backends))
+    policy.decode.mark_failed(again.decode, clock())
+    assert policy.try_reroute(again) is None, "no healthy decode left"
 
 
 def test_a_continuing_conversation_is_recognised_by_its_whole_previous_prompt() -> None:

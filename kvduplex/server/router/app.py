@@ -7,12 +7,22 @@ would use. The policy then picks P and D (sessions, load), and one of the
 flows (`flows.py`) forwards the body as the client sent it.
 
 Routes: /v1/completions, /v1/chat/completions, /v1/models (a decode
-instance's), /health, /metrics (``kvduplex_router_*``).
+instance's), /health, /metrics (``kvduplex_router_*``). With an API key, the
+/v1 routes need it (`kvduplex.server.auth`).
+
+Failures: the app's lifespan runs the health prober (`health.py`). Without a
+healthy decode instance a request is refused at once (503,
+``no_healthy_instance``). A request whose decode instance could not be reached
+is routed once more, to another healthy one (`RoutingPolicy.try_reroute`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import httpx
 import uvicorn
@@ -25,8 +35,10 @@ from kvduplex.model.loader import load_tokenizer
 from kvduplex.openai.errors import APIError, install_error_handlers
 from kvduplex.openai.prompt import PromptError, prompt_token_ids
 from kvduplex.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest
+from kvduplex.server.auth import APIKeyGuard
 from kvduplex.server.guard import BodyCap
 from kvduplex.server.router.flows import (
+    DecodeUnreachable,
     Forward,
     is_short_append,
     serve_decode_only,
@@ -34,7 +46,8 @@ from kvduplex.server.router.flows import (
     serve_push,
     serve_short_append,
 )
-from kvduplex.server.router.policy import Outcome
+from kvduplex.server.router.health import run_prober
+from kvduplex.server.router.policy import NoHealthyInstance, Outcome
 from kvduplex.server.router.state import RouterState
 
 logger = logging.getLogger(__name__)
@@ -66,10 +79,38 @@ async def route_request(
     key = session_key(raw, request)
     body = dict(await raw.json())  # validated above; forwarded as the client sent it
     body.pop("kv_transfer_params", None)  # the router's to set, never the client's
-    route = state.policy.route(ids, key)
+    try:
+        route = state.policy.route(ids, key)
+    except NoHealthyInstance as exc:
+        raise _unavailable(state, exc) from None
     metrics = state.metrics
     (metrics.session_hits if route.is_session_hit else metrics.session_misses).inc()
     fwd = Forward(path=path, request=request, body=body, ids=ids, route=route)
+    try:
+        return await _run_flow(state, fwd)
+    except DecodeUnreachable as exc:
+        logger.warning("session %s: %s; routing the request again", route.session_id, exc)
+    rerouted = state.policy.try_reroute(route)
+    if rerouted is None:
+        raise _unavailable(state, NoHealthyInstance("decode"))
+    metrics.rerouted.inc()
+    try:
+        return await _run_flow(state, replace(fwd, route=rerouted))
+    except DecodeUnreachable as exc:
+        raise APIError(502, str(exc), code="decode_failed") from None
+
+
+def _unavailable(state: RouterState, exc: NoHealthyInstance) -> APIError:
+    state.metrics.unavailable.inc()
+    return APIError(
+        503, f"{exc}: every one failed its last call or health probe; retry later",
+        code="no_healthy_instance",
+    )  # fmt: skip
+
+
+async def _run_flow(state: RouterState, fwd: Forward) -> Response:
+    """The flow for `fwd`'s route and the request; releases the route if no relay took it."""
+    route, metrics = fwd.route, state.metrics
     if route.prefill is None:
         mode, flow = "decode", serve_decode_only
     elif state.config.mode is TransferMode.PUSH and is_short_append(state, fwd):
@@ -88,9 +129,28 @@ async def route_request(
 
 
 def create_router_app(state: RouterState) -> FastAPI:
-    app = FastAPI(title="kvduplex-router")
+    """The router's app; its lifespan runs the health prober and closes the client."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        config = state.config
+        prober = asyncio.create_task(
+            run_prober(
+                state.client, state.policy, config.health_interval_s, config.health_timeout_s
+            )
+        )
+        try:
+            yield
+        finally:
+            prober.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await prober
+            await state.client.aclose()
+
+    app = FastAPI(title="kvduplex-router", lifespan=lifespan)
     install_error_handlers(app)
     app.add_middleware(BodyCap, max_body_bytes=state.config.max_body_mb << 20)
+    app.add_middleware(APIKeyGuard, api_key=state.api_key)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -102,11 +162,17 @@ def create_router_app(state: RouterState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        d = state.policy.decode.available(state.policy.clock())[0]
+        pool = state.policy.decode
+        up = pool.healthy()
+        if not up:
+            raise _unavailable(state, NoHealthyInstance("decode"))
+        d = up[0]
         try:
             resp = await state.client.get(d.url + "/v1/models")
         except httpx.HTTPError as exc:
-            raise APIError(502, f"decode at {d.url} failed: {exc}") from None
+            pool.mark_failed(d, state.policy.clock())
+            message = f"decode at {d.url} failed: {exc!r}"
+            raise APIError(502, message, code="decode_failed") from None
         return Response(resp.content, resp.status_code, media_type="application/json")
 
     @app.post("/v1/completions", response_model=None)
@@ -125,9 +191,10 @@ def serve_router(config: RouterConfig) -> None:
     state = RouterState.create(config, load_tokenizer(config.model))
     logger.info(
         "router (%s) on http://%s:%d: prefill %s, decode %s; sessions: ttl %.0f s, at most %d; "
-        "return %s, short appends up to %d tokens",
+        "return %s, short appends up to %d tokens; health probes every %.1f s; API key %s",
         config.mode.value, config.host, config.port, list(config.prefill), list(config.decode),
         config.session_ttl_s, config.max_sessions, config.return_mode.value,
-        config.short_append_tokens,
+        config.short_append_tokens, config.health_interval_s,
+        "required" if state.api_key else "not set (open)",
     )  # fmt: skip
     uvicorn.run(create_router_app(state), host=config.host, port=config.port, log_level="warning")

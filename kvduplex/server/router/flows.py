@@ -15,6 +15,11 @@
 
 Either way the client never sees a transfer fault, only a slower answer.
 P's bodies carry ``session_id`` too; instances may ignore it.
+
+A D that cannot be reached (the connection was refused or timed out: D never
+saw the request) raises `DecodeUnreachable` once P's part is undone (push:
+cancelled; pull: its lease released), so the app can route the request again;
+any other failure before D's answer begins is a 502.
 """
 
 from __future__ import annotations
@@ -64,6 +69,14 @@ class Forward:
     @property
     def is_chat(self) -> bool:
         return self.path.endswith("/chat/completions")
+
+
+class DecodeUnreachable(Exception):
+    """The route's decode instance could not be reached; it never saw the request."""
+
+    def __init__(self, url: str, exc: httpx.HTTPError) -> None:
+        super().__init__(f"decode at {url} failed: {exc!r}")
+        self.url = url
 
 
 def _outcome(status: int) -> Outcome:
@@ -131,10 +144,16 @@ async def _cancel(state: RouterState, url: str, xid: str, reason: str) -> None:
         )
 
 
+async def _release(state: RouterState, url: str, xid: str) -> None:
+    with contextlib.suppress(httpx.HTTPError):
+        await state.client.send(json_request(state.client, url + "/internal/release", {"xid": xid}))
+
+
 async def _open_decode(
     state: RouterState, fwd: Forward, body: dict[str, Any], headers: dict[str, str]
 ) -> httpx.Response | Response:
-    """D's streaming response, or a 502 if D cannot be reached."""
+    """D's streaming response, or a 502 if D failed before answering; raises
+    `DecodeUnreachable` if D could not be reached at all."""
     d = fwd.route.decode
     try:
         return await state.client.send(
@@ -142,7 +161,11 @@ async def _open_decode(
         )
     except httpx.HTTPError as exc:
         state.policy.decode_done(fwd.route, Outcome.FAILED)
-        return JSONResponse(error_body(f"decode at {d.url} failed: {exc}", "server_error"), 502)
+        if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+            raise DecodeUnreachable(d.url, exc) from exc
+        logger.warning("decode at %s failed before answering: %r", d.url, exc)
+        message = f"decode at {d.url} failed: {exc!r}"
+        return JSONResponse(error_body(message, "server_error", code="decode_failed"), 502)
 
 
 def _relay_decode(
@@ -155,7 +178,13 @@ def _relay_decode(
         parts = count_answer(
             parts, bool(fwd.request.stream), lambda k: sessions.note_answer(sid, n, k)
         )
-    return relay(upstream, parts, lambda: state.policy.decode_done(fwd.route, outcome))
+
+    def close(failed: bool) -> None:
+        if failed:
+            state.metrics.stream_errors.inc()
+        state.policy.decode_done(fwd.route, Outcome.FAILED if failed else outcome)
+
+    return relay(upstream, parts, close, f"decode at {fwd.route.decode.url}")
 
 
 def is_short_append(state: RouterState, fwd: Forward) -> bool:
@@ -209,7 +238,12 @@ async def serve_pull(state: RouterState, fwd: Forward) -> Response:
             "session_id": fwd.route.session_id,
         }  # fmt: skip
         body = {**body, "kv_transfer_params": params}
-    upstream = await _open_decode(state, fwd, body, {})
+    try:
+        upstream = await _open_decode(state, fwd, body, {})
+    except DecodeUnreachable:
+        if ans is not None:  # P's blocks are leased for a READ that will not come
+            await _release(state, p.url, xid)
+        raise
     if isinstance(upstream, Response):
         return upstream
     return _relay_decode(state, fwd, upstream, body_parts(upstream))
@@ -239,9 +273,13 @@ async def serve_push(state: RouterState, fwd: Forward) -> Response:
         if fwd.route.is_session_hit:
             p_req["pull_from"] = await _retained(state, d.url, fwd.route.session_id)
     prefill = asyncio.create_task(_post_prefill(state, fwd, "/internal/push/prefill", p_req))
-    upstream = await _open_decode(
-        state, fwd, {**body, "kv_transfer_params": params}, {"x-request-id": rid}
-    )
+    try:
+        upstream = await _open_decode(
+            state, fwd, {**body, "kv_transfer_params": params}, {"x-request-id": rid}
+        )
+    except DecodeUnreachable:
+        await _cancel(state, p.url, xid, "decode unreachable")
+        raise
 
     async def watch_prefill() -> dict[str, Any] | None:
         ans = await prefill

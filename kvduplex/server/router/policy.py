@@ -3,8 +3,8 @@
 Design note. A turn of a known session goes back to the P and D that served
 the session's last turn, where its history is cached, unless that instance is
 much busier than the least busy one (more than `busy_margin` requests in
-flight beyond it) or a call to it failed recently; then it goes where a new
-session would, and the session moves there.
+flight beyond it) or unhealthy; then it goes where a new session would, and
+the session moves there.
 
 A new session goes to the least loaded instance. Load is what the router
 itself assigned: requests in flight (counted from the moment of choosing,
@@ -13,6 +13,12 @@ assignments that decays with a half-life, so sessions that will come back
 spread as well as the requests of the moment. Equal loads are broken
 round-robin. The prompt's prefix alone never attracts a new session: a
 system prompt shared by every conversation would send them all to one place.
+
+Health. An instance is unhealthy from a failed call (unreachable, or a 5xx)
+or a failed probe of its /health (`note_probe`, from the router's prober)
+until a probe that began after the failure succeeds. Only healthy instances
+get work: without a healthy prefill instance, decode computes whole requests;
+without a healthy decode instance, `route` raises `NoHealthyInstance`.
 
 The policy is plain Python over its own counters; the flows report back
 when each call ends (`prefill_done`, `decode_done`) and whether the instance
@@ -25,7 +31,7 @@ import enum
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvduplex.config import RouterConfig
 from kvduplex.server.router.sessions import Session, SessionTable
@@ -38,7 +44,15 @@ class Outcome(enum.Enum):
     REFUSED = "refused"
     """A 4xx, or a call abandoned: it says nothing of the instance."""
     FAILED = "failed"
-    """Unreachable, or a 5xx: the instance gets no new work for a while."""
+    """Unreachable, or a 5xx: the instance is unhealthy until a probe says otherwise."""
+
+
+class NoHealthyInstance(Exception):
+    """Every instance of a role that a request needs is unhealthy."""
+
+    def __init__(self, role: str) -> None:
+        super().__init__(f"no healthy {role} instance")
+        self.role = role
 
 
 @dataclass
@@ -51,17 +65,19 @@ class Backend:
     recent: float = 0.0
     """Assignments, decayed, as of `recent_at`."""
     recent_at: float = 0.0
-    failed_until: float = 0.0
-    """A failed call keeps new work away until this clock time (unless all failed)."""
+    is_healthy: bool = True
+    """Whether it gets new work; assumed until the first probe or call says otherwise."""
+    failed_at: float = field(default=float("-inf"))
+    """Clock time of the last failed call or probe: a probe that began before it cannot
+    make the instance healthy again."""
 
 
 class BackendPool:
     """The instances of one role, their load and the round-robin cursor that breaks ties."""
 
-    def __init__(self, urls: Sequence[str], half_life_s: float, retry_s: float) -> None:
+    def __init__(self, urls: Sequence[str], half_life_s: float) -> None:
         self.backends = [Backend(url) for url in urls]
         self.half_life_s = half_life_s
-        self.retry_s = retry_s
         self._index = {b.url: i for i, b in enumerate(self.backends)}
         self._cursor = 0
 
@@ -75,24 +91,38 @@ class BackendPool:
         """Requests in flight plus recent assignments (decayed)."""
         return b.in_flight + self._recent(b, now)
 
-    def available(self, now: float) -> list[Backend]:
-        """Instances without a recent failure; all of them if every one failed."""
-        return [b for b in self.backends if b.failed_until <= now] or list(self.backends)
+    def healthy(self) -> list[Backend]:
+        return [b for b in self.backends if b.is_healthy]
 
-    def least_loaded(self, now: float) -> Backend:
-        """The available instance with the least load; equal loads (to 1/100) round-robin."""
+    def try_least_loaded(self, now: float) -> Backend | None:
+        """The healthy instance with the least load, equal loads (to 1/100) round-robin;
+        None if none is healthy."""
+        up = self.healthy()
+        if not up:
+            return None
         n = len(self.backends)
         best = min(
-            self.available(now),
-            key=lambda b: (round(self.load(b, now), 2), (self._index[b.url] - self._cursor) % n),
+            up, key=lambda b: (round(self.load(b, now), 2), (self._index[b.url] - self._cursor) % n)
         )
         self._cursor = (self._index[best.url] + 1) % n
         return best
 
-    def can_keep(self, b: Backend, now: float, busy_margin: int) -> bool:
-        """Whether a session may stay on `b`: available, and not much busier than the least."""
-        up = self.available(now)
+    def can_keep(self, b: Backend, busy_margin: int) -> bool:
+        """Whether a session may stay on `b`: healthy, and not much busier than the least."""
+        up = self.healthy()
         return b in up and b.in_flight <= min(x.in_flight for x in up) + busy_margin
+
+    def mark_failed(self, b: Backend, now: float) -> None:
+        b.is_healthy = False
+        b.failed_at = now
+
+    def note_probe(self, b: Backend, is_ok: bool, started_at: float, now: float) -> None:
+        """A probe of `b` that began at `started_at` ended now: healthy if it succeeded and
+        nothing failed since it began; unhealthy if it failed."""
+        if not is_ok:
+            self.mark_failed(b, now)
+        elif started_at >= b.failed_at:
+            b.is_healthy = True
 
     def assign(self, b: Backend, now: float) -> None:
         b.recent = self._recent(b, now) + 1.0
@@ -102,9 +132,7 @@ class BackendPool:
     def done(self, b: Backend, outcome: Outcome, now: float) -> None:
         b.in_flight -= 1
         if outcome is Outcome.FAILED:
-            b.failed_until = now + self.retry_s
-        elif outcome is Outcome.OK:
-            b.failed_until = 0.0
+            self.mark_failed(b, now)
 
 
 @dataclass
@@ -136,13 +164,12 @@ class RoutingPolicy:
         max_sessions: int = 100_000,
         busy_margin: int = 2,
         load_half_life_s: float = 30.0,
-        retry_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not decode_urls:
             raise ValueError("give at least one decode instance")
-        self.prefill = BackendPool(prefill_urls, load_half_life_s, retry_s)
-        self.decode = BackendPool(decode_urls, load_half_life_s, retry_s)
+        self.prefill = BackendPool(prefill_urls, load_half_life_s)
+        self.decode = BackendPool(decode_urls, load_half_life_s)
         self.sessions = SessionTable(session_ttl_s, max_sessions)
         self.busy_margin = busy_margin
         self.clock = clock
@@ -154,7 +181,7 @@ class RoutingPolicy:
         return cls(
             config.prefill, config.decode, session_ttl_s=config.session_ttl_s,
             max_sessions=config.max_sessions, busy_margin=config.session_busy_margin,
-            load_half_life_s=config.load_half_life_s, retry_s=config.backend_retry_s, clock=clock,
+            load_half_life_s=config.load_half_life_s, clock=clock,
         )  # fmt: skip
 
     def route(self, ids: Sequence[int], session_key: str | None) -> Route:
@@ -163,8 +190,12 @@ class RoutingPolicy:
         `session_key` is the client's name for the session; without one the
         session is recognised by its prompt. Counts the request as in flight
         on both; the caller reports back with `prefill_done` / `decode_done`.
+        Without a healthy prefill instance the route has none (decode computes
+        the prompt); raises `NoHealthyInstance` without a healthy decode instance.
         """
         now = self.clock()
+        if not self.decode.healthy():
+            raise NoHealthyInstance("decode")
         if session_key is not None:
             session = self.sessions.get(session_key, now)
         else:
@@ -175,21 +206,38 @@ class RoutingPolicy:
             session_id = session.session_id
         else:
             session_id = f"s-{uuid.uuid4().hex}"
-        prefill = None
-        if self.prefill.backends:
-            pinned = session.prefill_url if session is not None else None
-            prefill = self._choose(self.prefill, pinned, now)
-        decode = self._choose(self.decode, session.decode_url if session else None, now)
+        prefill = self._try_choose(self.prefill, session.prefill_url if session else None, now)
+        decode = self._try_choose(self.decode, session.decode_url if session else None, now)
+        assert decode is not None  # one is healthy (checked above)
         self.sessions.record(session_id, prefill.url if prefill else None, decode.url, ids, now)
         return Route(session_id, session is not None, prefill, decode, session)
 
-    def _choose(self, pool: BackendPool, pinned_url: str | None, now: float) -> Backend:
+    def try_reroute(self, route: Route) -> Route | None:
+        """A new route for `route`'s request after its decode instance could not be reached
+        (the request never got there): another healthy decode instance, and the same prefill
+        instance if it is still healthy. The session moves with it. None if no decode
+        instance is healthy. `route` itself is released by its caller as before."""
+        now = self.clock()
+        decode = self.decode.try_least_loaded(now)
+        if decode is None:
+            return None
+        self.decode.assign(decode, now)
+        prefill = route.prefill
+        if prefill is None or not prefill.is_healthy:
+            prefill = self.prefill.try_least_loaded(now)
+        if prefill is not None:
+            self.prefill.assign(prefill, now)
+        self.sessions.move(route.session_id, prefill.url if prefill else None, decode.url)
+        return Route(route.session_id, route.is_session_hit, prefill, decode, route.previous)
+
+    def _try_choose(self, pool: BackendPool, pinned_url: str | None, now: float) -> Backend | None:
         pinned = pool.by_url(pinned_url)
-        if pinned is not None and pool.can_keep(pinned, now, self.busy_margin):
-            chosen = pinned
+        if pinned is not None and pool.can_keep(pinned, self.busy_margin):
+            chosen: Backend | None = pinned
         else:
-            chosen = pool.least_loaded(now)
-        pool.assign(chosen, now)
+            chosen = pool.try_least_loaded(now)
+        if chosen is not None:
+            pool.assign(chosen, now)
         return chosen
 
     def prefill_done(self, route: Route, outcome: Outcome) -> None:

@@ -5,6 +5,12 @@ once; D, which continues from that token, emits its own copy of it in a chunk
 of its own. `push_stream` writes P's token as the first chunk, then D's stream
 with that copy dropped (`drop_first_token`). D's events are read with
 httpx-sse, the one SSE parser of the project.
+
+A stream is relayed in whole events. If D's connection fails mid-answer (D
+died), the client's stream ends as vLLM ends a stream that fails: one error
+event, ``data: {"error": {"message", "type": "server_error", "code":
+"decode_failed"}}``, then ``data: [DONE]``. Tokens already sent stay sent;
+none is sent twice.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,24 +30,55 @@ from httpx_sse import EventSource
 from kvduplex.engine.detokenizer import IncrementalDetokenizer
 from kvduplex.model.tokenizer import Tokenizer
 from kvduplex.openai import render
+from kvduplex.openai.protocol import error_body
+
+logger = logging.getLogger(__name__)
 
 
 def relay(
-    upstream: httpx.Response, parts: AsyncIterator[bytes], on_close: Callable[[], None]
+    upstream: httpx.Response,
+    parts: AsyncIterator[bytes],
+    on_close: Callable[[bool], None],
+    source: str,
 ) -> StreamingResponse:
-    """Stream `parts` with `upstream`'s status and content type; close it and call `on_close`
-    when the stream ends or the client leaves."""
+    """Stream `parts` with `upstream`'s status and content type; close it and call
+    ``on_close(failed)`` when the stream ends or the client leaves (`failed`: `source`'s
+    connection failed mid-answer; a stream then ends with an error event)."""
+    content_type = upstream.headers.get("content-type", "application/json")
+    is_sse = content_type.startswith("text/event-stream")
 
     async def body() -> AsyncIterator[bytes]:
+        failed = False
         try:
-            async for part in parts:
+            async for part in whole_events(parts) if is_sse else parts:
                 yield part
+        except httpx.HTTPError as exc:
+            failed = True
+            logger.warning("%s failed mid-answer: %r", source, exc)
+            if is_sse:
+                message = f"{source} failed mid-answer: {exc!r}"
+                error = error_body(message, "server_error", code="decode_failed")
+                yield (render.sse_data(error) + render.SSE_DONE).encode()
         finally:
             await upstream.aclose()
-            on_close()
+            on_close(failed)
 
-    headers = {"content-type": upstream.headers.get("content-type", "application/json")}
+    headers = {"content-type": content_type}
     return StreamingResponse(body(), status_code=upstream.status_code, headers=headers)
+
+
+async def whole_events(parts: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """`parts` regrouped at SSE event ends (a blank line), so that a stream cut mid-event
+    never leaves half an event before the error event; a cut event is dropped."""
+    buf = b""
+    async for part in parts:
+        buf += part
+        end = buf.rfind(b"\n\n")
+        if end >= 0:
+            yield buf[: end + 2]
+            buf = buf[end + 2 :]
+    if buf:
+        yield buf
 
 
 async def count_answer(

@@ -157,6 +157,14 @@ class SessionTable:
             self._drop_oldest()
         return session
 
+    def move(self, session_id: str, prefill_url: str | None, decode_url: str) -> None:
+        """The current turn of `session_id` went to these instances instead (a retry)."""
+        session = self._sessions.get(session_id)
+        if session is not None:
+            self._sessions[session_id] = replace(
+                session, prefill_url=prefill_url, decode_url=decode_url
+            )
+
     def note_answer(self, session_id: str, num_prompt_tokens: int, num_tokens: int) -> None:
         """The turn of `session_id` whose prompt had `num_prompt_tokens` tokens answered
         with `num_tokens` tokens (ignored if a later turn was recorded meanwhile)."""

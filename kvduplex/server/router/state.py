@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from kvduplex.config import Environment, RouterConfig
 from kvduplex.model.tokenizer import Tokenizer
+from kvduplex.server.auth import api_key_headers, resolve_api_key
 from kvduplex.server.router.metrics import RouterMetrics
 from kvduplex.server.router.policy import RoutingPolicy
 from kvduplex.transport.trust import secret_headers
@@ -28,7 +29,9 @@ class RouterState:
     registry: CollectorRegistry
     metrics: RouterMetrics
     client: httpx.AsyncClient
-    """To the instances."""
+    """To the instances: sends the cluster secret and the API key."""
+    api_key: str | None = None
+    """What clients must send on /v1/* (see `kvduplex.server.auth`); None: open."""
 
     @classmethod
     def create(
@@ -42,14 +45,15 @@ class RouterState:
         """`transport` replaces the network (tests); `clock` the policy's clock."""
         policy = RoutingPolicy.from_config(config, clock)
         registry = CollectorRegistry()
+        env = Environment.read()
+        api_key = resolve_api_key(config.api_key, env.api_key)
         client = httpx.AsyncClient(
             timeout=httpx.Timeout(600.0, connect=5.0), transport=transport,
-            headers=secret_headers(Environment.read().cluster_secret),
+            headers={**secret_headers(env.cluster_secret), **api_key_headers(api_key)},
         )  # fmt: skip
         return cls(
-            config, tokenizer, policy, registry,
-            RouterMetrics(registry, lambda: len(policy.sessions)), client,
-        )  # fmt: skip
+            config, tokenizer, policy, registry, RouterMetrics(registry, policy), client, api_key
+        )
 
 
 def json_request(

@@ -1,0 +1,66 @@
+"""The router's health prober: GET /health on every instance, every few seconds.
+
+The router's app starts `run_prober` in its lifespan and cancels it at
+shutdown. Each round probes every prefill and decode instance at once, each
+probe bounded by ``--health-timeout-s``, and tells the policy how each ended
+(`BackendPool.note_probe`): a 200 makes an instance healthy again (unless a
+call failed after the probe began), anything else (refused, a timeout, a
+non-200) makes it unhealthy. Rounds start every ``--health-interval-s``, the
+first at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+
+from kvduplex.server.router.policy import Backend, BackendPool, RoutingPolicy
+
+logger = logging.getLogger(__name__)
+
+
+async def probe(
+    client: httpx.AsyncClient,
+    policy: RoutingPolicy,
+    pool: BackendPool,
+    b: Backend,
+    timeout_s: float,
+) -> None:
+    """Probe `b` once and note the result in `pool`; logs a change of health."""
+    started_at = policy.clock()
+    was_healthy = b.is_healthy
+    try:
+        resp = await client.get(b.url + "/health", timeout=timeout_s)
+        is_ok, why = resp.status_code == 200, f"HTTP {resp.status_code}"
+    except httpx.HTTPError as exc:
+        is_ok, why = False, repr(exc)
+    pool.note_probe(b, is_ok, started_at, policy.clock())
+    if b.is_healthy != was_healthy:
+        if b.is_healthy:
+            logger.warning("instance %s is healthy again", b.url)
+        else:
+            logger.warning("instance %s is unhealthy: /health %s", b.url, why)
+
+
+async def probe_all(client: httpx.AsyncClient, policy: RoutingPolicy, timeout_s: float) -> None:
+    """One round: every instance of both roles, at once."""
+    await asyncio.gather(
+        *(
+            probe(client, policy, pool, b, timeout_s)
+            for pool in (policy.prefill, policy.decode)
+            for b in pool.backends
+        )
+    )
+
+
+async def run_prober(
+    client: httpx.AsyncClient, policy: RoutingPolicy, interval_s: float, timeout_s: float
+) -> None:
+    """Probe rounds every `interval_s` (the first at once) until cancelled."""
+    loop = asyncio.get_running_loop()
+    while True:
+        started = loop.time()
+        await probe_all(client, policy, timeout_s)
+        await asyncio.sleep(max(0.0, interval_s - (loop.time() - started)))

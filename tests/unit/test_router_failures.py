@@ -1,0 +1,130 @@
+"""The router in process over failing fake instances (httpx MockTransport): a decode
+instance that cannot be reached (routed around, then 503, and taken back by a probe),
+and one that dies mid-answer (the stream ends with an error event)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+from httpx_sse import connect_sse
+
+from kvduplex.config import RouterConfig, TransferMode
+from kvduplex.model.tokenizer import ByteTokenizer
+from kvduplex.server.router.app import create_router_app
+from kvduplex.server.router.state import RouterState
+from tests.unit.test_router import D, FakeInstances, P, _chunk, _metric
+
+D1 = "http://d1"
+BODY = {"model": "tiny", "prompt": "hi", "max_tokens": 3, "temperature": 0.0,
+        "return_token_ids": True}  # fmt: skip
+
+
+@dataclass
+class FailingInstances(FakeInstances):
+    """`unreachable`: URLs whose calls are refused (probes answer, as from a process whose
+    port is closed to us only); `cut_after`: D's stream dies after this many events."""
+
+    unreachable: set[str] = field(default_factory=set)
+    cut_after: int | None = None
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        base = f"{request.url.scheme}://{request.url.host}"
+        if base in self.unreachable and request.url.path != "/health":
+            raise httpx.ConnectError("connection refused", request=request)
+        return await super().handle(request)
+
+    async def _stream(self) -> AsyncIterator[bytes]:
+        for i, tok in enumerate(self.answer_ids):
+            if self.cut_after is not None and i == self.cut_after:
+                yield b'data: {"id": "cmpl-x", "cho'  # half an event, then the connection dies
+                raise httpx.ReadError("peer closed the connection")
+            choice = {"index": 0, "text": chr(tok), "token_ids": [tok], "finish_reason": None}
+            yield f"data: {_chunk(choice)}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+
+
+def _router(
+    fake: FakeInstances, decode: tuple[str, ...] = (D,), **config: Any
+) -> tuple[TestClient, RouterState]:
+    cfg = RouterConfig(prefill=(P,), decode=decode, health_interval_s=60.0, **config)
+    state = RouterState.create(cfg, ByteTokenizer(), transport=httpx.MockTransport(fake.handle))
+    return TestClient(create_router_app(state)), state
+
+
+# ------------------------------------------------- decode unreachable
+
+
+@pytest.mark.parametrize("mode", [TransferMode.PUSH, TransferMode.PULL])
+def test_unreachable_decode_is_routed_around_then_503_when_none_is_left(
+    mode: TransferMode,
+) -> None:
+    fake = FailingInstances(unreachable={D})
+    client, state = _router(fake, decode=(D, D1), mode=mode)
+    with client:
+        r = client.post("/v1/completions", json=BODY, headers={"x-session-id": "s"})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == fake.answer_ids
+        assert _metric(client, "kvduplex_router_instance_healthy", url=D, role="decode") == 0
+        assert _metric(client, "kvduplex_router_instance_healthy", url=D1, role="decode") == 1
+        assert _metric(client, "kvduplex_router_rerouted_total") == 1
+        session = state.policy.sessions.get("s", state.policy.clock())
+        assert session is not None and session.decode_url == D1, "the session moved"
+        if mode is TransferMode.PUSH:
+            assert len(fake.bodies(P + "/internal/push/cancel")) == 1, "the first push undone"
+        else:
+            assert len(fake.bodies(P + "/internal/release")) == 1, "the first lease released"
+        r = client.post("/v1/completions", json=BODY, headers={"x-session-id": "s"})
+        assert r.status_code == 200 and _metric(client, "kvduplex_router_rerouted_total") == 1
+        fake.unreachable.add(D1)
+        r = client.post("/v1/completions", json=BODY)
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "no_healthy_instance"
+        r = client.post("/v1/completions", json=BODY)
+        assert r.status_code == 503 and _metric(client, "kvduplex_router_unavailable_total") == 2
+        assert client.get("/v1/models").status_code == 503
+    assert all(b.in_flight == 0 for b in state.policy.decode.backends)
+    assert all(b.in_flight == 0 for b in state.policy.prefill.backends)
+
+
+def test_probes_take_an_instance_back() -> None:
+    fake = FailingInstances()
+    client, state = _router(fake, decode=(D, D1))
+    d0 = state.policy.decode.backends[0]
+    with client:
+        state.policy.decode.mark_failed(d0, state.policy.clock())
+        assert _metric(client, "kvduplex_router_instance_healthy", url=D, role="decode") == 0
+        client.portal.call(_probe_all, state)  # type: ignore[union-attr]
+        assert _metric(client, "kvduplex_router_instance_healthy", url=D, role="decode") == 1
+
+
+async def _probe_all(state: RouterState) -> None:
+    from kvduplex.server.router.health import probe_all
+
+    await probe_all(state.client, state.policy, 1.0)
+
+
+# ------------------------------------------------- decode dies mid-answer
+
+
+@pytest.mark.parametrize("mode", [TransferMode.PUSH, TransferMode.PULL])
+def test_decode_dying_mid_stream_ends_the_stream_with_an_error_event(mode: TransferMode) -> None:
+    fake = FailingInstances(answer_ids=[65, 66, 67, 68], cut_after=2)
+    client, state = _router(fake, mode=mode)
+    body = {**BODY, "max_tokens": 4, "stream": True}
+    with client, connect_sse(client, "POST", "/v1/completions", json=body) as src:  # type: ignore[arg-type]
+        events = [e.data for e in src.iter_sse()]
+        assert _metric(client, "kvduplex_router_stream_errors_total") == 1
+        assert _metric(client, "kvduplex_router_instance_healthy", url=D, role="decode") == 0
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "server_error" and error["code"] == "decode_failed"
+    assert f"decode at {D} failed mid-answer" in error["message"]
+    tokens = [t for data in events[:-2] for t in json.loads(data)["choices"][0]["token_ids"]]
+    assert tokens == [65, 66], "what came before the cut, each token once"
+    assert state.policy.decode.backends[0].in_flight == 0
