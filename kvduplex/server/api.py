@@ -83,7 +83,9 @@ def create_app(state: InstanceState, extra_routers: Sequence[APIRouter] = ()) ->
     @app.get("/health")
     async def health() -> JSONResponse:
         if state.engine.is_healthy:
-            return JSONResponse({"status": "ok", "role": state.role})
+            return JSONResponse(
+                {"status": "ok", "role": state.role, "max_model_len": state.max_model_len}
+            )
         return JSONResponse({"status": "unavailable", "role": state.role}, status_code=503)
 
     @app.get("/metrics")

@@ -204,8 +204,9 @@ PAST_CONTEXT = [
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_requests_past_the_context_are_400_through_the_router(rig: Rig, stream: bool) -> None:
-    """The router cannot know the context length; D's refusal reaches the client as it is,
-    and P, dispatched at the same time, ends its prefill."""
+    """The router refuses them with the context length the instances' /health told it (the
+    words D would use; before its first probe answered, D's own refusal reaches the client),
+    and no pool keeps a block."""
     for path, body in PAST_CONTEXT:
         resp = httpx.post(rig.router.url + path, json={**body, "stream": stream}, timeout=30)
         assert resp.status_code == 400, resp.text[:300]

@@ -9,6 +9,7 @@ before the engine sees the request.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -21,6 +22,7 @@ from kvduplex.config import CacheConfig, EngineConfig, ModelLoadConfig, RouterCo
 from kvduplex.model.tokenizer import ByteTokenizer
 from kvduplex.server.instance import Instance, build_instance
 from kvduplex.server.router.app import create_router_app
+from kvduplex.server.router.health import probe_all
 from kvduplex.server.router.state import RouterState
 
 CAP_MB = 1
@@ -63,7 +65,7 @@ class FakeInstances:
 
     def handle(self, request: httpx.Request) -> httpx.Response:
         if request.url.path == "/health":  # the router's probes: not work
-            return httpx.Response(200, json={"status": "ok"})
+            return httpx.Response(200, json={"status": "ok", "max_model_len": CONTEXT})
         self.calls.append(str(request.url))
         if request.url.path == "/internal/push/prefill":
             return httpx.Response(200, json={"xid": json.loads(request.content)["xid"]})
@@ -71,9 +73,13 @@ class FakeInstances:
         return httpx.Response(200, json={"id": "cmpl-x", "choices": [choice]})
 
 
-def _router(fake: FakeInstances) -> TestClient:
+def _router(fake: FakeInstances, *, probed: bool = False) -> TestClient:
+    """`probed`: the health probes have answered (so the router knows the context length)."""
     config = RouterConfig(prefill=(P,), decode=(D,), max_body_mb=CAP_MB)
     state = RouterState.create(config, ByteTokenizer(), transport=httpx.MockTransport(fake.handle))
+    if probed:
+        asyncio.run(probe_all(state.client, state.policy, timeout_s=1.0))
+        assert state.policy.max_model_len() == CONTEXT
     return TestClient(create_router_app(state))
 
 
@@ -212,3 +218,36 @@ def test_the_largest_request_that_fits_is_served(
         )
         assert resp.status_code == 200, resp.text[:300]
         assert resp.json()["usage"]["completion_tokens"] <= 6
+
+
+CONTEXT = 128
+"""The context length the fake instances' /health reports."""
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"prompt": [1] * 100, "max_tokens": 29}),
+        ("/v1/completions", {"prompt": [1] * 200, "max_tokens": 1}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a" * 200}]}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                  "max_completion_tokens": 10**18}),
+    ],
+)  # fmt: skip
+def test_router_refuses_requests_past_the_instances_context_before_dispatching(
+    path: str, body: dict[str, Any], stream: bool
+) -> None:
+    fake = FakeInstances()
+    with _router(fake, probed=True) as router:
+        resp = router.post(path, json={"model": "m", **body, "stream": stream})
+        _assert_error(resp, 400, f"maximum context length is {CONTEXT} tokens")
+    assert fake.calls == []
+
+
+def test_router_dispatches_the_largest_request_that_fits_the_context() -> None:
+    fake = FakeInstances()
+    with _router(fake, probed=True) as router:
+        resp = router.post("/v1/completions", json={"model": "m", "prompt": [1] * 100, "max_tokens": 28})
+        assert resp.status_code == 200, resp.text[:300]
+    assert fake.calls

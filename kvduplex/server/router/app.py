@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvduplex.config import RouterConfig, TransferMode
+from kvduplex.engine.engine import RequestRejected, check_request_size
 from kvduplex.model.loader import load_tokenizer
 from kvduplex.openai.errors import APIError, install_error_handlers
 from kvduplex.openai.prompt import PromptError, prompt_token_ids
@@ -76,6 +77,7 @@ async def route_request(
         ids = prompt_token_ids(request, state.tokenizer)
     except PromptError as exc:
         raise APIError(400, exc.message, param=exc.param) from None
+    _check_size(state, request, len(ids))
     key = session_key(raw, request)
     body = dict(await raw.json())  # validated above; forwarded as the client sent it
     body.pop("kv_transfer_params", None)  # the router's to set, never the client's
@@ -98,6 +100,21 @@ async def route_request(
         return await _run_flow(state, replace(fwd, route=rerouted))
     except DecodeUnreachable as exc:
         raise APIError(502, str(exc), code="decode_failed") from None
+
+
+def _check_size(state: RouterState, request: OpenAIRequest, num_prompt_tokens: int) -> None:
+    """400 for a request no instance can serve, before P or D sees it (as D would answer)."""
+    limit = state.policy.max_model_len()
+    if limit is None:  # no probe has answered yet: D checks
+        return
+    if isinstance(request, ChatCompletionRequest):
+        max_tokens = request.requested_max_tokens()
+    else:
+        max_tokens = request.max_tokens
+    try:
+        check_request_size(limit, num_prompt_tokens, 1 if max_tokens is None else max_tokens)
+    except RequestRejected as exc:
+        raise APIError(400, str(exc), param="max_tokens") from None
 
 
 def _unavailable(state: RouterState, exc: NoHealthyInstance) -> APIError:

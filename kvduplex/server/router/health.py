@@ -5,7 +5,8 @@ shutdown. Each round probes every prefill and decode instance at once, each
 probe bounded by ``--health-timeout-s``, and tells the policy how each ended
 (`BackendPool.note_probe`): a 200 makes an instance healthy again (unless a
 call failed after the probe began), anything else (refused, a timeout, a
-non-200) makes it unhealthy. Rounds start every ``--health-interval-s``, the
+non-200) makes it unhealthy. A 200 also tells the instance's ``max_model_len``,
+which the router checks requests against before it dispatches them. Rounds start every ``--health-interval-s``, the
 first at once.
 """
 
@@ -34,6 +35,8 @@ async def probe(
     try:
         resp = await client.get(b.url + "/health", timeout=timeout_s)
         is_ok, why = resp.status_code == 200, f"HTTP {resp.status_code}"
+        if is_ok:
+            b.max_model_len = _max_model_len(resp) or b.max_model_len
     except httpx.HTTPError as exc:
         is_ok, why = False, repr(exc)
     pool.note_probe(b, is_ok, started_at, policy.clock())
@@ -42,6 +45,14 @@ async def probe(
             logger.warning("instance %s is healthy again", b.url)
         else:
             logger.warning("instance %s is unhealthy: /health %s", b.url, why)
+
+
+def _max_model_len(resp: httpx.Response) -> int | None:
+    try:
+        value = resp.json().get("max_model_len")
+    except (ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and value > 0 else None
 
 
 async def probe_all(client: httpx.AsyncClient, policy: RoutingPolicy, timeout_s: float) -> None:

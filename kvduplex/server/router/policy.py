@@ -70,6 +70,8 @@ class Backend:
     failed_at: float = field(default=float("-inf"))
     """Clock time of the last failed call or probe: a probe that began before it cannot
     make the instance healthy again."""
+    max_model_len: int | None = None
+    """The longest request it serves, as its last good probe said (None: not yet known)."""
 
 
 class BackendPool:
@@ -183,6 +185,18 @@ class RoutingPolicy:
             max_sessions=config.max_sessions, busy_margin=config.session_busy_margin,
             load_half_life_s=config.load_half_life_s, clock=clock,
         )  # fmt: skip
+
+    def max_model_len(self) -> int | None:
+        """The longest request every instance that could serve it accepts (None: unknown).
+
+        The smallest that any instance's probe reported: a request that fits it
+        fits wherever it is routed.
+        """
+        known = [
+            b.max_model_len for pool in (self.prefill, self.decode) for b in pool.backends
+            if b.max_model_len is not None
+        ]  # fmt: skip
+        return min(known) if known else None
 
     def route(self, ids: Sequence[int], session_key: str | None) -> Route:
         """Choose P (if there are prefill instances) and D for a request with prompt `ids`.
