@@ -6,6 +6,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvduplex.server.cluster import LocalCluster
 from kvduplex.transport.trust import secret_headers
@@ -34,6 +35,16 @@ def kv_stats(url: str, secret: str | None = None) -> dict:
     resp = httpx.get(url + "/internal/kv/stats", timeout=10, headers=secret_headers(secret))
     assert resp.status_code == 200, resp.text
     return dict(resp.json())
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """The sum of the samples of Prometheus metric `name` on `url` whose labels match."""
+    total = 0.0
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
 
 
 def assert_pool_clean(url: str, secret: str | None = None, timeout_s: float = 20.0) -> None:

@@ -19,10 +19,9 @@ from dataclasses import dataclass
 import httpx
 import pytest
 from httpx_sse import connect_sse
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvduplex.server.cluster import LocalCluster, Process, free_port
-from tests.integration.conftest import assert_pool_clean, kv_stats, wait_until
+from tests.integration.conftest import assert_pool_clean, kv_stats, metric, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -122,15 +121,6 @@ def _push_stats(url: str) -> dict:
     return dict(httpx.get(url + "/internal/kv/push/stats", timeout=10).json())
 
 
-def _metric(url: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
-
-
 def _ids(n: int, salt: int) -> list[int]:
     """A token-id prompt of `n` tokens, distinct per salt."""
     return [(salt * 131 + i * 7) % 250 + 1 for i in range(n)]
@@ -223,14 +213,14 @@ def test_decode_prefix_hit_shrinks_the_push(dep: Deployment) -> None:
     first = _body(history, max_tokens=3)
     assert _complete(dep.routers["push"], first) == _complete(dep.reference, first)
     before = _push_stats(dep.decode)
-    hits_before = _metric(dep.decode, "kvduplex_kv_remote_prefix_hit_tokens_total")
+    hits_before = metric(dep.decode, "kvduplex_kv_remote_prefix_hit_tokens_total")
     follow = _body([*history, 9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12], max_tokens=5)
     assert _complete(dep.routers["push"], follow) == _complete(dep.reference, follow)
     after = _push_stats(dep.decode)
     # D held the 64-token history (8 blocks): only the 2 blocks of new tokens moved.
     assert after["num_skipped_blocks"] - before["num_skipped_blocks"] == 8
     assert after["num_received_blocks"] - before["num_received_blocks"] == 2
-    assert _metric(dep.decode, "kvduplex_kv_remote_prefix_hit_tokens_total") - hits_before == 64
+    assert metric(dep.decode, "kvduplex_kv_remote_prefix_hit_tokens_total") - hits_before == 64
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -245,19 +235,19 @@ def test_usage_cached_tokens_are_prefills_prefix_hits(dep: Deployment, mode: str
 
 
 def test_push_metrics_on_both_sides(dep: Deployment) -> None:
-    written = _metric(dep.prefill, "kvduplex_kv_transfer_bytes_total", direction="write")
-    pushes = _metric(dep.prefill, "kvduplex_kv_pushes_total", outcome="done")
+    written = metric(dep.prefill, "kvduplex_kv_transfer_bytes_total", direction="write")
+    pushes = metric(dep.prefill, "kvduplex_kv_pushes_total", outcome="done")
     body = _body(_ids(50, salt=91), max_tokens=3)
     assert _complete(dep.routers["push"], body) == _complete(dep.reference, body)
     wait_until(
-        lambda: _metric(dep.prefill, "kvduplex_kv_pushes_total", outcome="done") == pushes + 1,
+        lambda: metric(dep.prefill, "kvduplex_kv_pushes_total", outcome="done") == pushes + 1,
         what="the push counted on prefill",
     )
-    assert _metric(dep.prefill, "kvduplex_kv_transfer_bytes_total", direction="write") > written
-    assert _metric(dep.prefill, "kvduplex_kv_push_transfer_seconds_total") > 0
-    exposed = _metric(dep.prefill, "kvduplex_kv_push_exposed_seconds_total")
-    assert 0 <= exposed <= _metric(dep.prefill, "kvduplex_kv_push_transfer_seconds_total")
-    assert _metric(dep.decode, "kvduplex_kv_received_tokens_total") > 0
+    assert metric(dep.prefill, "kvduplex_kv_transfer_bytes_total", direction="write") > written
+    assert metric(dep.prefill, "kvduplex_kv_push_transfer_seconds_total") > 0
+    exposed = metric(dep.prefill, "kvduplex_kv_push_exposed_seconds_total")
+    assert 0 <= exposed <= metric(dep.prefill, "kvduplex_kv_push_transfer_seconds_total")
+    assert metric(dep.decode, "kvduplex_kv_received_tokens_total") > 0
 
 
 def test_internal_push_routes_reject_bad_input(dep: Deployment) -> None:
@@ -401,7 +391,7 @@ def test_push_whose_prefill_never_writes_falls_back(
     warm = _body(_ids(20, salt=11), max_tokens=2)
     assert _complete(router, warm) == _complete(dep.reference, warm)  # handshakes done
     before = _push_stats(d.url)
-    deadlines = _metric(d.url, "kvduplex_kv_fallbacks_total", reason="deadline")
+    deadlines = metric(d.url, "kvduplex_kv_fallbacks_total", reason="deadline")
     os.killpg(p.popen.pid, signal.SIGSTOP)
     try:
         body = _body(_ids(37, salt=12), max_tokens=6)
@@ -413,7 +403,7 @@ def test_push_whose_prefill_never_writes_falls_back(
         stats = _push_stats(d.url)
         assert stats["num_fallbacks"] == before["num_fallbacks"] + 2
         assert stats["num_received"] == before["num_received"]
-        assert _metric(d.url, "kvduplex_kv_fallbacks_total", reason="deadline") == deadlines + 2
+        assert metric(d.url, "kvduplex_kv_fallbacks_total", reason="deadline") == deadlines + 2
     finally:
         os.killpg(p.popen.pid, signal.SIGCONT)
     # Resumed, P learns of the cancellations; nothing stays allocated anywhere
