@@ -9,7 +9,6 @@ of request blocks.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import signal
 from collections.abc import Iterator
@@ -18,10 +17,9 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-from httpx_sse import connect_sse
 
 from kvduplex.server.cluster import LocalCluster, Process, free_port
-from tests.integration.conftest import assert_pool_clean, kv_stats, metric, wait_until
+from tests.integration.conftest import assert_pool_clean, kv_stats, metric, stream, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -95,28 +93,6 @@ def _complete(url: str, body: dict, path: str = "/v1/completions") -> list[int]:
     return ids
 
 
-def _stream(url: str, path: str, body: dict) -> tuple[list[int], str, list[dict]]:
-    """Token ids, text and the chunks of a streamed answer."""
-    ids: list[int] = []
-    text: list[str] = []
-    chunks: list[dict] = []
-    with (
-        httpx.Client(timeout=120) as http,
-        connect_sse(http, "POST", url + path, json={**body, "stream": True}) as source,
-    ):
-        assert source.response.status_code == 200
-        for event in source.iter_sse():
-            if event.data == "[DONE]":
-                continue
-            chunk = json.loads(event.data)
-            chunks.append(chunk)
-            for choice in chunk["choices"]:
-                ids.extend(choice.get("token_ids") or [])
-                text.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
-    assert len(ids) == body["max_tokens"], ids
-    return ids, "".join(text), chunks
-
-
 def _push_stats(url: str) -> dict:
     return dict(httpx.get(url + "/internal/kv/push/stats", timeout=10).json())
 
@@ -148,16 +124,16 @@ def test_concurrent_mixed_lengths_match_colocated(dep: Deployment, mode: str) ->
 @pytest.mark.parametrize("mode", MODES)
 def test_streaming_completion_and_chat_match_colocated(dep: Deployment, mode: str) -> None:
     body = _body(_ids(45, salt=3 + len(mode)), max_tokens=8)
-    routed_ids, routed_text, chunks = _stream(dep.routers[mode], "/v1/completions", body)
-    ref_ids, ref_text, _ = _stream(dep.reference, "/v1/completions", body)
+    routed_ids, routed_text, chunks = stream(dep.routers[mode], "/v1/completions", body)
+    ref_ids, ref_text, _ = stream(dep.reference, "/v1/completions", body)
     assert routed_ids == ref_ids and routed_text == ref_text
     assert len({c["id"] for c in chunks}) == 1, "one id for the whole answer"
     chat = _body("", max_tokens=6)
     del chat["prompt"]
     chat["messages"] = [{"role": "user", "content": f"hello over the {mode} path, streamed"}]
     path = "/v1/chat/completions"
-    routed_ids, routed_text, chunks = _stream(dep.routers[mode], path, chat)
-    ref_ids, ref_text, _ = _stream(dep.reference, path, chat)
+    routed_ids, routed_text, chunks = stream(dep.routers[mode], path, chat)
+    ref_ids, ref_text, _ = stream(dep.reference, path, chat)
     assert routed_ids == ref_ids and routed_text == ref_text
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     assert _complete(dep.routers[mode], chat, path) == ref_ids
@@ -188,8 +164,8 @@ def test_agentic_chat_with_tools_matches_colocated(dep: Deployment, mode: str) -
     del chat["prompt"]
     chat.update(messages=AGENT_CHAT, tools=TOOLS, tool_choice="auto")
     path = "/v1/chat/completions"
-    routed_ids, routed_text, _ = _stream(dep.routers[mode], path, chat)
-    ref_ids, ref_text, _ = _stream(dep.reference, path, chat)
+    routed_ids, routed_text, _ = stream(dep.routers[mode], path, chat)
+    ref_ids, ref_text, _ = stream(dep.reference, path, chat)
     assert routed_ids == ref_ids and routed_text == ref_text
     resp = httpx.post(dep.routers[mode] + path, json=chat, timeout=120)
     assert resp.status_code == 200, resp.text
@@ -203,7 +179,7 @@ def test_push_streams_prefill_first_token_then_the_rest(dep: Deployment) -> None
     """max_tokens=1 and an early stop: D's copy of the first token never doubles P's."""
     for max_tokens in (1, 2):
         body = _body(_ids(30, salt=50 + max_tokens), max_tokens=max_tokens)
-        ids, _, chunks = _stream(dep.routers["push"], "/v1/completions", body)
+        ids, _, chunks = stream(dep.routers["push"], "/v1/completions", body)
         assert ids == _complete(dep.reference, body)
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
@@ -395,7 +371,7 @@ def test_push_whose_prefill_never_writes_falls_back(
     os.killpg(p.popen.pid, signal.SIGSTOP)
     try:
         body = _body(_ids(37, salt=12), max_tokens=6)
-        stream_ids, _, _ = _stream(router, "/v1/completions", body)
+        stream_ids, _, _ = stream(router, "/v1/completions", body)
         full = _complete(router, _body(_ids(29, salt=13), max_tokens=4))
         assert stream_ids == _complete(dep.reference, body)
         assert full == _complete(dep.reference, _body(_ids(29, salt=13), max_tokens=4))
