@@ -25,8 +25,9 @@ from kvduplex.kvflow.receiver import KVReceiver
 from kvduplex.kvflow.return_pull import RetainedReader, TurnRetainer
 from kvduplex.kvflow.returns import ReturnAcceptor, ReturnOfferer
 from kvduplex.kvflow.sender import KVSender
+from kvduplex.transport.base import Transport
 from kvduplex.transport.notify import NotificationPump
-from kvduplex.transport.protocol import PeerHandle, Transport
+from kvduplex.transport.protocol import PeerHandle
 
 S = TypeVar("S", bound=KVSender)
 

@@ -27,7 +27,8 @@ from kvduplex.engine.connector import EngineHandle
 from kvduplex.engine.kv_cache import num_blocks_for_tokens
 from kvduplex.engine.request import Request
 from kvduplex.kvflow.metrics import KVFlowMetrics
-from kvduplex.transport.protocol import PeerHandle, TransferHandle, TransferState, Transport
+from kvduplex.transport.base import Transport
+from kvduplex.transport.protocol import PeerHandle, TransferHandle, TransferState
 from kvduplex.transport.trust import secret_headers
 
 if TYPE_CHECKING:

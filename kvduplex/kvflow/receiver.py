@@ -41,9 +41,10 @@ from kvduplex.kvflow.messages import (
     KVFailed,
     KVRegister,
 )
+from kvduplex.transport.base import Transport
 from kvduplex.transport.messages import ControlMessage, MessageCodec
 from kvduplex.transport.notify import NotificationPump
-from kvduplex.transport.protocol import PeerHandle, Transport
+from kvduplex.transport.protocol import PeerHandle
 
 logger = logging.getLogger(__name__)
 

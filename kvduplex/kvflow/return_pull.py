@@ -27,8 +27,9 @@ from kvduplex.engine.block_pool import BlockHash, compute_block_hashes
 from kvduplex.engine.connector import EngineHandle
 from kvduplex.engine.request import FinishReason, Request
 from kvduplex.kvflow.metrics import KVFlowMetrics
+from kvduplex.transport.base import Transport
 from kvduplex.transport.notify import NotificationPump
-from kvduplex.transport.protocol import PeerHandle, TransferHandle, TransferState, Transport
+from kvduplex.transport.protocol import PeerHandle, TransferHandle, TransferState
 
 logger = logging.getLogger(__name__)
 

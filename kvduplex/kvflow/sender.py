@@ -62,9 +62,10 @@ from kvduplex.kvflow.messages import (
     KVWaiting,
 )
 from kvduplex.kvflow.metrics import KVFlowMetrics
+from kvduplex.transport.base import Transport
 from kvduplex.transport.messages import ControlMessage, MessageCodec
 from kvduplex.transport.notify import NotificationPump
-from kvduplex.transport.protocol import PeerHandle, TransferHandle, TransferState, Transport
+from kvduplex.transport.protocol import PeerHandle, TransferHandle, TransferState
 
 logger = logging.getLogger(__name__)
 

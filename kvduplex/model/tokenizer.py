@@ -1,12 +1,13 @@
 """Tokenizers: a Hugging Face folder's own, or a built-in byte-level one.
 
-Both implement the `Tokenizer` protocol. Conventions follow transformers:
-``apply_chat_template`` returns the prompt string (the template adds BOS if the
-model wants one), and `encode_chat` encodes it without adding special tokens
-again. Special-token strings inside a text (``<|im_start|>``) encode as their ids.
-Messages reach the template as transformers passes them: ``role`` and string
-``content``, plus ``tool_calls`` (assistant) and ``tool_call_id`` (tool) when
-present; ``tools`` is the request's list of OpenAI tool definitions.
+Both subclass the `Tokenizer` protocol, which implements `encode_chat` for
+them. Conventions follow transformers: ``apply_chat_template`` returns the
+prompt string (the template adds BOS if the model wants one), and `encode_chat`
+encodes it without adding special tokens again. Special-token strings inside
+a text (``<|im_start|>``) encode as their ids. Messages reach the template as
+transformers passes them: ``role`` and string ``content``, plus ``tool_calls``
+(assistant) and ``tool_call_id`` (tool) when present; ``tools`` is the
+request's list of OpenAI tool definitions.
 
 Ids the tokenizer does not know. A model's vocabulary is often larger than its
 tokenizer's (padded embeddings; presets with random weights sample anywhere in
@@ -76,8 +77,10 @@ class Tokenizer(Protocol):
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        """Token ids of `apply_chat_template` (no special tokens added on top)."""
-        ...
+        """Token ids of `apply_chat_template` (no special tokens added on top).
+
+        Implemented here for the tokenizers that subclass this protocol."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools), False)
 
 
 def _check_messages(messages: list[dict[str, Any]]) -> None:
@@ -90,7 +93,7 @@ def _check_messages(messages: list[dict[str, Any]]) -> None:
             raise ValueError(f"message {i}: 'tool_calls' must be a list")
 
 
-class ByteTokenizer:
+class ByteTokenizer(Tokenizer):
     """Bytes 0..255 are ids 0..255; a handful of special tokens follow.
 
     Chat template (ChatML with a leading BOS)::
@@ -176,14 +179,6 @@ class ByteTokenizer:
             parts.append("<|im_start|>assistant\n")
         return "".join(parts)
 
-    def encode_chat(
-        self,
-        messages: list[dict[str, Any]],
-        add_generation_prompt: bool = True,
-        tools: list[dict[str, Any]] | None = None,
-    ) -> list[int]:
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools), False)
-
 
 def _byte_content(message: dict[str, Any]) -> str:
     """A message's text in the byte tokenizer's template, tool calls and result ids included."""
@@ -200,7 +195,7 @@ def _byte_content(message: dict[str, Any]) -> str:
     return text
 
 
-class HFTokenizer:
+class HFTokenizer(Tokenizer):
     """A Hugging Face folder's tokenizer (tokenizer.json + tokenizer_config.json) via transformers."""
 
     def __init__(self, folder: str | Path, extra_eos_token_ids: Sequence[int] = ()) -> None:
@@ -274,14 +269,6 @@ class HFTokenizer:
         except Exception as exc:  # the template's own checks (jinja2 TemplateError)
             raise ValueError(f"the chat template refused these messages: {exc}") from exc
         return str(text)
-
-    def encode_chat(
-        self,
-        messages: list[dict[str, Any]],
-        add_generation_prompt: bool = True,
-        tools: list[dict[str, Any]] | None = None,
-    ) -> list[int]:
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools), False)
 
 
 def _generation_eos(folder: Path) -> list[int]:

@@ -32,8 +32,8 @@ from kvduplex.kvflow.lease import LeaseTable
 from kvduplex.kvflow.pull import block_ids_of
 from kvduplex.openai.protocol import error_body
 from kvduplex.server.api import APIError, InstanceState
+from kvduplex.transport.base import Transport
 from kvduplex.transport.handshake import PeerDirectory
-from kvduplex.transport.protocol import Transport
 
 logger = logging.getLogger(__name__)
 

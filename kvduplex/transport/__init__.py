@@ -1,12 +1,14 @@
-"""KV transfer between instances: the transport Protocol, its NIXL and in-process
+"""KV transfer between instances: the `Transport` interface, its NIXL and in-process
 implementations, the handshake, typed control messages and metrics.
+
+This package's ``__all__`` is the public surface; the submodules do not restate it.
 
 Import `kvduplex.transport.nixl` only where NIXL is installed.
 """
 
 from __future__ import annotations
 
-from kvduplex.transport.base import block_region_indices, region_indices
+from kvduplex.transport.base import Transport
 from kvduplex.transport.messages import (
     ControlMessage,
     HandshakeInfo,
@@ -25,8 +27,8 @@ from kvduplex.transport.protocol import (
     TransferHandle,
     TransferOp,
     TransferState,
-    Transport,
 )
+from kvduplex.transport.regions import block_region_indices, region_indices
 
 __all__ = [
     "ALL_KINDS",

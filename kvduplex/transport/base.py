@@ -1,23 +1,33 @@
-"""Shared machinery of the transports: region indices, validation, completion.
+"""The `Transport` interface and the part of it both backends share.
 
-Both transports turn a transfer request into two equal-length int32 arrays of
-region indices (local and remote) and hand them to ``_post``. The blocks×layers
-form expands with numpy in layer-major, K-before-V, block order, which is also
-pool memory order, so runs of consecutive blocks are contiguous in memory::
+`Transport` is an abstract base class: its public methods are the contract the
+flows program against (see `kvduplex.transport.protocol` for the transfer
+lifecycle and the types). It implements what does not depend on the backend:
 
-    layers [l0, l1] × kinds [K, V] × blocks [b0, b1, b2]
-    → (l0,K,b0) (l0,K,b1) (l0,K,b2) (l0,V,b0) ... (l1,V,b2)
+* the request side: ``write``/``read``/``write_regions``/``read_regions``
+  validate, turn blocks or regions into index arrays
+  (`kvduplex.transport.regions`) and hand them to the backend's ``_post``;
+* completion: ``_complete`` finishes a handle once, with metrics and a
+  lifecycle log line;
+* the queue of received notifications (``_queue_notifs``, ``poll_notifs``);
+* ``close``: marks the transport closed once, wakes ``poll_notifs`` waiters,
+  then runs the backend's ``_shutdown``.
+
+A backend (`NixlTransport`, `InProcessTransport`) implements ``local_metadata``,
+``connect``, ``disconnect``, ``send_notif``, ``_post`` and ``_shutdown``::
+
+    write() ─► _submit ─► _post (backend) ─► ... ─► _complete ─► DONE | FAILED
+    (peer)  ─► backend receives ─► _queue_notifs ─► poll_notifs()
 """
 
 from __future__ import annotations
 
 import abc
 import logging
+import threading
 import time
+from collections import deque
 from collections.abc import Sequence
-
-import numpy as np
-import numpy.typing as npt
 
 from kvduplex.engine.kv_cache import KVCacheLayout, KVKind
 from kvduplex.transport.messages import HANDSHAKE_VERSION, HandshakeInfo
@@ -26,105 +36,17 @@ from kvduplex.transport.protocol import (
     ALL_KINDS,
     FailureKind,
     IncompatibleLayoutError,
+    Notification,
     PeerHandle,
     Region,
+    TransferError,
     TransferHandle,
     TransferOp,
     TransferState,
 )
+from kvduplex.transport.regions import IndexArray, RegionIndexer, region_indices
 
 logger = logging.getLogger(__name__)
-
-IndexArray = npt.NDArray[np.int32]
-
-
-def _as_index_array(
-    values: Sequence[int] | npt.NDArray[np.integer], what: str
-) -> npt.NDArray[np.int64]:
-    arr = np.asarray(values, dtype=np.int64)
-    if arr.ndim != 1:
-        raise ValueError(f"{what} must be a flat sequence of ints, got shape {arr.shape}")
-    return arr
-
-
-def _check_range(arr: npt.NDArray[np.int64], limit: int, what: str) -> None:
-    # One reduction: negative values wrap to huge unsigned ones.
-    if arr.size and int(arr.view(np.uint64).max()) >= limit:
-        bad = arr[(arr < 0) | (arr >= limit)][0]
-        raise ValueError(f"{what} {int(bad)} out of range [0, {limit})")
-
-
-class RegionIndexer:
-    """Expands ``layers × kinds × blocks`` to region indices of one layout.
-
-    Keeps the row offsets per (layers, kinds) selection, so a transfer costs a
-    few numpy operations on its block list. Not thread-safe for writers of the
-    cache, but a lost cache entry is only recomputed.
-    """
-
-    _MAX_CACHED = 256
-
-    def __init__(self, layout: KVCacheLayout) -> None:
-        self.layout = layout
-        self._rows: dict[tuple[tuple[int, ...] | None, tuple[int, ...]], npt.NDArray[np.int64]] = {}
-
-    def rows(
-        self, layers: Sequence[int] | npt.NDArray[np.integer] | None, kinds: Sequence[KVKind]
-    ) -> npt.NDArray[np.int64]:
-        """Offset of block 0 of each selected (layer, kind), shape (layers * kinds, 1)."""
-        key = (
-            None if layers is None else tuple(int(x) for x in layers),
-            tuple(int(k) for k in kinds),
-        )
-        rows = self._rows.get(key)
-        if rows is None:
-            lay = (
-                np.arange(self.layout.num_layers, dtype=np.int64)
-                if layers is None
-                else _as_index_array(layers, "layers")
-            )
-            _check_range(lay, self.layout.num_layers, "layer")
-            kv = np.asarray(key[1], dtype=np.int64)
-            _check_range(kv, 2, "kind")
-            rows = ((lay[:, None] * 2 + kv[None, :]) * self.layout.num_blocks).reshape(-1, 1)
-            if len(self._rows) >= self._MAX_CACHED:
-                self._rows.clear()
-            self._rows[key] = rows
-        return rows
-
-    def __call__(
-        self,
-        blocks: Sequence[int] | npt.NDArray[np.integer],
-        layers: Sequence[int] | npt.NDArray[np.integer] | None = None,
-        kinds: Sequence[KVKind] = ALL_KINDS,
-    ) -> IndexArray:
-        """Region indices; ValueError naming the offending value if one is out of range."""
-        b = _as_index_array(blocks, "blocks")
-        _check_range(b, self.layout.num_blocks, "block id")
-        return (self.rows(layers, kinds) + b).reshape(-1).astype(np.int32)  # (layers*kinds*blocks,)
-
-
-def block_region_indices(
-    layout: KVCacheLayout,
-    blocks: Sequence[int] | npt.NDArray[np.integer],
-    layers: Sequence[int] | npt.NDArray[np.integer] | None = None,
-    kinds: Sequence[KVKind] = ALL_KINDS,
-) -> IndexArray:
-    """Region indices of ``layers × kinds × blocks`` in ``layout``'s pool, in that order.
-
-    Raises ValueError naming the offending value if a block or layer is out of range.
-    """
-    return RegionIndexer(layout)(blocks, layers, kinds)
-
-
-def region_indices(layout: KVCacheLayout, regions: Sequence[Region]) -> IndexArray:
-    """Region indices of arbitrary regions; ValueError if any is out of range."""
-    out = np.empty(len(regions), dtype=np.int64)
-    for i, r in enumerate(regions):
-        if not (0 <= r.layer < layout.num_layers and 0 <= r.block < layout.num_blocks):
-            raise ValueError(f"region {r} out of range for layout {layout}")
-        out[i] = layout.region_index(r.layer, r.kv, r.block)
-    return out.astype(np.int32)
 
 
 def check_compatible(
@@ -159,11 +81,11 @@ def check_compatible(
     return peer_layout
 
 
-class TransportBase(abc.ABC):
-    """Implements the request side of the `Transport` Protocol over ``_post``.
+class Transport(abc.ABC):
+    """Moves KV regions between this instance's pool and connected peers' pools.
 
-    Subclasses post index arrays and later finish the handle through
-    ``_complete``, which records metrics and logs the lifecycle.
+    One per instance. Thread-safe: any thread may post transfers; completions,
+    deadlines and notifications are handled by the transport's own progress.
     """
 
     def __init__(
@@ -184,24 +106,46 @@ class TransportBase(abc.ABC):
         self.default_deadline_s = default_deadline_s
         self.metrics = metrics if metrics is not None else TransferMetrics.default()
         self._last_activity = time.monotonic()
+        self._lock = threading.Lock()
+        """Guards the notification queue and ``_closed``; backends guard their peers with it."""
+        self._notif_cv = threading.Condition(self._lock)
+        self._notifs: deque[Notification] = deque()
+        self._closed = False
 
     @property
     def layout(self) -> KVCacheLayout:
         return self._layout
 
     @property
-    def last_activity(self) -> float:
-        return self._last_activity
-
-    def _touch(self) -> None:
-        """Record activity now (a post, a notification sent or received)."""
-        self._last_activity = time.monotonic()
-
-    @property
     def engine_id(self) -> str:
+        """Chosen at start; a restarted instance has a new one."""
         return self._engine_id
 
-    # -- request side -------------------------------------------------------
+    @property
+    def last_activity(self) -> float:
+        """`time.monotonic()` of the latest post, sent or received notification (or of
+        creation): how long the transport has been idle, for pollers that back off."""
+        return self._last_activity
+
+    # -- connection (backend) -------------------------------------------------
+
+    @abc.abstractmethod
+    def local_metadata(self) -> HandshakeInfo:
+        """What a peer passes to its `connect` to reach this instance."""
+
+    @abc.abstractmethod
+    def connect(self, info: HandshakeInfo) -> PeerHandle:
+        """Load a peer and prepare its descriptors once; idempotent per engine id.
+
+        Raises IncompatibleLayoutError if the layouts cannot exchange blocks,
+        TransferError if the transport refuses the peer.
+        """
+
+    @abc.abstractmethod
+    def disconnect(self, peer: PeerHandle) -> None:
+        """Fail the peer's in-flight transfers and forget it; idempotent."""
+
+    # -- transfers ----------------------------------------------------------------
 
     def write(
         self,
@@ -214,6 +158,12 @@ class TransportBase(abc.ABC):
         notif: bytes | None = None,
         deadline_s: float | None = None,
     ) -> TransferHandle:
+        """WRITE ``local_blocks[i]`` into the peer's ``remote_blocks[i]`` for each layer and kind.
+
+        ``layers`` None means all. ``notif`` is delivered to the peer once, after
+        the data, as a `Notification` carrying ``xid``. ``deadline_s`` None means
+        the transport's default.
+        """
         local, remote = self._block_indices(peer, local_blocks, remote_blocks, layers, kinds)
         return self._submit(TransferOp.WRITE, peer, xid, local, remote, notif, deadline_s)
 
@@ -227,6 +177,7 @@ class TransportBase(abc.ABC):
         kinds: Sequence[KVKind] = ALL_KINDS,
         deadline_s: float | None = None,
     ) -> TransferHandle:
+        """READ the peer's ``remote_blocks[i]`` into ``local_blocks[i]``; no notification."""
         local, remote = self._block_indices(peer, local_blocks, remote_blocks, layers, kinds)
         return self._submit(TransferOp.READ, peer, xid, local, remote, None, deadline_s)
 
@@ -239,6 +190,7 @@ class TransportBase(abc.ABC):
         notif: bytes | None = None,
         deadline_s: float | None = None,
     ) -> TransferHandle:
+        """WRITE arbitrary regions: ``local[i]`` into the peer's ``remote[i]``."""
         li, ri = self._region_pair(peer, local, remote)
         return self._submit(TransferOp.WRITE, peer, xid, li, ri, notif, deadline_s)
 
@@ -250,8 +202,12 @@ class TransportBase(abc.ABC):
         remote: Sequence[Region],
         deadline_s: float | None = None,
     ) -> TransferHandle:
+        """READ arbitrary regions: the peer's ``remote[i]`` into ``local[i]``."""
         li, ri = self._region_pair(peer, local, remote)
         return self._submit(TransferOp.READ, peer, xid, li, ri, None, deadline_s)
+
+    def state(self, handle: TransferHandle) -> TransferState:
+        return handle.state
 
     def set_compute_busy(self, busy: bool) -> None:  # noqa: B027 - optional for transports
         """The instance's engine starts (True) or ends (False) a forward on this CPU.
@@ -260,10 +216,79 @@ class TransportBase(abc.ABC):
         that it does not take the core the forward runs on. No-op by default.
         """
 
-    def state(self, handle: TransferHandle) -> TransferState:
-        return handle.state
+    # -- notifications ------------------------------------------------------------
 
-    # -- helpers --------------------------------------------------------------
+    @abc.abstractmethod
+    def send_notif(self, peer: PeerHandle, payload: bytes, xid: str | None = None) -> None:
+        """Send a small standalone notification; raises PeerUnavailableError if it cannot."""
+
+    def poll_notifs(self, timeout: float = 0.0) -> list[Notification]:
+        """Take the notifications received so far, waiting up to ``timeout`` s for one."""
+        with self._notif_cv:
+            if not self._notifs and timeout > 0:
+                self._notif_cv.wait_for(lambda: bool(self._notifs) or self._closed, timeout)
+            out = list(self._notifs)
+            self._notifs.clear()
+        return out
+
+    # -- shutdown -----------------------------------------------------------------
+
+    def close(self) -> None:
+        """Fail everything in flight, stop progress, release the pool registration.
+
+        Idempotent: the first call wakes ``poll_notifs`` waiters and runs the
+        backend's ``_shutdown``; later calls return at once.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._notif_cv.notify_all()
+        self._shutdown()
+
+    # -- backend side ---------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _post(
+        self,
+        op: TransferOp,
+        peer: PeerHandle,
+        handle: TransferHandle,
+        local: IndexArray,
+        remote: IndexArray,
+        notif: bytes | None,
+    ) -> None:
+        """Start moving ``local[i]`` <-> ``remote[i]``; finish ``handle`` now or later.
+
+        May raise: the caller turns the exception into a FAILED handle.
+        """
+
+    @abc.abstractmethod
+    def _shutdown(self) -> None:
+        """The backend's part of `close`, run once after ``_closed`` is set: fail what
+        is in flight, stop progress, release registrations."""
+
+    def _queue_notifs(self, notifs: Sequence[Notification]) -> None:
+        """Hand received notifications to `poll_notifs` (dropped once closed)."""
+        with self._notif_cv:
+            if self._closed:
+                return
+            self._notifs.extend(notifs)
+            self._notif_cv.notify_all()
+        self._touch()
+        for _ in notifs:
+            self.metrics.on_notification("received")
+
+    def _ensure_open(self) -> None:
+        """Raise TransferError if the transport is closed (call with ``_lock`` held)."""
+        if self._closed:
+            raise TransferError("transport is closed")
+
+    def _touch(self) -> None:
+        """Record activity now (a post, a notification sent or received)."""
+        self._last_activity = time.monotonic()
+
+    # -- request-side helpers ------------------------------------------------------
 
     def _block_indices(
         self,
@@ -360,17 +385,5 @@ class TransportBase(abc.ABC):
                 reason,
             )
 
-    @abc.abstractmethod
-    def _post(
-        self,
-        op: TransferOp,
-        peer: PeerHandle,
-        handle: TransferHandle,
-        local: IndexArray,
-        remote: IndexArray,
-        notif: bytes | None,
-    ) -> None:
-        """Start moving ``local[i]`` <-> ``remote[i]``; finish ``handle`` now or later.
 
-        May raise: the caller turns the exception into a FAILED handle.
-        """
+__all__ = ["Transport", "check_compatible"]

@@ -3,7 +3,7 @@
 Endpoints live on an `InProcessFabric` (think "the network"): ``connect``
 looks the peer up by engine id, a transfer copies regions with torch at post
 time and delivers its notification into the target's queue afterwards. Same
-Protocol, same validation and metrics as `NixlTransport`, plus fault
+`Transport` base, same validation and metrics as `NixlTransport`, plus fault
 injection for tests of the flows built on top::
 
     fabric = InProcessFabric()
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from kvduplex.engine.kv_cache import KVCacheLayout
-from kvduplex.transport.base import IndexArray, TransportBase, check_compatible
+from kvduplex.transport.base import Transport, check_compatible
 from kvduplex.transport.messages import HandshakeInfo, LayoutInfo
 from kvduplex.transport.metrics import TransferMetrics
 from kvduplex.transport.protocol import (
@@ -40,6 +40,7 @@ from kvduplex.transport.protocol import (
     TransferOp,
     TransferState,
 )
+from kvduplex.transport.regions import IndexArray
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ class _Fault:
     reason: str
 
 
-class InProcessTransport(TransportBase):
+class InProcessTransport(Transport):
     """One endpoint of an `InProcessFabric`; see the module docstring."""
 
     def __init__(
@@ -105,13 +106,9 @@ class InProcessTransport(TransportBase):
         self._fabric = fabric
         self._pool = pool
         self._regions = pool.view(layout.num_layers * 2 * layout.num_blocks, -1)  # (regions, elems)
-        self._lock = threading.Lock()
-        self._notif_cv = threading.Condition(self._lock)
-        self._notifs: deque[Notification] = deque()
         self._peers: dict[str, PeerHandle] = {}
         self._faults: deque[_Fault] = deque()
         self._hung: dict[int, tuple[TransferHandle, threading.Timer]] = {}
-        self._closed = False
         self.num_posted = 0
         """Transfers posted so far (for tests)."""
 
@@ -127,7 +124,7 @@ class InProcessTransport(TransportBase):
         with self._lock:
             self._faults.append(_Fault(None, "hang"))
 
-    # -- Protocol -----------------------------------------------------------
+    # -- Transport -----------------------------------------------------------
 
     def local_metadata(self) -> HandshakeInfo:
         return HandshakeInfo(
@@ -163,23 +160,10 @@ class InProcessTransport(TransportBase):
         if target is None:
             raise PeerUnavailableError(f"xid={xid}: peer {peer.engine_id} is gone")
         self._touch()
-        target._deliver(Notification(self.engine_id, xid, payload))
+        target._queue_notifs([Notification(self.engine_id, xid, payload)])
         self.metrics.on_notification("sent")
 
-    def poll_notifs(self, timeout: float = 0.0) -> list[Notification]:
-        with self._notif_cv:
-            if not self._notifs and timeout > 0:
-                self._notif_cv.wait_for(lambda: bool(self._notifs) or self._closed, timeout)
-            out = list(self._notifs)
-            self._notifs.clear()
-        return out
-
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._notif_cv.notify_all()
+    def _shutdown(self) -> None:
         self._fabric._remove(self.engine_id)
         self._fail_hung(lambda h: True, "transport closed")
         # Peers' transfers in flight to us fail like transfers to a dead process.
@@ -227,7 +211,7 @@ class InProcessTransport(TransportBase):
             self._regions.index_copy_(0, li, target._regions.index_select(0, ri))
         self._complete(handle, TransferState.DONE)
         if notif is not None:
-            target._deliver(Notification(self.engine_id, handle.xid, notif))
+            target._queue_notifs([Notification(self.engine_id, handle.xid, notif)])
             self.metrics.on_notification("sent")
 
     def _target(self, peer: PeerHandle) -> InProcessTransport | None:
@@ -235,15 +219,6 @@ class InProcessTransport(TransportBase):
         if target is None or target._closed:
             return None
         return target
-
-    def _deliver(self, notif: Notification) -> None:
-        with self._notif_cv:
-            if self._closed:
-                return
-            self._notifs.append(notif)
-            self._notif_cv.notify_all()
-        self._touch()
-        self.metrics.on_notification("received")
 
     def _expire(self, handle: TransferHandle) -> None:
         with self._lock:
@@ -268,10 +243,6 @@ class InProcessTransport(TransportBase):
         for h, timer in doomed:
             timer.cancel()
             self._complete(h, TransferState.FAILED, reason, failure)
-
-    def _ensure_open(self) -> None:
-        if self._closed:
-            raise TransferError("transport is closed")
 
 
 __all__ = ["InProcessFabric", "InProcessTransport"]

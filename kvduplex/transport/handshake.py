@@ -34,8 +34,9 @@ import httpx
 import msgspec
 from fastapi import APIRouter, Response
 
+from kvduplex.transport.base import Transport
 from kvduplex.transport.messages import HandshakeInfo, decode_handshake, encode_handshake
-from kvduplex.transport.protocol import PeerHandle, PeerUnavailableError, Transport
+from kvduplex.transport.protocol import PeerHandle, PeerUnavailableError
 from kvduplex.transport.trust import secret_headers
 
 logger = logging.getLogger(__name__)

@@ -16,6 +16,7 @@ always learns the sender's engine id and the transfer id, whatever the payload.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -40,25 +41,11 @@ class LayoutInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
 
     @classmethod
     def from_layout(cls, layout: KVCacheLayout) -> LayoutInfo:
-        return cls(
-            num_layers=layout.num_layers,
-            num_blocks=layout.num_blocks,
-            block_size=layout.block_size,
-            num_kv_heads=layout.num_kv_heads,
-            head_dim=layout.head_dim,
-            dtype=layout.dtype,
-        )
+        return cls(**dataclasses.asdict(layout))
 
     def to_layout(self) -> KVCacheLayout:
         """The layout; raises ValueError if the fields are not a valid layout."""
-        return KVCacheLayout(
-            num_layers=self.num_layers,
-            num_blocks=self.num_blocks,
-            block_size=self.block_size,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            dtype=self.dtype,
-        )
+        return KVCacheLayout(**msgspec.structs.asdict(self))
 
 
 class HandshakeInfo(msgspec.Struct, frozen=True):

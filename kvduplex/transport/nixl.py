@@ -57,7 +57,6 @@ import logging
 import threading
 import time
 import uuid
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,7 +64,7 @@ import msgspec
 import torch
 
 from kvduplex.engine.kv_cache import KVCacheLayout, pool_base_address
-from kvduplex.transport.base import IndexArray, TransportBase, check_compatible
+from kvduplex.transport.base import Transport, check_compatible
 from kvduplex.transport.messages import (
     Envelope,
     EnvelopeKind,
@@ -87,6 +86,7 @@ from kvduplex.transport.protocol import (
     TransferOp,
     TransferState,
 )
+from kvduplex.transport.regions import IndexArray
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ class _Progress:
     """Passes so far (idle cost: tests and measurements)."""
 
 
-class NixlTransport(TransportBase):
+class NixlTransport(Transport):
     """`Transport` over NIXL. Construct once per instance; `close` on shutdown."""
 
     def __init__(
@@ -164,13 +164,9 @@ class NixlTransport(TransportBase):
         base = pool_base_address(pool)
         num_regions = layout.num_layers * 2 * layout.num_blocks
 
-        self._lock = threading.Lock()  # peers, notifications
-        self._notif_cv = threading.Condition(self._lock)
         self._peers: dict[str, _Peer] = {}
-        self._notifs: deque[Notification] = deque()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._closed = False
 
         self._agent = NixlAgent(f"kvduplex-{self.engine_id}", backend_params)
         self._agent.register(base, layout.total_bytes, mem_type, device_id)
@@ -279,20 +275,7 @@ class NixlTransport(TransportBase):
         self._touch()
         self._wake.set()
 
-    def poll_notifs(self, timeout: float = 0.0) -> list[Notification]:
-        with self._notif_cv:
-            if not self._notifs and timeout > 0:
-                self._notif_cv.wait_for(lambda: bool(self._notifs) or self._closed, timeout)
-            out = list(self._notifs)
-            self._notifs.clear()
-        return out
-
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._notif_cv.notify_all()
+    def _shutdown(self) -> None:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=5.0)
@@ -386,16 +369,8 @@ class NixlTransport(TransportBase):
         if count:
             self._touch()
         if out:
-            for _ in out:
-                self.metrics.on_notification("received")
-            with self._notif_cv:
-                self._notifs.extend(out)
-                self._notif_cv.notify_all()
+            self._queue_notifs(out)
         return count
-
-    def _ensure_open(self) -> None:
-        if self._closed:
-            raise TransferError("transport is closed")
 
 
 __all__ = ["NixlTransport", "nixl_available"]

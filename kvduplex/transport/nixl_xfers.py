@@ -23,7 +23,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvduplex.transport.base import IndexArray
 from kvduplex.transport.nixl_agent import NixlAgent
 from kvduplex.transport.protocol import (
     FailureKind,
@@ -32,6 +31,7 @@ from kvduplex.transport.protocol import (
     TransferOp,
     TransferState,
 )
+from kvduplex.transport.regions import IndexArray
 
 logger = logging.getLogger(__name__)
 

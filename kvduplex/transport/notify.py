@@ -30,8 +30,8 @@ from collections.abc import Callable
 
 import msgspec
 
+from kvduplex.transport.base import Transport
 from kvduplex.transport.messages import ControlMessage, MessageCodec
-from kvduplex.transport.protocol import Transport
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,7 @@
-"""The transport Protocol: move KV regions between two instances' pools.
+"""What the transport speaks: regions, transfer states and handles, notifications, errors.
+
+The interface itself, `Transport` (move KV regions between two instances'
+pools), is the abstract base class in `kvduplex.transport.base`.
 
 A *region* is one (layer, K|V, block) slice of a pool, ``layout.block_bytes``
 long (see `kvduplex.engine.kv_cache`). Each transport registers its whole pool
@@ -29,12 +32,10 @@ import enum
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
 
 from kvduplex.engine.kv_cache import KVCacheLayout, KVKind
-from kvduplex.transport.messages import HandshakeInfo
 
 logger = logging.getLogger(__name__)
 
@@ -233,133 +234,3 @@ class TransferHandle:
             fn(self)
         except Exception:
             logger.exception("xid=%s done callback %r raised", self.xid, fn)
-
-
-@runtime_checkable
-class Transport(Protocol):
-    """Moves KV regions between this instance's pool and connected peers' pools.
-
-    One per instance. Thread-safe: any thread may post transfers; completions,
-    deadlines and notifications are handled by the transport's own progress.
-    """
-
-    @property
-    def layout(self) -> KVCacheLayout: ...
-
-    @property
-    def engine_id(self) -> str:
-        """Chosen at start; a restarted instance has a new one."""
-        ...
-
-    def local_metadata(self) -> HandshakeInfo:
-        """What a peer passes to its `connect` to reach this instance."""
-        ...
-
-    def connect(self, info: HandshakeInfo) -> PeerHandle:
-        """Load a peer and prepare its descriptors once; idempotent per engine id.
-
-        Raises IncompatibleLayoutError if the layouts cannot exchange blocks,
-        TransferError if the transport refuses the peer.
-        """
-        ...
-
-    def write(
-        self,
-        peer: PeerHandle,
-        xid: str,
-        local_blocks: Sequence[int],
-        remote_blocks: Sequence[int],
-        layers: Sequence[int] | None = None,
-        kinds: Sequence[KVKind] = ALL_KINDS,
-        notif: bytes | None = None,
-        deadline_s: float | None = None,
-    ) -> TransferHandle:
-        """WRITE ``local_blocks[i]`` into the peer's ``remote_blocks[i]`` for each layer and kind.
-
-        ``layers`` None means all. ``notif`` is delivered to the peer once, after
-        the data, as a `Notification` carrying ``xid``. ``deadline_s`` None means
-        the transport's default.
-        """
-        ...
-
-    def read(
-        self,
-        peer: PeerHandle,
-        xid: str,
-        local_blocks: Sequence[int],
-        remote_blocks: Sequence[int],
-        layers: Sequence[int] | None = None,
-        kinds: Sequence[KVKind] = ALL_KINDS,
-        deadline_s: float | None = None,
-    ) -> TransferHandle:
-        """READ the peer's ``remote_blocks[i]`` into ``local_blocks[i]``; no notification."""
-        ...
-
-    def write_regions(
-        self,
-        peer: PeerHandle,
-        xid: str,
-        local: Sequence[Region],
-        remote: Sequence[Region],
-        notif: bytes | None = None,
-        deadline_s: float | None = None,
-    ) -> TransferHandle:
-        """WRITE arbitrary regions: ``local[i]`` into the peer's ``remote[i]``."""
-        ...
-
-    def read_regions(
-        self,
-        peer: PeerHandle,
-        xid: str,
-        local: Sequence[Region],
-        remote: Sequence[Region],
-        deadline_s: float | None = None,
-    ) -> TransferHandle:
-        """READ arbitrary regions: the peer's ``remote[i]`` into ``local[i]``."""
-        ...
-
-    def state(self, handle: TransferHandle) -> TransferState: ...
-
-    def send_notif(self, peer: PeerHandle, payload: bytes, xid: str | None = None) -> None:
-        """Send a small standalone notification; raises PeerUnavailableError if it cannot."""
-        ...
-
-    def poll_notifs(self, timeout: float = 0.0) -> list[Notification]:
-        """Take the notifications received so far, waiting up to ``timeout`` s for one."""
-        ...
-
-    def set_compute_busy(self, busy: bool) -> None:
-        """The engine starts (True) or ends (False) a forward: background polling may slow."""
-        ...
-
-    @property
-    def last_activity(self) -> float:
-        """`time.monotonic()` of the latest post, sent or received notification (or of
-        creation): how long the transport has been idle, for pollers that back off."""
-        ...
-
-    def disconnect(self, peer: PeerHandle) -> None:
-        """Fail the peer's in-flight transfers and forget it; idempotent."""
-        ...
-
-    def close(self) -> None:
-        """Fail everything in flight, stop progress, release the pool registration."""
-        ...
-
-
-__all__ = [
-    "ALL_KINDS",
-    "DoneCallback",
-    "FailureKind",
-    "IncompatibleLayoutError",
-    "Notification",
-    "PeerHandle",
-    "PeerUnavailableError",
-    "Region",
-    "TransferError",
-    "TransferFailed",
-    "TransferHandle",
-    "TransferOp",
-    "TransferState",
-    "Transport",
-]

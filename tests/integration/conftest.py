@@ -1,11 +1,14 @@
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+from httpx_sse import connect_sse
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvduplex.server.cluster import LocalCluster, Process, free_port
 from kvduplex.transport.trust import secret_headers
@@ -34,6 +37,40 @@ def kv_stats(url: str, secret: str | None = None) -> dict:
     resp = httpx.get(url + "/internal/kv/stats", timeout=10, headers=secret_headers(secret))
     assert resp.status_code == 200, resp.text
     return dict(resp.json())
+
+
+def metric(server: str, name: str, /, **labels: str) -> float:
+    """The sum of the samples of Prometheus metric `name` on `server` whose labels match
+    (labels may include ``url``)."""
+    total = 0.0
+    for family in text_string_to_metric_families(httpx.get(server + "/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+def stream(url: str, path: str, body: dict) -> tuple[list[int], str, list[dict]]:
+    """Token ids, text and the chunks of `body` streamed from `url` + `path` (a completion
+    or a chat completion); asserts it streamed ``max_tokens`` tokens."""
+    ids: list[int] = []
+    text: list[str] = []
+    chunks: list[dict] = []
+    with (
+        httpx.Client(timeout=120) as http,
+        connect_sse(http, "POST", url + path, json={**body, "stream": True}) as source,
+    ):
+        assert source.response.status_code == 200
+        for event in source.iter_sse():
+            if event.data == "[DONE]":
+                continue
+            chunk = json.loads(event.data)
+            chunks.append(chunk)
+            for choice in chunk["choices"]:
+                ids.extend(choice.get("token_ids") or [])
+                text.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+    assert len(ids) == body["max_tokens"], ids
+    return ids, "".join(text), chunks
 
 
 def assert_pool_clean(url: str, secret: str | None = None, timeout_s: float = 20.0) -> None:

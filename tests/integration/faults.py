@@ -19,7 +19,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,10 +27,9 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvduplex.server.cluster import LocalCluster, Process, free_port
-from tests.integration.conftest import kv_stats, wait_until
+from tests.integration.conftest import kv_stats, metric, wait_until
 
 BS = 8
 DEADLINE_S = 2.0
@@ -249,6 +248,14 @@ class Tally:
         path.write_text(json.dumps({"title": self.title, "rows": rows}, indent=1))
 
 
+def open_tally(request: pytest.FixtureRequest, title: str, name: str) -> Iterator[Tally]:
+    """A module's ``tally`` fixture: ``yield from open_tally(request, title, name)``;
+    reported (`report_tally`) when the module ends."""
+    tally = Tally(title)
+    yield tally
+    report_tally(request, tally, name)
+
+
 def report_tally(request: pytest.FixtureRequest, tally: Tally, name: str) -> None:
     """Print the tally in pytest's terminal summary and write it next to the test logs."""
     out = Path(str(request.config._tmp_path_factory.getbasetemp())) / f"{name}.json"  # type: ignore[attr-defined]
@@ -305,6 +312,13 @@ class Rig:
             self.cluster.stop_process(proc)
 
 
+def start_reference(cluster: LocalCluster) -> str:
+    """Start the colocated reference (role both, D's pool) and return its URL."""
+    ref = cluster.start("reference", [*SERVE, "--role", "both", *D_FLAGS[2:]], free_port())
+    cluster.wait_healthy(timeout_s=120)
+    return ref.url
+
+
 def start_rig(
     cluster: LocalCluster, reference: str, tag: str,
     p_env: dict[str, str] | None = None, d_env: dict[str, str] | None = None,
@@ -337,15 +351,6 @@ def duplex_turn(rig: Rig, history: list[int], session: str, max_tokens: int) -> 
         v.done.wait(REQUEST_BOUND_S)
         p_ans.exception()  # P's answer (or its death) came too
     return v
-
-
-def metric(server: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for family in text_string_to_metric_families(httpx.get(server + "/metrics", timeout=10).text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
 
 
 def wait_router_sees(router: str, url: str, role: str, *, healthy: bool) -> None:

@@ -23,16 +23,15 @@ from typing import Any
 import httpx
 import pytest
 
-from kvduplex.server.cluster import LocalCluster, free_port
+from kvduplex.server.cluster import LocalCluster
 from tests.integration.faults import (
-    D_FLAGS,
-    SERVE,
     Outcome,
     Victim,
     blocks_left,
     body,
     prompt_ids,
     reference_tokens,
+    start_reference,
     start_rig,
     stats,
 )
@@ -133,9 +132,7 @@ async def _storm(clients: list[Client]) -> float:
 
 @pytest.fixture(scope="module")
 def reference(cluster: LocalCluster) -> str:
-    ref = cluster.start("reference", [*SERVE, "--role", "both", *D_FLAGS[2:]], free_port())
-    cluster.wait_healthy(timeout_s=120)
-    return ref.url
+    return start_reference(cluster)
 
 
 def test_clients_leaving_at_random_moments_leave_no_blocks_behind(

@@ -17,11 +17,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvduplex.server.cluster import LocalCluster, free_port
+from kvduplex.server.cluster import LocalCluster
 from tests.integration.faults import (
-    D_FLAGS,
     REQUEST_BOUND_S,
-    SERVE,
     Outcome,
     Rig,
     Tally,
@@ -29,9 +27,10 @@ from tests.integration.faults import (
     blocks_left,
     body,
     duplex_turn,
+    open_tally,
     prompt_ids,
     reference_tokens,
-    report_tally,
+    start_reference,
     start_rig,
     stats,
 )
@@ -71,16 +70,13 @@ DROPS = [
 
 @pytest.fixture(scope="module")
 def reference(cluster: LocalCluster) -> str:
-    ref = cluster.start("reference", [*SERVE, "--role", "both", *D_FLAGS[2:]], free_port())
-    cluster.wait_healthy(timeout_s=120)
-    return ref.url
+    return start_reference(cluster)
 
 
 @pytest.fixture(scope="module")
 def tally(request: pytest.FixtureRequest) -> Iterator[Tally]:
-    t = Tally("Control messages dropped on arrival (tests/integration/test_fault_drops.py)")
-    yield t
-    report_tally(request, t, "drop-counts")
+    title = "Control messages dropped on arrival (tests/integration/test_fault_drops.py)"
+    yield from open_tally(request, title, "drop-counts")
 
 
 @pytest.fixture(scope="module")

@@ -34,10 +34,10 @@ from tests.integration.faults import (
     Victim,
     blocks_left,
     body,
+    open_tally,
     poll,
     prompt_ids,
     reference_tokens,
-    report_tally,
     stats,
     wait_router_sees,
     write_bytes,
@@ -110,9 +110,8 @@ def split(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Split]:
 
 @pytest.fixture(scope="module")
 def tally(request: pytest.FixtureRequest) -> Iterator[Tally]:
-    t = Tally("The P-D link cut (tests/integration/test_fault_link.py)")
-    yield t
-    report_tally(request, t, "link-counts")
+    title = "The P-D link cut (tests/integration/test_fault_link.py)"
+    yield from open_tally(request, title, "link-counts")
 
 
 @pytest.fixture(scope="module")

@@ -19,12 +19,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvduplex.server.cluster import LocalCluster, free_port
+from kvduplex.server.cluster import LocalCluster
 from tests.integration.conftest import kv_stats
 from tests.integration.faults import (
-    D_FLAGS,
     REQUEST_BOUND_S,
-    SERVE,
     Outcome,
     Rig,
     Tally,
@@ -32,10 +30,11 @@ from tests.integration.faults import (
     blocks_left,
     body,
     duplex_turn,
+    open_tally,
     poll,
     prompt_ids,
     reference_tokens,
-    report_tally,
+    start_reference,
     start_rig,
     stats,
     write_bytes,
@@ -58,16 +57,13 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 @pytest.fixture(scope="module")
 def reference(cluster: LocalCluster) -> str:
-    ref = cluster.start("reference", [*SERVE, "--role", "both", *D_FLAGS[2:]], free_port())
-    cluster.wait_healthy(timeout_s=120)
-    return ref.url
+    return start_reference(cluster)
 
 
 @pytest.fixture(scope="module")
 def tally(request: pytest.FixtureRequest) -> Iterator[Tally]:
-    t = Tally("Faults on real processes (tests/integration/test_faults.py)")
-    yield t
-    report_tally(request, t, "fault-counts")
+    title = "Faults on real processes (tests/integration/test_faults.py)"
+    yield from open_tally(request, title, "fault-counts")
 
 
 @pytest.fixture(scope="module")

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import httpx
 import pytest
-from httpx_sse import connect_sse
 
 from kvduplex.server.cluster import LocalCluster, free_port
-from tests.integration.conftest import assert_pool_clean
+from tests.integration.conftest import assert_pool_clean, stream
 
 pytestmark = pytest.mark.integration
 
@@ -58,19 +56,18 @@ def _complete(url: str, prompt: str, max_tokens: int = 10) -> list[int]:
 
 
 def _stream(url: str, path: str, body: dict) -> list[int]:
-    ids: list[int] = []
-    with (
-        httpx.Client(timeout=120) as http,
-        connect_sse(http, "POST", url + path, json={**body, "stream": True}) as source,
-    ):
-        assert source.response.status_code == 200
-        for event in source.iter_sse():
-            if event.data == "[DONE]":
-                continue
-            for choice in json.loads(event.data)["choices"]:
-                ids.extend(choice.get("token_ids") or [])
-    assert len(ids) == body["max_tokens"], ids
-    return ids
+    """Token ids of a streamed answer."""
+    return stream(url, path, body)[0]
+
+
+def _assert_falls_back(dep: Deployment, prompt: str, body: dict) -> None:
+    """D answers `body` (a pull it cannot do) exactly, by computing locally: one failed pull."""
+    failed = httpx.get(dep.decode + "/internal/kv/pull/stats", timeout=10).json()["num_failed"]
+    resp = httpx.post(dep.decode + "/v1/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["token_ids"] == _complete(dep.reference, prompt, 6)
+    stats = httpx.get(dep.decode + "/internal/kv/pull/stats", timeout=10).json()
+    assert stats["num_failed"] == failed + 1
 
 
 def _pulled_blocks(d: str) -> int:
@@ -163,12 +160,7 @@ def test_mismatched_pull_spec_fails_over_to_local_prefill(dep: Deployment) -> No
             "block_ids": [0], "num_tokens": 3,
         },
     }  # fmt: skip
-    failed = httpx.get(dep.decode + "/internal/kv/pull/stats", timeout=10).json()["num_failed"]
-    resp = httpx.post(dep.decode + "/v1/completions", json=body, timeout=120)
-    assert resp.status_code == 200, resp.text
-    assert resp.json()["choices"][0]["token_ids"] == _complete(dep.reference, prompt, 6)
-    stats = httpx.get(dep.decode + "/internal/kv/pull/stats", timeout=10).json()
-    assert stats["num_failed"] == failed + 1
+    _assert_falls_back(dep, prompt, body)
 
 
 def test_prefill_release_then_404(dep: Deployment) -> None:
@@ -217,12 +209,7 @@ def test_expired_lease_is_not_read(dep: Deployment) -> None:
             "block_ids": ans["block_ids"], "num_tokens": ans["num_tokens"], "lease_s": 0.01,
         },
     }  # fmt: skip
-    failed = httpx.get(dep.decode + "/internal/kv/pull/stats", timeout=10).json()["num_failed"]
-    resp = httpx.post(dep.decode + "/v1/completions", json=body, timeout=120)
-    assert resp.status_code == 200, resp.text
-    assert resp.json()["choices"][0]["token_ids"] == _complete(dep.reference, prompt, 6)
-    stats = httpx.get(dep.decode + "/internal/kv/pull/stats", timeout=10).json()
-    assert stats["num_failed"] == failed + 1
+    _assert_falls_back(dep, prompt, body)
 
 
 def test_pools_clean_and_transfers_happened(dep: Deployment) -> None:

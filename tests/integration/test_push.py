@@ -9,7 +9,6 @@ of request blocks.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import signal
 from collections.abc import Iterator
@@ -18,11 +17,9 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-from httpx_sse import connect_sse
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvduplex.server.cluster import LocalCluster, Process, free_port
-from tests.integration.conftest import assert_pool_clean, kv_stats, wait_until
+from tests.integration.conftest import assert_pool_clean, kv_stats, metric, stream, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -96,39 +93,8 @@ def _complete(url: str, body: dict, path: str = "/v1/completions") -> list[int]:
     return ids
 
 
-def _stream(url: str, path: str, body: dict) -> tuple[list[int], str, list[dict]]:
-    """Token ids, text and the chunks of a streamed answer."""
-    ids: list[int] = []
-    text: list[str] = []
-    chunks: list[dict] = []
-    with (
-        httpx.Client(timeout=120) as http,
-        connect_sse(http, "POST", url + path, json={**body, "stream": True}) as source,
-    ):
-        assert source.response.status_code == 200
-        for event in source.iter_sse():
-            if event.data == "[DONE]":
-                continue
-            chunk = json.loads(event.data)
-            chunks.append(chunk)
-            for choice in chunk["choices"]:
-                ids.extend(choice.get("token_ids") or [])
-                text.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
-    assert len(ids) == body["max_tokens"], ids
-    return ids, "".join(text), chunks
-
-
 def _push_stats(url: str) -> dict:
     return dict(httpx.get(url + "/internal/kv/push/stats", timeout=10).json())
-
-
-def _metric(url: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
 
 
 def _ids(n: int, salt: int) -> list[int]:
@@ -158,16 +124,16 @@ def test_concurrent_mixed_lengths_match_colocated(dep: Deployment, mode: str) ->
 @pytest.mark.parametrize("mode", MODES)
 def test_streaming_completion_and_chat_match_colocated(dep: Deployment, mode: str) -> None:
     body = _body(_ids(45, salt=3 + len(mode)), max_tokens=8)
-    routed_ids, routed_text, chunks = _stream(dep.routers[mode], "/v1/completions", body)
-    ref_ids, ref_text, _ = _stream(dep.reference, "/v1/completions", body)
+    routed_ids, routed_text, chunks = stream(dep.routers[mode], "/v1/completions", body)
+    ref_ids, ref_text, _ = stream(dep.reference, "/v1/completions", body)
     assert routed_ids == ref_ids and routed_text == ref_text
     assert len({c["id"] for c in chunks}) == 1, "one id for the whole answer"
     chat = _body("", max_tokens=6)
     del chat["prompt"]
     chat["messages"] = [{"role": "user", "content": f"hello over the {mode} path, streamed"}]
     path = "/v1/chat/completions"
-    routed_ids, routed_text, chunks = _stream(dep.routers[mode], path, chat)
-    ref_ids, ref_text, _ = _stream(dep.reference, path, chat)
+    routed_ids, routed_text, chunks = stream(dep.routers[mode], path, chat)
+    ref_ids, ref_text, _ = stream(dep.reference, path, chat)
     assert routed_ids == ref_ids and routed_text == ref_text
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     assert _complete(dep.routers[mode], chat, path) == ref_ids
@@ -198,8 +164,8 @@ def test_agentic_chat_with_tools_matches_colocated(dep: Deployment, mode: str) -
     del chat["prompt"]
     chat.update(messages=AGENT_CHAT, tools=TOOLS, tool_choice="auto")
     path = "/v1/chat/completions"
-    routed_ids, routed_text, _ = _stream(dep.routers[mode], path, chat)
-    ref_ids, ref_text, _ = _stream(dep.reference, path, chat)
+    routed_ids, routed_text, _ = stream(dep.routers[mode], path, chat)
+    ref_ids, ref_text, _ = stream(dep.reference, path, chat)
     assert routed_ids == ref_ids and routed_text == ref_text
     resp = httpx.post(dep.routers[mode] + path, json=chat, timeout=120)
     assert resp.status_code == 200, resp.text
@@ -213,7 +179,7 @@ def test_push_streams_prefill_first_token_then_the_rest(dep: Deployment) -> None
     """max_tokens=1 and an early stop: D's copy of the first token never doubles P's."""
     for max_tokens in (1, 2):
         body = _body(_ids(30, salt=50 + max_tokens), max_tokens=max_tokens)
-        ids, _, chunks = _stream(dep.routers["push"], "/v1/completions", body)
+        ids, _, chunks = stream(dep.routers["push"], "/v1/completions", body)
         assert ids == _complete(dep.reference, body)
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
@@ -223,14 +189,14 @@ def test_decode_prefix_hit_shrinks_the_push(dep: Deployment) -> None:
     first = _body(history, max_tokens=3)
     assert _complete(dep.routers["push"], first) == _complete(dep.reference, first)
     before = _push_stats(dep.decode)
-    hits_before = _metric(dep.decode, "kvduplex_kv_remote_prefix_hit_tokens_total")
+    hits_before = metric(dep.decode, "kvduplex_kv_remote_prefix_hit_tokens_total")
     follow = _body([*history, 9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12], max_tokens=5)
     assert _complete(dep.routers["push"], follow) == _complete(dep.reference, follow)
     after = _push_stats(dep.decode)
     # D held the 64-token history (8 blocks): only the 2 blocks of new tokens moved.
     assert after["num_skipped_blocks"] - before["num_skipped_blocks"] == 8
     assert after["num_received_blocks"] - before["num_received_blocks"] == 2
-    assert _metric(dep.decode, "kvduplex_kv_remote_prefix_hit_tokens_total") - hits_before == 64
+    assert metric(dep.decode, "kvduplex_kv_remote_prefix_hit_tokens_total") - hits_before == 64
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -245,19 +211,19 @@ def test_usage_cached_tokens_are_prefills_prefix_hits(dep: Deployment, mode: str
 
 
 def test_push_metrics_on_both_sides(dep: Deployment) -> None:
-    written = _metric(dep.prefill, "kvduplex_kv_transfer_bytes_total", direction="write")
-    pushes = _metric(dep.prefill, "kvduplex_kv_pushes_total", outcome="done")
+    written = metric(dep.prefill, "kvduplex_kv_transfer_bytes_total", direction="write")
+    pushes = metric(dep.prefill, "kvduplex_kv_pushes_total", outcome="done")
     body = _body(_ids(50, salt=91), max_tokens=3)
     assert _complete(dep.routers["push"], body) == _complete(dep.reference, body)
     wait_until(
-        lambda: _metric(dep.prefill, "kvduplex_kv_pushes_total", outcome="done") == pushes + 1,
+        lambda: metric(dep.prefill, "kvduplex_kv_pushes_total", outcome="done") == pushes + 1,
         what="the push counted on prefill",
     )
-    assert _metric(dep.prefill, "kvduplex_kv_transfer_bytes_total", direction="write") > written
-    assert _metric(dep.prefill, "kvduplex_kv_push_transfer_seconds_total") > 0
-    exposed = _metric(dep.prefill, "kvduplex_kv_push_exposed_seconds_total")
-    assert 0 <= exposed <= _metric(dep.prefill, "kvduplex_kv_push_transfer_seconds_total")
-    assert _metric(dep.decode, "kvduplex_kv_received_tokens_total") > 0
+    assert metric(dep.prefill, "kvduplex_kv_transfer_bytes_total", direction="write") > written
+    assert metric(dep.prefill, "kvduplex_kv_push_transfer_seconds_total") > 0
+    exposed = metric(dep.prefill, "kvduplex_kv_push_exposed_seconds_total")
+    assert 0 <= exposed <= metric(dep.prefill, "kvduplex_kv_push_transfer_seconds_total")
+    assert metric(dep.decode, "kvduplex_kv_received_tokens_total") > 0
 
 
 def test_internal_push_routes_reject_bad_input(dep: Deployment) -> None:
@@ -401,11 +367,11 @@ def test_push_whose_prefill_never_writes_falls_back(
     warm = _body(_ids(20, salt=11), max_tokens=2)
     assert _complete(router, warm) == _complete(dep.reference, warm)  # handshakes done
     before = _push_stats(d.url)
-    deadlines = _metric(d.url, "kvduplex_kv_fallbacks_total", reason="deadline")
+    deadlines = metric(d.url, "kvduplex_kv_fallbacks_total", reason="deadline")
     os.killpg(p.popen.pid, signal.SIGSTOP)
     try:
         body = _body(_ids(37, salt=12), max_tokens=6)
-        stream_ids, _, _ = _stream(router, "/v1/completions", body)
+        stream_ids, _, _ = stream(router, "/v1/completions", body)
         full = _complete(router, _body(_ids(29, salt=13), max_tokens=4))
         assert stream_ids == _complete(dep.reference, body)
         assert full == _complete(dep.reference, _body(_ids(29, salt=13), max_tokens=4))
@@ -413,7 +379,7 @@ def test_push_whose_prefill_never_writes_falls_back(
         stats = _push_stats(d.url)
         assert stats["num_fallbacks"] == before["num_fallbacks"] + 2
         assert stats["num_received"] == before["num_received"]
-        assert _metric(d.url, "kvduplex_kv_fallbacks_total", reason="deadline") == deadlines + 2
+        assert metric(d.url, "kvduplex_kv_fallbacks_total", reason="deadline") == deadlines + 2
     finally:
         os.killpg(p.popen.pid, signal.SIGCONT)
     # Resumed, P learns of the cancellations; nothing stays allocated anywhere

@@ -16,10 +16,9 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvduplex.server.cluster import LocalCluster, free_port
-from tests.integration.conftest import assert_pool_clean, wait_until
+from tests.integration.conftest import assert_pool_clean, metric, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -64,18 +63,9 @@ def clean_pools(quad: Quad) -> Iterator[None]:
         assert_pool_clean(url)
 
 
-def _metric(url: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
-
-
 def _served(quad: Quad) -> dict[str, float]:
     """Finished requests per instance."""
-    return {url: _metric(url, "kvduplex_requests_finished_total") for url in quad.instances}
+    return {url: metric(url, "kvduplex_requests_finished_total") for url in quad.instances}
 
 
 def _chat(router: str, messages: list[dict[str, Any]], headers: dict[str, str] | None = None,
@@ -92,7 +82,7 @@ def test_concurrent_new_sessions_reach_every_instance(quad: Quad) -> None:
     load counted from assignment, every one went to the same prefill instance."""
     router = quad.routers["push"]
     before = _served(quad)
-    misses = _metric(router, "kvduplex_router_session_misses_total")
+    misses = metric(router, "kvduplex_router_session_misses_total")
     conversations = [
         [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"task {i}: fix it"}]
         for i in range(8)
@@ -106,8 +96,8 @@ def test_concurrent_new_sessions_reach_every_instance(quad: Quad) -> None:
     after = _served(quad)
     per_instance = {url: after[url] - before[url] for url in quad.instances}
     assert all(n >= 2 for n in per_instance.values()), per_instance
-    assert _metric(router, "kvduplex_router_session_misses_total") - misses == 8
-    assert _metric(router, "kvduplex_router_requests_total", mode="push") >= 8
+    assert metric(router, "kvduplex_router_session_misses_total") - misses == 8
+    assert metric(router, "kvduplex_router_requests_total", mode="push") >= 8
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -125,8 +115,8 @@ def test_a_sessions_turns_stay_on_one_prefill_and_one_decode(quad: Quad, mode: s
         for i in range(len(names))
     ]
     served: list[set[tuple[str, str]]] = [set() for _ in names]
-    hits = _metric(router, "kvduplex_router_session_hits_total")
-    misses = _metric(router, "kvduplex_router_session_misses_total")
+    hits = metric(router, "kvduplex_router_session_hits_total")
+    misses = metric(router, "kvduplex_router_session_misses_total")
     for turn in range(3):
         for i, (headers, extra) in enumerate(names):  # interleaved, one request at a time
             before = _served(quad)
@@ -145,5 +135,5 @@ def test_a_sessions_turns_stay_on_one_prefill_and_one_decode(quad: Quad, mode: s
             ]
     assert all(len(pairs) == 1 for pairs in served), served
     assert {p for pairs in served for p, _ in pairs} == set(quad.prefill), "sessions spread"
-    assert _metric(router, "kvduplex_router_session_misses_total") - misses == len(names)
-    assert _metric(router, "kvduplex_router_session_hits_total") - hits == 2 * len(names)
+    assert metric(router, "kvduplex_router_session_misses_total") - misses == len(names)
+    assert metric(router, "kvduplex_router_session_hits_total") - hits == 2 * len(names)

@@ -1,4 +1,4 @@
-"""Transport Protocol semantics on the in-process fake (two endpoints, one process)."""
+"""Transport semantics on the in-process fake (two endpoints, one process)."""
 
 from __future__ import annotations
 

@@ -3,30 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable
 
-import pytest
-
-from kvduplex.config import CacheConfig, EngineConfig, ModelLoadConfig
+from kvduplex.config import CacheConfig, EngineConfig
 from kvduplex.engine.async_engine import AsyncEngine
 from kvduplex.engine.engine import LLMEngine, RequestOutput
 from kvduplex.engine.request import RemoteKVSpec
 from kvduplex.engine.sampling import SamplingParams
 from kvduplex.kvflow.connectors import FlowTiming, decode_flows
 from kvduplex.kvflow.pull import PullSpec
-from kvduplex.model.loader import LoadedModel, load_model
+from kvduplex.model.loader import LoadedModel
 from kvduplex.transport.fake import InProcessFabric, InProcessTransport
 from kvduplex.transport.notify import NotificationPump
-
-BS = 4
-GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-PROMPT = list(range(1, 19))  # 18 tokens: 5 blocks, the last one partial
-
-
-@pytest.fixture(scope="module")
-def tiny() -> LoadedModel:
-    return load_model(ModelLoadConfig(model="tiny", seed=0))
+from tests.unit.flow_pair import BS, GREEDY, PROMPT, _wait_for
+from tests.unit.flow_pair import tiny as tiny  # the module-scoped model fixture
 
 
 def _engine(tiny: LoadedModel) -> LLMEngine:
@@ -42,13 +31,6 @@ def _run(engine: LLMEngine, rid: str, params: SamplingParams, hold: bool = False
             out.extend(o.new_token_ids)
     assert out and (len(out) == params.max_tokens or not params.ignore_eos)
     return out
-
-
-def _wait_for(cond: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
 
 
 class Setup:
