@@ -21,6 +21,7 @@ from functools import partial
 import httpx
 import pytest
 
+from kvduplex.bench.conversation import TOOL_NAME, tool_definitions
 from kvduplex.server.cluster import LocalCluster, Process, free_port
 from tests.integration.conftest import assert_pool_clean, wait_until
 
@@ -140,6 +141,37 @@ def test_chat_session_matches_colocated(dup: Duplex) -> None:
         answer = got.json()["choices"][0]["message"]["content"]
         assert answer == want.json()["choices"][0]["message"]["content"]
         messages.append({"role": "assistant", "content": answer})
+    for url in dup.instances:
+        assert_pool_clean(url)
+
+
+def test_agentic_chat_with_tools_matches_colocated_and_hits_the_returned_history(
+    dup: Duplex,
+) -> None:
+    """Tools, assistant ``tool_calls`` with ``content: null`` and ``tool`` messages go
+    through P like any turn; the returned KV covers the history up to where the
+    re-rendered assistant turn departs from the ids D generated."""
+    tools = tool_definitions()
+    messages: list[dict] = [
+        {"role": "system", "content": "You run shell commands. " * 3},
+        {"role": "user", "content": "find the failing test"},
+    ]
+    cached: list[int] = []
+    for turn in range(NUM_TURNS):
+        body = {"model": "tiny", "messages": messages, "tools": tools, "max_tokens": 12,
+                "temperature": 0.0, "ignore_eos": True, "prompt_cache_key": "tools-1"}  # fmt: skip
+        got = httpx.post(dup.router + "/v1/chat/completions", json=body, timeout=120)
+        want = httpx.post(dup.reference + "/v1/chat/completions", json=body, timeout=120)
+        assert got.status_code == want.status_code == 200, got.text
+        answer = got.json()["choices"][0]["message"]["content"]
+        assert answer == want.json()["choices"][0]["message"]["content"]
+        cached.append(got.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+        call = {"id": f"call_{turn}", "type": "function",
+                "function": {"name": TOOL_NAME, "arguments": json.dumps({"command": f"ls {turn}"})}}  # fmt: skip
+        messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        messages.append({"role": "tool", "tool_call_id": f"call_{turn}", "content": f"out {turn} " * 6})
+    # Every later turn finds at least the previous turn's prompt cached.
+    assert all(b > a for a, b in itertools.pairwise(cached)), cached
     for url in dup.instances:
         assert_pool_clean(url)
 
