@@ -190,7 +190,8 @@ class BlockBound:
 
     P->D: at most the blocks of the tokens that are new since the previous turn's
     prompt and answer, plus one (the partial block they start in). D->P: at most
-    the answer's blocks plus one (the block holding the end of the prompt).
+    the blocks of what D computed (the answer; on a short append also the new
+    input) plus one (the block holding the end of what P computed).
     """
 
     mode: str
@@ -221,8 +222,9 @@ def block_bounds(
                     (r.result.kv.bytes_to_decode // bytes_per_block, -(-max(new, 0) // block_size) + 1)
                 )
             if r.returned_bytes:
-                answer = -(-r.result.completion_tokens // block_size)
-                pairs["D→P"].append((r.returned_bytes // bytes_per_block, answer + 1))
+                # what D computed: the answer, and the prompt's tail on a short append
+                on_d = r.result.completion_tokens + (r.result.kv.decode_computed_tokens if r.result.kv else 0)
+                pairs["D→P"].append((r.returned_bytes // bytes_per_block, -(-on_d // block_size) + 1))
         for way, got in pairs.items():
             if got:
                 excess = [moved - bound for moved, bound in got]
