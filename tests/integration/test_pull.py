@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -11,11 +10,11 @@ import pytest
 
 from kvduplex.server.cluster import LocalCluster, free_port
 from tests.integration.conftest import assert_pool_clean, stream
+from tests.skips import skip_module_without_nixl
 
 pytestmark = pytest.mark.integration
 
-if importlib.util.find_spec("nixl_cu12") is None and importlib.util.find_spec("nixl") is None:
-    pytest.skip("NIXL is not installed (pip install nixl-cu12)", allow_module_level=True)
+skip_module_without_nixl()
 
 _SERVE = ["serve", "--model", "tiny", "--num-blocks", "128", "--block-size", "8", "--log-level", "warning"]
 
