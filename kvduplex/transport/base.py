@@ -50,20 +50,6 @@ from kvduplex.transport.regions import IndexArray, RegionIndexer, region_indices
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Post:
-    """One transfer `Transport._submit` hands its backend's `_post`."""
-
-    peer: PeerHandle
-    handle: TransferHandle
-    """Carries the op, the xid and the deadline; the backend finishes it."""
-    local: IndexArray
-    """Indices into our registered regions, paired with ``remote``."""
-    remote: IndexArray
-    notif: bytes | None
-    """WRITE only: the caller's payload, delivered to the peer after the data."""
-
-
 def check_compatible(
     layout: KVCacheLayout, engine_id: str, info: HandshakeInfo, expected_transport: str
 ) -> KVCacheLayout:
@@ -94,6 +80,20 @@ def check_compatible(
             "with the same model, dtype and block size"
         )
     return peer_layout
+
+
+@dataclass(frozen=True)
+class Post:
+    """One transfer `Transport._submit` hands its backend's `_post`."""
+
+    peer: PeerHandle
+    handle: TransferHandle
+    """Carries the op, the xid and the deadline; the backend finishes it."""
+    local: IndexArray
+    """Indices into our registered regions, paired with ``remote``."""
+    remote: IndexArray
+    notif: bytes | None
+    """WRITE only: the caller's payload, delivered to the peer after the data."""
 
 
 class Transport(abc.ABC):
