@@ -16,6 +16,7 @@ import numpy as np
 
 from kvduplex.bench.agentic import TurnRecord
 from kvduplex.bench.client import RequestResult
+from kvduplex.bench.tables import markdown_table
 
 SUMMARY_MIN_TURN = 3
 """The summary covers turns with index >= this: the history is long by then."""
@@ -237,25 +238,11 @@ def block_bounds(
 
 
 def bounds_table(rows: list[BlockBound]) -> list[str]:
-    return _table(
+    return markdown_table(
         ["mode", "shape", "way", "turns", "blocks/turn", "bound/turn", "over bound", "max excess"],
         [[b.mode, b.shape, b.way, b.n, b.mean_blocks, b.mean_bound, b.over, b.max_excess]
          for b in rows],
     )  # fmt: skip
-
-
-def fmt(v: object) -> str:
-    if v is None:
-        return "n/a"
-    if isinstance(v, float):
-        return f"{v:.2f}" if abs(v) < 10 else f"{v:.0f}"
-    return str(v)
-
-
-def _table(header: list[str], rows: list[list[object]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(fmt(c) for c in row) + " |" for row in rows]
-    return lines
 
 
 _COLS = ("n", "errors", "ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "e2e_p50_ms",
@@ -273,7 +260,7 @@ def stats_table(rows: list[Stats]) -> list[str]:
          _kib(s.bytes_d_to_p_mean), s.history_hit_mean]
         for s in rows
     ]  # fmt: skip
-    return _table(header, body)
+    return markdown_table(header, body)
 
 
 def kv_table(kv_by_mode: dict[str, dict[str, float | None]]) -> list[str]:
@@ -282,7 +269,7 @@ def kv_table(kv_by_mode: dict[str, dict[str, float | None]]) -> list[str]:
         [key, _mib(v.get("p_to_d_bytes")), _mib(v.get("d_to_p_bytes"))]
         for key, v in kv_by_mode.items()
     ]
-    return _table(["mode / shape", "MiB P→D (all turns)", "MiB D→P (all turns)"], body)
+    return markdown_table(["mode / shape", "MiB P→D (all turns)", "MiB D→P (all turns)"], body)
 
 
 def _mib(v: float | None) -> float | None:
@@ -304,7 +291,7 @@ def markdown(
     for shape, entry in ratio.items():
         if entry:
             lines += ["", f"Ratios ({shape}, p50, turns >= {SUMMARY_MIN_TURN}):", ""]
-            lines += _table(["ratio", "value"], [[k, v] for k, v in entry.items()])
+            lines += markdown_table(["ratio", "value"], [[k, v] for k, v in entry.items()])
     if kv_by_mode:
         lines += ["", "KV moved (instances' /metrics):", "", *kv_table(kv_by_mode)]
     if bounds:

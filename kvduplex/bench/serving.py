@@ -49,6 +49,7 @@ import httpx
 import numpy as np
 
 from kvduplex.bench.client import RequestResult, stream_request
+from kvduplex.bench.tables import cell, markdown_table
 from kvduplex.server.cluster import LocalCluster, free_port
 from kvduplex.server.report import metric_sum, scrape
 
@@ -274,26 +275,16 @@ def _ms(v: float | None) -> float | None:
     return None if v is None else v * 1e3
 
 
-def _fmt(v: Any) -> str:
-    if v is None:
-        return "n/a"
-    if isinstance(v, float):
-        return f"{v:.2f}" if abs(v) < 10 else f"{v:.0f}"
-    return str(v)
-
-
 def format_tables(rows: list[dict[str, Any]], ratios: list[dict[str, Any]], kv: dict[str, Any]) -> str:
     cols = ["mode", "prompt_len", "load", "n", "ttft_p50_ms", "ttft_p90_ms", "pd_overhead_ms",
             "handoff_p50_ms", "pd_overhead_engine_ms", "tpot_p50_ms", "tpot_p90_ms", "e2e_p50_ms",
             "e2e_p90_ms"]  # fmt: skip
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(_fmt(r[c]) for c in cols) + " |" for r in rows]
+    lines = markdown_table(cols, [[r[c] for c in cols] for r in rows])
     rcols = ["load", "prompt_len", "push_ttft_over_colocated", "push_overhead_over_pull",
              "push_overhead_over_pull_engine", "push_p90_ttft_over_pull",
              "push_p90_over_pull_floor"]  # fmt: skip
-    lines += ["", "| " + " | ".join(rcols) + " |", "|" + "---|" * len(rcols)]
-    lines += ["| " + " | ".join(_fmt(r.get(c)) for c in rcols) + " |" for r in ratios]
-    lines += ["", "KV moved: " + ", ".join(f"{k} {_fmt(v)}" for k, v in kv.items())]
+    lines += ["", *markdown_table(rcols, [[r.get(c) for c in rcols] for r in ratios])]
+    lines += ["", "KV moved: " + ", ".join(f"{k} {cell(v)}" for k, v in kv.items())]
     return "\n".join(lines)
 
 

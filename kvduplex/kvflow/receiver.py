@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import enum
 import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
 from kvduplex.engine.connector import EngineHandle
+from kvduplex.kvflow.half import FlowHalf
 from kvduplex.kvflow.messages import (
     KVAlive,
     KVAliveAck,
@@ -42,11 +42,12 @@ from kvduplex.kvflow.messages import (
     KVRegister,
 )
 from kvduplex.transport.base import Transport
-from kvduplex.transport.messages import ControlMessage, MessageCodec
-from kvduplex.transport.notify import NotificationPump
+from kvduplex.transport.messages import ControlMessage
+from kvduplex.transport.notify import Handler
 from kvduplex.transport.protocol import PeerHandle
 
 logger = logging.getLogger(__name__)
+
 
 class WaitFailure(enum.Enum):
     """Why a wait ended without the KV (a metrics label too)."""
@@ -82,38 +83,36 @@ class _Wait:
 
 @dataclass
 class KVReceiverStats:
+    """This instance's waits since it started (decode serves some on push stats)."""
+
     num_received: int = 0
+    """Waits the sender ended with KVDone in time."""
     num_received_blocks: int = 0
     num_failed: int = 0
+    """Waits that fell back: the sender gave up, the deadline passed, or a cancel."""
     num_late: int = 0
     """KVDone/KVFailed that arrived after the deadline had passed."""
     num_alive_received: int = 0
 
 
-class KVReceiver:
+class KVReceiver(FlowHalf):
     """Waits for senders to fill registered blocks, with deadlines and quarantine."""
 
     def __init__(
-        self,
-        transport: Transport,
-        engine: EngineHandle,
-        wait_s: float,
-        quarantine_s: float,
+        self, transport: Transport, engine: EngineHandle, wait_s: float, quarantine_s: float
     ) -> None:
-        self.transport = transport
-        self.engine = engine
+        super().__init__(transport, engine)
         self.wait_s = wait_s
         self.quarantine_s = quarantine_s
         self.stats = KVReceiverStats()
-        self.codec = MessageCodec()
-        self._lock = threading.Lock()
         self._waits: dict[str, _Wait] = {}
 
-    def attach(self, pump: NotificationPump) -> None:
-        pump.on(KVDone, self._on_end_notif)
-        pump.on(KVFailed, self._on_end_notif)
-        pump.on(KVAlive, self._on_alive_notif)
-        pump.every_tick(self._tick)
+    def _notif_handlers(self) -> dict[type[ControlMessage], Handler]:
+        return {
+            KVDone: self._on_end_notif,
+            KVFailed: self._on_end_notif,
+            KVAlive: self._on_alive_notif,
+        }
 
     # ---- engine thread ----
 
@@ -185,7 +184,10 @@ class KVReceiver:
                 return None
             if sender != wait.peer.engine_id:
                 logger.warning(
-                    "xid=%s: message from %s, expected %s; ignored", xid, sender, wait.peer.engine_id
+                    "xid=%s: message from %s, expected %s; ignored",
+                    xid,
+                    sender,
+                    wait.peer.engine_id,
                 )
                 return None
             return self._waits.pop(xid)
@@ -235,13 +237,6 @@ class KVReceiver:
             self.stats.num_alive_received += 1
             peer = wait.peer
         self._tell(peer, KVAliveAck(msg.xid, msg.sent_at))
-
-    def _tell(self, peer: PeerHandle, msg: ControlMessage) -> None:
-        """Send `msg` to a sender; a peer we cannot reach is only logged."""
-        try:
-            self.transport.send_notif(peer, self.codec.encode(msg), msg.xid)
-        except Exception as exc:
-            logger.info("xid=%s: cannot tell %s: %s", msg.xid, peer.engine_id, exc)
 
     def _tick(self, now: float) -> None:
         due: list[_Wait] = []

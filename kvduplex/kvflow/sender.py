@@ -43,7 +43,6 @@ stay together.)
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -52,6 +51,7 @@ from functools import partial
 
 from kvduplex.engine.connector import EngineHandle
 from kvduplex.engine.request import Request
+from kvduplex.kvflow.half import FlowHalf
 from kvduplex.kvflow.messages import (
     KVAlive,
     KVAliveAck,
@@ -63,8 +63,8 @@ from kvduplex.kvflow.messages import (
 )
 from kvduplex.kvflow.metrics import KVFlowMetrics
 from kvduplex.transport.base import Transport
-from kvduplex.transport.messages import ControlMessage, MessageCodec
-from kvduplex.transport.notify import NotificationPump
+from kvduplex.transport.messages import ControlMessage
+from kvduplex.transport.notify import Handler
 from kvduplex.transport.protocol import PeerHandle, TransferHandle, TransferState
 
 logger = logging.getLogger(__name__)
@@ -127,6 +127,8 @@ class SendJob:
 
 @dataclass
 class KVSenderStats:
+    """This instance's sent jobs since it started (served as push stats)."""
+
     num_done: int = 0
     num_failed: int = 0
     num_written_blocks: int = 0
@@ -141,8 +143,10 @@ class KVSenderStats:
     num_waiting_received: int = 0
 
 
-class KVSender:
+class KVSender(FlowHalf):
     """Streams jobs' KV into peers' registered blocks; the push part is a connector."""
+
+    TELL_FAILURE_LEVEL = logging.WARNING
 
     def __init__(
         self,
@@ -155,16 +159,13 @@ class KVSender:
     ) -> None:
         """``peer_of(engine_id)`` finds a connected peer (to answer registrations of
         jobs that no longer exist)."""
-        self.transport = transport
-        self.engine = engine
+        super().__init__(transport, engine)
         self.block_size = engine.block_size
         self.peer_of = peer_of
         self.registration_wait_s = registration_wait_s
         self.deadline_s = deadline_s
         self.metrics = metrics
         self.stats = KVSenderStats()
-        self.codec = MessageCodec()
-        self._lock = threading.Lock()
         self._jobs: dict[str, SendJob] = {}
         self._early: dict[str, tuple[KVRegister, str, float]] = {}
         self._cancelled: dict[str, float] = {}  # xid -> until when it is refused
@@ -175,12 +176,13 @@ class KVSender:
     def _init_flow_state(self) -> None:
         """Subclasses set up the state of their own kind of job here."""
 
-    def attach(self, pump: NotificationPump) -> None:
-        pump.on(KVRegister, self._on_register_notif)
-        pump.on(KVCancel, self._on_cancel_notif)
-        pump.on(KVWaiting, self._on_waiting_notif)
-        pump.on(KVAliveAck, self._on_alive_ack_notif)
-        pump.every_tick(self._tick)
+    def _notif_handlers(self) -> dict[type[ControlMessage], Handler]:
+        return {
+            KVRegister: self._on_register_notif,
+            KVCancel: self._on_cancel_notif,
+            KVWaiting: self._on_waiting_notif,
+            KVAliveAck: self._on_alive_ack_notif,
+        }
 
     # ---- engine thread: jobs ----
 
@@ -294,7 +296,7 @@ class KVSender:
         # Cancelled before it began: nothing will be written, the receiver may reuse the blocks.
         peer = self.peer_of(sender) if self.peer_of is not None else None
         if peer is not None:
-            self._notify.submit(self._send, peer, KVFailed(msg.xid, "cancelled"))
+            self._notify.submit(self._tell, peer, KVFailed(msg.xid, "cancelled"))
 
     def _blocks_done(self, job: SendJob, num_computed: int) -> int:
         """Job blocks whose every token is computed once `num_computed` tokens are."""
@@ -420,7 +422,7 @@ class KVSender:
         else:
             msg = KVFailed(job.xid, job.error)
         if job.reg is not None and notify:
-            self._notify.submit(self._send, job.peer, msg)
+            self._notify.submit(self._tell, job.peer, msg)
         self._account(job, end)
         self.engine.call(lambda: self._forget(job))
 
@@ -462,12 +464,6 @@ class KVSender:
             job.xid, "done" if job.error is None else f"failed ({job.error})",
             job.num_bytes, transfer_s * 1e3, exposed_s * 1e3,
         )  # fmt: skip
-
-    def _send(self, peer: PeerHandle, msg: ControlMessage) -> None:
-        try:
-            self.transport.send_notif(peer, self.codec.encode(msg), msg.xid)
-        except Exception as exc:
-            logger.warning("xid=%s: cannot tell %s: %s", msg.xid, peer.engine_id, exc)
 
     # ---- notification pump ----
 
@@ -524,7 +520,7 @@ class KVSender:
             for xid in [x for x, until in self._cancelled.items() if now > until]:
                 del self._cancelled[xid]
         for j in beats:
-            self._notify.submit(self._send, j.peer, KVAlive(j.xid, now))
+            self._notify.submit(self._tell, j.peer, KVAlive(j.xid, now))
         for xid in expired:
             self.engine.call(partial(self._expire, xid))
         for xid in stale:
@@ -537,7 +533,11 @@ class KVSender:
                 job.expiring = False
         if job is None or job.ended or time.monotonic() <= job.expires_at:
             return
-        what = "no registration from the receiver" if job.reg is None else "the receiver's wait ran out"
+        what = (
+            "no registration from the receiver"
+            if job.reg is None
+            else "the receiver's wait ran out"
+        )
         logger.warning("xid=%s: %s; dropping the transfer", xid, what)
         self.cancel(xid, what)
 

@@ -30,6 +30,11 @@ from typing import Any, Protocol, runtime_checkable
 
 _REPLACEMENT = "\ufffd"
 
+Messages = list[dict[str, Any]]
+"""A conversation as transformers passes it to a chat template (see the module docstring)."""
+Tools = list[dict[str, Any]] | None
+"""The request's OpenAI tool definitions, if any."""
+
 
 def unknown_id_text(token_id: int) -> str:
     """What `decode` renders for an id outside the tokenizer's vocabulary."""
@@ -38,48 +43,62 @@ def unknown_id_text(token_id: int) -> str:
 
 @runtime_checkable
 class Tokenizer(Protocol):
-    """What the engine and the server need from a tokenizer."""
+    """What the engine and the server need from a tokenizer.
 
-    @property
-    def vocab_size(self) -> int:
-        """Ids ``[0, vocab_size)`` are known (special tokens included)."""
-        ...
+    A subclass sets the three attributes and implements `encode`, `_decode_known`
+    and `_chat_text`; `decode`, `apply_chat_template` and `encode_chat` are
+    implemented here for it.
+    """
 
-    @property
-    def bos_token_id(self) -> int | None: ...
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        """Every id that ends a generation."""
-        ...
+    vocab_size: int
+    """Ids ``[0, vocab_size)`` are known (special tokens included)."""
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    """Every id that ends a generation."""
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; with `add_special_tokens`, the BOS (etc.) the model expects."""
         ...
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        """Text of `ids`; unknown ids as `unknown_id_text`."""
+    def _decode_known(self, ids: list[int], skip_special_tokens: bool) -> str:
+        """Text of a run of ids that are all in ``[0, vocab_size)``."""
         ...
+
+    def _chat_text(self, messages: Messages, add_generation_prompt: bool, tools: Tools) -> str:
+        """`apply_chat_template` once the messages are checked."""
+        ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`; unknown ids as `unknown_id_text`; ValueError for a negative id."""
+        pieces: list[str] = []
+        run: list[int] = []
+        for t in ids:
+            t = int(t)
+            if t < 0:
+                raise ValueError(f"token id must be >= 0, got {t}")
+            if t < self.vocab_size:
+                run.append(t)
+                continue
+            if run:
+                pieces.append(self._decode_known(run, skip_special_tokens))
+                run = []
+            pieces.append(unknown_id_text(t))
+        if run:
+            pieces.append(self._decode_known(run, skip_special_tokens))
+        return "".join(pieces)
 
     def apply_chat_template(
-        self,
-        messages: list[dict[str, Any]],
-        add_generation_prompt: bool = True,
-        tools: list[dict[str, Any]] | None = None,
+        self, messages: Messages, add_generation_prompt: bool = True, tools: Tools = None
     ) -> str:
         """The prompt string of a conversation (and the tools it may call); ValueError if
-        the model has no template or the template refuses the messages."""
-        ...
+        the messages are malformed, the model has no template or the template refuses them."""
+        _check_messages(messages)
+        return self._chat_text(messages, add_generation_prompt, tools)
 
     def encode_chat(
-        self,
-        messages: list[dict[str, Any]],
-        add_generation_prompt: bool = True,
-        tools: list[dict[str, Any]] | None = None,
+        self, messages: Messages, add_generation_prompt: bool = True, tools: Tools = None
     ) -> list[int]:
-        """Token ids of `apply_chat_template` (no special tokens added on top).
-
-        Implemented here for the tokenizers that subclass this protocol."""
+        """Token ids of `apply_chat_template` (no special tokens added on top)."""
         return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools), False)
 
 
@@ -117,20 +136,11 @@ class ByteTokenizer(Tokenizer):
     SPECIAL_TOKENS: tuple[str, ...] = ("<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>", "<|pad|>")
 
     def __init__(self) -> None:
+        self.vocab_size = 256 + len(self.SPECIAL_TOKENS)
+        self.bos_token_id = self.BOS_ID
+        self.eos_token_ids = self.EOS_IDS
         self._special_ids = {tok: 256 + i for i, tok in enumerate(self.SPECIAL_TOKENS)}
         self._split = re.compile("(" + "|".join(re.escape(t) for t in self.SPECIAL_TOKENS) + ")")
-
-    @property
-    def vocab_size(self) -> int:
-        return 256 + len(self.SPECIAL_TOKENS)
-
-    @property
-    def bos_token_id(self) -> int | None:
-        return self.BOS_ID
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return self.EOS_IDS
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = [self.BOS_ID] if add_special_tokens else []
@@ -142,35 +152,23 @@ class ByteTokenizer(Tokenizer):
                 ids.extend(part.encode("utf-8"))
         return ids
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    def _decode_known(self, ids: list[int], skip_special_tokens: bool) -> str:
         pieces: list[str] = []
         pending = bytearray()
         for t in ids:
-            t = int(t)
-            if 0 <= t < 256:
+            if t < 256:
                 pending.append(t)
                 continue
-            if t < 0:
-                raise ValueError(f"token id must be >= 0, got {t}")
             if pending:
                 pieces.append(pending.decode("utf-8", errors="replace"))
                 pending.clear()
-            if t < self.vocab_size:
-                if not skip_special_tokens:
-                    pieces.append(self.SPECIAL_TOKENS[t - 256])
-            else:
-                pieces.append(unknown_id_text(t))
+            if not skip_special_tokens:
+                pieces.append(self.SPECIAL_TOKENS[t - 256])
         if pending:
             pieces.append(pending.decode("utf-8", errors="replace"))
         return "".join(pieces)
 
-    def apply_chat_template(
-        self,
-        messages: list[dict[str, Any]],
-        add_generation_prompt: bool = True,
-        tools: list[dict[str, Any]] | None = None,
-    ) -> str:
-        _check_messages(messages)
+    def _chat_text(self, messages: Messages, add_generation_prompt: bool, tools: Tools) -> str:
         parts = ["<|bos|>"]
         if tools:
             parts.append(f"<|im_start|>tools\n{json.dumps(tools, ensure_ascii=False)}<|im_end|>\n")
@@ -210,55 +208,23 @@ class HFTokenizer(Tokenizer):
         if not (folder / "tokenizer.json").is_file():
             raise ValueError(f"{folder} has no tokenizer.json; only fast (tokenizers) files are supported")
         self._tok: Any = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-        self._vocab_size = len(self._tok)
+        self.vocab_size = len(self._tok)
+        bos = self._tok.bos_token_id
+        self.bos_token_id = None if bos is None else int(bos)
         eos: list[int] = []
         if self._tok.eos_token_id is not None:
             eos.append(int(self._tok.eos_token_id))
         eos.extend(int(e) for e in extra_eos_token_ids)
         eos.extend(_generation_eos(folder))
-        self._eos = tuple(dict.fromkeys(eos))
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    @property
-    def bos_token_id(self) -> int | None:
-        bos = self._tok.bos_token_id
-        return None if bos is None else int(bos)
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return self._eos
+        self.eos_token_ids = tuple(dict.fromkeys(eos))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        pieces: list[str] = []
-        run: list[int] = []
-        for t in ids:
-            t = int(t)
-            if t < 0:
-                raise ValueError(f"token id must be >= 0, got {t}")
-            if t < self._vocab_size:
-                run.append(t)
-                continue
-            if run:
-                pieces.append(self._tok.decode(run, skip_special_tokens=skip_special_tokens))
-                run = []
-            pieces.append(unknown_id_text(t))
-        if run:
-            pieces.append(self._tok.decode(run, skip_special_tokens=skip_special_tokens))
-        return "".join(pieces)
+    def _decode_known(self, ids: list[int], skip_special_tokens: bool) -> str:
+        return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
 
-    def apply_chat_template(
-        self,
-        messages: list[dict[str, Any]],
-        add_generation_prompt: bool = True,
-        tools: list[dict[str, Any]] | None = None,
-    ) -> str:
-        _check_messages(messages)
+    def _chat_text(self, messages: Messages, add_generation_prompt: bool, tools: Tools) -> str:
         if not getattr(self._tok, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; send a plain prompt")
         try:

@@ -28,6 +28,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from kvduplex.engine.kv_cache import KVCacheLayout, KVKind
 from kvduplex.transport.messages import HANDSHAKE_VERSION, HandshakeInfo
@@ -79,6 +80,20 @@ def check_compatible(
             "with the same model, dtype and block size"
         )
     return peer_layout
+
+
+@dataclass(frozen=True)
+class Post:
+    """One transfer `Transport._submit` hands its backend's `_post`."""
+
+    peer: PeerHandle
+    handle: TransferHandle
+    """Carries the op, the xid and the deadline; the backend finishes it."""
+    local: IndexArray
+    """Indices into our registered regions, paired with ``remote``."""
+    remote: IndexArray
+    notif: bytes | None
+    """WRITE only: the caller's payload, delivered to the peer after the data."""
 
 
 class Transport(abc.ABC):
@@ -249,16 +264,9 @@ class Transport(abc.ABC):
     # -- backend side ---------------------------------------------------------------
 
     @abc.abstractmethod
-    def _post(
-        self,
-        op: TransferOp,
-        peer: PeerHandle,
-        handle: TransferHandle,
-        local: IndexArray,
-        remote: IndexArray,
-        notif: bytes | None,
-    ) -> None:
-        """Start moving ``local[i]`` <-> ``remote[i]``; finish ``handle`` now or later.
+    def _post(self, post: Post) -> None:
+        """Start moving ``post.local[i]`` <-> ``post.remote[i]``; finish ``post.handle``
+        now or later.
 
         May raise: the caller turns the exception into a FAILED handle.
         """
@@ -346,7 +354,7 @@ class Transport(abc.ABC):
         self._touch()
         t0 = time.perf_counter()
         try:
-            self._post(op, peer, handle, local, remote, notif)
+            self._post(Post(peer, handle, local, remote, notif))
         except Exception as exc:  # a post failure is a FAILED transfer, never an escape
             logger.warning("xid=%s %s to %s failed to post: %s", xid, op.value, peer.engine_id, exc)
             self._complete(handle, TransferState.FAILED, f"post failed: {exc}", FailureKind.POST)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from kvduplex.engine.kv_cache import KVCacheLayout
-from kvduplex.transport.base import Transport, check_compatible
+from kvduplex.transport.base import Post, Transport, check_compatible
 from kvduplex.transport.messages import HandshakeInfo, LayoutInfo
 from kvduplex.transport.metrics import TransferMetrics
 from kvduplex.transport.protocol import (
@@ -40,7 +40,6 @@ from kvduplex.transport.protocol import (
     TransferOp,
     TransferState,
 )
-from kvduplex.transport.regions import IndexArray
 
 logger = logging.getLogger(__name__)
 
@@ -174,15 +173,8 @@ class InProcessTransport(Transport):
 
     # -- internals -------------------------------------------------------------
 
-    def _post(
-        self,
-        op: TransferOp,
-        peer: PeerHandle,
-        handle: TransferHandle,
-        local: IndexArray,
-        remote: IndexArray,
-        notif: bytes | None,
-    ) -> None:
+    def _post(self, post: Post) -> None:
+        peer, handle, local, remote = post.peer, post.handle, post.local, post.remote
         with self._lock:
             self._ensure_open()
             if peer.engine_id not in self._peers:
@@ -205,13 +197,13 @@ class InProcessTransport(Transport):
             return
         li = torch.from_numpy(local.astype("int64"))
         ri = torch.from_numpy(remote.astype("int64"))
-        if op is TransferOp.WRITE:
+        if handle.op is TransferOp.WRITE:
             target._regions.index_copy_(0, ri, self._regions.index_select(0, li))
         else:
             self._regions.index_copy_(0, li, target._regions.index_select(0, ri))
         self._complete(handle, TransferState.DONE)
-        if notif is not None:
-            target._queue_notifs([Notification(self.engine_id, handle.xid, notif)])
+        if post.notif is not None:
+            target._queue_notifs([Notification(self.engine_id, handle.xid, post.notif)])
             self.metrics.on_notification("sent")
 
     def _target(self, peer: PeerHandle) -> InProcessTransport | None:

@@ -64,7 +64,7 @@ import msgspec
 import torch
 
 from kvduplex.engine.kv_cache import KVCacheLayout, pool_base_address
-from kvduplex.transport.base import Transport, check_compatible
+from kvduplex.transport.base import Post, Transport, check_compatible
 from kvduplex.transport.messages import (
     Envelope,
     EnvelopeKind,
@@ -83,10 +83,8 @@ from kvduplex.transport.protocol import (
     PeerUnavailableError,
     TransferError,
     TransferHandle,
-    TransferOp,
     TransferState,
 )
-from kvduplex.transport.regions import IndexArray
 
 logger = logging.getLogger(__name__)
 
@@ -232,27 +230,24 @@ class NixlTransport(Transport):
 
     # -- transfers ----------------------------------------------------------
 
-    def _post(
-        self,
-        op: TransferOp,
-        peer: PeerHandle,
-        handle: TransferHandle,
-        local: IndexArray,
-        remote: IndexArray,
-        notif: bytes | None,
-    ) -> None:
+    def _post(self, post: Post) -> None:
+        peer, handle = post.peer, post.handle
         with self._lock:
             self._ensure_open()
             p = self._peers.get(peer.engine_id)
         if p is None:
             raise TransferError(f"peer {peer.engine_id} is not connected")
-        if local.size == 0:
+        if post.local.size == 0:
             self._complete(handle, TransferState.DONE)
             return
         msg = b""
-        if notif is not None:
-            msg = encode_envelope(Envelope(EnvelopeKind.USER, self.engine_id, handle.xid, notif))
-        job = Job(handle, peer.engine_id, p.handle.agent_name, p.dlist, local, remote, msg)
+        if post.notif is not None:
+            msg = encode_envelope(
+                Envelope(EnvelopeKind.USER, self.engine_id, handle.xid, post.notif)
+            )
+        job = Job(
+            handle, peer.engine_id, p.handle.agent_name, p.dlist, post.local, post.remote, msg
+        )
         if handle.num_bytes >= self.hint_min_bytes:
             job.begin_hint = self._hint(EnvelopeKind.XFER_BEGIN, handle)
             job.end_hint = self._hint(EnvelopeKind.XFER_END, handle)

@@ -3,6 +3,8 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -11,6 +13,7 @@ from httpx_sse import connect_sse
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvduplex.server.cluster import LocalCluster, Process, free_port
+from kvduplex.server.netns import NetnsHost, netns_unavailable_reason
 from kvduplex.transport.trust import secret_headers
 
 
@@ -21,6 +24,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         yield c
     finally:
         c.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(cluster: LocalCluster) -> str:
+    """URL of a colocated instance (role both) whose answers the fault tests expect."""
+    from tests.integration.faults import start_reference  # faults imports this module
+
+    return start_reference(cluster)
 
 
 def wait_until(cond: Callable[[], bool], timeout_s: float = 20.0, what: str = "condition") -> None:
@@ -93,3 +104,43 @@ def start_duplex_rig(cluster: LocalCluster, serve: list[str]) -> dict[str, Proce
     router = cluster.start("router", [*args, "--return-mode", "push"], free_port())
     cluster.wait_healthy(timeout_s=60)
     return {"prefill": p, "decode": d, "router": router}
+
+
+@dataclass
+class AcrossLink:
+    """P in its own network namespace, D and a colocated reference in ours."""
+
+    link: NetnsHost
+    cluster: LocalCluster
+    p: Process
+    d: Process
+    reference: Process
+
+
+@contextmanager
+def p_across_link(
+    log_dir: Path, serve: list[str], p_flags: list[str], d_flags: list[str],
+    ref_flags: list[str], rate_mbit: float | None = None,
+) -> Iterator[AcrossLink]:  # fmt: skip
+    """P (``serve`` + `p_flags`) behind a veth pair (`NetnsHost`, shaped to `rate_mbit`),
+    D listening on the root end's address so that P can reach it, and the reference;
+    healthy when it yields. Skips the test where namespaces cannot be made. On exit the
+    processes stop before the namespace is removed."""
+    reason = netns_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    with (
+        NetnsHost(rate_mbit=rate_mbit) as link,
+        LocalCluster(log_dir=log_dir, env={"OMP_NUM_THREADS": "1"}) as cluster,
+    ):
+        # A fresh namespace has no listeners: a port free here is free there.
+        p = cluster.start(
+            "prefill", [*serve, *p_flags], free_port(),
+            netns=link.inner.netns, host=link.inner.ip, env=link.inner.ucx_env(),
+        )  # fmt: skip
+        d = cluster.start(
+            "decode", [*serve, *d_flags], free_port(), host=link.outer.ip, env=link.outer.ucx_env()
+        )
+        ref = cluster.start("reference", [*serve, *ref_flags], free_port())
+        cluster.wait_healthy(timeout_s=180)
+        yield AcrossLink(link, cluster, p, d, ref)

@@ -12,7 +12,6 @@ instance's tokens.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import random
 import time
@@ -31,15 +30,14 @@ from tests.integration.faults import (
     body,
     prompt_ids,
     reference_tokens,
-    start_reference,
     start_rig,
     stats,
 )
+from tests.skips import skip_module_without_nixl
 
 pytestmark = pytest.mark.integration
 
-if importlib.util.find_spec("nixl_cu12") is None and importlib.util.find_spec("nixl") is None:
-    pytest.skip("NIXL is not installed (pip install nixl-cu12)", allow_module_level=True)
+skip_module_without_nixl()
 
 NUM_ROUTED = 200
 NUM_DIRECT = 100
@@ -128,11 +126,6 @@ async def _storm(clients: list[Client]) -> float:
 
         await asyncio.gather(*(one(c) for c in clients))
     return time.monotonic() - start
-
-
-@pytest.fixture(scope="module")
-def reference(cluster: LocalCluster) -> str:
-    return start_reference(cluster)
 
 
 def test_clients_leaving_at_random_moments_leave_no_blocks_behind(

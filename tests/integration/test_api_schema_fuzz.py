@@ -18,7 +18,6 @@ minute on two cores).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from collections import Counter
 from collections.abc import Iterator
@@ -32,12 +31,12 @@ from hypothesis import strategies as st
 
 from kvduplex.server.cluster import LocalCluster, Process
 from tests.integration.conftest import assert_pool_clean, start_duplex_rig
+from tests.skips import skip_module_without_nixl
 
 pytestmark = pytest.mark.integration
 
 schemathesis = pytest.importorskip("schemathesis", reason="pip install -e '.[dev]'")
-if importlib.util.find_spec("nixl_cu12") is None and importlib.util.find_spec("nixl") is None:
-    pytest.skip("NIXL is not installed (pip install nixl-cu12)", allow_module_level=True)
+skip_module_without_nixl()
 
 SERVE = ["serve", "--model", "tiny", "--block-size", "8", "--num-blocks", "16"]
 """Context: 16 blocks of 8 tokens."""

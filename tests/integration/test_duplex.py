@@ -10,7 +10,6 @@ prefill killed during a return never cost a wrong token or a leaked block.
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 import random
@@ -24,11 +23,11 @@ import pytest
 from kvduplex.bench.conversation import TOOL_NAME, tool_definitions
 from kvduplex.server.cluster import LocalCluster, Process, free_port
 from tests.integration.conftest import assert_pool_clean, wait_until
+from tests.skips import skip_module_without_nixl
 
 pytestmark = pytest.mark.integration
 
-if importlib.util.find_spec("nixl_cu12") is None and importlib.util.find_spec("nixl") is None:
-    pytest.skip("NIXL is not installed (pip install nixl-cu12)", allow_module_level=True)
+skip_module_without_nixl()
 
 BS = 8
 NUM_TURNS = 8

@@ -10,7 +10,6 @@ cached, and both pools end consistent and empty of request blocks.
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,15 +29,14 @@ from tests.integration.faults import (
     open_tally,
     prompt_ids,
     reference_tokens,
-    start_reference,
     start_rig,
     stats,
 )
+from tests.skips import skip_module_without_nixl
 
 pytestmark = pytest.mark.integration
 
-if importlib.util.find_spec("nixl_cu12") is None and importlib.util.find_spec("nixl") is None:
-    pytest.skip("NIXL is not installed (pip install nixl-cu12)", allow_module_level=True)
+skip_module_without_nixl()
 
 PUSH_STATS = "/internal/kv/push/stats"
 RETURN_STATS = "/internal/kv/return/stats"
@@ -66,11 +64,6 @@ DROPS = [
     Drop("kv_register", "D", "return", "P's registration of a return"),
     Drop("kv_done", "P", "return", "D's KVDone of a return"),
 ]
-
-
-@pytest.fixture(scope="module")
-def reference(cluster: LocalCluster) -> str:
-    return start_reference(cluster)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ made (not root, no iproute2, a container that forbids it).
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import subprocess
 from collections.abc import Iterator
@@ -20,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from kvduplex.server.cluster import LocalCluster, Process, free_port
-from kvduplex.server.netns import NetnsHost, netns_unavailable_reason
-from tests.integration.conftest import kv_stats
+from kvduplex.server.cluster import Process, free_port
+from kvduplex.server.netns import NetnsHost
+from tests.integration.conftest import kv_stats, p_across_link
 from tests.integration.faults import (
     D_FLAGS,
     HEALTH_INTERVAL_S,
@@ -42,11 +41,11 @@ from tests.integration.faults import (
     wait_router_sees,
     write_bytes,
 )
+from tests.skips import skip_module_without_nixl
 
 pytestmark = pytest.mark.integration
 
-if importlib.util.find_spec("nixl_cu12") is None and importlib.util.find_spec("nixl") is None:
-    pytest.skip("NIXL is not installed (pip install nixl-cu12)", allow_module_level=True)
+skip_module_without_nixl()
 
 RATE_MBIT = 40
 FAULT = f"P-D link cut ({RATE_MBIT} Mbit/s veth set down)"
@@ -68,24 +67,11 @@ class Split:
 
 @pytest.fixture(scope="module")
 def split(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Split]:
-    reason = netns_unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
     logs = Path(tmp_path_factory.mktemp("link-logs"))
-    # Exit order: the processes stop before the namespace is removed.
-    with (
-        NetnsHost(rate_mbit=RATE_MBIT) as link,
-        LocalCluster(log_dir=logs, env={"OMP_NUM_THREADS": "1"}) as cluster,
-    ):
-        p = cluster.start(
-            "prefill", [*SERVE, *P_FLAGS], free_port(), netns=link.inner.netns,
-            host=link.inner.ip, env=link.inner.ucx_env(),
-        )  # fmt: skip
-        d = cluster.start(
-            "decode", [*SERVE, *D_FLAGS], free_port(), host=link.outer.ip, env=link.outer.ucx_env()
-        )
-        ref = cluster.start("reference", [*SERVE, "--role", "both", *D_FLAGS[2:]], free_port())
-        cluster.wait_healthy(timeout_s=180)
+    with p_across_link(
+        logs, SERVE, P_FLAGS, D_FLAGS, ["--role", "both", *D_FLAGS[2:]], rate_mbit=RATE_MBIT
+    ) as on:
+        cluster, p, d = on.cluster, on.p, on.d
         args = [
             "router",
             "--mode",
@@ -101,7 +87,7 @@ def split(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Split]:
         ]
         router = cluster.start("router", args, free_port())
         cluster.wait_healthy(timeout_s=60)
-        s = Split(link, p, d, router.url, ref.url)
+        s = Split(on.link, p, d, router.url, on.reference.url)
         try:
             yield s
         finally:

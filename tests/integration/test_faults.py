@@ -13,7 +13,6 @@ holds no request blocks. Counts per fault and moment are printed at the end.
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 from collections.abc import Iterator
 
@@ -34,16 +33,15 @@ from tests.integration.faults import (
     poll,
     prompt_ids,
     reference_tokens,
-    start_reference,
     start_rig,
     stats,
     write_bytes,
 )
+from tests.skips import skip_module_without_nixl
 
 pytestmark = pytest.mark.integration
 
-if importlib.util.find_spec("nixl_cu12") is None and importlib.util.find_spec("nixl") is None:
-    pytest.skip("NIXL is not installed (pip install nixl-cu12)", allow_module_level=True)
+skip_module_without_nixl()
 
 FAULT = {"D": "D killed (SIGKILL)", "P": "P killed (SIGKILL)"}
 PUSH_STATS = "/internal/kv/push/stats"
@@ -53,11 +51,6 @@ RETURN_STATS = "/internal/kv/return/stats"
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "trial" in metafunc.fixturenames:  # --fault-trials N repeats each fault and moment
         metafunc.parametrize("trial", range(metafunc.config.getoption("fault_trials")))
-
-
-@pytest.fixture(scope="module")
-def reference(cluster: LocalCluster) -> str:
-    return start_reference(cluster)
 
 
 @pytest.fixture(scope="module")

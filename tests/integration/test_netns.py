@@ -9,7 +9,6 @@ a container that forbids it).
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,13 +17,13 @@ import httpx
 import pytest
 
 from kvduplex.server.cluster import LocalCluster, free_port
-from kvduplex.server.netns import NetnsHost, netns_unavailable_reason
-from tests.integration.conftest import assert_pool_clean
+from kvduplex.server.netns import NetnsHost
+from tests.integration.conftest import assert_pool_clean, p_across_link
+from tests.skips import skip_module_without_nixl
 
 pytestmark = pytest.mark.integration
 
-if importlib.util.find_spec("nixl_cu12") is None and importlib.util.find_spec("nixl") is None:
-    pytest.skip("NIXL is not installed (pip install nixl-cu12)", allow_module_level=True)
+skip_module_without_nixl()
 
 _SERVE = ["serve", "--model", "tiny", "--num-blocks", "128", "--block-size", "8"]
 _SERVE += ["--log-level", "warning"]
@@ -50,28 +49,11 @@ class TwoHosts:
 
 @pytest.fixture(scope="module")
 def two_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TwoHosts]:
-    reason = netns_unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
     log_dir = Path(tmp_path_factory.mktemp("netns-logs"))
-    # Exit order: the processes stop before the namespace is removed.
-    with (
-        NetnsHost() as link,
-        LocalCluster(log_dir=log_dir, env={"OMP_NUM_THREADS": "1"}) as cluster,
-    ):
-        # A fresh namespace has no listeners: a port free here is free there.
-        p = cluster.start(
-            "prefill", [*_SERVE, "--role", "prefill"], free_port(),
-            netns=link.inner.netns, host=link.inner.ip, env=link.inner.ucx_env(),
-        )  # fmt: skip
-        # D listens on its veth address too, so that P can reach it (push mode).
-        d = cluster.start(
-            "decode", [*_SERVE, "--role", "decode"], free_port(),
-            host=link.outer.ip, env=link.outer.ucx_env(),
-        )  # fmt: skip
-        ref = cluster.start("reference", [*_SERVE, "--role", "both"], free_port())
-        cluster.wait_healthy(timeout_s=180)
-        yield TwoHosts(link, cluster, p.url, d.url, ref.url)
+    with p_across_link(
+        log_dir, _SERVE, ["--role", "prefill"], ["--role", "decode"], ["--role", "both"]
+    ) as on:
+        yield TwoHosts(on.link, on.cluster, on.p.url, on.d.url, on.reference.url)
 
 
 @pytest.fixture(scope="module", params=MODES)

@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import pytest
 
 from kvduplex.server.cluster import LocalCluster, free_port
 from tests.integration.conftest import assert_pool_clean, stream
+from tests.skips import skip_module_without_nixl
 
 pytestmark = pytest.mark.integration
 
-if importlib.util.find_spec("nixl_cu12") is None and importlib.util.find_spec("nixl") is None:
-    pytest.skip("NIXL is not installed (pip install nixl-cu12)", allow_module_level=True)
+skip_module_without_nixl()
 
 _SERVE = ["serve", "--model", "tiny", "--num-blocks", "128", "--block-size", "8", "--log-level", "warning"]
 
@@ -58,6 +58,15 @@ def _complete(url: str, prompt: str, max_tokens: int = 10) -> list[int]:
 def _stream(url: str, path: str, body: dict) -> list[int]:
     """Token ids of a streamed answer."""
     return stream(url, path, body)[0]
+
+
+def _pull_body(prompt: str, **pull: object) -> dict[str, Any]:
+    """A greedy 6-token completion that decode serves by pulling the prompt's KV as `pull`
+    (``xid``, ``prefill_url``, ``block_ids``, ``num_tokens``, ...) says."""
+    return {
+        "model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0.0,
+        "ignore_eos": True, "return_token_ids": True, "kv_transfer_params": {"mode": "pull", **pull},
+    }  # fmt: skip
 
 
 def _assert_falls_back(dep: Deployment, prompt: str, body: dict) -> None:
@@ -137,14 +146,10 @@ def test_prefill_down_decode_computes_alone(cluster: LocalCluster, dep: Deployme
 
 def test_unreachable_prefill_url_falls_back_on_decode(dep: Deployment) -> None:
     prompt = PROMPTS[3] + " fallback"
-    body = {
-        "model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0.0,
-        "ignore_eos": True, "return_token_ids": True,
-        "kv_transfer_params": {
-            "mode": "pull", "xid": "x-unreachable", "prefill_url": f"http://127.0.0.1:{free_port()}",
-            "block_ids": [0, 1, 2], "num_tokens": 3,
-        },
-    }  # fmt: skip
+    body = _pull_body(
+        prompt, xid="x-unreachable", prefill_url=f"http://127.0.0.1:{free_port()}",
+        block_ids=[0, 1, 2], num_tokens=3,
+    )  # fmt: skip
     resp = httpx.post(dep.decode + "/v1/completions", json=body, timeout=120)
     assert resp.status_code == 200, resp.text
     assert resp.json()["choices"][0]["token_ids"] == _complete(dep.reference, prompt, 6)
@@ -152,14 +157,7 @@ def test_unreachable_prefill_url_falls_back_on_decode(dep: Deployment) -> None:
 
 def test_mismatched_pull_spec_fails_over_to_local_prefill(dep: Deployment) -> None:
     prompt = PROMPTS[3] + " mismatch"
-    body = {
-        "model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0.0,
-        "ignore_eos": True, "return_token_ids": True,
-        "kv_transfer_params": {
-            "mode": "pull", "xid": "x-mismatch", "prefill_url": dep.prefill,
-            "block_ids": [0], "num_tokens": 3,
-        },
-    }  # fmt: skip
+    body = _pull_body(prompt, xid="x-mismatch", prefill_url=dep.prefill, block_ids=[0], num_tokens=3)
     _assert_falls_back(dep, prompt, body)
 
 
@@ -201,14 +199,10 @@ def test_expired_lease_is_not_read(dep: Deployment) -> None:
     ans = httpx.post(
         dep.prefill + "/internal/prefill", json={"xid": "x-late", "prompt_token_ids": ids}, timeout=60
     ).json()
-    body = {
-        "model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0.0,
-        "ignore_eos": True, "return_token_ids": True,
-        "kv_transfer_params": {
-            "mode": "pull", "xid": "x-late", "prefill_url": dep.prefill,
-            "block_ids": ans["block_ids"], "num_tokens": ans["num_tokens"], "lease_s": 0.01,
-        },
-    }  # fmt: skip
+    body = _pull_body(
+        prompt, xid="x-late", prefill_url=dep.prefill,
+        block_ids=ans["block_ids"], num_tokens=ans["num_tokens"], lease_s=0.01,
+    )  # fmt: skip
     _assert_falls_back(dep, prompt, body)
 
 

@@ -8,7 +8,6 @@ of request blocks.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 from collections.abc import Iterator
@@ -20,11 +19,11 @@ import pytest
 
 from kvduplex.server.cluster import LocalCluster, Process, free_port
 from tests.integration.conftest import assert_pool_clean, kv_stats, metric, stream, wait_until
+from tests.skips import skip_module_without_nixl
 
 pytestmark = pytest.mark.integration
 
-if importlib.util.find_spec("nixl_cu12") is None and importlib.util.find_spec("nixl") is None:
-    pytest.skip("NIXL is not installed (pip install nixl-cu12)", allow_module_level=True)
+skip_module_without_nixl()
 
 _SERVE = [
     "serve",

@@ -13,7 +13,6 @@ the prompts, then pushes resume once P is back).
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,11 +37,11 @@ from tests.integration.faults import (
     reference_tokens,
     wait_router_sees,
 )
+from tests.skips import skip_module_without_nixl
 
 pytestmark = pytest.mark.integration
 
-if importlib.util.find_spec("nixl_cu12") is None and importlib.util.find_spec("nixl") is None:
-    pytest.skip("NIXL is not installed (pip install nixl-cu12)", allow_module_level=True)
+skip_module_without_nixl()
 
 KEY = "sk-kvduplex-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

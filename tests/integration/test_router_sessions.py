@@ -8,7 +8,6 @@ at a time so that each moves exactly one prefill and one decode counter.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -19,11 +18,11 @@ import pytest
 
 from kvduplex.server.cluster import LocalCluster, free_port
 from tests.integration.conftest import assert_pool_clean, metric, wait_until
+from tests.skips import skip_module_without_nixl
 
 pytestmark = pytest.mark.integration
 
-if importlib.util.find_spec("nixl_cu12") is None and importlib.util.find_spec("nixl") is None:
-    pytest.skip("NIXL is not installed (pip install nixl-cu12)", allow_module_level=True)
+skip_module_without_nixl()
 
 _SERVE = ["serve", "--model", "tiny", "--num-blocks", "256", "--block-size", "8",
           "--log-level", "warning"]  # fmt: skip

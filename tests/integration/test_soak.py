@@ -7,18 +7,17 @@ The long run is ``benchmarks/bench_soak.py`` (same sessions, same checks, minute
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 
 import pytest
 
 from kvduplex.bench.soak import RssSampler, SoakConfig, format_summary, run_sessions, summarize
 from kvduplex.server.cluster import LocalCluster, Process
 from tests.integration.conftest import assert_pool_clean, kv_stats, start_duplex_rig
+from tests.skips import skip_module_without_nixl
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-if importlib.util.find_spec("nixl_cu12") is None and importlib.util.find_spec("nixl") is None:
-    pytest.skip("NIXL is not installed (pip install nixl-cu12)", allow_module_level=True)
+skip_module_without_nixl()
 
 SERVE = ["serve", "--model", "tiny", "--log-level", "warning", "--kv-cache-mb", "64"]
 DURATION_S = 60.0

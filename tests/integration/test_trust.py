@@ -12,7 +12,6 @@ drives them.
 from __future__ import annotations
 
 import base64
-import importlib.util
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -30,12 +29,12 @@ from kvduplex.server.cluster import LocalCluster, free_port
 from kvduplex.transport.messages import MessageCodec
 from kvduplex.transport.trust import SECRET_HEADER, secret_headers
 from tests.integration.conftest import assert_pool_clean, kv_stats, wait_until
+from tests.skips import skip_module_without_nixl
 from tests.transfer.peer_procs import PeerLauncher
 
 pytestmark = pytest.mark.integration
 
-if importlib.util.find_spec("nixl_cu12") is None and importlib.util.find_spec("nixl") is None:
-    pytest.skip("NIXL is not installed (pip install nixl-cu12)", allow_module_level=True)
+skip_module_without_nixl()
 
 SECRET = "trust-test-" + uuid.uuid4().hex
 OTHER_SECRET = "other-cluster-" + uuid.uuid4().hex

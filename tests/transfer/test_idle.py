@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import threading
 import time
 
@@ -14,6 +13,7 @@ from kvduplex.transport import ControlMessage, MessageCodec
 from kvduplex.transport.fake import InProcessFabric
 from kvduplex.transport.metrics import TransferMetrics
 from kvduplex.transport.notify import NotificationPump
+from tests.skips import nixl_installed
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -57,10 +57,7 @@ def test_pump_ticks_fast_while_active_then_backs_off_and_still_wakes_on_a_messag
         b.close()
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("nixl_cu12") is None and importlib.util.find_spec("nixl") is None,
-    reason="NIXL is not installed",
-)
+@pytest.mark.skipif(not nixl_installed(), reason="NIXL is not installed")
 def test_idle_nixl_progress_thread_backs_off_and_a_forward_wakes_it() -> None:
     from kvduplex.transport.nixl import NixlTransport
 

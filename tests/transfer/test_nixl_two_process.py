@@ -10,7 +10,6 @@ READ can complete even into a stopped process.
 from __future__ import annotations
 
 import base64
-import importlib.util
 import os
 import signal
 import threading
@@ -35,13 +34,12 @@ from kvduplex.transport import (
 from kvduplex.transport.handshake import PeerDirectory, fetch_handshake
 from kvduplex.transport.messages import encode_handshake
 from kvduplex.transport.metrics import TransferMetrics
+from kvduplex.transport.nixl import NixlTransport
+from tests.skips import skip_module_without_nixl
 from tests.transfer.peer_procs import PeerLauncher, PeerProcess
 from tests.transfer.peer_server import fill_blocks, regions_bytes
 
-if importlib.util.find_spec("nixl_cu12") is None and importlib.util.find_spec("nixl") is None:
-    pytest.skip("NIXL is not installed (pip install nixl-cu12)", allow_module_level=True)
-
-from kvduplex.transport.nixl import NixlTransport
+skip_module_without_nixl()
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 

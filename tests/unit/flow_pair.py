@@ -59,7 +59,7 @@ def _wait_for(cond: Callable[[], bool], what: str, timeout_s: float = 10.0) -> N
 
 
 class Pair:
-    """P and D engines joined by an in-process fabric."""
+    """P and D engines joined by an in-process fabric; ``with Pair(tiny) as s`` closes them."""
 
     def __init__(self, tiny: LoadedModel, wait_s: float = 5.0, p_budget: int = 256) -> None:
         self.p, self.d = _engine(tiny, p_budget), _engine(tiny)
@@ -112,6 +112,12 @@ class Pair:
         for engine in (self.ap, self.ad):
             _wait_for(lambda engine=engine: self.in_use(engine) == 0, "pools to empty")  # type: ignore[misc]
             engine.call(lambda e: e.check_integrity()).result(5)
+
+    def __enter__(self) -> Pair:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def close(self) -> None:
         for pump in self.pumps:

@@ -8,22 +8,8 @@ from collections.abc import Iterator
 import pytest
 from fastapi.testclient import TestClient
 
-from kvduplex.config import CacheConfig, EngineConfig, ModelLoadConfig, ServerConfig
-from kvduplex.server.instance import Instance, build_instance
-
-
-def _instance() -> Instance:
-    cfg = EngineConfig(model=ModelLoadConfig(model="tiny"), cache=CacheConfig(kv_cache_mb=16))
-    return build_instance(cfg, ServerConfig(port=0))
-
-
-@pytest.fixture(scope="module")
-def instance() -> Iterator[Instance]:
-    inst = _instance()
-    try:
-        yield inst
-    finally:
-        inst.async_engine.shutdown()
+from kvduplex.server.instance import Instance
+from tests.unit.conftest import tiny_instance
 
 
 @pytest.fixture()
@@ -77,7 +63,7 @@ def test_chat_template_refusal_is_400(
 
 
 def test_health_is_503_once_the_engine_stopped() -> None:
-    inst = _instance()
+    inst = tiny_instance()
     try:
         with TestClient(inst.app) as c:
             assert c.get("/health").status_code == 200

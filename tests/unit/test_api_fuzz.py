@@ -26,8 +26,7 @@ from httpx_sse import EventSource
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from kvduplex.config import CacheConfig, EngineConfig, ModelLoadConfig, ServerConfig
-from kvduplex.server.instance import Instance, build_instance
+from kvduplex.server.instance import Instance
 
 REQUEST_TIMEOUT_S = 30.0
 """A request that takes longer than this counts as a hang (valid ones generate <= 8 tokens)."""
@@ -39,16 +38,6 @@ FUZZ_SETTINGS = settings(
     database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-
-
-@pytest.fixture(scope="module")
-def instance() -> Iterator[Instance]:
-    cfg = EngineConfig(model=ModelLoadConfig(model="tiny"), cache=CacheConfig(kv_cache_mb=16))
-    inst = build_instance(cfg, ServerConfig(port=0))
-    try:
-        yield inst
-    finally:
-        inst.async_engine.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -483,28 +472,22 @@ def _encode(body: dict[str, Any]) -> bytes:
     return json.dumps(body).encode()
 
 
+FUZZED_BODIES = {"/v1/completions": completion_bodies, "/v1/chat/completions": chat_bodies()}
+"""Each endpoint's fuzzed bodies: a few fields broken at most, with the expected verdict."""
+
+
+@pytest.mark.parametrize("path", list(FUZZED_BODIES))
 @FUZZ_SETTINGS
-@given(case=completion_bodies)
-def test_completions_fuzz(
+@given(data=st.data())
+def test_endpoint_fuzz(
     client: TestClient,
     instance: Instance,
     pool: ThreadPoolExecutor,
-    case: tuple[dict[str, Any], str],
+    path: str,
+    data: st.DataObject,
 ) -> None:
-    body, verdict = case
-    _check(client, instance, pool, "/v1/completions", _encode(body), verdict)
-
-
-@FUZZ_SETTINGS
-@given(case=chat_bodies())
-def test_chat_completions_fuzz(
-    client: TestClient,
-    instance: Instance,
-    pool: ThreadPoolExecutor,
-    case: tuple[dict[str, Any], str],
-) -> None:
-    body, verdict = case
-    _check(client, instance, pool, "/v1/chat/completions", _encode(body), verdict)
+    body, verdict = data.draw(FUZZED_BODIES[path], label="body")
+    _check(client, instance, pool, path, _encode(body), verdict)
 
 
 @settings(FUZZ_SETTINGS, max_examples=40)

@@ -35,8 +35,7 @@ def _p_cached_blocks(s: Pair, tokens: list[int]) -> int:
 def test_offer_from_an_engine_that_never_handshook_is_refused(tiny: LoadedModel) -> None:
     """A third endpoint holds P's metadata (it connected to P), but P never connected
     to it: its offer is refused, nothing is allocated or cached, and it hears nothing."""
-    s = Pair(tiny, wait_s=1.0)
-    try:
+    with Pair(tiny, wait_s=1.0) as s:
         rogue = s.fabric.endpoint(torch.zeros_like(s.d.kv_pool), s.d.layout)
         to_p = rogue.connect(s.tp.local_metadata())
         tokens = PROMPT[:16]  # 4 whole blocks
@@ -52,15 +51,12 @@ def test_offer_from_an_engine_that_never_handshook_is_refused(tiny: LoadedModel)
         assert acceptor.stats.num_accepted == 1
         s.assert_clean()  # D never WRITEs it: P's wait ends, its quarantine too
         assert _p_cached_blocks(s, tokens) == 0
-    finally:
-        s.close()
 
 
 def test_push_prefill_under_another_requests_id_is_refused(tiny: LoadedModel) -> None:
     """A push named like a request P holds (a pull's leased prefill) must neither start
     nor, when cancelled, release or abort that request."""
-    s = Pair(tiny)
-    try:
+    with Pair(tiny) as s:
 
         async def held() -> None:
             async for _ in s.ap.generate("lease-1", PROMPT, FIRST, hold_blocks_on_finish=True):
@@ -89,13 +85,10 @@ def test_push_prefill_under_another_requests_id_is_refused(tiny: LoadedModel) ->
 
         assert asyncio.run(release()) == (False, True)
         s.assert_clean()
-    finally:
-        s.close()
 
 
 def test_transfer_ids_waited_on_are_not_taken_twice(tiny: LoadedModel) -> None:
-    s = Pair(tiny)
-    try:
+    with Pair(tiny) as s:
         s.push.register(PushSpec("x1", s.p_peer, "http://p", "d-x1"))
         with pytest.raises(ValueError, match="in use"):
             s.push.register(PushSpec("x1", s.p_peer, "http://p", "d-other"))
@@ -120,13 +113,10 @@ def test_transfer_ids_waited_on_are_not_taken_twice(tiny: LoadedModel) -> None:
         first, second, refs = s.ad.call(lambda _e: twice()).result(5)
         assert (first, second, refs) == (True, False, 2)
         s.assert_clean()  # P cancels its side; D's quarantine ends
-    finally:
-        s.close()
 
 
 def test_pump_drops_the_named_message_types_only(tiny: LoadedModel) -> None:
-    s = Pair(tiny)
-    try:
+    with Pair(tiny) as s:
         got: list[str] = []
         pump = NotificationPump(s.tp, 0.01, drop_types=frozenset({"kv_register"}))
 
@@ -146,5 +136,3 @@ def test_pump_drops_the_named_message_types_only(tiny: LoadedModel) -> None:
         pump.close()
         with pytest.raises(ValueError, match="kv_registr"):
             NotificationPump(s.tp, drop_types=frozenset({"kv_registr"})).start()
-    finally:
-        s.close()

@@ -27,8 +27,7 @@ from tests.unit.flow_pair import tiny as tiny  # the module-scoped model fixture
 
 
 def test_concurrent_push_matches_local(tiny: LoadedModel) -> None:
-    s = Pair(tiny)
-    try:
+    with Pair(tiny) as s:
 
         async def both() -> tuple[list[int], list[int]]:
             return await asyncio.gather(s.prefill("x1"), s.decode("x1"))
@@ -40,8 +39,6 @@ def test_concurrent_push_matches_local(tiny: LoadedModel) -> None:
         assert s.push.stats.num_received_blocks == 5
         s.assert_clean()
         assert s.sender.stats.num_done == 1 and s.sender.stats.transfer_s > 0
-    finally:
-        s.close()
 
 
 def test_chunked_prefill_pushes_each_chunk_layer_by_layer(tiny: LoadedModel) -> None:
@@ -66,20 +63,16 @@ def test_chunked_prefill_pushes_each_chunk_layer_by_layer(tiny: LoadedModel) -> 
 
 
 def test_registration_after_prefill_finished(tiny: LoadedModel) -> None:
-    s = Pair(tiny)
-    try:
+    with Pair(tiny) as s:
         assert asyncio.run(s.prefill("late")) == _reference(tiny)[:1]
         assert s.in_use(s.ap) == 5  # held for the push
         assert asyncio.run(s.decode("late")) == _reference(tiny)
         assert s.sender.stats.num_writes == 1  # everything at once
         s.assert_clean()
-    finally:
-        s.close()
 
 
 def test_registration_before_prefill_arrives(tiny: LoadedModel) -> None:
-    s = Pair(tiny)
-    try:
+    with Pair(tiny) as s:
 
         async def decode_first() -> tuple[list[int], list[int]]:
             d = asyncio.ensure_future(s.decode("early"))
@@ -91,13 +84,10 @@ def test_registration_before_prefill_arrives(tiny: LoadedModel) -> None:
         d_out, _ = asyncio.run(decode_first())
         assert d_out == _reference(tiny)
         s.assert_clean()
-    finally:
-        s.close()
 
 
 def test_decode_prefix_hit_is_not_pushed(tiny: LoadedModel) -> None:
-    s = Pair(tiny)
-    try:
+    with Pair(tiny) as s:
 
         async def run(xid: str, prompt: list[int]) -> list[int]:
             _, out = await asyncio.gather(s.prefill(xid, prompt), s.decode(xid, prompt))
@@ -109,13 +99,10 @@ def test_decode_prefix_hit_is_not_pushed(tiny: LoadedModel) -> None:
         assert s.push.stats.num_skipped_blocks == 4
         assert s.push.stats.num_received_blocks == 5 + 2
         s.assert_clean()
-    finally:
-        s.close()
 
 
 def test_failed_write_makes_decode_compute_locally(tiny: LoadedModel) -> None:
-    s = Pair(tiny)
-    try:
+    with Pair(tiny) as s:
         s.tp.fail_next("link down")
 
         async def both() -> tuple[list[int], list[int]]:
@@ -125,35 +112,26 @@ def test_failed_write_makes_decode_compute_locally(tiny: LoadedModel) -> None:
         assert d_out == _reference(tiny)
         assert s.push.stats.num_fallbacks == 1 and s.sender.stats.num_failed == 1
         s.assert_clean()
-    finally:
-        s.close()
 
 
 def test_prefill_that_never_comes_falls_back_and_quarantine_ends(tiny: LoadedModel) -> None:
-    s = Pair(tiny, wait_s=0.2)
-    try:
+    with Pair(tiny, wait_s=0.2) as s:
         assert asyncio.run(s.decode("ghost")) == _reference(tiny)
         assert s.push.stats.num_fallbacks == 1
         s.assert_clean()  # registered blocks come back after the quarantine
         assert s.df.receiver.num_waiting() == 0
-    finally:
-        s.close()
 
 
 def test_cancelled_push_is_refused_when_prefill_arrives_later(tiny: LoadedModel) -> None:
-    s = Pair(tiny)
-    try:
+    with Pair(tiny) as s:
         assert not s.ap.call(lambda _e: s.sender.cancel("gone", "router")).result(5)
         with pytest.raises(ValueError, match="cancelled"):
             asyncio.run(s.prefill("gone"))
         s.assert_clean()
-    finally:
-        s.close()
 
 
 def test_aborted_decode_keeps_registered_blocks_until_prefill_is_done(tiny: LoadedModel) -> None:
-    s = Pair(tiny)
-    try:
+    with Pair(tiny) as s:
 
         async def leave_early() -> None:
             task = asyncio.ensure_future(s.decode("ab"))
@@ -169,13 +147,10 @@ def test_aborted_decode_keeps_registered_blocks_until_prefill_is_done(tiny: Load
         asyncio.run(s.prefill("ab"))
         s.assert_clean()
         assert s.push.stats.num_received == 0
-    finally:
-        s.close()
 
 
 def test_registration_mid_forward_writes_finished_layers_then_streams(tiny: LoadedModel) -> None:
-    s = Pair(tiny)
-    try:
+    with Pair(tiny) as s:
         held: list[tuple[ControlMessage, str]] = []
         s.pumps[0].on(KVRegister, lambda msg, sender: held.append((msg, sender)))
         orig = s.sender.layer_hook
@@ -205,15 +180,12 @@ def test_registration_mid_forward_writes_finished_layers_then_streams(tiny: Load
         # Layer 0 in one WRITE when the registration landed, then one per remaining layer.
         assert s.sender.stats.num_writes == s.p.layout.num_layers
         s.assert_clean()
-    finally:
-        s.close()
 
 
 def test_seeded_sampling_continues_where_prefill_stopped(tiny: LoadedModel) -> None:
-    s = Pair(tiny)
-    seeded = SamplingParams(max_tokens=8, temperature=1.0, top_k=50, seed=1234, ignore_eos=True)
-    first = SamplingParams(max_tokens=1, temperature=1.0, top_k=50, seed=1234, ignore_eos=True)
-    try:
+    with Pair(tiny) as s:
+        seeded = SamplingParams(max_tokens=8, temperature=1.0, top_k=50, seed=1234, ignore_eos=True)
+        first = SamplingParams(max_tokens=1, temperature=1.0, top_k=50, seed=1234, ignore_eos=True)
 
         async def both() -> tuple[list[int], list[int]]:
             return await asyncio.gather(
@@ -224,8 +196,6 @@ def test_seeded_sampling_continues_where_prefill_stopped(tiny: LoadedModel) -> N
         expected = _reference(tiny, params=seeded)
         assert p_out == expected[:1] and d_out == expected
         s.assert_clean()
-    finally:
-        s.close()
 
 
 def test_prefill_queued_longer_than_the_wait_keeps_decode_waiting(tiny: LoadedModel) -> None:
@@ -317,8 +287,7 @@ async def _collect(gen: object) -> list[int]:
 
 
 def test_cached_tokens_are_prefills_prefix_hits(tiny: LoadedModel) -> None:
-    s = Pair(tiny)
-    try:
+    with Pair(tiny) as s:
         asyncio.run(_collect(s.ap.generate("warm", PROMPT, FIRST)))  # P caches PROMPT's blocks
 
         async def both() -> object:
@@ -334,8 +303,6 @@ def test_cached_tokens_are_prefills_prefix_hits(tiny: LoadedModel) -> None:
         last = asyncio.run(both())
         assert last.num_cached_tokens == 16 and last.num_local_cached_tokens == 0  # type: ignore[attr-defined]
         s.assert_clean()
-    finally:
-        s.close()
 
 
 def test_unanswered_heartbeats_do_not_extend_prefills_deadline(tiny: LoadedModel) -> None:

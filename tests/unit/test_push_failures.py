@@ -15,8 +15,7 @@ LONG = PROMPT * 4  # 72 tokens: 18 steps of 4 tokens on P
 def test_write_failing_mid_prefill_frees_prefills_blocks(tiny: LoadedModel) -> None:
     """The first chunk's WRITE fails: the job ends at once, long before P's prefill does.
     P stops the prefill (its KV goes nowhere) and holds nothing; D computes the prompt."""
-    s = Pair(tiny, p_budget=4)
-    try:
+    with Pair(tiny, p_budget=4) as s:
         s.tp.fail_next("link down")
 
         async def both() -> tuple[list[int], list[int]]:
@@ -27,5 +26,3 @@ def test_write_failing_mid_prefill_frees_prefills_blocks(tiny: LoadedModel) -> N
         assert s.sender.stats.num_failed == 1 and s.push.stats.num_fallbacks == 1
         assert p_out == [], "P's prefill was stopped before its first token"
         s.assert_clean()
-    finally:
-        s.close()

@@ -45,9 +45,8 @@ def _p_cached_prefix(s: Pair, tokens: list[int]) -> int:
 
 
 def test_return_fills_prefills_cache_and_next_turn_matches(tiny: LoadedModel) -> None:
-    s = Pair(tiny)
-    acceptor = s.pf.acceptor
-    try:
+    with Pair(tiny) as s:
+        acceptor = s.pf.acceptor
         answer = asyncio.run(_turn(s, "t1", PROMPT))
         assert answer == _reference(tiny, PROMPT, ANSWER)
         history = PROMPT + answer  # 29 tokens; decode computed 28: 7 full blocks
@@ -76,25 +75,19 @@ def test_return_fills_prefills_cache_and_next_turn_matches(tiny: LoadedModel) ->
         assert got == _reference(tiny, turn2, FIRST)
         assert first[-1].num_cached_tokens == 28  # type: ignore[attr-defined]
         s.assert_clean()
-    finally:
-        s.close()
 
 
 def test_turn_that_ends_with_prefills_first_token_is_returned_too(tiny: LoadedModel) -> None:
     """max_tokens=1: the request finishes as the pushed KV arrives, outside a step's update;
     its held blocks are still released (nothing to offer: P computed the whole prompt)."""
-    s = Pair(tiny)
-    try:
+    with Pair(tiny) as s:
         assert asyncio.run(_turn(s, "one", PROMPT, params=FIRST)) == _reference(tiny, PROMPT, FIRST)
         s.assert_clean()
         assert s.df.offerer.stats.num_offered == 0
-    finally:
-        s.close()
 
 
 def test_offer_of_blocks_prefill_has_is_declined(tiny: LoadedModel) -> None:
-    s = Pair(tiny)
-    try:
+    with Pair(tiny) as s:
         asyncio.run(_turn(s, "a1", PROMPT))
         _wait_for(lambda: s.pf.acceptor.stats.num_received_blocks == 3, "the first return")
         # The same conversation again: P's prefill hits, D offers the same blocks.
@@ -105,13 +98,10 @@ def test_offer_of_blocks_prefill_has_is_declined(tiny: LoadedModel) -> None:
         assert s.pf.acceptor.stats.num_refused == 1
         assert s.pf.acceptor.stats.num_received_blocks == 3
         s.assert_clean()
-    finally:
-        s.close()
 
 
 def test_forged_offer_is_declined_and_nothing_is_cached(tiny: LoadedModel) -> None:
-    s = Pair(tiny)
-    try:
+    with Pair(tiny) as s:
         tokens = list(range(100, 100 + 2 * BS))
         keys = compute_block_hashes(tokens, BS, s.p.kv_manager.identity)
         forged = KVOffer("f1", "s", [bytes(k) for k in keys], [t + 1 for t in tokens])
@@ -119,13 +109,10 @@ def test_forged_offer_is_declined_and_nothing_is_cached(tiny: LoadedModel) -> No
         assert s.pf.acceptor.stats.num_refused == 1 and s.pf.acceptor.stats.num_accepted == 0
         assert _p_cached_prefix(s, tokens) == 0
         s.assert_clean()
-    finally:
-        s.close()
 
 
 def test_failed_return_write_leaves_both_pools_clean(tiny: LoadedModel) -> None:
-    s = Pair(tiny)
-    try:
+    with Pair(tiny) as s:
         answer = asyncio.run(_turn(s, "w1", PROMPT))
         _wait_for(lambda: s.df.offerer.stats.num_done == 1, "the first return")
         s.td.fail_next("link down")  # D's next WRITE is the second turn's return
@@ -133,27 +120,21 @@ def test_failed_return_write_leaves_both_pools_clean(tiny: LoadedModel) -> None:
         _wait_for(lambda: s.df.offerer.stats.num_failed == 1, "the failed return")
         assert s.pf.acceptor.stats.num_received_blocks == 3  # the first return's only
         s.assert_clean()
-    finally:
-        s.close()
 
 
 def test_unanswered_offer_releases_decodes_blocks(tiny: LoadedModel) -> None:
     """Prefill never answers (gone, or the offer was lost): decode's job ends at the
     registration deadline and its references go."""
-    s = Pair(tiny, wait_s=0.3)
-    s.pumps[0].on(KVOffer, lambda _msg, _sender: None)  # the offer never arrives
-    try:
+    with Pair(tiny, wait_s=0.3) as s:
+        s.pumps[0].on(KVOffer, lambda _msg, _sender: None)  # the offer never arrives
         asyncio.run(_turn(s, "u1", PROMPT))
         _wait_for(lambda: s.df.offerer.stats.num_failed == 1, "the offer to expire")
         assert s.pf.acceptor.stats.num_received_blocks == 0
         s.assert_clean()
-    finally:
-        s.close()
 
 
 def test_offer_without_room_is_declined(tiny: LoadedModel) -> None:
-    s = Pair(tiny)
-    try:
+    with Pair(tiny) as s:
         hog = s.ap.call(lambda e: e.kv_manager.try_allocate_blocks(e.block_pool.num_allocatable_blocks)).result(5)
         tokens = list(range(200, 200 + 3 * BS))
         keys = compute_block_hashes(tokens, BS, s.p.kv_manager.identity)
@@ -162,8 +143,6 @@ def test_offer_without_room_is_declined(tiny: LoadedModel) -> None:
         assert s.pf.acceptor.stats.num_refused == 1
         s.ap.call(lambda e: e.kv_manager.release_blocks(hog)).result(5)
         s.assert_clean()
-    finally:
-        s.close()
 
 
 def test_jobs_ending_on_the_engine_thread_while_the_pump_ticks(tiny: LoadedModel) -> None:
@@ -207,8 +186,7 @@ def test_jobs_ending_on_the_engine_thread_while_the_pump_ticks(tiny: LoadedModel
 
 def test_retained_turn_is_read_by_prefill(tiny: LoadedModel) -> None:
     """``--return-mode pull``: decode holds the finished turn; prefill READs what it lacks."""
-    s = Pair(tiny)
-    try:
+    with Pair(tiny) as s:
 
         async def turn() -> list[int]:
             s.push.register(PushSpec("r1", s.p_peer, "http://p", "d-r1"))
@@ -237,5 +215,3 @@ def test_retained_turn_is_read_by_prefill(tiny: LoadedModel) -> None:
         assert _p_cached_prefix(s, history) == 28
         s.ad.call(lambda _e: s.df.retainer._expire()).result(5)  # nothing expired yet
         assert s.df.retainer.num_retained() == 1
-    finally:
-        s.close()

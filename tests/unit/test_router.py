@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,18 +17,14 @@ from httpx_sse import connect_sse
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvduplex.config import (
-    CacheConfig,
-    EngineConfig,
-    ModelLoadConfig,
     ReturnMode,
     RouterConfig,
-    ServerConfig,
 )
 from kvduplex.config import TransferMode as Mode
 from kvduplex.model.tokenizer import ByteTokenizer
 from kvduplex.server.cli import _UP_ROUTER_SKIP, build_parser
 from kvduplex.server.flags import dataclass_from_args, flags_of
-from kvduplex.server.instance import Instance, build_instance
+from kvduplex.server.instance import Instance
 from kvduplex.server.router.app import create_router_app
 from kvduplex.server.router.relay import NOT_CONTENT, drop_first_token
 from kvduplex.server.router.state import RouterState
@@ -96,16 +92,6 @@ def _metric(client: TestClient, name: str, **labels: str) -> float:
 
 
 # ------------------------------------------------- refusals: the instance's words
-
-
-@pytest.fixture(scope="module")
-def instance() -> Iterator[Instance]:
-    cfg = EngineConfig(model=ModelLoadConfig(model="tiny"), cache=CacheConfig(kv_cache_mb=16))
-    inst = build_instance(cfg, ServerConfig(port=0))
-    try:
-        yield inst
-    finally:
-        inst.async_engine.shutdown()
 
 
 SURROGATE = b'{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}'

@@ -1,0 +1,62 @@
+"""What the sending and the receiving half of a KV flow share.
+
+Both halves (`kvduplex.kvflow.sender.KVSender`,
+`kvduplex.kvflow.receiver.KVReceiver`) hold the transport, the engine, one
+codec and one lock; both declare which control messages they handle and tick
+with the notification pump; both tell their peer things that need no answer,
+where a peer that cannot be reached is only logged (its own deadline covers
+the lost message).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import ClassVar
+
+from kvduplex.engine.connector import EngineHandle
+from kvduplex.transport.base import Transport
+from kvduplex.transport.messages import ControlMessage, MessageCodec
+from kvduplex.transport.notify import Handler, NotificationPump
+from kvduplex.transport.protocol import PeerHandle
+
+logger = logging.getLogger(__name__)
+
+
+class FlowHalf:
+    """Base of `KVSender` and `KVReceiver`: shared state, pump wiring, `_tell`."""
+
+    TELL_FAILURE_LEVEL: ClassVar[int] = logging.INFO
+    """Log level of a message `_tell` could not send."""
+
+    def __init__(self, transport: Transport, engine: EngineHandle) -> None:
+        self.transport = transport
+        self.engine = engine
+        self.codec = MessageCodec()
+        self._lock = threading.Lock()
+
+    def _notif_handlers(self) -> dict[type[ControlMessage], Handler]:
+        """The handler of each message type this half receives (run on the pump thread)."""
+        raise NotImplementedError
+
+    def _tick(self, now: float) -> None:
+        """Deadlines and heartbeats; the pump calls it with `time.monotonic()`."""
+        raise NotImplementedError
+
+    def attach(self, pump: NotificationPump) -> None:
+        """Route this half's messages and ticks from `pump`; call once, before it starts."""
+        for msg_type, handler in self._notif_handlers().items():
+            pump.on(msg_type, handler)
+        pump.every_tick(self._tick)
+
+    def _tell(self, peer: PeerHandle, msg: ControlMessage) -> None:
+        """Send `msg` to `peer`; a peer we cannot reach is only logged."""
+        try:
+            self.transport.send_notif(peer, self.codec.encode(msg), msg.xid)
+        except Exception as exc:
+            logger.log(
+                self.TELL_FAILURE_LEVEL, "xid=%s: cannot tell %s: %s", msg.xid, peer.engine_id, exc
+            )
+
+
+__all__ = ["FlowHalf"]
