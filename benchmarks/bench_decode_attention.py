@@ -9,14 +9,20 @@ the per-step metadata (groups, block mask) is built once per case, as a step
 does once for all layers. Also: the compile time of the FlexAttention kernel
 and the largest difference between the two outputs.
 
-    .venv/bin/python benchmarks/bench_decode_attention.py
+With ``--zero-copy``: one decode whose blocks are one ascending run in the
+pool, read in place (`DecodeGroup.run_start`) against the same step forced
+through the block copy; no FlexAttention, nothing compiled.
 
-Writes results/bench_decode_attention.json and .md.
+    .venv/bin/python benchmarks/bench_decode_attention.py
+    .venv/bin/python benchmarks/bench_decode_attention.py --zero-copy
+
+Writes results/bench_decode_attention.json and .md (``_zero_copy`` with the flag).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -31,7 +37,7 @@ from benchmarks.common import md_table, pin, write_results
 from kvduplex.engine.block_table import BlockTables
 from kvduplex.engine.kv_cache import KVCacheLayout
 from kvduplex.engine.runner_inputs import InputBuilder, SeqInput
-from kvduplex.model.attention import paged_attention
+from kvduplex.model.attention import AttentionContext, paged_attention
 from kvduplex.model.flex_decode import FlexDecode
 
 HEADS, KV_HEADS, DIM, BS = 9, 3, 64, 16
@@ -56,6 +62,48 @@ def case(batch: int, context: int, flex: FlexDecode, reps: int, iters: int, seed
         "sdpa": InputBuilder(layout, torch.device("cpu")).build(seqs, list(range(batch)), tables).ctx,
         "flex": InputBuilder(layout, torch.device("cpu"), flex).build(seqs, list(range(batch)), tables).ctx,
     }
+    outs, times = _interleaved(ctxs, q, k, pool, reps, iters)
+    sdpa, fl = statistics.median(times["sdpa"]), statistics.median(times["flex"])
+    return {
+        "batch": batch, "context": context, "sdpa_ms": sdpa * 1e3, "flex_ms": fl * 1e3,
+        "speedup": sdpa / fl, "max_abs_diff": float((outs["sdpa"] - outs["flex"]).abs().max()),
+        "raw_ms": {n: [t * 1e3 for t in v] for n, v in times.items()},
+    }  # fmt: skip
+
+
+def zero_copy_case(context: int, reps: int, iters: int, seed: int) -> dict[str, Any]:
+    """One decode in blocks ``b .. b+m-1``: in place against the same step copied."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = -(-(context + 1) // BS)
+    num_blocks = blocks_per_seq * 3 // 2 + 1
+    layout = KVCacheLayout(1, num_blocks, BS, KV_HEADS, DIM)
+    pool = torch.randn((2, num_blocks, BS, KV_HEADS, DIM), generator=gen)
+    tables = BlockTables(num_blocks)
+    start = num_blocks - blocks_per_seq  # not at the pool's start
+    tables.set(0, list(range(start, start + blocks_per_seq)))
+    in_place = InputBuilder(layout, torch.device("cpu")).build([SeqInput([1], context, None, True)], [0], tables).ctx
+    assert in_place.decode_groups[0].run_start == start
+    copied = dataclasses.replace(
+        in_place,
+        decode_groups=[dataclasses.replace(g, run_start=None) for g in in_place.decode_groups],
+        decode_kv=torch.empty((2, blocks_per_seq, BS, KV_HEADS, DIM)),
+        _masks={},
+    )
+    q = torch.randn((1, HEADS, DIM), generator=gen)
+    k = torch.randn((1, KV_HEADS, DIM), generator=gen)
+    outs, times = _interleaved({"copy": copied, "zero_copy": in_place}, q, k, pool, reps, iters)
+    cp, zc = statistics.median(times["copy"]), statistics.median(times["zero_copy"])
+    return {
+        "batch": 1, "context": context, "copy_ms": cp * 1e3, "zero_copy_ms": zc * 1e3, "speedup": cp / zc,
+        "max_abs_diff": float((outs["copy"] - outs["zero_copy"]).abs().max()),
+        "raw_ms": {n: [t * 1e3 for t in v] for n, v in times.items()},
+    }  # fmt: skip
+
+
+def _interleaved(
+    ctxs: dict[str, AttentionContext], q: torch.Tensor, k: torch.Tensor, pool: torch.Tensor, reps: int, iters: int
+) -> tuple[dict[str, torch.Tensor], dict[str, list[float]]]:
+    """Each variant's output, and seconds per call of `reps` runs of `iters` calls, variants alternating."""
     scale = DIM**-0.5
     outs = {name: paged_attention(q, k, k, pool, ctx, scale, None) for name, ctx in ctxs.items()}
     times: dict[str, list[float]] = {name: [] for name in ctxs}
@@ -65,12 +113,7 @@ def case(batch: int, context: int, flex: FlexDecode, reps: int, iters: int, seed
             for _ in range(iters):
                 paged_attention(q, k, k, pool, ctx, scale, None)
             times[name].append((time.perf_counter() - t0) / iters)
-    sdpa, fl = statistics.median(times["sdpa"]), statistics.median(times["flex"])
-    return {
-        "batch": batch, "context": context, "sdpa_ms": sdpa * 1e3, "flex_ms": fl * 1e3,
-        "speedup": sdpa / fl, "max_abs_diff": float((outs["sdpa"] - outs["flex"]).abs().max()),
-        "raw_ms": {n: [t * 1e3 for t in v] for n, v in times.items()},
-    }  # fmt: skip
+    return outs, times
 
 
 def main() -> None:
@@ -81,8 +124,12 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--zero-copy", action="store_true", help="one decode in place vs copied (batch 1 only)")
     args = ap.parse_args()
     pinned = pin({0}, args.threads)
+    if args.zero_copy:
+        zero_copy_main(args, pinned)
+        return
     flex = FlexDecode(64, BS, torch.device("cpu"))
     compile_s = {}
     for b in (1, 2):  # batch 1 compiles apart from any other batch
@@ -103,6 +150,20 @@ def main() -> None:
     )
     write_results("bench_decode_attention", {"pinned": pinned, "compile_s": compile_s,
                                              "results": results}, table)  # fmt: skip
+    print(table)
+
+
+def zero_copy_main(args: argparse.Namespace, pinned: str) -> None:
+    results = [zero_copy_case(c, args.reps, args.iters, args.seed) for c in args.contexts]
+    rows = [[r["context"], f"{r['copy_ms']:.3f}", f"{r['zero_copy_ms']:.3f}", f"{r['speedup']:.2f}",
+             f"{r['max_abs_diff']:.1e}"] for r in results]  # fmt: skip
+    table = (
+        f"One decode's attention in one layer (`small` shapes: 9/3 heads x 64, 16-token blocks, "
+        f"blocks one ascending run), ms per call, median of {args.reps} interleaved runs of "
+        f"{args.iters} ({pinned})\n\n"
+        + md_table(["context", "copy + SDPA", "in place + SDPA", "speed-up", "max abs diff"], rows)
+    )
+    write_results("bench_decode_attention_zero_copy", {"pinned": pinned, "results": results}, table)
     print(table)
 
 

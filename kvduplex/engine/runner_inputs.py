@@ -13,7 +13,8 @@ but is never reallocated per step (pinned on CUDA, then copied to the device
 without blocking); everything per token is a vectorised numpy expression, so
 the cost outside the forward does not grow with Python loops over tokens.
 Decode sequences are grouped by context length for attention (see
-`group_by_length`).
+`group_by_length`); a group of one sequence whose blocks are one ascending
+run in the pool is marked to be read in place (`try_run_start`).
 """
 
 from __future__ import annotations
@@ -138,7 +139,9 @@ class InputBuilder:
             block_size=bs,
             prefills=prefills,
             decode_groups=groups,
-            decode_kv=self._decode_kv_view(max((g.block_index.shape[0] for g in groups), default=0)),
+            decode_kv=self._decode_kv_view(
+                max((g.block_index.shape[0] for g in groups if g.run_start is None), default=0)
+            ),
             flex=self.flex,
             flex_batch=flex_batch,
         )
@@ -165,12 +168,14 @@ class InputBuilder:
         for members in members_of:
             m = decodes[members]
             width = -(-int(ends[m].max()) // bs)
+            block_index = tables.table[rows[m], :width].reshape(-1)
             groups.append(
                 DecodeGroup(
                     token_index=self._tensor(first[m]),
-                    block_index=self._tensor(tables.table[rows[m], :width].reshape(-1)),
+                    block_index=self._tensor(block_index),
                     context_lens=self._tensor(ends[m]),
                     width_blocks=width,
+                    run_start=try_run_start(block_index) if m.size == 1 else None,
                 )
             )
         return groups
@@ -196,6 +201,18 @@ class InputBuilder:
                 capacity * self._per_block, dtype=self._kv_dtype, device=self.device
             )
         return self._decode_kv[: num_blocks * self._per_block].view(2, num_blocks, *self._kv_shape)
+
+
+def try_run_start(block_ids: npt.NDArray[np.int64]) -> int | None:
+    """The first id if `block_ids` are consecutive and ascending (``b, b+1, ..., b+m-1``), else None.
+
+    Such a table can be viewed as one slice of the pool; decode attention then
+    reads it in place (`DecodeGroup.run_start`).
+    """
+    first = int(block_ids[0])
+    if int(block_ids[-1]) - first != block_ids.shape[0] - 1:
+        return None
+    return first if bool((np.diff(block_ids) == 1).all()) else None
 
 
 GROUP_COST_TOKENS = 256
@@ -232,4 +249,4 @@ def group_by_length(context_lens: list[int], block_size: int) -> list[list[int]]
     return groups[::-1]
 
 
-__all__ = ["GROUP_COST_TOKENS", "InputBuilder", "SeqInput", "StepBatch", "group_by_length"]
+__all__ = ["GROUP_COST_TOKENS", "InputBuilder", "SeqInput", "StepBatch", "group_by_length", "try_run_start"]

@@ -15,7 +15,10 @@ sequences; each sequence contributes ``q_len`` new tokens at positions
    (the runner picks them): per group, the blocks of its sequences, padded to
    the group's longest context, are copied with one ``index_select`` per K and
    V into a scratch buffer the runner owns (no allocation per layer), and one
-   batched SDPA runs with a length mask. Or, when the runner enables it and
+   batched SDPA runs with a length mask. A group of one sequence whose blocks
+   are one ascending run in the pool (``b, b+1, ..., b+m-1``: what a fresh
+   pool hands a lone stream) skips the copy: SDPA reads
+   ``layer_pool[:, b:b+m]`` in place, same mask. Or, when the runner enables it and
    the layer has no sliding window, all decodes in one compiled FlexAttention
    call that reads the pool in place (`flex_decode.py`).
 
@@ -79,6 +82,9 @@ class DecodeGroup:
     """Tokens each sequence attends to, its new token included."""
     width_blocks: int
     """Blocks per padded row."""
+    run_start: int | None = None
+    """With one sequence whose blocks are ``run_start .. run_start + width_blocks - 1``
+    in the pool: attention views them in place instead of copying; None: copy via `block_index`."""
 
     @property
     def num_seqs(self) -> int:
@@ -222,10 +228,14 @@ def _decode_attention(
     gqa = q.shape[1] != kv_heads
     for i, group in enumerate(ctx.decode_groups):
         n, width = group.num_seqs, group.width_blocks * bs
-        num_blocks = group.block_index.shape[0]
-        k_rows, v_rows = ctx.decode_kv[0, :num_blocks], ctx.decode_kv[1, :num_blocks]
-        torch.index_select(layer_pool[0], 0, group.block_index, out=k_rows)
-        torch.index_select(layer_pool[1], 0, group.block_index, out=v_rows)
+        if group.run_start is not None:  # one sequence, one ascending run: read the pool in place
+            run = slice(group.run_start, group.run_start + group.width_blocks)
+            k_rows, v_rows = layer_pool[0, run], layer_pool[1, run]  # (width_blocks, bs, kv_heads, dim)
+        else:
+            num_blocks = group.block_index.shape[0]
+            k_rows, v_rows = ctx.decode_kv[0, :num_blocks], ctx.decode_kv[1, :num_blocks]
+            torch.index_select(layer_pool[0], 0, group.block_index, out=k_rows)
+            torch.index_select(layer_pool[1], 0, group.block_index, out=v_rows)
         kd = k_rows.view(n, width, kv_heads, dim).transpose(1, 2)  # (n, kv_heads, width, head_dim)
         vd = v_rows.view(n, width, kv_heads, dim).transpose(1, 2)
         qd = q.index_select(0, group.token_index)[:, :, None, :]  # (n, num_heads, 1, head_dim)

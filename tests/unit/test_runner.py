@@ -111,6 +111,23 @@ def test_decodes_of_any_length_batched_equal_each_alone(runner: ModelRunner) -> 
     torch.testing.assert_close(together, torch.stack([alone[0], alone[1], alone[2]]), atol=1e-5, rtol=1e-5)
 
 
+def test_lone_decode_in_one_block_run_matches_scattered_blocks(runner: ModelRunner, tiny: LoadedModel) -> None:
+    """The zero-copy decode (blocks 10..14 viewed in place) picks the tokens the block copy picks."""
+    layout = kv_layout_for(tiny.config, BS, NUM_BLOCKS, tiny.dtype)
+    other = ModelRunner(tiny.model, tiny.config, allocate_kv_pool(layout), layout, tiny.device)
+    prompt = _ids(11)
+    logits: dict[str, list[torch.Tensor]] = {}
+    for name, r, table in (("run", runner, [10, 11, 12, 13, 14]), ("scattered", other, [30, 2, 17, 8, 21])):
+        # 1. prefill 11 tokens; 2. decode 6 greedy tokens, the fourth block filling and a fifth starting
+        cur = int(r.execute([SeqInput(prompt, 0, table, True)])[0].argmax())
+        logits[name] = []
+        for pos in range(11, 17):
+            out = r.execute([SeqInput([cur], pos, table, True)])[0]
+            logits[name].append(out)
+            cur = int(out.argmax())
+    assert all(torch.equal(a, b) for a, b in zip(logits["run"], logits["scattered"], strict=True))
+
+
 def test_decode_groups_split_where_padding_costs_more_than_a_group() -> None:
     lens = [610, 140, 1000, 130, 600, 150]
     assert group_by_length(lens, 16) == [[3, 1, 5], [4, 0], [2]]
