@@ -156,7 +156,7 @@ def stream_completion(
 def start_kvduplex(cluster: LocalCluster, folder: Path, args: argparse.Namespace) -> Process:
     serve = ["serve", "--model", str(folder), "--served-model-name", SERVED_NAME, "--dtype",
              "float32", "--device", "cpu", "--num-threads", str(args.threads),
-             "--kv-cache-mb", "512", "--log-level", "warning"]  # fmt: skip
+             "--kv-cache-mb", str(args.kvduplex_kv_mb), "--log-level", "warning"]  # fmt: skip
     return cluster.start("kvduplex", serve, free_port(), cpus=[args.core])
 
 
@@ -357,6 +357,12 @@ def main() -> None:
     ap.add_argument("--client-core", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--vllm-kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
+    ap.add_argument(
+        "--kvduplex-kv-mb", type=int, default=512,
+        help="kvduplex's pool: 512 holds every request of a default run in never-used blocks "
+        "(each sequence one ascending run: decode attention reads it in place); 32 makes "
+        "the pool wrap after two requests, the steady state of a long-running server",
+    )  # fmt: skip
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
