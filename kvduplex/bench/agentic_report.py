@@ -83,6 +83,8 @@ class Stats:
     """KV bytes D wrote back to P per request (duplex; None: not known)."""
     history_hit_mean: float | None = None
     """Of the previous turn's prompt and answer, the share this turn found cached (turns >= 1)."""
+    answer_hit_mean: float | None = None
+    """Of the previous turn's answer, the share this turn found cached (see `answer_hit`)."""
 
 
 HistoryKey = tuple[str, str, int, int, int]
@@ -105,6 +107,23 @@ def history_hit(r: TurnRecord, index: dict[HistoryKey, TurnRecord]) -> float | N
         return None
     history = prev.result.prompt_tokens + prev.result.completion_tokens
     return min(1.0, r.result.cached_tokens / history) if history else None
+
+
+def answer_hit(r: TurnRecord, index: dict[HistoryKey, TurnRecord]) -> float | None:
+    """(cached_tokens - previous prompt) / previous answer, within [0, 1]; None on turn 0.
+
+    How much of the KV generated for the previous answer this turn reused. With
+    token-id prompts the next prompt holds the answer's ids, so it is near 1
+    when the answer's KV is cached (returned to P, or kept by a colocated
+    instance) and near 0 without a return. In chat form it is near 0 wherever
+    the re-rendered assistant turn departs from the ids generated (an answer
+    replaced by a tool call, text that re-encodes differently).
+    """
+    prev = index.get((r.mode, r.shape, r.repetition, r.session, r.turn - 1))
+    if prev is None or not prev.result.ok or not r.result.ok or not prev.result.completion_tokens:
+        return None
+    reused = r.result.cached_tokens - prev.result.prompt_tokens
+    return min(1.0, max(0.0, reused / prev.result.completion_tokens))
 
 
 def stats_of(
@@ -134,6 +153,7 @@ def stats_of(
             for r in records if r.result.ok
         ),
         history_hit_mean=_mean(history_hit(r, index) for r in records),
+        answer_hit_mean=_mean(answer_hit(r, index) for r in records),
     )  # fmt: skip
 
 
@@ -254,10 +274,11 @@ def _kib(v: float | None) -> float | None:
 
 
 def stats_table(rows: list[Stats]) -> list[str]:
-    header = ["mode", "shape", "turn", *_COLS, "KiB P→D/req", "KiB D→P/req", "history hit"]
+    header = ["mode", "shape", "turn", *_COLS, "KiB P→D/req", "KiB D→P/req", "history hit",
+              "answer hit"]  # fmt: skip
     body: list[list[object]] = [
         [s.mode, s.shape, s.turn, *(getattr(s, c) for c in _COLS), _kib(s.bytes_p_to_d_mean),
-         _kib(s.bytes_d_to_p_mean), s.history_hit_mean]
+         _kib(s.bytes_d_to_p_mean), s.history_hit_mean, s.answer_hit_mean]
         for s in rows
     ]  # fmt: skip
     return markdown_table(header, body)

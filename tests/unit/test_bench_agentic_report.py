@@ -174,3 +174,16 @@ def test_block_bounds_count_turns_that_moved_more_than_new_or_answer_blocks() ->
     rows = {b.way: b for b in report.block_bounds([t0, fine, t0b, over], bpb, bs)}
     assert (rows["P→D"].n, rows["P→D"].over, rows["P→D"].max_excess) == (2, 1, 4)
     assert (rows["D→P"].n, rows["D→P"].over, rows["D→P"].max_excess) == (2, 1, 2)
+
+
+def test_answer_hit_is_the_share_of_the_previous_answer_found_cached() -> None:
+    t0 = _rec("push", 0, 1.0, prompt=100, cached=0)
+    t0.result.completion_tokens = 40
+    returned = _rec("push", 1, 1.0, prompt=200, cached=132)  # 32 of the 40 answer tokens
+    lost = _rec("push", 1, 1.0, session=1, prompt=200, cached=96)  # not even all the prompt
+    t0b = _rec("push", 0, 1.0, session=1, prompt=100, cached=0)
+    t0b.result.completion_tokens = 40
+    index = report.history_index([t0, returned, lost, t0b])
+    assert report.answer_hit(returned, index) == pytest.approx(0.8)
+    assert report.answer_hit(lost, index) == 0.0
+    assert report.answer_hit(t0, index) is None
