@@ -78,7 +78,7 @@ def _router(fake: FakeInstances, *, probed: bool = False) -> TestClient:
     config = RouterConfig(prefill=(P,), decode=(D,), max_body_mb=CAP_MB)
     state = RouterState.create(config, ByteTokenizer(), transport=httpx.MockTransport(fake.handle))
     if probed:
-        asyncio.run(probe_all(state.client, state.policy, timeout_s=1.0))
+        asyncio.run(probe_all(state.probe_client, state.policy, timeout_s=1.0))
         assert state.policy.max_model_len() == CONTEXT
     return TestClient(create_router_app(state))
 

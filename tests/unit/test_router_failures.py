@@ -4,6 +4,7 @@ and one that dies mid-answer (the stream ends with an error event)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from httpx_sse import connect_sse
 from kvduplex.config import RouterConfig, TransferMode
 from kvduplex.model.tokenizer import ByteTokenizer
 from kvduplex.server.router.app import create_router_app
+from kvduplex.server.router.relay import relay
 from kvduplex.server.router.state import RouterState
 from tests.unit.test_router import D, FakeInstances, P, _chunk, _metric
 
@@ -106,7 +108,7 @@ def test_probes_take_an_instance_back() -> None:
 async def _probe_all(state: RouterState) -> None:
     from kvduplex.server.router.health import probe_all
 
-    await probe_all(state.client, state.policy, 1.0)
+    await probe_all(state.probe_client, state.policy, 1.0)
 
 
 # ------------------------------------------------- decode dies mid-answer
@@ -128,3 +130,25 @@ def test_decode_dying_mid_stream_ends_the_stream_with_an_error_event(mode: Trans
     tokens = [t for data in events[:-2] for t in json.loads(data)["choices"][0]["token_ids"]]
     assert tokens == [65, 66], "what came before the cut, each token once"
     assert state.policy.decode.backends[0].in_flight == 0
+
+
+def test_a_relay_whose_client_left_before_the_body_began_still_closes_upstream() -> None:
+    """The response's background task closes D's stream and reports the route done once,
+    even though the body generator (whose `finally` would) never started."""
+    closed: list[bool] = []
+
+    async def parts() -> AsyncIterator[bytes]:
+        yield b"data: {}\n\n"
+
+    upstream = httpx.Response(200, headers={"content-type": "text/event-stream"}, content=b"")
+    response = relay(upstream, parts(), closed.append, "decode at http://d")
+    background = response.background
+    assert background is not None
+
+    async def leave_early() -> None:
+        await background()
+        await background()  # the body's end would call it again: a no-op
+
+    asyncio.run(leave_early())
+    assert closed == [False]
+    assert upstream.is_closed

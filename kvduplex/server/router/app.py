@@ -153,7 +153,10 @@ def create_router_app(state: RouterState) -> FastAPI:
         config = state.config
         prober = asyncio.create_task(
             run_prober(
-                state.client, state.policy, config.health_interval_s, config.health_timeout_s
+                state.probe_client,
+                state.policy,
+                config.health_interval_s,
+                config.health_timeout_s,
             )
         )
         try:
@@ -163,6 +166,7 @@ def create_router_app(state: RouterState) -> FastAPI:
             with contextlib.suppress(asyncio.CancelledError):
                 await prober
             await state.client.aclose()
+            await state.probe_client.aclose()
 
     app = FastAPI(title="kvduplex-router", lifespan=lifespan)
     install_error_handlers(app)

@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 from fastapi.responses import StreamingResponse
 from httpx_sse import EventSource
+from starlette.background import BackgroundTask
 
 from kvduplex.engine.detokenizer import IncrementalDetokenizer
 from kvduplex.model.tokenizer import Tokenizer
@@ -46,6 +47,16 @@ def relay(
     connection failed mid-answer; a stream then ends with an error event)."""
     content_type = upstream.headers.get("content-type", "application/json")
     is_sse = content_type.startswith("text/event-stream")
+    closed = False
+
+    async def close(failed: bool = False) -> None:
+        # Once, from the body's end or, if the client left before the body began (so
+        # its `finally` never runs), from the response's background task.
+        nonlocal closed
+        if not closed:
+            closed = True
+            await upstream.aclose()
+            on_close(failed)
 
     async def body() -> AsyncIterator[bytes]:
         failed = False
@@ -60,11 +71,12 @@ def relay(
                 error = error_body(message, "server_error", code="decode_failed")
                 yield (render.sse_data(error) + render.SSE_DONE).encode()
         finally:
-            await upstream.aclose()
-            on_close(failed)
+            await close(failed)
 
     headers = {"content-type": content_type}
-    return StreamingResponse(body(), status_code=upstream.status_code, headers=headers)
+    return StreamingResponse(
+        body(), status_code=upstream.status_code, headers=headers, background=BackgroundTask(close)
+    )
 
 
 async def whole_events(parts: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

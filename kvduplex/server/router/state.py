@@ -29,7 +29,11 @@ class RouterState:
     registry: CollectorRegistry
     metrics: RouterMetrics
     client: httpx.AsyncClient
-    """To the instances: sends the cluster secret and the API key."""
+    """To the instances: sends the cluster secret and the API key. No cap on connections:
+    every request in flight holds one to P and one to D for as long as it runs."""
+    probe_client: httpx.AsyncClient
+    """The health probes' own pool, so that a busy router never takes its own wait for a
+    connection for an instance's failure."""
     api_key: str | None = None
     """What clients must send on /v1/* (see `kvduplex.server.auth`); None: open."""
 
@@ -50,10 +54,15 @@ class RouterState:
         client = httpx.AsyncClient(
             timeout=httpx.Timeout(600.0, connect=5.0), transport=transport,
             headers={**secret_headers(env.cluster_secret), **api_key_headers(api_key)},
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
         )  # fmt: skip
-        return cls(
-            config, tokenizer, policy, registry, RouterMetrics(registry, policy), client, api_key
+        probe_client = httpx.AsyncClient(
+            timeout=httpx.Timeout(config.health_timeout_s), transport=transport
         )
+        return cls(
+            config, tokenizer, policy, registry, RouterMetrics(registry, policy), client,
+            probe_client, api_key,
+        )  # fmt: skip
 
 
 def json_request(
