@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 from fastapi.testclient import TestClient
@@ -152,3 +153,50 @@ def test_a_relay_whose_client_left_before_the_body_began_still_closes_upstream()
     asyncio.run(leave_early())
     assert closed == [False]
     assert upstream.is_closed
+
+
+class _SlowToClose(httpx.AsyncByteStream):
+    """D's stream as the router holds it: closing it awaits (the connection's release)."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        yield b""
+
+    async def aclose(self) -> None:
+        await anyio.sleep(0)
+        self.closed = True
+
+
+def test_a_client_leaving_mid_stream_still_closes_ds_stream() -> None:
+    """The client closes its connection while the router waits for D's next event (as a
+    client does right after [DONE]): the body's task is cancelled, and the cleanup must
+    still release D's connection and report the route done."""
+    closed: list[bool] = []
+    stream = _SlowToClose()
+    more = anyio.Event()
+
+    async def parts() -> AsyncIterator[bytes]:
+        yield b"data: [DONE]\n\n"
+        await more.wait()  # D has not ended its stream yet
+        yield b""
+
+    upstream = httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=stream)
+    response = relay(upstream, parts(), closed.append, "decode at http://d")
+
+    async def client_leaves() -> None:
+        got_done = anyio.Event()
+
+        async def consume() -> None:
+            async for _ in response.body_iterator:
+                got_done.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consume)
+            await got_done.wait()
+            tg.cancel_scope.cancel()
+
+    anyio.run(client_leaves)
+    assert closed == [False]
+    assert stream.closed

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 import httpx
 from fastapi.responses import StreamingResponse
 from httpx_sse import EventSource
@@ -51,12 +52,16 @@ def relay(
 
     async def close(failed: bool = False) -> None:
         # Once, from the body's end or, if the client left before the body began (so
-        # its `finally` never runs), from the response's background task.
+        # its `finally` never runs), from the response's background task. Shielded: when
+        # the client leaves mid-body (even right after [DONE]) the body's task is
+        # cancelled, and every unshielded await in its `finally` would be cancelled
+        # too, leaving D's connection half-closed and out of the pool for good.
         nonlocal closed
         if not closed:
             closed = True
-            await upstream.aclose()
             on_close(failed)
+            with anyio.CancelScope(shield=True):
+                await upstream.aclose()
 
     async def body() -> AsyncIterator[bytes]:
         failed = False
@@ -197,9 +202,10 @@ async def push_stream(
                 yield f"data: {data}\n\n".encode()
     finally:
         next_event.cancel()
-        with contextlib.suppress(BaseException):
-            await next_event
-        await events.aclose()
+        with anyio.CancelScope(shield=True):  # see `relay`'s close
+            with contextlib.suppress(BaseException):
+                await next_event
+            await events.aclose()
 
 
 NOT_CONTENT = ""
