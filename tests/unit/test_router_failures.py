@@ -4,7 +4,7 @@ and one that dies mid-answer (the stream ends with an error event)."""
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -133,26 +133,39 @@ def test_decode_dying_mid_stream_ends_the_stream_with_an_error_event(mode: Trans
     assert state.policy.decode.backends[0].in_flight == 0
 
 
-def test_a_relay_whose_client_left_before_the_body_began_still_closes_upstream() -> None:
-    """The response's background task closes D's stream and reports the route done once,
-    even though the body generator (whose `finally` would) never started."""
+@pytest.mark.parametrize("sends_before_leaving", [0, 1, 2])
+def test_a_relay_closes_ds_stream_once_however_its_client_leaves(sends_before_leaving: int) -> None:
+    """The client's connection fails before the response began (0), after its head (1),
+    or after the first event (2): Starlette stops iterating the body, and the response
+    still closes D's stream and reports the route done, once."""
     closed: list[bool] = []
+    stream = _SlowToClose()
 
     async def parts() -> AsyncIterator[bytes]:
-        yield b"data: {}\n\n"
+        yield b"data: [DONE]\n\n"
+        yield b""
 
-    upstream = httpx.Response(200, headers={"content-type": "text/event-stream"}, content=b"")
+    upstream = httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=stream)
     response = relay(upstream, parts(), closed.append, "decode at http://d")
-    background = response.background
-    assert background is not None
+    sent: list[dict[str, Any]] = []
 
-    async def leave_early() -> None:
-        await background()
-        await background()  # the body's end would call it again: a no-op
+    async def send(message: dict[str, Any]) -> None:
+        if len(sent) == sends_before_leaving:
+            raise OSError("the client left")
+        sent.append(message)
 
-    asyncio.run(leave_early())
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    scope = {"type": "http", "asgi": {"spec_version": "2.4"}}
+
+    async def serve() -> None:
+        with contextlib.suppress(Exception):
+            await response(scope, receive, send)  # type: ignore[arg-type]
+
+    anyio.run(serve)
     assert closed == [False]
-    assert upstream.is_closed
+    assert stream.closed
 
 
 class _SlowToClose(httpx.AsyncByteStream):

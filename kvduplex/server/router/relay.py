@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +27,7 @@ import anyio
 import httpx
 from fastapi.responses import StreamingResponse
 from httpx_sse import EventSource
-from starlette.background import BackgroundTask
+from starlette.types import Receive, Scope, Send
 
 from kvduplex.engine.detokenizer import IncrementalDetokenizer
 from kvduplex.model.tokenizer import Tokenizer
@@ -37,6 +37,33 @@ from kvduplex.openai.protocol import error_body
 logger = logging.getLogger(__name__)
 
 
+class _RelayedResponse(StreamingResponse):
+    """A streaming response that runs `cleanup` however it ends.
+
+    Starlette stops iterating the body when the client leaves (its send raises),
+    which leaves the body generator suspended: its `finally` would run only when
+    the garbage collector gets to it, and the upstream connection waits in
+    CLOSE-WAIT, out of the pool, until then. So the body is closed here, shielded
+    from the cancellation that a client leaving may bring.
+    """
+
+    def __init__(
+        self, body: AsyncGenerator[bytes, None], cleanup: Callable[[], Awaitable[None]],
+        status_code: int, headers: dict[str, str],
+    ) -> None:  # fmt: skip
+        super().__init__(body, status_code=status_code, headers=headers)
+        self._body = body
+        self._cleanup = cleanup
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._body.aclose()  # runs the body's `finally` if it began
+                await self._cleanup()  # else this closes upstream
+
+
 def relay(
     upstream: httpx.Response,
     parts: AsyncIterator[bytes],
@@ -44,26 +71,21 @@ def relay(
     source: str,
 ) -> StreamingResponse:
     """Stream `parts` with `upstream`'s status and content type; close it and call
-    ``on_close(failed)`` when the stream ends or the client leaves (`failed`: `source`'s
-    connection failed mid-answer; a stream then ends with an error event)."""
+    ``on_close(failed)`` once, when the stream ends or the client leaves (`failed`:
+    `source`'s connection failed mid-answer; a stream then ends with an error event)."""
     content_type = upstream.headers.get("content-type", "application/json")
     is_sse = content_type.startswith("text/event-stream")
     closed = False
 
     async def close(failed: bool = False) -> None:
-        # Once, from the body's end or, if the client left before the body began (so
-        # its `finally` never runs), from the response's background task. Shielded: when
-        # the client leaves mid-body (even right after [DONE]) the body's task is
-        # cancelled, and every unshielded await in its `finally` would be cancelled
-        # too, leaving D's connection half-closed and out of the pool for good.
         nonlocal closed
         if not closed:
             closed = True
             on_close(failed)
-            with anyio.CancelScope(shield=True):
+            with anyio.CancelScope(shield=True):  # the body's task may be cancelled
                 await upstream.aclose()
 
-    async def body() -> AsyncIterator[bytes]:
+    async def body() -> AsyncGenerator[bytes, None]:
         failed = False
         try:
             async for part in whole_events(parts) if is_sse else parts:
@@ -79,9 +101,7 @@ def relay(
             await close(failed)
 
     headers = {"content-type": content_type}
-    return StreamingResponse(
-        body(), status_code=upstream.status_code, headers=headers, background=BackgroundTask(close)
-    )
+    return _RelayedResponse(body(), close, upstream.status_code, headers)
 
 
 async def whole_events(parts: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
