@@ -206,3 +206,14 @@ def test_prefix_index_bounds_one_key() -> None:
     assert index.find([1, 2, 3, 4, 102, 0]) == "s2"
     index.remove("s2", (1, index._chain([1, 2, 3, 4])[1]))
     assert index.find([1, 2, 3, 4, 102, 0]) is None and len(index) == 1
+
+
+def test_the_context_limit_is_the_smallest_decode_instances_not_prefills() -> None:
+    """A request must fit whichever D it goes to; a P with less room only refuses its
+    prefill (D then computes the prompt), so it does not bound requests."""
+    policy = RoutingPolicy(["http://p0"], ["http://d0", "http://d1"])
+    assert policy.max_model_len() is None  # no probe has answered
+    policy.prefill.backends[0].max_model_len = 64
+    policy.decode.backends[0].max_model_len = 4096
+    policy.decode.backends[1].max_model_len = 2048
+    assert policy.max_model_len() == 2048

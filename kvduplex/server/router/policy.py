@@ -187,15 +187,13 @@ class RoutingPolicy:
         )  # fmt: skip
 
     def max_model_len(self) -> int | None:
-        """The longest request every instance that could serve it accepts (None: unknown).
+        """The longest request every decode instance accepts (None: unknown).
 
-        The smallest that any instance's probe reported: a request that fits it
-        fits wherever it is routed.
+        The smallest that a decode instance's probe reported: a request that fits
+        it fits whichever D it is routed to. Prefill instances do not bound it: one
+        that cannot take a prompt refuses it and D computes the prompt itself.
         """
-        known = [
-            b.max_model_len for pool in (self.prefill, self.decode) for b in pool.backends
-            if b.max_model_len is not None
-        ]  # fmt: skip
+        known = [b.max_model_len for b in self.decode.backends if b.max_model_len is not None]
         return min(known) if known else None
 
     def route(self, ids: Sequence[int], session_key: str | None) -> Route:
