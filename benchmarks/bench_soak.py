@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import RESULTS, write_results
 from kvduplex.bench.soak import (
-    RssSampler,
+    ProcessSampler,
     SoakConfig,
     SoakSummary,
     format_summary,
@@ -91,7 +91,7 @@ def is_clean(st: dict[str, Any]) -> bool:
     )  # fmt: skip
 
 
-def plot(sampler: RssSampler, warmup_s: float, title: str, path: Path) -> Path | None:
+def plot(sampler: ProcessSampler, warmup_s: float, title: str, path: Path) -> Path | None:
     """Each process's RSS over time; None when matplotlib is not installed."""
     try:
         import matplotlib
@@ -117,7 +117,7 @@ def plot(sampler: RssSampler, warmup_s: float, title: str, path: Path) -> Path |
 
 
 def report(
-    args: argparse.Namespace, cfg: SoakConfig, summary: SoakSummary, sampler: RssSampler,
+    args: argparse.Namespace, cfg: SoakConfig, summary: SoakSummary, sampler: ProcessSampler,
     pools: dict[str, dict[str, Any]],
 ) -> tuple[Path, Path | None]:  # fmt: skip
     name = f"soak-{Path(args.model).name}"
@@ -150,7 +150,7 @@ def main() -> int:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvduplex-soak-"))
     with LocalCluster(log_dir=log_dir, env={"OMP_NUM_THREADS": "1"}) as cluster:
         procs = start(cluster, args)
-        sampler = RssSampler({n: p.popen.pid for n, p in procs.items()}, args.sample_s).start()
+        sampler = ProcessSampler({n: p.popen.pid for n, p in procs.items()}, args.sample_s).start()
         try:
             turns = asyncio.run(run_sessions(procs["router"].url, args.model, cfg, duration_s))
         finally:

@@ -6,10 +6,12 @@ answer included, plus seeded new input), then starts over as a new session.
 Even-numbered workers send token-id prompts to ``/v1/completions``, odd ones
 chat messages to ``/v1/chat/completions``; every request names its session.
 
-`RssSampler` reads each process's resident memory (VmRSS in
-``/proc/<pid>/status``) every few seconds in a thread of its own. `summarize`
-turns both into one report: requests, errors, TTFT and TPOT percentiles, and
-each process's memory growth after the warm-up::
+`ProcessSampler` reads each process's resident memory (VmRSS in
+``/proc/<pid>/status``) and counts its TCP connections in CLOSE-WAIT (the peer
+closed, the process never did: a leaked connection) every few seconds in a
+thread of its own. `summarize` turns both into one report: requests, errors,
+TTFT and TPOT percentiles, each process's memory growth after the warm-up and
+the most connections it held in CLOSE-WAIT::
 
     RSS │        ┌──── after warm-up: growth = (last - first) / first
         │   ╱────┘
@@ -21,6 +23,8 @@ each process's memory growth after the warm-up::
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import random
 import threading
 import time
@@ -116,6 +120,30 @@ async def run_sessions(url: str, model: str, cfg: SoakConfig, duration_s: float)
     return turns
 
 
+_TCP_CLOSE_WAIT = "08"
+"""The state column's value for CLOSE-WAIT in ``/proc/net/tcp`` (include/net/tcp_states.h)."""
+
+
+def count_close_wait(pid: int) -> int | None:
+    """TCP connections of `pid` in CLOSE-WAIT, or None once it is gone (or on a system
+    without ``/proc/net/tcp``)."""
+    try:
+        inodes = set()
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):  # an fd closed meanwhile
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[len("socket:[") : -1])
+        n = 0
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            for line in Path(table).read_text().splitlines()[1:]:
+                cols = line.split()
+                n += cols[3] == _TCP_CLOSE_WAIT and cols[9] in inodes
+        return n
+    except OSError:
+        return None
+
+
 def read_rss_bytes(pid: int) -> int | None:
     """Resident memory of `pid` (VmRSS), or None once it is gone."""
     try:
@@ -128,22 +156,25 @@ def read_rss_bytes(pid: int) -> int | None:
 
 
 @dataclass
-class RssSampler:
-    """Samples the RSS of named processes every `every_s` seconds, in its own thread.
+class ProcessSampler:
+    """Samples the RSS and the CLOSE-WAIT connections of named processes every `every_s`
+    seconds, in its own thread.
 
-    `samples` holds ``(seconds since start, {name: bytes})``; a process that is
-    gone is left out of the samples after it. `start` takes the first sample at
-    once; `stop` takes a last one and joins the thread.
+    `samples` holds ``(seconds since start, {name: bytes})``, `close_wait` ``(seconds
+    since start, {name: connections})``; a process that is gone is left out of the
+    samples after it. `start` takes the first sample at once; `stop` takes a last one
+    and joins the thread.
     """
 
     pids: dict[str, int]
     every_s: float = 2.0
     samples: list[tuple[float, dict[str, int]]] = field(default_factory=list)
+    close_wait: list[tuple[float, dict[str, int]]] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event, repr=False)
     _thread: threading.Thread | None = field(default=None, repr=False)
     _t0: float = 0.0
 
-    def start(self) -> RssSampler:
+    def start(self) -> ProcessSampler:
         self._t0 = time.monotonic()
         self._sample()
         self._thread = threading.Thread(target=self._loop, name="rss-sampler", daemon=True)
@@ -161,10 +192,22 @@ class RssSampler:
             self._sample()
 
     def _sample(self) -> None:
+        t = time.monotonic() - self._t0
         now = {name: read_rss_bytes(pid) for name, pid in self.pids.items()}
-        self.samples.append(
-            (time.monotonic() - self._t0, {k: v for k, v in now.items() if v is not None})
-        )
+        self.samples.append((t, {k: v for k, v in now.items() if v is not None}))
+        waiting = {name: count_close_wait(pid) for name, pid in self.pids.items()}
+        self.close_wait.append((t, {k: v for k, v in waiting.items() if v is not None}))
+
+    def close_wait_max(self, from_s: float, until_s: float) -> dict[str, int]:
+        """Per process: the most connections in CLOSE-WAIT in a sample taken between
+        `from_s` and `until_s` (under load: an idle pooled connection that its peer
+        closed is dropped at the pool's next request, a leaked one never is)."""
+        out: dict[str, int] = {}
+        for t, counts in self.close_wait:
+            if from_s <= t <= until_s:
+                for name, n in counts.items():
+                    out[name] = max(out.get(name, 0), n)
+        return out
 
     def growth_after(self, warmup_s: float) -> dict[str, dict[str, float]]:
         """Per process: RSS (MiB) at the first sample after `warmup_s` and at the last one,
@@ -200,14 +243,17 @@ class SoakSummary:
     tpot_p50_ms: float
     tpot_p99_ms: float
     memory: dict[str, dict[str, float]]
-    """Per process: see `RssSampler.growth_after`."""
+    """Per process: see `ProcessSampler.growth_after`."""
+    close_wait_max: dict[str, int]
+    """Per process: the most connections in CLOSE-WAIT in a sample after the warm-up and
+    before the load ended (see `ProcessSampler.close_wait_max`)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 def summarize(
-    turns: list[Turn], sampler: RssSampler, warmup_s: float, duration_s: float
+    turns: list[Turn], sampler: ProcessSampler, warmup_s: float, duration_s: float
 ) -> SoakSummary:
     """Latencies over turns that ended after the warm-up; errors over all turns."""
     measured = [t.result for t in turns if t.end_s >= warmup_s and t.result.ok]
@@ -225,6 +271,7 @@ def summarize(
         tpot_p50_ms=percentile(tpot, 50),
         tpot_p99_ms=percentile(tpot, 99),
         memory=sampler.growth_after(warmup_s),
+        close_wait_max=sampler.close_wait_max(warmup_s, duration_s),
     )
 
 
@@ -236,12 +283,13 @@ def format_summary(s: SoakSummary) -> str:
         f"TTFT p50 {s.ttft_p50_ms:.1f} ms, p99 {s.ttft_p99_ms:.1f} ms; "
         f"TPOT p50 {s.tpot_p50_ms:.2f} ms, p99 {s.tpot_p99_ms:.2f} ms.",
         "",
-        "| process | RSS after warm-up (MiB) | RSS at the end (MiB) | peak (MiB) | growth |",
-        "|---|---:|---:|---:|---:|",
+        "| process | RSS after warm-up (MiB) | RSS at the end (MiB) | peak (MiB) | growth "
+        "| CLOSE-WAIT (most) |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for name, m in s.memory.items():
         lines.append(
             f"| {name} | {m['rss_after_warmup_mib']:.0f} | {m['rss_end_mib']:.0f} | "
-            f"{m['peak_mib']:.0f} | {m['growth_pct']:+.1f}% |"
+            f"{m['peak_mib']:.0f} | {m['growth_pct']:+.1f}% | {s.close_wait_max.get(name, '-')} |"
         )
     return "\n".join(lines)

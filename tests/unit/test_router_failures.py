@@ -4,6 +4,7 @@ and one that dies mid-answer (the stream ends with an error event)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
@@ -18,8 +19,9 @@ from httpx_sse import connect_sse
 
 from kvduplex.config import RouterConfig, TransferMode
 from kvduplex.model.tokenizer import ByteTokenizer
+from kvduplex.openai import render
 from kvduplex.server.router.app import create_router_app
-from kvduplex.server.router.relay import relay
+from kvduplex.server.router.relay import FirstToken, push_stream, relay
 from kvduplex.server.router.state import RouterState
 from tests.unit.test_router import D, FakeInstances, P, _chunk, _metric
 
@@ -213,3 +215,65 @@ def test_a_client_leaving_mid_stream_still_closes_ds_stream() -> None:
     anyio.run(client_leaves)
     assert closed == [False]
     assert stream.closed
+
+
+async def _decode_that_holds_its_stream(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, router_closed: asyncio.Event
+) -> None:
+    """A decode instance over a real socket: one chunk, then [DONE], and the stream's end
+    held back; it notes when the router closes the connection."""
+    await reader.readuntil(b"\r\n\r\n")
+    writer.write(
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    )
+    choice = {"index": 0, "text": "A", "token_ids": [65], "finish_reason": None}
+    for event in (f"data: {_chunk(choice)}\n\n", "data: [DONE]\n\n"):
+        writer.write(b"%x\r\n%s\r\n" % (len(event), event.encode()))
+    await writer.drain()
+    if not await reader.read():  # EOF: the router let go of the connection
+        router_closed.set()
+    writer.close()
+
+
+@pytest.mark.parametrize("p_answers_first", [True, False])
+def test_a_client_leaving_after_done_lets_go_of_ds_connection(p_answers_first: bool) -> None:
+    """The client closes its connection right after [DONE] (as clients do) while the
+    router's reader task waits for the end of D's stream. Starlette cancels the body's task
+    and anyio repeats the cancel until the task leaves its scope; the reader must not see
+    those repeats (they would interrupt the close of D's connection, which then stays
+    ACTIVE in the pool and in CLOSE-WAIT on the socket forever)."""
+    router_closed = asyncio.Event()
+    sent: list[dict[str, Any]] = []
+    done_sent = asyncio.Event()
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+        if b"[DONE]" in message.get("body", b""):
+            done_sent.set()
+
+    async def receive() -> dict[str, Any]:
+        await done_sent.wait()
+        return {"type": "http.disconnect"}
+
+    async def serve() -> None:
+        server = await asyncio.start_server(
+            lambda r, w: _decode_that_holds_its_stream(r, w, router_closed), "127.0.0.1", 0
+        )
+        port = server.sockets[0].getsockname()[1]
+        async with server, httpx.AsyncClient() as client:
+            upstream = await client.send(
+                client.build_request("POST", f"http://127.0.0.1:{port}/v1/completions"),
+                stream=True,
+            )
+            prefill: asyncio.Future[dict[str, Any] | None] = asyncio.Future()
+            prefill.set_result({"first_token": 65} if p_answers_first else None)
+            head = render.ResponseHead(request_id="cmpl-x", model="tiny", is_chat=False)
+            parts = push_stream(upstream, prefill, FirstToken(head, ByteTokenizer()))  # type: ignore[arg-type]
+            response = relay(upstream, parts, lambda failed: None, "decode at test")
+            scope = {"type": "http", "asgi": {"spec_version": "2.3"}}
+            await response(scope, receive, send)  # type: ignore[arg-type]
+            # A bound for a failing run only: a leak would wait here forever.
+            await asyncio.wait_for(router_closed.wait(), timeout=10)
+
+    asyncio.run(serve())
+    assert any(b"[DONE]" in m.get("body", b"") for m in sent)

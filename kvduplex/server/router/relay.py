@@ -87,8 +87,9 @@ def relay(
 
     async def body() -> AsyncGenerator[bytes, None]:
         failed = False
+        source_parts = whole_events(parts) if is_sse else parts
         try:
-            async for part in whole_events(parts) if is_sse else parts:
+            async for part in source_parts:
                 yield part
         except httpx.HTTPError as exc:
             failed = True
@@ -98,6 +99,8 @@ def relay(
                 error = error_body(message, "server_error", code="decode_failed")
                 yield (render.sse_data(error) + render.SSE_DONE).encode()
         finally:
+            with anyio.CancelScope(shield=True):
+                await aclose_parts(source_parts)  # stops their readers before upstream closes
             await close(failed)
 
     headers = {"content-type": content_type}
@@ -108,14 +111,24 @@ async def whole_events(parts: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """`parts` regrouped at SSE event ends (a blank line), so that a stream cut mid-event
     never leaves half an event before the error event; a cut event is dropped."""
     buf = b""
-    async for part in parts:
-        buf += part
-        end = buf.rfind(b"\n\n")
-        if end >= 0:
-            yield buf[: end + 2]
-            buf = buf[end + 2 :]
+    try:
+        async for part in parts:
+            buf += part
+            end = buf.rfind(b"\n\n")
+            if end >= 0:
+                yield buf[: end + 2]
+                buf = buf[end + 2 :]
+    finally:
+        await aclose_parts(parts)
     if buf:
         yield buf
+
+
+async def aclose_parts(parts: AsyncIterator[bytes]) -> None:
+    """Close `parts` now if it is a generator (else the garbage collector would, later)."""
+    aclose = getattr(parts, "aclose", None)
+    if aclose is not None:
+        await aclose()
 
 
 async def count_answer(
@@ -208,7 +221,10 @@ async def push_stream(
             yield chunk
             skip = True
         while True:
-            event = await next_event
+            # Shielded: a cancel of this task (anyio repeats Starlette's, once per loop
+            # iteration, until the task leaves the scope) would otherwise reach the reader
+            # again while it closes D's connection, and leave that connection open.
+            event = await asyncio.shield(next_event)
             if event is None:
                 return
             next_event = asyncio.ensure_future(anext(events, None))
@@ -221,10 +237,14 @@ async def push_stream(
             if data is not None:
                 yield f"data: {data}\n\n".encode()
     finally:
-        next_event.cancel()
+        # The reader is never cancelled: a cancel that lands while it closes D's connection
+        # (it does at the stream's end) leaves the connection open. Closing the response
+        # ends its read instead (a no-op if the reader already closes it).
         with anyio.CancelScope(shield=True):  # see `relay`'s close
+            if not next_event.done():
+                await upstream.aclose()
             with contextlib.suppress(BaseException):
-                await next_event
+                await asyncio.shield(next_event)
             await events.aclose()
 
 
