@@ -250,7 +250,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         block_size = CacheConfig().block_size
         bytes_per_block = kv_bytes_per_token(meta["model"]) * block_size
         bounds = report.block_bounds(runs.records, bytes_per_block, block_size)
-    table = report.markdown(turns, summ, ratio, runs.kv, notes, bounds)
+    engine = report.engine_times(runs.records, runs.runs)
+    table = report.markdown(turns, summ, ratio, runs.kv, notes, bounds, engine)
     name = args.name or "agentic-" + (args.label if args.url else meta["model"])
     name += "-quick" if args.quick and not args.name else ""
     result = {
@@ -261,7 +262,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "notes": notes, "meta": meta, "disaggregated": disagg,
         "per_turn": [asdict(s) for s in turns], "summary": [asdict(s) for s in summ],
         "ratios": ratio, "kv": runs.kv, "runs": runs.runs,
-        "block_bounds": [asdict(b) for b in bounds],
+        "block_bounds": [asdict(b) for b in bounds], "engine_times": [asdict(e) for e in engine],
+        "engine_ratios": report.engine_ratios(engine),
         "records": [_record(r) for r in runs.records],
     }  # fmt: skip
     directory = Path(args.results_dir)

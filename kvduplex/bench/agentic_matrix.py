@@ -102,7 +102,8 @@ def run_interleaved(
                 out.runs.append({
                     "mode": ep.mode, "shape": shape, "repetition": rep, "wall_s": wall,
                     "p_to_d_bytes": moved.p_to_d_bytes, "d_to_p_bytes": moved.d_to_p_bytes,
-                    "counters": moved.per_instance,
+                    "counters": moved.per_instance, "engine_ttft_s": moved.engine_ttft_s,
+                    "engine_ttft_count": moved.engine_ttft_count,
                 })  # fmt: skip
                 kv = out.kv.setdefault(f"{ep.mode} / {shape}", {"p_to_d_bytes": None, "d_to_p_bytes": None})
                 kv["p_to_d_bytes"] = _add(kv["p_to_d_bytes"], moved.p_to_d_bytes)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -206,6 +207,87 @@ def ratios(rows: list[Stats]) -> dict[str, dict[str, float]]:
 
 
 @dataclass
+class EngineTime:
+    """Where a mode's TTFT goes, means over all turns of its runs (seconds in ms):
+    the client's TTFT and the prompt-computing instance's own (arrival at its engine
+    to the first token: P's, or the colocated instance's), from its /metrics."""
+
+    mode: str
+    shape: str
+    n: int
+    client_ttft_mean_ms: float | None
+    engine_ttft_mean_ms: float | None
+    """None where no prompt-computing instance exposes its TTFT (an endpoint)."""
+    outside_ms: float | None
+    """client - engine: router, HTTP hops, the first token's relay."""
+
+
+def engine_times(records: list[TurnRecord], runs: list[dict[str, Any]]) -> list[EngineTime]:
+    """One row per (mode, shape) that ran: client TTFT mean against the engine's."""
+    sums: dict[tuple[str, str], list[float]] = {}
+    for run in runs:
+        if run.get("engine_ttft_count"):
+            acc = sums.setdefault((run["mode"], run["shape"]), [0.0, 0.0])
+            acc[0] += run["engine_ttft_s"]
+            acc[1] += run["engine_ttft_count"]
+    rows = []
+    for (mode, shape), recs in _groups(records).items():
+        client = _mean(r.result.ttft_s for r in recs if r.result.ok)
+        total = sums.get((mode, shape))
+        engine = total[0] / total[1] if total else None
+        outside = client - engine if client is not None and engine is not None else None
+        rows.append(
+            EngineTime(mode, shape, sum(r.result.ok for r in recs), _ms(client), _ms(engine),
+                       _ms(outside))
+        )  # fmt: skip
+    return rows
+
+
+ENGINE_RATIOS: tuple[tuple[str, str, str], ...] = (
+    ("push+duplex / push", "push+duplex", "push"),
+    ("push+duplex / colocated", "push+duplex", "colocated"),
+    ("2p1d push+duplex / 2p1d push", "2p1d-push+duplex", "2p1d-push"),
+)
+
+
+def engine_ratios(rows: list[EngineTime]) -> list[list[object]]:
+    """[shape, ratio, client TTFT means' ratio, engine TTFT means' ratio (the floor)]."""
+    by = {(r.mode, r.shape): r for r in rows}
+    out: list[list[object]] = []
+    for shape in dict.fromkeys(r.shape for r in rows):
+        for name, num, den in ENGINE_RATIOS:
+            a, b = by.get((num, shape)), by.get((den, shape))
+            if a and b and a.engine_ttft_mean_ms and b.engine_ttft_mean_ms:
+                client = (a.client_ttft_mean_ms or 0.0) / (b.client_ttft_mean_ms or 1.0)
+                out.append([shape, name, client, a.engine_ttft_mean_ms / b.engine_ttft_mean_ms])
+    return out
+
+
+def engine_time_lines(rows: list[EngineTime]) -> list[str]:
+    """The engine-time table and its ratios, as Markdown lines (none without engine times)."""
+    if not any(r.engine_ttft_mean_ms is not None for r in rows):
+        return []
+    head = ["mode", "shape", "n", "client TTFT mean (ms)", "engine TTFT mean (ms)", "outside (ms)"]
+    body: list[list[object]] = [
+        [r.mode, r.shape, r.n, r.client_ttft_mean_ms, r.engine_ttft_mean_ms, r.outside_ms]
+        for r in rows
+    ]
+    lines = [
+        "", "Where TTFT goes (means over all turns; engine: arrival at the prompt-computing "
+        "instance's engine to its first token, from its /metrics):", "",
+        *markdown_table(head, body),
+    ]  # fmt: skip
+    ratio_rows = engine_ratios(rows)
+    if ratio_rows:
+        lines += [
+            "", "TTFT ratios of means: the client's, and the engine's (the floor no transfer "
+            "design can go under):", "",
+            *markdown_table(["shape", "ratio", "client", "engine (floor)"], ratio_rows),
+        ]  # fmt: skip
+    return lines
+
+
+@dataclass
 class BlockBound:
     """Blocks moved per turn against the bound the design sets, over turns >= 1 of a mode/shape.
 
@@ -304,8 +386,10 @@ def markdown(
     kv_by_mode: dict[str, dict[str, float | None]],
     notes: list[str],
     bounds: list[BlockBound] | None = None,
+    engine: list[EngineTime] | None = None,
 ) -> str:
-    """The whole report as Markdown: notes, summary, ratios, KV moved, per-turn rows."""
+    """The whole report as Markdown: notes, summary, ratios, where TTFT goes, KV moved,
+    per-turn rows."""
     lines = [f"- {n}" for n in notes]
     lines += ["", f"Summary over turns >= {SUMMARY_MIN_TURN} (ms, tokens per request):", ""]
     lines += stats_table(summ)
@@ -313,6 +397,7 @@ def markdown(
         if entry:
             lines += ["", f"Ratios ({shape}, p50, turns >= {SUMMARY_MIN_TURN}):", ""]
             lines += markdown_table(["ratio", "value"], [[k, v] for k, v in entry.items()])
+    lines += engine_time_lines(engine or [])
     if kv_by_mode:
         lines += ["", "KV moved (instances' /metrics):", "", *kv_table(kv_by_mode)]
     if bounds:

@@ -10,6 +10,11 @@ follows from the instance's role (``/health``):
 The ``kvduplex_kv_return_*`` counters (returns, blocks, bytes, declines) are
 kept as they are, per instance. A counter no instance exposes stays unknown
 (None), which is not the same as 0.
+
+The prompt-computing instances' own time to first token (``ENGINE_TTFT``:
+arrival at the engine to the first token, summed and counted by its
+histogram) is kept too: on P (and on a colocated instance) it is the part of
+a client's TTFT that no transfer design can remove, the floor under it.
 """
 
 from __future__ import annotations
@@ -29,6 +34,10 @@ from kvduplex.transport.trust import secret_headers
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 BYTES = "kvduplex_kv_transfer_bytes_total"
+ENGINE_TTFT = "kvduplex_time_to_first_token_seconds"
+_COMPUTES_PROMPTS = ("prefill", "both")
+"""Roles whose engine TTFT is a prompt's prefill (a decode instance's is its first
+token after P's, or after its own recompute)."""
 RETURN_PREFIX = "kvduplex_kv_return_"
 RETURN_RECORDS = "/internal/kv/return/records"
 
@@ -69,6 +78,10 @@ class KVMoved:
     d_to_p_bytes: float | None = None
     per_instance: dict[str, dict[str, float]] = field(default_factory=dict)
     """url -> counter deltas (transfer bytes by direction, every return counter)."""
+    engine_ttft_s: float | None = None
+    """Sum of the prompt-computing instances' engine TTFTs (None: none exposes it)."""
+    engine_ttft_count: float | None = None
+    """How many requests `engine_ttft_s` sums."""
 
 
 def _has(samples: Samples, name: str) -> bool:
@@ -91,6 +104,10 @@ def kv_moved(instances: list[Instance], before: dict[str, Samples], after: dict[
             if name == BYTES or (name.startswith(RETURN_PREFIX) and name.endswith("_total")):
                 deltas[_label_text(name, labels)] = a[key] - b.get(key, 0.0)
         out.per_instance[inst.url] = deltas
+        if inst.role in _COMPUTES_PROMPTS and _has(a, ENGINE_TTFT + "_count"):
+            for attr, suffix in (("engine_ttft_s", "_sum"), ("engine_ttft_count", "_count")):
+                delta = metric_sum(a, ENGINE_TTFT + suffix) - metric_sum(b, ENGINE_TTFT + suffix)
+                setattr(out, attr, (getattr(out, attr) or 0.0) + delta)
         if not _has(a, BYTES):
             continue
         for direction in ("write", "read"):

@@ -12,7 +12,7 @@ from kvduplex.bench.agentic import TurnRecord
 from kvduplex.bench.agentic_matrix import COSTS, estimate_total_s, fit_to_budget
 from kvduplex.bench.agentic_modes import MODES, modes_named, router_args
 from kvduplex.bench.client import KVUsage, RequestResult
-from kvduplex.bench.kvmetrics import BYTES, Instance, kv_moved
+from kvduplex.bench.kvmetrics import BYTES, ENGINE_TTFT, Instance, kv_moved
 from kvduplex.bench.workload import AGENTIC, REASONING, WorkloadConfig
 
 
@@ -187,3 +187,36 @@ def test_answer_hit_is_the_share_of_the_previous_answer_found_cached() -> None:
     assert report.answer_hit(returned, index) == pytest.approx(0.8)
     assert report.answer_hit(lost, index) == 0.0
     assert report.answer_hit(t0, index) is None
+
+
+def _engine_ttft(sum_s: float, count: float) -> dict:
+    return {(ENGINE_TTFT + "_sum", ()): sum_s, (ENGINE_TTFT + "_count", ()): count}
+
+
+def test_engine_ttft_counts_only_the_instances_that_compute_prompts() -> None:
+    p, d = Instance("http://p", "prefill"), Instance("http://d", "decode")
+    before = {"http://p": _engine_ttft(1.0, 2), "http://d": _engine_ttft(0.5, 2)}
+    after = {"http://p": _engine_ttft(2.5, 5), "http://d": _engine_ttft(9.0, 5)}
+    moved = kv_moved([p, d], before, after)
+    assert (moved.engine_ttft_s, moved.engine_ttft_count) == (1.5, 3)  # D's TTFT is not a prefill
+    colo = kv_moved([Instance("http://c", "both")], {}, {"http://c": _engine_ttft(0.4, 2)})
+    assert (colo.engine_ttft_s, colo.engine_ttft_count) == (0.4, 2)
+    assert kv_moved([p], {}, {"http://p": {}}).engine_ttft_count is None
+
+
+def test_where_ttft_goes_and_the_floor_ratio() -> None:
+    recs = [_rec("push", t, 0.5) for t in range(4)] + [_rec("push+duplex", t, 0.3) for t in range(4)]
+    runs = [
+        {"mode": "push", "shape": "agentic", "engine_ttft_s": 1.6, "engine_ttft_count": 4},
+        {"mode": "push+duplex", "shape": "agentic", "engine_ttft_s": 0.8, "engine_ttft_count": 4},
+    ]
+    rows = report.engine_times(recs, runs)
+    push = next(r for r in rows if r.mode == "push")
+    assert (push.n, push.client_ttft_mean_ms, push.engine_ttft_mean_ms) == (4, 500.0, 400.0)
+    assert push.outside_ms == pytest.approx(100.0)
+    (ratio,) = report.engine_ratios(rows)
+    assert ratio[:2] == ["agentic", "push+duplex / push"]
+    assert ratio[2] == pytest.approx(0.6) and ratio[3] == pytest.approx(0.5)
+    text = "\n".join(report.engine_time_lines(rows))
+    assert "engine (floor)" in text and "| push+duplex / push |" in text
+    assert report.engine_time_lines(report.engine_times(recs, [])) == []  # an endpoint: none
