@@ -15,10 +15,13 @@ round-robin. The prompt's prefix alone never attracts a new session: a
 system prompt shared by every conversation would send them all to one place.
 
 Health. An instance is unhealthy from a failed call (unreachable, or a 5xx)
-or a failed probe of its /health (`note_probe`, from the router's prober)
-until a probe that began after the failure succeeds. Only healthy instances
-get work: without a healthy prefill instance, decode computes whole requests;
-without a healthy decode instance, `route` raises `NoHealthyInstance`.
+or from `health_failures` failed probes of its /health in a row (`note_probe`,
+from the router's prober) until a probe that began after the failure
+succeeds. Only healthy instances get work: without a healthy prefill
+instance, decode computes whole requests; without a healthy decode instance,
+`route` raises `NoHealthyInstance`. Marking an instance unhealthy also calls
+whatever watches it (`Backend.watch`): the flows abandon their calls in
+flight to it there.
 
 The policy is plain Python over its own counters; the flows report back
 when each call ends (`prefill_done`, `decode_done`) and whether the instance
@@ -68,18 +71,46 @@ class Backend:
     is_healthy: bool = True
     """Whether it gets new work; assumed until the first probe or call says otherwise."""
     failed_at: float = field(default=float("-inf"))
-    """Clock time of the last failed call or probe: a probe that began before it cannot
-    make the instance healthy again."""
+    """Clock time it was last marked unhealthy (a failed call, or a failed probe that made
+    `health_failures` in a row): a probe that began before it cannot make the instance
+    healthy again."""
     max_model_len: int | None = None
     """The longest request it serves, as its last good probe said (None: not yet known)."""
+    num_failed_probes: int = 0
+    """Probes failed in a row since the last good one."""
+    watchers: dict[object, Callable[[], None]] = field(
+        default_factory=dict, repr=False, compare=False
+    )
+    """What to call when it is next marked unhealthy (see `watch`)."""
+
+    def watch(self, on_unhealthy: Callable[[], None]) -> Callable[[], None]:
+        """Have `on_unhealthy` called once, when the instance is next marked unhealthy, or
+        now if it is unhealthy already. A call to the instance watches it while in flight.
+        Returns the function that ends the watch (idempotent): call it when the call ends.
+        `on_unhealthy` runs inside `BackendPool.mark_failed`: it must not raise or block."""
+        if not self.is_healthy:
+            on_unhealthy()
+            return _no_watch
+        key = object()
+        self.watchers[key] = on_unhealthy
+
+        def unwatch() -> None:
+            self.watchers.pop(key, None)
+
+        return unwatch
+
+
+def _no_watch() -> None:
+    pass
 
 
 class BackendPool:
     """The instances of one role, their load and the round-robin cursor that breaks ties."""
 
-    def __init__(self, urls: Sequence[str], half_life_s: float) -> None:
+    def __init__(self, urls: Sequence[str], half_life_s: float, health_failures: int = 2) -> None:
         self.backends = [Backend(url) for url in urls]
         self.half_life_s = half_life_s
+        self.health_failures = health_failures
         self._index = {b.url: i for i, b in enumerate(self.backends)}
         self._cursor = 0
 
@@ -115,15 +146,27 @@ class BackendPool:
         return b in up and b.in_flight <= min(x.in_flight for x in up) + busy_margin
 
     def mark_failed(self, b: Backend, now: float) -> None:
+        """`b` is unhealthy from now; if it was healthy, everything that watches it is told
+        (and stops watching)."""
+        was_healthy = b.is_healthy
         b.is_healthy = False
         b.failed_at = now
+        if was_healthy:
+            watchers, b.watchers = b.watchers, {}
+            for on_unhealthy in watchers.values():
+                on_unhealthy()
 
     def note_probe(self, b: Backend, is_ok: bool, started_at: float, now: float) -> None:
         """A probe of `b` that began at `started_at` ended now: healthy if it succeeded and
-        nothing failed since it began; unhealthy if it failed."""
+        nothing failed since it began; unhealthy if it failed and so did the
+        `health_failures` - 1 probes before it."""
         if not is_ok:
-            self.mark_failed(b, now)
-        elif started_at >= b.failed_at:
+            b.num_failed_probes += 1
+            if b.num_failed_probes >= self.health_failures:
+                self.mark_failed(b, now)
+            return
+        b.num_failed_probes = 0
+        if started_at >= b.failed_at:
             b.is_healthy = True
 
     def assign(self, b: Backend, now: float) -> None:
@@ -166,12 +209,13 @@ class RoutingPolicy:
         max_sessions: int = 100_000,
         busy_margin: int = 2,
         load_half_life_s: float = 30.0,
+        health_failures: int = 2,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not decode_urls:
             raise ValueError("give at least one decode instance")
-        self.prefill = BackendPool(prefill_urls, load_half_life_s)
-        self.decode = BackendPool(decode_urls, load_half_life_s)
+        self.prefill = BackendPool(prefill_urls, load_half_life_s, health_failures)
+        self.decode = BackendPool(decode_urls, load_half_life_s, health_failures)
         self.sessions = SessionTable(session_ttl_s, max_sessions)
         self.busy_margin = busy_margin
         self.clock = clock
@@ -183,7 +227,8 @@ class RoutingPolicy:
         return cls(
             config.prefill, config.decode, session_ttl_s=config.session_ttl_s,
             max_sessions=config.max_sessions, busy_margin=config.session_busy_margin,
-            load_half_life_s=config.load_half_life_s, clock=clock,
+            load_half_life_s=config.load_half_life_s, health_failures=config.health_failures,
+            clock=clock,
         )  # fmt: skip
 
     def max_model_len(self) -> int | None:
