@@ -87,7 +87,7 @@ class DecodeUnreachable(Exception):
 
 
 def _outcome(status: int) -> Outcome:
-    return Outcome.OK if status < 400 else Outcome.REFUSED if status < 500 else Outcome.FAILED
+    return Outcome.OK if status < 400 else Outcome.REFUSED if status < 500 else Outcome.ERROR
 
 
 def _prefill_body(fwd: Forward, xid: str, seed: int | None) -> dict[str, Any]:

@@ -19,9 +19,10 @@ or from `health_failures` failed probes of its /health in a row (`note_probe`,
 from the router's prober) until a probe that began after the failure
 succeeds. Only healthy instances get work: without a healthy prefill
 instance, decode computes whole requests; without a healthy decode instance,
-`route` raises `NoHealthyInstance`. Marking an instance unhealthy also calls
-whatever watches it (`Backend.watch`): the flows abandon their calls in
-flight to it there.
+`route` raises `NoHealthyInstance`. An instance presumed down (a failed
+connection, or the failed probes) also has whatever watches it called
+(`Backend.watch`): the flows abandon their calls in flight to it there; a
+5xx answer leaves its other calls in flight alone.
 
 The policy is plain Python over its own counters; the flows report back
 when each call ends (`prefill_done`, `decode_done`) and whether the instance
@@ -46,8 +47,12 @@ class Outcome(enum.Enum):
     OK = "ok"
     REFUSED = "refused"
     """A 4xx, or a call abandoned: it says nothing of the instance."""
+    ERROR = "error"
+    """A 5xx: the instance answered but failed the call. Unhealthy (no new work) until a
+    probe says otherwise; its other calls in flight go on."""
     FAILED = "failed"
-    """Unreachable, or a 5xx: the instance is unhealthy until a probe says otherwise."""
+    """Unreachable, or its connection failed: presumed down. Unhealthy until a probe says
+    otherwise, and its calls in flight are abandoned."""
 
 
 class NoHealthyInstance(Exception):
@@ -78,17 +83,20 @@ class Backend:
     """The longest request it serves, as its last good probe said (None: not yet known)."""
     num_failed_probes: int = 0
     """Probes failed in a row since the last good one."""
+    is_down: bool = False
+    """Presumed down (a failed connection, or `health_failures` failed probes): calls in
+    flight to it are abandoned, and a call that starts watching it is at once."""
     watchers: dict[object, Callable[[], None]] = field(
         default_factory=dict, repr=False, compare=False
     )
     """What to call when it is next marked unhealthy (see `watch`)."""
 
     def watch(self, on_unhealthy: Callable[[], None]) -> Callable[[], None]:
-        """Have `on_unhealthy` called once, when the instance is next marked unhealthy, or
-        now if it is unhealthy already. A call to the instance watches it while in flight.
-        Returns the function that ends the watch (idempotent): call it when the call ends.
+        """Have `on_unhealthy` called once, when the instance is next presumed down, or now
+        if it is already. A call to the instance watches it while in flight. Returns the
+        function that ends the watch (idempotent): call it when the call ends.
         `on_unhealthy` runs inside `BackendPool.mark_failed`: it must not raise or block."""
-        if not self.is_healthy:
+        if self.is_down:
             on_unhealthy()
             return _no_watch
         key = object()
@@ -145,13 +153,14 @@ class BackendPool:
         up = self.healthy()
         return b in up and b.in_flight <= min(x.in_flight for x in up) + busy_margin
 
-    def mark_failed(self, b: Backend, now: float) -> None:
-        """`b` is unhealthy from now; if it was healthy, everything that watches it is told
-        (and stops watching)."""
-        was_healthy = b.is_healthy
+    def mark_failed(self, b: Backend, now: float, *, is_down: bool = True) -> None:
+        """`b` gets no new work from now. `is_down` (it is presumed down): everything that
+        watches it is told (and stops watching); else (it answered a call with a 5xx) its
+        other calls in flight go on."""
         b.is_healthy = False
         b.failed_at = now
-        if was_healthy:
+        if is_down:
+            b.is_down = True
             watchers, b.watchers = b.watchers, {}
             for on_unhealthy in watchers.values():
                 on_unhealthy()
@@ -168,6 +177,7 @@ class BackendPool:
         b.num_failed_probes = 0
         if started_at >= b.failed_at:
             b.is_healthy = True
+            b.is_down = False
 
     def assign(self, b: Backend, now: float) -> None:
         b.recent = self._recent(b, now) + 1.0
@@ -176,8 +186,8 @@ class BackendPool:
 
     def done(self, b: Backend, outcome: Outcome, now: float) -> None:
         b.in_flight -= 1
-        if outcome is Outcome.FAILED:
-            self.mark_failed(b, now)
+        if outcome is Outcome.FAILED or outcome is Outcome.ERROR:
+            self.mark_failed(b, now, is_down=outcome is Outcome.FAILED)
 
 
 @dataclass
