@@ -207,10 +207,17 @@ class RouterConfig:
     """Half-life of the count of recent assignments that spreads new sessions."""
     health_interval_s: float = 2.0
     """Seconds between the router's probes of each instance's /health. A failed call
-    (unreachable, or a 5xx) or probe marks the instance unhealthy at once, and it gets
-    no new work until a probe that began after the failure succeeds."""
+    (unreachable, or a 5xx) marks the instance unhealthy at once, ``--health-failures``
+    failed probes in a row do too; it then gets no new work until a probe that began
+    after the failure succeeds."""
     health_timeout_s: float = 2.0
     """Deadline of one health probe; a probe past it counts as failed."""
+    health_failures: int = 2
+    """Failed health probes in a row that mark an instance unhealthy (1: the first). When
+    an instance is marked unhealthy, the router abandons its calls in flight to it: a
+    prefill ends as failed (decode computes the prompt), a decode answer ends with an
+    error. So a hung instance holds a request for at most about --health-interval-s x
+    this + --health-timeout-s."""
     api_key: str = field(default="", repr=False)
     """Key clients must send on every /v1/* route (header Authorization: Bearer KEY); empty:
     KVDUPLEX_API_KEY, or no key (open). The router sends it on to the instances.
@@ -245,6 +252,8 @@ class RouterConfig:
         for name in ("session_ttl_s", "load_half_life_s", "health_interval_s", "health_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.health_failures < 1:
+            raise ValueError(f"health_failures must be >= 1, got {self.health_failures}")
         if self.max_sessions < 1:
             raise ValueError(f"max_sessions must be >= 1, got {self.max_sessions}")
         if self.max_body_mb < 1:

@@ -8,12 +8,17 @@ mid-stream (the client's stream ends with an OpenAI error event, in bounded
 time); D killed between requests (the next requests are answered exactly by
 D1, the router's gauge says D0 is unhealthy, then takes D0 back once it is
 restarted on its port, and new sessions reach it again); P killed (D computes
-the prompts, then pushes resume once P is back).
+the prompts, then pushes resume once P is back); D stopped mid-stream, its
+connections open (the router marks it unhealthy after its probes fail and
+ends the stream with the error event within the marking deadline).
 """
 
 from __future__ import annotations
 
 import itertools
+import os
+import signal
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -49,6 +54,12 @@ KEY_ENV = {"KVDUPLEX_API_KEY": KEY}
 P_ARGS = [*SERVE, "--role", "prefill", "--num-blocks", "640"]
 D_ARGS = [*SERVE, *D_FLAGS]
 FINISHED = "kvduplex_requests_finished_total"
+HEALTH_TIMEOUT_S = 2.0
+"""The router's --health-timeout-s (its default)."""
+STOP_BOUND_S = 2 * max(HEALTH_INTERVAL_S, HEALTH_TIMEOUT_S) + HEALTH_TIMEOUT_S + 6.0
+"""A stopped D's stream ends within the marking deadline (two failed probes, the default
+--health-failures; a probe round lasts up to the timeout), plus slack for a loaded
+machine."""
 
 
 @dataclass
@@ -175,3 +186,33 @@ def test_prefill_killed_decode_computes_then_pushes_resume(
     assert metric(p, FINISHED) == before + 1, "the router sends prefills to P again"
     for proc in trio.procs.values():
         assert blocks_left(proc.url) == 0
+
+
+def test_decode_stopped_mid_stream_ends_the_stream_once_marked_unhealthy(
+    trio: Trio, salts: Iterator[int]
+) -> None:
+    """SIGSTOP keeps D's connections open and silent: without the router's abandonment
+    the stream would wait for the client's read deadline."""
+    v = Victim(
+        trio.router, body(prompt_ids(24, next(salts)), 1200, stream=True), headers=AUTH
+    ).start()
+    poll(lambda: len(v.tokens) >= 3, "a stream decoding")
+    (name,) = [n for n in ("D0", "D1") if kv_stats(trio.procs[n].url)["num_running"] == 1]
+    proc = trio.procs[name]
+    errors = metric(trio.router, "kvduplex_router_stream_errors_total")
+    os.killpg(proc.popen.pid, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    try:
+        assert v.done.wait(STOP_BOUND_S), "the stream did not end"
+        print(f"stopped decode: the stream ended {time.monotonic() - stopped_at:.1f} s after")
+        assert v.outcome([]) is Outcome.ERROR and v.api_error, v.error
+        assert "marked unhealthy" in (v.error or "")
+        want = reference_tokens(trio.reference, v.body)
+        assert v.tokens == want[: len(v.tokens)], "each token once, in order"
+        assert metric(trio.router, "kvduplex_router_stream_errors_total") == errors + 1
+    finally:
+        os.killpg(proc.popen.pid, signal.SIGCONT)
+    wait_router_sees(trio.router, proc.url, "decode", healthy=True)
+    poll(lambda: blocks_left(proc.url) == 0, "the resumed decode to free the request")
+    v = trio.ask(30, next(salts))
+    assert trio.exact(v), v.error

@@ -224,13 +224,15 @@ def test_drop_first_token_of_decode_stream() -> None:
 def test_router_flags_come_from_router_config_and_up_passes_them_on() -> None:
     argv = ["router", "--prefill", "http://p/", "--decode", "http://d", "--mode", "pull",
             "--session-ttl-s", "30", "--max-sessions", "5", "--return-mode", "push",
-            "--short-append-tokens", "16", "--health-interval-s", "0.5", "--api-key", "sk-xyzzy"]  # fmt: skip
+            "--short-append-tokens", "16", "--health-interval-s", "0.5", "--health-failures", "3",
+            "--api-key", "sk-xyzzy"]  # fmt: skip
     args = build_parser().parse_args(argv)
     cfg = dataclass_from_args(RouterConfig, args, prefill=tuple(args.prefill), decode=tuple(args.decode))
     assert (cfg.prefill, cfg.decode, cfg.mode) == (("http://p",), ("http://d",), Mode.PULL)
     assert (cfg.session_ttl_s, cfg.max_sessions) == (30.0, 5)
     assert (cfg.return_mode, cfg.short_append_tokens) == (ReturnMode.PUSH, 16)
-    assert (cfg.health_interval_s, cfg.api_key) == (0.5, "sk-xyzzy") and "xyzzy" not in repr(cfg)
+    assert (cfg.health_interval_s, cfg.health_failures) == (0.5, 3)
+    assert cfg.api_key == "sk-xyzzy" and "xyzzy" not in repr(cfg)
     up = build_parser().parse_args(["up", "--return-mode", "pull", "--max-sessions", "9"])
     passed = flags_of(RouterConfig, up, skip=_UP_ROUTER_SKIP)
     assert passed[passed.index("--return-mode") + 1] == "pull"
@@ -246,6 +248,7 @@ def test_router_flags_come_from_router_config_and_up_passes_them_on() -> None:
         ({"short_append_tokens": -1}, "short_append_tokens"),
         ({"health_interval_s": 0}, "health_interval_s"),
         ({"health_timeout_s": -1}, "health_timeout_s"),
+        ({"health_failures": 0}, "health_failures"),
     ]:
         with pytest.raises(ValueError, match=message):
             RouterConfig(**{"decode": ("http://d",), **bad})  # type: ignore[arg-type]

@@ -118,7 +118,7 @@ def test_a_failed_call_routes_around_the_instance_until_a_later_probe_succeeds()
 
 
 def test_a_failed_probe_marks_unhealthy_and_none_healthy_is_told_at_once() -> None:
-    policy, clock = _policy(1, 2)
+    policy, clock = _policy(1, 2, health_failures=1)
     d0, d1 = policy.decode.backends
     policy.decode.note_probe(d0, False, clock(), clock())
     assert not d0.is_healthy
@@ -131,6 +131,51 @@ def test_a_failed_probe_marks_unhealthy_and_none_healthy_is_told_at_once() -> No
     policy.decode.note_probe(d1, True, clock(), clock())
     route = policy.route(_turn1(6), None)
     assert route.prefill is None and route.decode is d1, "no healthy P: D computes alone"
+
+
+def test_probes_mark_unhealthy_after_the_threshold_and_a_failed_call_at_once() -> None:
+    """1. one failed probe leaves D0 healthy, and a good probe starts the count again;
+    2. the second failed probe in a row marks it unhealthy and tells its watchers, once;
+    3. a failed call marks D1 at once and tells its watchers;
+    4. a watch of an instance presumed down is told at once; an ended watch is never told;
+    5. a 5xx answer marks it unhealthy without telling its watchers."""
+    policy, clock = _policy(1, 2)  # health_failures: 2, the default
+    d0, d1 = policy.decode.backends
+    told: list[str] = []
+    policy.decode.note_probe(d0, False, clock(), clock())  # 1.
+    assert d0.is_healthy
+    policy.decode.note_probe(d0, True, clock(), clock())
+    policy.decode.note_probe(d0, False, clock(), clock())
+    assert d0.is_healthy, "not two in a row"
+    d0.watch(lambda: told.append("d0"))
+    policy.decode.note_probe(d0, False, clock(), clock())  # 2.
+    assert not d0.is_healthy and told == ["d0"]
+    policy.decode.note_probe(d0, False, clock(), clock())
+    assert told == ["d0"] and d0.watchers == {}
+    route = policy.route(_turn1(0), None)  # 3.
+    assert route.decode is d1
+    d1.watch(lambda: told.append("d1"))
+    policy.decode_done(route, Outcome.FAILED)
+    assert not d1.is_healthy and told == ["d0", "d1"]
+    d0.watch(lambda: told.append("d0 again"))  # 4.
+    assert told == ["d0", "d1", "d0 again"] and d0.watchers == {}
+    clock.now += 1.0
+    policy.decode.note_probe(d0, True, clock(), clock())
+    assert d0.is_healthy
+    unwatch = d0.watch(lambda: told.append("ended"))
+    unwatch()
+    unwatch()
+    policy.decode.mark_failed(d0, clock())
+    assert told == ["d0", "d1", "d0 again"]
+    clock.now += 1.0  # 5. a 5xx answer: no new work for d0, but its calls in flight go on
+    policy.decode.note_probe(d0, True, clock(), clock())
+    route = policy.route(_turn1(1), None)
+    assert route.decode is d0
+    d0.watch(lambda: told.append("d0 down"))
+    policy.decode_done(route, Outcome.ERROR)
+    assert not d0.is_healthy and not d0.is_down and told == ["d0", "d1", "d0 again"]
+    policy.decode.mark_failed(d0, clock())  # then a failed connection: presumed down
+    assert d0.is_down and told == ["d0", "d1", "d0 again", "d0 down"]
 
 
 def test_reroute_moves_the_request_and_its_session_to_a_healthy_decode() -> None:

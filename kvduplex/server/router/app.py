@@ -14,6 +14,8 @@ Failures: the app's lifespan runs the health prober (`health.py`). Without a
 healthy decode instance a request is refused at once (503,
 ``no_healthy_instance``). A request whose decode instance could not be reached
 is routed once more, to another healthy one (`RoutingPolicy.try_reroute`).
+Calls in flight to an instance that is marked unhealthy are abandoned
+(`calls.py`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from kvduplex.openai.prompt import PromptError, prompt_token_ids
 from kvduplex.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from kvduplex.server.auth import APIKeyGuard
 from kvduplex.server.guard import BodyCap
+from kvduplex.server.router.calls import until_unhealthy
 from kvduplex.server.router.flows import (
     DecodeUnreachable,
     Forward,
@@ -189,7 +192,7 @@ def create_router_app(state: RouterState) -> FastAPI:
             raise _unavailable(state, NoHealthyInstance("decode"))
         d = up[0]
         try:
-            resp = await state.client.get(d.url + "/v1/models")
+            resp = await until_unhealthy(d, state.client.get(d.url + "/v1/models"))
         except httpx.HTTPError as exc:
             pool.mark_failed(d, state.policy.clock())
             message = f"decode at {d.url} failed: {exc!r}"

@@ -17,9 +17,15 @@ Either way the client never sees a transfer fault, only a slower answer.
 P's bodies carry ``session_id`` too; instances may ignore it.
 
 A D that cannot be reached (the connection was refused or timed out: D never
-saw the request) raises `DecodeUnreachable` once P's part is undone (push:
-cancelled; pull: its lease released), so the app can route the request again;
-any other failure before D's answer begins is a 502.
+saw the request), or that the router marked unhealthy before the request was
+sent, raises `DecodeUnreachable` once P's part is undone (push: cancelled;
+pull: its lease released), so the app can route the request again; any other
+failure before D's answer begins is a 502.
+
+Every call to an instance is abandoned once the router marks the instance
+unhealthy (`calls.until_unhealthy`, and `relay` for D's stream): a P that
+hangs or is partitioned fails its prefill then (D computes the prompt), a D
+that does the same ends its answer with an error.
 """
 
 from __future__ import annotations
@@ -39,7 +45,8 @@ from fastapi.responses import JSONResponse, Response
 from kvduplex.config import ReturnMode
 from kvduplex.openai import render
 from kvduplex.openai.protocol import OpenAIRequest, error_body
-from kvduplex.server.router.policy import Outcome, Route
+from kvduplex.server.router.calls import InstanceDown, until_unhealthy
+from kvduplex.server.router.policy import Backend, Outcome, Route
 from kvduplex.server.router.relay import (
     FirstToken,
     body_parts,
@@ -80,7 +87,7 @@ class DecodeUnreachable(Exception):
 
 
 def _outcome(status: int) -> Outcome:
-    return Outcome.OK if status < 400 else Outcome.REFUSED if status < 500 else Outcome.FAILED
+    return Outcome.OK if status < 400 else Outcome.REFUSED if status < 500 else Outcome.ERROR
 
 
 def _prefill_body(fwd: Forward, xid: str, seed: int | None) -> dict[str, Any]:
@@ -95,12 +102,15 @@ def _prefill_body(fwd: Forward, xid: str, seed: int | None) -> dict[str, Any]:
 async def _post_prefill(
     state: RouterState, fwd: Forward, path: str, req: dict[str, Any]
 ) -> dict[str, Any] | None:
-    """POST to the route's P; its JSON answer, or None (logged) if it failed."""
+    """POST to the route's P; its JSON answer, or None (logged) if it failed, or P was
+    marked unhealthy before it answered."""
     p = fwd.route.prefill
     assert p is not None
     outcome = Outcome.REFUSED  # until the call ends one way or the other
     try:
-        resp = await state.client.send(json_request(state.client, p.url + path, req))
+        resp = await until_unhealthy(
+            p, state.client.send(json_request(state.client, p.url + path, req))
+        )
         outcome = _outcome(resp.status_code)
         if resp.status_code != 200:
             logger.warning(
@@ -120,44 +130,51 @@ async def _post_prefill(
         state.policy.prefill_done(fwd.route, outcome)
 
 
-async def _retained(state: RouterState, d_url: str, session_id: str) -> dict[str, Any] | None:
+async def _retained(state: RouterState, d: Backend, session_id: str) -> dict[str, Any] | None:
     """``--return-mode pull``: the session's last turn that D retained, for P to READ."""
+    url = d.url + "/internal/kv/retained"
     try:
-        resp = await state.client.send(
-            json_request(state.client, d_url + "/internal/kv/retained", {"session_id": session_id})
+        resp = await until_unhealthy(
+            d, state.client.send(json_request(state.client, url, {"session_id": session_id}))
         )
     except httpx.HTTPError as exc:
-        logger.info("session %s: retained turn at %s unavailable: %s", session_id, d_url, exc)
+        logger.info("session %s: retained turn at %s unavailable: %s", session_id, d.url, exc)
         return None
     if resp.status_code != 200:
         return None
     info: dict[str, Any] = resp.json()
-    return {"decode_url": d_url, **info}
+    return {"decode_url": d.url, **info}
 
 
-async def _cancel(state: RouterState, url: str, xid: str, reason: str) -> None:
+async def _cancel(state: RouterState, b: Backend, xid: str, reason: str) -> None:
+    body = {"xid": xid, "reason": reason}
     with contextlib.suppress(httpx.HTTPError):
-        await state.client.send(
-            json_request(
-                state.client, url + "/internal/push/cancel", {"xid": xid, "reason": reason}
-            )
-        )
+        url = b.url + "/internal/push/cancel"
+        await until_unhealthy(b, state.client.send(json_request(state.client, url, body)))
 
 
-async def _release(state: RouterState, url: str, xid: str) -> None:
+async def _release(state: RouterState, b: Backend, xid: str) -> None:
     with contextlib.suppress(httpx.HTTPError):
-        await state.client.send(json_request(state.client, url + "/internal/release", {"xid": xid}))
+        url = b.url + "/internal/release"
+        await until_unhealthy(b, state.client.send(json_request(state.client, url, {"xid": xid})))
 
 
 async def _open_decode(
     state: RouterState, fwd: Forward, body: dict[str, Any], headers: dict[str, str]
 ) -> httpx.Response | Response:
-    """D's streaming response, or a 502 if D failed before answering; raises
-    `DecodeUnreachable` if D could not be reached at all."""
+    """D's streaming response, or a 502 if D failed (or was marked unhealthy) before
+    answering; raises `DecodeUnreachable` if D could not be reached at all, or was marked
+    unhealthy before the request was sent."""
     d = fwd.route.decode
+    if not d.is_healthy:
+        state.policy.decode_done(fwd.route, Outcome.REFUSED)
+        raise DecodeUnreachable(d.url, InstanceDown(d.url))
     try:
-        return await state.client.send(
-            json_request(state.client, d.url + fwd.path, body, headers), stream=True
+        return await until_unhealthy(
+            d,
+            state.client.send(
+                json_request(state.client, d.url + fwd.path, body, headers), stream=True
+            ),
         )
     except httpx.HTTPError as exc:
         state.policy.decode_done(fwd.route, Outcome.FAILED)
@@ -184,7 +201,8 @@ def _relay_decode(
             state.metrics.stream_errors.inc()
         state.policy.decode_done(fwd.route, Outcome.FAILED if failed else outcome)
 
-    return relay(upstream, parts, close, f"decode at {fwd.route.decode.url}")
+    d = fwd.route.decode
+    return relay(upstream, parts, close, f"decode at {d.url}", d.watch)
 
 
 def is_short_append(state: RouterState, fwd: Forward) -> bool:
@@ -242,7 +260,7 @@ async def serve_pull(state: RouterState, fwd: Forward) -> Response:
         upstream = await _open_decode(state, fwd, body, {})
     except DecodeUnreachable:
         if ans is not None:  # P's blocks are leased for a READ that will not come
-            await _release(state, p.url, xid)
+            await _release(state, p, xid)
         raise
     if isinstance(upstream, Response):
         return upstream
@@ -271,25 +289,25 @@ async def serve_push(state: RouterState, fwd: Forward) -> Response:
     elif mode is ReturnMode.PULL:
         params["return_mode"] = "pull"
         if fwd.route.is_session_hit:
-            p_req["pull_from"] = await _retained(state, d.url, fwd.route.session_id)
+            p_req["pull_from"] = await _retained(state, d, fwd.route.session_id)
     prefill = asyncio.create_task(_post_prefill(state, fwd, "/internal/push/prefill", p_req))
     try:
         upstream = await _open_decode(
             state, fwd, {**body, "kv_transfer_params": params}, {"x-request-id": rid}
         )
     except DecodeUnreachable:
-        await _cancel(state, p.url, xid, "decode unreachable")
+        await _cancel(state, p, xid, "decode unreachable")
         raise
 
     async def watch_prefill() -> dict[str, Any] | None:
         ans = await prefill
         if ans is None:
-            await _cancel(state, d.url, xid, "prefill failed")
+            await _cancel(state, d, xid, "prefill failed")
         return ans
 
     watcher = asyncio.create_task(watch_prefill())
     if isinstance(upstream, Response) or upstream.status_code != 200:
-        await _cancel(state, p.url, xid, "decode refused the request")
+        await _cancel(state, p, xid, "decode refused the request")
         if isinstance(upstream, Response):
             return upstream
         return _relay_decode(state, fwd, upstream, body_parts(upstream))

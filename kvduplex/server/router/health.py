@@ -4,10 +4,12 @@ The router's app starts `run_prober` in its lifespan and cancels it at
 shutdown. Each round probes every prefill and decode instance at once, each
 probe bounded by ``--health-timeout-s``, and tells the policy how each ended
 (`BackendPool.note_probe`): a 200 makes an instance healthy again (unless a
-call failed after the probe began), anything else (refused, a timeout, a
-non-200) makes it unhealthy. A 200 also tells the instance's ``max_model_len``,
-which the router checks requests against before it dispatches them. Rounds start every ``--health-interval-s``, the
-first at once.
+call failed after the probe began); anything else (refused, a timeout, a
+non-200) counts as a failure, and ``--health-failures`` of them in a row make
+it unhealthy, which abandons the calls in flight to it (`calls.py`). A 200
+also tells the instance's ``max_model_len``, which the router checks requests
+against before it dispatches them. Rounds start every
+``--health-interval-s``, the first at once.
 """
 
 from __future__ import annotations
@@ -40,6 +42,11 @@ async def probe(
     except httpx.HTTPError as exc:
         is_ok, why = False, repr(exc)
     pool.note_probe(b, is_ok, started_at, policy.clock())
+    if not is_ok and b.is_healthy:
+        logger.info(
+            "instance %s: /health %s (%d of %d failures in a row)",
+            b.url, why, b.num_failed_probes, pool.health_failures,
+        )  # fmt: skip
     if b.is_healthy != was_healthy:
         if b.is_healthy:
             logger.warning("instance %s is healthy again", b.url)

@@ -15,10 +15,14 @@ round-robin. The prompt's prefix alone never attracts a new session: a
 system prompt shared by every conversation would send them all to one place.
 
 Health. An instance is unhealthy from a failed call (unreachable, or a 5xx)
-or a failed probe of its /health (`note_probe`, from the router's prober)
-until a probe that began after the failure succeeds. Only healthy instances
-get work: without a healthy prefill instance, decode computes whole requests;
-without a healthy decode instance, `route` raises `NoHealthyInstance`.
+or from `health_failures` failed probes of its /health in a row (`note_probe`,
+from the router's prober) until a probe that began after the failure
+succeeds. Only healthy instances get work: without a healthy prefill
+instance, decode computes whole requests; without a healthy decode instance,
+`route` raises `NoHealthyInstance`. An instance presumed down (a failed
+connection, or the failed probes) also has whatever watches it called
+(`Backend.watch`): the flows abandon their calls in flight to it there; a
+5xx answer leaves its other calls in flight alone.
 
 The policy is plain Python over its own counters; the flows report back
 when each call ends (`prefill_done`, `decode_done`) and whether the instance
@@ -43,8 +47,12 @@ class Outcome(enum.Enum):
     OK = "ok"
     REFUSED = "refused"
     """A 4xx, or a call abandoned: it says nothing of the instance."""
+    ERROR = "error"
+    """A 5xx: the instance answered but failed the call. Unhealthy (no new work) until a
+    probe says otherwise; its other calls in flight go on."""
     FAILED = "failed"
-    """Unreachable, or a 5xx: the instance is unhealthy until a probe says otherwise."""
+    """Unreachable, or its connection failed: presumed down. Unhealthy until a probe says
+    otherwise, and its calls in flight are abandoned."""
 
 
 class NoHealthyInstance(Exception):
@@ -68,18 +76,49 @@ class Backend:
     is_healthy: bool = True
     """Whether it gets new work; assumed until the first probe or call says otherwise."""
     failed_at: float = field(default=float("-inf"))
-    """Clock time of the last failed call or probe: a probe that began before it cannot
-    make the instance healthy again."""
+    """Clock time it was last marked unhealthy (a failed call, or a failed probe that made
+    `health_failures` in a row): a probe that began before it cannot make the instance
+    healthy again."""
     max_model_len: int | None = None
     """The longest request it serves, as its last good probe said (None: not yet known)."""
+    num_failed_probes: int = 0
+    """Probes failed in a row since the last good one."""
+    is_down: bool = False
+    """Presumed down (a failed connection, or `health_failures` failed probes): calls in
+    flight to it are abandoned, and a call that starts watching it is at once."""
+    watchers: dict[object, Callable[[], None]] = field(
+        default_factory=dict, repr=False, compare=False
+    )
+    """What to call when it is next marked unhealthy (see `watch`)."""
+
+    def watch(self, on_unhealthy: Callable[[], None]) -> Callable[[], None]:
+        """Have `on_unhealthy` called once, when the instance is next presumed down, or now
+        if it is already. A call to the instance watches it while in flight. Returns the
+        function that ends the watch (idempotent): call it when the call ends.
+        `on_unhealthy` runs inside `BackendPool.mark_failed`: it must not raise or block."""
+        if self.is_down:
+            on_unhealthy()
+            return _no_watch
+        key = object()
+        self.watchers[key] = on_unhealthy
+
+        def unwatch() -> None:
+            self.watchers.pop(key, None)
+
+        return unwatch
+
+
+def _no_watch() -> None:
+    pass
 
 
 class BackendPool:
     """The instances of one role, their load and the round-robin cursor that breaks ties."""
 
-    def __init__(self, urls: Sequence[str], half_life_s: float) -> None:
+    def __init__(self, urls: Sequence[str], half_life_s: float, health_failures: int = 2) -> None:
         self.backends = [Backend(url) for url in urls]
         self.half_life_s = half_life_s
+        self.health_failures = health_failures
         self._index = {b.url: i for i, b in enumerate(self.backends)}
         self._cursor = 0
 
@@ -114,17 +153,31 @@ class BackendPool:
         up = self.healthy()
         return b in up and b.in_flight <= min(x.in_flight for x in up) + busy_margin
 
-    def mark_failed(self, b: Backend, now: float) -> None:
+    def mark_failed(self, b: Backend, now: float, *, is_down: bool = True) -> None:
+        """`b` gets no new work from now. `is_down` (it is presumed down): everything that
+        watches it is told (and stops watching); else (it answered a call with a 5xx) its
+        other calls in flight go on."""
         b.is_healthy = False
         b.failed_at = now
+        if is_down:
+            b.is_down = True
+            watchers, b.watchers = b.watchers, {}
+            for on_unhealthy in watchers.values():
+                on_unhealthy()
 
     def note_probe(self, b: Backend, is_ok: bool, started_at: float, now: float) -> None:
         """A probe of `b` that began at `started_at` ended now: healthy if it succeeded and
-        nothing failed since it began; unhealthy if it failed."""
+        nothing failed since it began; unhealthy if it failed and so did the
+        `health_failures` - 1 probes before it."""
         if not is_ok:
-            self.mark_failed(b, now)
-        elif started_at >= b.failed_at:
+            b.num_failed_probes += 1
+            if b.num_failed_probes >= self.health_failures:
+                self.mark_failed(b, now)
+            return
+        b.num_failed_probes = 0
+        if started_at >= b.failed_at:
             b.is_healthy = True
+            b.is_down = False
 
     def assign(self, b: Backend, now: float) -> None:
         b.recent = self._recent(b, now) + 1.0
@@ -133,8 +186,8 @@ class BackendPool:
 
     def done(self, b: Backend, outcome: Outcome, now: float) -> None:
         b.in_flight -= 1
-        if outcome is Outcome.FAILED:
-            self.mark_failed(b, now)
+        if outcome is Outcome.FAILED or outcome is Outcome.ERROR:
+            self.mark_failed(b, now, is_down=outcome is Outcome.FAILED)
 
 
 @dataclass
@@ -166,12 +219,13 @@ class RoutingPolicy:
         max_sessions: int = 100_000,
         busy_margin: int = 2,
         load_half_life_s: float = 30.0,
+        health_failures: int = 2,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not decode_urls:
             raise ValueError("give at least one decode instance")
-        self.prefill = BackendPool(prefill_urls, load_half_life_s)
-        self.decode = BackendPool(decode_urls, load_half_life_s)
+        self.prefill = BackendPool(prefill_urls, load_half_life_s, health_failures)
+        self.decode = BackendPool(decode_urls, load_half_life_s, health_failures)
         self.sessions = SessionTable(session_ttl_s, max_sessions)
         self.busy_margin = busy_margin
         self.clock = clock
@@ -183,7 +237,8 @@ class RoutingPolicy:
         return cls(
             config.prefill, config.decode, session_ttl_s=config.session_ttl_s,
             max_sessions=config.max_sessions, busy_margin=config.session_busy_margin,
-            load_half_life_s=config.load_half_life_s, clock=clock,
+            load_half_life_s=config.load_half_life_s, health_failures=config.health_failures,
+            clock=clock,
         )  # fmt: skip
 
     def max_model_len(self) -> int | None:

@@ -7,10 +7,11 @@ with that copy dropped (`drop_first_token`). D's events are read with
 httpx-sse, the one SSE parser of the project.
 
 A stream is relayed in whole events. If D's connection fails mid-answer (D
-died), the client's stream ends as vLLM ends a stream that fails: one error
-event, ``data: {"error": {"message", "type": "server_error", "code":
-"decode_failed"}}``, then ``data: [DONE]``. Tokens already sent stay sent;
-none is sent twice.
+died), or the router marks D unhealthy meanwhile (D hung or partitioned: the
+relay then closes D's response, which ends its read), the client's stream
+ends as vLLM ends a stream that fails: one error event, ``data: {"error":
+{"message", "type": "server_error", "code": "decode_failed"}}``, then
+``data: [DONE]``. Tokens already sent stay sent; none is sent twice.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from kvduplex.engine.detokenizer import IncrementalDetokenizer
 from kvduplex.model.tokenizer import Tokenizer
 from kvduplex.openai import render
 from kvduplex.openai.protocol import error_body
+from kvduplex.server.router.calls import InstanceDown
 
 logger = logging.getLogger(__name__)
 
@@ -69,18 +71,36 @@ def relay(
     parts: AsyncIterator[bytes],
     on_close: Callable[[bool], None],
     source: str,
+    watch: Callable[[Callable[[], None]], Callable[[], None]] | None = None,
 ) -> StreamingResponse:
     """Stream `parts` with `upstream`'s status and content type; close it and call
     ``on_close(failed)`` once, when the stream ends or the client leaves (`failed`:
-    `source`'s connection failed mid-answer; a stream then ends with an error event)."""
+    `source`'s connection failed mid-answer, or `source` was marked unhealthy; a stream
+    then ends with an error event). `watch` is `source`'s `Backend.watch`: when it calls
+    back, `upstream` is closed and the answer abandoned."""
     content_type = upstream.headers.get("content-type", "application/json")
     is_sse = content_type.startswith("text/event-stream")
     closed = False
+    abandoned: InstanceDown | None = None
+    closing: set[asyncio.Task[None]] = set()
+
+    def abandon() -> None:
+        """`source` was marked unhealthy: closing its response ends the read in flight
+        (in a task of its own, which nothing cancels; see `push_stream`)."""
+        nonlocal abandoned
+        abandoned = InstanceDown(source)
+        if not closed:
+            task = asyncio.ensure_future(upstream.aclose())
+            closing.add(task)
+            task.add_done_callback(closing.discard)
+
+    unwatch = watch(abandon) if watch is not None else _no_watch
 
     async def close(failed: bool = False) -> None:
         nonlocal closed
         if not closed:
             closed = True
+            unwatch()
             on_close(failed)
             with anyio.CancelScope(shield=True):  # the body's task may be cancelled
                 await upstream.aclose()
@@ -90,8 +110,13 @@ def relay(
         source_parts = whole_events(parts) if is_sse else parts
         try:
             async for part in source_parts:
+                if abandoned is not None:  # what D sent after the router gave up on it
+                    raise abandoned
                 yield part
-        except httpx.HTTPError as exc:
+        except Exception as exc:
+            if abandoned is None and not isinstance(exc, httpx.HTTPError):
+                raise
+            exc = abandoned or exc  # a closed response's read ends with its own error
             failed = True
             logger.warning("%s failed mid-answer: %r", source, exc)
             if is_sse:
@@ -105,6 +130,10 @@ def relay(
 
     headers = {"content-type": content_type}
     return _RelayedResponse(body(), close, upstream.status_code, headers)
+
+
+def _no_watch() -> None:
+    pass
 
 
 async def whole_events(parts: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

@@ -30,7 +30,9 @@ class RouterState:
     metrics: RouterMetrics
     client: httpx.AsyncClient
     """To the instances: sends the cluster secret and the API key. No cap on connections:
-    every request in flight holds one to P and one to D for as long as it runs."""
+    every request in flight holds one to P and one to D for as long as it runs. Its read
+    deadline (600 s) is a last resort: a call ends sooner when its instance is marked
+    unhealthy (`calls.py`)."""
     probe_client: httpx.AsyncClient
     """The health probes' own pool, so that a busy router never takes its own wait for a
     connection for an instance's failure."""
