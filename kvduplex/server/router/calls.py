@@ -3,9 +3,9 @@
 The router's HTTP client waits up to 600 s for a read, so without this a call
 to a partitioned or hung instance would hold its client's request for that
 long after the router stopped sending the instance work. Each call watches
-its instance while in flight (`Backend.watch`); when the instance is marked
-unhealthy (a failed call, or ``--health-failures`` failed probes in a row)
-the call is abandoned and raises `InstanceDown`, an `httpx.TransportError`,
+its instance while in flight (`Backend.watch`); when the instance is presumed
+down (a failed connection, or ``--health-failures`` failed probes in a row;
+not a 5xx answer, which only stops new work) the call is abandoned and raises `InstanceDown`, an `httpx.TransportError`,
 so that it ends as a call whose connection failed ends: a prefill fails
 (decode computes the prompt), a decode that has not answered is a 502, a
 decode stream ends with an error event.
@@ -44,10 +44,11 @@ class InstanceDown(httpx.TransportError):
 
 async def until_unhealthy(b: Backend, call: Coroutine[Any, Any, T]) -> T:
     """What `call` (a call to `b`) returns, unless `b` is marked unhealthy first: the call
-    is then cancelled, its end awaited, and `InstanceDown` raised. If `b` is unhealthy
-    already, `call` never starts. If the caller is cancelled, the call is cancelled once and
+    is then cancelled, its end awaited, and `InstanceDown` raised. If `b` is presumed down
+    already, `call` never starts (one that only answered a 5xx still gets calls: a cancel
+    or release it should hear). If the caller is cancelled, the call is cancelled once and
     left to end on its own."""
-    if not b.is_healthy:
+    if b.is_down:
         call.close()
         raise InstanceDown(b.url)
     task = asyncio.ensure_future(call)
