@@ -21,6 +21,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from kvduplex.bench import agentic_floors as floors
 from kvduplex.bench import agentic_report as report
 from kvduplex.bench.agentic import check_tools_accepted, served_models
 from kvduplex.bench.agentic_matrix import (
@@ -250,8 +251,10 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         block_size = CacheConfig().block_size
         bytes_per_block = kv_bytes_per_token(meta["model"]) * block_size
         bounds = report.block_bounds(runs.records, bytes_per_block, block_size)
-    engine = report.engine_times(runs.records, runs.runs)
-    table = report.markdown(turns, summ, ratio, runs.kv, notes, bounds, engine)
+    engine = floors.engine_times(runs.records, runs.runs)
+    load = floors.decode_loads(runs.records)
+    table = report.markdown(turns, summ, ratio, runs.kv, notes, bounds,
+                            floors.floor_lines(engine, load))
     name = args.name or "agentic-" + (args.label if args.url else meta["model"])
     name += "-quick" if args.quick and not args.name else ""
     result = {
@@ -263,7 +266,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "per_turn": [asdict(s) for s in turns], "summary": [asdict(s) for s in summ],
         "ratios": ratio, "kv": runs.kv, "runs": runs.runs,
         "block_bounds": [asdict(b) for b in bounds], "engine_times": [asdict(e) for e in engine],
-        "engine_ratios": report.engine_ratios(engine),
+        "engine_ratios": floors.engine_ratios(engine),
+        "decode_loads": [asdict(x) for x in load], "load_ratios": floors.load_ratios(load),
         "records": [_record(r) for r in runs.records],
     }  # fmt: skip
     directory = Path(args.results_dir)

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -48,12 +47,13 @@ def _pct(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
-def _mean(values: Iterable[float | None]) -> float | None:
+def mean_known(values: Iterable[float | None]) -> float | None:
+    """The mean of the values that are not None (None if there are none)."""
     known = [v for v in values if v is not None]
     return float(np.mean(known)) if known else None
 
 
-def _ms(v: float | None) -> float | None:
+def to_ms(v: float | None) -> float | None:
     return None if v is None else v * 1e3
 
 
@@ -137,28 +137,28 @@ def stats_of(
     splits = [prefill_split(r, disaggregated) for r in ok]
     return Stats(
         mode=mode, shape=shape, turn=turn, n=len(ok), errors=len(records) - len(ok),
-        ttft_p50_ms=_ms(_pct([r.ttft_s for r in ok], 50)),
-        ttft_p90_ms=_ms(_pct([r.ttft_s for r in ok], 90)),
-        tpot_p50_ms=_ms(_pct([r.tpot_s for r in ok], 50)),
-        tpot_p90_ms=_ms(_pct([r.tpot_s for r in ok], 90)),
-        e2e_p50_ms=_ms(_pct([r.e2e_s for r in ok], 50)),
-        prompt_tokens_mean=_mean(float(r.prompt_tokens) for r in ok),
-        cached_tokens_mean=_mean(float(r.cached_tokens) for r in ok),
-        prefilled_p_mean=_mean(p for p, _ in splits),
-        prefilled_d_mean=_mean(d for _, d in splits),
-        bytes_p_to_d_mean=_mean(
+        ttft_p50_ms=to_ms(_pct([r.ttft_s for r in ok], 50)),
+        ttft_p90_ms=to_ms(_pct([r.ttft_s for r in ok], 90)),
+        tpot_p50_ms=to_ms(_pct([r.tpot_s for r in ok], 50)),
+        tpot_p90_ms=to_ms(_pct([r.tpot_s for r in ok], 90)),
+        e2e_p50_ms=to_ms(_pct([r.e2e_s for r in ok], 50)),
+        prompt_tokens_mean=mean_known(float(r.prompt_tokens) for r in ok),
+        cached_tokens_mean=mean_known(float(r.cached_tokens) for r in ok),
+        prefilled_p_mean=mean_known(p for p, _ in splits),
+        prefilled_d_mean=mean_known(d for _, d in splits),
+        bytes_p_to_d_mean=mean_known(
             float(r.kv.bytes_to_decode) if r.kv and disaggregated else None for r in ok
         ),
-        bytes_d_to_p_mean=_mean(
+        bytes_d_to_p_mean=mean_known(
             None if r.returned_bytes is None else float(r.returned_bytes)
             for r in records if r.result.ok
         ),
-        history_hit_mean=_mean(history_hit(r, index) for r in records),
-        answer_hit_mean=_mean(answer_hit(r, index) for r in records),
+        history_hit_mean=mean_known(history_hit(r, index) for r in records),
+        answer_hit_mean=mean_known(answer_hit(r, index) for r in records),
     )  # fmt: skip
 
 
-def _groups(records: list[TurnRecord]) -> dict[tuple[str, str], list[TurnRecord]]:
+def by_mode_shape(records: list[TurnRecord]) -> dict[tuple[str, str], list[TurnRecord]]:
     out: dict[tuple[str, str], list[TurnRecord]] = {}
     for r in records:
         out.setdefault((r.mode, r.shape), []).append(r)
@@ -169,7 +169,7 @@ def per_turn(records: list[TurnRecord], disaggregated: dict[str, bool]) -> list[
     """One row per (mode, shape, turn index), in the order the modes first appear."""
     rows = []
     index = history_index(records)
-    for (mode, shape), recs in _groups(records).items():
+    for (mode, shape), recs in by_mode_shape(records).items():
         for turn in sorted({r.turn for r in recs}):
             of_turn = [r for r in recs if r.turn == turn]
             rows.append(
@@ -186,7 +186,7 @@ def summary(
     return [
         stats_of(mode, shape, f">={min_turn}", [r for r in recs if r.turn >= min_turn],
                  disaggregated.get(mode, False), index)
-        for (mode, shape), recs in _groups(records).items()
+        for (mode, shape), recs in by_mode_shape(records).items()
     ]  # fmt: skip
 
 
@@ -204,87 +204,6 @@ def ratios(rows: list[Stats]) -> dict[str, dict[str, float]]:
                 entry[name] = va / vb
         out[shape] = entry
     return out
-
-
-@dataclass
-class EngineTime:
-    """Where a mode's TTFT goes, means over all turns of its runs (seconds in ms):
-    the client's TTFT and the prompt-computing instance's own (arrival at its engine
-    to the first token: P's, or the colocated instance's), from its /metrics."""
-
-    mode: str
-    shape: str
-    n: int
-    client_ttft_mean_ms: float | None
-    engine_ttft_mean_ms: float | None
-    """None where no prompt-computing instance exposes its TTFT (an endpoint)."""
-    outside_ms: float | None
-    """client - engine: router, HTTP hops, the first token's relay."""
-
-
-def engine_times(records: list[TurnRecord], runs: list[dict[str, Any]]) -> list[EngineTime]:
-    """One row per (mode, shape) that ran: client TTFT mean against the engine's."""
-    sums: dict[tuple[str, str], list[float]] = {}
-    for run in runs:
-        if run.get("engine_ttft_count"):
-            acc = sums.setdefault((run["mode"], run["shape"]), [0.0, 0.0])
-            acc[0] += run["engine_ttft_s"]
-            acc[1] += run["engine_ttft_count"]
-    rows = []
-    for (mode, shape), recs in _groups(records).items():
-        client = _mean(r.result.ttft_s for r in recs if r.result.ok)
-        total = sums.get((mode, shape))
-        engine = total[0] / total[1] if total else None
-        outside = client - engine if client is not None and engine is not None else None
-        rows.append(
-            EngineTime(mode, shape, sum(r.result.ok for r in recs), _ms(client), _ms(engine),
-                       _ms(outside))
-        )  # fmt: skip
-    return rows
-
-
-ENGINE_RATIOS: tuple[tuple[str, str, str], ...] = (
-    ("push+duplex / push", "push+duplex", "push"),
-    ("push+duplex / colocated", "push+duplex", "colocated"),
-    ("2p1d push+duplex / 2p1d push", "2p1d-push+duplex", "2p1d-push"),
-)
-
-
-def engine_ratios(rows: list[EngineTime]) -> list[list[object]]:
-    """[shape, ratio, client TTFT means' ratio, engine TTFT means' ratio (the floor)]."""
-    by = {(r.mode, r.shape): r for r in rows}
-    out: list[list[object]] = []
-    for shape in dict.fromkeys(r.shape for r in rows):
-        for name, num, den in ENGINE_RATIOS:
-            a, b = by.get((num, shape)), by.get((den, shape))
-            if a and b and a.engine_ttft_mean_ms and b.engine_ttft_mean_ms:
-                client = (a.client_ttft_mean_ms or 0.0) / (b.client_ttft_mean_ms or 1.0)
-                out.append([shape, name, client, a.engine_ttft_mean_ms / b.engine_ttft_mean_ms])
-    return out
-
-
-def engine_time_lines(rows: list[EngineTime]) -> list[str]:
-    """The engine-time table and its ratios, as Markdown lines (none without engine times)."""
-    if not any(r.engine_ttft_mean_ms is not None for r in rows):
-        return []
-    head = ["mode", "shape", "n", "client TTFT mean (ms)", "engine TTFT mean (ms)", "outside (ms)"]
-    body: list[list[object]] = [
-        [r.mode, r.shape, r.n, r.client_ttft_mean_ms, r.engine_ttft_mean_ms, r.outside_ms]
-        for r in rows
-    ]
-    lines = [
-        "", "Where TTFT goes (means over all turns; engine: arrival at the prompt-computing "
-        "instance's engine to its first token, from its /metrics):", "",
-        *markdown_table(head, body),
-    ]  # fmt: skip
-    ratio_rows = engine_ratios(rows)
-    if ratio_rows:
-        lines += [
-            "", "TTFT ratios of means: the client's, and the engine's (the floor no transfer "
-            "design can go under):", "",
-            *markdown_table(["shape", "ratio", "client", "engine (floor)"], ratio_rows),
-        ]  # fmt: skip
-    return lines
 
 
 @dataclass
@@ -313,7 +232,7 @@ def block_bounds(
 ) -> list[BlockBound]:
     index = history_index(records)
     rows = []
-    for (mode, shape), recs in _groups(records).items():
+    for (mode, shape), recs in by_mode_shape(records).items():
         pairs: dict[str, list[tuple[int, int]]] = {"P→D": [], "D→P": []}
         for r in recs:
             prev = index.get((r.mode, r.shape, r.repetition, r.session, r.turn - 1))
@@ -386,10 +305,10 @@ def markdown(
     kv_by_mode: dict[str, dict[str, float | None]],
     notes: list[str],
     bounds: list[BlockBound] | None = None,
-    engine: list[EngineTime] | None = None,
+    floors: list[str] | None = None,
 ) -> str:
-    """The whole report as Markdown: notes, summary, ratios, where TTFT goes, KV moved,
-    per-turn rows."""
+    """The whole report as Markdown: notes, summary, ratios, `floors` (Markdown lines from
+    `agentic_floors.floor_lines`), KV moved, per-turn rows."""
     lines = [f"- {n}" for n in notes]
     lines += ["", f"Summary over turns >= {SUMMARY_MIN_TURN} (ms, tokens per request):", ""]
     lines += stats_table(summ)
@@ -397,7 +316,7 @@ def markdown(
         if entry:
             lines += ["", f"Ratios ({shape}, p50, turns >= {SUMMARY_MIN_TURN}):", ""]
             lines += markdown_table(["ratio", "value"], [[k, v] for k, v in entry.items()])
-    lines += engine_time_lines(engine or [])
+    lines += floors or []
     if kv_by_mode:
         lines += ["", "KV moved (instances' /metrics):", "", *kv_table(kv_by_mode)]
     if bounds:

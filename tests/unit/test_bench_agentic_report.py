@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from kvduplex.bench import agentic_floors as floors
 from kvduplex.bench import agentic_report as report
 from kvduplex.bench.agentic import TurnRecord
 from kvduplex.bench.agentic_matrix import COSTS, estimate_total_s, fit_to_budget
@@ -210,13 +211,50 @@ def test_where_ttft_goes_and_the_floor_ratio() -> None:
         {"mode": "push", "shape": "agentic", "engine_ttft_s": 1.6, "engine_ttft_count": 4},
         {"mode": "push+duplex", "shape": "agentic", "engine_ttft_s": 0.8, "engine_ttft_count": 4},
     ]
-    rows = report.engine_times(recs, runs)
+    rows = floors.engine_times(recs, runs)
     push = next(r for r in rows if r.mode == "push")
     assert (push.n, push.client_ttft_mean_ms, push.engine_ttft_mean_ms) == (4, 500.0, 400.0)
     assert push.outside_ms == pytest.approx(100.0)
-    (ratio,) = report.engine_ratios(rows)
+    (ratio,) = floors.engine_ratios(rows)
     assert ratio[:2] == ["agentic", "push+duplex / push"]
     assert ratio[2] == pytest.approx(0.6) and ratio[3] == pytest.approx(0.5)
-    text = "\n".join(report.engine_time_lines(rows))
+    text = "\n".join(floors.engine_time_lines(rows))
     assert "engine (floor)" in text and "| push+duplex / push |" in text
-    assert report.engine_time_lines(report.engine_times(recs, [])) == []  # an endpoint: none
+    assert floors.engine_time_lines(floors.engine_times(recs, [])) == []  # an endpoint: none
+
+
+def _decoding(mode: str, turn: int, start: float, ttft: float, e2e: float, tpot: float,
+              rep: int = 0) -> TurnRecord:  # fmt: skip
+    res = RequestResult(ok=True, ttft_s=ttft, tpot_s=tpot, e2e_s=e2e, prompt_tokens=10)
+    return TurnRecord(mode, "agentic", rep, turn, turn, 0.0, 10, 5, start, res)
+
+
+def test_decodes_at_once_weigh_each_overlap_by_its_time() -> None:
+    a = _decoding("push", 3, 0.0, 1.0, 5.0, 0.1)  # decodes 1..5
+    b = _decoding("push", 4, 2.0, 1.0, 3.0, 0.1)  # decodes 3..5: half of a's decode
+    c = _decoding("push", 5, 10.0, 1.0, 2.0, 0.1)  # alone
+    load = floors.decodes_at_once([a, b, c])
+    assert load[id(a)] == pytest.approx(1.5) and load[id(b)] == pytest.approx(2.0)
+    assert load[id(c)] == pytest.approx(1.0)
+
+
+def test_tpot_at_equal_load_takes_out_what_load_explains() -> None:
+    # push: TPOT = 10 + 20 * decodes at once; duplex runs at a higher load on the same line,
+    # plus 5% of its own: measured it is far above push, at equal load only 5% above.
+    def run(mode: str, extra: float, loads: range) -> list[TurnRecord]:
+        recs = []
+        for k in loads:  # k requests decoding together over the same second
+            tpot = (10 + 20 * k) * extra / 1e3
+            recs += [_decoding(mode, 3, 100.0 * k, 1.0, 2.0, tpot) for _ in range(k)]
+        return recs
+
+    rows = floors.decode_loads(run("push", 1.0, range(1, 5)) + run("push+duplex", 1.05, range(3, 5)))
+    push = next(r for r in rows if r.mode == "push")
+    assert push.fit == pytest.approx((10.0, 20.0))
+    assert push.tpot_at_ms(3.0) == pytest.approx(70.0)
+    (ratio,) = floors.load_ratios(rows)
+    assert ratio[:2] == ["agentic", "tpot push+duplex / push"]
+    assert ratio[2:] == [pytest.approx(85.5 / 70, rel=1e-3), pytest.approx(1.05)]
+    text = "\n".join(floors.decode_load_lines(rows))
+    assert "at equal load" in text and "| push+duplex |" in text
+    assert floors.decode_loads([_decoding("push", 1, 0.0, 1.0, 2.0, 0.1)]) == []  # turns < 3
