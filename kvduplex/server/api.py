@@ -63,6 +63,9 @@ class InstanceState:
     role: str = "both"
     prepare: Callable[[Request, Generation], Awaitable[None]] | None = None
     """Role hook run before a generation is submitted (e.g. set `remote_kv`)."""
+    engine_id: str | None = None
+    """The KV transport's engine id (prefill and decode instances): new at every start,
+    reported by /health so that the router can name it to the instance's peers."""
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -72,6 +75,13 @@ class InstanceState:
     @property
     def max_model_len(self) -> int:
         return self.engine.engine.max_model_len
+
+    def health(self) -> dict[str, Any]:
+        """/health's body while the engine is healthy."""
+        body: dict[str, Any] = {"status": "ok", "role": self.role, "max_model_len": self.max_model_len}
+        if self.engine_id is not None:
+            body["engine_id"] = self.engine_id
+        return body
 
 
 def create_app(state: InstanceState, extra_routers: Sequence[APIRouter] = ()) -> FastAPI:
@@ -83,9 +93,7 @@ def create_app(state: InstanceState, extra_routers: Sequence[APIRouter] = ()) ->
     @app.get("/health")
     async def health() -> JSONResponse:
         if state.engine.is_healthy:
-            return JSONResponse(
-                {"status": "ok", "role": state.role, "max_model_len": state.max_model_len}
-            )
+            return JSONResponse(state.health())
         return JSONResponse({"status": "unavailable", "role": state.role}, status_code=503)
 
     @app.get("/metrics")

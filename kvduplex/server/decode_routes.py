@@ -50,6 +50,9 @@ class KVTransferParams(BaseModel):
     num_tokens: int = Field(default=0, ge=0)
     """Pull: tokens in them."""
     engine_id: str | None = None
+    """``prefill_url``'s KV engine id, if the caller knows it: a connection to that engine
+    is used as it is, one to another engine is replaced (None: the address is asked,
+    at most every ``--peer-recheck-s``)."""
     lease_s: float | None = Field(default=None, ge=0)
     """Seconds prefill keeps the blocks from its answer on (None: unknown)."""
     num_cached_tokens: int = Field(default=0, ge=0)
@@ -60,6 +63,8 @@ class KVTransferParams(BaseModel):
     the next turn's prefill to READ (vLLM-style, for comparison)."""
     return_to: str | None = None
     """Duplex return: the prefill instance that receives this turn's blocks when it ends."""
+    return_engine_id: str | None = None
+    """``return_to``'s KV engine id, if the caller knows it (as ``engine_id``)."""
     return_from_block: int | None = Field(default=None, ge=0)
     """First block to return (None: the first that is not wholly prompt)."""
 
@@ -145,7 +150,9 @@ class DecodePreparer:
         if kv.return_to is None:
             return
         try:
-            peer = await asyncio.to_thread(self.directory.get_peer, kv.return_to, None)
+            peer = await asyncio.to_thread(
+                self.directory.get_peer, kv.return_to, kv.return_engine_id
+            )
         except Exception as exc:  # no return this turn: the next one recomputes
             logger.warning("session %s: no connection to %s (%s)", kv.session_id, kv.return_to, exc)
             return

@@ -105,6 +105,7 @@ def _role_routers(
         engine.kv_pool, engine.layout, default_deadline_s=cfg.transfer_timeout_s,
         metrics=TransferMetrics(state.registry),
     )  # fmt: skip
+    state.engine_id = transport.engine_id
     metrics = KVFlowMetrics(state.registry)
     directory = PeerDirectory(transport, secret=secret, recheck_s=cfg.peer_recheck_s)
     pump = NotificationPump(transport, drop_types=env.test_drop_messages)

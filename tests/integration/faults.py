@@ -306,6 +306,11 @@ class Rig:
         else:
             self.d = new
         wait_router_sees(self.url, new.url, "prefill" if role == "P" else "decode", healthy=True)
+        engine_id = httpx.get(new.url + "/health", timeout=10).json()["engine_id"]
+        poll(
+            lambda: engine_id in {i["engine_id"] for i in httpx.get(self.url + "/health").json()["instances"]},
+            f"the router to know {new.url}'s new engine id",
+        )
 
     def stop(self) -> None:
         for proc in (self.router, self.p, self.d):

@@ -137,6 +137,25 @@ def test_directory_rechecks_a_cached_peer_after_recheck_s() -> None:
         directory.refresh(URL)  # an explicit refresh says why it failed
 
 
+def test_a_named_engine_id_spares_the_check_and_a_new_one_reconnects() -> None:
+    """Told which engine is at the address (the router names it), the directory uses its
+    connection without asking the address, however long ago it last checked; told another
+    engine, it handshakes afresh."""
+    fabric = InProcessFabric()
+    local = endpoint(fabric)
+    first = endpoint(fabric)
+    sb = Switchboard()
+    sb.serve(first)
+    directory = PeerDirectory(local, client=TestClient(sb), recheck_s=0.0)  # always due
+    old = directory.get_peer(URL, first.engine_id)
+    sb.app = FastAPI()  # any handshake from here on would fail (404)
+    assert directory.get_peer(URL, first.engine_id) is old
+    second = endpoint(fabric)
+    sb.serve(second)
+    new = directory.get_peer(URL, second.engine_id)
+    assert new.engine_id == second.engine_id and directory.peers() == {URL: new}
+
+
 def test_fetch_handshake_sends_the_secret_and_says_when_it_is_refused() -> None:
     app = FastAPI()
     seen: list[str | None] = []

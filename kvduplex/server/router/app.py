@@ -178,7 +178,13 @@ def create_router_app(state: RouterState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        return JSONResponse({"status": "ok", "role": "router"})
+        """The router is up; and each instance as its probes last saw it."""
+        instances = [
+            {"url": b.url, "role": role, "healthy": b.is_healthy, "engine_id": b.engine_id}
+            for role, pool in (("prefill", state.policy.prefill), ("decode", state.policy.decode))
+            for b in pool.backends
+        ]  # fmt: skip
+        return JSONResponse({"status": "ok", "role": "router", "instances": instances})
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -226,7 +226,7 @@ async def serve_short_append(state: RouterState, fwd: Forward) -> Response:
     state.policy.prefill_done(fwd.route, Outcome.OK)  # not called: nothing to say of it
     params: dict[str, Any] = {"mode": "local", "session_id": fwd.route.session_id}
     if state.config.return_mode is ReturnMode.PUSH:
-        params["return_to"] = p.url
+        params.update(return_to=p.url, return_engine_id=p.engine_id)
     upstream = await _open_decode(state, fwd, {**fwd.body, "kv_transfer_params": params}, {})
     if isinstance(upstream, Response):
         return upstream
@@ -279,13 +279,16 @@ async def serve_push(state: RouterState, fwd: Forward) -> Response:
         # keeps a fallback's first token equal to the one already streamed.
         seed = random.getrandbits(31)
         body = {**body, "seed": seed}
-    p_req = {**_prefill_body(fwd, xid, seed), "decode_url": d.url}
+    # The engine ids the probes last saw: each side uses its connection to the other as it
+    # is, or handshakes afresh if the engine changed, without asking its address first.
+    p_req = {**_prefill_body(fwd, xid, seed), "decode_url": d.url, "decode_engine_id": d.engine_id}
     params: dict[str, Any] = {
-        "mode": "push", "xid": xid, "prefill_url": p.url, "session_id": fwd.route.session_id,
+        "mode": "push", "xid": xid, "prefill_url": p.url, "engine_id": p.engine_id,
+        "session_id": fwd.route.session_id,
     }  # fmt: skip
     mode = state.config.return_mode
     if mode is ReturnMode.PUSH:
-        params["return_to"] = p.url
+        params.update(return_to=p.url, return_engine_id=p.engine_id)
     elif mode is ReturnMode.PULL:
         params["return_mode"] = "pull"
         if fwd.route.is_session_hit:

@@ -8,7 +8,11 @@ call failed after the probe began); anything else (refused, a timeout, a
 non-200) counts as a failure, and ``--health-failures`` of them in a row make
 it unhealthy, which abandons the calls in flight to it (`calls.py`). A 200
 also tells the instance's ``max_model_len``, which the router checks requests
-against before it dispatches them. Rounds start every
+against before it dispatches them, and its KV engine id, which the router
+names to its peers in each request (``decode_engine_id`` to P, ``engine_id``
+and ``return_engine_id`` to D): a peer already connected to that engine uses
+the connection as it is, one connected to another (the instance restarted)
+handshakes afresh, and neither asks the address first. Rounds start every
 ``--health-interval-s``, the first at once.
 """
 
@@ -38,7 +42,7 @@ async def probe(
         resp = await client.get(b.url + "/health", timeout=timeout_s)
         is_ok, why = resp.status_code == 200, f"HTTP {resp.status_code}"
         if is_ok:
-            b.max_model_len = _max_model_len(resp) or b.max_model_len
+            _note_health(b, resp)
     except httpx.HTTPError as exc:
         is_ok, why = False, repr(exc)
     pool.note_probe(b, is_ok, started_at, policy.clock())
@@ -54,12 +58,19 @@ async def probe(
             logger.warning("instance %s is unhealthy: /health %s", b.url, why)
 
 
-def _max_model_len(resp: httpx.Response) -> int | None:
+def _note_health(b: Backend, resp: httpx.Response) -> None:
+    """Keep what a good probe's body says: ``max_model_len`` and ``engine_id``."""
     try:
-        value = resp.json().get("max_model_len")
+        body = resp.json()
+        length, engine_id = body.get("max_model_len"), body.get("engine_id")
     except (ValueError, AttributeError):
-        return None
-    return value if isinstance(value, int) and value > 0 else None
+        return
+    if isinstance(length, int) and length > 0:
+        b.max_model_len = length
+    if isinstance(engine_id, str) and engine_id != b.engine_id:
+        if b.engine_id is not None:
+            logger.warning("instance %s has a new KV engine id (restarted): %s", b.url, engine_id)
+        b.engine_id = engine_id
 
 
 async def probe_all(client: httpx.AsyncClient, policy: RoutingPolicy, timeout_s: float) -> None:

@@ -81,6 +81,10 @@ class Backend:
     healthy again."""
     max_model_len: int | None = None
     """The longest request it serves, as its last good probe said (None: not yet known)."""
+    engine_id: str | None = None
+    """Its KV transport's engine id, as its last good probe said (None: not yet known). The
+    router names it to the instance's peers, which then use their connection to it without
+    asking the address who is there; a restart gives a new one."""
     num_failed_probes: int = 0
     """Probes failed in a row since the last good one."""
     is_down: bool = False
