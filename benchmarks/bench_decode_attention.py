@@ -9,9 +9,11 @@ the per-step metadata (groups, block mask) is built once per case, as a step
 does once for all layers. Also: the compile time of the FlexAttention kernel
 and the largest difference between the two outputs.
 
-With ``--zero-copy``: one decode whose blocks are one ascending run in the
-pool, read in place (`DecodeGroup.run_start`) against the same step forced
-through the block copy; no FlexAttention, nothing compiled.
+With ``--zero-copy``: one decode whose blocks fill a few ranges of the pool,
+read in place (`DecodeGroup.in_place`) against the same step forced through
+the block copy; three arrangements: one ascending run (what a fresh pool
+hands a lone stream), one range in descending order (blocks from the prefix
+cache's LRU) and two ranges; no FlexAttention, nothing compiled.
 
     .venv/bin/python benchmarks/bench_decode_attention.py
     .venv/bin/python benchmarks/bench_decode_attention.py --zero-copy
@@ -71,8 +73,12 @@ def case(batch: int, context: int, flex: FlexDecode, reps: int, iters: int, seed
     }  # fmt: skip
 
 
-def zero_copy_case(context: int, reps: int, iters: int, seed: int) -> dict[str, Any]:
-    """One decode in blocks ``b .. b+m-1``: in place against the same step copied."""
+ARRANGEMENTS = ("ascending", "descending", "two ranges")
+
+
+def zero_copy_case(context: int, reps: int, iters: int, seed: int, arrangement: str) -> dict[str, Any]:
+    """One decode in blocks ``b .. b+m-1`` (in the order of `arrangement`, or split in two
+    ranges): in place against the same step copied."""
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = -(-(context + 1) // BS)
     num_blocks = blocks_per_seq * 3 // 2 + 1
@@ -80,12 +86,19 @@ def zero_copy_case(context: int, reps: int, iters: int, seed: int) -> dict[str, 
     pool = torch.randn((2, num_blocks, BS, KV_HEADS, DIM), generator=gen)
     tables = BlockTables(num_blocks)
     start = num_blocks - blocks_per_seq  # not at the pool's start
-    tables.set(0, list(range(start, start + blocks_per_seq)))
+    blocks = list(range(start, start + blocks_per_seq))
+    if arrangement == "descending":
+        blocks.reverse()
+    elif arrangement == "two ranges":
+        half = blocks_per_seq // 2
+        blocks = list(range(num_blocks - half, num_blocks)) + list(range(blocks_per_seq - half))[::-1]
+    tables.set(0, blocks)
     in_place = InputBuilder(layout, torch.device("cpu")).build([SeqInput([1], context, None, True)], [0], tables).ctx
-    assert in_place.decode_groups[0].run_start == start
+    runs = in_place.decode_groups[0].in_place
+    assert runs is not None and len(runs.ranges) == (2 if arrangement == "two ranges" else 1)
     copied = dataclasses.replace(
         in_place,
-        decode_groups=[dataclasses.replace(g, run_start=None) for g in in_place.decode_groups],
+        decode_groups=[dataclasses.replace(g, in_place=None) for g in in_place.decode_groups],
         decode_kv=torch.empty((2, blocks_per_seq, BS, KV_HEADS, DIM)),
         _masks={},
     )
@@ -94,7 +107,7 @@ def zero_copy_case(context: int, reps: int, iters: int, seed: int) -> dict[str, 
     outs, times = _interleaved({"copy": copied, "zero_copy": in_place}, q, k, pool, reps, iters)
     cp, zc = statistics.median(times["copy"]), statistics.median(times["zero_copy"])
     return {
-        "batch": 1, "context": context, "copy_ms": cp * 1e3, "zero_copy_ms": zc * 1e3, "speedup": cp / zc,
+        "batch": 1, "arrangement": arrangement, "context": context, "copy_ms": cp * 1e3, "zero_copy_ms": zc * 1e3, "speedup": cp / zc,
         "max_abs_diff": float((outs["copy"] - outs["zero_copy"]).abs().max()),
         "raw_ms": {n: [t * 1e3 for t in v] for n, v in times.items()},
     }  # fmt: skip
@@ -154,14 +167,14 @@ def main() -> None:
 
 
 def zero_copy_main(args: argparse.Namespace, pinned: str) -> None:
-    results = [zero_copy_case(c, args.reps, args.iters, args.seed) for c in args.contexts]
-    rows = [[r["context"], f"{r['copy_ms']:.3f}", f"{r['zero_copy_ms']:.3f}", f"{r['speedup']:.2f}",
-             f"{r['max_abs_diff']:.1e}"] for r in results]  # fmt: skip
+    results = [zero_copy_case(c, args.reps, args.iters, args.seed, a)
+               for a in ARRANGEMENTS for c in args.contexts]  # fmt: skip
+    rows = [[r["arrangement"], r["context"], f"{r['copy_ms']:.3f}", f"{r['zero_copy_ms']:.3f}",
+             f"{r['speedup']:.2f}", f"{r['max_abs_diff']:.1e}"] for r in results]  # fmt: skip
     table = (
-        f"One decode's attention in one layer (`small` shapes: 9/3 heads x 64, 16-token blocks, "
-        f"blocks one ascending run), ms per call, median of {args.reps} interleaved runs of "
-        f"{args.iters} ({pinned})\n\n"
-        + md_table(["context", "copy + SDPA", "in place + SDPA", "speed-up", "max abs diff"], rows)
+        f"One decode's attention in one layer (`small` shapes: 9/3 heads x 64, 16-token blocks), "
+        f"ms per call, median of {args.reps} interleaved runs of {args.iters} ({pinned})\n\n"
+        + md_table(["blocks", "context", "copy + SDPA", "in place", "speed-up", "max abs diff"], rows)
     )
     write_results("bench_decode_attention_zero_copy", {"pinned": pinned, "results": results}, table)
     print(table)

@@ -13,8 +13,10 @@ but is never reallocated per step (pinned on CUDA, then copied to the device
 without blocking); everything per token is a vectorised numpy expression, so
 the cost outside the forward does not grow with Python loops over tokens.
 Decode sequences are grouped by context length for attention (see
-`group_by_length`); a group of one sequence whose blocks are one ascending
-run in the pool is marked to be read in place (`try_run_start`).
+`group_by_length`); a group of one sequence whose blocks fill at most
+`IN_PLACE_MAX_RANGES` ranges of consecutive ids in the pool, in any order (one
+more per `IN_PLACE_TOKENS_PER_RANGE` of context), is marked to be read in
+place (`pool_runs`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 
 from kvduplex.engine.block_table import BlockTables
 from kvduplex.engine.kv_cache import KVCacheLayout
-from kvduplex.model.attention import AttentionContext, DecodeGroup, PrefillSpan
+from kvduplex.model.attention import AttentionContext, DecodeGroup, PoolRuns, PrefillSpan
 from kvduplex.model.flex_decode import FlexDecode
 
 
@@ -69,6 +71,7 @@ class InputBuilder:
         self.flex = flex
         self.device = device
         self._pin = device.type == "cuda"
+        self._max_ranges = IN_PLACE_MAX_RANGES if device.type == "cpu" else 1
         self._kv_dtype = layout.torch_dtype
         self._per_block = 2 * layout.block_size * layout.num_kv_heads * layout.head_dim
         self._kv_shape = (layout.block_size, layout.num_kv_heads, layout.head_dim)
@@ -140,7 +143,7 @@ class InputBuilder:
             prefills=prefills,
             decode_groups=groups,
             decode_kv=self._decode_kv_view(
-                max((g.block_index.shape[0] for g in groups if g.run_start is None), default=0)
+                max((g.block_index.shape[0] for g in groups if g.in_place is None), default=0)
             ),
             flex=self.flex,
             flex_batch=flex_batch,
@@ -169,13 +172,17 @@ class InputBuilder:
             m = decodes[members]
             width = -(-int(ends[m].max()) // bs)
             block_index = tables.table[rows[m], :width].reshape(-1)
+            runs = None
+            if m.size == 1:
+                limit = max(1, min(self._max_ranges, int(ends[m[0]]) // IN_PLACE_TOKENS_PER_RANGE))
+                runs = pool_runs(block_index, bs, limit)
             groups.append(
                 DecodeGroup(
                     token_index=self._tensor(first[m]),
                     block_index=self._tensor(block_index),
                     context_lens=self._tensor(ends[m]),
                     width_blocks=width,
-                    run_start=try_run_start(block_index) if m.size == 1 else None,
+                    in_place=None if runs is None else PoolRuns(runs[0], self._tensor(runs[1])),
                 )
             )
         return groups
@@ -203,16 +210,40 @@ class InputBuilder:
         return self._decode_kv[: num_blocks * self._per_block].view(2, num_blocks, *self._kv_shape)
 
 
-def try_run_start(block_ids: npt.NDArray[np.int64]) -> int | None:
-    """The first id if `block_ids` are consecutive and ascending (``b, b+1, ..., b+m-1``), else None.
+IN_PLACE_MAX_RANGES = 4
+"""Most ranges a lone decode is read in place from on CPU (one SDPA each, merged); more
+are copied. On other devices only one range: the merge uses a CPU kernel."""
+IN_PLACE_TOKENS_PER_RANGE = 512
+"""Context a lone decode needs per range beyond the first to be read in place: below it,
+an SDPA call per range costs more than the copy saves (`bench_decode_attention.py
+--zero-copy`)."""
 
-    Such a table can be viewed as one slice of the pool; decode attention then
-    reads it in place (`DecodeGroup.run_start`).
+
+def pool_runs(
+    block_ids: npt.NDArray[np.int64], block_size: int, max_ranges: int
+) -> tuple[tuple[tuple[int, int], ...], npt.NDArray[np.int64]] | None:
+    """The ranges of consecutive ids that `block_ids` fill, in any order, and the token
+    position each slot of them holds (see `PoolRuns`); None for more than `max_ranges`
+    ranges or an id that appears twice.
+
+    ::
+
+        block_ids 6 7 8 4 5 | 12    ranges (4, 5) (12, 1)
+        positions of the slots of 4, 5, 6, 7, 8, 12: blocks 3, 4, 0, 1, 2, 5 of the sequence
     """
-    first = int(block_ids[0])
-    if int(block_ids[-1]) - first != block_ids.shape[0] - 1:
+    order = np.argsort(block_ids, kind="stable")
+    ids = block_ids[order]
+    steps = np.diff(ids)
+    if (steps == 0).any():
         return None
-    return first if bool((np.diff(block_ids) == 1).all()) else None
+    breaks = np.flatnonzero(steps != 1) + 1
+    if breaks.size >= max_ranges:
+        return None
+    starts = np.concatenate(([0], breaks))
+    sizes = np.diff(np.concatenate((starts, [ids.size])))
+    ranges = tuple((int(ids[a]), int(n)) for a, n in zip(starts, sizes, strict=True))
+    positions = (order[:, None] * block_size + np.arange(block_size)).reshape(-1)
+    return ranges, positions
 
 
 GROUP_COST_TOKENS = 256
@@ -249,4 +280,4 @@ def group_by_length(context_lens: list[int], block_size: int) -> list[list[int]]
     return groups[::-1]
 
 
-__all__ = ["GROUP_COST_TOKENS", "InputBuilder", "SeqInput", "StepBatch", "group_by_length", "try_run_start"]
+__all__ = ["GROUP_COST_TOKENS", "IN_PLACE_MAX_RANGES", "IN_PLACE_TOKENS_PER_RANGE", "InputBuilder", "SeqInput", "StepBatch", "group_by_length", "pool_runs"]

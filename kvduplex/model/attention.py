@@ -16,11 +16,14 @@ sequences; each sequence contributes ``q_len`` new tokens at positions
    the group's longest context, are copied with one ``index_select`` per K and
    V into a scratch buffer the runner owns (no allocation per layer), and one
    batched SDPA runs with a length mask. A group of one sequence whose blocks
-   are one ascending run in the pool (``b, b+1, ..., b+m-1``: what a fresh
-   pool hands a lone stream) skips the copy: SDPA reads
-   ``layer_pool[:, b:b+m]`` in place, same mask. Or, when the runner enables it and
-   the layer has no sliding window, all decodes in one compiled FlexAttention
-   call that reads the pool in place (`flex_decode.py`).
+   fill a few ranges of consecutive ids in the pool, in any order, skips the
+   copy (`PoolRuns`): attention is a sum over keys, so each range is read in
+   place as ``layer_pool[:, b:b+m]`` and masked by the position each of its
+   slots holds; one range is one SDPA (for an ascending run, the copy path's
+   output bit for bit), several are one SDPA each, merged by their
+   log-sum-exp. Or, when the runner enables it and the layer has no sliding
+   window, all decodes in one compiled FlexAttention call that reads the pool
+   in place (`flex_decode.py`).
 
 Why groups: padding every decode to the longest context of the step, into a
 fresh tensor in every layer, cost more on CPU than the attention itself; one
@@ -67,6 +70,24 @@ class PrefillSpan:
 
 
 @dataclass(frozen=True)
+class PoolRuns:
+    """A lone decode's blocks as a few ranges of consecutive block ids in the pool.
+
+    Together the ranges hold exactly the sequence's blocks, in any order::
+
+        block table (logical order)   40 41 42 | 39 38      ranges ((38, 5),)
+        slot positions of the range   b38: 64..67  b39: 48..51  b40: 0..3  ...
+
+    Attention reads each range in place and masks each slot by its position.
+    """
+
+    ranges: tuple[tuple[int, int], ...]
+    """(first block id, number of blocks) of each range, ascending."""
+    positions: torch.Tensor  # (sum of the ranges' blocks * block_size,) int64
+    """The token position each slot of the ranges holds, the ranges concatenated."""
+
+
+@dataclass(frozen=True)
 class DecodeGroup:
     """Decode sequences of similar context length, attended together in one SDPA.
 
@@ -82,9 +103,9 @@ class DecodeGroup:
     """Tokens each sequence attends to, its new token included."""
     width_blocks: int
     """Blocks per padded row."""
-    run_start: int | None = None
-    """With one sequence whose blocks are ``run_start .. run_start + width_blocks - 1``
-    in the pool: attention views them in place instead of copying; None: copy via `block_index`."""
+    in_place: PoolRuns | None = None
+    """With one sequence whose blocks fill a few ranges of the pool: attention views them
+    in place instead of copying; None: copy via `block_index`."""
 
     @property
     def num_seqs(self) -> int:
@@ -115,6 +136,7 @@ class AttentionContext:
     flex_batch: FlexDecodeBatch | None = None
     """This step's decodes for `flex` (None: the decodes go through `decode_groups`)."""
     _masks: dict[tuple[str, int, int | None], torch.Tensor | None] = field(default_factory=dict)
+    _ranges: dict[tuple[int, int | None], list[tuple[int, int, int]]] = field(default_factory=dict)
 
     @property
     def num_decodes(self) -> int:
@@ -129,7 +151,10 @@ class AttentionContext:
         if mask is None:
             group = self.decode_groups[index]
             device = group.context_lens.device
-            kpos = torch.arange(group.width_blocks * self.block_size, device=device)[None, :]
+            if group.in_place is not None:
+                kpos = group.in_place.positions[None, :]
+            else:
+                kpos = torch.arange(group.width_blocks * self.block_size, device=device)[None, :]
             last = (group.context_lens - 1)[:, None]
             visible = kpos <= last
             if window is not None:
@@ -137,6 +162,24 @@ class AttentionContext:
             mask = _additive(visible, dtype)[:, None, None, :]
             self._masks[key] = mask
         return mask
+
+    def visible_ranges(self, index: int, window: int | None, dtype: torch.dtype) -> list[tuple[int, int, int]]:
+        """(first block, blocks, offset in the mask) of each range of decode group `index`'s
+        `PoolRuns` that holds a slot its token sees (a sliding window may hide whole ranges)."""
+        key = (index, window)
+        found = self._ranges.get(key)
+        if found is None:
+            runs = self.decode_groups[index].in_place
+            assert runs is not None
+            seen = torch.isfinite(self.decode_mask(index, window, dtype)[0, 0, 0])
+            found, offset = [], 0
+            for lo, m in runs.ranges:
+                width = m * self.block_size
+                if bool(seen[offset:offset + width].any()):
+                    found.append((lo, m, offset))
+                offset += width
+            self._ranges[key] = found
+        return found
 
     def prefill_mask(self, index: int, window: int | None, dtype: torch.dtype) -> torch.Tensor | None:
         """Additive mask ``(q_len, context_len)`` of prefill `index`, or None when plain causal suffices."""
@@ -225,24 +268,62 @@ def _decode_attention(
     out: torch.Tensor,  # (num_tokens, num_heads, head_dim), written at the decode tokens
 ) -> None:
     _, _, bs, kv_heads, dim = layer_pool.shape
-    gqa = q.shape[1] != kv_heads
+    heads = q.shape[1]
     for i, group in enumerate(ctx.decode_groups):
+        mask = ctx.decode_mask(i, window, q.dtype)
+        if group.in_place is not None:
+            _attend_ranges(q, layer_pool, group.token_index, ctx.visible_ranges(i, window, q.dtype),
+                           mask, scale, out)  # fmt: skip
+            continue
         n, width = group.num_seqs, group.width_blocks * bs
-        if group.run_start is not None:  # one sequence, one ascending run: read the pool in place
-            run = slice(group.run_start, group.run_start + group.width_blocks)
-            k_rows, v_rows = layer_pool[0, run], layer_pool[1, run]  # (width_blocks, bs, kv_heads, dim)
-        else:
-            num_blocks = group.block_index.shape[0]
-            k_rows, v_rows = ctx.decode_kv[0, :num_blocks], ctx.decode_kv[1, :num_blocks]
-            torch.index_select(layer_pool[0], 0, group.block_index, out=k_rows)
-            torch.index_select(layer_pool[1], 0, group.block_index, out=v_rows)
+        num_blocks = group.block_index.shape[0]
+        k_rows, v_rows = ctx.decode_kv[0, :num_blocks], ctx.decode_kv[1, :num_blocks]
+        torch.index_select(layer_pool[0], 0, group.block_index, out=k_rows)
+        torch.index_select(layer_pool[1], 0, group.block_index, out=v_rows)
         kd = k_rows.view(n, width, kv_heads, dim).transpose(1, 2)  # (n, kv_heads, width, head_dim)
         vd = v_rows.view(n, width, kv_heads, dim).transpose(1, 2)
-        qd = q.index_select(0, group.token_index)[:, :, None, :]  # (n, num_heads, 1, head_dim)
-        o = F.scaled_dot_product_attention(
-            qd, kd, vd, attn_mask=ctx.decode_mask(i, window, q.dtype), scale=scale, enable_gqa=gqa
-        )  # (n, num_heads, 1, head_dim)
-        out.index_copy_(0, group.token_index, o[:, :, 0, :])
+        # the query heads sharing a KV head ride as the query length (GQA without expanding K/V)
+        qd = q.index_select(0, group.token_index).view(n, kv_heads, heads // kv_heads, dim)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
+        out.index_copy_(0, group.token_index, o.view(n, heads, dim))
+
+
+def _attend_ranges(
+    q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
+    layer_pool: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim)
+    token_index: torch.Tensor,  # (1,): the lone decode's token
+    ranges: list[tuple[int, int, int]],  # (first block, blocks, offset in the mask), each seen
+    mask: torch.Tensor,  # (1, 1, 1, total slots of the ranges)
+    scale: float,
+    out: torch.Tensor,  # (num_tokens, num_heads, head_dim)
+) -> None:
+    """One decode over ranges read in place: one SDPA for one range; on CPU, for several, a
+    flash SDPA per range merged by log-sum-exp. The query heads sharing a KV head ride as
+    the query length (GQA without expanding K/V)."""
+    _, _, bs, kv_heads, dim = layer_pool.shape
+    heads = q.shape[1]
+    qg = q.index_select(0, token_index).view(1, kv_heads, heads // kv_heads, dim)
+    if len(ranges) == 1:
+        lo, m, offset = ranges[0]
+        width = m * bs
+        kd = layer_pool[0, lo:lo + m].view(1, width, kv_heads, dim).transpose(1, 2)
+        vd = layer_pool[1, lo:lo + m].view(1, width, kv_heads, dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qg, kd, vd, attn_mask=mask[..., offset:offset + width], scale=scale)
+        out.index_copy_(0, token_index, o.view(1, heads, dim))
+        return
+    outs, lses = [], []
+    for lo, m, offset in ranges:
+        width = m * bs
+        kd = layer_pool[0, lo:lo + m].view(1, width, kv_heads, dim).transpose(1, 2)
+        vd = layer_pool[1, lo:lo + m].view(1, width, kv_heads, dim).transpose(1, 2)
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            qg, kd, vd, 0.0, False, attn_mask=mask[..., offset:offset + width], scale=scale
+        )  # (1, kv_heads, group, dim), (1, kv_heads, group)
+        outs.append(o)
+        lses.append(lse)
+    weights = torch.softmax(torch.stack(lses), dim=0)[..., None]  # exp(lse_i - lse of all)
+    merged = (torch.stack(outs) * weights).sum(0)
+    out.index_copy_(0, token_index, merged.view(1, heads, dim))
 
 
 def _gather(

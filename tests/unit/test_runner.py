@@ -112,7 +112,8 @@ def test_decodes_of_any_length_batched_equal_each_alone(runner: ModelRunner) -> 
 
 
 def test_lone_decode_in_one_block_run_matches_scattered_blocks(runner: ModelRunner, tiny: LoadedModel) -> None:
-    """The zero-copy decode (blocks 10..14 viewed in place) picks the tokens the block copy picks."""
+    """The zero-copy decode (blocks 10..14 viewed in place as one range) picks the tokens that
+    scattered blocks (several ranges merged, then copied once there are too many) pick."""
     layout = kv_layout_for(tiny.config, BS, NUM_BLOCKS, tiny.dtype)
     other = ModelRunner(tiny.model, tiny.config, allocate_kv_pool(layout), layout, tiny.device)
     prompt = _ids(11)
@@ -125,7 +126,9 @@ def test_lone_decode_in_one_block_run_matches_scattered_blocks(runner: ModelRunn
             out = r.execute([SeqInput([cur], pos, table, True)])[0]
             logits[name].append(out)
             cur = int(out.argmax())
-    assert all(torch.equal(a, b) for a, b in zip(logits["run"], logits["scattered"], strict=True))
+    for a, b in zip(logits["run"], logits["scattered"], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        assert int(a.argmax()) == int(b.argmax())
 
 
 def test_decode_groups_split_where_padding_costs_more_than_a_group() -> None:
