@@ -133,10 +133,12 @@ class TransferConfig:
     """Decode, ``--return-mode pull`` only: how long a session's last turn stays held
     for prefill to read at the next turn."""
     peer_recheck_s: float = 1.0
-    """How long a connection to a peer is used before the engine id at its URL is checked
-    again (one small HTTP GET, at the next request that needs the peer); a peer restarted
-    at the same address is handshaken afresh at its first use after this. A peer that does
-    not answer the check within 0.5 s is kept (the transfers' deadlines cover it)."""
+    """For a request that names no engine id for its peer (the router names them, from
+    each instance's /health): how long a connection to a peer is used before the engine id
+    at its URL is checked again (one HTTP GET, at the next request that needs the peer); a
+    peer restarted at the same address is handshaken afresh at its first use after this. A
+    peer that does not answer the check within 0.5 s is kept (the transfers' deadlines
+    cover it)."""
 
     def __post_init__(self) -> None:
         if self.peer_recheck_s < 0:
