@@ -94,18 +94,22 @@ def engine_time_lines(rows: list[EngineTime]) -> list[str]:
         [r.mode, r.shape, r.n, r.client_ttft_mean_ms, r.engine_ttft_mean_ms, r.outside_ms]
         for r in rows
     ]
-    lines = [
-        "", "Where TTFT goes (means over all turns; engine: arrival at the prompt-computing "
-        "instance's engine to its first token, from its /metrics):", "",
-        *markdown_table(head, body),
-    ]  # fmt: skip
-    ratio_rows = engine_ratios(rows)
+    return _floor_tables(
+        "Where TTFT goes (means over all turns; engine: arrival at the prompt-computing "
+        "instance's engine to its first token, from its /metrics):", head, body,
+        "TTFT ratios of means: the client's, and the engine's (the floor no transfer "
+        "design can go under):", ["client", "engine (floor)"], engine_ratios(rows),
+    )  # fmt: skip
+
+
+def _floor_tables(
+    title: str, head: list[str], body: list[list[object]],
+    ratio_title: str, ratio_head: list[str], ratio_rows: list[list[object]],
+) -> list[str]:  # fmt: skip
+    """A floor's table, then its ratios' (if any), as Markdown lines."""
+    lines = ["", title, "", *markdown_table(head, body)]
     if ratio_rows:
-        lines += [
-            "", "TTFT ratios of means: the client's, and the engine's (the floor no transfer "
-            "design can go under):", "",
-            *markdown_table(["shape", "ratio", "client", "engine (floor)"], ratio_rows),
-        ]  # fmt: skip
+        lines += ["", ratio_title, "", *markdown_table(["shape", "ratio", *ratio_head], ratio_rows)]
     return lines
 
 
@@ -201,19 +205,13 @@ def decode_load_lines(rows: list[DecodeLoad]) -> list[str]:
          r.fit[0] if r.fit else None, r.fit[1] if r.fit else None]
         for r in rows
     ]  # fmt: skip
-    lines = [
-        "", f"Decode load (turns >= {SUMMARY_MIN_TURN}; decodes at once over each request's "
-        "decode, from the records; TPOT = a + b * decodes fitted per mode):", "",
-        *markdown_table(head, body),
-    ]  # fmt: skip
-    ratio_rows = load_ratios(rows)
-    if ratio_rows:
-        lines += [
-            "", "TPOT ratios of means: as measured, and against the denominator's fitted TPOT "
-            "at the numerator's load (what the mechanism itself costs):", "",
-            *markdown_table(["shape", "ratio", "measured", "at equal load"], ratio_rows),
-        ]  # fmt: skip
-    return lines
+    return _floor_tables(
+        f"Decode load (turns >= {SUMMARY_MIN_TURN}; decodes at once over each request's "
+        "decode, from the records; TPOT = a + b * decodes fitted per mode):", head, body,
+        "TPOT ratios of means: as measured, and against the denominator's fitted TPOT "
+        "at the numerator's load (what the mechanism itself costs):",
+        ["measured", "at equal load"], load_ratios(rows),
+    )  # fmt: skip
 
 
 def floor_lines(engine: list[EngineTime], load: list[DecodeLoad]) -> list[str]:
