@@ -177,7 +177,9 @@ def test_metrics_count_sessions_and_flows() -> None:
         assert _metric(router, "kvduplex_router_session_hits_total") == 3
         assert _metric(router, "kvduplex_router_requests_total", mode="push") == 5
         assert _metric(router, "kvduplex_router_sessions") == 2
-        assert router.get("/health").json() == {"status": "ok", "role": "router"}
+        health = router.get("/health").json()
+        assert (health["status"], health["role"]) == ("ok", "router")
+        assert [(i["role"], i["healthy"]) for i in health["instances"]] == [("prefill", True), ("decode", True)]
 
 
 # ------------------------------------------------- push: P's first token first
