@@ -303,26 +303,28 @@ def _attend_ranges(
     _, _, bs, kv_heads, dim = layer_pool.shape
     heads = q.shape[1]
     qg = q.index_select(0, token_index).view(1, kv_heads, heads // kv_heads, dim)
+
+    def view(lo: int, m: int, offset: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """K, V (1, kv_heads, m * block_size, head_dim) of blocks lo..lo+m-1, and their mask."""
+        width = m * bs
+        kd = layer_pool[0, lo:lo + m].view(1, width, kv_heads, dim).transpose(1, 2)
+        vd = layer_pool[1, lo:lo + m].view(1, width, kv_heads, dim).transpose(1, 2)
+        return kd, vd, mask[..., offset:offset + width]
+
     if len(ranges) == 1:
-        lo, m, offset = ranges[0]
-        width = m * bs
-        kd = layer_pool[0, lo:lo + m].view(1, width, kv_heads, dim).transpose(1, 2)
-        vd = layer_pool[1, lo:lo + m].view(1, width, kv_heads, dim).transpose(1, 2)
-        o = F.scaled_dot_product_attention(qg, kd, vd, attn_mask=mask[..., offset:offset + width], scale=scale)
-        out.index_copy_(0, token_index, o.view(1, heads, dim))
-        return
-    outs, lses = [], []
-    for lo, m, offset in ranges:
-        width = m * bs
-        kd = layer_pool[0, lo:lo + m].view(1, width, kv_heads, dim).transpose(1, 2)
-        vd = layer_pool[1, lo:lo + m].view(1, width, kv_heads, dim).transpose(1, 2)
-        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            qg, kd, vd, 0.0, False, attn_mask=mask[..., offset:offset + width], scale=scale
-        )  # (1, kv_heads, group, dim), (1, kv_heads, group)
-        outs.append(o)
-        lses.append(lse)
-    weights = torch.softmax(torch.stack(lses), dim=0)[..., None]  # exp(lse_i - lse of all)
-    merged = (torch.stack(outs) * weights).sum(0)
+        kd, vd, seen = view(*ranges[0])
+        merged = F.scaled_dot_product_attention(qg, kd, vd, attn_mask=seen, scale=scale)
+    else:
+        outs, lses = [], []
+        for r in ranges:
+            kd, vd, seen = view(*r)
+            o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                qg, kd, vd, 0.0, False, attn_mask=seen, scale=scale
+            )  # (1, kv_heads, group, dim), (1, kv_heads, group)
+            outs.append(o)
+            lses.append(lse)
+        weights = torch.softmax(torch.stack(lses), dim=0)[..., None]  # exp(lse_i - lse of all)
+        merged = (torch.stack(outs) * weights).sum(0)
     out.index_copy_(0, token_index, merged.view(1, heads, dim))
 
 
