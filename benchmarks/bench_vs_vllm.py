@@ -360,8 +360,9 @@ def main() -> None:
     ap.add_argument(
         "--kvduplex-kv-mb", type=int, default=512,
         help="kvduplex's pool: 512 holds every request of a default run in never-used blocks "
-        "(each sequence one ascending run: decode attention reads it in place); 32 makes "
-        "the pool wrap after two requests, the steady state of a long-running server",
+        "(each sequence one ascending run); 32 makes the pool wrap after two requests, the "
+        "steady state of a long-running server (each sequence one or two ranges in any order); "
+        "decode attention reads both in place",
     )  # fmt: skip
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--seed", type=int, default=0)
