@@ -18,7 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvduplex.bench.agentic_cli import add_arguments, main
+from kvduplex.bench.agentic_cli import add_arguments
+from kvduplex.bench.agentic_cli import main
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -35,11 +35,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import md_table, pin, write_results
+from benchmarks.common import md_table
+from benchmarks.common import pin
+from benchmarks.common import write_results
 from kvduplex.engine.block_table import BlockTables
 from kvduplex.engine.kv_cache import KVCacheLayout
-from kvduplex.engine.runner_inputs import InputBuilder, SeqInput
-from kvduplex.model.attention import AttentionContext, paged_attention
+from kvduplex.engine.runner_inputs import InputBuilder
+from kvduplex.engine.runner_inputs import SeqInput
+from kvduplex.model.attention import AttentionContext
+from kvduplex.model.attention import paged_attention
 from kvduplex.model.flex_decode import FlexDecode
 
 HEADS, KV_HEADS, DIM, BS = 9, 3, 64, 16

@@ -38,16 +38,24 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import md_table, pin, write_results
-from kvduplex.config import CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig
+from benchmarks.common import md_table
+from benchmarks.common import pin
+from benchmarks.common import write_results
+from kvduplex.config import CacheConfig
+from kvduplex.config import EngineConfig
+from kvduplex.config import ModelLoadConfig
+from kvduplex.config import SchedulerConfig
 from kvduplex.engine.engine import LLMEngine
 from kvduplex.engine.sampling import SamplingParams
-from kvduplex.model.loader import load_model, load_safetensors, weight_files
+from kvduplex.model.loader import load_model
+from kvduplex.model.loader import load_safetensors
+from kvduplex.model.loader import weight_files
 
 
 def hf_model_and_ours(preset: str, seed: int) -> tuple[torch.nn.Module, object]:
     """An HF LlamaForCausalLM and our LoadedModel holding the very same weights."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
+    from transformers import LlamaForCausalLM
 
     ours = load_model(ModelLoadConfig(model=preset, seed=seed, dtype="float32", device="cpu"))
     c = ours.config

@@ -18,7 +18,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import write_results
-from kvduplex.bench.serving import add_arguments, main
+from kvduplex.bench.serving import add_arguments
+from kvduplex.bench.serving import main
 
 
 def cli() -> None:

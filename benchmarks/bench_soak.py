@@ -29,16 +29,17 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS, write_results
-from kvduplex.bench.soak import (
-    ProcessSampler,
-    SoakConfig,
-    SoakSummary,
-    format_summary,
-    run_sessions,
-    summarize,
-)
-from kvduplex.server.cluster import LocalCluster, Process, free_port
+from benchmarks.common import RESULTS
+from benchmarks.common import write_results
+from kvduplex.bench.soak import ProcessSampler
+from kvduplex.bench.soak import SoakConfig
+from kvduplex.bench.soak import SoakSummary
+from kvduplex.bench.soak import format_summary
+from kvduplex.bench.soak import run_sessions
+from kvduplex.bench.soak import summarize
+from kvduplex.server.cluster import LocalCluster
+from kvduplex.server.cluster import Process
+from kvduplex.server.cluster import free_port
 
 
 def parse_args() -> argparse.Namespace:

@@ -47,14 +47,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import md_table, write_results
+from benchmarks.common import md_table
+from benchmarks.common import write_results
 from kvduplex.engine.block_pool import BlockPool
-from kvduplex.engine.kv_cache import KVCacheLayout, allocate_kv_pool
+from kvduplex.engine.kv_cache import KVCacheLayout
+from kvduplex.engine.kv_cache import allocate_kv_pool
 from kvduplex.model.presets import preset_config
-from kvduplex.transport.messages import decode_handshake, encode_handshake
+from kvduplex.transport.messages import decode_handshake
+from kvduplex.transport.messages import encode_handshake
 from kvduplex.transport.metrics import TransferMetrics
 from kvduplex.transport.nixl import NixlTransport
-from kvduplex.transport.protocol import PeerHandle, TransferHandle, TransferState
+from kvduplex.transport.protocol import PeerHandle
+from kvduplex.transport.protocol import TransferHandle
+from kvduplex.transport.protocol import TransferState
 
 MiB = 1 << 20
 

@@ -36,7 +36,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
+from dataclasses import dataclass
+from dataclasses import field
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -45,10 +47,15 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS, md_table, write_results
-from benchmarks.llama_folder import LLAMA_50M, build_llama_folder
+from benchmarks.common import RESULTS
+from benchmarks.common import md_table
+from benchmarks.common import write_results
+from benchmarks.llama_folder import LLAMA_50M
+from benchmarks.llama_folder import build_llama_folder
 from kvduplex.bench.client import percentile
-from kvduplex.server.cluster import LocalCluster, Process, free_port
+from kvduplex.server.cluster import LocalCluster
+from kvduplex.server.cluster import Process
+from kvduplex.server.cluster import free_port
 
 SERVED_NAME = "llama-50m"
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")

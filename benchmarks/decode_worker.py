@@ -42,7 +42,10 @@ def main() -> None:
 
     os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")} & os.sched_getaffinity(0) or os.sched_getaffinity(0))
     torch.set_num_threads(args.threads)
-    from kvduplex.config import CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig
+    from kvduplex.config import CacheConfig
+    from kvduplex.config import EngineConfig
+    from kvduplex.config import ModelLoadConfig
+    from kvduplex.config import SchedulerConfig
     from kvduplex.engine.engine import LLMEngine
     from kvduplex.engine.sampling import SamplingParams
 

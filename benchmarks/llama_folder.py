@@ -24,8 +24,13 @@ LLAMA_50M = dict(
 def build_llama_folder(folder: Path, seed: int = 0) -> Path:
     """Write config.json, model.safetensors, tokenizer.json and tokenizer_config.json into `folder`."""
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tokenizers import Tokenizer
+    from tokenizers import decoders
+    from tokenizers import models
+    from tokenizers import pre_tokenizers
+    from tokenizers import trainers
+    from transformers import LlamaConfig
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**LLAMA_50M))  # type: ignore[arg-type]

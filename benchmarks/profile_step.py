@@ -38,7 +38,8 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -160,7 +161,10 @@ def make_engine(
     dtype: str = "float32",
 ) -> Any:
     """An engine on CPU (`decode_attention` empty: the checkout's default)."""
-    from kvduplex.config import CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig
+    from kvduplex.config import CacheConfig
+    from kvduplex.config import EngineConfig
+    from kvduplex.config import ModelLoadConfig
+    from kvduplex.config import SchedulerConfig
     from kvduplex.engine.engine import LLMEngine
 
     extra = {"decode_attention": decode_attention} if decode_attention else {}
@@ -238,7 +242,8 @@ def profile_batch(engine: Any, batch: int, args: argparse.Namespace) -> dict[str
 
 def op_counts(engine: Any, num_steps: int) -> dict[str, Any]:
     """aten calls per step and the top operators by self CPU time, under torch.profiler."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(num_steps):
@@ -315,7 +320,8 @@ def main() -> None:
     ap.add_argument("--src", default="", help="import kvduplex from this checkout instead")
     ap.add_argument("--tag", default="", help="suffix of the result files")
     args = ap.parse_args()
-    from benchmarks.common import pin, write_results
+    from benchmarks.common import pin
+    from benchmarks.common import write_results
     from benchmarks.llama_folder import build_llama_folder
 
     if args.src:  # after this checkout's benchmark helpers, before any kvduplex import

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import enum
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 
 
 class Role(enum.Enum):

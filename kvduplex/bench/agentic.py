@@ -17,16 +17,17 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from kvduplex.bench.client import RequestResult, stream_request
-from kvduplex.bench.conversation import PromptForm, new_conversation, tool_definitions
-from kvduplex.bench.workload import (
-    SessionPlan,
-    WorkloadConfig,
-    input_texts,
-    plan_sessions,
-    session_id,
-    system_prompt,
-)
+from kvduplex.bench.client import RequestResult
+from kvduplex.bench.client import stream_request
+from kvduplex.bench.conversation import PromptForm
+from kvduplex.bench.conversation import new_conversation
+from kvduplex.bench.conversation import tool_definitions
+from kvduplex.bench.workload import SessionPlan
+from kvduplex.bench.workload import WorkloadConfig
+from kvduplex.bench.workload import input_texts
+from kvduplex.bench.workload import plan_sessions
+from kvduplex.bench.workload import session_id
+from kvduplex.bench.workload import system_prompt
 
 
 @dataclass

@@ -23,27 +23,28 @@ from typing import Any
 
 from kvduplex.bench import agentic_floors as floors
 from kvduplex.bench import agentic_report as report
-from kvduplex.bench.agentic import check_tools_accepted, served_models
-from kvduplex.bench.agentic_matrix import (
-    COSTS,
-    Endpoint,
-    Runs,
-    estimate_total_s,
-    fit_to_budget,
-    run_interleaved,
-)
-from kvduplex.bench.agentic_modes import (
-    MODE_NAMES,
-    ModeSpec,
-    kv_bytes_per_token,
-    kv_cache_mb_for,
-    modes_named,
-    start_deployment,
-)
+from kvduplex.bench.agentic import check_tools_accepted
+from kvduplex.bench.agentic import served_models
+from kvduplex.bench.agentic_matrix import COSTS
+from kvduplex.bench.agentic_matrix import Endpoint
+from kvduplex.bench.agentic_matrix import Runs
+from kvduplex.bench.agentic_matrix import estimate_total_s
+from kvduplex.bench.agentic_matrix import fit_to_budget
+from kvduplex.bench.agentic_matrix import run_interleaved
+from kvduplex.bench.agentic_modes import MODE_NAMES
+from kvduplex.bench.agentic_modes import ModeSpec
+from kvduplex.bench.agentic_modes import kv_bytes_per_token
+from kvduplex.bench.agentic_modes import kv_cache_mb_for
+from kvduplex.bench.agentic_modes import modes_named
+from kvduplex.bench.agentic_modes import start_deployment
 from kvduplex.bench.conversation import PromptForm
-from kvduplex.bench.kvmetrics import Instance, instance_role
-from kvduplex.bench.results import provenance, write_results
-from kvduplex.bench.workload import WorkloadConfig, plan_sessions, shape_named
+from kvduplex.bench.kvmetrics import Instance
+from kvduplex.bench.kvmetrics import instance_role
+from kvduplex.bench.results import provenance
+from kvduplex.bench.results import write_results
+from kvduplex.bench.workload import WorkloadConfig
+from kvduplex.bench.workload import plan_sessions
+from kvduplex.bench.workload import shape_named
 from kvduplex.config import CacheConfig
 from kvduplex.model.presets import PRESETS
 from kvduplex.server.cluster import LocalCluster

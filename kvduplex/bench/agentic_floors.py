@@ -24,7 +24,10 @@ from typing import Any
 import numpy as np
 
 from kvduplex.bench.agentic import TurnRecord
-from kvduplex.bench.agentic_report import SUMMARY_MIN_TURN, by_mode_shape, mean_known, to_ms
+from kvduplex.bench.agentic_report import SUMMARY_MIN_TURN
+from kvduplex.bench.agentic_report import by_mode_shape
+from kvduplex.bench.agentic_report import mean_known
+from kvduplex.bench.agentic_report import to_ms
 from kvduplex.bench.tables import markdown_table
 
 

@@ -11,16 +11,27 @@ Around each run the instances' KV counters are read, after they settle.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from collections.abc import Mapping
+from dataclasses import dataclass
+from dataclasses import field
+from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
 
-from kvduplex.bench.agentic import RunTarget, TurnRecord, run_workload
+from kvduplex.bench.agentic import RunTarget
+from kvduplex.bench.agentic import TurnRecord
+from kvduplex.bench.agentic import run_workload
 from kvduplex.bench.agentic_report import SUMMARY_MIN_TURN
 from kvduplex.bench.conversation import PromptForm
-from kvduplex.bench.kvmetrics import Instance, KVMoved, kv_moved, return_records, settle
-from kvduplex.bench.workload import Shape, WorkloadConfig, plan_sessions
+from kvduplex.bench.kvmetrics import Instance
+from kvduplex.bench.kvmetrics import KVMoved
+from kvduplex.bench.kvmetrics import kv_moved
+from kvduplex.bench.kvmetrics import return_records
+from kvduplex.bench.kvmetrics import settle
+from kvduplex.bench.workload import Shape
+from kvduplex.bench.workload import WorkloadConfig
+from kvduplex.bench.workload import plan_sessions
 
 
 @dataclass(frozen=True)

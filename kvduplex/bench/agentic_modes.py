@@ -24,10 +24,12 @@ import re
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 
 from kvduplex.bench.kvmetrics import Instance
-from kvduplex.server.cluster import LocalCluster, free_port
+from kvduplex.server.cluster import LocalCluster
+from kvduplex.server.cluster import free_port
 
 
 @dataclass(frozen=True)

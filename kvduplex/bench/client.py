@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from typing import Any
 
 import httpx
 import numpy as np
-from httpx_sse import SSEError, aconnect_sse
+from httpx_sse import SSEError
+from httpx_sse import aconnect_sse
 
 
 @dataclass(frozen=True)

@@ -20,15 +20,18 @@ a client's TTFT that no transfer design can remove, the floor under it.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from collections.abc import Mapping
+from dataclasses import dataclass
+from dataclasses import field
 from types import MappingProxyType
 from typing import Any
 
 import httpx
 
 from kvduplex.config import Environment
-from kvduplex.server.report import metric_sum, scrape
+from kvduplex.server.report import metric_sum
+from kvduplex.server.report import scrape
 from kvduplex.transport.trust import secret_headers
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]

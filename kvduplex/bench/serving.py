@@ -41,17 +41,23 @@ import os
 import random
 import tempfile
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 
-from kvduplex.bench.client import RequestResult, stream_request
-from kvduplex.bench.tables import cell, markdown_table
-from kvduplex.server.cluster import LocalCluster, free_port
-from kvduplex.server.report import metric_sum, scrape
+from kvduplex.bench.client import RequestResult
+from kvduplex.bench.client import stream_request
+from kvduplex.bench.tables import cell
+from kvduplex.bench.tables import markdown_table
+from kvduplex.server.cluster import LocalCluster
+from kvduplex.server.cluster import free_port
+from kvduplex.server.report import metric_sum
+from kvduplex.server.report import scrape
 
 MODES = ("colocated", "pull", "push")
 
@@ -132,7 +138,8 @@ def _start(cluster: LocalCluster, opts: Options, stack: ExitStack) -> tuple[dict
     d_env: dict[str, str] = {}
     netns = None
     if opts.netns:
-        from kvduplex.server.netns import NetnsHost, netns_unavailable_reason
+        from kvduplex.server.netns import NetnsHost
+        from kvduplex.server.netns import netns_unavailable_reason
 
         reason = netns_unavailable_reason()
         if reason is not None:

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import httpx
 
-from kvduplex.bench.client import RequestResult, stream_request
+from kvduplex.bench.client import RequestResult
+from kvduplex.bench.client import stream_request
 
 _WORDS = ["tool", "result", "file", "path", "error", "line", "value", "list", "query", "index", "table", "cache", "block", "token", "layer", "prefix", "model", "shard", "vector", "batch", "stream", "request", "answer", "plan", "step", "check", "patch"]
 

@@ -28,14 +28,20 @@ import os
 import random
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from kvduplex.bench.client import RequestResult, percentile, stream_request
-from kvduplex.bench.conversation import ChatConversation, Conversation, TokenConversation
+from kvduplex.bench.client import RequestResult
+from kvduplex.bench.client import percentile
+from kvduplex.bench.client import stream_request
+from kvduplex.bench.conversation import ChatConversation
+from kvduplex.bench.conversation import Conversation
+from kvduplex.bench.conversation import TokenConversation
 from kvduplex.bench.session import seeded_text
 
 

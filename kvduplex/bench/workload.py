@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from dataclasses import replace
 from types import MappingProxyType
 
 _WORDS = (

@@ -14,12 +14,16 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
+from typing import TypeVar
 
-from kvduplex.engine.engine import LLMEngine, RequestOutput, RequestRejected
+from kvduplex.engine.engine import LLMEngine
+from kvduplex.engine.engine import RequestOutput
+from kvduplex.engine.engine import RequestRejected
 from kvduplex.engine.metrics import EngineMetrics
 from kvduplex.engine.request import RemoteKVSpec
 from kvduplex.engine.sampling import SamplingParams

@@ -34,8 +34,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import struct
-from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections import OrderedDict
+from collections import deque
+from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NewType
 

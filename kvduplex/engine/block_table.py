@@ -17,7 +17,8 @@ masks hide.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable
+from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt

@@ -21,9 +21,11 @@ transitions, and other threads through `call`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+from typing import Any
 
 from kvduplex.engine.block_pool import BlockHash
 from kvduplex.engine.request import Request

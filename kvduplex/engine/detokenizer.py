@@ -9,7 +9,8 @@ out to be a stop string.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from typing import Protocol
 
 

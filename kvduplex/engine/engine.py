@@ -25,14 +25,24 @@ from kvduplex.config import EngineConfig
 from kvduplex.engine.block_pool import BlockPool
 from kvduplex.engine.connector import KVConnector
 from kvduplex.engine.detokenizer import IncrementalDetokenizer
-from kvduplex.engine.kv_cache import KVCacheLayout, allocate_kv_pool
+from kvduplex.engine.kv_cache import KVCacheLayout
+from kvduplex.engine.kv_cache import allocate_kv_pool
 from kvduplex.engine.kv_manager import KVCacheManager
-from kvduplex.engine.request import FinishReason, RemoteKVSpec, Request, RequestStatus
-from kvduplex.engine.runner import ModelRunner, SeqInput, kv_layout_for, num_blocks_for_memory
-from kvduplex.engine.sampler import RequestGenerators, sample
+from kvduplex.engine.request import FinishReason
+from kvduplex.engine.request import RemoteKVSpec
+from kvduplex.engine.request import Request
+from kvduplex.engine.request import RequestStatus
+from kvduplex.engine.runner import ModelRunner
+from kvduplex.engine.runner import SeqInput
+from kvduplex.engine.runner import kv_layout_for
+from kvduplex.engine.runner import num_blocks_for_memory
+from kvduplex.engine.sampler import RequestGenerators
+from kvduplex.engine.sampler import sample
 from kvduplex.engine.sampling import SamplingParams
-from kvduplex.engine.scheduler import Scheduler, SchedulerOutput
-from kvduplex.model.loader import LoadedModel, load_model
+from kvduplex.engine.scheduler import Scheduler
+from kvduplex.engine.scheduler import SchedulerOutput
+from kvduplex.model.loader import LoadedModel
+from kvduplex.model.loader import load_model
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,8 @@ import enum
 import logging
 import mmap
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
+from dataclasses import dataclass
 
 import torch
 

@@ -28,7 +28,9 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvduplex.engine.block_pool import BlockHash, BlockPool, compute_block_hashes
+from kvduplex.engine.block_pool import BlockHash
+from kvduplex.engine.block_pool import BlockPool
+from kvduplex.engine.block_pool import compute_block_hashes
 from kvduplex.engine.kv_cache import num_blocks_for_tokens
 from kvduplex.engine.request import Request
 

@@ -25,7 +25,8 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from typing import TYPE_CHECKING
 
 from kvduplex.engine.sampling import SamplingParams

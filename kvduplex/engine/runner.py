@@ -17,18 +17,18 @@ table for one call (tests, one-off forwards).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable
+from collections.abc import Hashable
+from collections.abc import Iterable
 
 import torch
 
 from kvduplex.engine.block_table import BlockTables
 from kvduplex.engine.kv_cache import KVCacheLayout
-from kvduplex.engine.runner_inputs import (
-    GROUP_COST_TOKENS,
-    InputBuilder,
-    SeqInput,
-    group_by_length,
-)
+from kvduplex.engine.runner_inputs import GROUP_COST_TOKENS
+from kvduplex.engine.runner_inputs import InputBuilder
+from kvduplex.engine.runner_inputs import SeqInput
+from kvduplex.engine.runner_inputs import group_by_length
 from kvduplex.model.config import DecoderConfig
 from kvduplex.model.decoder import DecoderForCausalLM
 from kvduplex.model.flex_decode import FlexDecode

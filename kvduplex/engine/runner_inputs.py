@@ -22,7 +22,8 @@ place (`pool_runs`).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,7 +32,10 @@ import torch
 
 from kvduplex.engine.block_table import BlockTables
 from kvduplex.engine.kv_cache import KVCacheLayout
-from kvduplex.model.attention import AttentionContext, DecodeGroup, PoolRuns, PrefillSpan
+from kvduplex.model.attention import AttentionContext
+from kvduplex.model.attention import DecodeGroup
+from kvduplex.model.attention import PoolRuns
+from kvduplex.model.attention import PrefillSpan
 from kvduplex.model.flex_decode import FlexDecode
 
 

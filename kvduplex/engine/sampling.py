@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 
 GREEDY_BELOW_TEMPERATURE = 1e-5
 """Temperatures below this sample greedily (logits / t would overflow float32)."""

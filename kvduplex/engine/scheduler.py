@@ -36,14 +36,14 @@ from collections.abc import Mapping
 
 from kvduplex.config import SchedulerConfig
 from kvduplex.engine.kv_manager import KVCacheManager
-from kvduplex.engine.request import FinishReason, Request, RequestStatus
-from kvduplex.engine.scheduler_output import (
-    BlockTableTracker,
-    ScheduledSeq,
-    SchedulerOutput,
-    StepBuilder,
-    check_stop,
-)
+from kvduplex.engine.request import FinishReason
+from kvduplex.engine.request import Request
+from kvduplex.engine.request import RequestStatus
+from kvduplex.engine.scheduler_output import BlockTableTracker
+from kvduplex.engine.scheduler_output import ScheduledSeq
+from kvduplex.engine.scheduler_output import SchedulerOutput
+from kvduplex.engine.scheduler_output import StepBuilder
+from kvduplex.engine.scheduler_output import check_stop
 
 logger = logging.getLogger(__name__)
 

@@ -16,9 +16,11 @@ last saw the request (`BlockTableTracker` remembers how many it was sent)::
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 
-from kvduplex.engine.request import FinishReason, Request
+from kvduplex.engine.request import FinishReason
+from kvduplex.engine.request import Request
 
 
 @dataclass

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from kvduplex.engine.async_engine import AsyncEngine
-from kvduplex.engine.connector import EngineHandle, KVConnector
+from kvduplex.engine.connector import EngineHandle
+from kvduplex.engine.connector import KVConnector
 from kvduplex.engine.request import Request
 from kvduplex.engine.scheduler_output import SchedulerOutput
 from kvduplex.kvflow.metrics import KVFlowMetrics
@@ -22,8 +23,10 @@ from kvduplex.kvflow.pull import PullConnector
 from kvduplex.kvflow.push_decode import PushDecode
 from kvduplex.kvflow.push_prefill import PushSender
 from kvduplex.kvflow.receiver import KVReceiver
-from kvduplex.kvflow.return_pull import RetainedReader, TurnRetainer
-from kvduplex.kvflow.returns import ReturnAcceptor, ReturnOfferer
+from kvduplex.kvflow.return_pull import RetainedReader
+from kvduplex.kvflow.return_pull import TurnRetainer
+from kvduplex.kvflow.returns import ReturnAcceptor
+from kvduplex.kvflow.returns import ReturnOfferer
 from kvduplex.kvflow.sender import KVSender
 from kvduplex.transport.base import Transport
 from kvduplex.transport.notify import NotificationPump

@@ -16,8 +16,10 @@ from typing import ClassVar
 
 from kvduplex.engine.connector import EngineHandle
 from kvduplex.transport.base import Transport
-from kvduplex.transport.messages import ControlMessage, MessageCodec
-from kvduplex.transport.notify import Handler, NotificationPump
+from kvduplex.transport.messages import ControlMessage
+from kvduplex.transport.messages import MessageCodec
+from kvduplex.transport.notify import Handler
+from kvduplex.transport.notify import NotificationPump
 from kvduplex.transport.protocol import PeerHandle
 
 logger = logging.getLogger(__name__)

@@ -6,7 +6,8 @@ The transport's own bytes and transfer times are in
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry
+from prometheus_client import Counter
 
 
 class KVFlowMetrics:

@@ -19,7 +19,8 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+from typing import Any
 
 import httpx
 
@@ -28,7 +29,9 @@ from kvduplex.engine.kv_cache import num_blocks_for_tokens
 from kvduplex.engine.request import Request
 from kvduplex.kvflow.metrics import KVFlowMetrics
 from kvduplex.transport.base import Transport
-from kvduplex.transport.protocol import PeerHandle, TransferHandle, TransferState
+from kvduplex.transport.protocol import PeerHandle
+from kvduplex.transport.protocol import TransferHandle
+from kvduplex.transport.protocol import TransferState
 from kvduplex.transport.trust import secret_headers
 
 if TYPE_CHECKING:

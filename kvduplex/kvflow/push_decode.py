@@ -23,9 +23,11 @@ from functools import partial
 from kvduplex.engine.connector import EngineHandle
 from kvduplex.engine.kv_cache import num_blocks_for_tokens
 from kvduplex.engine.request import Request
-from kvduplex.kvflow.messages import KVDone, KVWaiting
+from kvduplex.kvflow.messages import KVDone
+from kvduplex.kvflow.messages import KVWaiting
 from kvduplex.kvflow.metrics import KVFlowMetrics
-from kvduplex.kvflow.receiver import KVReceiver, WaitFailure
+from kvduplex.kvflow.receiver import KVReceiver
+from kvduplex.kvflow.receiver import WaitFailure
 from kvduplex.kvflow.sender import HEARTBEATS_PER_WAIT
 from kvduplex.transport.messages import MessageCodec
 from kvduplex.transport.notify import NotificationPump

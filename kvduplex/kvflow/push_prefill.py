@@ -25,7 +25,9 @@ from collections.abc import Callable
 from kvduplex.engine.kv_cache import num_blocks_for_tokens
 from kvduplex.engine.request import Request
 from kvduplex.engine.scheduler_output import SchedulerOutput
-from kvduplex.kvflow.sender import Chunk, KVSender, SendJob
+from kvduplex.kvflow.sender import Chunk
+from kvduplex.kvflow.sender import KVSender
+from kvduplex.kvflow.sender import SendJob
 from kvduplex.transport.protocol import PeerHandle
 
 

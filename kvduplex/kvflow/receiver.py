@@ -33,14 +33,12 @@ from functools import partial
 
 from kvduplex.engine.connector import EngineHandle
 from kvduplex.kvflow.half import FlowHalf
-from kvduplex.kvflow.messages import (
-    KVAlive,
-    KVAliveAck,
-    KVCancel,
-    KVDone,
-    KVFailed,
-    KVRegister,
-)
+from kvduplex.kvflow.messages import KVAlive
+from kvduplex.kvflow.messages import KVAliveAck
+from kvduplex.kvflow.messages import KVCancel
+from kvduplex.kvflow.messages import KVDone
+from kvduplex.kvflow.messages import KVFailed
+from kvduplex.kvflow.messages import KVRegister
 from kvduplex.transport.base import Transport
 from kvduplex.transport.messages import ControlMessage
 from kvduplex.transport.notify import Handler

@@ -23,13 +23,17 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from kvduplex.engine.block_pool import BlockHash, compute_block_hashes
+from kvduplex.engine.block_pool import BlockHash
+from kvduplex.engine.block_pool import compute_block_hashes
 from kvduplex.engine.connector import EngineHandle
-from kvduplex.engine.request import FinishReason, Request
+from kvduplex.engine.request import FinishReason
+from kvduplex.engine.request import Request
 from kvduplex.kvflow.metrics import KVFlowMetrics
 from kvduplex.transport.base import Transport
 from kvduplex.transport.notify import NotificationPump
-from kvduplex.transport.protocol import PeerHandle, TransferHandle, TransferState
+from kvduplex.transport.protocol import PeerHandle
+from kvduplex.transport.protocol import TransferHandle
+from kvduplex.transport.protocol import TransferState
 
 logger = logging.getLogger(__name__)
 

@@ -35,17 +35,25 @@ import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
+from dataclasses import dataclass
 from functools import partial
 
-from kvduplex.engine.block_pool import BlockHash, compute_block_hashes
+from kvduplex.engine.block_pool import BlockHash
+from kvduplex.engine.block_pool import compute_block_hashes
 from kvduplex.engine.connector import EngineHandle
-from kvduplex.engine.request import FinishReason, Request
-from kvduplex.kvflow.messages import KVDecline, KVDone, KVOffer
+from kvduplex.engine.request import FinishReason
+from kvduplex.engine.request import Request
+from kvduplex.kvflow.messages import KVDecline
+from kvduplex.kvflow.messages import KVDone
+from kvduplex.kvflow.messages import KVOffer
 from kvduplex.kvflow.metrics import KVFlowMetrics
-from kvduplex.kvflow.receiver import KVReceiver, WaitFailure
-from kvduplex.kvflow.sender import KVSender, SendJob
-from kvduplex.transport.messages import ControlMessage, MessageCodec
+from kvduplex.kvflow.receiver import KVReceiver
+from kvduplex.kvflow.receiver import WaitFailure
+from kvduplex.kvflow.sender import KVSender
+from kvduplex.kvflow.sender import SendJob
+from kvduplex.transport.messages import ControlMessage
+from kvduplex.transport.messages import MessageCodec
 from kvduplex.transport.notify import NotificationPump
 from kvduplex.transport.protocol import PeerHandle
 

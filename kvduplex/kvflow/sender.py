@@ -46,26 +46,27 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from functools import partial
 
 from kvduplex.engine.connector import EngineHandle
 from kvduplex.engine.request import Request
 from kvduplex.kvflow.half import FlowHalf
-from kvduplex.kvflow.messages import (
-    KVAlive,
-    KVAliveAck,
-    KVCancel,
-    KVDone,
-    KVFailed,
-    KVRegister,
-    KVWaiting,
-)
+from kvduplex.kvflow.messages import KVAlive
+from kvduplex.kvflow.messages import KVAliveAck
+from kvduplex.kvflow.messages import KVCancel
+from kvduplex.kvflow.messages import KVDone
+from kvduplex.kvflow.messages import KVFailed
+from kvduplex.kvflow.messages import KVRegister
+from kvduplex.kvflow.messages import KVWaiting
 from kvduplex.kvflow.metrics import KVFlowMetrics
 from kvduplex.transport.base import Transport
 from kvduplex.transport.messages import ControlMessage
 from kvduplex.transport.notify import Handler
-from kvduplex.transport.protocol import PeerHandle, TransferHandle, TransferState
+from kvduplex.transport.protocol import PeerHandle
+from kvduplex.transport.protocol import TransferHandle
+from kvduplex.transport.protocol import TransferState
 
 logger = logging.getLogger(__name__)
 

@@ -43,12 +43,14 @@ builds them once per step and per distinct sliding window.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 
 import torch
 import torch.nn.functional as F
 
-from kvduplex.model.flex_decode import FlexDecode, FlexDecodeBatch
+from kvduplex.model.flex_decode import FlexDecode
+from kvduplex.model.flex_decode import FlexDecodeBatch
 
 
 @dataclass(frozen=True)

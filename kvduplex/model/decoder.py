@@ -20,9 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvduplex.model.attention import AttentionContext, paged_attention, write_kv
+from kvduplex.model.attention import AttentionContext
+from kvduplex.model.attention import paged_attention
+from kvduplex.model.attention import write_kv
 from kvduplex.model.config import DecoderConfig
-from kvduplex.model.rope import RotaryEmbedding, apply_rotary
+from kvduplex.model.rope import RotaryEmbedding
+from kvduplex.model.rope import apply_rotary
 
 _ACT: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,

@@ -27,9 +27,15 @@ from torch import nn
 from kvduplex.config import ModelLoadConfig
 from kvduplex.engine.kv_cache import dtype_from_name
 from kvduplex.model.config import DecoderConfig
-from kvduplex.model.decoder import DecoderForCausalLM, fused_shard_rows, hf_weight_target
-from kvduplex.model.presets import PRESETS, init_random_weights, preset_config
-from kvduplex.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from kvduplex.model.decoder import DecoderForCausalLM
+from kvduplex.model.decoder import fused_shard_rows
+from kvduplex.model.decoder import hf_weight_target
+from kvduplex.model.presets import PRESETS
+from kvduplex.model.presets import init_random_weights
+from kvduplex.model.presets import preset_config
+from kvduplex.model.tokenizer import ByteTokenizer
+from kvduplex.model.tokenizer import HFTokenizer
+from kvduplex.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

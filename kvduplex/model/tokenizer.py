@@ -26,7 +26,9 @@ import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
+from typing import Protocol
+from typing import runtime_checkable
 
 _REPLACEMENT = "\ufffd"
 

@@ -21,14 +21,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvduplex.model.tokenizer import Tokenizer
-from kvduplex.openai.protocol import (
-    ChatCompletionRequest,
-    ChatMessage,
-    ChatTool,
-    CompletionRequest,
-    OpenAIRequest,
-    check_unicode_tree,
-)
+from kvduplex.openai.protocol import ChatCompletionRequest
+from kvduplex.openai.protocol import ChatMessage
+from kvduplex.openai.protocol import ChatTool
+from kvduplex.openai.protocol import CompletionRequest
+from kvduplex.openai.protocol import OpenAIRequest
+from kvduplex.openai.protocol import check_unicode_tree
 
 
 class PromptError(ValueError):

@@ -7,11 +7,18 @@ the same models, so it refuses what an instance would, in the same words.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated
+from typing import Any
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel
+from pydantic import ConfigDict
+from pydantic import Field
+from pydantic import field_validator
+from pydantic import model_validator
 
-from kvduplex.engine.sampling import SEED_RANGE, SamplingParams
+from kvduplex.engine.sampling import SEED_RANGE
+from kvduplex.engine.sampling import SamplingParams
 
 
 def _check_unicode(text: str) -> str:

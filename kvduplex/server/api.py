@@ -11,27 +11,39 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
+from collections.abc import Awaitable
+from collections.abc import Callable
+from collections.abc import Sequence
+from dataclasses import dataclass
+from dataclasses import field
 from typing import Any
 
-from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from fastapi import APIRouter
+from fastapi import FastAPI
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from fastapi.responses import Response
+from fastapi.responses import StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CollectorRegistry
+from prometheus_client import generate_latest
 
-from kvduplex.engine.async_engine import AsyncEngine, EngineDeadError
-from kvduplex.engine.engine import RequestOutput, RequestRejected
+from kvduplex.engine.async_engine import AsyncEngine
+from kvduplex.engine.async_engine import EngineDeadError
+from kvduplex.engine.engine import RequestOutput
+from kvduplex.engine.engine import RequestRejected
 from kvduplex.engine.request import RemoteKVSpec
 from kvduplex.engine.sampling import SamplingParams
 from kvduplex.openai import render
-from kvduplex.openai.errors import APIError, install_error_handlers
-from kvduplex.openai.prompt import PromptError, prompt_token_ids
-from kvduplex.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    OpenAIRequest,
-    _SamplingFields,
-)
+from kvduplex.openai.errors import APIError
+from kvduplex.openai.errors import install_error_handlers
+from kvduplex.openai.prompt import PromptError
+from kvduplex.openai.prompt import prompt_token_ids
+from kvduplex.openai.protocol import ChatCompletionRequest
+from kvduplex.openai.protocol import CompletionRequest
+from kvduplex.openai.protocol import OpenAIRequest
+from kvduplex.openai.protocol import _SamplingFields
 
 logger = logging.getLogger(__name__)
 

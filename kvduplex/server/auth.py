@@ -22,7 +22,10 @@ import hmac
 import logging
 
 from starlette.responses import JSONResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp
+from starlette.types import Receive
+from starlette.types import Scope
+from starlette.types import Send
 
 from kvduplex.openai.protocol import error_body
 

@@ -11,20 +11,20 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvduplex.config import (
-    API_KEY_VAR,
-    CLUSTER_SECRET_VAR,
-    CacheConfig,
-    EngineConfig,
-    Environment,
-    ModelLoadConfig,
-    ReturnMode,
-    RouterConfig,
-    SchedulerConfig,
-    ServerConfig,
-    TransferConfig,
-)
-from kvduplex.server.flags import add_dataclass_flags, dataclass_from_args, flags_of
+from kvduplex.config import API_KEY_VAR
+from kvduplex.config import CLUSTER_SECRET_VAR
+from kvduplex.config import CacheConfig
+from kvduplex.config import EngineConfig
+from kvduplex.config import Environment
+from kvduplex.config import ModelLoadConfig
+from kvduplex.config import ReturnMode
+from kvduplex.config import RouterConfig
+from kvduplex.config import SchedulerConfig
+from kvduplex.config import ServerConfig
+from kvduplex.config import TransferConfig
+from kvduplex.server.flags import add_dataclass_flags
+from kvduplex.server.flags import dataclass_from_args
+from kvduplex.server.flags import flags_of
 
 logger = logging.getLogger("kvduplex")
 
@@ -65,7 +65,8 @@ def _cmd_router(args: argparse.Namespace) -> None:
 
 
 def _cmd_up(args: argparse.Namespace) -> None:
-    from kvduplex.server.cluster import LocalCluster, free_port
+    from kvduplex.server.cluster import LocalCluster
+    from kvduplex.server.cluster import free_port
     from kvduplex.server.guard import new_cluster_secret
 
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvduplex-up-"))
@@ -125,8 +126,11 @@ def _demo(
 ) -> bool:
     """Run the demo session through each router (or the colocated instance) and print
     per-turn figures side by side, with what moved each way; False if a turn failed."""
-    from kvduplex.bench.session import format_session, format_side_by_side, run_token_session
-    from kvduplex.server.report import format_kv_report, kv_snapshot
+    from kvduplex.bench.session import format_session
+    from kvduplex.bench.session import format_side_by_side
+    from kvduplex.bench.session import run_token_session
+    from kvduplex.server.report import format_kv_report
+    from kvduplex.server.report import kv_snapshot
 
     runs = {}
     for i, (name, url) in enumerate((routers or {args.mode: front}).items()):

@@ -19,11 +19,16 @@ import asyncio
 import logging
 import time
 from dataclasses import asdict
-from typing import Annotated, Any, Literal
+from typing import Annotated
+from typing import Any
+from typing import Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
+from fastapi import Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel
+from pydantic import Field
+from pydantic import model_validator
 
 from kvduplex.engine.request import RemoteKVSpec
 from kvduplex.kvflow.connectors import DecodeFlows
@@ -31,10 +36,15 @@ from kvduplex.kvflow.pull import PullSpec
 from kvduplex.kvflow.push_decode import PushSpec
 from kvduplex.kvflow.return_pull import RetainSpec
 from kvduplex.kvflow.returns import ReturnSpec
-from kvduplex.server.api import APIError, Generation, InstanceState
-from kvduplex.server.kv_routes import MAX_XID_CHARS, CancelRequest, not_found
+from kvduplex.server.api import APIError
+from kvduplex.server.api import Generation
+from kvduplex.server.api import InstanceState
+from kvduplex.server.kv_routes import MAX_XID_CHARS
+from kvduplex.server.kv_routes import CancelRequest
+from kvduplex.server.kv_routes import not_found
 from kvduplex.transport.handshake import PeerDirectory
-from kvduplex.transport.trust import SECRET_HEADER, secret_matches
+from kvduplex.transport.trust import SECRET_HEADER
+from kvduplex.transport.trust import secret_matches
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,8 @@ import inspect
 import itertools
 import textwrap
 import typing
-from typing import Any, TypeVar
+from typing import Any
+from typing import TypeVar
 
 T = TypeVar("T")
 

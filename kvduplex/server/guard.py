@@ -33,10 +33,15 @@ import secrets
 from pathlib import Path
 
 from starlette.responses import JSONResponse
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp
+from starlette.types import Message
+from starlette.types import Receive
+from starlette.types import Scope
+from starlette.types import Send
 
 from kvduplex.openai.protocol import error_body
-from kvduplex.transport.trust import SECRET_HEADER, secret_matches
+from kvduplex.transport.trust import SECRET_HEADER
+from kvduplex.transport.trust import secret_matches
 
 logger = logging.getLogger(__name__)
 

@@ -4,20 +4,28 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from functools import partial
 
 import uvicorn
-from fastapi import APIRouter, FastAPI
+from fastapi import APIRouter
+from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
-from kvduplex.config import EngineConfig, Environment, Role, ServerConfig
+from kvduplex.config import EngineConfig
+from kvduplex.config import Environment
+from kvduplex.config import Role
+from kvduplex.config import ServerConfig
 from kvduplex.engine.async_engine import AsyncEngine
 from kvduplex.engine.engine import LLMEngine
 from kvduplex.engine.metrics import EngineMetrics
-from kvduplex.server.api import InstanceState, create_app
-from kvduplex.server.auth import APIKeyGuard, resolve_api_key
-from kvduplex.server.guard import InternalGuard, load_cluster_secret
+from kvduplex.server.api import InstanceState
+from kvduplex.server.api import create_app
+from kvduplex.server.auth import APIKeyGuard
+from kvduplex.server.auth import resolve_api_key
+from kvduplex.server.guard import InternalGuard
+from kvduplex.server.guard import load_cluster_secret
 
 logger = logging.getLogger(__name__)
 
@@ -89,12 +97,16 @@ def _role_routers(
     """
     if role is Role.BOTH:
         return []
-    from kvduplex.kvflow.connectors import FlowTiming, decode_flows, prefill_flows
+    from kvduplex.kvflow.connectors import FlowTiming
+    from kvduplex.kvflow.connectors import decode_flows
+    from kvduplex.kvflow.connectors import prefill_flows
     from kvduplex.kvflow.metrics import KVFlowMetrics
     from kvduplex.kvflow.pull import http_release
     from kvduplex.server.decode_routes import make_decode_hooks
-    from kvduplex.server.kv_routes import make_prefill_router, make_push_prefill_router
-    from kvduplex.transport.handshake import PeerDirectory, make_handshake_router
+    from kvduplex.server.kv_routes import make_prefill_router
+    from kvduplex.server.kv_routes import make_push_prefill_router
+    from kvduplex.transport.handshake import PeerDirectory
+    from kvduplex.transport.handshake import make_handshake_router
     from kvduplex.transport.metrics import TransferMetrics
     from kvduplex.transport.nixl import NixlTransport
     from kvduplex.transport.notify import NotificationPump

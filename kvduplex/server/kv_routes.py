@@ -23,7 +23,8 @@ from typing import Annotated
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
+from pydantic import Field
 
 from kvduplex.engine.engine import RequestRejected
 from kvduplex.engine.sampling import SamplingParams
@@ -31,7 +32,8 @@ from kvduplex.kvflow.connectors import PrefillFlows
 from kvduplex.kvflow.lease import LeaseTable
 from kvduplex.kvflow.pull import block_ids_of
 from kvduplex.openai.protocol import error_body
-from kvduplex.server.api import APIError, InstanceState
+from kvduplex.server.api import APIError
+from kvduplex.server.api import InstanceState
 from kvduplex.transport.base import Transport
 from kvduplex.transport.handshake import PeerDirectory
 

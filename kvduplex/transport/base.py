@@ -30,22 +30,24 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvduplex.engine.kv_cache import KVCacheLayout, KVKind
-from kvduplex.transport.messages import HANDSHAKE_VERSION, HandshakeInfo
+from kvduplex.engine.kv_cache import KVCacheLayout
+from kvduplex.engine.kv_cache import KVKind
+from kvduplex.transport.messages import HANDSHAKE_VERSION
+from kvduplex.transport.messages import HandshakeInfo
 from kvduplex.transport.metrics import TransferMetrics
-from kvduplex.transport.protocol import (
-    ALL_KINDS,
-    FailureKind,
-    IncompatibleLayoutError,
-    Notification,
-    PeerHandle,
-    Region,
-    TransferError,
-    TransferHandle,
-    TransferOp,
-    TransferState,
-)
-from kvduplex.transport.regions import IndexArray, RegionIndexer, region_indices
+from kvduplex.transport.protocol import ALL_KINDS
+from kvduplex.transport.protocol import FailureKind
+from kvduplex.transport.protocol import IncompatibleLayoutError
+from kvduplex.transport.protocol import Notification
+from kvduplex.transport.protocol import PeerHandle
+from kvduplex.transport.protocol import Region
+from kvduplex.transport.protocol import TransferError
+from kvduplex.transport.protocol import TransferHandle
+from kvduplex.transport.protocol import TransferOp
+from kvduplex.transport.protocol import TransferState
+from kvduplex.transport.regions import IndexArray
+from kvduplex.transport.regions import RegionIndexer
+from kvduplex.transport.regions import region_indices
 
 logger = logging.getLogger(__name__)
 

@@ -27,19 +27,20 @@ from dataclasses import dataclass
 import torch
 
 from kvduplex.engine.kv_cache import KVCacheLayout
-from kvduplex.transport.base import Post, Transport, check_compatible
-from kvduplex.transport.messages import HandshakeInfo, LayoutInfo
+from kvduplex.transport.base import Post
+from kvduplex.transport.base import Transport
+from kvduplex.transport.base import check_compatible
+from kvduplex.transport.messages import HandshakeInfo
+from kvduplex.transport.messages import LayoutInfo
 from kvduplex.transport.metrics import TransferMetrics
-from kvduplex.transport.protocol import (
-    FailureKind,
-    Notification,
-    PeerHandle,
-    PeerUnavailableError,
-    TransferError,
-    TransferHandle,
-    TransferOp,
-    TransferState,
-)
+from kvduplex.transport.protocol import FailureKind
+from kvduplex.transport.protocol import Notification
+from kvduplex.transport.protocol import PeerHandle
+from kvduplex.transport.protocol import PeerUnavailableError
+from kvduplex.transport.protocol import TransferError
+from kvduplex.transport.protocol import TransferHandle
+from kvduplex.transport.protocol import TransferOp
+from kvduplex.transport.protocol import TransferState
 
 logger = logging.getLogger(__name__)
 

@@ -32,11 +32,15 @@ import time
 
 import httpx
 import msgspec
-from fastapi import APIRouter, Response
+from fastapi import APIRouter
+from fastapi import Response
 
 from kvduplex.transport.base import Transport
-from kvduplex.transport.messages import HandshakeInfo, decode_handshake, encode_handshake
-from kvduplex.transport.protocol import PeerHandle, PeerUnavailableError
+from kvduplex.transport.messages import HandshakeInfo
+from kvduplex.transport.messages import decode_handshake
+from kvduplex.transport.messages import encode_handshake
+from kvduplex.transport.protocol import PeerHandle
+from kvduplex.transport.protocol import PeerUnavailableError
 from kvduplex.transport.trust import secret_headers
 
 logger = logging.getLogger(__name__)

@@ -8,9 +8,14 @@ prometheus_client's default registry (what an instance's ``/metrics`` serves);
 
 from __future__ import annotations
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
+from prometheus_client import REGISTRY
+from prometheus_client import CollectorRegistry
+from prometheus_client import Counter
+from prometheus_client import Histogram
 
-from kvduplex.transport.protocol import FailureKind, TransferHandle, TransferOp
+from kvduplex.transport.protocol import FailureKind
+from kvduplex.transport.protocol import TransferHandle
+from kvduplex.transport.protocol import TransferOp
 
 _POST_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2, 0.1)
 _XFER_BUCKETS = (

@@ -57,34 +57,37 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from typing import Any
 
 import msgspec
 import torch
 
-from kvduplex.engine.kv_cache import KVCacheLayout, pool_base_address
-from kvduplex.transport.base import Post, Transport, check_compatible
-from kvduplex.transport.messages import (
-    Envelope,
-    EnvelopeKind,
-    HandshakeInfo,
-    LayoutInfo,
-    decode_envelope,
-    encode_envelope,
-)
+from kvduplex.engine.kv_cache import KVCacheLayout
+from kvduplex.engine.kv_cache import pool_base_address
+from kvduplex.transport.base import Post
+from kvduplex.transport.base import Transport
+from kvduplex.transport.base import check_compatible
+from kvduplex.transport.messages import Envelope
+from kvduplex.transport.messages import EnvelopeKind
+from kvduplex.transport.messages import HandshakeInfo
+from kvduplex.transport.messages import LayoutInfo
+from kvduplex.transport.messages import decode_envelope
+from kvduplex.transport.messages import encode_envelope
 from kvduplex.transport.metrics import TransferMetrics
-from kvduplex.transport.nixl_agent import NixlAgent, nixl_available, region_descs
-from kvduplex.transport.nixl_xfers import Job, XferTable
-from kvduplex.transport.protocol import (
-    FailureKind,
-    Notification,
-    PeerHandle,
-    PeerUnavailableError,
-    TransferError,
-    TransferHandle,
-    TransferState,
-)
+from kvduplex.transport.nixl_agent import NixlAgent
+from kvduplex.transport.nixl_agent import nixl_available
+from kvduplex.transport.nixl_agent import region_descs
+from kvduplex.transport.nixl_xfers import Job
+from kvduplex.transport.nixl_xfers import XferTable
+from kvduplex.transport.protocol import FailureKind
+from kvduplex.transport.protocol import Notification
+from kvduplex.transport.protocol import PeerHandle
+from kvduplex.transport.protocol import PeerUnavailableError
+from kvduplex.transport.protocol import TransferError
+from kvduplex.transport.protocol import TransferHandle
+from kvduplex.transport.protocol import TransferState
 
 logger = logging.getLogger(__name__)
 

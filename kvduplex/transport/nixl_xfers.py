@@ -24,13 +24,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvduplex.transport.nixl_agent import NixlAgent
-from kvduplex.transport.protocol import (
-    FailureKind,
-    TransferError,
-    TransferHandle,
-    TransferOp,
-    TransferState,
-)
+from kvduplex.transport.protocol import FailureKind
+from kvduplex.transport.protocol import TransferError
+from kvduplex.transport.protocol import TransferHandle
+from kvduplex.transport.protocol import TransferOp
+from kvduplex.transport.protocol import TransferState
 from kvduplex.transport.regions import IndexArray
 
 logger = logging.getLogger(__name__)

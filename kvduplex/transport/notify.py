@@ -31,7 +31,8 @@ from collections.abc import Callable
 import msgspec
 
 from kvduplex.transport.base import Transport
-from kvduplex.transport.messages import ControlMessage, MessageCodec
+from kvduplex.transport.messages import ControlMessage
+from kvduplex.transport.messages import MessageCodec
 
 logger = logging.getLogger(__name__)
 

@@ -35,7 +35,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvduplex.engine.kv_cache import KVCacheLayout, KVKind
+from kvduplex.engine.kv_cache import KVCacheLayout
+from kvduplex.engine.kv_cache import KVKind
 
 logger = logging.getLogger(__name__)
 

@@ -17,8 +17,10 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from kvduplex.engine.kv_cache import KVCacheLayout, KVKind
-from kvduplex.transport.protocol import ALL_KINDS, Region
+from kvduplex.engine.kv_cache import KVCacheLayout
+from kvduplex.engine.kv_cache import KVKind
+from kvduplex.transport.protocol import ALL_KINDS
+from kvduplex.transport.protocol import Region
 
 IndexArray = npt.NDArray[np.int32]
 

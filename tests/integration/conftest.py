@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,8 +13,11 @@ import pytest
 from httpx_sse import connect_sse
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvduplex.server.cluster import LocalCluster, Process, free_port
-from kvduplex.server.netns import NetnsHost, netns_unavailable_reason
+from kvduplex.server.cluster import LocalCluster
+from kvduplex.server.cluster import Process
+from kvduplex.server.cluster import free_port
+from kvduplex.server.netns import NetnsHost
+from kvduplex.server.netns import netns_unavailable_reason
 from kvduplex.transport.trust import secret_headers
 
 

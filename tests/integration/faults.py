@@ -19,17 +19,23 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from kvduplex.server.cluster import LocalCluster, Process, free_port
-from tests.integration.conftest import kv_stats, metric, wait_until
+from kvduplex.server.cluster import LocalCluster
+from kvduplex.server.cluster import Process
+from kvduplex.server.cluster import free_port
+from tests.integration.conftest import kv_stats
+from tests.integration.conftest import metric
+from tests.integration.conftest import wait_until
 
 BS = 8
 DEADLINE_S = 2.0

@@ -16,23 +16,22 @@ import json
 import random
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from typing import Any
 
 import httpx
 import pytest
 
 from kvduplex.server.cluster import LocalCluster
-from tests.integration.faults import (
-    Outcome,
-    Victim,
-    blocks_left,
-    body,
-    prompt_ids,
-    reference_tokens,
-    start_rig,
-    stats,
-)
+from tests.integration.faults import Outcome
+from tests.integration.faults import Victim
+from tests.integration.faults import blocks_left
+from tests.integration.faults import body
+from tests.integration.faults import prompt_ids
+from tests.integration.faults import reference_tokens
+from tests.integration.faults import start_rig
+from tests.integration.faults import stats
 from tests.skips import skip_module_without_nixl
 
 pytestmark = pytest.mark.integration

@@ -26,11 +26,15 @@ from typing import Any
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck
+from hypothesis import given
+from hypothesis import settings
 from hypothesis import strategies as st
 
-from kvduplex.server.cluster import LocalCluster, Process
-from tests.integration.conftest import assert_pool_clean, start_duplex_rig
+from kvduplex.server.cluster import LocalCluster
+from kvduplex.server.cluster import Process
+from tests.integration.conftest import assert_pool_clean
+from tests.integration.conftest import start_duplex_rig
 from tests.skips import skip_module_without_nixl
 
 pytestmark = pytest.mark.integration

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from kvduplex.server.cluster import LocalCluster, Process, free_port
+from kvduplex.server.cluster import LocalCluster
+from kvduplex.server.cluster import Process
+from kvduplex.server.cluster import free_port
 
 pytestmark = pytest.mark.integration
 

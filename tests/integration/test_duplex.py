@@ -14,15 +14,20 @@ import itertools
 import json
 import random
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from functools import partial
 
 import httpx
 import pytest
 
-from kvduplex.bench.conversation import TOOL_NAME, tool_definitions
-from kvduplex.server.cluster import LocalCluster, Process, free_port
-from tests.integration.conftest import assert_pool_clean, wait_until
+from kvduplex.bench.conversation import TOOL_NAME
+from kvduplex.bench.conversation import tool_definitions
+from kvduplex.server.cluster import LocalCluster
+from kvduplex.server.cluster import Process
+from kvduplex.server.cluster import free_port
+from tests.integration.conftest import assert_pool_clean
+from tests.integration.conftest import wait_until
 from tests.skips import skip_module_without_nixl
 
 pytestmark = pytest.mark.integration

@@ -19,28 +19,28 @@ from pathlib import Path
 
 import pytest
 
-from kvduplex.server.cluster import Process, free_port
+from kvduplex.server.cluster import Process
+from kvduplex.server.cluster import free_port
 from kvduplex.server.netns import NetnsHost
-from tests.integration.conftest import kv_stats, p_across_link
-from tests.integration.faults import (
-    D_FLAGS,
-    HEALTH_INTERVAL_S,
-    P_FLAGS,
-    REQUEST_BOUND_S,
-    SERVE,
-    Outcome,
-    Tally,
-    Victim,
-    blocks_left,
-    body,
-    open_tally,
-    poll,
-    prompt_ids,
-    reference_tokens,
-    stats,
-    wait_router_sees,
-    write_bytes,
-)
+from tests.integration.conftest import kv_stats
+from tests.integration.conftest import p_across_link
+from tests.integration.faults import D_FLAGS
+from tests.integration.faults import HEALTH_INTERVAL_S
+from tests.integration.faults import P_FLAGS
+from tests.integration.faults import REQUEST_BOUND_S
+from tests.integration.faults import SERVE
+from tests.integration.faults import Outcome
+from tests.integration.faults import Tally
+from tests.integration.faults import Victim
+from tests.integration.faults import blocks_left
+from tests.integration.faults import body
+from tests.integration.faults import open_tally
+from tests.integration.faults import poll
+from tests.integration.faults import prompt_ids
+from tests.integration.faults import reference_tokens
+from tests.integration.faults import stats
+from tests.integration.faults import wait_router_sees
+from tests.integration.faults import write_bytes
 from tests.skips import skip_module_without_nixl
 
 pytestmark = pytest.mark.integration

@@ -20,23 +20,21 @@ import pytest
 
 from kvduplex.server.cluster import LocalCluster
 from tests.integration.conftest import kv_stats
-from tests.integration.faults import (
-    REQUEST_BOUND_S,
-    Outcome,
-    Rig,
-    Tally,
-    Victim,
-    blocks_left,
-    body,
-    duplex_turn,
-    open_tally,
-    poll,
-    prompt_ids,
-    reference_tokens,
-    start_rig,
-    stats,
-    write_bytes,
-)
+from tests.integration.faults import REQUEST_BOUND_S
+from tests.integration.faults import Outcome
+from tests.integration.faults import Rig
+from tests.integration.faults import Tally
+from tests.integration.faults import Victim
+from tests.integration.faults import blocks_left
+from tests.integration.faults import body
+from tests.integration.faults import duplex_turn
+from tests.integration.faults import open_tally
+from tests.integration.faults import poll
+from tests.integration.faults import prompt_ids
+from tests.integration.faults import reference_tokens
+from tests.integration.faults import start_rig
+from tests.integration.faults import stats
+from tests.integration.faults import write_bytes
 from tests.skips import skip_module_without_nixl
 
 pytestmark = pytest.mark.integration

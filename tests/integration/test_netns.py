@@ -16,9 +16,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvduplex.server.cluster import LocalCluster, free_port
+from kvduplex.server.cluster import LocalCluster
+from kvduplex.server.cluster import free_port
 from kvduplex.server.netns import NetnsHost
-from tests.integration.conftest import assert_pool_clean, p_across_link
+from tests.integration.conftest import assert_pool_clean
+from tests.integration.conftest import p_across_link
 from tests.skips import skip_module_without_nixl
 
 pytestmark = pytest.mark.integration

@@ -9,8 +9,10 @@ from typing import Any
 import httpx
 import pytest
 
-from kvduplex.server.cluster import LocalCluster, free_port
-from tests.integration.conftest import assert_pool_clean, stream
+from kvduplex.server.cluster import LocalCluster
+from kvduplex.server.cluster import free_port
+from tests.integration.conftest import assert_pool_clean
+from tests.integration.conftest import stream
 from tests.skips import skip_module_without_nixl
 
 pytestmark = pytest.mark.integration

@@ -17,8 +17,14 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from kvduplex.server.cluster import LocalCluster, Process, free_port
-from tests.integration.conftest import assert_pool_clean, kv_stats, metric, stream, wait_until
+from kvduplex.server.cluster import LocalCluster
+from kvduplex.server.cluster import Process
+from kvduplex.server.cluster import free_port
+from tests.integration.conftest import assert_pool_clean
+from tests.integration.conftest import kv_stats
+from tests.integration.conftest import metric
+from tests.integration.conftest import stream
+from tests.integration.conftest import wait_until
 from tests.skips import skip_module_without_nixl
 
 pytestmark = pytest.mark.integration

@@ -25,23 +25,23 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from kvduplex.server.cluster import LocalCluster, Process, free_port
+from kvduplex.server.cluster import LocalCluster
+from kvduplex.server.cluster import Process
+from kvduplex.server.cluster import free_port
 from tests.integration.conftest import kv_stats
-from tests.integration.faults import (
-    D_FLAGS,
-    HEALTH_INTERVAL_S,
-    REQUEST_BOUND_S,
-    SERVE,
-    Outcome,
-    Victim,
-    blocks_left,
-    body,
-    metric,
-    poll,
-    prompt_ids,
-    reference_tokens,
-    wait_router_sees,
-)
+from tests.integration.faults import D_FLAGS
+from tests.integration.faults import HEALTH_INTERVAL_S
+from tests.integration.faults import REQUEST_BOUND_S
+from tests.integration.faults import SERVE
+from tests.integration.faults import Outcome
+from tests.integration.faults import Victim
+from tests.integration.faults import blocks_left
+from tests.integration.faults import body
+from tests.integration.faults import metric
+from tests.integration.faults import poll
+from tests.integration.faults import prompt_ids
+from tests.integration.faults import reference_tokens
+from tests.integration.faults import wait_router_sees
 from tests.skips import skip_module_without_nixl
 
 pytestmark = pytest.mark.integration

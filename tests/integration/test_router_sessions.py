@@ -16,8 +16,11 @@ from typing import Any
 import httpx
 import pytest
 
-from kvduplex.server.cluster import LocalCluster, free_port
-from tests.integration.conftest import assert_pool_clean, metric, wait_until
+from kvduplex.server.cluster import LocalCluster
+from kvduplex.server.cluster import free_port
+from tests.integration.conftest import assert_pool_clean
+from tests.integration.conftest import metric
+from tests.integration.conftest import wait_until
 from tests.skips import skip_module_without_nixl
 
 pytestmark = pytest.mark.integration

@@ -11,9 +11,14 @@ import pytest
 from httpx_sse import connect_sse
 from openai.types import Completion
 
-from kvduplex.server.cluster import LocalCluster, Process, free_port
-from kvduplex.server.report import metric_sum, scrape
-from tests.integration.conftest import assert_pool_clean, kv_stats, wait_until
+from kvduplex.server.cluster import LocalCluster
+from kvduplex.server.cluster import Process
+from kvduplex.server.cluster import free_port
+from kvduplex.server.report import metric_sum
+from kvduplex.server.report import scrape
+from tests.integration.conftest import assert_pool_clean
+from tests.integration.conftest import kv_stats
+from tests.integration.conftest import wait_until
 
 pytestmark = pytest.mark.integration
 

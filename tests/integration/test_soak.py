@@ -10,9 +10,16 @@ import asyncio
 
 import pytest
 
-from kvduplex.bench.soak import ProcessSampler, SoakConfig, format_summary, run_sessions, summarize
-from kvduplex.server.cluster import LocalCluster, Process
-from tests.integration.conftest import assert_pool_clean, kv_stats, start_duplex_rig
+from kvduplex.bench.soak import ProcessSampler
+from kvduplex.bench.soak import SoakConfig
+from kvduplex.bench.soak import format_summary
+from kvduplex.bench.soak import run_sessions
+from kvduplex.bench.soak import summarize
+from kvduplex.server.cluster import LocalCluster
+from kvduplex.server.cluster import Process
+from tests.integration.conftest import assert_pool_clean
+from tests.integration.conftest import kv_stats
+from tests.integration.conftest import start_duplex_rig
 from tests.skips import skip_module_without_nixl
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

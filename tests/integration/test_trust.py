@@ -25,10 +25,14 @@ from kvduplex.config import ModelLoadConfig
 from kvduplex.engine.block_pool import compute_block_hashes
 from kvduplex.kvflow.messages import KVOffer
 from kvduplex.model.loader import load_model
-from kvduplex.server.cluster import LocalCluster, free_port
+from kvduplex.server.cluster import LocalCluster
+from kvduplex.server.cluster import free_port
 from kvduplex.transport.messages import MessageCodec
-from kvduplex.transport.trust import SECRET_HEADER, secret_headers
-from tests.integration.conftest import assert_pool_clean, kv_stats, wait_until
+from kvduplex.transport.trust import SECRET_HEADER
+from kvduplex.transport.trust import secret_headers
+from tests.integration.conftest import assert_pool_clean
+from tests.integration.conftest import kv_stats
+from tests.integration.conftest import wait_until
 from tests.skips import skip_module_without_nixl
 from tests.transfer.peer_procs import PeerLauncher
 

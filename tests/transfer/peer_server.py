@@ -31,14 +31,18 @@ from typing import Any
 
 import torch
 import uvicorn
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI
+from fastapi import Request
+from fastapi import Response
 
-from kvduplex.engine.kv_cache import KVCacheLayout, allocate_kv_pool
+from kvduplex.engine.kv_cache import KVCacheLayout
+from kvduplex.engine.kv_cache import allocate_kv_pool
 from kvduplex.transport.handshake import make_handshake_router
 from kvduplex.transport.messages import decode_handshake
 from kvduplex.transport.metrics import TransferMetrics
 from kvduplex.transport.nixl import NixlTransport
-from kvduplex.transport.protocol import Notification, PeerHandle
+from kvduplex.transport.protocol import Notification
+from kvduplex.transport.protocol import PeerHandle
 from kvduplex.transport.regions import block_region_indices
 
 READY_PREFIX = "KVDUPLEX_PEER_READY"

@@ -13,21 +13,24 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from kvduplex.engine.kv_cache import KVCacheLayout, KVKind, allocate_kv_pool
+from kvduplex.engine.kv_cache import KVCacheLayout
+from kvduplex.engine.kv_cache import KVKind
+from kvduplex.engine.kv_cache import allocate_kv_pool
 from kvduplex.kvflow.messages import KVDone
-from kvduplex.transport import (
-    IncompatibleLayoutError,
-    MessageCodec,
-    Region,
-    TransferFailed,
-    TransferHandle,
-    TransferState,
-    Transport,
-    block_region_indices,
-)
-from kvduplex.transport.fake import InProcessFabric, InProcessTransport
+from kvduplex.transport import IncompatibleLayoutError
+from kvduplex.transport import MessageCodec
+from kvduplex.transport import Region
+from kvduplex.transport import TransferFailed
+from kvduplex.transport import TransferHandle
+from kvduplex.transport import TransferState
+from kvduplex.transport import Transport
+from kvduplex.transport import block_region_indices
+from kvduplex.transport.fake import InProcessFabric
+from kvduplex.transport.fake import InProcessTransport
 from kvduplex.transport.metrics import TransferMetrics
-from kvduplex.transport.protocol import FailureKind, PeerHandle, PeerUnavailableError
+from kvduplex.transport.protocol import FailureKind
+from kvduplex.transport.protocol import PeerHandle
+from kvduplex.transport.protocol import PeerUnavailableError
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -6,18 +6,22 @@ import base64
 from typing import Any
 
 import pytest
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI
+from fastapi import Request
+from fastapi import Response
 from fastapi.testclient import TestClient
 
-from kvduplex.engine.kv_cache import KVCacheLayout, allocate_kv_pool
-from kvduplex.transport import IncompatibleLayoutError, PeerUnavailableError, TransferState
-from kvduplex.transport.fake import InProcessFabric, InProcessTransport
-from kvduplex.transport.handshake import (
-    HANDSHAKE_PATH,
-    PeerDirectory,
-    fetch_handshake,
-    make_handshake_router,
-)
+from kvduplex.engine.kv_cache import KVCacheLayout
+from kvduplex.engine.kv_cache import allocate_kv_pool
+from kvduplex.transport import IncompatibleLayoutError
+from kvduplex.transport import PeerUnavailableError
+from kvduplex.transport import TransferState
+from kvduplex.transport.fake import InProcessFabric
+from kvduplex.transport.fake import InProcessTransport
+from kvduplex.transport.handshake import HANDSHAKE_PATH
+from kvduplex.transport.handshake import PeerDirectory
+from kvduplex.transport.handshake import fetch_handshake
+from kvduplex.transport.handshake import make_handshake_router
 from kvduplex.transport.messages import decode_handshake
 from kvduplex.transport.metrics import TransferMetrics
 from kvduplex.transport.trust import SECRET_HEADER

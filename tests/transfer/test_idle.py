@@ -7,9 +7,11 @@ import time
 
 import pytest
 
-from kvduplex.engine.kv_cache import KVCacheLayout, allocate_kv_pool
+from kvduplex.engine.kv_cache import KVCacheLayout
+from kvduplex.engine.kv_cache import allocate_kv_pool
 from kvduplex.kvflow.messages import KVDone
-from kvduplex.transport import ControlMessage, MessageCodec
+from kvduplex.transport import ControlMessage
+from kvduplex.transport import MessageCodec
 from kvduplex.transport.fake import InProcessFabric
 from kvduplex.transport.metrics import TransferMetrics
 from kvduplex.transport.notify import NotificationPump

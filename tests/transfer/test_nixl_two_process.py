@@ -22,22 +22,25 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from kvduplex.engine.kv_cache import KVCacheLayout, KVKind, allocate_kv_pool
+from kvduplex.engine.kv_cache import KVCacheLayout
+from kvduplex.engine.kv_cache import KVKind
+from kvduplex.engine.kv_cache import allocate_kv_pool
 from kvduplex.kvflow.messages import KVDone
-from kvduplex.transport import (
-    FailureKind,
-    IncompatibleLayoutError,
-    MessageCodec,
-    TransferHandle,
-    TransferState,
-)
-from kvduplex.transport.handshake import PeerDirectory, fetch_handshake
+from kvduplex.transport import FailureKind
+from kvduplex.transport import IncompatibleLayoutError
+from kvduplex.transport import MessageCodec
+from kvduplex.transport import TransferHandle
+from kvduplex.transport import TransferState
+from kvduplex.transport.handshake import PeerDirectory
+from kvduplex.transport.handshake import fetch_handshake
 from kvduplex.transport.messages import encode_handshake
 from kvduplex.transport.metrics import TransferMetrics
 from kvduplex.transport.nixl import NixlTransport
 from tests.skips import skip_module_without_nixl
-from tests.transfer.peer_procs import PeerLauncher, PeerProcess
-from tests.transfer.peer_server import fill_blocks, regions_bytes
+from tests.transfer.peer_procs import PeerLauncher
+from tests.transfer.peer_procs import PeerProcess
+from tests.transfer.peer_server import fill_blocks
+from tests.transfer.peer_server import regions_bytes
 
 skip_module_without_nixl()
 

@@ -6,8 +6,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvduplex.config import CacheConfig, EngineConfig, ModelLoadConfig, ServerConfig
-from kvduplex.server.instance import Instance, build_instance
+from kvduplex.config import CacheConfig
+from kvduplex.config import EngineConfig
+from kvduplex.config import ModelLoadConfig
+from kvduplex.config import ServerConfig
+from kvduplex.server.instance import Instance
+from kvduplex.server.instance import build_instance
 
 
 def tiny_instance() -> Instance:

@@ -8,15 +8,22 @@ from collections.abc import Callable
 
 import pytest
 
-from kvduplex.config import CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig
+from kvduplex.config import CacheConfig
+from kvduplex.config import EngineConfig
+from kvduplex.config import ModelLoadConfig
+from kvduplex.config import SchedulerConfig
 from kvduplex.engine.async_engine import AsyncEngine
 from kvduplex.engine.engine import LLMEngine
 from kvduplex.engine.request import RemoteKVSpec
 from kvduplex.engine.sampling import SamplingParams
-from kvduplex.kvflow.connectors import FlowTiming, decode_flows, prefill_flows
+from kvduplex.kvflow.connectors import FlowTiming
+from kvduplex.kvflow.connectors import decode_flows
+from kvduplex.kvflow.connectors import prefill_flows
 from kvduplex.kvflow.push_decode import PushSpec
-from kvduplex.model.loader import LoadedModel, load_model
-from kvduplex.transport.fake import InProcessFabric, InProcessTransport
+from kvduplex.model.loader import LoadedModel
+from kvduplex.model.loader import load_model
+from kvduplex.transport.fake import InProcessFabric
+from kvduplex.transport.fake import InProcessTransport
 from kvduplex.transport.notify import NotificationPump
 
 BS = 4

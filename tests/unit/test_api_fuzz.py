@@ -23,7 +23,10 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 from httpx_sse import EventSource
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck
+from hypothesis import event
+from hypothesis import given
+from hypothesis import settings
 from hypothesis import strategies as st
 
 from kvduplex.server.instance import Instance

@@ -9,10 +9,13 @@ from fastapi.testclient import TestClient
 
 from kvduplex.config import RouterConfig
 from kvduplex.model.tokenizer import ByteTokenizer
-from kvduplex.server.auth import APIKeyGuard, resolve_api_key
+from kvduplex.server.auth import APIKeyGuard
+from kvduplex.server.auth import resolve_api_key
 from kvduplex.server.router.app import create_router_app
 from kvduplex.server.router.state import RouterState
-from tests.unit.test_router import D, FakeInstances, P
+from tests.unit.test_router import D
+from tests.unit.test_router import FakeInstances
+from tests.unit.test_router import P
 
 KEY = "sk-test-0123456789"
 BODY = {"model": "tiny", "prompt": "hi", "max_tokens": 3, "temperature": 0.0}

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from kvduplex.bench.agentic_cli import _check_context, max_session_tokens, workload_configs
+from kvduplex.bench.agentic_cli import _check_context
+from kvduplex.bench.agentic_cli import max_session_tokens
+from kvduplex.bench.agentic_cli import workload_configs
 from kvduplex.bench.conversation import PromptForm
-from kvduplex.bench.workload import REASONING, WorkloadConfig
-from kvduplex.server.cli import bench_workload_of, build_parser
+from kvduplex.bench.workload import REASONING
+from kvduplex.bench.workload import WorkloadConfig
+from kvduplex.server.cli import bench_workload_of
+from kvduplex.server.cli import build_parser
 
 
 def test_the_workload_flag_picks_the_bench_flags() -> None:

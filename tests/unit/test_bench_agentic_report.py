@@ -10,11 +10,21 @@ import pytest
 from kvduplex.bench import agentic_floors as floors
 from kvduplex.bench import agentic_report as report
 from kvduplex.bench.agentic import TurnRecord
-from kvduplex.bench.agentic_matrix import COSTS, estimate_total_s, fit_to_budget
-from kvduplex.bench.agentic_modes import MODES, modes_named, router_args
-from kvduplex.bench.client import KVUsage, RequestResult
-from kvduplex.bench.kvmetrics import BYTES, ENGINE_TTFT, Instance, kv_moved
-from kvduplex.bench.workload import AGENTIC, REASONING, WorkloadConfig
+from kvduplex.bench.agentic_matrix import COSTS
+from kvduplex.bench.agentic_matrix import estimate_total_s
+from kvduplex.bench.agentic_matrix import fit_to_budget
+from kvduplex.bench.agentic_modes import MODES
+from kvduplex.bench.agentic_modes import modes_named
+from kvduplex.bench.agentic_modes import router_args
+from kvduplex.bench.client import KVUsage
+from kvduplex.bench.client import RequestResult
+from kvduplex.bench.kvmetrics import BYTES
+from kvduplex.bench.kvmetrics import ENGINE_TTFT
+from kvduplex.bench.kvmetrics import Instance
+from kvduplex.bench.kvmetrics import kv_moved
+from kvduplex.bench.workload import AGENTIC
+from kvduplex.bench.workload import REASONING
+from kvduplex.bench.workload import WorkloadConfig
 
 
 def _rec(mode: str, turn: int, ttft: float, *, session: int = 0, ok: bool = True,

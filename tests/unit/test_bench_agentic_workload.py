@@ -8,25 +8,21 @@ from dataclasses import replace
 
 import pytest
 
-from kvduplex.bench.conversation import (
-    TOOL_NAME,
-    ChatConversation,
-    PromptForm,
-    TokenConversation,
-    new_conversation,
-    text_ids,
-)
-from kvduplex.bench.workload import (
-    AGENTIC,
-    REASONING,
-    Shape,
-    WorkloadConfig,
-    input_texts,
-    plan_sessions,
-    seeded_text,
-    session_id,
-    system_prompt,
-)
+from kvduplex.bench.conversation import TOOL_NAME
+from kvduplex.bench.conversation import ChatConversation
+from kvduplex.bench.conversation import PromptForm
+from kvduplex.bench.conversation import TokenConversation
+from kvduplex.bench.conversation import new_conversation
+from kvduplex.bench.conversation import text_ids
+from kvduplex.bench.workload import AGENTIC
+from kvduplex.bench.workload import REASONING
+from kvduplex.bench.workload import Shape
+from kvduplex.bench.workload import WorkloadConfig
+from kvduplex.bench.workload import input_texts
+from kvduplex.bench.workload import plan_sessions
+from kvduplex.bench.workload import seeded_text
+from kvduplex.bench.workload import session_id
+from kvduplex.bench.workload import system_prompt
 
 
 def test_plans_are_a_function_of_the_config() -> None:

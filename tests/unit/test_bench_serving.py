@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvduplex.bench.client import RequestResult
-from kvduplex.bench.serving import Cell, summarize
+from kvduplex.bench.serving import Cell
+from kvduplex.bench.serving import summarize
 
 
 def _cell(mode: str, load: str, ttfts: list[float], handoffs: list[float] | None = None) -> Cell:

@@ -8,16 +8,18 @@ import subprocess
 import sys
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck
+from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine
+from hypothesis.stateful import invariant
+from hypothesis.stateful import precondition
+from hypothesis.stateful import rule
 
-from kvduplex.engine.block_pool import (
-    BlockHash,
-    BlockPool,
-    compute_block_hashes,
-    hash_block,
-)
+from kvduplex.engine.block_pool import BlockHash
+from kvduplex.engine.block_pool import BlockPool
+from kvduplex.engine.block_pool import compute_block_hashes
+from kvduplex.engine.block_pool import hash_block
 
 IDENTITY = b"test-model\x1ffloat32"
 

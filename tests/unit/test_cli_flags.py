@@ -6,9 +6,14 @@ import argparse
 
 import pytest
 
-from kvduplex.config import CacheConfig, Role, SchedulerConfig, ServerConfig, TransferConfig
+from kvduplex.config import CacheConfig
+from kvduplex.config import Role
+from kvduplex.config import SchedulerConfig
+from kvduplex.config import ServerConfig
+from kvduplex.config import TransferConfig
 from kvduplex.server.cli import build_parser
-from kvduplex.server.flags import add_dataclass_flags, dataclass_from_args
+from kvduplex.server.flags import add_dataclass_flags
+from kvduplex.server.flags import dataclass_from_args
 
 
 def test_boolean_fields_are_on_off_switches() -> None:

@@ -11,8 +11,12 @@ import torch
 from kvduplex.engine import runner_inputs
 from kvduplex.engine.block_table import BlockTables
 from kvduplex.engine.kv_cache import KVCacheLayout
-from kvduplex.engine.runner_inputs import IN_PLACE_MAX_RANGES, InputBuilder, SeqInput, pool_runs
-from kvduplex.model.attention import AttentionContext, paged_attention
+from kvduplex.engine.runner_inputs import IN_PLACE_MAX_RANGES
+from kvduplex.engine.runner_inputs import InputBuilder
+from kvduplex.engine.runner_inputs import SeqInput
+from kvduplex.engine.runner_inputs import pool_runs
+from kvduplex.model.attention import AttentionContext
+from kvduplex.model.attention import paged_attention
 
 HEADS, KV_HEADS, DIM, BS, NUM_BLOCKS = 4, 2, 8, 4, 24
 

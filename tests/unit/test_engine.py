@@ -7,10 +7,16 @@ import random
 
 import pytest
 
-from kvduplex.config import CacheConfig, EngineConfig, ModelLoadConfig, SchedulerConfig
-from kvduplex.engine.engine import LLMEngine, RequestOutput, RequestRejected
+from kvduplex.config import CacheConfig
+from kvduplex.config import EngineConfig
+from kvduplex.config import ModelLoadConfig
+from kvduplex.config import SchedulerConfig
+from kvduplex.engine.engine import LLMEngine
+from kvduplex.engine.engine import RequestOutput
+from kvduplex.engine.engine import RequestRejected
 from kvduplex.engine.sampling import SamplingParams
-from kvduplex.model.loader import LoadedModel, load_model
+from kvduplex.model.loader import LoadedModel
+from kvduplex.model.loader import load_model
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 

@@ -12,12 +12,19 @@ import torch
 from kvduplex.engine.block_pool import compute_block_hashes
 from kvduplex.engine.engine import RequestRejected
 from kvduplex.kvflow.lease import LeaseTable
-from kvduplex.kvflow.messages import KVDone, KVOffer, KVRegister
+from kvduplex.kvflow.messages import KVDone
+from kvduplex.kvflow.messages import KVOffer
+from kvduplex.kvflow.messages import KVRegister
 from kvduplex.kvflow.push_decode import PushSpec
 from kvduplex.model.loader import LoadedModel
-from kvduplex.transport.messages import ControlMessage, MessageCodec
+from kvduplex.transport.messages import ControlMessage
+from kvduplex.transport.messages import MessageCodec
 from kvduplex.transport.notify import NotificationPump
-from tests.unit.flow_pair import BS, FIRST, PROMPT, Pair, _wait_for
+from tests.unit.flow_pair import BS
+from tests.unit.flow_pair import FIRST
+from tests.unit.flow_pair import PROMPT
+from tests.unit.flow_pair import Pair
+from tests.unit.flow_pair import _wait_for
 from tests.unit.flow_pair import tiny as tiny  # the module-scoped model fixture
 
 

@@ -8,13 +8,23 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
+from fastapi import Request
 from fastapi.testclient import TestClient
 
-from kvduplex.config import CacheConfig, EngineConfig, Environment, ModelLoadConfig, ServerConfig
-from kvduplex.server.guard import InternalGuard, load_cluster_secret, new_cluster_secret
-from kvduplex.server.instance import Instance, build_instance
-from kvduplex.transport.trust import SECRET_HEADER, secret_headers, secret_matches
+from kvduplex.config import CacheConfig
+from kvduplex.config import EngineConfig
+from kvduplex.config import Environment
+from kvduplex.config import ModelLoadConfig
+from kvduplex.config import ServerConfig
+from kvduplex.server.guard import InternalGuard
+from kvduplex.server.guard import load_cluster_secret
+from kvduplex.server.guard import new_cluster_secret
+from kvduplex.server.instance import Instance
+from kvduplex.server.instance import build_instance
+from kvduplex.transport.trust import SECRET_HEADER
+from kvduplex.transport.trust import secret_headers
+from kvduplex.transport.trust import secret_matches
 
 SECRET = "s3cret-" + "x" * 20
 CAP = 1024

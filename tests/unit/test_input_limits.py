@@ -18,9 +18,14 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from kvduplex.config import CacheConfig, EngineConfig, ModelLoadConfig, RouterConfig, ServerConfig
+from kvduplex.config import CacheConfig
+from kvduplex.config import EngineConfig
+from kvduplex.config import ModelLoadConfig
+from kvduplex.config import RouterConfig
+from kvduplex.config import ServerConfig
 from kvduplex.model.tokenizer import ByteTokenizer
-from kvduplex.server.instance import Instance, build_instance
+from kvduplex.server.instance import Instance
+from kvduplex.server.instance import build_instance
 from kvduplex.server.router.app import create_router_app
 from kvduplex.server.router.health import probe_all
 from kvduplex.server.router.state import RouterState

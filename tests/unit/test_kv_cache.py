@@ -6,12 +6,10 @@ import sys
 
 import pytest
 
-from kvduplex.engine.kv_cache import (
-    KVCacheLayout,
-    allocate_kv_pool,
-    num_blocks_for_tokens,
-    pool_base_address,
-)
+from kvduplex.engine.kv_cache import KVCacheLayout
+from kvduplex.engine.kv_cache import allocate_kv_pool
+from kvduplex.engine.kv_cache import num_blocks_for_tokens
+from kvduplex.engine.kv_cache import pool_base_address
 
 
 def _resident_kib(addr: int) -> int:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvduplex.engine.block_pool import BlockPool, compute_block_hashes
+from kvduplex.engine.block_pool import BlockPool
+from kvduplex.engine.block_pool import compute_block_hashes
 from kvduplex.engine.kv_manager import KVCacheManager
 from kvduplex.engine.request import Request
 from kvduplex.engine.sampling import SamplingParams

@@ -19,8 +19,11 @@ import torch
 
 from kvduplex.config import ModelLoadConfig
 from kvduplex.engine.kv_cache import allocate_kv_pool
-from kvduplex.engine.runner import ModelRunner, SeqInput, kv_layout_for
-from kvduplex.model.loader import LoadedModel, load_model
+from kvduplex.engine.runner import ModelRunner
+from kvduplex.engine.runner import SeqInput
+from kvduplex.engine.runner import kv_layout_for
+from kvduplex.model.loader import LoadedModel
+from kvduplex.model.loader import load_model
 from tests.unit.test_tokenizer import write_hf_tokenizer
 
 transformers = pytest.importorskip("transformers")

@@ -12,7 +12,9 @@ import torch
 
 from kvduplex.config import ModelLoadConfig
 from kvduplex.model.decoder import DecoderForCausalLM
-from kvduplex.model.loader import count_parameters, load_model, resolve_dtype
+from kvduplex.model.loader import count_parameters
+from kvduplex.model.loader import load_model
+from kvduplex.model.loader import resolve_dtype
 from kvduplex.model.presets import PRESETS
 from kvduplex.model.tokenizer import ByteTokenizer
 

@@ -11,9 +11,13 @@ import pytest
 from pydantic import ValidationError
 
 from kvduplex.model.loader import load_tokenizer
-from kvduplex.model.tokenizer import ByteTokenizer, HFTokenizer
-from kvduplex.openai.prompt import PromptError, prompt_token_ids, template_messages
-from kvduplex.openai.protocol import ChatCompletionRequest, CompletionRequest
+from kvduplex.model.tokenizer import ByteTokenizer
+from kvduplex.model.tokenizer import HFTokenizer
+from kvduplex.openai.prompt import PromptError
+from kvduplex.openai.prompt import prompt_token_ids
+from kvduplex.openai.prompt import template_messages
+from kvduplex.openai.protocol import ChatCompletionRequest
+from kvduplex.openai.protocol import CompletionRequest
 from tests.unit.test_tokenizer import write_hf_tokenizer
 
 WEATHER = {

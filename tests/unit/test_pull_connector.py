@@ -4,17 +4,24 @@ from __future__ import annotations
 
 import asyncio
 
-from kvduplex.config import CacheConfig, EngineConfig
+from kvduplex.config import CacheConfig
+from kvduplex.config import EngineConfig
 from kvduplex.engine.async_engine import AsyncEngine
-from kvduplex.engine.engine import LLMEngine, RequestOutput
+from kvduplex.engine.engine import LLMEngine
+from kvduplex.engine.engine import RequestOutput
 from kvduplex.engine.request import RemoteKVSpec
 from kvduplex.engine.sampling import SamplingParams
-from kvduplex.kvflow.connectors import FlowTiming, decode_flows
+from kvduplex.kvflow.connectors import FlowTiming
+from kvduplex.kvflow.connectors import decode_flows
 from kvduplex.kvflow.pull import PullSpec
 from kvduplex.model.loader import LoadedModel
-from kvduplex.transport.fake import InProcessFabric, InProcessTransport
+from kvduplex.transport.fake import InProcessFabric
+from kvduplex.transport.fake import InProcessTransport
 from kvduplex.transport.notify import NotificationPump
-from tests.unit.flow_pair import BS, GREEDY, PROMPT, _wait_for
+from tests.unit.flow_pair import BS
+from tests.unit.flow_pair import GREEDY
+from tests.unit.flow_pair import PROMPT
+from tests.unit.flow_pair import _wait_for
 from tests.unit.flow_pair import tiny as tiny  # the module-scoped model fixture
 
 

@@ -18,11 +18,17 @@ import pytest
 from kvduplex.engine.request import RemoteKVSpec
 from kvduplex.engine.sampling import SamplingParams
 from kvduplex.engine.scheduler import SchedulerOutput
-from kvduplex.kvflow.messages import KVCancel, KVRegister
+from kvduplex.kvflow.messages import KVCancel
+from kvduplex.kvflow.messages import KVRegister
 from kvduplex.kvflow.push_decode import PushSpec
 from kvduplex.model.loader import LoadedModel
 from kvduplex.transport.messages import ControlMessage
-from tests.unit.flow_pair import FIRST, GREEDY, PROMPT, Pair, _reference, _wait_for
+from tests.unit.flow_pair import FIRST
+from tests.unit.flow_pair import GREEDY
+from tests.unit.flow_pair import PROMPT
+from tests.unit.flow_pair import Pair
+from tests.unit.flow_pair import _reference
+from tests.unit.flow_pair import _wait_for
 from tests.unit.flow_pair import tiny as tiny  # the module-scoped model fixture
 
 

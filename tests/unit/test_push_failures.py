@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 
 from kvduplex.model.loader import LoadedModel
-from tests.unit.flow_pair import PROMPT, Pair, _reference
+from tests.unit.flow_pair import PROMPT
+from tests.unit.flow_pair import Pair
+from tests.unit.flow_pair import _reference
 from tests.unit.flow_pair import tiny as tiny  # the module-scoped model fixture
 
 LONG = PROMPT * 4  # 72 tokens: 18 steps of 4 tokens on P

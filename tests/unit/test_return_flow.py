@@ -15,7 +15,12 @@ from kvduplex.kvflow.push_decode import PushSpec
 from kvduplex.kvflow.return_pull import RetainSpec
 from kvduplex.kvflow.returns import ReturnSpec
 from kvduplex.model.loader import LoadedModel
-from tests.unit.flow_pair import BS, FIRST, PROMPT, Pair, _reference, _wait_for
+from tests.unit.flow_pair import BS
+from tests.unit.flow_pair import FIRST
+from tests.unit.flow_pair import PROMPT
+from tests.unit.flow_pair import Pair
+from tests.unit.flow_pair import _reference
+from tests.unit.flow_pair import _wait_for
 from tests.unit.flow_pair import tiny as tiny  # the module-scoped model fixture
 
 ANSWER = SamplingParams(max_tokens=11, temperature=0.0, ignore_eos=True)

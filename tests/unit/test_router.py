@@ -7,7 +7,8 @@ import asyncio
 import json
 import threading
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from typing import Any
 
 import httpx
@@ -16,17 +17,18 @@ from fastapi.testclient import TestClient
 from httpx_sse import connect_sse
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvduplex.config import (
-    ReturnMode,
-    RouterConfig,
-)
+from kvduplex.config import ReturnMode
+from kvduplex.config import RouterConfig
 from kvduplex.config import TransferMode as Mode
 from kvduplex.model.tokenizer import ByteTokenizer
-from kvduplex.server.cli import _UP_ROUTER_SKIP, build_parser
-from kvduplex.server.flags import dataclass_from_args, flags_of
+from kvduplex.server.cli import _UP_ROUTER_SKIP
+from kvduplex.server.cli import build_parser
+from kvduplex.server.flags import dataclass_from_args
+from kvduplex.server.flags import flags_of
 from kvduplex.server.instance import Instance
 from kvduplex.server.router.app import create_router_app
-from kvduplex.server.router.relay import NOT_CONTENT, drop_first_token
+from kvduplex.server.router.relay import NOT_CONTENT
+from kvduplex.server.router.relay import drop_first_token
 from kvduplex.server.router.state import RouterState
 
 P, D = "http://p0", "http://d0"

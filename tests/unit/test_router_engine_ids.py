@@ -10,7 +10,8 @@ from typing import Any
 import httpx
 from fastapi.testclient import TestClient
 
-from kvduplex.config import ReturnMode, RouterConfig
+from kvduplex.config import ReturnMode
+from kvduplex.config import RouterConfig
 from kvduplex.model.tokenizer import ByteTokenizer
 from kvduplex.server.router.app import create_router_app
 from kvduplex.server.router.health import probe_all

@@ -8,7 +8,8 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field
 from typing import Any
 
 import anyio
@@ -17,13 +18,20 @@ import pytest
 from fastapi.testclient import TestClient
 from httpx_sse import connect_sse
 
-from kvduplex.config import RouterConfig, TransferMode
+from kvduplex.config import RouterConfig
+from kvduplex.config import TransferMode
 from kvduplex.model.tokenizer import ByteTokenizer
 from kvduplex.openai import render
 from kvduplex.server.router.app import create_router_app
-from kvduplex.server.router.relay import FirstToken, push_stream, relay
+from kvduplex.server.router.relay import FirstToken
+from kvduplex.server.router.relay import push_stream
+from kvduplex.server.router.relay import relay
 from kvduplex.server.router.state import RouterState
-from tests.unit.test_router import D, FakeInstances, P, _chunk, _metric
+from tests.unit.test_router import D
+from tests.unit.test_router import FakeInstances
+from tests.unit.test_router import P
+from tests.unit.test_router import _chunk
+from tests.unit.test_router import _metric
 
 D1 = "http://d1"
 BODY = {"model": "tiny", "prompt": "hi", "max_tokens": 3, "temperature": 0.0,

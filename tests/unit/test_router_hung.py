@@ -12,19 +12,26 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from dataclasses import field
+from typing import Any
+from typing import TypeVar
 
 import httpx
 import pytest
 
-from kvduplex.config import RouterConfig, TransferMode
+from kvduplex.config import RouterConfig
+from kvduplex.config import TransferMode
 from kvduplex.model.tokenizer import ByteTokenizer
 from kvduplex.server.router.app import create_router_app
 from kvduplex.server.router.health import probe_all
 from kvduplex.server.router.state import RouterState
-from tests.unit.test_router import D, FakeInstances, P, _chunk
+from tests.unit.test_router import D
+from tests.unit.test_router import FakeInstances
+from tests.unit.test_router import P
+from tests.unit.test_router import _chunk
 
 T = TypeVar("T")
 

@@ -6,8 +6,12 @@ from collections import Counter
 
 import pytest
 
-from kvduplex.server.router.policy import NoHealthyInstance, Outcome, Route, RoutingPolicy
-from kvduplex.server.router.sessions import PrefixIndex, SessionTable
+from kvduplex.server.router.policy import NoHealthyInstance
+from kvduplex.server.router.policy import Outcome
+from kvduplex.server.router.policy import Route
+from kvduplex.server.router.policy import RoutingPolicy
+from kvduplex.server.router.sessions import PrefixIndex
+from kvduplex.server.router.sessions import SessionTable
 
 
 class Clock:

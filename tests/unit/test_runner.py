@@ -6,16 +6,16 @@ import pytest
 import torch
 
 from kvduplex.config import ModelLoadConfig
-from kvduplex.engine.kv_cache import KVCacheLayout, allocate_kv_pool
-from kvduplex.engine.runner import (
-    GROUP_COST_TOKENS,
-    ModelRunner,
-    SeqInput,
-    group_by_length,
-    kv_layout_for,
-    num_blocks_for_memory,
-)
-from kvduplex.model.loader import LoadedModel, load_model
+from kvduplex.engine.kv_cache import KVCacheLayout
+from kvduplex.engine.kv_cache import allocate_kv_pool
+from kvduplex.engine.runner import GROUP_COST_TOKENS
+from kvduplex.engine.runner import ModelRunner
+from kvduplex.engine.runner import SeqInput
+from kvduplex.engine.runner import group_by_length
+from kvduplex.engine.runner import kv_layout_for
+from kvduplex.engine.runner import num_blocks_for_memory
+from kvduplex.model.loader import LoadedModel
+from kvduplex.model.loader import load_model
 from kvduplex.model.presets import preset_config
 
 BS = 4

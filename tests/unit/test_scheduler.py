@@ -11,15 +11,20 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
+from hypothesis import settings
 from hypothesis import strategies as st
 
 from kvduplex.config import SchedulerConfig
 from kvduplex.engine.block_pool import BlockPool
 from kvduplex.engine.kv_manager import KVCacheManager
-from kvduplex.engine.request import FinishReason, RemoteKVSpec, Request, RequestStatus
+from kvduplex.engine.request import FinishReason
+from kvduplex.engine.request import RemoteKVSpec
+from kvduplex.engine.request import Request
+from kvduplex.engine.request import RequestStatus
 from kvduplex.engine.sampling import SamplingParams
-from kvduplex.engine.scheduler import Scheduler, SchedulerOutput
+from kvduplex.engine.scheduler import Scheduler
+from kvduplex.engine.scheduler import SchedulerOutput
 
 BS = 4
 EOS = 1

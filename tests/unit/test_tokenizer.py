@@ -7,13 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from kvduplex.model.tokenizer import (
-    ByteTokenizer,
-    HFTokenizer,
-    IncrementalDecoder,
-    Tokenizer,
-    unknown_id_text,
-)
+from kvduplex.model.tokenizer import ByteTokenizer
+from kvduplex.model.tokenizer import HFTokenizer
+from kvduplex.model.tokenizer import IncrementalDecoder
+from kvduplex.model.tokenizer import Tokenizer
+from kvduplex.model.tokenizer import unknown_id_text
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
@@ -25,7 +23,11 @@ SPECIALS = ("<s>", "</s>", "<|im_start|>", "<|im_end|>")
 def write_hf_tokenizer(folder: Path, vocab_size: int = 300, chat_template: str | None = CHAT_TEMPLATE) -> None:
     """A byte-level BPE trained on a few sentences, saved as tokenizer.json + tokenizer_config.json."""
     from tokenizers import Tokenizer as RawTokenizer
-    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import decoders
+    from tokenizers import models
+    from tokenizers import pre_tokenizers
+    from tokenizers import processors
+    from tokenizers import trainers
 
     tok = RawTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -28,30 +28,38 @@ from dataclasses import replace
 
 import httpx
 import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from fastapi import FastAPI
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import generate_latest
 
-from kvduplex.config import RouterConfig, TransferMode
-from kvduplex.engine.engine import RequestRejected, check_request_size
+from kvduplex.config import RouterConfig
+from kvduplex.config import TransferMode
+from kvduplex.engine.engine import RequestRejected
+from kvduplex.engine.engine import check_request_size
 from kvduplex.model.loader import load_tokenizer
-from kvduplex.openai.errors import APIError, install_error_handlers
-from kvduplex.openai.prompt import PromptError, prompt_token_ids
-from kvduplex.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequest
+from kvduplex.openai.errors import APIError
+from kvduplex.openai.errors import install_error_handlers
+from kvduplex.openai.prompt import PromptError
+from kvduplex.openai.prompt import prompt_token_ids
+from kvduplex.openai.protocol import ChatCompletionRequest
+from kvduplex.openai.protocol import CompletionRequest
+from kvduplex.openai.protocol import OpenAIRequest
 from kvduplex.server.auth import APIKeyGuard
 from kvduplex.server.guard import BodyCap
 from kvduplex.server.router.calls import until_unhealthy
-from kvduplex.server.router.flows import (
-    DecodeUnreachable,
-    Forward,
-    is_short_append,
-    serve_decode_only,
-    serve_pull,
-    serve_push,
-    serve_short_append,
-)
+from kvduplex.server.router.flows import DecodeUnreachable
+from kvduplex.server.router.flows import Forward
+from kvduplex.server.router.flows import is_short_append
+from kvduplex.server.router.flows import serve_decode_only
+from kvduplex.server.router.flows import serve_pull
+from kvduplex.server.router.flows import serve_push
+from kvduplex.server.router.flows import serve_short_append
 from kvduplex.server.router.health import run_prober
-from kvduplex.server.router.policy import NoHealthyInstance, Outcome
+from kvduplex.server.router.policy import NoHealthyInstance
+from kvduplex.server.router.policy import Outcome
 from kvduplex.server.router.state import RouterState
 
 logger = logging.getLogger(__name__)

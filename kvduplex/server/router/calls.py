@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Coroutine
-from typing import Any, TypeVar
+from typing import Any
+from typing import TypeVar
 
 import httpx
 

@@ -40,21 +40,25 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 
 from kvduplex.config import ReturnMode
 from kvduplex.openai import render
-from kvduplex.openai.protocol import OpenAIRequest, error_body
-from kvduplex.server.router.calls import InstanceDown, until_unhealthy
-from kvduplex.server.router.policy import Backend, Outcome, Route
-from kvduplex.server.router.relay import (
-    FirstToken,
-    body_parts,
-    count_answer,
-    push_stream,
-    relay,
-)
-from kvduplex.server.router.state import RouterState, json_request
+from kvduplex.openai.protocol import OpenAIRequest
+from kvduplex.openai.protocol import error_body
+from kvduplex.server.router.calls import InstanceDown
+from kvduplex.server.router.calls import until_unhealthy
+from kvduplex.server.router.policy import Backend
+from kvduplex.server.router.policy import Outcome
+from kvduplex.server.router.policy import Route
+from kvduplex.server.router.relay import FirstToken
+from kvduplex.server.router.relay import body_parts
+from kvduplex.server.router.relay import count_answer
+from kvduplex.server.router.relay import push_stream
+from kvduplex.server.router.relay import relay
+from kvduplex.server.router.state import RouterState
+from kvduplex.server.router.state import json_request
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,9 @@ import logging
 
 import httpx
 
-from kvduplex.server.router.policy import Backend, BackendPool, RoutingPolicy
+from kvduplex.server.router.policy import Backend
+from kvduplex.server.router.policy import BackendPool
+from kvduplex.server.router.policy import RoutingPolicy
 
 logger = logging.getLogger(__name__)
 

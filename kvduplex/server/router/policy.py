@@ -34,11 +34,14 @@ from __future__ import annotations
 import enum
 import time
 import uuid
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from collections.abc import Sequence
+from dataclasses import dataclass
+from dataclasses import field
 
 from kvduplex.config import RouterConfig
-from kvduplex.server.router.sessions import Session, SessionTable
+from kvduplex.server.router.sessions import Session
+from kvduplex.server.router.sessions import SessionTable
 
 
 class Outcome(enum.Enum):

@@ -20,7 +20,10 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator
+from collections.abc import AsyncIterator
+from collections.abc import Awaitable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +31,9 @@ import anyio
 import httpx
 from fastapi.responses import StreamingResponse
 from httpx_sse import EventSource
-from starlette.types import Receive, Scope, Send
+from starlette.types import Receive
+from starlette.types import Scope
+from starlette.types import Send
 
 from kvduplex.engine.detokenizer import IncrementalDetokenizer
 from kvduplex.model.tokenizer import Tokenizer

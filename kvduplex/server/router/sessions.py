@@ -25,7 +25,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from dataclasses import replace
 
 PromptKey = tuple[int, int]
 """(number of full chunks, hash chain over them): where a prompt is filed."""

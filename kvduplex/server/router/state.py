@@ -11,9 +11,11 @@ from typing import Any
 import httpx
 from prometheus_client import CollectorRegistry
 
-from kvduplex.config import Environment, RouterConfig
+from kvduplex.config import Environment
+from kvduplex.config import RouterConfig
 from kvduplex.model.tokenizer import Tokenizer
-from kvduplex.server.auth import api_key_headers, resolve_api_key
+from kvduplex.server.auth import api_key_headers
+from kvduplex.server.auth import resolve_api_key
 from kvduplex.server.router.metrics import RouterMetrics
 from kvduplex.server.router.policy import RoutingPolicy
 from kvduplex.transport.trust import secret_headers
