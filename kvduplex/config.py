@@ -16,27 +16,27 @@ from dataclasses import dataclass
 from dataclasses import field
 
 
-class Role(enum.Enum):
-    """What an instance does in a disaggregated deployment."""
+class Role(enum.StrEnum):
+    """What an instance does in a disaggregated deployment (``--role``)."""
 
-    PREFILL = "prefill"
-    DECODE = "decode"
-    BOTH = "both"
-
-
-class TransferMode(enum.Enum):
-    """How KV moves from prefill to decode (the router's --mode)."""
-
-    PUSH = "push"
-    PULL = "pull"
+    PREFILL = enum.auto()
+    DECODE = enum.auto()
+    BOTH = enum.auto()
 
 
-class ReturnMode(enum.Enum):
-    """How decode hands a finished turn's KV back to prefill (duplex return)."""
+class TransferMode(enum.StrEnum):
+    """How KV moves from prefill to decode (the router's ``--mode``)."""
 
-    NONE = "none"
-    PUSH = "push"
-    PULL = "pull"
+    PUSH = enum.auto()
+    PULL = enum.auto()
+
+
+class ReturnMode(enum.StrEnum):
+    """How decode hands a finished turn's KV back to prefill (``--return-mode``)."""
+
+    NONE = enum.auto()
+    PUSH = enum.auto()
+    PULL = enum.auto()
 
 
 @dataclass(frozen=True)

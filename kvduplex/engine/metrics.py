@@ -9,9 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry
-from prometheus_client import Counter
-from prometheus_client import Gauge
-from prometheus_client import Histogram
+
+from kvduplex.metrics import MetricFactory
 
 _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
@@ -24,61 +23,45 @@ class EngineMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
-        self.ttft = Histogram(
-            "kvduplex_time_to_first_token_seconds",
+        m = MetricFactory(registry)
+        self.ttft = m.histogram(
+            "time_to_first_token_seconds",
             "Time from arrival to the first output token.",
-            buckets=_LATENCY_BUCKETS, registry=registry,
+            _LATENCY_BUCKETS,
         )
-        self.tpot = Histogram(
-            "kvduplex_time_per_output_token_seconds",
+        self.tpot = m.histogram(
+            "time_per_output_token_seconds",
             "Mean time between output tokens after the first, per request.",
-            buckets=_LATENCY_BUCKETS, registry=registry,
+            _LATENCY_BUCKETS,
         )
-        self.e2e = Histogram(
-            "kvduplex_e2e_request_latency_seconds",
-            "Time from arrival to the last token.",
-            buckets=_LATENCY_BUCKETS, registry=registry,
+        self.e2e = m.histogram(
+            "e2e_request_latency_seconds", "Time from arrival to the last token.", _LATENCY_BUCKETS
         )
-        self.prompt_tokens = Counter(
-            "kvduplex_prompt_tokens", "Prompt tokens of finished requests.", registry=registry
-        )
-        self.generation_tokens = Counter(
-            "kvduplex_generation_tokens", "Generated tokens.", registry=registry
-        )
-        self.prefix_cache_hit_tokens = Counter(
-            "kvduplex_prefix_cache_hit_tokens",
+        self.prompt_tokens = m.counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = m.counter("generation_tokens", "Generated tokens.")
+        self.prefix_cache_hit_tokens = m.counter(
+            "prefix_cache_hit_tokens",
             "Prompt tokens served from the prefix cache instead of computed.",
-            registry=registry,
         )
-        self.prompt_computed_tokens = Histogram(
-            "kvduplex_request_prompt_computed_tokens",
+        self.prompt_computed_tokens = m.histogram(
+            "request_prompt_computed_tokens",
             "Prompt tokens this instance computed per finished request (0 when the prompt's "
             "KV came from another instance; recomputations count).",
-            buckets=(0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768),
-            registry=registry,
+            (0, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768),
         )
-        self.requests_finished = Counter(
-            "kvduplex_requests_finished", "Finished requests by reason.", ["reason"],
-            registry=registry,
+        self.requests_finished = m.counter(
+            "requests_finished", "Finished requests by reason.", ["reason"]
         )
-        self.running = Gauge(
-            "kvduplex_num_requests_running", "Requests being computed.", registry=registry
-        )
-        self.waiting = Gauge(
-            "kvduplex_num_requests_waiting",
+        self.running = m.gauge("num_requests_running", "Requests being computed.")
+        self.waiting = m.gauge(
+            "num_requests_waiting",
             "Requests queued for admission (new or preempted); not those waiting for remote KV.",
-            registry=registry,
         )
-        self.blocks_in_use = Gauge(
-            "kvduplex_kv_blocks_in_use", "KV blocks held by live requests.", registry=registry
+        self.blocks_in_use = m.gauge("kv_blocks_in_use", "KV blocks held by live requests.")
+        self.blocks_cached = m.gauge(
+            "kv_blocks_cached", "Unreferenced KV blocks kept for the prefix cache."
         )
-        self.blocks_cached = Gauge(
-            "kvduplex_kv_blocks_cached",
-            "Unreferenced KV blocks kept for the prefix cache.", registry=registry,
-        )
-        self.blocks_total = Gauge(
-            "kvduplex_kv_blocks_total", "KV blocks in the pool.", registry=registry
-        )
+        self.blocks_total = m.gauge("kv_blocks_total", "KV blocks in the pool.")
 
     def bind_gauges(
         self,

@@ -7,7 +7,8 @@ The transport's own bytes and transfer times are in
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
-from prometheus_client import Counter
+
+from kvduplex.metrics import MetricFactory
 
 
 class KVFlowMetrics:
@@ -18,67 +19,55 @@ class KVFlowMetrics:
     """
 
     def __init__(self, registry: CollectorRegistry | None) -> None:
-        self.pushes = Counter(
-            "kvduplex_kv_pushes",
+        m = MetricFactory(registry, "kvduplex_kv_")
+        self.pushes = m.counter(
+            "pushes",
             "Pushes of a prompt's KV that prefill finished, by outcome (done, failed).",
             ["outcome"],
-            registry=registry,
         )
-        self.push_transfer_seconds = Counter(
-            "kvduplex_kv_push_transfer_seconds",
+        self.push_transfer_seconds = m.counter(
+            "push_transfer_seconds",
             "Seconds from a push's first WRITE post to its last WRITE's completion, summed.",
-            registry=registry,
         )
-        self.push_exposed_seconds = Counter(
-            "kvduplex_kv_push_exposed_seconds",
+        self.push_exposed_seconds = m.counter(
+            "push_exposed_seconds",
             "Seconds a push still ran after the prefill's first token was sampled, summed "
             "(the part of the transfer not hidden behind compute).",
-            registry=registry,
         )
-        self.fallbacks = Counter(
-            "kvduplex_kv_fallbacks",
+        self.fallbacks = m.counter(
+            "fallbacks",
             "Requests whose remote KV did not come, computed locally instead, by reason.",
             ["reason"],
-            registry=registry,
         )
-        self.remote_prefix_hit_tokens = Counter(
-            "kvduplex_kv_remote_prefix_hit_tokens",
+        self.remote_prefix_hit_tokens = m.counter(
+            "remote_prefix_hit_tokens",
             "Prompt tokens of remote-KV requests that decode's own prefix cache held "
             "(not transferred).",
-            registry=registry,
         )
-        self.received_tokens = Counter(
-            "kvduplex_kv_received_tokens",
-            "Prompt tokens whose KV arrived from another instance.",
-            registry=registry,
+        self.received_tokens = m.counter(
+            "received_tokens", "Prompt tokens whose KV arrived from another instance."
         )
 
-        self.returns = Counter(
-            "kvduplex_kv_returns",
+        self.returns = m.counter(
+            "returns",
             "Duplex returns of a finished turn's blocks, by outcome: on decode done, failed, "
             "declined; on prefill received, receive_deadline, receive_sender_failed, "
             "receive_cancelled.",
             ["outcome"],
-            registry=registry,
         )
-        self.return_blocks = Counter(
-            "kvduplex_kv_return_blocks",
+        self.return_blocks = m.counter(
+            "return_blocks",
             "Blocks moved by duplex returns, by direction (sent on decode, received on prefill).",
             ["direction"],
-            registry=registry,
         )
-        self.return_bytes = Counter(
-            "kvduplex_kv_return_bytes",
-            "Bytes WRITten by duplex returns (decode side).",
-            ["direction"],
-            registry=registry,
+        self.return_bytes = m.counter(
+            "return_bytes", "Bytes WRITten by duplex returns (decode side).", ["direction"]
         )
-        self.return_declined = Counter(
-            "kvduplex_kv_return_declined",
+        self.return_declined = m.counter(
+            "return_declined",
             "Return offers prefill declined, by reason (has_all, no_room, prefix_missing, "
             "keys_mismatch, malformed, too_large, unknown_peer).",
             ["reason"],
-            registry=registry,
         )
 
     def on_push_sent(self, ok: bool, transfer_s: float, exposed_s: float) -> None:

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from prometheus_client import REGISTRY
 from prometheus_client import CollectorRegistry
-from prometheus_client import Counter
-from prometheus_client import Histogram
 
+from kvduplex.metrics import MetricFactory
 from kvduplex.transport.protocol import FailureKind
 from kvduplex.transport.protocol import TransferHandle
 from kvduplex.transport.protocol import TransferOp
@@ -43,49 +42,37 @@ class TransferMetrics:
 
     def __init__(self, registry: CollectorRegistry | None) -> None:
         """Create the metrics on ``registry`` (None: unregistered, for throwaway use)."""
-        self.bytes_total = Counter(
-            "kvduplex_kv_transfer_bytes",
-            "Bytes moved by completed KV transfers.",
-            ["direction"],
-            registry=registry,
+        m = MetricFactory(registry, "kvduplex_kv_")
+        self.bytes_total = m.counter(
+            "transfer_bytes", "Bytes moved by completed KV transfers.", ["direction"]
         )
-        self.transfers_total = Counter(
-            "kvduplex_kv_transfers",
-            "KV transfers posted.",
-            ["direction"],
-            registry=registry,
-        )
-        self.descriptors_total = Counter(
-            "kvduplex_kv_transfer_descriptors",
+        self.transfers_total = m.counter("transfers", "KV transfers posted.", ["direction"])
+        self.descriptors_total = m.counter(
+            "transfer_descriptors",
             "Descriptors (layer, K|V, block regions) in posted KV transfers.",
             ["direction"],
-            registry=registry,
         )
-        self.failures_total = Counter(
-            "kvduplex_kv_transfer_failures",
+        self.failures_total = m.counter(
+            "transfer_failures",
             "KV transfers that ended failed, by cause.",
             ["direction", "cause"],
-            registry=registry,
         )
-        self.post_seconds = Histogram(
-            "kvduplex_kv_transfer_post_seconds",
+        self.post_seconds = m.histogram(
+            "transfer_post_seconds",
             "Time to create and post one KV transfer.",
+            _POST_BUCKETS,
             ["direction"],
-            buckets=_POST_BUCKETS,
-            registry=registry,
         )
-        self.transfer_seconds = Histogram(
-            "kvduplex_kv_transfer_seconds",
+        self.transfer_seconds = m.histogram(
+            "transfer_seconds",
             "Time from post to completion of successful KV transfers.",
+            _XFER_BUCKETS,
             ["direction"],
-            buckets=_XFER_BUCKETS,
-            registry=registry,
         )
-        self.notifications_total = Counter(
-            "kvduplex_kv_notifications",
+        self.notifications_total = m.counter(
+            "notifications",
             "Transfer-layer notifications, by direction (sent, received).",
             ["direction"],
-            registry=registry,
         )
 
     @classmethod

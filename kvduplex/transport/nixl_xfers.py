@@ -47,7 +47,9 @@ class Job:
     dlist: Any
     """The target's prepared descriptor list."""
     local: IndexArray
+    """Indices into our own prepared descriptor list, one per region moved."""
     remote: IndexArray
+    """Indices into ``dlist``, pairwise with ``local``."""
     notif: bytes
     """Encoded envelope, or b"" for none."""
     begin_hint: bytes | None = None

@@ -45,15 +45,20 @@ class TransferState(enum.Enum):
     """Where a transfer is; DONE and FAILED are final."""
 
     PENDING = "pending"
+    """Posted; the data may be on its way."""
     DONE = "done"
+    """Every descriptor landed; a notification, if any, reaches the peer after the data."""
     FAILED = "failed"
+    """Ended without a guarantee about the target's bytes; `FailureKind` says why."""
 
 
 class TransferOp(enum.Enum):
     """Direction of a transfer, seen from its initiator."""
 
     WRITE = "write"
+    """The initiator's regions into the peer's; may carry a notification."""
     READ = "read"
+    """The peer's regions into the initiator's; never notifies the peer."""
 
 
 class FailureKind(enum.Enum):
