@@ -46,6 +46,7 @@ from kvduplex.config import EngineConfig
 from kvduplex.config import ModelLoadConfig
 from kvduplex.config import SchedulerConfig
 from kvduplex.engine.engine import LLMEngine
+from kvduplex.engine.request import Request
 from kvduplex.engine.sampling import SamplingParams
 from kvduplex.model.loader import load_model
 from kvduplex.model.loader import load_safetensors
@@ -88,7 +89,7 @@ def workload(
 def run_ours(engine: LLMEngine, reqs: list[tuple[list[int], int]], tag: str) -> tuple[float, int]:
     for i, (prompt, out_len) in enumerate(reqs):
         engine.add_request(
-            f"{tag}-{i}", prompt, SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
+            Request(f"{tag}-{i}", prompt, SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True))
         )
     t0 = time.perf_counter()
     produced = 0
@@ -128,7 +129,7 @@ def run_hf_batched(hf: torch.nn.Module, reqs: list[tuple[list[int], int]]) -> tu
 
 
 def ttft(engine: LLMEngine, prompt: list[int], tag: str) -> tuple[float, int]:
-    engine.add_request(tag, prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    engine.add_request(Request(tag, prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)))
     t0 = time.perf_counter()
     cached = 0
     while engine.has_unfinished():

@@ -47,6 +47,7 @@ def main() -> None:
     from kvduplex.config import ModelLoadConfig
     from kvduplex.config import SchedulerConfig
     from kvduplex.engine.engine import LLMEngine
+    from kvduplex.engine.request import Request
     from kvduplex.engine.sampling import SamplingParams
 
     extra = {"decode_attention": args.decode_attention} if args.decode_attention else {}
@@ -65,7 +66,7 @@ def main() -> None:
 
     def run(n: int, tag: str) -> dict[str, Any]:
         for i in range(n):
-            engine.add_request(f"{tag}-{i}", prompt(), params)
+            engine.add_request(Request(f"{tag}-{i}", prompt(), params))
         t0 = time.perf_counter()
         itl: list[float] = []
         decode_s, decode_tokens = 0.0, 0

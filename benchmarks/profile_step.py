@@ -181,13 +181,14 @@ def make_engine(
 
 def start_batch(engine: Any, batch: int, context: int, max_tokens: int, seed: int, tag: str) -> None:
     """Add `batch` greedy requests and step until every one of them decodes."""
+    from kvduplex.engine.request import Request
     from kvduplex.engine.sampling import SamplingParams
 
     rng = random.Random(seed)
     vocab = engine.loaded.config.vocab_size
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(f"{tag}-{i}", [rng.randrange(3, vocab) for _ in range(context)], params)
+        engine.add_request(Request(f"{tag}-{i}", [rng.randrange(3, vocab) for _ in range(context)], params))
     while engine.scheduler.num_waiting or any(
         r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler._running
     ):

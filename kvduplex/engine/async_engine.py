@@ -25,8 +25,7 @@ from kvduplex.engine.engine import LLMEngine
 from kvduplex.engine.engine import RequestOutput
 from kvduplex.engine.engine import RequestRejected
 from kvduplex.engine.metrics import EngineMetrics
-from kvduplex.engine.request import RemoteKVSpec
-from kvduplex.engine.sampling import SamplingParams
+from kvduplex.engine.request import Request
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -46,14 +45,8 @@ class _Stream:
 
 @dataclass
 class _Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    remote_kv: RemoteKVSpec | None
-    hold_blocks_on_finish: bool
-    arrival: float
+    request: Request
     on_admit: Callable[[], None] | None = None
-    connector_meta: object | None = None
 
 
 @dataclass
@@ -111,17 +104,10 @@ class AsyncEngine:
     # ------------------------------------------------------------------ public
 
     async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        *,
-        remote_kv: RemoteKVSpec | None = None,
-        hold_blocks_on_finish: bool = False,
-        on_admit: Callable[[], None] | None = None,
-        connector_meta: object | None = None,
+        self, request: Request, *, on_admit: Callable[[], None] | None = None
     ) -> AsyncIterator[RequestOutput]:
-        """Submit a request and yield its outputs until it finishes.
+        """Submit a request and yield its outputs until it finishes. The engine thread
+        owns ``request`` from here on: read its outputs, not its fields.
 
         `on_admit` runs in the engine thread just before the request is added,
         with nothing else in between; a ValueError from it rejects the request.
@@ -132,19 +118,16 @@ class AsyncEngine:
         """
         if not self.is_healthy:
             raise EngineDeadError("the engine is not running")
-        self.engine.check_request(len(prompt_token_ids), params.max_tokens)
+        request_id = request.request_id
+        request.arrival_time = time.monotonic()  # TTFT counts from submission
+        self.engine.check_request(request.num_prompt_tokens, request.sampling_params.max_tokens)
         loop = asyncio.get_running_loop()
-        arrival = time.monotonic()
-        stream = _Stream(loop=loop, queue=asyncio.Queue(), arrival=arrival)
+        stream = _Stream(loop=loop, queue=asyncio.Queue(), arrival=request.arrival_time)
         with self._streams_lock:
             if request_id in self._streams:
                 raise RequestRejected(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-        add = _Add(
-            request_id, prompt_token_ids, params, remote_kv, hold_blocks_on_finish, arrival,
-            on_admit, connector_meta,
-        )  # fmt: skip
-        self._send(add)
+        self._send(_Add(request, on_admit))
         finished = False
         try:
             while True:
@@ -228,21 +211,13 @@ class AsyncEngine:
 
     def _apply_add(self, add: _Add) -> None:
         with self._streams_lock:
-            stream = self._streams.get(add.request_id)
+            stream = self._streams.get(add.request.request_id)
         if stream is None:  # the client left before the request reached the engine
             return
         try:
             if add.on_admit is not None:
                 add.on_admit()
-            self.engine.add_request(
-                add.request_id,
-                add.prompt_token_ids,
-                add.params,
-                remote_kv=add.remote_kv,
-                hold_blocks_on_finish=add.hold_blocks_on_finish,
-                arrival_time=add.arrival,
-                connector_meta=add.connector_meta,
-            )
+            self.engine.add_request(add.request)
         except ValueError as exc:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
 

@@ -29,7 +29,6 @@ from kvduplex.engine.kv_cache import KVCacheLayout
 from kvduplex.engine.kv_cache import allocate_kv_pool
 from kvduplex.engine.kv_manager import KVCacheManager
 from kvduplex.engine.request import FinishReason
-from kvduplex.engine.request import RemoteKVSpec
 from kvduplex.engine.request import Request
 from kvduplex.engine.request import RequestStatus
 from kvduplex.engine.runner import ModelRunner
@@ -150,37 +149,20 @@ class LLMEngine:
         """Raise RequestRejected when a request of this size can never be served."""
         check_request_size(self.max_model_len, num_prompt_tokens, max_tokens)
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        *,
-        remote_kv: RemoteKVSpec | None = None,
-        hold_blocks_on_finish: bool = False,
-        arrival_time: float | None = None,
-        connector_meta: object | None = None,
-    ) -> Request:
-        """Queue a request. Raises RequestRejected if it can never fit."""
-        self.check_request(len(prompt_token_ids), params.max_tokens)
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.loaded.config.vocab_size]
+    def add_request(self, req: Request) -> Request:
+        """Queue a request built by the caller (its id, prompt, sampling and KV options);
+        the engine takes it over. Raises RequestRejected if it can never be served."""
+        params = req.sampling_params
+        self.check_request(req.num_prompt_tokens, params.max_tokens)
+        vocab_size = self.loaded.config.vocab_size
+        bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab_size]
         if bad:
-            raise RequestRejected(
-                f"token id {bad[0]} is outside the vocabulary [0, {self.loaded.config.vocab_size})"
-            )
+            raise RequestRejected(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        request_id = req.request_id
         if self.scheduler.get_request(request_id) is not None:
             raise RequestRejected(f"request id {request_id!r} is already in use")
         if not params.extra_eos_token_ids:
-            params = _with_eos(params, self.eos_token_ids)
-        req = Request(
-            request_id=request_id,
-            prompt_token_ids=list(prompt_token_ids),
-            sampling_params=params,
-            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
-            remote_kv=remote_kv,
-            hold_blocks_on_finish=hold_blocks_on_finish,
-            connector_meta=connector_meta,
-        )
+            req.sampling_params = params = _with_eos(params, self.eos_token_ids)
         self.scheduler.add_request(req)
         self._detok[request_id] = IncrementalDetokenizer(self.loaded.tokenizer, params.stop)
         self._num_emitted[request_id] = 0
@@ -354,7 +336,7 @@ class LLMEngine:
             for n in batches:
                 rids = [f"__warmup__{i}" for i in range(n)]
                 for rid in rids:
-                    self.add_request(rid, [1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0))
+                    self.add_request(Request(rid, [1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0)))
                 while self.scheduler.has_unfinished() and any(
                     self.scheduler.get_request(rid) is not None for rid in rids
                 ):

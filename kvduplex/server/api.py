@@ -33,8 +33,7 @@ from kvduplex.engine.async_engine import AsyncEngine
 from kvduplex.engine.async_engine import EngineDeadError
 from kvduplex.engine.engine import RequestOutput
 from kvduplex.engine.engine import RequestRejected
-from kvduplex.engine.request import RemoteKVSpec
-from kvduplex.engine.sampling import SamplingParams
+from kvduplex.engine.request import Request as EngineRequest
 from kvduplex.openai import render
 from kvduplex.openai.errors import APIError
 from kvduplex.openai.errors import install_error_handlers
@@ -54,15 +53,12 @@ __all__ = ["APIError", "Generation", "InstanceState", "create_app"]
 class Generation:
     """What the API layer hands the engine for one request (hooks let roles adjust it)."""
 
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
+    request: EngineRequest
+    """The engine's request; a role's `prepare` hook sets its KV options (``remote_kv``,
+    ``hold_blocks_on_finish``, ``connector_meta``: e.g. where the finished turn's KV is
+    returned)."""
     body: _SamplingFields
     extra: dict[str, Any] = field(default_factory=dict)
-    remote_kv: RemoteKVSpec | None = None
-    hold_blocks_on_finish: bool = False
-    connector_meta: object | None = None
-    """Set by a role's `prepare` hook (e.g. where the finished turn's KV is returned)."""
 
 
 @dataclass
@@ -202,16 +198,13 @@ def _make_generation(
     except ValueError as exc:
         raise APIError(400, str(exc), param="max_tokens") from None
     rid = raw.headers.get("x-request-id") or f"{prefix}-{uuid.uuid4().hex}"
-    return Generation(request_id=rid, prompt_token_ids=ids, params=params, body=body)
+    return Generation(EngineRequest(rid, ids, params), body)
 
 
 async def _serve(state: InstanceState, raw: Request, gen: Generation, chat: bool) -> Response:
     if state.prepare is not None:
         await state.prepare(raw, gen)
-    outputs = state.engine.generate(
-        gen.request_id, gen.prompt_token_ids, gen.params, remote_kv=gen.remote_kv,
-        hold_blocks_on_finish=gen.hold_blocks_on_finish, connector_meta=gen.connector_meta
-    )
+    outputs = state.engine.generate(gen.request)
     if gen.body.stream:
         include_usage = bool(gen.body.stream_options and gen.body.stream_options.include_usage)
         return StreamingResponse(
@@ -251,7 +244,7 @@ async def _collect(
         gather_task.cancel()
         await asyncio.gather(gather_task, return_exceptions=True)
         await outputs.aclose()  # type: ignore[attr-defined]
-        logger.info("request %s aborted: client disconnected", gen.request_id)
+        logger.info("request %s aborted: client disconnected", gen.request.request_id)
         return Response(status_code=499)
     try:
         text, ids, last = gather_task.result()
@@ -265,7 +258,7 @@ async def _collect(
 
 def _head(state: InstanceState, gen: Generation, chat: bool) -> render.ResponseHead:
     return render.ResponseHead(
-        request_id=gen.request_id, model=gen.body.model or state.served_model_names[0],
+        request_id=gen.request.request_id, model=gen.body.model or state.served_model_names[0],
         is_chat=chat, return_token_ids=gen.body.return_token_ids,
     )  # fmt: skip
 
@@ -285,7 +278,7 @@ def _final_body(
     state: InstanceState, gen: Generation, text: str, ids: list[int], last: RequestOutput, chat: bool
 ) -> dict[str, Any]:
     body = render.completion_body(
-        _head(state, gen, chat), text, ids, last.finish_reason, _usage(last), gen.prompt_token_ids
+        _head(state, gen, chat), text, ids, last.finish_reason, _usage(last), gen.request.prompt_token_ids
     )
     body.update(gen.extra)
     return body

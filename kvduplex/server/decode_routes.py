@@ -138,7 +138,7 @@ class DecodePreparer:
             )  # fmt: skip
         try:
             if kv.mode == "push":
-                self.flows.push.register(PushSpec(kv.xid, peer, kv.prefill_url, gen.request_id))
+                self.flows.push.register(PushSpec(kv.xid, peer, kv.prefill_url, gen.request.request_id))
             else:
                 lease_ends_at = None if kv.lease_s is None else arrived + kv.lease_s
                 self.flows.pull.register(
@@ -149,13 +149,13 @@ class DecodePreparer:
                 )  # fmt: skip
         except ValueError as exc:  # a duplicate xid
             raise APIError(409, str(exc), param="kv_transfer_params") from None
-        gen.remote_kv = RemoteKVSpec(kv.xid, source_engine_id=peer.engine_id)
+        gen.request.remote_kv = RemoteKVSpec(kv.xid, source_engine_id=peer.engine_id)
 
     async def _prepare_return(self, kv: KVTransferParams, gen: Generation) -> None:
         assert kv.session_id is not None
         if kv.return_mode == "pull":
-            gen.connector_meta = RetainSpec(kv.session_id)
-            gen.hold_blocks_on_finish = True
+            gen.request.connector_meta = RetainSpec(kv.session_id)
+            gen.request.hold_blocks_on_finish = True
             return
         if kv.return_to is None:
             return
@@ -166,8 +166,8 @@ class DecodePreparer:
         except Exception as exc:  # no return this turn: the next one recomputes
             logger.warning("session %s: no connection to %s (%s)", kv.session_id, kv.return_to, exc)
             return
-        gen.connector_meta = ReturnSpec(kv.session_id, peer, kv.return_from_block)
-        gen.hold_blocks_on_finish = True
+        gen.request.connector_meta = ReturnSpec(kv.session_id, peer, kv.return_from_block)
+        gen.request.hold_blocks_on_finish = True
 
 
 def make_decode_hooks(

@@ -27,6 +27,7 @@ from pydantic import BaseModel
 from pydantic import Field
 
 from kvduplex.engine.engine import RequestRejected
+from kvduplex.engine.request import Request
 from kvduplex.engine.sampling import SamplingParams
 from kvduplex.kvflow.connectors import PrefillFlows
 from kvduplex.kvflow.lease import LeaseTable
@@ -92,10 +93,11 @@ def make_prefill_router(state: InstanceState, transport: Transport, lease_s: flo
     @router.post("/internal/prefill")
     async def prefill(body: PrefillRequest) -> JSONResponse:
         try:
-            params = _first_token_params(body)
-            async for _ in engine.generate(
-                body.xid, body.prompt_token_ids, params, hold_blocks_on_finish=True
-            ):
+            held = Request(
+                body.xid, body.prompt_token_ids, _first_token_params(body),
+                hold_blocks_on_finish=True,
+            )  # fmt: skip
+            async for _ in engine.generate(held):
                 pass
         except (RequestRejected, ValueError) as exc:
             raise APIError(400, str(exc)) from None
@@ -144,10 +146,10 @@ class PushPrefill:
 
         last, ids, text = None, [], []
         try:
-            async for out in self.engine.generate(
-                xid, body.prompt_token_ids, _first_token_params(body), hold_blocks_on_finish=True,
-                on_admit=admit,
-            ):  # fmt: skip
+            held = Request(
+                xid, body.prompt_token_ids, _first_token_params(body), hold_blocks_on_finish=True
+            )
+            async for out in self.engine.generate(held, on_admit=admit):
                 last = out
                 ids.extend(out.new_token_ids)
                 text.append(out.new_text)

@@ -15,6 +15,7 @@ from kvduplex.config import SchedulerConfig
 from kvduplex.engine.async_engine import AsyncEngine
 from kvduplex.engine.engine import LLMEngine
 from kvduplex.engine.request import RemoteKVSpec
+from kvduplex.engine.request import Request
 from kvduplex.engine.sampling import SamplingParams
 from kvduplex.kvflow.connectors import FlowTiming
 from kvduplex.kvflow.connectors import decode_flows
@@ -49,7 +50,7 @@ def _reference(
     tiny: LoadedModel, prompt: list[int] = PROMPT, params: SamplingParams = GREEDY
 ) -> list[int]:
     engine = _engine(tiny)
-    engine.add_request("ref", prompt, params)
+    engine.add_request(Request("ref", prompt, params))
     out: list[int] = []
     while engine.has_unfinished():
         for o in engine.step():
@@ -97,8 +98,7 @@ class Pair:
     ) -> list[int]:
         out: list[int] = []
         async for o in self.ap.generate(
-            xid, prompt, params, hold_blocks_on_finish=True,
-            on_admit=lambda: self.sender.expect(xid, self.d_peer, len(prompt)),
+            Request(xid, prompt, params, hold_blocks_on_finish=True), on_admit=lambda: self.sender.expect(xid, self.d_peer, len(prompt))
         ):  # fmt: skip
             out.extend(o.new_token_ids)
         return out
@@ -108,7 +108,7 @@ class Pair:
     ) -> list[int]:
         self.push.register(PushSpec(xid, self.p_peer, "http://p", f"d-{xid}"))
         out: list[int] = []
-        async for o in self.ad.generate(f"d-{xid}", prompt, params, remote_kv=RemoteKVSpec(xid)):
+        async for o in self.ad.generate(Request(f"d-{xid}", prompt, params, remote_kv=RemoteKVSpec(xid))):
             out.extend(o.new_token_ids)
         return out
 

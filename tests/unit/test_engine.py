@@ -14,6 +14,7 @@ from kvduplex.config import SchedulerConfig
 from kvduplex.engine.engine import LLMEngine
 from kvduplex.engine.engine import RequestOutput
 from kvduplex.engine.engine import RequestRejected
+from kvduplex.engine.request import Request
 from kvduplex.engine.sampling import SamplingParams
 from kvduplex.model.loader import LoadedModel
 from kvduplex.model.loader import load_model
@@ -53,7 +54,7 @@ def run(
     plist = params if isinstance(params, list) else [params] * len(prompts)
     rids = [f"r{next(_ids)}" for _ in prompts]
     for rid, prompt, p in zip(rids, prompts, plist, strict=False):
-        engine.add_request(rid, prompt, p)
+        engine.add_request(Request(rid, prompt, p))
     tokens: dict[str, list[int]] = {rid: [] for rid in rids}
     finals: dict[str, RequestOutput] = {}
     for _ in range(10_000):
@@ -170,14 +171,14 @@ def test_stop_string_truncates_text(tiny: LoadedModel) -> None:
     engine = make_engine(tiny)
     prompt = random_prompts(1, seed=8)[0]
     rid = "stop-text"
-    engine.add_request(rid, prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    engine.add_request(Request(rid, prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)))
     text = ""
     while engine.has_unfinished():
         for o in engine.step():
             text += o.new_text
     assert len(text) >= 6
     stop = text[3:6]
-    engine.add_request("stop-text-2", prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=(stop,)))
+    engine.add_request(Request("stop-text-2", prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=(stop,))))
     got, reason = "", None
     while engine.has_unfinished():
         for o in engine.step():
@@ -191,15 +192,15 @@ def test_stop_string_truncates_text(tiny: LoadedModel) -> None:
 def test_too_long_request_is_rejected(tiny: LoadedModel) -> None:
     engine = make_engine(tiny, num_blocks=8)
     with pytest.raises(RequestRejected, match="maximum context length"):
-        engine.add_request("long", [1] * 30, SamplingParams(max_tokens=8))
-    with pytest.raises(RequestRejected, match="empty"):
-        engine.add_request("empty", [], SamplingParams(max_tokens=8))
+        engine.add_request(Request("long", [1] * 30, SamplingParams(max_tokens=8)))
+    with pytest.raises(ValueError, match="at least one token"):
+        Request("empty", [], SamplingParams(max_tokens=8))
     assert_no_leak(engine)
 
 
 def test_abort_frees_blocks(tiny: LoadedModel) -> None:
     engine = make_engine(tiny)
-    engine.add_request("a", random_prompts(1, seed=9)[0], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    engine.add_request(Request("a", random_prompts(1, seed=9)[0], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)))
     engine.step()
     engine.step()
     assert engine.block_pool.stats().num_in_use > 0
@@ -217,7 +218,7 @@ def test_runner_tables_follow_the_scheduler_through_preemption(tiny: LoadedModel
     engine = make_engine(tiny, num_blocks=24, block_size=4, budget=64)
     prompts = random_prompts(6, seed=11, lo=20, hi=30)
     for i, p in enumerate(prompts):
-        engine.add_request(f"t{i}", p, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+        engine.add_request(Request(f"t{i}", p, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)))
     steps = 0
     while engine.has_unfinished() and steps < 2000:
         engine.step()

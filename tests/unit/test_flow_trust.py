@@ -11,6 +11,7 @@ import torch
 
 from kvduplex.engine.block_pool import compute_block_hashes
 from kvduplex.engine.engine import RequestRejected
+from kvduplex.engine.request import Request
 from kvduplex.kvflow.lease import LeaseTable
 from kvduplex.kvflow.messages import KVDone
 from kvduplex.kvflow.messages import KVOffer
@@ -66,7 +67,7 @@ def test_push_prefill_under_another_requests_id_is_refused(tiny: LoadedModel) ->
     with Pair(tiny) as s:
 
         async def held() -> None:
-            async for _ in s.ap.generate("lease-1", PROMPT, FIRST, hold_blocks_on_finish=True):
+            async for _ in s.ap.generate(Request("lease-1", PROMPT, FIRST, hold_blocks_on_finish=True)):
                 pass
 
         asyncio.run(held())
@@ -77,7 +78,7 @@ def test_push_prefill_under_another_requests_id_is_refused(tiny: LoadedModel) ->
         assert s.sender.num_jobs() == 0 and s.in_use(s.ap) == in_use
 
         async def again() -> None:  # a second request under the held id: rejected, nothing aborted
-            async for _ in s.ap.generate("lease-1", PROMPT, FIRST, hold_blocks_on_finish=True):
+            async for _ in s.ap.generate(Request("lease-1", PROMPT, FIRST, hold_blocks_on_finish=True)):
                 pass
 
         with pytest.raises(RequestRejected, match="already in use"):

@@ -23,6 +23,7 @@ from kvduplex.config import EngineConfig
 from kvduplex.config import ModelLoadConfig
 from kvduplex.config import RouterConfig
 from kvduplex.config import ServerConfig
+from kvduplex.engine.request import Request as EngineRequest
 from kvduplex.model.tokenizer import ByteTokenizer
 from kvduplex.server.instance import Instance
 from kvduplex.server.instance import build_instance
@@ -52,9 +53,9 @@ def engine_calls(instance: Instance, monkeypatch: pytest.MonkeyPatch) -> Iterato
     calls: list[str] = []
     generate = instance.async_engine.generate
 
-    def record(request_id: str, *args: Any, **kwargs: Any) -> Any:
-        calls.append(request_id)
-        return generate(request_id, *args, **kwargs)
+    def record(request: EngineRequest, *args: Any, **kwargs: Any) -> Any:
+        calls.append(request.request_id)
+        return generate(request, *args, **kwargs)
 
     monkeypatch.setattr(instance.async_engine, "generate", record)
     yield calls

@@ -10,6 +10,7 @@ from kvduplex.engine.async_engine import AsyncEngine
 from kvduplex.engine.engine import LLMEngine
 from kvduplex.engine.engine import RequestOutput
 from kvduplex.engine.request import RemoteKVSpec
+from kvduplex.engine.request import Request
 from kvduplex.engine.sampling import SamplingParams
 from kvduplex.kvflow.connectors import FlowTiming
 from kvduplex.kvflow.connectors import decode_flows
@@ -31,7 +32,7 @@ def _engine(tiny: LoadedModel) -> LLMEngine:
 
 
 def _run(engine: LLMEngine, rid: str, params: SamplingParams, hold: bool = False) -> list[int]:
-    engine.add_request(rid, PROMPT, params, hold_blocks_on_finish=hold)
+    engine.add_request(Request(rid, PROMPT, params, hold_blocks_on_finish=hold))
     out: list[int] = []
     while (req := engine.scheduler.get_request(rid)) is not None and not req.is_finished:
         for o in engine.step():
@@ -72,7 +73,7 @@ class Setup:
     async def decode_outputs(self, xid: str) -> tuple[list[int], RequestOutput]:
         out: list[int] = []
         last = None
-        async for o in self.ad.generate(xid, PROMPT, GREEDY, remote_kv=RemoteKVSpec(xid)):
+        async for o in self.ad.generate(Request(xid, PROMPT, GREEDY, remote_kv=RemoteKVSpec(xid))):
             out.extend(o.new_token_ids)
             last = o
         assert last is not None

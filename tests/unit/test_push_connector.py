@@ -16,6 +16,7 @@ from collections.abc import Callable
 import pytest
 
 from kvduplex.engine.request import RemoteKVSpec
+from kvduplex.engine.request import Request
 from kvduplex.engine.sampling import SamplingParams
 from kvduplex.engine.scheduler import SchedulerOutput
 from kvduplex.kvflow.messages import KVCancel
@@ -219,7 +220,7 @@ def test_prefill_queued_longer_than_the_wait_keeps_decode_waiting(tiny: LoadedMo
             d = asyncio.ensure_future(s.decode("q"))
             await asyncio.to_thread(_wait_for, lambda: "q" in s.sender._early, "registration")
             p = asyncio.ensure_future(_collect(s.ap.generate(
-                "q", PROMPT, FIRST, hold_blocks_on_finish=True, on_admit=admit_then_stall)))  # fmt: skip
+                Request("q", PROMPT, FIRST, hold_blocks_on_finish=True), on_admit=admit_then_stall)))  # fmt: skip
             # Four heartbeats at 0.1 s intervals: D's original 0.3 s wait is over.
             await asyncio.to_thread(
                 _wait_for, lambda: s.df.receiver.stats.num_alive_received >= 4, "heartbeats"
@@ -294,12 +295,12 @@ async def _collect(gen: object) -> list[int]:
 
 def test_cached_tokens_are_prefills_prefix_hits(tiny: LoadedModel) -> None:
     with Pair(tiny) as s:
-        asyncio.run(_collect(s.ap.generate("warm", PROMPT, FIRST)))  # P caches PROMPT's blocks
+        asyncio.run(_collect(s.ap.generate(Request("warm", PROMPT, FIRST))))  # P caches PROMPT's blocks
 
         async def both() -> object:
             s.push.register(PushSpec("c1", s.p_peer, "http://p", "d-c1"))
             last = None
-            d = s.ad.generate("d-c1", PROMPT, GREEDY, remote_kv=RemoteKVSpec("c1"))
+            d = s.ad.generate(Request("d-c1", PROMPT, GREEDY, remote_kv=RemoteKVSpec("c1")))
             p = asyncio.ensure_future(s.prefill("c1"))
             async for o in d:
                 last = o
@@ -327,7 +328,7 @@ def test_unanswered_heartbeats_do_not_extend_prefills_deadline(tiny: LoadedModel
             d = asyncio.ensure_future(s.decode("u"))
             await asyncio.to_thread(_wait_for, lambda: "u" in s.sender._early, "registration")
             p = asyncio.ensure_future(_collect(s.ap.generate(
-                "u", PROMPT, FIRST, hold_blocks_on_finish=True, on_admit=admit_then_stall)))  # fmt: skip
+                Request("u", PROMPT, FIRST, hold_blocks_on_finish=True), on_admit=admit_then_stall)))  # fmt: skip
             await asyncio.to_thread(_wait_for, lambda: s.df.receiver.stats.num_alive_received >= 1, "a beat")
             assert s.ad.call(lambda _e: s.push.cancel("u", "test")).result(5)
             sent = s.sender.stats.num_alive_sent

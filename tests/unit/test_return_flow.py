@@ -9,6 +9,7 @@ import time
 
 from kvduplex.engine.block_pool import compute_block_hashes
 from kvduplex.engine.request import RemoteKVSpec
+from kvduplex.engine.request import Request
 from kvduplex.engine.sampling import SamplingParams
 from kvduplex.kvflow.messages import KVOffer
 from kvduplex.kvflow.push_decode import PushSpec
@@ -32,10 +33,10 @@ async def _turn(
     """One push turn whose finished blocks D returns to P."""
     s.push.register(PushSpec(xid, s.p_peer, "http://p", f"d-{xid}"))
     out: list[int] = []
-    d = s.ad.generate(
+    d = s.ad.generate(Request(
         f"d-{xid}", prompt, params, remote_kv=RemoteKVSpec(xid), hold_blocks_on_finish=True,
         connector_meta=ReturnSpec(session, s.p_peer),
-    )  # fmt: skip
+    ))  # fmt: skip
     p = asyncio.ensure_future(s.prefill(xid, prompt))
     async for o in d:
         out.extend(o.new_token_ids)
@@ -71,7 +72,7 @@ def test_return_fills_prefills_cache_and_next_turn_matches(tiny: LoadedModel) ->
 
         async def prefill_only() -> list[int]:
             out: list[int] = []
-            async for o in s.ap.generate("p2", turn2, FIRST):
+            async for o in s.ap.generate(Request("p2", turn2, FIRST)):
                 out.extend(o.new_token_ids)
                 first.append(o)
             return out
@@ -196,10 +197,10 @@ def test_retained_turn_is_read_by_prefill(tiny: LoadedModel) -> None:
         async def turn() -> list[int]:
             s.push.register(PushSpec("r1", s.p_peer, "http://p", "d-r1"))
             out: list[int] = []
-            d = s.ad.generate(
+            d = s.ad.generate(Request(
                 "d-r1", PROMPT, ANSWER, remote_kv=RemoteKVSpec("r1"), hold_blocks_on_finish=True,
                 connector_meta=RetainSpec("s1"),
-            )  # fmt: skip
+            ))  # fmt: skip
             p = asyncio.ensure_future(s.prefill("r1", PROMPT))
             async for o in d:
                 out.extend(o.new_token_ids)
