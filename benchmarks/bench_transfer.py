@@ -59,6 +59,7 @@ from kvduplex.transport.metrics import TransferMetrics
 from kvduplex.transport.nixl import NixlTransport
 from kvduplex.transport.protocol import PeerHandle
 from kvduplex.transport.protocol import TransferHandle
+from kvduplex.transport.protocol import TransferOp
 from kvduplex.transport.protocol import TransferState
 
 MiB = 1 << 20
@@ -171,7 +172,7 @@ class Bench:
         contiguous, pool); medians over reps."""
         assert self.t is not None and self.peer is not None
         layout = self.t.layout
-        post_fn = self.t.write if op == "write" else self.t.read
+        transfer_op = TransferOp(op)
         gbps, posts, backend, ndesc = [], [], [], 0
         for rep in range(self.reps + 1):  # the first is the warm-up
             if pattern == "pool":
@@ -189,7 +190,9 @@ class Bench:
             handles: list[TransferHandle] = []
             for first in range(0, layout.num_layers, layers_per_xfer):
                 layers = list(range(first, min(first + layers_per_xfer, layout.num_layers)))
-                handles.append(post_fn(self.peer, f"{op}-{rep}-{first}", local, remote, layers))
+                handles.append(self.t.transfer(
+                    transfer_op, self.peer, f"{op}-{rep}-{first}", local, remote, layers=layers
+                ))
             states = [h.wait(60) for h in handles]
             elapsed = time.perf_counter() - t0
             if any(s is not TransferState.DONE for s in states):
@@ -236,7 +239,7 @@ class Bench:
                 time.sleep(gap_s)  # let both sides go idle
             blocks = self.rng.permutation(self.t.layout.num_blocks)[:4].tolist()
             t0 = time.monotonic()
-            h = self.t.write(self.peer, f"lat{i}", blocks, blocks, layers=[0], notif=b"n")
+            h = self.t.transfer(TransferOp.WRITE, self.peer, f"lat{i}", blocks, blocks, layers=[0], notif=b"n")
             h.wait(10)
             t_done = time.monotonic()
             reply = self.t.poll_notifs(timeout=10)

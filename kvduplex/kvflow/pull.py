@@ -31,6 +31,7 @@ from kvduplex.kvflow.metrics import KVFlowMetrics
 from kvduplex.transport.base import Transport
 from kvduplex.transport.protocol import PeerHandle
 from kvduplex.transport.protocol import TransferHandle
+from kvduplex.transport.protocol import TransferOp
 from kvduplex.transport.protocol import TransferState
 from kvduplex.transport.trust import secret_headers
 
@@ -147,7 +148,9 @@ class PullConnector:
         # still land, even if the request is aborted meanwhile.
         self.engine.acquire_blocks(local)
         try:
-            handle = self.transport.read(spec.peer, spec.xid, local, remote, deadline_s=deadline_s)
+            handle = self.transport.transfer(
+                TransferOp.READ, spec.peer, spec.xid, local, remote, deadline_s=deadline_s
+            )
         except Exception as exc:  # validation or a dead peer: compute locally
             logger.warning("request %s: READ from %s failed to post: %s", rid, spec.prefill_url, exc)
             self.engine.release_blocks(local)

@@ -33,6 +33,7 @@ from kvduplex.transport.base import Transport
 from kvduplex.transport.notify import NotificationPump
 from kvduplex.transport.protocol import PeerHandle
 from kvduplex.transport.protocol import TransferHandle
+from kvduplex.transport.protocol import TransferOp
 from kvduplex.transport.protocol import TransferState
 
 logger = logging.getLogger(__name__)
@@ -152,9 +153,10 @@ class RetainedReader:
             done.set_result(0)
             return done
         try:
-            handle = self.transport.read(
-                peer, xid, local, remote_blocks[num_have:], deadline_s=self.deadline_s
-            )
+            handle = self.transport.transfer(
+                TransferOp.READ, peer, xid, local, remote_blocks[num_have:],
+                deadline_s=self.deadline_s,
+            )  # fmt: skip
         except Exception as exc:
             logger.warning("xid=%s: READ of retained blocks failed to post: %s", xid, exc)
             self.engine.release_blocks(local)

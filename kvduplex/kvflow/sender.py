@@ -66,6 +66,7 @@ from kvduplex.transport.messages import ControlMessage
 from kvduplex.transport.notify import Handler
 from kvduplex.transport.protocol import PeerHandle
 from kvduplex.transport.protocol import TransferHandle
+from kvduplex.transport.protocol import TransferOp
 from kvduplex.transport.protocol import TransferState
 
 logger = logging.getLogger(__name__)
@@ -361,9 +362,10 @@ class KVSender(FlowHalf):
                 job.first_post_at = time.monotonic()
             deadline = min(self.deadline_s, max(0.001, job.expires_at - time.monotonic()))
         try:
-            handle = self.transport.write(
-                job.peer, job.xid, chunk.src, chunk.dst, layers=layers, deadline_s=deadline
-            )
+            handle = self.transport.transfer(
+                TransferOp.WRITE, job.peer, job.xid, chunk.src, chunk.dst,
+                layers=layers, deadline_s=deadline,
+            )  # fmt: skip
         except Exception as exc:  # a bug in the plan, or the transport closed
             logger.exception("xid=%s: WRITE failed to post", job.xid)
             self._on_write_done(job, chunk, None, f"post failed: {exc}")

@@ -4,8 +4,7 @@
 flows program against (see `kvduplex.transport.protocol` for the transfer
 lifecycle and the types). It implements what does not depend on the backend:
 
-* the request side: ``write``/``read``/``write_regions``/``read_regions``
-  validate, turn blocks or regions into index arrays
+* the request side: ``transfer`` (blocks) and ``transfer_regions`` validate, turn blocks or regions into index arrays
   (`kvduplex.transport.regions`) and hand them to the backend's ``_post``;
 * completion: ``_complete`` finishes a handle once, with metrics and a
   lifecycle log line;
@@ -16,8 +15,8 @@ lifecycle and the types). It implements what does not depend on the backend:
 A backend (`NixlTransport`, `InProcessTransport`) implements ``local_metadata``,
 ``connect``, ``disconnect``, ``send_notif``, ``_post`` and ``_shutdown``::
 
-    write() ─► _submit ─► _post (backend) ─► ... ─► _complete ─► DONE | FAILED
-    (peer)  ─► backend receives ─► _queue_notifs ─► poll_notifs()
+    transfer() ─► _submit ─► _post (backend) ─► ... ─► _complete ─► DONE | FAILED
+    (peer)     ─► backend receives ─► _queue_notifs ─► poll_notifs()
 """
 
 from __future__ import annotations
@@ -164,64 +163,43 @@ class Transport(abc.ABC):
 
     # -- transfers ----------------------------------------------------------------
 
-    def write(
+    def transfer(
         self,
+        op: TransferOp,
         peer: PeerHandle,
         xid: str,
         local_blocks: Sequence[int],
         remote_blocks: Sequence[int],
+        *,
         layers: Sequence[int] | None = None,
         kinds: Sequence[KVKind] = ALL_KINDS,
         notif: bytes | None = None,
         deadline_s: float | None = None,
     ) -> TransferHandle:
-        """WRITE ``local_blocks[i]`` into the peer's ``remote_blocks[i]`` for each layer and kind.
+        """Move block ``local_blocks[i]`` to or from the peer's ``remote_blocks[i]``, for
+        each layer and kind: a WRITE puts ours into the peer's, a READ the peer's into ours.
 
-        ``layers`` None means all. ``notif`` is delivered to the peer once, after
-        the data, as a `Notification` carrying ``xid``. ``deadline_s`` None means
+        ``layers`` None means all. ``notif`` (WRITE only) is delivered to the peer once,
+        after the data, as a `Notification` carrying ``xid``. ``deadline_s`` None means
         the transport's default.
         """
         local, remote = self._block_indices(peer, local_blocks, remote_blocks, layers, kinds)
-        return self._submit(TransferOp.WRITE, peer, xid, local, remote, notif, deadline_s)
+        return self._submit(op, peer, xid, local, remote, notif, deadline_s)
 
-    def read(
+    def transfer_regions(
         self,
-        peer: PeerHandle,
-        xid: str,
-        local_blocks: Sequence[int],
-        remote_blocks: Sequence[int],
-        layers: Sequence[int] | None = None,
-        kinds: Sequence[KVKind] = ALL_KINDS,
-        deadline_s: float | None = None,
-    ) -> TransferHandle:
-        """READ the peer's ``remote_blocks[i]`` into ``local_blocks[i]``; no notification."""
-        local, remote = self._block_indices(peer, local_blocks, remote_blocks, layers, kinds)
-        return self._submit(TransferOp.READ, peer, xid, local, remote, None, deadline_s)
-
-    def write_regions(
-        self,
+        op: TransferOp,
         peer: PeerHandle,
         xid: str,
         local: Sequence[Region],
         remote: Sequence[Region],
+        *,
         notif: bytes | None = None,
         deadline_s: float | None = None,
     ) -> TransferHandle:
-        """WRITE arbitrary regions: ``local[i]`` into the peer's ``remote[i]``."""
+        """`transfer` of arbitrary regions: ``local[i]`` with the peer's ``remote[i]``."""
         li, ri = self._region_pair(peer, local, remote)
-        return self._submit(TransferOp.WRITE, peer, xid, li, ri, notif, deadline_s)
-
-    def read_regions(
-        self,
-        peer: PeerHandle,
-        xid: str,
-        local: Sequence[Region],
-        remote: Sequence[Region],
-        deadline_s: float | None = None,
-    ) -> TransferHandle:
-        """READ arbitrary regions: the peer's ``remote[i]`` into ``local[i]``."""
-        li, ri = self._region_pair(peer, local, remote)
-        return self._submit(TransferOp.READ, peer, xid, li, ri, None, deadline_s)
+        return self._submit(op, peer, xid, li, ri, notif, deadline_s)
 
     def state(self, handle: TransferHandle) -> TransferState:
         return handle.state
@@ -342,6 +320,8 @@ class Transport(abc.ABC):
         notif: bytes | None,
         deadline_s: float | None,
     ) -> TransferHandle:
+        if notif is not None and op is not TransferOp.WRITE:
+            raise ValueError("only a WRITE carries a notification")
         deadline = self.default_deadline_s if deadline_s is None else deadline_s
         if deadline <= 0:
             raise ValueError(f"deadline_s must be > 0, got {deadline}")

@@ -248,13 +248,16 @@ class NixlTransport(Transport):
             msg = encode_envelope(
                 Envelope(EnvelopeKind.USER, self.engine_id, handle.xid, post.notif)
             )
-        job = Job(
-            handle, peer.engine_id, p.handle.agent_name, p.dlist, post.local, post.remote, msg
-        )
+        hints = None
         if handle.num_bytes >= self.hint_min_bytes:
-            job.begin_hint = self._hint(EnvelopeKind.XFER_BEGIN, handle)
-            job.end_hint = self._hint(EnvelopeKind.XFER_END, handle)
-        self._xfers.submit(job)
+            hints = (
+                self._hint(EnvelopeKind.XFER_BEGIN, handle),
+                self._hint(EnvelopeKind.XFER_END, handle),
+            )
+        self._xfers.submit(Job(
+            handle, peer.engine_id, p.handle.agent_name, p.dlist, post.local, post.remote, msg,
+            hints,
+        ))  # fmt: skip
 
     def send_notif(self, peer: PeerHandle, payload: bytes, xid: str | None = None) -> None:
         with self._lock:

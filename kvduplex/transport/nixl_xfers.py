@@ -52,10 +52,9 @@ class Job:
     """Indices into ``dlist``, pairwise with ``local``."""
     notif: bytes
     """Encoded envelope, or b"" for none."""
-    begin_hint: bytes | None = None
-    """XFER_BEGIN envelope to send first (large transfers)."""
-    end_hint: bytes | None = None
-    """XFER_END envelope to send when it ends."""
+    hints: tuple[bytes, bytes] | None = None
+    """Large transfers: the XFER_BEGIN envelope to send first and the XFER_END one to
+    send when the transfer ends."""
 
 
 class XferTable:
@@ -153,7 +152,7 @@ class XferTable:
     def _post(self, job: Job) -> None:
         """Create and post; caller holds the post lock. Raises if NIXL refuses."""
         h = job.handle
-        before = (job.agent_name, job.begin_hint) if job.begin_hint is not None else None
+        before = (job.agent_name, job.hints[0]) if job.hints is not None else None
         t0 = time.perf_counter()
         op = "WRITE" if h.op is TransferOp.WRITE else "READ"
         xfer, status = self._agent.post(
@@ -195,8 +194,8 @@ class XferTable:
         if not self._agent.try_release(xfer, f"xid={job.handle.xid} release"):
             with self._lock:
                 self._unreleased.append((job.handle.xid, xfer))
-        if job.end_hint is not None:
-            self._agent.try_send_notif(job.agent_name, job.end_hint)
+        if job.hints is not None:
+            self._agent.try_send_notif(job.agent_name, job.hints[1])
 
 
 __all__ = ["Job", "XferTable"]

@@ -17,13 +17,14 @@ after the data landed, through `Transport.poll_notifs`.
 
 Lifecycle of a transfer (``xid`` chosen by the caller)::
 
-    write()/read() ──► PENDING ──► DONE
-                          │
-                          └──────► FAILED (reason: peer error, deadline, disconnect)
+    transfer() ──► PENDING ──► DONE
+                      │
+                      └──────► FAILED (reason: peer error, deadline, disconnect)
 
-Every transfer has a deadline. ``write``/``read`` never raise for transport
-failures: they return a handle, possibly already FAILED. They raise
-``ValueError`` only for caller bugs (block ids out of range, length mismatch).
+Every transfer has a deadline. ``transfer`` never raises for transport
+failures: it returns a handle, possibly already FAILED. It raises
+``ValueError`` only for caller bugs (block ids out of range, length mismatch,
+a notification on a READ).
 """
 
 from __future__ import annotations
@@ -160,7 +161,7 @@ class TransferHandle:
         self.created_at = time.monotonic()
         self.expires_at = self.created_at + deadline_s
         self.post_time_s = 0.0
-        """Seconds the caller's write()/read() took (the caller's cost)."""
+        """Seconds the caller's transfer() took (the caller's cost)."""
         self.backend_post_s: float | None = None
         """Seconds the backend's post took (NIXL make + post; over shared memory
         it includes the copy), or None if it was never posted."""

@@ -38,6 +38,49 @@ def reference(cluster: LocalCluster) -> str:
     return start_reference(cluster)
 
 
+@dataclass
+class Deployment:
+    """A prefill and a decode instance, a colocated reference, and a router per mode."""
+
+    prefill: str
+    decode: str
+    reference: str
+    routers: dict[str, str]
+    """Router URL by ``--mode`` (push, pull)."""
+
+    @property
+    def instances(self) -> list[str]:
+        return [self.prefill, self.decode, self.reference]
+
+
+def start_router(cluster: LocalCluster, name: str, mode: str, prefill: str, decode: str) -> Process:
+    """A router (``tiny``'s tokenizer) in `mode` over one prefill and one decode instance."""
+    args = ["router", "--mode", mode, "--model", "tiny", "--prefill", prefill, "--decode", decode]
+    return cluster.start(name, args, free_port())
+
+
+def start_deployment(
+    cluster: LocalCluster,
+    serve: list[str],
+    *,
+    modes: tuple[str, ...] = (),
+    prefill_flags: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+) -> Deployment:
+    """Start P (``serve`` flags and `prefill_flags`), D and a colocated reference in
+    parallel, then one router per mode over P and D. P and D get `env` (e.g. a cluster
+    secret); the reference does not. Waits until every process of `cluster` is healthy."""
+    p = cluster.start("prefill", [*serve, "--role", "prefill", *prefill_flags], free_port(), env=env)
+    d = cluster.start("decode", [*serve, "--role", "decode"], free_port(), env=env)
+    ref = cluster.start("reference", [*serve, "--role", "both"], free_port())
+    cluster.wait_healthy(timeout_s=180)
+    routers = {}
+    for mode in modes:
+        routers[mode] = start_router(cluster, f"router-{mode}", mode, p.url, d.url).url
+    cluster.wait_healthy(timeout_s=60)
+    return Deployment(p.url, d.url, ref.url, routers)
+
+
 def wait_until(cond: Callable[[], bool], timeout_s: float = 20.0, what: str = "condition") -> None:
     """Poll `cond` until it holds; fail with `what` after the deadline."""
     deadline = time.monotonic() + timeout_s

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -11,7 +10,10 @@ import pytest
 
 from kvduplex.server.cluster import LocalCluster
 from kvduplex.server.cluster import free_port
+from tests.integration.conftest import Deployment
 from tests.integration.conftest import assert_pool_clean
+from tests.integration.conftest import start_deployment
+from tests.integration.conftest import start_router
 from tests.integration.conftest import stream
 from tests.skips import skip_module_without_nixl
 
@@ -22,27 +24,9 @@ skip_module_without_nixl()
 _SERVE = ["serve", "--model", "tiny", "--num-blocks", "128", "--block-size", "8", "--log-level", "warning"]
 
 
-@dataclass
-class Deployment:
-    prefill: str
-    decode: str
-    reference: str
-    router: str
-
-
 @pytest.fixture(scope="module")
 def dep(cluster: LocalCluster) -> Deployment:
-    p = cluster.start("prefill", [*_SERVE, "--role", "prefill"], free_port())
-    d = cluster.start("decode", [*_SERVE, "--role", "decode"], free_port())
-    ref = cluster.start("reference", [*_SERVE, "--role", "both"], free_port())
-    cluster.wait_healthy(timeout_s=180)
-    r = cluster.start(
-        "router",
-        ["router", "--mode", "pull", "--model", "tiny", "--prefill", p.url, "--decode", d.url],
-        free_port(),
-    )
-    cluster.wait_healthy(timeout_s=60)
-    return Deployment(p.url, d.url, ref.url, r.url)
+    return start_deployment(cluster, _SERVE, modes=("pull",))
 
 
 def _complete(url: str, prompt: str, max_tokens: int = 10) -> list[int]:
@@ -97,7 +81,7 @@ def test_router_matches_colocated_concurrently(dep: Deployment) -> None:
     before = _pulled_blocks(dep.decode)
     failed = httpx.get(dep.decode + "/internal/kv/pull/stats", timeout=10).json()["num_failed"]
     with ThreadPoolExecutor(4) as pool:
-        routed = list(pool.map(lambda p: _complete(dep.router, p), PROMPTS))
+        routed = list(pool.map(lambda p: _complete(dep.routers["pull"], p), PROMPTS))
     expected = [_complete(dep.reference, p) for p in PROMPTS]
     assert routed == expected
     assert _pulled_blocks(dep.decode) > before
@@ -109,15 +93,15 @@ def test_streaming_completion_and_chat(dep: Deployment) -> None:
         "model": "tiny", "prompt": PROMPTS[3] + " streamed", "max_tokens": 8,
         "temperature": 0.0, "ignore_eos": True, "return_token_ids": True,
     }  # fmt: skip
-    assert _stream(dep.router, "/v1/completions", body) == _stream(dep.reference, "/v1/completions", body)
+    assert _stream(dep.routers["pull"], "/v1/completions", body) == _stream(dep.reference, "/v1/completions", body)
     chat = {
         "model": "tiny", "messages": [{"role": "user", "content": "hello over the pull path"}],
         "max_tokens": 6, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True,
     }  # fmt: skip
-    assert _stream(dep.router, "/v1/chat/completions", chat) == _stream(
+    assert _stream(dep.routers["pull"], "/v1/chat/completions", chat) == _stream(
         dep.reference, "/v1/chat/completions", chat
     )
-    full = httpx.post(dep.router + "/v1/chat/completions", json=chat, timeout=120).json()
+    full = httpx.post(dep.routers["pull"] + "/v1/chat/completions", json=chat, timeout=120).json()
     assert full["choices"][0]["token_ids"] == _stream(dep.reference, "/v1/chat/completions", chat)
 
 
@@ -128,17 +112,13 @@ def test_release_unknown_xid_is_404(dep: Deployment) -> None:
 
 
 def test_models_and_health(dep: Deployment) -> None:
-    assert httpx.get(dep.router + "/health").status_code == 200
-    assert [m["id"] for m in httpx.get(dep.router + "/v1/models").json()["data"]] == ["tiny"]
+    assert httpx.get(dep.routers["pull"] + "/health").status_code == 200
+    assert [m["id"] for m in httpx.get(dep.routers["pull"] + "/v1/models").json()["data"]] == ["tiny"]
 
 
 def test_prefill_down_decode_computes_alone(cluster: LocalCluster, dep: Deployment) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
-    r = cluster.start(
-        "router-dead-prefill",
-        ["router", "--mode", "pull", "--model", "tiny", "--prefill", dead, "--decode", dep.decode],
-        free_port(),
-    )
+    r = start_router(cluster, "router-dead-prefill", "pull", dead, dep.decode)
     cluster.wait_healthy(timeout_s=60)
     before = _pulled_blocks(dep.decode)
     assert _complete(r.url, PROMPTS[1] + " alone") == _complete(dep.reference, PROMPTS[1] + " alone")
@@ -211,7 +191,7 @@ def test_expired_lease_is_not_read(dep: Deployment) -> None:
 def test_pools_clean_and_transfers_happened(dep: Deployment) -> None:
     before = _pulled_blocks(dep.decode)
     prompt = PROMPTS[3] + " and the pools stay clean"
-    assert _complete(dep.router, prompt) == _complete(dep.reference, prompt)
+    assert _complete(dep.routers["pull"], prompt) == _complete(dep.reference, prompt)
     assert _pulled_blocks(dep.decode) > before
     assert_pool_clean(dep.prefill)
     assert_pool_clean(dep.decode)

@@ -12,7 +12,6 @@ import os
 import signal
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import httpx
 import pytest
@@ -20,9 +19,12 @@ import pytest
 from kvduplex.server.cluster import LocalCluster
 from kvduplex.server.cluster import Process
 from kvduplex.server.cluster import free_port
+from tests.integration.conftest import Deployment
 from tests.integration.conftest import assert_pool_clean
 from tests.integration.conftest import kv_stats
 from tests.integration.conftest import metric
+from tests.integration.conftest import start_deployment
+from tests.integration.conftest import start_router
 from tests.integration.conftest import stream
 from tests.integration.conftest import wait_until
 from tests.skips import skip_module_without_nixl
@@ -45,35 +47,12 @@ _SERVE = [
 MODES = ["push", "pull"]
 
 
-@dataclass
-class Deployment:
-    prefill: str
-    decode: str
-    reference: str
-    routers: dict[str, str]
-
-    @property
-    def instances(self) -> list[str]:
-        return [self.prefill, self.decode, self.reference]
-
-
-def _router(cluster: LocalCluster, name: str, mode: str, p: str, d: str) -> Process:
-    args = ["router", "--mode", mode, "--model", "tiny", "--prefill", p, "--decode", d]
-    return cluster.start(name, args, free_port())
-
-
 @pytest.fixture(scope="module")
 def dep(cluster: LocalCluster) -> Deployment:
     # P's budget of 24 tokens per step makes every prompt over 24 tokens a chunked prefill.
-    p = cluster.start(
-        "prefill", [*_SERVE, "--role", "prefill", "--max-num-batched-tokens", "24"], free_port()
+    return start_deployment(
+        cluster, _SERVE, modes=tuple(MODES), prefill_flags=("--max-num-batched-tokens", "24")
     )
-    d = cluster.start("decode", [*_SERVE, "--role", "decode"], free_port())
-    ref = cluster.start("reference", [*_SERVE, "--role", "both"], free_port())
-    cluster.wait_healthy(timeout_s=180)
-    routers = {m: _router(cluster, f"router-{m}", m, p.url, d.url).url for m in MODES}
-    cluster.wait_healthy(timeout_s=60)
-    return Deployment(p.url, d.url, ref.url, routers)
 
 
 @pytest.fixture(autouse=True)
@@ -287,7 +266,7 @@ def test_registration_after_prefill_finished_through_the_router(
         "decode-one-seat", [*_SERVE, "--role", "decode", "--max-num-seqs", "1"], free_port()
     )
     cluster.wait_healthy(timeout_s=120)
-    r = _router(cluster, "router-one-seat", "push", dep.prefill, d.url)
+    r = start_router(cluster, "router-one-seat", "push", dep.prefill, d.url)
     cluster.wait_healthy(timeout_s=60)
     try:
         late_before = _push_stats(dep.prefill)["num_late_registrations"]
@@ -328,7 +307,7 @@ def test_prefill_queue_longer_than_the_wait_does_not_fall_back(
     procs = [p, d]
     try:
         cluster.wait_healthy(timeout_s=180)
-        r = _router(cluster, "router-slow", "push", p.url, d.url)
+        r = start_router(cluster, "router-slow", "push", p.url, d.url)
         procs.append(r)
         cluster.wait_healthy(timeout_s=60)
         bodies = [_body(_ids(300, salt=400 + i), max_tokens=3) for i in range(6)]
@@ -359,7 +338,7 @@ def stalled(cluster: LocalCluster, dep: Deployment) -> Iterator[tuple[Process, P
         free_port(),
     )
     cluster.wait_healthy(timeout_s=180)
-    r = _router(cluster, "router-stall", "push", p.url, d.url)
+    r = start_router(cluster, "router-stall", "push", p.url, d.url)
     cluster.wait_healthy(timeout_s=60)
     yield p, d, r.url
     os.killpg(p.popen.pid, signal.SIGCONT)

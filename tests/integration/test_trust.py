@@ -15,7 +15,6 @@ import base64
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -30,8 +29,10 @@ from kvduplex.server.cluster import free_port
 from kvduplex.transport.messages import MessageCodec
 from kvduplex.transport.trust import SECRET_HEADER
 from kvduplex.transport.trust import secret_headers
+from tests.integration.conftest import Deployment
 from tests.integration.conftest import assert_pool_clean
 from tests.integration.conftest import kv_stats
+from tests.integration.conftest import start_deployment
 from tests.integration.conftest import wait_until
 from tests.skips import skip_module_without_nixl
 from tests.transfer.peer_procs import PeerLauncher
@@ -48,29 +49,23 @@ _SERVE = ["serve", "--model", "tiny", "--num-blocks", "96", "--block-size", str(
 _SERVE += ["--log-level", "warning", "--kv-wait-timeout-s", "3"]
 
 
-@dataclass
-class Secured:
-    prefill: str
-    decode: str
-    stranger: str
-    """A decode instance of another cluster (another secret)."""
-    reference: str
+@pytest.fixture(scope="module")
+def sec(cluster: LocalCluster) -> Deployment:
+    """P and D of one cluster (no routers)."""
+    return start_deployment(cluster, _SERVE, env={"KVDUPLEX_CLUSTER_SECRET": SECRET})
 
 
 @pytest.fixture(scope="module")
-def sec(cluster: LocalCluster) -> Secured:
-    env = {"KVDUPLEX_CLUSTER_SECRET": SECRET}
-    p = cluster.start("prefill-secret", [*_SERVE, "--role", "prefill"], free_port(), env=env)
-    d = cluster.start("decode-secret", [*_SERVE, "--role", "decode"], free_port(), env=env)
+def stranger(cluster: LocalCluster) -> str:
+    """A decode instance of another cluster (another secret)."""
     other = {"KVDUPLEX_CLUSTER_SECRET": OTHER_SECRET}
-    s = cluster.start("decode-stranger", [*_SERVE, "--role", "decode"], free_port(), env=other)
-    ref = cluster.start("reference", [*_SERVE, "--role", "both"], free_port())
+    proc = cluster.start("decode-stranger", [*_SERVE, "--role", "decode"], free_port(), env=other)
     cluster.wait_healthy(timeout_s=180)
-    return Secured(p.url, d.url, s.url, ref.url)
+    return proc.url
 
 
 @pytest.fixture(autouse=True)
-def clean_pools(sec: Secured) -> Iterator[None]:
+def clean_pools(sec: Deployment) -> Iterator[None]:
     yield
     for url in (sec.prefill, sec.decode):
         assert_pool_clean(url, SECRET)
@@ -88,7 +83,7 @@ def _ids(n: int, salt: int) -> list[int]:
     return [(salt * 131 + i * 7) % 250 + 1 for i in range(n)]
 
 
-def _reference(sec: Secured, body: dict) -> list[int]:
+def _reference(sec: Deployment, body: dict) -> list[int]:
     resp = httpx.post(sec.reference + "/v1/completions", json=body, timeout=60)
     assert resp.status_code == 200, resp.text
     return list(resp.json()["choices"][0]["token_ids"])
@@ -125,7 +120,7 @@ _D_ROUTES = [
 ]  # fmt: skip
 
 
-def test_every_internal_route_needs_the_secret(sec: Secured) -> None:
+def test_every_internal_route_needs_the_secret(sec: Deployment) -> None:
     for url, routes in ((sec.prefill, _P_ROUTES), (sec.decode, _D_ROUTES)):
         for method, path in routes:
             for headers in ({}, {SECRET_HEADER: OTHER_SECRET}, {SECRET_HEADER: SECRET[:-1]}):
@@ -149,7 +144,7 @@ def test_every_internal_route_needs_the_secret(sec: Secured) -> None:
 
 
 def _push(
-    sec: Secured, xid: str, body: dict, decode: str | None = None
+    sec: Deployment, xid: str, body: dict, decode: str | None = None
 ) -> tuple[httpx.Response, httpx.Response]:
     """P's and D's answers to one push, both sent at once as the router sends them."""
     decode = decode or sec.decode
@@ -168,7 +163,7 @@ def _push(
         return p.result(), d.result()
 
 
-def test_push_and_pull_between_members_match_colocated(sec: Secured) -> None:
+def test_push_and_pull_between_members_match_colocated(sec: Deployment) -> None:
     def stats() -> dict:
         return _get(sec.decode, "/internal/kv/push/stats")
 
@@ -201,14 +196,14 @@ def test_push_and_pull_between_members_match_colocated(sec: Secured) -> None:
     assert_pool_clean(sec.prefill, SECRET, timeout_s=15)
 
 
-def test_an_instance_of_another_cluster_cannot_connect(sec: Secured) -> None:
-    p_ans, d_ans = _push(sec, "trust-stranger-1", _body(_ids(20, salt=3)), decode=sec.stranger)
+def test_an_instance_of_another_cluster_cannot_connect(sec: Deployment, stranger: str) -> None:
+    p_ans, d_ans = _push(sec, "trust-stranger-1", _body(_ids(20, salt=3)), decode=stranger)
     # P cannot fetch the stranger's handshake, the stranger cannot present P's secret.
     assert p_ans.status_code == 502 and "cluster secret" in p_ans.json()["error"]["message"]
     _assert_401(d_ans)
 
 
-def test_internal_routes_refuse_oversize_bodies(sec: Secured) -> None:
+def test_internal_routes_refuse_oversize_bodies(sec: Deployment) -> None:
     big = b'{"xid": "' + b"x" * (17 << 20) + b'"}'
     for headers in (AUTH, {}):  # the secret is checked first: a stranger's body is never read
         resp = httpx.post(sec.prefill + "/internal/push/prefill", content=big, headers={
@@ -217,7 +212,7 @@ def test_internal_routes_refuse_oversize_bodies(sec: Secured) -> None:
     assert resp.json()["error"]["code"] == "invalid_cluster_secret"
 
 
-def test_internal_routes_refuse_bad_and_foreign_ids(sec: Secured) -> None:
+def test_internal_routes_refuse_bad_and_foreign_ids(sec: Deployment) -> None:
     post = _post
     prompt = _ids(24, salt=4)
     # Malformed: an xid too long or empty, a token outside the vocabulary, bad sampling.
@@ -275,7 +270,7 @@ def test_internal_routes_refuse_bad_and_foreign_ids(sec: Secured) -> None:
     assert post(sec.prefill, "/internal/release", {"xid": "lease-a"}).status_code == 200
 
 
-def test_two_decode_requests_cannot_wait_on_one_xid(sec: Secured) -> None:
+def test_two_decode_requests_cannot_wait_on_one_xid(sec: Deployment) -> None:
     """The first waits for a push that never comes (D's 3 s deadline, then it computes the
     prompt); the second, under the same xid meanwhile, is refused with 409."""
     body = _body(
@@ -297,7 +292,7 @@ def test_two_decode_requests_cannot_wait_on_one_xid(sec: Secured) -> None:
         )
 
 
-def test_offer_from_an_agent_that_never_handshook_is_refused(sec: Secured, tmp_path: Path) -> None:
+def test_offer_from_an_agent_that_never_handshook_is_refused(sec: Deployment, tmp_path: Path) -> None:
     """A NIXL agent that holds P's handshake (as anyone who got past the secret would) offers
     P a well-formed turn: P never connected to it, so P refuses and caches nothing."""
     launcher = PeerLauncher(tmp_path)

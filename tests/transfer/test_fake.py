@@ -31,6 +31,7 @@ from kvduplex.transport.metrics import TransferMetrics
 from kvduplex.transport.protocol import FailureKind
 from kvduplex.transport.protocol import PeerHandle
 from kvduplex.transport.protocol import PeerUnavailableError
+from kvduplex.transport.protocol import TransferOp
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -84,7 +85,7 @@ def test_region_indices_match_the_pool_layout() -> None:
 
 def test_write_all_layers_copies_exactly_those_blocks(pair: Pair) -> None:
     before = pair.pool_d.clone()
-    h = pair.p.write(pair.to_d, "x1", [1, 2, 5], [20, 0, 9])
+    h = pair.p.transfer(TransferOp.WRITE, pair.to_d, "x1", [1, 2, 5], [20, 0, 9])
     assert h.wait(1) is TransferState.DONE
     for src, dst in ((1, 20), (2, 0), (5, 9)):
         assert torch.equal(pair.pool_d[:, :, dst], pair.pool_p[:, :, src])
@@ -98,7 +99,7 @@ def test_write_all_layers_copies_exactly_those_blocks(pair: Pair) -> None:
 
 def test_read_selected_layers_and_kinds(pair: Pair) -> None:
     pair.pool_d[:, :, 4] = 7.0
-    h = pair.p.read(pair.to_d, "r1", [3], [4], layers=[1], kinds=[KVKind.V])
+    h = pair.p.transfer(TransferOp.READ, pair.to_d, "r1", [3], [4], layers=[1], kinds=[KVKind.V])
     assert h.wait(1) is TransferState.DONE
     assert torch.all(pair.pool_p[1, 1, 3] == 7.0)
     assert not torch.any(pair.pool_p[1, 0, 3] == 7.0)  # K of layer 1 untouched
@@ -109,7 +110,7 @@ def test_read_selected_layers_and_kinds(pair: Pair) -> None:
 def test_regions_form_moves_arbitrary_regions(pair: Pair) -> None:
     local = [Region(2, KVKind.V, 3), Region(0, KVKind.K, 0)]
     remote = [Region(0, KVKind.K, 23), Region(1, KVKind.V, 1)]
-    assert pair.p.write_regions(pair.to_d, "g1", local, remote).wait(1) is TransferState.DONE
+    assert pair.p.transfer_regions(TransferOp.WRITE, pair.to_d, "g1", local, remote).wait(1) is TransferState.DONE
     assert torch.equal(pair.pool_d[0, 0, 23], pair.pool_p[2, 1, 3])
     assert torch.equal(pair.pool_d[1, 1, 1], pair.pool_p[0, 0, 0])
 
@@ -117,7 +118,7 @@ def test_regions_form_moves_arbitrary_regions(pair: Pair) -> None:
 def test_write_notification_is_delivered_once_with_its_xid(pair: Pair) -> None:
     codec = MessageCodec()
     msg = KVDone(xid="x7", num_tokens=12, first_token=42)
-    h = pair.p.write(pair.to_d, "x7", [0], [0], notif=codec.encode(msg))
+    h = pair.p.transfer(TransferOp.WRITE, pair.to_d, "x7", [0], [0], notif=codec.encode(msg))
     assert h.wait(1) is TransferState.DONE
     got = pair.d.poll_notifs(timeout=1)
     assert [(n.peer_engine_id, n.xid) for n in got] == [(pair.p.engine_id, "x7")]
@@ -137,7 +138,7 @@ def test_failed_transfer_carries_xid_and_reason(pair: Pair) -> None:
     before = pair.pool_d.clone()
     seen: list[TransferHandle] = []
     pair.p.fail_next("link down")
-    h = pair.p.write(pair.to_d, "bad1", [1], [1], notif=b"never")
+    h = pair.p.transfer(TransferOp.WRITE, pair.to_d, "bad1", [1], [1], notif=b"never")
     h.add_done_callback(seen.append)
     assert h.state is TransferState.FAILED
     assert seen == [h]
@@ -149,14 +150,14 @@ def test_failed_transfer_carries_xid_and_reason(pair: Pair) -> None:
         pair.sample("kvduplex_kv_transfer_failures_total", direction="write", cause="injected") == 1
     )
     # The next transfer is unaffected, and its notification is the only one to arrive.
-    assert pair.p.write(pair.to_d, "ok1", [1], [1], notif=b"ok").wait(1) is TransferState.DONE
+    assert pair.p.transfer(TransferOp.WRITE, pair.to_d, "ok1", [1], [1], notif=b"ok").wait(1) is TransferState.DONE
     assert [(n.xid, n.payload) for n in pair.d.poll_notifs(timeout=1)] == [("ok1", b"ok")]
 
 
 def test_hung_transfer_fails_at_its_deadline(pair: Pair) -> None:
     done = threading.Event()
     pair.p.hang_next()
-    h = pair.p.read(pair.to_d, "hang1", [2], [2], deadline_s=0.2)
+    h = pair.p.transfer(TransferOp.READ, pair.to_d, "hang1", [2], [2], deadline_s=0.2)
     h.add_done_callback(lambda _: done.set())
     assert h.state is TransferState.PENDING
     assert done.wait(5)
@@ -171,12 +172,12 @@ def test_hung_transfer_fails_at_its_deadline(pair: Pair) -> None:
 
 def test_peer_closing_fails_transfers_in_flight(pair: Pair) -> None:
     pair.p.hang_next()
-    h = pair.p.write(pair.to_d, "inflight", [0], [0], deadline_s=30)
+    h = pair.p.transfer(TransferOp.WRITE, pair.to_d, "inflight", [0], [0], deadline_s=30)
     pair.d.close()
     assert h.wait(1) is TransferState.FAILED
     assert h.reason == "peer closed"
     # Posting to a gone peer fails the transfer; it does not raise.
-    h2 = pair.p.write(pair.to_d, "after", [0], [0])
+    h2 = pair.p.transfer(TransferOp.WRITE, pair.to_d, "after", [0], [0])
     assert h2.state is TransferState.FAILED and h2.failure is FailureKind.PEER
     with pytest.raises(PeerUnavailableError):
         pair.p.send_notif(pair.to_d, b"x")
@@ -184,7 +185,7 @@ def test_peer_closing_fails_transfers_in_flight(pair: Pair) -> None:
 
 def test_disconnected_peer_fails_on_post(pair: Pair) -> None:
     pair.p.disconnect(pair.to_d)
-    h = pair.p.write(pair.to_d, "x", [0], [0])
+    h = pair.p.transfer(TransferOp.WRITE, pair.to_d, "x", [0], [0])
     assert h.state is TransferState.FAILED and h.failure is FailureKind.POST
     assert "not connected" in (h.reason or "")
 
@@ -201,13 +202,15 @@ def test_incompatible_layout_is_refused_clearly(pair: Pair) -> None:
 
 def test_bad_requests_raise_value_error(pair: Pair) -> None:
     with pytest.raises(ValueError, match=r"block id 16 out of range \[0, 16\)"):
-        pair.p.write(pair.to_d, "x", [16], [0])
+        pair.p.transfer(TransferOp.WRITE, pair.to_d, "x", [16], [0])
     with pytest.raises(ValueError, match="same length"):
-        pair.p.write(pair.to_d, "x", [1, 2], [0])
+        pair.p.transfer(TransferOp.WRITE, pair.to_d, "x", [1, 2], [0])
     with pytest.raises(ValueError, match="layer 3 out of range"):
-        pair.p.read(pair.to_d, "x", [1], [1], layers=[3])
+        pair.p.transfer(TransferOp.READ, pair.to_d, "x", [1], [1], layers=[3])
     with pytest.raises(ValueError, match="deadline_s"):
-        pair.p.read(pair.to_d, "x", [1], [1], deadline_s=0)
+        pair.p.transfer(TransferOp.READ, pair.to_d, "x", [1], [1], deadline_s=0)
+    with pytest.raises(ValueError, match="only a WRITE carries a notification"):
+        pair.p.transfer(TransferOp.READ, pair.to_d, "x", [1], [1], notif=b"n")
 
 
 def test_connect_is_idempotent_per_engine(pair: Pair) -> None:

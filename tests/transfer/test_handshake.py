@@ -24,6 +24,7 @@ from kvduplex.transport.handshake import fetch_handshake
 from kvduplex.transport.handshake import make_handshake_router
 from kvduplex.transport.messages import decode_handshake
 from kvduplex.transport.metrics import TransferMetrics
+from kvduplex.transport.protocol import TransferOp
 from kvduplex.transport.trust import SECRET_HEADER
 
 pytestmark = pytest.mark.timeout(30)
@@ -90,11 +91,11 @@ def test_directory_reconnects_after_restart_at_the_same_url() -> None:
     first.close()
     second = endpoint(fabric)
     sb.serve(second)
-    assert local.write(peer, "stale", [0], [0]).state is TransferState.FAILED
+    assert local.transfer(TransferOp.WRITE, peer, "stale", [0], [0]).state is TransferState.FAILED
     # Told by a message that the engine there is now `second`: re-handshake.
     new_peer = directory.get_peer(URL, engine_id=second.engine_id)
     assert new_peer.engine_id == second.engine_id
-    assert local.write(new_peer, "fresh", [0], [0]).wait(1) is TransferState.DONE
+    assert local.transfer(TransferOp.WRITE, new_peer, "fresh", [0], [0]).wait(1) is TransferState.DONE
     assert directory.refresh(URL) is new_peer  # unchanged engine: same handle
     directory.forget(URL)
     assert directory.peers() == {}
@@ -132,8 +133,8 @@ def test_directory_rechecks_a_cached_peer_after_recheck_s() -> None:
     directory.recheck_s = 0.0
     new = directory.get_peer(URL)
     assert new.engine_id == second.engine_id
-    assert local.write(old, "stale", [0], [0]).state is TransferState.FAILED
-    assert local.write(new, "fresh", [0], [0]).wait(1) is TransferState.DONE
+    assert local.transfer(TransferOp.WRITE, old, "stale", [0], [0]).state is TransferState.FAILED
+    assert local.transfer(TransferOp.WRITE, new, "fresh", [0], [0]).wait(1) is TransferState.DONE
     assert directory.get_peer(URL) is new  # same engine there: same handle
     sb.app = FastAPI()  # answers 404: a check that fails keeps the peer it has
     assert directory.get_peer(URL) is new

@@ -36,6 +36,7 @@ from kvduplex.transport.handshake import fetch_handshake
 from kvduplex.transport.messages import encode_handshake
 from kvduplex.transport.metrics import TransferMetrics
 from kvduplex.transport.nixl import NixlTransport
+from kvduplex.transport.protocol import TransferOp
 from tests.skips import skip_module_without_nixl
 from tests.transfer.peer_procs import PeerLauncher
 from tests.transfer.peer_procs import PeerProcess
@@ -139,24 +140,24 @@ def test_write_and_read_random_blocks_bytes_match(local: Local, peer: PeerProces
 
     # 1. WRITE all layers, random local -> random remote blocks.
     src, dst = pick(rng, 12, LOCAL.num_blocks), pick(rng, 12, 96)
-    assert t.write(handle, "w-all", src, dst).wait(10) is TransferState.DONE
+    assert t.transfer(TransferOp.WRITE, handle, "w-all", src, dst).wait(10) is TransferState.DONE
     assert dump(peer, dst) == regions_bytes(local.pool, LOCAL, src, None)
 
     # 2. WRITE one layer: the other layers of those remote blocks keep their bytes.
     src2 = pick(rng, 5, LOCAL.num_blocks)
     before = {layer: dump(peer, dst[:5], [layer]) for layer in (0, 2)}
-    assert t.write(handle, "w-l1", src2, dst[:5], layers=[1]).wait(10) is TransferState.DONE
+    assert t.transfer(TransferOp.WRITE, handle, "w-l1", src2, dst[:5], layers=[1]).wait(10) is TransferState.DONE
     assert dump(peer, dst[:5], [1]) == regions_bytes(local.pool, LOCAL, src2, [1])
     assert {layer: dump(peer, dst[:5], [layer]) for layer in (0, 2)} == before
 
     # 3. READ all layers of random remote blocks (the peer's own seeded data).
     remote, into = pick(rng, 10, 96), pick(rng, 10, LOCAL.num_blocks)
-    assert t.read(handle, "r-all", into, remote).wait(10) is TransferState.DONE
+    assert t.transfer(TransferOp.READ, handle, "r-all", into, remote).wait(10) is TransferState.DONE
     assert regions_bytes(local.pool, LOCAL, into, None) == dump(peer, remote)
 
     # 4. READ two layers, V only.
     remote, into = pick(rng, 4, 96), pick(rng, 4, LOCAL.num_blocks)
-    h = t.read(handle, "r-v", into, remote, layers=[0, 2], kinds=[KVKind.V])
+    h = t.transfer(TransferOp.READ, handle, "r-v", into, remote, layers=[0, 2], kinds=[KVKind.V])
     assert h.wait(10) is TransferState.DONE and h.num_descriptors == 8
     got = local.pool[[0, 2]][:, 1][:, into].contiguous()
     want = torch.frombuffer(bytearray(dump(peer, remote, [0, 2])), dtype=torch.float32)
@@ -178,7 +179,7 @@ def test_concurrent_writes_deliver_each_notification_once(local: Local, peer: Pe
     def post(worker: int) -> None:
         for i in range(worker, num, 4):
             msg = KVDone(xid=f"c{i}", num_tokens=i)
-            handles[i] = t.write(handle, f"c{i}", [i], [i + 32], notif=codec.encode(msg))
+            handles[i] = t.transfer(TransferOp.WRITE, handle, f"c{i}", [i], [i + 32], notif=codec.encode(msg))
 
     threads = [threading.Thread(target=post, args=(w,)) for w in range(4)]
     for th in threads:
@@ -230,10 +231,10 @@ def test_deadline_expires_when_peer_is_stopped(local_tcp: Local, fleet: Fleet) -
     p = fleet.stopped
     t = local_tcp.t
     handle = t.connect(fetch_handshake(p.url))
-    assert t.read(handle, "warm", [0], [0]).wait(10) is TransferState.DONE
+    assert t.transfer(TransferOp.READ, handle, "warm", [0], [0]).wait(10) is TransferState.DONE
 
     p.signal(signal.SIGSTOP)
-    h = t.read(handle, "stalled", [1, 2], [1, 2], deadline_s=1.0)
+    h = t.transfer(TransferOp.READ, handle, "stalled", [1, 2], [1, 2], deadline_s=1.0)
     assert h.wait(10) is TransferState.FAILED
     assert h.failure is FailureKind.DEADLINE and h.reason == "deadline exceeded after 1 s"
     assert h.duration_s is not None and h.duration_s >= 1.0  # not before its deadline
@@ -244,7 +245,7 @@ def test_deadline_expires_when_peer_is_stopped(local_tcp: Local, fleet: Fleet) -
 
     # Resumed, the same connection works again.
     p.signal(signal.SIGCONT)
-    assert t.read(handle, "resumed", [3], [3]).wait(10) is TransferState.DONE
+    assert t.transfer(TransferOp.READ, handle, "resumed", [3], [3]).wait(10) is TransferState.DONE
     assert regions_bytes(local_tcp.pool, LOCAL, [3], None) == dump(p, [3])
 
 
@@ -255,11 +256,11 @@ def test_peer_killed_mid_transfer_fails_fast_and_others_keep_working(
     doomed, survivor = fleet.doomed, fleet.survivor
     to_doomed = t.connect(fetch_handshake(doomed.url))
     to_survivor = t.connect(fetch_handshake(survivor.url))
-    assert t.read(to_doomed, "warm", [0], [0]).wait(10) is TransferState.DONE
+    assert t.transfer(TransferOp.READ, to_doomed, "warm", [0], [0]).wait(10) is TransferState.DONE
 
     returned: list[str] = []  # the owner of the blocks gets them back through the callback
     doomed.signal(signal.SIGSTOP)
-    h = t.read(to_doomed, "mid", list(range(32)), list(range(32)), deadline_s=20)
+    h = t.transfer(TransferOp.READ, to_doomed, "mid", list(range(32)), list(range(32)), deadline_s=20)
     h.add_done_callback(lambda hd: returned.append(hd.xid))
     assert h.state is TransferState.PENDING  # the target cannot answer while stopped
     doomed.kill()
@@ -269,10 +270,10 @@ def test_peer_killed_mid_transfer_fails_fast_and_others_keep_working(
     assert returned == ["mid"]
 
     # A new transfer to the dead peer fails at once instead of raising.
-    assert t.write(to_doomed, "late", [0], [0]).wait(10) is TransferState.FAILED
+    assert t.transfer(TransferOp.WRITE, to_doomed, "late", [0], [0]).wait(10) is TransferState.FAILED
     t.disconnect(to_doomed)
     # The same transport keeps serving the other peer.
-    assert t.write(to_survivor, "ok", [5, 6], [7, 8], notif=b"x").wait(10) is TransferState.DONE
+    assert t.transfer(TransferOp.WRITE, to_survivor, "ok", [5, 6], [7, 8], notif=b"x").wait(10) is TransferState.DONE
     assert dump(survivor, [7, 8]) == regions_bytes(local_tcp.pool, LOCAL, [5, 6], None)
 
 
@@ -283,17 +284,17 @@ def test_restart_on_same_port_is_detected_and_rehandshaked(
     first = fleet.restarting
     directory = PeerDirectory(t)
     old = directory.get_peer(first.url)
-    assert t.write(old, "before", [1], [1]).wait(10) is TransferState.DONE
+    assert t.transfer(TransferOp.WRITE, old, "before", [1], [1]).wait(10) is TransferState.DONE
 
     first.kill()
     second = peers.spawn(port=first.port, **PEER_FLAGS)
     assert second.engine_id != first.engine_id
     # The cached connection points at the dead engine: transfers fail, nothing hangs.
     assert directory.get_peer(first.url) is old
-    assert t.write(old, "stale", [1], [1], deadline_s=5).wait(10) is TransferState.FAILED
+    assert t.transfer(TransferOp.WRITE, old, "stale", [1], [1], deadline_s=5).wait(10) is TransferState.FAILED
     # After a failure the caller refreshes: new engine id at that URL -> re-handshake.
     new = directory.refresh(first.url)
     assert new.engine_id == second.engine_id
     assert directory.get_peer(first.url, engine_id=second.engine_id) is new
-    assert t.write(new, "after", [2, 3], [4, 5]).wait(10) is TransferState.DONE
+    assert t.transfer(TransferOp.WRITE, new, "after", [2, 3], [4, 5]).wait(10) is TransferState.DONE
     assert dump(second, [4, 5]) == regions_bytes(local.pool, LOCAL, [2, 3], None)
