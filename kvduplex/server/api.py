@@ -42,7 +42,6 @@ from kvduplex.openai.prompt import prompt_token_ids
 from kvduplex.openai.protocol import ChatCompletionRequest
 from kvduplex.openai.protocol import CompletionRequest
 from kvduplex.openai.protocol import OpenAIRequest
-from kvduplex.openai.protocol import _SamplingFields
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +56,7 @@ class Generation:
     """The engine's request; a role's `prepare` hook sets its KV options (``remote_kv``,
     ``hold_blocks_on_finish``, ``connector_meta``: e.g. where the finished turn's KV is
     returned)."""
-    body: _SamplingFields
+    body: OpenAIRequest
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -184,7 +183,7 @@ def _check_model(state: InstanceState, model: str | None) -> None:
 def _make_generation(
     state: InstanceState,
     raw: Request,
-    body: _SamplingFields,
+    body: OpenAIRequest,
     ids: list[int],
     max_tokens: int,
     prefix: str,
