@@ -67,7 +67,9 @@ class AsyncEngine:
     """Thread-safe front of one engine."""
 
     def __init__(self, engine: LLMEngine, metrics: EngineMetrics | None = None) -> None:
-        self.engine = engine
+        self.core = engine
+        """The engine this front runs: touch its state only on the engine thread (`call`);
+        its constant facts (model, limits) may be read from any thread."""
         self.metrics = metrics
         self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -120,7 +122,7 @@ class AsyncEngine:
             raise EngineDeadError("the engine is not running")
         request_id = request.request_id
         request.arrival_time = time.monotonic()  # TTFT counts from submission
-        self.engine.check_request(request.num_prompt_tokens, request.sampling_params.max_tokens)
+        self.core.check_request(request.num_prompt_tokens, request.sampling_params.max_tokens)
         loop = asyncio.get_running_loop()
         stream = _Stream(loop=loop, queue=asyncio.Queue(), arrival=request.arrival_time)
         with self._streams_lock:
@@ -170,9 +172,9 @@ class AsyncEngine:
         try:
             while not self._stop.is_set():
                 if self._drain_inbox():
-                    self._dispatch(self.engine.connector_outputs())
-                if self.engine.has_unfinished():
-                    self._dispatch(self.engine.step())
+                    self._dispatch(self.core.connector_outputs())
+                if self.core.has_unfinished():
+                    self._dispatch(self.core.step())
                     if self._only_waiting_for_remote_kv():
                         self._wake.wait(timeout=0.01)  # a transfer's completion wakes us
                         self._wake.clear()
@@ -186,7 +188,7 @@ class AsyncEngine:
 
     def _only_waiting_for_remote_kv(self) -> bool:
         """Nothing to compute until remote KV arrives (no busy stepping meanwhile)."""
-        sched = self.engine.scheduler
+        sched = self.core.scheduler
         return sched.num_running == 0 and sched.num_waiting == 0
 
     def _drain_inbox(self) -> bool:
@@ -200,12 +202,12 @@ class AsyncEngine:
             if isinstance(item, _Add):
                 self._apply_add(item)
             elif isinstance(item, _Abort):
-                self.engine.abort_request(item.request_id)
+                self.core.abort_request(item.request_id)
             else:
                 ran_call = True
                 if item.future.set_running_or_notify_cancel():
                     try:
-                        item.future.set_result(item.fn(self.engine))
+                        item.future.set_result(item.fn(self.core))
                     except BaseException as exc:
                         item.future.set_exception(exc)
 
@@ -217,7 +219,7 @@ class AsyncEngine:
         try:
             if add.on_admit is not None:
                 add.on_admit()
-            self.engine.add_request(add.request)
+            self.core.add_request(add.request)
         except ValueError as exc:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
 

@@ -77,7 +77,7 @@ class EngineHandle:
 
     def __init__(self, engine: AsyncEngine) -> None:
         self._async = engine
-        self._engine: LLMEngine = engine.engine
+        self._engine: LLMEngine = engine.core
 
     # ---- threads ----
 

@@ -128,7 +128,7 @@ def prefill_flows(
     acceptor.attach(pump)
     reader = RetainedReader(transport, handle, timing.transfer_timeout_s, metrics)
     flows = PrefillFlows(sender, receiver, acceptor, reader, PrefillConnector(sender))
-    engine.engine.connector = flows.connector
+    engine.core.connector = flows.connector
     return flows
 
 
@@ -154,7 +154,7 @@ def decode_flows(
         sender, receiver, push, pull, offerer, retainer,
         DecodeConnector(pull, push, offerer, retainer),
     )  # fmt: skip
-    engine.engine.connector = flows.connector
+    engine.core.connector = flows.connector
     return flows
 
 

@@ -77,11 +77,11 @@ class InstanceState:
 
     @property
     def tokenizer(self) -> Any:
-        return self.engine.engine.loaded.tokenizer
+        return self.engine.core.loaded.tokenizer
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.engine.max_model_len
+        return self.engine.core.max_model_len
 
     def health(self) -> dict[str, Any]:
         """/health's body while the engine is healthy."""
@@ -188,12 +188,12 @@ def _make_generation(
     max_tokens: int,
     prefix: str,
 ) -> Generation:
-    vocab = state.engine.engine.loaded.config.vocab_size
+    vocab = state.engine.core.loaded.config.vocab_size
     if any(not 0 <= t < vocab for t in ids):
         raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
     try:
         params = body.to_sampling_params(max_tokens)
-        state.engine.engine.check_request(len(ids), max_tokens)
+        state.engine.core.check_request(len(ids), max_tokens)
     except ValueError as exc:
         raise APIError(400, str(exc), param="max_tokens") from None
     rid = raw.headers.get("x-request-id") or f"{prefix}-{uuid.uuid4().hex}"
