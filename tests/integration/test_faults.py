@@ -1,11 +1,11 @@
 """Faults on real processes: P or D killed with SIGKILL, or restarted at the same
 address (a new engine id), at moments of a request's life.
 
-Requests go through ``kvduplex router --mode push`` (the duplex return, which the
-router does not drive yet, is driven directly). Each test checks that every
-request in flight either completes with the colocated instance's tokens or
-fails with an OpenAI error (or, for a stream whose own server died, a cut
-connection) within a bound; that the survivor keeps serving while the other is
+Requests go through ``kvduplex router --mode push``; the duplex return is driven
+directly, as the router drives it. Each test checks that every request in
+flight either completes with the colocated instance's tokens or fails with an
+OpenAI error (or, for a stream whose own server died, a cut connection) within
+a bound; that the survivor keeps serving while the other is
 down; that the restarted process is handshaken afresh (the next request's KV is
 pushed, not recomputed); and that every pool passes its integrity check and
 holds no request blocks. Counts per fault and moment are printed at the end.

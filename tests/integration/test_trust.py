@@ -4,9 +4,8 @@ Every internal route answers 401 without it; the flows work with it (the
 instances send it on their own handshakes and pull releases); an instance with
 another secret cannot connect; internal routes refuse oversize bodies, ids out
 of range and ids of other requests; and an offer from a NIXL agent that P never
-handshook with is refused without a trace in P's cache. The router does not
-send the secret yet, so the push and pull flows are driven here as the router
-drives them.
+handshook with is refused without a trace in P's cache. The push and pull flows
+are driven here directly, as the router drives them.
 """
 
 from __future__ import annotations

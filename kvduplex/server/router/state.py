@@ -24,7 +24,7 @@ from kvduplex.transport.trust import secret_headers
 @dataclass
 class RouterState:
     config: RouterConfig
-    """Flags; `return_mode` and `short_append_tokens` are kept here for the flows to come."""
+    """The router's flags (mode, return mode, short appends, health, limits)."""
     tokenizer: Tokenizer
     """The served model's tokenizer and chat template (see `load_tokenizer`)."""
     policy: RoutingPolicy
