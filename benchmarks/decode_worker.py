@@ -36,6 +36,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(args.src).resolve()))
+    import inspect
     import os
 
     import torch
@@ -64,9 +65,15 @@ def main() -> None:
     def prompt() -> list[int]:
         return [rng.randrange(3, vocab) for _ in range(args.context)]
 
+    # A baseline checkout from before 2026-12-04 takes the request's fields, not a Request.
+    takes_request = len(inspect.signature(engine.add_request).parameters) == 1
+
     def run(n: int, tag: str) -> dict[str, Any]:
         for i in range(n):
-            engine.add_request(Request(f"{tag}-{i}", prompt(), params))
+            if takes_request:
+                engine.add_request(Request(f"{tag}-{i}", prompt(), params))
+            else:
+                engine.add_request(f"{tag}-{i}", prompt(), params)  # type: ignore[call-arg,arg-type]
         t0 = time.perf_counter()
         itl: list[float] = []
         decode_s, decode_tokens = 0.0, 0

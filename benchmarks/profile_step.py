@@ -32,6 +32,7 @@ Writes results/profile_step[-<tag>].json and .md.
 from __future__ import annotations
 
 import argparse
+import inspect
 import random
 import statistics
 import sys
@@ -187,8 +188,14 @@ def start_batch(engine: Any, batch: int, context: int, max_tokens: int, seed: in
     rng = random.Random(seed)
     vocab = engine.loaded.config.vocab_size
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    # A checkout from before 2026-12-04 (--src) takes the request's fields, not a Request.
+    takes_request = len(inspect.signature(engine.add_request).parameters) == 1
     for i in range(batch):
-        engine.add_request(Request(f"{tag}-{i}", [rng.randrange(3, vocab) for _ in range(context)], params))
+        ids = [rng.randrange(3, vocab) for _ in range(context)]
+        if takes_request:
+            engine.add_request(Request(f"{tag}-{i}", ids, params))
+        else:
+            engine.add_request(f"{tag}-{i}", ids, params)
     while engine.scheduler.num_waiting or any(
         r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler._running
     ):
