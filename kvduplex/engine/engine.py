@@ -336,7 +336,8 @@ class LLMEngine:
             for n in batches:
                 rids = [f"__warmup__{i}" for i in range(n)]
                 for rid in rids:
-                    self.add_request(Request(rid, [1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0)))
+                    greedy = SamplingParams(max_tokens=2, temperature=0.0)
+                    self.add_request(Request(rid, [1, 2, 3], greedy))
                 while self.scheduler.has_unfinished() and any(
                     self.scheduler.get_request(rid) is not None for rid in rids
                 ):

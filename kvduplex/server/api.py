@@ -277,7 +277,8 @@ def _final_body(
     state: InstanceState, gen: Generation, text: str, ids: list[int], last: RequestOutput, chat: bool
 ) -> dict[str, Any]:
     body = render.completion_body(
-        _head(state, gen, chat), text, ids, last.finish_reason, _usage(last), gen.request.prompt_token_ids
+        _head(state, gen, chat), text, ids, last.finish_reason, _usage(last),
+        gen.request.prompt_token_ids,
     )
     body.update(gen.extra)
     return body

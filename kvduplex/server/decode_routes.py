@@ -138,7 +138,8 @@ class DecodePreparer:
             )  # fmt: skip
         try:
             if kv.mode == "push":
-                self.flows.push.register(PushSpec(kv.xid, peer, kv.prefill_url, gen.request.request_id))
+                spec = PushSpec(kv.xid, peer, kv.prefill_url, gen.request.request_id)
+                self.flows.push.register(spec)
             else:
                 lease_ends_at = None if kv.lease_s is None else arrived + kv.lease_s
                 self.flows.pull.register(

@@ -4,8 +4,9 @@
 flows program against (see `kvduplex.transport.protocol` for the transfer
 lifecycle and the types). It implements what does not depend on the backend:
 
-* the request side: ``transfer`` (blocks) and ``transfer_regions`` validate, turn blocks or regions into index arrays
-  (`kvduplex.transport.regions`) and hand them to the backend's ``_post``;
+* the request side: ``transfer`` (blocks) and ``transfer_regions`` validate,
+  turn blocks or regions into index arrays (`kvduplex.transport.regions`) and
+  hand them to the backend's ``_post``;
 * completion: ``_complete`` finishes a handle once, with metrics and a
   lifecycle log line;
 * the queue of received notifications (``_queue_notifs``, ``poll_notifs``);
