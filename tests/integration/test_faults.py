@@ -129,7 +129,8 @@ def test_kill_while_requests_are_queued_prefilled_and_decoded(
     decoding = Victim(rig.url, body(prompt_ids(24, next(salts)), 1200, stream=True)).start()
     poll(lambda: len(decoding.tokens) >= 3, "a request decoding on D")
     written = write_bytes(rig.p.url)
-    prefilling = Victim(rig.url, body(prompt_ids(1600, next(salts)), 4)).start()
+    # 3,200 tokens at P's 4 a step: a prefill long enough (~800 steps) for the polls below.
+    prefilling = Victim(rig.url, body(prompt_ids(3200, next(salts)), 4)).start()
     poll(lambda: kv_stats(rig.p.url)["num_running"] == 1, "a long prefill on P")
     queued = Victim(rig.url, body(prompt_ids(400, next(salts)), 4)).start()
     poll(lambda: kv_stats(rig.p.url)["num_waiting"] == 1, "a request queued on P")
