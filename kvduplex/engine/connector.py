@@ -97,6 +97,11 @@ class EngineHandle:
         return self._engine.kv_manager.block_size
 
     @property
+    def num_blocks(self) -> int:
+        """Blocks in the pool."""
+        return self._engine.kv_manager.pool.num_blocks
+
+    @property
     def identity(self) -> bytes:
         """Model and dtype identity that enters every block key."""
         return self._engine.kv_manager.identity

@@ -124,7 +124,10 @@ def prefill_flows(
     """Build prefill's flows on `pump` and install its connector into the engine."""
     handle = EngineHandle(engine)
     sender, receiver = _halves(transport, handle, timing, metrics, peer_of, pump, PushSender)
-    acceptor = ReturnAcceptor(receiver, handle, peer_of, metrics)
+    # One offer may take at most a quarter of the pool (it may evict cached blocks).
+    acceptor = ReturnAcceptor(
+        receiver, handle, peer_of, metrics, max_blocks_per_offer=max(1, handle.num_blocks // 4)
+    )
     acceptor.attach(pump)
     reader = RetainedReader(transport, handle, timing.transfer_timeout_s, metrics)
     flows = PrefillFlows(sender, receiver, acceptor, reader, PrefillConnector(sender))
@@ -148,7 +151,7 @@ def decode_flows(
     pull = PullConnector(transport, handle, timing.wait_s, release=release, metrics=metrics)
     offerer = ReturnOfferer(sender, handle, metrics)
     offerer.attach(pump)
-    retainer = TurnRetainer(handle, timing.retain_lease_s)
+    retainer = TurnRetainer(handle, timing.retain_lease_s, pin_s=2 * timing.transfer_timeout_s)
     retainer.attach(pump)
     flows = DecodeFlows(
         sender, receiver, push, pull, offerer, retainer,

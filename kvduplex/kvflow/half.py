@@ -21,6 +21,7 @@ from kvduplex.transport.messages import MessageCodec
 from kvduplex.transport.notify import Handler
 from kvduplex.transport.notify import NotificationPump
 from kvduplex.transport.protocol import PeerHandle
+from kvduplex.transport.protocol import TransferHandle
 
 logger = logging.getLogger(__name__)
 
@@ -61,4 +62,16 @@ class FlowHalf:
             )
 
 
-__all__ = ["FlowHalf"]
+def release_when_settled(
+    engine: EngineHandle, handle: TransferHandle, block_ids: list[int]
+) -> None:
+    """Drop our references on ``block_ids`` (a transfer's source or target) on the engine
+    thread once nothing of ``handle`` can land any more, not merely once it failed."""
+
+    def release(_: TransferHandle) -> None:
+        engine.call(lambda: engine.release_blocks(block_ids))
+
+    handle.add_settled_callback(release)
+
+
+__all__ = ["FlowHalf", "release_when_settled"]

@@ -27,6 +27,7 @@ import httpx
 from kvduplex.engine.connector import EngineHandle
 from kvduplex.engine.kv_cache import num_blocks_for_tokens
 from kvduplex.engine.request import Request
+from kvduplex.kvflow.half import release_when_settled
 from kvduplex.kvflow.metrics import KVFlowMetrics
 from kvduplex.transport.base import Transport
 from kvduplex.transport.protocol import PeerHandle
@@ -162,16 +163,24 @@ class PullConnector:
             ok = h.state is TransferState.DONE
             if not ok:
                 logger.warning("request %s: READ %s failed: %s", rid, h.xid, h.reason)
-            self.engine.call(lambda: self._on_read_done(rid, spec, ok, local))
+            late = h.may_still_land
+            self.engine.call(lambda: self._on_read_done(rid, spec, ok, len(local), late))
+            # Our reference on the target blocks goes only once nothing can land in them.
+            release_when_settled(self.engine, h, local)
 
         handle.add_done_callback(done)
 
-    def _on_read_done(self, rid: str, spec: PullSpec, ok: bool, local: list[int]) -> None:
+    def _on_read_done(
+        self, rid: str, spec: PullSpec, ok: bool, num_read: int, may_still_land: bool
+    ) -> None:
         self._in_flight.pop(rid, None)
-        self.engine.release_blocks(local)
-        self._finish(rid, spec, ok=ok, num_read=len(local))
+        self._finish(rid, spec, ok=ok, num_read=num_read, discard_blocks=may_still_land)
 
-    def _finish(self, rid: str, spec: PullSpec, *, ok: bool, num_read: int) -> None:
+    def _finish(
+        self, rid: str, spec: PullSpec, *, ok: bool, num_read: int, discard_blocks: bool = False
+    ) -> None:
+        """Resume the request with the KV read, or compute its prompt here (into fresh
+        blocks when the READ may still land in the ones it has)."""
         try:
             if ok:
                 req = self.engine.get_request(rid)
@@ -187,7 +196,7 @@ class PullConnector:
                 self.stats.num_failed += 1
                 if self.metrics is not None:
                     self.metrics.fallbacks.labels("pull_failed").inc()
-                self.engine.compute_locally(rid, discard_blocks=False)
+                self.engine.compute_locally(rid, discard_blocks=discard_blocks)
         except KeyError:  # aborted meanwhile
             logger.info("request %s: gone before its KV arrived", rid)
         self._pool.submit(self._release, spec.prefill_url, spec.xid)

@@ -10,7 +10,10 @@ through its callbacks, on the engine thread::
          ◄── KVFailed ─► release our references, on_failed(reason, discard=False)
     no word for wait_s ──► KVCancel to the sender, on_failed(reason, discard=True),
                            our references kept (quarantine) until the sender
-                           confirms (KVDone/KVFailed) or quarantine_s passed
+                           confirms (KVDone/KVFailed: it sends them only once
+                           none of its WRITEs can land), or quarantine_s passed:
+                           then our endpoint with the sender is torn down
+                           (nothing of it can land) before the blocks are released
 
 Push uses it on decode (the blocks belong to a request waiting for its
 prompt's KV); the duplex return uses it on prefill (fresh blocks that enter
@@ -214,7 +217,13 @@ class KVReceiver(FlowHalf):
             return
         with self._lock:
             del self._waits[wait.xid]
-        logger.warning("xid=%s: no word from the sender; releasing quarantined blocks", wait.xid)
+        # The sender never confirmed that nothing can land: tear our endpoint with it
+        # down first (its WRITEs can no longer reach the pool), then reuse the blocks.
+        logger.warning(
+            "xid=%s: no word from the sender %s; tearing its endpoint down and releasing "
+            "quarantined blocks", wait.xid, wait.peer.engine_id,
+        )  # fmt: skip
+        self.transport.disconnect(wait.peer)
         self.engine.release_blocks(wait.blocks)
 
     # ---- pump thread ----

@@ -28,6 +28,7 @@ from kvduplex.engine.block_pool import compute_block_hashes
 from kvduplex.engine.connector import EngineHandle
 from kvduplex.engine.request import FinishReason
 from kvduplex.engine.request import Request
+from kvduplex.kvflow.half import release_when_settled
 from kvduplex.kvflow.metrics import KVFlowMetrics
 from kvduplex.transport.base import Transport
 from kvduplex.transport.notify import NotificationPump
@@ -48,13 +49,27 @@ class RetainSpec:
 
 
 class TurnRetainer:
-    """Decode's side: keep each session's last turn held for ``lease_s``."""
+    """Decode's side: keep each session's last turn held for ``lease_s``.
 
-    def __init__(self, engine: EngineHandle, lease_s: float) -> None:
+    Bounded: the turns held together take at most ``max_blocks`` blocks (the
+    oldest are let go first), since the sessions are named by clients. A turn
+    `describe`d for a READ is pinned (our own references on its blocks) for
+    ``pin_s``, so that its blocks cannot be reused under the READ even if the
+    session's next turn or the lease lets the turn go meanwhile.
+    """
+
+    def __init__(
+        self, engine: EngineHandle, lease_s: float, max_blocks: int | None = None,
+        pin_s: float = 10.0,
+    ) -> None:  # fmt: skip
         self.engine = engine
         self.lease_s = lease_s
+        self.max_blocks = max_blocks if max_blocks is not None else max(1, engine.num_blocks // 4)
+        self.pin_s = pin_s
         self._lock = threading.Lock()
-        self._by_session: dict[str, tuple[str, float]] = {}  # session -> (request id, expiry)
+        # session -> (request id, expiry, blocks held); oldest first
+        self._by_session: dict[str, tuple[str, float, int]] = {}
+        self._pins: list[tuple[float, list[int]]] = []  # (until, blocks) for READs under way
         self._expiring = False
 
     def attach(self, pump: NotificationPump) -> None:
@@ -68,16 +83,38 @@ class TurnRetainer:
                 continue
             if req.finish_reason is FinishReason.ABORT:
                 continue
+            session = req.connector_meta.session_id
             with self._lock:
-                previous = self._by_session.get(req.connector_meta.session_id)
-                self._by_session[req.connector_meta.session_id] = (
-                    req.request_id, time.monotonic() + self.lease_s
+                previous = self._by_session.pop(session, None)
+                self._by_session[session] = (
+                    req.request_id, time.monotonic() + self.lease_s, len(req.block_ids)
                 )
+                evicted = self._over_budget()
             if previous is not None:
                 self.engine.release_held(previous[0])
+            for rid in evicted:
+                logger.info("request %s: retained turn let go (retained turns over %d blocks)",
+                            rid, self.max_blocks)  # fmt: skip
+                self.engine.release_held(rid)
+
+    def _over_budget(self) -> list[str]:
+        """Pop the oldest retained turns until the rest fit in ``max_blocks`` (the newest
+        one always stays); caller holds the lock."""
+        total = sum(n for _, _, n in self._by_session.values())
+        gone: list[str] = []
+        while total > self.max_blocks and len(self._by_session) > 1:
+            session = next(iter(self._by_session))
+            rid, _, n = self._by_session.pop(session)
+            total -= n
+            gone.append(rid)
+        return gone
 
     def describe(self, session_id: str) -> dict[str, Any] | None:
-        """The retained turn's full blocks, their keys and tokens; None if none is held."""
+        """The retained turn's full blocks, their keys and tokens; None if none is held.
+
+        Engine thread. Pins the blocks described for ``pin_s``: a READ of them
+        cannot find them reused.
+        """
         with self._lock:
             entry = self._by_session.get(session_id)
         if entry is None:
@@ -87,6 +124,10 @@ class TurnRetainer:
             return None
         bs = self.engine.block_size
         n = min(req.num_computed_tokens // bs, len(req.block_ids), len(req.block_hashes))
+        pinned = list(req.block_ids[:n])
+        self.engine.acquire_blocks(pinned)
+        with self._lock:
+            self._pins.append((time.monotonic() + self.pin_s, pinned))
         return {
             "block_ids": list(req.block_ids[:n]),
             "keys": [bytes(k).hex() for k in req.block_hashes[:n]],
@@ -97,20 +138,32 @@ class TurnRetainer:
         now = time.monotonic()
         with self._lock:
             self._expiring = False
-            gone = [s for s, (_, until) in self._by_session.items() if now > until]
+            gone = [s for s, (_, until, _) in self._by_session.items() if now > until]
             rids = [self._by_session.pop(s)[0] for s in gone]
+            unpinned = [blocks for until, blocks in self._pins if now > until]
+            self._pins = [(u, b) for u, b in self._pins if now <= u]
         for rid in rids:
             self.engine.release_held(rid)
+        for blocks in unpinned:
+            self.engine.release_blocks(blocks)
 
     def num_retained(self) -> int:
         with self._lock:
             return len(self._by_session)
 
+    def num_pinned(self) -> int:
+        """Described turns whose blocks are still pinned for a READ."""
+        with self._lock:
+            return len(self._pins)
+
     # ---- pump thread ----
 
     def _tick(self, now: float) -> None:
         with self._lock:
-            due = not self._expiring and any(now > u for _, u in self._by_session.values())
+            due = not self._expiring and (
+                any(now > u for _, u, _ in self._by_session.values())
+                or any(now > u for u, _ in self._pins)
+            )
             if due:
                 self._expiring = True
         if due:
@@ -182,7 +235,8 @@ class RetainedReader:
                 self.metrics.return_bytes.labels("read").inc(handle.num_bytes)
         else:
             logger.warning("xid=%s: READ of retained blocks failed: %s", handle.xid, handle.reason)
-        self.engine.release_blocks(local)
+        # Failed blocks are never cached; they go back once nothing can land in them.
+        release_when_settled(self.engine, handle, local)
         done.set_result(n)
 
 

@@ -27,9 +27,13 @@ Failure rules:
   heartbeat left, so the sender never WRITEs after the receiver's deadline (a
   receiver that gave up does not answer). Before registration, the receiver's
   `KVWaiting` keeps the job. Only a healthy engine sends heartbeats.
-* `KVFailed` goes out only once none of the job's WRITEs is in flight.
-* Source blocks of each WRITE are referenced until it ends, so a preemption or
-  an abort cannot hand them to another request under an in-flight WRITE.
+* `KVFailed` goes out only once none of the job's WRITEs can land any more
+  (each transfer handle is *settled*, not just failed: a deadline ends the
+  wait, not the WRITE). A failed WRITE still unsettled ``deadline_s`` later
+  has its peer's endpoint torn down, which settles it.
+* Source blocks of each WRITE are referenced until it is settled, so a
+  preemption or an abort cannot hand them to another request under a WRITE
+  that may still be reading them.
 * A job whose registration never comes is dropped after ``registration_wait_s``.
 
 Threads: jobs are created, registered and ended on the engine thread; the
@@ -123,6 +127,10 @@ class SendJob:
     declined: bool = False
     """The receiver took nothing (a return offer it did not need or had no room for)."""
     num_bytes: int = 0
+    unsettled_since: float | None = None
+    """When a WRITE of the job first failed while its data could still land."""
+    torn_down: bool = False
+    """The peer's endpoint was torn down to settle the job's WRITEs."""
     on_end: list[Callable[[SendJob], None]] = field(default_factory=list)
     """Engine-thread callbacks once the job ended (done or failed)."""
 
@@ -368,25 +376,35 @@ class KVSender(FlowHalf):
             )  # fmt: skip
         except Exception as exc:  # a bug in the plan, or the transport closed
             logger.exception("xid=%s: WRITE failed to post", job.xid)
-            self._on_write_done(job, chunk, None, f"post failed: {exc}")
+            self._on_write_done(job, None, f"post failed: {exc}")
+            self._on_write_settled(job, chunk, None)
             return
-        handle.add_done_callback(lambda h: self._on_write_done(job, chunk, h, h.reason))
+        handle.add_done_callback(lambda h: self._on_write_done(job, h, h.reason))
+        handle.add_settled_callback(lambda h: self._on_write_settled(job, chunk, h))
 
-    def _on_write_done(
-        self, job: SendJob, chunk: Chunk, handle: TransferHandle | None, reason: str | None
+    def _on_write_done(self, job: SendJob, handle: TransferHandle | None, reason: str | None) -> None:
+        """A WRITE ended: a failure stops the job's further WRITEs at once. Its data may
+        still land, so the job counts it in flight until it is settled."""
+        if handle is not None and handle.state is TransferState.DONE:
+            return
+        with self._lock:
+            if job.error is None:
+                job.error = f"WRITE failed: {reason}"
+            if handle is not None and handle.may_still_land:
+                job.unsettled_since = job.unsettled_since or time.monotonic()
+        logger.warning("xid=%s: WRITE to %s failed: %s", job.xid, job.peer.engine_id, reason)
+
+    def _on_write_settled(
+        self, job: SendJob, chunk: Chunk, handle: TransferHandle | None
     ) -> None:
-        ok = handle is not None and handle.state is TransferState.DONE
+        """Nothing of this WRITE can land any more: drop its source references; the
+        job's last one lets it end (KVFailed only now: the receiver may reuse its blocks)."""
         with self._lock:
             job.in_flight -= 1
             job.last_done_at = time.monotonic()
-            if ok:
-                assert handle is not None
+            if handle is not None and handle.state is TransferState.DONE:
                 job.num_bytes += handle.num_bytes
                 self.stats.num_writes += 1
-            elif job.error is None:
-                job.error = f"WRITE failed: {reason}"
-        if not ok:
-            logger.warning("xid=%s: WRITE to %s failed: %s", job.xid, job.peer.engine_id, reason)
         self._chunk_part_done(job, chunk)
         self._maybe_end(job)
 
@@ -507,6 +525,13 @@ class KVSender(FlowHalf):
         healthy = self.engine.is_healthy
         with self._lock:
             jobs = list(self._jobs.values())
+            stuck = [
+                j for j in jobs
+                if j.unsettled_since is not None and not j.torn_down and j.in_flight > 0
+                and now - j.unsettled_since > self.deadline_s
+            ]  # fmt: skip
+            for j in stuck:
+                j.torn_down = True
             for j in jobs:
                 if not healthy or j.reg is None or j.ended or j.error is not None:
                     continue
@@ -522,6 +547,12 @@ class KVSender(FlowHalf):
             stale = [xid for xid, (_, _, until) in self._early.items() if now > until]
             for xid in [x for x, until in self._cancelled.items() if now > until]:
                 del self._cancelled[xid]
+        for j in stuck:
+            # NIXL has not let go of a failed WRITE: tearing the endpoint down is what
+            # guarantees that it cannot land; the next transfer to the peer reconnects.
+            logger.warning("xid=%s: a failed WRITE to %s is still unsettled after %g s; "
+                           "tearing its endpoint down", j.xid, j.peer.engine_id, self.deadline_s)
+            self.transport.disconnect(j.peer)
         for j in beats:
             self._notify.submit(self._tell, j.peer, KVAlive(j.xid, now))
         for xid in expired:

@@ -121,8 +121,11 @@ def _role_routers(
     metrics = KVFlowMetrics(state.registry)
     directory = PeerDirectory(transport, secret=secret, recheck_s=cfg.peer_recheck_s)
     pump = NotificationPump(transport, drop_types=env.test_drop_messages)
+    # Quarantine: a sender settles a failed WRITE within one transfer deadline after it
+    # failed (tearing its endpoint down if it must), and a WRITE fails at most one
+    # deadline after it was posted: two deadlines and a second cover both.
     timing = FlowTiming(
-        cfg.kv_wait_timeout_s, cfg.transfer_timeout_s, cfg.transfer_timeout_s + 1,
+        cfg.kv_wait_timeout_s, cfg.transfer_timeout_s, 2 * cfg.transfer_timeout_s + 1,
         cfg.retain_lease_s,
     )  # fmt: skip
     routers = [make_handshake_router(transport)]

@@ -160,7 +160,12 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def disconnect(self, peer: PeerHandle) -> None:
-        """Fail the peer's in-flight transfers and forget it; idempotent."""
+        """Fail the peer's in-flight transfers, tear its endpoint down and forget it;
+        idempotent. Afterwards nothing of a transfer with the peer can land."""
+
+    @abc.abstractmethod
+    def is_connected(self, engine_id: str) -> bool:
+        """Whether a peer with this engine id is connected (not disconnected since)."""
 
     # -- transfers ----------------------------------------------------------------
 
@@ -356,9 +361,15 @@ class Transport(abc.ABC):
         state: TransferState,
         reason: str | None = None,
         failure: FailureKind | None = None,
+        *,
+        may_still_land: bool = False,
     ) -> None:
-        """Finish ``handle`` once, with metrics and a lifecycle log line."""
-        if not handle.finish(state, reason, failure):
+        """Finish ``handle`` once, with metrics and a lifecycle log line.
+
+        ``may_still_land``: the transfer failed (its wait ended) but the backend
+        cannot rule out that its data still moves; it calls `_settle` once it can.
+        """
+        if not handle.finish(state, reason, failure, may_still_land=may_still_land):
             return
         if state is TransferState.DONE:
             self.metrics.on_done(handle)
@@ -369,12 +380,19 @@ class Transport(abc.ABC):
         else:
             self.metrics.on_failed(handle.op, failure or FailureKind.PEER)
             logger.warning(
-                "xid=%s %s to %s failed: %s",
+                "xid=%s %s to %s failed: %s%s",
                 handle.xid,
                 handle.op.value,
                 handle.peer_engine_id,
                 reason,
+                " (may still land until settled)" if may_still_land else "",
             )
+
+    def _settle(self, handle: TransferHandle, why: str) -> None:
+        """A transfer that failed while it could still land cannot any more."""
+        if handle.settle():
+            logger.info("xid=%s %s to %s settled: %s", handle.xid, handle.op.value,
+                        handle.peer_engine_id, why)  # fmt: skip
 
 
 __all__ = ["Transport", "check_compatible"]

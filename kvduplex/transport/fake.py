@@ -11,12 +11,15 @@ injection for tests of the flows built on top::
     peer = p.connect(d.local_metadata())
     p.fail_next("boom")          # next transfer ends FAILED, nothing copied
     p.hang_next()                # next transfer stays PENDING until its deadline
+    p.land_late_next(0.5)        # next transfer FAILs at its deadline, then lands 0.5 s later
+    p.land_late_next(None, corrupt=True); ...; p.land_late()   # ... lands (garbage) when told
 
 Closing an endpoint fails the transfers in flight to it, like a dead peer.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import uuid
@@ -80,10 +83,32 @@ class InProcessFabric:
             self._endpoints.pop(engine_id, None)
 
 
+class _FaultKind(enum.Enum):
+    FAIL = "fail"
+    """End FAILED at once; nothing copied."""
+    HANG = "hang"
+    """Stay PENDING until the deadline, then FAILED and settled (cleanly cancelled)."""
+    LATE = "late"
+    """FAILED at the deadline while it may still land; lands ``late_s`` later, then settles."""
+
+
 @dataclass
 class _Fault:
-    kind: FailureKind | None  # INJECTED: fail; None: hang
+    kind: _FaultKind
     reason: str
+    late_s: float | None = None
+    corrupt: bool = False
+
+
+@dataclass
+class _Late:
+    """A transfer that failed at its deadline and is still on its way."""
+
+    post: Post
+    target: InProcessTransport
+    corrupt: bool
+    timer: threading.Timer | None = None
+    expired: bool = False
 
 
 class InProcessTransport(Transport):
@@ -109,6 +134,7 @@ class InProcessTransport(Transport):
         self._peers: dict[str, PeerHandle] = {}
         self._faults: deque[_Fault] = deque()
         self._hung: dict[int, tuple[TransferHandle, threading.Timer]] = {}
+        self._late: dict[int, _Late] = {}
         self.num_posted = 0
         """Transfers posted so far (for tests)."""
 
@@ -117,12 +143,37 @@ class InProcessTransport(Transport):
     def fail_next(self, reason: str = "injected failure") -> None:
         """The next transfer posted here ends FAILED with ``reason``; nothing is copied."""
         with self._lock:
-            self._faults.append(_Fault(FailureKind.INJECTED, reason))
+            self._faults.append(_Fault(_FaultKind.FAIL, reason))
 
     def hang_next(self) -> None:
         """The next transfer posted here never completes: it fails at its deadline."""
         with self._lock:
-            self._faults.append(_Fault(None, "hang"))
+            self._faults.append(_Fault(_FaultKind.HANG, "hang"))
+
+    def land_late_next(self, late_s: float | None, *, corrupt: bool = False) -> None:
+        """The next transfer posted here ends FAILED at its deadline but may still land:
+        its data (and notification) arrive ``late_s`` seconds after the deadline (None:
+        when `land_late` is called), and only then is it settled; a disconnect or close
+        before that settles it without landing. ``corrupt``: what lands is garbage (as
+        stale KV from a source block reused meanwhile would be)."""
+        with self._lock:
+            self._faults.append(_Fault(_FaultKind.LATE, "late", late_s, corrupt))
+
+    def num_late(self) -> int:
+        """Transfers that failed at their deadline and have not landed or settled yet."""
+        with self._lock:
+            return sum(1 for lt in self._late.values() if lt.expired)
+
+    def land_late(self, check: Callable[[Post], None] | None = None) -> int:
+        """Land now every late transfer past its deadline; ``check(post)`` runs just
+        before each copy (a test's invariant). Returns how many landed."""
+        with self._lock:
+            due = [lt for lt in self._late.values() if lt.expired]
+        for lt in due:
+            if check is not None:
+                check(lt.post)
+            self._land_late(lt)
+        return len(due)
 
     # -- Transport -----------------------------------------------------------
 
@@ -150,10 +201,18 @@ class InProcessTransport(Transport):
                 self._peers[info.engine_id] = handle
         return handle
 
+    def is_connected(self, engine_id: str) -> bool:
+        with self._lock:
+            return engine_id in self._peers
+
     def disconnect(self, peer: PeerHandle) -> None:
         with self._lock:
             self._peers.pop(peer.engine_id, None)
         self._fail_hung(lambda h: h.peer_engine_id == peer.engine_id, "peer disconnected")
+        self._drop_late(lambda h: h.peer_engine_id == peer.engine_id, "peer endpoint torn down")
+        other = self._fabric.lookup(peer.engine_id)
+        if other is not None:  # the connection is gone for the peer's transfers to us too
+            other._drop_late(lambda h: h.peer_engine_id == self.engine_id, "endpoint torn down")
 
     def send_notif(self, peer: PeerHandle, payload: bytes, xid: str | None = None) -> None:
         target = self._target(peer)
@@ -166,46 +225,107 @@ class InProcessTransport(Transport):
     def _shutdown(self) -> None:
         self._fabric._remove(self.engine_id)
         self._fail_hung(lambda h: True, "transport closed")
+        self._drop_late(lambda h: True, "transport closed")
         # Peers' transfers in flight to us fail like transfers to a dead process.
         for other in self._fabric.endpoints():
             other._fail_hung(
                 lambda h: h.peer_engine_id == self.engine_id, "peer closed", FailureKind.PEER
             )
+            other._drop_late(lambda h: h.peer_engine_id == self.engine_id, "peer closed")
 
     # -- internals -------------------------------------------------------------
 
     def _post(self, post: Post) -> None:
-        peer, handle, local, remote = post.peer, post.handle, post.local, post.remote
+        peer, handle = post.peer, post.handle
         with self._lock:
             self._ensure_open()
             if peer.engine_id not in self._peers:
                 raise TransferError(f"peer {peer.engine_id} is not connected")
             fault = self._faults.popleft() if self._faults else None
             self.num_posted += 1
-        if fault is not None and fault.kind is FailureKind.INJECTED:
+        if fault is not None and fault.kind is _FaultKind.FAIL:
             self._complete(handle, TransferState.FAILED, fault.reason, FailureKind.INJECTED)
             return
         target = self._target(peer)
         if target is None:
             self._complete(handle, TransferState.FAILED, "peer is gone", FailureKind.PEER)
             return
-        if fault is not None:  # hang until the deadline
+        if fault is not None and fault.kind is _FaultKind.HANG:
             timer = threading.Timer(handle.deadline_s, self._expire, args=(handle,))
             timer.daemon = True
             with self._lock:
                 self._hung[id(handle)] = (handle, timer)
             timer.start()
             return
-        li = torch.from_numpy(local.astype("int64"))
-        ri = torch.from_numpy(remote.astype("int64"))
-        if handle.op is TransferOp.WRITE:
-            target._regions.index_copy_(0, ri, self._regions.index_select(0, li))
-        else:
-            self._regions.index_copy_(0, li, target._regions.index_select(0, ri))
+        if fault is not None:  # LATE
+            late = _Late(post, target, fault.corrupt)
+            late.timer = threading.Timer(
+                handle.deadline_s, self._expire_late, args=(late, fault.late_s)
+            )
+            late.timer.daemon = True
+            with self._lock:
+                self._late[id(handle)] = late
+            late.timer.start()
+            return
+        self._copy(post, target)
         self._complete(handle, TransferState.DONE)
+        self._deliver(post, target)
+
+    def _copy(self, post: Post, target: InProcessTransport, corrupt: bool = False) -> None:
+        li = torch.from_numpy(post.local.astype("int64"))
+        ri = torch.from_numpy(post.remote.astype("int64"))
+        if post.handle.op is TransferOp.WRITE:
+            data = self._regions.index_select(0, li)
+            dst, idx = target._regions, ri
+        else:
+            data = target._regions.index_select(0, ri)
+            dst, idx = self._regions, li
+        if corrupt:
+            data = torch.randn(data.shape, generator=torch.Generator().manual_seed(0)).to(data)
+        dst.index_copy_(0, idx, data)
+
+    def _deliver(self, post: Post, target: InProcessTransport) -> None:
         if post.notif is not None:
-            target._queue_notifs([Notification(self.engine_id, handle.xid, post.notif)])
+            target._queue_notifs([Notification(self.engine_id, post.handle.xid, post.notif)])
             self.metrics.on_notification("sent")
+
+    def _expire_late(self, late: _Late, late_s: float | None) -> None:
+        """A LATE transfer's deadline: it fails, and lands `late_s` from now."""
+        handle = late.post.handle
+        with self._lock:
+            if id(handle) not in self._late:
+                return  # torn down before its deadline
+            late.expired = True
+            if late_s is not None:
+                late.timer = threading.Timer(late_s, self._land_late, args=(late,))
+                late.timer.daemon = True
+                late.timer.start()
+        reason = f"deadline exceeded after {handle.deadline_s:g} s"
+        self._complete(handle, TransferState.FAILED, reason, FailureKind.DEADLINE,
+                       may_still_land=True)  # fmt: skip
+
+    def _land_late(self, late: _Late) -> None:
+        with self._lock:
+            if self._late.pop(id(late.post.handle), None) is None:
+                return
+        if not late.target._closed:
+            self._copy(late.post, late.target, late.corrupt)
+            self._deliver(late.post, late.target)
+        self._settle(late.post.handle, "landed after its deadline")
+
+    def _drop_late(self, pred: Callable[[TransferHandle], bool], why: str) -> None:
+        """The endpoint is torn down: late transfers matching ``pred`` never land."""
+        with self._lock:
+            doomed = [lt for lt in self._late.values() if pred(lt.post.handle)]
+            for lt in doomed:
+                del self._late[id(lt.post.handle)]
+        for lt in doomed:
+            if lt.timer is not None:
+                lt.timer.cancel()
+            h = lt.post.handle
+            if not h.done():
+                self._complete(h, TransferState.FAILED, why, FailureKind.DISCONNECTED)
+            self._settle(h, why)
 
     def _target(self, peer: PeerHandle) -> InProcessTransport | None:
         target = self._fabric.lookup(peer.engine_id)

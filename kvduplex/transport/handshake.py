@@ -144,6 +144,9 @@ class PeerDirectory:
         with self._lock:
             cached = self._peers.get(key)
             checked_at = self._checked_at.get(key, 0.0)
+            if cached is not None and not self.transport.is_connected(cached.engine_id):
+                del self._peers[key]  # a flow tore its endpoint down: connect afresh
+                cached = None
         if cached is not None:
             if engine_id is not None and cached.engine_id == engine_id:
                 return cached
@@ -178,6 +181,9 @@ class PeerDirectory:
         with self._lock:
             self._checked_at[key] = time.monotonic()
             cached = self._peers.get(key)
+            if cached is not None and not self.transport.is_connected(cached.engine_id):
+                del self._peers[key]
+                cached = None
             if cached is not None and cached.engine_id == info.engine_id:
                 return cached
             if cached is not None:
@@ -211,7 +217,7 @@ class PeerDirectory:
         """The connected peer with this engine id, or None."""
         with self._lock:
             for peer in self._peers.values():
-                if peer.engine_id == engine_id:
+                if peer.engine_id == engine_id and self.transport.is_connected(engine_id):
                     return peer
         return None
 

@@ -174,8 +174,9 @@ class NixlTransport(Transport):
         descs = region_descs(base, num_regions, layout.block_bytes, device_id)
         self._local_dlist = self._agent.prep_dlist("NIXL_INIT_AGENT", descs, mem_type)
         self._xfers = XferTable(
-            self._agent, self._local_dlist, self._complete, self._wake.set, inline_post_max_bytes
-        )
+            self._agent, self._local_dlist, self._complete, self._settle, self._wake.set,
+            inline_post_max_bytes,
+        )  # fmt: skip
         self._metadata = HandshakeInfo(
             engine_id=self.engine_id,
             agent_name=self._agent.name,
@@ -223,6 +224,10 @@ class NixlTransport(Transport):
         logger.info("connected to peer %s (%d regions)", info.engine_id, num_regions)
         return handle
 
+    def is_connected(self, engine_id: str) -> bool:
+        with self._lock:
+            return engine_id in self._peers
+
     def disconnect(self, peer: PeerHandle) -> None:
         with self._lock:
             p = self._peers.pop(peer.engine_id, None)
@@ -230,6 +235,8 @@ class NixlTransport(Transport):
         if p is not None:
             self._agent.try_remove_peer(p.handle.agent_name, p.dlist)
             logger.info("disconnected from peer %s (%d transfers failed)", peer.engine_id, num)
+        # The endpoint is gone: a transfer NIXL would not release cannot land any more.
+        self._xfers.settle_peer(peer.engine_id, "peer endpoint torn down")
 
     # -- transfers ----------------------------------------------------------
 
@@ -287,6 +294,7 @@ class NixlTransport(Transport):
             self._peers.clear()
         for p in peers:
             self._agent.try_remove_peer(p.handle.agent_name, p.dlist)
+        self._xfers.settle_peer(None, "transport closed")
         self._agent.try_close(self._local_dlist)
         logger.info("NIXL transport %s closed", self.engine_id)
 

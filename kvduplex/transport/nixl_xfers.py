@@ -6,11 +6,18 @@ Lifecycle of one transfer here::
        └────► queued ─► drain_posts (progress) ───┴► in flight ─► check_all:
                                                       DONE ─► release, finish DONE
                                                       ERR  ─► release, finish FAILED
-                                                      past deadline ─► release (cancel),
-                                                                       finish FAILED
+                                                      past deadline ─► finish FAILED,
+                                                        may still land: kept in flight
+                                                        ─► DONE / ERR ─► release, settle
+    fail(peer) (disconnect, close) ─► release, finish FAILED; a handle NIXL would not
+        release may still land until the caller has torn the peer down (`settle_peer`)
 
-Posting holds the post lock, so transfers are posted in submit order. A NIXL
-handle that cannot be released (still active) is kept and released later.
+A deadline ends the caller's wait, not the transfer: NIXL's release of an
+active transfer only asks UCX to cancel requests that may already be on the
+wire, so the table keeps polling it and settles it only when NIXL reports it
+finished (or the peer's endpoint is gone). Posting holds the post lock, so
+transfers are posted in submit order. A NIXL handle that cannot be released is
+kept and released later.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+from typing import Protocol
 
 from kvduplex.transport.nixl_agent import NixlAgent
 from kvduplex.transport.protocol import FailureKind
@@ -33,7 +41,21 @@ from kvduplex.transport.regions import IndexArray
 
 logger = logging.getLogger(__name__)
 
-Complete = Callable[[TransferHandle, TransferState, "str | None", "FailureKind | None"], None]
+class Complete(Protocol):
+    """`Transport._complete`."""
+
+    def __call__(
+        self,
+        handle: TransferHandle,
+        state: TransferState,
+        reason: str | None = None,
+        failure: FailureKind | None = None,
+        *,
+        may_still_land: bool = False,
+    ) -> None: ...
+
+
+Settle = Callable[[TransferHandle, str], None]
 
 
 @dataclass
@@ -65,19 +87,24 @@ class XferTable:
         agent: NixlAgent,
         local_dlist: Any,
         complete: Complete,
+        settle: Settle,
         wake: Callable[[], None],
         inline_post_max_bytes: int,
     ) -> None:
         self._agent = agent
         self._local_dlist = local_dlist
         self._complete = complete
+        self._settle = settle
         self._wake = wake
         self.inline_post_max_bytes = inline_post_max_bytes
         self._post_lock = threading.Lock()  # the queue; held while posting
         self._queue: deque[Job] = deque()
         self._lock = threading.Lock()  # in-flight table
         self._inflight: dict[int, tuple[Job, Any]] = {}
-        self._unreleased: list[tuple[str, Any]] = []
+        self._expired: set[int] = set()
+        """In flight past their deadline: finished FAILED, may still land."""
+        self._unreleased: list[tuple[TransferHandle, Any]] = []
+        """Handles NIXL refused to release: each settles once released."""
 
     @property
     def busy(self) -> bool:
@@ -130,11 +157,24 @@ class XferTable:
             taken = [v for v in self._inflight.values() if peer_id in (None, v[0].peer_id)]
             for job, _ in taken:
                 del self._inflight[id(job.handle)]
-        for job, xfer in taken:
-            self._release(job, xfer)
-        for job in queued + [j for j, _ in taken]:
+                self._expired.discard(id(job.handle))
+        for job in queued:
             self._complete(job.handle, TransferState.FAILED, reason, failure)
+        for job, xfer in taken:
+            released = self._release(job, xfer)
+            self._complete(job.handle, TransferState.FAILED, reason, failure,
+                           may_still_land=not released)  # fmt: skip
+            if released:
+                self._settle(job.handle, "released")
         return len(queued) + len(taken)
+
+    def settle_peer(self, peer_id: str | None, why: str) -> None:
+        """The peer's endpoint (None: every peer's) is torn down: nothing unreleased to it
+        can land any more. Call after `fail` for that peer and the endpoint's removal."""
+        with self._lock:
+            doomed = [h for h, _ in self._unreleased if peer_id in (None, h.peer_engine_id)]
+        for h in doomed:
+            self._settle(h, why)
 
     def retry_releases(self, final: bool = False) -> None:
         """Release handles NIXL refused to release before (log if ``final`` and still refused)."""
@@ -143,7 +183,12 @@ class XferTable:
         with self._lock:
             pending, self._unreleased = self._unreleased, []
         what = "release at close" if final else None
-        still = [(x, h) for x, h in pending if not self._agent.try_release(h, what)]
+        still = []
+        for handle, xfer in pending:
+            if self._agent.try_release(xfer, what):
+                self._settle(handle, "released")
+            else:
+                still.append((handle, xfer))
         with self._lock:
             self._unreleased.extend(still)
 
@@ -162,7 +207,7 @@ class XferTable:
         if status == "ERR":
             raise TransferError("NIXL refused to post the transfer")
         if status == "DONE":  # completed inside the call (shared memory)
-            self._release(job, xfer)
+            self._release(job, xfer)  # a DONE handle is settled whatever the release says
             self._complete(h, TransferState.DONE, None, None)
             return
         with self._lock:
@@ -175,27 +220,41 @@ class XferTable:
             status, reason = self._agent.check(xfer), "NIXL reported ERR"
         except Exception as exc:
             status, reason = "ERR", f"{type(exc).__name__}: {exc}"
-        if status == "PROC" and now < h.expires_at:
+        if status == "PROC":
+            if now >= h.expires_at and not h.done():
+                with self._lock:
+                    if id(h) not in self._inflight:
+                        return  # fail() took it
+                    self._expired.add(id(h))
+                reason = f"deadline exceeded after {h.deadline_s:g} s"
+                self._complete(h, TransferState.FAILED, reason, FailureKind.DEADLINE,
+                               may_still_land=True)  # fmt: skip
             return
         with self._lock:
             if self._inflight.pop(id(h), None) is None:
                 return  # fail() took it
-        self._release(job, xfer)
-        if status == "DONE":
+            expired = id(h) in self._expired
+            self._expired.discard(id(h))
+        released = self._release(job, xfer)
+        if expired:  # already FAILED at its deadline; now NIXL is done with it
+            if released:
+                self._settle(h, f"NIXL finished it ({status}) after its deadline")
+        elif status == "DONE":
             self._complete(h, TransferState.DONE, None, None)
-        elif status == "PROC":
-            reason = f"deadline exceeded after {h.deadline_s:g} s"
-            self._complete(h, TransferState.FAILED, reason, FailureKind.DEADLINE)
         else:
-            self._complete(h, TransferState.FAILED, f"transport error: {reason}", FailureKind.PEER)
+            self._complete(h, TransferState.FAILED, f"transport error: {reason}",
+                           FailureKind.PEER, may_still_land=not released)  # fmt: skip
 
-    def _release(self, job: Job, xfer: Any) -> None:
-        """Release (cancelling if active) the NIXL handle; keep it for retry if NIXL refuses."""
-        if not self._agent.try_release(xfer, f"xid={job.handle.xid} release"):
+    def _release(self, job: Job, xfer: Any) -> bool:
+        """Release (cancelling if active) the NIXL handle; keep it for retry if NIXL
+        refuses. Returns whether it was released."""
+        released = self._agent.try_release(xfer, f"xid={job.handle.xid} release")
+        if not released:
             with self._lock:
-                self._unreleased.append((job.handle.xid, xfer))
+                self._unreleased.append((job.handle, xfer))
         if job.hints is not None:
             self._agent.try_send_notif(job.agent_name, job.hints[1])
+        return released
 
 
 __all__ = ["Job", "XferTable"]

@@ -17,9 +17,19 @@ after the data landed, through `Transport.poll_notifs`.
 
 Lifecycle of a transfer (``xid`` chosen by the caller)::
 
-    transfer() ──► PENDING ──► DONE
+    transfer() ──► PENDING ──► DONE ───────────────────────────────► settled
                       │
                       └──────► FAILED (reason: peer error, deadline, disconnect)
+                                 │ nothing can move any more ──────► settled
+                                 └ may still land (a deadline ended the wait,
+                                   not the transfer) ── backend done with it,
+                                   or the peer's endpoint torn down ► settled
+
+*Final* (DONE or FAILED) ends the caller's wait; *settled* says that no byte
+of the transfer can reach either pool any more. Between the two, a FAILED
+transfer "may still land": its source and target blocks must stay referenced
+(never reused, recomputed into, or inserted into a prefix cache) until it is
+settled. A DONE transfer is settled when it finishes.
 
 Every transfer has a deadline. ``transfer`` never raises for transport
 failures: it returns a handle, possibly already FAILED. It raises
@@ -172,9 +182,23 @@ class TransferHandle:
         self._event = threading.Event()
         self._lock = threading.Lock()
         self._callbacks: list[DoneCallback] = []
+        self._settled = False
+        self._lands_late = False
+        self._settled_event = threading.Event()
+        self._settled_callbacks: list[DoneCallback] = []
 
     def __repr__(self) -> str:
         return f"TransferHandle(xid={self.xid!r}, op={self.op.value}, state={self._state.value})"
+
+    @property
+    def settled(self) -> bool:
+        """No byte of this transfer can move any more (see the module docstring)."""
+        return self._settled
+
+    @property
+    def may_still_land(self) -> bool:
+        """FAILED, but the backend has not ruled out that its data still arrives."""
+        return self._state is TransferState.FAILED and self._lands_late and not self._settled
 
     @property
     def state(self) -> TransferState:
@@ -218,20 +242,62 @@ class TransferHandle:
                 return
         self._run_callback(fn)
 
+    def add_settled_callback(self, fn: DoneCallback) -> None:
+        """Call ``fn(handle)`` once it is settled (at once, here, if it already is).
+
+        Runs after the done callbacks, on the settling thread; same rules as those.
+        """
+        with self._lock:
+            if not self._settled:
+                self._settled_callbacks.append(fn)
+                return
+        self._run_callback(fn)
+
+    def wait_settled(self, timeout: float | None = None) -> bool:
+        """Block until settled or ``timeout`` seconds passed; return whether it is."""
+        return self._settled_event.wait(timeout)
+
     def finish(
-        self, state: TransferState, reason: str | None = None, failure: FailureKind | None = None
+        self,
+        state: TransferState,
+        reason: str | None = None,
+        failure: FailureKind | None = None,
+        *,
+        may_still_land: bool = False,
     ) -> bool:
-        """Make the handle final. Transport-internal; returns False if it already was."""
+        """Make the handle final. Transport-internal; returns False if it already was.
+
+        A DONE handle, or a FAILED one without ``may_still_land``, is settled too;
+        otherwise the backend calls `settle` once nothing can move any more.
+        """
         assert state is not TransferState.PENDING
+        assert not (may_still_land and state is TransferState.DONE)
         with self._lock:
             if self._state is not TransferState.PENDING:
                 return False
             self.finished_at = time.monotonic()
             self._reason = reason
             self._failure = failure
+            self._lands_late = may_still_land
             self._state = state
             callbacks, self._callbacks = self._callbacks, []
         self._event.set()
+        for fn in callbacks:
+            self._run_callback(fn)
+        if not may_still_land:
+            self.settle()
+        return True
+
+    def settle(self) -> bool:
+        """Nothing of this transfer can move any more. Transport-internal; call only
+        once it is final. Returns False if it already was settled."""
+        assert self._state is not TransferState.PENDING
+        with self._lock:
+            if self._settled:
+                return False
+            self._settled = True
+            callbacks, self._settled_callbacks = self._settled_callbacks, []
+        self._settled_event.set()
         for fn in callbacks:
             self._run_callback(fn)
         return True

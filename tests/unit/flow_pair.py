@@ -69,7 +69,10 @@ def _wait_for(cond: Callable[[], bool], what: str, timeout_s: float = 10.0) -> N
 class Pair:
     """P and D engines joined by an in-process fabric; ``with Pair(tiny) as s`` closes them."""
 
-    def __init__(self, tiny: LoadedModel, wait_s: float = 5.0, p_budget: int = 256) -> None:
+    def __init__(
+        self, tiny: LoadedModel, wait_s: float = 5.0, p_budget: int = 256,
+        transfer_timeout_s: float = 5.0, quarantine_s: float = 0.5,
+    ) -> None:  # fmt: skip
         self.p, self.d = _engine(tiny, p_budget), _engine(tiny)
         self.fabric = fabric = InProcessFabric()
         self.tp: InProcessTransport = fabric.endpoint(self.p.kv_pool, self.p.layout)
@@ -78,7 +81,9 @@ class Pair:
         self.p_peer = self.td.connect(self.tp.local_metadata())  # D notifies P
         self.ap, self.ad = AsyncEngine(self.p), AsyncEngine(self.d)
         self.pumps = [NotificationPump(self.tp, 0.01), NotificationPump(self.td, 0.01)]
-        timing = FlowTiming(wait_s=wait_s, transfer_timeout_s=5.0, quarantine_s=0.5)
+        timing = FlowTiming(
+            wait_s=wait_s, transfer_timeout_s=transfer_timeout_s, quarantine_s=quarantine_s
+        )
         self.pf = prefill_flows(
             self.tp, self.ap, self.pumps[0], timing, {self.td.engine_id: self.d_peer}.get
         )

@@ -1,0 +1,138 @@
+"""Transfers that fail at their deadline but land afterwards (the fake's late
+transfers, landing garbage as stale KV from a reused block would): no block is
+reused, recomputed into, or cached while a transfer into it may still land, and
+every answer stays token-exact."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvduplex.engine.async_engine import AsyncEngine
+from kvduplex.engine.engine import LLMEngine
+from kvduplex.model.loader import LoadedModel
+from kvduplex.transport.base import Post
+from tests.unit.flow_pair import PROMPT
+from tests.unit.flow_pair import Pair
+from tests.unit.flow_pair import _reference
+from tests.unit.flow_pair import _wait_for
+from tests.unit.flow_pair import tiny as tiny  # the module-scoped model fixture
+from tests.unit.test_pull_connector import Setup as PullSetup
+
+
+def _target_blocks(post: Post, engine: LLMEngine, read: bool) -> set[int]:
+    nb = engine.layout.num_blocks
+    idx = post.local if read else post.remote
+    return {int(i) % nb for i in idx}
+
+
+def _assert_reserved(engine: AsyncEngine, blocks: set[int]) -> None:
+    """The blocks a late transfer lands in: still referenced, in no live request's
+    table beyond the one that registered them, and not in the prefix cache."""
+
+    def check(e: LLMEngine) -> list[str]:
+        problems = []
+        for b in sorted(blocks):
+            if e.block_pool.ref_count(b) < 1:
+                problems.append(f"block {b} is free")
+            if e.block_pool.key_of(b) is not None:
+                problems.append(f"block {b} is in the prefix cache")
+        return problems
+
+    assert engine.call(check).result(5) == []
+
+
+def test_a_push_write_that_lands_after_its_deadline_is_waited_for(tiny: LoadedModel) -> None:
+    """P's WRITE fails at its own deadline but may still land: P keeps its source
+    blocks and tells D nothing until it has landed; D then computes the prompt over
+    the garbage that landed, and answers right."""
+    with Pair(tiny, wait_s=30, transfer_timeout_s=0.3, quarantine_s=30) as s:
+        s.tp.land_late_next(None, corrupt=True)
+
+        async def run() -> list[int]:
+            p = asyncio.create_task(s.prefill("xl"))
+            d = asyncio.create_task(s.decode("xl"))
+            await asyncio.to_thread(_wait_for, lambda: s.tp.num_late() == 1, "the late WRITE")
+            # The WRITE failed, yet it may land: nobody may act as if it cannot.
+            assert s.push.stats.num_fallbacks == 0 and s.df.receiver.is_waiting("xl")
+            assert s.sender.num_jobs() == 1, "P keeps the job until the WRITE settles"
+            assert s.in_use(s.ap) > 0, "P keeps the WRITE's source blocks"
+            landed = s.tp.land_late(
+                lambda post: _assert_reserved(s.ad, _target_blocks(post, s.d, read=False))
+            )
+            assert landed == 1
+            await p
+            return await d
+
+        d_out = asyncio.run(run())
+        assert d_out == _reference(tiny)
+        assert s.push.stats.num_fallbacks == 1 and s.sender.stats.num_failed == 1
+        s.assert_clean()
+
+
+def test_a_write_landing_after_decode_gave_up_finds_its_blocks_quarantined(
+    tiny: LoadedModel,
+) -> None:
+    """D's wait ends first: D computes the prompt into fresh blocks and keeps the
+    registered ones until P confirms that its late WRITE can no longer land."""
+    with Pair(tiny, wait_s=0.4, transfer_timeout_s=30, quarantine_s=30) as s:
+        s.tp.land_late_next(None, corrupt=True)
+
+        async def run() -> list[int]:
+            p = asyncio.create_task(s.prefill("xq"))
+            d_out = await s.decode("xq")  # falls back at its deadline, answers
+            await asyncio.to_thread(_wait_for, lambda: s.tp.num_late() == 1, "the late WRITE")
+            assert s.df.receiver.is_waiting("xq"), "registered blocks quarantined"
+            landed = s.tp.land_late(
+                lambda post: _assert_reserved(s.ad, _target_blocks(post, s.d, read=False))
+            )
+            assert landed == 1
+            await p
+            return d_out
+
+        d_out = asyncio.run(run())
+        assert d_out == _reference(tiny)
+        assert s.push.stats.num_fallbacks == 1
+        _wait_for(lambda: not s.df.receiver.is_waiting("xq"), "P's KVFailed to end the quarantine")
+        s.assert_clean()
+
+
+def test_a_write_that_never_settles_gets_its_endpoint_torn_down(tiny: LoadedModel) -> None:
+    """NIXL never lets go of P's failed WRITE: P tears its endpoint with D down a
+    transfer deadline later, which settles it; D's quarantine ends the same way."""
+    with Pair(tiny, wait_s=0.4, transfer_timeout_s=0.3, quarantine_s=0.6) as s:
+        s.tp.land_late_next(None, corrupt=True)
+
+        async def run() -> list[int]:
+            p = asyncio.create_task(s.prefill("xt"))
+            d_out = await s.decode("xt")
+            await p
+            return d_out
+
+        assert asyncio.run(run()) == _reference(tiny)
+        _wait_for(lambda: not s.tp.is_connected(s.td.engine_id), "P to tear the endpoint down")
+        assert s.tp.num_late() == 0 and s.tp.land_late() == 0, "torn down: nothing lands"
+        _wait_for(lambda: not s.df.receiver.is_waiting("xt"), "D's quarantine to end")
+        s.assert_clean()
+
+
+def test_a_pull_read_that_lands_after_its_deadline_never_reaches_the_answer(
+    tiny: LoadedModel,
+) -> None:
+    """D's READ fails at its deadline while it may still land: D computes the prompt
+    into fresh blocks and keeps the READ's targets until it has landed."""
+    s = PullSetup(tiny, deadline_s=0.3)
+    try:
+        spec = s.prefill("xr")
+        s.conn.register(spec)
+        s.td.land_late_next(None, corrupt=True)
+        out = asyncio.run(s.decode("xr"))
+        assert out == _reference(tiny, PROMPT)
+        assert s.td.num_late() == 1
+        assert s.td.land_late(
+            lambda post: _assert_reserved(s.ad, _target_blocks(post, s.d, read=True))
+        ) == 1
+        _wait_for(lambda: s.ad.call(lambda e: e.block_pool.stats().num_in_use).result(5) == 0,
+                  "D's pool to empty")  # fmt: skip
+        s.ad.call(lambda e: e.check_integrity()).result(5)
+    finally:
+        s.ad.shutdown()
