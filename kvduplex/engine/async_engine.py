@@ -215,12 +215,14 @@ class AsyncEngine:
         with self._streams_lock:
             stream = self._streams.get(add.request.request_id)
         if stream is None:  # the client left before the request reached the engine
+            self.core.drop_unadded(add.request)
             return
         try:
             if add.on_admit is not None:
                 add.on_admit()
             self.core.add_request(add.request)
         except ValueError as exc:
+            self.core.drop_unadded(add.request)
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:

@@ -56,6 +56,12 @@ class KVConnector:
         remote KV). One added with ``hold_blocks_on_finish`` still holds its blocks: e.g.
         offer a finished turn."""
 
+    def on_aborted(self, request: Request) -> None:
+        """A request was aborted (by its client, or by a flow), whether or not it was
+        ever admitted, even if it never reached the scheduler (its client left while
+        it was queued for the engine). Its blocks are freed already, save those the
+        connector holds itself: e.g. cancel its transfers and drop its flow state."""
+
     def take_updated_requests(self) -> list[Request]:
         """Requests the connector changed outside the step (e.g. remote KV arrived
         with a first token); the engine reports their new output."""

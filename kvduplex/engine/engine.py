@@ -181,7 +181,14 @@ class LLMEngine:
             self._aborted.append(out)
         self._forget(request_id)
         self._drop_stale_tables()
+        if found and req is not None:
+            self.connector.on_aborted(req)
         return found
+
+    def drop_unadded(self, request: Request) -> None:
+        """A request that will never be added (its client left while it was queued for
+        the engine, or it was refused): its connector state goes as an abort's would."""
+        self.connector.on_aborted(request)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self.connector.has_pending_work()

@@ -50,6 +50,9 @@ class PrefillConnector(KVConnector):
     ) -> None:
         self.sender.on_step_done(out, sampled, finished)
 
+    def on_aborted(self, request: Request) -> None:
+        self.sender.on_request_aborted(request.request_id)
+
 
 class DecodeConnector(KVConnector):
     def __init__(
@@ -72,6 +75,12 @@ class DecodeConnector(KVConnector):
         self.returns.on_finished(finished)
         self.retainer.on_finished(finished)
 
+    def on_aborted(self, request: Request) -> None:
+        if request.remote_kv is not None:
+            xid = request.remote_kv.transfer_id
+            self.push.on_aborted(xid)
+            self.pull.on_aborted(xid)
+
     def take_updated_requests(self) -> list[Request]:
         return self.push.take_updated_requests()
 
@@ -89,6 +98,10 @@ class PrefillFlows:
     reader: RetainedReader
     connector: PrefillConnector
 
+    def tables(self) -> dict[str, int]:
+        """Every flow table's size (`tombstones` aside, all 0 on an idle instance)."""
+        return {**self.sender.tables(), "receive_waits": self.receiver.num_waiting()}
+
 
 @dataclass
 class DecodeFlows:
@@ -101,6 +114,19 @@ class DecodeFlows:
     offerer: ReturnOfferer
     retainer: TurnRetainer
     connector: DecodeConnector
+
+    def tables(self) -> dict[str, int]:
+        """Every flow table's size (`tombstones` aside, all 0 on an idle instance but
+        for retained turns and their pins, which ``--return-mode pull`` keeps by design)."""
+        return {
+            **self.sender.tables(),
+            "receive_waits": self.receiver.num_waiting(),
+            "push_specs": self.push.num_specs(),
+            "pull_specs": self.pull.num_specs(),
+            "pull_reads": self.pull.num_in_flight(),
+            "retained_turns": self.retainer.num_retained(),
+            "retained_pins": self.retainer.num_pinned(),
+        }
 
 
 def _halves(
@@ -149,6 +175,7 @@ def decode_flows(
     push = PushDecode(receiver, handle, metrics)
     push.attach(pump)
     pull = PullConnector(transport, handle, timing.wait_s, release=release, metrics=metrics)
+    pull.attach(pump)
     offerer = ReturnOfferer(sender, handle, metrics)
     offerer.attach(pump)
     retainer = TurnRetainer(handle, timing.retain_lease_s, pin_s=2 * timing.transfer_timeout_s)

@@ -52,6 +52,10 @@ class FlowHalf:
             pump.on(msg_type, handler)
         pump.every_tick(self._tick)
 
+    def tell(self, peer: PeerHandle, msg: ControlMessage) -> None:
+        """Send `msg` to `peer` (any thread); a peer we cannot reach is only logged."""
+        self._tell(peer, msg)
+
     def _tell(self, peer: PeerHandle, msg: ControlMessage) -> None:
         """Send `msg` to `peer`; a peer we cannot reach is only logged."""
         try:

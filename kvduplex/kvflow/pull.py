@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from dataclasses import field
+from functools import partial
 from typing import TYPE_CHECKING
 from typing import Any
 
@@ -30,6 +32,7 @@ from kvduplex.engine.request import Request
 from kvduplex.kvflow.half import release_when_settled
 from kvduplex.kvflow.metrics import KVFlowMetrics
 from kvduplex.transport.base import Transport
+from kvduplex.transport.notify import NotificationPump
 from kvduplex.transport.protocol import PeerHandle
 from kvduplex.transport.protocol import TransferHandle
 from kvduplex.transport.protocol import TransferOp
@@ -57,6 +60,9 @@ class PullSpec:
     """Monotonic time (here) after which prefill may have reused the blocks."""
     num_cached_tokens: int = 0
     """Prompt tokens prefill served from its prefix cache."""
+    request_id: str | None = None
+    """Decode's request for it: a spec whose request never reached the engine is dropped."""
+    registered_at: float = field(default_factory=time.monotonic)
 
 
 # A READ must be able to finish this long before prefill's lease ends.
@@ -108,6 +114,37 @@ class PullConnector:
 
     def has_pending_work(self) -> bool:
         return bool(self._in_flight)
+
+    def num_specs(self) -> int:
+        with self._lock:
+            return len(self._specs)
+
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def attach(self, pump: NotificationPump) -> None:
+        pump.every_tick(self._tick)
+
+    def _tick(self, now: float) -> None:
+        """Pump thread: have the engine drop specs whose request never arrived."""
+        with self._lock:
+            old = [s for s in self._specs.values() if now - s.registered_at > self.deadline_s]
+        if old:
+            self.engine.call(partial(self._drop_orphans, old))
+
+    def _drop_orphans(self, specs: list[PullSpec]) -> None:
+        for spec in specs:
+            if spec.request_id is not None and self.engine.get_request(spec.request_id) is None:
+                self.on_aborted(spec.xid)
+
+    def on_aborted(self, xid: str) -> None:
+        """Engine thread: decode's request for `xid` was aborted. One not admitted yet
+        drops its spec and releases prefill's lease at once (a READ under way finishes
+        on its own: its targets stay referenced until it settles, then the lease goes)."""
+        spec = self.forget(xid)
+        if spec is not None:
+            logger.info("xid=%s: decode request aborted before its READ", xid)
+            self._pool.submit(self._release, spec.prefill_url, spec.xid)
 
     # ---- engine thread ----
 

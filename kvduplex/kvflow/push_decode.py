@@ -23,6 +23,7 @@ from functools import partial
 from kvduplex.engine.connector import EngineHandle
 from kvduplex.engine.kv_cache import num_blocks_for_tokens
 from kvduplex.engine.request import Request
+from kvduplex.kvflow.messages import KVCancel
 from kvduplex.kvflow.messages import KVDone
 from kvduplex.kvflow.messages import KVWaiting
 from kvduplex.kvflow.metrics import KVFlowMetrics
@@ -90,6 +91,10 @@ class PushDecode:
             self._specs[spec.xid] = spec
             self._spec_waiting_at[spec.xid] = time.monotonic()
 
+    def num_specs(self) -> int:
+        with self._lock:
+            return len(self._specs)
+
     def owns(self, xid: str) -> bool:
         with self._lock:
             return xid in self._specs
@@ -133,6 +138,20 @@ class PushDecode:
             return True
         return self.receiver.cancel(xid, reason)
 
+    def on_aborted(self, xid: str) -> None:
+        """Engine thread: decode's request for `xid` was aborted. Before admission its
+        spec goes and prefill is told to stop (KVCancel); after, the wait is cancelled
+        (prefill is told the same; the registered blocks stay quarantined until it
+        confirms that nothing can land)."""
+        with self._lock:
+            spec = self._specs.pop(xid, None)
+            self._spec_waiting_at.pop(xid, None)
+        if spec is not None:
+            logger.info("xid=%s: decode request aborted before admission", xid)
+            self.receiver.tell(spec.peer, KVCancel(xid, "the decode request was aborted"))
+            return
+        self.receiver.cancel(xid, "the decode request was aborted")
+
     def _on_done(self, rid: str, num_blocks: int, msg: KVDone) -> None:
         req = self.engine.get_request(rid)
         if req is None:
@@ -153,6 +172,8 @@ class PushDecode:
             self.metrics.received_tokens.inc(msg.num_tokens - req.num_cached_tokens)
 
     def _on_failed(self, rid: str, cause: WaitFailure, reason: str) -> None:
+        if self.engine.get_request(rid) is None:
+            return  # aborted: nothing falls back
         self._fall_back(rid, cause.value, discard_blocks=cause.may_still_be_written)
 
     def _fall_back(self, rid: str, reason: str, *, discard_blocks: bool) -> None:

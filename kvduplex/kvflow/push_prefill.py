@@ -19,6 +19,7 @@ rest. Deadlines, heartbeats and failure rules are `KVSender`'s.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
@@ -29,6 +30,8 @@ from kvduplex.kvflow.sender import Chunk
 from kvduplex.kvflow.sender import KVSender
 from kvduplex.kvflow.sender import SendJob
 from kvduplex.transport.protocol import PeerHandle
+
+logger = logging.getLogger(__name__)
 
 
 class PushSender(KVSender):
@@ -56,6 +59,14 @@ class PushSender(KVSender):
             expires_at=time.monotonic() + self.registration_wait_s, needs_first_token=True,
         )  # fmt: skip
         self._add(job)
+
+    def on_request_aborted(self, xid: str) -> None:
+        """Engine thread: the prefill request `xid` was aborted (its caller left, or the
+        router cancelled it): stop its job; decode hears KVFailed once nothing can land."""
+        job = self._jobs.get(xid)
+        if job is not None and not job.ended and job.error is None:
+            logger.info("xid=%s: prefill request aborted; cancelling its push", xid)
+            self._fail(job, "the prefill request was aborted")
 
     def _register_request_job(self, job: SendJob, layer: int | None) -> None:
         """Registration after prefill began: write what is computed at once (mid-forward:

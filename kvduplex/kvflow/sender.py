@@ -129,6 +129,8 @@ class SendJob:
     num_bytes: int = 0
     unsettled_since: float | None = None
     """When a WRITE of the job first failed while its data could still land."""
+    confirm_end: bool = False
+    """The receiver cancelled: it hears how the job ended even if it never registered."""
     torn_down: bool = False
     """The peer's endpoint was torn down to settle the job's WRITEs."""
     on_end: list[Callable[[SendJob], None]] = field(default_factory=list)
@@ -243,18 +245,25 @@ class KVSender(FlowHalf):
         self._fail(job, reason, notify=False)
         return True
 
-    def cancel(self, xid: str, reason: str) -> bool:
-        """Stop writing `xid`; the receiver hears KVFailed once nothing is in flight.
+    def cancel(self, xid: str, reason: str, receiver: str | None = None) -> bool:
+        """Stop writing `xid`; the receiver hears KVFailed once nothing can land.
 
-        False if unknown; an unknown xid is remembered for a while, so that a job
-        or registration arriving after its cancellation is refused.
+        ``receiver``: the engine that asked (its KVCancel); it hears KVFailed even if
+        it never registered, so that it may reuse what it reserved at once. False if
+        unknown; an unknown xid is remembered for a while, so that a job or
+        registration arriving after its cancellation is refused.
         """
         job = self._jobs.get(xid)
         if job is None:
             with self._lock:
                 self._cancelled[xid] = time.monotonic() + 2 * self.registration_wait_s
                 self._early.pop(xid, None)
+            peer = self.peer_of(receiver) if receiver and self.peer_of is not None else None
+            if peer is not None:  # nothing was or will be written for it
+                self._notify.submit(self._tell, peer, KVFailed(xid, "cancelled before it began"))
             return False
+        if receiver is not None and receiver == job.peer.engine_id:
+            job.confirm_end = True
         if job.src_blocks is None:
             req = self.engine.get_request(xid)
             if req is not None and not req.is_finished:
@@ -442,7 +451,7 @@ class KVSender(FlowHalf):
             )
         else:
             msg = KVFailed(job.xid, job.error)
-        if job.reg is not None and notify:
+        if (job.reg is not None or job.confirm_end) and notify:
             self._notify.submit(self._tell, job.peer, msg)
         self._account(job, end)
         self.engine.call(lambda: self._forget(job))
@@ -498,7 +507,9 @@ class KVSender(FlowHalf):
     def _on_cancel_notif(self, msg: ControlMessage, sender: str) -> None:
         assert isinstance(msg, KVCancel)
         logger.info("xid=%s: receiver %s cancelled: %s", msg.xid, sender, msg.reason)
-        self.engine.call(lambda: self.cancel(msg.xid, f"cancelled by the receiver: {msg.reason}"))
+        self.engine.call(
+            lambda: self.cancel(msg.xid, f"cancelled by the receiver: {msg.reason}", sender)
+        )
 
     def _on_waiting_notif(self, msg: ControlMessage, sender: str) -> None:
         """The receiver still means to register ``xid``: keep waiting for it."""
@@ -585,6 +596,17 @@ class KVSender(FlowHalf):
     def num_jobs(self) -> int:
         with self._lock:
             return len(self._jobs)
+
+    def tables(self) -> dict[str, int]:
+        """Sizes of the sender's tables (introspection): jobs, their WRITEs that may still
+        land, registrations for no job yet, and cancelled xids remembered for a while."""
+        with self._lock:
+            return {
+                "send_jobs": len(self._jobs),
+                "send_writes_unsettled": sum(j.in_flight for j in self._jobs.values()),
+                "send_early_registrations": len(self._early) + len(self._regs),
+                "send_cancelled_tombstones": len(self._cancelled),
+            }
 
     def close(self) -> None:
         self._notify.shutdown(wait=False)

@@ -145,7 +145,7 @@ class DecodePreparer:
                 self.flows.pull.register(
                     PullSpec(
                         kv.xid, peer, kv.prefill_url, kv.block_ids, kv.num_tokens,
-                        lease_ends_at, kv.num_cached_tokens,
+                        lease_ends_at, kv.num_cached_tokens, gen.request.request_id,
                     )
                 )  # fmt: skip
         except ValueError as exc:  # a duplicate xid
@@ -203,6 +203,11 @@ def make_decode_hooks(
     async def return_records() -> JSONResponse:
         """The recent returns by request id: blocks offered and sent, bytes, outcome."""
         return JSONResponse(flows.offerer.records())
+
+    @router.get("/internal/kv/flows")
+    async def flow_tables() -> JSONResponse:
+        """Each flow table's size, read on the engine thread (0 when nothing moves)."""
+        return JSONResponse(await state.engine.run_in_engine(lambda _e: flows.tables()))
 
     @router.post("/internal/kv/retained")
     async def retained(body: RetainedRequest) -> JSONResponse:

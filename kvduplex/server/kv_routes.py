@@ -213,6 +213,11 @@ def make_push_prefill_router(
     async def return_stats() -> JSONResponse:
         return JSONResponse(asdict(acceptor.stats))
 
+    @router.get("/internal/kv/flows")
+    async def flow_tables() -> JSONResponse:
+        """Each flow table's size, read on the engine thread (0 when nothing moves)."""
+        return JSONResponse(await engine.run_in_engine(lambda _e: flows.tables()))
+
     return router
 
 

@@ -51,8 +51,9 @@ class Setup:
         self.released: list[tuple[str, str]] = []
         self.ad = AsyncEngine(self.d)
         timing = FlowTiming(wait_s=deadline_s, transfer_timeout_s=deadline_s, quarantine_s=1.0)
+        self.pump = NotificationPump(self.td, 0.01)  # started by the tests that need ticks
         flows = decode_flows(
-            self.td, self.ad, NotificationPump(self.td), timing, lambda _e: None,
+            self.td, self.ad, self.pump, timing, lambda _e: None,
             release=lambda u, x: self.released.append((u, x)),
         )  # fmt: skip
         self.conn = flows.pull

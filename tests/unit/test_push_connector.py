@@ -149,11 +149,13 @@ def test_aborted_decode_keeps_registered_blocks_until_prefill_is_done(tiny: Load
             await asyncio.gather(task, return_exceptions=True)
 
         asyncio.run(leave_early())
-        # The request is gone, its registered blocks are not: P may still write into them.
-        _wait_for(lambda: s.in_use(s.ad) == 5, "abort to reach the engine")
-        asyncio.run(s.prefill("ab"))
+        # D told P (KVCancel); P, which never began, confirms that nothing was written,
+        # and only then does D let its registered blocks go.
+        _wait_for(lambda: s.sender.tables()["send_cancelled_tombstones"] == 1, "P to hear it")
         s.assert_clean()
-        assert s.push.stats.num_received == 0
+        with pytest.raises(ValueError, match="cancelled by its receiver"):
+            asyncio.run(s.prefill("ab"))  # P refuses the prefill D gave up
+        assert s.push.stats.num_received == 0 and s.df.receiver.stats.num_late == 1
 
 
 def test_registration_mid_forward_writes_finished_layers_then_streams(tiny: LoadedModel) -> None:

@@ -1,0 +1,68 @@
+"""``--return-mode pull`` on decode: a turn described for prefill's READ stays pinned
+while the READ may run, retained turns are bounded in blocks, and a duplex offer is
+bounded too (clients name the sessions that pin or fill these pools)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvduplex.engine.request import Request
+from kvduplex.engine.sampling import SamplingParams
+from kvduplex.kvflow.return_pull import RetainSpec
+from kvduplex.model.loader import LoadedModel
+from tests.unit.flow_pair import PROMPT
+from tests.unit.flow_pair import Pair
+from tests.unit.flow_pair import tiny as tiny  # the module-scoped model fixture
+
+ANSWER = SamplingParams(max_tokens=11, temperature=0.0, ignore_eos=True)  # 18 + 11: 7 blocks
+
+
+def _turn(s: Pair, rid: str, session: str, prompt: list[int] = PROMPT) -> None:
+    async def run() -> None:
+        req = Request(rid, prompt, ANSWER, hold_blocks_on_finish=True,
+                      connector_meta=RetainSpec(session))  # fmt: skip
+        async for _ in s.ad.generate(req):
+            pass
+
+    asyncio.run(run())
+
+
+def _refs(s: Pair, blocks: list[int]) -> list[int]:
+    return s.ad.call(lambda e: [e.block_pool.ref_count(b) for b in blocks]).result(5)
+
+
+def test_a_described_turn_stays_pinned_after_its_session_moves_on(tiny: LoadedModel) -> None:
+    with Pair(tiny) as s:
+        _turn(s, "t1", "s1")
+        info = s.ad.call(lambda _e: s.df.retainer.describe("s1")).result(5)
+        assert info is not None
+        blocks = info["block_ids"]
+        assert all(r == 2 for r in _refs(s, blocks)), "held by the turn and pinned for the READ"
+        _turn(s, "t2", "s1", PROMPT[::-1])  # the next turn lets the first one go ...
+        assert all(r == 1 for r in _refs(s, blocks)), "... but a READ may still be under way"
+        assert s.df.retainer.num_pinned() == 1
+        r = s.df.retainer
+
+        def read_time_over() -> None:  # as if pin_s had passed
+            r._pins = [(0.0, b) for _, b in r._pins]
+            r._expire()
+
+        s.ad.call(lambda _e: read_time_over()).result(5)
+        assert r.num_pinned() == 0
+        assert all(r == 0 for r in _refs(s, blocks))
+
+
+def test_retained_turns_are_bounded_in_blocks(tiny: LoadedModel) -> None:
+    with Pair(tiny) as s:
+        s.df.retainer.max_blocks = 10  # room for one 7-block turn
+        _turn(s, "u1", "sa")
+        _turn(s, "u2", "sb", PROMPT[::-1])
+        assert s.df.retainer.num_retained() == 1, "the oldest turn was let go"
+        assert s.ad.call(lambda _e: s.df.retainer.describe("sa")).result(5) is None
+        assert s.ad.call(lambda _e: s.df.retainer.describe("sb")).result(5) is not None
+
+
+def test_pools_bound_what_clients_can_pin_by_default(tiny: LoadedModel) -> None:
+    with Pair(tiny) as s:  # 64-block pools
+        assert s.df.retainer.max_blocks == 16
+        assert s.pf.acceptor.max_blocks_per_offer == 16
