@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import random
 import threading
 import uuid
 from collections import deque
@@ -111,6 +112,47 @@ class _Late:
     expired: bool = False
 
 
+class NotifChaos:
+    """What a lossy fabric does to notifications: drop, duplicate, or hold one back and
+    deliver it after the next (reorder), each with its probability; seeded."""
+
+    def __init__(
+        self, seed: int, p_drop: float = 0.0, p_dup: float = 0.0, p_reorder: float = 0.0,
+        spare: Callable[[Notification], bool] | None = None,
+    ) -> None:  # fmt: skip
+        """``spare(notif)``: notifications never touched (e.g. those without a resend)."""
+        self._rng = random.Random(seed)
+        self.p_drop, self.p_dup, self.p_reorder = p_drop, p_dup, p_reorder
+        self._spare = spare
+        self._held: Notification | None = None
+        self._lock = threading.Lock()
+        self.num_dropped = self.num_duplicated = self.num_reordered = 0
+
+    def apply(self, notif: Notification) -> list[Notification]:
+        """The notifications to deliver now, in order, given that ``notif`` arrived."""
+        with self._lock:
+            out: list[Notification] = []
+            if self._spare is not None and self._spare(notif):
+                out.append(notif)
+            else:
+                r = self._rng.random()
+                if r < self.p_drop:
+                    self.num_dropped += 1
+                elif r < self.p_drop + self.p_dup:
+                    self.num_duplicated += 1
+                    out += [notif, notif]
+                elif r < self.p_drop + self.p_dup + self.p_reorder and self._held is None:
+                    self.num_reordered += 1
+                    self._held = notif
+                    return []
+                else:
+                    out.append(notif)
+            if self._held is not None:
+                out.append(self._held)
+                self._held = None
+            return out
+
+
 class InProcessTransport(Transport):
     """One endpoint of an `InProcessFabric`; see the module docstring."""
 
@@ -137,6 +179,10 @@ class InProcessTransport(Transport):
         self._late: dict[int, _Late] = {}
         self.num_posted = 0
         """Transfers posted so far (for tests)."""
+        self.late_check: Callable[[Post], None] | None = None
+        """Runs just before a late transfer lands (a test's invariant)."""
+        self.chaos: NotifChaos | None = None
+        """Faults of the notifications this endpoint receives."""
 
     # -- fault injection --------------------------------------------------
 
@@ -163,6 +209,12 @@ class InProcessTransport(Transport):
         """Transfers that failed at their deadline and have not landed or settled yet."""
         with self._lock:
             return sum(1 for lt in self._late.values() if lt.expired)
+
+    def _receive(self, notif: Notification) -> None:
+        """A notification reaches this endpoint (through its `chaos`, if any)."""
+        delivered = [notif] if self.chaos is None else self.chaos.apply(notif)
+        if delivered:
+            self._queue_notifs(delivered)
 
     def land_late(self, check: Callable[[Post], None] | None = None) -> int:
         """Land now every late transfer past its deadline; ``check(post)`` runs just
@@ -219,7 +271,7 @@ class InProcessTransport(Transport):
         if target is None:
             raise PeerUnavailableError(f"xid={xid}: peer {peer.engine_id} is gone")
         self._touch()
-        target._queue_notifs([Notification(self.engine_id, xid, payload)])
+        target._receive(Notification(self.engine_id, xid, payload))
         self.metrics.on_notification("sent")
 
     def _shutdown(self) -> None:
@@ -286,7 +338,7 @@ class InProcessTransport(Transport):
 
     def _deliver(self, post: Post, target: InProcessTransport) -> None:
         if post.notif is not None:
-            target._queue_notifs([Notification(self.engine_id, post.handle.xid, post.notif)])
+            target._receive(Notification(self.engine_id, post.handle.xid, post.notif))
             self.metrics.on_notification("sent")
 
     def _expire_late(self, late: _Late, late_s: float | None) -> None:
@@ -309,6 +361,8 @@ class InProcessTransport(Transport):
             if self._late.pop(id(late.post.handle), None) is None:
                 return
         if not late.target._closed:
+            if self.late_check is not None:
+                self.late_check(late.post)
             self._copy(late.post, late.target, late.corrupt)
             self._deliver(late.post, late.target)
         self._settle(late.post.handle, "landed after its deadline")
@@ -358,4 +412,4 @@ class InProcessTransport(Transport):
             self._complete(h, TransferState.FAILED, reason, failure)
 
 
-__all__ = ["InProcessFabric", "InProcessTransport"]
+__all__ = ["InProcessFabric", "InProcessTransport", "NotifChaos"]
