@@ -161,7 +161,6 @@ class Storm:
             s.p_peer = s.td.connect(s.tp.local_metadata())
 
     async def turn(self, session: Session) -> None:
-        s = self.s
         self._reconnect()
         new = [self.rng.randrange(1, 250) for _ in range(self.rng.randrange(3, 14))]
         prompt = session.history + new
