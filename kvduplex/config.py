@@ -126,10 +126,12 @@ class TransferConfig:
     """How long prefill keeps a finished request's blocks for decode to read."""
     transfer_timeout_s: float = 10.0
     """Deadline of each WRITE of a push (prefill) or a return (decode), never past the
-    receiver's wait; a failed WRITE
-    fails the transfer and decode computes the prompt. Decode keeps the blocks of a push it gave
-    up on until prefill confirms that no WRITE can land, or for this long plus 1 s. Pull
-    READs use kv_wait_timeout_s instead."""
+    receiver's wait; a failed WRITE fails the transfer and decode computes the prompt. The
+    deadline ends the wait, not the WRITE: its blocks stay referenced until it cannot land
+    (NIXL released it; a sender tears the endpoint down if that takes another deadline).
+    A receiver that gave up keeps its blocks until the sender confirms, or for twice this
+    plus 1 s, then tears its endpoint with the sender down first. Pull READs use
+    kv_wait_timeout_s instead."""
     retain_lease_s: float = 60.0
     """Decode, ``--return-mode pull`` only: how long a session's last turn stays held
     for prefill to read at the next turn."""

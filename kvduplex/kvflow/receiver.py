@@ -94,6 +94,8 @@ class KVReceiverStats:
     num_late: int = 0
     """KVDone/KVFailed that arrived after the deadline had passed."""
     num_alive_received: int = 0
+    num_teardowns: int = 0
+    """Sender endpoints torn down because a quarantine ran out without word."""
 
 
 class KVReceiver(FlowHalf):
@@ -223,6 +225,7 @@ class KVReceiver(FlowHalf):
             "xid=%s: no word from the sender %s; tearing its endpoint down and releasing "
             "quarantined blocks", wait.xid, wait.peer.engine_id,
         )  # fmt: skip
+        self.stats.num_teardowns += 1
         self.transport.disconnect(wait.peer)
         self.engine.release_blocks(wait.blocks)
 

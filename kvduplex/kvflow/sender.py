@@ -153,6 +153,8 @@ class KVSenderStats:
     """Part of ``transfer_s`` after the job's compute ended (not hidden)."""
     num_alive_sent: int = 0
     num_waiting_received: int = 0
+    num_teardowns: int = 0
+    """Peer endpoints torn down because a failed WRITE would not settle."""
 
 
 class KVSender(FlowHalf):
@@ -543,6 +545,7 @@ class KVSender(FlowHalf):
             ]  # fmt: skip
             for j in stuck:
                 j.torn_down = True
+            self.stats.num_teardowns += len(stuck)
             for j in jobs:
                 if not healthy or j.reg is None or j.ended or j.error is not None:
                     continue

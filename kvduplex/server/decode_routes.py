@@ -190,6 +190,7 @@ def make_decode_hooks(
                 **asdict(flows.push.stats),
                 "num_alive_received": waits.num_alive_received,
                 "num_late": waits.num_late,
+                "num_teardowns": waits.num_teardowns,
             }
         )
 

@@ -3,10 +3,13 @@
 P runs behind a veth pair shaped to 40 Mbit/s (`NetnsHost`), so a long
 prompt's KV takes a while to cross and the cut lands while WRITEs are on the
 wire. Cutting the link (the root end set down) partitions P from D and from
-the router; D's wait runs out, it computes the prompts itself and answers
-exactly. Once the link is back, both pools are clean and the next request's KV
-is pushed again over the same connection. Skipped where namespaces cannot be
-made (not root, no iproute2, a container that forbids it).
+the router, for longer than every deadline; D's wait runs out, it computes the
+prompts itself and answers exactly. The blocks P was writing into stay
+quarantined on D until D has torn its endpoint with P down (nothing of those
+WRITEs can land after that); then D's pool is clean, while the link is still
+down. Once the link is back, the next request's KV is pushed again, over a
+fresh connection. Skipped where namespaces cannot be made (not root, no
+iproute2, a container that forbids it).
 """
 
 from __future__ import annotations
@@ -131,6 +134,7 @@ def test_link_cut_mid_write_costs_time_not_tokens(
     poll(lambda: write_bytes(split.p.url) > written, "P's WRITEs crossing the link")
     queued = Victim(split.router, body(prompt_ids(300, next(salts)), 4)).start()
     poll(lambda: kv_stats(split.p.url)["num_waiting"] == 1, "a request queued on P")
+    teardowns = stats(split.d.url, PUSH_STATS)["num_teardowns"]
     split.set_link(up=False)
     moments = {decoding: "mid-decode", writing: "mid-WRITE (KV on the wire)",
                queued: "queued on P (before admission)"}  # fmt: skip
@@ -141,7 +145,10 @@ def test_link_cut_mid_write_costs_time_not_tokens(
             outcome = v.outcome(reference_tokens(split.reference, v.body))
             tally.add(FAULT, moment, outcome, v.elapsed_s)
             assert outcome is Outcome.COMPLETED, (moment, v.error)
-        d_pool = blocks_left(split.d.url)  # D alone, while the link is still down
+        # D alone, while the link is still down: the WRITEs it gave up on could still
+        # land, so it let their blocks go only after tearing its endpoint with P down.
+        d_pool = blocks_left(split.d.url)
+        assert stats(split.d.url, PUSH_STATS)["num_teardowns"] > teardowns
     finally:
         split.set_link(up=True)
     leaked = d_pool + sum(blocks_left(proc.url) for proc in (split.p, split.d))
