@@ -29,8 +29,8 @@ class RouterMetrics:
         self.sessions.set_function(lambda: len(policy.sessions))
         self.instance_healthy = m.gauge(
             "instance_healthy",
-            "1 while the router sends new work to the instance (its last call or probe "
-            "succeeded), else 0.",
+            "1 while the router sends new work to the instance, else 0 (a failed connection, "
+            "or failed probes in a row, until a later probe succeeds; not a 5xx answer).",
             ["url", "role"],
         )
         for role, pool in (("prefill", policy.prefill), ("decode", policy.decode)):
