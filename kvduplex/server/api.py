@@ -65,6 +65,9 @@ class Generation:
     returned)."""
     body: OpenAIRequest
     extra: dict[str, Any] = field(default_factory=dict)
+    mark_first_token: bool = False
+    """A streamed answer's first chunk with tokens names their ids in
+    `render.FIRST_TOKEN_IDS_FIELD` (the router asks, to splice in prefill's token)."""
 
 
 @dataclass
@@ -313,6 +316,7 @@ async def _sse(
 ) -> AsyncIterator[str]:
     head = _head(state, gen, chat)
     first = True
+    to_mark = gen.mark_first_token
     last: RequestOutput | None = None
     try:
         async for out in outputs:
@@ -320,7 +324,11 @@ async def _sse(
             choice = render.stream_choice(
                 head, out.new_text, out.new_token_ids, out.finish_reason, is_first=first
             )
-            yield render.sse_data(render.stream_chunk(head, choice))
+            chunk = render.stream_chunk(head, choice)
+            if to_mark and out.new_token_ids:
+                chunk[render.FIRST_TOKEN_IDS_FIELD] = list(out.new_token_ids)
+                to_mark = False
+            yield render.sse_data(chunk)
             first = False
     except (RequestRejected, EngineDeadError) as exc:
         yield render.sse_error(str(exc))

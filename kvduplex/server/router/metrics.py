@@ -11,7 +11,7 @@ from kvduplex.server.router.policy import RoutingPolicy
 
 class RouterMetrics:
     """Session hits and misses, requests by flow, sessions remembered, instance health,
-    requests routed again and streams ended by an error."""
+    requests routed again, streams ended by an error and first tokens that diverged."""
 
     def __init__(self, registry: CollectorRegistry, policy: RoutingPolicy) -> None:
         m = MetricFactory(registry, "kvduplex_router_")
@@ -47,4 +47,9 @@ class RouterMetrics:
         self.stream_errors = m.counter(
             "stream_errors",
             "Answers cut by their decode instance mid-way (a stream ended with an error event).",
+        )
+        self.first_token_diverged = m.counter(
+            "first_token_diverged",
+            "Push streams ended with an error because decode's first token was not prefill's, "
+            "already sent (decode fell back and sampled another).",
         )
