@@ -212,9 +212,9 @@ class RouterConfig:
     """Half-life of the count of recent assignments that spreads new sessions."""
     health_interval_s: float = 2.0
     """Seconds between the router's probes of each instance's /health. A failed call
-    (unreachable, or a 5xx) marks the instance unhealthy at once, ``--health-failures``
-    failed probes in a row do too; it then gets no new work until a probe that began
-    after the failure succeeds."""
+    (unreachable, or its connection failed; not a 5xx answer) marks the instance
+    unhealthy at once, ``--health-failures`` failed probes in a row do too; it then gets
+    no new work until a probe that began after the failure succeeds."""
     health_timeout_s: float = 2.0
     """Deadline of one health probe; a probe past it counts as failed."""
     health_failures: int = 2

@@ -1,19 +1,51 @@
-"""Refusals as OpenAI error JSON, the same on an instance and on the router.
+"""Refusals and failures as OpenAI error JSON, the same on an instance and on the router.
 
 `install_error_handlers` makes a FastAPI app answer every validation failure,
 `APIError` and framework error (unparsable body, unknown route) with
-``{"error": {"message", "type", "param", "code"}}``.
+``{"error": {"message", "type", "param", "code"}}``, and every unexpected
+exception with that JSON too: a 500 whose message names the request, never a
+traceback (the traceback is logged, with the request id). Error bodies are
+ASCII JSON (non-ASCII escaped), so a message that quotes a client's input
+always encodes.
+
+It also echoes a client's ``X-Request-ID`` header on every response
+(`RequestIdEcho`). The header is only echoed: an instance's engine request ids
+are always its own (see `kvduplex.server.api`).
 """
 
 from __future__ import annotations
+
+import json
+import logging
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.datastructures import Headers
+from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp
+from starlette.types import Message
+from starlette.types import Receive
+from starlette.types import Scope
+from starlette.types import Send
 
+from kvduplex.openai.protocol import MAX_NESTING_DEPTH
 from kvduplex.openai.protocol import error_body
+
+logger = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = "x-request-id"
+"""The client's name for a request: echoed on the response, never used as an id here."""
+
+
+class ErrorResponse(JSONResponse):
+    """An OpenAI error body as ASCII JSON (lone surrogates and all non-ASCII escaped)."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 class APIError(Exception):
@@ -30,7 +62,7 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         err_type = "invalid_request_error" if self.status < 500 else "server_error"
-        return JSONResponse(
+        return ErrorResponse(
             error_body(self.message, err_type, self.param, self.code), status_code=self.status
         )
 
@@ -50,13 +82,88 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request", param
 
 
+def request_id_of(scope: Scope) -> str:
+    """How a log line names a request: the instance's own id once it has one (set as
+    ``request.state.request_id`` by the route), else the client's X-Request-ID, else "-"."""
+    own = (scope.get("state") or {}).get("request_id")
+    if own:
+        return str(own)
+    return Headers(scope=scope).get(REQUEST_ID_HEADER) or "-"
+
+
+def internal_error(scope: Scope, exc: BaseException) -> JSONResponse:
+    """Log `exc` (traceback included) with the request's id; the client's 500 names the
+    request and nothing of the failure's inside."""
+    rid = request_id_of(scope)
+    logger.error(
+        "request %s (%s %s) failed: %s", rid, scope.get("method"), scope.get("path"),
+        type(exc).__name__, exc_info=exc,
+    )  # fmt: skip
+    message = f"the server failed to handle request {rid}; the error is logged there"
+    return ErrorResponse(
+        error_body(message, "server_error", code="internal_error"), status_code=500
+    )
+
+
+class CatchAll:
+    """Pure ASGI: an exception that escapes the routes becomes a 500 in OpenAI error JSON
+    (see `internal_error`) instead of Starlette's plain-text one. An exception after the
+    response began is re-raised: the server ends the connection, as before."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        scope.setdefault("state", {})  # shared with the route's `request.state`
+        started = False
+
+        async def send_noting_start(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_noting_start)
+        except Exception as exc:
+            if started:
+                raise
+            await internal_error(scope, exc)(scope, receive, send)
+
+
+class RequestIdEcho:
+    """Pure ASGI: a response to a request with an ``X-Request-ID`` header carries that
+    header back, whatever the route set."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        client_id = Headers(scope=scope).get(REQUEST_ID_HEADER) if scope["type"] == "http" else None
+        if client_id is None:
+            await self.app(scope, receive, send)
+            return
+
+        async def send_echoing(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message)[REQUEST_ID_HEADER] = client_id
+            await send(message)
+
+        await self.app(scope, receive, send_echoing)
+
+
 def install_error_handlers(app: FastAPI) -> None:
-    """Answer validation failures, `APIError` and framework errors with OpenAI error JSON."""
+    """Answer validation failures, `APIError`, framework errors and unexpected exceptions
+    with OpenAI error JSON; echo X-Request-ID (middlewares added later wrap these two)."""
+    app.add_middleware(CatchAll)
+    app.add_middleware(RequestIdEcho)
 
     @app.exception_handler(RequestValidationError)
     async def _on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = validation_message(exc)
-        return JSONResponse(error_body(message, param=param), status_code=400)
+        return ErrorResponse(error_body(message, param=param), status_code=400)
 
     @app.exception_handler(APIError)
     async def _on_api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -67,9 +174,20 @@ def install_error_handlers(app: FastAPI) -> None:
         """FastAPI's own errors (a body it cannot parse, e.g. nested too deeply or with
         a number too long to convert; unknown route; wrong method) as OpenAI JSON."""
         message = str(exc.detail)
-        if exc.__cause__ is not None:
+        if isinstance(exc.__cause__, RecursionError):  # JSON nested past the parser's reach
+            message = (
+                f"the request body nests too deeply to parse; a request may nest at most "
+                f"{MAX_NESTING_DEPTH} levels of lists and objects"
+            )
+        elif exc.__cause__ is not None:
             message = f"{message}: {exc.__cause__}"
         err_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return JSONResponse(
+        return ErrorResponse(
             error_body(message, err_type), status_code=exc.status_code, headers=exc.headers
         )
+
+    @app.exception_handler(Exception)
+    async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        """What escapes the middlewares outside `CatchAll` (Starlette re-raises it after
+        this answer, for the server's log)."""
+        return internal_error(request.scope, exc)

@@ -21,11 +21,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvduplex.model.tokenizer import Tokenizer
+from kvduplex.openai.protocol import MAX_NESTING_DEPTH
 from kvduplex.openai.protocol import ChatCompletionRequest
 from kvduplex.openai.protocol import ChatMessage
 from kvduplex.openai.protocol import ChatTool
 from kvduplex.openai.protocol import CompletionRequest
 from kvduplex.openai.protocol import OpenAIRequest
+from kvduplex.openai.protocol import check_nesting
 from kvduplex.openai.protocol import check_unicode_tree
 
 
@@ -39,11 +41,26 @@ class PromptError(ValueError):
 
 
 def prompt_token_ids(request: OpenAIRequest, tokenizer: Tokenizer) -> list[int]:
-    """The prompt's token ids; PromptError if there is none to build."""
-    if isinstance(request, ChatCompletionRequest):
-        ids = chat_prompt_ids(request, tokenizer)
-    else:
-        ids = completion_prompt_ids(request, tokenizer)
+    """The prompt's token ids; PromptError if there is none to build.
+
+    Validation bounds how deep a body nests (`MAX_NESTING_DEPTH`); should building the
+    prompt still recurse too deep (a template's own recursion), that is a PromptError
+    too, never a server error.
+    """
+    try:
+        if isinstance(request, ChatCompletionRequest):
+            ids = chat_prompt_ids(request, tokenizer)
+        else:
+            ids = completion_prompt_ids(request, tokenizer)
+    except RecursionError:
+        param = "prompt"
+        if isinstance(request, ChatCompletionRequest):
+            param = "tools" if request.tools else "messages"
+        raise PromptError(
+            f"the request nests too deeply to build its prompt; keep {param} within "
+            f"{MAX_NESTING_DEPTH} levels of lists and objects",
+            param,
+        ) from None
     if not ids:
         raise PromptError("the prompt is empty", "prompt")
     return ids
@@ -115,12 +132,14 @@ def template_tools(tools: Sequence[ChatTool] | None) -> list[dict[str, Any]] | N
 
 def _arguments(arguments: str | dict[str, Any]) -> str | dict[str, Any]:
     """Arguments as an object when they are JSON text of one (templates expect a mapping);
-    otherwise unchanged (a model may have written invalid JSON; the history keeps it)."""
+    otherwise unchanged (a model may have written invalid JSON, or JSON nested deeper than
+    a body may be; the history keeps it as text)."""
     if isinstance(arguments, dict):
         return arguments
     try:
         parsed = json.loads(arguments)
         check_unicode_tree(parsed)  # "\\ud800" in JSON text is a lone surrogate once parsed
+        check_nesting(parsed)
     except (ValueError, RecursionError):
         return arguments
     return parsed if isinstance(parsed, dict) else arguments

@@ -34,6 +34,36 @@ def _check_unicode(text: str) -> str:
     return text
 
 
+MAX_NESTING_DEPTH = 64
+"""How deep a request body's JSON may nest (the body itself is depth 1): tool schemas
+and tool-call arguments reach the chat template, and building a prompt recurses once
+per level or more."""
+
+
+def check_nesting(value: Any, max_depth: int = MAX_NESTING_DEPTH) -> None:
+    """ValueError naming the first path (``tools.0.function.parameters...``) at which
+    `value` nests deeper than `max_depth` lists and objects; walked without recursion."""
+    stack: list[tuple[Any, int, str]] = [(value, 1, "")]
+    while stack:
+        item, depth, path = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.items()
+        elif isinstance(item, (list, tuple)):
+            children = enumerate(item)
+        else:
+            continue
+        if depth > max_depth:
+            where = path or "the body"
+            where = where if len(where) <= 160 else where[:160] + "..."
+            raise ValueError(
+                f"{where} nests too deeply; a request may nest at most {max_depth} levels "
+                "of lists and objects"
+            )
+        for key, child in children:
+            if isinstance(child, (dict, list, tuple)):
+                stack.append((child, depth + 1, f"{path}.{key}" if path else str(key)))
+
+
 def check_unicode_tree(value: Any) -> None:
     """`_check_unicode` on every string (dict keys too) of a JSON value, however deep."""
     stack = [value]
@@ -64,7 +94,9 @@ class _SamplingFields(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _null_means_default(cls, data: Any) -> Any:
-        """OpenAI's API takes null for any optional field (clients send it): the default."""
+        """OpenAI's API takes null for any optional field (clients send it): the default.
+        First, a body nested deeper than `MAX_NESTING_DEPTH` is refused."""
+        check_nesting(data)
         if isinstance(data, dict):
             return {k: v for k, v in data.items() if v is not None}
         return data

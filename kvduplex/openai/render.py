@@ -20,6 +20,11 @@ from kvduplex.openai.protocol import error_body
 SSE_DONE = "data: [DONE]\n\n"
 """The last event of a stream."""
 
+FIRST_TOKEN_IDS_FIELD = "kvduplex_first_token_ids"
+"""Not OpenAI's: on the first chunk that carries tokens, their ids, when the router asks
+for them (``kv_transfer_params.mark_first_token``) to splice prefill's first token in by
+id; the router removes the field before a client sees the chunk."""
+
 
 @dataclass(frozen=True)
 class ResponseHead:

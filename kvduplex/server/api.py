@@ -3,6 +3,12 @@
 Routes: /v1/completions, /v1/chat/completions (streaming SSE or not),
 /v1/models, /health, /metrics. Extra routes (internal KV endpoints of a
 disaggregated instance) are added by the caller through `extra_routers`.
+
+Request ids: every request gets an engine request id of this instance's own
+making (``cmpl-``/``chatcmpl-`` and a random hex), which is the answer's `id`
+and its ``X-Request-ID`` response header, unless the client sent an
+``X-Request-ID``: that one is echoed back in the header, and never becomes an
+engine id (an id names what an abort or a held request's release acts on).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from kvduplex.engine.engine import RequestOutput
 from kvduplex.engine.engine import RequestRejected
 from kvduplex.engine.request import Request as EngineRequest
 from kvduplex.openai import render
+from kvduplex.openai.errors import REQUEST_ID_HEADER
 from kvduplex.openai.errors import APIError
 from kvduplex.openai.errors import install_error_handlers
 from kvduplex.openai.prompt import PromptError
@@ -58,6 +65,9 @@ class Generation:
     returned)."""
     body: OpenAIRequest
     extra: dict[str, Any] = field(default_factory=dict)
+    mark_first_token: bool = False
+    """A streamed answer's first chunk with tokens names their ids in
+    `render.FIRST_TOKEN_IDS_FIELD` (the router asks, to splice in prefill's token)."""
 
 
 @dataclass
@@ -196,7 +206,14 @@ def _make_generation(
         state.engine.core.check_request(len(ids), max_tokens)
     except ValueError as exc:
         raise APIError(400, str(exc), param="max_tokens") from None
-    rid = raw.headers.get("x-request-id") or f"{prefix}-{uuid.uuid4().hex}"
+    # The engine's id is always this instance's own: a client's X-Request-ID is only
+    # echoed back (`RequestIdEcho`), so no client can name, abort or collide with another
+    # request, a held one (a pull lease, a retained turn) included.
+    rid = f"{prefix}-{uuid.uuid4().hex}"
+    raw.state.request_id = rid  # names the request in the log of an unexpected failure
+    client_id = raw.headers.get(REQUEST_ID_HEADER)
+    if client_id is not None:
+        logger.debug("request %s: the client's X-Request-ID is %r", rid, client_id)
     return Generation(EngineRequest(rid, ids, params), body)
 
 
@@ -207,9 +224,15 @@ async def _serve(state: InstanceState, raw: Request, gen: Generation, chat: bool
     if gen.body.stream:
         include_usage = bool(gen.body.stream_options and gen.body.stream_options.include_usage)
         return StreamingResponse(
-            _sse(state, gen, outputs, chat, include_usage), media_type="text/event-stream"
-        )
+            _sse(state, gen, outputs, chat, include_usage), media_type="text/event-stream",
+            headers=_id_header(gen),
+        )  # fmt: skip
     return await _collect(state, raw, gen, outputs, chat)
+
+
+def _id_header(gen: Generation) -> dict[str, str]:
+    """The request's own id (a client's X-Request-ID replaces it: `RequestIdEcho`)."""
+    return {REQUEST_ID_HEADER: gen.request.request_id}
 
 
 async def _collect(
@@ -252,7 +275,7 @@ async def _collect(
     except EngineDeadError as exc:
         raise APIError(503, str(exc)) from None
     assert last is not None
-    return JSONResponse(_final_body(state, gen, text, ids, last, chat))
+    return JSONResponse(_final_body(state, gen, text, ids, last, chat), headers=_id_header(gen))
 
 
 def _head(state: InstanceState, gen: Generation, chat: bool) -> render.ResponseHead:
@@ -293,6 +316,7 @@ async def _sse(
 ) -> AsyncIterator[str]:
     head = _head(state, gen, chat)
     first = True
+    to_mark = gen.mark_first_token
     last: RequestOutput | None = None
     try:
         async for out in outputs:
@@ -300,7 +324,11 @@ async def _sse(
             choice = render.stream_choice(
                 head, out.new_text, out.new_token_ids, out.finish_reason, is_first=first
             )
-            yield render.sse_data(render.stream_chunk(head, choice))
+            chunk = render.stream_chunk(head, choice)
+            if to_mark and out.new_token_ids:
+                chunk[render.FIRST_TOKEN_IDS_FIELD] = list(out.new_token_ids)
+                to_mark = False
+            yield render.sse_data(chunk)
             first = False
     except (RequestRejected, EngineDeadError) as exc:
         yield render.sse_error(str(exc))

@@ -77,6 +77,9 @@ class KVTransferParams(BaseModel):
     """``return_to``'s KV engine id, if the caller knows it (as ``engine_id``)."""
     return_from_block: int | None = Field(default=None, ge=0)
     """First block to return (None: the first that is not wholly prompt)."""
+    mark_first_token: bool = False
+    """A streamed answer names the ids of its first chunk with tokens (the router splices
+    prefill's first token in by id; see `Generation.mark_first_token`)."""
 
     @model_validator(mode="after")
     def _check(self) -> KVTransferParams:
@@ -118,6 +121,7 @@ class DecodePreparer:
             kv = KVTransferParams.model_validate(params)
         except ValueError as exc:
             raise APIError(400, f"kv_transfer_params: {exc}", param="kv_transfer_params") from None
+        gen.mark_first_token = kv.mark_first_token
         if kv.session_id:
             await self._prepare_return(kv, gen)
         if kv.mode == "local":

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -531,34 +529,6 @@ def test_each_invalid_value_is_refused(
 
 
 # ------------------------------------------------------- inputs found by fuzzing
-
-
-def test_request_id_in_use_is_400(
-    client: TestClient, instance: Instance, pool: ThreadPoolExecutor
-) -> None:
-    """A second request under a live request's X-Request-Id is refused; the first is served."""
-    release = threading.Event()
-    instance.async_engine.call(lambda e: release.wait(REQUEST_TIMEOUT_S))  # hold the engine thread
-    headers = {"x-request-id": "dup"}
-    body = {"model": "tiny", "prompt": "hi", "max_tokens": 4}
-    first = pool.submit(client.post, "/v1/completions", json=body, headers=headers)
-    try:
-        deadline = time.monotonic() + REQUEST_TIMEOUT_S
-        while "dup" not in instance.async_engine._streams:
-            assert time.monotonic() < deadline, "the first request never reached the engine"
-            time.sleep(0.01)
-        r = client.post("/v1/completions", json=body, headers=headers)
-        assert r.status_code == 400, r.text
-        _check_error(r.json(), 400)
-        assert "already in use" in r.json()["error"]["message"]
-        r = client.post("/v1/completions", json={**body, "stream": True}, headers=headers)
-        assert r.status_code == 200, r.text
-        _check_stream(r)
-        assert "already in use" in r.text
-    finally:
-        release.set()
-    assert first.result(REQUEST_TIMEOUT_S).status_code == 200
-    _check_engine(instance)
 
 
 def test_top_p_below_float32_keeps_the_top_token(

@@ -21,21 +21,25 @@ from kvduplex.config import ReturnMode
 from kvduplex.config import RouterConfig
 from kvduplex.config import TransferMode as Mode
 from kvduplex.model.tokenizer import ByteTokenizer
+from kvduplex.openai.render import FIRST_TOKEN_IDS_FIELD
 from kvduplex.server.cli import _UP_ROUTER_SKIP
 from kvduplex.server.cli import build_parser
 from kvduplex.server.flags import dataclass_from_args
 from kvduplex.server.flags import flags_of
 from kvduplex.server.instance import Instance
 from kvduplex.server.router.app import create_router_app
-from kvduplex.server.router.relay import NOT_CONTENT
-from kvduplex.server.router.relay import drop_first_token
+from kvduplex.server.router.relay import SentToken
+from kvduplex.server.router.relay import Splice
+from kvduplex.server.router.relay import splice_first_token
 from kvduplex.server.router.state import RouterState
 
 P, D = "http://p0", "http://d0"
+D_ANSWER_ID = "cmpl-d0answer"
+"""The id of D's streamed answer (its X-Request-ID header and its chunks' `id`)."""
 
 
 def _chunk(choice: dict[str, Any]) -> str:
-    return json.dumps({"id": "cmpl-x", "object": "text_completion", "choices": [choice]})
+    return json.dumps({"id": D_ANSWER_ID, "object": "text_completion", "choices": [choice]})
 
 
 @dataclass
@@ -46,6 +50,8 @@ class FakeInstances:
     calls: list[tuple[str, dict[str, Any], httpx.Headers]] = field(default_factory=list)
     gate: threading.Event | None = None
     """When set, D's stream waits for it before its first event."""
+    decode_first_token: tuple[int, str] | None = None
+    """D's first token and its text, if not P's (a fallback that sampled another)."""
 
     def bodies(self, path: str) -> list[dict[str, Any]]:
         return [body for p, body, _ in self.calls if p == path]
@@ -65,17 +71,24 @@ class FakeInstances:
         if not body.get("stream"):
             choice = {"index": 0, "text": "hi", "token_ids": self.answer_ids, "finish_reason": "length"}
             return httpx.Response(200, json={"id": "cmpl-x", "choices": [choice]})
-        return httpx.Response(
-            200, headers={"content-type": "text/event-stream"}, content=self._stream()
-        )
+        mark = bool((body.get("kv_transfer_params") or {}).get("mark_first_token"))
+        headers = {"content-type": "text/event-stream", "x-request-id": D_ANSWER_ID}
+        return httpx.Response(200, headers=headers, content=self._stream(mark))
 
-    async def _stream(self) -> AsyncIterator[bytes]:
+    async def _stream(self, mark: bool = False) -> AsyncIterator[bytes]:
+        """D's answer as an instance streams it; `mark`: the first chunk names its ids."""
         if self.gate is not None:
             await asyncio.to_thread(self.gate.wait, 10)
-        for i, tok in enumerate(self.answer_ids):
-            finish = "length" if i == len(self.answer_ids) - 1 else None
-            choice = {"index": 0, "text": chr(tok), "token_ids": [tok], "finish_reason": finish}
-            yield f"data: {_chunk(choice)}\n\n".encode()
+        steps = [(tok, chr(tok)) for tok in self.answer_ids]
+        if self.decode_first_token is not None:
+            steps[0] = self.decode_first_token
+        for i, (tok, text) in enumerate(steps):
+            finish = "length" if i == len(steps) - 1 else None
+            choice = {"index": 0, "text": text, "token_ids": [tok], "finish_reason": finish}
+            chunk = json.loads(_chunk(choice))
+            if mark and i == 0:
+                chunk[FIRST_TOKEN_IDS_FIELD] = [tok]
+            yield f"data: {json.dumps(chunk)}\n\n".encode()
         yield b"data: [DONE]\n\n"
 
 
@@ -165,6 +178,27 @@ def test_instances_get_the_prompt_ids_the_body_and_the_session(mode: Mode) -> No
     assert sent == {k: v for k, v in body.items() if k != "kv_transfer_params"}
 
 
+@pytest.mark.parametrize("mode", [Mode.PUSH, Mode.PULL])
+def test_client_request_id_is_echoed_and_reaches_no_instance(mode: Mode) -> None:
+    """A client's X-Request-ID comes back on every answer (streamed, whole, refused) and
+    is never sent on: no instance sees it, and the transfer id is the router's own."""
+    fake = FakeInstances()
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "temperature": 0.0}
+    headers = {"X-Request-ID": "client-1"}
+    with _router(fake, mode) as router:
+        for stream in (False, True):
+            r = router.post("/v1/completions", json={**body, "stream": stream}, headers=headers)
+            assert r.status_code == 200 and r.headers["x-request-id"] == "client-1", r.text
+        r = router.post("/v1/completions", json={**body, "max_tokens": 0}, headers=headers)
+        assert r.status_code == 400 and r.headers["x-request-id"] == "client-1"
+        r = router.post("/v1/completions", json={**body, "stream": True})
+        assert r.headers["x-request-id"] == D_ANSWER_ID, "without one: the answer's id"
+    assert fake.calls
+    for _, sent, sent_headers in fake.calls:
+        assert "x-request-id" not in sent_headers
+        assert "client-1" not in json.dumps(sent)
+
+
 def test_metrics_count_sessions_and_flows() -> None:
     fake = FakeInstances()
     base = {"model": "tiny", "max_tokens": 2, "temperature": 0.0}
@@ -197,29 +231,68 @@ def test_push_stream_sends_prefills_token_first_and_drops_decodes_copy() -> None
         fake.gate.set()  # only now may D's stream begin: the first chunk came from P's answer
         rest = [e.data for e in events]
     assert first["choices"][0]["text"] == "A" and first["choices"][0]["token_ids"] == [65]
+    assert first["id"] == D_ANSWER_ID, "P's token goes out under the id of D's answer"
     assert rest[-1] == "[DONE]"
-    chunks = [json.loads(data)["choices"][0] for data in rest[:-1]]
-    assert [c["token_ids"] for c in chunks] == [[66], [67]]
-    assert "".join(c["text"] for c in chunks) == "BC" and chunks[-1]["finish_reason"] == "length"
+    chunks = [json.loads(data) for data in rest[:-1]]
+    assert all(FIRST_TOKEN_IDS_FIELD not in c for c in chunks), "internal: never to the client"
+    choices = [c["choices"][0] for c in chunks]
+    assert [c["token_ids"] for c in choices] == [[66], [67]]
+    assert "".join(c["text"] for c in choices) == "BC" and choices[-1]["finish_reason"] == "length"
+    (d_body,) = fake.bodies(D + "/v1/completions")
+    assert d_body["kv_transfer_params"]["mark_first_token"] is True
 
 
-def _event(choice: dict[str, Any]) -> str:
-    return json.dumps({"id": "c", "choices": [choice]})
+@pytest.mark.parametrize("same_text", [False, True])
+def test_push_stream_never_mixes_when_decodes_first_token_is_another(same_text: bool) -> None:
+    """D fell back and sampled another first token than P's, already sent (one whose text
+    is even the same, as two ids of one text can be): the stream ends with an error
+    event instead of P's token followed by the rest of D's answer."""
+    fake = FakeInstances(answer_ids=[65, 66, 67], gate=threading.Event())
+    fake.decode_first_token = (300, "A") if same_text else (90, "Z")
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 3, "temperature": 0.0,
+            "stream": True, "return_token_ids": True}  # fmt: skip
+    with _router(fake) as router, connect_sse(router, "POST", "/v1/completions", json=body) as src:
+        events = src.iter_sse()
+        first = json.loads(next(events).data)
+        fake.gate.set()
+        rest = [e.data for e in events]
+        assert _metric(router, "kvduplex_router_instance_healthy", url=D, role="decode") == 1
+        assert _metric(router, "kvduplex_router_first_token_diverged_total") == 1
+    assert first["choices"][0]["token_ids"] == [65]
+    assert rest[-1] == "[DONE]" and len(rest) == 2, rest
+    error = json.loads(rest[0])["error"]
+    assert (error["type"], error["code"]) == ("server_error", "decode_diverged")
 
 
-def test_drop_first_token_of_decode_stream() -> None:
-    mid = _event({"index": 0, "text": "a", "token_ids": [97], "finish_reason": None})
-    assert drop_first_token(mid, "a") is None
-    final = _event({"index": 0, "text": "\ufffd", "token_ids": [226], "finish_reason": "length"})
-    kept = drop_first_token(final, "")
-    assert kept is not None and kept != NOT_CONTENT
+def _event(choice: dict[str, Any], ids: list[int] | None = None) -> str:
+    chunk: dict[str, Any] = {"id": "c", "choices": [choice]}
+    if ids is not None:
+        chunk[FIRST_TOKEN_IDS_FIELD] = ids
+    return json.dumps(chunk)
+
+
+def test_splice_first_token_of_decode_stream_by_id() -> None:
+    sent = SentToken(97, "a")
+    mid = {"index": 0, "text": "a", "token_ids": [97], "finish_reason": None}
+    assert splice_first_token(_event(mid, [97]), sent) == (Splice.DROPPED, None)
+    assert splice_first_token(_event(mid, [98]), sent) == (Splice.DIVERGED, None), "same text"
+    assert splice_first_token(_event(mid), sent) == (Splice.DROPPED, None), "no ids: by text"
+    other = {"index": 0, "text": "b", "token_ids": [98], "finish_reason": None}
+    assert splice_first_token(_event(other), sent) == (Splice.DIVERGED, None)
+    splice, kept = splice_first_token(_event(mid, [97]), None)  # nothing sent: relayed
+    assert splice is Splice.RELAYED and kept is not None
+    assert json.loads(kept) == {"id": "c", "choices": [mid]}, "less the id field"
+    final = {"index": 0, "text": "\ufffd", "token_ids": [226], "finish_reason": "length"}
+    splice, kept = splice_first_token(_event(final, [226]), SentToken(226, ""))
+    assert splice is Splice.DROPPED and kept is not None
     choice = json.loads(kept)["choices"][0]
     assert choice == {"index": 0, "text": "\ufffd", "token_ids": [], "finish_reason": "length"}
-    chat = _event({"index": 0, "delta": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"})
-    kept = drop_first_token(chat, "hi")
+    chat = {"index": 0, "delta": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}
+    splice, kept = splice_first_token(_event(chat, [5]), SentToken(5, "hi"))
     assert kept is not None and json.loads(kept)["choices"][0]["delta"] == {"content": ""}
-    assert drop_first_token("[DONE]", "") == NOT_CONTENT
-    assert drop_first_token(json.dumps({"choices": [], "usage": {}}), "") == NOT_CONTENT
+    assert splice_first_token("[DONE]", sent) == (Splice.NOT_CONTENT, "[DONE]")
+    usage = json.dumps({"choices": [], "usage": {}})
+    assert splice_first_token(usage, sent) == (Splice.NOT_CONTENT, usage)
 
 
 # ------------------------------------------------- flags

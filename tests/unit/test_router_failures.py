@@ -45,14 +45,22 @@ class FailingInstances(FakeInstances):
 
     unreachable: set[str] = field(default_factory=set)
     cut_after: int | None = None
+    num_errors: int = 0
+    """D answers this many requests with a 500 (one request's failure), then serves."""
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
         base = f"{request.url.scheme}://{request.url.host}"
         if base in self.unreachable and request.url.path != "/health":
             raise httpx.ConnectError("connection refused", request=request)
+        if request.url.path.startswith("/v1/") and self.num_errors > 0:
+            self.num_errors -= 1
+            self.calls.append((str(request.url), json.loads(request.content), request.headers))
+            error = {"error": {"message": "boom", "type": "server_error", "param": None,
+                               "code": "internal_error"}}  # fmt: skip
+            return httpx.Response(500, json=error)
         return await super().handle(request)
 
-    async def _stream(self) -> AsyncIterator[bytes]:
+    async def _stream(self, mark: bool = False) -> AsyncIterator[bytes]:
         for i, tok in enumerate(self.answer_ids):
             if self.cut_after is not None and i == self.cut_after:
                 yield b'data: {"id": "cmpl-x", "cho'  # half an event, then the connection dies
@@ -120,6 +128,26 @@ async def _probe_all(state: RouterState) -> None:
     from kvduplex.server.router.health import probe_all
 
     await probe_all(state.probe_client, state.policy, 1.0)
+
+
+# ------------------------------------------------- one request's 5xx
+
+
+@pytest.mark.parametrize("mode", [TransferMode.PUSH, TransferMode.PULL])
+def test_a_5xx_answer_keeps_the_instance_in_rotation(mode: TransferMode) -> None:
+    """The only decode instance answers one request with a 500: that client gets the 500,
+    and the next request still goes to it (no 503 until the next probe)."""
+    fake = FailingInstances(num_errors=1)
+    client, state = _router(fake, mode=mode)
+    with client:
+        r = client.post("/v1/completions", json=BODY)
+        assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error", r.text
+        assert _metric(client, "kvduplex_router_instance_healthy", url=D, role="decode") == 1
+        r = client.post("/v1/completions", json=BODY)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == fake.answer_ids
+    assert len(fake.bodies(D + "/v1/completions")) == 2, "both reached the decode instance"
+    assert all(b.is_healthy and b.in_flight == 0 for b in state.policy.decode.backends)
 
 
 # ------------------------------------------------- decode dies mid-answer

@@ -142,7 +142,7 @@ def test_probes_mark_unhealthy_after_the_threshold_and_a_failed_call_at_once() -
     2. the second failed probe in a row marks it unhealthy and tells its watchers, once;
     3. a failed call marks D1 at once and tells its watchers;
     4. a watch of an instance presumed down is told at once; an ended watch is never told;
-    5. a 5xx answer marks it unhealthy without telling its watchers."""
+    5. a 5xx answer leaves it healthy, in rotation, and its watchers untold."""
     policy, clock = _policy(1, 2)  # health_failures: 2, the default
     d0, d1 = policy.decode.backends
     told: list[str] = []
@@ -171,13 +171,14 @@ def test_probes_mark_unhealthy_after_the_threshold_and_a_failed_call_at_once() -
     unwatch()
     policy.decode.mark_failed(d0, clock())
     assert told == ["d0", "d1", "d0 again"]
-    clock.now += 1.0  # 5. a 5xx answer: no new work for d0, but its calls in flight go on
+    clock.now += 1.0  # 5. a 5xx answer is one request's failure: d0 stays in rotation
     policy.decode.note_probe(d0, True, clock(), clock())
     route = policy.route(_turn1(1), None)
     assert route.decode is d0
     d0.watch(lambda: told.append("d0 down"))
     policy.decode_done(route, Outcome.ERROR)
-    assert not d0.is_healthy and not d0.is_down and told == ["d0", "d1", "d0 again"]
+    assert d0.is_healthy and not d0.is_down and told == ["d0", "d1", "d0 again"]
+    assert policy.route(_turn1(2), None).decode is d0, "the only healthy decode gets the next"
     policy.decode.mark_failed(d0, clock())  # then a failed connection: presumed down
     assert d0.is_down and told == ["d0", "d1", "d0 again", "d0 down"]
 

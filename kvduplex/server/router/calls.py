@@ -5,10 +5,10 @@ to a partitioned or hung instance would hold its client's request for that
 long after the router stopped sending the instance work. Each call watches
 its instance while in flight (`Backend.watch`); when the instance is presumed
 down (a failed connection, or ``--health-failures`` failed probes in a row;
-not a 5xx answer, which only stops new work) the call is abandoned and raises `InstanceDown`, an `httpx.TransportError`,
-so that it ends as a call whose connection failed ends: a prefill fails
-(decode computes the prompt), a decode that has not answered is a 502, a
-decode stream ends with an error event.
+never a 5xx answer) the call is abandoned and raises `InstanceDown`, an
+`httpx.TransportError`, so that it ends as a call whose connection failed
+ends: a prefill fails (decode computes the prompt), a decode that has not
+answered is a 502, a decode stream ends with an error event.
 
 How a call is abandoned. A call still waiting for its response (the head of a
 stream, or a whole body) runs in a task of its own (`until_unhealthy`), which
@@ -46,9 +46,8 @@ class InstanceDown(httpx.TransportError):
 async def until_unhealthy(b: Backend, call: Coroutine[Any, Any, T]) -> T:
     """What `call` (a call to `b`) returns, unless `b` is marked unhealthy first: the call
     is then cancelled, its end awaited, and `InstanceDown` raised. If `b` is presumed down
-    already, `call` never starts (one that only answered a 5xx still gets calls: a cancel
-    or release it should hear). If the caller is cancelled, the call is cancelled once and
-    left to end on its own."""
+    already, `call` never starts. If the caller is cancelled, the call is cancelled once
+    and left to end on its own."""
     if b.is_down:
         call.close()
         raise InstanceDown(b.url)

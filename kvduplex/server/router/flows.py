@@ -5,7 +5,8 @@
   session_id}`` on D, at the same time. P streams the prompt's KV into D's
   blocks layer by layer and answers with its first token as soon as it is
   sampled; a streaming client gets that token at once, then D's tokens (D's
-  own copy of the first token is dropped). If P fails, D is told to stop
+  own copy of the first token is dropped, matched by token id: see
+  `relay.push_stream`). If P fails, D is told to stop
   waiting and computes the prompt itself; if D refuses the request, P is told
   to stop.
 * **pull** (baseline): ``POST /internal/prefill`` on P, then the request with
@@ -45,6 +46,7 @@ from fastapi.responses import Response
 
 from kvduplex.config import ReturnMode
 from kvduplex.openai import render
+from kvduplex.openai.errors import REQUEST_ID_HEADER
 from kvduplex.openai.protocol import OpenAIRequest
 from kvduplex.openai.protocol import error_body
 from kvduplex.server.router.calls import InstanceDown
@@ -276,7 +278,6 @@ async def serve_push(state: RouterState, fwd: Forward) -> Response:
     d = fwd.route.decode
     assert p is not None
     xid = f"push-{uuid.uuid4().hex}"
-    rid = f"{'chatcmpl' if fwd.is_chat else 'cmpl'}-{uuid.uuid4().hex}"
     body, seed = fwd.body, fwd.request.seed
     if fwd.request.temperature != 0 and seed is None:
         # P samples the first token, D the rest (or all, if it falls back): one seed
@@ -290,6 +291,9 @@ async def serve_push(state: RouterState, fwd: Forward) -> Response:
         "mode": "push", "xid": xid, "prefill_url": p.url, "engine_id": p.engine_id,
         "session_id": fwd.route.session_id,
     }  # fmt: skip
+    is_spliced = bool(fwd.request.stream) and not fwd.request.stop  # see below
+    if is_spliced:  # D names its first token's id: P's is spliced in by id, not by text
+        params["mark_first_token"] = True
     mode = state.config.return_mode
     if mode is ReturnMode.PUSH:
         params.update(return_to=p.url, return_engine_id=p.engine_id)
@@ -299,9 +303,7 @@ async def serve_push(state: RouterState, fwd: Forward) -> Response:
             p_req["pull_from"] = await _retained(state, d, fwd.route.session_id)
     prefill = asyncio.create_task(_post_prefill(state, fwd, "/internal/push/prefill", p_req))
     try:
-        upstream = await _open_decode(
-            state, fwd, {**body, "kv_transfer_params": params}, {"x-request-id": rid}
-        )
+        upstream = await _open_decode(state, fwd, {**body, "kv_transfer_params": params}, {})
     except DecodeUnreachable:
         await _cancel(state, p, xid, "decode unreachable")
         raise
@@ -318,12 +320,16 @@ async def serve_push(state: RouterState, fwd: Forward) -> Response:
         if isinstance(upstream, Response):
             return upstream
         return _relay_decode(state, fwd, upstream, body_parts(upstream))
-    if not fwd.request.stream or fwd.request.stop:
+    if not is_spliced:
         # Stop strings act on text: only D, which sees the whole answer, can apply them.
         return _relay_decode(state, fwd, upstream, body_parts(upstream))
+    # P's token goes out under the id of D's answer, which D's X-Request-ID header names
+    # (no X-Request-ID is sent to D, so the header is D's own id, not an echo).
+    prefix = "chatcmpl" if fwd.is_chat else "cmpl"
+    rid = upstream.headers.get(REQUEST_ID_HEADER) or f"{prefix}-{uuid.uuid4().hex}"
     head = render.ResponseHead(
         request_id=rid, model=fwd.request.model or state.config.model, is_chat=fwd.is_chat,
         return_token_ids=fwd.request.return_token_ids,
     )  # fmt: skip
-    first = FirstToken(head, state.tokenizer)
+    first = FirstToken(head, state.tokenizer, xid, state.metrics.first_token_diverged.inc)
     return _relay_decode(state, fwd, upstream, push_stream(upstream, watcher, first))

@@ -11,7 +11,7 @@ from kvduplex.server.router.policy import RoutingPolicy
 
 class RouterMetrics:
     """Session hits and misses, requests by flow, sessions remembered, instance health,
-    requests routed again and streams ended by an error."""
+    requests routed again, streams ended by an error and first tokens that diverged."""
 
     def __init__(self, registry: CollectorRegistry, policy: RoutingPolicy) -> None:
         m = MetricFactory(registry, "kvduplex_router_")
@@ -29,8 +29,8 @@ class RouterMetrics:
         self.sessions.set_function(lambda: len(policy.sessions))
         self.instance_healthy = m.gauge(
             "instance_healthy",
-            "1 while the router sends new work to the instance (its last call or probe "
-            "succeeded), else 0.",
+            "1 while the router sends new work to the instance, else 0 (a failed connection, "
+            "or failed probes in a row, until a later probe succeeds; not a 5xx answer).",
             ["url", "role"],
         )
         for role, pool in (("prefill", policy.prefill), ("decode", policy.decode)):
@@ -47,4 +47,9 @@ class RouterMetrics:
         self.stream_errors = m.counter(
             "stream_errors",
             "Answers cut by their decode instance mid-way (a stream ended with an error event).",
+        )
+        self.first_token_diverged = m.counter(
+            "first_token_diverged",
+            "Push streams ended with an error because decode's first token was not prefill's, "
+            "already sent (decode fell back and sampled another).",
         )

@@ -14,15 +14,17 @@ spread as well as the requests of the moment. Equal loads are broken
 round-robin. The prompt's prefix alone never attracts a new session: a
 system prompt shared by every conversation would send them all to one place.
 
-Health. An instance is unhealthy from a failed call (unreachable, or a 5xx)
-or from `health_failures` failed probes of its /health in a row (`note_probe`,
-from the router's prober) until a probe that began after the failure
-succeeds. Only healthy instances get work: without a healthy prefill
-instance, decode computes whole requests; without a healthy decode instance,
-`route` raises `NoHealthyInstance`. An instance presumed down (a failed
-connection, or the failed probes) also has whatever watches it called
-(`Backend.watch`): the flows abandon their calls in flight to it there; a
-5xx answer leaves its other calls in flight alone.
+Health. An instance is unhealthy from a failed call (unreachable, or its
+connection failed) or from `health_failures` failed probes of its /health in
+a row (`note_probe`, from the router's prober) until a probe that began after
+the failure succeeds. A 5xx answer is about one request (a prompt that failed,
+a P that cannot reach one D): the instance answered, so it stays in rotation;
+with one decode instance, marking it would refuse every client until the next
+probe. Only healthy instances get work: without a healthy prefill instance,
+decode computes whole requests; without a healthy decode instance, `route`
+raises `NoHealthyInstance`. An instance marked unhealthy (presumed down) also
+has whatever watches it called (`Backend.watch`): the flows abandon their
+calls in flight to it there.
 
 The policy is plain Python over its own counters; the flows report back
 when each call ends (`prefill_done`, `decode_done`) and whether the instance
@@ -51,8 +53,8 @@ class Outcome(enum.Enum):
     REFUSED = "refused"
     """A 4xx, or a call abandoned: it says nothing of the instance."""
     ERROR = "error"
-    """A 5xx: the instance answered but failed the call. Unhealthy (no new work) until a
-    probe says otherwise; its other calls in flight go on."""
+    """A 5xx: the instance answered but failed this call. Says nothing of its health:
+    it keeps getting work (only failed connections and failed probes take it out)."""
     FAILED = "failed"
     """Unreachable, or its connection failed: presumed down. Unhealthy until a probe says
     otherwise, and its calls in flight are abandoned."""
@@ -161,9 +163,9 @@ class BackendPool:
         return b in up and b.in_flight <= min(x.in_flight for x in up) + busy_margin
 
     def mark_failed(self, b: Backend, now: float, *, is_down: bool = True) -> None:
-        """`b` gets no new work from now. `is_down` (it is presumed down): everything that
-        watches it is told (and stops watching); else (it answered a call with a 5xx) its
-        other calls in flight go on."""
+        """`b` gets no new work from now. `is_down` (it is presumed down, the only way the
+        router marks an instance): everything that watches it is told (and stops
+        watching); else its other calls in flight go on."""
         b.is_healthy = False
         b.failed_at = now
         if is_down:
@@ -193,8 +195,8 @@ class BackendPool:
 
     def done(self, b: Backend, outcome: Outcome, now: float) -> None:
         b.in_flight -= 1
-        if outcome is Outcome.FAILED or outcome is Outcome.ERROR:
-            self.mark_failed(b, now, is_down=outcome is Outcome.FAILED)
+        if outcome is Outcome.FAILED:  # not ERROR: a 5xx is one request's failure
+            self.mark_failed(b, now)
 
 
 @dataclass

@@ -2,9 +2,11 @@
 
 In push mode P samples the answer's first token and the router streams it at
 once; D, which continues from that token, emits its own copy of it in a chunk
-of its own. `push_stream` writes P's token as the first chunk, then D's stream
-with that copy dropped (`drop_first_token`). D's events are read with
-httpx-sse, the one SSE parser of the project.
+of its own, which names its token id. `push_stream` writes P's token as the
+first chunk, then D's stream with that copy dropped if, and only if, its id is
+P's token's (`splice_first_token`); a D that fell back and sampled another
+first token ends the stream with an error rather than a mixed answer. D's
+events are read with httpx-sse, the one SSE parser of the project.
 
 A stream is relayed in whole events. If D's connection fails mid-answer (D
 died), or the router marks D unhealthy meanwhile (D hung or partitioned: the
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import json
 import logging
 from collections.abc import AsyncGenerator
@@ -25,6 +28,7 @@ from collections.abc import AsyncIterator
 from collections.abc import Awaitable
 from collections.abc import Callable
 from dataclasses import dataclass
+from dataclasses import field
 from typing import Any
 
 import anyio
@@ -38,6 +42,7 @@ from starlette.types import Send
 from kvduplex.engine.detokenizer import IncrementalDetokenizer
 from kvduplex.model.tokenizer import Tokenizer
 from kvduplex.openai import render
+from kvduplex.openai.errors import REQUEST_ID_HEADER
 from kvduplex.openai.protocol import error_body
 from kvduplex.server.router.calls import InstanceDown
 
@@ -134,6 +139,8 @@ def relay(
             await close(failed)
 
     headers = {"content-type": content_type}
+    if REQUEST_ID_HEADER in upstream.headers:  # the answer's id (a client's own is echoed)
+        headers[REQUEST_ID_HEADER] = upstream.headers[REQUEST_ID_HEADER]
     return _RelayedResponse(body(), close, upstream.status_code, headers)
 
 
@@ -223,6 +230,10 @@ class FirstToken:
 
     head: render.ResponseHead
     tokenizer: Tokenizer
+    xid: str = ""
+    """The transfer, as log lines name it."""
+    on_diverged: Callable[[], None] = field(default=lambda: None)
+    """Called when D's first token is not the one sent (the stream then ends)."""
 
     def chunk(self, token: int) -> tuple[str, bytes]:
         """The token's text as D's detokenizer releases it (not the last token), and the chunk."""
@@ -238,9 +249,13 @@ async def push_stream(
 ) -> AsyncIterator[bytes]:
     """P's first token as soon as P answers, then D's stream without D's first token.
 
-    D emits its first token in a chunk of its own (received or computed), so
-    dropping D's first content chunk drops exactly that token. If D's stream
-    starts before P answers (or P failed), D's stream is relayed unchanged.
+    D emits its first token in a chunk of its own (received from P, or sampled itself
+    after a fallback), which names its token id (`render.FIRST_TOKEN_IDS_FIELD`, asked
+    for with ``kv_transfer_params.mark_first_token``; removed here). That chunk is dropped
+    only if its token is the one already sent. If it is another (D fell back and sampled
+    differently), the answer cannot be both: the stream ends with a ``decode_diverged``
+    error event, never with P's token followed by the rest of D's answer. If D's stream
+    starts before P answers (or P failed), D's stream is relayed as it is, less the field.
     """
     events = EventSource(upstream).aiter_sse()
     next_event = asyncio.ensure_future(anext(events, None))
@@ -248,12 +263,13 @@ async def push_stream(
         if not prefill.done():
             await asyncio.wait({prefill, next_event}, return_when=asyncio.FIRST_COMPLETED)
         ans = prefill.result() if prefill.done() else None
-        sent_text = ""
-        skip = False
+        sent: SentToken | None = None
         if ans is not None and not next_event.done():
-            sent_text, chunk = first.chunk(int(ans["first_token"]))
+            token = int(ans["first_token"])
+            text, chunk = first.chunk(token)
+            sent = SentToken(token, text)
             yield chunk
-            skip = True
+        looking = True  # for D's first chunk with tokens
         while True:
             # Shielded: a cancel of this task (anyio repeats Starlette's, once per loop
             # iteration, until the task leaves the scope) would otherwise reach the reader
@@ -263,11 +279,19 @@ async def push_stream(
                 return
             next_event = asyncio.ensure_future(anext(events, None))
             data: str | None = event.data
-            if skip:
-                dropped = drop_first_token(event.data, sent_text)
-                if dropped != NOT_CONTENT:
-                    skip = False
-                    data = dropped
+            if looking:
+                splice, data = splice_first_token(event.data, sent)
+                looking = splice is Splice.NOT_CONTENT
+                if splice is Splice.DIVERGED:
+                    first.on_diverged()
+                    logger.warning(
+                        "xid=%s: decode's first token is not prefill's %s (decode fell back "
+                        "and sampled another); ending the stream", first.xid, sent,
+                    )  # fmt: skip
+                    message = "decode's answer diverged from the first token already sent"
+                    error = error_body(message, "server_error", code="decode_diverged")
+                    yield (render.sse_data(error) + render.SSE_DONE).encode()
+                    return
             if data is not None:
                 yield f"data: {data}\n\n".encode()
     finally:
@@ -282,34 +306,62 @@ async def push_stream(
             await events.aclose()
 
 
-NOT_CONTENT = ""
-"""`drop_first_token`'s answer for an event without a token (usage, [DONE], an error);
-never a chunk, which is not empty JSON text."""
+@dataclass(frozen=True)
+class SentToken:
+    """P's first token as the router sent it: its id and its text."""
+
+    token_id: int
+    text: str
 
 
-def drop_first_token(data: str, sent_text: str) -> str | None:
-    """D's first content chunk (an event's data) minus what the router already sent.
+class Splice(enum.Enum):
+    """What `splice_first_token` found in one event of D's stream."""
 
-    None to drop the chunk; else the chunk with the rest of its text (a final
-    flush) and its finish reason; `NOT_CONTENT` if it carries no token.
+    NOT_CONTENT = "not_content"
+    """No token (usage, [DONE], an error): relayed as it is; the first chunk is still ahead."""
+    RELAYED = "relayed"
+    """D's first chunk with tokens, nothing sent before it: relayed (less the id field)."""
+    DROPPED = "dropped"
+    """D's first token is the one sent: the chunk is dropped, or what else it carries kept."""
+    DIVERGED = "diverged"
+    """D's first token is not the one sent."""
+
+
+def splice_first_token(data: str, sent: SentToken | None) -> tuple[Splice, str | None]:
+    """An event of D's stream (its data) while the router looks for D's first chunk with
+    tokens, and what to relay of it (None: nothing).
+
+    That chunk loses `render.FIRST_TOKEN_IDS_FIELD`. With `sent`, it is D's copy of the
+    token sent if its first id is `sent`'s (a D that names no ids: if its text starts
+    with `sent`'s): dropped, unless it also ends the answer or carries more text (a final
+    flush), which is kept without the token's text and ids.
     """
     try:
         chunk = json.loads(data)
     except ValueError:
-        return NOT_CONTENT
+        return Splice.NOT_CONTENT, data
     choices = chunk.get("choices") if isinstance(chunk, dict) else None
     if not choices:
-        return NOT_CONTENT
+        return Splice.NOT_CONTENT, data
+    ids = chunk.pop(render.FIRST_TOKEN_IDS_FIELD, None)
+    if sent is None:
+        return Splice.RELAYED, json.dumps(chunk)
     choice = choices[0]
     text = (choice.get("delta") or {}).get("content") if "delta" in choice else choice.get("text")
     text = text or ""
-    rest = text[len(sent_text) :] if text.startswith(sent_text) else ""
+    if isinstance(ids, list):
+        same = bool(ids) and ids[0] == sent.token_id
+    else:  # a decode instance that does not name ids
+        same = text.startswith(sent.text)
+    if not same:
+        return Splice.DIVERGED, None
+    rest = text[len(sent.text) :] if text.startswith(sent.text) else ""
     if choice.get("finish_reason") is None and not rest:
-        return None
+        return Splice.DROPPED, None
     if "delta" in choice:
         choice["delta"] = {"content": rest}
     else:
         choice["text"] = rest
     if "token_ids" in choice:
-        choice["token_ids"] = []
-    return json.dumps(chunk)
+        choice["token_ids"] = choice["token_ids"][1:]
+    return Splice.DROPPED, json.dumps(chunk)
