@@ -123,6 +123,10 @@ class Request:
     """Prompt tokens this instance computed (prefill chunks, recomputations included)."""
     num_remote_kv_bytes: int = field(default=0, init=False)
     """Bytes of prompt KV that arrived from another instance."""
+    forced_first_token: int | None = field(default=None, init=False)
+    """The first output token when another instance sampled it (and the client may have
+    it already): a request that computes its prompt here after all continues from it
+    instead of sampling its own."""
     stop_reason: int | None = field(default=None, init=False)
     """The stop token id that ended the request (None for EOS, length and abort)."""
     finish_reason: FinishReason | None = field(default=None, init=False)

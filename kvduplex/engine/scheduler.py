@@ -169,7 +169,10 @@ class Scheduler:
                     raise ValueError(
                         f"request {req.request_id} needed a sampled token but got none"
                     )
-                req.append_output_token(sampled[req.request_id])
+                token = sampled[req.request_id]
+                if req.num_output_tokens == 0 and req.forced_first_token is not None:
+                    token = req.forced_first_token  # sampled elsewhere, sent already
+                req.append_output_token(token)
             self.kv.cache_full_blocks(req)
             if seq.needs_sample:
                 reason = check_stop(req, self.kv.max_num_tokens)

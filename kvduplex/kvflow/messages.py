@@ -69,9 +69,13 @@ class KVDone(ControlMessage, tag="kv_done", frozen=True):
 
 
 class KVFailed(ControlMessage, tag="kv_failed", frozen=True):
-    """The sender gave up on transfer ``xid``; the receiver should fall back."""
+    """The sender gave up on transfer ``xid``; the receiver should fall back. Nothing
+    of the transfer can land any more."""
 
     reason: str = ""
+    first_token: int | None = None
+    """A push's first token, if the prefill sampled it (the client may have it): the
+    receiver's own prefill continues from it."""
 
 
 class KVOffer(ControlMessage, tag="kv_offer", frozen=True):

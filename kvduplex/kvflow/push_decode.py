@@ -125,6 +125,7 @@ class PushDecode:
             xid, spec.peer, blocks, first, req.num_prompt_tokens,
             on_done=partial(self._on_done, rid, len(blocks)),
             on_failed=partial(self._on_failed, rid),
+            on_first_token=partial(self._on_first_token, rid),
         )  # fmt: skip
         if not ok:
             self._fall_back(rid, "register_failed", discard_blocks=False)
@@ -170,6 +171,13 @@ class PushDecode:
         self.stats.num_received_blocks += num_blocks
         if self.metrics is not None:
             self.metrics.received_tokens.inc(msg.num_tokens - req.num_cached_tokens)
+
+    def _on_first_token(self, rid: str, token: int) -> None:
+        """Prefill sampled the first token (the router may have sent it to the client
+        already): a prompt computed here continues from it, if it has not sampled yet."""
+        req = self.engine.get_request(rid)
+        if req is not None and req.num_output_tokens == 0:
+            req.forced_first_token = token
 
     def _on_failed(self, rid: str, cause: WaitFailure, reason: str) -> None:
         if self.engine.get_request(rid) is None:

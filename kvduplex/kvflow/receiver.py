@@ -66,6 +66,7 @@ class WaitFailure(enum.Enum):
 
 OnDone = Callable[[KVDone], None]
 OnFailed = Callable[[WaitFailure, str], None]
+OnFirstToken = Callable[[int], None]
 
 
 @dataclass
@@ -77,6 +78,9 @@ class _Wait:
     deadline: float
     on_done: OnDone
     on_failed: OnFailed
+    on_first_token: OnFirstToken | None = None
+    """The sender's first token, when it ends without the KV (KVFailed, or any end
+    after we fell back): the fallback continues from it."""
     fell_back: bool = False
     quarantine_until: float = 0.0
     expiring: bool = False
@@ -128,6 +132,7 @@ class KVReceiver(FlowHalf):
         num_tokens: int,
         on_done: OnDone,
         on_failed: OnFailed,
+        on_first_token: OnFirstToken | None = None,
     ) -> bool:
         """Register `blocks` (for the transfer's blocks ``first_block ..``) with the sender.
 
@@ -136,7 +141,10 @@ class KVReceiver(FlowHalf):
         wait (or its quarantine) holds `xid`.
         """
         msg = KVRegister(xid, blocks, first_block, num_tokens, self.wait_s, time.time())
-        wait = _Wait(xid, peer, list(blocks), time.monotonic() + self.wait_s, on_done, on_failed)
+        wait = _Wait(
+            xid, peer, list(blocks), time.monotonic() + self.wait_s, on_done, on_failed,
+            on_first_token,
+        )  # fmt: skip
         with self._lock:
             if xid in self._waits:
                 logger.warning("xid=%s: already waited on; not registering again", xid)
@@ -168,6 +176,11 @@ class KVReceiver(FlowHalf):
         if wait is None:
             return
         self.engine.release_blocks(wait.blocks)
+        first_token = msg.first_token
+        if wait.on_first_token is not None and first_token is not None and (
+            wait.fell_back or isinstance(msg, KVFailed)
+        ):
+            wait.on_first_token(first_token)
         if wait.fell_back:
             self.stats.num_late += 1
         elif isinstance(msg, KVDone):

@@ -452,7 +452,7 @@ class KVSender(FlowHalf):
                 job.xid, job.num_tokens, job.first_token, job.num_cached_tokens
             )
         else:
-            msg = KVFailed(job.xid, job.error)
+            msg = KVFailed(job.xid, job.error, job.first_token)
         if (job.reg is not None or job.confirm_end) and notify:
             self._notify.submit(self._tell, job.peer, msg)
         self._account(job, end)

@@ -9,6 +9,7 @@ import asyncio
 
 from kvduplex.engine.async_engine import AsyncEngine
 from kvduplex.engine.engine import LLMEngine
+from kvduplex.engine.sampling import SamplingParams
 from kvduplex.model.loader import LoadedModel
 from kvduplex.transport.base import Post
 from tests.unit.flow_pair import PROMPT
@@ -136,3 +137,26 @@ def test_a_pull_read_that_lands_after_its_deadline_never_reaches_the_answer(
         s.ad.call(lambda e: e.check_integrity()).result(5)
     finally:
         s.ad.shutdown()
+
+
+def test_decode_falling_back_continues_from_prefills_first_token(tiny: LoadedModel) -> None:
+    """P sampled the first token (the router streams it to the client at once), then
+    its WRITE failed: KVFailed carries that token and D's own prefill continues from
+    it instead of sampling another (unseeded sampling would differ almost surely)."""
+    hot = SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True)
+    with Pair(tiny, wait_s=30, transfer_timeout_s=0.3) as s:
+        for trial in range(3):
+            xid = f"xf{trial}"
+            s.tp.land_late_next(0.05)
+
+            async def run(xid: str = xid) -> tuple[list[int], list[int]]:
+                return await asyncio.gather(
+                    s.prefill(xid, PROMPT, SamplingParams(max_tokens=1, temperature=1.0)),
+                    s.decode(xid, PROMPT, hot),
+                )
+
+            p_out, d_out = asyncio.run(run())
+            assert len(p_out) == 1 and len(d_out) == 4
+            assert d_out[0] == p_out[0], "D's answer starts with the token the client has"
+        assert s.push.stats.num_fallbacks == 3 and s.push.stats.num_received == 0
+        s.assert_clean()
