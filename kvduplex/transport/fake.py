@@ -11,8 +11,14 @@ injection for tests of the flows built on top::
     peer = p.connect(d.local_metadata())
     p.fail_next("boom")          # next transfer ends FAILED, nothing copied
     p.hang_next()                # next transfer stays PENDING until its deadline
+    p.forge_next_sender("x")     # next notification's envelope claims engine "x"
+    p.drop_next_notif(match)     # next notification (matching) is lost on the way
 
-Closing an endpoint fails the transfers in flight to it, like a dead peer.
+Each endpoint is its own agent (``inprocess-<engine id>``): a notification
+reaches its target as delivered by the sending endpoint's agent, with the
+envelope's claimed sender beside it, and the target's `Transport` checks the
+two against the peers it connected to, as over NIXL. Closing an endpoint fails
+the transfers in flight to it, like a dead peer.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from kvduplex.engine.kv_cache import KVCacheLayout
+from kvduplex.transport.base import Incoming
 from kvduplex.transport.base import Post
 from kvduplex.transport.base import Transport
 from kvduplex.transport.base import check_compatible
@@ -34,7 +41,6 @@ from kvduplex.transport.messages import HandshakeInfo
 from kvduplex.transport.messages import LayoutInfo
 from kvduplex.transport.metrics import TransferMetrics
 from kvduplex.transport.protocol import FailureKind
-from kvduplex.transport.protocol import Notification
 from kvduplex.transport.protocol import PeerHandle
 from kvduplex.transport.protocol import PeerUnavailableError
 from kvduplex.transport.protocol import TransferError
@@ -109,6 +115,10 @@ class InProcessTransport(Transport):
         self._peers: dict[str, PeerHandle] = {}
         self._faults: deque[_Fault] = deque()
         self._hung: dict[int, tuple[TransferHandle, threading.Timer]] = {}
+        self._forged: deque[str] = deque()
+        self._drops: deque[Callable[[bytes], bool]] = deque()
+        self.num_notifs_dropped = 0
+        """Notifications lost to `drop_next_notif` (for tests)."""
         self.num_posted = 0
         """Transfers posted so far (for tests)."""
 
@@ -124,12 +134,28 @@ class InProcessTransport(Transport):
         with self._lock:
             self._faults.append(_Fault(None, "hang"))
 
+    def forge_next_sender(self, engine_id: str) -> None:
+        """The envelope of the next notification sent from here (by `send_notif` or with
+        a WRITE) names ``engine_id`` as its sender; its agent stays ours."""
+        with self._lock:
+            self._forged.append(engine_id)
+
+    def drop_next_notif(self, match: Callable[[bytes], bool] | None = None) -> None:
+        """Lose the next notification sent from here whose payload ``match``es (any, if
+        None), as a network would: the sender believes it went out."""
+        with self._lock:
+            self._drops.append(match or (lambda _payload: True))
+
     # -- Transport -----------------------------------------------------------
+
+    @property
+    def agent_name(self) -> str:
+        return f"inprocess-{self.engine_id}"
 
     def local_metadata(self) -> HandshakeInfo:
         return HandshakeInfo(
             engine_id=self.engine_id,
-            agent_name=f"inprocess-{self.engine_id}",
+            agent_name=self.agent_name,
             agent_metadata=b"",
             layout=LayoutInfo.from_layout(self._layout),
             base_address=int(self._pool.data_ptr()),
@@ -145,14 +171,19 @@ class InProcessTransport(Transport):
         with self._lock:
             self._ensure_open()
             handle = self._peers.get(info.engine_id)
+            is_new = handle is None
             if handle is None:
                 handle = PeerHandle(info.engine_id, info.agent_name, peer_layout)
                 self._peers[info.engine_id] = handle
+        if is_new:
+            self._peer_connected(handle)
         return handle
 
     def disconnect(self, peer: PeerHandle) -> None:
         with self._lock:
-            self._peers.pop(peer.engine_id, None)
+            known = self._peers.pop(peer.engine_id, None)
+        if known is not None:
+            self._peer_disconnected(known)
         self._fail_hung(lambda h: h.peer_engine_id == peer.engine_id, "peer disconnected")
 
     def send_notif(self, peer: PeerHandle, payload: bytes, xid: str | None = None) -> None:
@@ -160,8 +191,7 @@ class InProcessTransport(Transport):
         if target is None:
             raise PeerUnavailableError(f"xid={xid}: peer {peer.engine_id} is gone")
         self._touch()
-        target._queue_notifs([Notification(self.engine_id, xid, payload)])
-        self.metrics.on_notification("sent")
+        self._send(target, xid, payload)
 
     def _shutdown(self) -> None:
         self._fabric._remove(self.engine_id)
@@ -204,8 +234,21 @@ class InProcessTransport(Transport):
             self._regions.index_copy_(0, li, target._regions.index_select(0, ri))
         self._complete(handle, TransferState.DONE)
         if post.notif is not None:
-            target._queue_notifs([Notification(self.engine_id, handle.xid, post.notif)])
-            self.metrics.on_notification("sent")
+            self._send(target, handle.xid, post.notif)
+
+    def _send(self, target: InProcessTransport, xid: str | None, payload: bytes) -> None:
+        """Deliver one notification to ``target`` from our agent (faults applied)."""
+        with self._lock:
+            claimed = self._forged.popleft() if self._forged else self.engine_id
+            drop = next((m for m in self._drops if m(payload)), None)
+            if drop is not None:
+                self._drops.remove(drop)
+                self.num_notifs_dropped += 1
+        self.metrics.on_notification("sent")
+        if drop is not None:
+            logger.info("xid=%s: fault: notification to %s dropped", xid, target.engine_id)
+            return
+        target._deliver([Incoming(self.agent_name, claimed, xid, payload)])
 
     def _target(self, peer: PeerHandle) -> InProcessTransport | None:
         target = self._fabric.lookup(peer.engine_id)
