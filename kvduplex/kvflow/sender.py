@@ -542,13 +542,15 @@ class KVSender(FlowHalf):
 
     def _on_alive_ack_notif(self, msg: ControlMessage, sender: str) -> None:
         """The receiver restarted its wait when our heartbeat sent at ``sent_at`` arrived,
-        so its deadline is at least ``sent_at`` + its wait: ours may move there."""
+        so its deadline is at least ``sent_at`` + its wait: ours may move there.
+        (``sent_at`` is our own monotonic clock echoed back; never trusted past now.)"""
         assert isinstance(msg, KVAliveAck)
+        sent_at = min(msg.sent_at, time.monotonic())
         with self._lock:
             job = self._jobs.get(msg.xid)
             if job is None or job.reg is None or job.ended or sender != job.peer.engine_id:
                 return
-            job.expires_at = max(job.expires_at, msg.sent_at + job.reg.wait_s)
+            job.expires_at = max(job.expires_at, sent_at + job.reg.wait_s)
 
     def _tick(self, now: float) -> None:
         beats: list[SendJob] = []

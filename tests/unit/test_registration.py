@@ -11,6 +11,7 @@ import time
 import pytest
 
 from kvduplex.engine.request import Request
+from kvduplex.kvflow.messages import KVAliveAck
 from kvduplex.kvflow.messages import KVRegister
 from kvduplex.kvflow.messages import KVRegistered
 from kvduplex.model.loader import LoadedModel
@@ -74,7 +75,8 @@ def test_a_duplicate_registration_is_acknowledged_again_and_applied_once(
     tiny: LoadedModel,
 ) -> None:
     """A copy of a registration P already applied (its acknowledgement crossed D's
-    re-send) is answered again and changes nothing."""
+    re-send) is answered again and changes nothing; nor does a heartbeat echo from
+    the future."""
     with Pair(tiny, wait_s=5.0) as s:
         acks: list[tuple[str, str]] = []
         s.pumps[1].on(KVRegistered, lambda msg, sender: acks.append((msg.xid, sender)))
@@ -86,6 +88,13 @@ def test_a_duplicate_registration_is_acknowledged_again_and_applied_once(
         assert acks == [("dup", s.tp.engine_id)] * 2
         assert s.sender._jobs["dup"].reg == reg
         assert s.sender.stats.num_registrations_refused == 0
+        # An acknowledged heartbeat moves P's deadline by the wait from when P sent it, on
+        # P's own clock: an echo claiming a later time than P's now moves it no further.
+        codec = MessageCodec()
+        s.td.send_notif(s.p_peer, codec.encode(KVAliveAck("dup", time.monotonic() + 3600)), "dup")
+        s.td.send_notif(s.p_peer, codec.encode(reg), "dup")  # answered after the echo
+        _wait_for(lambda: len(acks) == 3, "the third acknowledgement")
+        assert s.sender._jobs["dup"].expires_at <= time.monotonic() + reg.wait_s
         assert s.ap.call(lambda _e: s.sender.cancel("dup", "test")).result(5)
         s.assert_clean()
 
