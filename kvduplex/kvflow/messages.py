@@ -5,6 +5,8 @@ part (push: prefill sends, decode receives; return: decode sends, prefill
 receives)::
 
     receiver ── KVRegister{dst blocks} ──► sender        (push: D→P; return: P→D)
+             ◄── KVRegistered ──────────          (re-sent every third of the wait until then)
+             ◄── KVFailed ──────────────          (refused: nothing was or will be written)
     receiver ── KVWaiting ──────────────► sender         (not registered yet, still coming)
     sender ──── WRITE ... ─────────────► receiver's blocks
     sender ──── KVAlive ───────────────► receiver ── KVAliveAck ──► sender
@@ -27,11 +29,18 @@ class KVRegister(ControlMessage, tag="kv_register", frozen=True):
     num_tokens: int
     """Tokens the transfer covers, as the receiver counts them (a check)."""
     wait_s: float
-    """How long the receiver waits from sending this without hearing from the sender
-    (each `KVAlive` restarts it); the sender writes nothing after that."""
-    sent_at: float
-    """The receiver's wall clock (`time.time`) when it sent this: a registration that
-    arrives late gets only what is left of the receiver's wait."""
+    """The receiver's wait: how long it waits without hearing from the sender (each
+    `KVAlive` restarts it)."""
+    time_left_s: float
+    """What was left of the receiver's current wait when it sent this (``wait_s`` the
+    first time, less when re-sent). A duration, never a clock: the sender counts it
+    from when it received the registration, on its own clock, and writes nothing after."""
+
+
+class KVRegistered(ControlMessage, tag="kv_registered", frozen=True):
+    """The sender holds the registration of ``xid``: the receiver stops re-sending it.
+
+    Sent for every copy the sender receives (a duplicate is answered again)."""
 
 
 class KVWaiting(ControlMessage, tag="kv_waiting", frozen=True):
@@ -110,5 +119,6 @@ __all__ = [
     "KVFailed",
     "KVOffer",
     "KVRegister",
+    "KVRegistered",
     "KVWaiting",
 ]

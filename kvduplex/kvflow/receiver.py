@@ -5,9 +5,12 @@ sender a `KVRegister`, and waits; the flow that asked learns the outcome
 through its callbacks, on the engine thread::
 
     expect(xid, blocks, on_done, on_failed) ── KVRegister ──► sender
+         ◄── KVRegistered (or a KVAlive): the registration arrived; until then it
+             is re-sent every third of the wait, with what is left of the wait
          ◄── KVAlive (restarts the wait; answered by KVAliveAck)
          ◄── KVDone  ──► release our references, on_done(msg)
          ◄── KVFailed ─► release our references, on_failed(reason, discard=False)
+             (also the sender's refusal of the registration: nothing was written)
     no word for wait_s ──► KVCancel to the sender, on_failed(reason, discard=True),
                            our references kept (quarantine) until the sender
                            confirms (KVDone/KVFailed: it sends them only once
@@ -34,6 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
+import msgspec
+
 from kvduplex.engine.connector import EngineHandle
 from kvduplex.kvflow.half import FlowHalf
 from kvduplex.kvflow.messages import KVAlive
@@ -42,6 +47,8 @@ from kvduplex.kvflow.messages import KVCancel
 from kvduplex.kvflow.messages import KVDone
 from kvduplex.kvflow.messages import KVFailed
 from kvduplex.kvflow.messages import KVRegister
+from kvduplex.kvflow.messages import KVRegistered
+from kvduplex.kvflow.sender import HEARTBEATS_PER_WAIT
 from kvduplex.transport.base import Transport
 from kvduplex.transport.messages import ControlMessage
 from kvduplex.transport.notify import Handler
@@ -78,9 +85,14 @@ class _Wait:
     deadline: float
     on_done: OnDone
     on_failed: OnFailed
+    reg: KVRegister
+    """What we registered (re-sent, with what is left of the wait, until acknowledged)."""
+    reg_sent_at: float
     on_first_token: OnFirstToken | None = None
     """The sender's first token, when it ends without the KV (KVFailed, or any end
     after we fell back): the fallback continues from it."""
+    is_registered: bool = False
+    """The sender acknowledged the registration (KVRegistered or a KVAlive)."""
     fell_back: bool = False
     quarantine_until: float = 0.0
     expiring: bool = False
@@ -100,6 +112,8 @@ class KVReceiverStats:
     num_alive_received: int = 0
     num_teardowns: int = 0
     """Sender endpoints torn down because a quarantine ran out without word."""
+    num_registrations_resent: int = 0
+    """Registrations sent again because the sender had not acknowledged them."""
 
 
 class KVReceiver(FlowHalf):
@@ -119,6 +133,7 @@ class KVReceiver(FlowHalf):
             KVDone: self._on_end_notif,
             KVFailed: self._on_end_notif,
             KVAlive: self._on_alive_notif,
+            KVRegistered: self._on_registered_notif,
         }
 
     # ---- engine thread ----
@@ -138,12 +153,14 @@ class KVReceiver(FlowHalf):
 
         Takes our own reference on them until the sender is done. False (nothing
         kept, nothing called) if the registration could not be sent, or if another
-        wait (or its quarantine) holds `xid`.
+        wait (or its quarantine) holds `xid`. Until the sender acknowledges it, the
+        registration is sent again every third of the wait (`_tick`).
         """
-        msg = KVRegister(xid, blocks, first_block, num_tokens, self.wait_s, time.time())
+        msg = KVRegister(xid, blocks, first_block, num_tokens, self.wait_s, self.wait_s)
+        now = time.monotonic()
         wait = _Wait(
-            xid, peer, list(blocks), time.monotonic() + self.wait_s, on_done, on_failed,
-            on_first_token,
+            xid, peer, list(blocks), now + self.wait_s, on_done, on_failed, reg=msg,
+            reg_sent_at=now, on_first_token=on_first_token,
         )  # fmt: skip
         with self._lock:
             if xid in self._waits:
@@ -257,20 +274,41 @@ class KVReceiver(FlowHalf):
             if wait is None or wait.fell_back or sender != wait.peer.engine_id:
                 return  # no answer: the sender's deadline stays where ours was
             wait.deadline = max(wait.deadline, now + self.wait_s)
+            wait.is_registered = True
             self.stats.num_alive_received += 1
             peer = wait.peer
         self._tell(peer, KVAliveAck(msg.xid, msg.sent_at))
 
+    def _on_registered_notif(self, msg: ControlMessage, sender: str) -> None:
+        """The sender holds our registration of ``xid``: stop re-sending it."""
+        with self._lock:
+            wait = self._waits.get(msg.xid)
+            if wait is not None and sender == wait.peer.engine_id:
+                wait.is_registered = True
+
     def _tick(self, now: float) -> None:
         due: list[_Wait] = []
+        resend: list[tuple[PeerHandle, KVRegister]] = []
         with self._lock:
             for wait in self._waits.values():
                 limit = wait.quarantine_until if wait.fell_back else wait.deadline
                 if now > limit and not wait.expiring:
                     wait.expiring = True
                     due.append(wait)
+                elif (
+                    not wait.fell_back
+                    and not wait.is_registered
+                    and now - wait.reg_sent_at >= self.wait_s / HEARTBEATS_PER_WAIT
+                ):
+                    wait.reg_sent_at = now
+                    left = wait.deadline - now
+                    resend.append((wait.peer, msgspec.structs.replace(wait.reg, time_left_s=left)))
+            self.stats.num_registrations_resent += len(resend)
         for wait in due:
             self.engine.call(partial(self._expire, wait))
+        for peer, reg in resend:
+            logger.info("xid=%s: registration not acknowledged; sending it again", reg.xid)
+            self._tell(peer, reg)
 
     def is_waiting(self, xid: str) -> bool:
         """Whether a wait (or its quarantine) holds `xid`."""

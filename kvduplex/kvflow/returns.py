@@ -248,7 +248,13 @@ class ReturnAcceptor:
     # ---- engine thread ----
 
     def accept(self, msg: KVOffer, sender: str) -> None:
-        """Answer an offer: register destination blocks, or decline (and say why)."""
+        """Answer an offer: register destination blocks, or decline (and say why).
+
+        ``sender`` is the engine whose transport agent delivered the offer (the
+        transport refused any offer whose envelope named another engine, or that
+        came from an agent it never connected to); it must also be a peer this
+        instance handshook with itself.
+        """
         peer = self.peer_of(sender)
         if peer is None:
             logger.warning("xid=%s: offer from %s, which is not a connected peer", msg.xid, sender)

@@ -35,6 +35,13 @@ Failure rules:
   preemption or an abort cannot hand them to another request under a WRITE
   that may still be reading them.
 * A job whose registration never comes is dropped after ``registration_wait_s``.
+* Each registration received is acknowledged (`KVRegistered`, again for a
+  duplicate: the receiver re-sends until it hears one). One that can never be
+  served (another engine's, sizes that do not match, an xid cancelled or a job
+  already ended) is refused with `KVFailed` to its sender: nothing was or will
+  be written into those blocks, so the receiver falls back and reuses them.
+* Deadlines travel as durations: a registration's ``time_left_s`` is counted
+  from when it arrived here, on this host's monotonic clock.
 
 Threads: jobs are created, registered and ended on the engine thread; the
 transport's completion callbacks and the notification pump only take
@@ -63,6 +70,7 @@ from kvduplex.kvflow.messages import KVCancel
 from kvduplex.kvflow.messages import KVDone
 from kvduplex.kvflow.messages import KVFailed
 from kvduplex.kvflow.messages import KVRegister
+from kvduplex.kvflow.messages import KVRegistered
 from kvduplex.kvflow.messages import KVWaiting
 from kvduplex.kvflow.metrics import KVFlowMetrics
 from kvduplex.transport.base import Transport
@@ -77,6 +85,15 @@ logger = logging.getLogger(__name__)
 
 HEARTBEATS_PER_WAIT = 3
 """`KVAlive` messages per wait period: a lost one or two do not end the wait."""
+
+
+@dataclass(frozen=True)
+class Registration:
+    """A received `KVRegister`, with who sent it and when it arrived (monotonic)."""
+
+    msg: KVRegister
+    sender: str
+    received_at: float
 
 
 @dataclass
@@ -155,6 +172,8 @@ class KVSenderStats:
     num_waiting_received: int = 0
     num_teardowns: int = 0
     """Peer endpoints torn down because a failed WRITE would not settle."""
+    num_registrations_refused: int = 0
+    """Registrations answered with KVFailed (wrong engine, sizes, cancelled, ended)."""
 
 
 class KVSender(FlowHalf):
@@ -181,9 +200,9 @@ class KVSender(FlowHalf):
         self.metrics = metrics
         self.stats = KVSenderStats()
         self._jobs: dict[str, SendJob] = {}
-        self._early: dict[str, tuple[KVRegister, str, float]] = {}
+        self._early: dict[str, tuple[Registration, float]] = {}  # xid -> (reg, kept until)
         self._cancelled: dict[str, float] = {}  # xid -> until when it is refused
-        self._regs: list[tuple[KVRegister, str]] = []  # received, not applied yet
+        self._regs: list[Registration] = []  # received, not applied yet
         self._notify = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-send-notify")
         self._init_flow_state()
 
@@ -236,7 +255,7 @@ class KVSender(FlowHalf):
             self._jobs[job.xid] = job
             early = self._early.pop(job.xid, None)
         if early is not None:
-            self._register(early[0], early[1])
+            self._register(early[0])
 
     def decline(self, xid: str, reason: str) -> bool:
         """The receiver takes nothing of job `xid` (an offer declined): end it quietly."""
@@ -252,17 +271,19 @@ class KVSender(FlowHalf):
 
         ``receiver``: the engine that asked (its KVCancel); it hears KVFailed even if
         it never registered, so that it may reuse what it reserved at once. False if
-        unknown; an unknown xid is remembered for a while, so that a job or
-        registration arriving after its cancellation is refused.
+        unknown; an unknown xid (or a job not registered yet) is remembered for a
+        while, so that a job or registration arriving after its cancellation is
+        refused.
         """
         job = self._jobs.get(xid)
-        if job is None:
+        if job is None or job.reg is None:
             with self._lock:
                 self._cancelled[xid] = time.monotonic() + 2 * self.registration_wait_s
                 self._early.pop(xid, None)
+        if job is None:
             peer = self.peer_of(receiver) if receiver and self.peer_of is not None else None
             if peer is not None:  # nothing was or will be written for it
-                self._notify.submit(self._tell, peer, KVFailed(xid, "cancelled before it began"))
+                self._notify.submit(self._tell, peer, KVFailed(xid, "no such transfer in progress"))
             return False
         if receiver is not None and receiver == job.peer.engine_id:
             job.confirm_end = True
@@ -273,29 +294,42 @@ class KVSender(FlowHalf):
         self._fail(job, reason)
         return True
 
-    def _register(self, msg: KVRegister, sender: str, layer: int | None = None) -> None:
+    def _register(self, reg: Registration, layer: int | None = None) -> None:
         """Apply a registration; `layer` is the last computed layer when called mid-forward."""
+        msg, sender = reg.msg, reg.sender
         job = self._jobs.get(msg.xid)
         if job is None:
-            self._register_unknown(msg, sender)
+            self._register_unknown(reg)
             return
-        if job.reg is not None or job.ended:
-            logger.warning("xid=%s: duplicate registration from %s ignored", msg.xid, sender)
+        if sender != job.peer.engine_id:
+            wrong = f"sent by {sender}, but the transfer goes to {job.peer.engine_id}"
+            self._refuse(self._peer_of(sender), msg.xid, wrong)
+            if job.reg is None:
+                self._fail(job, f"registration refused: {wrong}")
             return
-        problem = self._check_registration(job, msg, sender)
+        if job.reg is not None:
+            if not job.ended:
+                logger.info("xid=%s: duplicate registration; acknowledged again", msg.xid)
+                self._notify.submit(self._tell, job.peer, KVRegistered(msg.xid))
+            return
+        if job.ended:
+            self._refuse(job.peer, msg.xid, f"the transfer already ended: {job.error}")
+            return
+        problem = self._check_registration(job, msg)
+        now = time.monotonic()
+        left = min(msg.wait_s, msg.time_left_s) - (now - reg.received_at)
+        if problem is None and not left > 0:  # NaN too
+            problem = "it arrived after the receiver stopped waiting"
         if problem is not None:
-            logger.warning("xid=%s: registration refused: %s", msg.xid, problem)
-            self._fail(job, problem)
+            self._refuse(job.peer, msg.xid, problem)
+            self._fail(job, f"registration refused: {problem}")
             return
-        left = min(msg.wait_s, msg.sent_at + msg.wait_s - time.time())
         with self._lock:
             job.reg = msg
-            job.expires_at = time.monotonic() + left
-            job.alive_sent_at = time.monotonic()
+            job.expires_at = now + left
+            job.alive_sent_at = now
             job.sent = msg.first_block
-        if left <= 0:
-            self._fail(job, "the registration arrived after the receiver stopped waiting")
-            return
+        self._notify.submit(self._tell, job.peer, KVRegistered(msg.xid))
         if job.src_blocks is not None:
             self._catch_up(job, None, job.num_blocks)
             self._maybe_end(job)
@@ -309,15 +343,30 @@ class KVSender(FlowHalf):
         if req is not None:
             self._catch_up(job, req, self._blocks_done(job, req.num_computed_tokens))
 
-    def _register_unknown(self, msg: KVRegister, sender: str) -> None:
-        if msg.xid not in self._cancelled:
-            with self._lock:
-                self._early[msg.xid] = (msg, sender, time.monotonic() + self.registration_wait_s)
+    def _register_unknown(self, reg: Registration) -> None:
+        """A registration for no job (yet): keep it for the job and acknowledge it, or,
+        for an xid cancelled before it began, refuse it (nothing will be written)."""
+        xid, peer = reg.msg.xid, self._peer_of(reg.sender)
+        if xid in self._cancelled:
+            self._refuse(peer, xid, "cancelled")
             return
-        # Cancelled before it began: nothing will be written, the receiver may reuse the blocks.
-        peer = self.peer_of(sender) if self.peer_of is not None else None
+        with self._lock:
+            self._early[xid] = (reg, time.monotonic() + self.registration_wait_s)
         if peer is not None:
-            self._notify.submit(self._tell, peer, KVFailed(msg.xid, "cancelled"))
+            self._notify.submit(self._tell, peer, KVRegistered(xid))
+
+    def _peer_of(self, engine_id: str) -> PeerHandle | None:
+        return self.peer_of(engine_id) if self.peer_of is not None else None
+
+    def _refuse(self, peer: PeerHandle | None, xid: str, problem: str) -> None:
+        """Tell the sender of a registration that nothing will be written into its blocks."""
+        self.stats.num_registrations_refused += 1
+        logger.warning(
+            "xid=%s: registration from %s refused: %s",
+            xid, peer.engine_id if peer else "an unknown peer", problem,
+        )  # fmt: skip
+        if peer is not None:
+            self._notify.submit(self._tell, peer, KVFailed(xid, f"registration refused: {problem}"))
 
     def _blocks_done(self, job: SendJob, num_computed: int) -> int:
         """Job blocks whose every token is computed once `num_computed` tokens are."""
@@ -335,9 +384,8 @@ class KVSender(FlowHalf):
             self._post(job, chunk, layers=None)
             job.sent = hi
 
-    def _check_registration(self, job: SendJob, msg: KVRegister, sender: str) -> str | None:
-        if sender != job.peer.engine_id:
-            return f"sent by {sender}, but the transfer goes to {job.peer.engine_id}"
+    def _check_registration(self, job: SendJob, msg: KVRegister) -> str | None:
+        """Why the job's own receiver's registration cannot be served, or None."""
         if msg.num_tokens != job.num_tokens:
             return f"the receiver has {msg.num_tokens} tokens, the sender {job.num_tokens}"
         if not 0 <= msg.first_block <= job.num_blocks or (
@@ -364,8 +412,8 @@ class KVSender(FlowHalf):
         """Apply registrations the pump received (between steps, or between two layers)."""
         with self._lock:
             regs, self._regs = self._regs, []
-        for msg, sender in regs:
-            self._register(msg, sender, layer)
+        for reg in regs:
+            self._register(reg, layer)
 
     # ---- posting and completion (any thread after posting) ----
 
@@ -503,7 +551,7 @@ class KVSender(FlowHalf):
         """Queue it; the next layer of a running forward applies it, or the engine call does."""
         assert isinstance(msg, KVRegister)
         with self._lock:
-            self._regs.append((msg, sender))
+            self._regs.append(Registration(msg, sender, time.monotonic()))
         self.engine.call(self._drain_registrations)
 
     def _on_cancel_notif(self, msg: ControlMessage, sender: str) -> None:
@@ -525,13 +573,15 @@ class KVSender(FlowHalf):
 
     def _on_alive_ack_notif(self, msg: ControlMessage, sender: str) -> None:
         """The receiver restarted its wait when our heartbeat sent at ``sent_at`` arrived,
-        so its deadline is at least ``sent_at`` + its wait: ours may move there."""
+        so its deadline is at least ``sent_at`` + its wait: ours may move there.
+        (``sent_at`` is our own monotonic clock echoed back; never trusted past now.)"""
         assert isinstance(msg, KVAliveAck)
+        sent_at = min(msg.sent_at, time.monotonic())
         with self._lock:
             job = self._jobs.get(msg.xid)
             if job is None or job.reg is None or job.ended or sender != job.peer.engine_id:
                 return
-            job.expires_at = max(job.expires_at, msg.sent_at + job.reg.wait_s)
+            job.expires_at = max(job.expires_at, sent_at + job.reg.wait_s)
 
     def _tick(self, now: float) -> None:
         beats: list[SendJob] = []
@@ -558,7 +608,7 @@ class KVSender(FlowHalf):
                 if not j.ended and not j.expiring and now > j.expires_at:
                     j.expiring = True  # a busy engine thread gets one call, not one per tick
                     expired.append(j.xid)
-            stale = [xid for xid, (_, _, until) in self._early.items() if now > until]
+            stale = [xid for xid, (_, until) in self._early.items() if now > until]
             for xid in [x for x, until in self._cancelled.items() if now > until]:
                 del self._cancelled[xid]
         for j in stuck:
@@ -594,7 +644,8 @@ class KVSender(FlowHalf):
         with self._lock:
             early = self._early.pop(xid, None)
         if early is not None:
-            logger.warning("xid=%s: registration from %s but no such transfer", xid, early[1])
+            sender = early[0].sender
+            logger.warning("xid=%s: registration from %s but no such transfer", xid, sender)
 
     def num_jobs(self) -> int:
         with self._lock:
@@ -615,4 +666,4 @@ class KVSender(FlowHalf):
         self._notify.shutdown(wait=False)
 
 
-__all__ = ["HEARTBEATS_PER_WAIT", "Chunk", "KVSender", "KVSenderStats", "SendJob"]
+__all__ = ["HEARTBEATS_PER_WAIT", "Chunk", "KVSender", "KVSenderStats", "Registration", "SendJob"]

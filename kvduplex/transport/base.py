@@ -9,15 +9,29 @@ lifecycle and the types). It implements what does not depend on the backend:
   hand them to the backend's ``_post``;
 * completion: ``_complete`` finishes a handle once, with metrics and a
   lifecycle log line;
-* the queue of received notifications (``_queue_notifs``, ``poll_notifs``);
+* received notifications: who sent each one (``_deliver``, below), their queue
+  (``poll_notifs``);
 * ``close``: marks the transport closed once, wakes ``poll_notifs`` waiters,
   then runs the backend's ``_shutdown``.
 
 A backend (`NixlTransport`, `InProcessTransport`) implements ``local_metadata``,
-``connect``, ``disconnect``, ``send_notif``, ``_post`` and ``_shutdown``::
+``connect``, ``disconnect``, ``send_notif``, ``_post`` and ``_shutdown``, and
+tells the base which agent each connected peer speaks through
+(``_peer_connected``, ``_peer_disconnected``)::
 
     transfer() ─► _submit ─► _post (backend) ─► ... ─► _complete ─► DONE | FAILED
-    (peer)     ─► backend receives ─► _queue_notifs ─► poll_notifs()
+    (peer)     ─► backend receives ─► _deliver ─► poll_notifs()
+
+A notification's sender is the agent that delivered it, never what its
+envelope claims. ``_deliver`` maps the delivering agent to the engine id of a
+peer this transport connected to (from that peer's handshake) and refuses,
+logs and counts (``kvduplex_kv_notifications_refused_total{reason}``)::
+
+    agent of a connected peer, envelope names that peer ──► queued for poll_notifs
+    agent of a connected peer, envelope names another   ──► refused: forged_sender
+    agent never connected ──► held up to unknown_agent_grace_s (a peer that
+        registers before our own connect to it, a race of two handshakes)
+        ──► released when we connect to it, else refused: unknown_agent
 """
 
 from __future__ import annotations
@@ -34,6 +48,7 @@ from kvduplex.engine.kv_cache import KVCacheLayout
 from kvduplex.engine.kv_cache import KVKind
 from kvduplex.transport.messages import HANDSHAKE_VERSION
 from kvduplex.transport.messages import HandshakeInfo
+from kvduplex.transport.messages import NotifRefusal
 from kvduplex.transport.metrics import TransferMetrics
 from kvduplex.transport.protocol import ALL_KINDS
 from kvduplex.transport.protocol import FailureKind
@@ -85,6 +100,26 @@ def check_compatible(
 
 
 @dataclass(frozen=True)
+class Incoming:
+    """A notification as a backend received it, before `Transport._deliver` checks it."""
+
+    agent: str
+    """The transport agent that delivered it (NIXL: the remote agent's name)."""
+    claimed: str
+    """The engine id its envelope names as the sender."""
+    xid: str | None
+    payload: bytes
+
+
+@dataclass
+class _Held:
+    """A notification from an agent not connected (yet), kept until ``until``."""
+
+    incoming: Incoming
+    until: float
+
+
+@dataclass(frozen=True)
 class Post:
     """One transfer `Transport._submit` hands its backend's `_post`."""
 
@@ -128,6 +163,14 @@ class Transport(abc.ABC):
         self._notif_cv = threading.Condition(self._lock)
         self._notifs: deque[Notification] = deque()
         self._closed = False
+        self._agents: dict[str, str] = {}
+        """Agent name -> engine id of each connected peer (under ``_lock``)."""
+        self._held: deque[_Held] = deque()
+        self.unknown_agent_grace_s = 2.0
+        """How long a notification from an agent we have not connected to waits for our
+        connect to it before it is refused."""
+        self.max_held_notifs = 256
+        """Held notifications at most; beyond, the oldest is refused."""
 
     @property
     def layout(self) -> KVCacheLayout:
@@ -224,12 +267,17 @@ class Transport(abc.ABC):
         """Send a small standalone notification; raises PeerUnavailableError if it cannot."""
 
     def poll_notifs(self, timeout: float = 0.0) -> list[Notification]:
-        """Take the notifications received so far, waiting up to ``timeout`` s for one."""
+        """Take the notifications received so far, waiting up to ``timeout`` s for one.
+
+        Each one's ``peer_engine_id`` is the connected peer whose agent delivered it.
+        """
         with self._notif_cv:
             if not self._notifs and timeout > 0:
                 self._notif_cv.wait_for(lambda: bool(self._notifs) or self._closed, timeout)
             out = list(self._notifs)
             self._notifs.clear()
+            refused = self._expire_held(time.monotonic())
+        self._refuse(refused)
         return out
 
     # -- shutdown -----------------------------------------------------------------
@@ -262,16 +310,88 @@ class Transport(abc.ABC):
         """The backend's part of `close`, run once after ``_closed`` is set: fail what
         is in flight, stop progress, release registrations."""
 
-    def _queue_notifs(self, notifs: Sequence[Notification]) -> None:
-        """Hand received notifications to `poll_notifs` (dropped once closed)."""
+    def _deliver(self, received: Sequence[Incoming]) -> None:
+        """Check who sent each received notification; queue it for `poll_notifs` under
+        the engine id of the peer whose agent delivered it, hold it (agent not
+        connected yet) or refuse it (see the module docstring). Dropped once closed."""
+        now = time.monotonic()
+        refused: list[tuple[Incoming, NotifRefusal]] = []
+        accepted = 0
         with self._notif_cv:
             if self._closed:
                 return
-            self._notifs.extend(notifs)
-            self._notif_cv.notify_all()
+            refused.extend(self._expire_held(now))
+            for inc in received:
+                engine_id = self._agents.get(inc.agent)
+                if engine_id is None:
+                    refused.extend(self._hold(inc, now))
+                elif inc.claimed != engine_id:
+                    refused.append((inc, NotifRefusal.FORGED_SENDER))
+                else:
+                    self._notifs.append(Notification(engine_id, inc.xid, inc.payload))
+                    accepted += 1
+            if accepted:
+                self._notif_cv.notify_all()
         self._touch()
-        for _ in notifs:
+        for _ in range(accepted):
             self.metrics.on_notification("received")
+        self._refuse(refused)
+
+    def _peer_connected(self, peer: PeerHandle) -> None:
+        """Backends call this once ``peer`` is connected: notifications its agent delivers
+        are now the peer's; those held for that agent are checked and queued."""
+        refused: list[tuple[Incoming, NotifRefusal]] = []
+        accepted = 0
+        with self._notif_cv:
+            self._agents[peer.agent_name] = peer.engine_id
+            keep: deque[_Held] = deque()
+            for held in self._held:
+                inc = held.incoming
+                if inc.agent != peer.agent_name:
+                    keep.append(held)
+                elif inc.claimed != peer.engine_id:
+                    refused.append((inc, NotifRefusal.FORGED_SENDER))
+                else:
+                    self._notifs.append(Notification(peer.engine_id, inc.xid, inc.payload))
+                    accepted += 1
+            self._held = keep
+            if accepted:
+                self._notif_cv.notify_all()
+        for _ in range(accepted):
+            self.metrics.on_notification("received")
+        self._refuse(refused)
+
+    def _peer_disconnected(self, peer: PeerHandle) -> None:
+        """Backends call this when ``peer`` is forgotten: its agent is a stranger again."""
+        with self._lock:
+            if self._agents.get(peer.agent_name) == peer.engine_id:
+                del self._agents[peer.agent_name]
+
+    def _hold(self, inc: Incoming, now: float) -> list[tuple[Incoming, NotifRefusal]]:
+        """Keep a notification from an unknown agent a while (call with ``_lock`` held);
+        returns what must be refused now."""
+        if self.unknown_agent_grace_s <= 0:
+            return [(inc, NotifRefusal.UNKNOWN_AGENT)]
+        self._held.append(_Held(inc, now + self.unknown_agent_grace_s))
+        out: list[tuple[Incoming, NotifRefusal]] = []
+        while len(self._held) > self.max_held_notifs:
+            out.append((self._held.popleft().incoming, NotifRefusal.UNKNOWN_AGENT))
+        return out
+
+    def _expire_held(self, now: float) -> list[tuple[Incoming, NotifRefusal]]:
+        """Held notifications whose grace ran out (call with ``_lock`` held)."""
+        out: list[tuple[Incoming, NotifRefusal]] = []
+        while self._held and self._held[0].until <= now:
+            out.append((self._held.popleft().incoming, NotifRefusal.UNKNOWN_AGENT))
+        return out
+
+    def _refuse(self, refused: Sequence[tuple[Incoming, NotifRefusal]]) -> None:
+        for inc, reason in refused:
+            self.metrics.on_notification_refused(reason)
+            logger.warning(
+                "xid=%s: notification refused (%s): delivered by agent %s, claims engine %s",
+                inc.xid, reason.value, inc.agent, inc.claimed,
+            )  # fmt: skip
 
     def _ensure_open(self) -> None:
         """Raise TransferError if the transport is closed (call with ``_lock`` held)."""
@@ -395,4 +515,4 @@ class Transport(abc.ABC):
                         handle.peer_engine_id, why)  # fmt: skip
 
 
-__all__ = ["Transport", "check_compatible"]
+__all__ = ["Incoming", "Transport", "check_compatible"]

@@ -13,8 +13,15 @@ injection for tests of the flows built on top::
     p.hang_next()                # next transfer stays PENDING until its deadline
     p.land_late_next(0.5)        # next transfer FAILs at its deadline, then lands 0.5 s later
     p.land_late_next(None, corrupt=True); ...; p.land_late()   # ... lands (garbage) when told
+    p.forge_next_sender("x")     # next notification's envelope claims engine "x"
+    p.drop_next_notif(match)     # next notification (matching) is lost on the way
+    d.chaos = NotifChaos(seed, p_drop=.03, p_dup=.03, p_reorder=.03)   # a lossy fabric
 
-Closing an endpoint fails the transfers in flight to it, like a dead peer.
+Each endpoint is its own agent (``inprocess-<engine id>``): a notification
+reaches its target as delivered by the sending endpoint's agent, with the
+envelope's claimed sender beside it, and the target's `Transport` checks the
+two against the peers it connected to, as over NIXL. Closing an endpoint fails
+the transfers in flight to it, like a dead peer.
 """
 
 from __future__ import annotations
@@ -27,10 +34,13 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
+from typing import TypeVar
 
 import torch
 
 from kvduplex.engine.kv_cache import KVCacheLayout
+from kvduplex.transport.base import Incoming
 from kvduplex.transport.base import Post
 from kvduplex.transport.base import Transport
 from kvduplex.transport.base import check_compatible
@@ -38,7 +48,6 @@ from kvduplex.transport.messages import HandshakeInfo
 from kvduplex.transport.messages import LayoutInfo
 from kvduplex.transport.metrics import TransferMetrics
 from kvduplex.transport.protocol import FailureKind
-from kvduplex.transport.protocol import Notification
 from kvduplex.transport.protocol import PeerHandle
 from kvduplex.transport.protocol import PeerUnavailableError
 from kvduplex.transport.protocol import TransferError
@@ -47,6 +56,7 @@ from kvduplex.transport.protocol import TransferOp
 from kvduplex.transport.protocol import TransferState
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class InProcessFabric:
@@ -118,20 +128,20 @@ class NotifChaos:
 
     def __init__(
         self, seed: int, p_drop: float = 0.0, p_dup: float = 0.0, p_reorder: float = 0.0,
-        spare: Callable[[Notification], bool] | None = None,
+        spare: Callable[[Any], bool] | None = None,
     ) -> None:  # fmt: skip
         """``spare(notif)``: notifications never touched (e.g. those without a resend)."""
         self._rng = random.Random(seed)
         self.p_drop, self.p_dup, self.p_reorder = p_drop, p_dup, p_reorder
         self._spare = spare
-        self._held: Notification | None = None
+        self._held: Any = None
         self._lock = threading.Lock()
         self.num_dropped = self.num_duplicated = self.num_reordered = 0
 
-    def apply(self, notif: Notification) -> list[Notification]:
+    def apply(self, notif: T) -> list[T]:
         """The notifications to deliver now, in order, given that ``notif`` arrived."""
         with self._lock:
-            out: list[Notification] = []
+            out: list[T] = []
             if self._spare is not None and self._spare(notif):
                 out.append(notif)
             else:
@@ -177,6 +187,10 @@ class InProcessTransport(Transport):
         self._faults: deque[_Fault] = deque()
         self._hung: dict[int, tuple[TransferHandle, threading.Timer]] = {}
         self._late: dict[int, _Late] = {}
+        self._forged: deque[str] = deque()
+        self._drops: deque[Callable[[bytes], bool]] = deque()
+        self.num_notifs_dropped = 0
+        """Notifications lost to `drop_next_notif` (for tests)."""
         self.num_posted = 0
         """Transfers posted so far (for tests)."""
         self.late_check: Callable[[Post], None] | None = None
@@ -210,12 +224,6 @@ class InProcessTransport(Transport):
         with self._lock:
             return sum(1 for lt in self._late.values() if lt.expired)
 
-    def _receive(self, notif: Notification) -> None:
-        """A notification reaches this endpoint (through its `chaos`, if any)."""
-        delivered = [notif] if self.chaos is None else self.chaos.apply(notif)
-        if delivered:
-            self._queue_notifs(delivered)
-
     def land_late(self, check: Callable[[Post], None] | None = None) -> int:
         """Land now every late transfer past its deadline; ``check(post)`` runs just
         before each copy (a test's invariant). Returns how many landed."""
@@ -227,12 +235,28 @@ class InProcessTransport(Transport):
             self._land_late(lt)
         return len(due)
 
+    def forge_next_sender(self, engine_id: str) -> None:
+        """The envelope of the next notification sent from here (by `send_notif` or with
+        a WRITE) names ``engine_id`` as its sender; its agent stays ours."""
+        with self._lock:
+            self._forged.append(engine_id)
+
+    def drop_next_notif(self, match: Callable[[bytes], bool] | None = None) -> None:
+        """Lose the next notification sent from here whose payload ``match``es (any, if
+        None), as a network would: the sender believes it went out."""
+        with self._lock:
+            self._drops.append(match or (lambda _payload: True))
+
     # -- Transport -----------------------------------------------------------
+
+    @property
+    def agent_name(self) -> str:
+        return f"inprocess-{self.engine_id}"
 
     def local_metadata(self) -> HandshakeInfo:
         return HandshakeInfo(
             engine_id=self.engine_id,
-            agent_name=f"inprocess-{self.engine_id}",
+            agent_name=self.agent_name,
             agent_metadata=b"",
             layout=LayoutInfo.from_layout(self._layout),
             base_address=int(self._pool.data_ptr()),
@@ -248,9 +272,12 @@ class InProcessTransport(Transport):
         with self._lock:
             self._ensure_open()
             handle = self._peers.get(info.engine_id)
+            is_new = handle is None
             if handle is None:
                 handle = PeerHandle(info.engine_id, info.agent_name, peer_layout)
                 self._peers[info.engine_id] = handle
+        if is_new:
+            self._peer_connected(handle)
         return handle
 
     def is_connected(self, engine_id: str) -> bool:
@@ -259,7 +286,9 @@ class InProcessTransport(Transport):
 
     def disconnect(self, peer: PeerHandle) -> None:
         with self._lock:
-            self._peers.pop(peer.engine_id, None)
+            known = self._peers.pop(peer.engine_id, None)
+        if known is not None:
+            self._peer_disconnected(known)
         self._fail_hung(lambda h: h.peer_engine_id == peer.engine_id, "peer disconnected")
         self._drop_late(lambda h: h.peer_engine_id == peer.engine_id, "peer endpoint torn down")
         other = self._fabric.lookup(peer.engine_id)
@@ -271,8 +300,7 @@ class InProcessTransport(Transport):
         if target is None:
             raise PeerUnavailableError(f"xid={xid}: peer {peer.engine_id} is gone")
         self._touch()
-        target._receive(Notification(self.engine_id, xid, payload))
-        self.metrics.on_notification("sent")
+        self._send(target, xid, payload)
 
     def _shutdown(self) -> None:
         self._fabric._remove(self.engine_id)
@@ -321,7 +349,7 @@ class InProcessTransport(Transport):
             return
         self._copy(post, target)
         self._complete(handle, TransferState.DONE)
-        self._deliver(post, target)
+        self._deliver_notif(post, target)
 
     def _copy(self, post: Post, target: InProcessTransport, corrupt: bool = False) -> None:
         li = torch.from_numpy(post.local.astype("int64"))
@@ -336,10 +364,26 @@ class InProcessTransport(Transport):
             data = torch.randn(data.shape, generator=torch.Generator().manual_seed(0)).to(data)
         dst.index_copy_(0, idx, data)
 
-    def _deliver(self, post: Post, target: InProcessTransport) -> None:
+    def _deliver_notif(self, post: Post, target: InProcessTransport) -> None:
         if post.notif is not None:
-            target._receive(Notification(self.engine_id, post.handle.xid, post.notif))
-            self.metrics.on_notification("sent")
+            self._send(target, post.handle.xid, post.notif)
+
+    def _send(self, target: InProcessTransport, xid: str | None, payload: bytes) -> None:
+        """Deliver one notification to ``target`` from our agent (faults applied)."""
+        with self._lock:
+            claimed = self._forged.popleft() if self._forged else self.engine_id
+            drop = next((m for m in self._drops if m(payload)), None)
+            if drop is not None:
+                self._drops.remove(drop)
+                self.num_notifs_dropped += 1
+        self.metrics.on_notification("sent")
+        if drop is not None:
+            logger.info("xid=%s: fault: notification to %s dropped", xid, target.engine_id)
+            return
+        incoming = Incoming(self.agent_name, claimed, xid, payload)
+        batch = [incoming] if target.chaos is None else target.chaos.apply(incoming)
+        if batch:
+            target._deliver(batch)
 
     def _expire_late(self, late: _Late, late_s: float | None) -> None:
         """A LATE transfer's deadline: it fails, and lands `late_s` from now."""
@@ -364,7 +408,7 @@ class InProcessTransport(Transport):
             if self.late_check is not None:
                 self.late_check(late.post)
             self._copy(late.post, late.target, late.corrupt)
-            self._deliver(late.post, late.target)
+            self._deliver_notif(late.post, late.target)
         self._settle(late.post.handle, "landed after its deadline")
 
     def _drop_late(self, pred: Callable[[TransferHandle], bool], why: str) -> None:

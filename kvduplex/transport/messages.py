@@ -11,7 +11,9 @@ Two families:
   every subclass defined at the time it is built.
 
 Notifications are wrapped in an `Envelope` by the transport, so the receiver
-always learns the sender's engine id and the transfer id, whatever the payload.
+always learns the transfer id, whatever the payload, and can check the
+sender's engine id the envelope names against the agent that delivered it
+(`NotifRefusal` says why one did not pass).
 """
 
 from __future__ import annotations
@@ -96,12 +98,21 @@ class EnvelopeKind(enum.IntEnum):
     """Internal: that transfer ended (done or failed)."""
 
 
+class NotifRefusal(enum.Enum):
+    """Why a received notification was refused (a metrics label)."""
+
+    FORGED_SENDER = "forged_sender"
+    """Its envelope names an engine other than the connected peer whose agent delivered it."""
+    UNKNOWN_AGENT = "unknown_agent"
+    """Delivered by an agent this instance never connected to (through a handshake)."""
+
+
 class Envelope(msgspec.Struct, array_like=True, frozen=True):
     """What travels in one NIXL notification (msgpack array)."""
 
     kind: EnvelopeKind
     sender: str
-    """Sender's engine id."""
+    """Sender's engine id, as the sender claims it (checked against the delivering agent)."""
     xid: str | None
     payload: bytes = b""
     deadline_s: float = 0.0
@@ -174,6 +185,7 @@ __all__ = [
     "HandshakeInfo",
     "LayoutInfo",
     "MessageCodec",
+    "NotifRefusal",
     "decode_envelope",
     "decode_handshake",
     "encode_envelope",

@@ -12,6 +12,7 @@ from prometheus_client import REGISTRY
 from prometheus_client import CollectorRegistry
 
 from kvduplex.metrics import MetricFactory
+from kvduplex.transport.messages import NotifRefusal
 from kvduplex.transport.protocol import FailureKind
 from kvduplex.transport.protocol import TransferHandle
 from kvduplex.transport.protocol import TransferOp
@@ -74,6 +75,12 @@ class TransferMetrics:
             "Transfer-layer notifications, by direction (sent, received).",
             ["direction"],
         )
+        self.notifications_refused_total = m.counter(
+            "notifications_refused",
+            "Received notifications refused: the envelope names another engine than the "
+            "delivering agent's (forged_sender), or that agent never connected (unknown_agent).",
+            ["reason"],
+        )
 
     @classmethod
     def default(cls) -> TransferMetrics:
@@ -97,6 +104,9 @@ class TransferMetrics:
 
     def on_notification(self, direction: str) -> None:
         self.notifications_total.labels(direction).inc()
+
+    def on_notification_refused(self, reason: NotifRefusal) -> None:
+        self.notifications_refused_total.labels(reason.value).inc()
 
 
 _DEFAULT = TransferMetrics(REGISTRY)

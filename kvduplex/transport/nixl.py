@@ -14,7 +14,8 @@ when nothing happens::
     loop:  post queued transfers      ─► NIXL make + post (FIFO)
            check in-flight transfers  ─► DONE / ERR ─► release handle, finish
            expire past-deadline ones  ─► release (cancel) handle, FAILED
-           drain notifications        ─► queue for poll_notifs()
+           drain notifications        ─► check the delivering agent, queue for
+                                          poll_notifs() (Transport._deliver)
            sleep: poll_interval_s while anything is in flight, a peer's large
                   transfer targets us (XFER_BEGIN..END), or recently active;
                   otherwise back off, doubling, to idle_poll_interval_s while
@@ -66,6 +67,7 @@ import torch
 
 from kvduplex.engine.kv_cache import KVCacheLayout
 from kvduplex.engine.kv_cache import pool_base_address
+from kvduplex.transport.base import Incoming
 from kvduplex.transport.base import Post
 from kvduplex.transport.base import Transport
 from kvduplex.transport.base import check_compatible
@@ -82,7 +84,6 @@ from kvduplex.transport.nixl_agent import region_descs
 from kvduplex.transport.nixl_xfers import Job
 from kvduplex.transport.nixl_xfers import XferTable
 from kvduplex.transport.protocol import FailureKind
-from kvduplex.transport.protocol import Notification
 from kvduplex.transport.protocol import PeerHandle
 from kvduplex.transport.protocol import PeerUnavailableError
 from kvduplex.transport.protocol import TransferError
@@ -104,7 +105,7 @@ class _Progress:
     """State owned by the progress thread."""
 
     remote_hints: dict[tuple[str, str], float] = field(default_factory=dict)
-    """(sender, xid) -> monotonic expiry of peers' large transfers targeting us."""
+    """(sender agent, xid) -> monotonic expiry of peers' large transfers targeting us."""
     last_active: float = 0.0
     idle_wait: float = 0.0
     num_passes: int = 0
@@ -221,6 +222,7 @@ class NixlTransport(Transport):
         handle = PeerHandle(engine_id=info.engine_id, agent_name=name, layout=peer_layout)
         with self._lock:
             self._peers[info.engine_id] = _Peer(handle=handle, dlist=dlist)
+        self._peer_connected(handle)
         logger.info("connected to peer %s (%d regions)", info.engine_id, num_regions)
         return handle
 
@@ -233,6 +235,7 @@ class NixlTransport(Transport):
             p = self._peers.pop(peer.engine_id, None)
         num = self._xfers.fail(peer.engine_id, "peer disconnected", FailureKind.DISCONNECTED)
         if p is not None:
+            self._peer_disconnected(p.handle)
             self._agent.try_remove_peer(p.handle.agent_name, p.dlist)
             logger.info("disconnected from peer %s (%d transfers failed)", peer.engine_id, num)
         # The endpoint is gone: a transfer NIXL would not release cannot land any more.
@@ -357,7 +360,7 @@ class NixlTransport(Transport):
         except Exception:
             logger.exception("reading NIXL notifications failed")
             return 0
-        out: list[Notification] = []
+        out: list[Incoming] = []
         count = 0
         for agent_name, msgs in new.items():
             for raw in msgs:
@@ -367,10 +370,11 @@ class NixlTransport(Transport):
                 except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                     logger.warning("dropping malformed notification from %s: %s", agent_name, exc)
                     continue
-                key = (env.sender, env.xid or "")
+                # The delivering agent, not the envelope, says who sent it (`_deliver`).
+                key = (agent_name, env.xid or "")
                 if env.kind is EnvelopeKind.USER:
-                    out.append(Notification(env.sender, env.xid, env.payload))
-                    logger.debug("xid=%s notification from %s", env.xid, env.sender)
+                    out.append(Incoming(agent_name, env.sender, env.xid, env.payload))
+                    logger.debug("xid=%s notification from agent %s", env.xid, agent_name)
                 elif env.kind is EnvelopeKind.XFER_BEGIN:
                     self._progress.remote_hints[key] = now + env.deadline_s
                 else:
@@ -378,7 +382,7 @@ class NixlTransport(Transport):
         if count:
             self._touch()
         if out:
-            self._queue_notifs(out)
+            self._deliver(out)
         return count
 
 

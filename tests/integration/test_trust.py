@@ -31,6 +31,7 @@ from kvduplex.transport.trust import secret_headers
 from tests.integration.conftest import Deployment
 from tests.integration.conftest import assert_pool_clean
 from tests.integration.conftest import kv_stats
+from tests.integration.conftest import metric
 from tests.integration.conftest import start_deployment
 from tests.integration.conftest import wait_until
 from tests.skips import skip_module_without_nixl
@@ -293,7 +294,8 @@ def test_two_decode_requests_cannot_wait_on_one_xid(sec: Deployment) -> None:
 
 def test_offer_from_an_agent_that_never_handshook_is_refused(sec: Deployment, tmp_path: Path) -> None:
     """A NIXL agent that holds P's handshake (as anyone who got past the secret would) offers
-    P a well-formed turn: P never connected to it, so P refuses and caches nothing."""
+    P a well-formed turn, once as itself and once claiming to be D: P never connected to
+    its agent, so P's transport refuses both and P caches nothing."""
     launcher = PeerLauncher(tmp_path)
     try:
         rogue = launcher.spawn(
@@ -311,13 +313,20 @@ def test_offer_from_an_agent_that_never_handshook_is_refused(sec: Deployment, tm
             return _get(sec.prefill, "/internal/kv/return/stats")
 
         before, cached = stats(), kv_stats(sec.prefill, SECRET)["num_cached"]
+        d_engine = httpx.get(sec.decode + "/health", timeout=10).json()["engine_id"]
+        refused = "kvduplex_kv_notifications_refused_total"
+        num_refused = metric(sec.prefill, refused, reason="unknown_agent")
         payload = base64.b64encode(MessageCodec().encode(offer)).decode()
-        httpx.post(rogue.url + "/test/notify", json={
-            "engine_id": p_engine, "xid": offer.xid, "payload": payload}, timeout=10).raise_for_status()  # fmt: skip
+        for claim in (None, d_engine):
+            httpx.post(rogue.url + "/test/notify", json={
+                "engine_id": p_engine, "xid": offer.xid, "payload": payload, "claim": claim,
+            }, timeout=10).raise_for_status()  # fmt: skip
         wait_until(
-            lambda: stats()["num_refused"] == before["num_refused"] + 1, what="P refusing the offer"
+            lambda: metric(sec.prefill, refused, reason="unknown_agent") == num_refused + 2,
+            what="P refusing both offers",
         )
         assert stats()["num_accepted"] == before["num_accepted"]
+        assert stats()["num_refused"] == before["num_refused"], "refused before the flows see it"
         assert (
             httpx.get(rogue.url + "/test/notifs", params={"timeout": 0.5}, timeout=10).json() == []
         )

@@ -13,7 +13,9 @@ Test endpoints (bodies are JSON):
 * ``POST /test/dump {"blocks": [...], "layers": [...]|null}``: the raw bytes of
   those regions, in transfer order (layer, K|V, block).
 * ``POST /test/connect`` (a HandshakeInfo): connect to that engine.
-* ``POST /test/notify {"engine_id", "xid", "payload"}``: send a notification.
+* ``POST /test/notify {"engine_id", "xid", "payload", "claim"?}``: send a
+  notification; with ``claim``, its envelope names that engine id as the sender
+  (a forged sender).
 * ``GET /test/notifs?timeout=s&min=n``: notifications received so far.
 """
 
@@ -38,7 +40,10 @@ from fastapi import Response
 from kvduplex.engine.kv_cache import KVCacheLayout
 from kvduplex.engine.kv_cache import allocate_kv_pool
 from kvduplex.transport.handshake import make_handshake_router
+from kvduplex.transport.messages import Envelope
+from kvduplex.transport.messages import EnvelopeKind
 from kvduplex.transport.messages import decode_handshake
+from kvduplex.transport.messages import encode_envelope
 from kvduplex.transport.metrics import TransferMetrics
 from kvduplex.transport.nixl import NixlTransport
 from kvduplex.transport.protocol import Notification
@@ -93,7 +98,13 @@ def build_app(transport: NixlTransport, pool: torch.Tensor) -> FastAPI:
     async def notify(req: Request) -> dict[str, Any]:
         body = await req.json()
         payload = base64.b64decode(body["payload"])
-        transport.send_notif(peers[body["engine_id"]], payload, xid=body["xid"])
+        peer = peers[body["engine_id"]]
+        claim = body.get("claim")
+        if claim is None:
+            transport.send_notif(peer, payload, xid=body["xid"])
+        else:  # what a forger would put on the wire: our agent, another engine's id
+            env = Envelope(EnvelopeKind.USER, claim, body["xid"], payload)
+            transport._agent.send_notif(peer.agent_name, encode_envelope(env))
         return {}
 
     @app.get("/test/notifs")

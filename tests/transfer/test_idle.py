@@ -27,6 +27,7 @@ def test_pump_ticks_fast_while_active_then_backs_off_and_still_wakes_on_a_messag
     a = fabric.endpoint(allocate_kv_pool(LAYOUT), LAYOUT, metrics=TransferMetrics(None))
     b = fabric.endpoint(allocate_kv_pool(LAYOUT), LAYOUT, metrics=TransferMetrics(None))
     to_b = a.connect(b.local_metadata())
+    b.connect(a.local_metadata())  # b hears only the peers it connected to
     pump = NotificationPump(b, tick_s=0.01, idle_tick_s=0.5, hot_s=0.3)
     ticks: list[float] = []
     got = threading.Event()

@@ -13,6 +13,7 @@ import base64
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -172,6 +173,8 @@ def test_write_and_read_random_blocks_bytes_match(local: Local, peer: PeerProces
 def test_concurrent_writes_deliver_each_notification_once(local: Local, peer: PeerProcess) -> None:
     t = local.t
     handle = t.connect(fetch_handshake(peer.url))
+    # The peer hears only agents it connected to itself.
+    httpx.post(f"{peer.url}/test/connect", content=encode_handshake(t.local_metadata()))
     codec = MessageCodec()
     num = 48
     handles: list[TransferHandle] = [None] * num  # type: ignore[list-item]
@@ -207,6 +210,7 @@ def test_concurrent_writes_deliver_each_notification_once(local: Local, peer: Pe
 
 
 def test_peer_notification_reaches_us(local: Local, peer: PeerProcess) -> None:
+    local.t.connect(fetch_handshake(peer.url))  # we hear peers we connected to
     httpx.post(f"{peer.url}/test/connect", content=encode_handshake(local.t.local_metadata()))
     payload = base64.b64encode(b"to-you").decode()
     httpx.post(
@@ -217,6 +221,42 @@ def test_peer_notification_reaches_us(local: Local, peer: PeerProcess) -> None:
     assert [(n.peer_engine_id, n.xid, n.payload) for n in got] == [
         (peer.engine_id, "n1", b"to-you")
     ]
+
+
+def test_forged_and_unknown_senders_are_refused(local: Local, peer: PeerProcess) -> None:
+    """The sender is the NIXL agent that delivered a notification: a peer's envelope
+    naming another engine is refused, and so is an agent we never connected to."""
+    t = local.t
+    t.connect(fetch_handshake(peer.url))
+    httpx.post(f"{peer.url}/test/connect", content=encode_handshake(t.local_metadata()))
+    refused = "kvduplex_kv_notifications_refused_total"
+    forged = local.sample(refused, reason="forged_sender")
+    unknown = local.sample(refused, reason="unknown_agent")
+
+    def notify(xid: str, claim: str | None = None) -> None:
+        body = {"engine_id": t.engine_id, "xid": xid, "payload": base64.b64encode(b"p").decode()}
+        resp = httpx.post(f"{peer.url}/test/notify", json={**body, "claim": claim}, timeout=10)
+        resp.raise_for_status()
+
+    notify("forged-1", claim="someone-else")
+    notify("honest-1")  # delivered after the forged one: once it is here, that one was seen
+    got = t.poll_notifs(timeout=10)
+    assert [(n.peer_engine_id, n.xid) for n in got] == [(peer.engine_id, "honest-1")]
+    assert local.sample(refused, reason="forged_sender") == forged + 1
+
+    stranger = Local()  # another agent that holds our handshake; we never connect to it
+    grace = t.unknown_agent_grace_s
+    t.unknown_agent_grace_s = 0.2
+    try:
+        to_us = stranger.t.connect(t.local_metadata())
+        stranger.t.send_notif(to_us, b"from-a-stranger", xid="stranger-1")
+        end = time.monotonic() + 10
+        while local.sample(refused, reason="unknown_agent") < unknown + 1:
+            assert time.monotonic() < end, "the stranger's notification was not refused"
+            assert t.poll_notifs(timeout=0.05) == []
+    finally:
+        t.unknown_agent_grace_s = grace
+        stranger.t.close()
 
 
 def test_incompatible_layout_is_refused(local: Local, fleet: Fleet) -> None:

@@ -1,6 +1,7 @@
 """Control messages and transfer ids the flows must not trust, over the in-process
-transport: an offer from an engine this instance never handshook with, transfer
-ids that belong to another request, and the pump's test-only drop hook."""
+transport: an offer from an engine this instance never handshook with, offers and
+KVDone whose envelopes claim another engine, transfer ids that belong to another
+request, and the pump's test-only drop hook."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
 from kvduplex.engine.block_pool import compute_block_hashes
 from kvduplex.engine.engine import RequestRejected
@@ -40,17 +42,27 @@ def _p_cached_blocks(s: Pair, tokens: list[int]) -> int:
     return int(s.ap.call(lambda e: e.kv_manager.num_cached_prefix(keys)).result(5))
 
 
+def _refused(reason: str) -> float:
+    """P's and D's transports count on the process-wide registry (the Pair's default)."""
+    value = REGISTRY.get_sample_value("kvduplex_kv_notifications_refused_total", {"reason": reason})
+    return value or 0.0
+
+
 def test_offer_from_an_engine_that_never_handshook_is_refused(tiny: LoadedModel) -> None:
     """A third endpoint holds P's metadata (it connected to P), but P never connected
-    to it: its offer is refused, nothing is allocated or cached, and it hears nothing."""
+    to it: P's transport refuses its offer (unknown agent), nothing is allocated or
+    cached, and it hears nothing."""
     with Pair(tiny, wait_s=1.0) as s:
+        s.tp.unknown_agent_grace_s = 0.2
         rogue = s.fabric.endpoint(torch.zeros_like(s.d.kv_pool), s.d.layout)
         to_p = rogue.connect(s.tp.local_metadata())
         tokens = PROMPT[:16]  # 4 whole blocks
         acceptor = s.pf.acceptor
+        before = _refused("unknown_agent")
         rogue.send_notif(to_p, MessageCodec().encode(_offer(s, "rogue-1", tokens)), "rogue-1")
-        _wait_for(lambda: acceptor.stats.num_refused == 1, "the refusal")
-        assert acceptor.stats.num_accepted == 0 and s.pf.receiver.num_waiting() == 0
+        _wait_for(lambda: _refused("unknown_agent") == before + 1, "the refusal")
+        assert acceptor.stats.num_accepted == 0 and acceptor.stats.num_refused == 0
+        assert s.pf.receiver.num_waiting() == 0
         assert rogue.poll_notifs(timeout=0.2) == [], "no registration or decline for a stranger"
         assert _p_cached_blocks(s, tokens) == 0
         s.assert_clean()
@@ -58,6 +70,41 @@ def test_offer_from_an_engine_that_never_handshook_is_refused(tiny: LoadedModel)
         s.ap.call(lambda _e: acceptor.accept(_offer(s, "d-1", tokens), s.td.engine_id)).result(5)
         assert acceptor.stats.num_accepted == 1
         s.assert_clean()  # D never WRITEs it: P's wait ends, its quarantine too
+        assert _p_cached_blocks(s, tokens) == 0
+
+
+def test_forged_offer_and_done_never_enter_prefills_cache(tiny: LoadedModel) -> None:
+    """KVOffer + KVDone whose envelopes claim to come from D, sent by a stranger and by a
+    member that is not D: P's transport refuses every one, so P neither allocates nor
+    caches blocks nobody wrote. A KVDone forged for a real offer P registered does not
+    end that wait either: it runs out, and nothing is cached."""
+    with Pair(tiny, wait_s=1.0) as s:
+        s.tp.unknown_agent_grace_s = 0.2
+        codec = MessageCodec()
+        tokens = PROMPT[:16]
+        acceptor, receiver = s.pf.acceptor, s.pf.receiver
+        stranger = s.fabric.endpoint(torch.zeros_like(s.d.kv_pool), s.d.layout)
+        member = s.fabric.endpoint(torch.zeros_like(s.d.kv_pool), s.d.layout)
+        s.tp.connect(member.local_metadata())  # P handshook with it: a cluster member
+        forged, unknown = _refused("forged_sender"), _refused("unknown_agent")
+        for ep, xid in ((stranger, "forged-1"), (member, "forged-2")):
+            to_p = ep.connect(s.tp.local_metadata())
+            for msg in (_offer(s, xid, tokens), KVDone(xid, len(tokens))):
+                ep.forge_next_sender(s.td.engine_id)
+                ep.send_notif(to_p, codec.encode(msg), xid)
+        _wait_for(lambda: _refused("unknown_agent") == unknown + 2, "the stranger's refusals")
+        assert _refused("forged_sender") == forged + 2, "the member's claims of D's id"
+        assert acceptor.stats.num_accepted == 0 and receiver.num_waiting() == 0
+        # D's own offer, registered by P; then a KVDone for it that claims to be D's.
+        real = _offer(s, "real-1", tokens)
+        s.ap.call(lambda _e: acceptor.accept(real, s.td.engine_id)).result(5)
+        assert acceptor.stats.num_accepted == 1 and receiver.is_waiting("real-1")
+        member.forge_next_sender(s.td.engine_id)
+        done = codec.encode(KVDone("real-1", len(tokens)))
+        member.send_notif(member.connect(s.tp.local_metadata()), done, "real-1")
+        assert _refused("forged_sender") == forged + 3
+        s.assert_clean()  # the wait ran out (D never wrote), its blocks went back
+        assert receiver.stats.num_received == 0
         assert _p_cached_blocks(s, tokens) == 0
 
 
@@ -137,7 +184,7 @@ def test_pump_drops_the_named_message_types_only(tiny: LoadedModel) -> None:
             pump_.close()  # the pair's own pumps would take the notifications first
         pump.start()
         codec = MessageCodec()
-        s.td.send_notif(s.p_peer, codec.encode(KVRegister("r", [1], 0, BS, 1.0, 0.0)), "r")
+        s.td.send_notif(s.p_peer, codec.encode(KVRegister("r", [1], 0, BS, 1.0, 1.0)), "r")
         s.td.send_notif(s.p_peer, codec.encode(KVDone("d", BS, 7, 0)), "d")
         _wait_for(lambda: got == ["d"], "the KVDone")
         assert pump.num_dropped == 1
