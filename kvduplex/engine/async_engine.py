@@ -356,7 +356,10 @@ class AsyncEngine:
             if isinstance(item, _Call) and item.future.set_running_or_notify_cancel():
                 item.future.set_exception(error)
                 num_calls += 1
-        logger.warning("%s: failed %d streams and %d queued calls", error, len(streams), num_calls)
+        level = logging.WARNING if streams or num_calls else logging.INFO
+        logger.log(
+            level, "%s: failed %d streams and %d queued calls", error, len(streams), num_calls
+        )
 
     def _drain_inbox(self) -> bool:
         """Apply queued commands; True if there were any (they may have changed requests)."""

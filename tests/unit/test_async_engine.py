@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -80,6 +81,15 @@ def block_the_loop(a: AsyncEngine, gate: threading.Event, *, crash: bool = False
     assert inside.wait(5)
 
 
+def engine_thread_cpu_s(a: AsyncEngine) -> float | None:
+    """CPU seconds the engine thread has used (Linux; None elsewhere)."""
+    stat = Path(f"/proc/self/task/{a._thread.native_id}/stat")  # the engine's own thread
+    if not stat.exists():
+        return None
+    fields = stat.read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
 async def collect(a: AsyncEngine, req: Request) -> list[RequestOutput]:
     return [out async for out in a.generate(req)]
 
@@ -98,8 +108,12 @@ def test_a_failing_call_is_logged_with_its_name_and_the_engine_goes_on(
         fut = engine.call(functools.partial(_fails, "xid-7"))  # dropped by the caller
         with pytest.raises(ValueError, match="no job xid-7"):
             fut.result(5)
-    lines = [r.getMessage() for r in caplog.records]
-    assert any("_fails('xid-7')" in line and "no job xid-7" in line for line in lines), lines
+
+        def logged() -> bool:  # the done-callback may log just after result() returned
+            lines = [r.getMessage() for r in caplog.records]
+            return any("_fails('xid-7')" in line and "no job xid-7" in line for line in lines)
+
+        wait_until(logged, "the failed call to be logged")
     assert engine.call(lambda e: e.block_pool.stats().total).result(5) == 32
     assert engine.is_healthy
 
@@ -263,10 +277,13 @@ def test_a_request_that_cannot_be_admitted_waits_without_spinning(engine: AsyncE
         lambda: engine.call(lambda e: e.scheduler.num_waiting).result(5) == 1,
         "the request to wait for blocks",
     )
-    before = engine.num_iterations
+    before, cpu_before = engine.num_iterations, engine_thread_cpu_s(engine)
     time.sleep(1.0)  # the period over which the loop's iterations are counted
     spun = engine.num_iterations - before
     assert spun < 20, f"{spun} loop iterations in 1 s while nothing could be admitted"
+    if cpu_before is not None:
+        cpu_s = (engine_thread_cpu_s(engine) or 0.0) - cpu_before
+        assert cpu_s < 0.05, f"the engine thread used {cpu_s:.2f} s of CPU in 1 s of waiting"
     assert not done.is_set()
     released_at = time.monotonic()
     engine.call(lambda e: e.kv_manager.release_blocks(held))
