@@ -63,7 +63,7 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Continuous batching and chunked prefill."""
+    """Continuous batching, chunked prefill and the engine loop's health."""
 
     max_num_seqs: int = 64
     """Most requests running at once."""
@@ -73,8 +73,21 @@ class SchedulerConfig:
     """Split long prompts across steps so decodes keep flowing."""
     long_prefill_token_threshold: int = 0
     """Largest prefill chunk of one request per step; 0 means the whole budget."""
+    engine_stall_timeout_s: float = 8.0
+    """Seconds the engine loop may spend in one iteration (a step, or a call run between
+    steps) while it has work before the instance calls itself unhealthy: /health answers
+    503 and KV heartbeats stop, so decode stops waiting for this instance's pushes and the
+    router sends new requests elsewhere; healthy again once the iteration ends. An idle
+    loop (waiting for work) is healthy. One step computes at most max_num_batched_tokens,
+    so keep this above the longest such step (a whole 2,048-token prefill of the small
+    preset takes about 5 s on 2 CPU cores; a GPU step takes well under 1 s), and below
+    --kv-wait-timeout-s, so that a wedged prefill instance costs decode at most the sum."""
 
     def __post_init__(self) -> None:
+        if not self.engine_stall_timeout_s > 0:
+            raise ValueError(
+                f"engine_stall_timeout_s must be > 0, got {self.engine_stall_timeout_s}"
+            )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -304,11 +317,16 @@ class Environment:
     """KVDUPLEX_TEST_DROP_MESSAGES, for fault tests only: comma-separated control message
     types (``kv_register``, ``kv_offer``, ``kv_done``, ...) that this instance's
     notification pump drops on arrival, as if the network lost them."""
+    test_stall_engine_file: str | None = None
+    """KVDUPLEX_TEST_STALL_ENGINE_FILE, for fault tests only: a path; while a file exists
+    there, this instance's engine loop stops at the start of its next iteration, as if a
+    step were wedged (it goes on once the file is removed)."""
 
     @classmethod
     def read(cls) -> Environment:
         drop = os.environ.get("KVDUPLEX_TEST_DROP_MESSAGES", "")
         return cls(
+            test_stall_engine_file=os.environ.get("KVDUPLEX_TEST_STALL_ENGINE_FILE") or None,
             log_level=os.environ.get("KVDUPLEX_LOG_LEVEL"),
             cluster_secret=os.environ.get(CLUSTER_SECRET_VAR) or None,
             api_key=os.environ.get(API_KEY_VAR) or None,

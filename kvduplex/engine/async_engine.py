@@ -1,16 +1,38 @@
 """Runs an `LLMEngine` in its own thread and streams outputs to asyncio.
 
-Threads: the HTTP server's asyncio loop calls `generate()`/`abort()`; those
-only enqueue commands. The engine thread owns the engine: it drains commands,
-steps while there is work, and sleeps on an event otherwise (no busy loop).
+Threads: the HTTP server's asyncio loop, the transport's threads and the
+notification pump reach the engine only through typed commands in one inbox
+(`_Add`, `_Abort`, `_Call`); the engine thread owns the engine. One iteration
+of its loop::
+
+    drain the inbox → step (while there is work) → outputs to their streams
+    no work, or a step that did nothing → wait for the wake event (set with every
+                                          command), at most IDLE_WAIT_S
+
+A step does nothing when no request can be admitted (its blocks are held by
+transfers, leases or quarantine): whatever frees them reaches the engine as a
+command, so the thread waits for it rather than spinning on `step()`.
 Outputs travel back with `loop.call_soon_threadsafe`. A client that goes away
 (its generator closed or cancelled) aborts its request, which frees its blocks.
+
+Failures are seen. A `call` whose function raises is logged with the function's
+name (`run_in_engine` hands the error to its awaiting caller instead). When the
+loop ends (it crashed, or `shutdown`), every stream and every queued call fails
+at once with EngineDeadError, and so does every later `call` or `generate`.
+
+Health is progress, not a live thread: the instance is unhealthy (`problem`)
+while the loop has spent more than the stall limit
+(``SchedulerConfig.engine_stall_timeout_s``) in one iteration, e.g. a wedged
+step; a loop waiting for work is healthy.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
+import os
 import queue
 import threading
 import time
@@ -30,9 +52,14 @@ from kvduplex.engine.request import Request
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
+IDLE_WAIT_S = 1.0
+"""Longest wait for the wake event; a safety net, since every command sets it."""
+TEST_STALL_POLL_S = 0.05
+"""How often a loop stalled by the test hook looks whether the stall ended."""
+
 
 class EngineDeadError(RuntimeError):
-    """The engine thread stopped; the instance cannot serve."""
+    """The engine loop stopped (crashed or shut down); the instance cannot serve."""
 
 
 @dataclass
@@ -58,26 +85,73 @@ class _Abort:
 class _Call:
     fn: Callable[[LLMEngine], Any]
     future: Future[Any]
+    label: str
+    """The function's name, for logs."""
 
 
 _Command = _Add | _Abort | _Call
 
 
+def describe_call(fn: Callable[..., Any]) -> str:
+    """A name for `fn` in logs: its qualified name, with a partial's arguments (which
+    usually carry the request or transfer id)."""
+    if isinstance(fn, functools.partial):
+        args = [repr(a) for a in fn.args] + [f"{k}={v!r}" for k, v in fn.keywords.items()]
+        return f"{describe_call(fn.func)}({', '.join(args)[:200]})"
+    return str(getattr(fn, "__qualname__", None) or repr(fn))
+
+
+def _report_failure(label: str, future: Future[Any]) -> None:
+    """Done-callback of a `call`'s future: log its error (a caller that also handles it
+    reports it twice; better than never)."""
+    if future.cancelled():
+        return
+    exc = future.exception()
+    if exc is None:
+        return
+    if isinstance(exc, EngineDeadError):  # the loop's end was logged once, when it ended
+        logger.debug("engine call %s not run: %s", label, exc)
+    else:
+        logger.error("engine call %s failed: %r", label, exc, exc_info=exc)
+
+
 class AsyncEngine:
     """Thread-safe front of one engine."""
 
-    def __init__(self, engine: LLMEngine, metrics: EngineMetrics | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        metrics: EngineMetrics | None = None,
+        *,
+        stall_timeout_s: float | None = None,
+        test_stall_file: str | None = None,
+    ) -> None:
+        """`stall_timeout_s`: see ``SchedulerConfig.engine_stall_timeout_s`` (the default).
+        `test_stall_file`: fault tests only; the loop stalls while a file exists there."""
         self.core = engine
         """The engine this front runs: touch its state only on the engine thread (`call`);
         its constant facts (model, limits) may be read from any thread."""
         self.metrics = metrics
+        self.stall_timeout_s = (
+            engine.config.scheduler.engine_stall_timeout_s
+            if stall_timeout_s is None
+            else stall_timeout_s
+        )
+        self._test_stall_file = test_stall_file
         self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._lock = threading.Lock()
+        """Guards `_streams` and `_dead`: nothing enters the inbox or the streams after the
+        loop ended, so `_die` fails every one."""
         self._streams: dict[str, _Stream] = {}
-        self._streams_lock = threading.Lock()
+        self._dead: EngineDeadError | None = None
         self._thread = threading.Thread(target=self._run, name="kvduplex-engine", daemon=True)
-        self._error: BaseException | None = None
+        self._iteration_started_at = time.monotonic()
+        self._is_waiting = False
+        """The loop waits for work (not stalled, whatever the time)."""
+        self.num_iterations = 0
+        """Loop iterations so far (tests: an engine that cannot admit anything must not spin)."""
         if metrics is not None:
             sched, pool = engine.scheduler, engine.block_pool
             metrics.bind_gauges(
@@ -94,14 +168,48 @@ class AsyncEngine:
         self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop; pending and later calls and streams fail with EngineDeadError."""
         self._stop.set()
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if self._thread.ident is None:  # never started: no loop to fail them
+            self._die(EngineDeadError("the engine was shut down"))
+
+    @property
+    def is_running(self) -> bool:
+        """The loop runs: started, not stopping, not ended. It may still be stalled."""
+        return self._dead is None and not self._stop.is_set() and self._thread.is_alive()
+
+    def dead_reason(self) -> str | None:
+        """Why the loop does not run (ended, stopping, not started), or None if it runs."""
+        if self._dead is not None:
+            return str(self._dead)
+        if self._stop.is_set():
+            return "the engine is shutting down"
+        if not self._thread.is_alive():
+            return "the engine is not running"
+        return None
+
+    def problem(self) -> str | None:
+        """Why the engine is unhealthy, or None: the loop does not run (`dead_reason`), or
+        it has spent more than ``stall_timeout_s`` in its current iteration."""
+        reason = self.dead_reason()
+        if reason is not None or self._is_waiting:
+            return reason
+        stalled_s = time.monotonic() - self._iteration_started_at
+        if stalled_s > self.stall_timeout_s:
+            return (
+                f"the engine loop has made no progress for {stalled_s:.1f} s "
+                f"(limit {self.stall_timeout_s:g} s)"
+            )
+        return None
 
     @property
     def is_healthy(self) -> bool:
-        return self._thread.is_alive() and self._error is None and not self._stop.is_set()
+        """Running and making progress (`problem` is None): what /health reports, and what
+        KV heartbeats are sent on."""
+        return self.problem() is None
 
     # ------------------------------------------------------------------ public
 
@@ -115,17 +223,20 @@ class AsyncEngine:
         with nothing else in between; a ValueError from it rejects the request.
 
         Raises RequestRejected for requests that can never be served (or whose id
-        is in use), EngineDeadError if the engine stopped. Closing the iterator
-        early aborts the request.
+        is in use), EngineDeadError if the engine loop does not run or ends meanwhile.
+        Closing the iterator early aborts the request.
         """
-        if not self.is_healthy:
-            raise EngineDeadError("the engine is not running")
+        reason = self.dead_reason()
+        if reason is not None:
+            raise EngineDeadError(reason)
         request_id = request.request_id
         request.arrival_time = time.monotonic()  # TTFT counts from submission
         self.core.check_request(request.num_prompt_tokens, request.sampling_params.max_tokens)
         loop = asyncio.get_running_loop()
         stream = _Stream(loop=loop, queue=asyncio.Queue(), arrival=request.arrival_time)
-        with self._streams_lock:
+        with self._lock:
+            if self._dead is not None:
+                raise self._dead
             if request_id in self._streams:
                 raise RequestRejected(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
@@ -144,7 +255,7 @@ class AsyncEngine:
                 if finished:
                     return
         finally:
-            with self._streams_lock:
+            with self._lock:
                 self._streams.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
@@ -153,66 +264,126 @@ class AsyncEngine:
         """Abort a request from any thread; unknown ids are ignored."""
         self._send(_Abort(request_id))
 
-    def call(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
-        """Run `fn(engine)` in the engine thread between steps; returns a Future."""
-        fut: Future[T] = Future()
-        self._send(_Call(fn, fut))
-        return fut
+    def call(self, fn: Callable[[LLMEngine], T], *, label: str | None = None) -> Future[T]:
+        """Run `fn(engine)` in the engine thread between steps; returns a Future.
+
+        An error `fn` raises is logged under `label` (default: `fn`'s name) as well as set
+        on the Future, so that a caller who drops the Future still has it seen. With the
+        loop ended, the Future has already failed with EngineDeadError.
+        """
+        name = label if label is not None else describe_call(fn)
+        future = self._submit(fn, name)
+        future.add_done_callback(functools.partial(_report_failure, name))
+        return future
 
     async def run_in_engine(self, fn: Callable[[LLMEngine], T]) -> T:
-        return await asyncio.wrap_future(self.call(fn))
+        """`call` and await the result: an error is raised here (EngineDeadError with the
+        loop ended), not logged."""
+        return await asyncio.wrap_future(self._submit(fn, describe_call(fn)))
 
     # ------------------------------------------------------------ engine thread
 
-    def _send(self, item: _Command) -> None:
-        self._inbox.put(item)
+    def _submit(self, fn: Callable[[LLMEngine], T], label: str) -> Future[T]:
+        future: Future[T] = Future()
+        if not self._send(_Call(fn, future, label)):
+            assert self._dead is not None
+            future.set_exception(self._dead)
+        return future
+
+    def _send(self, item: _Command) -> bool:
+        """Queue a command; False (nothing queued) once the loop has ended."""
+        with self._lock:
+            if self._dead is not None:
+                return False
+            self._inbox.put(item)
         self._wake.set()
+        return True
 
     def _run(self) -> None:
+        error = EngineDeadError("the engine was shut down")
         try:
             while not self._stop.is_set():
+                self._iteration_started_at = time.monotonic()
+                self.num_iterations += 1
+                self._test_stall()
                 if self._drain_inbox():
                     self._dispatch(self.core.connector_outputs())
-                if self.core.has_unfinished():
-                    self._dispatch(self.core.step())
-                    if self._only_waiting_for_remote_kv():
-                        self._wake.wait(timeout=0.01)  # a transfer's completion wakes us
-                        self._wake.clear()
-                else:
-                    self._wake.wait(timeout=1.0)
-                    self._wake.clear()
+                if not self.core.has_unfinished():
+                    self._wait_for_work()
+                    continue
+                outputs = self.core.step()
+                self._dispatch(outputs)
+                if not outputs and not self.core.last_step_did_work:
+                    self._wait_for_work()  # nothing could run: until a command changes that
         except BaseException as exc:  # the loop must report, not vanish
             logger.exception("engine loop crashed")
-            self._error = exc
-            self._fail_all(EngineDeadError(f"the engine stopped: {exc!r}"))
+            error = EngineDeadError(f"the engine stopped: {exc!r}")
+        finally:
+            self._die(error)
 
-    def _only_waiting_for_remote_kv(self) -> bool:
-        """Nothing to compute until remote KV arrives (no busy stepping meanwhile)."""
-        sched = self.core.scheduler
-        return sched.num_running == 0 and sched.num_waiting == 0
+    def _wait_for_work(self) -> None:
+        self._is_waiting = True
+        self._wake.wait(timeout=IDLE_WAIT_S)
+        self._iteration_started_at = time.monotonic()
+        self._is_waiting = False
+        self._wake.clear()  # commands sent before this are drained next; later ones set it
 
-    def _drain_inbox(self) -> bool:
-        """Apply queued commands; True if any `call` ran (it may have changed requests)."""
-        ran_call = False
+    def _test_stall(self) -> None:
+        """Fault tests: a wedged step, for as long as the stall file exists."""
+        path = self._test_stall_file
+        if path is None or not os.path.exists(path):
+            return
+        logger.warning("engine loop stalled by the test hook (%s)", path)
+        while os.path.exists(path) and not self._stop.is_set():
+            time.sleep(TEST_STALL_POLL_S)  # the stall itself: polls the file
+        logger.warning("engine loop resumed (%s removed)", path)
+
+    def _die(self, error: EngineDeadError) -> None:
+        """The loop ended: fail every stream and every queued call; later ones fail at once."""
+        with self._lock:
+            if self._dead is not None:
+                return
+            self._dead = error
+            streams = list(self._streams.values())
+        for stream in streams:
+            _deliver(stream, error)
+        num_calls = 0
         while True:
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
-                return ran_call
+                break
+            if isinstance(item, _Call) and item.future.set_running_or_notify_cancel():
+                item.future.set_exception(error)
+                num_calls += 1
+        level = logging.WARNING if streams or num_calls else logging.INFO
+        logger.log(
+            level, "%s: failed %d streams and %d queued calls", error, len(streams), num_calls
+        )
+
+    def _drain_inbox(self) -> bool:
+        """Apply queued commands; True if there were any (they may have changed requests)."""
+        applied = False
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return applied
+            applied = True
             if isinstance(item, _Add):
                 self._apply_add(item)
             elif isinstance(item, _Abort):
                 self.core.abort_request(item.request_id)
-            else:
-                ran_call = True
-                if item.future.set_running_or_notify_cancel():
-                    try:
-                        item.future.set_result(item.fn(self.core))
-                    except BaseException as exc:
-                        item.future.set_exception(exc)
+            elif item.future.set_running_or_notify_cancel():
+                try:
+                    item.future.set_result(item.fn(self.core))
+                except BaseException as exc:
+                    item.future.set_exception(exc)
+                    if not isinstance(exc, Exception):
+                        raise
 
     def _apply_add(self, add: _Add) -> None:
-        with self._streams_lock:
+        with self._lock:
             stream = self._streams.get(add.request.request_id)
         if stream is None:  # the client left before the request reached the engine
             self.core.drop_unadded(add.request)
@@ -223,17 +394,17 @@ class AsyncEngine:
             self.core.add_request(add.request)
         except ValueError as exc:
             self.core.drop_unadded(add.request)
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
+            _deliver(stream, exc)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
         for out in outputs:
-            with self._streams_lock:
+            with self._lock:
                 stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
             self._observe(stream, out, now)
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+            _deliver(stream, out)
 
     def _observe(self, stream: _Stream, out: RequestOutput, now: float) -> None:
         m = self.metrics
@@ -252,8 +423,8 @@ class AsyncEngine:
             if stream.first_token_time is not None and out.num_output_tokens > 1:
                 m.tpot.observe((now - stream.first_token_time) / (out.num_output_tokens - 1))
 
-    def _fail_all(self, exc: BaseException) -> None:
-        with self._streams_lock:
-            streams = list(self._streams.values())
-        for stream in streams:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
+
+def _deliver(stream: _Stream, item: RequestOutput | BaseException) -> None:
+    """Hand `item` to a stream's asyncio loop (nothing if that loop has closed)."""
+    with contextlib.suppress(RuntimeError):  # the loop closed: nobody reads the stream
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)

@@ -88,12 +88,17 @@ class EngineHandle:
     # ---- threads ----
 
     def call(self, fn: Callable[[], Any]) -> Future[Any]:
-        """Run ``fn()`` on the engine thread between steps (from any thread)."""
-        return self._async.call(lambda _e: fn())
+        """Run ``fn()`` on the engine thread between steps (from any thread). An error it
+        raises is logged under its name (and set on the Future); with the engine loop
+        ended, the Future has already failed with EngineDeadError."""
+        from kvduplex.engine.async_engine import describe_call
+
+        return self._async.call(lambda _e: fn(), label=describe_call(fn))
 
     @property
     def is_healthy(self) -> bool:
-        """The engine thread runs (heartbeats stop when it does not)."""
+        """The engine loop runs and makes progress (heartbeats stop when it does not: a
+        crashed, stopped or wedged engine)."""
         return self._async.is_healthy
 
     # ---- layout ----

@@ -136,6 +136,10 @@ class LLMEngine:
         self._num_emitted: dict[str, int] = {}
         self._aborted: list[RequestOutput] = []  # final outputs of aborts, not yet returned
         self._finished: list[Request] = []  # final output made, not reported to the connector
+        self.last_step_did_work = False
+        """The last `step` computed tokens, allocated blocks for remote KV or preempted: when
+        it did none of these, nothing can run until a request, an abort or a call changes
+        the state (the engine thread then waits for one instead of stepping again)."""
         logger.info(
             "engine ready: model=%s layout=%s max_model_len=%d",
             self.loaded.name,
@@ -198,6 +202,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return what changed for each request."""
         out = self.scheduler.schedule()
+        self.last_step_did_work = bool(out.seqs or out.remote_kv_allocated or out.preempted)
         for seq in out.seqs:
             req = seq.request
             if seq.start_pos < req.num_prompt_tokens:

@@ -9,6 +9,11 @@ making (``cmpl-``/``chatcmpl-`` and a random hex), which is the answer's `id`
 and its ``X-Request-ID`` response header, unless the client sent an
 ``X-Request-ID``: that one is echoed back in the header, and never becomes an
 engine id (an id names what an abort or a held request's release acts on).
+
+A dead engine (its loop crashed or stopped) answers 503 in OpenAI error JSON
+(``code: engine_dead``) on every route but /health (503 with the reason) and
+/metrics: at once for new requests (`DeadEngineGuard`), and for a request in
+flight as soon as the engine call it awaits fails with EngineDeadError.
 """
 
 from __future__ import annotations
@@ -34,6 +39,10 @@ from fastapi.responses import StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client import CollectorRegistry
 from prometheus_client import generate_latest
+from starlette.types import ASGIApp
+from starlette.types import Receive
+from starlette.types import Scope
+from starlette.types import Send
 
 from kvduplex.engine.async_engine import AsyncEngine
 from kvduplex.engine.async_engine import EngineDeadError
@@ -106,12 +115,7 @@ def create_app(state: InstanceState, extra_routers: Sequence[APIRouter] = ()) ->
     app = FastAPI(title="kvduplex", version="0.1.0")
     app.state.instance = state
     install_error_handlers(app)
-
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        if state.engine.is_healthy:
-            return JSONResponse(state.health())
-        return JSONResponse({"status": "unavailable", "role": state.role}, status_code=503)
+    _add_health(app, state)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -171,6 +175,48 @@ def create_app(state: InstanceState, extra_routers: Sequence[APIRouter] = ()) ->
     for router in extra_routers:
         app.include_router(router)
     return app
+
+
+def _add_health(app: FastAPI, state: InstanceState) -> None:
+    """/health, and 503s for a dead engine (`DeadEngineGuard`, EngineDeadError)."""
+    app.add_middleware(DeadEngineGuard, engine=state.engine)
+
+    @app.exception_handler(EngineDeadError)
+    async def _on_engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return engine_dead_response(str(exc))
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """200 while the engine loop runs and makes progress; 503 with the reason when it
+        ended or is stalled past its limit (``--engine-stall-timeout-s``)."""
+        problem = state.engine.problem()
+        if problem is None:
+            return JSONResponse(state.health())
+        body = {"status": "unavailable", "role": state.role, "reason": problem}
+        return JSONResponse(body, status_code=503)
+
+
+def engine_dead_response(reason: str) -> JSONResponse:
+    return APIError(503, reason, code="engine_dead").response()
+
+
+class DeadEngineGuard:
+    """ASGI middleware: once the engine loop has ended, every route but /health and
+    /metrics answers 503 at once, before the route runs."""
+
+    OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+    def __init__(self, app: ASGIApp, engine: AsyncEngine) -> None:
+        self.app = app
+        self.engine = engine
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in self.OPEN_PATHS:
+            reason = self.engine.dead_reason()
+            if reason is not None:
+                await engine_dead_response(reason)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _prompt_ids(state: InstanceState, body: OpenAIRequest) -> list[int]:
@@ -273,7 +319,7 @@ async def _collect(
     except RequestRejected as exc:
         raise APIError(400, str(exc)) from None
     except EngineDeadError as exc:
-        raise APIError(503, str(exc)) from None
+        raise APIError(503, str(exc), code="engine_dead") from None
     assert last is not None
     return JSONResponse(_final_body(state, gen, text, ids, last, chat), headers=_id_header(gen))
 

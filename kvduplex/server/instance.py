@@ -60,7 +60,9 @@ def build_instance(
     engine = LLMEngine(engine_config)
     engine.warmup()
     registry = CollectorRegistry()
-    async_engine = AsyncEngine(engine, EngineMetrics(registry))
+    async_engine = AsyncEngine(
+        engine, EngineMetrics(registry), test_stall_file=env.test_stall_engine_file
+    )
     names = [engine_config.model.served_model_name or engine_config.model.model]
     state = InstanceState(
         engine=async_engine,

@@ -1,0 +1,293 @@
+"""The engine thread's front: failures are seen, a dead engine fails every caller at
+once, health is progress, and an engine that cannot admit anything does not spin."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from kvduplex.config import CacheConfig
+from kvduplex.config import EngineConfig
+from kvduplex.config import Environment
+from kvduplex.config import ModelLoadConfig
+from kvduplex.config import SchedulerConfig
+from kvduplex.config import ServerConfig
+from kvduplex.engine.async_engine import IDLE_WAIT_S
+from kvduplex.engine.async_engine import AsyncEngine
+from kvduplex.engine.async_engine import EngineDeadError
+from kvduplex.engine.engine import LLMEngine
+from kvduplex.engine.engine import RequestOutput
+from kvduplex.engine.request import Request
+from kvduplex.engine.sampling import SamplingParams
+from kvduplex.model.loader import LoadedModel
+from kvduplex.model.loader import load_model
+from kvduplex.server.instance import Instance
+from kvduplex.server.instance import build_instance
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+class _Crash(BaseException):
+    """Not an Exception: raised in the engine thread, it ends the loop (as a bug would)."""
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LoadedModel:
+    return load_model(ModelLoadConfig(model="tiny", seed=0))
+
+
+@pytest.fixture
+def engine(tiny: LoadedModel) -> Iterator[AsyncEngine]:
+    cfg = EngineConfig(cache=CacheConfig(block_size=4, num_blocks=32))
+    a = AsyncEngine(LLMEngine(cfg, loaded=tiny))
+    a.start()
+    try:
+        yield a
+    finally:
+        a.shutdown()
+
+
+def wait_until(cond: Callable[[], bool], what: str, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def block_the_loop(a: AsyncEngine, gate: threading.Event, *, crash: bool = False) -> None:
+    """Hold the engine thread in a call until `gate` is set (then end the loop if `crash`);
+    returns once the thread is inside it."""
+    inside = threading.Event()
+
+    def hold(_e: LLMEngine) -> None:
+        inside.set()
+        gate.wait(10)
+        if crash:
+            raise _Crash("a bug in the engine thread")
+
+    a.call(hold)
+    assert inside.wait(5)
+
+
+def engine_thread_cpu_s(a: AsyncEngine) -> float | None:
+    """CPU seconds the engine thread has used (Linux; None elsewhere)."""
+    stat = Path(f"/proc/self/task/{a._thread.native_id}/stat")  # the engine's own thread
+    if not stat.exists():
+        return None
+    fields = stat.read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+async def collect(a: AsyncEngine, req: Request) -> list[RequestOutput]:
+    return [out async for out in a.generate(req)]
+
+
+# ---------------------------------------------------------------- calls are seen
+
+
+def _fails(xid: str, _e: LLMEngine) -> None:
+    raise ValueError(f"no job {xid}")
+
+
+def test_a_failing_call_is_logged_with_its_name_and_the_engine_goes_on(
+    engine: AsyncEngine, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.ERROR, logger="kvduplex.engine.async_engine"):
+        fut = engine.call(functools.partial(_fails, "xid-7"))  # dropped by the caller
+        with pytest.raises(ValueError, match="no job xid-7"):
+            fut.result(5)
+
+        def logged() -> bool:  # the done-callback may log just after result() returned
+            lines = [r.getMessage() for r in caplog.records]
+            return any("_fails('xid-7')" in line and "no job xid-7" in line for line in lines)
+
+        wait_until(logged, "the failed call to be logged")
+    assert engine.call(lambda e: e.block_pool.stats().total).result(5) == 32
+    assert engine.is_healthy
+
+
+def test_run_in_engine_hands_the_error_to_its_caller_without_logging(
+    engine: AsyncEngine, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def main() -> None:
+        with pytest.raises(ValueError, match="no job xid-8"):
+            await engine.run_in_engine(functools.partial(_fails, "xid-8"))
+
+    with caplog.at_level(logging.ERROR, logger="kvduplex.engine.async_engine"):
+        asyncio.run(main())
+    assert not caplog.records
+
+
+# ------------------------------------------------------- a dead engine fails all
+
+
+def test_a_crashed_loop_fails_every_stream_and_queued_call_at_once(engine: AsyncEngine) -> None:
+    gate = threading.Event()
+    block_the_loop(engine, gate, crash=True)
+
+    async def main() -> None:
+        stream = asyncio.ensure_future(collect(engine, Request("r-in-flight", [5, 6, 7], GREEDY)))
+        await asyncio.sleep(0)  # let it queue its add
+        queued = [engine.call(lambda e: e.block_pool.stats()) for _ in range(3)]
+        gate.set()
+        with pytest.raises(EngineDeadError, match="a bug in the engine thread"):
+            await asyncio.wait_for(stream, 5)
+        for fut in queued:
+            with pytest.raises(EngineDeadError):
+                fut.result(5)
+
+    asyncio.run(main())
+    assert not engine.is_running and not engine.is_healthy
+    assert "a bug in the engine thread" in (engine.problem() or "")
+    later = engine.call(lambda e: 1)
+    assert later.done() and isinstance(later.exception(), EngineDeadError)
+
+    async def submit_after() -> None:
+        with pytest.raises(EngineDeadError):
+            await collect(engine, Request("r-after", [5, 6, 7], GREEDY))
+        with pytest.raises(EngineDeadError):
+            await engine.run_in_engine(lambda e: 1)
+
+    asyncio.run(submit_after())
+
+
+def test_shutdown_fails_queued_and_later_calls(tiny: LoadedModel) -> None:
+    a = AsyncEngine(LLMEngine(EngineConfig(cache=CacheConfig(num_blocks=16)), loaded=tiny))
+    queued = a.call(lambda e: 1)  # not started: it waits in the inbox
+    a.shutdown()
+    with pytest.raises(EngineDeadError, match="shut down"):
+        queued.result(1)
+    assert isinstance(a.call(lambda e: 1).exception(0), EngineDeadError)
+
+
+@pytest.fixture
+def instance() -> Iterator[Instance]:
+    cfg = EngineConfig(model=ModelLoadConfig(model="tiny"), cache=CacheConfig(kv_cache_mb=16))
+    inst = build_instance(cfg, ServerConfig(port=0), Environment())
+    try:
+        yield inst
+    finally:
+        inst.shutdown()
+
+
+def test_every_route_answers_503_within_a_second_of_the_engine_dying(instance: Instance) -> None:
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0.0}
+    gate = threading.Event()
+    block_the_loop(instance.async_engine, gate, crash=True)
+
+    async def main() -> None:
+        transport = httpx.ASGITransport(app=instance.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+            # Requests in flight, each waiting on the engine (a call, or a stream).
+            stats = asyncio.ensure_future(http.get("/internal/kv/stats"))
+            completion = asyncio.ensure_future(http.post("/v1/completions", json=body))
+            inbox = instance.async_engine._inbox  # watched: both requests wait in it
+            deadline = time.monotonic() + 5
+            while inbox.qsize() < 2:
+                assert time.monotonic() < deadline, "the requests never reached the engine"
+                await asyncio.sleep(0.01)
+            gate.set()
+            died = time.monotonic()
+            answers = list(await asyncio.wait_for(asyncio.gather(stats, completion), 5))
+            answers.append(await http.post("/v1/completions", json=body))
+            answers.append(await http.post("/v1/completions", json={**body, "stream": True}))
+            answers.append(await http.get("/v1/models"))
+            answers.append(await http.get("/internal/kv/stats"))
+            assert time.monotonic() - died < 1.0
+            for resp in answers:
+                assert resp.status_code == 503, (resp.request.url, resp.text)
+                err = resp.json()["error"]
+                assert err["code"] == "engine_dead" and err["type"] == "server_error"
+                assert "a bug in the engine thread" in err["message"]
+            health = await http.get("/health")
+            assert health.status_code == 503
+            assert "a bug in the engine thread" in health.json()["reason"]
+            assert (await http.get("/metrics")).status_code == 200
+
+    asyncio.run(main())
+
+
+# ---------------------------------------------------------- health is progress
+
+
+def test_health_turns_503_while_the_loop_is_stalled_and_200_once_it_goes_on(
+    tmp_path: Path,
+) -> None:
+    stall = tmp_path / "stall"
+    cfg = EngineConfig(
+        model=ModelLoadConfig(model="tiny"), cache=CacheConfig(kv_cache_mb=16),
+        scheduler=SchedulerConfig(engine_stall_timeout_s=0.5),
+    )  # fmt: skip
+    inst = build_instance(cfg, ServerConfig(port=0), Environment(test_stall_engine_file=str(stall)))
+    engine = inst.async_engine
+    try:
+        http = TestClient(inst.app)
+        # Idle for longer than the limit (and than one idle wait): still healthy.
+        idle_until = time.monotonic() + max(1.0, IDLE_WAIT_S) + 0.2
+        while time.monotonic() < idle_until:
+            assert http.get("/health").status_code == 200
+            time.sleep(0.05)
+        stall.touch()
+        queued = engine.call(lambda e: e.block_pool.stats().total)  # wakes the loop: it stalls
+        wait_until(lambda: http.get("/health").status_code == 503, "/health to say 503", 3.0)
+        reason = http.get("/health").json()["reason"]
+        assert "no progress" in reason and "limit 0.5 s" in reason
+        assert not engine.is_healthy and engine.is_running  # stalled, not dead
+        assert not queued.done()
+        stall.unlink()
+        wait_until(lambda: http.get("/health").status_code == 200, "/health to say 200", 3.0)
+        assert queued.result(5) > 0
+    finally:
+        stall.unlink(missing_ok=True)
+        inst.shutdown()
+
+
+# ------------------------------------------------------------- no busy stepping
+
+
+def test_a_request_that_cannot_be_admitted_waits_without_spinning(engine: AsyncEngine) -> None:
+    def take_every_block(e: LLMEngine) -> list[int]:
+        st = e.block_pool.stats()
+        ids = e.kv_manager.try_allocate_blocks(st.num_free + st.num_cached)
+        assert ids is not None
+        return ids
+
+    held = engine.call(take_every_block).result(5)
+    results: list[list[RequestOutput]] = []
+    done = threading.Event()
+
+    def client() -> None:
+        results.append(asyncio.run(collect(engine, Request("r-waits", [5, 6, 7, 8, 9], GREEDY))))
+        done.set()
+
+    threading.Thread(target=client, daemon=True).start()
+    wait_until(
+        lambda: engine.call(lambda e: e.scheduler.num_waiting).result(5) == 1,
+        "the request to wait for blocks",
+    )
+    before, cpu_before = engine.num_iterations, engine_thread_cpu_s(engine)
+    time.sleep(1.0)  # the period over which the loop's iterations are counted
+    spun = engine.num_iterations - before
+    assert spun < 20, f"{spun} loop iterations in 1 s while nothing could be admitted"
+    if cpu_before is not None:
+        cpu_s = (engine_thread_cpu_s(engine) or 0.0) - cpu_before
+        assert cpu_s < 0.05, f"the engine thread used {cpu_s:.2f} s of CPU in 1 s of waiting"
+    assert not done.is_set()
+    released_at = time.monotonic()
+    engine.call(lambda e: e.kv_manager.release_blocks(held))
+    assert done.wait(5), "the request was not admitted once blocks were free"
+    assert time.monotonic() - released_at < 2.0
+    outs = results[0]
+    assert outs[-1].finished and sum(len(o.new_token_ids) for o in outs) == GREEDY.max_tokens
