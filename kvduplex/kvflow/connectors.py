@@ -132,10 +132,11 @@ class DecodeFlows:
 def _halves(
     transport: Transport, handle: EngineHandle, timing: FlowTiming, metrics: KVFlowMetrics | None,
     peer_of: Callable[[str], PeerHandle | None], pump: NotificationPump, kind: type[S],
+    reconnect: Callable[[str], PeerHandle | None] | None = None,
 ) -> tuple[S, KVReceiver]:  # fmt: skip
     sender = kind(
         transport, handle, registration_wait_s=timing.wait_s, deadline_s=timing.transfer_timeout_s,
-        metrics=metrics, peer_of=peer_of,
+        metrics=metrics, peer_of=peer_of, reconnect=reconnect,
     )  # fmt: skip
     receiver = KVReceiver(transport, handle, timing.wait_s, timing.quarantine_s)
     sender.attach(pump)
@@ -146,10 +147,15 @@ def _halves(
 def prefill_flows(
     transport: Transport, engine: AsyncEngine, pump: NotificationPump, timing: FlowTiming,
     peer_of: Callable[[str], PeerHandle | None], metrics: KVFlowMetrics | None = None,
+    reconnect: Callable[[str], PeerHandle | None] | None = None,
 ) -> PrefillFlows:  # fmt: skip
-    """Build prefill's flows on `pump` and install its connector into the engine."""
+    """Build prefill's flows on `pump` and install its connector into the engine.
+
+    ``reconnect(engine_id)`` connects afresh to a peer whose endpoint was torn down."""
     handle = EngineHandle(engine)
-    sender, receiver = _halves(transport, handle, timing, metrics, peer_of, pump, PushSender)
+    sender, receiver = _halves(
+        transport, handle, timing, metrics, peer_of, pump, PushSender, reconnect
+    )
     # One offer may take at most a quarter of the pool (it may evict cached blocks).
     acceptor = ReturnAcceptor(
         receiver, handle, peer_of, metrics, max_blocks_per_offer=max(1, handle.num_blocks // 4)
@@ -165,13 +171,17 @@ def decode_flows(
     transport: Transport, engine: AsyncEngine, pump: NotificationPump, timing: FlowTiming,
     peer_of: Callable[[str], PeerHandle | None], metrics: KVFlowMetrics | None = None,
     release: Callable[[str, str], None] | None = None,
+    reconnect: Callable[[str], PeerHandle | None] | None = None,
 ) -> DecodeFlows:  # fmt: skip
     """Build decode's flows on `pump` and install its connector into the engine.
 
-    ``release(prefill_url, xid)`` ends a pull's lease (default: over HTTP).
+    ``release(prefill_url, xid)`` ends a pull's lease (default: over HTTP);
+    ``reconnect(engine_id)`` connects afresh to a peer whose endpoint was torn down.
     """
     handle = EngineHandle(engine)
-    sender, receiver = _halves(transport, handle, timing, metrics, peer_of, pump, KVSender)
+    sender, receiver = _halves(
+        transport, handle, timing, metrics, peer_of, pump, KVSender, reconnect
+    )
     push = PushDecode(receiver, handle, metrics)
     push.attach(pump)
     pull = PullConnector(transport, handle, timing.wait_s, release=release, metrics=metrics)

@@ -189,12 +189,16 @@ class KVSender(FlowHalf):
         deadline_s: float,
         metrics: KVFlowMetrics | None = None,
         peer_of: Callable[[str], PeerHandle | None] | None = None,
+        reconnect: Callable[[str], PeerHandle | None] | None = None,
     ) -> None:
         """``peer_of(engine_id)`` finds a connected peer (to answer registrations of
         jobs that no longer exist)."""
         super().__init__(transport, engine)
         self.block_size = engine.block_size
         self.peer_of = peer_of
+        self.reconnect = reconnect
+        """``reconnect(engine_id)``: connect afresh to a peer whose endpoint was torn down
+        (blocking; only on the notify thread), so that its KVFailed still reaches it."""
         self.registration_wait_s = registration_wait_s
         self.deadline_s = deadline_s
         self.metrics = metrics
@@ -281,9 +285,10 @@ class KVSender(FlowHalf):
                 self._cancelled[xid] = time.monotonic() + 2 * self.registration_wait_s
                 self._early.pop(xid, None)
         if job is None:
-            peer = self.peer_of(receiver) if receiver and self.peer_of is not None else None
-            if peer is not None:  # nothing was or will be written for it
-                self._notify.submit(self._tell, peer, KVFailed(xid, "no such transfer in progress"))
+            if receiver:  # nothing was or will be written for it
+                self._notify.submit(
+                    self._tell_engine, receiver, KVFailed(xid, "no such transfer in progress")
+                )
             return False
         if receiver is not None and receiver == job.peer.engine_id:
             job.confirm_end = True
@@ -354,6 +359,34 @@ class KVSender(FlowHalf):
             self._early[xid] = (reg, time.monotonic() + self.registration_wait_s)
         if peer is not None:
             self._notify.submit(self._tell, peer, KVRegistered(xid))
+
+    def _tell(self, peer: PeerHandle, msg: ControlMessage) -> None:
+        """Notify thread: send `msg`; to a peer whose endpoint a teardown removed, connect
+        afresh first (a KVFailed must reach its receiver, or its blocks stay quarantined)."""
+        try:
+            self.transport.send_notif(peer, self.codec.encode(msg), msg.xid)
+            return
+        except Exception as exc:
+            problem: Exception = exc
+        fresh = self.reconnect(peer.engine_id) if self.reconnect is not None else None
+        if fresh is not None:
+            try:
+                self.transport.send_notif(fresh, self.codec.encode(msg), msg.xid)
+                return
+            except Exception as exc:
+                problem = exc
+        logger.log(self.TELL_FAILURE_LEVEL, "xid=%s: cannot tell %s: %s",
+                   msg.xid, peer.engine_id, problem)  # fmt: skip
+
+    def _tell_engine(self, engine_id: str, msg: ControlMessage) -> None:
+        """Notify thread: `_tell` the peer with this engine id, connecting if need be."""
+        peer = self._peer_of(engine_id)
+        if peer is None and self.reconnect is not None:
+            peer = self.reconnect(engine_id)
+        if peer is None:
+            logger.info("xid=%s: cannot tell %s: not connected", msg.xid, engine_id)
+            return
+        self._tell(peer, msg)
 
     def _peer_of(self, engine_id: str) -> PeerHandle | None:
         return self.peer_of(engine_id) if self.peer_of is not None else None
@@ -557,6 +590,10 @@ class KVSender(FlowHalf):
     def _on_cancel_notif(self, msg: ControlMessage, sender: str) -> None:
         assert isinstance(msg, KVCancel)
         logger.info("xid=%s: receiver %s cancelled: %s", msg.xid, sender, msg.reason)
+        with self._lock:  # no WRITE is posted from now on (the engine call comes later)
+            job = self._jobs.get(msg.xid)
+            if job is not None and sender == job.peer.engine_id and job.error is None:
+                job.error = f"cancelled by the receiver: {msg.reason}"
         self.engine.call(
             lambda: self.cancel(msg.xid, f"cancelled by the receiver: {msg.reason}", sender)
         )

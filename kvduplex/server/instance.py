@@ -133,15 +133,16 @@ def _role_routers(
     routers = [make_handshake_router(transport)]
     if role is Role.PREFILL:
         p = prefill_flows(
-            transport, instance.async_engine, pump, timing, directory.peer_by_engine, metrics
-        )
+            transport, instance.async_engine, pump, timing, directory.peer_by_engine, metrics,
+            reconnect=directory.reconnect,
+        )  # fmt: skip
         routers.append(make_prefill_router(state, transport, cfg.pull_lease_s))
         routers.append(make_push_prefill_router(state, p, directory))
         instance.closers.append(p.sender.close)
     else:
         d = decode_flows(
             transport, instance.async_engine, pump, timing, directory.peer_by_engine, metrics,
-            release=partial(http_release, secret=secret),
+            release=partial(http_release, secret=secret), reconnect=directory.reconnect,
         )  # fmt: skip
         routers.append(make_decode_hooks(state, d, directory, secret))
         instance.closers += [d.pull.close, d.sender.close]

@@ -290,10 +290,9 @@ class InProcessTransport(Transport):
         if known is not None:
             self._peer_disconnected(known)
         self._fail_hung(lambda h: h.peer_engine_id == peer.engine_id, "peer disconnected")
+        # Only our own late transfers stop: as over NIXL, the peer's one-sided WRITEs and
+        # READs into or from our pool use its endpoint, which our teardown does not touch.
         self._drop_late(lambda h: h.peer_engine_id == peer.engine_id, "peer endpoint torn down")
-        other = self._fabric.lookup(peer.engine_id)
-        if other is not None:  # the connection is gone for the peer's transfers to us too
-            other._drop_late(lambda h: h.peer_engine_id == self.engine_id, "endpoint torn down")
 
     def send_notif(self, peer: PeerHandle, payload: bytes, xid: str | None = None) -> None:
         target = self._target(peer)

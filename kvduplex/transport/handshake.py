@@ -145,8 +145,7 @@ class PeerDirectory:
             cached = self._peers.get(key)
             checked_at = self._checked_at.get(key, 0.0)
             if cached is not None and not self.transport.is_connected(cached.engine_id):
-                del self._peers[key]  # a flow tore its endpoint down: connect afresh
-                cached = None
+                cached = None  # a flow tore its endpoint down: connect afresh (`_adopt`)
         if cached is not None:
             if engine_id is not None and cached.engine_id == engine_id:
                 return cached
@@ -204,6 +203,20 @@ class PeerDirectory:
             self._checked_at.pop(self._key(url), None)
         if peer is not None:
             self.transport.disconnect(peer)
+
+    def reconnect(self, engine_id: str) -> PeerHandle | None:
+        """The peer with this engine id, connected afresh if a flow tore its endpoint
+        down (blocking: a handshake over HTTP); None if its URL is unknown, it cannot be
+        reached, or another engine answers there now."""
+        url = self.url_of(engine_id)
+        if url is None:
+            return None
+        try:
+            peer = self.get_peer(url, engine_id)
+        except Exception as exc:
+            logger.info("cannot reconnect to %s at %s: %s", engine_id, url, exc)
+            return None
+        return peer if peer.engine_id == engine_id else None
 
     def url_of(self, engine_id: str) -> str | None:
         """The URL of a connected engine, or None."""

@@ -168,6 +168,8 @@ class NixlTransport(Transport):
 
         self._peers: dict[str, _Peer] = {}
         self._wake = threading.Event()
+        self._conn_lock = threading.RLock()
+        """Held across a whole connect or disconnect: one never interleaves with the other."""
         self._stop = threading.Event()
 
         self._agent = NixlAgent(f"kvduplex-{self.engine_id}", backend_params)
@@ -205,6 +207,10 @@ class NixlTransport(Transport):
 
     def connect(self, info: HandshakeInfo) -> PeerHandle:
         peer_layout = check_compatible(self._layout, self.engine_id, info, "nixl")
+        with self._conn_lock:  # a connect never interleaves with a disconnect
+            return self._connect(info, peer_layout)
+
+    def _connect(self, info: HandshakeInfo, peer_layout: KVCacheLayout) -> PeerHandle:
         with self._lock:
             self._ensure_open()
             existing = self._peers.get(info.engine_id)
@@ -231,15 +237,16 @@ class NixlTransport(Transport):
             return engine_id in self._peers
 
     def disconnect(self, peer: PeerHandle) -> None:
-        with self._lock:
-            p = self._peers.pop(peer.engine_id, None)
-        num = self._xfers.fail(peer.engine_id, "peer disconnected", FailureKind.DISCONNECTED)
-        if p is not None:
-            self._peer_disconnected(p.handle)
-            self._agent.try_remove_peer(p.handle.agent_name, p.dlist)
-            logger.info("disconnected from peer %s (%d transfers failed)", peer.engine_id, num)
-        # The endpoint is gone: a transfer NIXL would not release cannot land any more.
-        self._xfers.settle_peer(peer.engine_id, "peer endpoint torn down")
+        with self._conn_lock:
+            with self._lock:
+                p = self._peers.pop(peer.engine_id, None)
+            num = self._xfers.fail(peer.engine_id, "peer disconnected", FailureKind.DISCONNECTED)
+            if p is not None:
+                self._peer_disconnected(p.handle)
+                self._agent.try_remove_peer(p.handle.agent_name, p.dlist)
+                logger.info("disconnected from peer %s (%d transfers failed)", peer.engine_id, num)
+            # The endpoint is gone: a transfer of ours to it cannot land any more.
+            self._xfers.settle_peer(peer.engine_id, "peer endpoint torn down")
 
     # -- transfers ----------------------------------------------------------
 

@@ -9,8 +9,9 @@ Lifecycle of one transfer here::
                                                       past deadline ─► finish FAILED,
                                                         may still land: kept in flight
                                                         ─► DONE / ERR ─► release, settle
-    fail(peer) (disconnect, close) ─► release, finish FAILED; a handle NIXL would not
-        release may still land until the caller has torn the peer down (`settle_peer`)
+    fail(peer) (disconnect, close) ─► release, finish FAILED; one NIXL had not finished
+        (released: only cancelled) or would not release may still land until the
+        caller has torn the peer's endpoint down (`settle_peer`)
 
 A deadline ends the caller's wait, not the transfer: NIXL's release of an
 active transfer only asks UCX to cancel requests that may already be on the
@@ -103,8 +104,13 @@ class XferTable:
         self._inflight: dict[int, tuple[Job, Any]] = {}
         self._expired: set[int] = set()
         """In flight past their deadline: finished FAILED, may still land."""
-        self._unreleased: list[tuple[TransferHandle, Any]] = []
-        """Handles NIXL refused to release: each settles once released."""
+        self._unreleased: list[tuple[TransferHandle, Any, bool]] = []
+        """Handles NIXL refused to release, and whether NIXL had finished them (DONE or
+        ERR): a finished one settles once released, an active one only with its peer's
+        endpoint (`settle_peer`)."""
+        self._cancelled: list[TransferHandle] = []
+        """Active transfers released (cancelled) by `fail`: UCX may still have them on the
+        wire, so they settle only once their peer's endpoint is torn down."""
 
     @property
     def busy(self) -> bool:
@@ -161,18 +167,28 @@ class XferTable:
         for job in queued:
             self._complete(job.handle, TransferState.FAILED, reason, failure)
         for job, xfer in taken:
-            released = self._release(job, xfer)
-            self._complete(job.handle, TransferState.FAILED, reason, failure,
-                           may_still_land=not released)  # fmt: skip
-            if released:
-                self._settle(job.handle, "released")
+            try:
+                finished = self._agent.check(xfer) in ("DONE", "ERR")
+            except Exception:
+                finished = False
+            released = self._release(job, xfer, finished)
+            h = job.handle
+            self._complete(h, TransferState.FAILED, reason, failure,
+                           may_still_land=not (released and finished))  # fmt: skip
+            if released and finished:
+                self._settle(h, "released")
+            elif released:  # cancelled, but perhaps already on the wire
+                with self._lock:
+                    self._cancelled.append(h)
         return len(queued) + len(taken)
 
     def settle_peer(self, peer_id: str | None, why: str) -> None:
         """The peer's endpoint (None: every peer's) is torn down: nothing unreleased to it
         can land any more. Call after `fail` for that peer and the endpoint's removal."""
         with self._lock:
-            doomed = [h for h, _ in self._unreleased if peer_id in (None, h.peer_engine_id)]
+            doomed = [h for h, _, _ in self._unreleased if peer_id in (None, h.peer_engine_id)]
+            doomed += [h for h in self._cancelled if peer_id in (None, h.peer_engine_id)]
+            self._cancelled = [h for h in self._cancelled if peer_id not in (None, h.peer_engine_id)]
         for h in doomed:
             self._settle(h, why)
 
@@ -184,11 +200,14 @@ class XferTable:
             pending, self._unreleased = self._unreleased, []
         what = "release at close" if final else None
         still = []
-        for handle, xfer in pending:
-            if self._agent.try_release(xfer, what):
+        for handle, xfer, finished in pending:
+            if not self._agent.try_release(xfer, what):
+                still.append((handle, xfer, finished))
+            elif finished:
                 self._settle(handle, "released")
-            else:
-                still.append((handle, xfer))
+            else:  # released while active: cancelled, perhaps already on the wire
+                with self._lock:
+                    self._cancelled.append(handle)
         with self._lock:
             self._unreleased.extend(still)
 
@@ -207,7 +226,7 @@ class XferTable:
         if status == "ERR":
             raise TransferError("NIXL refused to post the transfer")
         if status == "DONE":  # completed inside the call (shared memory)
-            self._release(job, xfer)  # a DONE handle is settled whatever the release says
+            self._release(job, xfer, True)  # a DONE handle is settled whatever the release says
             self._complete(h, TransferState.DONE, None, None)
             return
         with self._lock:
@@ -235,7 +254,7 @@ class XferTable:
                 return  # fail() took it
             expired = id(h) in self._expired
             self._expired.discard(id(h))
-        released = self._release(job, xfer)
+        released = self._release(job, xfer, True)
         if expired:  # already FAILED at its deadline; now NIXL is done with it
             if released:
                 self._settle(h, f"NIXL finished it ({status}) after its deadline")
@@ -245,13 +264,13 @@ class XferTable:
             self._complete(h, TransferState.FAILED, f"transport error: {reason}",
                            FailureKind.PEER, may_still_land=not released)  # fmt: skip
 
-    def _release(self, job: Job, xfer: Any) -> bool:
+    def _release(self, job: Job, xfer: Any, finished: bool) -> bool:
         """Release (cancelling if active) the NIXL handle; keep it for retry if NIXL
-        refuses. Returns whether it was released."""
+        refuses. ``finished``: NIXL reported it DONE or ERR. Returns whether released."""
         released = self._agent.try_release(xfer, f"xid={job.handle.xid} release")
         if not released:
             with self._lock:
-                self._unreleased.append((job.handle, xfer))
+                self._unreleased.append((job.handle, xfer, finished))
         if job.hints is not None:
             self._agent.try_send_notif(job.agent_name, job.hints[1])
         return released

@@ -183,6 +183,7 @@ class TransferHandle:
         self._lock = threading.Lock()
         self._callbacks: list[DoneCallback] = []
         self._settled = False
+        self._settle_on_finish = False
         self._lands_late = False
         self._settled_event = threading.Event()
         self._settled_callbacks: list[DoneCallback] = []
@@ -284,15 +285,18 @@ class TransferHandle:
         self._event.set()
         for fn in callbacks:
             self._run_callback(fn)
-        if not may_still_land:
+        if not may_still_land or self._settle_on_finish:
             self.settle()
         return True
 
     def settle(self) -> bool:
-        """Nothing of this transfer can move any more. Transport-internal; call only
-        once it is final. Returns False if it already was settled."""
-        assert self._state is not TransferState.PENDING
+        """Nothing of this transfer can move any more. Transport-internal; called before
+        the handle is final, it takes effect when it becomes final. Returns False if it
+        already was settled (or is not final yet)."""
         with self._lock:
+            if self._state is TransferState.PENDING:  # the backend raced its own finish
+                self._settle_on_finish = True
+                return False
             if self._settled:
                 return False
             self._settled = True

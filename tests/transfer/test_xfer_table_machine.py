@@ -2,7 +2,8 @@
 scripted agent: whatever order posts, completions, deadlines, refused releases,
 disconnects and endpoint teardowns come in, a transfer is *settled* (its blocks
 may be reused) only once NIXL has finished and released it or its peer's endpoint
-is gone; every transfer ends final; and each one is final and settled exactly once."""
+is gone (a release of an active transfer is only a cancel); every transfer ends
+final; and each one is final and settled exactly once."""
 
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ class Agent:
         self.peer: dict[int, str] = {}
         self.refuse: set[int] = set()
         self.released: set[int] = set()
+        self.released_finished: set[int] = set()
+        """Released once NIXL had finished them (DONE or ERR): nothing more can move."""
         self.removed: set[str] = set()
         self._next = 0
         self.post_status = "PROC"
@@ -52,6 +55,8 @@ class Agent:
         if xfer in self.refuse:
             return False
         self.released.add(xfer)
+        if self.status[xfer] in ("DONE", "ERR"):
+            self.released_finished.add(xfer)
         return True
 
     def try_send_notif(self, agent_name: str, msg: bytes) -> bool:
@@ -90,7 +95,8 @@ class XferTableMachine(RuleBasedStateMachine):
         x = self.xfer_of.get(id(h))
         if x is None:
             return  # never posted: nothing could move
-        ok = x in self.agent.released or self.agent.peer[x] in self.agent.removed
+        # A release of an active transfer only cancels it: it may be on the wire still.
+        ok = x in self.agent.released_finished or self.agent.peer[x] in self.agent.removed
         assert ok, f"{h} settled while NIXL still holds its transfer"
 
     @rule(peer=st.sampled_from(PEERS), inline_done=st.booleans())
@@ -149,7 +155,8 @@ class XferTableMachine(RuleBasedStateMachine):
             assert not (h.state is TransferState.DONE and not h.settled)
 
     def teardown(self) -> None:
-        # In the end NIXL finishes everything and releases it: all handles settle.
+        # In the end NIXL finishes everything and releases it, and every peer's endpoint
+        # is torn down (as `close` does): all handles settle.
         self.agent.refuse.clear()
         for x in self._posted():
             self.agent.status[x] = "DONE"
@@ -157,6 +164,8 @@ class XferTableMachine(RuleBasedStateMachine):
             h.expires_at = time.monotonic() - 1
         self.table.check_all()
         self.table.retry_releases()
+        self.agent.removed.update(PEERS)
+        self.table.settle_peer(None, "transport closed")
         for h in self.handles:
             assert h.done() and h.settled, h
 
