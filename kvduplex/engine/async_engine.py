@@ -393,8 +393,7 @@ class AsyncEngine:
                 add.on_admit()
             self.core.add_request(add.request)
         except ValueError as exc:
-            self.core.drop_unadded(add.request)
-            _deliver(stream, exc)
+            _deliver(stream, exc)  # what it prepared is its caller's (or a duplicate's) to undo
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()

@@ -64,7 +64,9 @@ class PushSender(KVSender):
         """Engine thread: the prefill request `xid` was aborted (its caller left, or the
         router cancelled it): stop its job; decode hears KVFailed once nothing can land."""
         job = self._jobs.get(xid)
-        if job is not None and not job.ended and job.error is None:
+        if job is None:  # aborted before its job began: refuse its registration later
+            self.cancel(xid, "the prefill request was aborted")
+        elif not job.ended and job.error is None:
             logger.info("xid=%s: prefill request aborted; cancelling its push", xid)
             self._fail(job, "the prefill request was aborted")
 

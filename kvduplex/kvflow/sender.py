@@ -280,14 +280,20 @@ class KVSender(FlowHalf):
         refused.
         """
         job = self._jobs.get(xid)
+        early = None
         if job is None or job.reg is None:
             with self._lock:
                 self._cancelled[xid] = time.monotonic() + 2 * self.registration_wait_s
-                self._early.pop(xid, None)
+                early = self._early.pop(xid, None)
         if job is None:
-            if receiver:  # nothing was or will be written for it
+            # Nothing was or will be written for it: whoever asked, or registered (and
+            # was acknowledged), hears so at once.
+            told = {receiver} if receiver else set()
+            if early is not None:
+                told.add(early[0].sender)
+            for engine_id in told:
                 self._notify.submit(
-                    self._tell_engine, receiver, KVFailed(xid, "no such transfer in progress")
+                    self._tell_engine, engine_id, KVFailed(xid, "no such transfer in progress")
                 )
             return False
         if receiver is not None and receiver == job.peer.engine_id:
@@ -308,9 +314,8 @@ class KVSender(FlowHalf):
             return
         if sender != job.peer.engine_id:
             wrong = f"sent by {sender}, but the transfer goes to {job.peer.engine_id}"
+            # Refused to its sender; the job waits on for its own receiver's.
             self._refuse(self._peer_of(sender), msg.xid, wrong)
-            if job.reg is None:
-                self._fail(job, f"registration refused: {wrong}")
             return
         if job.reg is not None:
             if not job.ended:
@@ -677,12 +682,16 @@ class KVSender(FlowHalf):
         self.cancel(xid, what)
 
     def _drop_early(self, xid: str) -> None:
-        """A registration for a job that never came (the receiver's deadline covers it)."""
+        """A registration for a job that never came: refused (nothing will be written)."""
         with self._lock:
             early = self._early.pop(xid, None)
         if early is not None:
+            # It was acknowledged: refuse it now, or its receiver waits out its deadline.
             sender = early[0].sender
             logger.warning("xid=%s: registration from %s but no such transfer", xid, sender)
+            self._notify.submit(
+                self._tell_engine, sender, KVFailed(xid, "registration refused: no such transfer")
+            )
 
     def num_jobs(self) -> int:
         with self._lock:

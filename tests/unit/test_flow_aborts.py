@@ -125,3 +125,26 @@ def test_pull_spec_whose_request_never_arrives_is_swept(tiny: LoadedModel) -> No
     finally:
         s.pump.close()
         s.ad.shutdown()
+
+
+def test_prefill_aborted_before_its_job_refuses_the_acknowledged_registration(
+    tiny: LoadedModel,
+) -> None:
+    """D registered first (P acknowledged it and kept it for the job to come); P's request
+    is then dropped before its job began: D hears KVFailed at once, not after its wait."""
+    with Pair(tiny, wait_s=30) as s:
+
+        async def run() -> list[int]:
+            d = asyncio.create_task(s.decode("xg"))
+            await asyncio.to_thread(
+                _wait_for, lambda: s.sender.tables()["send_early_registrations"] == 1,
+                "D's registration to reach P",
+            )  # fmt: skip
+            req = Request("xg", PROMPT, GREEDY)
+            s.ap.call(lambda e: e.drop_unadded(req)).result(5)
+            return await asyncio.wait_for(d, 10)  # well before D's 30 s wait
+
+        assert asyncio.run(run()) == _reference(tiny)
+        assert s.push.stats.num_fallbacks == 1
+        _tables_empty(s)
+        s.assert_clean()
