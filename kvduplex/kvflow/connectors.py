@@ -156,10 +156,13 @@ def prefill_flows(
     sender, receiver = _halves(
         transport, handle, timing, metrics, peer_of, pump, PushSender, reconnect
     )
-    # One offer may take at most a quarter of the pool (it may evict cached blocks).
+    # Returns run in the background: one offer, and all accepted offers together, may
+    # take at most a quarter of the pool (they may evict cached blocks).
+    quarter = max(1, handle.num_blocks // 4)
     acceptor = ReturnAcceptor(
-        receiver, handle, peer_of, metrics, max_blocks_per_offer=max(1, handle.num_blocks // 4)
-    )
+        receiver, handle, peer_of, metrics, max_blocks_per_offer=quarter,
+        max_blocks_in_flight=quarter,
+    )  # fmt: skip
     acceptor.attach(pump)
     reader = RetainedReader(transport, handle, timing.transfer_timeout_s, metrics)
     flows = PrefillFlows(sender, receiver, acceptor, reader, PrefillConnector(sender))

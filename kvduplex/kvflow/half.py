@@ -66,6 +66,27 @@ class FlowHalf:
             )
 
 
+def tear_down_if_unsettled(
+    transport: Transport, handle: TransferHandle, peer: PeerHandle, after_s: float
+) -> None:
+    """A transfer that failed but may still land and is still unsettled ``after_s``
+    later has its peer's endpoint torn down, which settles it (nothing is held forever)."""
+    if not handle.may_still_land:
+        return
+
+    def check() -> None:
+        if not handle.settled:
+            logger.warning(
+                "xid=%s: a failed %s is still unsettled after %g s; tearing down the "
+                "endpoint with %s", handle.xid, handle.op.value, after_s, peer.engine_id,
+            )  # fmt: skip
+            transport.disconnect(peer)
+
+    timer = threading.Timer(after_s, check)
+    timer.daemon = True
+    timer.start()
+
+
 def release_when_settled(
     engine: EngineHandle, handle: TransferHandle, block_ids: list[int]
 ) -> None:
@@ -78,4 +99,4 @@ def release_when_settled(
     handle.add_settled_callback(release)
 
 
-__all__ = ["FlowHalf", "release_when_settled"]
+__all__ = ["FlowHalf", "release_when_settled", "tear_down_if_unsettled"]

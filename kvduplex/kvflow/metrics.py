@@ -66,7 +66,7 @@ class KVFlowMetrics:
         self.return_declined = m.counter(
             "return_declined",
             "Return offers prefill declined, by reason (has_all, no_room, prefix_missing, "
-            "keys_mismatch, malformed, too_large, unknown_peer).",
+            "keys_mismatch, malformed, too_large, busy, unknown_peer).",
             ["reason"],
         )
 

@@ -30,6 +30,7 @@ from kvduplex.engine.connector import EngineHandle
 from kvduplex.engine.kv_cache import num_blocks_for_tokens
 from kvduplex.engine.request import Request
 from kvduplex.kvflow.half import release_when_settled
+from kvduplex.kvflow.half import tear_down_if_unsettled
 from kvduplex.kvflow.metrics import KVFlowMetrics
 from kvduplex.transport.base import Transport
 from kvduplex.transport.notify import NotificationPump
@@ -204,6 +205,7 @@ class PullConnector:
             self.engine.call(lambda: self._on_read_done(rid, spec, ok, len(local), late))
             # Our reference on the target blocks goes only once nothing can land in them.
             release_when_settled(self.engine, h, local)
+            tear_down_if_unsettled(self.transport, h, spec.peer, self.deadline_s)
 
         handle.add_done_callback(done)
 

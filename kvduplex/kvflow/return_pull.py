@@ -29,6 +29,7 @@ from kvduplex.engine.connector import EngineHandle
 from kvduplex.engine.request import FinishReason
 from kvduplex.engine.request import Request
 from kvduplex.kvflow.half import release_when_settled
+from kvduplex.kvflow.half import tear_down_if_unsettled
 from kvduplex.kvflow.metrics import KVFlowMetrics
 from kvduplex.transport.base import Transport
 from kvduplex.transport.notify import NotificationPump
@@ -129,6 +130,7 @@ class TurnRetainer:
         with self._lock:
             self._pins.append((time.monotonic() + self.pin_s, pinned))
         return {
+            "pin_s": self.pin_s,
             "block_ids": list(req.block_ids[:n]),
             "keys": [bytes(k).hex() for k in req.block_hashes[:n]],
             "token_ids": list(req.all_token_ids[: n * bs]),
@@ -188,10 +190,13 @@ class RetainedReader:
 
     def start(
         self, peer: PeerHandle, xid: str, remote_blocks: list[int], keys_hex: list[str],
-        token_ids: list[int],
+        token_ids: list[int], deadline_s: float | None = None,
     ) -> Future[int]:  # fmt: skip
         """Engine thread: post the READ of the missing blocks; the future gives the number
-        of blocks cached once it ended (0: nothing was missing, or it failed)."""
+        of blocks cached once it ended (0: nothing was missing, or it failed).
+
+        ``deadline_s`` (at most the reader's own): the READ must end while decode still
+        pins the blocks, or it is not cached."""
         done: Future[int] = Future()
         bs = self.engine.block_size
         keys = compute_block_hashes(token_ids, bs, self.engine.identity)
@@ -208,7 +213,7 @@ class RetainedReader:
         try:
             handle = self.transport.transfer(
                 TransferOp.READ, peer, xid, local, remote_blocks[num_have:],
-                deadline_s=self.deadline_s,
+                deadline_s=self.deadline_s if deadline_s is None else min(deadline_s, self.deadline_s),
             )  # fmt: skip
         except Exception as exc:
             logger.warning("xid=%s: READ of retained blocks failed to post: %s", xid, exc)
@@ -218,6 +223,7 @@ class RetainedReader:
 
         def on_done(h: TransferHandle) -> None:  # progress thread
             self.engine.call(partial(self._finish, h, local, missing, done))
+            tear_down_if_unsettled(self.transport, h, peer, self.deadline_s)
 
         handle.add_done_callback(on_done)
         return done

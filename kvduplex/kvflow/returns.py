@@ -228,13 +228,20 @@ class ReturnAcceptor:
         peer_of: Callable[[str], PeerHandle | None],
         metrics: KVFlowMetrics | None = None,
         max_blocks_per_offer: int | None = None,
+        max_blocks_in_flight: int | None = None,
     ) -> None:
+        """``max_blocks_per_offer`` bounds one offer, ``max_blocks_in_flight`` the blocks
+        that accepted offers hold together until they end (None: unbounded): returns run
+        in the background, and must not take the pool prefills need."""
         self.receiver = receiver
         self.engine = engine
         self.block_size = engine.block_size
         self.peer_of = peer_of
         self.metrics = metrics
         self.max_blocks_per_offer = max_blocks_per_offer
+        self.max_blocks_in_flight = max_blocks_in_flight
+        self.num_blocks_in_flight = 0
+        """Blocks accepted offers hold (engine thread)."""
         self.stats = ReturnStats()
         self.codec = MessageCodec()
 
@@ -269,6 +276,10 @@ class ReturnAcceptor:
         if not missing:
             self._decline(peer, msg.xid, "has_all", num_have)
             return
+        cap = self.max_blocks_in_flight
+        if cap is not None and self.num_blocks_in_flight + len(missing) > cap:
+            self._decline(peer, msg.xid, "busy", num_have)
+            return
         blocks = self.engine.try_allocate_blocks(len(missing))
         if blocks is None:
             self._decline(peer, msg.xid, "no_room", num_have)
@@ -281,6 +292,7 @@ class ReturnAcceptor:
         if not ok:
             self.engine.release_blocks(blocks)
             return
+        self.num_blocks_in_flight += len(blocks)
         self.stats.num_accepted += 1
 
     def _check(self, msg: KVOffer) -> tuple[str | None, list[BlockHash]]:
@@ -315,6 +327,7 @@ class ReturnAcceptor:
             self.metrics.return_declined.labels(reason).inc()
 
     def _on_done(self, blocks: list[int], keys: list[BlockHash], msg: KVDone) -> None:
+        self.num_blocks_in_flight -= len(blocks)
         num_cached = self.engine.cache_blocks(blocks, keys)
         self.engine.release_blocks(blocks)
         self.stats.num_received_blocks += len(blocks)
@@ -324,6 +337,7 @@ class ReturnAcceptor:
         logger.debug("xid=%s: %d returned blocks cached (%d new)", msg.xid, len(blocks), num_cached)
 
     def _on_failed(self, blocks: list[int], cause: WaitFailure, reason: str) -> None:
+        self.num_blocks_in_flight -= len(blocks)  # (the receiver may still hold them)
         self.engine.release_blocks(blocks)
         if self.metrics is not None:
             self.metrics.returns.labels(f"receive_{cause.value}").inc()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import asdict
 from typing import Annotated
 
@@ -53,6 +54,10 @@ class PrefillRequest(BaseModel):
     seed: int | None = None
 
 
+READ_PIN_MARGIN_S = 0.5
+"""A READ of a retained turn ends this long before decode's pin does."""
+
+
 class ReleaseRequest(BaseModel):
     xid: str = Field(min_length=1, max_length=MAX_XID_CHARS)
 
@@ -65,6 +70,9 @@ class RetainedTurn(BaseModel):
     block_ids: list[Annotated[int, Field(ge=0)]]
     keys: list[str]
     token_ids: list[int]
+    pin_left_s: float | None = Field(default=None, ge=0)
+    """How long decode still pins the blocks, from when the router sent this on: a READ
+    must end within it (less the time this request took to be served here)."""
 
 
 class PushPrefillRequest(PrefillRequest):
@@ -128,6 +136,7 @@ class PushPrefill:
         self.directory = directory
 
     async def __call__(self, body: PushPrefillRequest) -> JSONResponse:
+        arrived = time.monotonic()
         xid, sender = body.xid, self.flows.sender
         try:
             peer = await asyncio.to_thread(
@@ -136,7 +145,7 @@ class PushPrefill:
         except Exception as exc:
             raise APIError(502, f"cannot reach decode at {body.decode_url}: {exc}") from None
         if body.pull_from is not None:
-            await self._read_retained(xid, body.pull_from)
+            await self._read_retained(xid, body.pull_from, arrived)
         expected = False
 
         def admit() -> None:  # engine thread: no cancel can come between expect and add
@@ -168,8 +177,15 @@ class PushPrefill:
             "num_cached_tokens": last.num_cached_tokens,
         })  # fmt: skip
 
-    async def _read_retained(self, xid: str, src: RetainedTurn) -> int:
-        """``--return-mode pull``: READ the decode's retained blocks this cache lacks."""
+    async def _read_retained(self, xid: str, src: RetainedTurn, arrived: float) -> int:
+        """``--return-mode pull``: READ the decode's retained blocks this cache lacks,
+        ending while decode still pins them (else not at all)."""
+        deadline_s = None
+        if src.pin_left_s is not None:
+            deadline_s = src.pin_left_s - (time.monotonic() - arrived) - READ_PIN_MARGIN_S
+            if deadline_s <= 0:
+                logger.info("xid=%s: decode's pin on the retained turn ran out; not read", xid)
+                return 0
         try:
             peer = await asyncio.to_thread(self.directory.get_peer, src.decode_url, src.engine_id)
         except Exception as exc:
@@ -183,7 +199,9 @@ class PushPrefill:
             )  # fmt: skip
         reader = self.flows.reader
         done = await self.engine.run_in_engine(
-            lambda _e: reader.start(peer, f"{xid}-read", src.block_ids, src.keys, src.token_ids)
+            lambda _e: reader.start(
+                peer, f"{xid}-read", src.block_ids, src.keys, src.token_ids, deadline_s
+            )
         )
         return await asyncio.wrap_future(done)
 

@@ -6,6 +6,7 @@ every answer stays token-exact."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 from kvduplex.engine.async_engine import AsyncEngine
 from kvduplex.engine.engine import LLMEngine
@@ -160,3 +161,36 @@ def test_decode_falling_back_continues_from_prefills_first_token(tiny: LoadedMod
             assert d_out[0] == p_out[0], "D's answer starts with the token the client has"
         assert s.push.stats.num_fallbacks == 3 and s.push.stats.num_received == 0
         s.assert_clean()
+
+
+def test_a_pull_read_that_never_settles_gets_its_endpoint_torn_down(tiny: LoadedModel) -> None:
+    s = PullSetup(tiny, deadline_s=0.3)
+    try:
+        spec = s.prefill("xn")
+        s.conn.register(spec)
+        s.td.land_late_next(None)  # NIXL never lets go of it
+        assert asyncio.run(s.decode("xn")) == _reference(tiny, PROMPT)
+        _wait_for(lambda: not s.td.is_connected(s.tp.engine_id), "D to tear the endpoint down")
+        assert s.td.num_late() == 0
+        _wait_for(lambda: s.ad.call(lambda e: e.block_pool.stats().num_in_use).result(5) == 0,
+                  "D's pool to empty")  # fmt: skip
+    finally:
+        s.ad.shutdown()
+
+
+def test_a_retained_turn_read_ends_within_decodes_pin(tiny: LoadedModel) -> None:
+    """P's READ of a retained turn gets at most the pin's time left: a READ that hangs
+    fails then, and nothing is cached."""
+    from tests.unit.test_retained_turns import _turn
+
+    with Pair(tiny) as s:
+        _turn(s, "rt1", "s9")
+        info = s.ad.call(lambda _e: s.df.retainer.describe("s9")).result(5)
+        assert info is not None and info["pin_s"] == s.df.retainer.pin_s
+        s.tp.hang_next()
+        t0 = time.monotonic()
+        done = s.ap.call(lambda _e: s.pf.reader.start(
+            s.d_peer, "rt1-read", info["block_ids"], info["keys"], info["token_ids"], 0.2,
+        )).result(5)  # fmt: skip
+        assert done.result(10) == 0
+        assert time.monotonic() - t0 < s.pf.reader.deadline_s, "the pin's bound, not the reader's"

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import asyncio
 
+from kvduplex.engine.block_pool import compute_block_hashes
 from kvduplex.engine.request import Request
 from kvduplex.engine.sampling import SamplingParams
+from kvduplex.kvflow.messages import KVOffer
 from kvduplex.kvflow.return_pull import RetainSpec
 from kvduplex.model.loader import LoadedModel
+from tests.unit.flow_pair import BS
 from tests.unit.flow_pair import PROMPT
 from tests.unit.flow_pair import Pair
 from tests.unit.flow_pair import tiny as tiny  # the module-scoped model fixture
@@ -66,3 +69,24 @@ def test_pools_bound_what_clients_can_pin_by_default(tiny: LoadedModel) -> None:
     with Pair(tiny) as s:  # 64-block pools
         assert s.df.retainer.max_blocks == 16
         assert s.pf.acceptor.max_blocks_per_offer == 16
+
+
+def test_offers_beyond_the_blocks_returns_may_hold_together_are_declined(
+    tiny: LoadedModel,
+) -> None:
+    with Pair(tiny) as s:
+        acc = s.pf.acceptor
+        assert acc.max_blocks_in_flight == 16
+        tokens = list(range(100, 100 + 2 * BS))
+        keys = compute_block_hashes(tokens, BS, s.p.kv_manager.identity)
+        offer = KVOffer("busy1", "s", [bytes(k) for k in keys], tokens)
+        acc.num_blocks_in_flight = 15  # accepted offers still landing hold 15 blocks
+
+        def accept() -> None:
+            acc.accept(offer, s.td.engine_id)
+
+        s.ap.call(lambda _e: accept()).result(5)
+        assert acc.stats.num_refused == 1 and acc.stats.num_accepted == 0
+        assert s.pf.receiver.num_waiting() == 0
+        s.ap.call(lambda _e: setattr(acc, "num_blocks_in_flight", 0)).result(5)
+        s.assert_clean()

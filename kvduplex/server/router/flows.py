@@ -149,7 +149,12 @@ async def _retained(state: RouterState, d: Backend, session_id: str) -> dict[str
     if resp.status_code != 200:
         return None
     info: dict[str, Any] = resp.json()
-    return {"decode_url": d.url, **info}
+    # D's pin counts from its answer; this goes on to P at once, as a duration.
+    pin_s = info.pop("pin_s", None)
+    out = {"decode_url": d.url, **info}
+    if isinstance(pin_s, int | float):
+        out["pin_left_s"] = max(0.0, float(pin_s))
+    return out
 
 
 async def _cancel(state: RouterState, b: Backend, xid: str, reason: str) -> None:
