@@ -142,9 +142,9 @@ class TransferConfig:
     receiver's wait; a failed WRITE fails the transfer and decode computes the prompt. The
     deadline ends the wait, not the WRITE: its blocks stay referenced until it cannot land
     (NIXL released it; a sender tears the endpoint down if that takes another deadline).
-    A receiver that gave up keeps its blocks until the sender confirms, or for twice this
-    plus 1 s, then tears its endpoint with the sender down first. Pull READs use
-    kv_wait_timeout_s instead."""
+    A receiver that gave up keeps its blocks until the sender confirms, asking it again
+    every twice this plus 1 s, or until the sender's process is known to be gone. Pull
+    READs use kv_wait_timeout_s instead."""
     retain_lease_s: float = 60.0
     """Decode, ``--return-mode pull`` only: how long a session's last turn stays held
     for prefill to read at the next turn."""

@@ -133,12 +133,15 @@ def _halves(
     transport: Transport, handle: EngineHandle, timing: FlowTiming, metrics: KVFlowMetrics | None,
     peer_of: Callable[[str], PeerHandle | None], pump: NotificationPump, kind: type[S],
     reconnect: Callable[[str], PeerHandle | None] | None = None,
+    peer_gone: Callable[[str], bool] | None = None,
 ) -> tuple[S, KVReceiver]:  # fmt: skip
     sender = kind(
         transport, handle, registration_wait_s=timing.wait_s, deadline_s=timing.transfer_timeout_s,
         metrics=metrics, peer_of=peer_of, reconnect=reconnect,
     )  # fmt: skip
-    receiver = KVReceiver(transport, handle, timing.wait_s, timing.quarantine_s)
+    receiver = KVReceiver(
+        transport, handle, timing.wait_s, timing.quarantine_s, peer_gone, reconnect
+    )
     sender.attach(pump)
     receiver.attach(pump)
     return sender, receiver
@@ -148,13 +151,15 @@ def prefill_flows(
     transport: Transport, engine: AsyncEngine, pump: NotificationPump, timing: FlowTiming,
     peer_of: Callable[[str], PeerHandle | None], metrics: KVFlowMetrics | None = None,
     reconnect: Callable[[str], PeerHandle | None] | None = None,
+    peer_gone: Callable[[str], bool] | None = None,
 ) -> PrefillFlows:  # fmt: skip
     """Build prefill's flows on `pump` and install its connector into the engine.
 
-    ``reconnect(engine_id)`` connects afresh to a peer whose endpoint was torn down."""
+    ``reconnect(engine_id)`` connects afresh to a peer whose endpoint was torn down;
+    ``peer_gone(engine_id)``: see `KVReceiver`."""
     handle = EngineHandle(engine)
     sender, receiver = _halves(
-        transport, handle, timing, metrics, peer_of, pump, PushSender, reconnect
+        transport, handle, timing, metrics, peer_of, pump, PushSender, reconnect, peer_gone
     )
     # Returns run in the background: one offer, and all accepted offers together, may
     # take at most a quarter of the pool (they may evict cached blocks).
@@ -175,15 +180,17 @@ def decode_flows(
     peer_of: Callable[[str], PeerHandle | None], metrics: KVFlowMetrics | None = None,
     release: Callable[[str, str], None] | None = None,
     reconnect: Callable[[str], PeerHandle | None] | None = None,
+    peer_gone: Callable[[str], bool] | None = None,
 ) -> DecodeFlows:  # fmt: skip
     """Build decode's flows on `pump` and install its connector into the engine.
 
     ``release(prefill_url, xid)`` ends a pull's lease (default: over HTTP);
-    ``reconnect(engine_id)`` connects afresh to a peer whose endpoint was torn down.
+    ``reconnect(engine_id)`` connects afresh to a peer whose endpoint was torn down;
+    ``peer_gone(engine_id)``: see `KVReceiver`.
     """
     handle = EngineHandle(engine)
     sender, receiver = _halves(
-        transport, handle, timing, metrics, peer_of, pump, KVSender, reconnect
+        transport, handle, timing, metrics, peer_of, pump, KVSender, reconnect, peer_gone
     )
     push = PushDecode(receiver, handle, metrics)
     push.attach(pump)

@@ -14,9 +14,9 @@ through its callbacks, on the engine thread::
     no word for wait_s ──► KVCancel to the sender, on_failed(reason, discard=True),
                            our references kept (quarantine) until the sender
                            confirms (KVDone/KVFailed: it sends them only once
-                           none of its WRITEs can land), or quarantine_s passed:
-                           then our endpoint with the sender is torn down
-                           (nothing of it can land) before the blocks are released
+                           none of its WRITEs can land); every quarantine_s
+                           without word it is asked again (KVCancel), until it
+                           answers or its process is known to be gone
 
 Push uses it on decode (the blocks belong to a request waiting for its
 prompt's KV); the duplex return uses it on prefill (fresh blocks that enter
@@ -34,6 +34,7 @@ import enum
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 
@@ -111,7 +112,10 @@ class KVReceiverStats:
     """KVDone/KVFailed that arrived after the deadline had passed."""
     num_alive_received: int = 0
     num_teardowns: int = 0
-    """Sender endpoints torn down because a quarantine ran out without word."""
+    """Quarantines given up without the sender's word (its process gone, or, without a
+    way to tell, after one quarantine), tearing its endpoint down."""
+    num_quarantine_asks: int = 0
+    """Senders asked again (KVCancel) to confirm that nothing can land."""
     num_registrations_resent: int = 0
     """Registrations sent again because the sender had not acknowledged them."""
 
@@ -120,13 +124,25 @@ class KVReceiver(FlowHalf):
     """Waits for senders to fill registered blocks, with deadlines and quarantine."""
 
     def __init__(
-        self, transport: Transport, engine: EngineHandle, wait_s: float, quarantine_s: float
-    ) -> None:
+        self, transport: Transport, engine: EngineHandle, wait_s: float, quarantine_s: float,
+        peer_gone: Callable[[str], bool] | None = None,
+        reconnect: Callable[[str], PeerHandle | None] | None = None,
+    ) -> None:  # fmt: skip
+        """``peer_gone(engine_id)``: whether a sender's process is known to be gone (its
+        address refuses connections or another engine answers there; blocking). With
+        it, quarantined blocks whose sender never confirmed are held, and the sender
+        asked again every ``quarantine_s``, until it confirms or is gone: our own
+        teardown does not stop a peer's one-sided WRITEs. Without it, they go back
+        after one ``quarantine_s`` and a teardown (in-process tests).
+        ``reconnect(engine_id)``: connect afresh to ask a sender whose endpoint is gone."""
         super().__init__(transport, engine)
         self.wait_s = wait_s
         self.quarantine_s = quarantine_s
+        self.peer_gone = peer_gone
+        self.reconnect = reconnect
         self.stats = KVReceiverStats()
         self._waits: dict[str, _Wait] = {}
+        self._asker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-recv-ask")
 
     def _notif_handlers(self) -> dict[type[ControlMessage], Handler]:
         return {
@@ -247,13 +263,50 @@ class KVReceiver(FlowHalf):
                     wait, f"no word from the sender for {self.wait_s:g} s", WaitFailure.DEADLINE
                 )
             return
+        if self.peer_gone is None:
+            self._release_unconfirmed(wait, "no word from the sender")
+            return
+        # Only the sender can say that nothing of its can land: ask it again (off this
+        # thread: it may need a handshake), unless its process is gone.
         with self._lock:
+            wait.expiring = True  # until the answer to the asking
+        self._asker.submit(self._ask_sender, wait)
+
+    def _ask_sender(self, wait: _Wait) -> None:
+        """Asker thread: is the sender gone? else ask it to confirm (KVCancel again)."""
+        assert self.peer_gone is not None
+        engine_id = wait.peer.engine_id
+        try:
+            gone = self.peer_gone(engine_id)
+        except Exception:
+            logger.exception("xid=%s: cannot tell whether %s is gone", wait.xid, engine_id)
+            gone = False
+        if gone:
+            self.engine.call(partial(self._release_unconfirmed, wait, "the sender is gone"))
+            return
+        peer = wait.peer
+        if not self.transport.is_connected(engine_id) and self.reconnect is not None:
+            peer = self.reconnect(engine_id) or peer
+        logger.warning("xid=%s: quarantined blocks unconfirmed; asking %s again", wait.xid,
+                       engine_id)  # fmt: skip
+        self._tell(peer, KVCancel(wait.xid, "still waiting for confirmation"))
+        self.engine.call(partial(self._requarantine, wait))
+
+    def _requarantine(self, wait: _Wait) -> None:
+        with self._lock:
+            wait.quarantine_until = time.monotonic() + self.quarantine_s
+            wait.expiring = False
+            self.stats.num_quarantine_asks += 1
+
+    def _release_unconfirmed(self, wait: _Wait, why: str) -> None:
+        """Engine thread: give quarantined blocks back without the sender's word."""
+        with self._lock:
+            if self._waits.get(wait.xid) is not wait:
+                return  # confirmed meanwhile
             del self._waits[wait.xid]
-        # The sender never confirmed that nothing can land: tear our endpoint with it
-        # down first (its WRITEs can no longer reach the pool), then reuse the blocks.
         logger.warning(
-            "xid=%s: no word from the sender %s; tearing its endpoint down and releasing "
-            "quarantined blocks", wait.xid, wait.peer.engine_id,
+            "xid=%s: %s (%s); tearing its endpoint down and releasing quarantined blocks",
+            wait.xid, why, wait.peer.engine_id,
         )  # fmt: skip
         self.stats.num_teardowns += 1
         self.transport.disconnect(wait.peer)

@@ -195,6 +195,7 @@ def make_decode_hooks(
                 "num_alive_received": waits.num_alive_received,
                 "num_late": waits.num_late,
                 "num_teardowns": waits.num_teardowns,
+                "num_quarantine_asks": waits.num_quarantine_asks,
             }
         )
 

@@ -134,7 +134,7 @@ def _role_routers(
     if role is Role.PREFILL:
         p = prefill_flows(
             transport, instance.async_engine, pump, timing, directory.peer_by_engine, metrics,
-            reconnect=directory.reconnect,
+            reconnect=directory.reconnect, peer_gone=directory.is_gone,
         )  # fmt: skip
         routers.append(make_prefill_router(state, transport, cfg.pull_lease_s))
         routers.append(make_push_prefill_router(state, p, directory))
@@ -143,6 +143,7 @@ def _role_routers(
         d = decode_flows(
             transport, instance.async_engine, pump, timing, directory.peer_by_engine, metrics,
             release=partial(http_release, secret=secret), reconnect=directory.reconnect,
+            peer_gone=directory.is_gone,
         )  # fmt: skip
         routers.append(make_decode_hooks(state, d, directory, secret))
         instance.closers += [d.pull.close, d.sender.close]

@@ -218,6 +218,20 @@ class PeerDirectory:
             return None
         return peer if peer.engine_id == engine_id else None
 
+    def is_gone(self, engine_id: str) -> bool:
+        """Whether the process of the engine with this id is known to be gone: its address
+        refuses connections, or another engine answers there (blocking). A peer that
+        does not answer (stalled, partitioned) is not known to be gone."""
+        url = self.url_of(engine_id)
+        if url is None:
+            return False
+        try:
+            info = fetch_handshake(url, self.timeout_s, None, self._secret)
+        except PeerUnavailableError as exc:
+            cause = exc.__cause__
+            return isinstance(cause, httpx.ConnectError) and "refused" in str(cause).lower()
+        return info.engine_id != engine_id
+
     def url_of(self, engine_id: str) -> str | None:
         """The URL of a connected engine, or None."""
         with self._lock:

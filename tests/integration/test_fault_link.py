@@ -5,10 +5,10 @@ prompt's KV takes a while to cross and the cut lands while WRITEs are on the
 wire. Cutting the link (the root end set down) partitions P from D and from
 the router, for longer than every deadline; D's wait runs out, it computes the
 prompts itself and answers exactly. The blocks P was writing into stay
-quarantined on D until D has torn its endpoint with P down (nothing of those
-WRITEs can land after that); then D's pool is clean, while the link is still
-down. Once the link is back, the next request's KV is pushed again, over a
-fresh connection. Skipped where namespaces cannot be made (not root, no
+quarantined on D for as long as P cannot confirm that nothing of its WRITEs
+can land (D asks again every quarantine period). Once the link is back, the
+next request's KV is pushed again, over a fresh connection, P answers D's
+asking, and both pools are clean. Skipped where namespaces cannot be made (not root, no
 iproute2, a container that forbids it).
 """
 
@@ -134,7 +134,7 @@ def test_link_cut_mid_write_costs_time_not_tokens(
     poll(lambda: write_bytes(split.p.url) > written, "P's WRITEs crossing the link")
     queued = Victim(split.router, body(prompt_ids(300, next(salts)), 4)).start()
     poll(lambda: kv_stats(split.p.url)["num_waiting"] == 1, "a request queued on P")
-    teardowns = stats(split.d.url, PUSH_STATS)["num_teardowns"]
+    asks = stats(split.d.url, PUSH_STATS)["num_quarantine_asks"]
     split.set_link(up=False)
     moments = {decoding: "mid-decode", writing: "mid-WRITE (KV on the wire)",
                queued: "queued on P (before admission)"}  # fmt: skip
@@ -145,19 +145,26 @@ def test_link_cut_mid_write_costs_time_not_tokens(
             outcome = v.outcome(reference_tokens(split.reference, v.body))
             tally.add(FAULT, moment, outcome, v.elapsed_s)
             assert outcome is Outcome.COMPLETED, (moment, v.error)
-        # D alone, while the link is still down: the WRITEs it gave up on could still
-        # land, so it let their blocks go only after tearing its endpoint with P down.
-        d_pool = blocks_left(split.d.url)
-        assert stats(split.d.url, PUSH_STATS)["num_teardowns"] > teardowns
+        # D alone, while the link is still down: blocks P was writing into could still
+        # be written (a one-sided WRITE needs nothing of D), so D holds them past its
+        # quarantine and asks P again, for as long as P cannot answer.
+        held = kv_stats(split.d.url)["num_in_use"]
+        if held:
+            poll(lambda: stats(split.d.url, PUSH_STATS)["num_quarantine_asks"] > asks,
+                 "D to ask P again about its quarantine")  # fmt: skip
+            assert kv_stats(split.d.url)["num_in_use"] > 0, "held while unconfirmed"
     finally:
         split.set_link(up=True)
-    leaked = d_pool + sum(blocks_left(proc.url) for proc in (split.p, split.d))
+    # The router's probes of P crossed the cut link too: wait until it takes P back.
+    wait_router_sees(split.router, split.p.url, "prefill", healthy=True)
+    # A request reconnects P to D (P tore its endpoint down); D's next asking then gets
+    # P's answer, and the quarantined blocks go back.
+    num_recomputed = _pushed(split, next(salts), tries=5)
+    leaked = sum(blocks_left(proc.url) for proc in (split.p, split.d))
     for moment in moments.values():
         tally.leaked(FAULT, moment, leaked)
     assert leaked == 0
-    # The router's probes of P crossed the cut link too: wait until it takes P back.
-    wait_router_sees(split.router, split.p.url, "prefill", healthy=True)
-    num_recomputed = _pushed(split, next(salts), tries=5)  # the same connection carries KV again
+    tally.note(FAULT, "mid-WRITE (KV on the wire)", f"{held} blocks held on D while the link was down")
     tally.note(
         FAULT, "mid-WRITE (KV on the wire)", f"{num_recomputed} recomputed after the link came back"
     )

@@ -11,8 +11,10 @@ import time
 from kvduplex.engine.async_engine import AsyncEngine
 from kvduplex.engine.engine import LLMEngine
 from kvduplex.engine.sampling import SamplingParams
+from kvduplex.kvflow.messages import KVFailed
 from kvduplex.model.loader import LoadedModel
 from kvduplex.transport.base import Post
+from kvduplex.transport.messages import MessageCodec
 from tests.unit.flow_pair import PROMPT
 from tests.unit.flow_pair import Pair
 from tests.unit.flow_pair import _reference
@@ -194,3 +196,47 @@ def test_a_retained_turn_read_ends_within_decodes_pin(tiny: LoadedModel) -> None
         )).result(5)  # fmt: skip
         assert done.result(10) == 0
         assert time.monotonic() - t0 < s.pf.reader.deadline_s, "the pin's bound, not the reader's"
+
+
+def _is_failed(payload: bytes) -> bool:
+    return isinstance(MessageCodec().decode(payload), KVFailed)
+
+
+def test_unconfirmed_quarantine_is_held_and_the_sender_asked_again(tiny: LoadedModel) -> None:
+    """Our own teardown would not stop the sender's one-sided WRITEs: a quarantine
+    the sender never confirmed is held, and the sender asked again, until it answers."""
+    with Pair(tiny, wait_s=0.4, transfer_timeout_s=30, quarantine_s=0.3) as s:
+        s.df.receiver.peer_gone = lambda _engine_id: False
+        s.tp.hang_next()  # P's WRITE never ends before D gives up
+        for _ in range(2):  # P's confirmations (job failed; D's cancel) are lost
+            s.tp.drop_next_notif(_is_failed)
+
+        async def run() -> list[int]:
+            p = asyncio.create_task(s.prefill("xh"))
+            d_out = await s.decode("xh")
+            await p
+            return d_out
+
+        assert asyncio.run(run()) == _reference(tiny)
+        _wait_for(lambda: s.df.receiver.stats.num_quarantine_asks >= 1, "D to ask P again")
+        _wait_for(lambda: not s.df.receiver.is_waiting("xh"), "P's answer to the asking")
+        assert s.df.receiver.stats.num_teardowns == 0, "released on P's word, not a timer"
+        s.assert_clean()
+
+
+def test_quarantine_of_a_gone_sender_is_released(tiny: LoadedModel) -> None:
+    with Pair(tiny, wait_s=0.4, transfer_timeout_s=30, quarantine_s=0.3) as s:
+        s.df.receiver.peer_gone = lambda _engine_id: True
+        s.tp.hang_next()
+        for _ in range(2):
+            s.tp.drop_next_notif(_is_failed)
+
+        async def run() -> list[int]:
+            p = asyncio.create_task(s.prefill("xk"))
+            d_out = await s.decode("xk")
+            await p
+            return d_out
+
+        assert asyncio.run(run()) == _reference(tiny)
+        _wait_for(lambda: s.df.receiver.stats.num_teardowns == 1, "D to give the blocks up")
+        assert s.df.receiver.stats.num_quarantine_asks == 0
