@@ -114,6 +114,7 @@ class ModelRunner:
         self.tables = BlockTables(layout.num_blocks)
         self.decode_attention = ""
         self.inputs = InputBuilder(layout, self.device)
+        self._builders: dict[str, InputBuilder] = {}  # by decode attention path, kept when switching
         self.set_decode_attention(decode_attention)
 
     def set_decode_attention(self, name: str) -> None:
@@ -132,11 +133,13 @@ class ModelRunner:
         if windowed and name != "copy":
             logger.warning("sliding-window layers: decode attention copies (%s asked)", name)
             name = "copy"
-        flex = None
-        if name == "flex":
-            flex = FlexDecode(self.layout.num_blocks, self.layout.block_size, self.device)
+        if name not in self._builders:
+            flex = None
+            if name == "flex":
+                flex = FlexDecode(self.layout.num_blocks, self.layout.block_size, self.device)
+            self._builders[name] = InputBuilder(self.layout, self.device, flex, paged=name == "sdpa")
         self.decode_attention = name
-        self.inputs = InputBuilder(self.layout, self.device, flex, paged=name == "sdpa")
+        self.inputs = self._builders[name]
 
     # ---- block tables ----
 
