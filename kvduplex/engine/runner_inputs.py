@@ -34,11 +34,11 @@ from kvduplex.engine.block_table import BlockTables
 from kvduplex.engine.kv_cache import KVCacheLayout
 from kvduplex.model.attention import AttentionContext
 from kvduplex.model.attention import DecodeGroup
-from kvduplex.model.attention import GatheredRows
-from kvduplex.model.attention import PagedDecodes
 from kvduplex.model.attention import PoolRuns
 from kvduplex.model.attention import PrefillSpan
 from kvduplex.model.flex_decode import FlexDecode
+from kvduplex.model.paged_decode import GatheredRows
+from kvduplex.model.paged_decode import PagedDecodes
 
 
 @dataclass

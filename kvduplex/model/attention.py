@@ -11,21 +11,25 @@ sequences; each sequence contributes ``q_len`` new tokens at positions
    (``start_pos == 0``) uses its own K/V with a causal mask, a continued one
    (chunked prefill or a prefix-cache hit) gathers its context from the pool
    through its block table and uses an offset causal mask;
-3. decode sequences (``q_len == 1``) in groups of similar context length
-   (the runner picks them): per group, the blocks of its sequences, padded to
-   the group's longest context, are copied with one ``index_select`` per K and
-   V into a scratch buffer the runner owns (no allocation per layer), and one
-   batched SDPA runs with a length mask. A group of one sequence whose blocks
-   fill a few ranges of consecutive ids in the pool, in any order, skips the
-   copy (`PoolRuns`): attention is a sum over keys, so each range is read in
-   place as ``layer_pool[:, b:b+m]`` and masked by the position each of its
-   slots holds; one range is one SDPA (for an ascending run, the copy path's
-   output bit for bit), several are one SDPA each, merged by their
-   log-sum-exp. Or, when the runner enables it and the layer has no sliding
-   window, all decodes in one compiled FlexAttention call that reads the pool
-   in place (`flex_decode.py`).
+3. decode sequences (``q_len == 1``), by default all together as `PagedDecodes`:
+   each sequence's blocks that form long ranges of consecutive ids in the pool
+   (in any order) are read in place, ``layer_pool[:, b:b+m]``, masked by the
+   position each slot holds; its other blocks (a wrapped pool's fragments,
+   decode blocks interleaved with other sequences') are copied, with every
+   other sequence's, into a scratch buffer the runner owns, rows grouped by
+   length. Each range and each copied row is one SDPA that also returns its
+   log-sum-exp, and a sequence's partials merge by log-sum-exp (attention is a
+   sum over keys, however they are split). With the ``copy`` path instead
+   (models with sliding windows, or chosen), decodes go in groups of similar
+   context length (the runner picks them): per group, the blocks of its
+   sequences, padded to the group's longest context, are copied with one
+   ``index_select`` per K and V into the scratch buffer, and one batched SDPA
+   runs with a length mask; a group of one sequence whose blocks fill a few
+   ranges skips the copy (`PoolRuns`). Or, when the runner enables it and the
+   layer has no sliding window, all decodes in one compiled FlexAttention call
+   that reads the pool in place (`flex_decode.py`).
 
-Why groups: padding every decode to the longest context of the step, into a
+Why groups (copied rows): padding every decode to the longest context of the step, into a
 fresh tensor in every layer, cost more on CPU than the attention itself; one
 sequence at a time wastes nothing but issues many small ops, each a thread
 barrier. Masks depend only on the step, not the layer, so `AttentionContext`
@@ -51,6 +55,9 @@ import torch.nn.functional as F
 
 from kvduplex.model.flex_decode import FlexDecode
 from kvduplex.model.flex_decode import FlexDecodeBatch
+from kvduplex.model.paged_decode import PagedDecodes
+from kvduplex.model.paged_decode import additive_mask
+from kvduplex.model.paged_decode import paged_decode_attention
 
 
 @dataclass(frozen=True)
@@ -114,51 +121,6 @@ class DecodeGroup:
         return int(self.token_index.shape[0])
 
 
-@dataclass(frozen=True)
-class GatheredRows:
-    """Decodes whose remaining blocks (those outside long ranges) are copied, one SDPA."""
-
-    rows: torch.Tensor  # (num_rows,) int64
-    """Index of each row's sequence among the step's decodes (`PagedDecodes.token_index`)."""
-    block_index: torch.Tensor  # (num_rows * width_blocks,) int64
-    """Row-major ``(num_rows, width_blocks)`` block ids to copy, padded with block 0."""
-    visible: torch.Tensor  # (num_rows, width_blocks * block_size) bool
-    """Which copied slots the row's token sees (padding and unwritten slots do not)."""
-    width_blocks: int
-
-
-@dataclass(frozen=True)
-class PagedDecodes:
-    """All decodes of a step, read from the pool in place wherever their blocks form long
-    ranges of consecutive ids (in any order); each sequence's other blocks are copied.
-
-    Every range and every copied row is one partial attention with its log-sum-exp;
-    a sequence's partials merge by log-sum-exp (a sum over keys does not care how the
-    keys are split)::
-
-        seq 0 table  40 41 42 43 | 7 | 9       range (40, 4) in place; 7, 9 copied
-        seq 1 table  12 13 14 15 16 | 20 21    ranges (12, 5), (20, 2) in place
-        partials     [0: (40,4)] [1: (12,5)] [1: (20,2)] [0: row 7 9]
-    """
-
-    token_index: torch.Tensor  # (num_seqs,) int64
-    """Flattened-batch index of each decode's new token."""
-    ranges: tuple[tuple[int, int, int], ...]
-    """(sequence, first block id, number of blocks) of each range read in place."""
-    range_visible: torch.Tensor  # (sum of the ranges' blocks * block_size,) bool
-    """Which slots of the ranges (concatenated) their sequence's token sees."""
-    gathered: tuple[GatheredRows, ...]
-    """The copied rest, grouped by length."""
-    part_seq: torch.Tensor  # (num_parts,) int64
-    """Sequence of each partial: the ranges in order, then the gathered rows in order."""
-    single_part: bool
-    """Every sequence is exactly one partial (no merge needed)."""
-
-    @property
-    def num_seqs(self) -> int:
-        return int(self.token_index.shape[0])
-
-
 @dataclass
 class AttentionContext:
     """Everything attention needs about one step, shared by all layers.
@@ -187,7 +149,6 @@ class AttentionContext:
     through `decode_groups` or `flex_batch`."""
     _masks: dict[tuple[str, int, int | None], torch.Tensor | None] = field(default_factory=dict)
     _ranges: dict[tuple[int, int | None], list[tuple[int, int, int]]] = field(default_factory=dict)
-    _paged_masks: dict[torch.dtype, tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=dict)
 
     @property
     def num_decodes(self) -> int:
@@ -212,22 +173,9 @@ class AttentionContext:
             visible = kpos <= last
             if window is not None:
                 visible &= kpos > last - window
-            mask = _additive(visible, dtype)[:, None, None, :]
+            mask = additive_mask(visible, dtype)[:, None, None, :]
             self._masks[key] = mask
         return mask
-
-    def paged_masks(self, dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Additive masks of `paged`: ``(1, 1, 1, range slots)`` for the ranges and
-        ``(num_rows, 1, 1, width_blocks * block_size)`` per gathered group."""
-        found = self._paged_masks.get(dtype)
-        if found is None:
-            assert self.paged is not None
-            found = (
-                _additive(self.paged.range_visible, dtype)[None, None, None, :],
-                [_additive(g.visible, dtype)[:, None, None, :] for g in self.paged.gathered],
-            )
-            self._paged_masks[dtype] = found
-        return found
 
     def visible_ranges(self, index: int, window: int | None, dtype: torch.dtype) -> list[tuple[int, int, int]]:
         """(first block, blocks, offset in the mask) of each range of decode group `index`'s
@@ -263,14 +211,9 @@ class AttentionContext:
             if needs_window:
                 assert window is not None
                 visible &= kpos > qpos - window
-            mask = _additive(visible, dtype)
+            mask = additive_mask(visible, dtype)
         self._masks[key] = mask
         return mask
-
-
-def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    zeros = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
-    return zeros.masked_fill_(~visible, float("-inf"))
 
 
 def write_kv(
@@ -319,7 +262,7 @@ def paged_attention(
         out[span.token_start:end] = o[0].transpose(0, 1)
     if ctx.paged is not None:
         assert window is None, "paged decodes are built only for models without sliding windows"
-        _paged_decode_attention(q, layer_pool, ctx, scale, out)
+        paged_decode_attention(q, layer_pool, ctx.paged, ctx.decode_kv, scale, out)
     elif ctx.flex is not None and ctx.flex_batch is not None:
         assert window is None, "in-place decode attention has no sliding window"
         ctx.flex.attend(q, layer_pool, ctx.flex_batch, scale, out)
@@ -355,101 +298,6 @@ def _decode_attention(
         qd = q.index_select(0, group.token_index).view(n, kv_heads, heads // kv_heads, dim)
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
         out.index_copy_(0, group.token_index, o.view(n, heads, dim))
-
-
-def _paged_decode_attention(
-    q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
-    layer_pool: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim)
-    ctx: AttentionContext,
-    scale: float,
-    out: torch.Tensor,  # (num_tokens, num_heads, head_dim), written at the decode tokens
-) -> None:
-    """`PagedDecodes`: a partial attention per range (in place) and per gathered group
-    (copied into `ctx.decode_kv`), merged per sequence by log-sum-exp."""
-    pd = ctx.paged
-    assert pd is not None
-    _, _, bs, kv_heads, dim = layer_pool.shape
-    n, heads = pd.num_seqs, q.shape[1]
-    # the query heads sharing a KV head ride as the query length (GQA without expanding K/V)
-    qd = q.index_select(0, pd.token_index).view(n, kv_heads, heads // kv_heads, dim)
-    range_mask, group_masks = ctx.paged_masks(q.dtype)
-    outs: list[torch.Tensor] = []  # (rows, kv_heads, group, dim) each
-    lses: list[torch.Tensor] = []  # (rows, kv_heads, group) each
-    offset = 0
-    for seq, lo, m in pd.ranges:
-        width = m * bs
-        kd = layer_pool[0, lo:lo + m].view(1, width, kv_heads, dim).transpose(1, 2)  # (1, kv_heads, width, dim)
-        vd = layer_pool[1, lo:lo + m].view(1, width, kv_heads, dim).transpose(1, 2)
-        o, lse = attend_with_lse(qd[seq:seq + 1], kd, vd, range_mask[..., offset:offset + width], scale)
-        outs.append(o)
-        lses.append(lse)
-        offset += width
-    for grp, mask in zip(pd.gathered, group_masks, strict=True):
-        rows, width = grp.rows.shape[0], grp.width_blocks * bs
-        num_blocks = grp.block_index.shape[0]
-        k_rows, v_rows = ctx.decode_kv[0, :num_blocks], ctx.decode_kv[1, :num_blocks]
-        torch.index_select(layer_pool[0], 0, grp.block_index, out=k_rows)
-        torch.index_select(layer_pool[1], 0, grp.block_index, out=v_rows)
-        kd = k_rows.view(rows, width, kv_heads, dim).transpose(1, 2)  # (rows, kv_heads, width, dim)
-        vd = v_rows.view(rows, width, kv_heads, dim).transpose(1, 2)
-        o, lse = attend_with_lse(qd.index_select(0, grp.rows), kd, vd, mask, scale)
-        outs.append(o)
-        lses.append(lse)
-    o_all = outs[0] if len(outs) == 1 else torch.cat(outs)  # (num_parts, kv_heads, group, dim)
-    token_of_part = pd.token_index.index_select(0, pd.part_seq)
-    if pd.single_part:
-        out.index_copy_(0, token_of_part, o_all.reshape(-1, heads, dim).to(out.dtype))
-        return
-    merged = merge_partials(o_all, torch.cat(lses), pd.part_seq, n)
-    out.index_copy_(0, pd.token_index, merged.view(n, heads, dim).to(out.dtype))
-
-
-def attend_with_lse(
-    q: torch.Tensor,  # (b, kv_heads, group, dim)
-    k: torch.Tensor,  # (b, kv_heads, keys, dim), any strides
-    v: torch.Tensor,  # (b, kv_heads, keys, dim)
-    mask: torch.Tensor,  # additive, broadcast to (b, kv_heads, group, keys)
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:  # (b, kv_heads, group, dim), (b, kv_heads, group) float32
-    """Attention output and the log-sum-exp of its scores. On CPU the flash kernel returns
-    both; elsewhere the same math in plain ops (every row must see at least one key)."""
-    if q.device.type == "cpu":
-        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, False, attn_mask=mask, scale=scale
-        )
-        return o, lse.float()
-    return attend_with_lse_math(q, k, v, mask, scale)
-
-
-def attend_with_lse_math(
-    q: torch.Tensor,  # (b, kv_heads, group, dim)
-    k: torch.Tensor,  # (b, kv_heads, keys, dim)
-    v: torch.Tensor,  # (b, kv_heads, keys, dim)
-    mask: torch.Tensor,  # additive, broadcast to (b, kv_heads, group, keys)
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:  # (b, kv_heads, group, dim), (b, kv_heads, group) float32
-    """`attend_with_lse` in plain matmuls, softmax in float32 (any device)."""
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale + mask  # (b, kv_heads, group, keys)
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse[..., None]).to(v.dtype)
-    return torch.matmul(probs, v), lse
-
-
-def merge_partials(
-    outs: torch.Tensor,  # (num_parts, kv_heads, group, dim)
-    lses: torch.Tensor,  # (num_parts, kv_heads, group) float32
-    part_seq: torch.Tensor,  # (num_parts,) int64: sequence of each partial
-    num_seqs: int,
-) -> torch.Tensor:  # (num_seqs, kv_heads, group, dim) float32
-    """Each sequence's attention from its partials over disjoint key sets:
-    ``sum_i exp(lse_i - lse) * out_i`` with ``lse`` the log-sum-exp of the ``lse_i``."""
-    shape = (num_seqs, *lses.shape[1:])
-    index = part_seq[:, None, None].expand_as(lses)
-    top = lses.new_full(shape, float("-inf")).scatter_reduce_(0, index, lses, "amax")
-    weights = torch.exp(lses - top.index_select(0, part_seq))  # (num_parts, kv_heads, group)
-    total = lses.new_zeros(shape).index_add_(0, part_seq, weights)
-    summed = lses.new_zeros((*shape, outs.shape[-1])).index_add_(0, part_seq, outs.float() * weights[..., None])
-    return summed / total[..., None]
 
 
 def _attend_ranges(

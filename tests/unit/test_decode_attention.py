@@ -17,10 +17,10 @@ from kvduplex.engine.runner_inputs import InputBuilder
 from kvduplex.engine.runner_inputs import SeqInput
 from kvduplex.engine.runner_inputs import pool_runs
 from kvduplex.model.attention import AttentionContext
-from kvduplex.model.attention import attend_with_lse
-from kvduplex.model.attention import attend_with_lse_math
-from kvduplex.model.attention import merge_partials
 from kvduplex.model.attention import paged_attention
+from kvduplex.model.paged_decode import attend_with_lse
+from kvduplex.model.paged_decode import attend_with_lse_math
+from kvduplex.model.paged_decode import merge_partials
 
 HEADS, KV_HEADS, DIM, BS, NUM_BLOCKS = 4, 2, 8, 4, 24
 
