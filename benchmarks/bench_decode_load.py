@@ -106,7 +106,10 @@ def run_context(engine: Any, context: int, levels: list[int], args: argparse.Nam
     rng = random.Random(args.seed + context)
     vocab = engine.loaded.config.vocab_size
     steps_per_level = 2 * args.warmup + 2 * args.reps * args.block
-    params = SamplingParams(max_tokens=len(levels) * steps_per_level + 8, temperature=0.0, ignore_eos=True)
+    # the first requests decode while the later ones still prefill (chunks of 2,048 tokens)
+    prefill_steps = -(-max(levels) * context // 2048) + 1
+    max_tokens = len(levels) * (steps_per_level + 1) + prefill_steps + 8
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     rids = [f"c{context}-{i}" for i in range(max(levels))]
     for rid in rids:
         engine.add_request(Request(rid, [rng.randrange(3, vocab) for _ in range(context)], params))
@@ -130,6 +133,8 @@ def run_context(engine: Any, context: int, levels: list[int], args: argparse.Nam
         for _ in range(args.reps):
             for path in PATHS:
                 times[path].append(timed_steps(engine, path, args.block))
+        if len(engine.scheduler._running) != level:
+            raise RuntimeError(f"context {context} x {level}: a request finished while timed")
         flat = {p: [t for block in times[p] for t in block] for p in PATHS}
         block_ratios = [
             statistics.median(c) / statistics.median(s)

@@ -225,7 +225,9 @@ def instrumented(engine: Any) -> Iterator[PartTimer]:
 def profile_batch(engine: Any, batch: int, args: argparse.Namespace) -> dict[str, Any]:
     reps, block = args.reps, args.block
     profile_steps = 3 if args.torch_profiler else 0
-    max_tokens = args.warmup + 2 * reps * block + profile_steps + 4
+    # the first requests decode while the later ones still prefill (chunks of 2,048 tokens)
+    prefill_steps = -(-batch * args.context // 2048) + 1
+    max_tokens = args.warmup + 2 * reps * block + profile_steps + prefill_steps + 4
     start_batch(engine, batch, args.context, max_tokens, args.seed + batch, f"b{batch}")
     for _ in range(args.warmup):
         engine.step()

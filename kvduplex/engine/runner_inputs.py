@@ -12,10 +12,13 @@ Token ids, positions and slots are written into one staging array that grows
 but is never reallocated per step (pinned on CUDA, then copied to the device
 without blocking); everything per token is a vectorised numpy expression, so
 the cost outside the forward does not grow with Python loops over tokens.
-Decode sequences are grouped by context length for attention (see
-`group_by_length`); a group of one sequence whose blocks fill at most
-`IN_PLACE_MAX_RANGES` ranges of consecutive ids in the pool, in any order (one
-more per `IN_PLACE_TOKENS_PER_RANGE` of context), is marked to be read in
+By default every decode of the step reads the pool in place where its blocks
+form ranges of at least `IN_PLACE_MIN_RANGE_TOKENS` (in any order); its other
+blocks are copied, rows grouped by length (`PagedDecodes`, `_paged_decodes`).
+On the ``copy`` path decode sequences are grouped by context length for
+attention (see `group_by_length`); a group of one sequence whose blocks fill at
+most `IN_PLACE_MAX_RANGES` ranges of consecutive ids in the pool, in any order
+(one more per `IN_PLACE_TOKENS_PER_RANGE` of context), is marked to be read in
 place (`pool_runs`).
 """
 

@@ -16,6 +16,7 @@ from kvduplex.engine.runner_inputs import IN_PLACE_MAX_RANGES
 from kvduplex.engine.runner_inputs import InputBuilder
 from kvduplex.engine.runner_inputs import SeqInput
 from kvduplex.engine.runner_inputs import pool_runs
+from kvduplex.model import paged_decode
 from kvduplex.model.attention import AttentionContext
 from kvduplex.model.attention import paged_attention
 from kvduplex.model.paged_decode import attend_with_lse
@@ -230,3 +231,18 @@ def test_lse_math_path_and_merge_match_one_attention() -> None:
     lses = torch.cat([parts[0][1], parts[1][1]])
     merged = merge_partials(outs, lses, torch.tensor([0, 1, 0, 1]), 2)
     torch.testing.assert_close(merged, o_cpu, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("batch", ["wrapped", "lone"])
+def test_batched_decodes_in_place_with_the_plain_ops_kernel_match_the_reference(
+    batch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole in-place path as other devices run it (log-sum-exp in plain matmuls)."""
+    monkeypatch.setattr(runner_inputs, "IN_PLACE_MIN_RANGE_TOKENS", 2 * BS)
+    monkeypatch.setattr(paged_decode, "attend_with_lse", attend_with_lse_math)
+    tables, contexts = BATCHES[batch]
+    gen = torch.Generator().manual_seed(4)
+    pool = torch.randn((2, NUM_BLOCKS, BS, KV_HEADS, DIM), generator=gen)
+    q = torch.randn((len(tables), HEADS, DIM), generator=gen)
+    got = paged_attention(q, q[:, :KV_HEADS], q[:, :KV_HEADS], pool, _paged_ctx(tables, contexts), DIM**-0.5, None)
+    torch.testing.assert_close(got, _reference(q, pool, tables, contexts), rtol=1e-5, atol=1e-5)
