@@ -222,6 +222,7 @@ class InputBuilder:
         ranges: list[tuple[int, int, int]] = []
         range_visible: list[npt.NDArray[np.bool_]] = []
         rest_of: list[npt.NDArray[np.int64]] = []  # per decode: logical indices of its copied blocks
+        part_seq: list[int] = []
         for seq, i in enumerate(decodes):
             end = int(ends[i])
             ids = tables.table[rows[i], : -(-end // bs)]
@@ -235,13 +236,13 @@ class InputBuilder:
             sizes = np.diff(np.concatenate((starts, [ids.size])))
             is_long = sizes >= self._min_range_blocks
             for a, m in zip(starts[is_long].tolist(), sizes[is_long].tolist(), strict=True):
-                ranges.append((seq, int(sorted_ids[a]), m))
+                ranges.append((int(first[i]), int(sorted_ids[a]), m))
+                part_seq.append(seq)
                 range_visible.append((order[a:a + m, None] * bs + offsets).reshape(-1) < end)
             short = np.repeat(~is_long, sizes)  # per sorted block
             rest_of.append(np.sort(order[short]))
         gathered: list[GatheredRows] = []
         with_rest = [seq for seq, rest in enumerate(rest_of) if rest.size]
-        part_seq = [seq for seq, _, _ in ranges]
         if with_rest:
             lens = [int(rest_of[seq].size) * bs for seq in with_rest]
             for members in group_by_length(lens, bs):
@@ -259,6 +260,7 @@ class InputBuilder:
                 gathered.append(
                     GatheredRows(
                         rows=self._tensor(np.asarray(seqs, np.int64)),
+                        row_tokens=self._tensor(first[decodes[seqs]]),
                         block_index=self._tensor(block_index.reshape(-1)),
                         visible=self._to_device(torch.from_numpy(visible)),
                         width_blocks=width,
@@ -272,6 +274,7 @@ class InputBuilder:
             range_visible=self._to_device(torch.from_numpy(visible_all)),
             gathered=tuple(gathered),
             part_seq=self._tensor(np.asarray(part_seq, np.int64)),
+            part_tokens=self._tensor(first[decodes[part_seq]]),
             single_part=len(part_seq) == decodes.size,
         )
 

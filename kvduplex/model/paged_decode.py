@@ -38,6 +38,8 @@ class GatheredRows:
 
     rows: torch.Tensor  # (num_rows,) int64
     """Index of each row's sequence among the step's decodes (`PagedDecodes.token_index`)."""
+    row_tokens: torch.Tensor  # (num_rows,) int64
+    """Flattened-batch index of each row's token."""
     block_index: torch.Tensor  # (num_rows * width_blocks,) int64
     """Row-major ``(num_rows, width_blocks)`` block ids to copy, padded with block 0."""
     visible: torch.Tensor  # (num_rows, width_blocks * block_size) bool
@@ -62,13 +64,16 @@ class PagedDecodes:
     token_index: torch.Tensor  # (num_seqs,) int64
     """Flattened-batch index of each decode's new token."""
     ranges: tuple[tuple[int, int, int], ...]
-    """(sequence, first block id, number of blocks) of each range read in place."""
+    """(flattened-batch index of the sequence's token, first block id, number of blocks) of
+    each range read in place."""
     range_visible: torch.Tensor  # (sum of the ranges' blocks * block_size,) bool
     """Which slots of the ranges (concatenated) their sequence's token sees."""
     gathered: tuple[GatheredRows, ...]
     """The copied rest, grouped by length."""
     part_seq: torch.Tensor  # (num_parts,) int64
     """Sequence of each partial: the ranges in order, then the gathered rows in order."""
+    part_tokens: torch.Tensor  # (num_parts,) int64
+    """Flattened-batch index of each partial's token."""
     single_part: bool
     """Every sequence is exactly one partial (no merge needed)."""
     _masks: dict[torch.dtype, tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=dict)
@@ -103,17 +108,17 @@ def paged_decode_attention(
     per sequence by log-sum-exp."""
     _, _, bs, kv_heads, dim = layer_pool.shape
     n, heads = pd.num_seqs, q.shape[1]
-    # the query heads sharing a KV head ride as the query length (GQA without expanding K/V)
-    qd = q.index_select(0, pd.token_index).view(n, kv_heads, heads // kv_heads, dim)
+    group = heads // kv_heads  # the query heads sharing a KV head ride as the query length
     range_mask, group_masks = pd.masks(q.dtype)
     outs: list[torch.Tensor] = []  # (rows, kv_heads, group, dim) each
     lses: list[torch.Tensor] = []  # (rows, kv_heads, group) each
     offset = 0
-    for seq, lo, m in pd.ranges:
+    for token, lo, m in pd.ranges:
         width = m * bs
         kd = layer_pool[0, lo:lo + m].view(1, width, kv_heads, dim).transpose(1, 2)  # (1, kv_heads, width, dim)
         vd = layer_pool[1, lo:lo + m].view(1, width, kv_heads, dim).transpose(1, 2)
-        o, lse = attend_with_lse(qd[seq:seq + 1], kd, vd, range_mask[..., offset:offset + width], scale)
+        qd = q[token:token + 1].view(1, kv_heads, group, dim)
+        o, lse = attend_with_lse(qd, kd, vd, range_mask[..., offset:offset + width], scale)
         outs.append(o)
         lses.append(lse)
         offset += width
@@ -125,13 +130,13 @@ def paged_decode_attention(
         torch.index_select(layer_pool[1], 0, grp.block_index, out=v_rows)
         kd = k_rows.view(rows, width, kv_heads, dim).transpose(1, 2)  # (rows, kv_heads, width, dim)
         vd = v_rows.view(rows, width, kv_heads, dim).transpose(1, 2)
-        o, lse = attend_with_lse(qd.index_select(0, grp.rows), kd, vd, mask, scale)
+        qd = q.index_select(0, grp.row_tokens).view(rows, kv_heads, group, dim)
+        o, lse = attend_with_lse(qd, kd, vd, mask, scale)
         outs.append(o)
         lses.append(lse)
     o_all = outs[0] if len(outs) == 1 else torch.cat(outs)  # (num_parts, kv_heads, group, dim)
-    token_of_part = pd.token_index.index_select(0, pd.part_seq)
     if pd.single_part:
-        out.index_copy_(0, token_of_part, o_all.reshape(-1, heads, dim).to(out.dtype))
+        out.index_copy_(0, pd.part_tokens, o_all.reshape(-1, heads, dim).to(out.dtype))
         return
     merged = merge_partials(o_all, torch.cat(lses), pd.part_seq, n)
     out.index_copy_(0, pd.token_index, merged.view(n, heads, dim).to(out.dtype))

@@ -190,7 +190,7 @@ def test_which_blocks_are_read_in_place_and_which_copied(monkeypatch: pytest.Mon
     tables, contexts = BATCHES["wrapped"]
     pd = _paged_ctx(tables, contexts).paged
     assert pd is not None
-    # (seq, first block, blocks): a's 14..16, b's 10..13, c's 18..20 (descending is one range)
+    # (token, first block, blocks): a's 14..16, b's 10..13, c's 18..20 (descending is one range)
     assert pd.ranges == ((0, 14, 3), (1, 10, 4), (2, 18, 3))
     # b's blocks 4 6 and a's 3 5 7 are copied, in logical order, in one group (shortest first)
     (grp,) = pd.gathered
@@ -200,6 +200,7 @@ def test_which_blocks_are_read_in_place_and_which_copied(monkeypatch: pytest.Mon
     # a's context 22: blocks 3, 4 and 5 of the table hold positions 12..23; 22, 23 unwritten
     assert grp.visible[1].tolist() == [True] * 10 + [False] * 2
     assert pd.part_seq.tolist() == [0, 1, 2, 1, 0] and not pd.single_part
+    assert pd.part_tokens.tolist() == [0, 1, 2, 1, 0]  # one token per sequence here
     # c's range reads blocks 18, 19, 20 = its table's blocks 2, 1, 0: positions 8..11, 4..7, 0..3
     # of a 10-token context
     assert pd.range_visible[-12:].tolist() == [True, True, False, False] + [True] * 8

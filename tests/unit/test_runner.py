@@ -267,8 +267,10 @@ def test_batched_decodes_in_place_pick_the_copy_paths_tokens(
         for step in range(8):
             live = range(1) if step < 2 else range(3)  # a lone decode first, then three
             seqs = [SeqInput([cur[i]], pos[i], tables[i], True) for i in live]
-            step_logits = r.execute(seqs)
-            picked = step_logits.argmax(-1).tolist()
+            # one step with a prompt ahead of the decodes: their tokens are not at 0..n-1
+            extra = [SeqInput(_ids(6, 4), 0, [1, 3], True)] if step == 3 else []
+            step_logits = r.execute(extra + seqs)
+            picked = step_logits.argmax(-1).tolist()[len(extra):]
             for j, i in enumerate(live):
                 cur[i], pos[i] = picked[j], pos[i] + 1
             out.append(step_logits)
