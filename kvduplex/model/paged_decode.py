@@ -117,7 +117,7 @@ def paged_decode_attention(
         width = m * bs
         kd = layer_pool[0, lo:lo + m].view(1, width, kv_heads, dim).transpose(1, 2)  # (1, kv_heads, width, dim)
         vd = layer_pool[1, lo:lo + m].view(1, width, kv_heads, dim).transpose(1, 2)
-        qd = q[token:token + 1].view(1, kv_heads, group, dim)
+        qd = q[token:token + 1].reshape(1, kv_heads, group, dim)
         o, lse = attend_with_lse(qd, kd, vd, range_mask[..., offset:offset + width], scale)
         outs.append(o)
         lses.append(lse)
