@@ -9,6 +9,9 @@ the per-step metadata (groups, block mask) is built once per case, as a step
 does once for all layers. Also: the compile time of the FlexAttention kernel
 and the largest difference between the two outputs.
 
+With ``--batched``: batches of decodes copied against read in place (`PagedDecodes`) at
+a few thresholds of ranges long enough to read in place, over three block layouts.
+
 With ``--zero-copy``: one decode whose blocks fill a few ranges of the pool,
 read in place (`DecodeGroup.in_place`) against the same step forced through
 the block copy; three arrangements: one ascending run (what a fresh pool
@@ -17,6 +20,7 @@ cache's LRU) and two ranges; no FlexAttention, nothing compiled.
 
     .venv/bin/python benchmarks/bench_decode_attention.py
     .venv/bin/python benchmarks/bench_decode_attention.py --zero-copy
+    .venv/bin/python benchmarks/bench_decode_attention.py --batched --batches 1 4 8 16 --contexts 1024 2048 4096
 
 Writes results/bench_decode_attention.json and .md (``_zero_copy`` with the flag).
 """
@@ -38,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import md_table
 from benchmarks.common import pin
 from benchmarks.common import write_results
+from kvduplex.engine import runner_inputs
 from kvduplex.engine.block_table import BlockTables
 from kvduplex.engine.kv_cache import KVCacheLayout
 from kvduplex.engine.runner_inputs import InputBuilder
@@ -117,6 +122,67 @@ def zero_copy_case(context: int, reps: int, iters: int, seed: int, arrangement: 
     }  # fmt: skip
 
 
+LAYOUTS = ("engine", "wrapped", "scattered")
+MIN_RANGE_TOKENS = (64, 256, 1024)
+
+
+def batched_case(batch: int, context: int, layout_name: str, reps: int, iters: int, seed: int) -> dict[str, Any]:
+    """`batch` decodes copied (``copy``) against read in place (``sdpa``, `PagedDecodes`) at
+    several thresholds of `IN_PLACE_MIN_RANGE_TOKENS`. Layouts: ``engine``: each prompt one
+    ascending run, then 4 decode blocks per sequence interleaved between sequences (what a
+    fresh pool hands concurrent decodes); ``wrapped``: runs of 8 blocks in random order and
+    places (a pool that wrapped through the prefix cache's LRU); ``scattered``: every block
+    anywhere."""
+    import random
+
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    prompt_blocks, decode_blocks = -(-context // BS), 4
+    per_seq = prompt_blocks + decode_blocks
+    num_blocks = batch * per_seq + 1
+    layout = KVCacheLayout(1, num_blocks, BS, KV_HEADS, DIM)
+    pool = torch.randn((2, num_blocks, BS, KV_HEADS, DIM), generator=gen)
+    if layout_name == "engine":
+        tables_l = [list(range(i * prompt_blocks, (i + 1) * prompt_blocks)) for i in range(batch)]
+        base = batch * prompt_blocks
+        for j in range(decode_blocks):
+            for i in range(batch):
+                tables_l[i].append(base + j * batch + i)
+    else:
+        ids = list(range(num_blocks - 1))
+        if layout_name == "wrapped":
+            chunks = [ids[a:a + 8] for a in range(0, len(ids), 8)]
+            rng.shuffle(chunks)
+            ids = [b for c in chunks for b in c]
+        else:
+            rng.shuffle(ids)
+        tables_l = [ids[i * per_seq:(i + 1) * per_seq] for i in range(batch)]
+    tables = BlockTables(num_blocks)
+    for i, t in enumerate(tables_l):
+        tables.set(i, t)
+    ends = [context + decode_blocks * BS - rng.randrange(BS) for _ in range(batch)]
+    seqs = [SeqInput([1], e - 1, None, True) for e in ends]
+    keys = list(range(batch))
+    ctxs = {"copy": InputBuilder(layout, torch.device("cpu")).build(seqs, keys, tables).ctx}
+    default = runner_inputs.IN_PLACE_MIN_RANGE_TOKENS
+    try:
+        for tokens in MIN_RANGE_TOKENS:
+            runner_inputs.IN_PLACE_MIN_RANGE_TOKENS = tokens
+            builder = InputBuilder(layout, torch.device("cpu"), paged=True)
+            ctxs[f"sdpa {tokens}"] = builder.build(seqs, keys, tables).ctx
+    finally:
+        runner_inputs.IN_PLACE_MIN_RANGE_TOKENS = default
+    q = torch.randn((batch, HEADS, DIM), generator=gen)
+    k = torch.randn((batch, KV_HEADS, DIM), generator=gen)
+    outs, times = _interleaved(ctxs, q, k, pool, reps, iters)
+    med = {n: statistics.median(v) * 1e3 for n, v in times.items()}
+    return {
+        "batch": batch, "context": context, "layout": layout_name, "ms": med,
+        "max_abs_diff": max(float((outs["copy"] - o).abs().max()) for o in outs.values()),
+        "raw_ms": {n: [t * 1e3 for t in v] for n, v in times.items()},
+    }  # fmt: skip
+
+
 def _interleaved(
     ctxs: dict[str, AttentionContext], q: torch.Tensor, k: torch.Tensor, pool: torch.Tensor, reps: int, iters: int
 ) -> tuple[dict[str, torch.Tensor], dict[str, list[float]]]:
@@ -142,8 +208,30 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--zero-copy", action="store_true", help="one decode in place vs copied (batch 1 only)")
+    ap.add_argument("--batched", action="store_true", help="batches copied vs read in place (PagedDecodes)")
+    ap.add_argument("--cpus", default="0")
     args = ap.parse_args()
-    pinned = pin({0}, args.threads)
+    pinned = pin({int(c) for c in args.cpus.split(",")}, args.threads)
+    if args.batched:
+        results = [
+            batched_case(b, c, lay, args.reps, args.iters, args.seed)
+            for lay in LAYOUTS for c in args.contexts for b in args.batches
+        ]
+        names = ["copy"] + [f"sdpa {t}" for t in MIN_RANGE_TOKENS]
+        rows = [
+            [r["layout"], r["batch"], r["context"]] + [f"{r['ms'][n]:.3f}" for n in names]
+            + [f"{r['ms']['copy'] / r['ms'][f'sdpa {default}']:.2f}", f"{r['max_abs_diff']:.1e}"]
+            for r in results
+            for default in [runner_inputs.IN_PLACE_MIN_RANGE_TOKENS]
+        ]  # fmt: skip
+        header = ["layout", "decodes", "context", *[f"{n} ms" for n in names],
+                  f"copy / sdpa {runner_inputs.IN_PLACE_MIN_RANGE_TOKENS}", "max abs diff"]  # fmt: skip
+        table = (f"One layer, {HEADS}/{KV_HEADS} heads of {DIM}, {BS}-token blocks, ms per call "
+                 f"(`sdpa N`: ranges of N+ tokens in place), median of {args.reps} interleaved runs "
+                 f"of {args.iters} ({pinned})\n\n" + md_table(header, rows))
+        write_results("bench_decode_attention_batched", {"pinned": pinned, "results": results}, table)
+        print(table)
+        return
     if args.zero_copy:
         zero_copy_main(args, pinned)
         return

@@ -159,25 +159,30 @@ def split_step(raw: dict[str, float], step_s: float) -> dict[str, float]:
 
 def make_engine(
     model: str, seed: int, num_threads: int, max_num_seqs: int, decode_attention: str = "",
-    dtype: str = "float32",
+    dtype: str = "float32", kv_mb: int = 1024,
 ) -> Any:
-    """An engine on CPU (`decode_attention` empty: the checkout's default)."""
+    """An engine on CPU (`decode_attention` empty: the checkout's default; ``copy``: the
+    runner's copy path, switched after the engine is built)."""
     from kvduplex.config import CacheConfig
     from kvduplex.config import EngineConfig
     from kvduplex.config import ModelLoadConfig
     from kvduplex.config import SchedulerConfig
     from kvduplex.engine.engine import LLMEngine
 
-    extra = {"decode_attention": decode_attention} if decode_attention else {}
+    switch = decode_attention == "copy"
+    extra = {"decode_attention": decode_attention} if decode_attention and not switch else {}
     load = ModelLoadConfig(
         model=model, seed=seed, dtype=dtype, device="cpu", num_threads=num_threads, **extra
     )
     cfg = EngineConfig(
         model=load,
-        cache=CacheConfig(block_size=16, kv_cache_mb=1024),
+        cache=CacheConfig(block_size=16, kv_cache_mb=kv_mb),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=2048),
     )
-    return LLMEngine(cfg)
+    engine = LLMEngine(cfg)
+    if switch:
+        engine.runner.set_decode_attention("copy")
+    return engine
 
 
 def start_batch(engine: Any, batch: int, context: int, max_tokens: int, seed: int, tag: str) -> None:
@@ -220,7 +225,9 @@ def instrumented(engine: Any) -> Iterator[PartTimer]:
 def profile_batch(engine: Any, batch: int, args: argparse.Namespace) -> dict[str, Any]:
     reps, block = args.reps, args.block
     profile_steps = 3 if args.torch_profiler else 0
-    max_tokens = args.warmup + 2 * reps * block + profile_steps + 4
+    # the first requests decode while the later ones still prefill (chunks of 2,048 tokens)
+    prefill_steps = -(-batch * args.context // 2048) + 1
+    max_tokens = args.warmup + 2 * reps * block + profile_steps + prefill_steps + 4
     start_batch(engine, batch, args.context, max_tokens, args.seed + batch, f"b{batch}")
     for _ in range(args.warmup):
         engine.step()
@@ -322,7 +329,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cpus", default="0", help="cpus to pin to, e.g. 0 or 0,1")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--decode-attention", default="", help="sdpa or flex (default: the checkout's)")
+    ap.add_argument("--decode-attention", default="", help="sdpa, copy or flex (default: the checkout's)")
+    ap.add_argument("--kv-mb", type=int, default=1024, help="KV pool MiB: must hold every batch's context")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--torch-profiler", action="store_true")
     ap.add_argument("--src", default="", help="import kvduplex from this checkout instead")
@@ -341,7 +349,8 @@ def main() -> None:
         if model == "llama-50m":
             model = str(build_llama_folder(Path(tmp) / "llama-50m", args.seed))
         engine = make_engine(
-            model, args.seed, args.threads, max(args.batches), args.decode_attention, args.dtype
+            model, args.seed, args.threads, max(args.batches), args.decode_attention, args.dtype,
+            args.kv_mb,
         )
         results = [profile_batch(engine, b, args) for b in args.batches]
     import kvduplex

@@ -300,7 +300,7 @@ class LLMEngine:
             reason = "stop"
         output = RequestOutput(
             request_id=rid,
-            new_token_ids=list(new_ids),
+            new_token_ids=new_ids,
             new_text=new_text,
             finished=finished,
             finish_reason=reason,

@@ -112,16 +112,34 @@ class ModelRunner:
         self.layout = layout
         self.block_size = layout.block_size
         self.tables = BlockTables(layout.num_blocks)
-        if decode_attention not in ("sdpa", "flex"):
-            raise ValueError(f"decode_attention must be sdpa or flex, got {decode_attention!r}")
-        flex = None
-        if decode_attention == "flex":
-            if any(config.window_of(i) is not None for i in range(config.num_layers)):
-                logger.warning("sliding-window layers: decode attention stays sdpa")
-            else:
-                flex = FlexDecode(layout.num_blocks, layout.block_size, self.device)
-        self.decode_attention = "flex" if flex is not None else "sdpa"
-        self.inputs = InputBuilder(layout, self.device, flex)
+        self.decode_attention = ""
+        self.inputs = InputBuilder(layout, self.device)
+        self._builders: dict[str, InputBuilder] = {}  # by decode attention path, kept when switching
+        self.set_decode_attention(decode_attention)
+
+    def set_decode_attention(self, name: str) -> None:
+        """Switch the decode attention path (between steps); ValueError for an unknown name.
+
+        ``sdpa``: every decode reads the pool in place where its blocks form long ranges,
+        the rest copied, partials merged by log-sum-exp (`PagedDecodes`); ``copy``: decodes
+        grouped by length, their blocks copied into a scratch buffer, one SDPA per group
+        (a lone decode over a few ranges in place), the path before ``sdpa`` read in place;
+        ``flex``: one compiled FlexAttention call reading the pool in place. Models with
+        sliding-window layers use ``copy`` for ``sdpa`` and ``flex``.
+        """
+        if name not in ("sdpa", "copy", "flex"):
+            raise ValueError(f"decode_attention must be sdpa, copy or flex, got {name!r}")
+        windowed = any(self.config.window_of(i) is not None for i in range(self.config.num_layers))
+        if windowed and name != "copy":
+            logger.warning("sliding-window layers: decode attention copies (%s asked)", name)
+            name = "copy"
+        if name not in self._builders:
+            flex = None
+            if name == "flex":
+                flex = FlexDecode(self.layout.num_blocks, self.layout.block_size, self.device)
+            self._builders[name] = InputBuilder(self.layout, self.device, flex, paged=name == "sdpa")
+        self.decode_attention = name
+        self.inputs = self._builders[name]
 
     # ---- block tables ----
 

@@ -12,10 +12,13 @@ Token ids, positions and slots are written into one staging array that grows
 but is never reallocated per step (pinned on CUDA, then copied to the device
 without blocking); everything per token is a vectorised numpy expression, so
 the cost outside the forward does not grow with Python loops over tokens.
-Decode sequences are grouped by context length for attention (see
-`group_by_length`); a group of one sequence whose blocks fill at most
-`IN_PLACE_MAX_RANGES` ranges of consecutive ids in the pool, in any order (one
-more per `IN_PLACE_TOKENS_PER_RANGE` of context), is marked to be read in
+By default every decode of the step reads the pool in place where its blocks
+form ranges of at least `IN_PLACE_MIN_RANGE_TOKENS` (in any order); its other
+blocks are copied, rows grouped by length (`PagedDecodes`, `_paged_decodes`).
+On the ``copy`` path decode sequences are grouped by context length for
+attention (see `group_by_length`); a group of one sequence whose blocks fill at
+most `IN_PLACE_MAX_RANGES` ranges of consecutive ids in the pool, in any order
+(one more per `IN_PLACE_TOKENS_PER_RANGE` of context), is marked to be read in
 place (`pool_runs`).
 """
 
@@ -37,6 +40,8 @@ from kvduplex.model.attention import DecodeGroup
 from kvduplex.model.attention import PoolRuns
 from kvduplex.model.attention import PrefillSpan
 from kvduplex.model.flex_decode import FlexDecode
+from kvduplex.model.paged_decode import GatheredRows
+from kvduplex.model.paged_decode import PagedDecodes
 
 
 @dataclass
@@ -69,10 +74,16 @@ class StepBatch:
 class InputBuilder:
     """Builds `StepBatch`es for one runner (engine thread only)."""
 
-    def __init__(self, layout: KVCacheLayout, device: torch.device, flex: FlexDecode | None = None) -> None:
-        """With `flex`, decodes attend in place through it instead of in groups."""
+    def __init__(
+        self, layout: KVCacheLayout, device: torch.device, flex: FlexDecode | None = None, paged: bool = False
+    ) -> None:
+        """With `flex`, decodes attend in place through it; else with `paged`, all decodes
+        read the pool in place where their blocks form long ranges (`PagedDecodes`); else
+        in groups whose blocks are copied (`DecodeGroup`)."""
         self.block_size = layout.block_size
         self.flex = flex
+        self.paged = paged
+        self._min_range_blocks = max(1, -(-IN_PLACE_MIN_RANGE_TOKENS // layout.block_size))
         self.device = device
         self._pin = device.type == "cuda"
         self._max_ranges = IN_PLACE_MAX_RANGES if device.type == "cpu" else 1
@@ -134,23 +145,28 @@ class InputBuilder:
         decodes = np.flatnonzero(lens == 1)
         groups: list[DecodeGroup] = []
         flex_batch = None
+        paged = None
+        scratch_blocks = 0
         if decodes.size and self.flex is not None:
             width = -(-int(ends[decodes].max()) // bs)
             flex_batch = self.flex.batch(
                 self._tensor(first[decodes]), tables.table[rows[decodes], :width], ends[decodes]
             )
+        elif decodes.size and self.paged:
+            paged = self._paged_decodes(decodes, first, ends, rows, tables)
+            scratch_blocks = max((g.block_index.shape[0] for g in paged.gathered), default=0)
         elif decodes.size:
             groups = self._decode_groups(decodes, first, ends, rows, tables)
+            scratch_blocks = max((g.block_index.shape[0] for g in groups if g.in_place is None), default=0)
         ctx = AttentionContext(
             slot_mapping=staged[2],
             block_size=bs,
             prefills=prefills,
             decode_groups=groups,
-            decode_kv=self._decode_kv_view(
-                max((g.block_index.shape[0] for g in groups if g.in_place is None), default=0)
-            ),
+            decode_kv=self._decode_kv_view(scratch_blocks),
             flex=self.flex,
             flex_batch=flex_batch,
+            paged=paged,
         )
         return StepBatch(
             input_ids=staged[0], positions=staged[1], logits_index=self._tensor(logits_index), ctx=ctx
@@ -191,6 +207,77 @@ class InputBuilder:
             )
         return groups
 
+    def _paged_decodes(
+        self,
+        decodes: npt.NDArray[np.intp],
+        first: npt.NDArray[np.int64],
+        ends: npt.NDArray[np.int64],
+        rows: npt.NDArray[np.int64],
+        tables: BlockTables,
+    ) -> PagedDecodes:
+        """Split each decode's blocks into long ranges (read in place) and the rest (copied,
+        grouped by length); see `PagedDecodes`."""
+        bs = self.block_size
+        offsets = np.arange(bs)
+        ranges: list[tuple[int, int, int]] = []
+        range_visible: list[npt.NDArray[np.bool_]] = []
+        rest_of: list[npt.NDArray[np.int64]] = []  # per decode: logical indices of its copied blocks
+        part_seq: list[int] = []
+        for seq, i in enumerate(decodes):
+            end = int(ends[i])
+            ids = tables.table[rows[i], : -(-end // bs)]
+            order = np.argsort(ids, kind="stable")
+            sorted_ids = ids[order]
+            steps = np.diff(sorted_ids)
+            if (steps == 0).any():  # a block twice: copy them all
+                rest_of.append(np.arange(ids.size))
+                continue
+            starts = np.concatenate(([0], np.flatnonzero(steps != 1) + 1))
+            sizes = np.diff(np.concatenate((starts, [ids.size])))
+            is_long = sizes >= self._min_range_blocks
+            for a, m in zip(starts[is_long].tolist(), sizes[is_long].tolist(), strict=True):
+                ranges.append((int(first[i]), int(sorted_ids[a]), m))
+                part_seq.append(seq)
+                range_visible.append((order[a:a + m, None] * bs + offsets).reshape(-1) < end)
+            short = np.repeat(~is_long, sizes)  # per sorted block
+            rest_of.append(np.sort(order[short]))
+        gathered: list[GatheredRows] = []
+        with_rest = [seq for seq, rest in enumerate(rest_of) if rest.size]
+        if with_rest:
+            lens = [int(rest_of[seq].size) * bs for seq in with_rest]
+            for members in group_by_length(lens, bs):
+                seqs = [with_rest[j] for j in members]
+                width = max(rest_of[seq].size for seq in seqs)
+                logical = np.full((len(seqs), width), -1, np.int64)
+                for r, seq in enumerate(seqs):
+                    logical[r, : rest_of[seq].size] = rest_of[seq]
+                seq_rows = rows[decodes[seqs]]
+                block_index = np.where(
+                    logical >= 0, tables.table[seq_rows[:, None], np.maximum(logical, 0)], 0
+                )
+                positions = (logical[:, :, None] * bs + offsets).reshape(len(seqs), -1)
+                visible = (logical.repeat(bs, axis=1) >= 0) & (positions < ends[decodes[seqs]][:, None])
+                gathered.append(
+                    GatheredRows(
+                        rows=self._tensor(np.asarray(seqs, np.int64)),
+                        row_tokens=self._tensor(first[decodes[seqs]]),
+                        block_index=self._tensor(block_index.reshape(-1)),
+                        visible=self._to_device(torch.from_numpy(visible)),
+                        width_blocks=width,
+                    )
+                )
+                part_seq.extend(seqs)
+        visible_all = np.concatenate(range_visible) if range_visible else np.zeros(0, np.bool_)
+        return PagedDecodes(
+            token_index=self._tensor(first[decodes]),
+            ranges=tuple(ranges),
+            range_visible=self._to_device(torch.from_numpy(visible_all)),
+            gathered=tuple(gathered),
+            part_seq=self._tensor(np.asarray(part_seq, np.int64)),
+            part_tokens=self._tensor(first[decodes[part_seq]]),
+            single_part=len(part_seq) == decodes.size,
+        )
+
     def _staging(self, num_tokens: int) -> npt.NDArray[np.int64]:
         if self._stage.shape[1] < num_tokens:
             capacity = max(num_tokens, 2 * self._stage.shape[1], 256)
@@ -214,6 +301,9 @@ class InputBuilder:
         return self._decode_kv[: num_blocks * self._per_block].view(2, num_blocks, *self._kv_shape)
 
 
+IN_PLACE_MIN_RANGE_TOKENS = 256
+"""`PagedDecodes`: a range of consecutive blocks at least this long (in tokens) is read in
+place (one SDPA call); shorter ones are copied with the sequence's other short ones."""
 IN_PLACE_MAX_RANGES = 4
 """Most ranges a lone decode is read in place from on CPU (one SDPA each, merged); more
 are copied. On other devices only one range: the merge uses a CPU kernel."""
@@ -284,4 +374,4 @@ def group_by_length(context_lens: list[int], block_size: int) -> list[list[int]]
     return groups[::-1]
 
 
-__all__ = ["GROUP_COST_TOKENS", "IN_PLACE_MAX_RANGES", "IN_PLACE_TOKENS_PER_RANGE", "InputBuilder", "SeqInput", "StepBatch", "group_by_length", "pool_runs"]
+__all__ = ["GROUP_COST_TOKENS", "IN_PLACE_MAX_RANGES", "IN_PLACE_MIN_RANGE_TOKENS", "IN_PLACE_TOKENS_PER_RANGE", "InputBuilder", "SeqInput", "StepBatch", "group_by_length", "pool_runs"]

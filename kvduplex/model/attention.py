@@ -11,21 +11,25 @@ sequences; each sequence contributes ``q_len`` new tokens at positions
    (``start_pos == 0``) uses its own K/V with a causal mask, a continued one
    (chunked prefill or a prefix-cache hit) gathers its context from the pool
    through its block table and uses an offset causal mask;
-3. decode sequences (``q_len == 1``) in groups of similar context length
-   (the runner picks them): per group, the blocks of its sequences, padded to
-   the group's longest context, are copied with one ``index_select`` per K and
-   V into a scratch buffer the runner owns (no allocation per layer), and one
-   batched SDPA runs with a length mask. A group of one sequence whose blocks
-   fill a few ranges of consecutive ids in the pool, in any order, skips the
-   copy (`PoolRuns`): attention is a sum over keys, so each range is read in
-   place as ``layer_pool[:, b:b+m]`` and masked by the position each of its
-   slots holds; one range is one SDPA (for an ascending run, the copy path's
-   output bit for bit), several are one SDPA each, merged by their
-   log-sum-exp. Or, when the runner enables it and the layer has no sliding
-   window, all decodes in one compiled FlexAttention call that reads the pool
-   in place (`flex_decode.py`).
+3. decode sequences (``q_len == 1``), by default all together as `PagedDecodes`:
+   each sequence's blocks that form long ranges of consecutive ids in the pool
+   (in any order) are read in place, ``layer_pool[:, b:b+m]``, masked by the
+   position each slot holds; its other blocks (a wrapped pool's fragments,
+   decode blocks interleaved with other sequences') are copied, with every
+   other sequence's, into a scratch buffer the runner owns, rows grouped by
+   length. Each range and each copied row is one SDPA that also returns its
+   log-sum-exp, and a sequence's partials merge by log-sum-exp (attention is a
+   sum over keys, however they are split). With the ``copy`` path instead
+   (models with sliding windows, or chosen), decodes go in groups of similar
+   context length (the runner picks them): per group, the blocks of its
+   sequences, padded to the group's longest context, are copied with one
+   ``index_select`` per K and V into the scratch buffer, and one batched SDPA
+   runs with a length mask; a group of one sequence whose blocks fill a few
+   ranges skips the copy (`PoolRuns`). Or, when the runner enables it and the
+   layer has no sliding window, all decodes in one compiled FlexAttention call
+   that reads the pool in place (`flex_decode.py`).
 
-Why groups: padding every decode to the longest context of the step, into a
+Why groups (copied rows): padding every decode to the longest context of the step, into a
 fresh tensor in every layer, cost more on CPU than the attention itself; one
 sequence at a time wastes nothing but issues many small ops, each a thread
 barrier. Masks depend only on the step, not the layer, so `AttentionContext`
@@ -51,6 +55,9 @@ import torch.nn.functional as F
 
 from kvduplex.model.flex_decode import FlexDecode
 from kvduplex.model.flex_decode import FlexDecodeBatch
+from kvduplex.model.paged_decode import PagedDecodes
+from kvduplex.model.paged_decode import additive_mask
+from kvduplex.model.paged_decode import paged_decode_attention
 
 
 @dataclass(frozen=True)
@@ -137,6 +144,9 @@ class AttentionContext:
     """In-place decode attention; with `flex_batch`, used instead of the groups."""
     flex_batch: FlexDecodeBatch | None = None
     """This step's decodes for `flex` (None: the decodes go through `decode_groups`)."""
+    paged: PagedDecodes | None = None
+    """This step's decodes read in place (layers without a sliding window only); None:
+    through `decode_groups` or `flex_batch`."""
     _masks: dict[tuple[str, int, int | None], torch.Tensor | None] = field(default_factory=dict)
     _ranges: dict[tuple[int, int | None], list[tuple[int, int, int]]] = field(default_factory=dict)
 
@@ -144,6 +154,8 @@ class AttentionContext:
     def num_decodes(self) -> int:
         if self.flex_batch is not None:
             return int(self.flex_batch.token_index.shape[0])
+        if self.paged is not None:
+            return self.paged.num_seqs
         return sum(group.num_seqs for group in self.decode_groups)
 
     def decode_mask(self, index: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
@@ -161,7 +173,7 @@ class AttentionContext:
             visible = kpos <= last
             if window is not None:
                 visible &= kpos > last - window
-            mask = _additive(visible, dtype)[:, None, None, :]
+            mask = additive_mask(visible, dtype)[:, None, None, :]
             self._masks[key] = mask
         return mask
 
@@ -199,14 +211,9 @@ class AttentionContext:
             if needs_window:
                 assert window is not None
                 visible &= kpos > qpos - window
-            mask = _additive(visible, dtype)
+            mask = additive_mask(visible, dtype)
         self._masks[key] = mask
         return mask
-
-
-def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    zeros = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
-    return zeros.masked_fill_(~visible, float("-inf"))
 
 
 def write_kv(
@@ -253,7 +260,10 @@ def paged_attention(
             qs[None], ks[None], vs[None], attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
         )  # (1, num_heads, q_len, head_dim)
         out[span.token_start:end] = o[0].transpose(0, 1)
-    if ctx.flex is not None and ctx.flex_batch is not None:
+    if ctx.paged is not None:
+        assert window is None, "paged decodes are built only for models without sliding windows"
+        paged_decode_attention(q, layer_pool, ctx.paged, ctx.decode_kv, scale, out)
+    elif ctx.flex is not None and ctx.flex_batch is not None:
         assert window is None, "in-place decode attention has no sliding window"
         ctx.flex.attend(q, layer_pool, ctx.flex_batch, scale, out)
     elif ctx.decode_groups:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvduplex.config import ModelLoadConfig
+from kvduplex.engine import runner_inputs
 from kvduplex.engine.kv_cache import KVCacheLayout
 from kvduplex.engine.kv_cache import allocate_kv_pool
 from kvduplex.engine.runner import GROUP_COST_TOKENS
@@ -239,4 +240,41 @@ def test_flex_decode_attention_is_token_exact_with_sdpa(tiny: LoadedModel) -> No
     assert tokens["flex"] == tokens["sdpa"]
     with pytest.raises(ValueError, match="decode_attention"):
         ModelRunner(tiny.model, tiny.config, allocate_kv_pool(layout), layout, tiny.device,
-                    decode_attention="paged")
+                    decode_attention="paged")  # not a path
+
+
+@pytest.mark.parametrize("min_range_tokens", [2 * BS, 256])
+def test_batched_decodes_in_place_pick_the_copy_paths_tokens(
+    tiny: LoadedModel, min_range_tokens: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``sdpa`` (every decode read in place where its blocks run, the rest copied) against
+    ``copy``: same tokens, close logits, over scattered tables of different lengths."""
+    monkeypatch.setattr(runner_inputs, "IN_PLACE_MIN_RANGE_TOKENS", min_range_tokens)
+    layout = kv_layout_for(tiny.config, BS, NUM_BLOCKS, tiny.dtype)
+    runners = {
+        name: ModelRunner(tiny.model, tiny.config, allocate_kv_pool(layout), layout, tiny.device,
+                          decode_attention=name)
+        for name in ("sdpa", "copy")
+    }  # fmt: skip
+    assert runners["sdpa"].decode_attention == "sdpa" and runners["copy"].decode_attention == "copy"
+    prompts = [_ids(13, 1), _ids(5, 2), _ids(9, 3)]
+    # a run, then blocks interleaved with the others' (as concurrent decodes allocate them)
+    tables = [[20, 21, 22, 23, 5, 8], [30, 2, 6, 9], [10, 11, 12, 7, 4, 13]]
+    logits: dict[str, list[torch.Tensor]] = {}
+    for name, r in runners.items():
+        r.execute([SeqInput(p, 0, t, False) for p, t in zip(prompts, tables, strict=True)])
+        cur, pos, out = [1, 2, 3], [len(p) for p in prompts], []
+        for step in range(8):
+            live = range(1) if step < 2 else range(3)  # a lone decode first, then three
+            seqs = [SeqInput([cur[i]], pos[i], tables[i], True) for i in live]
+            # one step with a prompt ahead of the decodes: their tokens are not at 0..n-1
+            extra = [SeqInput(_ids(6, 4), 0, [1, 3], True)] if step == 3 else []
+            step_logits = r.execute(extra + seqs)
+            picked = step_logits.argmax(-1).tolist()[len(extra):]
+            for j, i in enumerate(live):
+                cur[i], pos[i] = picked[j], pos[i] + 1
+            out.append(step_logits)
+        logits[name] = out
+    for got, want in zip(logits["sdpa"], logits["copy"], strict=True):
+        assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

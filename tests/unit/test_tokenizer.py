@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import random
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
+from kvduplex.engine.detokenizer import IncrementalDetokenizer
 from kvduplex.model.tokenizer import ByteTokenizer
 from kvduplex.model.tokenizer import HFTokenizer
 from kvduplex.model.tokenizer import IncrementalDecoder
@@ -177,3 +180,132 @@ def test_hf_tokenizer_template_refusal_is_a_value_error(tmp_path: Path) -> None:
 def test_hf_tokenizer_requires_tokenizer_json(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"tokenizer\.json"):
         HFTokenizer(tmp_path)
+
+
+# ---------------------------------------------------------------- engine detokenizer
+
+
+class FullDecodeDetokenizer:
+    """The detokenizer as it was: re-decode the whole output every step (the reference)."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...]) -> None:
+        self.tokenizer, self.stop = tokenizer, stop
+        self.text, self.num_released = "", 0
+        self.stopped_by: str | None = None
+        self.max_stop_len = max((len(s) for s in stop), default=0)
+
+    def update(self, output_ids: list[int], is_final: bool) -> str:
+        if self.stopped_by is not None:
+            return ""
+        prev_len = len(self.text)
+        self.text = self.tokenizer.decode(output_ids, skip_special_tokens=True)
+        if self.stop:
+            search_from = max(0, min(prev_len, self.num_released) - self.max_stop_len)
+            hits = [(p, s) for s in self.stop if (p := self.text.find(s, search_from)) != -1]
+            if hits:
+                pos, s = min(hits)
+                self.text, self.stopped_by, is_final = self.text[:pos], s, True
+        end = len(self.text)
+        if not is_final:
+            while end > self.num_released and self.text[end - 1] == "\ufffd":
+                end -= 1
+            end = max(self.num_released, end - max(0, self.max_stop_len - 1))
+        delta = self.text[self.num_released:end]
+        self.num_released = end
+        return delta
+
+
+MULTIBYTE = "aé✓€ 😀 日本語 ü\n"
+
+
+def random_output(rng: random.Random, tok: Tokenizer, length: int) -> list[int]:
+    """Whole multi-byte characters, stray bytes (invalid UTF-8), specials and unknown ids."""
+    ids: list[int] = []
+    while len(ids) < length:
+        r = rng.random()
+        if r < 0.6:
+            ids.extend(tok.encode(rng.choice(MULTIBYTE) * rng.randint(1, 2), add_special_tokens=False))
+        elif r < 0.75:
+            ids.append(rng.randrange(0x80, 0x100))  # a continuation or lead byte alone
+        elif r < 0.85:
+            ids.append(rng.randrange(tok.vocab_size))
+        elif r < 0.95:
+            ids.append(tok.vocab_size + rng.randrange(1000))  # rendered as one ASCII character
+        else:
+            ids.extend(tok.encode("<|im_end|>", add_special_tokens=False))
+    return ids[:length]
+
+
+def check_same_as_full_decode(tok: Tokenizer, ids: list[int], stop: tuple[str, ...], chunks: list[int]) -> str:
+    """Feed `ids` in `chunks` to both detokenizers; every step's delta must match."""
+    new, ref = IncrementalDetokenizer(tok, stop), FullDecodeDetokenizer(tok, stop)
+    out, n = [], 0
+    for i, size in enumerate(chunks):
+        n = min(len(ids), n + size)
+        final = i == len(chunks) - 1 or n == len(ids)
+        got, want = new.update(ids[:n], final), ref.update(ids[:n], final)
+        assert got == want, (i, n, ids[:n], stop)
+        assert new.stopped_by == ref.stopped_by
+        out.append(got)
+        if final or new.stopped_by is not None:
+            break
+    assert new.num_released == ref.num_released
+    return "".join(out)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_detokenizer_matches_full_decode_on_random_byte_outputs(seed: int) -> None:
+    rng = random.Random(seed)
+    tok = ByteTokenizer()
+    ids = random_output(rng, tok, rng.randint(1, 120))
+    full = tok.decode(ids)
+    stop: tuple[str, ...] = ()
+    if seed % 4 and len(full) > 3:  # stop strings cut from the text, multi-byte ones included
+        a = rng.randrange(len(full) - 2)
+        stop = (full[a:a + rng.randint(1, 3)], rng.choice(["✓€", "日本", "zz", "😀 "]))
+    chunks = [rng.choice([1, 1, 1, 2, 5]) for _ in range(len(ids))]
+    text = check_same_as_full_decode(tok, ids, stop, chunks)
+    if not stop:
+        assert text == full
+
+
+def test_detokenizer_releases_a_split_character_whole_and_stops_inside_multibyte_text() -> None:
+    tok = ByteTokenizer()
+    ids = tok.encode("x日本語y", add_special_tokens=False)  # 1 + 3 * 3 + 1 bytes
+    detok = IncrementalDetokenizer(tok)
+    deltas = [detok.update(ids[:n], is_final=False) for n in range(1, len(ids) + 1)]
+    assert deltas == ["x", "", "", "日", "", "", "本", "", "", "語", "y"]
+
+    detok = IncrementalDetokenizer(tok, stop=("本語",))
+    released = [detok.update(ids[:n], is_final=False) for n in range(1, len(ids) + 1)]
+    assert "".join(released) == "x日" and detok.stopped_by == "本語"
+    assert detok.update(ids, is_final=True) == ""
+
+
+def test_detokenizer_matches_full_decode_with_hf_byte_level_bpe(tmp_path: Path) -> None:
+    write_hf_tokenizer(tmp_path)
+    tok = HFTokenizer(tmp_path)
+    rng = random.Random(7)
+    for _ in range(10):
+        ids = tok.encode("the lazy dog ✓ hello wörld 日本 fox", add_special_tokens=False)
+        ids = [t if rng.random() < 0.8 else rng.randrange(tok.vocab_size + 10) for t in ids]
+        text = check_same_as_full_decode(tok, ids, (), [1] * len(ids))
+        assert text == tok.decode(ids)
+
+
+def test_detokenizer_decodes_a_bounded_window_per_step() -> None:
+    class Counting(ByteTokenizer):
+        def __init__(self) -> None:
+            super().__init__()
+            self.decoded = 0
+
+        def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+            self.decoded += len(ids)
+            return super().decode(ids, skip_special_tokens)
+
+    tok = Counting()
+    ids = tok.encode("é✓ab" * 500, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, stop=("never",))
+    for n in range(1, len(ids) + 1):
+        detok.update(ids[:n], is_final=False)
+    assert tok.decoded < 6 * len(ids)  # a full decode per step would be ~len(ids)**2 / 2

@@ -1,0 +1,232 @@
+"""Decode under load: decode attention copying each sequence's blocks against reading the
+pool in place, side by side in one engine (not a test).
+
+For each context C, the largest concurrency's requests (C random token ids each, seeded,
+greedy, ``ignore_eos``) are prefilled in one engine; then, for each concurrency B from
+the largest down (requests beyond B aborted in between), whole engine steps (schedule,
+forward, sample, detokenise) alternate between the decode attention paths in blocks::
+
+    warm-up copy, warm-up sdpa, copy x block, sdpa x block, copy x block, ...
+
+Same engine, weights, requests and pool for both paths: only `ModelRunner.set_decode_attention`
+differs (``copy``: blocks copied into a scratch buffer per group, the path before;
+``sdpa``: every decode read in place where its blocks form long ranges). The context grows
+by one token a step for both alike. Decode tok/s = B / step time.
+
+    .venv/bin/python benchmarks/bench_decode_load.py                          # small, 1k/2k/4k
+    .venv/bin/python benchmarks/bench_decode_load.py --contexts 2048 --concurrency 8 4 1
+
+Writes results/bench_decode_load[-<tag>].json and .md. The JSON holds every step's time, the
+machine's load from other processes during each cell (``/proc/stat`` minus this process)
+and how many ranges of consecutive blocks each sequence's table formed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+PATHS = ("copy", "sdpa")
+
+
+class ForeignLoad:
+    """Share of the machine's CPUs busy with processes other than this one, between marks."""
+
+    def __init__(self) -> None:
+        self._mark = self._read()
+
+    @staticmethod
+    def _read() -> tuple[float, float, float]:
+        with open("/proc/stat") as f:
+            fields = [float(x) for x in f.readline().split()[1:]]
+        busy = sum(fields) - fields[3] - fields[4]  # all but idle and iowait
+        own = sum(os.times()[:2]) * os.sysconf("SC_CLK_TCK")
+        return time.monotonic(), busy, own
+
+    def take(self) -> float:
+        """Foreign busy CPUs (0 = none, 1 = one whole core) since the last call."""
+        now = self._read()
+        (t0, busy0, own0), (t1, busy1, own1) = self._mark, now
+        self._mark = now
+        ticks = os.sysconf("SC_CLK_TCK") * max(t1 - t0, 1e-9)
+        return max(0.0, (busy1 - busy0) - (own1 - own0)) / ticks
+
+
+def make_engine(preset: str, seed: int, threads: int, max_seqs: int, kv_mb: int) -> Any:
+    from kvduplex.config import CacheConfig
+    from kvduplex.config import EngineConfig
+    from kvduplex.config import ModelLoadConfig
+    from kvduplex.config import SchedulerConfig
+    from kvduplex.engine.engine import LLMEngine
+
+    cfg = EngineConfig(
+        model=ModelLoadConfig(model=preset, seed=seed, dtype="float32", device="cpu", num_threads=threads),
+        cache=CacheConfig(block_size=16, kv_cache_mb=kv_mb),
+        scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=2048),
+    )
+    return LLMEngine(cfg)
+
+
+def table_ranges(engine: Any) -> list[int]:
+    """Ranges of consecutive block ids each running request's table forms."""
+    import numpy as np
+
+    from kvduplex.engine.runner_inputs import pool_runs
+
+    counts = []
+    for req in engine.scheduler._running:
+        ids = np.asarray(req.block_ids, dtype=np.int64)
+        runs = pool_runs(ids, 16, ids.size + 1)
+        counts.append(len(runs[0]) if runs else -1)
+    return counts
+
+
+def timed_steps(engine: Any, path: str, num: int) -> list[float]:
+    engine.runner.set_decode_attention(path)
+    times = []
+    for _ in range(num):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def run_context(engine: Any, context: int, levels: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
+    from kvduplex.engine.request import Request
+    from kvduplex.engine.sampling import SamplingParams
+
+    rng = random.Random(args.seed + context)
+    vocab = engine.loaded.config.vocab_size
+    steps_per_level = 2 * args.warmup + 2 * args.reps * args.block
+    # the first requests decode while the later ones still prefill (chunks of 2,048 tokens)
+    prefill_steps = -(-max(levels) * context // 2048) + 1
+    max_tokens = len(levels) * (steps_per_level + 1) + prefill_steps + 8
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    rids = [f"c{context}-{i}" for i in range(max(levels))]
+    for rid in rids:
+        engine.add_request(Request(rid, [rng.randrange(3, vocab) for _ in range(context)], params))
+    t0 = time.perf_counter()
+    while engine.scheduler.num_waiting or any(
+        r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler._running
+    ):
+        engine.step()
+    prefill_s = time.perf_counter() - t0
+    cells = []
+    for level in sorted(levels, reverse=True):
+        for rid in rids[level:]:
+            engine.abort_request(rid)
+        rids = rids[:level]
+        engine.step()  # the aborts' outputs
+        assert len(engine.scheduler._running) == level, "every request must still decode"
+        for path in PATHS:
+            timed_steps(engine, path, args.warmup)
+        load = ForeignLoad()
+        times: dict[str, list[list[float]]] = {p: [] for p in PATHS}
+        for _ in range(args.reps):
+            for path in PATHS:
+                times[path].append(timed_steps(engine, path, args.block))
+        if len(engine.scheduler._running) != level:
+            raise RuntimeError(f"context {context} x {level}: a request finished while timed")
+        flat = {p: [t for block in times[p] for t in block] for p in PATHS}
+        block_ratios = [
+            statistics.median(c) / statistics.median(s)
+            for c, s in zip(times["copy"], times["sdpa"], strict=True)
+        ]
+        cell = {
+            "context": context,
+            "concurrency": level,
+            "prefill_s": prefill_s,
+            "step_ms": times,
+            "p50_ms": {p: statistics.median(flat[p]) for p in PATHS},
+            "decode_tok_s": {p: level * 1e3 / statistics.median(flat[p]) for p in PATHS},
+            "ratio_copy_over_sdpa": statistics.median(flat["copy"]) / statistics.median(flat["sdpa"]),
+            "block_ratios": block_ratios,
+            "foreign_load_cpus": load.take(),
+            "ranges_per_table": table_ranges(engine),
+        }
+        print(
+            f"context {context} x {level}: copy {cell['p50_ms']['copy']:.1f} ms, "
+            f"sdpa {cell['p50_ms']['sdpa']:.1f} ms, copy/sdpa {cell['ratio_copy_over_sdpa']:.2f} "
+            f"(blocks {min(block_ratios):.2f}-{max(block_ratios):.2f}), "
+            f"foreign load {cell['foreign_load_cpus']:.2f} cpus",
+            flush=True,
+        )
+        cells.append(cell)
+    for rid in rids:
+        engine.abort_request(rid)
+    engine.step()
+    return cells
+
+
+def table(cells: list[dict[str, Any]]) -> str:
+    from benchmarks.common import md_table
+
+    rows = []
+    for c in cells:
+        ranges = c["ranges_per_table"]
+        rows.append([
+            c["context"], c["concurrency"],
+            f"{c['p50_ms']['copy']:.1f}", f"{c['p50_ms']['sdpa']:.1f}",
+            f"{c['decode_tok_s']['copy']:.1f}", f"{c['decode_tok_s']['sdpa']:.1f}",
+            f"**{c['ratio_copy_over_sdpa']:.2f}**",
+            f"{min(c['block_ratios']):.2f}-{max(c['block_ratios']):.2f}",
+            f"{statistics.median(ranges):.0f}" if ranges else "-",
+            f"{c['foreign_load_cpus']:.2f}",
+        ])  # fmt: skip
+    header = ["context", "decodes", "step p50 ms copy", "step p50 ms sdpa", "decode tok/s copy",
+              "decode tok/s sdpa", "copy / sdpa", "per-block ratios", "ranges per table",
+              "foreign load (cpus)"]  # fmt: skip
+    return md_table(header, rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[16, 8, 4, 1])
+    ap.add_argument("--reps", type=int, default=3, help="blocks of each path per cell")
+    ap.add_argument("--block", type=int, default=4, help="steps per block")
+    ap.add_argument("--warmup", type=int, default=2, help="steps of each path before timing a cell")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--cpus", default="0")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args()
+
+    import torch
+
+    from benchmarks.common import pin
+    from benchmarks.common import write_results
+    from kvduplex.model.presets import preset_config
+
+    pinned = pin({int(c) for c in args.cpus.split(",")}, args.threads)
+    torch.manual_seed(args.seed)
+    cfg = preset_config(args.preset)
+    per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
+    steps = len(args.concurrency) * (2 * args.warmup + 2 * args.reps * args.block) + 32
+    kv_mb = max(args.concurrency) * (max(args.contexts) + steps) * per_token // 2**20 + 64
+    engine = make_engine(args.preset, args.seed, args.threads, max(args.concurrency), kv_mb)
+    engine.warmup()
+    cells = []
+    for context in args.contexts:
+        cells += run_context(engine, context, args.concurrency, args)
+    text = (
+        f"`{args.preset}` float32, whole engine steps, {pinned}; {args.reps} blocks of "
+        f"{args.block} steps per path and cell, interleaved copy/sdpa, after {args.warmup} "
+        f"warm-up steps of each; KV pool {kv_mb} MiB\n\n" + table(cells)
+    )
+    name = "bench_decode_load" + (f"-{args.tag}" if args.tag else "")
+    write_results(name, {"args": vars(args), "pinned": pinned, "kv_mb": kv_mb, "cells": cells}, text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
