@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from kvduplex.server.cluster import LocalCluster
+from tests.integration.conftest import metric
 from tests.integration.faults import DEADLINE_S
 from tests.integration.faults import P_FLAGS
 from tests.integration.faults import REQUEST_BOUND_S
@@ -121,10 +122,13 @@ def test_the_router_routes_around_a_wedged_prefill_then_takes_it_back(
     wait_router_sees(rig.url, rig.p.url, "prefill", healthy=False)
     d_before = stats(rig.d.url, PUSH_STATS)
     bytes_before = write_bytes(rig.p.url)
+    decode_only = metric(rig.url, "kvduplex_router_requests_total", mode="decode")
     v = Victim(rig.url, body(prompt_ids(200, next(salts)), 6)).start()
     assert v.done.wait(REQUEST_BOUND_S)
     assert v.outcome(reference_tokens(rig.reference, v.body)) is Outcome.COMPLETED, v.error
-    assert v.elapsed_s < DEADLINE_S, "the request waited for the wedged P"
+    # The router sent it to D alone (no push for D to wait on): it never waited for P.
+    assert metric(rig.url, "kvduplex_router_requests_total", mode="decode") == decode_only + 1
+    assert stats(rig.d.url, PUSH_STATS)["num_fallbacks"] == d_before["num_fallbacks"]
     assert write_bytes(rig.p.url) == bytes_before  # D computed it; P was never asked
     assert stats(rig.d.url, PUSH_STATS)["num_received"] == d_before["num_received"]
 
