@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -20,16 +19,9 @@ from kvduplex.transport.protocol import TransferHandle
 from kvduplex.transport.protocol import TransferOp
 from kvduplex.transport.protocol import TransferState
 from tests.transfer.test_fake import Pair
+from tests.transfer.test_fake import pair as pair  # the fixture
 
 pytestmark = pytest.mark.timeout(30)
-
-
-@pytest.fixture
-def pair() -> Iterator[Pair]:
-    pr = Pair()
-    yield pr
-    pr.p.close()
-    pr.d.close()
 
 
 def _wait_final(h: TransferHandle) -> None:

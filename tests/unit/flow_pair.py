@@ -16,6 +16,7 @@ from kvduplex.engine.async_engine import AsyncEngine
 from kvduplex.engine.engine import LLMEngine
 from kvduplex.engine.request import RemoteKVSpec
 from kvduplex.engine.request import Request
+from kvduplex.engine.request import RequestStatus
 from kvduplex.engine.sampling import SamplingParams
 from kvduplex.kvflow.connectors import FlowTiming
 from kvduplex.kvflow.connectors import decode_flows
@@ -23,9 +24,11 @@ from kvduplex.kvflow.connectors import prefill_flows
 from kvduplex.kvflow.push_decode import PushSpec
 from kvduplex.model.loader import LoadedModel
 from kvduplex.model.loader import load_model
+from kvduplex.transport.base import Post
 from kvduplex.transport.fake import InProcessFabric
 from kvduplex.transport.fake import InProcessTransport
 from kvduplex.transport.notify import NotificationPump
+from kvduplex.transport.protocol import TransferOp
 
 BS = 4
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -64,6 +67,33 @@ def _wait_for(cond: Callable[[], bool], what: str, timeout_s: float = 10.0) -> N
     while not cond():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.005)
+
+
+def landing_problems(engine: AsyncEngine, post: Post) -> list[str]:
+    """Where a late transfer is about to land on ``engine``'s pool (its target blocks),
+    what is wrong: a block free, in the prefix cache, or owned by a request other than
+    one still waiting for remote KV (the one that registered it). Empty: reserved."""
+    nb = engine.core.layout.num_blocks
+    idx = post.remote if post.handle.op is TransferOp.WRITE else post.local
+    blocks = {int(i) % nb for i in idx}
+    xid = post.handle.xid
+
+    def check(e: LLMEngine) -> list[str]:
+        problems = []
+        for b in sorted(blocks):
+            if e.block_pool.ref_count(b) < 1:
+                problems.append(f"{xid}: block {b} is free")
+            if e.block_pool.key_of(b) is not None:
+                problems.append(f"{xid}: block {b} is in the prefix cache")
+        sched = e.scheduler
+        for req in [*sched._requests.values(), *sched._held.values()]:
+            if req.status is not RequestStatus.WAITING_FOR_REMOTE_KV and (
+                shared := blocks & set(req.block_ids)
+            ):
+                problems.append(f"{xid}: blocks {sorted(shared)} belong to {req.request_id}")
+        return problems
+
+    return engine.call(check).result(10)
 
 
 class Pair:

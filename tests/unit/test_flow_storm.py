@@ -20,11 +20,8 @@ from dataclasses import field
 
 import pytest
 
-from kvduplex.engine.async_engine import AsyncEngine
-from kvduplex.engine.engine import LLMEngine
 from kvduplex.engine.request import RemoteKVSpec
 from kvduplex.engine.request import Request
-from kvduplex.engine.request import RequestStatus
 from kvduplex.engine.sampling import SamplingParams
 from kvduplex.kvflow.pull import PullSpec
 from kvduplex.kvflow.pull import block_ids_of
@@ -32,14 +29,13 @@ from kvduplex.kvflow.push_decode import PushSpec
 from kvduplex.kvflow.return_pull import RetainSpec
 from kvduplex.kvflow.returns import ReturnSpec
 from kvduplex.model.loader import LoadedModel
-from kvduplex.transport.base import Post
-from kvduplex.transport.fake import InProcessTransport
 from kvduplex.transport.fake import NotifChaos
 from kvduplex.transport.protocol import TransferOp
 from tests.unit.flow_pair import FIRST
 from tests.unit.flow_pair import Pair
 from tests.unit.flow_pair import _engine
 from tests.unit.flow_pair import _wait_for
+from tests.unit.flow_pair import landing_problems
 from tests.unit.flow_pair import tiny as tiny  # the module-scoped model fixture
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -89,42 +85,18 @@ class Reference:
         return self._memo[key]
 
 
-def _check_landing(poster: InProcessTransport, target: AsyncEngine, post: Post, tally: Tally) -> None:
-    """Runs just before a late transfer lands: its target blocks must be reserved."""
-    nb = target.core.layout.num_blocks
-    idx = post.remote if post.handle.op is TransferOp.WRITE else post.local
-    blocks = {int(i) % nb for i in idx}
-
-    def check(e: LLMEngine) -> list[str]:
-        problems = []
-        for b in sorted(blocks):
-            if e.block_pool.ref_count(b) < 1:
-                problems.append(f"{post.handle.xid}: block {b} is free")
-            if e.block_pool.key_of(b) is not None:
-                problems.append(f"{post.handle.xid}: block {b} is in the prefix cache")
-        sched = e.scheduler
-        for req in [*sched._requests.values(), *sched._held.values()]:
-            if req.status is RequestStatus.WAITING_FOR_REMOTE_KV:
-                continue
-            if shared := blocks & set(req.block_ids):
-                problems.append(f"{post.handle.xid}: blocks {sorted(shared)} belong to {req.request_id}")
-        return problems
-
-    tally.violations += target.call(check).result(10)
-
-
 class Storm:
     def __init__(self, tiny: LoadedModel, seed: int) -> None:
         self.s = s = Pair(tiny, wait_s=0.6, transfer_timeout_s=0.3, quarantine_s=1.0)
         self.rng = random.Random(seed)
         self.ref = Reference(tiny)
         self.tally = Tally()
-        s.tp.late_check = lambda post: _check_landing(
-            s.tp, s.ad if post.handle.op is TransferOp.WRITE else s.ap, post, self.tally
-        )
-        s.td.late_check = lambda post: _check_landing(
-            s.td, s.ap if post.handle.op is TransferOp.WRITE else s.ad, post, self.tally
-        )
+        s.tp.late_check = lambda post: self.tally.violations.extend(landing_problems(
+            s.ad if post.handle.op is TransferOp.WRITE else s.ap, post
+        ))  # fmt: skip
+        s.td.late_check = lambda post: self.tally.violations.extend(landing_problems(
+            s.ap if post.handle.op is TransferOp.WRITE else s.ad, post
+        ))  # fmt: skip
         for i, ep in enumerate((s.tp, s.td)):
             ep.chaos = NotifChaos(seed * 10 + i, p_drop=0.03, p_dup=0.03, p_reorder=0.03)
         # Pull: decode's release of prefill's lease ends the held request on P.

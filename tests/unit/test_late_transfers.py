@@ -9,7 +9,6 @@ import asyncio
 import time
 
 from kvduplex.engine.async_engine import AsyncEngine
-from kvduplex.engine.engine import LLMEngine
 from kvduplex.engine.sampling import SamplingParams
 from kvduplex.kvflow.messages import KVFailed
 from kvduplex.model.loader import LoadedModel
@@ -19,30 +18,13 @@ from tests.unit.flow_pair import PROMPT
 from tests.unit.flow_pair import Pair
 from tests.unit.flow_pair import _reference
 from tests.unit.flow_pair import _wait_for
+from tests.unit.flow_pair import landing_problems
 from tests.unit.flow_pair import tiny as tiny  # the module-scoped model fixture
 from tests.unit.test_pull_connector import Setup as PullSetup
 
 
-def _target_blocks(post: Post, engine: LLMEngine, read: bool) -> set[int]:
-    nb = engine.layout.num_blocks
-    idx = post.local if read else post.remote
-    return {int(i) % nb for i in idx}
-
-
-def _assert_reserved(engine: AsyncEngine, blocks: set[int]) -> None:
-    """The blocks a late transfer lands in: still referenced, in no live request's
-    table beyond the one that registered them, and not in the prefix cache."""
-
-    def check(e: LLMEngine) -> list[str]:
-        problems = []
-        for b in sorted(blocks):
-            if e.block_pool.ref_count(b) < 1:
-                problems.append(f"block {b} is free")
-            if e.block_pool.key_of(b) is not None:
-                problems.append(f"block {b} is in the prefix cache")
-        return problems
-
-    assert engine.call(check).result(5) == []
+def _assert_reserved(engine: AsyncEngine, post: Post) -> None:
+    assert landing_problems(engine, post) == []
 
 
 def test_a_push_write_that_lands_after_its_deadline_is_waited_for(tiny: LoadedModel) -> None:
@@ -61,7 +43,7 @@ def test_a_push_write_that_lands_after_its_deadline_is_waited_for(tiny: LoadedMo
             assert s.sender.num_jobs() == 1, "P keeps the job until the WRITE settles"
             assert s.in_use(s.ap) > 0, "P keeps the WRITE's source blocks"
             landed = s.tp.land_late(
-                lambda post: _assert_reserved(s.ad, _target_blocks(post, s.d, read=False))
+                lambda post: _assert_reserved(s.ad, post)
             )
             assert landed == 1
             await p
@@ -87,7 +69,7 @@ def test_a_write_landing_after_decode_gave_up_finds_its_blocks_quarantined(
             await asyncio.to_thread(_wait_for, lambda: s.tp.num_late() == 1, "the late WRITE")
             assert s.df.receiver.is_waiting("xq"), "registered blocks quarantined"
             landed = s.tp.land_late(
-                lambda post: _assert_reserved(s.ad, _target_blocks(post, s.d, read=False))
+                lambda post: _assert_reserved(s.ad, post)
             )
             assert landed == 1
             await p
@@ -133,7 +115,7 @@ def test_a_pull_read_that_lands_after_its_deadline_never_reaches_the_answer(
         assert out == _reference(tiny, PROMPT)
         assert s.td.num_late() == 1
         assert s.td.land_late(
-            lambda post: _assert_reserved(s.ad, _target_blocks(post, s.d, read=True))
+            lambda post: _assert_reserved(s.ad, post)
         ) == 1
         _wait_for(lambda: s.ad.call(lambda e: e.block_pool.stats().num_in_use).result(5) == 0,
                   "D's pool to empty")  # fmt: skip
