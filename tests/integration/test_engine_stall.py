@@ -64,8 +64,12 @@ def rig(cluster: LocalCluster, reference: str, stall_file: Path) -> Iterator[Rig
 
 
 @pytest.fixture
-def wedge(stall_file: Path) -> Iterator[Path]:
-    """Removed after the test, whatever happened (P must not stay wedged)."""
+def wedge(rig: Rig, stall_file: Path) -> Iterator[Path]:
+    """P as the router sees it, healthy, before the test; removed after it, whatever
+    happened (P must not stay wedged). Without the wait, a test could start while the
+    router still remembers the last test's wedge: its wait for "unhealthy" would pass at
+    once, and the router's next probe could find P healthy before the new wedge bites."""
+    wait_router_sees(rig.url, rig.p.url, "prefill", healthy=True)
     yield stall_file
     stall_file.unlink(missing_ok=True)
 
