@@ -133,6 +133,7 @@ class LLMEngine:
         self.connector: KVConnector = KVConnector()
         self._generators = RequestGenerators()
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._test_script: tuple[int, ...] | None = None  # see `script_output_for_tests`
         self._num_emitted: dict[str, int] = {}
         self._aborted: list[RequestOutput] = []  # final outputs of aborts, not yet returned
         self._finished: list[Request] = []  # final output made, not reported to the connector
@@ -278,7 +279,22 @@ class LLMEngine:
             for req, p in zip(sampling, params, strict=True)
         ]
         tokens = sample(logits, params, gens)
+        if self._test_script is not None:
+            tokens = [self._scripted_token(r, t) for r, t in zip(sampling, tokens, strict=True)]
         return {req.request_id: tok for req, tok in zip(sampling, tokens, strict=True)}
+
+    def script_output_for_tests(self, text: str) -> None:
+        """Tests only (``KVDUPLEX_TEST_SCRIPTED_OUTPUT``): every request's output position i
+        takes token i of `text` (then end of sequence) in place of the sampled one, so that
+        a test knows what the model writes; all else (stop checks, detokenizing, the
+        transfer of a first token) runs as in service."""
+        script = self.loaded.tokenizer.encode(text, add_special_tokens=False)
+        self._test_script = (*script, self.eos_token_ids[0])
+
+    def _scripted_token(self, req: Request, sampled: int) -> int:
+        assert self._test_script is not None
+        i = req.num_output_tokens
+        return self._test_script[i] if i < len(self._test_script) else sampled
 
     def _make_output(self, req: Request) -> RequestOutput | None:
         rid = req.request_id

@@ -31,6 +31,7 @@ from dataclasses import field
 from typing import Any
 from typing import Protocol
 
+from kvduplex.config import ParsingConfig
 from kvduplex.openai.protocol import ChatCompletionRequest
 from kvduplex.openai.reasoning import ThinkParser
 from kvduplex.openai.reasoning import starts_in_reasoning
@@ -53,19 +54,11 @@ AUTO_TOOL_CHOICE_ERROR = (
 )
 
 
-class ParsingFlags(Protocol):
-    """`kvduplex.config.ParsingConfig`, as this module reads it."""
-
-    tool_call_parser: str
-    reasoning_parser: str
-    enable_auto_tool_choice: bool
-
-
 class Decoder(Protocol):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
 
-def check_tool_choice(request: ChatCompletionRequest, flags: ParsingFlags) -> None:
+def check_tool_choice(request: ChatCompletionRequest, flags: ParsingConfig) -> None:
     """ValueError (a 400) for ``tool_choice: auto`` where calls cannot be parsed."""
     if request.tool_choice == "auto" and not (
         flags.enable_auto_tool_choice and flags.tool_call_parser
@@ -73,7 +66,7 @@ def check_tool_choice(request: ChatCompletionRequest, flags: ParsingFlags) -> No
         raise ValueError(AUTO_TOOL_CHOICE_ERROR)
 
 
-def parses_tool_calls(request: ChatCompletionRequest, flags: ParsingFlags) -> bool:
+def parses_tool_calls(request: ChatCompletionRequest, flags: ParsingConfig) -> bool:
     return bool(
         flags.enable_auto_tool_choice and flags.tool_call_parser and request.tools
         and request.tool_choice in (None, "auto")
@@ -87,7 +80,7 @@ def prompt_tail(tokenizer: Decoder, prompt_ids: Sequence[int]) -> str:
 
 def output_parser(
     request: ChatCompletionRequest,
-    flags: ParsingFlags,
+    flags: ParsingConfig,
     tail: str,
     new_id: IdFactory = new_tool_call_id,
 ) -> ChatOutputParser | None:
@@ -124,6 +117,12 @@ class DeltaMessage:
         if self.tool_calls:
             out["tool_calls"] = [c.to_json() for c in self.tool_calls]
         return out
+
+    def extend(self, other: DeltaMessage) -> None:
+        """`other` (what came next) added to this delta."""
+        self.content += other.content
+        self.reasoning_content += other.reasoning_content
+        self.add_calls(other.tool_calls)
 
     def add_calls(self, calls: list[ToolCallDelta]) -> None:
         """Append `calls`, folding a call's fragments into its entry of this delta."""
@@ -169,6 +168,18 @@ class ChatOutputParser:
         """What `text` (the answer's next text) makes final."""
         reasoning, content = self._think.feed(text) if self._think else ("", text)
         return self._delta(reasoning, content, is_final=False)
+
+    def step(
+        self, text: str, finish_reason: str | None, is_final: bool
+    ) -> tuple[DeltaMessage, str | None]:
+        """One step of a stream: what `text` makes final and, on the last step
+        (`is_final`), what was held back, with the answer's finish reason."""
+        delta = self.feed(text)
+        if not is_final:
+            return delta, finish_reason
+        last, finish_reason = self.finish(finish_reason)
+        delta.extend(last)
+        return delta, finish_reason
 
     def finish(self, finish_reason: str | None) -> tuple[DeltaMessage, str | None]:
         """What was still held back, and the answer's finish reason (see the module

@@ -82,7 +82,10 @@ class ThinkParser:
             end = self._buf.find(THINK_END)
             if end < 0:
                 keep = held_suffix(self._buf, THINK_END)
-                reasoning, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep :]
+                reasoning, self._buf = (
+                    self._buf[: len(self._buf) - keep],
+                    self._buf[len(self._buf) - keep :],
+                )
                 return reasoning, ""
             reasoning, self._buf = self._buf[:end], self._buf[end + len(THINK_END) :]
             self._phase = _Phase.CONTENT

@@ -67,11 +67,13 @@ def completion_body(
     finish_reason: str | None,
     usage_: dict[str, Any],
     prompt_token_ids: list[int],
+    message: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A whole (non-streamed) answer."""
+    """A whole (non-streamed) answer; a chat answer's `message` when it was parsed
+    (`chat_output.ParsedMessage`), else the text as its content."""
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
     if head.is_chat:
-        choice["message"] = {"role": "assistant", "content": text}
+        choice["message"] = message or {"role": "assistant", "content": text}
     else:
         choice["text"] = text
     if head.return_token_ids:
@@ -86,15 +88,20 @@ def completion_body(
 
 
 def stream_choice(
-    head: ResponseHead, text: str, token_ids: list[int], finish_reason: str | None, is_first: bool
+    head: ResponseHead,
+    text: str,
+    token_ids: list[int],
+    finish_reason: str | None,
+    is_first: bool,
+    delta: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The choice of one stream chunk: new text (and ids), the finish reason once finished."""
+    """The choice of one stream chunk: new text (and ids), the finish reason once finished;
+    a chat chunk's `delta` when the answer is parsed (`chat_output.DeltaMessage`), else
+    the text as its content."""
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
     if head.is_chat:
-        delta: dict[str, Any] = (
-            {"role": "assistant", "content": text} if is_first else {"content": text}
-        )
-        choice["delta"] = delta
+        fields = {"content": text} if delta is None else delta
+        choice["delta"] = {"role": "assistant", **fields} if is_first else fields
     else:
         choice["text"] = text
     if head.return_token_ids:

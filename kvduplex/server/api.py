@@ -44,12 +44,18 @@ from starlette.types import Receive
 from starlette.types import Scope
 from starlette.types import Send
 
+from kvduplex.config import ParsingConfig
 from kvduplex.engine.async_engine import AsyncEngine
 from kvduplex.engine.async_engine import EngineDeadError
 from kvduplex.engine.engine import RequestOutput
 from kvduplex.engine.engine import RequestRejected
 from kvduplex.engine.request import Request as EngineRequest
 from kvduplex.openai import render
+from kvduplex.openai.chat_output import RAW_OUTPUT_HEADER
+from kvduplex.openai.chat_output import ChatOutputParser
+from kvduplex.openai.chat_output import check_tool_choice
+from kvduplex.openai.chat_output import output_parser
+from kvduplex.openai.chat_output import prompt_tail
 from kvduplex.openai.errors import REQUEST_ID_HEADER
 from kvduplex.openai.errors import APIError
 from kvduplex.openai.errors import install_error_handlers
@@ -77,6 +83,9 @@ class Generation:
     mark_first_token: bool = False
     """A streamed answer's first chunk with tokens names their ids in
     `render.FIRST_TOKEN_IDS_FIELD` (the router asks, to splice in prefill's token)."""
+    parser: ChatOutputParser | None = None
+    """A chat answer's tool-call and reasoning parser (`kvduplex.openai.chat_output`);
+    None: the text is the content."""
 
 
 @dataclass
@@ -93,6 +102,8 @@ class InstanceState:
     """The KV transport's engine id (prefill and decode instances): new at every start,
     reported by /health so that the router can name it to the instance's peers."""
     created: int = field(default_factory=lambda: int(time.time()))
+    parsing: ParsingConfig = field(default_factory=ParsingConfig)
+    """Tool-call and reasoning parsing of chat answers (``--tool-call-parser`` ...)."""
 
     @property
     def tokenizer(self) -> Any:
@@ -170,6 +181,7 @@ def create_app(state: InstanceState, extra_routers: Sequence[APIRouter] = ()) ->
         if max_tokens is None:
             max_tokens = max(1, state.max_model_len - len(ids))
         gen = _make_generation(state, raw, body, ids, max_tokens, "chatcmpl")
+        gen.parser = _chat_parser(state, raw, body, ids)
         return await _serve(state, raw, gen, chat=True)
 
     for router in extra_routers:
@@ -224,6 +236,20 @@ def _prompt_ids(state: InstanceState, body: OpenAIRequest) -> list[int]:
         return prompt_token_ids(body, state.tokenizer)
     except PromptError as exc:
         raise APIError(400, exc.message, param=exc.param) from None
+
+
+def _chat_parser(
+    state: InstanceState, raw: Request, body: ChatCompletionRequest, ids: list[int]
+) -> ChatOutputParser | None:
+    """The answer's parser, by this instance's flags; none when the caller (a router, which
+    parses by its own flags) asks for raw text (`RAW_OUTPUT_HEADER`)."""
+    if raw.headers.get(RAW_OUTPUT_HEADER):
+        return None
+    try:
+        check_tool_choice(body, state.parsing)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="tool_choice") from None
+    return output_parser(body, state.parsing, prompt_tail(state.tokenizer, ids))
 
 
 def _check_model(state: InstanceState, model: str | None) -> None:
@@ -345,9 +371,13 @@ def _usage(last: RequestOutput) -> dict[str, Any]:
 def _final_body(
     state: InstanceState, gen: Generation, text: str, ids: list[int], last: RequestOutput, chat: bool
 ) -> dict[str, Any]:
+    reason, message = last.finish_reason, None
+    if gen.parser is not None:
+        parsed = gen.parser.parse(text, reason)
+        reason, message = parsed.finish_reason, parsed.to_json()
     body = render.completion_body(
-        _head(state, gen, chat), text, ids, last.finish_reason, _usage(last),
-        gen.request.prompt_token_ids,
+        _head(state, gen, chat), text, ids, reason, _usage(last),
+        gen.request.prompt_token_ids, message,
     )
     body.update(gen.extra)
     return body
@@ -367,8 +397,15 @@ async def _sse(
     try:
         async for out in outputs:
             last = out
+            reason, delta = out.finish_reason, None
+            if gen.parser is not None:
+                parsed, reason = gen.parser.step(out.new_text, reason, out.finished)
+                has_ids = head.return_token_ids or (to_mark and bool(out.new_token_ids))
+                if parsed.is_empty() and reason is None and not has_ids:
+                    continue  # all held back (e.g. a tag not complete yet)
+                delta = parsed.to_json()
             choice = render.stream_choice(
-                head, out.new_text, out.new_token_ids, out.finish_reason, is_first=first
+                head, out.new_text, out.new_token_ids, reason, is_first=first, delta=delta
             )
             chunk = render.stream_chunk(head, choice)
             if to_mark and out.new_token_ids:

@@ -17,6 +17,7 @@ from kvduplex.config import CacheConfig
 from kvduplex.config import EngineConfig
 from kvduplex.config import Environment
 from kvduplex.config import ModelLoadConfig
+from kvduplex.config import ParsingConfig
 from kvduplex.config import ReturnMode
 from kvduplex.config import RouterConfig
 from kvduplex.config import SchedulerConfig
@@ -54,14 +55,19 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
 def _cmd_serve(args: argparse.Namespace) -> None:
     from kvduplex.server.instance import serve
 
-    serve(_engine_config(args), dataclass_from_args(ServerConfig, args), Environment.read())
+    parsing = dataclass_from_args(ParsingConfig, args)
+    server = dataclass_from_args(ServerConfig, args, parsing=parsing)
+    serve(_engine_config(args), server, Environment.read())
 
 
 def _cmd_router(args: argparse.Namespace) -> None:
     from kvduplex.server.router.app import serve_router
 
     prefill, decode = tuple(args.prefill), tuple(args.decode)
-    serve_router(dataclass_from_args(RouterConfig, args, prefill=prefill, decode=decode))
+    parsing = dataclass_from_args(ParsingConfig, args)
+    serve_router(
+        dataclass_from_args(RouterConfig, args, prefill=prefill, decode=decode, parsing=parsing)
+    )
 
 
 def _cmd_up(args: argparse.Namespace) -> None:
@@ -162,12 +168,14 @@ def build_parser(bench_workload: str = "serving") -> argparse.ArgumentParser:
     for section in _ENGINE_SECTIONS:
         add_dataclass_flags(serve, section)
     add_dataclass_flags(serve, ServerConfig)
+    add_dataclass_flags(serve, ParsingConfig)
     serve.set_defaults(func=_cmd_serve)
 
     router = sub.add_parser("router", help="route OpenAI requests to prefill and decode instances")
     router.add_argument("--prefill", nargs="*", default=[], help="prefill instance URLs")
     router.add_argument("--decode", nargs="+", required=True, help="decode instance URLs")
     add_dataclass_flags(router, RouterConfig)
+    add_dataclass_flags(router, ParsingConfig)
     router.set_defaults(func=_cmd_router)
 
     up = sub.add_parser(

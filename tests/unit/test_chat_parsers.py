@@ -20,10 +20,10 @@ from kvduplex.openai.chat_output import output_parser
 from kvduplex.openai.protocol import ChatCompletionRequest
 from kvduplex.openai.reasoning import ThinkParser
 from kvduplex.openai.reasoning import starts_in_reasoning
-from kvduplex.openai.tool_parsers import HermesToolParser
-from kvduplex.openai.tool_parsers import Llama3JsonToolParser
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+]
 
 
 def _ids() -> itertools.count[int]:
@@ -36,7 +36,9 @@ def _request(**fields: object) -> ChatCompletionRequest:
     )
 
 
-def _parser(tool: str = "", reasoning: str = "", tail: str = "", **fields: object) -> ChatOutputParser:
+def _parser(
+    tool: str = "", reasoning: str = "", tail: str = "", **fields: object
+) -> ChatOutputParser:
     flags = ParsingConfig(tool, reasoning, enable_auto_tool_choice=bool(tool))
     counter = _ids()
     parser = output_parser(_request(**fields), flags, tail, new_id=lambda: f"call_{next(counter)}")
@@ -56,7 +58,11 @@ class Streamed:
 
     def message(self, has_reasoning_parser: bool) -> dict:
         calls = [
-            {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["args"]}}
+            {
+                "id": c["id"],
+                "type": "function",
+                "function": {"name": c["name"], "arguments": c["args"]},
+            }
             for _, c in sorted((self.calls or {}).items())
         ]
         out: dict = {"role": "assistant", "content": self.content or None}
@@ -163,7 +169,9 @@ def test_hermes_partial_markup_is_never_streamed_as_content() -> None:
              "function": {"name": "f", "arguments": '{"a'}},
         ]
     }  # fmt: skip
-    assert parser.feed('": 1}').to_json() == {"tool_calls": [{"index": 0, "function": {"arguments": '": 1'}}]}
+    assert parser.feed('": 1}').to_json() == {
+        "tool_calls": [{"index": 0, "function": {"arguments": '": 1'}}]
+    }
     assert parser.feed("}\n</tool_call>").to_json() == {
         "tool_calls": [{"index": 0, "function": {"arguments": "}"}}]
     }
@@ -203,7 +211,10 @@ def test_hermes_call_cut_by_max_tokens_keeps_its_text() -> None:
 def test_llama3_json_calls_separated_by_semicolons() -> None:
     a = {"name": "get_weather", "parameters": {"city": "Rome; Italy"}}
     b = {"name": "clock", "parameters": {}}
-    for text in (json.dumps(a) + "; " + json.dumps(b), "<|python_tag|>" + json.dumps(a) + ";" + json.dumps(b)):
+    for text in (
+        json.dumps(a) + "; " + json.dumps(b),
+        "<|python_tag|>" + json.dumps(a) + ";" + json.dumps(b),
+    ):
         msg = check_consistent(lambda: _parser("llama3_json"), text)
         assert msg.content is None and msg.finish_reason == "tool_calls"
         assert [c.name for c in msg.tool_calls] == ["get_weather", "clock"]
@@ -231,25 +242,47 @@ def test_llama3_json_text_after_the_calls_is_content() -> None:
 @pytest.mark.parametrize(
     ("parser", "tail", "text", "reasoning", "content"),
     [
-        ("deepseek_r1", "<|im_start|>assistant\n", "<think>\nhmm\n</think>\n\nYes.", "\nhmm\n", "\n\nYes."),
+        (
+            "deepseek_r1",
+            "<|im_start|>assistant\n",
+            "<think>\nhmm\n</think>\n\nYes.",
+            "\nhmm\n",
+            "\n\nYes.",
+        ),
         ("deepseek_r1", "<|im_start|>assistant\n", "hmm</think>Yes.", "hmm", "Yes."),
-        ("deepseek_r1", "assistant\n<think>\n", "hmm, </thin the tag</think>Yes.", "hmm, </thin the tag", "Yes."),
+        (
+            "deepseek_r1",
+            "assistant\n<think>\n",
+            "hmm, </thin the tag</think>Yes.",
+            "hmm, </thin the tag",
+            "Yes.",
+        ),
         ("qwen3", "assistant\n<think>\n", "hmm</think>Yes.", "hmm", "Yes."),
         ("qwen3", "assistant\n", "<think>hmm</think>Yes.", "hmm", "Yes."),
         ("qwen3", "assistant\n", "Yes, no thinking. </think>", None, "Yes, no thinking. </think>"),
-        ("qwen3", "assistant\n<think>\n\n</think>\n\n", "<think>x</think>", None, "<think>x</think>"),
+        (
+            "qwen3",
+            "assistant\n<think>\n\n</think>\n\n",
+            "<think>x</think>",
+            None,
+            "<think>x</think>",
+        ),
         ("deepseek_r1", "assistant\n", "cut short by max_tok", "cut short by max_tok", None),
         ("qwen3", "assistant\n", "<thin", None, "<thin"),
     ],
 )
-def test_reasoning_split(parser: str, tail: str, text: str, reasoning: str | None, content: str | None) -> None:
+def test_reasoning_split(
+    parser: str, tail: str, text: str, reasoning: str | None, content: str | None
+) -> None:
     msg = check_consistent(lambda: _parser(reasoning=parser, tail=tail), text)
     assert (msg.reasoning_content, msg.content) == (reasoning, content)
     assert msg.to_json()["reasoning_content"] == reasoning
 
 
 def test_reasoning_then_tool_calls() -> None:
-    text = "<think>\nThe user wants weather.\n</think>\n\nChecking." + _call("get_weather", {"city": "Lima"})
+    text = "<think>\nThe user wants weather.\n</think>\n\nChecking." + _call(
+        "get_weather", {"city": "Lima"}
+    )
     msg = check_consistent(lambda: _parser("hermes", "qwen3", tail="assistant\n"), text)
     assert msg.reasoning_content == "\nThe user wants weather.\n"
     assert msg.content == "\n\nChecking." and msg.finish_reason == "tool_calls"
@@ -259,7 +292,11 @@ def test_reasoning_then_tool_calls() -> None:
 def test_tool_call_markup_inside_reasoning_is_reasoning() -> None:
     text = "<think>maybe " + _call("f", {}) + "</think>ok"
     msg = check_consistent(lambda: _parser("hermes", "deepseek_r1"), text)
-    assert msg.tool_calls == [] and msg.content == "ok" and "<tool_call>" in (msg.reasoning_content or "")
+    assert (
+        msg.tool_calls == []
+        and msg.content == "ok"
+        and "<tool_call>" in (msg.reasoning_content or "")
+    )
 
 
 def test_think_parser_streams_reasoning_as_it_comes() -> None:

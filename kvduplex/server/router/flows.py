@@ -46,11 +46,15 @@ from fastapi.responses import Response
 
 from kvduplex.config import ReturnMode
 from kvduplex.openai import render
+from kvduplex.openai.chat_output import RAW_OUTPUT_HEADER
+from kvduplex.openai.chat_output import ChatOutputParser
 from kvduplex.openai.errors import REQUEST_ID_HEADER
 from kvduplex.openai.protocol import OpenAIRequest
 from kvduplex.openai.protocol import error_body
 from kvduplex.server.router.calls import InstanceDown
 from kvduplex.server.router.calls import until_unhealthy
+from kvduplex.server.router.parsing import parse_body
+from kvduplex.server.router.parsing import parse_stream
 from kvduplex.server.router.policy import Backend
 from kvduplex.server.router.policy import Outcome
 from kvduplex.server.router.policy import Route
@@ -78,6 +82,9 @@ class Forward:
     ids: list[int]
     """The prompt's token ids, as the instances compute them."""
     route: Route
+    parser: ChatOutputParser | None = None
+    """A chat answer's tool-call and reasoning parser, by the router's flags (decode is
+    asked for raw text: see `parsing.py`); None: relayed as it is."""
 
     @property
     def is_chat(self) -> bool:
@@ -180,6 +187,8 @@ async def _open_decode(
     if not d.is_healthy:
         state.policy.decode_done(fwd.route, Outcome.REFUSED)
         raise DecodeUnreachable(d.url, InstanceDown(d.url))
+    if fwd.is_chat:  # the router parses chat answers (`parsing.py`), never decode
+        headers = {**headers, RAW_OUTPUT_HEADER: "1"}
     try:
         return await until_unhealthy(
             d,
@@ -206,6 +215,9 @@ def _relay_decode(
         parts = count_answer(
             parts, bool(fwd.request.stream), lambda k: sessions.note_answer(sid, n, k)
         )
+    if fwd.parser is not None and upstream.status_code == 200:
+        parse = parse_stream if fwd.request.stream else parse_body
+        parts = parse(parts, fwd.parser)
 
     def close(failed: bool) -> None:
         if failed:
