@@ -316,7 +316,8 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[ChatTool] | None = None
-    """Shown to the model through its chat template; calls are not parsed from the answer."""
+    """Shown to the model through its chat template; calls are parsed from the answer with
+    a tool-call parser and tool_choice auto (`chat_output.py`)."""
     tool_choice: str | dict[str, Any] | None = None
     """auto or none; forcing a call (required, a named function) is not supported."""
     parallel_tool_calls: bool | None = None
@@ -334,8 +335,8 @@ class ChatCompletionRequest(_SamplingFields):
     def _check_tool_choice(cls, v: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
         if v is not None and v not in ("auto", "none"):
             raise ValueError(
-                f"tool_choice {v!r} is not supported: tool calls are not parsed from the "
-                "answer, so none can be forced; send 'auto' or 'none'"
+                f"tool_choice {v!r} is not supported: no call can be forced; send 'auto' "
+                "or 'none'"
             )
         return v
 

@@ -146,7 +146,7 @@ def test_agentic_chat_with_tools_matches_colocated(dep: Deployment, mode: str) -
     (which prefills by its ids) and on the instance."""
     chat = _body("", max_tokens=6)
     del chat["prompt"]
-    chat.update(messages=AGENT_CHAT, tools=TOOLS, tool_choice="auto")
+    chat.update(messages=AGENT_CHAT, tools=TOOLS, tool_choice="none")  # no parser here
     path = "/v1/chat/completions"
     routed_ids, routed_text, _ = stream(dep.routers[mode], path, chat)
     ref_ids, ref_text, _ = stream(dep.reference, path, chat)
