@@ -192,7 +192,7 @@ def _call_of_json(text: str) -> tuple[str, str] | None:
     """(name, arguments' JSON text) of a complete call object in any key order, or None."""
     try:
         obj = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # the model's text: anything, nested however deep
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
@@ -336,7 +336,7 @@ class Llama3JsonToolParser:
                 self._call = _CallObject(self.num_calls, self._new_id)
             try:
                 _, end = self._decoder.raw_decode(self._buf)
-            except ValueError:  # not complete yet (or never will be: see `finish`)
+            except (ValueError, RecursionError):  # not complete (or never: see `finish`)
                 out.calls += self._call.update(self._buf)
                 return out
             self._close(self._buf[:end], out)

@@ -11,6 +11,9 @@ import sys
 from dataclasses import dataclass
 
 import pytest
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
 
 from kvduplex.config import ParsingConfig
 from kvduplex.openai.chat_output import ChatOutputParser
@@ -197,6 +200,14 @@ def test_hermes_block_without_a_call_is_content(text: str) -> None:
     assert msg.tool_calls == [] and msg.content == text.strip()
 
 
+@pytest.mark.parametrize("tool", ["hermes", "llama3_json"])
+def test_deeply_nested_output_is_content_not_a_crash(tool: str) -> None:
+    deep = "[" * 50_000
+    text = f'<tool_call>{{"arguments": {deep}</tool_call>' if tool == "hermes" else "{" + deep
+    msg = _parser(tool).parse(text, "stop")
+    assert msg.tool_calls == [] and msg.content == text
+
+
 def test_hermes_call_cut_by_max_tokens_keeps_its_text() -> None:
     text = '<tool_call>\n{"name": "f", "arguments": {"path": "/tm'
     msg = check_consistent(lambda: _parser("hermes"), text)
@@ -339,3 +350,33 @@ def test_parsers_do_not_import_torch() -> None:
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --------------------------------------------------------------------------- any text
+
+FRAGMENTS = [
+    "<tool_call>", "</tool_call>", "<tool_", "<think>", "</think>", "</th", "<|python_tag|>",
+    '{"name": "f", "arguments": ', '{"name": "g", "parameters": ', '{"arguments": {}, "name": "h"}',
+    "{", "}", "}}", '"a"', ": ", ", ", "[1, 2]", '"x}y"', "\\", '"\\"', ";", " ", "\n", "ok", "<",
+]  # fmt: skip
+
+
+@given(
+    parts=st.lists(st.sampled_from(FRAGMENTS), max_size=14),
+    tool=st.sampled_from(["", "hermes", "llama3_json"]),
+    reasoning=st.sampled_from(["", "deepseek_r1", "qwen3"]),
+    seed=st.integers(0, 2**16),
+)
+@settings(max_examples=300, deadline=None, derandomize=True)
+def test_any_text_streams_to_its_whole_result(
+    parts: list[str], tool: str, reasoning: str, seed: int
+) -> None:
+    """Whatever the model writes, a stream cut anywhere adds up to the whole answer's
+    message, and nothing raises."""
+    if not tool and not reasoning:
+        tool = "hermes"
+    text = "".join(parts)
+    whole = _parser(tool, reasoning).parse(text, "stop")
+    got = stream(_parser(tool, reasoning), cuts(text, random.Random(seed)))
+    assert got.message(whole.has_reasoning_parser) == whole.to_json()
+    assert got.finish_reason == whole.finish_reason
