@@ -52,22 +52,40 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    """``kvduplex serve``'s server flags, its parsing flags included."""
+    return dataclass_from_args(ServerConfig, args, parsing=dataclass_from_args(ParsingConfig, args))
+
+
+def router_config(args: argparse.Namespace) -> RouterConfig:
+    """``kvduplex router``'s flags."""
+    prefill, decode = tuple(args.prefill), tuple(args.decode)
+    parsing = dataclass_from_args(ParsingConfig, args)
+    return dataclass_from_args(RouterConfig, args, prefill=prefill, decode=decode, parsing=parsing)
+
+
+def parsing_flags(parsing: ParsingConfig) -> list[str]:
+    """`parsing` as the flags of a child ``serve`` or ``router``."""
+    out: list[str] = []
+    if parsing.tool_call_parser:
+        out += ["--tool-call-parser", parsing.tool_call_parser]
+    if parsing.reasoning_parser:
+        out += ["--reasoning-parser", parsing.reasoning_parser]
+    if parsing.enable_auto_tool_choice:
+        out.append("--enable-auto-tool-choice")
+    return out
+
+
 def _cmd_serve(args: argparse.Namespace) -> None:
     from kvduplex.server.instance import serve
 
-    parsing = dataclass_from_args(ParsingConfig, args)
-    server = dataclass_from_args(ServerConfig, args, parsing=parsing)
-    serve(_engine_config(args), server, Environment.read())
+    serve(_engine_config(args), server_config(args), Environment.read())
 
 
 def _cmd_router(args: argparse.Namespace) -> None:
     from kvduplex.server.router.app import serve_router
 
-    prefill, decode = tuple(args.prefill), tuple(args.decode)
-    parsing = dataclass_from_args(ParsingConfig, args)
-    serve_router(
-        dataclass_from_args(RouterConfig, args, prefill=prefill, decode=decode, parsing=parsing)
-    )
+    serve_router(router_config(args))
 
 
 def _cmd_up(args: argparse.Namespace) -> None:
@@ -86,8 +104,9 @@ def _cmd_up(args: argparse.Namespace) -> None:
             serve_args += ["--dtype", args.dtype]
         front_port = args.port or free_port()
         instances: dict[str, str] = {}
+        parsing = parsing_flags(dataclass_from_args(ParsingConfig, args))
         if args.mode == "colocated":
-            proc = cluster.start("instance", [*serve_args, "--role", "both"], front_port)
+            proc = cluster.start("instance", [*serve_args, "--role", "both", *parsing], front_port)
             front = proc.url
         else:
             p = cluster.start("prefill", [*serve_args, "--role", "prefill"], free_port())
@@ -100,6 +119,7 @@ def _cmd_up(args: argparse.Namespace) -> None:
             router_args = ["router", "--mode", args.mode, "--model", args.model]
             router_args += ["--prefill", instances["prefill"], "--decode", instances["decode"]]
             router_args += flags_of(RouterConfig, args, skip=_UP_ROUTER_SKIP)
+            router_args += parsing  # the router parses routed answers
             front = cluster.start("router", router_args, front_port).url
             return_mode = ReturnMode(args.return_mode)
             name = args.mode if return_mode is ReturnMode.NONE else f"{args.mode}+{return_mode.value}"
@@ -198,6 +218,7 @@ def build_parser(bench_workload: str = "serving") -> argparse.ArgumentParser:
     up.add_argument("--log-dir", default="", help="where process logs go (default: a temp dir)")
     up.add_argument("--log-level", default="warning")
     add_dataclass_flags(up, RouterConfig, skip=_UP_ROUTER_SKIP)
+    add_dataclass_flags(up, ParsingConfig)
     up.set_defaults(func=_cmd_up)
 
     bench = sub.add_parser(

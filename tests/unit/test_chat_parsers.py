@@ -23,6 +23,11 @@ from kvduplex.openai.chat_output import output_parser
 from kvduplex.openai.protocol import ChatCompletionRequest
 from kvduplex.openai.reasoning import ThinkParser
 from kvduplex.openai.reasoning import starts_in_reasoning
+from kvduplex.server.cli import build_parser
+from kvduplex.server.cli import parsing_flags
+from kvduplex.server.cli import router_config
+from kvduplex.server.cli import server_config
+from kvduplex.server.flags import dataclass_from_args
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
@@ -342,6 +347,26 @@ def test_parsing_config_names_what_to_change() -> None:
         ParsingConfig(reasoning_parser="r2")
     with pytest.raises(ValueError, match="needs --tool-call-parser"):
         ParsingConfig(enable_auto_tool_choice=True)
+
+
+def test_serve_and_router_take_vllm_flag_names() -> None:
+    flags = [
+        "--tool-call-parser",
+        "hermes",
+        "--reasoning-parser",
+        "qwen3",
+        "--enable-auto-tool-choice",
+    ]
+    serve = server_config(build_parser().parse_args(["serve", *flags]))
+    assert serve.parsing == ParsingConfig("hermes", "qwen3", enable_auto_tool_choice=True)
+    router = router_config(build_parser().parse_args(["router", "--decode", "http://d", *flags]))
+    assert router.parsing == serve.parsing
+    assert server_config(build_parser().parse_args(["serve"])).parsing == ParsingConfig()
+    with pytest.raises(ValueError, match="needs --tool-call-parser"):
+        server_config(build_parser().parse_args(["serve", "--enable-auto-tool-choice"]))
+    # `kvduplex up` hands them on to the router (or the colocated instance) it starts.
+    up = build_parser().parse_args(["up", *flags])
+    assert parsing_flags(dataclass_from_args(ParsingConfig, up)) == flags
 
 
 def test_parsers_do_not_import_torch() -> None:
