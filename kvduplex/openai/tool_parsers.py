@@ -31,6 +31,7 @@ called tools has none: ``None``); whitespace waits for the next text to say.
 
 from __future__ import annotations
 
+import enum
 import json
 import re
 import uuid
@@ -291,6 +292,16 @@ class HermesToolParser:
         self.num_calls += 1
 
 
+class _Stage(enum.Enum):
+    """Where a ``llama3_json`` answer is."""
+
+    DECIDING = "deciding"
+    """Its start has not shown yet whether it is calls or content."""
+    CALLS = "calls"
+    CONTENT = "content"
+    """The rest of the answer is content."""
+
+
 class Llama3JsonToolParser:
     """An answer of ``[<|python_tag|>]{call}; {call}...``, or plain content."""
 
@@ -300,8 +311,7 @@ class Llama3JsonToolParser:
         self.num_calls = 0
         self._new_id = new_id
         self._buf = ""
-        self._deciding = True  # the answer's start has not shown what it is yet
-        self._is_content = False  # the rest of the answer is content
+        self._stage = _Stage.DECIDING
         self._call: _CallObject | None = None
         self._decoder = json.JSONDecoder()
         self._content = _ContentSink()
@@ -309,18 +319,18 @@ class Llama3JsonToolParser:
     def feed(self, text: str) -> Parsed:
         self._buf += text
         out = Parsed()
-        if self._deciding:
+        if self._stage is _Stage.DECIDING:
             head = self._buf.lstrip()
             if not head or (self.PYTHON_TAG.startswith(head) and head != self.PYTHON_TAG):
                 return out
-            self._deciding = False
+            self._stage = _Stage.CALLS
             if head.startswith(self.PYTHON_TAG):
                 self._buf = head[len(self.PYTHON_TAG) :]
             elif head.startswith("{"):
                 self._buf = head
             else:
-                self._is_content = True
-        while not self._is_content:
+                self._stage = _Stage.CONTENT
+        while self._stage is _Stage.CALLS:
             if self._call is None:
                 rest = self._buf.lstrip()
                 if rest.startswith(";") and self.num_calls > 0:
@@ -330,7 +340,7 @@ class Llama3JsonToolParser:
                     return out
                 if not rest.startswith("{"):  # what follows the calls is content
                     self._buf = rest
-                    self._is_content = True
+                    self._stage = _Stage.CONTENT
                     break
                 self._buf = rest
                 self._call = _CallObject(self.num_calls, self._new_id)
@@ -361,7 +371,7 @@ class Llama3JsonToolParser:
         self._call = None
         if deltas is None:  # JSON, but no call: it and the rest of the answer are content
             out.content += self._content.push(text)
-            self._is_content = True
+            self._stage = _Stage.CONTENT
             return
         out.calls += deltas
         self.num_calls += 1

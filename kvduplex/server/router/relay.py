@@ -14,6 +14,9 @@ relay then closes D's response, which ends its read), the client's stream
 ends as vLLM ends a stream that fails: one error event, ``data: {"error":
 {"message", "type": "server_error", "code": "decode_failed"}}``, then
 ``data: [DONE]``. Tokens already sent stay sent; none is sent twice.
+
+A chat answer's tool calls and reasoning are parsed after the splice, over the
+whole answer in order (`parsing.py` says why there and not at decode).
 """
 
 from __future__ import annotations
