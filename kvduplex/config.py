@@ -285,7 +285,7 @@ class RouterConfig:
     most this many tokens goes to decode alone, which prefills it over its cached history
     (0: off). With ``return_mode`` push, decode then returns the turn to prefill. Off by
     default: in the agentic benchmark (six sessions decoding, 40-160-token appends) decode's
-    prefill raised TTFT 1.36x and TPOT 1.06x over prefill's (README); it pays where the
+    prefill raised TTFT 1.36x and TPOT 1.06x over prefill's (docs/benchmarks.md); it pays where the
     prefill instances are the bottleneck."""
     max_body_mb: int = 8
     """Largest request body accepted, in MiB (larger: HTTP 413, before it is parsed). A

@@ -153,7 +153,7 @@ class CostModel:
 
 
 COSTS: Mapping[str, CostModel] = MappingProxyType({
-    # From the serving benchmark's runs (README): small prefills ~3.6-4.0 ms/token and
+    # From the serving benchmark's runs (docs/benchmarks.md): small prefills ~3.6-4.0 ms/token and
     # decodes at 65-85 ms/token with 1-3 streams; kv-heavy ~3.9-6 ms and 70-180 ms.
     "small": CostModel(prefill_s_per_token=0.004, decode_s_per_token=0.10, start_s=90.0),
     "kv-heavy": CostModel(prefill_s_per_token=0.005, decode_s_per_token=0.12, start_s=90.0),
