@@ -49,6 +49,7 @@ from kvduplex.engine.async_engine import EngineDeadError
 from kvduplex.engine.engine import RequestOutput
 from kvduplex.engine.engine import RequestRejected
 from kvduplex.engine.request import Request as EngineRequest
+from kvduplex.engine.sampler import TokenLogprobs
 from kvduplex.openai import render
 from kvduplex.openai.errors import REQUEST_ID_HEADER
 from kvduplex.openai.errors import APIError
@@ -77,6 +78,8 @@ class Generation:
     mark_first_token: bool = False
     """A streamed answer's first chunk with tokens names their ids in
     `render.FIRST_TOKEN_IDS_FIELD` (the router asks, to splice in prefill's token)."""
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    """A whole answer's logprobs as they are gathered (when the request asks for them)."""
 
 
 @dataclass
@@ -295,6 +298,7 @@ async def _collect(
         async for out in outputs:
             text.append(out.new_text)
             ids.extend(out.new_token_ids)
+            gen.logprobs.extend(out.new_logprobs or ())
             last = out
         return "".join(text), ids, last
 
@@ -342,13 +346,28 @@ def _usage(last: RequestOutput) -> dict[str, Any]:
     return out
 
 
+def _logprobs(
+    state: InstanceState,
+    gen: Generation,
+    entries: list[TokenLogprobs | None],
+    chat: bool,
+    text_offset: int,
+) -> dict[str, Any] | None:
+    """``choice.logprobs`` for `entries` in the endpoint's shape; None unless asked for."""
+    if gen.request.sampling_params.logprobs is None:
+        return None
+    if chat:
+        return render.chat_logprobs(state.tokenizer, entries)
+    return render.completion_logprobs(state.tokenizer, entries, text_offset)
+
+
 def _final_body(
     state: InstanceState, gen: Generation, text: str, ids: list[int], last: RequestOutput, chat: bool
 ) -> dict[str, Any]:
     body = render.completion_body(
         _head(state, gen, chat), text, ids, last.finish_reason, _usage(last),
-        gen.request.prompt_token_ids,
-    )
+        gen.request.prompt_token_ids, _logprobs(state, gen, gen.logprobs, chat, 0),
+    )  # fmt: skip
     body.update(gen.extra)
     return body
 
@@ -364,12 +383,17 @@ async def _sse(
     first = True
     to_mark = gen.mark_first_token
     last: RequestOutput | None = None
+    text_offset = 0  # of the text sent so far (completions' logprobs count from it)
     try:
         async for out in outputs:
             last = out
+            logprobs = _logprobs(state, gen, out.new_logprobs or [], chat, text_offset)
+            if logprobs is not None and not chat:
+                text_offset += sum(len(t) for t in logprobs["tokens"])
             choice = render.stream_choice(
-                head, out.new_text, out.new_token_ids, out.finish_reason, is_first=first
-            )
+                head, out.new_text, out.new_token_ids, out.finish_reason, is_first=first,
+                logprobs=logprobs,
+            )  # fmt: skip
             chunk = render.stream_chunk(head, choice)
             if to_mark and out.new_token_ids:
                 chunk[render.FIRST_TOKEN_IDS_FIELD] = list(out.new_token_ids)
