@@ -113,6 +113,8 @@ class PenaltyCounts:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
         self._counts: dict[str, _Counts] = {}
+        self._no_prompt_mask = torch.zeros(vocab_size, dtype=torch.bool)
+        """The prompt mask of a request without a repetition penalty (read only)."""
 
     def penalties(self, requests: Sequence[TokenHistory]) -> Penalties | None:
         """The penalties of a batch whose rows are `requests` (None if no row has any)."""
@@ -124,9 +126,7 @@ class PenaltyCounts:
             entry = self._update(requests[i])
             counts.append(entry.output_counts)
             masks.append(
-                entry.prompt_mask
-                if entry.prompt_mask is not None
-                else torch.zeros(self.vocab_size, dtype=torch.bool)
+                entry.prompt_mask if entry.prompt_mask is not None else self._no_prompt_mask
             )
         params = [requests[i].sampling_params for i in rows]
         return Penalties(
