@@ -139,8 +139,10 @@ class LLMEngine:
         self.connector: KVConnector = KVConnector()
         self._generators = RequestGenerators()
         self._penalties = PenaltyCounts(model_cfg.vocab_size)
+        self._penalised: set[str] = set()
+        """Live requests with penalties (none: a step skips them at no cost)."""
         self._logprobs: dict[str, dict[int, TokenLogprobs]] = {}
-        """Per request asking for logprobs: by output position, those computed here."""
+        """Per live request asking for logprobs: by output position, those computed here."""
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._num_emitted: dict[str, int] = {}
         self._aborted: list[RequestOutput] = []  # final outputs of aborts, not yet returned
@@ -177,6 +179,10 @@ class LLMEngine:
         if not params.extra_eos_token_ids:
             req.sampling_params = params = _with_eos(params, self.eos_token_ids)
         self.scheduler.add_request(req)
+        if params.has_penalties:
+            self._penalised.add(request_id)
+        if params.logprobs is not None:
+            self._logprobs[request_id] = {}
         self._detok[request_id] = IncrementalDetokenizer(self.loaded.tokenizer, params.stop)
         self._num_emitted[request_id] = 0
         return req
@@ -286,9 +292,9 @@ class LLMEngine:
             None if p.is_greedy else self._generators.get(req.request_id, p)
             for req, p in zip(sampling, params, strict=True)
         ]
-        penalties = self._penalties.penalties(sampling)
+        penalties = self._penalties.penalties(sampling) if self._penalised else None
         tokens = sample(logits, params, gens, penalties)
-        if any(p.logprobs is not None for p in params):
+        if self._logprobs:
             self._note_logprobs(logits, sampling, tokens)
         return {req.request_id: tok for req, tok in zip(sampling, tokens, strict=True)}
 
@@ -301,7 +307,9 @@ class LLMEngine:
         """Logprobs of the tokens the requests asking for them take at this step (a first
         token sampled elsewhere, `Request.forced_first_token`, replaces the one drawn
         here), kept by the output position the token will have."""
-        rows = [j for j, req in enumerate(sampling) if req.sampling_params.logprobs is not None]
+        rows = [j for j, req in enumerate(sampling) if req.request_id in self._logprobs]
+        if not rows:
+            return
         chosen, positions = [], []
         for j in rows:
             req, position = sampling[j], sampling[j].num_output_tokens
@@ -311,7 +319,7 @@ class LLMEngine:
         num_top = [sampling[j].sampling_params.logprobs or 0 for j in rows]
         computed = compute_logprobs(logits[rows], chosen, num_top)
         for j, position, lp in zip(rows, positions, computed, strict=True):
-            self._logprobs.setdefault(sampling[j].request_id, {})[position] = lp
+            self._logprobs[sampling[j].request_id][position] = lp
 
     def _make_output(self, req: Request) -> RequestOutput | None:
         rid = req.request_id
@@ -369,6 +377,7 @@ class LLMEngine:
         self._num_emitted.pop(request_id, None)
         self._generators.drop(request_id)
         self._penalties.drop(request_id)
+        self._penalised.discard(request_id)
         self._logprobs.pop(request_id, None)
 
     # ------------------------------------------------------------------- stats

@@ -12,7 +12,7 @@ alternatives, most likely first) and `completion_logprobs` (``tokens``,
 ``token_logprobs``, ``top_logprobs``: per token a map of the k most likely
 alternatives and the token itself, as vLLM's, ``text_offset``). They describe
 the model's raw distribution (see `kvduplex.engine.sampling`). A token's text is
-its own decoding; JSON has no -inf, so a logprob below `LOGPROB_FLOOR` is that.
+its own decoding; JSON has no -inf, so a logprob of -inf is `LOGPROB_FLOOR`.
 """
 
 from __future__ import annotations

@@ -93,7 +93,9 @@ def test_penalties_change_a_greedy_answer_as_the_reference_does(
     assert penalised != plain
     assert penalised == reference_greedy(ref, PROMPT, p)
     assert_no_leak(engine)
-    assert len(engine._penalties) == 0, "a finished request kept its counts"
+    assert len(engine._penalties) == 0 and not engine._penalised, (
+        "a finished request kept its counts"
+    )
 
 
 def test_penalised_requests_batched_with_others_give_their_tokens_alone(
@@ -158,4 +160,4 @@ def test_logprobs_are_the_models_raw_log_softmax(
 
 def test_greedy_requests_without_penalties_keep_no_sampling_state(engine: LLMEngine) -> None:
     run(engine, random_prompts(4, seed=13), greedy())
-    assert len(engine._penalties) == 0 and not engine._logprobs
+    assert len(engine._penalties) == 0 and not engine._logprobs and not engine._penalised
