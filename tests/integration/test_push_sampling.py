@@ -92,10 +92,7 @@ def test_repetition_penalty_reaches_the_first_token(dep: Deployment, mode: str) 
     assert _ids(dep.routers[mode], body) == want
     routed, _, _ = stream(dep.routers[mode], "/v1/completions", body)
     assert routed == want
-    if mode == "push":
-        after = _push_stats(dep.decode)
-        assert after["num_received"] == before["num_received"] + 2
-        assert after["num_fallbacks"] == before["num_fallbacks"]
+    _check_pushed(dep, mode, before, 2)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -108,9 +105,20 @@ def test_decode_counts_prefills_first_token(dep: Deployment, mode: str, penalty:
     body = _body("hello hello", **{penalty: 2.0})
     want = _ids(dep.reference, body)
     assert want[0] == plain[0] and want[1] != plain[0], want
+    before = _push_stats(dep.decode)
     assert _ids(dep.routers[mode], body) == want
     routed, _, _ = stream(dep.routers[mode], "/v1/completions", body)
     assert routed == want
+    _check_pushed(dep, mode, before, 2)
+
+
+def _check_pushed(dep: Deployment, mode: str, before: dict, num: int) -> None:
+    """In push mode, `num` more prompts reached decode by push, none fell back."""
+    if mode != "push":
+        return
+    after = _push_stats(dep.decode)
+    assert after["num_received"] == before["num_received"] + num
+    assert after["num_fallbacks"] == before["num_fallbacks"]
 
 
 SEEDED = [
@@ -128,12 +136,14 @@ SEEDED = [
 
 @pytest.mark.parametrize("mode", MODES)
 def test_seeded_penalised_requests_match_colocated(dep: Deployment, mode: str) -> None:
+    before = _push_stats(dep.decode)
     for i, extra in enumerate(SEEDED):
         body = _body([(i * 53 + k * 5) % 250 + 1 for k in range(30)], max_tokens=12, **extra)
         want = _ids(dep.reference, body)
         assert _ids(dep.routers[mode], body) == want, extra
         routed, _, _ = stream(dep.routers[mode], "/v1/completions", body)
         assert routed == want, extra
+    _check_pushed(dep, mode, before, 2 * len(SEEDED))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -141,7 +151,9 @@ def test_logprobs_through_the_router_match_colocated(dep: Deployment, mode: str)
     body = _body([(k * 13) % 250 + 1 for k in range(40)], max_tokens=6, logprobs=3,
                  temperature=0.8, seed=21)  # fmt: skip
     want = _post(dep.reference, body)["choices"][0]
+    before = _push_stats(dep.decode)
     got = _post(dep.routers[mode], body)["choices"][0]
+    _check_pushed(dep, mode, before, 0)  # decode computes it alone
     assert got["token_ids"] == want["token_ids"]
     assert got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
     for a, b in zip(
