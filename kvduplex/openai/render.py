@@ -124,9 +124,11 @@ def completion_logprobs(
         text = tokenizer.decode([e.token_id], skip_special_tokens=False)
         tokens.append(text)
         token_logprobs.append(_logprob(e.logprob))
-        alternatives = {
-            tokenizer.decode([tid], skip_special_tokens=False): _logprob(lp) for tid, lp in e.top
-        }
+        alternatives: dict[str, float] = {}
+        for tid, lp in e.top:  # two ids of one text (bytes of a split character): the likelier
+            alternatives.setdefault(
+                tokenizer.decode([tid], skip_special_tokens=False), _logprob(lp)
+            )
         alternatives.setdefault(text, _logprob(e.logprob))
         top_logprobs.append(alternatives)
         offsets.append(text_offset)

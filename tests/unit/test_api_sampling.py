@@ -13,6 +13,9 @@ import pytest
 from fastapi.testclient import TestClient
 from httpx_sse import connect_sse
 
+from kvduplex.engine.sampler import TokenLogprobs
+from kvduplex.model.tokenizer import ByteTokenizer
+from kvduplex.openai import render
 from kvduplex.openai.protocol import IGNORED_FIELDS
 from kvduplex.server.instance import Instance
 
@@ -24,7 +27,9 @@ COMPLETION = {"model": "tiny", "prompt": "hello hello", "max_tokens": 5, "ignore
 def client(instance: Instance) -> Iterator[TestClient]:
     with TestClient(instance.app) as c:
         yield c
-    stats = instance.async_engine.call(lambda e: (e.check_integrity(), e.block_pool.stats())).result(10)[1]
+    stats = instance.async_engine.call(
+        lambda e: (e.check_integrity(), e.block_pool.stats())
+    ).result(10)[1]
     assert stats.num_in_use == 0, "a request left blocks in use"
 
 
@@ -56,7 +61,9 @@ def _check_chat_entry(entry: dict[str, Any], k: int) -> None:
 
 @pytest.mark.parametrize("k", [0, 3, 20])
 def test_chat_logprobs_have_openais_shape(client: TestClient, k: int) -> None:
-    body = _ok(client, "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": k, "seed": 1})
+    body = _ok(
+        client, "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": k, "seed": 1}
+    )
     choice = body["choices"][0]
     content = choice["logprobs"]["content"]
     assert len(content) == body["usage"]["completion_tokens"] == 5
@@ -66,14 +73,22 @@ def test_chat_logprobs_have_openais_shape(client: TestClient, k: int) -> None:
 
 
 def test_greedy_chat_logprobs_name_the_most_likely_token(client: TestClient) -> None:
-    body = _ok(client, "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 2, "temperature": 0})
+    body = _ok(
+        client,
+        "/v1/chat/completions",
+        {**CHAT, "logprobs": True, "top_logprobs": 2, "temperature": 0},
+    )
     for entry in body["choices"][0]["logprobs"]["content"]:
         assert entry["top_logprobs"][0]["token"] == entry["token"]
         assert math.isclose(entry["top_logprobs"][0]["logprob"], entry["logprob"])
 
 
 def test_completion_logprobs_have_openais_shape(client: TestClient) -> None:
-    body = _ok(client, "/v1/completions", {**COMPLETION, "logprobs": 2, "temperature": 0, "return_token_ids": True})
+    body = _ok(
+        client,
+        "/v1/completions",
+        {**COMPLETION, "logprobs": 2, "temperature": 0, "return_token_ids": True},
+    )
     choice = body["choices"][0]
     lp = choice["logprobs"]
     assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
@@ -86,13 +101,19 @@ def test_completion_logprobs_have_openais_shape(client: TestClient) -> None:
 
 def test_no_logprobs_unless_asked(client: TestClient) -> None:
     assert _ok(client, "/v1/completions", COMPLETION)["choices"][0]["logprobs"] is None
-    assert _ok(client, "/v1/chat/completions", {**CHAT, "logprobs": False})["choices"][0]["logprobs"] is None
+    assert (
+        _ok(client, "/v1/chat/completions", {**CHAT, "logprobs": False})["choices"][0]["logprobs"]
+        is None
+    )
 
 
 @pytest.mark.parametrize("chat", [True, False])
 def test_streamed_logprobs_equal_the_whole_answers(client: TestClient, chat: bool) -> None:
     if chat:
-        path, body = "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 2, "temperature": 0}
+        path, body = (
+            "/v1/chat/completions",
+            {**CHAT, "logprobs": True, "top_logprobs": 2, "temperature": 0},
+        )
     else:
         path, body = "/v1/completions", {**COMPLETION, "logprobs": 2, "temperature": 0}
     whole = _ok(client, path, body)["choices"][0]["logprobs"]
@@ -113,7 +134,11 @@ def test_streamed_logprobs_equal_the_whole_answers(client: TestClient, chat: boo
 def test_penalties_and_min_p_reach_the_engine(client: TestClient) -> None:
     base = {**COMPLETION, "max_tokens": 16, "temperature": 0, "return_token_ids": True}
     plain = _ok(client, "/v1/completions", base)["choices"][0]["token_ids"]
-    for extra in ({"repetition_penalty": 2.0}, {"frequency_penalty": 2.0}, {"presence_penalty": 2.0}):
+    for extra in (
+        {"repetition_penalty": 2.0},
+        {"frequency_penalty": 2.0},
+        {"presence_penalty": 2.0},
+    ):
         got = _ok(client, "/v1/completions", {**base, **extra})["choices"][0]["token_ids"]
         assert got != plain, extra
     hot = {**base, "temperature": 1.5, "seed": 2}
@@ -165,3 +190,22 @@ def test_bad_sampling_values_are_refused(
         assert param in err["message"]
     else:
         assert "top_logprobs" in err["message"]
+
+
+def test_logprob_rendering_of_split_characters_infinities_and_gaps() -> None:
+    tok = ByteTokenizer()
+    e_acute = "é".encode()  # two byte tokens, neither a character alone
+    entries = [
+        TokenLogprobs(e_acute[0], -0.5, 1, ((e_acute[0], -0.5), (e_acute[1], -1.0), (104, -2.0))),
+        None,  # a token whose logits this instance never saw
+        TokenLogprobs(ByteTokenizer.EOS_ID, float("-inf"), 9, ()),
+    ]
+    chat = render.chat_logprobs(tok, entries)["content"]
+    assert [e["bytes"] for e in chat] == [[e_acute[0]], list(b"<|eos|>")]
+    assert chat[0]["top_logprobs"][1] == {"token": "\ufffd", "logprob": -1.0, "bytes": [e_acute[1]]}
+    assert chat[1]["logprob"] == render.LOGPROB_FLOOR
+    done = render.completion_logprobs(tok, entries, text_offset=7)
+    assert done["tokens"] == ["\ufffd", "<|eos|>"] and done["text_offset"] == [7, 8]
+    # Both bytes decode to U+FFFD: the map keeps the likelier one's logprob.
+    assert done["top_logprobs"][0] == {"\ufffd": -0.5, "h": -2.0}
+    assert done["token_logprobs"][1] == render.LOGPROB_FLOOR
