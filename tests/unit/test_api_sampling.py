@@ -9,6 +9,7 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
+import openai
 import pytest
 from fastapi.testclient import TestClient
 from httpx_sse import connect_sse
@@ -209,3 +210,20 @@ def test_logprob_rendering_of_split_characters_infinities_and_gaps() -> None:
     # Both bytes decode to U+FFFD: the map keeps the likelier one's logprob.
     assert done["top_logprobs"][0] == {"\ufffd": -0.5, "h": -2.0}
     assert done["token_logprobs"][1] == render.LOGPROB_FLOOR
+
+
+def test_the_openai_client_sends_the_fields_and_reads_the_logprobs(client: TestClient) -> None:
+    oa = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=client)
+    chat = oa.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3, seed=3,
+        logprobs=True, top_logprobs=2, frequency_penalty=0.5, presence_penalty=0.1,
+        extra_body={"min_p": 0.1, "repetition_penalty": 1.2},
+    )  # fmt: skip
+    content = chat.choices[0].logprobs.content if chat.choices[0].logprobs else None
+    assert content is not None and len(content) == 3
+    assert all(len(e.top_logprobs) == 2 and e.bytes for e in content)
+    done = oa.completions.create(model="tiny", prompt="hi", max_tokens=3, logprobs=2)
+    lp = done.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and len(lp.tokens) == 3
+    with pytest.raises(openai.BadRequestError, match="n=2 is not supported"):
+        oa.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=2)
