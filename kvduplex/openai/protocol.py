@@ -7,6 +7,10 @@ the same models, so it refuses what an instance would, in the same words.
 A body naming a field these models do not declare is refused (400 naming the
 field), never silently ignored. A few fields OpenAI clients send are accepted and
 ignored, because they change nothing an instance computes: `IGNORED_FIELDS`.
+This holds for the body's own fields; nested objects (messages, tools,
+``stream_options``) still ignore keys they do not know, because clients send
+earlier answers back as they got them (an assistant message's ``refusal``,
+``annotations``, ``reasoning_content``...).
 """
 
 from __future__ import annotations
