@@ -233,7 +233,9 @@ completion_fields: dict[str, Field] = {
     "max_tokens": max_tokens,
     **sampling_fields,
     "echo": field(st.just(False), st.just(True)),
-    "logprobs": field(st.one_of(st.none(), st.integers(0, 20)), st.sampled_from([-1, 21, 1.5, "x"])),
+    "logprobs": field(
+        st.one_of(st.none(), st.integers(0, 20)), st.sampled_from([-1, 21, 1.5, "x"])
+    ),
     "best_of": field(st.sampled_from([None, 1]), st.sampled_from([0, 2, 2**70])),
     "suffix": field(st.sampled_from([None, ""]), prompt_texts),
 }
