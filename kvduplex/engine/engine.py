@@ -35,7 +35,10 @@ from kvduplex.engine.runner import ModelRunner
 from kvduplex.engine.runner import SeqInput
 from kvduplex.engine.runner import kv_layout_for
 from kvduplex.engine.runner import num_blocks_for_memory
+from kvduplex.engine.sampler import PenaltyCounts
 from kvduplex.engine.sampler import RequestGenerators
+from kvduplex.engine.sampler import TokenLogprobs
+from kvduplex.engine.sampler import compute_logprobs
 from kvduplex.engine.sampler import sample
 from kvduplex.engine.sampling import SamplingParams
 from kvduplex.engine.scheduler import Scheduler
@@ -87,6 +90,9 @@ class RequestOutput:
     """Prompt tokens the instance that sent the prompt's KV computed."""
     num_remote_kv_bytes: int = 0
     """Bytes of prompt KV that arrived from that instance."""
+    new_logprobs: list[TokenLogprobs | None] | None = None
+    """With ``SamplingParams.logprobs``: one entry per new token (None for a token whose
+    logits this instance never saw, e.g. a first token sampled by another instance)."""
 
 
 _FINISH_NAMES = {
@@ -132,6 +138,11 @@ class LLMEngine:
         self.eos_token_ids = tuple(self.loaded.tokenizer.eos_token_ids)
         self.connector: KVConnector = KVConnector()
         self._generators = RequestGenerators()
+        self._penalties = PenaltyCounts(model_cfg.vocab_size)
+        self._penalised: set[str] = set()
+        """Live requests with penalties (none: a step skips them at no cost)."""
+        self._logprobs: dict[str, dict[int, TokenLogprobs]] = {}
+        """Per live request asking for logprobs: by output position, those computed here."""
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._test_script: tuple[int, ...] | None = None  # see `script_output_for_tests`
         self._num_emitted: dict[str, int] = {}
@@ -169,6 +180,10 @@ class LLMEngine:
         if not params.extra_eos_token_ids:
             req.sampling_params = params = _with_eos(params, self.eos_token_ids)
         self.scheduler.add_request(req)
+        if params.has_penalties:
+            self._penalised.add(request_id)
+        if params.logprobs is not None:
+            self._logprobs[request_id] = {}
         self._detok[request_id] = IncrementalDetokenizer(self.loaded.tokenizer, params.stop)
         self._num_emitted[request_id] = 0
         return req
@@ -278,9 +293,12 @@ class LLMEngine:
             None if p.is_greedy else self._generators.get(req.request_id, p)
             for req, p in zip(sampling, params, strict=True)
         ]
-        tokens = sample(logits, params, gens)
+        penalties = self._penalties.penalties(sampling) if self._penalised else None
+        tokens = sample(logits, params, gens, penalties)
         if self._test_script is not None:
             tokens = [self._scripted_token(r, t) for r, t in zip(sampling, tokens, strict=True)]
+        if self._logprobs:
+            self._note_logprobs(logits, sampling, tokens)
         return {req.request_id: tok for req, tok in zip(sampling, tokens, strict=True)}
 
     def script_output_for_tests(self, text: str) -> None:
@@ -295,6 +313,29 @@ class LLMEngine:
         assert self._test_script is not None
         i = req.num_output_tokens
         return self._test_script[i] if i < len(self._test_script) else sampled
+
+    def _note_logprobs(
+        self,
+        logits: torch.Tensor,  # (len(sampling), vocab): the step's raw logits
+        sampling: list[Request],
+        tokens: list[int],
+    ) -> None:
+        """Logprobs of the tokens the requests asking for them take at this step (a first
+        token sampled elsewhere, `Request.forced_first_token`, replaces the one drawn
+        here), kept by the output position the token will have."""
+        rows = [j for j, req in enumerate(sampling) if req.request_id in self._logprobs]
+        if not rows:
+            return
+        chosen, positions = [], []
+        for j in rows:
+            req, position = sampling[j], sampling[j].num_output_tokens
+            forced = req.forced_first_token if position == 0 else None
+            chosen.append(tokens[j] if forced is None else forced)
+            positions.append(position)
+        num_top = [sampling[j].sampling_params.logprobs or 0 for j in rows]
+        computed = compute_logprobs(logits[rows], chosen, num_top)
+        for j, position, lp in zip(rows, positions, computed, strict=True):
+            self._logprobs[sampling[j].request_id][position] = lp
 
     def _make_output(self, req: Request) -> RequestOutput | None:
         rid = req.request_id
@@ -336,6 +377,11 @@ class LLMEngine:
             ),
             num_remote_kv_bytes=req.num_remote_kv_bytes,
         )
+        if req.sampling_params.logprobs is not None:
+            by_position = self._logprobs.get(rid, {})
+            output.new_logprobs = [
+                by_position.pop(i, None) for i in range(emitted, len(req.output_token_ids))
+            ]
         if finished:
             self._forget(rid)
             if req.status is not RequestStatus.FINISHED_ABORTED:
@@ -346,6 +392,9 @@ class LLMEngine:
         self._detok.pop(request_id, None)
         self._num_emitted.pop(request_id, None)
         self._generators.drop(request_id)
+        self._penalties.drop(request_id)
+        self._penalised.discard(request_id)
+        self._logprobs.pop(request_id, None)
 
     # ------------------------------------------------------------------- stats
 

@@ -50,6 +50,7 @@ from kvduplex.engine.async_engine import EngineDeadError
 from kvduplex.engine.engine import RequestOutput
 from kvduplex.engine.engine import RequestRejected
 from kvduplex.engine.request import Request as EngineRequest
+from kvduplex.engine.sampler import TokenLogprobs
 from kvduplex.openai import render
 from kvduplex.openai.chat_output import RAW_OUTPUT_HEADER
 from kvduplex.openai.chat_output import ChatOutputParser
@@ -86,6 +87,8 @@ class Generation:
     parser: ChatOutputParser | None = None
     """A chat answer's tool-call and reasoning parser (`kvduplex.openai.chat_output`);
     None: the text is the content."""
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    """A whole answer's logprobs as they are gathered (when the request asks for them)."""
 
 
 @dataclass
@@ -321,6 +324,7 @@ async def _collect(
         async for out in outputs:
             text.append(out.new_text)
             ids.extend(out.new_token_ids)
+            gen.logprobs.extend(out.new_logprobs or ())
             last = out
         return "".join(text), ids, last
 
@@ -368,6 +372,21 @@ def _usage(last: RequestOutput) -> dict[str, Any]:
     return out
 
 
+def _logprobs(
+    state: InstanceState,
+    gen: Generation,
+    entries: list[TokenLogprobs | None],
+    chat: bool,
+    text_offset: int,
+) -> dict[str, Any] | None:
+    """``choice.logprobs`` for `entries` in the endpoint's shape; None unless asked for."""
+    if gen.request.sampling_params.logprobs is None:
+        return None
+    if chat:
+        return render.chat_logprobs(state.tokenizer, entries)
+    return render.completion_logprobs(state.tokenizer, entries, text_offset)
+
+
 def _final_body(
     state: InstanceState, gen: Generation, text: str, ids: list[int], last: RequestOutput, chat: bool
 ) -> dict[str, Any]:
@@ -377,8 +396,8 @@ def _final_body(
         reason, message = parsed.finish_reason, parsed.to_json()
     body = render.completion_body(
         _head(state, gen, chat), text, ids, reason, _usage(last),
-        gen.request.prompt_token_ids, message,
-    )
+        gen.request.prompt_token_ids, message, _logprobs(state, gen, gen.logprobs, chat, 0),
+    )  # fmt: skip
     body.update(gen.extra)
     return body
 
@@ -394,19 +413,24 @@ async def _sse(
     first = True
     to_mark = gen.mark_first_token
     last: RequestOutput | None = None
+    text_offset = 0  # of the text sent so far (completions' logprobs count from it)
     try:
         async for out in outputs:
             last = out
+            logprobs = _logprobs(state, gen, out.new_logprobs or [], chat, text_offset)
+            if logprobs is not None and not chat:
+                text_offset += sum(len(t) for t in logprobs["tokens"])
             reason, delta = out.finish_reason, None
             if gen.parser is not None:
                 parsed, reason = gen.parser.step(out.new_text, reason, out.finished)
                 has_ids = head.return_token_ids or (to_mark and bool(out.new_token_ids))
-                if parsed.is_empty() and reason is None and not has_ids:
+                if parsed.is_empty() and reason is None and not has_ids and logprobs is None:
                     continue  # all held back (e.g. a tag not complete yet)
                 delta = parsed.to_json()
             choice = render.stream_choice(
-                head, out.new_text, out.new_token_ids, reason, is_first=first, delta=delta
-            )
+                head, out.new_text, out.new_token_ids, reason, is_first=first, delta=delta,
+                logprobs=logprobs,
+            )  # fmt: skip
             chunk = render.stream_chunk(head, choice)
             if to_mark and out.new_token_ids:
                 chunk[render.FIRST_TOKEN_IDS_FIELD] = list(out.new_token_ids)

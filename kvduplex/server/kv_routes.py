@@ -51,6 +51,12 @@ class PrefillRequest(BaseModel):
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    """The request's own penalties: repetition acts on the first token (over the prompt);
+    presence and frequency, over an output still empty, only travel on."""
     seed: int | None = None
 
 
@@ -242,5 +248,7 @@ def make_push_prefill_router(
 def _first_token_params(body: PrefillRequest) -> SamplingParams:
     return SamplingParams(
         max_tokens=1, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+        min_p=body.min_p, presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
         seed=body.seed, ignore_eos=True,
     )  # fmt: skip
