@@ -49,7 +49,12 @@ from kvduplex.engine.async_engine import EngineDeadError
 from kvduplex.engine.engine import RequestOutput
 from kvduplex.engine.engine import RequestRejected
 from kvduplex.engine.request import Request as EngineRequest
+from kvduplex.engine.structured import GrammarCompiler
+from kvduplex.engine.structured import GrammarSpec
+from kvduplex.engine.structured import RequestGrammar
+from kvduplex.engine.structured import StructuredOutputError
 from kvduplex.openai import render
+from kvduplex.openai import structured
 from kvduplex.openai.errors import REQUEST_ID_HEADER
 from kvduplex.openai.errors import APIError
 from kvduplex.openai.errors import install_error_handlers
@@ -77,6 +82,8 @@ class Generation:
     mark_first_token: bool = False
     """A streamed answer's first chunk with tokens names their ids in
     `render.FIRST_TOKEN_IDS_FIELD` (the router asks, to splice in prefill's token)."""
+    tool_calls: structured.ForcedToolCalls | None = None
+    """tool_choice required or named: the answer is rendered as tool calls."""
 
 
 @dataclass
@@ -93,10 +100,24 @@ class InstanceState:
     """The KV transport's engine id (prefill and decode instances): new at every start,
     reported by /health so that the router can name it to the instance's peers."""
     created: int = field(default_factory=lambda: int(time.time()))
+    _grammars: GrammarCompiler | None = field(default=None, init=False, repr=False)
 
     @property
     def tokenizer(self) -> Any:
         return self.engine.core.loaded.tokenizer
+
+    async def grammar(
+        self, spec: GrammarSpec, request_id: str, param: str = "response_format"
+    ) -> RequestGrammar:
+        """A request's grammar matcher, compiled off the event loop (cached by schema);
+        APIError 400 naming `param` if the schema cannot be compiled."""
+        if self._grammars is None:
+            loaded = self.engine.core.loaded
+            self._grammars = GrammarCompiler(loaded.tokenizer, loaded.config.vocab_size)
+        try:
+            return await asyncio.to_thread(self._grammars.grammar, spec, request_id)
+        except StructuredOutputError as exc:
+            raise APIError(400, str(exc), param=param) from None
 
     @property
     def max_model_len(self) -> int:
@@ -264,6 +285,11 @@ def _make_generation(
 
 
 async def _serve(state: InstanceState, raw: Request, gen: Generation, chat: bool) -> Response:
+    spec = structured.grammar_spec_of(gen.body)
+    if spec is not None:
+        gen.tool_calls = structured.forced_tool_calls(gen.body)
+        param = "response_format" if gen.tool_calls is None else "tools"
+        gen.request.grammar = await state.grammar(spec, gen.request.request_id, param)
     if state.prepare is not None:
         await state.prepare(raw, gen)
     outputs = state.engine.generate(gen.request)
@@ -349,6 +375,11 @@ def _final_body(
         _head(state, gen, chat), text, ids, last.finish_reason, _usage(last),
         gen.request.prompt_token_ids,
     )
+    if gen.tool_calls is not None:
+        choice = body["choices"][0]
+        choice["message"], choice["finish_reason"] = structured.tool_call_message(
+            gen.tool_calls, text, last.finish_reason
+        )
     body.update(gen.extra)
     return body
 
@@ -364,12 +395,17 @@ async def _sse(
     first = True
     to_mark = gen.mark_first_token
     last: RequestOutput | None = None
+    calls = structured.ToolCallStream(gen.tool_calls) if gen.tool_calls is not None else None
     try:
         async for out in outputs:
             last = out
-            choice = render.stream_choice(
-                head, out.new_text, out.new_token_ids, out.finish_reason, is_first=first
-            )
+            if calls is not None:
+                reason = structured.finish_reason_of(calls.forced, out.finish_reason)
+                choice = structured.stream_choice(calls.push(out.new_text), reason, first)
+            else:
+                choice = render.stream_choice(
+                    head, out.new_text, out.new_token_ids, out.finish_reason, is_first=first
+                )
             chunk = render.stream_chunk(head, choice)
             if to_mark and out.new_token_ids:
                 chunk[render.FIRST_TOKEN_IDS_FIELD] = list(out.new_token_ids)
