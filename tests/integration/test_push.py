@@ -396,9 +396,10 @@ def _sse_chunks(url: str, body: dict) -> list[dict]:
 
     from httpx_sse import connect_sse
 
+    body = {**body, "stream": True}
     with (
         httpx.Client(timeout=120) as http,
-        connect_sse(http, "POST", url + "/v1/chat/completions", json={**body, "stream": True}) as src,
+        connect_sse(http, "POST", url + "/v1/chat/completions", json=body) as src,
     ):
         assert src.response.status_code == 200
         return [json.loads(e.data) for e in src.iter_sse() if e.data != "[DONE]"]
@@ -430,14 +431,16 @@ def test_structured_output_through_push_matches_colocated(dep: Deployment) -> No
     jsonschema_rs.validate(PET, json.loads(routed["message"]["content"]))
     chunks = _sse_chunks(push, structured)
     assert chunks[0]["choices"][0]["delta"]["content"] == "{"  # prefill's token, spliced
-    assert [t for c in chunks if c["choices"] for t in c["choices"][0]["token_ids"]] == ref["token_ids"]
+    streamed_ids = [t for c in chunks if c["choices"] for t in c["choices"][0]["token_ids"]]
+    assert streamed_ids == ref["token_ids"]
     tools = {**chat, "tools": CALC, "tool_choice": "required", "parallel_tool_calls": False}
     ref_calls = httpx.post(dep.reference + path, json=tools, timeout=120).json()["choices"][0]
     routed_calls = httpx.post(push + path, json=tools, timeout=120).json()["choices"][0]
     assert routed_calls["finish_reason"] == ref_calls["finish_reason"] == "tool_calls"
     assert routed_calls["token_ids"] == ref_calls["token_ids"]
+    add = CALC[0]["function"]["parameters"]
     for call in routed_calls["message"]["tool_calls"]:
-        jsonschema_rs.validate(CALC[0]["function"]["parameters"], json.loads(call["function"]["arguments"]))
+        jsonschema_rs.validate(add, json.loads(call["function"]["arguments"]))
     streamed = _sse_chunks(push, tools)
     assert streamed[-1]["choices"][0]["finish_reason"] == "tool_calls"
     assert not any(c["choices"][0]["delta"].get("content") for c in streamed if c["choices"])
