@@ -402,6 +402,8 @@ async def _sse(
             if calls is not None:
                 reason = structured.finish_reason_of(calls.forced, out.finish_reason)
                 choice = structured.stream_choice(calls.push(out.new_text), reason, first)
+                if head.return_token_ids:
+                    choice["token_ids"] = out.new_token_ids
             else:
                 choice = render.stream_choice(
                     head, out.new_text, out.new_token_ids, out.finish_reason, is_first=first

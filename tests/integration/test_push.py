@@ -444,8 +444,17 @@ def test_structured_output_through_push_matches_colocated(dep: Deployment) -> No
     streamed = _sse_chunks(push, tools)
     assert streamed[-1]["choices"][0]["finish_reason"] == "tool_calls"
     assert not any(c["choices"][0]["delta"].get("content") for c in streamed if c["choices"])
+    streamed_ids = [t for c in streamed if c["choices"] for t in c["choices"][0]["token_ids"]]
+    assert streamed_ids == ref_calls["token_ids"]
     # Every answer came through the push (no fallback): the first tokens were prefill's.
     after = _push_stats(dep.decode)
     assert after["num_received"] == before["num_received"] + 4
     assert after["num_fallbacks"] == before["num_fallbacks"]
     assert metric(push, "kvduplex_router_first_token_diverged_total") == diverged
+    pulled = httpx.post(dep.routers["pull"] + path, json=structured, timeout=120).json()
+    assert pulled["choices"][0]["token_ids"] == ref["token_ids"]
+    bad_schema = {"name": "x", "schema": {"type": "y"}}
+    bad = {**chat, "response_format": {"type": "json_schema", "json_schema": bad_schema}}
+    for mode in MODES:
+        resp = httpx.post(dep.routers[mode] + path, json=bad, timeout=120)
+        assert resp.status_code == 400 and "schema cannot be used" in resp.text, resp.text
