@@ -155,8 +155,18 @@ class GrammarCompiler:
             raise StructuredOutputError(f"the schema cannot be used: {_reason(exc)}") from None
 
     def grammar(self, spec: GrammarSpec, request_id: str) -> RequestGrammar:
-        """A fresh matcher for one request (compiles `spec`, or takes it from the cache)."""
-        return RequestGrammar(self.compile(spec), request_id)
+        """A fresh matcher for one request (compiles `spec`, or takes it from the cache);
+        StructuredOutputError if the grammar cannot be compiled or accepts no text at all
+        (e.g. ``{"anyOf": []}``)."""
+        grammar = RequestGrammar(self.compile(spec), request_id)
+        bitmask = torch.zeros((1, bitmask_words(self.vocab_size)), dtype=torch.int32)
+        grammar.fill(bitmask, 0)
+        for stop in self._tokenizer.eos_token_ids:  # an empty answer is no value either
+            keep = ~(1 << (stop % 32)) & 0xFFFFFFFF
+            bitmask[0, stop // 32] &= keep - (1 << 32) if keep >= 1 << 31 else keep
+        if not bool(bitmask.any()):
+            raise StructuredOutputError("the schema cannot be used: no value satisfies it")
+        return grammar
 
 
 _JSON_CHAR = '[^"\\\\\\x00-\\x1f]'

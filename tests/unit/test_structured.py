@@ -150,11 +150,13 @@ def test_a_token_the_grammar_rejects_lifts_the_constraint() -> None:
         ({"type": "objectx"}, 'Unsupported type "objectx"'),
         ({"type": "string", "pattern": "(unclosed"}, "Regex"),
         ({"$ref": "#/$defs/missing"}, "missing"),
+        ({"anyOf": []}, "no value satisfies it"),
+        ({"type": "integer", "minimum": 5, "maximum": 1}, "minimum greater than maximum"),
     ],
 )
 def test_a_bad_schema_is_refused_with_its_reason(schema: dict, words: str) -> None:
     with pytest.raises(StructuredOutputError, match="the schema cannot be used") as info:
-        GrammarCompiler(ByteTokenizer(), 512).compile(_spec(schema))
+        GrammarCompiler(ByteTokenizer(), 512).grammar(_spec(schema), "r")
     assert words in str(info.value)
     assert "/project/cpp" not in str(info.value)  # no C++ source location
 

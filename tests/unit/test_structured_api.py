@@ -184,6 +184,15 @@ def test_max_tokens_before_the_grammar_completes_is_length_with_the_partial_text
     assert len(cut["message"]["content"]) == 5  # one byte token each
 
 
+def test_tool_calls_cut_by_max_tokens_stay_text_with_length(client: TestClient) -> None:
+    body = _chat(
+        client, "weather?", temperature=0, max_tokens=12, tools=TOOLS, tool_choice="required"
+    )
+    answer = body["choices"][0]
+    assert answer["finish_reason"] == "length"
+    assert answer["message"]["content"] == '[{"name":"ge' and "tool_calls" not in answer["message"]
+
+
 def _check_calls(calls: list[dict[str, Any]]) -> None:
     assert calls
     for call in calls:
