@@ -29,8 +29,8 @@ for a typical tool schema (nested object, enum, integer range, array of enums)::
     0.2.14                                              object" compiles in 5-6 s
 
 xgrammar fills masks 5-7x faster than llguidance (the cost that grows with the
-batch), compiles a tool schema in milliseconds, has a built-in JSON grammar and
-a thread-safe compile cache, and is the default of vLLM and SGLang. Its
+batch), compiles a tool schema in milliseconds, and is the default of vLLM and
+SGLang. Compiled grammars are cached here (`GrammarCompiler`, LRU by schema). Its
 bitmask layout (int32 words, bit ``i`` of word ``j`` allows token ``32*j+i``)
 is what `sampler.apply_token_bitmask` reads. Its wheel pulls triton (unused on
 CPU; checked harmless to torch 2.13 CPU, flex attention included), not torch.
@@ -43,10 +43,10 @@ and tool-call text is predictable for `openai.tool_choice`.
 from __future__ import annotations
 
 import enum
-import json
 import logging
 import re
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,8 +58,8 @@ from kvduplex.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-COMPILE_CACHE_BYTES = 256 * 2**20
-"""Memory the compiled-grammar cache (keyed by schema text) may hold."""
+COMPILE_CACHE_ENTRIES = 256
+"""Compiled grammars kept per instance (least recently used dropped), keyed by schema."""
 
 
 class GrammarKind(enum.Enum):
@@ -126,6 +126,7 @@ class GrammarCompiler:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._compiler: Any = None
+        self._cache: OrderedDict[GrammarSpec, Any] = OrderedDict()  # LRU, by schema text
         self._lock = threading.Lock()
 
     def _get_compiler(self) -> Any:
@@ -134,25 +135,31 @@ class GrammarCompiler:
                 import xgrammar as xgr
 
                 info = tokenizer_info(self._tokenizer, self.vocab_size)
-                self._compiler = xgr.GrammarCompiler(
-                    info, max_threads=1, cache_limit_bytes=COMPILE_CACHE_BYTES
-                )
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             return self._compiler
 
     def compile(self, spec: GrammarSpec) -> Any:
         """The compiled grammar of `spec`; StructuredOutputError if it cannot be compiled."""
+        with self._lock:
+            compiled = self._cache.get(spec)
+            if compiled is not None:
+                self._cache.move_to_end(spec)
+                return compiled
         compiler = self._get_compiler()
         if spec.kind is GrammarKind.JSON_OBJECT:
             schema, strict = '{"type": "object"}', False
         else:
             assert spec.schema is not None
-            schema, strict = _without_length_strings(spec.schema), True
+            schema, strict = spec.schema, True
         try:
-            return compiler.compile_json_schema(
-                schema, any_whitespace=False, separators=(",", ":"), strict_mode=strict
-            )
+            compiled = compiler.compile_grammar(_json_grammar(schema, strict))
         except Exception as exc:  # xgrammar raises RuntimeError (and others) with a reason
             raise StructuredOutputError(f"the schema cannot be used: {_reason(exc)}") from None
+        with self._lock:
+            self._cache[spec] = compiled
+            while len(self._cache) > COMPILE_CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+        return compiled
 
     def grammar(self, spec: GrammarSpec, request_id: str) -> RequestGrammar:
         """A fresh matcher for one request (compiles `spec`, or takes it from the cache);
@@ -169,45 +176,30 @@ class GrammarCompiler:
         return grammar
 
 
-_JSON_CHAR = '[^"\\\\\\x00-\\x1f]'
-"""A regex for one unescaped JSON string character (no quote, backslash or control)."""
+_LOOSE_CHAR = r"[^\"\\\r\n]"
+"""How xgrammar 0.2.9 prints the character of a ``minLength``/``maxLength`` string."""
+_JSON_CHAR = r"[^\0-\x1f\"\\\r\n]"
+"""The character of its other strings: no control characters."""
 
 
-def _without_length_strings(schema_text: str) -> str:
-    """`schema_text` with each ``minLength``/``maxLength`` string turned into the same
-    length as a ``pattern`` of plain JSON characters.
+def _json_grammar(schema: str, strict: bool) -> Any:
+    """xgrammar's grammar of a JSON Schema: compact, in property order.
 
-    xgrammar 0.2.9 compiles length-bounded strings to ``[^"\\\r\n]{m,n}``, which lets
-    control characters through (invalid JSON: a random-weight model emits them at
-    once); its patterns exclude them. Outputs stay valid against the original
-    schema (escapes are left out, a subset). Unparsable text is returned as is,
-    for the compiler to refuse in its own words.
+    xgrammar 0.2.9 lets raw control characters (invalid JSON; a random-weight
+    model emits them at once) into length-bounded strings, whose character class
+    lacks the ``\\0-\\x1f`` its other strings exclude: the grammar is printed,
+    that class fixed, and parsed again (its native repetition kept, so a
+    ``minLength`` of thousands compiles as fast as before).
     """
-    try:
-        schema = json.loads(schema_text)
-    except ValueError:
-        return schema_text
-    changed = False
-    stack: list[Any] = [schema]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, list):
-            stack.extend(node)
-            continue
-        if not isinstance(node, dict):
-            continue
-        stack.extend(v for v in node.values() if isinstance(v, (dict, list)))
-        bounds = (node.get("minLength"), node.get("maxLength"))
-        plain = not any(k in node for k in ("pattern", "format", "enum", "const"))
-        if node.get("type") == "string" and plain and bounds != (None, None):
-            lo, hi = bounds
-            if not all(b is None or (isinstance(b, int) and b >= 0) for b in bounds):
-                continue  # the compiler explains what is wrong
-            node.pop("minLength", None)
-            node.pop("maxLength", None)
-            node["pattern"] = f"^{_JSON_CHAR}{{{lo or 0},{'' if hi is None else hi}}}$"
-            changed = True
-    return json.dumps(schema) if changed else schema_text
+    import xgrammar as xgr
+
+    grammar = xgr.Grammar.from_json_schema(
+        schema, any_whitespace=False, separators=(",", ":"), strict_mode=strict
+    )
+    text = str(grammar)
+    if _LOOSE_CHAR in text:
+        grammar = xgr.Grammar.from_ebnf(text.replace(_LOOSE_CHAR, _JSON_CHAR))
+    return grammar
 
 
 def tokenizer_info(tokenizer: Tokenizer, vocab_size: int) -> Any:
