@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator
 from collections.abc import Awaitable
 from collections.abc import Callable
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from dataclasses import field
 from typing import Any
@@ -101,6 +102,9 @@ class InstanceState:
     reported by /health so that the router can name it to the instance's peers."""
     created: int = field(default_factory=lambda: int(time.time()))
     _grammars: GrammarCompiler | None = field(default=None, init=False, repr=False)
+    _grammar_pool: ThreadPoolExecutor | None = field(default=None, init=False, repr=False)
+    """Grammar compiles run here: a slow schema never holds the loop, nor the threads of
+    `asyncio.to_thread` (peer lookups of the KV routes use those)."""
 
     @property
     def tokenizer(self) -> Any:
@@ -111,11 +115,15 @@ class InstanceState:
     ) -> RequestGrammar:
         """A request's grammar matcher, compiled off the event loop (cached by schema);
         APIError 400 naming `param` if the schema cannot be compiled."""
-        if self._grammars is None:
+        if self._grammars is None or self._grammar_pool is None:
             loaded = self.engine.core.loaded
             self._grammars = GrammarCompiler(loaded.tokenizer, loaded.config.vocab_size)
+            self._grammar_pool = ThreadPoolExecutor(2, thread_name_prefix="grammar")
+        loop = asyncio.get_running_loop()
         try:
-            return await asyncio.to_thread(self._grammars.grammar, spec, request_id)
+            return await loop.run_in_executor(
+                self._grammar_pool, self._grammars.grammar, spec, request_id
+            )
         except StructuredOutputError as exc:
             raise APIError(400, str(exc), param=param) from None
 
