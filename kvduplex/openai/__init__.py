@@ -4,6 +4,7 @@
 * `errors`: `APIError` and the handlers that turn every refusal into that JSON;
 * `prompt`: a request's prompt as token ids (chat template, tools, text, ids);
 * `render`: response bodies, stream chunks and usage.
+* `structured`: response_format / forced tool_choice as a grammar; forced answers as tool calls.
 
 Both sides validate with the same models, build the same prompt ids and give
 the same error messages, so a request refused by the router is refused in the
