@@ -249,3 +249,30 @@ def test_tool_call_stream_of_a_named_function_names_it_first() -> None:
     assert first[0]["function"] == {"name": "f", "arguments": '{"a"'} and first[0]["id"]
     assert stream.push(":1}") == [{"index": 0, "function": {"arguments": ":1}"}}]
     assert stream.calls[0]["function"] == {"name": "f", "arguments": '{"a":1}'}
+
+
+def test_preempted_requests_keep_their_grammar_in_step(tiny: LoadedModel) -> None:
+    """Preemption recomputes a request's tokens without appending them again: its
+    matcher stays where the output is, and the answer is still valid."""
+    cfg = EngineConfig(
+        model=ModelLoadConfig(model="tiny"), cache=CacheConfig(block_size=4, num_blocks=40)
+    )
+    engine = LLMEngine(cfg, loaded=tiny)
+    grammars = GrammarCompiler(tiny.tokenizer, tiny.config.vocab_size)
+    reqs = []
+    for i in range(4):
+        params = SamplingParams(max_tokens=100, temperature=1.0, seed=i)
+        rid = f"r{i}"
+        prompt = tiny.tokenizer.encode(f"item {i} " * 3)
+        reqs.append(
+            engine.add_request(
+                Request(rid, prompt, params, grammar=grammars.grammar(_spec(ITEM), rid))
+            )
+        )
+    while engine.has_unfinished():
+        engine.step()
+    assert sum(r.num_preemptions for r in reqs) > 0
+    for req in reqs:
+        assert req.finish_reason is not None and req.finish_reason.value == "stop"
+        jsonschema_rs.validate(ITEM, json.loads(tiny.tokenizer.decode(req.output_token_ids)))
+    engine.check_integrity()
