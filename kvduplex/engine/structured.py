@@ -37,7 +37,7 @@ CPU; checked harmless to torch 2.13 CPU, flex attention included), not torch.
 
 JSON is generated compact (separators ``,`` and ``:``, no free whitespace) and
 in schema property order: a random-weight model cannot wander in whitespace,
-and tool-call text is predictable for `openai.tool_choice`.
+and tool-call text is predictable for `openai.structured.ToolCallStream`.
 """
 
 from __future__ import annotations
