@@ -38,11 +38,13 @@ from kvduplex.engine.runner import num_blocks_for_memory
 from kvduplex.engine.sampler import PenaltyCounts
 from kvduplex.engine.sampler import RequestGenerators
 from kvduplex.engine.sampler import TokenLogprobs
+from kvduplex.engine.sampler import apply_token_bitmask
 from kvduplex.engine.sampler import compute_logprobs
 from kvduplex.engine.sampler import sample
 from kvduplex.engine.sampling import SamplingParams
 from kvduplex.engine.scheduler import Scheduler
 from kvduplex.engine.scheduler import SchedulerOutput
+from kvduplex.engine.structured import fill_bitmask
 from kvduplex.model.loader import LoadedModel
 from kvduplex.model.loader import load_model
 
@@ -284,10 +286,17 @@ class LLMEngine:
             if seq.new_block_ids or seq.replaces_table:
                 runner.update_table(rid, seq.new_block_ids, seq.replaces_table)
             inputs.append(SeqInput(seq.token_ids, seq.start_pos, None, seq.needs_sample, rid))
-        logits = runner.execute(inputs, on_layer_done=self.connector.layer_hook(out))
         sampling = [seq.request for seq in out.seqs if seq.needs_sample]
+        # Structured output: masks filled before the forward (they depend only on the
+        # tokens accepted so far), applied to its logits.
+        constrained = [i for i, req in enumerate(sampling) if req.grammar is not None]
+        vocab_size = self.loaded.config.vocab_size
+        bitmask = fill_bitmask([sampling[i].grammar for i in constrained], vocab_size)
+        logits = runner.execute(inputs, on_layer_done=self.connector.layer_hook(out))
         if not sampling:
             return {}
+        if bitmask is not None:
+            apply_token_bitmask(logits, bitmask, constrained)
         params = [req.sampling_params for req in sampling]
         gens = [
             None if p.is_greedy else self._generators.get(req.request_id, p)

@@ -24,6 +24,7 @@ penalty, temperature or filter (vLLM's default).
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 from collections.abc import Sequence
@@ -216,6 +217,37 @@ def _filter_top_p(logits: torch.Tensor, top_p: list[float]) -> torch.Tensor:
     logits = logits.clone()
     logits[rows] = torch.full_like(sub, float("-inf")).scatter(1, sorted_idx, sorted_logits)
     return logits
+
+
+@torch.inference_mode()
+def apply_token_bitmask(
+    logits: torch.Tensor,  # (num_seqs, vocab), written in place
+    bitmask: torch.Tensor,  # (len(rows), ceil(vocab / 32)) int32
+    rows: list[int],
+) -> None:
+    """Set to -inf the logits of tokens that `rows`' bitmasks disallow (structured output).
+
+    Bit ``i`` of word ``j`` set allows token ``32*j + i`` (xgrammar's layout). Each
+    mask byte expands through a (256, 8) table of 0 / -inf added to the logits: one
+    gather and one add, several times faster on CPU than a masked fill.
+    """
+    vocab = logits.shape[-1]
+    table = _mask_table(logits.dtype, logits.device)
+    mask_bytes = bitmask.to(logits.device, non_blocking=True).view(torch.uint8).long()
+    penalty = table[mask_bytes].flatten(1)[:, :vocab]  # (len(rows), vocab): 0 or -inf
+    if len(rows) == logits.shape[0] and rows == list(range(len(rows))):
+        logits.add_(penalty)
+    else:
+        index = torch.tensor(rows, device=logits.device)
+        logits.index_add_(0, index, penalty)
+
+
+@functools.cache
+def _mask_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """(256, 8): entry [b, i] is 0 where bit i of byte b is set, else -inf (a constant,
+    made once per dtype and device)."""
+    bits = (torch.arange(256).unsqueeze(-1) >> torch.arange(8)) & 1
+    return torch.where(bits.bool(), 0.0, float("-inf")).to(dtype=dtype, device=device)
 
 
 # -------------------------------------------------------------------- sample

@@ -5,7 +5,8 @@
 * `prompt`: a request's prompt as token ids (chat template, tools, text, ids);
 * `render`: response bodies, stream chunks and usage;
 * `chat_output` (over `tool_parsers` and `reasoning`): a chat answer's tool calls
-  and reasoning, parsed whole or as it streams (torch-free).
+  and reasoning, parsed whole or as it streams (torch-free);
+* `structured`: response_format / forced tool_choice as a grammar; forced answers as tool calls.
 
 Both sides validate with the same models, build the same prompt ids and give
 the same error messages, so a request refused by the router is refused in the

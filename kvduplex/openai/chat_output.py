@@ -78,6 +78,13 @@ def prompt_tail(tokenizer: Decoder, prompt_ids: Sequence[int]) -> str:
     return tokenizer.decode(list(prompt_ids[-PROMPT_TAIL_TOKENS:]), skip_special_tokens=False)
 
 
+def is_constrained(request: ChatCompletionRequest) -> bool:
+    """The answer is constrained by a grammar from its first token."""
+    fmt = request.response_format
+    forced = request.tool_choice == "required" or isinstance(request.tool_choice, dict)
+    return forced or (fmt is not None and fmt.type != "text")
+
+
 def output_parser(
     request: ChatCompletionRequest,
     flags: ParsingConfig,
@@ -85,7 +92,11 @@ def output_parser(
     new_id: IdFactory = new_tool_call_id,
 ) -> ChatOutputParser | None:
     """The parser of `request`'s answer, or None when nothing is parsed; `tail` is
-    `prompt_tail` of its prompt."""
+    `prompt_tail` of its prompt. An answer constrained by a grammar from its first token
+    (a json `response_format`, `tool_choice` required or named: `openai/structured.py`)
+    is never parsed: it has no reasoning, and forced calls are rendered from the grammar."""
+    if is_constrained(request):
+        return None
     think = None
     if flags.reasoning_parser:
         think = ThinkParser(starts_in_reasoning(flags.reasoning_parser, tail))

@@ -98,8 +98,29 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: the schema the answer must match."""
+
+    name: Annotated[str, Field(min_length=1, max_length=64)] = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(default_factory=dict, alias="schema")
+    """JSON Schema of the answer (``{}`` or ``true``: any JSON value)."""
+    strict: bool | None = None
+    """Accepted; the answer is always held to the schema (constrained decoding)."""
+
+
 class ResponseFormat(BaseModel):
-    type: str
+    """``text`` (free), ``json_object`` (any JSON object) or ``json_schema``, enforced
+    by constrained decoding (`kvduplex.engine.structured`)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs a json_schema object")
+        return self
 
 
 class _SamplingFields(BaseModel):
@@ -176,13 +197,6 @@ class _SamplingFields(BaseModel):
     def _check_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         if v:
             raise ValueError("logit_bias is not supported")
-        return v
-
-    @field_validator("response_format")
-    @classmethod
-    def _check_response_format(cls, v: ResponseFormat | None) -> ResponseFormat | None:
-        if v is not None and v.type != "text":
-            raise ValueError(f"response_format type {v.type!r} is not supported; only 'text'")
         return v
 
     @field_validator("stop")
@@ -355,7 +369,8 @@ class ChatCompletionRequest(_SamplingFields):
     """Shown to the model through its chat template; calls are parsed from the answer with
     a tool-call parser and tool_choice auto (`chat_output.py`)."""
     tool_choice: str | dict[str, Any] | None = None
-    """auto or none; forcing a call (required, a named function) is not supported."""
+    """auto, none, required (at least one call, constrained to the tools' schemas) or a
+    named function (``{"type": "function", "function": {"name": ...}}``: one call)."""
     parallel_tool_calls: bool | None = None
 
     @field_validator("tools")
@@ -369,24 +384,54 @@ class ChatCompletionRequest(_SamplingFields):
     @field_validator("tool_choice")
     @classmethod
     def _check_tool_choice(cls, v: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
-        if v is not None and v not in ("auto", "none"):
-            raise ValueError(
-                f"tool_choice {v!r} is not supported: no call can be forced; send 'auto' "
-                "or 'none'"
-            )
-        return v
+        if v is None or v in ("auto", "none", "required") or named_tool(v) is not None:
+            return v
+        raise ValueError(
+            f"tool_choice {v!r} is not supported; send 'auto', 'none', 'required' or "
+            '{"type": "function", "function": {"name": ...}}'
+        )
 
     @model_validator(mode="after")
-    def _check_logprobs(self) -> ChatCompletionRequest:
+    def _check_logprobs_and_tools(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        self._check_forced_tool()
         return self
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def _check_forced_tool(self) -> None:
+        """A forced tool call (required, named) needs tools, the named one among them, and
+        no response_format of its own (both would constrain the same answer)."""
+        choice = self.tool_choice
+        name = named_tool(choice) if isinstance(choice, dict) else None
+        if choice != "required" and name is None:
+            return
+        names = [t.function.name for t in self.tools or ()]
+        if not names:
+            raise ValueError(f"tool_choice {choice!r} needs tools; the request has none")
+        if name is not None and name not in names:
+            raise ValueError(
+                f"tool_choice names the function {name!r}, which is not among the tools {names}"
+            )
+        if self.response_format is not None and self.response_format.type != "text":
+            raise ValueError(
+                "tool_choice required or named and a json response_format exclude each other"
+            )
+
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def named_tool(tool_choice: Any) -> str | None:
+    """The function name of a named tool_choice (``{"type": "function", "function":
+    {"name": ...}}``), or None for anything else."""
+    if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function":
+        return None
+    function = tool_choice.get("function")
+    name = function.get("name") if isinstance(function, dict) else None
+    return name if isinstance(name, str) and name else None
 
 
 OpenAIRequest = CompletionRequest | ChatCompletionRequest

@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator
 from collections.abc import Awaitable
 from collections.abc import Callable
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from dataclasses import field
 from typing import Any
@@ -51,7 +52,12 @@ from kvduplex.engine.engine import RequestOutput
 from kvduplex.engine.engine import RequestRejected
 from kvduplex.engine.request import Request as EngineRequest
 from kvduplex.engine.sampler import TokenLogprobs
+from kvduplex.engine.structured import GrammarCompiler
+from kvduplex.engine.structured import GrammarSpec
+from kvduplex.engine.structured import RequestGrammar
+from kvduplex.engine.structured import StructuredOutputError
 from kvduplex.openai import render
+from kvduplex.openai import structured
 from kvduplex.openai.chat_output import RAW_OUTPUT_HEADER
 from kvduplex.openai.chat_output import ChatOutputParser
 from kvduplex.openai.chat_output import check_tool_choice
@@ -89,6 +95,8 @@ class Generation:
     None: the text is the content."""
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     """A whole answer's logprobs as they are gathered (when the request asks for them)."""
+    tool_calls: structured.ForcedToolCalls | None = None
+    """tool_choice required or named: the answer is rendered as tool calls."""
 
 
 @dataclass
@@ -107,10 +115,31 @@ class InstanceState:
     created: int = field(default_factory=lambda: int(time.time()))
     parsing: ParsingConfig = field(default_factory=ParsingConfig)
     """Tool-call and reasoning parsing of chat answers (``--tool-call-parser`` ...)."""
+    _grammars: GrammarCompiler | None = field(default=None, init=False, repr=False)
+    _grammar_pool: ThreadPoolExecutor | None = field(default=None, init=False, repr=False)
+    """Grammar compiles run here: a slow schema never holds the loop, nor the threads of
+    `asyncio.to_thread` (peer lookups of the KV routes use those)."""
 
     @property
     def tokenizer(self) -> Any:
         return self.engine.core.loaded.tokenizer
+
+    async def grammar(
+        self, spec: GrammarSpec, request_id: str, param: str = "response_format"
+    ) -> RequestGrammar:
+        """A request's grammar matcher, compiled off the event loop (cached by schema);
+        APIError 400 naming `param` if the schema cannot be compiled."""
+        if self._grammars is None or self._grammar_pool is None:
+            loaded = self.engine.core.loaded
+            self._grammars = GrammarCompiler(loaded.tokenizer, loaded.config.vocab_size)
+            self._grammar_pool = ThreadPoolExecutor(2, thread_name_prefix="grammar")
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(
+                self._grammar_pool, self._grammars.grammar, spec, request_id
+            )
+        except StructuredOutputError as exc:
+            raise APIError(400, str(exc), param=param) from None
 
     @property
     def max_model_len(self) -> int:
@@ -293,6 +322,11 @@ def _make_generation(
 
 
 async def _serve(state: InstanceState, raw: Request, gen: Generation, chat: bool) -> Response:
+    spec = structured.grammar_spec_of(gen.body)
+    if spec is not None:
+        gen.tool_calls = structured.forced_tool_calls(gen.body)
+        param = "response_format" if gen.tool_calls is None else "tools"
+        gen.request.grammar = await state.grammar(spec, gen.request.request_id, param)
     if state.prepare is not None:
         await state.prepare(raw, gen)
     outputs = state.engine.generate(gen.request)
@@ -398,6 +432,11 @@ def _final_body(
         _head(state, gen, chat), text, ids, reason, _usage(last),
         gen.request.prompt_token_ids, message, _logprobs(state, gen, gen.logprobs, chat, 0),
     )  # fmt: skip
+    if gen.tool_calls is not None:
+        choice = body["choices"][0]
+        choice["message"], choice["finish_reason"] = structured.tool_call_message(
+            gen.tool_calls, text, last.finish_reason
+        )
     body.update(gen.extra)
     return body
 
@@ -414,23 +453,31 @@ async def _sse(
     to_mark = gen.mark_first_token
     last: RequestOutput | None = None
     text_offset = 0  # of the text sent so far (completions' logprobs count from it)
+    calls = structured.ToolCallStream(gen.tool_calls) if gen.tool_calls is not None else None
     try:
         async for out in outputs:
             last = out
             logprobs = _logprobs(state, gen, out.new_logprobs or [], chat, text_offset)
             if logprobs is not None and not chat:
                 text_offset += sum(len(t) for t in logprobs["tokens"])
-            reason, delta = out.finish_reason, None
-            if gen.parser is not None:
-                parsed, reason = gen.parser.step(out.new_text, reason, out.finished)
-                has_ids = head.return_token_ids or (to_mark and bool(out.new_token_ids))
-                if parsed.is_empty() and reason is None and not has_ids and logprobs is None:
-                    continue  # all held back (e.g. a tag not complete yet)
-                delta = parsed.to_json()
-            choice = render.stream_choice(
-                head, out.new_text, out.new_token_ids, reason, is_first=first, delta=delta,
-                logprobs=logprobs,
-            )  # fmt: skip
+            if calls is not None:
+                reason = structured.finish_reason_of(calls.forced, out.finish_reason)
+                choice = structured.stream_choice(calls.push(out.new_text), reason, first)
+                choice["logprobs"] = logprobs
+                if head.return_token_ids:
+                    choice["token_ids"] = out.new_token_ids
+            else:
+                reason, delta = out.finish_reason, None
+                if gen.parser is not None:
+                    parsed, reason = gen.parser.step(out.new_text, reason, out.finished)
+                    has_ids = head.return_token_ids or (to_mark and bool(out.new_token_ids))
+                    if parsed.is_empty() and reason is None and not has_ids and logprobs is None:
+                        continue  # all held back (e.g. a tag not complete yet)
+                    delta = parsed.to_json()
+                choice = render.stream_choice(
+                    head, out.new_text, out.new_token_ids, reason, is_first=first, delta=delta,
+                    logprobs=logprobs,
+                )  # fmt: skip
             chunk = render.stream_chunk(head, choice)
             if to_mark and out.new_token_ids:
                 chunk[render.FIRST_TOKEN_IDS_FIELD] = list(out.new_token_ids)

@@ -202,8 +202,8 @@ sampling_fields: dict[str, Field] = {
         st.sampled_from([None, {"type": "text"}]),
         st.sampled_from(
             [
-                {"type": "json_object"},
-                {"type": "json_schema", "json_schema": {"name": "x"}},
+                {"type": "json_schema"},
+                {"type": "json_schema", "json_schema": {"name": ""}},
                 {"type": "xml"},
                 "json",
                 {},
@@ -365,9 +365,9 @@ chat_fields: dict[str, Field] = {
         ),
     ),
     "tool_choice": field(
-        st.sampled_from([None, "none"]),
+        st.sampled_from([None, "none", "required", {"type": "function", "function": {"name": "f"}}]),
         # "auto" needs --enable-auto-tool-choice, which these instances lack (400, as vLLM)
-        st.sampled_from(["auto", "required", "any", {"type": "function", "function": {"name": "f"}}, 3]),
+        st.sampled_from(["auto", "any", {"type": "function"}, {"type": "function", "function": {}}, 3]),
     ),
     "parallel_tool_calls": field(st.sampled_from([None, True, False]), st.just("both")),
     "session_id": field(clean_texts, st.sampled_from([1, [], "s" * 513]), surrogate_texts),

@@ -46,6 +46,7 @@ from fastapi.responses import Response
 
 from kvduplex.config import ReturnMode
 from kvduplex.openai import render
+from kvduplex.openai import structured
 from kvduplex.openai.chat_output import RAW_OUTPUT_HEADER
 from kvduplex.openai.chat_output import ChatOutputParser
 from kvduplex.openai.errors import REQUEST_ID_HEADER
@@ -104,15 +105,20 @@ def _outcome(status: int) -> Outcome:
 
 
 def _prefill_body(fwd: Forward, xid: str, seed: int | None) -> dict[str, Any]:
-    """P samples the first token with the request's own parameters (D's, on a fallback)."""
+    """P samples the first token with the request's own parameters (D's, on a fallback),
+    and under its grammar (structured output) when it has one."""
     req = fwd.request
-    return {
+    body = {
         "xid": xid, "prompt_token_ids": fwd.ids, "temperature": req.temperature,
         "top_p": req.top_p, "top_k": req.top_k, "min_p": req.min_p,
         "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
         "repetition_penalty": req.repetition_penalty, "seed": seed,
         "session_id": fwd.route.session_id,
     }  # fmt: skip
+    spec = structured.grammar_spec_of(req)
+    if spec is not None:
+        body["grammar"] = spec.to_dict()
+    return body
 
 
 async def _post_prefill(
@@ -319,7 +325,12 @@ async def serve_push(state: RouterState, fwd: Forward) -> Response:
         "mode": "push", "xid": xid, "prefill_url": p.url, "engine_id": p.engine_id,
         "session_id": fwd.route.session_id,
     }  # fmt: skip
-    is_spliced = bool(fwd.request.stream) and not fwd.request.stop  # see below
+    # Forced tool calls stream as tool-call deltas that only D renders: not spliced either.
+    is_spliced = (
+        bool(fwd.request.stream)
+        and not fwd.request.stop
+        and structured.forced_tool_calls(fwd.request) is None
+    )  # see below
     if is_spliced:  # D names its first token's id: P's is spliced in by id, not by text
         params["mark_first_token"] = True
     mode = state.config.return_mode
