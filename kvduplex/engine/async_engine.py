@@ -5,14 +5,16 @@ notification pump reach the engine only through typed commands in one inbox
 (`_Add`, `_Abort`, `_Call`); the engine thread owns the engine. One iteration
 of its loop::
 
-    drain the inbox → step (while there is work) → outputs to their streams
+    drain the inbox → step (while there is work) → its outputs to their streams
     no work, or a step that did nothing → wait for the wake event (set with every
                                           command), at most IDLE_WAIT_S
 
 A step does nothing when no request can be admitted (its blocks are held by
 transfers, leases or quarantine): whatever frees them reaches the engine as a
 command, so the thread waits for it rather than spinning on `step()`.
-Outputs travel back with `loop.call_soon_threadsafe`. A client that goes away
+Outputs come only from `step` (what commands changed, e.g. an abort or a transfer
+that ended, is in the next step's outputs) and travel back with
+`loop.call_soon_threadsafe`. A client that goes away
 (its generator closed or cancelled) aborts its request, which frees its blocks.
 
 Failures are seen. A `call` whose function raises is logged with the function's
@@ -306,8 +308,7 @@ class AsyncEngine:
                 self._iteration_started_at = time.monotonic()
                 self.num_iterations += 1
                 self._test_stall()
-                if self._drain_inbox():
-                    self._dispatch(self.core.connector_outputs())
+                self._drain_inbox()
                 if not self.core.has_unfinished():
                     self._wait_for_work()
                     continue

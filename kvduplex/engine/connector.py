@@ -1,22 +1,30 @@
 """The seam between the engine step and KV transfer between instances.
 
-As in vLLM's v1 KV connector, a connector has a *scheduler side* (what to
-transfer, and when a request may go on) and a *worker side* (moving KV while
-the model runs), and the engine never knows which role it plays::
+As in vLLM's v1 KV connector, a connector has a *scheduler side*, which sees
+the scheduler's requests and plans, and a *worker side*, which moves KV while
+the model runs and sees only plain data (the `SchedulerOutput` and the
+metadata the scheduler side built for it). The engine never knows which role
+it plays::
 
+    results = connector.get_finished()            # worker side: transfers that ended
+    scheduler.apply_kv_results(results)           # the one place they change requests
     out = scheduler.schedule()
-    connector.on_scheduled(out)                       # scheduler side
-    runner.execute(..., on_layer_done=connector.layer_hook(out))   # worker side
-    finished = scheduler.update(out, sampled)
-    connector.on_step_done(out, sampled, finished)    # scheduler side
+    out.kv_connector_metadata = connector.build_connector_meta(out)   # scheduler side
+    connector.start_load_kv(meta)                 # worker side, before the forward
+    runner.execute(..., on_layer_done=connector.layer_hook(meta))     # worker side
+    connector.wait_for_save(meta)                 # worker side, after the forward
+    scheduler.update(out, sampled)                # every finish: request_finished
+    outputs of the step                           # the one output path
 
 `KVConnector` has a no-op default for every hook: a connector overrides only
 what its flow needs, and `KVConnector()` itself is the colocated instance.
 All hooks run on the engine thread.
 
 Connectors reach the engine only through `EngineHandle`: blocks through the
-KV manager (the one memory API), requests through the scheduler's remote-KV
-transitions, and other threads through `call`.
+KV manager (the one memory API), requests by reading them (and aborting or
+releasing them), other threads through `call`. A transfer's outcome for a
+request never changes it from a connector: it is a `KVTransferResult` that
+`get_finished` hands to the next step.
 """
 
 from __future__ import annotations
@@ -28,7 +36,11 @@ from typing import TYPE_CHECKING
 from typing import Any
 
 from kvduplex.engine.block_pool import BlockHash
+from kvduplex.engine.request import FinishReason
 from kvduplex.engine.request import Request
+from kvduplex.engine.scheduler import holds_blocks
+from kvduplex.engine.scheduler_output import KVConnectorMetadata
+from kvduplex.engine.scheduler_output import KVTransferResult
 from kvduplex.engine.scheduler_output import SchedulerOutput
 
 if TYPE_CHECKING:
@@ -41,41 +53,43 @@ class KVConnector:
 
     # ---- scheduler side ----
 
-    def on_scheduled(self, out: SchedulerOutput) -> None:
-        """After `schedule()`, before the forward: e.g. register the blocks that
-        ``out.remote_kv_allocated`` requests expect, or plan this step's WRITEs."""
+    def build_connector_meta(self, out: SchedulerOutput) -> KVConnectorMetadata | None:
+        """After `schedule()`, before the forward: plan this step's transfers (e.g. the
+        blocks ``out.remote_kv_allocated`` requests expect, or this step's WRITEs); the
+        result is ``out.kv_connector_metadata``, what the worker side gets."""
+        return None
 
-    def on_step_done(
-        self, out: SchedulerOutput, sampled: dict[str, int], finished: list[Request]
-    ) -> None:
-        """After `update()`: e.g. end pushes whose first token was sampled."""
-
-    def on_finished(self, finished: list[Request]) -> None:
-        """Requests that finished (not aborted), once their final outputs were made, however
-        they finished (the step's `update()`, a stop string, a first token that came with
-        remote KV). One added with ``hold_blocks_on_finish`` still holds its blocks: e.g.
-        offer a finished turn."""
-
-    def on_aborted(self, request: Request) -> None:
-        """A request was aborted (by its client, or by a flow), whether or not it was
-        ever admitted, even if it never reached the scheduler (its client left while
-        it was queued for the engine). Its blocks are freed already, save those the
-        connector holds itself: e.g. cancel its transfers and drop its flow state."""
-
-    def take_updated_requests(self) -> list[Request]:
-        """Requests the connector changed outside the step (e.g. remote KV arrived
-        with a first token); the engine reports their new output."""
-        return []
-
-    def has_pending_work(self) -> bool:
-        """True while transfers are in flight that need the engine loop to keep stepping."""
-        return False
+    def request_finished(self, request: Request, reason: FinishReason) -> bool:
+        """Once for every finish: stop, length, a stop string, abort (also of a request
+        that never reached the scheduler: its client left while it was queued for the
+        engine), with the request in its final status. Return whether its blocks stay
+        held until released (`EngineHandle.release_held`); the default holds those added
+        with ``hold_blocks_on_finish`` unless aborted. Its final output is made after
+        this; work that must follow the answer goes through `EngineHandle.call`."""
+        return holds_blocks(request, reason)
 
     # ---- worker side ----
 
-    def layer_hook(self, out: SchedulerOutput) -> Callable[[int], None] | None:
+    def start_load_kv(self, meta: KVConnectorMetadata | None) -> None:
+        """Before the forward: e.g. register the blocks remote KV goes into, or post READs."""
+
+    def layer_hook(self, meta: KVConnectorMetadata | None) -> Callable[[int], None] | None:
         """A callback the runner calls with a layer's index once its KV is in the pool."""
         return None
+
+    def wait_for_save(self, meta: KVConnectorMetadata | None) -> None:
+        """After the forward (every step, with or without one): what this step's layer
+        hook began is posted."""
+
+    def get_finished(self) -> list[KVTransferResult]:
+        """Results of transfers that ended since the last call (received KV and its first
+        token, a receive that failed); the step applies them before it schedules."""
+        return []
+
+    def has_pending_work(self) -> bool:
+        """True while transfers are in flight, or results wait for `get_finished`, that
+        need the engine loop to keep stepping."""
+        return False
 
 
 class EngineHandle:
@@ -137,7 +151,7 @@ class EngineHandle:
     # ---- requests ----
 
     def get_request(self, request_id: str) -> Request | None:
-        """An unfinished or held request."""
+        """An unfinished or held request, to read (the scheduler alone changes it)."""
         return self._engine.scheduler.get_request(request_id)
 
     def abort(self, request_id: str) -> bool:
@@ -146,17 +160,3 @@ class EngineHandle:
     def release_held(self, request_id: str) -> bool:
         """Free a finished request's held blocks; False if none are held."""
         return self._engine.scheduler.release_held(request_id)
-
-    def resume_with_first_token(self, request_id: str, first_token: int) -> Request:
-        """Remote KV and the first token arrived: decode on. KeyError if not waiting."""
-        return self._engine.resume_with_first_token(request_id, first_token)
-
-    def resume_after_read(self, request_id: str) -> None:
-        """Remote KV arrived without a first token: recompute the last prompt token.
-        KeyError if not waiting."""
-        self._engine.scheduler.on_remote_kv_done(request_id, None)
-
-    def compute_locally(self, request_id: str, *, discard_blocks: bool) -> None:
-        """Remote KV will not come: prefill here (into fresh blocks with `discard_blocks`,
-        when a late WRITE could still land in the registered ones). KeyError if not waiting."""
-        self._engine.scheduler.on_remote_kv_failed(request_id, discard_blocks=discard_blocks)

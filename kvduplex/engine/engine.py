@@ -6,11 +6,18 @@
 A `KVConnector` (see `connector.py`) plugs disaggregation into the step
 without the step knowing about prefill or decode roles::
 
+    scheduler.apply_kv_results(connector.get_finished())   # transfers that ended
     out = scheduler.schedule()
-    connector.on_scheduled(out)               # e.g. register remote-KV blocks with P
-    logits = runner.execute(inputs, on_layer_done=connector.layer_hook(out))
-    finished = scheduler.update(out, sampled)
-    connector.on_step_done(out, sampled, finished)
+    meta = out.kv_connector_metadata = connector.build_connector_meta(out)
+    connector.start_load_kv(meta)             # e.g. register remote-KV blocks with P
+    logits = runner.execute(inputs, on_layer_done=connector.layer_hook(meta))
+    connector.wait_for_save(meta)
+    finished = scheduler.update(out, sampled) # each finish: connector.request_finished
+
+One output path: every `RequestOutput` comes from `step` (tokens sampled here,
+first tokens that came with remote KV, finishes, aborts since the last step);
+`has_unfinished` stays true while any is pending, so a loop that steps while it
+is true delivers them all.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from kvduplex.engine.sampler import sample
 from kvduplex.engine.sampling import SamplingParams
 from kvduplex.engine.scheduler import Scheduler
 from kvduplex.engine.scheduler import SchedulerOutput
+from kvduplex.engine.scheduler_output import KVConnectorMetadata
 from kvduplex.engine.structured import fill_bitmask
 from kvduplex.model.loader import LoadedModel
 from kvduplex.model.loader import load_model
@@ -129,7 +137,7 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(
             self.block_pool, config.cache.block_size, identity=self.loaded.identity
         )
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self._request_finished)
         self.runner = ModelRunner(
             self.loaded.model, model_cfg, self.kv_pool, self.layout, self.loaded.device,
             decode_attention=config.model.decode_attention,
@@ -148,8 +156,7 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._test_script: tuple[int, ...] | None = None  # see `script_output_for_tests`
         self._num_emitted: dict[str, int] = {}
-        self._aborted: list[RequestOutput] = []  # final outputs of aborts, not yet returned
-        self._finished: list[Request] = []  # final output made, not reported to the connector
+        self._pending: list[RequestOutput] = []  # made between steps (aborts), not yet returned
         self.last_step_did_work = False
         """The last `step` computed tokens, allocated blocks for remote KV or preempted: when
         it did none of these, nothing can run until a request, an abort or a call changes
@@ -191,108 +198,106 @@ class LLMEngine:
         return req
 
     def abort_request(self, request_id: str) -> bool:
-        """Stop a request and free its blocks; False if it is unknown or already gone.
+        """Stop a request and free its blocks (the connector hears `request_finished`);
+        False if it is unknown or already gone (a held one just releases its blocks).
 
-        Its final output (finish_reason "abort") comes with the next `step` or
-        `connector_outputs`, so that whoever still reads the request's outputs sees it
-        end: the abort may come from a connector (a cancelled push), not the client.
+        Its final output (finish_reason "abort") comes with the next `step`, so that
+        whoever still reads the request's outputs sees it end: the abort may come from
+        a connector (a cancelled push), not the client.
         """
         req = self.scheduler.get_request(request_id)
         found = self.scheduler.abort_request(request_id)
         if found and req is not None and (out := self._make_output(req)) is not None:
-            self._aborted.append(out)
+            self._pending.append(out)
         self._forget(request_id)
         self._drop_stale_tables()
-        if found and req is not None:
-            self.connector.on_aborted(req)
         return found
 
     def drop_unadded(self, request: Request) -> None:
         """A request that will never be added (its client left while it was queued for
-        the engine, or it was refused): its connector state goes as an abort's would."""
-        self.connector.on_aborted(request)
+        the engine): it finishes as aborted, and its connector hears so."""
+        request.status = FinishReason.ABORT.status
+        request.finish_reason = FinishReason.ABORT
+        self.connector.request_finished(request, FinishReason.ABORT)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self.connector.has_pending_work()
+        """Requests to run, outputs to return, or transfers that need the loop stepping."""
+        return (
+            self.scheduler.has_unfinished()
+            or bool(self._pending)
+            or self.connector.has_pending_work()
+        )
 
     # -------------------------------------------------------------------- step
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; return what changed for each request."""
+        """Run one engine step; return what changed for each request since the last one."""
+        outputs, self._pending = self._pending, []
+        resumed = self._apply_kv_results()
+        outputs += [o for req in resumed if (o := self._make_output(req)) is not None]
         out = self.scheduler.schedule()
-        self.last_step_did_work = bool(out.seqs or out.remote_kv_allocated or out.preempted)
-        for seq in out.seqs:
-            req = seq.request
-            if seq.start_pos < req.num_prompt_tokens:
-                end = min(seq.start_pos + seq.num_new_tokens, req.num_prompt_tokens)
-                req.num_prompt_computed_here += end - seq.start_pos
-        self.connector.on_scheduled(out)
+        self.last_step_did_work = bool(
+            out.seqs or out.remote_kv_allocated or out.preempted_ids or resumed
+        )
+        connector = self.connector
+        meta = out.kv_connector_metadata = connector.build_connector_meta(out)
         self.runner.drop_tables(out.dropped_table_ids)
-        sampled = self._execute(out) if out.seqs else {}
+        connector.start_load_kv(meta)
+        sampled = self._execute(out, meta) if out.seqs else {}
+        connector.wait_for_save(meta)
         finished = self.scheduler.update(out, sampled)
-        self.connector.on_step_done(out, sampled, finished)
-        touched = {seq.request.request_id: seq.request for seq in out.seqs if seq.needs_sample}
-        for req in finished:
-            touched[req.request_id] = req
-        for req in self.connector.take_updated_requests():
-            touched[req.request_id] = req
-        outputs = [o for req in touched.values() if (o := self._make_output(req)) is not None]
-        self._report_finished()
+        touched = {req.request_id: req for req in finished}
+        for seq in out.seqs:
+            if seq.needs_sample and seq.request_id not in touched:
+                req = self.scheduler.get_request(seq.request_id)
+                if req is not None:
+                    touched[seq.request_id] = req
+        outputs += [o for req in touched.values() if (o := self._make_output(req)) is not None]
         self._drop_stale_tables()
-        return self._take_aborted() + outputs
+        outputs += self._pending  # aborts during the step (a connector's)
+        self._pending = []
+        return outputs
 
-    def resume_with_first_token(self, request_id: str, first_token: int) -> Request:
-        """A request whose prompt KV and first token came from elsewhere starts decoding.
+    def _apply_kv_results(self) -> list[Request]:
+        """Apply the transfers the connector saw end (the one place they change
+        requests); return the requests that got their first token with remote KV."""
+        results = self.connector.get_finished()
+        if not results:
+            return []
+        resumed = self.scheduler.apply_kv_results(results)
+        vocab_size = self.loaded.config.vocab_size
+        for req in resumed:  # sampled elsewhere: a seeded generator skips that draw
+            self._generators.skip(req.request_id, req.sampling_params, vocab_size)
+        return resumed
 
-        Raises KeyError if it is not waiting for remote KV.
-        """
-        req = self.scheduler.get_request(request_id)
-        if req is None:
-            raise KeyError(f"request {request_id!r} is not waiting for remote KV")
-        self.scheduler.on_remote_kv_done(request_id, first_token)
-        self._generators.skip(request_id, req.sampling_params, self.loaded.config.vocab_size)
-        return req
-
-    def connector_outputs(self) -> list[RequestOutput]:
-        """Outputs of requests the connector changed between steps (e.g. a first
-        token that arrived with remote KV), so they reach clients before the next step."""
-        updated = self.connector.take_updated_requests()
-        outputs = [o for req in updated if (o := self._make_output(req)) is not None]
-        self._report_finished()
-        self._drop_stale_tables()
-        return self._take_aborted() + outputs
-
-    def _report_finished(self) -> None:
-        """Tell the connector every request whose final output was just made (aborts
-        aside), however it finished: in the step's update, by a stop string, or with the
-        first token that came with remote KV."""
-        finished, self._finished = self._finished, []
-        if finished:
-            self.connector.on_finished(finished)
+    def _request_finished(self, req: Request, reason: FinishReason) -> bool:
+        """The scheduler's finish hook: the connector hears of every finish."""
+        return self.connector.request_finished(req, reason)
 
     def _drop_stale_tables(self) -> None:
         """The runner forgets at once the tables of requests that stopped running."""
         self.runner.drop_tables(self.scheduler.tables.take_dropped())
 
-    def _take_aborted(self) -> list[RequestOutput]:
-        aborted, self._aborted = self._aborted, []
-        return aborted
-
-    def _execute(self, out: SchedulerOutput) -> dict[str, int]:
+    def _execute(self, out: SchedulerOutput, meta: KVConnectorMetadata | None) -> dict[str, int]:
         runner = self.runner
+        requests = self.scheduler.get_request
         inputs: list[SeqInput] = []
+        sampling: list[Request] = []
         for seq in out.seqs:
-            rid = seq.request.request_id
+            rid = seq.request_id
             if seq.new_block_ids or seq.replaces_table:
                 runner.update_table(rid, seq.new_block_ids, seq.replaces_table)
             inputs.append(SeqInput(seq.token_ids, seq.start_pos, None, seq.needs_sample, rid))
-        sampling = [seq.request for seq in out.seqs if seq.needs_sample]
+            if seq.needs_sample:
+                req = requests(rid)
+                assert req is not None, f"request {rid} scheduled but unknown"
+                sampling.append(req)
         # Structured output: masks filled before the forward (they depend only on the
         # tokens accepted so far), applied to its logits.
         constrained = [i for i, req in enumerate(sampling) if req.grammar is not None]
         vocab_size = self.loaded.config.vocab_size
         bitmask = fill_bitmask([sampling[i].grammar for i in constrained], vocab_size)
-        logits = runner.execute(inputs, on_layer_done=self.connector.layer_hook(out))
+        logits = runner.execute(inputs, on_layer_done=self.connector.layer_hook(meta))
         if not sampling:
             return {}
         if bitmask is not None:
@@ -393,8 +398,6 @@ class LLMEngine:
             ]
         if finished:
             self._forget(rid)
-            if req.status is not RequestStatus.FINISHED_ABORTED:
-                self._finished.append(req)
         return output
 
     def _forget(self, request_id: str) -> None:

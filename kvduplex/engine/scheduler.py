@@ -32,6 +32,8 @@ from __future__ import annotations
 import bisect
 import logging
 from collections import deque
+from collections.abc import Callable
+from collections.abc import Iterable
 from collections.abc import Mapping
 
 from kvduplex.config import SchedulerConfig
@@ -40,12 +42,27 @@ from kvduplex.engine.request import FinishReason
 from kvduplex.engine.request import Request
 from kvduplex.engine.request import RequestStatus
 from kvduplex.engine.scheduler_output import BlockTableTracker
+from kvduplex.engine.scheduler_output import KVFirstToken
+from kvduplex.engine.scheduler_output import KVReceived
+from kvduplex.engine.scheduler_output import KVReceiveFailed
+from kvduplex.engine.scheduler_output import KVTransferResult
+from kvduplex.engine.scheduler_output import RemoteKVAllocation
 from kvduplex.engine.scheduler_output import ScheduledSeq
 from kvduplex.engine.scheduler_output import SchedulerOutput
 from kvduplex.engine.scheduler_output import StepBuilder
 from kvduplex.engine.scheduler_output import check_stop
 
 logger = logging.getLogger(__name__)
+
+RequestFinished = Callable[[Request, FinishReason], bool]
+"""Called once per finish with the request (already in its final status); returns
+whether its blocks stay held until `Scheduler.release_held`."""
+
+
+def holds_blocks(request: Request, reason: FinishReason) -> bool:
+    """The default `RequestFinished`: hold what was added with ``hold_blocks_on_finish``,
+    unless aborted."""
+    return request.hold_blocks_on_finish and reason is not FinishReason.ABORT
 
 
 class Scheduler:
@@ -54,9 +71,16 @@ class Scheduler:
     Single-threaded: call all methods from the engine loop.
     """
 
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_manager: KVCacheManager,
+        request_finished: RequestFinished = holds_blocks,
+    ) -> None:
         self.config = config
         self.kv = kv_manager
+        self.request_finished = request_finished
+        """The finish hook (the engine sets its connector's)."""
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._waiting: deque[Request] = deque()  # WAITING / PREEMPTED, FCFS
         self._running: list[Request] = []  # RUNNING, by arrival_time
@@ -145,7 +169,7 @@ class Scheduler:
         step = StepBuilder(self.config.max_num_batched_tokens)
         self._schedule_running(step, decodes=True)
         self._schedule_running(step, decodes=False)
-        if not step.preempted:
+        if not step.preempted_ids:
             self._admit_waiting(step)
         return step.build(self.tables)
 
@@ -157,8 +181,8 @@ class Scheduler:
         """
         finished: list[Request] = []
         for seq in output.seqs:
-            req = seq.request
-            if req.status is not RequestStatus.RUNNING:
+            req = self._requests.get(seq.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
                 continue
             assert req.num_computed_tokens == seq.start_pos, (
                 f"request {req.request_id} moved mid-step"
@@ -182,6 +206,34 @@ class Scheduler:
         return finished
 
     # ---- remote KV ----
+
+    def apply_kv_results(self, results: Iterable[KVTransferResult]) -> list[Request]:
+        """Apply what the connector reported about transfers since the last step (the
+        only place transfers change requests); return the requests that got their first
+        token with remote KV (finished already, some of them). A result for a request
+        that is no longer waiting (aborted meanwhile) is dropped."""
+        resumed: list[Request] = []
+        for res in results:
+            rid = res.request_id
+            if isinstance(res, KVFirstToken):
+                req = self._requests.get(rid)
+                if req is not None and req.num_output_tokens == 0:
+                    req.forced_first_token = res.token
+                continue
+            req = self._remote_waiting.get(rid)
+            if req is None:
+                logger.info("request %s: gone before its KV arrived", rid)
+                continue
+            if isinstance(res, KVReceiveFailed):
+                self.on_remote_kv_failed(rid, discard_blocks=res.discard_blocks)
+                continue
+            assert isinstance(res, KVReceived)
+            req.num_remote_cached_tokens = res.num_remote_cached_tokens
+            req.num_remote_kv_bytes = res.num_remote_kv_bytes
+            self.on_remote_kv_done(rid, res.first_token)
+            if res.first_token is not None:
+                resumed.append(req)
+        return resumed
 
     def on_remote_kv_done(self, request_id: str, first_token: int | None) -> bool:
         """The sender filled the prompt's blocks; start decoding. Returns True if it finished.
@@ -328,6 +380,7 @@ class Scheduler:
 
     def _admit_remote(self, req: Request, step: StepBuilder) -> bool:
         """Allocate blocks for the whole prompt and wait for the sender to fill them."""
+        assert req.remote_kv is not None
         hit = self.kv.find_prefix_hit(req, allow_full_hit=True)
         if self.kv.try_allocate_slots(req, req.num_prompt_tokens - hit.num_tokens, hit) is None:
             return False
@@ -336,12 +389,20 @@ class Scheduler:
         req.num_cached_tokens = hit.num_tokens
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self._remote_waiting[req.request_id] = req
-        step.remote_kv_allocated.append(req)
+        step.remote_kv_allocated.append(
+            RemoteKVAllocation(
+                req.request_id,
+                req.remote_kv.transfer_id,
+                tuple(req.block_ids),
+                req.num_cached_tokens,
+                req.num_prompt_tokens,
+            )
+        )
         logger.debug(
             "request %s: %d blocks allocated for remote KV (transfer %s, %d tokens cached)",
             req.request_id,
             len(req.block_ids),
-            req.remote_kv.transfer_id if req.remote_kv else "?",
+            req.remote_kv.transfer_id,
             hit.num_tokens,
         )
         return True
@@ -355,7 +416,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self._waiting.appendleft(req)
-        step.preempted.append(req)
+        step.preempted_ids.append(req.request_id)
         logger.info(
             "request %s preempted (out of KV blocks; %d tokens to recompute)",
             req.request_id,
@@ -378,7 +439,12 @@ class Scheduler:
         self.tables.forget(req.request_id)
         req.status = reason.status
         req.finish_reason = reason
-        if req.hold_blocks_on_finish and reason is not FinishReason.ABORT:
+        try:
+            hold = self.request_finished(req, reason)
+        except Exception:  # the request is finished either way; its blocks must not leak
+            logger.exception("request %s: the finish hook failed; blocks freed", req.request_id)
+            hold = False
+        if hold:
             self._held[req.request_id] = req
         else:
             self.kv.free(req)
@@ -393,4 +459,11 @@ class Scheduler:
         )
 
 
-__all__ = ["ScheduledSeq", "Scheduler", "SchedulerOutput", "check_stop"]
+__all__ = [
+    "RequestFinished",
+    "ScheduledSeq",
+    "Scheduler",
+    "SchedulerOutput",
+    "check_stop",
+    "holds_blocks",
+]

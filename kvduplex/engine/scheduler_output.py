@@ -12,6 +12,10 @@ last saw the request (`BlockTableTracker` remembers how many it was sent)::
     step 9   a crosses into  new_block_ids [4]                        (a -> 7 2 9 4)
              a new block
     a finishes / is preempted / aborts: its id in `dropped_table_ids` of the next step
+
+A `SchedulerOutput` is plain data (ids, positions, token ids, block ids, the
+connector's metadata): no live `Request` reaches the runner or the worker side
+of a connector, which read only what the step hands them.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from kvduplex.engine.request import Request
 class ScheduledSeq:
     """One request's share of a step."""
 
-    request: Request
+    request_id: str
     start_pos: int
     """Position of the first token to compute (num_computed_tokens before the step)."""
     num_new_tokens: int
@@ -42,10 +46,59 @@ class ScheduledSeq:
     needs_sample: bool
     """This chunk reaches the end of the known tokens: sample the next one."""
 
-    @property
-    def block_table(self) -> list[int]:
-        """The request's whole table, live (not a copy; for tests and connectors)."""
-        return self.request.block_ids
+
+@dataclass(frozen=True)
+class RemoteKVAllocation:
+    """A request whose blocks were just allocated for its prompt's remote KV: the
+    connector registers them with (or reads into them from) the sender."""
+
+    request_id: str
+    transfer_id: str
+    block_ids: tuple[int, ...]
+    """The request's whole table: blocks for every prompt token."""
+    num_cached_tokens: int
+    """Prompt tokens already here (local prefix-cache hit): their blocks need no KV."""
+    num_prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class KVReceived:
+    """A request's prompt KV is in its blocks: it decodes on from `first_token` (sampled
+    by the sender), or, without one, recomputes its last prompt token here."""
+
+    request_id: str
+    first_token: int | None
+    num_remote_cached_tokens: int
+    """Prompt tokens the sender served from its own prefix cache."""
+    num_remote_kv_bytes: int
+
+
+@dataclass(frozen=True)
+class KVReceiveFailed:
+    """A request's prompt KV will not come: it prefills here, into fresh blocks with
+    `discard_blocks` (a late WRITE may still land in the ones it has)."""
+
+    request_id: str
+    discard_blocks: bool
+
+
+@dataclass(frozen=True)
+class KVFirstToken:
+    """The sender sampled the request's first token (a client may have it already): a
+    request that prefills here continues from it if it has not sampled yet."""
+
+    request_id: str
+    token: int
+
+
+KVTransferResult = KVReceived | KVReceiveFailed | KVFirstToken
+"""What a connector's worker side reports about its transfers; the engine applies them
+at the start of its next step (`Scheduler.apply_kv_results`)."""
+
+
+class KVConnectorMetadata:
+    """Base of what a connector's scheduler side hands its worker side for one step
+    (`KVConnector.build_connector_meta`); subclasses are plain dataclasses."""
 
 
 @dataclass
@@ -53,15 +106,17 @@ class SchedulerOutput:
     """What one step computes, plus the state changes the engine must act on."""
 
     seqs: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
     """Requests whose KV was dropped this step (the runner forgets their state)."""
-    remote_kv_allocated: list[Request] = field(default_factory=list)
-    """Requests whose blocks were just allocated for remote KV: tell the sender
-    ``block_ids`` and ``num_cached_tokens`` (what is already here)."""
+    remote_kv_allocated: list[RemoteKVAllocation] = field(default_factory=list)
+    """Requests whose blocks were just allocated for remote KV."""
     dropped_table_ids: list[str] = field(default_factory=list)
     """Requests whose block tables the runner drops before this step (finished,
     aborted or preempted since it last saw them)."""
     num_batched_tokens: int = 0
+    kv_connector_metadata: KVConnectorMetadata | None = None
+    """What the connector's scheduler side planned for this step (set by the engine
+    after `schedule`), for its worker side."""
 
     @property
     def is_empty(self) -> bool:
@@ -108,8 +163,8 @@ class StepBuilder:
     def __init__(self, token_budget: int) -> None:
         self.token_budget = token_budget
         self.seqs: dict[str, tuple[Request, int]] = {}
-        self.preempted: list[Request] = []
-        self.remote_kv_allocated: list[Request] = []
+        self.preempted_ids: list[str] = []
+        self.remote_kv_allocated: list[RemoteKVAllocation] = []
         self._num_tokens = 0
 
     @property
@@ -129,16 +184,18 @@ class StepBuilder:
 
     def build(self, tables: BlockTableTracker) -> SchedulerOutput:
         out = SchedulerOutput(
-            preempted=self.preempted,
+            preempted_ids=self.preempted_ids,
             remote_kv_allocated=self.remote_kv_allocated,
             dropped_table_ids=tables.take_dropped(),
         )
         for req, n in self.seqs.values():
             start = req.num_computed_tokens
+            if start < req.num_prompt_tokens:
+                req.num_prompt_computed_here += min(start + n, req.num_prompt_tokens) - start
             new_block_ids, replaces = tables.take_delta(req)
             out.seqs.append(
                 ScheduledSeq(
-                    request=req,
+                    request_id=req.request_id,
                     start_pos=start,
                     num_new_tokens=n,
                     token_ids=list(req.all_token_ids[start : start + n]),
@@ -177,4 +234,16 @@ def check_stop(req: Request, max_num_tokens: int) -> FinishReason | None:
     return None
 
 
-__all__ = ["BlockTableTracker", "ScheduledSeq", "SchedulerOutput", "StepBuilder", "check_stop"]
+__all__ = [
+    "BlockTableTracker",
+    "KVConnectorMetadata",
+    "KVFirstToken",
+    "KVReceiveFailed",
+    "KVReceived",
+    "KVTransferResult",
+    "RemoteKVAllocation",
+    "ScheduledSeq",
+    "SchedulerOutput",
+    "StepBuilder",
+    "check_stop",
+]

@@ -16,11 +16,16 @@ from typing import TypeVar
 from kvduplex.engine.async_engine import AsyncEngine
 from kvduplex.engine.connector import EngineHandle
 from kvduplex.engine.connector import KVConnector
+from kvduplex.engine.request import FinishReason
 from kvduplex.engine.request import Request
+from kvduplex.engine.scheduler_output import KVConnectorMetadata
+from kvduplex.engine.scheduler_output import KVTransferResult
+from kvduplex.engine.scheduler_output import RemoteKVAllocation
 from kvduplex.engine.scheduler_output import SchedulerOutput
 from kvduplex.kvflow.metrics import KVFlowMetrics
 from kvduplex.kvflow.pull import PullConnector
 from kvduplex.kvflow.push_decode import PushDecode
+from kvduplex.kvflow.push_prefill import PushPlan
 from kvduplex.kvflow.push_prefill import PushSender
 from kvduplex.kvflow.receiver import KVReceiver
 from kvduplex.kvflow.return_pull import RetainedReader
@@ -36,25 +41,43 @@ S = TypeVar("S", bound=KVSender)
 
 
 class PrefillConnector(KVConnector):
+    """Prefill's connector: the push sender's step hooks."""
+
     def __init__(self, sender: PushSender) -> None:
         self.sender = sender
 
-    def on_scheduled(self, out: SchedulerOutput) -> None:
-        self.sender.on_scheduled(out)
+    def build_connector_meta(self, out: SchedulerOutput) -> PushPlan:
+        return self.sender.build_connector_meta(out)
 
-    def layer_hook(self, out: SchedulerOutput) -> Callable[[int], None] | None:
-        return self.sender.layer_hook(out)
+    def request_finished(self, request: Request, reason: FinishReason) -> bool:
+        self.sender.request_finished(request, reason)
+        return super().request_finished(request, reason)
 
-    def on_step_done(
-        self, out: SchedulerOutput, sampled: dict[str, int], finished: list[Request]
-    ) -> None:
-        self.sender.on_step_done(out, sampled, finished)
+    def start_load_kv(self, meta: KVConnectorMetadata | None) -> None:
+        assert isinstance(meta, PushPlan)
+        self.sender.start_load_kv(meta)
 
-    def on_aborted(self, request: Request) -> None:
-        self.sender.on_request_aborted(request.request_id)
+    def layer_hook(self, meta: KVConnectorMetadata | None) -> Callable[[int], None] | None:
+        assert isinstance(meta, PushPlan)
+        return self.sender.layer_hook(meta)
+
+    def wait_for_save(self, meta: KVConnectorMetadata | None) -> None:
+        assert isinstance(meta, PushPlan)
+        self.sender.wait_for_save(meta)
+
+
+@dataclass
+class RemoteKVLoads(KVConnectorMetadata):
+    """The requests whose prompt's KV decode starts to receive this step, by flow."""
+
+    push: list[RemoteKVAllocation]
+    pull: list[RemoteKVAllocation]
+    """Pulled, and those no flow knows (the pull flow computes them locally)."""
 
 
 class DecodeConnector(KVConnector):
+    """Decode's connector: pushed and pulled prompts, and the return of finished turns."""
+
     def __init__(
         self, pull: PullConnector, push: PushDecode, returns: ReturnOfferer, retainer: TurnRetainer
     ) -> None:
@@ -63,29 +86,39 @@ class DecodeConnector(KVConnector):
         self.returns = returns
         self.retainer = retainer
 
-    def on_scheduled(self, out: SchedulerOutput) -> None:
-        for req in out.remote_kv_allocated:
-            assert req.remote_kv is not None
-            if self.push.owns(req.remote_kv.transfer_id):
-                self.push.start(req)
-            else:
-                self.pull.start(req)  # the pull flow computes unknown ones locally
+    def build_connector_meta(self, out: SchedulerOutput) -> RemoteKVLoads | None:
+        if not out.remote_kv_allocated:
+            return None
+        loads = RemoteKVLoads([], [])
+        for alloc in out.remote_kv_allocated:
+            (loads.push if self.push.owns(alloc.transfer_id) else loads.pull).append(alloc)
+        return loads
 
-    def on_finished(self, finished: list[Request]) -> None:
-        self.returns.on_finished(finished)
-        self.retainer.on_finished(finished)
+    def request_finished(self, request: Request, reason: FinishReason) -> bool:
+        if reason is FinishReason.ABORT:
+            if request.remote_kv is not None:
+                xid = request.remote_kv.transfer_id
+                self.push.on_aborted(xid)
+                self.pull.on_aborted(xid)
+        else:
+            self.returns.on_finished([request])
+            self.retainer.on_finished([request])
+        return super().request_finished(request, reason)
 
-    def on_aborted(self, request: Request) -> None:
-        if request.remote_kv is not None:
-            xid = request.remote_kv.transfer_id
-            self.push.on_aborted(xid)
-            self.pull.on_aborted(xid)
+    def start_load_kv(self, meta: KVConnectorMetadata | None) -> None:
+        if meta is None:
+            return
+        assert isinstance(meta, RemoteKVLoads)
+        for alloc in meta.push:
+            self.push.start(alloc)
+        for alloc in meta.pull:
+            self.pull.start(alloc)
 
-    def take_updated_requests(self) -> list[Request]:
-        return self.push.take_updated_requests()
+    def get_finished(self) -> list[KVTransferResult]:
+        return self.push.take_finished() + self.pull.take_finished()
 
     def has_pending_work(self) -> bool:
-        return self.pull.has_pending_work()
+        return self.pull.has_pending_work() or self.push.has_pending_work()
 
 
 @dataclass

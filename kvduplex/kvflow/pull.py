@@ -6,9 +6,10 @@ blocks (held by the scheduler) until decode releases them or the lease expires.
 Decode side: `PullConnector` (part of decode's connector) posts one NIXL READ per request
 once the scheduler allocated its blocks, for the blocks the local prefix
 cache lacks. Its done callback runs on the transport's progress thread and
-only enqueues a call into the engine thread, which resumes the request
-(`on_remote_kv_done` / `on_remote_kv_failed`). Release requests to prefill go
-over HTTP from a small worker pool, never from the engine thread.
+only enqueues a call into the engine thread, which records the outcome
+(`KVReceived` / `KVReceiveFailed`) for the engine's next step to apply
+(`take_finished`). Release requests to prefill go over HTTP from a small
+worker pool, never from the engine thread.
 """
 
 from __future__ import annotations
@@ -28,7 +29,10 @@ import httpx
 
 from kvduplex.engine.connector import EngineHandle
 from kvduplex.engine.kv_cache import num_blocks_for_tokens
-from kvduplex.engine.request import Request
+from kvduplex.engine.scheduler_output import KVReceived
+from kvduplex.engine.scheduler_output import KVReceiveFailed
+from kvduplex.engine.scheduler_output import KVTransferResult
+from kvduplex.engine.scheduler_output import RemoteKVAllocation
 from kvduplex.kvflow.half import release_when_settled
 from kvduplex.kvflow.half import tear_down_if_unsettled
 from kvduplex.kvflow.metrics import KVFlowMetrics
@@ -100,6 +104,7 @@ class PullConnector:
         self._lock = threading.Lock()
         self._specs: dict[str, PullSpec] = {}
         self._in_flight: dict[str, TransferHandle] = {}  # request id -> read
+        self._finished: list[KVTransferResult] = []  # engine thread
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-release")
 
     def register(self, spec: PullSpec) -> None:
@@ -114,7 +119,13 @@ class PullConnector:
             return self._specs.pop(xid, None)
 
     def has_pending_work(self) -> bool:
-        return bool(self._in_flight)
+        """READs in flight, or outcomes the engine has not taken yet."""
+        return bool(self._in_flight or self._finished)
+
+    def take_finished(self) -> list[KVTransferResult]:
+        """Engine thread: the outcomes of pulls since the last call, for the engine's step."""
+        finished, self._finished = self._finished, []
+        return finished
 
     def num_specs(self) -> int:
         with self._lock:
@@ -149,30 +160,29 @@ class PullConnector:
 
     # ---- engine thread ----
 
-    def start(self, req: Request) -> None:
+    def start(self, alloc: RemoteKVAllocation) -> None:
         """The request was admitted with blocks for its prompt: READ what is missing."""
-        assert req.remote_kv is not None
-        rid = req.request_id
-        spec = self.forget(req.remote_kv.transfer_id)
+        rid = alloc.request_id
+        spec = self.forget(alloc.transfer_id)
         if spec is None:
             logger.warning("request %s: no pull spec; computing the prompt locally", rid)
-            self.engine.compute_locally(rid, discard_blocks=False)
+            self._finished.append(KVReceiveFailed(rid, discard_blocks=False))
             return
-        num_blocks = num_blocks_for_tokens(req.num_prompt_tokens, self.block_size)
-        first = req.num_cached_tokens // self.block_size
-        if spec.num_tokens != req.num_prompt_tokens or len(spec.block_ids) < num_blocks:
+        num_blocks = num_blocks_for_tokens(alloc.num_prompt_tokens, self.block_size)
+        first = alloc.num_cached_tokens // self.block_size
+        if spec.num_tokens != alloc.num_prompt_tokens or len(spec.block_ids) < num_blocks:
             logger.warning(
                 "request %s: prefill has %d tokens in %d blocks, the prompt %d tokens; "
                 "computing locally", rid, spec.num_tokens, len(spec.block_ids),
-                req.num_prompt_tokens,
+                alloc.num_prompt_tokens,
             )  # fmt: skip
             self._finish(rid, spec, ok=False, num_read=0)
             return
-        local = req.block_ids[first:num_blocks]
+        local = list(alloc.block_ids[first:num_blocks])
         remote = spec.block_ids[first:num_blocks]
         self.stats.num_skipped_blocks += first
         if self.metrics is not None:
-            self.metrics.remote_prefix_hit_tokens.inc(req.num_cached_tokens)
+            self.metrics.remote_prefix_hit_tokens.inc(alloc.num_cached_tokens)
         if not local:
             self._finish(rid, spec, ok=True, num_read=0)
             return
@@ -218,26 +228,24 @@ class PullConnector:
     def _finish(
         self, rid: str, spec: PullSpec, *, ok: bool, num_read: int, discard_blocks: bool = False
     ) -> None:
-        """Resume the request with the KV read, or compute its prompt here (into fresh
-        blocks when the READ may still land in the ones it has)."""
-        try:
-            if ok:
-                req = self.engine.get_request(rid)
-                self.engine.resume_after_read(rid)
-                if req is not None:
-                    req.num_remote_cached_tokens = spec.num_cached_tokens
-                    req.num_remote_kv_bytes = num_read * self.transport.layout.bytes_per_block
-                self.stats.num_pulls += 1
-                self.stats.num_pulled_blocks += num_read
-                if self.metrics is not None and req is not None:
-                    self.metrics.received_tokens.inc(req.num_prompt_tokens - req.num_cached_tokens)
-            else:
-                self.stats.num_failed += 1
-                if self.metrics is not None:
-                    self.metrics.fallbacks.labels("pull_failed").inc()
-                self.engine.compute_locally(rid, discard_blocks=discard_blocks)
-        except KeyError:  # aborted meanwhile
+        """Have the next step resume the request with the KV read, or compute its prompt
+        here (into fresh blocks when the READ may still land in the ones it has)."""
+        req = self.engine.get_request(rid)
+        if not ok:
+            self.stats.num_failed += 1
+            if self.metrics is not None:
+                self.metrics.fallbacks.labels("pull_failed").inc()
+        if req is None:  # aborted meanwhile
             logger.info("request %s: gone before its KV arrived", rid)
+        elif ok:
+            num_bytes = num_read * self.transport.layout.bytes_per_block
+            self._finished.append(KVReceived(rid, None, spec.num_cached_tokens, num_bytes))
+            self.stats.num_pulls += 1
+            self.stats.num_pulled_blocks += num_read
+            if self.metrics is not None:
+                self.metrics.received_tokens.inc(req.num_prompt_tokens - req.num_cached_tokens)
+        else:
+            self._finished.append(KVReceiveFailed(rid, discard_blocks=discard_blocks))
         self._pool.submit(self._release, spec.prefill_url, spec.xid)
 
     def close(self) -> None:

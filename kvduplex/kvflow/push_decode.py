@@ -4,8 +4,11 @@
 
     HTTP prepare: register(PushSpec)      (before the request reaches the engine)
     admission: prefix hit + blocks for the rest ──► KVReceiver.expect (KVRegister to P)
-    KVDone{first_token} ──► the request decodes on from P's first token
-    KVFailed / deadline / cancel ──► the request prefills its prompt here
+    KVDone{first_token} ──► KVReceived: the request decodes on from P's first token
+    KVFailed / deadline / cancel ──► KVReceiveFailed: the request prefills its prompt here
+
+The outcomes are results (`take_finished`) that the engine's next step applies:
+nothing here changes a request.
 
 While a request waits for admission (queued on decode), its spec sends
 prefill `KVWaiting` every third of the wait, which keeps prefill's wait for
@@ -22,7 +25,11 @@ from functools import partial
 
 from kvduplex.engine.connector import EngineHandle
 from kvduplex.engine.kv_cache import num_blocks_for_tokens
-from kvduplex.engine.request import Request
+from kvduplex.engine.scheduler_output import KVFirstToken
+from kvduplex.engine.scheduler_output import KVReceived
+from kvduplex.engine.scheduler_output import KVReceiveFailed
+from kvduplex.engine.scheduler_output import KVTransferResult
+from kvduplex.engine.scheduler_output import RemoteKVAllocation
 from kvduplex.kvflow.messages import KVCancel
 from kvduplex.kvflow.messages import KVDone
 from kvduplex.kvflow.messages import KVWaiting
@@ -77,7 +84,7 @@ class PushDecode:
         self._lock = threading.Lock()
         self._specs: dict[str, PushSpec] = {}
         self._spec_waiting_at: dict[str, float] = {}  # xid -> last KVWaiting to its prefill
-        self._updated: list[Request] = []
+        self._finished: list[KVTransferResult] = []  # engine thread
 
     def attach(self, pump: NotificationPump) -> None:
         pump.every_tick(self._tick)
@@ -99,30 +106,34 @@ class PushDecode:
         with self._lock:
             return xid in self._specs
 
-    def take_updated_requests(self) -> list[Request]:
-        updated, self._updated = self._updated, []
-        return updated
-
     # ---- engine thread ----
 
-    def start(self, req: Request) -> None:
+    def take_finished(self) -> list[KVTransferResult]:
+        """The outcomes of waits that ended since the last call, for the engine's step."""
+        finished, self._finished = self._finished, []
+        return finished
+
+    def has_pending_work(self) -> bool:
+        return bool(self._finished)
+
+    def start(self, alloc: RemoteKVAllocation) -> None:
         """The request was admitted with blocks for its whole prompt: register them."""
-        assert req.remote_kv is not None
-        xid, rid = req.remote_kv.transfer_id, req.request_id
+        xid, rid = alloc.transfer_id, alloc.request_id
         with self._lock:
             spec = self._specs.pop(xid, None)
             self._spec_waiting_at.pop(xid, None)
         if spec is None:
             logger.warning("request %s: no push spec for %s; computing locally", rid, xid)
-            self.engine.compute_locally(rid, discard_blocks=False)
+            self._finished.append(KVReceiveFailed(rid, discard_blocks=False))
             return
-        first = req.num_cached_tokens // self.block_size
-        blocks = list(req.block_ids[first : num_blocks_for_tokens(req.num_prompt_tokens, self.block_size)])
+        first = alloc.num_cached_tokens // self.block_size
+        num_blocks = num_blocks_for_tokens(alloc.num_prompt_tokens, self.block_size)
+        blocks = list(alloc.block_ids[first:num_blocks])
         self.stats.num_skipped_blocks += first
         if self.metrics is not None:
-            self.metrics.remote_prefix_hit_tokens.inc(req.num_cached_tokens)
+            self.metrics.remote_prefix_hit_tokens.inc(alloc.num_cached_tokens)
         ok = self.receiver.expect(
-            xid, spec.peer, blocks, first, req.num_prompt_tokens,
+            xid, spec.peer, blocks, first, alloc.num_prompt_tokens,
             on_done=partial(self._on_done, rid, len(blocks)),
             on_failed=partial(self._on_failed, rid),
             on_first_token=partial(self._on_first_token, rid),
@@ -160,13 +171,8 @@ class PushDecode:
         if msg.first_token is None:
             self._fall_back(rid, "no_first_token", discard_blocks=False)
             return
-        try:
-            self.engine.resume_with_first_token(rid, msg.first_token)
-        except KeyError:
-            return
-        req.num_remote_cached_tokens = msg.num_cached_tokens
-        req.num_remote_kv_bytes = num_blocks * self.receiver.transport.layout.bytes_per_block
-        self._updated.append(req)
+        num_bytes = num_blocks * self.receiver.transport.layout.bytes_per_block
+        self._finished.append(KVReceived(rid, msg.first_token, msg.num_cached_tokens, num_bytes))
         self.stats.num_received += 1
         self.stats.num_received_blocks += num_blocks
         if self.metrics is not None:
@@ -177,7 +183,7 @@ class PushDecode:
         already): a prompt computed here continues from it, if it has not sampled yet."""
         req = self.engine.get_request(rid)
         if req is not None and req.num_output_tokens == 0:
-            req.forced_first_token = token
+            self._finished.append(KVFirstToken(rid, token))
 
     def _on_failed(self, rid: str, cause: WaitFailure, reason: str) -> None:
         if self.engine.get_request(rid) is None:
@@ -188,10 +194,7 @@ class PushDecode:
         self.stats.num_fallbacks += 1
         if self.metrics is not None:
             self.metrics.fallbacks.labels(reason).inc()
-        try:
-            self.engine.compute_locally(rid, discard_blocks=discard_blocks)
-        except KeyError:
-            logger.info("request %s: gone before its KV arrived", rid)
+        self._finished.append(KVReceiveFailed(rid, discard_blocks=discard_blocks))
 
     def _drop_orphan_specs(self, specs: list[PushSpec]) -> None:
         """Forget specs whose request left before admission (aborted), so that their

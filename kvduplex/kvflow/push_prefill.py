@@ -10,9 +10,11 @@
     P: first token sampled, every WRITE done ──KVDone{first_token}──► D
 
 `PushSender` is a `KVSender` whose jobs are prefill requests (``expect``)
-plus the engine hooks that plan each step's WRITEs (`on_scheduled`), post
-them layer by layer from the runner (`layer_hook`), and end a job once its
-first token is sampled (`on_step_done`). A registration that lands between
+plus the engine's connector hooks: its scheduler side plans each step's
+WRITEs (`build_connector_meta`: a `PushPlan` of block ids) and ends a job once
+its request finished with its first token (`request_finished`); its worker
+side posts the plan layer by layer from the runner (`layer_hook`) and marks it
+sent after the forward (`wait_for_save`). A registration that lands between
 two layers of a forward WRITEs the finished layers at once and streams the
 rest. Deadlines, heartbeats and failure rules are `KVSender`'s.
 """
@@ -22,9 +24,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from dataclasses import field
 
 from kvduplex.engine.kv_cache import num_blocks_for_tokens
+from kvduplex.engine.request import FinishReason
 from kvduplex.engine.request import Request
+from kvduplex.engine.scheduler_output import KVConnectorMetadata
 from kvduplex.engine.scheduler_output import SchedulerOutput
 from kvduplex.kvflow.sender import Chunk
 from kvduplex.kvflow.sender import KVSender
@@ -34,11 +40,21 @@ from kvduplex.transport.protocol import PeerHandle
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class PushPlan(KVConnectorMetadata):
+    """One step's WRITEs on prefill, for the worker side (plain data)."""
+
+    is_computing: bool
+    """The step runs a forward (the transport yields the CPU meanwhile)."""
+    chunks: dict[str, Chunk] = field(default_factory=dict)
+    """WRITE plans by xid; a registration that lands mid-forward adds its own."""
+
+
 class PushSender(KVSender):
     """Prefill's sender: jobs fed by running prefills, streamed layer by layer."""
 
     _chunks: dict[str, Chunk]
-    """This step's WRITE plans, by request id (= xid)."""
+    """This step's WRITE plans, by request id (= xid): the current `PushPlan`'s."""
     _step_seqs: dict[str, tuple[int, int]]
     """This step's jobs: xid -> (start, end) of the scheduled chunk."""
 
@@ -90,17 +106,17 @@ class PushSender(KVSender):
             self._chunks[job.xid] = chunk
             self._post(job, chunk, layers=list(range(layer + 1)))
 
-    # ---- engine hooks (engine thread) ----
+    # ---- connector hooks (engine thread) ----
 
-    def on_scheduled(self, out: SchedulerOutput) -> None:
-        self._chunks.clear()
-        self._step_seqs.clear()
-        if out.seqs:
-            self.transport.set_compute_busy(True)
+    def build_connector_meta(self, out: SchedulerOutput) -> PushPlan:
+        """Scheduler side: plan this step's WRITEs of registered jobs."""
+        plan = PushPlan(is_computing=bool(out.seqs))
+        self._chunks = plan.chunks
+        self._step_seqs = {}
         if not self._jobs:
-            return
+            return plan
         for seq in out.seqs:
-            job = self._jobs.get(seq.request.request_id)
+            job = self._jobs.get(seq.request_id)
             if job is None or job.error is not None or job.src_blocks is not None:
                 continue
             end = seq.start_pos + seq.num_new_tokens
@@ -109,39 +125,48 @@ class PushSender(KVSender):
                 continue
             hi = self._blocks_done(job, end)
             if hi > job.sent:
-                chunk = self._plan(job, seq.request, hi)
+                chunk = self._plan(job, self.engine.get_request(seq.request_id), hi)
                 chunk.num_pending = self.transport.layout.num_layers
-                self._chunks[job.xid] = chunk
+                plan.chunks[job.xid] = chunk
+        return plan
 
-    def layer_hook(self, out: SchedulerOutput) -> Callable[[int], None] | None:
+    def request_finished(self, req: Request, reason: FinishReason) -> None:
+        """Scheduler side: an aborted request's job stops; a finished one ends once its
+        WRITEs are done (its first token goes with KVDone)."""
+        if reason is FinishReason.ABORT:
+            self.on_request_aborted(req.request_id)
+            return
+        job = self._jobs.get(req.request_id)
+        if job is None or job.src_blocks is not None or not req.output_token_ids:
+            return
+        job.first_token = req.output_token_ids[0]
+        job.num_cached_tokens = req.num_cached_tokens
+        job.compute_done_at = time.monotonic()
+        self._maybe_end(job)
+
+    def start_load_kv(self, plan: PushPlan) -> None:
+        if plan.is_computing:
+            self.transport.set_compute_busy(True)
+
+    def layer_hook(self, plan: PushPlan) -> Callable[[int], None] | None:
         if not self._step_seqs:
             return None
 
         def on_layer_done(layer: int) -> None:
             self._drain_registrations(layer)
-            for xid, chunk in self._chunks.items():
+            for xid, chunk in plan.chunks.items():
                 if chunk.from_layer <= layer:
                     self._post(self._jobs[xid], chunk, layers=[layer])
 
         return on_layer_done
 
-    def on_step_done(
-        self, out: SchedulerOutput, sampled: dict[str, int], finished: list[Request]
-    ) -> None:
+    def wait_for_save(self, plan: PushPlan) -> None:
+        """Worker side, after the forward: every layer of the plan is posted."""
         self.transport.set_compute_busy(False)
-        for xid, chunk in self._chunks.items():
+        for xid, chunk in plan.chunks.items():
             self._jobs[xid].sent = chunk.hi
-        self._chunks.clear()
+        self._chunks = {}
         self._step_seqs.clear()
-        now = time.monotonic()
-        for req in finished:
-            job = self._jobs.get(req.request_id)
-            if job is None or job.src_blocks is not None or not req.output_token_ids:
-                continue
-            job.first_token = req.output_token_ids[0]
-            job.num_cached_tokens = req.num_cached_tokens
-            job.compute_done_at = now
-            self._maybe_end(job)
 
 
-__all__ = ["PushSender"]
+__all__ = ["PushPlan", "PushSender"]

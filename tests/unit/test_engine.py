@@ -128,7 +128,7 @@ def test_preemption_keeps_outputs_identical(tiny: LoadedModel) -> None:
     def counting_schedule():  # type: ignore[no-untyped-def]
         nonlocal preempted
         out = original()
-        preempted += len(out.preempted)
+        preempted += len(out.preempted_ids)
         return out
 
     engine.scheduler.schedule = counting_schedule  # type: ignore[method-assign]
@@ -207,8 +207,9 @@ def test_abort_frees_blocks(tiny: LoadedModel) -> None:
     assert engine.abort_request("a")
     assert not engine.abort_request("a")
     assert_no_leak(engine)
-    # Whoever reads the request's outputs sees it end, once.
-    outs = [o for o in engine.connector_outputs() if o.request_id == "a"]
+    # Whoever reads the request's outputs sees it end, once, from the next step.
+    assert engine.has_unfinished(), "an output is pending"
+    outs = [o for o in engine.step() if o.request_id == "a"]
     assert len(outs) == 1 and outs[0].finished and outs[0].finish_reason == "abort"
     assert outs[0].num_output_tokens == 2
     assert not [o for o in engine.step() if o.request_id == "a"]

@@ -1,5 +1,5 @@
 """Aborts at every moment of a push or a pull: the engine tells the connector
-(`on_aborted`, also for a request that never reached the scheduler), the peer stops
+(`request_finished`, also for a request that never reached the scheduler), the peer stops
 its part, and afterwards every flow table is empty and both pools are clean."""
 
 from __future__ import annotations

@@ -18,10 +18,10 @@ import pytest
 from kvduplex.engine.request import RemoteKVSpec
 from kvduplex.engine.request import Request
 from kvduplex.engine.sampling import SamplingParams
-from kvduplex.engine.scheduler import SchedulerOutput
 from kvduplex.kvflow.messages import KVCancel
 from kvduplex.kvflow.messages import KVRegister
 from kvduplex.kvflow.push_decode import PushSpec
+from kvduplex.kvflow.push_prefill import PushPlan
 from kvduplex.kvflow.sender import Registration
 from kvduplex.model.loader import LoadedModel
 from kvduplex.transport.messages import ControlMessage
@@ -165,8 +165,8 @@ def test_registration_mid_forward_writes_finished_layers_then_streams(tiny: Load
         s.pumps[0].on(KVRegister, lambda msg, sender: held.append((msg, sender)))
         orig = s.sender.layer_hook
 
-        def late_hook(out: SchedulerOutput) -> Callable[[int], None] | None:
-            hook = orig(out)
+        def late_hook(plan: PushPlan) -> Callable[[int], None] | None:
+            hook = orig(plan)
 
             def on_layer_done(layer: int) -> None:
                 if layer == 0 and held:  # the registration lands while layer 1 is computed

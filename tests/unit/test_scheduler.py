@@ -104,24 +104,26 @@ class Harness:
         for rid in out.dropped_table_ids:
             del self.tables[rid]  # only tables the runner was sent are dropped
         for seq in out.seqs:
-            rid = seq.request.request_id
+            rid = seq.request_id
             if seq.replaces_table:
                 self.tables[rid] = list(seq.new_block_ids)
             else:
                 self.tables[rid].extend(seq.new_block_ids)
-            assert self.tables[rid] == seq.request.block_ids, f"{rid}: runner table drifted"
+            req = self.sched.get_request(rid)
+            assert req is not None, rid
+            assert self.tables[rid] == req.block_ids, f"{rid}: runner table drifted"
 
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
         self.sync_tables(out)
         sampled = {}
         for seq in out.seqs:
-            table = self.tables[seq.request.request_id]
+            table = self.tables[seq.request_id]
             assert len(table) * BS >= seq.start_pos + seq.num_new_tokens
             for i, t in enumerate(seq.token_ids):
                 self.write(table, seq.start_pos + i, t)
             if seq.needs_sample:
                 end = seq.start_pos + seq.num_new_tokens
-                sampled[seq.request.request_id] = next_token(self.read(table, end))
+                sampled[seq.request_id] = next_token(self.read(table, end))
         return sampled
 
     def step(self) -> tuple[SchedulerOutput, list[Request]]:
@@ -153,8 +155,12 @@ class Harness:
         assert self.tables == {}, f"tables of finished requests kept: {sorted(self.tables)}"
 
 
+def allocated(out: SchedulerOutput) -> list[str]:
+    return [a.request_id for a in out.remote_kv_allocated]
+
+
 def by_id(out: SchedulerOutput) -> dict[str, tuple[int, int, bool]]:
-    return {s.request.request_id: (s.start_pos, s.num_new_tokens, s.needs_sample) for s in out.seqs}
+    return {s.request_id: (s.start_pos, s.num_new_tokens, s.needs_sample) for s in out.seqs}
 
 
 # ---- batching ----
@@ -169,7 +175,7 @@ def test_continuous_batching_admits_while_others_decode() -> None:
     # 2. B arrives; A decodes and B prefills in the same step, decodes first.
     b = h.add("b", list(range(20, 25)), params(3))
     out, _ = h.step()
-    assert [s.request.request_id for s in out.seqs] == ["a", "b"]
+    assert [s.request_id for s in out.seqs] == ["a", "b"]
     assert by_id(out) == {"a": (6, 1, True), "b": (0, 5, True)}
     # 3.. both run to completion with the tokens the model alone would produce.
     h.run()
@@ -305,13 +311,13 @@ def test_preemption_recomputes_and_produces_the_same_tokens() -> None:
         if not h.sched.has_unfinished():
             break
         out, _ = h.step()
-        preempted += [r.request_id for r in out.preempted]
+        preempted += out.preempted_ids
         if b.status is RequestStatus.PREEMPTED:
             saw_preempted_status = True
             assert b.block_ids == [] and b.num_computed_tokens == 0
             assert h.sched.num_waiting == 1
-        for r in out.preempted:
-            assert r.request_id not in by_id(out)  # a victim is not in the batch
+        for rid in out.preempted_ids:
+            assert rid not in by_id(out)  # a victim is not in the batch
     # B arrived last, so B is the one preempted; it resumes and finishes.
     assert preempted and set(preempted) == {"b"} and saw_preempted_status
     assert b.num_preemptions >= 1
@@ -334,7 +340,7 @@ def test_preempted_victim_scheduled_earlier_in_the_step_is_dropped() -> None:
     # 3. YOUNG's decode is scheduled first, then OLD's last chunk finds no block:
     #    YOUNG (the latest arrival) is preempted and leaves this step's batch.
     out, _ = h.step()
-    assert [r.request_id for r in out.preempted] == ["young"]
+    assert out.preempted_ids == ["young"]
     assert by_id(out) == {"old": (8, 4, True)}
     assert young.status is RequestStatus.PREEMPTED and young.num_output_tokens == 2
     # 4.. YOUNG recomputes its 4 tokens and finishes with the same output.
@@ -496,7 +502,7 @@ def test_abort_in_every_state_frees_blocks() -> None:
     # WAITING_FOR_REMOTE_KV: blocks allocated for the whole prompt
     r = h.add("r", list(range(2, 9)), remote_kv=RemoteKVSpec("xid-1"))
     out, _ = h.step()
-    assert out.remote_kv_allocated == [r] and len(r.block_ids) == 2
+    assert allocated(out) == [r.request_id] and len(r.block_ids) == 2
     assert h.sched.abort_request("r") and r.status is RequestStatus.FINISHED_ABORTED
     assert h.sched.num_waiting_for_remote_kv == 0
     with pytest.raises(KeyError):
@@ -556,12 +562,12 @@ def test_remote_kv_done_decodes_from_the_senders_first_token() -> None:
     r = h.add("r", prompt, params(5), remote_kv=RemoteKVSpec("xid-7", "prefill-0"))
     # 1. Blocks for the whole prompt; reported once; nothing computed.
     out, _ = h.step()
-    assert out.remote_kv_allocated == [r] and out.seqs == []
+    assert allocated(out) == [r.request_id] and out.seqs == []
     assert r.status is RequestStatus.WAITING_FOR_REMOTE_KV
     assert r.num_cached_tokens == 8 and len(r.block_ids) == 4
     # 2. Still waiting: not scheduled, not reported again.
     out, _ = h.step()
-    assert out.remote_kv_allocated == [] and out.seqs == []
+    assert allocated(out) == [] and out.seqs == []
     assert h.sched.num_waiting_for_remote_kv == 1 and h.sched.has_unfinished()
     # 3. The sender writes tokens 8..13 and samples the first token.
     first = h.send_remote(r)
@@ -581,7 +587,7 @@ def test_remote_kv_first_token_can_finish_the_request() -> None:
     h = Harness()
     r = h.add("r", [3, 4, 5], params(1), remote_kv=RemoteKVSpec("xid"))
     out, _ = h.step()
-    assert out.remote_kv_allocated == [r] and r.num_cached_tokens == 0
+    assert allocated(out) == [r.request_id] and r.num_cached_tokens == 0
     assert h.sched.on_remote_kv_done("r", h.send_remote(r)) is True
     assert r.status is RequestStatus.FINISHED_LENGTH
     h.assert_no_leaks()
@@ -594,7 +600,7 @@ def test_remote_kv_failed_falls_back_to_local_prefill() -> None:
     r = h.add("r", prompt, params(3), remote_kv=RemoteKVSpec("xid-9"))
     # 1. Admitted for remote KV.
     out, _ = h.step()
-    assert out.remote_kv_allocated == [r]
+    assert allocated(out) == [r.request_id]
     blocks = list(r.block_ids)
     # 2. The transfer fails: blocks kept, computing resumes after the local hit.
     h.sched.on_remote_kv_failed("r")
@@ -648,14 +654,14 @@ def test_remote_kv_admission_waits_for_blocks_in_order() -> None:
     c = h.add("c", [5], params(1))
     # 1. A takes 2 blocks; R needs 2, only 1 is free: R waits, and C behind it (FCFS).
     out, _ = h.step()
-    assert set(by_id(out)) == {"a"} and out.remote_kv_allocated == []
+    assert set(by_id(out)) == {"a"} and allocated(out) == []
     assert h.sched.num_waiting == 2
     # 2.. A decodes to the end; then R gets its blocks and C its seat.
     while not a.is_finished:
         out, _ = h.step()
-        assert out.remote_kv_allocated == []
+        assert allocated(out) == []
     out, _ = h.step()
-    assert out.remote_kv_allocated == [r] and by_id(out) == {"c": (0, 1, True)}
+    assert allocated(out) == [r.request_id] and by_id(out) == {"c": (0, 1, True)}
     assert h.sched.on_remote_kv_done("r", h.send_remote(r)) is True
     h.run()
     assert c.output_token_ids == reference([5], 1)
@@ -712,7 +718,7 @@ def test_preempted_request_sends_its_whole_table_again() -> None:
         if not h.sched.has_unfinished():
             break
         out, _ = h.step()
-        saw_drop |= bool(set(out.dropped_table_ids) & {r.request_id for r in out.preempted})
+        saw_drop |= bool(set(out.dropped_table_ids) & set(out.preempted_ids))
         saw_replace |= any(s.replaces_table and s.start_pos > 0 for s in out.seqs)
     assert saw_drop and saw_replace, "the pool was meant to force a preemption and a re-admission"
     h.assert_no_leaks()
