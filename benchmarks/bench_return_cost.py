@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -94,17 +95,21 @@ def decodes_at_once(burst: list[Timed]) -> None:
 
 
 async def timed_request(
-    client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    prompt: list[int],
+    max_tokens: int,
+    session: str,
 ) -> tuple[float, RequestResult]:
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-    }
+    """One streamed greedy completion; `session` names its conversation as the routers read it
+    (``prompt_cache_key`` and ``X-Session-Id``, as `kvduplex.bench.conversation` sends them)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "prompt_cache_key": session}  # fmt: skip
     sent = time.perf_counter()
-    return sent, await stream_request(client, url, "/v1/completions", body)
+    return sent, await stream_request(
+        client, url, "/v1/completions", body, {"X-Session-Id": session}
+    )
 
 
 @dataclass
@@ -137,8 +142,8 @@ async def run_sessions(
             h += [rng.randrange(*IDS) for _ in range(plan.turn_tokens)]
         got = await asyncio.gather(
             *(
-                timed_request(client, url, model, h, n)
-                for h, n in zip(histories, plan.answer_tokens, strict=True)
+                timed_request(client, url, model, h, n, f"{mode}-c{len(histories)}-r{rnd}-s{i}")
+                for i, (h, n) in enumerate(zip(histories, plan.answer_tokens, strict=True))
             )
         )
         burst = [Timed(mode, "load", len(histories), rnd, turn, sent, r) for sent, r in got]
@@ -161,9 +166,8 @@ async def measure(
     kv: dict[str, dict[str, Any]] = {}
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         for mode, url in fronts.items():  # warm-up: handshakes, first allocations
-            _, r = await timed_request(
-                client, url, args.model, [rng.randrange(*IDS) for _ in range(64)], 4
-            )
+            prompt = [rng.randrange(*IDS) for _ in range(64)]
+            _, r = await timed_request(client, url, args.model, prompt, 4, f"warm-{mode}")
             if not r.ok:
                 raise RuntimeError(f"warm-up on {mode} failed: {r.error}")
         answers = random.Random(args.seed + 1)
@@ -191,7 +195,12 @@ async def measure(
             for mode in (PUSH, COLOCATED) if rnd % 2 == 0 else (COLOCATED, PUSH):
                 prompt = [rng.randrange(*IDS) for _ in range(args.long_prompt)]
                 sent, r = await timed_request(
-                    client, fronts[mode], args.model, prompt, args.long_max_tokens
+                    client,
+                    fronts[mode],
+                    args.model,
+                    prompt,
+                    args.long_max_tokens,
+                    f"long-{mode}-{rnd}",
                 )
                 records.append(Timed(mode, "long", 1, rnd, 0, sent, r, 1.0))
                 print(f"long round {rnd} {mode}: TTFT {r.ttft_s * 1e3:.0f} ms, TPOT {r.tpot_s * 1e3:.1f} ms "
@@ -271,6 +280,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the cluster
     args = parse_args()
     log_dir = Path(tempfile.mkdtemp(prefix="return-cost-"))
     with LocalCluster(log_dir=log_dir, env={"OMP_NUM_THREADS": "1"}) as cluster:

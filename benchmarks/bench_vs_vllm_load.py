@@ -39,6 +39,7 @@ import asyncio
 import json
 import os
 import random
+import signal
 import statistics
 import sys
 import tempfile
@@ -412,6 +413,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the servers
     args = parse_args()
     os.sched_setaffinity(0, {args.client_core})
     folder = Path(args.model_dir)
