@@ -274,7 +274,7 @@ def parse_args() -> argparse.Namespace:
     args = ap.parse_args()
     if args.quick:
         args.model, args.kv_cache_mb, args.concurrency, args.turns = "tiny", 64, [3], 2
-        args.system_tokens, args.turn_tokens, args.answer_tokens = 64, 32, [4, 12]
+        args.system_tokens, args.turn_tokens, args.answer_tokens = 64, 32, [20, 40]
         args.rounds, args.long_prompt, args.long_max_tokens, args.long_rounds = 1, 300, 8, 1
     return args
 

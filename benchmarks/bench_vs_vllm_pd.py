@@ -66,6 +66,8 @@ from kvduplex.bench.workload import shape_named
 from kvduplex.server.cluster import LocalCluster
 from kvduplex.server.cluster import Process
 from kvduplex.server.cluster import free_port
+from kvduplex.server.report import metric_sum
+from kvduplex.server.report import scrape
 
 VLLM_PD = "vllm-pd"
 PULL_CONNECTOR = '{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_buffer_device":"cpu"}'
@@ -108,6 +110,12 @@ def start_vllm_pd(
     return engines, proxy.url
 
 
+def nixl_reads(engines: list[Process]) -> float:
+    """NIXL transfers vLLM's decode instance has made (its ``nixl_xfer_time`` histogram count):
+    that its prompts' KV came from P, not from its own recompute."""
+    return metric_sum(scrape(engines[1].url), "vllm:nixl_xfer_time_seconds_count")
+
+
 def pause(procs: list[Process], on: bool) -> None:
     """SIGSTOP (`on`) or SIGCONT every process of each process group in `procs`."""
     for p in procs:
@@ -119,7 +127,7 @@ def configs_from(args: argparse.Namespace) -> list[WorkloadConfig]:
     sessions, turns, system = args.sessions, args.turns, args.system_tokens
     think, scale = (args.think_min, args.think_max), args.length_scale
     if args.quick:
-        sessions, turns, system, think, scale = 2, 3, 128, (0.0, 0.0), 0.1
+        sessions, turns, system, think, scale = 2, 4, 128, (0.0, 0.0), 0.1
     return [
         WorkloadConfig(shape=shape_named(n.strip()).scaled(scale, scale), num_sessions=sessions,
                        num_turns=turns, system_tokens=system, think_time_s=think, seed=args.seed)
@@ -190,13 +198,16 @@ def run(
                         )
                     insts = instances.get(mode, [])
                     before = settle(insts) if insts else {}
+                    reads0 = nixl_reads(vllm) if is_vllm else 0.0
                     recs, wall = asyncio.run(run_workload(target, config, salt=f"{mode}-r{rep}", repetition=rep,
                                                           progress=False))  # fmt: skip
                     moved = kv_moved(insts, before, settle(insts)) if insts else None
+                    reads = nixl_reads(vllm) - reads0 if is_vllm else None
                     records += recs
                     runs.append({"mode": mode, "shape": config.shape.name, "repetition": rep, "wall_s": wall,
                                  "d_to_p_bytes": moved.d_to_p_bytes if moved else None,
-                                 "p_to_d_bytes": moved.p_to_d_bytes if moved else None})  # fmt: skip
+                                 "p_to_d_bytes": moved.p_to_d_bytes if moved else None,
+                                 "vllm_nixl_reads": reads})  # fmt: skip
                     cell = kv.setdefault(
                         f"{mode} / {config.shape.name}",
                         {"p_to_d_bytes": None, "d_to_p_bytes": None},
@@ -207,7 +218,8 @@ def run(
                             cell[key] = (cell[key] or 0.0) + got
                     failed = [r.result.error for r in recs if not r.result.ok]
                     print(f"rep {rep} {config.shape.name} {mode}: {len(recs) - len(failed)}/{len(recs)} ok, "
-                          f"{wall:.1f} s {failed[:1]}", flush=True)  # fmt: skip
+                          f"{wall:.1f} s{'' if reads is None else f', vLLM D read KV {reads:.0f} times'} "
+                          f"{failed[:1]}", flush=True)  # fmt: skip
                 pause(vllm, True)
         pause(vllm, False)  # stopped processes do not take SIGTERM
     return {"records": records, "runs": runs, "kv": kv, "pinned": pinned, "max_model_len": max_len}
@@ -244,7 +256,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tag", default="")
     ap.add_argument(
-        "--quick", action="store_true", help="smoke run: 2 sessions x 3 turns, short, 1 repetition"
+        "--quick", action="store_true", help="smoke run: 2 sessions x 4 turns, short, 1 repetition"
     )
     args = ap.parse_args()
     if args.quick:
