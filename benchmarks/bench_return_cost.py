@@ -270,10 +270,15 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--long-rounds", type=int, default=6, help="long requests per mode")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tag", default="")
-    ap.add_argument("--quick", action="store_true", help="smoke run on tiny, seconds")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run, seconds (on tiny unless --model names another)",
+    )
     args = ap.parse_args()
     if args.quick:
-        args.model, args.kv_cache_mb, args.concurrency, args.turns = "tiny", 64, [3], 2
+        args.model = "tiny" if args.model == "small" else args.model  # a given --model stays
+        args.kv_cache_mb, args.concurrency, args.turns = 64, [3], 2
         args.system_tokens, args.turn_tokens, args.answer_tokens = 64, 32, [20, 40]
         args.rounds, args.long_prompt, args.long_max_tokens, args.long_rounds = 1, 300, 8, 1
     return args
