@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
 
 from kvduplex.config import DecodeAttention
 from kvduplex.config import EngineConfig
@@ -117,18 +118,32 @@ def test_paged_and_copy_are_token_exact(
     tiny: LoadedModel, min_range_tokens: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Concurrent greedy requests of different lengths through two engines that differ only in
-    ``--decode-attention``: the same tokens. Prompts past 256 tokens form ranges read in place
-    at the default threshold; 32 tokens also reads the short runs that concurrent decodes'
-    interleaved blocks leave."""
+    ``--decode-attention``: the same tokens, and every step's logits close (tiny's random
+    weights let attention move the logits far more than the argmax). Prompts past 256 tokens
+    form ranges read in place at the default threshold; 32 tokens also reads the short runs
+    that concurrent decodes' interleaved blocks leave."""
     monkeypatch.setattr(runner_inputs, "IN_PLACE_MIN_RANGE_TOKENS", min_range_tokens)
     rng = random.Random(min_range_tokens)
     prompts = [[rng.randrange(3, 250) for _ in range(n)] for n in (300, 45, 270, 130)]
-    tokens = {}
+    tokens, logits = {}, {}
     for flag in ("paged", "copy"):
         engine = LLMEngine(_serve_config("--decode-attention", flag), loaded=tiny)
-        tokens[flag] = _generate(engine, prompts)
+        steps: list[torch.Tensor] = []
+        execute = engine.runner.execute
+
+        def recording(*args: Any, execute: Any = execute, steps: Any = steps, **kwargs: Any) -> Any:
+            out = execute(*args, **kwargs)
+            steps.append(out.clone())
+            return out
+
+        engine.runner.execute = recording  # type: ignore[method-assign]
+        tokens[flag], logits[flag] = _generate(engine, prompts), steps
     assert all(len(t) == GREEDY.max_tokens for t in tokens["paged"])
+    assert len({tuple(t) for t in tokens["paged"]}) == len(prompts)  # not one constant answer
     assert tokens["paged"] == tokens["copy"]
+    assert len(logits["paged"]) == len(logits["copy"]) > GREEDY.max_tokens
+    for got, want in zip(logits["paged"], logits["copy"], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_windowed_models_copy_under_auto_and_refuse_paged() -> None:
