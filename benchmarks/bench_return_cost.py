@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -208,6 +209,20 @@ async def measure(
     return {"records": records, "kv": kv}
 
 
+def at_load_ratio(push: list[Timed], duplex: list[Timed]) -> float | None:
+    """push+duplex's mean TPOT over push's at push+duplex's load: a line TPOT = a + b * decodes
+    fitted to push's requests, read at push+duplex's mean decodes at once (as
+    `kvduplex.bench.agentic_floors` does); None when push's loads spread too little to fit."""
+    xs = np.array([t.decodes_at_once for t in push if t.result.ok])
+    ys = np.array([t.result.tpot_s for t in push if t.result.ok])
+    dup = [t for t in duplex if t.result.ok]
+    if len(xs) < 3 or np.ptp(xs) < 0.5 or not dup:
+        return None
+    slope, intercept = np.polyfit(xs, ys, 1)
+    at = intercept + slope * float(np.mean([t.decodes_at_once for t in dup]))
+    return float(np.mean([t.result.tpot_s for t in dup]) / at) if at > 0 else None
+
+
 def summarize(
     records: list[Timed], kv: dict[str, Any], args: argparse.Namespace
 ) -> tuple[list[dict[str, Any]], str]:
@@ -228,16 +243,20 @@ def summarize(
     for conc in args.concurrency:
         push, duplex = by.get(("load", conc, PUSH)), by.get(("load", conc, DUPLEX))
         if push and duplex:
+            fit = at_load_ratio(*([t for t in records if (t.part, t.concurrency, t.mode) == ("load", conc, m)]
+                                  for m in (PUSH, DUPLEX)))  # fmt: skip
             lines.append([f"equal load, C={conc}", f"{push['tpot_p50_ms']:.1f}", f"{duplex['tpot_p50_ms']:.1f}",
                           f"**{duplex['tpot_p50_ms'] / push['tpot_p50_ms']:.3f}**",
+                          "-" if fit is None else f"{fit:.3f}",
                           f"{push['decodes_at_once']:.2f} / {duplex['decodes_at_once']:.2f}",
                           f"{push['d_to_p_MiB']:.1f} / {duplex['d_to_p_MiB']:.1f}", f"{push['n']} / {duplex['n']}"])  # fmt: skip
     push, colo = by.get(("long", 1, PUSH)), by.get(("long", 1, COLOCATED))
     if push and colo:
         lines.append([f"one {args.long_prompt}-token prompt", f"{push['tpot_p50_ms']:.1f}",
-                      f"colocated {colo['tpot_p50_ms']:.1f}", f"**{push['tpot_p50_ms'] / colo['tpot_p50_ms']:.3f}** (push / colocated)",
+                      f"colocated {colo['tpot_p50_ms']:.1f}", f"**{push['tpot_p50_ms'] / colo['tpot_p50_ms']:.3f}** (push / colocated)", "-",
                       "1 / 1", "-", f"{push['n']} / {colo['n']}"])  # fmt: skip
-    header = ["case", "push TPOT p50 ms", "push+duplex (or colocated) TPOT p50 ms", "ratio",
+    header = ["case", "push TPOT p50 ms", "push+duplex (or colocated) TPOT p50 ms", "ratio (p50)",
+              "push+duplex / push's TPOT line at push+duplex's load (means)",
               "decodes at once push / other", "D->P MiB push / push+duplex", "requests"]  # fmt: skip
     detail = md_table(list(rows[0]), [list(r.values()) for r in rows]) if rows else ""
     text = (
