@@ -45,6 +45,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_vs_vllm import start_vllm
+from benchmarks.bench_vs_vllm import tree_pids
 from benchmarks.bench_vs_vllm import vllm_preload
 from benchmarks.common import RESULTS
 from benchmarks.common import md_table
@@ -116,6 +117,22 @@ def nixl_reads(engines: list[Process]) -> float:
     return metric_sum(scrape(engines[1].url), "vllm:nixl_xfer_time_seconds_count")
 
 
+def pin_tree(proc: Process, core: int) -> dict[int, list[int]]:
+    """Pin every thread of every process in `proc`'s process group to `core`; the affinity
+    each process had before. vLLM's CPU worker sets its own: its prefill worker's main
+    thread was seen on the decode instance's core despite ``taskset`` and
+    ``VLLM_CPU_OMP_THREADS_BIND`` naming another."""
+    before = {}
+    for pid in tree_pids(proc.popen.pid):
+        before[pid] = sorted(os.sched_getaffinity(pid))
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                os.sched_setaffinity(int(task.name), {core})
+            except OSError:  # the thread ended meanwhile
+                continue
+    return before
+
+
 def pause(procs: list[Process], on: bool) -> None:
     """SIGSTOP (`on`) or SIGCONT every process of each process group in `procs`."""
     for p in procs:
@@ -171,11 +188,20 @@ def run(
         fronts = dict(dep.fronts)
         instances: dict[str, list[Instance]] = {m: list(i) for m, i in dep.instances.items()}
         vllm: list[Process] = []
+        vllm_affinity: dict[str, Any] = {}
         if args.vllm_bin:
             vllm, fronts[VLLM_PD] = start_vllm_pd(
                 cluster, folder, args, (cpus[0], cpus[-1]), max_len
             )
             cluster.wait_healthy(args.start_timeout)
+            for proc, core in zip(vllm, (cpus[0], cpus[-1]), strict=True):
+                affinity = pin_tree(proc, core)
+                elsewhere = {pid: a for pid, a in affinity.items() if a != [core]}
+                print(
+                    f"{proc.name}: pinned to cpu {core}; processes found elsewhere: {elsewhere}",
+                    flush=True,
+                )
+                vllm_affinity[proc.name] = {"core": core, "before": affinity}
             pause(vllm, True)
         pinned = (
             dep.pinned.replace("colocated and P", "P")
@@ -222,7 +248,8 @@ def run(
                           f"{failed[:1]}", flush=True)  # fmt: skip
                 pause(vllm, True)
         pause(vllm, False)  # stopped processes do not take SIGTERM
-    return {"records": records, "runs": runs, "kv": kv, "pinned": pinned, "max_model_len": max_len}
+    return {"records": records, "runs": runs, "kv": kv, "pinned": pinned, "max_model_len": max_len,
+            "vllm_affinity": vllm_affinity}  # fmt: skip
 
 
 def parse_args() -> argparse.Namespace:
@@ -295,6 +322,7 @@ def main() -> None:
         table += "\n\nvLLM not measured: no --vllm-bin."
     data = {
         "args": vars(args), "log_dir": str(log_dir), "notes": notes, "runs": got["runs"], "kv": got["kv"],
+        "vllm_affinity_before_pinning": got["vllm_affinity"],
         "summary": [asdict(s) for s in summ], "per_turn": [asdict(s) for s in turns], "vllm_ratios": ratio_rows,
         "records": [{**asdict(r), "result": {k: v for k, v in asdict(r.result).items() if k not in ("text", "token_ids")}}
                     for r in got["records"]],
