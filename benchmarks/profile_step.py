@@ -329,7 +329,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cpus", default="0", help="cpus to pin to, e.g. 0 or 0,1")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--decode-attention", default="", help="sdpa, copy or flex (default: the checkout's)")
+    ap.add_argument("--decode-attention", default="", help="auto, paged, copy or flex (default: the checkout's; sdpa in checkouts before paged)")
     ap.add_argument("--kv-mb", type=int, default=1024, help="KV pool MiB: must hold every batch's context")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--torch-profiler", action="store_true")

@@ -34,6 +34,32 @@ class TransferMode(enum.StrEnum):
     PULL = enum.auto()
 
 
+class DecodeAttention(enum.StrEnum):
+    """How a step's decodes attend over the paged KV pool (``--decode-attention``)."""
+
+    AUTO = enum.auto()
+    """``paged`` for models without sliding-window layers, ``copy`` for the others."""
+    PAGED = enum.auto()
+    """Every decode reads the pool in place where its blocks form long ranges; the rest of
+    each sequence is copied; partials merged by log-sum-exp."""
+    COPY = enum.auto()
+    """Each decode's blocks copied into a scratch buffer, grouped by length, one SDPA per
+    group (a lone decode over a few ranges read in place)."""
+    FLEX = enum.auto()
+    """One compiled FlexAttention call reading the pool in place (compiles at start-up)."""
+
+    @classmethod
+    def parse(cls, value: str) -> DecodeAttention:
+        """`value` as a member; ``sdpa``, the name ``auto`` had before, reads as ``auto``."""
+        if value == "sdpa":
+            return cls.AUTO
+        try:
+            return cls(value)
+        except ValueError:
+            choices = ", ".join(m.value for m in cls)
+            raise ValueError(f"decode_attention must be one of {choices}, got {value!r}") from None
+
+
 class ReturnMode(enum.StrEnum):
     """How decode hands a finished turn's KV back to prefill (``--return-mode``)."""
 
@@ -117,15 +143,15 @@ class ModelLoadConfig:
     """Name clients use in requests; defaults to the model argument."""
     num_threads: int = 0
     """torch intra-op threads; 0 keeps torch's default."""
-    decode_attention: str = "sdpa"
-    """Decode attention: sdpa (blocks copied per length group, then SDPA) or flex
-    (compiled FlexAttention reading the KV pool in place; compiles at start-up)."""
+    decode_attention: DecodeAttention = DecodeAttention.AUTO
+    """Decode attention: auto (paged, or copy for models with sliding-window layers), paged
+    (read the KV pool in place where blocks run), copy (blocks copied per length group,
+    then SDPA) or flex (compiled FlexAttention in place; compiles at start-up)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.decode_attention not in ("sdpa", "flex"):
-            raise ValueError(f"decode_attention must be sdpa or flex, got {self.decode_attention!r}")
+        object.__setattr__(self, "decode_attention", DecodeAttention.parse(self.decode_attention))
         if self.num_threads < 0:
             raise ValueError("num_threads must be >= 0")
 

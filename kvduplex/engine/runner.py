@@ -23,6 +23,7 @@ from collections.abc import Iterable
 
 import torch
 
+from kvduplex.config import DecodeAttention
 from kvduplex.engine.block_table import BlockTables
 from kvduplex.engine.kv_cache import KVCacheLayout
 from kvduplex.engine.runner_inputs import GROUP_COST_TOKENS
@@ -83,14 +84,11 @@ class ModelRunner:
         kv_pool: torch.Tensor,  # (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
         layout: KVCacheLayout,
         device: torch.device | str,
-        decode_attention: str = "sdpa",
+        decode_attention: str = "auto",
     ) -> None:
         """ValueError if the pool does not match `layout`, or `layout` does not fit `config`.
 
-        `decode_attention`: ``sdpa`` (decodes grouped by length, their blocks copied
-        into a scratch buffer, one SDPA per group) or ``flex`` (one compiled
-        FlexAttention call reading the pool in place; models with sliding-window
-        layers keep ``sdpa``).
+        `decode_attention`: a `DecodeAttention` name (see `set_decode_attention`).
         """
         expected = kv_layout_for(config, layout.block_size, layout.num_blocks, layout.dtype)
         if expected != layout:
@@ -118,28 +116,38 @@ class ModelRunner:
         self.set_decode_attention(decode_attention)
 
     def set_decode_attention(self, name: str) -> None:
-        """Switch the decode attention path (between steps); ValueError for an unknown name.
+        """Switch the decode attention path (between steps); ValueError for an unknown name,
+        or for ``paged`` on a model with sliding-window layers.
 
-        ``sdpa``: every decode reads the pool in place where its blocks form long ranges,
+        ``paged``: every decode reads the pool in place where its blocks form long ranges,
         the rest copied, partials merged by log-sum-exp (`PagedDecodes`); ``copy``: decodes
         grouped by length, their blocks copied into a scratch buffer, one SDPA per group
-        (a lone decode over a few ranges in place), the path before ``sdpa`` read in place;
-        ``flex``: one compiled FlexAttention call reading the pool in place. Models with
-        sliding-window layers use ``copy`` for ``sdpa`` and ``flex``.
+        (a lone decode over a few ranges in place), the path before ``paged``; ``flex``:
+        one compiled FlexAttention call reading the pool in place; ``auto`` (or its old
+        name ``sdpa``): ``paged``, or ``copy`` for a model with sliding-window layers
+        (which also use ``copy`` for ``flex``). `decode_attention` holds the path taken.
         """
-        if name not in ("sdpa", "copy", "flex"):
-            raise ValueError(f"decode_attention must be sdpa, copy or flex, got {name!r}")
+        choice = DecodeAttention.parse(name)
         windowed = any(self.config.window_of(i) is not None for i in range(self.config.num_layers))
-        if windowed and name != "copy":
-            logger.warning("sliding-window layers: decode attention copies (%s asked)", name)
-            name = "copy"
-        if name not in self._builders:
+        if choice is DecodeAttention.PAGED and windowed:
+            raise ValueError(
+                "decode attention 'paged' reads whole sequences and this model has sliding-window "
+                "layers: use --decode-attention auto or copy"
+            )
+        if choice is DecodeAttention.AUTO:
+            choice = DecodeAttention.COPY if windowed else DecodeAttention.PAGED
+        elif choice is DecodeAttention.FLEX and windowed:
+            logger.warning("sliding-window layers: decode attention copies (flex asked)")
+            choice = DecodeAttention.COPY
+        path = choice.value
+        if path not in self._builders:
             flex = None
-            if name == "flex":
+            if choice is DecodeAttention.FLEX:
                 flex = FlexDecode(self.layout.num_blocks, self.layout.block_size, self.device)
-            self._builders[name] = InputBuilder(self.layout, self.device, flex, paged=name == "sdpa")
-        self.decode_attention = name
-        self.inputs = self._builders[name]
+            paged = choice is DecodeAttention.PAGED
+            self._builders[path] = InputBuilder(self.layout, self.device, flex, paged=paged)
+        self.decode_attention = path
+        self.inputs = self._builders[path]
 
     # ---- block tables ----
 

@@ -214,13 +214,13 @@ def test_tables_held_across_steps_give_the_one_off_results(runner: ModelRunner, 
 
 
 @pytest.mark.slow
-def test_flex_decode_attention_is_token_exact_with_sdpa(tiny: LoadedModel) -> None:
-    """In-place FlexAttention decodes (compiled on first use) pick the tokens SDPA picks."""
+def test_flex_decode_attention_is_token_exact_with_paged(tiny: LoadedModel) -> None:
+    """In-place FlexAttention decodes (compiled on first use) pick the tokens ``paged`` picks."""
     layout = kv_layout_for(tiny.config, BS, NUM_BLOCKS, tiny.dtype)
     runners = {
         name: ModelRunner(tiny.model, tiny.config, allocate_kv_pool(layout), layout, tiny.device,
                           decode_attention=name)
-        for name in ("sdpa", "flex")
+        for name in ("paged", "flex")
     }  # fmt: skip
     assert runners["flex"].decode_attention == "flex"
     prompts = [_ids(5), _ids(13, 3), _ids(9, 7)]
@@ -237,26 +237,26 @@ def test_flex_decode_attention_is_token_exact_with_sdpa(tiny: LoadedModel) -> No
                 cur[i], pos[i] = picked[j], pos[i] + 1
             out.append(picked)
         tokens[name] = out
-    assert tokens["flex"] == tokens["sdpa"]
+    assert tokens["flex"] == tokens["paged"]
     with pytest.raises(ValueError, match="decode_attention"):
         ModelRunner(tiny.model, tiny.config, allocate_kv_pool(layout), layout, tiny.device,
-                    decode_attention="paged")  # not a path
+                    decode_attention="sdpa-in-place")  # not a path
 
 
 @pytest.mark.parametrize("min_range_tokens", [2 * BS, 256])
 def test_batched_decodes_in_place_pick_the_copy_paths_tokens(
     tiny: LoadedModel, min_range_tokens: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``sdpa`` (every decode read in place where its blocks run, the rest copied) against
+    """``paged`` (every decode read in place where its blocks run, the rest copied) against
     ``copy``: same tokens, close logits, over scattered tables of different lengths."""
     monkeypatch.setattr(runner_inputs, "IN_PLACE_MIN_RANGE_TOKENS", min_range_tokens)
     layout = kv_layout_for(tiny.config, BS, NUM_BLOCKS, tiny.dtype)
     runners = {
         name: ModelRunner(tiny.model, tiny.config, allocate_kv_pool(layout), layout, tiny.device,
                           decode_attention=name)
-        for name in ("sdpa", "copy")
+        for name in ("paged", "copy")
     }  # fmt: skip
-    assert runners["sdpa"].decode_attention == "sdpa" and runners["copy"].decode_attention == "copy"
+    assert runners["paged"].decode_attention == "paged" and runners["copy"].decode_attention == "copy"
     prompts = [_ids(13, 1), _ids(5, 2), _ids(9, 3)]
     # a run, then blocks interleaved with the others' (as concurrent decodes allocate them)
     tables = [[20, 21, 22, 23, 5, 8], [30, 2, 6, 9], [10, 11, 12, 7, 4, 13]]
@@ -275,6 +275,6 @@ def test_batched_decodes_in_place_pick_the_copy_paths_tokens(
                 cur[i], pos[i] = picked[j], pos[i] + 1
             out.append(step_logits)
         logits[name] = out
-    for got, want in zip(logits["sdpa"], logits["copy"], strict=True):
+    for got, want in zip(logits["paged"], logits["copy"], strict=True):
         assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
