@@ -425,3 +425,19 @@ def test_dashboard_panels_have_unique_ids_and_use_the_datasource_variable() -> N
     for p in dash["panels"]:
         if p["type"] != "row":
             assert p["datasource"]["uid"] == "${datasource}", p["title"]
+
+
+def test_dashboard_queries_parse_as_promql(tmp_path: Path) -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool (Prometheus) is not installed: PromQL syntax not checked")
+    rules = [
+        {"record": f"dashboard:query{i}", "expr": expr.replace("$__rate_interval", "5m")}
+        for i, expr in enumerate(dashboard_queries())
+    ]
+    path = tmp_path / "rules.yaml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
+    result = subprocess.run(
+        [promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
