@@ -118,8 +118,9 @@ class AnswerBook:
     first). An `owner` (the router's session id) lets a whole session's answers be forgotten
     with it (`drop_owner`)."""
 
-    max_answers: int = 4096
-    max_tokens: int = 4 << 20
+    max_answers: int = 65536
+    max_tokens: int = 1 << 20
+    """About 36 bytes a token in Python: 36 MiB at most."""
     ttl_s: float = 600.0
     _entries: OrderedDict[str, _Entry] = field(default_factory=OrderedDict)
     _by_owner: dict[str, set[str]] = field(default_factory=dict)
@@ -239,7 +240,9 @@ def _span_start(
     """Where message `i`'s ids begin in `text`: after the head, or where its content is."""
     try:
         if at_head:
-            head = tokenizer.apply_chat_template(messages[:i], add_generation_prompt=True, tools=tools)
+            head = tokenizer.apply_chat_template(
+                messages[:i], add_generation_prompt=True, tools=tools
+            )
             return len(head) if text.startswith(head) else None
         marked = [*messages[:i], {**messages[i], "content": _SENTINEL}, *messages[i + 1 :]]
         rendered = tokenizer.apply_chat_template(marked, add_generation_prompt=True, tools=tools)

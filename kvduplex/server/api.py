@@ -14,6 +14,13 @@ A dead engine (its loop crashed or stopped) answers 503 in OpenAI error JSON
 (``code: engine_dead``) on every route but /health (503 with the reason) and
 /metrics: at once for new requests (`DeadEngineGuard`), and for a request in
 flight as soon as the engine call it awaits fails with EngineDeadError.
+
+Chat answers are recorded in the instance's `AnswerBook` (their generated ids and
+the message as returned), so a later request that sends one back unchanged gets
+those ids in its prompt (`kvduplex.openai.transcript`). A router passes the ids it
+built in ``kv_transfer_params.prompt_token_ids`` (used as they are) and asks with
+``report_answer`` for the answer's ids at the end of the answer
+(`transcript.ANSWER_IDS_FIELD`).
 """
 
 from __future__ import annotations
@@ -58,6 +65,10 @@ from kvduplex.openai.prompt import prompt_token_ids
 from kvduplex.openai.protocol import ChatCompletionRequest
 from kvduplex.openai.protocol import CompletionRequest
 from kvduplex.openai.protocol import OpenAIRequest
+from kvduplex.openai.transcript import ANSWER_IDS_FIELD
+from kvduplex.openai.transcript import AnswerBook
+from kvduplex.openai.transcript import AnswerRecord
+from kvduplex.openai.transcript import MessageAccumulator
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +88,9 @@ class Generation:
     mark_first_token: bool = False
     """A streamed answer's first chunk with tokens names their ids in
     `render.FIRST_TOKEN_IDS_FIELD` (the router asks, to splice in prefill's token)."""
+    report_answer: bool = False
+    """The answer ends with its generated ids (`ANSWER_IDS_FIELD`; the router asks, to
+    record them and remove the field)."""
 
 
 @dataclass
@@ -92,6 +106,8 @@ class InstanceState:
     engine_id: str | None = None
     """The KV transport's engine id (prefill and decode instances): new at every start,
     reported by /health so that the router can name it to the instance's peers."""
+    answers: AnswerBook = field(default_factory=AnswerBook)
+    """The chat answers this instance generated, for prompts that send them back."""
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -104,7 +120,10 @@ class InstanceState:
 
     def health(self) -> dict[str, Any]:
         """/health's body while the engine is healthy."""
-        body: dict[str, Any] = {"status": "ok", "role": self.role, "max_model_len": self.max_model_len}
+        body: dict[str, Any] = {
+            "status": "ok", "role": self.role, "max_model_len": self.max_model_len,
+            "block_size": self.engine.core.config.cache.block_size,
+        }  # fmt: skip
         if self.engine_id is not None:
             body["engine_id"] = self.engine_id
         return body
@@ -165,7 +184,7 @@ def create_app(state: InstanceState, extra_routers: Sequence[APIRouter] = ()) ->
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         _check_model(state, body.model)
-        ids = _prompt_ids(state, body)
+        ids = _routed_prompt_ids(body) or _prompt_ids(state, body)
         max_tokens = body.requested_max_tokens()
         if max_tokens is None:
             max_tokens = max(1, state.max_model_len - len(ids))
@@ -221,9 +240,25 @@ class DeadEngineGuard:
 
 def _prompt_ids(state: InstanceState, body: OpenAIRequest) -> list[int]:
     try:
-        return prompt_token_ids(body, state.tokenizer)
+        return prompt_token_ids(body, state.tokenizer, state.answers, time.monotonic())
     except PromptError as exc:
         raise APIError(400, exc.message, param=exc.param) from None
+
+
+def _routed_prompt_ids(body: ChatCompletionRequest) -> list[int] | None:
+    """The ids a router built for this chat prompt (``kv_transfer_params.prompt_token_ids``),
+    if it sent them: prefill computes those, so decode must too. Checked like any prompt's
+    ids (`_make_generation`); a decode instance with a cluster secret takes
+    ``kv_transfer_params`` only from a caller that sends it."""
+    ids = (body.kv_transfer_params or {}).get("prompt_token_ids")
+    if ids is None:
+        return None
+    if not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids):
+        raise APIError(
+            400, "kv_transfer_params.prompt_token_ids must be a non-empty list of token ids",
+            param="kv_transfer_params",
+        )  # fmt: skip
+    return ids
 
 
 def _check_model(state: InstanceState, model: str | None) -> None:
@@ -260,7 +295,8 @@ def _make_generation(
     client_id = raw.headers.get(REQUEST_ID_HEADER)
     if client_id is not None:
         logger.debug("request %s: the client's X-Request-ID is %r", rid, client_id)
-    return Generation(EngineRequest(rid, ids, params), body)
+    report = bool((body.kv_transfer_params or {}).get("report_answer"))
+    return Generation(EngineRequest(rid, ids, params), body, report_answer=report)
 
 
 async def _serve(state: InstanceState, raw: Request, gen: Generation, chat: bool) -> Response:
@@ -321,7 +357,17 @@ async def _collect(
     except EngineDeadError as exc:
         raise APIError(503, str(exc), code="engine_dead") from None
     assert last is not None
-    return JSONResponse(_final_body(state, gen, text, ids, last, chat), headers=_id_header(gen))
+    body = _final_body(state, gen, text, ids, last, chat)
+    if chat and last.finish_reason != "abort":
+        _record_answer(state, ids, body["choices"][0]["message"])
+    if gen.report_answer:
+        body[ANSWER_IDS_FIELD] = ids
+    return JSONResponse(body, headers=_id_header(gen))
+
+
+def _record_answer(state: InstanceState, ids: list[int], message: dict[str, Any]) -> None:
+    """Remember a chat answer as returned, for prompts that send it back."""
+    state.answers.add(AnswerRecord(tuple(ids), message), time.monotonic())
 
 
 def _head(state: InstanceState, gen: Generation, chat: bool) -> render.ResponseHead:
@@ -364,12 +410,17 @@ async def _sse(
     first = True
     to_mark = gen.mark_first_token
     last: RequestOutput | None = None
+    ids: list[int] = []
+    message = MessageAccumulator()
     try:
         async for out in outputs:
             last = out
+            ids.extend(out.new_token_ids)
             choice = render.stream_choice(
                 head, out.new_text, out.new_token_ids, out.finish_reason, is_first=first
             )
+            if chat:
+                message.add_delta(choice["delta"])
             chunk = render.stream_chunk(head, choice)
             if to_mark and out.new_token_ids:
                 chunk[render.FIRST_TOKEN_IDS_FIELD] = list(out.new_token_ids)
@@ -381,4 +432,8 @@ async def _sse(
         return
     if include_usage and last is not None:
         yield render.sse_data(render.stream_chunk(head, None, _usage(last)))
+    if chat and last is not None and last.finish_reason != "abort":
+        _record_answer(state, ids, message.message())
+    if gen.report_answer:
+        yield render.sse_data({ANSWER_IDS_FIELD: ids})
     yield render.SSE_DONE

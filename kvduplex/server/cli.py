@@ -94,14 +94,13 @@ def _cmd_up(args: argparse.Namespace) -> None:
             router_args = ["router", "--mode", args.mode, "--model", args.model]
             router_args += ["--prefill", instances["prefill"], "--decode", instances["decode"]]
             router_args += flags_of(RouterConfig, args, skip=_UP_ROUTER_SKIP)
-            front = cluster.start("router", router_args, front_port).url
             return_mode = ReturnMode(args.return_mode)
-            name = args.mode if return_mode is ReturnMode.NONE else f"{args.mode}+{return_mode.value}"
-            routers[name] = front
-            if args.mode == "push" and return_mode is ReturnMode.NONE and args.demo_turns > 0:
-                # The demo also runs through a duplex router over the same instances.
-                duplex = [*router_args, "--return-mode", "push"]
-                routers["push+duplex"] = cluster.start("router-duplex", duplex, free_port()).url
+            if args.mode == "push" and return_mode is ReturnMode.PUSH and args.demo_turns > 0:
+                # The demo also runs through a router without the return, side by side.
+                plain = [*router_args, "--return-mode", "none"]
+                routers["push"] = cluster.start("router-plain", plain, free_port()).url
+            front = cluster.start("router", router_args, front_port).url
+            routers[_router_name(args.mode, return_mode)] = front
             cluster.wait_healthy(timeout_s=args.start_timeout)
             print(f"prefill {instances['prefill']}, decode {instances['decode']}", flush=True)
         print(f"ready: OpenAI API at {front}/v1", flush=True)
@@ -119,6 +118,12 @@ def _cmd_up(args: argparse.Namespace) -> None:
         if dead:
             print(f"{', '.join(dead)} exited; stopping the rest (logs in {log_dir})", flush=True)
             sys.exit(1)
+
+
+def _router_name(mode: str, return_mode: ReturnMode) -> str:
+    if return_mode is ReturnMode.NONE:
+        return mode
+    return f"{mode}+duplex" if return_mode is ReturnMode.PUSH else f"{mode}+return-{return_mode}"
 
 
 def _demo(

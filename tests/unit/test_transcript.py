@@ -94,7 +94,11 @@ def test_an_answer_sent_back_unchanged_keeps_its_generated_ids(
     book = AnswerBook()
     book.add(AnswerRecord(tuple(generated), {"role": "assistant", "content": answer}), now=0.0)
 
-    second = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "paged"}]
+    second = [
+        *first,
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "paged"},
+    ]
     spliced = prompt_token_ids(_chat(second), tok, book)
     # Token for token: the previous prompt, the answer as generated, then the new turn.
     assert spliced[: len(prompt1) + len(generated)] == prompt1 + generated
@@ -153,7 +157,10 @@ def test_stripped_reasoning_splices_the_ids_after_it(tmp_path: Path) -> None:
     ids = splice_chat_ids(tok, full, None, placements)
     assert ids is not None
     head = tok.encode(tok.apply_chat_template([user]), add_special_tokens=False)
-    assert ids[: len(head) + len(reasoning_ids) + len(content_ids)] == head + reasoning_ids + content_ids
+    assert (
+        ids[: len(head) + len(reasoning_ids) + len(content_ids)]
+        == head + reasoning_ids + content_ids
+    )
     # Reasoning stripped by the client: the content's ids where the template puts the content.
     stripped = [user, {"role": "assistant", "content": content}, user]
     placements = [book.place(m, 0.0) if m["role"] == "assistant" else None for m in stripped]
@@ -175,8 +182,9 @@ def test_byte_tokenizer_unknown_ids_and_hidden_specials_are_kept() -> None:
     prompt1 = prompt_token_ids(_chat(first), tok)
     ids = prompt_token_ids(_chat(msgs), tok, book)
     assert ids[: len(prompt1) + len(generated)] == prompt1 + list(generated)
-    assert ids[len(prompt1) + len(generated) :] == tok.encode("\n<|im_start|>user\nr<|im_end|>\n"
-                                                              "<|im_start|>assistant\n", False)
+    assert ids[len(prompt1) + len(generated) :] == tok.encode(
+        "\n<|im_start|>user\nr<|im_end|>\n<|im_start|>assistant\n", False
+    )
 
 
 def test_tool_call_answers_are_keyed_by_what_was_returned() -> None:
@@ -188,7 +196,9 @@ def test_tool_call_answers_are_keyed_by_what_was_returned() -> None:
     assert message_key({**returned, "tool_calls": [other]}) != message_key(returned)
     acc = MessageAccumulator()
     acc.add_delta({"role": "assistant", "content": None})
-    acc.add_delta({"tool_calls": [{"index": 0, "id": "c1", "function": {"name": "f", "arguments": '{"a"'}}]})
+    acc.add_delta(
+        {"tool_calls": [{"index": 0, "id": "c1", "function": {"name": "f", "arguments": '{"a"'}}]}
+    )
     acc.add_delta({"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]})
     assert message_key(acc.message()) == message_key(returned)
 

@@ -14,6 +14,10 @@ relay then closes D's response, which ends its read), the client's stream
 ends as vLLM ends a stream that fails: one error event, ``data: {"error":
 {"message", "type": "server_error", "code": "decode_failed"}}``, then
 ``data: [DONE]``. Tokens already sent stay sent; none is sent twice.
+
+`tap_answer` learns each answer as it passes (its length, the ids decode
+reports at its end, which it removes, and a chat answer's message as the client
+received it): the session table records them for the next turn.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ from kvduplex.model.tokenizer import Tokenizer
 from kvduplex.openai import render
 from kvduplex.openai.errors import REQUEST_ID_HEADER
 from kvduplex.openai.protocol import error_body
+from kvduplex.openai.transcript import ANSWER_IDS_FIELD
+from kvduplex.openai.transcript import MessageAccumulator
 from kvduplex.server.router.calls import InstanceDown
 
 logger = logging.getLogger(__name__)
@@ -172,50 +178,91 @@ async def aclose_parts(parts: AsyncIterator[bytes]) -> None:
         await aclose()
 
 
-async def count_answer(
-    parts: AsyncIterator[bytes], is_stream: bool, on_count: Callable[[int], None]
+@dataclass(frozen=True)
+class RelayedAnswer:
+    """What the router learnt of an answer it relayed, once it ended."""
+
+    num_tokens: int
+    """``usage.completion_tokens`` where the response carries it, else the tokens of its
+    chunks (one per content chunk unless token ids say more)."""
+    token_ids: list[int] | None
+    """The generated ids, where decode reported them (`ANSWER_IDS_FIELD`)."""
+    message: dict[str, Any] | None
+    """A chat answer's message as the client received it."""
+
+
+async def tap_answer(
+    parts: AsyncIterator[bytes],
+    is_stream: bool,
+    is_chat: bool,
+    on_answer: Callable[[RelayedAnswer], None],
 ) -> AsyncIterator[bytes]:
-    """Relay `parts` unchanged and report the answer's length in tokens once it ended:
-    ``usage.completion_tokens`` where the response carries it, else (a stream without
-    usage) the tokens of its chunks, one per content chunk unless token ids say more."""
+    """Relay `parts` without decode's report of the answer's ids (the last event of a
+    stream, a field of a whole body), and call `on_answer` once the answer ended (not if
+    the stream was cut or the client left)."""
+    if not is_stream:
+        raw = b"".join([part async for part in parts])
+        try:
+            body = json.loads(raw)
+            reported = body.pop(ANSWER_IDS_FIELD, None)
+            num_tokens = int(body["usage"]["completion_tokens"])
+            choice = body["choices"][0]
+        except (ValueError, KeyError, TypeError, IndexError):
+            yield raw
+            return
+        yield json.dumps(body).encode()
+        message = choice.get("message") if is_chat else None
+        on_answer(RelayedAnswer(num_tokens, _ids_or_none(reported), message))
+        return
     buf = b""
     num_chunk_tokens = 0
     usage_tokens: int | None = None
+    ids: list[int] | None = None
+    message = MessageAccumulator()
     async for part in parts:
-        yield part
         buf += part
-        if not is_stream:
-            continue
         *events, buf = buf.split(b"\n\n")
+        out = []
         for event in events:
-            n, used = _tokens_of_event(event)
-            num_chunk_tokens += n
-            usage_tokens = used if used is not None else usage_tokens
-    if not is_stream:
-        try:
-            usage_tokens = int(json.loads(buf)["usage"]["completion_tokens"])
-        except (ValueError, KeyError, TypeError):
-            return
-    on_count(usage_tokens if usage_tokens is not None else num_chunk_tokens)
+            chunk = _event_json(event)
+            if isinstance(chunk, dict) and ANSWER_IDS_FIELD in chunk:
+                ids = _ids_or_none(chunk[ANSWER_IDS_FIELD])
+                continue
+            out.append(event + b"\n\n")
+            if not isinstance(chunk, dict):
+                continue
+            usage = chunk.get("usage")
+            used = usage.get("completion_tokens") if isinstance(usage, dict) else None
+            usage_tokens = used if isinstance(used, int) else usage_tokens
+            for choice in chunk.get("choices") or []:
+                delta = choice.get("delta")
+                if isinstance(delta, dict):
+                    message.add_delta(delta)
+                text = choice.get("text") or (delta or {}).get("content")
+                n = choice.get("token_ids")
+                num_chunk_tokens += len(n) if n else 1 if text else 0
+        if out:
+            yield b"".join(out)
+    if buf:
+        yield buf
+    num_tokens = usage_tokens if usage_tokens is not None else num_chunk_tokens
+    on_answer(RelayedAnswer(num_tokens, ids, message.message() if is_chat else None))
 
 
-def _tokens_of_event(event: bytes) -> tuple[int, int | None]:
-    """(tokens in an SSE event's choices, its usage.completion_tokens or None)."""
+def _event_json(event: bytes) -> Any:
     line = event.strip()
     if not line.startswith(b"data: ") or line == b"data: [DONE]":
-        return 0, None
+        return None
     try:
-        chunk = json.loads(line[6:])
+        return json.loads(line[6:])
     except ValueError:
-        return 0, None
-    usage = chunk.get("usage") if isinstance(chunk, dict) else None
-    used = usage.get("completion_tokens") if isinstance(usage, dict) else None
-    n = 0
-    for choice in chunk.get("choices") or []:
-        ids = choice.get("token_ids")
-        text = choice.get("text") or (choice.get("delta") or {}).get("content")
-        n += len(ids) if ids else 1 if text else 0
-    return n, used if isinstance(used, int) else None
+        return None
+
+
+def _ids_or_none(ids: Any) -> list[int] | None:
+    if isinstance(ids, list) and ids and all(type(t) is int for t in ids):
+        return ids
+    return None
 
 
 async def body_parts(upstream: httpx.Response) -> AsyncIterator[bytes]:
