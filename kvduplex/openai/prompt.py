@@ -102,7 +102,8 @@ def chat_prompt_ids(
     try:
         placements = answer_placements(request.messages, answers, now)
         if any(p is not None for p in placements):
-            spliced = splice_chat_ids(tokenizer, messages, tools, placements)
+            assert answers is not None
+            spliced = splice_chat_ids(tokenizer, messages, tools, placements, answers.heads)
             if spliced is not None:
                 return spliced
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)

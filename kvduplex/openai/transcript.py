@@ -126,6 +126,9 @@ class AnswerBook:
     _by_owner: dict[str, set[str]] = field(default_factory=dict)
     _num_tokens: int = 0
 
+    heads: HeadCache = field(default_factory=lambda: HeadCache())
+    """Where the heads of the answers placed end (one template: the book's user's)."""
+
     def __post_init__(self) -> None:
         if self.max_answers < 1 or self.max_tokens < 1 or not self.ttl_s > 0:
             raise ValueError("max_answers and max_tokens must be >= 1 and ttl_s > 0")
@@ -192,20 +195,65 @@ class AnswerBook:
             self._pop(key)
 
 
+class HeadCache:
+    """Where heads end, so that a conversation's next turn does not render each past
+    answer's head again: (length, sha256) of ``render(messages[:i], add_generation_prompt
+    =True, tools)``, keyed by a hash chained over the tools and the messages. Bounded (least
+    recently used go first). One tokenizer (one template) per cache."""
+
+    def __init__(self, max_entries: int = 65536) -> None:
+        self.max_entries = max_entries
+        self._heads: OrderedDict[bytes, tuple[int, bytes]] = OrderedDict()
+
+    def get(self, key: bytes) -> tuple[int, bytes] | None:
+        head = self._heads.get(key)
+        if head is not None:
+            self._heads.move_to_end(key)
+        return head
+
+    def put(self, key: bytes, head: str) -> None:
+        self._heads[key] = (len(head), _sha(head))
+        while len(self._heads) > self.max_entries:
+            self._heads.popitem(last=False)
+
+
+def _sha(text: str) -> bytes:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+
+
+def _head_keys(messages: Messages, tools: Tools) -> list[bytes]:
+    """keys[i]: the chained hash of the tools and ``messages[:i]``."""
+    key = hashlib.sha256(json.dumps(tools, sort_keys=True, default=str).encode()).digest()
+    keys = [key]
+    for m in messages:
+        blob = json.dumps(m, sort_keys=True, default=str).encode("utf-8", "surrogatepass")
+        key = hashlib.sha256(key + blob).digest()
+        keys.append(key)
+    return keys
+
+
 def splice_chat_ids(
-    tokenizer: Tokenizer, messages: Messages, tools: Tools, placements: Sequence[Placement | None]
+    tokenizer: Tokenizer,
+    messages: Messages,
+    tools: Tools,
+    placements: Sequence[Placement | None],
+    heads: HeadCache | None = None,
 ) -> list[int] | None:
     """The prompt ids of `messages` (as the template gets them) with the ids of
     ``placements[i]`` in message i's place where the text allows (see the module
     docstring); None when none could be placed (render as usual). ValueError if the
-    template refuses the messages."""
+    template refuses the messages. `heads` remembers where heads end, across calls."""
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+    keys = _head_keys(messages, tools) if heads is not None else []
     spans: list[tuple[int, int, tuple[int, ...], list[bool]]] = []
     pos = 0
     for i, placement in enumerate(placements):
         if placement is None:
             continue
-        start = _span_start(tokenizer, messages, tools, i, placement.at_head, text)
+        if placement.at_head and heads is not None:
+            start = _cached_head_end(tokenizer, messages, tools, i, text, heads, keys[i])
+        else:
+            start = _span_start(tokenizer, messages, tools, i, placement.at_head, text)
         if start is None or start < pos:
             continue
         matched = _match(tokenizer, placement.token_ids, text, start)
@@ -234,6 +282,25 @@ def splice_chat_ids(
     return ids
 
 
+def _cached_head_end(
+    tokenizer: Tokenizer, messages: Messages, tools: Tools, i: int, text: str,
+    heads: HeadCache, key: bytes,
+) -> int | None:  # fmt: skip
+    """`_span_start` after the head, with the head's end remembered in `heads`."""
+    cached = heads.get(key)
+    if cached is None:
+        try:
+            head = tokenizer.apply_chat_template(
+                messages[:i], add_generation_prompt=True, tools=tools
+            )
+        except ValueError:
+            return None
+        heads.put(key, head)
+        return len(head) if text.startswith(head) else None
+    end, digest = cached
+    return end if len(text) >= end and _sha(text[:end]) == digest else None
+
+
 def _span_start(
     tokenizer: Tokenizer, messages: Messages, tools: Tools, i: int, at_head: bool, text: str
 ) -> int | None:
@@ -260,9 +327,13 @@ def _match(
     """Where the text of `ids` ends if `text` shows it from `start` on, and which ids it
     shows (a special token the text does not show there is skipped: the model generated it,
     the returned text never showed it); None if `text` shows something else."""
+    whole = tokenizer.decode(list(ids), skip_special_tokens=False)
+    if text.startswith(whole, start):  # the usual case: every id shows as generated
+        return start + len(whole), [True] * len(ids)
     pos = start
     visible: list[bool] = []
     run: list[int] = []
+    special: dict[int, str | None] = {}  # id -> its text if it is a special token
 
     def flush() -> bool:
         nonlocal pos
@@ -276,10 +347,15 @@ def _match(
         return True
 
     for t in ids:
-        shown = tokenizer.decode([t], skip_special_tokens=False)
-        if not shown or tokenizer.decode([t], skip_special_tokens=True):
+        if t not in special:
+            shown = tokenizer.decode([t], skip_special_tokens=False)
+            hidden = bool(shown) and not tokenizer.decode([t], skip_special_tokens=True)
+            special[t] = shown if hidden else None
+        shown_special = special[t]
+        if shown_special is None:
             run.append(t)  # an ordinary token (its text may need its neighbours)
             continue
+        shown = shown_special
         if not flush():
             return None
         if text.startswith(shown, pos):

@@ -12,7 +12,9 @@ import pytest
 
 from kvduplex.model.tokenizer import ByteTokenizer
 from kvduplex.model.tokenizer import HFTokenizer
+from kvduplex.openai.prompt import answer_placements
 from kvduplex.openai.prompt import prompt_token_ids
+from kvduplex.openai.prompt import template_messages
 from kvduplex.openai.protocol import ChatCompletionRequest
 from kvduplex.openai.transcript import AnswerBook
 from kvduplex.openai.transcript import AnswerRecord
@@ -115,6 +117,10 @@ def test_an_answer_sent_back_unchanged_keeps_its_generated_ids(
     ids3 = prompt_token_ids(_chat(third), tok, book)
     assert ids3[: len(spliced) + len(generated2)] == spliced + generated2
     assert tok.decode(ids3, skip_special_tokens=False) == tok.apply_chat_template(third)
+    # Heads remembered from the turns before (`HeadCache`) change nothing.
+    msgs = template_messages(_chat(third).messages)
+    placements = answer_placements(_chat(third).messages, book, 1.0)
+    assert splice_chat_ids(tok, msgs, None, placements) == ids3
 
 
 def test_an_edited_answer_is_rendered_as_usual(tmp_path: Path) -> None:
