@@ -55,7 +55,7 @@ def rig(cluster: LocalCluster) -> Rig:
     router = cluster.start("router", args, free_port())
     cluster.wait_healthy(timeout_s=60)
     # The router learns P's block size from its probes (the answer hit counts full blocks).
-    wait_until(lambda: _probed(router.url), what="the router's first probes")
+    wait_until(lambda: _probed(router.url), timeout_s=60, what="the router's first probes")
     return Rig(p.url, d.url, ref.url, router.url)
 
 
@@ -117,7 +117,7 @@ def _chat_turn(
 ) -> tuple[str, dict]:
     """One turn through the router and the reference: same answer, token for token (and,
     not streamed, the same prompt ids); the answer's text and the router's usage."""
-    wait_until(lambda: _returns_settled(rig), what="returns to settle")
+    wait_until(lambda: _returns_settled(rig), timeout_s=60, what="returns to settle")
     body = {"model": "tiny", "messages": messages, "max_tokens": 16, "temperature": 0.0,
             "ignore_eos": True, "prompt_cache_key": session}  # fmt: skip
     got_ids, got_text, usage = _post(rig.router, "/v1/chat/completions", body, stream)
@@ -170,7 +170,7 @@ def test_edited_answers_miss_stop_the_return_and_it_resumes(rig: Rig) -> None:
             hit = _answer_hit(prev_prompt, prev_answer, cached)
             assert hit >= 0.95, hit
         prev_prompt, prev_answer = usage["prompt_tokens"], usage["completion_tokens"]
-        wait_until(lambda: _returns_settled(rig), what="returns to settle")
+        wait_until(lambda: _returns_settled(rig), timeout_s=60, what="returns to settle")
         offered.append(_return_stats(rig)["num_offered"])
         messages.append({"role": "assistant", "content": "Edited: " + answer if edited else answer})
     # Turn 0 was returned; turns 1-3 (each sending back an edited answer) were not; turn 4
@@ -188,7 +188,7 @@ def test_router_without_a_return_flag_returns_token_id_turns(rig: Rig) -> None:
     history = [rng.randrange(1, 250) for _ in range(45)]
     prev: tuple[int, int] | None = None
     for turn in range(6):
-        wait_until(lambda: _returns_settled(rig), what="returns to settle")
+        wait_until(lambda: _returns_settled(rig), timeout_s=60, what="returns to settle")
         body = {"model": "tiny", "prompt": history, "max_tokens": 12 + turn, "temperature": 0.0,
                 "ignore_eos": True, "prompt_cache_key": "ids-1"}  # fmt: skip
         got, _, usage = _post(rig.router, "/v1/completions", body, stream=turn % 2 == 0)
