@@ -15,6 +15,9 @@ import os
 from dataclasses import dataclass
 from dataclasses import field
 
+from kvduplex.openai.reasoning import REASONING_PARSERS
+from kvduplex.openai.tool_parsers import TOOL_CALL_PARSERS
+
 
 class Role(enum.StrEnum):
     """What an instance does in a disaggregated deployment (``--role``)."""
@@ -165,6 +168,36 @@ class TransferConfig:
 
 
 @dataclass(frozen=True)
+class ParsingConfig:
+    """Tool calls and reasoning parsed out of chat answers (the router's, or an instance's
+    for what it serves directly), with vLLM's flag names."""
+
+    tool_call_parser: str = ""
+    """Format of the model's tool calls: hermes (Hermes, Qwen2.5, Qwen3) or llama3_json
+    (Llama 3.x); empty: none. Calls become the answer's tool_calls."""
+    reasoning_parser: str = ""
+    """Format of the model's reasoning: deepseek_r1 or qwen3 (<think>...</think>); empty:
+    none. The reasoning becomes the answer's reasoning_content."""
+    enable_auto_tool_choice: bool = False
+    """Parse tool calls when a request gives tools with tool_choice auto (its default);
+    needs --tool-call-parser. Without it, tool_choice auto is refused (400)."""
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {sorted(TOOL_CALL_PARSERS)}, got "
+                f"{self.tool_call_parser!r}"
+            )
+        if self.reasoning_parser and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"reasoning_parser must be one of {list(REASONING_PARSERS)}, got "
+                f"{self.reasoning_parser!r}"
+            )
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """The HTTP server of one instance."""
 
@@ -189,6 +222,9 @@ class ServerConfig:
     api_key: str = field(default="", repr=False)
     """Key clients must send on every /v1/* route (header Authorization: Bearer KEY); empty:
     KVDUPLEX_API_KEY, or no key (open). /health and /metrics stay open."""
+    parsing: ParsingConfig = field(default_factory=ParsingConfig)
+    """Tool calls and reasoning parsed out of the chat answers this instance serves
+    directly (a router asks for raw text and parses them itself)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -257,6 +293,9 @@ class RouterConfig:
     prompt that fits a 128k-token context is well under 8 MiB of JSON."""
     log_level: str = "warning"
     """Python log level."""
+    parsing: ParsingConfig = field(default_factory=ParsingConfig)
+    """Tool calls and reasoning parsed out of chat answers, here (instances are asked
+    for raw text)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefill", tuple(u.rstrip("/") for u in self.prefill))
@@ -323,11 +362,18 @@ class Environment:
     there, this instance's engine loop stops at the start of its next iteration, as if a
     step were wedged (it goes on once the file is removed)."""
 
+    test_scripted_output: str | None = None
+    """KVDUPLEX_TEST_SCRIPTED_OUTPUT, for tests only: a text; this instance's engine
+    samples its tokens (the text encoded, then end of sequence) in place of the model's
+    at each output position, so a test controls what the model writes (tool calls,
+    reasoning) while everything downstream of the sampler runs as it does in service."""
+
     @classmethod
     def read(cls) -> Environment:
         drop = os.environ.get("KVDUPLEX_TEST_DROP_MESSAGES", "")
         return cls(
             test_stall_engine_file=os.environ.get("KVDUPLEX_TEST_STALL_ENGINE_FILE") or None,
+            test_scripted_output=os.environ.get("KVDUPLEX_TEST_SCRIPTED_OUTPUT") or None,
             log_level=os.environ.get("KVDUPLEX_LOG_LEVEL"),
             cluster_secret=os.environ.get(CLUSTER_SECRET_VAR) or None,
             api_key=os.environ.get(API_KEY_VAR) or None,

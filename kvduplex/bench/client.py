@@ -61,14 +61,63 @@ class RequestResult:
     """``usage.kv`` when the server reports it."""
     response_id: str = ""
     """The response's ``id``: the request id the serving instances log and count under."""
+    message: dict[str, Any] = field(default_factory=dict)
+    """Chat: the assistant message as the stream built it (``content``, and
+    ``reasoning_content`` and ``tool_calls`` when the server sent them), what a client
+    sends back as history."""
+
+
+class MessageBuilder:
+    """Builds a chat answer's assistant message from its stream's deltas, as OpenAI's
+    clients do: content and reasoning concatenated, each tool call by its ``index``
+    (id, type and name from its first delta, the arguments' fragments joined)."""
+
+    def __init__(self) -> None:
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.calls: dict[int, dict[str, Any]] = {}
+
+    def add(self, delta: dict[str, Any]) -> None:
+        if delta.get("content"):
+            self.content.append(delta["content"])
+        if delta.get("reasoning_content"):
+            self.reasoning.append(delta["reasoning_content"])
+        for part in delta.get("tool_calls") or ():
+            call = self.calls.setdefault(
+                int(part.get("index", 0)),
+                {"id": "", "type": "function", "function": {"name": "", "arguments": ""}},
+            )
+            call["id"] = part.get("id") or call["id"]
+            call["type"] = part.get("type") or call["type"]
+            fn = part.get("function") or {}
+            call["function"]["name"] += fn.get("name") or ""
+            call["function"]["arguments"] += fn.get("arguments") or ""
+
+    def message(self) -> dict[str, Any]:
+        msg: dict[str, Any] = {"role": "assistant", "content": "".join(self.content) or None}
+        if self.reasoning:
+            msg["reasoning_content"] = "".join(self.reasoning)
+        if self.calls:
+            msg["tool_calls"] = [self.calls[i] for i in sorted(self.calls)]
+        elif msg["content"] is None:
+            msg["content"] = ""
+        return msg
 
 
 async def stream_request(
-    client: httpx.AsyncClient, url: str, path: str, body: dict[str, Any],
+    client: httpx.AsyncClient,
+    url: str,
+    path: str,
+    body: dict[str, Any],
     headers: dict[str, str] | None = None,
 ) -> RequestResult:
     """POST `body` with stream=True to url+path and time the answer."""
-    body = {**body, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+    body = {
+        **body,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+    }
     start = time.perf_counter()
     first: float | None = None
     last = start
@@ -77,6 +126,7 @@ async def stream_request(
     ids: list[int] = []
     usage: dict[str, Any] = {}
     response_id = ""
+    message = MessageBuilder()
     try:
         async with aconnect_sse(
             client, "POST", url + path, json=body, headers=dict(headers or {})
@@ -96,8 +146,10 @@ async def stream_request(
                     usage = msg["usage"]
                 for choice in msg.get("choices", []):
                     new_ids = choice.get("token_ids") or []
-                    piece = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
-                    if not new_ids and not piece:
+                    delta = choice.get("delta") or {}
+                    message.add(delta)
+                    piece = choice.get("text") or delta.get("content") or ""
+                    if not new_ids and not piece and not _has_output(delta):
                         continue
                     now = time.perf_counter()
                     if first is None:
@@ -123,7 +175,13 @@ async def stream_request(
         completion_tokens=int(usage.get("completion_tokens", len(ids))),
         kv=try_kv_usage(usage),
         response_id=response_id,
+        message=message.message() if "chat" in path else {},
     )
+
+
+def _has_output(delta: dict[str, Any]) -> bool:
+    """A chat delta that carries generated output other than content."""
+    return bool(delta.get("reasoning_content") or delta.get("tool_calls"))
 
 
 def percentile(values: list[float], q: float) -> float:

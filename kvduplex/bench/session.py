@@ -7,7 +7,9 @@ turn, which is what prefix caching and the duplex return are for.
 
 from __future__ import annotations
 
+import asyncio
 import random
+import statistics
 from dataclasses import dataclass
 
 import httpx
@@ -15,7 +17,35 @@ import httpx
 from kvduplex.bench.client import RequestResult
 from kvduplex.bench.client import stream_request
 
-_WORDS = ["tool", "result", "file", "path", "error", "line", "value", "list", "query", "index", "table", "cache", "block", "token", "layer", "prefix", "model", "shard", "vector", "batch", "stream", "request", "answer", "plan", "step", "check", "patch"]
+_WORDS = [
+    "tool",
+    "result",
+    "file",
+    "path",
+    "error",
+    "line",
+    "value",
+    "list",
+    "query",
+    "index",
+    "table",
+    "cache",
+    "block",
+    "token",
+    "layer",
+    "prefix",
+    "model",
+    "shard",
+    "vector",
+    "batch",
+    "stream",
+    "request",
+    "answer",
+    "plan",
+    "step",
+    "check",
+    "patch",
+]
 
 
 def seeded_text(rng: random.Random, num_chars: int) -> str:
@@ -43,6 +73,7 @@ async def run_token_session(
     first_turn_chars: int = 600,
     turn_chars: int = 120,
     max_tokens: int = 32,
+    think_s: float = 0.0,
     seed: int = 0,
     session_id: str | None = None,
     timeout_s: float = 300.0,
@@ -51,13 +82,17 @@ async def run_token_session(
 
     Each turn's prompt is the previous prompt, the answer's token ids as generated, and
     the new input's bytes (the byte tokenizer's ids). Unlike chat, nothing re-renders
-    the answer, so the history the next turn sends is exactly the KV decode computed."""
+    the answer, so the history the next turn sends is exactly the KV decode computed.
+    `think_s`: the client's pause before each later turn (an agent running its tool,
+    a user reading), in which a duplex return reaches prefill."""
     rng = random.Random(seed)
     ids = list(("You are a coding agent. " + seeded_text(rng, first_turn_chars)).encode())
     results: list[TurnResult] = []
     headers = {"X-Session-Id": session_id} if session_id else None
     async with httpx.AsyncClient(timeout=timeout_s) as client:
         for turn in range(num_turns):
+            if turn > 0 and think_s > 0:
+                await asyncio.sleep(think_s)  # the workload's think time
             ids = ids + list(("\n" + seeded_text(rng, turn_chars)).encode())
             body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0,
                     "ignore_eos": True}  # fmt: skip
@@ -90,9 +125,11 @@ def format_session(results: list[TurnResult]) -> str:
 def format_side_by_side(runs: dict[str, list[TurnResult]]) -> str:
     """One row per turn: each run's TTFT and the prompt tokens its prefill computed."""
     names = list(runs)
-    head = "| turn | prompt tokens | " + " | ".join(
-        f"{n} TTFT ms | {n} prefilled | {n} cached" for n in names
-    ) + " |"
+    head = (
+        "| turn | prompt tokens | "
+        + " | ".join(f"{n} TTFT ms | {n} prefilled | {n} cached" for n in names)
+        + " |"
+    )
     lines = [head, "|---:|---:|" + "---:|---:|---:|" * len(names)]
     for turn in range(max(len(r) for r in runs.values())):
         cells: list[str] = []
@@ -107,3 +144,16 @@ def format_side_by_side(runs: dict[str, list[TurnResult]]) -> str:
             cells += [f"{r.ttft_s * 1e3:.1f}", str(prefilled), str(r.cached_tokens)]
         lines.append(f"| {turn} | {prompt} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def later_turns_ttft_ratio(
+    runs: dict[str, list[TurnResult]], num: str, den: str, first_turn: int
+) -> tuple[float, float, float] | None:
+    """p50 TTFT of `num` and `den` over turns >= `first_turn` (both answered), and their
+    ratio; None if either has no such turn."""
+    a = [t.result.ttft_s for t in runs[num][first_turn:] if t.result.ok]
+    b = [t.result.ttft_s for t in runs[den][first_turn:] if t.result.ok]
+    if not a or not b:
+        return None
+    pa, pb = statistics.median(a), statistics.median(b)
+    return pa, pb, pa / pb

@@ -35,11 +35,16 @@ from kvduplex.engine.runner import ModelRunner
 from kvduplex.engine.runner import SeqInput
 from kvduplex.engine.runner import kv_layout_for
 from kvduplex.engine.runner import num_blocks_for_memory
+from kvduplex.engine.sampler import PenaltyCounts
 from kvduplex.engine.sampler import RequestGenerators
+from kvduplex.engine.sampler import TokenLogprobs
+from kvduplex.engine.sampler import apply_token_bitmask
+from kvduplex.engine.sampler import compute_logprobs
 from kvduplex.engine.sampler import sample
 from kvduplex.engine.sampling import SamplingParams
 from kvduplex.engine.scheduler import Scheduler
 from kvduplex.engine.scheduler import SchedulerOutput
+from kvduplex.engine.structured import fill_bitmask
 from kvduplex.model.loader import LoadedModel
 from kvduplex.model.loader import load_model
 
@@ -87,6 +92,9 @@ class RequestOutput:
     """Prompt tokens the instance that sent the prompt's KV computed."""
     num_remote_kv_bytes: int = 0
     """Bytes of prompt KV that arrived from that instance."""
+    new_logprobs: list[TokenLogprobs | None] | None = None
+    """With ``SamplingParams.logprobs``: one entry per new token (None for a token whose
+    logits this instance never saw, e.g. a first token sampled by another instance)."""
 
 
 _FINISH_NAMES = {
@@ -132,7 +140,13 @@ class LLMEngine:
         self.eos_token_ids = tuple(self.loaded.tokenizer.eos_token_ids)
         self.connector: KVConnector = KVConnector()
         self._generators = RequestGenerators()
+        self._penalties = PenaltyCounts(model_cfg.vocab_size)
+        self._penalised: set[str] = set()
+        """Live requests with penalties (none: a step skips them at no cost)."""
+        self._logprobs: dict[str, dict[int, TokenLogprobs]] = {}
+        """Per live request asking for logprobs: by output position, those computed here."""
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._test_script: tuple[int, ...] | None = None  # see `script_output_for_tests`
         self._num_emitted: dict[str, int] = {}
         self._aborted: list[RequestOutput] = []  # final outputs of aborts, not yet returned
         self._finished: list[Request] = []  # final output made, not reported to the connector
@@ -168,6 +182,10 @@ class LLMEngine:
         if not params.extra_eos_token_ids:
             req.sampling_params = params = _with_eos(params, self.eos_token_ids)
         self.scheduler.add_request(req)
+        if params.has_penalties:
+            self._penalised.add(request_id)
+        if params.logprobs is not None:
+            self._logprobs[request_id] = {}
         self._detok[request_id] = IncrementalDetokenizer(self.loaded.tokenizer, params.stop)
         self._num_emitted[request_id] = 0
         return req
@@ -268,17 +286,65 @@ class LLMEngine:
             if seq.new_block_ids or seq.replaces_table:
                 runner.update_table(rid, seq.new_block_ids, seq.replaces_table)
             inputs.append(SeqInput(seq.token_ids, seq.start_pos, None, seq.needs_sample, rid))
-        logits = runner.execute(inputs, on_layer_done=self.connector.layer_hook(out))
         sampling = [seq.request for seq in out.seqs if seq.needs_sample]
+        # Structured output: masks filled before the forward (they depend only on the
+        # tokens accepted so far), applied to its logits.
+        constrained = [i for i, req in enumerate(sampling) if req.grammar is not None]
+        vocab_size = self.loaded.config.vocab_size
+        bitmask = fill_bitmask([sampling[i].grammar for i in constrained], vocab_size)
+        logits = runner.execute(inputs, on_layer_done=self.connector.layer_hook(out))
         if not sampling:
             return {}
+        if bitmask is not None:
+            apply_token_bitmask(logits, bitmask, constrained)
         params = [req.sampling_params for req in sampling]
         gens = [
             None if p.is_greedy else self._generators.get(req.request_id, p)
             for req, p in zip(sampling, params, strict=True)
         ]
-        tokens = sample(logits, params, gens)
+        penalties = self._penalties.penalties(sampling) if self._penalised else None
+        tokens = sample(logits, params, gens, penalties)
+        if self._test_script is not None:
+            tokens = [self._scripted_token(r, t) for r, t in zip(sampling, tokens, strict=True)]
+        if self._logprobs:
+            self._note_logprobs(logits, sampling, tokens)
         return {req.request_id: tok for req, tok in zip(sampling, tokens, strict=True)}
+
+    def script_output_for_tests(self, text: str) -> None:
+        """Tests only (``KVDUPLEX_TEST_SCRIPTED_OUTPUT``): every request's output position i
+        takes token i of `text` (then end of sequence) in place of the sampled one, so that
+        a test knows what the model writes; all else (stop checks, detokenizing, the
+        transfer of a first token) runs as in service."""
+        script = self.loaded.tokenizer.encode(text, add_special_tokens=False)
+        self._test_script = (*script, self.eos_token_ids[0])
+
+    def _scripted_token(self, req: Request, sampled: int) -> int:
+        assert self._test_script is not None
+        i = req.num_output_tokens
+        return self._test_script[i] if i < len(self._test_script) else sampled
+
+    def _note_logprobs(
+        self,
+        logits: torch.Tensor,  # (len(sampling), vocab): the step's raw logits
+        sampling: list[Request],
+        tokens: list[int],
+    ) -> None:
+        """Logprobs of the tokens the requests asking for them take at this step (a first
+        token sampled elsewhere, `Request.forced_first_token`, replaces the one drawn
+        here), kept by the output position the token will have."""
+        rows = [j for j, req in enumerate(sampling) if req.request_id in self._logprobs]
+        if not rows:
+            return
+        chosen, positions = [], []
+        for j in rows:
+            req, position = sampling[j], sampling[j].num_output_tokens
+            forced = req.forced_first_token if position == 0 else None
+            chosen.append(tokens[j] if forced is None else forced)
+            positions.append(position)
+        num_top = [sampling[j].sampling_params.logprobs or 0 for j in rows]
+        computed = compute_logprobs(logits[rows], chosen, num_top)
+        for j, position, lp in zip(rows, positions, computed, strict=True):
+            self._logprobs[sampling[j].request_id][position] = lp
 
     def _make_output(self, req: Request) -> RequestOutput | None:
         rid = req.request_id
@@ -320,6 +386,11 @@ class LLMEngine:
             ),
             num_remote_kv_bytes=req.num_remote_kv_bytes,
         )
+        if req.sampling_params.logprobs is not None:
+            by_position = self._logprobs.get(rid, {})
+            output.new_logprobs = [
+                by_position.pop(i, None) for i in range(emitted, len(req.output_token_ids))
+            ]
         if finished:
             self._forget(rid)
             if req.status is not RequestStatus.FINISHED_ABORTED:
@@ -330,6 +401,9 @@ class LLMEngine:
         self._detok.pop(request_id, None)
         self._num_emitted.pop(request_id, None)
         self._generators.drop(request_id)
+        self._penalties.drop(request_id)
+        self._penalised.discard(request_id)
+        self._logprobs.pop(request_id, None)
 
     # ------------------------------------------------------------------- stats
 

@@ -33,6 +33,7 @@ from kvduplex.engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from kvduplex.engine.block_pool import BlockHash
+    from kvduplex.engine.structured import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -107,6 +108,9 @@ class Request:
     connector_meta: object | None = None
     """Opaque to the engine: what a connector attached before admission (e.g. where the
     finished turn's KV is returned); the connector reads it when the request finishes."""
+    grammar: RequestGrammar | None = None
+    """Structured output: the grammar every output token must fit (`engine.structured`);
+    the engine masks this request's logits with it and it follows each appended token."""
 
     output_token_ids: list[int] = field(default_factory=list, init=False)
     status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
@@ -165,9 +169,12 @@ class Request:
         return self.status.is_finished
 
     def append_output_token(self, token_id: int) -> None:
-        """Append one generated token (its KV is computed by the next step)."""
+        """Append one generated token (its KV is computed by the next step); the
+        request's grammar, if any, advances past it."""
         self.output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
 
 
 __all__ = ["FinishReason", "RemoteKVSpec", "Request", "RequestStatus"]

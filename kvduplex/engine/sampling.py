@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from dataclasses import field
 
@@ -9,6 +10,10 @@ GREEDY_BELOW_TEMPERATURE = 1e-5
 """Temperatures below this sample greedily (logits / t would overflow float32)."""
 SEED_RANGE = (-(2**63), 2**64)
 """Seeds a torch.Generator accepts: [lo, hi)."""
+MAX_LOGPROBS = 20
+"""Most alternatives a request may ask for per token (OpenAI's top_logprobs bound)."""
+PENALTY_RANGE = (-2.0, 2.0)
+"""presence_penalty and frequency_penalty: [lo, hi], as OpenAI's API."""
 
 
 @dataclass(frozen=True)
@@ -18,6 +23,13 @@ class SamplingParams:
     temperature 0 (or below `GREEDY_BELOW_TEMPERATURE`) means greedy. A request
     with a seed is reproducible: its tokens depend only on its own seed and
     logits, never on the batch it ran in.
+
+    Penalties follow vLLM: presence and frequency count the request's output
+    tokens (a first token sampled by another instance included), repetition
+    counts prompt and output tokens; greedy requests take the argmax of the
+    penalised logits. Logprobs describe the model's raw distribution
+    (log-softmax of its logits, before penalties, temperature and filters:
+    vLLM's default ``raw_logprobs``).
     """
 
     max_tokens: int = 16
@@ -28,6 +40,19 @@ class SamplingParams:
     """Nucleus sampling: smallest set of tokens whose probability reaches top_p."""
     top_k: int = -1
     """Keep only the k most likely tokens; -1 keeps all."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the most likely one's (after
+    temperature); 0 keeps all."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token the output holds already."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time the output holds it."""
+    repetition_penalty: float = 1.0
+    """Tokens of the prompt or the output: positive logits divided by it, negative ones
+    multiplied; 1 leaves them."""
+    logprobs: int | None = None
+    """Return each output token's logprob and its `logprobs` most likely alternatives
+    (0: the token's own only); None returns none."""
     seed: int | None = None
     """Seed of this request's random generator."""
     stop: tuple[str, ...] = ()
@@ -50,6 +75,19 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        lo, hi = PENALTY_RANGE
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not lo <= value <= hi:
+                raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(
+                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}"
+            )
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
             raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
@@ -58,3 +96,12 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW_TEMPERATURE
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether the logits depend on the tokens seen so far."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )

@@ -154,8 +154,9 @@ class StepBuilder:
 def check_stop(req: Request, max_num_tokens: int) -> FinishReason | None:
     """Why the request must finish after its latest output token, or None.
 
-    Order: stop_token_ids (sets ``req.stop_reason``) and EOS (unless
-    ignore_eos), both only once ``min_tokens`` are out; then max_tokens; then
+    Order: a structured output's grammar that has terminated; stop_token_ids (sets
+    ``req.stop_reason``) and EOS (unless ignore_eos), both only once ``min_tokens`` are
+    out; then max_tokens; then
     the pool's capacity (the next step could not hold the KV even alone).
     """
     sp = req.sampling_params
@@ -163,6 +164,8 @@ def check_stop(req: Request, max_num_tokens: int) -> FinishReason | None:
     if n == 0:
         return None
     last = req.output_token_ids[-1]
+    if req.grammar is not None and req.grammar.is_terminated:
+        return FinishReason.STOP  # the structured output is complete
     if n >= sp.min_tokens:
         if last in sp.stop_token_ids:
             req.stop_reason = last

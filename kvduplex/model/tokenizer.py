@@ -220,6 +220,11 @@ class HFTokenizer(Tokenizer):
         eos.extend(_generation_eos(folder))
         self.eos_token_ids = tuple(dict.fromkeys(eos))
 
+    @property
+    def hf_tokenizer(self) -> Any:
+        """The transformers tokenizer underneath (e.g. to build a grammar's vocabulary)."""
+        return self._tok
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 

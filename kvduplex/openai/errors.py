@@ -78,6 +78,8 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         where = ".".join(loc) or "body"
         param = param or where
         msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        if err.get("type") == "extra_forbidden":
+            msg = "unknown field; this server does not support it (refused, not ignored)"
         parts.append(f"{where}: {msg}")
     return "; ".join(parts) or "invalid request", param
 

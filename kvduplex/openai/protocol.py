@@ -3,6 +3,14 @@
 Validation happens here, so a bad request turns into a 400 with a message that
 names the field, before anything reaches the engine. The router validates with
 the same models, so it refuses what an instance would, in the same words.
+
+A body naming a field these models do not declare is refused (400 naming the
+field), never silently ignored. A few fields OpenAI clients send are accepted and
+ignored, because they change nothing an instance computes: `IGNORED_FIELDS`.
+This holds for the body's own fields; nested objects (messages, tools,
+``stream_options``) still ignore keys they do not know, because clients send
+earlier answers back as they got them (an assistant message's ``refusal``,
+``annotations``, ``reasoning_content``...).
 """
 
 from __future__ import annotations
@@ -17,8 +25,16 @@ from pydantic import Field
 from pydantic import field_validator
 from pydantic import model_validator
 
+from kvduplex.engine.sampling import MAX_LOGPROBS
+from kvduplex.engine.sampling import PENALTY_RANGE
 from kvduplex.engine.sampling import SEED_RANGE
 from kvduplex.engine.sampling import SamplingParams
+
+IGNORED_FIELDS = frozenset(
+    {"user", "safety_identifier", "metadata", "store", "service_tier", "parallel_tool_calls"}
+)
+"""Accepted and ignored: who the end user is, labels and storage of OpenAI's own
+platform, its processing tier, and (chat) whether tool calls may run in parallel."""
 
 
 def _check_unicode(text: str) -> str:
@@ -82,23 +98,45 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: the schema the answer must match."""
+
+    name: Annotated[str, Field(min_length=1, max_length=64)] = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(default_factory=dict, alias="schema")
+    """JSON Schema of the answer (``{}`` or ``true``: any JSON value)."""
+    strict: bool | None = None
+    """Accepted; the answer is always held to the schema (constrained decoding)."""
+
+
 class ResponseFormat(BaseModel):
-    type: str
+    """``text`` (free), ``json_object`` (any JSON object) or ``json_schema``, enforced
+    by constrained decoding (`kvduplex.engine.structured`)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs a json_schema object")
+        return self
 
 
 class _SamplingFields(BaseModel):
-    """Fields shared by completions and chat completions."""
+    """Fields shared by completions and chat completions; any other field is refused."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     @model_validator(mode="before")
     @classmethod
     def _null_means_default(cls, data: Any) -> Any:
         """OpenAI's API takes null for any optional field (clients send it): the default.
-        First, a body nested deeper than `MAX_NESTING_DEPTH` is refused."""
+        An unknown field stays, null or not, to be refused. First, a body nested deeper
+        than `MAX_NESTING_DEPTH` is refused."""
         check_nesting(data)
         if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None}
+            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
         return data
 
     model: str | None = None
@@ -114,11 +152,20 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    """Only 1: one choice per request (see `_check_n`)."""
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    presence_penalty: Annotated[float, Field(ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] = 1.0
+    """Non-standard (vLLM's): > 1 discourages the prompt's and the output's tokens."""
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
     user: str | None = None
+    """Ignored (`IGNORED_FIELDS`), as are the next four."""
+    safety_identifier: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
     return_token_ids: bool = False
     """Non-standard: include prompt and output token ids in the response."""
     kv_transfer_params: dict[str, Any] | None = None
@@ -139,14 +186,10 @@ class _SamplingFields(BaseModel):
     @classmethod
     def _check_n(cls, v: int) -> int:
         if v != 1:
-            raise ValueError("only n=1 is supported")
-        return v
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _check_penalty(cls, v: float) -> float:
-        if v != 0.0:
-            raise ValueError("presence and frequency penalties are not supported; send 0")
+            raise ValueError(
+                f"n={v} is not supported: this server answers one choice per request; send "
+                "n=1 (several requests with different seeds give several choices)"
+            )
         return v
 
     @field_validator("logit_bias")
@@ -154,13 +197,6 @@ class _SamplingFields(BaseModel):
     def _check_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         if v:
             raise ValueError("logit_bias is not supported")
-        return v
-
-    @field_validator("response_format")
-    @classmethod
-    def _check_response_format(cls, v: ResponseFormat | None) -> ResponseFormat | None:
-        if v is not None and v.type != "text":
-            raise ValueError(f"response_format type {v.type!r} is not supported; only 'text'")
         return v
 
     @field_validator("stop")
@@ -178,12 +214,22 @@ class _SamplingFields(BaseModel):
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
+    def num_logprobs(self) -> int | None:
+        """How many alternatives to return per token (0: the token's own logprob only);
+        None: no logprobs."""
+        return None
+
     def to_sampling_params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
+            min_p=self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logprobs=self.num_logprobs(),
             seed=self.seed,
             stop=self.stop_strings(),
             stop_token_ids=tuple(self.stop_token_ids or ()),
@@ -196,7 +242,8 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: Annotated[int, Field(ge=1)] = 16
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    """Each token's logprob and this many most likely alternatives."""
     best_of: int | None = None
     suffix: str | None = None
 
@@ -214,13 +261,14 @@ class CompletionRequest(_SamplingFields):
     def _check_unsupported(self) -> CompletionRequest:
         if self.echo:
             raise ValueError("echo is not supported")
-        if self.logprobs is not None:
-            raise ValueError("logprobs are not supported")
         if self.best_of not in (None, 1):
             raise ValueError("best_of is not supported")
         if self.suffix:
             raise ValueError("suffix is not supported")
         return self
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt of this request; a batch of several raises ValueError."""
@@ -314,11 +362,15 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    """Return each output token's logprob."""
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    """With logprobs: this many most likely alternatives per token too."""
     tools: list[ChatTool] | None = None
-    """Shown to the model through its chat template; calls are not parsed from the answer."""
+    """Shown to the model through its chat template; calls are parsed from the answer with
+    a tool-call parser and tool_choice auto (`chat_output.py`)."""
     tool_choice: str | dict[str, Any] | None = None
-    """auto or none; forcing a call (required, a named function) is not supported."""
+    """auto, none, required (at least one call, constrained to the tools' schemas) or a
+    named function (``{"type": "function", "function": {"name": ...}}``: one call)."""
     parallel_tool_calls: bool | None = None
 
     @field_validator("tools")
@@ -332,21 +384,54 @@ class ChatCompletionRequest(_SamplingFields):
     @field_validator("tool_choice")
     @classmethod
     def _check_tool_choice(cls, v: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
-        if v is not None and v not in ("auto", "none"):
-            raise ValueError(
-                f"tool_choice {v!r} is not supported: tool calls are not parsed from the "
-                "answer, so none can be forced; send 'auto' or 'none'"
-            )
-        return v
+        if v is None or v in ("auto", "none", "required") or named_tool(v) is not None:
+            return v
+        raise ValueError(
+            f"tool_choice {v!r} is not supported; send 'auto', 'none', 'required' or "
+            '{"type": "function", "function": {"name": ...}}'
+        )
 
     @model_validator(mode="after")
-    def _check_unsupported(self) -> ChatCompletionRequest:
-        if self.logprobs or self.top_logprobs:
-            raise ValueError("logprobs are not supported")
+    def _check_logprobs_and_tools(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        self._check_forced_tool()
         return self
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def _check_forced_tool(self) -> None:
+        """A forced tool call (required, named) needs tools, the named one among them, and
+        no response_format of its own (both would constrain the same answer)."""
+        choice = self.tool_choice
+        name = named_tool(choice) if isinstance(choice, dict) else None
+        if choice != "required" and name is None:
+            return
+        names = [t.function.name for t in self.tools or ()]
+        if not names:
+            raise ValueError(f"tool_choice {choice!r} needs tools; the request has none")
+        if name is not None and name not in names:
+            raise ValueError(
+                f"tool_choice names the function {name!r}, which is not among the tools {names}"
+            )
+        if self.response_format is not None and self.response_format.type != "text":
+            raise ValueError(
+                "tool_choice required or named and a json response_format exclude each other"
+            )
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def named_tool(tool_choice: Any) -> str | None:
+    """The function name of a named tool_choice (``{"type": "function", "function":
+    {"name": ...}}``), or None for anything else."""
+    if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function":
+        return None
+    function = tool_choice.get("function")
+    name = function.get("name") if isinstance(function, dict) else None
+    return name if isinstance(name, str) and name else None
 
 
 OpenAIRequest = CompletionRequest | ChatCompletionRequest

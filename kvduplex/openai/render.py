@@ -5,16 +5,29 @@ returned). Non-streamed: `completion_body`. Streamed: `stream_chunk` around a
 `stream_choice` per step, a usage-only chunk at the end when asked for, then
 `SSE_DONE`; each chunk is framed with `sse_data`. The chat completion's first
 delta carries ``role: assistant``.
+
+Logprobs, when asked for, in OpenAI's two shapes: `chat_logprobs` (``content``:
+per token its text, logprob, UTF-8 bytes and ``top_logprobs``, the k most likely
+alternatives, most likely first) and `completion_logprobs` (``tokens``,
+``token_logprobs``, ``top_logprobs``: per token a map of the k most likely
+alternatives and the token itself, as vLLM's, ``text_offset``). They describe
+the model's raw distribution (see `kvduplex.engine.sampling`). A token's text is
+its own decoding; JSON has no -inf, so a logprob of -inf is `LOGPROB_FLOOR`.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from dataclasses import field
 from typing import Any
 
+from kvduplex.engine.sampler import TokenLogprobs
+from kvduplex.model.tokenizer import ByteTokenizer
+from kvduplex.model.tokenizer import Tokenizer
 from kvduplex.openai.protocol import error_body
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -60,6 +73,72 @@ def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int
     }
 
 
+LOGPROB_FLOOR = -9999.0
+"""What a logprob of -inf (or NaN) is written as (JSON has neither), as vLLM writes it."""
+
+
+def _logprob(value: float) -> float:
+    return value if math.isfinite(value) else LOGPROB_FLOOR
+
+
+def token_text_and_bytes(tokenizer: Tokenizer, token_id: int) -> tuple[str, list[int]]:
+    """A token's own text (special tokens written out) and its bytes: those of the text,
+    but a byte-level token that is part of a multi-byte character is its own byte."""
+    text = tokenizer.decode([token_id], skip_special_tokens=False)
+    if isinstance(tokenizer, ByteTokenizer) and token_id < 256:
+        return text, [token_id]
+    return text, list(text.encode("utf-8"))
+
+
+def chat_logprobs(tokenizer: Tokenizer, entries: Sequence[TokenLogprobs | None]) -> dict[str, Any]:
+    """``choice.logprobs`` of a chat completion (or of a chunk: its tokens only). Tokens
+    without logprobs (None) are left out."""
+    content = []
+    for e in entries:
+        if e is None:
+            continue
+        text, raw = token_text_and_bytes(tokenizer, e.token_id)
+        top = []
+        for tid, lp in e.top:
+            alt_text, alt_raw = token_text_and_bytes(tokenizer, tid)
+            top.append({"token": alt_text, "logprob": _logprob(lp), "bytes": alt_raw})
+        content.append(
+            {"token": text, "logprob": _logprob(e.logprob), "bytes": raw, "top_logprobs": top}
+        )
+    return {"content": content}
+
+
+def completion_logprobs(
+    tokenizer: Tokenizer, entries: Sequence[TokenLogprobs | None], text_offset: int = 0
+) -> dict[str, Any]:
+    """``choice.logprobs`` of a text completion (or of a chunk: its tokens only, their
+    offsets counted from `text_offset`, the length of the text before them). Tokens
+    without logprobs (None) are left out."""
+    tokens: list[str] = []
+    token_logprobs: list[float] = []
+    top_logprobs: list[dict[str, float]] = []
+    offsets: list[int] = []
+    for e in entries:
+        if e is None:
+            continue
+        text = tokenizer.decode([e.token_id], skip_special_tokens=False)
+        tokens.append(text)
+        token_logprobs.append(_logprob(e.logprob))
+        alternatives: dict[str, float] = {}
+        for tid, lp in e.top:  # two ids of one text (bytes of a split character): the likelier
+            alternatives.setdefault(
+                tokenizer.decode([tid], skip_special_tokens=False), _logprob(lp)
+            )
+        alternatives.setdefault(text, _logprob(e.logprob))
+        top_logprobs.append(alternatives)
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {
+        "tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+        "text_offset": offsets,
+    }  # fmt: skip
+
+
 def completion_body(
     head: ResponseHead,
     text: str,
@@ -67,11 +146,15 @@ def completion_body(
     finish_reason: str | None,
     usage_: dict[str, Any],
     prompt_token_ids: list[int],
+    message: dict[str, Any] | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A whole (non-streamed) answer."""
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+    """A whole (non-streamed) answer; a chat answer's `message` when it was parsed
+    (`chat_output.ParsedMessage`), else the text as its content; `logprobs` from
+    `chat_logprobs` or `completion_logprobs` when asked for."""
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": logprobs}
     if head.is_chat:
-        choice["message"] = {"role": "assistant", "content": text}
+        choice["message"] = message or {"role": "assistant", "content": text}
     else:
         choice["text"] = text
     if head.return_token_ids:
@@ -86,15 +169,21 @@ def completion_body(
 
 
 def stream_choice(
-    head: ResponseHead, text: str, token_ids: list[int], finish_reason: str | None, is_first: bool
+    head: ResponseHead,
+    text: str,
+    token_ids: list[int],
+    finish_reason: str | None,
+    is_first: bool,
+    delta: dict[str, Any] | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The choice of one stream chunk: new text (and ids), the finish reason once finished."""
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+    """The choice of one stream chunk: new text (and ids, and their `logprobs` when asked
+    for), the finish reason once finished; a chat chunk's `delta` when the answer is
+    parsed (`chat_output.DeltaMessage`), else the text as its content."""
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": logprobs}
     if head.is_chat:
-        delta: dict[str, Any] = (
-            {"role": "assistant", "content": text} if is_first else {"content": text}
-        )
-        choice["delta"] = delta
+        fields = {"content": text} if delta is None else delta
+        choice["delta"] = {"role": "assistant", **fields} if is_first else fields
     else:
         choice["text"] = text
     if head.return_token_ids:

@@ -33,6 +33,7 @@ from collections.abc import AsyncIterator
 from collections.abc import Awaitable
 from collections.abc import Callable
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from dataclasses import field
 from typing import Any
@@ -51,12 +52,24 @@ from starlette.types import Receive
 from starlette.types import Scope
 from starlette.types import Send
 
+from kvduplex.config import ParsingConfig
 from kvduplex.engine.async_engine import AsyncEngine
 from kvduplex.engine.async_engine import EngineDeadError
 from kvduplex.engine.engine import RequestOutput
 from kvduplex.engine.engine import RequestRejected
 from kvduplex.engine.request import Request as EngineRequest
+from kvduplex.engine.sampler import TokenLogprobs
+from kvduplex.engine.structured import GrammarCompiler
+from kvduplex.engine.structured import GrammarSpec
+from kvduplex.engine.structured import RequestGrammar
+from kvduplex.engine.structured import StructuredOutputError
 from kvduplex.openai import render
+from kvduplex.openai import structured
+from kvduplex.openai.chat_output import RAW_OUTPUT_HEADER
+from kvduplex.openai.chat_output import ChatOutputParser
+from kvduplex.openai.chat_output import check_tool_choice
+from kvduplex.openai.chat_output import output_parser
+from kvduplex.openai.chat_output import prompt_tail
 from kvduplex.openai.errors import REQUEST_ID_HEADER
 from kvduplex.openai.errors import APIError
 from kvduplex.openai.errors import install_error_handlers
@@ -91,6 +104,13 @@ class Generation:
     report_answer: bool = False
     """The answer ends with its generated ids (`ANSWER_IDS_FIELD`; the router asks, to
     record them and remove the field)."""
+    parser: ChatOutputParser | None = None
+    """A chat answer's tool-call and reasoning parser (`kvduplex.openai.chat_output`);
+    None: the text is the content."""
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    """A whole answer's logprobs as they are gathered (when the request asks for them)."""
+    tool_calls: structured.ForcedToolCalls | None = None
+    """tool_choice required or named: the answer is rendered as tool calls."""
 
 
 @dataclass
@@ -109,10 +129,33 @@ class InstanceState:
     answers: AnswerBook = field(default_factory=AnswerBook)
     """The chat answers this instance generated, for prompts that send them back."""
     created: int = field(default_factory=lambda: int(time.time()))
+    parsing: ParsingConfig = field(default_factory=ParsingConfig)
+    """Tool-call and reasoning parsing of chat answers (``--tool-call-parser`` ...)."""
+    _grammars: GrammarCompiler | None = field(default=None, init=False, repr=False)
+    _grammar_pool: ThreadPoolExecutor | None = field(default=None, init=False, repr=False)
+    """Grammar compiles run here: a slow schema never holds the loop, nor the threads of
+    `asyncio.to_thread` (peer lookups of the KV routes use those)."""
 
     @property
     def tokenizer(self) -> Any:
         return self.engine.core.loaded.tokenizer
+
+    async def grammar(
+        self, spec: GrammarSpec, request_id: str, param: str = "response_format"
+    ) -> RequestGrammar:
+        """A request's grammar matcher, compiled off the event loop (cached by schema);
+        APIError 400 naming `param` if the schema cannot be compiled."""
+        if self._grammars is None or self._grammar_pool is None:
+            loaded = self.engine.core.loaded
+            self._grammars = GrammarCompiler(loaded.tokenizer, loaded.config.vocab_size)
+            self._grammar_pool = ThreadPoolExecutor(2, thread_name_prefix="grammar")
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(
+                self._grammar_pool, self._grammars.grammar, spec, request_id
+            )
+        except StructuredOutputError as exc:
+            raise APIError(400, str(exc), param=param) from None
 
     @property
     def max_model_len(self) -> int:
@@ -189,6 +232,7 @@ def create_app(state: InstanceState, extra_routers: Sequence[APIRouter] = ()) ->
         if max_tokens is None:
             max_tokens = max(1, state.max_model_len - len(ids))
         gen = _make_generation(state, raw, body, ids, max_tokens, "chatcmpl")
+        gen.parser = _chat_parser(state, raw, body, ids)
         return await _serve(state, raw, gen, chat=True)
 
     for router in extra_routers:
@@ -261,6 +305,20 @@ def _routed_prompt_ids(body: ChatCompletionRequest) -> list[int] | None:
     return ids
 
 
+def _chat_parser(
+    state: InstanceState, raw: Request, body: ChatCompletionRequest, ids: list[int]
+) -> ChatOutputParser | None:
+    """The answer's parser, by this instance's flags; none when the caller (a router, which
+    parses by its own flags) asks for raw text (`RAW_OUTPUT_HEADER`)."""
+    if raw.headers.get(RAW_OUTPUT_HEADER):
+        return None
+    try:
+        check_tool_choice(body, state.parsing)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="tool_choice") from None
+    return output_parser(body, state.parsing, prompt_tail(state.tokenizer, ids))
+
+
 def _check_model(state: InstanceState, model: str | None) -> None:
     if model is not None and model not in state.served_model_names:
         raise APIError(
@@ -300,6 +358,11 @@ def _make_generation(
 
 
 async def _serve(state: InstanceState, raw: Request, gen: Generation, chat: bool) -> Response:
+    spec = structured.grammar_spec_of(gen.body)
+    if spec is not None:
+        gen.tool_calls = structured.forced_tool_calls(gen.body)
+        param = "response_format" if gen.tool_calls is None else "tools"
+        gen.request.grammar = await state.grammar(spec, gen.request.request_id, param)
     if state.prepare is not None:
         await state.prepare(raw, gen)
     outputs = state.engine.generate(gen.request)
@@ -331,6 +394,7 @@ async def _collect(
         async for out in outputs:
             text.append(out.new_text)
             ids.extend(out.new_token_ids)
+            gen.logprobs.extend(out.new_logprobs or ())
             last = out
         return "".join(text), ids, last
 
@@ -388,13 +452,37 @@ def _usage(last: RequestOutput) -> dict[str, Any]:
     return out
 
 
+def _logprobs(
+    state: InstanceState,
+    gen: Generation,
+    entries: list[TokenLogprobs | None],
+    chat: bool,
+    text_offset: int,
+) -> dict[str, Any] | None:
+    """``choice.logprobs`` for `entries` in the endpoint's shape; None unless asked for."""
+    if gen.request.sampling_params.logprobs is None:
+        return None
+    if chat:
+        return render.chat_logprobs(state.tokenizer, entries)
+    return render.completion_logprobs(state.tokenizer, entries, text_offset)
+
+
 def _final_body(
     state: InstanceState, gen: Generation, text: str, ids: list[int], last: RequestOutput, chat: bool
 ) -> dict[str, Any]:
+    reason, message = last.finish_reason, None
+    if gen.parser is not None:
+        parsed = gen.parser.parse(text, reason)
+        reason, message = parsed.finish_reason, parsed.to_json()
     body = render.completion_body(
-        _head(state, gen, chat), text, ids, last.finish_reason, _usage(last),
-        gen.request.prompt_token_ids,
-    )
+        _head(state, gen, chat), text, ids, reason, _usage(last),
+        gen.request.prompt_token_ids, message, _logprobs(state, gen, gen.logprobs, chat, 0),
+    )  # fmt: skip
+    if gen.tool_calls is not None:
+        choice = body["choices"][0]
+        choice["message"], choice["finish_reason"] = structured.tool_call_message(
+            gen.tool_calls, text, last.finish_reason
+        )
     body.update(gen.extra)
     return body
 
@@ -410,17 +498,36 @@ async def _sse(
     first = True
     to_mark = gen.mark_first_token
     last: RequestOutput | None = None
+    text_offset = 0  # of the text sent so far (completions' logprobs count from it)
     ids: list[int] = []
-    message = MessageAccumulator()
+    message = MessageAccumulator()  # the chat answer as returned, for the answer book
+    calls = structured.ToolCallStream(gen.tool_calls) if gen.tool_calls is not None else None
     try:
         async for out in outputs:
             last = out
             ids.extend(out.new_token_ids)
-            choice = render.stream_choice(
-                head, out.new_text, out.new_token_ids, out.finish_reason, is_first=first
-            )
-            if chat:
-                message.add_delta(choice["delta"])
+            logprobs = _logprobs(state, gen, out.new_logprobs or [], chat, text_offset)
+            if logprobs is not None and not chat:
+                text_offset += sum(len(t) for t in logprobs["tokens"])
+            if calls is not None:
+                reason = structured.finish_reason_of(calls.forced, out.finish_reason)
+                choice = structured.stream_choice(calls.push(out.new_text), reason, first)
+                choice["logprobs"] = logprobs
+                if head.return_token_ids:
+                    choice["token_ids"] = out.new_token_ids
+            else:
+                reason, delta = out.finish_reason, None
+                if gen.parser is not None:
+                    parsed, reason = gen.parser.step(out.new_text, reason, out.finished)
+                    has_ids = head.return_token_ids or (to_mark and bool(out.new_token_ids))
+                    if parsed.is_empty() and reason is None and not has_ids and logprobs is None:
+                        continue  # all held back (e.g. a tag not complete yet)
+                    delta = parsed.to_json()
+                choice = render.stream_choice(
+                    head, out.new_text, out.new_token_ids, reason, is_first=first, delta=delta,
+                    logprobs=logprobs,
+                )  # fmt: skip
+            message.add_delta(choice.get("delta") or {})  # completions: none
             chunk = render.stream_chunk(head, choice)
             if to_mark and out.new_token_ids:
                 chunk[render.FIRST_TOKEN_IDS_FIELD] = list(out.new_token_ids)
@@ -432,8 +539,16 @@ async def _sse(
         return
     if include_usage and last is not None:
         yield render.sse_data(render.stream_chunk(head, None, _usage(last)))
+    yield _stream_answer_end(state, gen, chat, last, ids, message)
+    yield render.SSE_DONE
+
+
+def _stream_answer_end(
+    state: InstanceState, gen: Generation, chat: bool, last: RequestOutput | None,
+    ids: list[int], message: MessageAccumulator,
+) -> str:  # fmt: skip
+    """A finished stream's chat answer goes to the answer book; the event that reports its
+    ids when the router asked (`ANSWER_IDS_FIELD`), else ""."""
     if chat and last is not None and last.finish_reason != "abort":
         _record_answer(state, ids, message.message())
-    if gen.report_answer:
-        yield render.sse_data({ANSWER_IDS_FIELD: ids})
-    yield render.SSE_DONE
+    return render.sse_data({ANSWER_IDS_FIELD: ids}) if gen.report_answer else ""

@@ -17,6 +17,7 @@ from kvduplex.config import CacheConfig
 from kvduplex.config import EngineConfig
 from kvduplex.config import Environment
 from kvduplex.config import ModelLoadConfig
+from kvduplex.config import ParsingConfig
 from kvduplex.config import ReturnMode
 from kvduplex.config import RouterConfig
 from kvduplex.config import SchedulerConfig
@@ -51,17 +52,40 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    """``kvduplex serve``'s server flags, its parsing flags included."""
+    return dataclass_from_args(ServerConfig, args, parsing=dataclass_from_args(ParsingConfig, args))
+
+
+def router_config(args: argparse.Namespace) -> RouterConfig:
+    """``kvduplex router``'s flags."""
+    prefill, decode = tuple(args.prefill), tuple(args.decode)
+    parsing = dataclass_from_args(ParsingConfig, args)
+    return dataclass_from_args(RouterConfig, args, prefill=prefill, decode=decode, parsing=parsing)
+
+
+def parsing_flags(parsing: ParsingConfig) -> list[str]:
+    """`parsing` as the flags of a child ``serve`` or ``router``."""
+    out: list[str] = []
+    if parsing.tool_call_parser:
+        out += ["--tool-call-parser", parsing.tool_call_parser]
+    if parsing.reasoning_parser:
+        out += ["--reasoning-parser", parsing.reasoning_parser]
+    if parsing.enable_auto_tool_choice:
+        out.append("--enable-auto-tool-choice")
+    return out
+
+
 def _cmd_serve(args: argparse.Namespace) -> None:
     from kvduplex.server.instance import serve
 
-    serve(_engine_config(args), dataclass_from_args(ServerConfig, args), Environment.read())
+    serve(_engine_config(args), server_config(args), Environment.read())
 
 
 def _cmd_router(args: argparse.Namespace) -> None:
     from kvduplex.server.router.app import serve_router
 
-    prefill, decode = tuple(args.prefill), tuple(args.decode)
-    serve_router(dataclass_from_args(RouterConfig, args, prefill=prefill, decode=decode))
+    serve_router(router_config(args))
 
 
 def _cmd_up(args: argparse.Namespace) -> None:
@@ -80,8 +104,9 @@ def _cmd_up(args: argparse.Namespace) -> None:
             serve_args += ["--dtype", args.dtype]
         front_port = args.port or free_port()
         instances: dict[str, str] = {}
+        parsing = parsing_flags(dataclass_from_args(ParsingConfig, args))
         if args.mode == "colocated":
-            proc = cluster.start("instance", [*serve_args, "--role", "both"], front_port)
+            proc = cluster.start("instance", [*serve_args, "--role", "both", *parsing], front_port)
             front = proc.url
         else:
             p = cluster.start("prefill", [*serve_args, "--role", "prefill"], free_port())
@@ -94,13 +119,17 @@ def _cmd_up(args: argparse.Namespace) -> None:
             router_args = ["router", "--mode", args.mode, "--model", args.model]
             router_args += ["--prefill", instances["prefill"], "--decode", instances["decode"]]
             router_args += flags_of(RouterConfig, args, skip=_UP_ROUTER_SKIP)
-            return_mode = ReturnMode(args.return_mode)
-            if args.mode == "push" and return_mode is ReturnMode.PUSH and args.demo_turns > 0:
-                # The demo also runs through a router without the return, side by side.
-                plain = [*router_args, "--return-mode", "none"]
-                routers["push"] = cluster.start("router-plain", plain, free_port()).url
+            router_args += parsing  # the router parses routed answers
             front = cluster.start("router", router_args, front_port).url
+            return_mode = ReturnMode(args.return_mode)
             routers[_router_name(args.mode, return_mode)] = front
+            if args.mode == "push" and args.demo_turns > 0:
+                # The demo runs through push with and without the duplex return, over the
+                # same instances: the front door, and a second router for the other.
+                other = ReturnMode.NONE if return_mode is ReturnMode.PUSH else ReturnMode.PUSH
+                extra = [*router_args, "--return-mode", other.value]
+                url = cluster.start("router-" + other.value, extra, free_port()).url
+                routers[_router_name(args.mode, other)] = url
             cluster.wait_healthy(timeout_s=args.start_timeout)
             print(f"prefill {instances['prefill']}, decode {instances['decode']}", flush=True)
         print(f"ready: OpenAI API at {front}/v1", flush=True)
@@ -123,16 +152,23 @@ def _cmd_up(args: argparse.Namespace) -> None:
 def _router_name(mode: str, return_mode: ReturnMode) -> str:
     if return_mode is ReturnMode.NONE:
         return mode
-    return f"{mode}+duplex" if return_mode is ReturnMode.PUSH else f"{mode}+return-{return_mode}"
+    return f"{mode}+duplex" if return_mode is ReturnMode.PUSH else f"{mode}+return-pull"
+
+
+DEMO_LATER_TURN = 2
+"""The demo's ratio is over turns from this one (0-based): turn 0 is cold, and turn 1's
+push prompt already hits the previous prompt on prefill."""
 
 
 def _demo(
     args: argparse.Namespace, front: str, routers: dict[str, str], instances: dict[str, str]
 ) -> bool:
     """Run the demo session through each router (or the colocated instance) and print
-    per-turn figures side by side, with what moved each way; False if a turn failed."""
+    per-turn figures side by side, with what moved each way, and push+duplex / push TTFT
+    over the later turns; False if a turn failed."""
     from kvduplex.bench.session import format_session
     from kvduplex.bench.session import format_side_by_side
+    from kvduplex.bench.session import later_turns_ttft_ratio
     from kvduplex.bench.session import run_token_session
     from kvduplex.server.report import format_kv_report
     from kvduplex.server.report import kv_snapshot
@@ -143,6 +179,8 @@ def _demo(
         results = asyncio.run(
             run_token_session(
                 url, args.model, num_turns=args.demo_turns, max_tokens=args.demo_max_tokens,
+                first_turn_chars=args.demo_first_turn_tokens,
+                turn_chars=args.demo_turn_tokens, think_s=args.demo_think_s,
                 seed=args.seed + i, session_id=f"demo-{name}",
             )
         )  # fmt: skip
@@ -155,6 +193,17 @@ def _demo(
             return False
     if len(runs) > 1:
         print(format_side_by_side(runs), flush=True)
+    ratio = None
+    if "push" in runs and "push+duplex" in runs:
+        ratio = later_turns_ttft_ratio(runs, "push+duplex", "push", DEMO_LATER_TURN)
+    if ratio is not None:
+        duplex_ms, push_ms, r = ratio[0] * 1e3, ratio[1] * 1e3, ratio[2]
+        print(
+            f"TTFT p50 over turns >= {DEMO_LATER_TURN}: push+duplex {duplex_ms:.0f} ms, "
+            f"push {push_ms:.0f} ms: push+duplex / push = {r:.2f} (one session each, "
+            f"{args.model}; docs/benchmarks.md has the measured workload)",
+            flush=True,
+        )
     return True
 
 
@@ -167,12 +216,14 @@ def build_parser(bench_workload: str = "serving") -> argparse.ArgumentParser:
     for section in _ENGINE_SECTIONS:
         add_dataclass_flags(serve, section)
     add_dataclass_flags(serve, ServerConfig)
+    add_dataclass_flags(serve, ParsingConfig)
     serve.set_defaults(func=_cmd_serve)
 
     router = sub.add_parser("router", help="route OpenAI requests to prefill and decode instances")
     router.add_argument("--prefill", nargs="*", default=[], help="prefill instance URLs")
     router.add_argument("--decode", nargs="+", required=True, help="decode instance URLs")
     add_dataclass_flags(router, RouterConfig)
+    add_dataclass_flags(router, ParsingConfig)
     router.set_defaults(func=_cmd_router)
 
     up = sub.add_parser(
@@ -182,19 +233,31 @@ def build_parser(bench_workload: str = "serving") -> argparse.ArgumentParser:
         "--mode", default="push", choices=["push", "pull", "colocated"],
         help="push (layer-wise, default), pull, or one colocated instance",
     )  # fmt: skip
-    up.add_argument("--model", default="tiny", help="preset or local HF folder (default: tiny)")
+    up.add_argument("--model", default="small", help="preset or local HF folder (default: small)")
     up.add_argument("--dtype", default="", help="model dtype (default: auto)")
     up.add_argument("--port", type=int, default=0, help="front-door port (default: a free one)")
     up.add_argument(
-        "--demo-turns", type=int, default=4, help="turns of the demo session; 0 skips it"
+        "--demo-turns", type=int, default=6, help="turns of the demo session; 0 skips it"
     )
-    up.add_argument("--demo-max-tokens", type=int, default=32, help="tokens per answer")
+    up.add_argument("--demo-max-tokens", type=int, default=96, help="tokens per answer")
+    up.add_argument(
+        "--demo-first-turn-tokens", type=int, default=1200,
+        help="the first turn's prompt, in tokens of the built-in byte tokenizer",
+    )  # fmt: skip
+    up.add_argument(
+        "--demo-turn-tokens", type=int, default=120, help="each later turn's new input, in tokens"
+    )
+    up.add_argument(
+        "--demo-think-s", type=float, default=1.0,
+        help="the client's pause before each later turn (the duplex return lands in it)",
+    )  # fmt: skip
     up.add_argument("--seed", type=int, default=0, help="seed of the demo session")
     up.add_argument("--keep-serving", action="store_true", help="keep serving after the demo")
     up.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for health")
     up.add_argument("--log-dir", default="", help="where process logs go (default: a temp dir)")
     up.add_argument("--log-level", default="warning")
     add_dataclass_flags(up, RouterConfig, skip=_UP_ROUTER_SKIP)
+    add_dataclass_flags(up, ParsingConfig)
     up.set_defaults(func=_cmd_up)
 
     bench = sub.add_parser(

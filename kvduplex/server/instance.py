@@ -59,6 +59,8 @@ def build_instance(
     secret = load_cluster_secret(server_config.cluster_secret_file, env.cluster_secret)
     engine = LLMEngine(engine_config)
     engine.warmup()
+    if env.test_scripted_output is not None:
+        engine.script_output_for_tests(env.test_scripted_output)
     registry = CollectorRegistry()
     async_engine = AsyncEngine(
         engine, EngineMetrics(registry), test_stall_file=env.test_stall_engine_file
@@ -69,6 +71,7 @@ def build_instance(
         served_model_names=names,
         registry=registry,
         role=server_config.role.value,
+        parsing=server_config.parsing,
     )
     instance = Instance(engine=engine, async_engine=async_engine, app=FastAPI(), state=state)
     routers = _role_routers(instance, engine_config, server_config.role, secret, env)

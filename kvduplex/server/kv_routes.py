@@ -21,6 +21,7 @@ import logging
 import time
 from dataclasses import asdict
 from typing import Annotated
+from typing import Literal
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
@@ -30,6 +31,8 @@ from pydantic import Field
 from kvduplex.engine.engine import RequestRejected
 from kvduplex.engine.request import Request
 from kvduplex.engine.sampling import SamplingParams
+from kvduplex.engine.structured import GrammarSpec
+from kvduplex.engine.structured import RequestGrammar
 from kvduplex.kvflow.connectors import PrefillFlows
 from kvduplex.kvflow.lease import LeaseTable
 from kvduplex.kvflow.pull import block_ids_of
@@ -45,13 +48,31 @@ MAX_XID_CHARS = 256
 """Longest transfer id an internal route takes (ids travel in every notification)."""
 
 
+class GrammarBody(BaseModel):
+    """A `GrammarSpec` as the router sends it (structured output)."""
+
+    kind: Literal["json_object", "json_schema"]
+    schema_: str | None = Field(default=None, alias="schema")
+
+    def spec(self) -> GrammarSpec:
+        return GrammarSpec.from_dict({"kind": self.kind, "schema": self.schema_})
+
+
 class PrefillRequest(BaseModel):
     xid: str = Field(min_length=1, max_length=MAX_XID_CHARS)
     prompt_token_ids: list[int] = Field(min_length=1)
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    """The request's own penalties: repetition acts on the first token (over the prompt);
+    presence and frequency, over an output still empty, only travel on."""
     seed: int | None = None
+    grammar: GrammarBody | None = None
+    """The first token is sampled under this grammar (the request's structured output)."""
 
 
 READ_PIN_MARGIN_S = 0.5
@@ -100,10 +121,11 @@ def make_prefill_router(state: InstanceState, transport: Transport, lease_s: flo
 
     @router.post("/internal/prefill")
     async def prefill(body: PrefillRequest) -> JSONResponse:
+        grammar = await _grammar(state, body)
         try:
             held = Request(
                 body.xid, body.prompt_token_ids, _first_token_params(body),
-                hold_blocks_on_finish=True,
+                hold_blocks_on_finish=True, grammar=grammar,
             )  # fmt: skip
             async for _ in engine.generate(held):
                 pass
@@ -131,6 +153,7 @@ class PushPrefill:
     into the decode instance named in the body; answer with the first token."""
 
     def __init__(self, state: InstanceState, flows: PrefillFlows, directory: PeerDirectory) -> None:
+        self.state = state
         self.engine = state.engine
         self.flows = flows
         self.directory = directory
@@ -144,6 +167,7 @@ class PushPrefill:
             )
         except Exception as exc:
             raise APIError(502, f"cannot reach decode at {body.decode_url}: {exc}") from None
+        grammar = await _grammar(self.state, body)
         if body.pull_from is not None:
             await self._read_retained(xid, body.pull_from, arrived)
         expected = False
@@ -156,8 +180,9 @@ class PushPrefill:
         last, ids, text = None, [], []
         try:
             held = Request(
-                xid, body.prompt_token_ids, _first_token_params(body), hold_blocks_on_finish=True
-            )
+                xid, body.prompt_token_ids, _first_token_params(body), hold_blocks_on_finish=True,
+                grammar=grammar,
+            )  # fmt: skip
             async for out in self.engine.generate(held, on_admit=admit):
                 last = out
                 ids.extend(out.new_token_ids)
@@ -239,8 +264,22 @@ def make_push_prefill_router(
     return router
 
 
+async def _grammar(state: InstanceState, body: PrefillRequest) -> RequestGrammar | None:
+    """The prefill's grammar matcher (compiled off the loop), or None; APIError 400 for a
+    grammar that cannot be compiled."""
+    if body.grammar is None:
+        return None
+    try:
+        spec = body.grammar.spec()
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="grammar") from None
+    return await state.grammar(spec, body.xid, "grammar")
+
+
 def _first_token_params(body: PrefillRequest) -> SamplingParams:
     return SamplingParams(
         max_tokens=1, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+        min_p=body.min_p, presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
         seed=body.seed, ignore_eos=True,
     )  # fmt: skip

@@ -146,7 +146,7 @@ def test_agentic_chat_with_tools_matches_colocated(dep: Deployment, mode: str) -
     (which prefills by its ids) and on the instance."""
     chat = _body("", max_tokens=6)
     del chat["prompt"]
-    chat.update(messages=AGENT_CHAT, tools=TOOLS, tool_choice="auto")
+    chat.update(messages=AGENT_CHAT, tools=TOOLS, tool_choice="none")  # no parser here
     path = "/v1/chat/completions"
     routed_ids, routed_text, _ = stream(dep.routers[mode], path, chat)
     ref_ids, ref_text, _ = stream(dep.reference, path, chat)
@@ -373,3 +373,88 @@ def test_push_whose_prefill_never_writes_falls_back(
     again = _body(_ids(33, salt=14), max_tokens=3)
     assert _complete(router, again) == _complete(dep.reference, again)
     assert _push_stats(d.url)["num_fallbacks"] == stats["num_fallbacks"]
+
+
+PET = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+        "kind": {"type": "string", "enum": ["cat", "dog", "fish"]},
+        "age": {"type": "integer", "minimum": 0, "maximum": 30},
+        "tags": {"type": "array", "items": {"type": "string", "enum": ["a", "b"]}, "maxItems": 3},
+    },
+    "required": ["name", "kind", "age", "tags"],
+}
+CALC = [{"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "required": ["a", "b"],
+    "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                   "b": {"type": "integer", "minimum": 0, "maximum": 99}}}}}]  # fmt: skip
+
+
+def _sse_chunks(url: str, body: dict) -> list[dict]:
+    import json
+
+    from httpx_sse import connect_sse
+
+    body = {**body, "stream": True}
+    with (
+        httpx.Client(timeout=120) as http,
+        connect_sse(http, "POST", url + "/v1/chat/completions", json=body) as src,
+    ):
+        assert src.response.status_code == 200
+        return [json.loads(e.data) for e in src.iter_sse() if e.data != "[DONE]"]
+
+
+def test_structured_output_through_push_matches_colocated(dep: Deployment) -> None:
+    """Prefill samples the first token under the grammar, decode goes on from it under the
+    same grammar: the answer is valid and token-exact with a colocated instance, streamed
+    (prefill's first token spliced in first) or not; forced tool calls too."""
+    import json
+
+    import jsonschema_rs
+
+    path, push = "/v1/chat/completions", dep.routers["push"]
+    fmt = {"type": "json_schema", "json_schema": {"name": "pet", "schema": PET, "strict": True}}
+    chat = {
+        "model": "tiny", "messages": [{"role": "user", "content": "a pet as JSON, over push"}],
+        "max_tokens": 200, "temperature": 1.0, "seed": 11, "return_token_ids": True,
+    }  # fmt: skip
+    free = httpx.post(dep.reference + path, json={**chat, "max_tokens": 1}, timeout=120).json()
+    assert free["choices"][0]["message"]["content"] != "{", "pick a prompt the grammar changes"
+    before = _push_stats(dep.decode)
+    diverged = metric(push, "kvduplex_router_first_token_diverged_total")
+    structured = {**chat, "response_format": fmt}
+    ref = httpx.post(dep.reference + path, json=structured, timeout=120).json()["choices"][0]
+    routed = httpx.post(push + path, json=structured, timeout=120).json()["choices"][0]
+    assert ref["finish_reason"] == routed["finish_reason"] == "stop"
+    assert routed["token_ids"] == ref["token_ids"]
+    jsonschema_rs.validate(PET, json.loads(routed["message"]["content"]))
+    chunks = _sse_chunks(push, structured)
+    assert chunks[0]["choices"][0]["delta"]["content"] == "{"  # prefill's token, spliced
+    streamed_ids = [t for c in chunks if c["choices"] for t in c["choices"][0]["token_ids"]]
+    assert streamed_ids == ref["token_ids"]
+    tools = {**chat, "tools": CALC, "tool_choice": "required", "parallel_tool_calls": False}
+    ref_calls = httpx.post(dep.reference + path, json=tools, timeout=120).json()["choices"][0]
+    routed_calls = httpx.post(push + path, json=tools, timeout=120).json()["choices"][0]
+    assert routed_calls["finish_reason"] == ref_calls["finish_reason"] == "tool_calls"
+    assert routed_calls["token_ids"] == ref_calls["token_ids"]
+    add = CALC[0]["function"]["parameters"]
+    for call in routed_calls["message"]["tool_calls"]:
+        jsonschema_rs.validate(add, json.loads(call["function"]["arguments"]))
+    streamed = _sse_chunks(push, tools)
+    assert streamed[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert not any(c["choices"][0]["delta"].get("content") for c in streamed if c["choices"])
+    streamed_ids = [t for c in streamed if c["choices"] for t in c["choices"][0]["token_ids"]]
+    assert streamed_ids == ref_calls["token_ids"]
+    # Every answer came through the push (no fallback): the first tokens were prefill's.
+    after = _push_stats(dep.decode)
+    assert after["num_received"] == before["num_received"] + 4
+    assert after["num_fallbacks"] == before["num_fallbacks"]
+    assert metric(push, "kvduplex_router_first_token_diverged_total") == diverged
+    pulled = httpx.post(dep.routers["pull"] + path, json=structured, timeout=120).json()
+    assert pulled["choices"][0]["token_ids"] == ref["token_ids"]
+    bad_schema = {"name": "x", "schema": {"type": "y"}}
+    bad = {**chat, "response_format": {"type": "json_schema", "json_schema": bad_schema}}
+    for mode in MODES:
+        resp = httpx.post(dep.routers[mode] + path, json=bad, timeout=120)
+        assert resp.status_code == 400 and "schema cannot be used" in resp.text, resp.text

@@ -71,9 +71,7 @@ texts = st.one_of(clean_texts, surrogate_texts)
 huge_ints = st.sampled_from([2**31, 2**63, 2**64, 2**70, -(2**63) - 1, -(2**70), 10**30])
 ints = st.one_of(st.integers(-3, 600), huge_ints)
 floats = st.floats(allow_nan=True, allow_infinity=True)
-nonzero_floats = st.one_of(
-    st.floats(1e-6, 2.0), st.sampled_from([-0.5, -2.0, 1e308, float("nan"), float("inf")])
-)
+out_of_penalty_range = st.sampled_from([-2.5, 2.0001, 1e308, float("nan"), float("inf"), "x"])
 junk = st.recursive(
     st.one_of(st.none(), st.booleans(), ints, floats, texts),
     lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(texts, inner, max_size=3)),
@@ -107,13 +105,16 @@ def bodies(
     body = {
         name: draw(valid)
         for name, (valid, _) in fields.items()
-        if name in always or draw(st.booleans())
+        if not valid.is_empty and (name in always or draw(st.booleans()))
     }
     verdict = VALID
     for name in draw(st.lists(st.sampled_from(sorted(fields)), max_size=max_broken, unique=True)):
         how = draw(st.sampled_from(["drop", "invalid", "invalid", "junk"]))
         if how == "drop" and name in required:
             body.pop(name, None)
+            verdict = INVALID
+        elif fields[name][0].is_empty:  # an unknown field: any value is refused
+            body[name] = draw(fields[name][1])
             verdict = INVALID
         elif how == "junk" or fields[name][1].is_empty:
             body[name] = draw(junk)
@@ -182,23 +183,35 @@ sampling_fields: dict[str, Field] = {
             max_size=3,
         ),
     ),
-    "presence_penalty": field(st.sampled_from([0, 0.0, -0.0]), nonzero_floats),
-    "frequency_penalty": field(st.sampled_from([0, 0.0]), nonzero_floats),
+    "presence_penalty": field(st.floats(-2.0, 2.0), out_of_penalty_range),
+    "frequency_penalty": field(st.floats(-2.0, 2.0), out_of_penalty_range),
+    "repetition_penalty": field(
+        st.one_of(st.floats(0.01, 10.0), st.sampled_from([1, 1e-6, 1e300])),
+        st.sampled_from([0, -1.0, float("nan"), float("inf"), "strong"]),
+    ),
+    "min_p": field(st.floats(0.0, 1.0), st.sampled_from([-0.1, 1.01, float("nan"), "x"])),
     "user": field(texts, st.sampled_from([1, ["u"]])),
+    "safety_identifier": field(clean_texts, st.sampled_from([1, {}])),
+    "metadata": field(
+        st.dictionaries(clean_texts, clean_texts, max_size=2), st.sampled_from(["m", [1]])
+    ),
+    "store": field(st.booleans(), st.sampled_from(["maybe", {}])),
+    "service_tier": field(st.sampled_from(["auto", "default", "flex"]), st.sampled_from([1, []])),
     "return_token_ids": field(st.booleans(), st.sampled_from(["maybe", 2])),
     "response_format": field(
         st.sampled_from([None, {"type": "text"}]),
         st.sampled_from(
             [
-                {"type": "json_object"},
-                {"type": "json_schema", "json_schema": {"name": "x"}},
+                {"type": "json_schema"},
+                {"type": "json_schema", "json_schema": {"name": ""}},
                 {"type": "xml"},
                 "json",
                 {},
             ]
         ),
     ),
-    "unknown_field": field(junk),
+    "unknown_field": field(st.nothing(), junk),
+    "guided_json": field(st.nothing(), junk),
 }
 
 completion_fields: dict[str, Field] = {
@@ -220,7 +233,9 @@ completion_fields: dict[str, Field] = {
     "max_tokens": max_tokens,
     **sampling_fields,
     "echo": field(st.just(False), st.just(True)),
-    "logprobs": field(st.none(), st.sampled_from([0, 1, 5, -1, True])),
+    "logprobs": field(
+        st.one_of(st.none(), st.integers(0, 20)), st.sampled_from([-1, 21, 1.5, "x"])
+    ),
     "best_of": field(st.sampled_from([None, 1]), st.sampled_from([0, 2, 2**70])),
     "suffix": field(st.sampled_from([None, ""]), prompt_texts),
 }
@@ -331,8 +346,8 @@ chat_fields: dict[str, Field] = {
     "max_tokens": field(st.integers(1, 8), bad_max_tokens),
     "max_completion_tokens": max_tokens,
     **sampling_fields,
-    "logprobs": field(st.just(False), st.sampled_from([True, "yes"])),
-    "top_logprobs": field(st.sampled_from([None, 0]), st.sampled_from([1, 5, -1])),
+    "logprobs": field(st.booleans(), st.sampled_from(["maybe", 2, []])),
+    "top_logprobs": field(st.sampled_from([None, 0]), st.sampled_from([-1, 21, "x"])),
     "tools": field(
         st.one_of(st.sampled_from([None, []]), st.lists(tool, min_size=1, max_size=2)),
         st.sampled_from(
@@ -350,8 +365,9 @@ chat_fields: dict[str, Field] = {
         ),
     ),
     "tool_choice": field(
-        st.sampled_from([None, "auto", "none"]),
-        st.sampled_from(["required", "any", {"type": "function", "function": {"name": "f"}}, 3]),
+        st.sampled_from([None, "none", "required", {"type": "function", "function": {"name": "f"}}]),
+        # "auto" needs --enable-auto-tool-choice, which these instances lack (400, as vLLM)
+        st.sampled_from(["auto", "any", {"type": "function"}, {"type": "function", "function": {}}, 3]),
     ),
     "parallel_tool_calls": field(st.sampled_from([None, True, False]), st.just("both")),
     "session_id": field(clean_texts, st.sampled_from([1, [], "s" * 513]), surrogate_texts),

@@ -2,7 +2,7 @@
 
 A body past the cap is answered 413 before it is parsed (announced or chunked);
 absurd values (max_tokens past the context, n > 1, out-of-range sampling
-parameters, logprobs, too many stop strings or stop token ids, prompts longer
+parameters, unknown fields, too many stop strings or stop token ids, prompts longer
 than the context) are answered 400 in OpenAI error JSON, naming what to fix,
 before the engine sees the request.
 """
@@ -160,14 +160,20 @@ ABSURD: list[tuple[str, dict[str, Any], str]] = [
     ("/v1/completions", {**PROMPT, "top_p": 0}, "top_p"),
     ("/v1/completions", {**PROMPT, "top_p": 1.5}, "top_p"),
     ("/v1/completions", {**PROMPT, "top_k": 0}, "top_k"),
-    ("/v1/completions", {**PROMPT, "logprobs": 5}, "logprobs"),
+    ("/v1/completions", {**PROMPT, "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {**PROMPT, "presence_penalty": 2.5}, "presence_penalty"),
+    ("/v1/completions", {**PROMPT, "repetition_penalty": 0}, "repetition_penalty"),
+    ("/v1/completions", {**PROMPT, "min_p": -0.1}, "min_p"),
+    ("/v1/completions", {**PROMPT, "guided_choice": ["a"]}, "guided_choice: unknown field"),
     ("/v1/completions", {**PROMPT, "stop": ["x"] * 17}, "16 stop"),
     ("/v1/completions", {**PROMPT, "stop_token_ids": [1] * 257}, "stop_token_ids"),
     ("/v1/completions", {**PROMPT, "stop": 7}, "stop"),
     ("/v1/completions", {"model": "tiny", "prompt": 3}, "prompt"),
     ("/v1/chat/completions", {**CHAT, "max_completion_tokens": -3}, "max_completion_tokens"),
     ("/v1/chat/completions", {**CHAT, "n": 3}, "n=1"),
-    ("/v1/chat/completions", {**CHAT, "logprobs": True}, "logprobs"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/chat/completions", {**CHAT, "frequency_penalty": -2.5}, "frequency_penalty"),
+    ("/v1/chat/completions", {**CHAT, "chat_template_kwargs": None}, "chat_template_kwargs"),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "logprobs"),
     ("/v1/chat/completions", {**CHAT, "messages": "hi"}, "messages"),
 ]

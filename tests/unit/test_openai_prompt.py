@@ -136,11 +136,13 @@ def test_load_tokenizer_honours_config_eos_ids(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("body", "message"),
     [
-        ({"tool_choice": "required"}, "tool_choice 'required' is not supported"),
-        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "is not supported"),
+        ({"tool_choice": "required"}, "tool_choice 'required' needs tools"),
+        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "needs tools"),
+        ({"tool_choice": "any"}, "tool_choice 'any' is not supported"),
         ({"tools": [{"type": "function", "function": {"name": ""}}]}, "at least 1 character"),
-        ({"n": 2}, "only n=1"),
-        ({"logprobs": True}, "logprobs are not supported"),
+        ({"n": 2}, "n=2 is not supported"),
+        ({"top_logprobs": 3}, "top_logprobs needs logprobs: true"),
+        ({"functions": []}, "Extra inputs are not permitted"),
         ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, None),
         (
             {"messages": [{"role": "user", "content": "x", "tool_calls": [AGENT_TURNS[2]["tool_calls"][0]]}]},

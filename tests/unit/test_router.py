@@ -122,7 +122,13 @@ BAD = [
     ("/v1/chat/completions", {"messages": []}),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "guided_json": {}}),
+    ("/v1/completions", {"prompt": "x", "frobnicate": None, "best_of": 1}),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": -1}),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 3}),
     ("/v1/chat/completions", {"messages": [{"role": "user"}], "prompt_cache_key": "k" * 600}),
     ("/v1/chat/completions", b"{not json"),
     ("/v1/chat/completions", SURROGATE),
@@ -176,6 +182,37 @@ def test_instances_get_the_prompt_ids_the_body_and_the_session(mode: Mode) -> No
     assert all(b["kv_transfer_params"]["xid"] != "spoofed" for b in d_bodies)
     sent = {k: v for k, v in d_bodies[0].items() if k != "kv_transfer_params"}
     assert sent == {k: v for k, v in body.items() if k != "kv_transfer_params"}
+
+
+@pytest.mark.parametrize("mode", [Mode.PUSH, Mode.PULL])
+def test_prefill_samples_the_first_token_with_the_requests_penalties(mode: Mode) -> None:
+    fake = FakeInstances()
+    sampling = {"temperature": 0.7, "seed": 5, "min_p": 0.1, "repetition_penalty": 1.4,
+                "presence_penalty": 0.5, "frequency_penalty": -0.5, "top_k": 9, "top_p": 0.8}  # fmt: skip
+    with _router(fake, mode) as router:
+        r = router.post("/v1/completions", json={"model": "tiny", "prompt": "hi", **sampling})
+        assert r.status_code == 200, r.text
+    p_path = P + ("/internal/push/prefill" if mode is Mode.PUSH else "/internal/prefill")
+    (p_body,) = fake.bodies(p_path)
+    assert {k: p_body[k] for k in sampling} == sampling
+    (d_body,) = fake.bodies(D + "/v1/completions")
+    assert {k: d_body[k] for k in sampling} == sampling
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_push_serves_a_logprobs_request_from_decode_alone(stream: bool) -> None:
+    """Decode never sees the logits of the token prefill samples: a request asking for
+    logprobs is computed by decode (as a short append is)."""
+    fake = FakeInstances()
+    body = {"model": "tiny", "prompt": "hi", "logprobs": 1, "stream": stream}
+    with _router(fake, Mode.PUSH) as router:
+        r = router.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert _metric(router, "kvduplex_router_requests_total", mode="local_logprobs") == 1
+    assert fake.bodies(P + "/internal/push/prefill") == []
+    (d_body,) = fake.bodies(D + "/v1/completions")
+    params = d_body["kv_transfer_params"]
+    assert params["mode"] == "local" and params["session_id"]
 
 
 @pytest.mark.parametrize("mode", [Mode.PUSH, Mode.PULL])

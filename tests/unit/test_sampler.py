@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import math
+import random
 from collections import Counter
+from dataclasses import dataclass
+from dataclasses import replace
 
+import pytest
 import torch
 
+from kvduplex.engine import sampler
+from kvduplex.engine.sampler import PenaltyCounts
+from kvduplex.engine.sampler import apply_penalties
+from kvduplex.engine.sampler import compute_logprobs
 from kvduplex.engine.sampler import sample
 from kvduplex.engine.sampling import SamplingParams
 
@@ -77,7 +85,9 @@ def _one_row_reference(logits: torch.Tensor, p: SamplingParams, gen: torch.Gener
         probs = torch.softmax(sorted_logits, dim=-1)
         drop = (torch.cumsum(probs, dim=-1) - probs) >= p.top_p
         drop[0] = False
-        row = torch.full_like(row, float("-inf")).scatter(0, idx, sorted_logits.masked_fill(drop, float("-inf")))
+        row = torch.full_like(row, float("-inf")).scatter(
+            0, idx, sorted_logits.masked_fill(drop, float("-inf"))
+        )
     return int(torch.multinomial(torch.softmax(row, dim=-1), 1, generator=gen).item())
 
 
@@ -91,10 +101,14 @@ def test_batched_rows_draw_what_each_row_alone_draws() -> None:
         SamplingParams(top_p=0.3, temperature=0.5), SamplingParams(), SamplingParams(top_k=2999),
         SamplingParams(top_k=3000), SamplingParams(temperature=2.0, top_p=0.99),
     ]  # fmt: skip
-    batched = sample(logits, plist, [None if p.is_greedy else torch.Generator().manual_seed(i)
-                                     for i, p in enumerate(plist)])
+    batched = sample(
+        logits,
+        plist,
+        [None if p.is_greedy else torch.Generator().manual_seed(i) for i, p in enumerate(plist)],
+    )
     alone = [
-        int(logits[i].argmax()) if p.is_greedy
+        int(logits[i].argmax())
+        if p.is_greedy
         else _one_row_reference(logits[i], p, torch.Generator().manual_seed(i))
         for i, p in enumerate(plist)
     ]
@@ -104,3 +118,181 @@ def test_batched_rows_draw_what_each_row_alone_draws() -> None:
 def test_greedy_takes_the_first_maximum_in_the_models_dtype() -> None:
     logits = torch.tensor([[0.0, 2.0, 2.0, 1.0], [3.0, 3.0, 3.0, 3.0]], dtype=torch.bfloat16)
     assert sample(logits, [SamplingParams(temperature=0.0)] * 2, [None, None]) == [1, 0]
+
+
+# ------------------------------------------------------------ penalties, min_p
+
+
+def _naive_penalties(
+    row: list[float], prompt: list[int], output: list[int], p: SamplingParams
+) -> list[float]:
+    """vLLM's penalties, one token at a time."""
+    out = list(row)
+    for tok in range(len(out)):
+        if tok in prompt or tok in output:
+            r = p.repetition_penalty
+            out[tok] = out[tok] / r if out[tok] > 0 else out[tok] * r
+        n = output.count(tok)
+        out[tok] -= p.frequency_penalty * n + p.presence_penalty * (n > 0)
+    return out
+
+
+@dataclass
+class _History:
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+
+
+def test_penalties_match_a_token_by_token_reference() -> None:
+    g = torch.Generator().manual_seed(5)
+    vocab = 40
+    logits = torch.randn(4, vocab, generator=g) * 3
+    histories = [
+        _History("a", [1, 2, 3, 3], [3, 7, 7, 7, 9], SamplingParams(repetition_penalty=1.7)),
+        _History("b", [5], [5, 6, 6], SamplingParams(frequency_penalty=0.8, presence_penalty=-0.5)),
+        _History("c", [8, 9], [], SamplingParams(repetition_penalty=0.6, presence_penalty=1.0)),
+        _History("d", [1], [2, 2], SamplingParams(frequency_penalty=-2.0, repetition_penalty=1.2)),
+    ]
+    counts = PenaltyCounts(vocab)
+    penalties = counts.penalties(histories)
+    assert penalties is not None and penalties.rows == [0, 1, 2, 3]
+    got = apply_penalties(logits, penalties)
+    for i, h in enumerate(histories):
+        want = _naive_penalties(
+            logits[i].tolist(), h.prompt_token_ids, h.output_token_ids, h.sampling_params
+        )
+        assert torch.allclose(got[i], torch.tensor(want), atol=1e-5), h.request_id
+
+
+def test_output_counts_are_kept_incrementally() -> None:
+    h = _History("a", [4, 4, 1], [], SamplingParams(frequency_penalty=1.0, repetition_penalty=1.5))
+    counts = PenaltyCounts(10)
+    for step, tok in enumerate([3, 3, 4, 9, 3]):
+        penalties = counts.penalties([h])
+        assert penalties is not None
+        want = torch.bincount(torch.tensor(h.output_token_ids, dtype=torch.long), minlength=10)
+        assert penalties.output_counts[0].tolist() == want.float().tolist(), step
+        assert penalties.prompt_mask[0].nonzero().flatten().tolist() == [1, 4]
+        h.output_token_ids.append(tok)
+    # Counted once: the entry's tensor is only added to, never rebuilt from the whole output.
+    h.output_token_ids[0] = 7  # a rewrite of a counted token is not seen
+    penalties = counts.penalties([h])
+    assert penalties is not None and penalties.output_counts[0, 3] == 3
+    counts.drop("a")
+    assert len(counts) == 0
+
+
+def test_rows_without_penalties_have_no_counts() -> None:
+    counts = PenaltyCounts(10)
+    plain = _History("a", [1], [2], SamplingParams(temperature=0.0, min_p=0.5, logprobs=3))
+    assert counts.penalties([plain]) is None and len(counts) == 0
+
+
+def test_min_p_drops_tokens_below_a_share_of_the_top_one() -> None:
+    # p(top) = 0.5: min_p 0.5 keeps p >= 0.25 (tokens 0, 1), min_p 0.2 keeps p >= 0.1.
+    assert set(_draws(SamplingParams(min_p=0.5))) == {0, 1}
+    assert set(_draws(SamplingParams(min_p=0.2))) == {0, 1, 2}
+    assert set(_draws(SamplingParams(min_p=0.0))) == {0, 1, 2, 3}
+
+
+def test_min_p_one_is_greedy_under_temperature() -> None:
+    logits = torch.randn(32, 1000, generator=torch.Generator().manual_seed(2))
+    gens = [torch.Generator().manual_seed(i) for i in range(32)]
+    got = sample(logits, [SamplingParams(temperature=1.5, min_p=1.0)] * 32, gens)
+    assert got == logits.argmax(-1).tolist()
+
+
+def test_greedy_rows_take_the_argmax_of_the_penalised_logits() -> None:
+    logits = torch.tensor([[1.0, 3.0, 2.0, -1.0], [1.0, 3.0, 2.0, -1.0]])
+    params = [
+        SamplingParams(temperature=0.0, presence_penalty=2.0),
+        SamplingParams(temperature=0.0),
+    ]
+    histories = [_History("a", [0], [1], params[0]), _History("b", [0], [1], params[1])]
+    penalties = PenaltyCounts(4).penalties(histories)
+    assert penalties is not None and penalties.rows == [0]
+    assert sample(logits, params, [None, None], penalties) == [2, 1]
+
+
+def _reference_with_penalties(
+    logits: torch.Tensor, h: _History, gen: torch.Generator | None
+) -> int:
+    p = h.sampling_params
+    row = torch.tensor(_naive_penalties(logits.tolist(), h.prompt_token_ids, h.output_token_ids, p))
+    if p.is_greedy:
+        return int(row.argmax())
+    row = row / p.temperature
+    if p.min_p > 0:
+        probs = torch.softmax(row, -1)
+        row = row.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    assert gen is not None
+    return _one_row_reference(row, replace(p, temperature=1.0), gen)
+
+
+def test_batched_rows_with_penalties_draw_what_each_row_alone_draws() -> None:
+    g = torch.Generator().manual_seed(9)
+    vocab = 300
+    logits = torch.randn(8, vocab, generator=g) * 3
+    plist = [
+        SamplingParams(temperature=0.0, repetition_penalty=1.3),
+        SamplingParams(temperature=0.9, frequency_penalty=0.7, top_k=20),
+        SamplingParams(temperature=0.0),
+        SamplingParams(min_p=0.1, presence_penalty=1.5, top_p=0.9),
+        SamplingParams(temperature=0.5),
+        SamplingParams(min_p=0.05, repetition_penalty=0.8),
+        SamplingParams(temperature=0.0, frequency_penalty=-1.0),
+        SamplingParams(temperature=1.2, min_p=0.3),
+    ]  # fmt: skip
+    rng = random.Random(0)
+    histories = [
+        _History(f"r{i}", [rng.randrange(vocab) for _ in range(30)],
+                 [rng.randrange(40) for _ in range(20)], p)
+        for i, p in enumerate(plist)
+    ]  # fmt: skip
+    penalties = PenaltyCounts(vocab).penalties(histories)
+    gens = [None if p.is_greedy else torch.Generator().manual_seed(i) for i, p in enumerate(plist)]
+    batched = sample(logits, plist, gens, penalties)
+    alone = [
+        _reference_with_penalties(
+            logits[i], h, None if h.sampling_params.is_greedy else torch.Generator().manual_seed(i)
+        )
+        for i, h in enumerate(histories)
+    ]
+    assert batched == alone
+
+
+def test_greedy_batch_without_penalties_does_only_the_argmax(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def forbidden(*_: object) -> None:
+        raise AssertionError("the greedy fast path did more than one argmax")
+
+    for name in ("apply_penalties", "_filter_min_p", "_filter_top_k", "_filter_top_p"):
+        monkeypatch.setattr(sampler, name, forbidden)
+    logits = torch.randn(16, 500, generator=torch.Generator().manual_seed(4))
+    params = [SamplingParams(temperature=0.0, min_p=0.5, top_k=3)] * 16
+    assert sample(logits, params, [None] * 16, None) == logits.argmax(-1).tolist()
+
+
+# ------------------------------------------------------------------- logprobs
+
+
+def test_logprobs_are_the_raw_log_softmax_with_sorted_alternatives() -> None:
+    logits = torch.randn(3, 200, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    chosen = [int(logits[0].float().argmax()), 17, 199]
+    got = compute_logprobs(logits, chosen, [5, 0, 20])
+    ref = torch.log_softmax(logits.double(), dim=-1)
+    for row, (entry, tok, k) in enumerate(zip(got, chosen, [5, 0, 20], strict=True)):
+        assert entry.token_id == tok
+        assert math.isclose(entry.logprob, float(ref[row, tok]), abs_tol=1e-5)
+        assert entry.rank == int((ref[row] > ref[row, tok]).sum()) + 1
+        assert len(entry.top) == k
+        values = [lp for _, lp in entry.top]
+        assert values == sorted(values, reverse=True)
+        want_top = torch.topk(ref[row], k).values.tolist() if k else []
+        assert all(math.isclose(a, b, abs_tol=1e-5) for a, b in zip(values, want_top, strict=True))
+        for tid, lp in entry.top:
+            assert math.isclose(lp, float(ref[row, tid]), abs_tol=1e-5)
+    assert got[0].rank == 1 and got[0].top[0][0] == chosen[0]

@@ -45,6 +45,10 @@ from kvduplex.config import TransferMode
 from kvduplex.engine.engine import RequestRejected
 from kvduplex.engine.engine import check_request_size
 from kvduplex.model.loader import load_tokenizer
+from kvduplex.openai.chat_output import ChatOutputParser
+from kvduplex.openai.chat_output import check_tool_choice
+from kvduplex.openai.chat_output import output_parser
+from kvduplex.openai.chat_output import prompt_tail
 from kvduplex.openai.errors import APIError
 from kvduplex.openai.errors import install_error_handlers
 from kvduplex.openai.prompt import PromptError
@@ -62,6 +66,7 @@ from kvduplex.server.router.flows import serve_decode_only
 from kvduplex.server.router.flows import serve_pull
 from kvduplex.server.router.flows import serve_push
 from kvduplex.server.router.flows import serve_short_append
+from kvduplex.server.router.flows import wants_logprobs
 from kvduplex.server.router.health import run_prober
 from kvduplex.server.router.policy import NoHealthyInstance
 from kvduplex.server.router.policy import Outcome
@@ -95,6 +100,7 @@ async def route_request(
     except PromptError as exc:
         raise APIError(400, exc.message, param=exc.param) from None
     _check_size(state, request, len(ids))
+    parser = _chat_parser(state, request, ids)
     key = session_key(raw, request)
     body = dict(await raw.json())  # validated above; forwarded as the client sent it
     body.pop("kv_transfer_params", None)  # the router's to set, never the client's
@@ -104,7 +110,7 @@ async def route_request(
         raise _unavailable(state, exc) from None
     metrics = state.metrics
     (metrics.session_hits if route.is_session_hit else metrics.session_misses).inc()
-    fwd = Forward(path=path, request=request, body=body, ids=ids, route=route)
+    fwd = Forward(path=path, request=request, body=body, ids=ids, route=route, parser=parser)
     try:
         return await _run_flow(state, fwd)
     except DecodeUnreachable as exc:
@@ -117,6 +123,20 @@ async def route_request(
         return await _run_flow(state, replace(fwd, route=rerouted))
     except DecodeUnreachable as exc:
         raise APIError(502, str(exc), code="decode_failed") from None
+
+
+def _chat_parser(
+    state: RouterState, request: OpenAIRequest, ids: list[int]
+) -> ChatOutputParser | None:
+    """A chat answer's parser by the router's flags (400 for a tool_choice they cannot
+    serve); the router, not decode, parses routed answers (see `parsing.py`)."""
+    if not isinstance(request, ChatCompletionRequest):
+        return None
+    try:
+        check_tool_choice(request, state.config.parsing)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="tool_choice") from None
+    return output_parser(request, state.config.parsing, prompt_tail(state.tokenizer, ids))
 
 
 def _check_size(state: RouterState, request: OpenAIRequest, num_prompt_tokens: int) -> None:
@@ -149,6 +169,8 @@ async def _run_flow(state: RouterState, fwd: Forward) -> Response:
         mode, flow = "decode", serve_decode_only
     elif state.config.mode is TransferMode.PUSH and is_short_append(state, fwd):
         mode, flow = "short_append", serve_short_append
+    elif state.config.mode is TransferMode.PUSH and wants_logprobs(fwd):
+        mode, flow = "local_logprobs", serve_short_append
     elif state.config.mode is TransferMode.PUSH:
         mode, flow = "push", serve_push
     else:

@@ -56,11 +56,16 @@ from fastapi.responses import Response
 
 from kvduplex.config import ReturnMode
 from kvduplex.openai import render
+from kvduplex.openai import structured
+from kvduplex.openai.chat_output import RAW_OUTPUT_HEADER
+from kvduplex.openai.chat_output import ChatOutputParser
 from kvduplex.openai.errors import REQUEST_ID_HEADER
 from kvduplex.openai.protocol import OpenAIRequest
 from kvduplex.openai.protocol import error_body
 from kvduplex.server.router.calls import InstanceDown
 from kvduplex.server.router.calls import until_unhealthy
+from kvduplex.server.router.parsing import parse_body
+from kvduplex.server.router.parsing import parse_stream
 from kvduplex.server.router.policy import Backend
 from kvduplex.server.router.policy import Outcome
 from kvduplex.server.router.policy import Route
@@ -89,6 +94,9 @@ class Forward:
     ids: list[int]
     """The prompt's token ids, as the instances compute them."""
     route: Route
+    parser: ChatOutputParser | None = None
+    """A chat answer's tool-call and reasoning parser, by the router's flags (decode is
+    asked for raw text: see `parsing.py`); None: relayed as it is."""
 
     @property
     def is_chat(self) -> bool:
@@ -108,12 +116,20 @@ def _outcome(status: int) -> Outcome:
 
 
 def _prefill_body(fwd: Forward, xid: str, seed: int | None) -> dict[str, Any]:
-    """P samples the first token with the request's own parameters (D's, on a fallback)."""
+    """P samples the first token with the request's own parameters (D's, on a fallback),
+    and under its grammar (structured output) when it has one."""
     req = fwd.request
-    return {
+    body = {
         "xid": xid, "prompt_token_ids": fwd.ids, "temperature": req.temperature,
-        "top_p": req.top_p, "top_k": req.top_k, "seed": seed, "session_id": fwd.route.session_id,
+        "top_p": req.top_p, "top_k": req.top_k, "min_p": req.min_p,
+        "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
+        "repetition_penalty": req.repetition_penalty, "seed": seed,
+        "session_id": fwd.route.session_id,
     }  # fmt: skip
+    spec = structured.grammar_spec_of(req)
+    if spec is not None:
+        body["grammar"] = spec.to_dict()
+    return body
 
 
 def _decode_params(fwd: Forward, params: dict[str, Any]) -> dict[str, Any]:
@@ -230,6 +246,8 @@ async def _open_decode(
     if not d.is_healthy:
         state.policy.decode_done(fwd.route, Outcome.REFUSED)
         raise DecodeUnreachable(d.url, InstanceDown(d.url))
+    if fwd.is_chat:  # the router parses chat answers (`parsing.py`), never decode
+        headers = {**headers, RAW_OUTPUT_HEADER: "1"}
     try:
         return await until_unhealthy(
             d,
@@ -250,6 +268,9 @@ def _relay_decode(
     state: RouterState, fwd: Forward, upstream: httpx.Response, parts: AsyncIterator[bytes]
 ) -> Response:
     outcome = _outcome(upstream.status_code)
+    if fwd.parser is not None and upstream.status_code == 200:
+        parse = parse_stream if fwd.request.stream else parse_body
+        parts = parse(parts, fwd.parser)
     if upstream.status_code == 200:
         # The session's next turn: how much of it decode holds (a short append?), whether
         # it sends this answer back as returned, and the answer's ids to splice if so.
@@ -261,6 +282,7 @@ def _relay_decode(
                 state.policy.clock(),
             )  # fmt: skip
 
+        # After parsing: the message is recorded as the client receives it.
         parts = tap_answer(parts, bool(fwd.request.stream), fwd.is_chat, on_answer)
 
     def close(failed: bool) -> None:
@@ -286,8 +308,16 @@ def is_short_append(state: RouterState, fwd: Forward) -> bool:
     return 0 < num_new <= limit
 
 
+def wants_logprobs(fwd: Forward) -> bool:
+    """The request asks for logprobs. In push mode prefill samples the first token, whose
+    logits decode never sees: such a request is served by decode alone, as a short append
+    is (its turn still returns to prefill)."""
+    return fwd.request.num_logprobs() is not None
+
+
 async def serve_short_append(state: RouterState, fwd: Forward) -> Response:
-    """Decode alone computes the turn over its cached history, then returns it to prefill."""
+    """Decode alone computes the turn over its cached history, then returns it to prefill
+    (a short append, or a request asking for logprobs: `wants_logprobs`)."""
     p = fwd.route.prefill
     assert p is not None
     state.policy.prefill_done(fwd.route, Outcome.OK)  # not called: nothing to say of it
@@ -353,7 +383,12 @@ async def serve_push(state: RouterState, fwd: Forward) -> Response:
         "mode": "push", "xid": xid, "prefill_url": p.url, "engine_id": p.engine_id,
         "session_id": fwd.route.session_id,
     }  # fmt: skip
-    is_spliced = bool(fwd.request.stream) and not fwd.request.stop  # see below
+    # Forced tool calls stream as tool-call deltas that only D renders: not spliced either.
+    is_spliced = (
+        bool(fwd.request.stream)
+        and not fwd.request.stop
+        and structured.forced_tool_calls(fwd.request) is None
+    )  # see below
     if is_spliced:  # D names its first token's id: P's is spliced in by id, not by text
         params["mark_first_token"] = True
     mode = state.config.return_mode

@@ -18,6 +18,9 @@ ends as vLLM ends a stream that fails: one error event, ``data: {"error":
 `tap_answer` learns each answer as it passes (its length, the ids decode
 reports at its end, which it removes, and a chat answer's message as the client
 received it): the session table records them for the next turn.
+
+A chat answer's tool calls and reasoning are parsed after the splice, over the
+whole answer in order (`parsing.py` says why there and not at decode).
 """
 
 from __future__ import annotations
@@ -246,6 +249,8 @@ async def tap_answer(
     if buf:
         yield buf
     num_tokens = usage_tokens if usage_tokens is not None else num_chunk_tokens
+    if ids is not None:
+        num_tokens = len(ids)
     on_answer(RelayedAnswer(num_tokens, ids, message.message() if is_chat else None))
 
 

@@ -1,0 +1,163 @@
+"""Sampling parameters through the engine on the tiny preset: each one changes what
+it should, against a reference that recomputes the model's logits from scratch
+(one whole-sequence forward per token, no KV reuse) and applies the parameter
+token by token."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvduplex.engine.engine import LLMEngine
+from kvduplex.engine.request import Request
+from kvduplex.engine.runner import SeqInput
+from kvduplex.engine.sampling import SamplingParams
+from kvduplex.model.loader import LoadedModel
+from kvduplex.model.tokenizer import ByteTokenizer
+from tests.unit.test_engine import assert_no_leak
+from tests.unit.test_engine import make_engine
+from tests.unit.test_engine import random_prompts
+from tests.unit.test_engine import run
+from tests.unit.test_engine import tiny  # noqa: F401  (the fixture)
+
+NUM_TOKENS = 16
+PROMPT = ByteTokenizer().encode("hello hello")
+"""A prompt whose greedy answer on the tiny preset repeats one token."""
+
+
+def greedy(**penalties: float) -> SamplingParams:
+    return SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True, **penalties)
+
+
+def reference_logits(engine: LLMEngine, ids: list[int]) -> torch.Tensor:  # (vocab,) float64
+    """The last position's logits of `ids`, prefilled at once in a pool nobody else uses."""
+    num_blocks = -(-len(ids) // engine.layout.block_size)
+    seq = SeqInput(list(ids), 0, list(range(num_blocks)), True)
+    return engine.runner.execute([seq])[0].double()
+
+
+def naive_penalties(
+    row: list[float], prompt: list[int], output: list[int], p: SamplingParams
+) -> list[float]:
+    out = list(row)
+    for tok in range(len(out)):
+        if tok in prompt or tok in output:
+            r = p.repetition_penalty
+            out[tok] = out[tok] / r if out[tok] > 0 else out[tok] * r
+        n = output.count(tok)
+        out[tok] -= p.frequency_penalty * n + p.presence_penalty * (n > 0)
+    return out
+
+
+def reference_greedy(ref: LLMEngine, prompt: list[int], p: SamplingParams) -> list[int]:
+    output: list[int] = []
+    for _ in range(p.max_tokens):
+        row = naive_penalties(reference_logits(ref, prompt + output).tolist(), prompt, output, p)
+        output.append(max(range(len(row)), key=row.__getitem__))
+    return output
+
+
+@pytest.fixture()
+def engine(tiny: LoadedModel) -> LLMEngine:  # noqa: F811
+    return make_engine(tiny)
+
+
+@pytest.fixture()
+def ref(tiny: LoadedModel) -> LLMEngine:  # noqa: F811
+    return make_engine(tiny, caching=False)
+
+
+def test_the_prompt_repeats_without_penalties(engine: LLMEngine) -> None:
+    (plain,), _ = run(engine, [PROMPT], greedy())
+    assert len(set(plain)) < len(plain) // 2, plain
+
+
+@pytest.mark.parametrize(
+    "penalties",
+    [
+        {"repetition_penalty": 2.0},
+        {"repetition_penalty": 0.5},
+        {"frequency_penalty": 1.0},
+        {"presence_penalty": 1.5},
+        {"frequency_penalty": 0.4, "presence_penalty": -0.3, "repetition_penalty": 1.3},
+    ],
+)
+def test_penalties_change_a_greedy_answer_as_the_reference_does(
+    engine: LLMEngine, ref: LLMEngine, penalties: dict[str, float]
+) -> None:
+    (plain,), _ = run(engine, [PROMPT], greedy())
+    p = greedy(**penalties)
+    (penalised,), _ = run(engine, [PROMPT], p)
+    assert penalised != plain
+    assert penalised == reference_greedy(ref, PROMPT, p)
+    assert_no_leak(engine)
+    assert len(engine._penalties) == 0 and not engine._penalised, (
+        "a finished request kept its counts"
+    )
+
+
+def test_penalised_requests_batched_with_others_give_their_tokens_alone(
+    engine: LLMEngine,
+    tiny: LoadedModel,  # noqa: F811
+) -> None:
+    prompts = [PROMPT, *random_prompts(5, seed=11)]
+    plist = [
+        greedy(repetition_penalty=1.8),
+        SamplingParams(max_tokens=10, temperature=0.9, seed=4, frequency_penalty=0.6, min_p=0.05,
+                       ignore_eos=True),
+        greedy(),
+        SamplingParams(max_tokens=10, temperature=1.1, seed=5, presence_penalty=1.2, top_k=30,
+                       ignore_eos=True),
+        SamplingParams(max_tokens=10, temperature=0.7, seed=6, ignore_eos=True),
+        greedy(frequency_penalty=0.5, presence_penalty=0.5),
+    ]  # fmt: skip
+    alone = [run(make_engine(tiny), [pr], p)[0][0] for pr, p in zip(prompts, plist, strict=True)]
+    batched, _ = run(engine, prompts, plist)
+    assert batched == alone
+    assert_no_leak(engine)
+
+
+def test_min_p_one_under_temperature_is_greedy(engine: LLMEngine) -> None:
+    prompts = random_prompts(3, seed=12)
+    plain, _ = run(engine, prompts, greedy())
+    hot = SamplingParams(max_tokens=NUM_TOKENS, temperature=1.5, min_p=1.0, seed=1, ignore_eos=True)
+    cold, _ = run(engine, prompts, hot)
+    warm, _ = run(engine, prompts, SamplingParams(max_tokens=NUM_TOKENS, temperature=1.5, seed=1,
+                                                  ignore_eos=True))  # fmt: skip
+    assert cold == plain
+    assert warm != plain, "without min_p this temperature leaves the greedy path"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.3])
+def test_logprobs_are_the_models_raw_log_softmax(
+    engine: LLMEngine, ref: LLMEngine, temperature: float
+) -> None:
+    k = 4
+    p = SamplingParams(max_tokens=8, temperature=temperature, seed=3, logprobs=k, ignore_eos=True,
+                       repetition_penalty=1.5)  # fmt: skip
+    rid = "lp"
+    engine.add_request(Request(rid, PROMPT, p))
+    tokens, entries = [], []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.extend(out.new_token_ids)
+            assert out.new_logprobs is not None and len(out.new_logprobs) == len(out.new_token_ids)
+            entries.extend(out.new_logprobs)
+    assert len(tokens) == 8
+    for i, (tok, entry) in enumerate(zip(tokens, entries, strict=True)):
+        assert entry is not None and entry.token_id == tok
+        want = torch.log_softmax(reference_logits(ref, PROMPT + tokens[:i]), dim=-1)
+        assert math.isclose(entry.logprob, float(want[tok]), abs_tol=1e-4), i
+        assert [t for t, _ in entry.top] == torch.topk(want, k).indices.tolist()
+        values = [lp for _, lp in entry.top]
+        assert values == sorted(values, reverse=True)
+        assert entry.rank == int((want > want[tok]).sum()) + 1
+    assert not engine._logprobs, "a finished request kept its logprobs"
+    assert_no_leak(engine)
+
+
+def test_greedy_requests_without_penalties_keep_no_sampling_state(engine: LLMEngine) -> None:
+    run(engine, random_prompts(4, seed=13), greedy())
+    assert len(engine._penalties) == 0 and not engine._logprobs and not engine._penalised
