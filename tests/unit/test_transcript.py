@@ -221,3 +221,35 @@ def test_book_bounds_and_owners() -> None:
     book.add(AnswerRecord((1,), {"content": "x"}), now=9.0, owner="u")
     book.drop_owner("u")
     assert book.place({"content": "x"}, 9.0) is None and len(book) == 0
+
+
+TOOLS_CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% for c in m.get('tool_calls') or [] %}<tool_call>{{ c['function'] | tojson }}</tool_call>"
+    "{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_tool_call_answer_sent_back_as_parsed_keeps_its_ids(tmp_path: Path) -> None:
+    """The answer's text was parsed into a tool call (content ""); the client sends the
+    call back as it got it, content null: the template renders the call as the model wrote
+    it, so the generated ids go back in."""
+    tok = _bpe(tmp_path, TOOLS_CHATML, "<|im_end|>")
+    eos_id = tok.encode("<|im_end|>", add_special_tokens=False)[0]
+    written = '<tool_call>{"name": "ls", "arguments": {"path": "/tmp"}}</tool_call>'
+    generated = [*_single_pieces(tok, written), eos_id]
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "ls", "arguments": '{"path": "/tmp"}'}}  # fmt: skip
+    book = AnswerBook()
+    book.add(AnswerRecord(tuple(generated), {"role": "assistant", "content": "",
+                                             "tool_calls": [call]}), now=0.0)  # fmt: skip
+    first = [{"role": "user", "content": "list"}]
+    msgs = [*first, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "a b"}]  # fmt: skip
+    prompt1 = prompt_token_ids(_chat(first), tok)
+    ids = prompt_token_ids(_chat(msgs), tok, book)
+    assert ids[: len(prompt1) + len(generated)] == prompt1 + generated
+    assert tok.decode(ids, skip_special_tokens=False) == tok.apply_chat_template(
+        template_messages(_chat(msgs).messages)
+    )
