@@ -13,10 +13,10 @@ from prometheus_client import generate_latest
 
 from kvduplex.openai.transcript import ANSWER_IDS_FIELD
 from kvduplex.openai.transcript import message_key
+from kvduplex.server.router.answers import RelayedAnswer
+from kvduplex.server.router.answers import tap_answer
 from kvduplex.server.router.metrics import RouterMetrics
 from kvduplex.server.router.policy import RoutingPolicy
-from kvduplex.server.router.relay import RelayedAnswer
-from kvduplex.server.router.relay import tap_answer
 from kvduplex.server.router.sessions import SessionTable
 
 

@@ -62,6 +62,8 @@ from kvduplex.openai.chat_output import ChatOutputParser
 from kvduplex.openai.errors import REQUEST_ID_HEADER
 from kvduplex.openai.protocol import OpenAIRequest
 from kvduplex.openai.protocol import error_body
+from kvduplex.server.router.answers import RelayedAnswer
+from kvduplex.server.router.answers import tap_answer
 from kvduplex.server.router.calls import InstanceDown
 from kvduplex.server.router.calls import until_unhealthy
 from kvduplex.server.router.parsing import parse_body
@@ -70,11 +72,9 @@ from kvduplex.server.router.policy import Backend
 from kvduplex.server.router.policy import Outcome
 from kvduplex.server.router.policy import Route
 from kvduplex.server.router.relay import FirstToken
-from kvduplex.server.router.relay import RelayedAnswer
 from kvduplex.server.router.relay import body_parts
 from kvduplex.server.router.relay import push_stream
 from kvduplex.server.router.relay import relay
-from kvduplex.server.router.relay import tap_answer
 from kvduplex.server.router.state import RouterState
 from kvduplex.server.router.state import json_request
 
