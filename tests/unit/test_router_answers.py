@@ -129,3 +129,22 @@ def test_policy_routes_carry_the_reuse_and_the_metrics_count_hits() -> None:
     assert 'kvduplex_router_session_answer_hit_ratio_bucket{le="0.5"} 0.0' in text
     assert 'kvduplex_router_session_answer_hit_ratio_bucket{le="0.75"} 1.0' in text
     assert message_key({"content": "x"}) != message_key({"content": "y"})
+
+
+def test_the_sessions_view_lists_answer_hits_and_needs_the_api_key() -> None:
+    from fastapi.testclient import TestClient
+
+    from kvduplex.config import RouterConfig
+    from kvduplex.model.tokenizer import ByteTokenizer
+    from kvduplex.server.router.app import create_router_app
+    from kvduplex.server.router.state import RouterState
+
+    state = RouterState.create(RouterConfig(decode=("http://d",), api_key="k"), ByteTokenizer())
+    state.policy.route([1, 2, 3], "mine")
+    state.policy.sessions.note_answer_hit("mine", 3, 4)
+    client = TestClient(create_router_app(state))  # no lifespan: no probes
+    assert client.get("/sessions").status_code == 401
+    resp = client.get("/sessions", headers={"Authorization": "Bearer k"})
+    assert resp.status_code == 200
+    (view,) = resp.json()["sessions"]
+    assert view["session_id"] == "mine" and view["answer_hit_rate"] == 0.75

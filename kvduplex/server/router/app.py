@@ -57,6 +57,7 @@ from kvduplex.openai.protocol import ChatCompletionRequest
 from kvduplex.openai.protocol import CompletionRequest
 from kvduplex.openai.protocol import OpenAIRequest
 from kvduplex.server.auth import APIKeyGuard
+from kvduplex.server.auth import bearer_matches
 from kvduplex.server.guard import BodyCap
 from kvduplex.server.router.calls import until_unhealthy
 from kvduplex.server.router.flows import DecodeUnreachable
@@ -227,9 +228,14 @@ def create_router_app(state: RouterState) -> FastAPI:
         return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/sessions")
-    async def sessions(limit: int = 100) -> JSONResponse:
+    async def sessions(raw: Request, limit: int = 100) -> JSONResponse:
         """The `limit` most recently used sessions, most recent first: turns, whether
-        their turns are returned to prefill, and their answer hits."""
+        their turns are returned to prefill, and their answer hits. It names clients'
+        sessions: with an API key, it needs the key too."""
+        if state.api_key is not None and not bearer_matches(
+            [v.encode("latin-1") for v in raw.headers.getlist("authorization")], state.api_key
+        ):  # fmt: skip
+            raise APIError(401, "GET /sessions needs the API key", code="invalid_api_key")
         recent = state.policy.sessions.sessions()[::-1][: max(0, limit)]
         return JSONResponse({
             "num_sessions": len(state.policy.sessions),
