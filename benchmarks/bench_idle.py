@@ -76,7 +76,7 @@ def _start(cluster: LocalCluster, model: str) -> tuple[LocalCluster, dict[str, P
         "colocated": cluster.start("colocated", [*serve, "--role", "both"], free_port()),
     }
     cluster.wait_healthy(300)
-    router = ["router", "--mode", "push", "--model", model,
+    router = ["router", "--mode", "push", "--model", model, "--return-mode", "none",
               "--prefill", procs["prefill"].url, "--decode", procs["decode"].url]  # fmt: skip
     procs["router"] = cluster.start("router", router, free_port())
     cluster.wait_healthy(120)

@@ -302,10 +302,11 @@ class RouterConfig:
     """Key clients must send on every /v1/* route (header Authorization: Bearer KEY); empty:
     KVDUPLEX_API_KEY, or no key (open). The router sends it on to the instances.
     /health and /metrics stay open."""
-    return_mode: ReturnMode = ReturnMode.NONE
-    """Return of a finished turn's KV from decode to prefill, push mode only: none; push
-    (duplex: decode WRITEs the blocks prefill lacks into its prefix cache after the turn);
-    pull (vLLM-style, for comparison: decode keeps the turn, prefill READs it next turn)."""
+    return_mode: ReturnMode = ReturnMode.PUSH
+    """Return of a finished turn's KV from decode to prefill, push mode only: push (duplex,
+    the default: decode WRITEs the blocks prefill lacks into its prefix cache after the
+    turn, while the session's client sends its answers back as returned); none; pull
+    (vLLM-style, for comparison: decode keeps the turn, prefill READs it next turn)."""
     short_append_tokens: int = 0
     """Push mode: a session's turn whose part decode has not cached (its new input) is at
     most this many tokens goes to decode alone, which prefills it over its cached history

@@ -162,7 +162,9 @@ def _start(cluster: LocalCluster, opts: Options, stack: ExitStack) -> tuple[dict
     cluster.wait_healthy(timeout_s=600)
     for mode in ("pull", "push"):
         if mode in opts.modes:
-            args = ["router", "--mode", mode, "--model", opts.model, "--prefill", p.url, "--decode", d.url]
+            # Single-turn requests: no next turn would hit a return.
+            args = ["router", "--mode", mode, "--model", opts.model, "--return-mode", "none",
+                    "--prefill", p.url, "--decode", d.url]  # fmt: skip
             fronts[mode] = cluster.start(f"router-{mode}", args, free_port()).url
     cluster.wait_healthy(timeout_s=120)
     link = f"; P in netns over veth shaped to {opts.link_gbit:g} Gbit/s (UCX tcp)" if opts.netns else ""

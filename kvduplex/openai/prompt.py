@@ -12,6 +12,10 @@
 
 Because the router computes exactly the ids an instance would, it can route by
 them (prefix, session) and hand them to the prefill instance.
+
+With an `AnswerBook` (the answers this process generated or relayed), an
+assistant message sent back as it was returned keeps the ids the model
+generated (`transcript.splice_chat_ids`); everything else is rendered as usual.
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ from kvduplex.openai.protocol import CompletionRequest
 from kvduplex.openai.protocol import OpenAIRequest
 from kvduplex.openai.protocol import check_nesting
 from kvduplex.openai.protocol import check_unicode_tree
+from kvduplex.openai.transcript import AnswerBook
+from kvduplex.openai.transcript import Placement
+from kvduplex.openai.transcript import splice_chat_ids
 
 
 class PromptError(ValueError):
@@ -40,8 +47,14 @@ class PromptError(ValueError):
         self.param = param
 
 
-def prompt_token_ids(request: OpenAIRequest, tokenizer: Tokenizer) -> list[int]:
-    """The prompt's token ids; PromptError if there is none to build.
+def prompt_token_ids(
+    request: OpenAIRequest,
+    tokenizer: Tokenizer,
+    answers: AnswerBook | None = None,
+    now: float = 0.0,
+) -> list[int]:
+    """The prompt's token ids; PromptError if there is none to build. `answers` (read at
+    clock time `now`) gives a chat prompt the generated ids of the answers it sends back.
 
     Validation bounds how deep a body nests (`MAX_NESTING_DEPTH`); should building the
     prompt still recurse too deep (a template's own recursion), that is a PromptError
@@ -49,7 +62,7 @@ def prompt_token_ids(request: OpenAIRequest, tokenizer: Tokenizer) -> list[int]:
     """
     try:
         if isinstance(request, ChatCompletionRequest):
-            ids = chat_prompt_ids(request, tokenizer)
+            ids = chat_prompt_ids(request, tokenizer, answers, now)
         else:
             ids = completion_prompt_ids(request, tokenizer)
     except RecursionError:
@@ -78,16 +91,39 @@ def completion_prompt_ids(request: CompletionRequest, tokenizer: Tokenizer) -> l
     return prompt
 
 
-def chat_prompt_ids(request: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
+def chat_prompt_ids(
+    request: ChatCompletionRequest,
+    tokenizer: Tokenizer,
+    answers: AnswerBook | None = None,
+    now: float = 0.0,
+) -> list[int]:
+    messages = template_messages(request.messages)
+    tools = template_tools(request.tools)
     try:
-        text = tokenizer.apply_chat_template(
-            template_messages(request.messages),
-            add_generation_prompt=True,
-            tools=template_tools(request.tools),
-        )
+        placements = answer_placements(request.messages, answers, now)
+        if any(p is not None for p in placements):
+            assert answers is not None
+            spliced = splice_chat_ids(tokenizer, messages, tools, placements, answers.heads)
+            if spliced is not None:
+                return spliced
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
     except ValueError as exc:
         raise PromptError(str(exc), "messages") from None
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def answer_placements(
+    messages: Sequence[ChatMessage], answers: AnswerBook | None, now: float
+) -> list[Placement | None]:
+    """For each message, the generated ids `answers` holds for it (assistant messages sent
+    back as they were returned: the key is taken from the message as sent, tool-call
+    arguments as text)."""
+    if answers is None:
+        return [None] * len(messages)
+    return [
+        answers.place(m.model_dump(exclude_none=True), now) if m.role == "assistant" else None
+        for m in messages
+    ]
 
 
 def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:

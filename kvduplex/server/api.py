@@ -14,6 +14,13 @@ A dead engine (its loop crashed or stopped) answers 503 in OpenAI error JSON
 (``code: engine_dead``) on every route but /health (503 with the reason) and
 /metrics: at once for new requests (`DeadEngineGuard`), and for a request in
 flight as soon as the engine call it awaits fails with EngineDeadError.
+
+Chat answers are recorded in the instance's `AnswerBook` (their generated ids and
+the message as returned), so a later request that sends one back unchanged gets
+those ids in its prompt (`kvduplex.openai.transcript`). A router passes the ids it
+built in ``kv_transfer_params.prompt_token_ids`` (used as they are) and asks with
+``report_answer`` for the answer's ids at the end of the answer
+(`transcript.ANSWER_IDS_FIELD`).
 """
 
 from __future__ import annotations
@@ -71,6 +78,10 @@ from kvduplex.openai.prompt import prompt_token_ids
 from kvduplex.openai.protocol import ChatCompletionRequest
 from kvduplex.openai.protocol import CompletionRequest
 from kvduplex.openai.protocol import OpenAIRequest
+from kvduplex.openai.transcript import ANSWER_IDS_FIELD
+from kvduplex.openai.transcript import AnswerBook
+from kvduplex.openai.transcript import AnswerRecord
+from kvduplex.openai.transcript import MessageAccumulator
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +101,9 @@ class Generation:
     mark_first_token: bool = False
     """A streamed answer's first chunk with tokens names their ids in
     `render.FIRST_TOKEN_IDS_FIELD` (the router asks, to splice in prefill's token)."""
+    report_answer: bool = False
+    """The answer ends with its generated ids (`ANSWER_IDS_FIELD`; the router asks, to
+    record them and remove the field)."""
     parser: ChatOutputParser | None = None
     """A chat answer's tool-call and reasoning parser (`kvduplex.openai.chat_output`);
     None: the text is the content."""
@@ -112,6 +126,8 @@ class InstanceState:
     engine_id: str | None = None
     """The KV transport's engine id (prefill and decode instances): new at every start,
     reported by /health so that the router can name it to the instance's peers."""
+    answers: AnswerBook = field(default_factory=AnswerBook)
+    """The chat answers this instance generated, for prompts that send them back."""
     created: int = field(default_factory=lambda: int(time.time()))
     parsing: ParsingConfig = field(default_factory=ParsingConfig)
     """Tool-call and reasoning parsing of chat answers (``--tool-call-parser`` ...)."""
@@ -147,7 +163,10 @@ class InstanceState:
 
     def health(self) -> dict[str, Any]:
         """/health's body while the engine is healthy."""
-        body: dict[str, Any] = {"status": "ok", "role": self.role, "max_model_len": self.max_model_len}
+        body: dict[str, Any] = {
+            "status": "ok", "role": self.role, "max_model_len": self.max_model_len,
+            "block_size": self.engine.core.config.cache.block_size,
+        }  # fmt: skip
         if self.engine_id is not None:
             body["engine_id"] = self.engine_id
         return body
@@ -208,7 +227,7 @@ def create_app(state: InstanceState, extra_routers: Sequence[APIRouter] = ()) ->
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         _check_model(state, body.model)
-        ids = _prompt_ids(state, body)
+        ids = _routed_prompt_ids(body) or _prompt_ids(state, body)
         max_tokens = body.requested_max_tokens()
         if max_tokens is None:
             max_tokens = max(1, state.max_model_len - len(ids))
@@ -265,9 +284,25 @@ class DeadEngineGuard:
 
 def _prompt_ids(state: InstanceState, body: OpenAIRequest) -> list[int]:
     try:
-        return prompt_token_ids(body, state.tokenizer)
+        return prompt_token_ids(body, state.tokenizer, state.answers, time.monotonic())
     except PromptError as exc:
         raise APIError(400, exc.message, param=exc.param) from None
+
+
+def _routed_prompt_ids(body: ChatCompletionRequest) -> list[int] | None:
+    """The ids a router built for this chat prompt (``kv_transfer_params.prompt_token_ids``),
+    if it sent them: prefill computes those, so decode must too. Checked like any prompt's
+    ids (`_make_generation`); a decode instance with a cluster secret takes
+    ``kv_transfer_params`` only from a caller that sends it."""
+    ids = (body.kv_transfer_params or {}).get("prompt_token_ids")
+    if ids is None:
+        return None
+    if not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids):
+        raise APIError(
+            400, "kv_transfer_params.prompt_token_ids must be a non-empty list of token ids",
+            param="kv_transfer_params",
+        )  # fmt: skip
+    return ids
 
 
 def _chat_parser(
@@ -318,7 +353,8 @@ def _make_generation(
     client_id = raw.headers.get(REQUEST_ID_HEADER)
     if client_id is not None:
         logger.debug("request %s: the client's X-Request-ID is %r", rid, client_id)
-    return Generation(EngineRequest(rid, ids, params), body)
+    report = bool((body.kv_transfer_params or {}).get("report_answer"))
+    return Generation(EngineRequest(rid, ids, params), body, report_answer=report)
 
 
 async def _serve(state: InstanceState, raw: Request, gen: Generation, chat: bool) -> Response:
@@ -385,7 +421,17 @@ async def _collect(
     except EngineDeadError as exc:
         raise APIError(503, str(exc), code="engine_dead") from None
     assert last is not None
-    return JSONResponse(_final_body(state, gen, text, ids, last, chat), headers=_id_header(gen))
+    body = _final_body(state, gen, text, ids, last, chat)
+    if chat and last.finish_reason != "abort":
+        _record_answer(state, ids, body["choices"][0]["message"])
+    if gen.report_answer:
+        body[ANSWER_IDS_FIELD] = ids
+    return JSONResponse(body, headers=_id_header(gen))
+
+
+def _record_answer(state: InstanceState, ids: list[int], message: dict[str, Any]) -> None:
+    """Remember a chat answer as returned, for prompts that send it back."""
+    state.answers.add(AnswerRecord(tuple(ids), message), time.monotonic())
 
 
 def _head(state: InstanceState, gen: Generation, chat: bool) -> render.ResponseHead:
@@ -453,10 +499,13 @@ async def _sse(
     to_mark = gen.mark_first_token
     last: RequestOutput | None = None
     text_offset = 0  # of the text sent so far (completions' logprobs count from it)
+    ids: list[int] = []
+    message = MessageAccumulator()  # the chat answer as returned, for the answer book
     calls = structured.ToolCallStream(gen.tool_calls) if gen.tool_calls is not None else None
     try:
         async for out in outputs:
             last = out
+            ids.extend(out.new_token_ids)
             logprobs = _logprobs(state, gen, out.new_logprobs or [], chat, text_offset)
             if logprobs is not None and not chat:
                 text_offset += sum(len(t) for t in logprobs["tokens"])
@@ -478,6 +527,7 @@ async def _sse(
                     head, out.new_text, out.new_token_ids, reason, is_first=first, delta=delta,
                     logprobs=logprobs,
                 )  # fmt: skip
+            message.add_delta(choice.get("delta") or {})  # completions: none
             chunk = render.stream_chunk(head, choice)
             if to_mark and out.new_token_ids:
                 chunk[render.FIRST_TOKEN_IDS_FIELD] = list(out.new_token_ids)
@@ -489,4 +539,16 @@ async def _sse(
         return
     if include_usage and last is not None:
         yield render.sse_data(render.stream_chunk(head, None, _usage(last)))
+    yield _stream_answer_end(state, gen, chat, last, ids, message)
     yield render.SSE_DONE
+
+
+def _stream_answer_end(
+    state: InstanceState, gen: Generation, chat: bool, last: RequestOutput | None,
+    ids: list[int], message: MessageAccumulator,
+) -> str:  # fmt: skip
+    """A finished stream's chat answer goes to the answer book; the event that reports its
+    ids when the router asked (`ANSWER_IDS_FIELD`), else ""."""
+    if chat and last is not None and last.finish_reason != "abort":
+        _record_answer(state, ids, message.message())
+    return render.sse_data({ANSWER_IDS_FIELD: ids}) if gen.report_answer else ""

@@ -54,8 +54,10 @@ class Deployment:
 
 
 def start_router(cluster: LocalCluster, name: str, mode: str, prefill: str, decode: str) -> Process:
-    """A router (``tiny``'s tokenizer) in `mode` over one prefill and one decode instance."""
-    args = ["router", "--mode", mode, "--model", "tiny", "--prefill", prefill, "--decode", decode]
+    """A router (``tiny``'s tokenizer) in `mode` over one prefill and one decode instance,
+    without the duplex return (each test that wants it says so)."""
+    args = ["router", "--mode", mode, "--model", "tiny", "--return-mode", "none"]
+    args += ["--prefill", prefill, "--decode", decode]
     return cluster.start(name, args, free_port())
 
 

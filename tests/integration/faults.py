@@ -341,7 +341,7 @@ def start_rig(
     d = cluster.start(f"decode-{tag}", [*SERVE, *D_FLAGS], free_port(), env=d_env)
     cluster.wait_healthy(timeout_s=120)
     args = ["router", "--mode", "push", "--model", "tiny", "--prefill", p.url, "--decode", d.url]
-    args += ["--health-interval-s", str(HEALTH_INTERVAL_S)]
+    args += ["--health-interval-s", str(HEALTH_INTERVAL_S), "--return-mode", "none"]
     router = cluster.start(f"router-{tag}", args, free_port())
     cluster.wait_healthy(timeout_s=60)
     return Rig(cluster, reference, p, d, router, p_env, d_env, list(p_flags))

@@ -87,6 +87,8 @@ def split(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Split]:
             d.url,
             "--health-interval-s",
             str(HEALTH_INTERVAL_S),
+            "--return-mode",
+            "none",
         ]
         router = cluster.start("router", args, free_port())
         cluster.wait_healthy(timeout_s=60)

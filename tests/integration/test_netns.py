@@ -62,7 +62,7 @@ def two_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TwoHosts]:
 def router(request: pytest.FixtureRequest, two_hosts: TwoHosts) -> Iterator[tuple[str, str]]:
     """(mode, URL) of a router over P and D in that mode."""
     mode: str = request.param
-    args = ["router", "--mode", mode, "--model", "tiny"]
+    args = ["router", "--mode", mode, "--model", "tiny", "--return-mode", "none"]
     args += ["--prefill", two_hosts.prefill, "--decode", two_hosts.decode]
     r = two_hosts.cluster.start(f"router-{mode}", args, free_port())
     two_hosts.cluster.wait_healthy(timeout_s=60)

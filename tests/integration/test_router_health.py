@@ -103,7 +103,7 @@ def trio(cluster: LocalCluster) -> Iterator[Trio]:
     cluster.wait_healthy(timeout_s=180)
     args = ["router", "--mode", "push", "--model", "tiny", "--prefill", procs["P"].url,
             "--decode", procs["D0"].url, procs["D1"].url,
-            "--health-interval-s", str(HEALTH_INTERVAL_S)]  # fmt: skip
+            "--health-interval-s", str(HEALTH_INTERVAL_S), "--return-mode", "none"]  # fmt: skip
     router = cluster.start("router-h", args, free_port(), env=KEY_ENV)
     cluster.wait_healthy(timeout_s=60)
     yield Trio(cluster, ref.url, router.url, procs)

@@ -52,7 +52,8 @@ def quad(cluster: LocalCluster) -> Quad:
     p_urls, d_urls = [p.url for p in ps], [d.url for d in ds]
     routers = {}
     for mode in MODES:
-        args = ["router", "--mode", mode, "--model", "tiny", "--prefill", *p_urls, "--decode", *d_urls]
+        args = ["router", "--mode", mode, "--model", "tiny", "--return-mode", "none",
+                "--prefill", *p_urls, "--decode", *d_urls]  # fmt: skip
         routers[mode] = cluster.start(f"router-{mode}", args, free_port()).url
     cluster.wait_healthy(timeout_s=60)
     return Quad(p_urls, d_urls, routers)

@@ -7,8 +7,13 @@ would use. The policy then picks P and D (sessions, load), and one of the
 flows (`flows.py`) forwards the body as the client sent it.
 
 Routes: /v1/completions, /v1/chat/completions, /v1/models (a decode
-instance's), /health, /metrics (``kvduplex_router_*``). With an API key, the
-/v1 routes need it (`kvduplex.server.auth`).
+instance's), /health, /metrics (``kvduplex_router_*``), /sessions (the most
+recent sessions: turns, whether they are returned, answer hits). With an API
+key, the /v1 routes need it (`kvduplex.server.auth`).
+
+A chat prompt is built with the session table's answer book: an answer the
+router relayed that comes back unchanged keeps the ids decode generated
+(`kvduplex.openai.transcript`).
 
 Failures: the app's lifespan runs the health prober (`health.py`). Without a
 healthy decode instance a request is refused at once (503,
@@ -52,6 +57,7 @@ from kvduplex.openai.protocol import ChatCompletionRequest
 from kvduplex.openai.protocol import CompletionRequest
 from kvduplex.openai.protocol import OpenAIRequest
 from kvduplex.server.auth import APIKeyGuard
+from kvduplex.server.auth import bearer_matches
 from kvduplex.server.guard import BodyCap
 from kvduplex.server.router.calls import until_unhealthy
 from kvduplex.server.router.flows import DecodeUnreachable
@@ -90,7 +96,8 @@ async def route_request(
 ) -> Response:
     """Build the prompt, choose the instances and run the configured flow."""
     try:
-        ids = prompt_token_ids(request, state.tokenizer)
+        sessions = state.policy.sessions
+        ids = prompt_token_ids(request, state.tokenizer, sessions.answers, state.policy.clock())
     except PromptError as exc:
         raise APIError(400, exc.message, param=exc.param) from None
     _check_size(state, request, len(ids))
@@ -219,6 +226,30 @@ def create_router_app(state: RouterState) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/sessions")
+    async def sessions(raw: Request, limit: int = 100) -> JSONResponse:
+        """The `limit` most recently used sessions, most recent first: turns, whether
+        their turns are returned to prefill, and their answer hits. It names clients'
+        sessions: with an API key, it needs the key too."""
+        if state.api_key is not None and not bearer_matches(
+            [v.encode("latin-1") for v in raw.headers.getlist("authorization")], state.api_key
+        ):  # fmt: skip
+            raise APIError(401, "GET /sessions needs the API key", code="invalid_api_key")
+        recent = state.policy.sessions.sessions()[::-1][: max(0, limit)]
+        return JSONResponse({
+            "num_sessions": len(state.policy.sessions),
+            "sessions": [
+                {
+                    "session_id": s.session_id, "num_turns": s.num_turns,
+                    "is_returning": s.is_returning,
+                    "answer_tokens_hit": s.num_answer_tokens_hit,
+                    "answer_tokens_returnable": s.num_answer_tokens_returnable,
+                    "answer_hit_rate": s.answer_hit_rate,
+                }
+                for s in recent
+            ],
+        })  # fmt: skip
 
     @app.get("/v1/models")
     async def models() -> Response:

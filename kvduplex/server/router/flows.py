@@ -17,6 +17,16 @@
 Either way the client never sees a transfer fault, only a slower answer.
 P's bodies carry ``session_id`` too; instances may ignore it.
 
+D always gets ``kv_transfer_params`` (mode ``local`` where no prefill takes
+part): ``report_answer`` (D ends the answer with its generated ids, which
+`relay.tap_answer` takes out and the session table records) and, for chat,
+``prompt_token_ids`` (the ids the router built, answers sent back spliced: D
+computes exactly what P was given). With ``--return-mode push`` the turn is
+returned to P (``return_to``) while the session's client sends its answers back
+as returned (`sessions` module docstring); at the next turn P's cached-token
+count says how much of the returned answer it still held (the answer hit,
+`note_answer_hit`).
+
 A D that cannot be reached (the connection was refused or timed out: D never
 saw the request), or that the router marked unhealthy before the request was
 sent, raises `DecodeUnreachable` once P's part is undone (push: cancelled;
@@ -52,6 +62,8 @@ from kvduplex.openai.chat_output import ChatOutputParser
 from kvduplex.openai.errors import REQUEST_ID_HEADER
 from kvduplex.openai.protocol import OpenAIRequest
 from kvduplex.openai.protocol import error_body
+from kvduplex.server.router.answers import RelayedAnswer
+from kvduplex.server.router.answers import tap_answer
 from kvduplex.server.router.calls import InstanceDown
 from kvduplex.server.router.calls import until_unhealthy
 from kvduplex.server.router.parsing import parse_body
@@ -61,7 +73,6 @@ from kvduplex.server.router.policy import Outcome
 from kvduplex.server.router.policy import Route
 from kvduplex.server.router.relay import FirstToken
 from kvduplex.server.router.relay import body_parts
-from kvduplex.server.router.relay import count_answer
 from kvduplex.server.router.relay import push_stream
 from kvduplex.server.router.relay import relay
 from kvduplex.server.router.state import RouterState
@@ -119,6 +130,45 @@ def _prefill_body(fwd: Forward, xid: str, seed: int | None) -> dict[str, Any]:
     if spec is not None:
         body["grammar"] = spec.to_dict()
     return body
+
+
+def _decode_params(fwd: Forward, params: dict[str, Any]) -> dict[str, Any]:
+    """D's ``kv_transfer_params``: `params`, and what every request asks of D (see the
+    module docstring)."""
+    out = {**params, "report_answer": True}
+    if fwd.is_chat:
+        out["prompt_token_ids"] = fwd.ids
+    return out
+
+
+def _return_to(state: RouterState, fwd: Forward, p: Backend) -> dict[str, Any]:
+    """The duplex return's params, if this turn is returned to `p` (else none)."""
+    if state.config.return_mode is not ReturnMode.PUSH:
+        return {}
+    if not fwd.route.is_returning:
+        state.metrics.returns_skipped.inc()
+        return {}
+    return {"return_to": p.url, "return_engine_id": p.engine_id}
+
+
+def note_answer_hit(state: RouterState, fwd: Forward, num_cached_tokens: int) -> None:
+    """P had `num_cached_tokens` of this prompt cached: of the previous answer, returned to
+    it, count the tokens it could have cached (the answer but its last token, up to the
+    last full block) and those it had."""
+    prev, p = fwd.route.previous, fwd.route.prefill
+    if prev is None or p is None or not fwd.route.reuses_answer or prev.answer_end is None:
+        return
+    if not prev.is_returning or prev.prefill_url != p.url:
+        return
+    start, end = prev.num_prompt_tokens, prev.answer_end
+    if p.block_size:
+        end = end // p.block_size * p.block_size
+    num_returnable = end - start
+    if num_returnable <= 0:
+        return
+    num_hit = min(max(num_cached_tokens - start, 0), num_returnable)
+    state.policy.sessions.note_answer_hit(fwd.route.session_id, num_hit, num_returnable)
+    state.metrics.note_answer_hit(num_hit, num_returnable)
 
 
 async def _post_prefill(
@@ -218,15 +268,22 @@ def _relay_decode(
     state: RouterState, fwd: Forward, upstream: httpx.Response, parts: AsyncIterator[bytes]
 ) -> Response:
     outcome = _outcome(upstream.status_code)
-    if state.config.short_append_tokens > 0 and upstream.status_code == 200:
-        # The session's next turn may be a short append: learn how long this answer was.
-        sessions, sid, n = state.policy.sessions, fwd.route.session_id, len(fwd.ids)
-        parts = count_answer(
-            parts, bool(fwd.request.stream), lambda k: sessions.note_answer(sid, n, k)
-        )
     if fwd.parser is not None and upstream.status_code == 200:
         parse = parse_stream if fwd.request.stream else parse_body
         parts = parse(parts, fwd.parser)
+    if upstream.status_code == 200:
+        # The session's next turn: how much of it decode holds (a short append?), whether
+        # it sends this answer back as returned, and the answer's ids to splice if so.
+        sessions, sid = state.policy.sessions, fwd.route.session_id
+
+        def on_answer(answer: RelayedAnswer) -> None:
+            sessions.note_answer(
+                sid, fwd.ids, answer.num_tokens, answer.token_ids, answer.message,
+                state.policy.clock(),
+            )  # fmt: skip
+
+        # After parsing: the message is recorded as the client receives it.
+        parts = tap_answer(parts, bool(fwd.request.stream), fwd.is_chat, on_answer)
 
     def close(failed: bool) -> None:
         if failed:
@@ -265,16 +322,17 @@ async def serve_short_append(state: RouterState, fwd: Forward) -> Response:
     assert p is not None
     state.policy.prefill_done(fwd.route, Outcome.OK)  # not called: nothing to say of it
     params: dict[str, Any] = {"mode": "local", "session_id": fwd.route.session_id}
-    if state.config.return_mode is ReturnMode.PUSH:
-        params.update(return_to=p.url, return_engine_id=p.engine_id)
-    upstream = await _open_decode(state, fwd, {**fwd.body, "kv_transfer_params": params}, {})
+    params.update(_return_to(state, fwd, p))
+    body = {**fwd.body, "kv_transfer_params": _decode_params(fwd, params)}
+    upstream = await _open_decode(state, fwd, body, {})
     if isinstance(upstream, Response):
         return upstream
     return _relay_decode(state, fwd, upstream, body_parts(upstream))
 
 
 async def serve_decode_only(state: RouterState, fwd: Forward) -> Response:
-    upstream = await _open_decode(state, fwd, fwd.body, {})
+    body = {**fwd.body, "kv_transfer_params": _decode_params(fwd, {"mode": "local"})}
+    upstream = await _open_decode(state, fwd, body, {})
     if isinstance(upstream, Response):
         return upstream
     return _relay_decode(state, fwd, upstream, body_parts(upstream))
@@ -287,7 +345,7 @@ async def serve_pull(state: RouterState, fwd: Forward) -> Response:
     ans = await _post_prefill(
         state, fwd, "/internal/prefill", _prefill_body(fwd, xid, fwd.request.seed)
     )
-    body = fwd.body
+    body = {**fwd.body, "kv_transfer_params": _decode_params(fwd, {"mode": "local"})}
     if ans is not None:
         params = {
             "mode": "pull", "xid": xid, "prefill_url": p.url, "engine_id": ans.get("engine_id"),
@@ -295,7 +353,7 @@ async def serve_pull(state: RouterState, fwd: Forward) -> Response:
             "lease_s": ans.get("lease_s"), "num_cached_tokens": ans.get("num_cached_tokens", 0),
             "session_id": fwd.route.session_id,
         }  # fmt: skip
-        body = {**body, "kv_transfer_params": params}
+        body = {**body, "kv_transfer_params": _decode_params(fwd, params)}
     try:
         upstream = await _open_decode(state, fwd, body, {})
     except DecodeUnreachable:
@@ -334,15 +392,16 @@ async def serve_push(state: RouterState, fwd: Forward) -> Response:
     if is_spliced:  # D names its first token's id: P's is spliced in by id, not by text
         params["mark_first_token"] = True
     mode = state.config.return_mode
-    if mode is ReturnMode.PUSH:
-        params.update(return_to=p.url, return_engine_id=p.engine_id)
-    elif mode is ReturnMode.PULL:
+    params.update(_return_to(state, fwd, p))
+    if mode is ReturnMode.PULL:
         params["return_mode"] = "pull"
         if fwd.route.is_session_hit:
             p_req["pull_from"] = await _retained(state, d, fwd.route.session_id)
     prefill = asyncio.create_task(_post_prefill(state, fwd, "/internal/push/prefill", p_req))
     try:
-        upstream = await _open_decode(state, fwd, {**body, "kv_transfer_params": params}, {})
+        upstream = await _open_decode(
+            state, fwd, {**body, "kv_transfer_params": _decode_params(fwd, params)}, {}
+        )
     except DecodeUnreachable:
         await _cancel(state, p, xid, "decode unreachable")
         raise
@@ -351,6 +410,8 @@ async def serve_push(state: RouterState, fwd: Forward) -> Response:
         ans = await prefill
         if ans is None:
             await _cancel(state, d, xid, "prefill failed")
+        else:
+            note_answer_hit(state, fwd, int(ans.get("num_cached_tokens", 0)))
         return ans
 
     watcher = asyncio.create_task(watch_prefill())

@@ -61,10 +61,13 @@ async def probe(
 
 
 def _note_health(b: Backend, resp: httpx.Response) -> None:
-    """Keep what a good probe's body says: ``max_model_len`` and ``engine_id``."""
+    """Keep what a good probe's body says: ``max_model_len``, ``engine_id``, ``block_size``."""
     try:
         body = resp.json()
         length, engine_id = body.get("max_model_len"), body.get("engine_id")
+        block_size = body.get("block_size")
+        if isinstance(block_size, int) and block_size > 0:
+            b.block_size = block_size
     except (ValueError, AttributeError):
         return
     if isinstance(length, int) and length > 0:

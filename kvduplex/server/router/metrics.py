@@ -1,12 +1,28 @@
 """Prometheus metrics of the router, in a registry of its own. Names start with
-``kvduplex_router_``."""
+``kvduplex_router_``.
+
+Answer hits are exported without a label per session: a router remembers up to
+``--max-sessions`` (100,000) sessions, and a series each would grow Prometheus
+without bound as sessions come and go. The cluster-wide rate is
+``answer_tokens_total{outcome="hit"}`` over all outcomes; the spread over
+sessions is a gauge histogram of the live sessions' rates, computed at each
+scrape; each session's own figures are in the router's JSON view, ``GET
+/sessions``.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry
+from prometheus_client.core import GaugeHistogramMetricFamily
+from prometheus_client.registry import Collector
 
 from kvduplex.metrics import MetricFactory
 from kvduplex.server.router.policy import RoutingPolicy
+from kvduplex.server.router.sessions import SessionTable
+
+HIT_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
 
 
 class RouterMetrics:
@@ -48,8 +64,57 @@ class RouterMetrics:
             "stream_errors",
             "Answers cut by their decode instance mid-way (a stream ended with an error event).",
         )
+        self.answer_tokens = m.counter(
+            "answer_tokens",
+            "Tokens of answers returned to prefill that it could cache (up to the last full "
+            "block, less the last token), counted at the session's next turn: outcome hit (in "
+            "prefill's prefix cache) or miss.",
+            ["outcome"],
+        )
+        self.answer_hit = m.histogram(
+            "answer_hit_ratio",
+            "Per turn, the share of the previous (returned) answer found in prefill's cache.",
+            HIT_BUCKETS,
+        )
+        self.returns_skipped = m.counter(
+            "returns_skipped",
+            "Turns not returned to prefill: their session's client did not send its last "
+            "answer back as returned (the return resumes when it does).",
+        )
+        self.sessions_returning = m.gauge(
+            "sessions_returning", "Sessions whose turns are returned to prefill now."
+        )
+        table = policy.sessions
+        self.sessions_returning.set_function(
+            lambda: sum(1 for s in table.sessions() if s.is_returning)
+        )
+        registry.register(SessionHitRates(table))
         self.first_token_diverged = m.counter(
             "first_token_diverged",
             "Push streams ended with an error because decode's first token was not prefill's, "
             "already sent (decode fell back and sampled another).",
         )
+
+    def note_answer_hit(self, num_hit: int, num_returnable: int) -> None:
+        self.answer_tokens.labels(outcome="hit").inc(num_hit)
+        self.answer_tokens.labels(outcome="miss").inc(num_returnable - num_hit)
+        self.answer_hit.observe(num_hit / num_returnable)
+
+
+class SessionHitRates(Collector):
+    """``kvduplex_router_session_answer_hit_ratio``: how many live sessions have an answer
+    hit rate (over their turns so far) at most each bucket's bound."""
+
+    def __init__(self, table: SessionTable) -> None:
+        self.table = table
+
+    def collect(self) -> Iterator[GaugeHistogramMetricFamily]:
+        rates = [r for s in self.table.sessions() if (r := s.answer_hit_rate) is not None]
+        buckets = [(str(b), float(sum(1 for r in rates if r <= b))) for b in HIT_BUCKETS]
+        buckets.append(("+Inf", float(len(rates))))
+        yield GaugeHistogramMetricFamily(
+            "kvduplex_router_session_answer_hit_ratio",
+            "Live sessions by their answer hit rate so far (returned answer tokens found in "
+            "prefill's cache over those it could cache).",
+            buckets=buckets, gsum_value=sum(rates),
+        )  # fmt: skip

@@ -18,7 +18,8 @@ through the parser and the chunk carries what the parser released (nothing
 held back is ever sent raw: a chunk left empty is dropped, unless it carries
 token ids or the finish reason); the role goes on the first chunk sent; usage,
 errors and ``[DONE]`` pass as they are. `parse_body` rewrites a whole answer's
-message. Both run after `relay.count_answer`, which counts the raw chunks.
+message. Both run before `answers.tap_answer`, which records the answer as the client
+receives it (and counts its tokens by decode's report of its ids).
 """
 
 from __future__ import annotations

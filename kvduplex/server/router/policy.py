@@ -90,6 +90,8 @@ class Backend:
     """Its KV transport's engine id, as its last good probe said (None: not yet known). The
     router names it to the instance's peers, which then use their connection to it without
     asking the address who is there; a restart gives a new one."""
+    block_size: int | None = None
+    """Tokens per KV block, as its last good probe said (None: not yet known)."""
     num_failed_probes: int = 0
     """Probes failed in a row since the last good one."""
     is_down: bool = False
@@ -212,6 +214,10 @@ class Route:
     decode: Backend
     previous: Session | None = None
     """The session's latest turn before this one (None for a new session)."""
+    reuses_answer: bool | None = None
+    """The prompt holds the previous turn's answer where it left it (None: unknown)."""
+    is_returning: bool = True
+    """The session's turns are returned to prefill now (`sessions` module docstring)."""
     prefill_open: bool = True
     decode_open: bool = True
 
@@ -285,8 +291,13 @@ class RoutingPolicy:
         prefill = self._try_choose(self.prefill, session.prefill_url if session else None, now)
         decode = self._try_choose(self.decode, session.decode_url if session else None, now)
         assert decode is not None  # one is healthy (checked above)
-        self.sessions.record(session_id, prefill.url if prefill else None, decode.url, ids, now)
-        return Route(session_id, session is not None, prefill, decode, session)
+        reuses = session.reuses_answer(ids) if session is not None else None
+        current = self.sessions.record(
+            session_id, prefill.url if prefill else None, decode.url, ids, now, reuses
+        )
+        return Route(
+            session_id, session is not None, prefill, decode, session, reuses, current.is_returning
+        )
 
     def try_reroute(self, route: Route) -> Route | None:
         """A new route for `route`'s request after its decode instance could not be reached
@@ -304,7 +315,10 @@ class RoutingPolicy:
         if prefill is not None:
             self.prefill.assign(prefill, now)
         self.sessions.move(route.session_id, prefill.url if prefill else None, decode.url)
-        return Route(route.session_id, route.is_session_hit, prefill, decode, route.previous)
+        return Route(
+            route.session_id, route.is_session_hit, prefill, decode, route.previous,
+            route.reuses_answer, route.is_returning,
+        )  # fmt: skip
 
     def _try_choose(self, pool: BackendPool, pinned_url: str | None, now: float) -> Backend | None:
         pinned = pool.by_url(pinned_url)

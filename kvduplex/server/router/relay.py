@@ -15,6 +15,10 @@ ends as vLLM ends a stream that fails: one error event, ``data: {"error":
 {"message", "type": "server_error", "code": "decode_failed"}}``, then
 ``data: [DONE]``. Tokens already sent stay sent; none is sent twice.
 
+`answers.tap_answer` learns each answer as it passes (its length, the ids
+decode reports at its end, which it removes, and a chat answer's message as the
+client received it): the session table records them for the next turn.
+
 A chat answer's tool calls and reasoning are parsed after the splice, over the
 whole answer in order (`parsing.py` says why there and not at decode).
 """
@@ -173,52 +177,6 @@ async def aclose_parts(parts: AsyncIterator[bytes]) -> None:
     aclose = getattr(parts, "aclose", None)
     if aclose is not None:
         await aclose()
-
-
-async def count_answer(
-    parts: AsyncIterator[bytes], is_stream: bool, on_count: Callable[[int], None]
-) -> AsyncIterator[bytes]:
-    """Relay `parts` unchanged and report the answer's length in tokens once it ended:
-    ``usage.completion_tokens`` where the response carries it, else (a stream without
-    usage) the tokens of its chunks, one per content chunk unless token ids say more."""
-    buf = b""
-    num_chunk_tokens = 0
-    usage_tokens: int | None = None
-    async for part in parts:
-        yield part
-        buf += part
-        if not is_stream:
-            continue
-        *events, buf = buf.split(b"\n\n")
-        for event in events:
-            n, used = _tokens_of_event(event)
-            num_chunk_tokens += n
-            usage_tokens = used if used is not None else usage_tokens
-    if not is_stream:
-        try:
-            usage_tokens = int(json.loads(buf)["usage"]["completion_tokens"])
-        except (ValueError, KeyError, TypeError):
-            return
-    on_count(usage_tokens if usage_tokens is not None else num_chunk_tokens)
-
-
-def _tokens_of_event(event: bytes) -> tuple[int, int | None]:
-    """(tokens in an SSE event's choices, its usage.completion_tokens or None)."""
-    line = event.strip()
-    if not line.startswith(b"data: ") or line == b"data: [DONE]":
-        return 0, None
-    try:
-        chunk = json.loads(line[6:])
-    except ValueError:
-        return 0, None
-    usage = chunk.get("usage") if isinstance(chunk, dict) else None
-    used = usage.get("completion_tokens") if isinstance(usage, dict) else None
-    n = 0
-    for choice in chunk.get("choices") or []:
-        ids = choice.get("token_ids")
-        text = choice.get("text") or (choice.get("delta") or {}).get("content")
-        n += len(ids) if ids else 1 if text else 0
-    return n, used if isinstance(used, int) else None
 
 
 async def body_parts(upstream: httpx.Response) -> AsyncIterator[bytes]:

@@ -18,15 +18,31 @@ A lookup hashes the new prompt's chunks once and walks its chain from the
 longest full-chunk prefix down, so it costs one hash per chunk, not per token.
 
 `SessionTable` holds at most `max_sessions` sessions, each forgotten `ttl_s`
-after its last turn (least recently used first when full).
+after its last turn (least recently used first when full), and the chat answers
+relayed for them (`answers`, an `AnswerBook` whose entries each session owns:
+they are forgotten with it).
+
+Adaptive return. A session's turns are returned to prefill while its client
+sends its answers back as they were returned: a turn whose prompt holds the
+previous answer's tokens where that answer left them (the previous prompt, then
+the answer but for its last token, which has no KV) shows that the returned
+blocks will be hit (`reuses_answer`). A turn that does not (the answer was
+edited, stripped, or the conversation branched) stops the return for the
+session; the next turn that does resumes it. The first turn of a session, and
+a turn after an answer whose ids were not learnt, keep the session's state.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
 from collections.abc import Sequence
 from dataclasses import dataclass
 from dataclasses import replace
+from typing import Any
+
+from kvduplex.openai.transcript import AnswerBook
+from kvduplex.openai.transcript import AnswerRecord
 
 PromptKey = tuple[int, int]
 """(number of full chunks, hash chain over them): where a prompt is filed."""
@@ -108,22 +124,60 @@ class Session:
     """The latest turn's prompt length."""
     num_answer_tokens: int | None = None
     """The latest turn's answer length, once its response ended (None: not known)."""
+    answer_end: int | None = None
+    """Prompt + answer tokens whose KV a return can give (the answer's last token has
+    none), once the answer's ids are known."""
+    answer_digest: int | None = None
+    """Hash of those `answer_end` tokens: a next prompt that starts with them reuses the
+    answer."""
+    is_returning: bool = True
+    """Whether this turn is returned to prefill (see the module docstring)."""
+    num_answer_tokens_hit: int = 0
+    """Over the session, tokens of returned answers that prefill had cached next turn."""
+    num_answer_tokens_returnable: int = 0
+    """Over the session, tokens of returned answers that prefill could have cached."""
+
+    @property
+    def answer_hit_rate(self) -> float | None:
+        if not self.num_answer_tokens_returnable:
+            return None
+        return self.num_answer_tokens_hit / self.num_answer_tokens_returnable
+
+    def reuses_answer(self, ids: Sequence[int]) -> bool | None:
+        """Whether the prompt `ids` of the next turn holds this turn's answer where it left
+        it (None: the answer's ids are not known)."""
+        if self.answer_end is None or self.answer_digest is None:
+            return None
+        end = self.answer_end
+        return len(ids) > end and hash(tuple(ids[:end])) == self.answer_digest
 
 
 class SessionTable:
     """Sessions by id, bounded in number and age; see the module docstring."""
 
-    def __init__(self, ttl_s: float, max_sessions: int, index: PrefixIndex | None = None) -> None:
+    def __init__(
+        self,
+        ttl_s: float,
+        max_sessions: int,
+        index: PrefixIndex | None = None,
+        answers: AnswerBook | None = None,
+    ) -> None:
         if ttl_s <= 0 or max_sessions < 1:
             raise ValueError("ttl_s must be > 0 and max_sessions >= 1")
         self.ttl_s = ttl_s
         self.max_sessions = max_sessions
         self.index = index if index is not None else PrefixIndex()
+        self.answers = answers if answers is not None else AnswerBook(ttl_s=ttl_s)
+        """The chat answers relayed, each owned by its session."""
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         """Least recently used first (insertion order: `record` re-inserts)."""
 
     def __len__(self) -> int:
         return len(self._sessions)
+
+    def sessions(self) -> list[Session]:
+        """The live sessions, least recently used first."""
+        return list(self._sessions.values())
 
     def get(self, session_id: str, now: float) -> Session | None:
         """The live session of this id, if any."""
@@ -143,15 +197,23 @@ class SessionTable:
         decode_url: str,
         ids: Sequence[int],
         now: float,
+        reuses_answer: bool | None = None,
     ) -> Session:
-        """Remember that a turn of `session_id` with prompt `ids` went to these instances."""
+        """Remember that a turn of `session_id` with prompt `ids` went to these instances;
+        `reuses_answer`: whether `ids` holds the previous turn's answer (None: unknown)."""
         old = self._sessions.pop(session_id, None)
         if old is not None:
             self.index.remove(session_id, old.prompt_key)
+        returning = old.is_returning if old is not None else True
+        if reuses_answer is not None:
+            returning = reuses_answer
         session = Session(
             session_id=session_id, prefill_url=prefill_url, decode_url=decode_url, last_used=now,
             num_turns=1 if old is None else old.num_turns + 1,
             prompt_key=self.index.add(session_id, ids), num_prompt_tokens=len(ids),
+            is_returning=returning,
+            num_answer_tokens_hit=old.num_answer_tokens_hit if old else 0,
+            num_answer_tokens_returnable=old.num_answer_tokens_returnable if old else 0,
         )  # fmt: skip
         self._sessions[session_id] = session
         while len(self._sessions) > self.max_sessions:
@@ -166,12 +228,40 @@ class SessionTable:
                 session, prefill_url=prefill_url, decode_url=decode_url
             )
 
-    def note_answer(self, session_id: str, num_prompt_tokens: int, num_tokens: int) -> None:
-        """The turn of `session_id` whose prompt had `num_prompt_tokens` tokens answered
-        with `num_tokens` tokens (ignored if a later turn was recorded meanwhile)."""
+    def note_answer(
+        self,
+        session_id: str,
+        prompt_ids: Sequence[int],
+        num_tokens: int,
+        answer_ids: Sequence[int] | None = None,
+        message: Mapping[str, Any] | None = None,
+        now: float = 0.0,
+    ) -> None:
+        """The turn of `session_id` with prompt `prompt_ids` answered with `num_tokens`
+        tokens: `answer_ids` and, for a chat answer, the `message` as the client received it,
+        where known (ignored if a later turn was recorded meanwhile)."""
         session = self._sessions.get(session_id)
-        if session is not None and session.num_prompt_tokens == num_prompt_tokens:
-            self._sessions[session_id] = replace(session, num_answer_tokens=num_tokens)
+        if session is None or session.num_prompt_tokens != len(prompt_ids):
+            return
+        update: dict[str, Any] = {"num_answer_tokens": num_tokens}
+        if answer_ids:
+            end = len(prompt_ids) + len(answer_ids) - 1
+            update["answer_end"] = end
+            update["answer_digest"] = hash((*prompt_ids, *answer_ids[:-1]))
+            if message is not None:
+                self.answers.add(AnswerRecord(tuple(answer_ids), message), now, owner=session_id)
+        self._sessions[session_id] = replace(session, **update)
+
+    def note_answer_hit(self, session_id: str, num_hit: int, num_returnable: int) -> None:
+        """At `session_id`'s latest turn, prefill had `num_hit` of the `num_returnable`
+        tokens of the previous (returned) answer cached."""
+        session = self._sessions.get(session_id)
+        if session is not None:
+            self._sessions[session_id] = replace(
+                session,
+                num_answer_tokens_hit=session.num_answer_tokens_hit + num_hit,
+                num_answer_tokens_returnable=session.num_answer_tokens_returnable + num_returnable,
+            )
 
     def _expire(self, now: float) -> None:
         while self._sessions:
@@ -183,3 +273,4 @@ class SessionTable:
     def _drop_oldest(self) -> None:
         session_id, session = self._sessions.popitem(last=False)
         self.index.remove(session_id, session.prompt_key)
+        self.answers.drop_owner(session_id)

@@ -1,0 +1,404 @@
+"""Generated answers sent back as chat history: their prompt tokens are the ids generated.
+
+A chat client sends each answer back in the next request's ``messages``; the
+chat template renders it as text, and encoding that text again seldom gives the
+ids the model generated (BPE merges differently, special tokens the answer
+showed as nothing, ids the tokenizer maps to stand-in characters). The prompt
+then departs from the previous turn's prompt + answer at the answer, and every
+block from there on misses the prefix cache. So whoever generated an answer
+keeps a record of it (`AnswerBook`: the ids, and the message as it was
+returned), and a later prompt that carries the same message gets those ids
+back in its place (`splice_chat_ids`).
+
+Where the ids go. The model generated them right after the prompt it was given,
+``render(messages[:i], add_generation_prompt=True)`` (the head). If today's
+rendering of the whole conversation starts with that head and continues with
+the text of the ids, the ids take that span::
+
+    text   |-- head: render(messages[:i], gen prompt) --|-- decode(ids) --|-- rest --|
+    ids    encode(head text)                            generated ids     encode(rest)
+
+A record may also hold ids after a reasoning part (``reasoning_content``, once
+answers carry it): a client that strips the reasoning sends the message without
+it, and those ids are placed where the template puts the message's content
+(found by rendering the message once with a sentinel content) if its text
+follows there. Anything else (content edited, a template that re-renders the
+history differently, a message no record knows) is rendered and encoded as
+usual: its blocks simply miss. Never a wrong token: the spliced prompt is kept
+only if it decodes to exactly the template's text (special tokens that the
+model generated but the returned text never showed, e.g. an end-of-turn inside
+the answer, are the one thing allowed to be extra; they are the model's own),
+otherwise the whole prompt is rendered normally.
+
+The same function runs on the router and on every instance that answers chat
+requests, each with its own book, so given the same messages and the same
+records they build the same ids. The router also hands decode the ids it built
+(``kv_transfer_params.prompt_token_ids``), so prefill and decode never disagree
+even when their books do.
+
+Torch-free: the router imports it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+from collections.abc import Mapping
+from collections.abc import Sequence
+from dataclasses import dataclass
+from dataclasses import field
+from typing import Any
+
+from kvduplex.model.tokenizer import Messages
+from kvduplex.model.tokenizer import Tokenizer
+from kvduplex.model.tokenizer import Tools
+
+ANSWER_IDS_FIELD = "kvduplex_answer_token_ids"
+"""Not OpenAI's: the answer's generated ids, asked for by the router
+(``kv_transfer_params.report_answer``) in a last stream event (or a field of the
+whole body), which the router removes before the client sees the answer."""
+
+_SENTINEL = "\u2063kvduplex-answer-content\u2063"
+"""A content no client sends (invisible separators around a name): where a template puts
+a message's content."""
+
+
+def message_key(message: Mapping[str, Any]) -> str:
+    """The identity of an assistant message as returned or sent back: its content (null as
+    ""), its ``reasoning_content`` (if any) and its tool calls (id, name, arguments text)."""
+    content = message.get("content")
+    if isinstance(content, list):  # text parts, as a client may send them
+        content = "".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
+    calls = []
+    for call in message.get("tool_calls") or ():
+        fn = call.get("function") or {}
+        args = fn.get("arguments")
+        if not isinstance(args, str):
+            args = json.dumps(args, sort_keys=True, ensure_ascii=False)
+        calls.append([call.get("id"), fn.get("name"), args])
+    reasoning = message.get("reasoning_content") or None
+    canon = json.dumps([content or "", reasoning, calls], ensure_ascii=False)
+    return hashlib.sha256(canon.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+@dataclass(frozen=True)
+class AnswerRecord:
+    """One generated answer: its ids and the message as it was returned."""
+
+    token_ids: tuple[int, ...]
+    """Every id generated, the end-of-turn token the model emitted included."""
+    message: Mapping[str, Any]
+    """The assistant message as the client received it (content, and reasoning_content or
+    tool_calls where the answer was parsed into them)."""
+    num_reasoning_ids: int = 0
+    """The leading ids that are the reasoning (0: none); the rest follow it."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Ids to place for one assistant message, and where."""
+
+    token_ids: tuple[int, ...]
+    at_head: bool
+    """True: right after the head (the prompt the ids were generated from); False: where
+    the template puts the message's content (ids after a stripped reasoning)."""
+
+
+@dataclass
+class _Entry:
+    record: AnswerRecord
+    added_at: float
+    owner: str | None
+
+
+@dataclass
+class AnswerBook:
+    """Answers by message key, bounded in number, tokens and age (least recently used go
+    first). An `owner` (the router's session id) lets a whole session's answers be forgotten
+    with it (`drop_owner`)."""
+
+    max_answers: int = 65536
+    max_tokens: int = 1 << 20
+    """About 36 bytes a token in Python: 36 MiB at most."""
+    ttl_s: float = 600.0
+    _entries: OrderedDict[str, _Entry] = field(default_factory=OrderedDict)
+    _by_owner: dict[str, set[str]] = field(default_factory=dict)
+    _num_tokens: int = 0
+
+    heads: HeadCache = field(default_factory=lambda: HeadCache())
+    """Where the heads of the answers placed end (one template: the book's user's)."""
+
+    def __post_init__(self) -> None:
+        if self.max_answers < 1 or self.max_tokens < 1 or not self.ttl_s > 0:
+            raise ValueError("max_answers and max_tokens must be >= 1 and ttl_s > 0")
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def num_tokens(self) -> int:
+        return self._num_tokens
+
+    def add(self, record: AnswerRecord, now: float, owner: str | None = None) -> None:
+        """Remember `record` under its message's key (and, with reasoning, under the key
+        of the message without it)."""
+        if not record.token_ids or len(record.token_ids) > self.max_tokens:
+            return
+        self._expire(now)
+        keys = [message_key(record.message)]
+        if record.num_reasoning_ids and record.message.get("reasoning_content"):
+            keys.append(message_key({**record.message, "reasoning_content": None}))
+        for key in keys:
+            self._pop(key)
+            self._entries[key] = _Entry(record, now, owner)
+            self._num_tokens += len(record.token_ids)
+            if owner is not None:
+                self._by_owner.setdefault(owner, set()).add(key)
+        while len(self._entries) > self.max_answers or self._num_tokens > self.max_tokens:
+            self._pop(next(iter(self._entries)))
+
+    def place(self, message: Mapping[str, Any], now: float) -> Placement | None:
+        """The ids for `message` (an assistant message sent back), if a record has them."""
+        self._expire(now)
+        key = message_key(message)
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        self._entries.move_to_end(key)
+        record = entry.record
+        if message_key(record.message) == key:
+            return Placement(record.token_ids, at_head=True)
+        return Placement(record.token_ids[record.num_reasoning_ids :], at_head=False)
+
+    def drop_owner(self, owner: str) -> None:
+        for key in self._by_owner.pop(owner, set()):
+            self._pop(key)
+
+    def _pop(self, key: str) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return
+        self._num_tokens -= len(entry.record.token_ids)
+        if entry.owner is not None:
+            keys = self._by_owner.get(entry.owner)
+            if keys is not None:
+                keys.discard(key)
+                if not keys:
+                    del self._by_owner[entry.owner]
+
+    def _expire(self, now: float) -> None:
+        while self._entries:
+            key, oldest = next(iter(self._entries.items()))
+            if now - oldest.added_at <= self.ttl_s:
+                return
+            self._pop(key)
+
+
+class HeadCache:
+    """Where heads end, so that a conversation's next turn does not render each past
+    answer's head again: (length, sha256) of ``render(messages[:i], add_generation_prompt
+    =True, tools)``, keyed by a hash chained over the tools and the messages. Bounded (least
+    recently used go first). One tokenizer (one template) per cache."""
+
+    def __init__(self, max_entries: int = 65536) -> None:
+        self.max_entries = max_entries
+        self._heads: OrderedDict[bytes, tuple[int, bytes]] = OrderedDict()
+
+    def get(self, key: bytes) -> tuple[int, bytes] | None:
+        head = self._heads.get(key)
+        if head is not None:
+            self._heads.move_to_end(key)
+        return head
+
+    def put(self, key: bytes, head: str) -> None:
+        self._heads[key] = (len(head), _sha(head))
+        while len(self._heads) > self.max_entries:
+            self._heads.popitem(last=False)
+
+
+def _sha(text: str) -> bytes:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+
+
+def _head_keys(messages: Messages, tools: Tools) -> list[bytes]:
+    """keys[i]: the chained hash of the tools and ``messages[:i]``."""
+    key = hashlib.sha256(json.dumps(tools, sort_keys=True, default=str).encode()).digest()
+    keys = [key]
+    for m in messages:
+        blob = json.dumps(m, sort_keys=True, default=str).encode("utf-8", "surrogatepass")
+        key = hashlib.sha256(key + blob).digest()
+        keys.append(key)
+    return keys
+
+
+def splice_chat_ids(
+    tokenizer: Tokenizer,
+    messages: Messages,
+    tools: Tools,
+    placements: Sequence[Placement | None],
+    heads: HeadCache | None = None,
+) -> list[int] | None:
+    """The prompt ids of `messages` (as the template gets them) with the ids of
+    ``placements[i]`` in message i's place where the text allows (see the module
+    docstring); None when none could be placed (render as usual). ValueError if the
+    template refuses the messages. `heads` remembers where heads end, across calls."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+    keys = _head_keys(messages, tools) if heads is not None else []
+    spans: list[tuple[int, int, tuple[int, ...], list[bool]]] = []
+    pos = 0
+    for i, placement in enumerate(placements):
+        if placement is None:
+            continue
+        if placement.at_head and heads is not None:
+            start = _cached_head_end(tokenizer, messages, tools, i, text, heads, keys[i])
+        else:
+            start = _span_start(tokenizer, messages, tools, i, placement.at_head, text)
+        if start is None or start < pos:
+            continue
+        matched = _match(tokenizer, placement.token_ids, text, start)
+        if matched is None:
+            continue
+        end, visible = matched
+        spans.append((start, end, placement.token_ids, visible))
+        pos = end
+    if not spans:
+        return None
+    ids: list[int] = []
+    shown: list[int] = []
+    cur = 0
+    for start, end, gen, visible in spans:
+        between = tokenizer.encode(text[cur:start], add_special_tokens=False) if start > cur else []
+        ids += between
+        shown += between
+        ids += gen
+        shown += [t for t, v in zip(gen, visible, strict=True) if v]
+        cur = end
+    tail = tokenizer.encode(text[cur:], add_special_tokens=False) if cur < len(text) else []
+    ids += tail
+    shown += tail
+    if tokenizer.decode(shown, skip_special_tokens=False) != text:
+        return None
+    return ids
+
+
+def _cached_head_end(
+    tokenizer: Tokenizer, messages: Messages, tools: Tools, i: int, text: str,
+    heads: HeadCache, key: bytes,
+) -> int | None:  # fmt: skip
+    """`_span_start` after the head, with the head's end remembered in `heads`."""
+    cached = heads.get(key)
+    if cached is None:
+        try:
+            head = tokenizer.apply_chat_template(
+                messages[:i], add_generation_prompt=True, tools=tools
+            )
+        except ValueError:
+            return None
+        heads.put(key, head)
+        return len(head) if text.startswith(head) else None
+    end, digest = cached
+    return end if len(text) >= end and _sha(text[:end]) == digest else None
+
+
+def _span_start(
+    tokenizer: Tokenizer, messages: Messages, tools: Tools, i: int, at_head: bool, text: str
+) -> int | None:
+    """Where message `i`'s ids begin in `text`: after the head, or where its content is."""
+    try:
+        if at_head:
+            head = tokenizer.apply_chat_template(
+                messages[:i], add_generation_prompt=True, tools=tools
+            )
+            return len(head) if text.startswith(head) else None
+        marked = [*messages[:i], {**messages[i], "content": _SENTINEL}, *messages[i + 1 :]]
+        rendered = tokenizer.apply_chat_template(marked, add_generation_prompt=True, tools=tools)
+    except ValueError:
+        return None
+    at = rendered.find(_SENTINEL)
+    if at < 0 or rendered.find(_SENTINEL, at + 1) >= 0 or not text.startswith(rendered[:at]):
+        return None
+    return at
+
+
+def _match(
+    tokenizer: Tokenizer, ids: Sequence[int], text: str, start: int
+) -> tuple[int, list[bool]] | None:
+    """Where the text of `ids` ends if `text` shows it from `start` on, and which ids it
+    shows (a special token the text does not show there is skipped: the model generated it,
+    the returned text never showed it); None if `text` shows something else."""
+    whole = tokenizer.decode(list(ids), skip_special_tokens=False)
+    if text.startswith(whole, start):  # the usual case: every id shows as generated
+        return start + len(whole), [True] * len(ids)
+    pos = start
+    visible: list[bool] = []
+    run: list[int] = []
+    special: dict[int, str | None] = {}  # id -> its text if it is a special token
+
+    def flush() -> bool:
+        nonlocal pos
+        if run:
+            piece = tokenizer.decode(run, skip_special_tokens=False)
+            if not text.startswith(piece, pos):
+                return False
+            pos += len(piece)
+            visible.extend([True] * len(run))
+            run.clear()
+        return True
+
+    for t in ids:
+        if t not in special:
+            shown = tokenizer.decode([t], skip_special_tokens=False)
+            hidden = bool(shown) and not tokenizer.decode([t], skip_special_tokens=True)
+            special[t] = shown if hidden else None
+        shown_special = special[t]
+        if shown_special is None:
+            run.append(t)  # an ordinary token (its text may need its neighbours)
+            continue
+        shown = shown_special
+        if not flush():
+            return None
+        if text.startswith(shown, pos):
+            pos += len(shown)
+            visible.append(True)
+        else:
+            visible.append(False)
+    if not flush():
+        return None
+    return pos, visible
+
+
+class MessageAccumulator:
+    """The assistant message a stream returned, rebuilt from its chunks' deltas (content,
+    reasoning_content, tool_calls fragments by index) as an OpenAI client rebuilds it."""
+
+    def __init__(self) -> None:
+        self._content: list[str] = []
+        self._reasoning: list[str] = []
+        self._calls: dict[int, dict[str, Any]] = {}
+
+    def add_delta(self, delta: Mapping[str, Any]) -> None:
+        if isinstance(delta.get("content"), str):
+            self._content.append(delta["content"])
+        if isinstance(delta.get("reasoning_content"), str):
+            self._reasoning.append(delta["reasoning_content"])
+        for frag in delta.get("tool_calls") or ():
+            if not isinstance(frag, Mapping):
+                continue
+            call = self._calls.setdefault(
+                int(frag.get("index", len(self._calls))),
+                {"id": None, "type": "function", "function": {"name": "", "arguments": ""}},
+            )
+            if frag.get("id"):
+                call["id"] = frag["id"]
+            fn = frag.get("function") or {}
+            call["function"]["name"] += fn.get("name") or ""
+            call["function"]["arguments"] += fn.get("arguments") or ""
+
+    def message(self) -> dict[str, Any]:
+        msg: dict[str, Any] = {"role": "assistant", "content": "".join(self._content)}
+        if self._reasoning:
+            msg["reasoning_content"] = "".join(self._reasoning)
+        if self._calls:
+            msg["tool_calls"] = [self._calls[k] for k in sorted(self._calls)]
+        return msg

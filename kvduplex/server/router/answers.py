@@ -1,0 +1,112 @@
+"""What the router learns of each answer it relays, for the session's next turn.
+
+Decode ends every routed answer with its generated ids (asked for with
+``kv_transfer_params.report_answer``: the last event of a stream, or a field of
+a whole body, `transcript.ANSWER_IDS_FIELD`). `tap_answer` takes them out
+before the client sees the answer and reports, once the answer ended, its
+length, those ids and a chat answer's message as the client received it (it
+runs after the router's parsing). The session table keeps them: how much of
+the next prompt decode holds (short appends), whether the next prompt sends
+the answer back as returned (the adaptive return), and the ids to splice in
+its place (`kvduplex.openai.transcript`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvduplex.openai.transcript import ANSWER_IDS_FIELD
+from kvduplex.openai.transcript import MessageAccumulator
+
+
+@dataclass(frozen=True)
+class RelayedAnswer:
+    """What the router learnt of an answer it relayed, once it ended."""
+
+    num_tokens: int
+    """``usage.completion_tokens`` where the response carries it, else the tokens of its
+    chunks (one per content chunk unless token ids say more)."""
+    token_ids: list[int] | None
+    """The generated ids, where decode reported them (`ANSWER_IDS_FIELD`)."""
+    message: dict[str, Any] | None
+    """A chat answer's message as the client received it."""
+
+
+async def tap_answer(
+    parts: AsyncIterator[bytes],
+    is_stream: bool,
+    is_chat: bool,
+    on_answer: Callable[[RelayedAnswer], None],
+) -> AsyncIterator[bytes]:
+    """Relay `parts` without decode's report of the answer's ids (the last event of a
+    stream, a field of a whole body), and call `on_answer` once the answer ended (not if
+    the stream was cut or the client left)."""
+    if not is_stream:
+        raw = b"".join([part async for part in parts])
+        try:
+            body = json.loads(raw)
+            reported = body.pop(ANSWER_IDS_FIELD, None)
+            num_tokens = int(body["usage"]["completion_tokens"])
+            choice = body["choices"][0]
+        except (ValueError, KeyError, TypeError, IndexError):
+            yield raw
+            return
+        yield json.dumps(body).encode()
+        message = choice.get("message") if is_chat else None
+        on_answer(RelayedAnswer(num_tokens, _ids_or_none(reported), message))
+        return
+    buf = b""
+    num_chunk_tokens = 0
+    usage_tokens: int | None = None
+    ids: list[int] | None = None
+    message = MessageAccumulator()
+    async for part in parts:
+        buf += part
+        *events, buf = buf.split(b"\n\n")
+        out = []
+        for event in events:
+            chunk = _event_json(event)
+            if isinstance(chunk, dict) and ANSWER_IDS_FIELD in chunk:
+                ids = _ids_or_none(chunk[ANSWER_IDS_FIELD])
+                continue
+            out.append(event + b"\n\n")
+            if not isinstance(chunk, dict):
+                continue
+            usage = chunk.get("usage")
+            used = usage.get("completion_tokens") if isinstance(usage, dict) else None
+            usage_tokens = used if isinstance(used, int) else usage_tokens
+            for choice in chunk.get("choices") or []:
+                delta = choice.get("delta")
+                if isinstance(delta, dict):
+                    message.add_delta(delta)
+                text = choice.get("text") or (delta or {}).get("content")
+                n = choice.get("token_ids")
+                num_chunk_tokens += len(n) if n else 1 if text else 0
+        if out:
+            yield b"".join(out)
+    if buf:
+        yield buf
+    num_tokens = usage_tokens if usage_tokens is not None else num_chunk_tokens
+    if ids is not None:
+        num_tokens = len(ids)
+    on_answer(RelayedAnswer(num_tokens, ids, message.message() if is_chat else None))
+
+
+def _event_json(event: bytes) -> Any:
+    line = event.strip()
+    if not line.startswith(b"data: ") or line == b"data: [DONE]":
+        return None
+    try:
+        return json.loads(line[6:])
+    except ValueError:
+        return None
+
+
+def _ids_or_none(ids: Any) -> list[int] | None:
+    if isinstance(ids, list) and ids and all(type(t) is int for t in ids):
+        return ids
+    return None
