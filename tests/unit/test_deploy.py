@@ -20,7 +20,6 @@ import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -42,6 +41,7 @@ from kvduplex.model.tokenizer import ByteTokenizer
 from kvduplex.server.cli import build_parser
 from kvduplex.server.router.app import create_router_app
 from kvduplex.server.router.metrics import RouterMetrics
+from kvduplex.server.router.policy import RoutingPolicy
 from kvduplex.server.router.state import RouterState
 from kvduplex.transport.metrics import TransferMetrics
 from tests.unit.conftest import tiny_instance
@@ -356,7 +356,12 @@ def test_pending_flags_and_routes_have_landed(
 # --- the Grafana dashboard ---------------------------------------------------------
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "kvduplex.json"
-_SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+_SUFFIXES = {
+    "counter": ("_total",),
+    "histogram": ("_bucket", "_sum", "_count"),
+    "gaugehistogram": ("_bucket", "_gsum", "_gcount"),
+    "gauge": ("",),
+}
 _PROMQL_WORDS = {"by", "without", "le", "on", "ignoring"}
 
 
@@ -366,13 +371,11 @@ def defined_metrics() -> dict[str, set[str]]:
     EngineMetrics(registry)
     TransferMetrics(registry)
     KVFlowMetrics(registry)
-    backend = SimpleNamespace(url="http://x:8000", is_healthy=True)
-    pool = SimpleNamespace(backends=[backend])
-    RouterMetrics(registry, SimpleNamespace(sessions={}, prefill=pool, decode=pool))  # type: ignore[arg-type]
+    RouterMetrics(registry, RoutingPolicy(["http://p:8000"], ["http://d:8000"]))
     out: dict[str, set[str]] = {}
     for family in registry.collect():
         labels = {k for s in family.samples for k in s.labels if k != "le"} | set(
-            getattr(registry._names_to_collectors[family.name], "_labelnames", ())
+            getattr(registry._names_to_collectors.get(family.name), "_labelnames", ())
         )
         for suffix in _SUFFIXES[family.type]:
             out[family.name + suffix] = labels
