@@ -222,6 +222,11 @@ class ServerConfig:
     api_key: str = field(default="", repr=False)
     """Key clients must send on every /v1/* route (header Authorization: Bearer KEY); empty:
     KVDUPLEX_API_KEY, or no key (open). /health and /metrics stay open."""
+    drain_timeout_s: float = 60.0
+    """At SIGTERM the instance drains: /ready answers 503, new requests are refused (503,
+    code draining), and the work in flight finishes, the KV pushes and returns it owes
+    included; then it exits 0. After this many seconds it exits anyway (1, logged). A
+    second SIGTERM or SIGINT exits at once."""
     parsing: ParsingConfig = field(default_factory=ParsingConfig)
     """Tool calls and reasoning parsed out of the chat answers this instance serves
     directly (a router asks for raw text and parses them itself)."""
@@ -229,6 +234,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         for name in ("internal_max_body_mb", "max_body_mb"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -65,6 +65,8 @@ from kvduplex.openai.prompt import prompt_token_ids
 from kvduplex.openai.protocol import ChatCompletionRequest
 from kvduplex.openai.protocol import CompletionRequest
 from kvduplex.openai.protocol import OpenAIRequest
+from kvduplex.server.drain import DrainGuard
+from kvduplex.server.drain import DrainState
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +109,8 @@ class InstanceState:
     created: int = field(default_factory=lambda: int(time.time()))
     parsing: ParsingConfig = field(default_factory=ParsingConfig)
     """Tool-call and reasoning parsing of chat answers (``--tool-call-parser`` ...)."""
+    drain: DrainState = field(default_factory=DrainState)
+    """Readiness and the graceful drain on SIGTERM (`kvduplex.server.drain`)."""
 
     @property
     def tokenizer(self) -> Any:
@@ -193,7 +197,9 @@ def create_app(state: InstanceState, extra_routers: Sequence[APIRouter] = ()) ->
 
 
 def _add_health(app: FastAPI, state: InstanceState) -> None:
-    """/health, and 503s for a dead engine (`DeadEngineGuard`, EngineDeadError)."""
+    """/health, /ready, 503s for a dead engine (`DeadEngineGuard`, EngineDeadError) and
+    for new work while draining (`DrainGuard`)."""
+    app.add_middleware(DrainGuard, drain=state.drain)
     app.add_middleware(DeadEngineGuard, engine=state.engine)
 
     @app.exception_handler(EngineDeadError)
@@ -210,6 +216,21 @@ def _add_health(app: FastAPI, state: InstanceState) -> None:
         body = {"status": "unavailable", "role": state.role, "reason": problem}
         return JSONResponse(body, status_code=503)
 
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        """Readiness: 200 (/health's body, ``status: ready``) while the engine is healthy
+        and the instance takes new work; 503 ``draining`` after SIGTERM, or
+        ``unavailable`` with the reason when the engine is not healthy."""
+        problem = state.engine.problem()
+        if problem is not None:
+            body = {"status": "unavailable", "role": state.role, "reason": problem}
+            return JSONResponse(body, status_code=503)
+        if state.drain.is_draining:
+            reason = "shutting down: finishing the work in flight"
+            body = {"status": "draining", "role": state.role, "reason": reason}
+            return JSONResponse(body, status_code=503)
+        return JSONResponse({**state.health(), "status": "ready"})
+
 
 def engine_dead_response(reason: str) -> JSONResponse:
     return APIError(503, reason, code="engine_dead").response()
@@ -219,7 +240,7 @@ class DeadEngineGuard:
     """ASGI middleware: once the engine loop has ended, every route but /health and
     /metrics answers 503 at once, before the route runs."""
 
-    OPEN_PATHS = frozenset({"/health", "/metrics"})
+    OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 
     def __init__(self, app: ASGIApp, engine: AsyncEngine) -> None:
         self.app = app

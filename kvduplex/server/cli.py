@@ -82,7 +82,9 @@ def parsing_flags(parsing: ParsingConfig) -> list[str]:
 def _cmd_serve(args: argparse.Namespace) -> None:
     from kvduplex.server.instance import serve
 
-    serve(_engine_config(args), server_config(args), Environment.read())
+    code = serve(_engine_config(args), server_config(args), Environment.read())
+    if code:
+        sys.exit(code)
 
 
 def _cmd_router(args: argparse.Namespace) -> None:

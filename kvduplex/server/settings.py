@@ -92,7 +92,8 @@ def setting_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
     return [
         a
         for a in parser._actions
-        if a.dest not in (argparse.SUPPRESS, CONFIG_DEST) and not isinstance(a, argparse._HelpAction)
+        if a.dest not in (argparse.SUPPRESS, CONFIG_DEST)
+        and not isinstance(a, argparse._HelpAction)
     ]
 
 
@@ -145,9 +146,7 @@ def _settings_class(actions: list[argparse.Action], config_file: Path | None) ->
             return tuple(sources)
 
     fields: dict[str, Any] = {a.dest: (_field_type(a), a.default) for a in actions}
-    model: type[BaseSettings] = pydantic.create_model(  # type: ignore[call-overload]
-        "Settings", __base__=Layers, **fields
-    )
+    model: type[BaseSettings] = pydantic.create_model("Settings", __base__=Layers, **fields)
     return model
 
 
@@ -169,7 +168,9 @@ def _source_of(key: str, explicit: dict[str, Any], config_file: Path | None) -> 
     return f"--config {config_file}" if config_file is not None else "the default"
 
 
-def _error(exc: pydantic.ValidationError, explicit: dict[str, Any], config_file: Path | None) -> str:
+def _error(
+    exc: pydantic.ValidationError, explicit: dict[str, Any], config_file: Path | None
+) -> str:
     problems = []
     for err in exc.errors():
         key = ".".join(str(part) for part in err["loc"])
