@@ -267,7 +267,8 @@ class RouterConfig:
     load_half_life_s: float = 30.0
     """Half-life of the count of recent assignments that spreads new sessions."""
     health_interval_s: float = 2.0
-    """Seconds between the router's probes of each instance's /health. A failed call
+    """Seconds between the router's probes of each instance's /ready (/health where an
+    instance has no /ready; a draining one gets no new work at once). A failed call
     (unreachable, or its connection failed; not a 5xx answer) marks the instance
     unhealthy at once, ``--health-failures`` failed probes in a row do too; it then gets
     no new work until a probe that began after the failure succeeds."""
@@ -299,6 +300,9 @@ class RouterConfig:
     prompt that fits a 128k-token context is well under 8 MiB of JSON."""
     log_level: str = "warning"
     """Python log level."""
+    cluster_secret_file: str = ""
+    """File holding the cluster's shared secret, which the router sends to the instances
+    (they need it on their internal routes); empty: KVDUPLEX_CLUSTER_SECRET, or none."""
     parsing: ParsingConfig = field(default_factory=ParsingConfig)
     """Tool calls and reasoning parsed out of chat answers, here (instances are asked
     for raw text)."""

@@ -7,7 +7,8 @@ would use. The policy then picks P and D (sessions, load), and one of the
 flows (`flows.py`) forwards the body as the client sent it.
 
 Routes: /v1/completions, /v1/chat/completions, /v1/models (a decode
-instance's), /health, /metrics (``kvduplex_router_*``). With an API key, the
+instance's), /health (liveness), /ready (readiness: a healthy decode instance, and
+a healthy prefill one when any is configured), /metrics (``kvduplex_router_*``). With an API key, the
 /v1 routes need it (`kvduplex.server.auth`).
 
 Failures: the app's lifespan runs the health prober (`health.py`). Without a
@@ -190,6 +191,7 @@ def create_router_app(state: RouterState) -> FastAPI:
                 state.policy,
                 config.health_interval_s,
                 config.health_timeout_s,
+                on_round=state.note_probe_round,
             )
         )
         try:
@@ -215,6 +217,16 @@ def create_router_app(state: RouterState) -> FastAPI:
             for b in pool.backends
         ]  # fmt: skip
         return JSONResponse({"status": "ok", "role": "router", "instances": instances})
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        """200 when the router can serve: a healthy decode instance and, with prefill
+        instances configured, a healthy prefill one (after the first probe round);
+        else 503 with why."""
+        reason = state.unready_reason()
+        if reason is None:
+            return JSONResponse({"status": "ready", "role": "router"})
+        return JSONResponse({"status": "unavailable", "role": "router", "reason": reason}, 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
