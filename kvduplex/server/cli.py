@@ -20,6 +20,7 @@ from kvduplex.config import Environment
 from kvduplex.config import ModelLoadConfig
 from kvduplex.config import ParsingConfig
 from kvduplex.config import ReturnMode
+from kvduplex.config import Role
 from kvduplex.config import RouterConfig
 from kvduplex.config import SchedulerConfig
 from kvduplex.config import ServerConfig
@@ -79,9 +80,25 @@ def parsing_flags(parsing: ParsingConfig) -> list[str]:
     return out
 
 
+def require_transport(role: Role) -> None:
+    """A prefill or decode instance moves KV over NIXL: refuse to start without it (a
+    ValueError, exit 2), before the model loads. A colocated instance needs none."""
+    if role is Role.BOTH:
+        return
+    from kvduplex.transport.nixl_agent import nixl_available
+
+    if not nixl_available():
+        raise ValueError(
+            f"--role {role.value} needs NIXL, the KV transport between instances, and it "
+            "cannot be imported here: install it (pip install 'kvduplex[nixl]', the package "
+            "nixl-cu12), or serve prefill and decode in one instance with --role both"
+        )
+
+
 def _cmd_serve(args: argparse.Namespace) -> None:
     from kvduplex.server.instance import serve
 
+    require_transport(server_config(args).role)
     code = serve(_engine_config(args), server_config(args), Environment.read())
     if code:
         sys.exit(code)

@@ -110,9 +110,7 @@ def test_draining_decode_behind_a_router(tmp_path: Path) -> None:
         args += ["--return-mode", "push", "--health-interval-s", str(PROBE_S)]
         router = cluster.start("router", args, free_port())
         cluster.wait_healthy(timeout_s=60)
-        wait_until(
-            lambda: httpx.get(router.url + "/ready").status_code == 200, 10, "router ready"
-        )
+        wait_until(lambda: httpx.get(router.url + "/ready").status_code == 200, 10, "router ready")
 
         victims = [_long_victim(router.url, salt=10 + i, session_id=f"s{i}") for i in range(4)]
         for v in victims:
