@@ -5,7 +5,9 @@ The flags of ``kvduplex serve`` are generated from these (see
 text and its default is the CLI default. The flags of ``kvduplex router`` and
 ``kvduplex up`` are written out in `kvduplex.server.cli`, and those of
 ``kvduplex bench`` in `kvduplex.bench.serving` (defaulted by its `Options`).
-Environment variables are read only here, all prefixed ``KVDUPLEX_``.
+Environment variables are all prefixed ``KVDUPLEX_``: the few that are not flags
+are read here (`Environment`); every flag of serve, router and up is also
+``KVDUPLEX_<FLAG_NAME>``, layered with ``--config`` by `kvduplex.server.settings`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API of one instance.
 
 Routes: /v1/completions, /v1/chat/completions (streaming SSE or not),
-/v1/models, /health, /metrics. Extra routes (internal KV endpoints of a
+/v1/models, /health (liveness), /ready (readiness: not while draining, see
+`kvduplex.server.drain`), /metrics. Extra routes (internal KV endpoints of a
 disaggregated instance) are added by the caller through `extra_routers`.
 
 Request ids: every request gets an engine request id of this instance's own
@@ -11,7 +12,7 @@ and its ``X-Request-ID`` response header, unless the client sent an
 engine id (an id names what an abort or a held request's release acts on).
 
 A dead engine (its loop crashed or stopped) answers 503 in OpenAI error JSON
-(``code: engine_dead``) on every route but /health (503 with the reason) and
+(``code: engine_dead``) on every route but /health and /ready (503 with the reason) and
 /metrics: at once for new requests (`DeadEngineGuard`), and for a request in
 flight as soon as the engine call it awaits fails with EngineDeadError.
 """
@@ -237,8 +238,8 @@ def engine_dead_response(reason: str) -> JSONResponse:
 
 
 class DeadEngineGuard:
-    """ASGI middleware: once the engine loop has ended, every route but /health and
-    /metrics answers 503 at once, before the route runs."""
+    """ASGI middleware: once the engine loop has ended, every route but /health, /ready
+    and /metrics answers 503 at once, before the route runs."""
 
     OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 

@@ -34,7 +34,10 @@ from kvduplex.server.settings import layered
 logger = logging.getLogger("kvduplex")
 
 _ENGINE_SECTIONS = (ModelLoadConfig, CacheConfig, SchedulerConfig, TransferConfig)
-_UP_ROUTER_SKIP = ("prefill", "decode", "mode", "model", "host", "port", "log_level", "api_key")
+_UP_ROUTER_SKIP = (
+    "prefill", "decode", "mode", "model", "host", "port", "log_level", "api_key",
+    "cluster_secret_file",
+)  # fmt: skip
 """Router flags that `kvduplex up` sets itself (its local demo cluster has no API key);
 it passes the others through."""
 
