@@ -305,6 +305,10 @@ class RouterConfig:
     cluster_secret_file: str = ""
     """File holding the cluster's shared secret, which the router sends to the instances
     (they need it on their internal routes); empty: KVDUPLEX_CLUSTER_SECRET, or none."""
+    drain_timeout_s: float = 60.0
+    """At SIGTERM the router drains: /ready answers 503, new requests are refused (503,
+    code draining), and the requests in flight finish; then it exits 0. After this many
+    seconds it exits anyway (1, logged). A second SIGTERM or SIGINT exits at once."""
     parsing: ParsingConfig = field(default_factory=ParsingConfig)
     """Tool calls and reasoning parsed out of chat answers, here (instances are asked
     for raw text)."""
@@ -322,14 +326,11 @@ class RouterConfig:
         for name in ("session_ttl_s", "load_half_life_s", "health_interval_s", "health_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.health_failures < 1:
-            raise ValueError(f"health_failures must be >= 1, got {self.health_failures}")
-        if self.max_sessions < 1:
-            raise ValueError(f"max_sessions must be >= 1, got {self.max_sessions}")
-        if self.max_body_mb < 1:
-            raise ValueError(f"max_body_mb must be >= 1, got {self.max_body_mb}")
-        if self.session_busy_margin < 0:
-            raise ValueError(f"session_busy_margin must be >= 0, got {self.session_busy_margin}")
+        lows = (("health_failures", 1), ("max_sessions", 1), ("max_body_mb", 1),
+                ("session_busy_margin", 0), ("drain_timeout_s", 0))  # fmt: skip
+        for name, low in lows:
+            if getattr(self, name) < low:
+                raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
         if self.short_append_tokens < 0:
             raise ValueError(
                 f"short_append_tokens must be >= 0 (0 = off), got {self.short_append_tokens}"

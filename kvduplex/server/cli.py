@@ -36,7 +36,7 @@ logger = logging.getLogger("kvduplex")
 _ENGINE_SECTIONS = (ModelLoadConfig, CacheConfig, SchedulerConfig, TransferConfig)
 _UP_ROUTER_SKIP = (
     "prefill", "decode", "mode", "model", "host", "port", "log_level", "api_key",
-    "cluster_secret_file",
+    "cluster_secret_file", "drain_timeout_s",
 )  # fmt: skip
 """Router flags that `kvduplex up` sets itself (its local demo cluster has no API key);
 it passes the others through."""
@@ -110,7 +110,9 @@ def _cmd_serve(args: argparse.Namespace) -> None:
 def _cmd_router(args: argparse.Namespace) -> None:
     from kvduplex.server.router.app import serve_router
 
-    serve_router(router_config(args))
+    code = serve_router(router_config(args))
+    if code:
+        sys.exit(code)
 
 
 def _cmd_up(args: argparse.Namespace) -> None:

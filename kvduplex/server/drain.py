@@ -125,15 +125,16 @@ def owed_work(engine: LLMEngine, drain: DrainState) -> dict[str, int]:
     return {k: v for k, v in owed.items() if v > 0}
 
 
-async def wait_drained(engine: AsyncEngine, drain: DrainState) -> bool:
-    """Poll until nothing is owed (True) or ``drain.timeout_s`` passed (False, logged)."""
+async def wait_drained(engine: AsyncEngine | None, drain: DrainState) -> bool:
+    """Poll until nothing is owed (True) or ``drain.timeout_s`` passed (False, logged).
+    Without an `engine` (the router) only HTTP requests in flight are owed."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + drain.timeout_s
     while True:
         owed: dict[str, int] = {}
         if drain.num_in_flight:
             owed["http_requests"] = drain.num_in_flight
-        if engine.dead_reason() is None:
+        if engine is not None and engine.dead_reason() is None:
             try:
                 owed.update(await engine.run_in_engine(lambda e: owed_work(e, drain)))
             except Exception as exc:  # the engine died meanwhile: nothing more will finish
@@ -150,10 +151,12 @@ async def wait_drained(engine: AsyncEngine, drain: DrainState) -> bool:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn, but the first SIGTERM/SIGINT drains the instance before it stops, and a
-    second one exits the process at once."""
+    """uvicorn, but the first SIGTERM/SIGINT drains the instance (or the router, which has
+    no `engine`) before it stops, and a second one exits the process at once."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain: DrainState) -> None:
+    def __init__(
+        self, config: uvicorn.Config, drain: DrainState, engine: AsyncEngine | None = None
+    ) -> None:
         super().__init__(config)
         self.engine = engine
         self.drain = drain

@@ -180,7 +180,7 @@ def serve(
         log_level="warning",
         timeout_graceful_shutdown=5,
     )
-    server = DrainingServer(config, instance.async_engine, instance.state.drain)
+    server = DrainingServer(config, instance.state.drain, instance.async_engine)
     try:
         server.run()
     finally:

@@ -145,6 +145,8 @@ def test_draining_decode_behind_a_router(tmp_path: Path) -> None:
         )  # fmt: skip
         for url in (p.url, d2.url):
             assert_pool_clean(url)
+        _signal(router)  # the router drains too: idle, it exits 0 at once
+        assert router.popen.wait(EXIT_BOUND_S) == 0, router.log_tail()
 
 
 def _router_sees_healthy(router: str, url: str) -> bool:

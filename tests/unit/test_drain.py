@@ -206,3 +206,17 @@ def test_the_prober_reports_each_round() -> None:
 
     asyncio.run(run())
     assert {P + "/ready", D1 + "/ready", D2 + "/ready"} <= set(fake.paths)
+
+
+def test_a_draining_router_refuses_new_requests_and_says_so() -> None:
+    fake = Probed()
+    state = _router(fake)
+    _probe(state)
+    client = TestClient(create_router_app(state))
+    state.drain.is_draining = True
+    resp = client.get("/ready")
+    assert resp.status_code == 503 and resp.json()["status"] == "draining"
+    resp = client.post("/v1/completions", json=BODY)
+    assert resp.status_code == 503 and resp.json()["error"]["code"] == "draining"
+    assert client.get("/health").status_code == 200
+    assert not [p for p in fake.paths if not p.endswith("/ready")], "nothing was routed"

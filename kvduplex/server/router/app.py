@@ -8,7 +8,9 @@ flows (`flows.py`) forwards the body as the client sent it.
 
 Routes: /v1/completions, /v1/chat/completions, /v1/models (a decode
 instance's), /health (liveness), /ready (readiness: a healthy decode instance, and
-a healthy prefill one when any is configured), /metrics (``kvduplex_router_*``). With an API key, the
+a healthy prefill one when any is configured; 503 ``draining`` after SIGTERM, when
+new requests get 503 ``draining`` and those in flight finish), /metrics
+(``kvduplex_router_*``). With an API key, the
 /v1 routes need it (`kvduplex.server.auth`).
 
 Failures: the app's lifespan runs the health prober (`health.py`). Without a
@@ -53,6 +55,9 @@ from kvduplex.openai.protocol import ChatCompletionRequest
 from kvduplex.openai.protocol import CompletionRequest
 from kvduplex.openai.protocol import OpenAIRequest
 from kvduplex.server.auth import APIKeyGuard
+from kvduplex.server.drain import DrainGuard
+from kvduplex.server.drain import DrainingServer
+from kvduplex.server.drain import exit_code
 from kvduplex.server.guard import BodyCap
 from kvduplex.server.router.calls import until_unhealthy
 from kvduplex.server.router.flows import DecodeUnreachable
@@ -205,6 +210,7 @@ def create_router_app(state: RouterState) -> FastAPI:
 
     app = FastAPI(title="kvduplex-router", lifespan=lifespan)
     install_error_handlers(app)
+    app.add_middleware(DrainGuard, drain=state.drain)
     app.add_middleware(BodyCap, max_body_bytes=state.config.max_body_mb << 20)
     app.add_middleware(APIKeyGuard, api_key=state.api_key)
 
@@ -226,7 +232,8 @@ def create_router_app(state: RouterState) -> FastAPI:
         reason = state.unready_reason()
         if reason is None:
             return JSONResponse({"status": "ready", "role": "router"})
-        return JSONResponse({"status": "unavailable", "role": "router", "reason": reason}, 503)
+        status = "draining" if state.drain.is_draining else "unavailable"
+        return JSONResponse({"status": status, "role": "router", "reason": reason}, 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -258,8 +265,8 @@ def create_router_app(state: RouterState) -> FastAPI:
     return app
 
 
-def serve_router(config: RouterConfig) -> None:
-    """Serve until interrupted."""
+def serve_router(config: RouterConfig) -> int:
+    """Serve until a signal, draining first (`kvduplex.server.drain`); the exit code."""
     state = RouterState.create(config, load_tokenizer(config.model))
     logger.info(
         "router (%s) on http://%s:%d: prefill %s, decode %s; sessions: ttl %.0f s, at most %d; "
@@ -269,4 +276,10 @@ def serve_router(config: RouterConfig) -> None:
         config.short_append_tokens, config.health_interval_s,
         "required" if state.api_key else "not set (open)",
     )  # fmt: skip
-    uvicorn.run(create_router_app(state), host=config.host, port=config.port, log_level="warning")
+    server_config = uvicorn.Config(
+        create_router_app(state), host=config.host, port=config.port, log_level="warning",
+        timeout_graceful_shutdown=5,
+    )  # fmt: skip
+    server = DrainingServer(server_config, state.drain)
+    server.run()
+    return exit_code(server)

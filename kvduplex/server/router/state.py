@@ -6,6 +6,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from dataclasses import field
 from typing import Any
 
 import httpx
@@ -16,6 +17,7 @@ from kvduplex.config import RouterConfig
 from kvduplex.model.tokenizer import Tokenizer
 from kvduplex.server.auth import api_key_headers
 from kvduplex.server.auth import resolve_api_key
+from kvduplex.server.drain import DrainState
 from kvduplex.server.guard import load_cluster_secret
 from kvduplex.server.router.metrics import RouterMetrics
 from kvduplex.server.router.policy import RoutingPolicy
@@ -43,12 +45,16 @@ class RouterState:
     """What clients must send on /v1/* (see `kvduplex.server.auth`); None: open."""
     num_probe_rounds: int = 0
     """Health probe rounds done; the router is not ready before the first."""
+    drain: DrainState = field(default_factory=DrainState)
+    """The drain on SIGTERM (`kvduplex.server.drain`): requests in flight, whether it drains."""
 
     def note_probe_round(self) -> None:
         self.num_probe_rounds += 1
 
     def unready_reason(self) -> str | None:
         """Why the router cannot serve now (its /ready answers 503), or None."""
+        if self.drain.is_draining:
+            return "draining: shutting down"
         if self.num_probe_rounds == 0:
             return "the instances have not been probed yet"
         if not self.policy.decode.healthy():
@@ -82,7 +88,7 @@ class RouterState:
         )
         return cls(
             config, tokenizer, policy, registry, RouterMetrics(registry, policy), client,
-            probe_client, api_key,
+            probe_client, api_key, drain=DrainState(timeout_s=config.drain_timeout_s),
         )  # fmt: skip
 
 
