@@ -6,6 +6,7 @@ taken out of rotation with its calls going on, and the router's own /ready.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,6 +18,7 @@ from kvduplex.config import RouterConfig
 from kvduplex.model.tokenizer import ByteTokenizer
 from kvduplex.server.drain import DrainGuard
 from kvduplex.server.drain import DrainState
+from kvduplex.server.drain import draining_response
 from kvduplex.server.drain import owed_work
 from kvduplex.server.drain import wait_drained
 from kvduplex.server.instance import Instance
@@ -220,3 +222,47 @@ def test_a_draining_router_refuses_new_requests_and_says_so() -> None:
     assert resp.status_code == 503 and resp.json()["error"]["code"] == "draining"
     assert client.get("/health").status_code == 200
     assert not [p for p in fake.paths if not p.endswith("/ready")], "nothing was routed"
+
+
+class Serving(Probed):
+    """`Probed`, serving push requests; decode instances in `refusing` answer them with
+    503 ``draining`` (they got SIGTERM after the last probe)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refusing: set[str] = set()
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path in ("/ready", "/health"):
+            return super().handle(request)
+        base, path = f"{request.url.scheme}://{request.url.host}", request.url.path
+        self.paths.append(base + path)
+        body = json.loads(request.content)
+        if path == "/internal/push/prefill":
+            return httpx.Response(200, json={"xid": body["xid"], "token_ids": [7], "text": "x"})
+        if path == "/internal/push/cancel":
+            return httpx.Response(200, json={"xid": body["xid"], "cancelled": True})
+        if base in self.refusing:
+            refusal = draining_response().response()
+            return httpx.Response(
+                503, content=refusal.body, headers={"content-type": "application/json"}
+            )
+        choice = {"index": 0, "text": "xy", "finish_reason": "length"}
+        return httpx.Response(200, json={"id": "cmpl-x", "choices": [choice]})
+
+
+def test_a_request_refused_by_a_draining_decode_goes_to_another() -> None:
+    fake = Serving()
+    state = _router(fake)
+    _probe(state)
+    client = TestClient(create_router_app(state))
+    fake.refusing.add(D1)
+    for i in range(2):  # one of them is routed to D1 first (ties go round-robin)
+        req = {"model": "m", "prompt": [1, 2, 3, i], "max_tokens": 2}
+        resp = client.post("/v1/completions", json=req)
+        assert resp.status_code == 200, resp.text
+    assert fake.paths.count(D1 + "/v1/completions") == 1
+    assert fake.paths.count(D2 + "/v1/completions") == 2
+    assert P + "/internal/push/cancel" in fake.paths  # P's push for D1 was cancelled
+    d1 = state.policy.decode.backends[0]
+    assert not d1.is_healthy and not d1.is_down
