@@ -202,3 +202,22 @@ def test_effective_config_redacts_secrets(
     lines = [r.getMessage() for r in caplog.records if "effective config" in r.getMessage()]
     assert len(lines) == 1 and "http://d:1" in lines[0] and REDACTED in lines[0]
     assert "sk-file-key" not in caplog.text
+
+
+def test_the_router_sends_the_secret_of_its_secret_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvduplex.model.tokenizer import ByteTokenizer
+    from kvduplex.server.router.state import RouterState
+    from kvduplex.transport.trust import SECRET_HEADER
+
+    secret = tmp_path / "cluster-secret"
+    secret.write_text("s" * 32 + "\n")
+    monkeypatch.setenv("KVDUPLEX_CLUSTER_SECRET", "e" * 32)  # the file wins
+    args = ["router", "--decode", "http://d:1", "--cluster-secret-file", str(secret)]
+    state = RouterState.create(router_config(parse_args(args)), ByteTokenizer())
+    assert state.client.headers[SECRET_HEADER] == "s" * 32
+    monkeypatch.delenv("KVDUPLEX_CLUSTER_SECRET")
+    secret.write_text("short")
+    with pytest.raises(ValueError, match="at least"):
+        RouterState.create(router_config(parse_args(args)), ByteTokenizer())
