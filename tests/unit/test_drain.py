@@ -266,3 +266,23 @@ def test_a_request_refused_by_a_draining_decode_goes_to_another() -> None:
     assert P + "/internal/push/cancel" in fake.paths  # P's push for D1 was cancelled
     d1 = state.policy.decode.backends[0]
     assert not d1.is_healthy and not d1.is_down
+
+
+def test_another_503_from_decode_reaches_the_client_as_it_was() -> None:
+    fake = Serving()
+
+    def dead(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/completions":
+            err = {"error": {"message": "engine loop ended", "code": "engine_dead"}}
+            return httpx.Response(503, json=err)
+        return fake.handle(request)
+
+    config = RouterConfig(prefill=(P,), decode=(D1, D2))
+    state = RouterState.create(config, ByteTokenizer(), transport=httpx.MockTransport(dead))
+    _probe(state)
+    client = TestClient(create_router_app(state))
+    for stream in (False, True):
+        req = {"model": "m", "prompt": [1, 2], "max_tokens": 2, "stream": stream}
+        resp = client.post("/v1/completions", json=req)
+        assert resp.status_code == 503 and resp.json()["error"]["code"] == "engine_dead"
+    assert all(b.is_healthy for b in state.policy.decode.backends)  # one request's failure
