@@ -5,7 +5,9 @@ The flags of ``kvduplex serve`` are generated from these (see
 text and its default is the CLI default. The flags of ``kvduplex router`` and
 ``kvduplex up`` are written out in `kvduplex.server.cli`, and those of
 ``kvduplex bench`` in `kvduplex.bench.serving` (defaulted by its `Options`).
-Environment variables are read only here, all prefixed ``KVDUPLEX_``.
+Environment variables are all prefixed ``KVDUPLEX_``: the few that are not flags
+are read here (`Environment`); every flag of serve, router and up is also
+``KVDUPLEX_<FLAG_NAME>``, layered with ``--config`` by `kvduplex.server.settings`.
 """
 
 from __future__ import annotations
@@ -248,6 +250,11 @@ class ServerConfig:
     api_key: str = field(default="", repr=False)
     """Key clients must send on every /v1/* route (header Authorization: Bearer KEY); empty:
     KVDUPLEX_API_KEY, or no key (open). /health and /metrics stay open."""
+    drain_timeout_s: float = 60.0
+    """At SIGTERM the instance drains: /ready answers 503, new requests are refused (503,
+    code draining), and the work in flight finishes, the KV pushes and returns it owes
+    included; then it exits 0. After this many seconds it exits anyway (1, logged). A
+    second SIGTERM or SIGINT exits at once."""
     parsing: ParsingConfig = field(default_factory=ParsingConfig)
     """Tool calls and reasoning parsed out of the chat answers this instance serves
     directly (a router asks for raw text and parses them itself)."""
@@ -255,6 +262,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         for name in ("internal_max_body_mb", "max_body_mb"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -286,7 +295,8 @@ class RouterConfig:
     load_half_life_s: float = 30.0
     """Half-life of the count of recent assignments that spreads new sessions."""
     health_interval_s: float = 2.0
-    """Seconds between the router's probes of each instance's /health. A failed call
+    """Seconds between the router's probes of each instance's /ready (/health where an
+    instance has no /ready; a draining one gets no new work at once). A failed call
     (unreachable, or its connection failed; not a 5xx answer) marks the instance
     unhealthy at once, ``--health-failures`` failed probes in a row do too; it then gets
     no new work until a probe that began after the failure succeeds."""
@@ -319,6 +329,13 @@ class RouterConfig:
     prompt that fits a 128k-token context is well under 8 MiB of JSON."""
     log_level: str = "warning"
     """Python log level."""
+    cluster_secret_file: str = ""
+    """File holding the cluster's shared secret, which the router sends to the instances
+    (they need it on their internal routes); empty: KVDUPLEX_CLUSTER_SECRET, or none."""
+    drain_timeout_s: float = 60.0
+    """At SIGTERM the router drains: /ready answers 503, new requests are refused (503,
+    code draining), and the requests in flight finish; then it exits 0. After this many
+    seconds it exits anyway (1, logged). A second SIGTERM or SIGINT exits at once."""
     parsing: ParsingConfig = field(default_factory=ParsingConfig)
     """Tool calls and reasoning parsed out of chat answers, here (instances are asked
     for raw text)."""
@@ -336,14 +353,11 @@ class RouterConfig:
         for name in ("session_ttl_s", "load_half_life_s", "health_interval_s", "health_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.health_failures < 1:
-            raise ValueError(f"health_failures must be >= 1, got {self.health_failures}")
-        if self.max_sessions < 1:
-            raise ValueError(f"max_sessions must be >= 1, got {self.max_sessions}")
-        if self.max_body_mb < 1:
-            raise ValueError(f"max_body_mb must be >= 1, got {self.max_body_mb}")
-        if self.session_busy_margin < 0:
-            raise ValueError(f"session_busy_margin must be >= 0, got {self.session_busy_margin}")
+        lows = (("health_failures", 1), ("max_sessions", 1), ("max_body_mb", 1),
+                ("session_busy_margin", 0), ("drain_timeout_s", 0))  # fmt: skip
+        for name, low in lows:
+            if getattr(self, name) < low:
+                raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
         if self.short_append_tokens < 0:
             raise ValueError(
                 f"short_append_tokens must be >= 0 (0 = off), got {self.short_append_tokens}"

@@ -277,7 +277,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     _echo(table)
     for line in report.ratio_lines(ratio):
         _echo(line)
-    plot = str(png) if png else "no plot (pip install matplotlib)"
+    plot = str(png) if png else "no plot (pip install 'kvduplex[bench]')"
     _echo(f"wrote {path}, {path.with_suffix('.md')}, {plot}")
     return result
 

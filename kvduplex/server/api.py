@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API of one instance.
 
 Routes: /v1/completions, /v1/chat/completions (streaming SSE or not),
-/v1/models, /health, /metrics. Extra routes (internal KV endpoints of a
+/v1/models, /health (liveness), /ready (readiness: not while draining, see
+`kvduplex.server.drain`), /metrics. Extra routes (internal KV endpoints of a
 disaggregated instance) are added by the caller through `extra_routers`.
 
 Request ids: every request gets an engine request id of this instance's own
@@ -11,7 +12,7 @@ and its ``X-Request-ID`` response header, unless the client sent an
 engine id (an id names what an abort or a held request's release acts on).
 
 A dead engine (its loop crashed or stopped) answers 503 in OpenAI error JSON
-(``code: engine_dead``) on every route but /health (503 with the reason) and
+(``code: engine_dead``) on every route but /health and /ready (503 with the reason) and
 /metrics: at once for new requests (`DeadEngineGuard`), and for a request in
 flight as soon as the engine call it awaits fails with EngineDeadError.
 
@@ -82,6 +83,8 @@ from kvduplex.openai.transcript import ANSWER_IDS_FIELD
 from kvduplex.openai.transcript import AnswerBook
 from kvduplex.openai.transcript import AnswerRecord
 from kvduplex.openai.transcript import MessageAccumulator
+from kvduplex.server.drain import DrainGuard
+from kvduplex.server.drain import DrainState
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +138,8 @@ class InstanceState:
     _grammar_pool: ThreadPoolExecutor | None = field(default=None, init=False, repr=False)
     """Grammar compiles run here: a slow schema never holds the loop, nor the threads of
     `asyncio.to_thread` (peer lookups of the KV routes use those)."""
+    drain: DrainState = field(default_factory=DrainState)
+    """Readiness and the graceful drain on SIGTERM (`kvduplex.server.drain`)."""
 
     @property
     def tokenizer(self) -> Any:
@@ -241,7 +246,9 @@ def create_app(state: InstanceState, extra_routers: Sequence[APIRouter] = ()) ->
 
 
 def _add_health(app: FastAPI, state: InstanceState) -> None:
-    """/health, and 503s for a dead engine (`DeadEngineGuard`, EngineDeadError)."""
+    """/health, /ready, 503s for a dead engine (`DeadEngineGuard`, EngineDeadError) and
+    for new work while draining (`DrainGuard`)."""
+    app.add_middleware(DrainGuard, drain=state.drain)
     app.add_middleware(DeadEngineGuard, engine=state.engine)
 
     @app.exception_handler(EngineDeadError)
@@ -258,16 +265,31 @@ def _add_health(app: FastAPI, state: InstanceState) -> None:
         body = {"status": "unavailable", "role": state.role, "reason": problem}
         return JSONResponse(body, status_code=503)
 
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        """Readiness: 200 (/health's body, ``status: ready``) while the engine is healthy
+        and the instance takes new work; 503 ``draining`` after SIGTERM, or
+        ``unavailable`` with the reason when the engine is not healthy."""
+        problem = state.engine.problem()
+        if problem is not None:
+            body = {"status": "unavailable", "role": state.role, "reason": problem}
+            return JSONResponse(body, status_code=503)
+        if state.drain.is_draining:
+            reason = "shutting down: finishing the work in flight"
+            body = {"status": "draining", "role": state.role, "reason": reason}
+            return JSONResponse(body, status_code=503)
+        return JSONResponse({**state.health(), "status": "ready"})
+
 
 def engine_dead_response(reason: str) -> JSONResponse:
     return APIError(503, reason, code="engine_dead").response()
 
 
 class DeadEngineGuard:
-    """ASGI middleware: once the engine loop has ended, every route but /health and
-    /metrics answers 503 at once, before the route runs."""
+    """ASGI middleware: once the engine loop has ended, every route but /health, /ready
+    and /metrics answers 503 at once, before the route runs."""
 
-    OPEN_PATHS = frozenset({"/health", "/metrics"})
+    OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 
     def __init__(self, app: ASGIApp, engine: AsyncEngine) -> None:
         self.app = app

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import signal
 import sys
@@ -19,6 +20,7 @@ from kvduplex.config import Environment
 from kvduplex.config import ModelLoadConfig
 from kvduplex.config import ParsingConfig
 from kvduplex.config import ReturnMode
+from kvduplex.config import Role
 from kvduplex.config import RouterConfig
 from kvduplex.config import SchedulerConfig
 from kvduplex.config import ServerConfig
@@ -26,11 +28,16 @@ from kvduplex.config import TransferConfig
 from kvduplex.server.flags import add_dataclass_flags
 from kvduplex.server.flags import dataclass_from_args
 from kvduplex.server.flags import flags_of
+from kvduplex.server.settings import effective_config
+from kvduplex.server.settings import layered
 
 logger = logging.getLogger("kvduplex")
 
 _ENGINE_SECTIONS = (ModelLoadConfig, CacheConfig, SchedulerConfig, TransferConfig)
-_UP_ROUTER_SKIP = ("prefill", "decode", "mode", "model", "host", "port", "log_level", "api_key")
+_UP_ROUTER_SKIP = (
+    "prefill", "decode", "mode", "model", "host", "port", "log_level", "api_key",
+    "cluster_secret_file", "drain_timeout_s",
+)  # fmt: skip
 """Router flags that `kvduplex up` sets itself (its local demo cluster has no API key);
 it passes the others through."""
 
@@ -76,16 +83,36 @@ def parsing_flags(parsing: ParsingConfig) -> list[str]:
     return out
 
 
+def require_transport(role: Role) -> None:
+    """A prefill or decode instance moves KV over NIXL: refuse to start without it (a
+    ValueError, exit 2), before the model loads. A colocated instance needs none."""
+    if role is Role.BOTH:
+        return
+    from kvduplex.transport.nixl_agent import nixl_available
+
+    if not nixl_available():
+        raise ValueError(
+            f"--role {role.value} needs NIXL, the KV transport between instances, and it "
+            "cannot be imported here: install it (pip install 'kvduplex[nixl]', the package "
+            "nixl-cu12), or serve prefill and decode in one instance with --role both"
+        )
+
+
 def _cmd_serve(args: argparse.Namespace) -> None:
     from kvduplex.server.instance import serve
 
-    serve(_engine_config(args), server_config(args), Environment.read())
+    require_transport(server_config(args).role)
+    code = serve(_engine_config(args), server_config(args), Environment.read())
+    if code:
+        sys.exit(code)
 
 
 def _cmd_router(args: argparse.Namespace) -> None:
     from kvduplex.server.router.app import serve_router
 
-    serve_router(router_config(args))
+    code = serve_router(router_config(args))
+    if code:
+        sys.exit(code)
 
 
 def _cmd_up(args: argparse.Namespace) -> None:
@@ -217,13 +244,17 @@ def build_parser(bench_workload: str = "serving") -> argparse.ArgumentParser:
         add_dataclass_flags(serve, section)
     add_dataclass_flags(serve, ServerConfig)
     add_dataclass_flags(serve, ParsingConfig)
+    _add_config_flag(serve)
     serve.set_defaults(func=_cmd_serve)
 
     router = sub.add_parser("router", help="route OpenAI requests to prefill and decode instances")
     router.add_argument("--prefill", nargs="*", default=[], help="prefill instance URLs")
-    router.add_argument("--decode", nargs="+", required=True, help="decode instance URLs")
+    router.add_argument(
+        "--decode", nargs="+", default=[], help="decode instance URLs (at least one)"
+    )
     add_dataclass_flags(router, RouterConfig)
     add_dataclass_flags(router, ParsingConfig)
+    _add_config_flag(router)
     router.set_defaults(func=_cmd_router)
 
     up = sub.add_parser(
@@ -258,6 +289,7 @@ def build_parser(bench_workload: str = "serving") -> argparse.ArgumentParser:
     up.add_argument("--log-level", default="warning")
     add_dataclass_flags(up, RouterConfig, skip=_UP_ROUTER_SKIP)
     add_dataclass_flags(up, ParsingConfig)
+    _add_config_flag(up)
     up.set_defaults(func=_cmd_up)
 
     bench = sub.add_parser(
@@ -286,6 +318,16 @@ def build_parser(bench_workload: str = "serving") -> argparse.ArgumentParser:
 BENCH_WORKLOADS = ["serving", "agentic"]
 
 
+def _add_config_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config", default="", metavar="FILE",
+        help="a YAML (.yaml, .yml) or TOML (.toml) file of settings, one key per flag "
+        "(kv_cache_mb: 1024). Every flag is also the environment variable "
+        "KVDUPLEX_<FLAG_NAME> (KVDUPLEX_KV_CACHE_MB=1024). A flag given here wins over "
+        "the variable, which wins over the file",
+    )  # fmt: skip
+
+
 def bench_workload_of(argv: list[str]) -> str:
     """The ``--workload`` of a ``bench`` command line (its flags depend on it)."""
     if not argv or argv[0] != "bench":
@@ -307,13 +349,52 @@ def _cmd_bench(args: argparse.Namespace) -> None:
     bench_main(args)
 
 
+LAYERED_COMMANDS = ("serve", "router", "up")
+"""Commands whose settings also come from ``KVDUPLEX_*`` and ``--config`` (`settings.py`)."""
+
+
+def command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    """The sub-parser of `command` in `build_parser`'s parser."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            sub: argparse.ArgumentParser = action.choices[command]
+            return sub
+    raise KeyError(command)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """`argv` parsed, with the settings of `LAYERED_COMMANDS` layered: flag > environment
+    > ``--config`` file > default. Raises `ConfigError` (a ValueError) for a bad setting."""
+    parser = build_parser(bench_workload_of(argv))
+    args = parser.parse_args(argv)
+    if args.command in LAYERED_COMMANDS:
+        sub = command_parser(parser, args.command)
+        args = layered(sub, args, argv[1:])
+        args.effective_config = effective_config(args, sub)
+    return args
+
+
+def _log_effective_config(args: argparse.Namespace) -> None:
+    """One line with every setting, secrets redacted: at INFO, or at the configured level
+    when that is higher (so that it always shows), WARNING at most."""
+    level = min(max(logging.INFO, logger.getEffectiveLevel()), logging.WARNING)
+    text = json.dumps(args.effective_config, sort_keys=True, default=str)
+    logger.log(level, "%s effective config: %s", args.command, text)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(bench_workload_of(argv)).parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except ValueError as exc:  # config errors: say what to change, no traceback
+        print(f"kvduplex: error: {exc}", file=sys.stderr)
+        sys.exit(2)
     if args.command in ("up", "bench"):
         # SIGTERM unwinds like Ctrl-C, so the local cluster stops what it started.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     _setup_logging(getattr(args, "log_level", "info"))
+    if args.command in LAYERED_COMMANDS:
+        _log_effective_config(args)
     try:
         args.func(args)
     except ValueError as exc:  # config errors: say what to change, no traceback

@@ -24,6 +24,9 @@ from kvduplex.server.api import InstanceState
 from kvduplex.server.api import create_app
 from kvduplex.server.auth import APIKeyGuard
 from kvduplex.server.auth import resolve_api_key
+from kvduplex.server.drain import DrainingServer
+from kvduplex.server.drain import DrainState
+from kvduplex.server.drain import exit_code
 from kvduplex.server.guard import InternalGuard
 from kvduplex.server.guard import load_cluster_secret
 
@@ -72,6 +75,7 @@ def build_instance(
         registry=registry,
         role=server_config.role.value,
         parsing=server_config.parsing,
+        drain=DrainState(timeout_s=server_config.drain_timeout_s),
     )
     instance = Instance(engine=engine, async_engine=async_engine, app=FastAPI(), state=state)
     routers = _role_routers(instance, engine_config, server_config.role, secret, env)
@@ -141,6 +145,7 @@ def _role_routers(
         )  # fmt: skip
         routers.append(make_prefill_router(state, transport, cfg.pull_lease_s))
         routers.append(make_push_prefill_router(state, p, directory))
+        state.drain.owed_checks.append(lambda _e: p.tables())
         instance.closers.append(p.sender.close)
     else:
         d = decode_flows(
@@ -149,6 +154,7 @@ def _role_routers(
             peer_gone=directory.is_gone,
         )  # fmt: skip
         routers.append(make_decode_hooks(state, d, directory, secret))
+        state.drain.owed_checks.append(lambda _e: d.tables())
         instance.closers += [d.pull.close, d.sender.close]
     pump.start()
     instance.closers += [pump.close, transport.close]
@@ -157,8 +163,8 @@ def _role_routers(
 
 def serve(
     engine_config: EngineConfig, server_config: ServerConfig, env: Environment | None = None
-) -> None:
-    """Serve until interrupted."""
+) -> int:
+    """Serve until a signal, draining first (`kvduplex.server.drain`); the exit code."""
     instance = build_instance(engine_config, server_config, env)
     logger.info(
         "serving %s as %s on http://%s:%d",
@@ -167,11 +173,17 @@ def serve(
         server_config.host,
         server_config.port,
     )
-    uvicorn.run(
+    config = uvicorn.Config(
         instance.app,
         host=server_config.host,
         port=server_config.port,
         log_level="warning",
         timeout_graceful_shutdown=5,
     )
-    instance.shutdown()
+    server = DrainingServer(config, instance.state.drain, instance.async_engine)
+    try:
+        server.run()
+    finally:
+        instance.shutdown()
+    logger.info("stopped")
+    return exit_code(server)

@@ -117,6 +117,7 @@ def not_found(xid: str) -> JSONResponse:
 def make_prefill_router(state: InstanceState, transport: Transport, lease_s: float) -> APIRouter:
     router = APIRouter()
     leases = LeaseTable(state.engine, lease_s)
+    state.drain.owed_checks.append(lambda _e: {"pull_leases": len(leases)})
     engine = state.engine
 
     @router.post("/internal/prefill")

@@ -33,7 +33,7 @@ def test_v1_routes_need_the_api_key_health_and_metrics_do_not() -> None:
             assert (error["type"], error["code"]) == ("invalid_request_error", "invalid_api_key")
             assert r.headers["www-authenticate"] == "Bearer"
         assert client.get("/v1/models").status_code == 401
-        assert [c for c in fake.calls if "/health" not in c[0]] == [], "refused before routing"
+        assert [c for c in fake.calls if "/health" not in c[0] and "/ready" not in c[0]] == [], "refused before routing"
         r = client.post("/v1/completions", json=BODY, headers={"authorization": f"bearer {KEY}"})
         assert r.status_code == 200, r.text
         assert client.get("/health").status_code == 200

@@ -70,7 +70,7 @@ class FakeInstances:
         self.calls: list[str] = []
 
     def handle(self, request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/health":  # the router's probes: not work
+        if request.url.path in ("/health", "/ready"):  # the router's probes: not work
             return httpx.Response(200, json={"status": "ok", "max_model_len": CONTEXT})
         self.calls.append(str(request.url))
         if request.url.path == "/internal/push/prefill":

@@ -57,7 +57,7 @@ class FakeInstances:
         return [body for p, body, _ in self.calls if p == path]
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
-        if request.method == "GET" and request.url.path == "/health":
+        if request.method == "GET" and request.url.path in ("/health", "/ready"):
             return httpx.Response(200, json={"status": "ok"})  # the router's probes
         body = json.loads(request.content) if request.content else {}
         self.calls.append((str(request.url), body, request.headers))

@@ -29,7 +29,7 @@ class Instances:
 
     def handle(self, request: httpx.Request) -> httpx.Response:
         base = f"{request.url.scheme}://{request.url.host}"
-        if request.url.path == "/health":
+        if request.url.path in ("/health", "/ready"):
             return httpx.Response(200, json={"status": "ok", "max_model_len": 4096,
                                              "engine_id": self.engine_ids[base]})  # fmt: skip
         body = json.loads(request.content)

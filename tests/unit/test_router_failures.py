@@ -50,7 +50,7 @@ class FailingInstances(FakeInstances):
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
         base = f"{request.url.scheme}://{request.url.host}"
-        if base in self.unreachable and request.url.path != "/health":
+        if base in self.unreachable and request.url.path not in ("/health", "/ready"):
             raise httpx.ConnectError("connection refused", request=request)
         if request.url.path.startswith("/v1/") and self.num_errors > 0:
             self.num_errors -= 1

@@ -61,7 +61,7 @@ class HangingInstances(FakeInstances):
         base = f"{request.url.scheme}://{request.url.host}"
         body = json.loads(request.content) if request.content else {}
         if base in self.hung:
-            if request.url.path == "/health":
+            if request.url.path in ("/health", "/ready"):
                 raise httpx.ReadTimeout("timed out", request=request)
             self.calls.append((str(request.url), body, request.headers))
             self.called.set()
@@ -266,7 +266,7 @@ class _SocketInstance:
         length = [int(line.split(":")[1]) for line in head.split("\r\n")
                   if line.lower().startswith("content-length:")]  # fmt: skip
         body = json.loads(await reader.readexactly(length[0])) if length else {}
-        if path == "/health":
+        if path in ("/health", "/ready"):
             if self.went_silent.is_set():
                 await reader.read()  # no answer until the prober lets go
             else:

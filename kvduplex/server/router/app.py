@@ -7,9 +7,12 @@ would use. The policy then picks P and D (sessions, load), and one of the
 flows (`flows.py`) forwards the body as the client sent it.
 
 Routes: /v1/completions, /v1/chat/completions, /v1/models (a decode
-instance's), /health, /metrics (``kvduplex_router_*``), /sessions (the most
-recent sessions: turns, whether they are returned, answer hits). With an API
-key, the /v1 routes need it (`kvduplex.server.auth`).
+instance's), /health (liveness), /ready (readiness: a healthy decode instance, and
+a healthy prefill one when any is configured; 503 ``draining`` after SIGTERM, when
+new requests get 503 ``draining`` and those in flight finish), /metrics
+(``kvduplex_router_*``), /sessions (the most recent sessions: turns, whether they
+are returned, answer hits). With an API key, the /v1 routes need it
+(`kvduplex.server.auth`).
 
 A chat prompt is built with the session table's answer book: an answer the
 router relayed that comes back unchanged keeps the ids decode generated
@@ -58,6 +61,9 @@ from kvduplex.openai.protocol import CompletionRequest
 from kvduplex.openai.protocol import OpenAIRequest
 from kvduplex.server.auth import APIKeyGuard
 from kvduplex.server.auth import bearer_matches
+from kvduplex.server.drain import DrainGuard
+from kvduplex.server.drain import DrainingServer
+from kvduplex.server.drain import exit_code
 from kvduplex.server.guard import BodyCap
 from kvduplex.server.router.calls import until_unhealthy
 from kvduplex.server.router.flows import DecodeUnreachable
@@ -185,6 +191,30 @@ async def _run_flow(state: RouterState, fwd: Forward) -> Response:
         raise
 
 
+def _sessions(state: RouterState, raw: Request, limit: int) -> JSONResponse:
+    """GET /sessions: the `limit` most recently used sessions, most recent first: turns,
+    whether their turns are returned to prefill, and their answer hits. It names
+    clients' sessions: with an API key, it needs the key too."""
+    if state.api_key is not None and not bearer_matches(
+        [v.encode("latin-1") for v in raw.headers.getlist("authorization")], state.api_key
+    ):  # fmt: skip
+        raise APIError(401, "GET /sessions needs the API key", code="invalid_api_key")
+    recent = state.policy.sessions.sessions()[::-1][: max(0, limit)]
+    return JSONResponse({
+        "num_sessions": len(state.policy.sessions),
+        "sessions": [
+            {
+                "session_id": s.session_id, "num_turns": s.num_turns,
+                "is_returning": s.is_returning,
+                "answer_tokens_hit": s.num_answer_tokens_hit,
+                "answer_tokens_returnable": s.num_answer_tokens_returnable,
+                "answer_hit_rate": s.answer_hit_rate,
+            }
+            for s in recent
+        ],
+    })  # fmt: skip
+
+
 def create_router_app(state: RouterState) -> FastAPI:
     """The router's app; its lifespan runs the health prober and closes the client."""
 
@@ -197,6 +227,7 @@ def create_router_app(state: RouterState) -> FastAPI:
                 state.policy,
                 config.health_interval_s,
                 config.health_timeout_s,
+                on_round=state.note_probe_round,
             )
         )
         try:
@@ -210,6 +241,7 @@ def create_router_app(state: RouterState) -> FastAPI:
 
     app = FastAPI(title="kvduplex-router", lifespan=lifespan)
     install_error_handlers(app)
+    app.add_middleware(DrainGuard, drain=state.drain)
     app.add_middleware(BodyCap, max_body_bytes=state.config.max_body_mb << 20)
     app.add_middleware(APIKeyGuard, api_key=state.api_key)
 
@@ -223,33 +255,24 @@ def create_router_app(state: RouterState) -> FastAPI:
         ]  # fmt: skip
         return JSONResponse({"status": "ok", "role": "router", "instances": instances})
 
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        """200 when the router can serve: a healthy decode instance and, with prefill
+        instances configured, a healthy prefill one (after the first probe round);
+        else 503 with why."""
+        reason = state.unready_reason()
+        if reason is None:
+            return JSONResponse({"status": "ready", "role": "router"})
+        status = "draining" if state.drain.is_draining else "unavailable"
+        return JSONResponse({"status": status, "role": "router", "reason": reason}, 503)
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/sessions")
     async def sessions(raw: Request, limit: int = 100) -> JSONResponse:
-        """The `limit` most recently used sessions, most recent first: turns, whether
-        their turns are returned to prefill, and their answer hits. It names clients'
-        sessions: with an API key, it needs the key too."""
-        if state.api_key is not None and not bearer_matches(
-            [v.encode("latin-1") for v in raw.headers.getlist("authorization")], state.api_key
-        ):  # fmt: skip
-            raise APIError(401, "GET /sessions needs the API key", code="invalid_api_key")
-        recent = state.policy.sessions.sessions()[::-1][: max(0, limit)]
-        return JSONResponse({
-            "num_sessions": len(state.policy.sessions),
-            "sessions": [
-                {
-                    "session_id": s.session_id, "num_turns": s.num_turns,
-                    "is_returning": s.is_returning,
-                    "answer_tokens_hit": s.num_answer_tokens_hit,
-                    "answer_tokens_returnable": s.num_answer_tokens_returnable,
-                    "answer_hit_rate": s.answer_hit_rate,
-                }
-                for s in recent
-            ],
-        })  # fmt: skip
+        return _sessions(state, raw, limit)
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -277,8 +300,8 @@ def create_router_app(state: RouterState) -> FastAPI:
     return app
 
 
-def serve_router(config: RouterConfig) -> None:
-    """Serve until interrupted."""
+def serve_router(config: RouterConfig) -> int:
+    """Serve until a signal, draining first (`kvduplex.server.drain`); the exit code."""
     state = RouterState.create(config, load_tokenizer(config.model))
     logger.info(
         "router (%s) on http://%s:%d: prefill %s, decode %s; sessions: ttl %.0f s, at most %d; "
@@ -288,4 +311,10 @@ def serve_router(config: RouterConfig) -> None:
         config.short_append_tokens, config.health_interval_s,
         "required" if state.api_key else "not set (open)",
     )  # fmt: skip
-    uvicorn.run(create_router_app(state), host=config.host, port=config.port, log_level="warning")
+    server_config = uvicorn.Config(
+        create_router_app(state), host=config.host, port=config.port, log_level="warning",
+        timeout_graceful_shutdown=5,
+    )  # fmt: skip
+    server = DrainingServer(server_config, state.drain)
+    server.run()
+    return exit_code(server)

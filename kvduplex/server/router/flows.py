@@ -103,6 +103,25 @@ class Forward:
         return self.path.endswith("/chat/completions")
 
 
+class InstanceDraining(httpx.TransportError):
+    """The instance refused new work: it is draining (shutting down)."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(f"{url} is draining")
+
+
+async def is_draining_answer(resp: httpx.Response) -> bool:
+    """Whether a 503 answer is an instance's "draining" refusal (its body is then read
+    and the response closed)."""
+    await resp.aread()
+    await resp.aclose()
+    try:
+        err = resp.json().get("error")
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(err, dict) and err.get("code") == "draining"
+
+
 class DecodeUnreachable(Exception):
     """The route's decode instance could not be reached; it never saw the request."""
 
@@ -249,12 +268,19 @@ async def _open_decode(
     if fwd.is_chat:  # the router parses chat answers (`parsing.py`), never decode
         headers = {**headers, RAW_OUTPUT_HEADER: "1"}
     try:
-        return await until_unhealthy(
+        resp = await until_unhealthy(
             d,
             state.client.send(
                 json_request(state.client, d.url + fwd.path, body, headers), stream=True
             ),
         )
+        if resp.status_code == 503 and await is_draining_answer(resp):
+            # D got SIGTERM after the route was chosen, before a probe saw it: no new work
+            # for it, and this request goes to another decode instance.
+            state.policy.decode.mark_failed(d, state.policy.clock(), is_down=False)
+            state.policy.decode_done(fwd.route, Outcome.REFUSED)
+            raise DecodeUnreachable(d.url, InstanceDraining(d.url))
+        return resp
     except httpx.HTTPError as exc:
         state.policy.decode_done(fwd.route, Outcome.FAILED)
         if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):

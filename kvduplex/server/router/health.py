@@ -1,4 +1,4 @@
-"""The router's health prober: GET /health on every instance, every few seconds.
+"""The router's health prober: GET /ready on every instance, every few seconds.
 
 The router's app starts `run_prober` in its lifespan and cancels it at
 shutdown. Each round probes every prefill and decode instance at once, each
@@ -6,7 +6,11 @@ probe bounded by ``--health-timeout-s``, and tells the policy how each ended
 (`BackendPool.note_probe`): a 200 makes an instance healthy again (unless a
 call failed after the probe began); anything else (refused, a timeout, a
 non-200) counts as a failure, and ``--health-failures`` of them in a row make
-it unhealthy, which abandons the calls in flight to it (`calls.py`). A 200
+it unhealthy, which abandons the calls in flight to it (`calls.py`). An instance
+that answers 503 ``{"status": "draining"}`` (it got SIGTERM, `kvduplex.server.drain`)
+gets no new work at once, but its calls in flight go on (``mark_failed(...,
+is_down=False)``); it is back in rotation when a probe finds it ready again. An
+instance without /ready (404: an older build) is probed at /health instead. A 200
 also tells the instance's ``max_model_len``, which the router checks requests
 against before it dispatches them, and its KV engine id, which the router
 names to its peers in each request (``decode_engine_id`` to P, ``engine_id``
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import httpx
 
@@ -41,10 +46,15 @@ async def probe(
     started_at = policy.clock()
     was_healthy = b.is_healthy
     try:
-        resp = await client.get(b.url + "/health", timeout=timeout_s)
+        resp = await client.get(b.url + "/ready", timeout=timeout_s)
+        if resp.status_code == 404:
+            resp = await client.get(b.url + "/health", timeout=timeout_s)
         is_ok, why = resp.status_code == 200, f"HTTP {resp.status_code}"
         if is_ok:
             _note_health(b, resp)
+        elif is_draining(resp):
+            _note_draining(pool, b, policy.clock())
+            return
     except httpx.HTTPError as exc:
         is_ok, why = False, repr(exc)
     pool.note_probe(b, is_ok, started_at, policy.clock())
@@ -58,6 +68,25 @@ async def probe(
             logger.warning("instance %s is healthy again", b.url)
         else:
             logger.warning("instance %s is unhealthy: /health %s", b.url, why)
+
+
+def is_draining(resp: httpx.Response) -> bool:
+    """Whether a probe's answer says the instance drains (503 ``status: draining``)."""
+    if resp.status_code != 503:
+        return False
+    try:
+        body = resp.json()
+    except ValueError:
+        return False
+    return isinstance(body, dict) and body.get("status") == "draining"
+
+
+def _note_draining(pool: BackendPool, b: Backend, now: float) -> None:
+    """No new work for `b`; its calls in flight go on (they finish as it drains)."""
+    if b.is_healthy:
+        logger.warning("instance %s is draining: no new work for it", b.url)
+    pool.mark_failed(b, now, is_down=False)
+    b.num_failed_probes = 0
 
 
 def _note_health(b: Backend, resp: httpx.Response) -> None:
@@ -90,11 +119,18 @@ async def probe_all(client: httpx.AsyncClient, policy: RoutingPolicy, timeout_s:
 
 
 async def run_prober(
-    client: httpx.AsyncClient, policy: RoutingPolicy, interval_s: float, timeout_s: float
+    client: httpx.AsyncClient,
+    policy: RoutingPolicy,
+    interval_s: float,
+    timeout_s: float,
+    on_round: Callable[[], None] | None = None,
 ) -> None:
-    """Probe rounds every `interval_s` (the first at once) until cancelled."""
+    """Probe rounds every `interval_s` (the first at once) until cancelled; `on_round`
+    is called after each."""
     loop = asyncio.get_running_loop()
     while True:
         started = loop.time()
         await probe_all(client, policy, timeout_s)
+        if on_round is not None:
+            on_round()
         await asyncio.sleep(max(0.0, interval_s - (loop.time() - started)))

@@ -6,6 +6,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from dataclasses import field
 from typing import Any
 
 import httpx
@@ -16,6 +17,8 @@ from kvduplex.config import RouterConfig
 from kvduplex.model.tokenizer import Tokenizer
 from kvduplex.server.auth import api_key_headers
 from kvduplex.server.auth import resolve_api_key
+from kvduplex.server.drain import DrainState
+from kvduplex.server.guard import load_cluster_secret
 from kvduplex.server.router.metrics import RouterMetrics
 from kvduplex.server.router.policy import RoutingPolicy
 from kvduplex.transport.trust import secret_headers
@@ -40,6 +43,25 @@ class RouterState:
     connection for an instance's failure."""
     api_key: str | None = None
     """What clients must send on /v1/* (see `kvduplex.server.auth`); None: open."""
+    num_probe_rounds: int = 0
+    """Health probe rounds done; the router is not ready before the first."""
+    drain: DrainState = field(default_factory=DrainState)
+    """The drain on SIGTERM (`kvduplex.server.drain`): requests in flight, whether it drains."""
+
+    def note_probe_round(self) -> None:
+        self.num_probe_rounds += 1
+
+    def unready_reason(self) -> str | None:
+        """Why the router cannot serve now (its /ready answers 503), or None."""
+        if self.drain.is_draining:
+            return "draining: shutting down"
+        if self.num_probe_rounds == 0:
+            return "the instances have not been probed yet"
+        if not self.policy.decode.healthy():
+            return "no healthy decode instance"
+        if self.policy.prefill.backends and not self.policy.prefill.healthy():
+            return "no healthy prefill instance"
+        return None
 
     @classmethod
     def create(
@@ -55,9 +77,10 @@ class RouterState:
         registry = CollectorRegistry()
         env = Environment.read()
         api_key = resolve_api_key(config.api_key, env.api_key)
+        secret = load_cluster_secret(config.cluster_secret_file, env.cluster_secret)
         client = httpx.AsyncClient(
             timeout=httpx.Timeout(600.0, connect=5.0), transport=transport,
-            headers={**secret_headers(env.cluster_secret), **api_key_headers(api_key)},
+            headers={**secret_headers(secret), **api_key_headers(api_key)},
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
         )  # fmt: skip
         probe_client = httpx.AsyncClient(
@@ -65,7 +88,7 @@ class RouterState:
         )
         return cls(
             config, tokenizer, policy, registry, RouterMetrics(registry, policy), client,
-            probe_client, api_key,
+            probe_client, api_key, drain=DrainState(timeout_s=config.drain_timeout_s),
         )  # fmt: skip
 
 
