@@ -428,7 +428,7 @@ class SendMachine:
         return []
 
     def _cancel_heard(self, event: CancelHeard) -> list[SendAction]:
-        if event.sender == self.peer.engine_id and self.error is None:
+        if event.sender == self.peer.engine_id and self.error is None and not self.ended:
             self.error = f"cancelled by the receiver: {event.reason}"
         return []
 
@@ -624,6 +624,8 @@ class SendMachine:
         return out + self._fail(event.reason)
 
     def _fail(self, reason: str, *, notify: bool = True) -> list[SendAction]:
+        if self.ended:  # a late cancel does not turn a transfer that ended DONE into FAILED
+            return []
         if self.error is None:
             self.error = reason
         return self._maybe_end(None, notify=notify)
