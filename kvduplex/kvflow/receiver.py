@@ -24,8 +24,11 @@ the prefix cache once filled). A late WRITE therefore never lands in a block
 that holds someone else's KV: whoever gives blocks up after a fallback does
 so while the receiver still references them.
 
-Threads: waits are created and ended on the engine thread; the pump only
-takes ``_lock`` (which guards ``_waits``) and queues engine calls.
+Each wait is a pure state machine,
+`kvduplex.kvflow.machines.receive.ReceiveMachine`; this class is its adapter.
+Threads: waits are created and ended on the engine thread; the pump feeds
+heartbeats and acknowledgements under ``_lock`` (which guards ``_waits``) and
+queues engine calls for the rest.
 """
 
 from __future__ import annotations

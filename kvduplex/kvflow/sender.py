@@ -43,12 +43,14 @@ Failure rules:
 * Deadlines travel as durations: a registration's ``time_left_s`` is counted
   from when it arrived here, on this host's monotonic clock.
 
-Threads: jobs are created, registered and ended on the engine thread; the
-transport's completion callbacks and the notification pump only take
-``_lock`` (which guards ``_jobs`` and every job's counters) or queue an engine
-call. (The file is longer than most: the engine-thread, completion and pump
-parts of one job state machine share that lock and its invariants, so they
-stay together.)
+The state of each job and these rules are a pure state machine,
+`kvduplex.kvflow.machines.send.SendMachine` (push and return are one machine
+with a source); this class is its adapter: it feeds each job's machine the
+events the engine thread, the transport's completion callbacks and the
+notification pump report (under ``_lock``, which also guards ``_jobs`` and
+the registrations for no job yet), and carries the actions out after it,
+outside the lock. Jobs are created, registered and forgotten on the engine
+thread.
 """
 
 from __future__ import annotations
