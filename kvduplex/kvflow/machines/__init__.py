@@ -10,5 +10,7 @@ carry their actions out.
 * `send`: one transfer this instance WRITEs (push and return, one machine with
   a source strategy);
 * `receive`: one registration this instance waits on (and its quarantine);
+* `read`: one READ of a peer's blocks (pull, retained turns; run by
+  `kvduplex.kvflow.half.ReadRunner`);
 * `actions`: the actions both share.
 """
