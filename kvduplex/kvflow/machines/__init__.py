@@ -8,7 +8,7 @@ flows' halves (`kvduplex.kvflow.sender.KVSender`,
 carry their actions out.
 
 * `send`: one transfer this instance WRITEs (push and return, one machine with
-  a source strategy);
+  a source strategy; its sources, events and actions are in `send_events`);
 * `receive`: one registration this instance waits on (and its quarantine);
 * `read`: one READ of a peer's blocks (pull, retained turns; run by
   `kvduplex.kvflow.half.ReadRunner`);
