@@ -12,9 +12,25 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
+from functools import partial
 from typing import ClassVar
 
 from kvduplex.engine.connector import EngineHandle
+from kvduplex.kvflow.machines.actions import AcquireBlocks
+from kvduplex.kvflow.machines.actions import ReleaseBlocks
+from kvduplex.kvflow.machines.actions import TearDown
+from kvduplex.kvflow.machines.read import ArmCheck
+from kvduplex.kvflow.machines.read import Begin
+from kvduplex.kvflow.machines.read import Ended
+from kvduplex.kvflow.machines.read import Outcome
+from kvduplex.kvflow.machines.read import Overdue
+from kvduplex.kvflow.machines.read import PostFailed
+from kvduplex.kvflow.machines.read import PostRead
+from kvduplex.kvflow.machines.read import ReadAction
+from kvduplex.kvflow.machines.read import ReadEvent
+from kvduplex.kvflow.machines.read import ReadMachine
+from kvduplex.kvflow.machines.read import Settled
 from kvduplex.transport.base import Transport
 from kvduplex.transport.messages import ControlMessage
 from kvduplex.transport.messages import MessageCodec
@@ -22,6 +38,8 @@ from kvduplex.transport.notify import Handler
 from kvduplex.transport.notify import NotificationPump
 from kvduplex.transport.protocol import PeerHandle
 from kvduplex.transport.protocol import TransferHandle
+from kvduplex.transport.protocol import TransferOp
+from kvduplex.transport.protocol import TransferState
 
 logger = logging.getLogger(__name__)
 
@@ -66,37 +84,84 @@ class FlowHalf:
             )
 
 
-def tear_down_if_unsettled(
-    transport: Transport, handle: TransferHandle, peer: PeerHandle, after_s: float
-) -> None:
-    """A transfer that failed but may still land and is still unsettled ``after_s``
-    later has its peer's endpoint torn down, which settles it (nothing is held forever)."""
-    if not handle.may_still_land:
-        return
+class ReadRunner:
+    """Runs one `ReadMachine`: READ ``remote`` blocks of ``peer`` into our ``targets``.
 
-    def check() -> None:
-        if not handle.settled:
-            logger.warning(
-                "xid=%s: a failed %s is still unsettled after %g s; tearing down the "
-                "endpoint with %s", handle.xid, handle.op.value, after_s, peer.engine_id,
+    `start` on the engine thread. ``on_outcome(outcome, handle)`` runs on the engine
+    thread (at once if the READ could not be posted, else through an engine call);
+    our references on the targets go once the READ is settled, after the outcome.
+    """
+
+    def __init__(
+        self, transport: Transport, engine: EngineHandle, peer: PeerHandle, xid: str,
+        targets: list[int], remote: list[int], deadline_s: float, after_s: float,
+        on_outcome: Callable[[Outcome, TransferHandle | None], None],
+    ) -> None:  # fmt: skip
+        self.transport = transport
+        self.engine = engine
+        self.peer = peer
+        self.xid = xid
+        self.remote = remote
+        self.deadline_s = deadline_s
+        self.on_outcome = on_outcome
+        self.machine = ReadMachine(tuple(targets), after_s)
+        self.handle: TransferHandle | None = None
+        self._lock = threading.Lock()
+
+    def start(self, *, acquire: bool = True) -> TransferHandle | None:
+        """Post the READ (``acquire``: take our references on the targets first; False
+        when they were just allocated for it). The handle, or None if it failed to post."""
+        self._feed(Begin(acquire), on_engine_thread=True)
+        return self.handle
+
+    def _feed(self, event: ReadEvent, *, on_engine_thread: bool = False) -> None:
+        with self._lock:
+            actions = self.machine.handle(event)
+        for a in actions:
+            self._do(a, on_engine_thread)
+
+    def _do(self, a: ReadAction, on_engine_thread: bool) -> None:
+        if isinstance(a, AcquireBlocks):
+            self.engine.acquire_blocks(list(a.block_ids))
+        elif isinstance(a, ReleaseBlocks):
+            if on_engine_thread:
+                self.engine.release_blocks(list(a.block_ids))
+            else:
+                self.engine.call(partial(self.engine.release_blocks, list(a.block_ids)))
+        elif isinstance(a, PostRead):
+            self._post()
+        elif isinstance(a, Outcome):
+            if on_engine_thread:
+                self.on_outcome(a, self.handle)
+            else:
+                self.engine.call(partial(self.on_outcome, a, self.handle))
+        elif isinstance(a, ArmCheck):
+            timer = threading.Timer(a.after_s, self._overdue)
+            timer.daemon = True
+            timer.start()
+        elif isinstance(a, TearDown):
+            logger.warning("xid=%s: %s; tearing down the endpoint with %s",
+                           self.xid, a.why, self.peer.engine_id)  # fmt: skip
+            self.transport.disconnect(self.peer)
+
+    def _post(self) -> None:
+        try:
+            handle = self.transport.transfer(
+                TransferOp.READ, self.peer, self.xid, list(self.machine.targets), self.remote,
+                deadline_s=self.deadline_s,
             )  # fmt: skip
-            transport.disconnect(peer)
+        except Exception as exc:  # validation or a dead peer
+            self._feed(PostFailed(f"post failed: {exc}"), on_engine_thread=True)
+            return
+        self.handle = handle
+        handle.add_done_callback(
+            lambda h: self._feed(Ended(h.state is TransferState.DONE, h.may_still_land, h.reason))
+        )
+        handle.add_settled_callback(lambda h: self._feed(Settled()))
 
-    timer = threading.Timer(after_s, check)
-    timer.daemon = True
-    timer.start()
-
-
-def release_when_settled(
-    engine: EngineHandle, handle: TransferHandle, block_ids: list[int]
-) -> None:
-    """Drop our references on ``block_ids`` (a transfer's source or target) on the engine
-    thread once nothing of ``handle`` can land any more, not merely once it failed."""
-
-    def release(_: TransferHandle) -> None:
-        engine.call(lambda: engine.release_blocks(block_ids))
-
-    handle.add_settled_callback(release)
+    def _overdue(self) -> None:
+        if self.handle is not None:
+            self._feed(Overdue(self.handle.settled))
 
 
-__all__ = ["FlowHalf", "release_when_settled", "tear_down_if_unsettled"]
+__all__ = ["FlowHalf", "ReadRunner"]

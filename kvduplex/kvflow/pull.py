@@ -33,15 +33,13 @@ from kvduplex.engine.scheduler_output import KVReceived
 from kvduplex.engine.scheduler_output import KVReceiveFailed
 from kvduplex.engine.scheduler_output import KVTransferResult
 from kvduplex.engine.scheduler_output import RemoteKVAllocation
-from kvduplex.kvflow.half import release_when_settled
-from kvduplex.kvflow.half import tear_down_if_unsettled
+from kvduplex.kvflow.half import ReadRunner
+from kvduplex.kvflow.machines.read import Outcome
 from kvduplex.kvflow.metrics import KVFlowMetrics
 from kvduplex.transport.base import Transport
 from kvduplex.transport.notify import NotificationPump
 from kvduplex.transport.protocol import PeerHandle
 from kvduplex.transport.protocol import TransferHandle
-from kvduplex.transport.protocol import TransferOp
-from kvduplex.transport.protocol import TransferState
 from kvduplex.transport.trust import secret_headers
 
 if TYPE_CHECKING:
@@ -190,34 +188,32 @@ class PullConnector:
         if spec.lease_ends_at is not None:
             deadline_s = min(deadline_s, spec.lease_ends_at - time.monotonic() - LEASE_MARGIN_S)
         if deadline_s <= 0:
-            logger.warning("request %s: prefill's lease on %s ran out; computing locally", rid, spec.xid)
-            self._finish(rid, spec, ok=False, num_read=0)
-            return
-        # Our own reference keeps the target blocks allocated while the READ can
-        # still land, even if the request is aborted meanwhile.
-        self.engine.acquire_blocks(local)
-        try:
-            handle = self.transport.transfer(
-                TransferOp.READ, spec.peer, spec.xid, local, remote, deadline_s=deadline_s
+            logger.warning(
+                "request %s: prefill's lease on %s ran out; computing locally", rid, spec.xid
             )
-        except Exception as exc:  # validation or a dead peer: compute locally
-            logger.warning("request %s: READ from %s failed to post: %s", rid, spec.prefill_url, exc)
-            self.engine.release_blocks(local)
             self._finish(rid, spec, ok=False, num_read=0)
             return
-        self._in_flight[rid] = handle
 
-        def done(h: TransferHandle) -> None:  # progress thread: hand over to the engine thread
-            ok = h.state is TransferState.DONE
-            if not ok:
-                logger.warning("request %s: READ %s failed: %s", rid, h.xid, h.reason)
-            late = h.may_still_land
-            self.engine.call(lambda: self._on_read_done(rid, spec, ok, len(local), late))
-            # Our reference on the target blocks goes only once nothing can land in them.
-            release_when_settled(self.engine, h, local)
-            tear_down_if_unsettled(self.transport, h, spec.peer, self.deadline_s)
+        # Our own reference keeps the target blocks allocated while the READ can
+        # still land (until it is settled), even if the request is aborted meanwhile.
+        def on_outcome(o: Outcome, handle: TransferHandle | None) -> None:  # engine thread
+            if handle is None:  # validation or a dead peer: compute locally
+                logger.warning(
+                    "request %s: READ from %s failed: %s", rid, spec.prefill_url, o.reason
+                )
+                self._finish(rid, spec, ok=False, num_read=0)
+                return
+            if not o.ok:
+                logger.warning("request %s: READ %s failed: %s", rid, handle.xid, o.reason)
+            self._on_read_done(rid, spec, o.ok, len(local), o.discard)
 
-        handle.add_done_callback(done)
+        runner = ReadRunner(
+            self.transport, self.engine, spec.peer, spec.xid, list(local), list(remote),
+            deadline_s, self.deadline_s, on_outcome,
+        )  # fmt: skip
+        handle = runner.start()
+        if handle is not None:
+            self._in_flight[rid] = handle
 
     def _on_read_done(
         self, rid: str, spec: PullSpec, ok: bool, num_read: int, may_still_land: bool

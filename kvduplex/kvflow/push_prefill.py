@@ -32,7 +32,12 @@ from kvduplex.engine.request import FinishReason
 from kvduplex.engine.request import Request
 from kvduplex.engine.scheduler_output import KVConnectorMetadata
 from kvduplex.engine.scheduler_output import SchedulerOutput
-from kvduplex.kvflow.sender import Chunk
+from kvduplex.kvflow.machines.send import FirstToken
+from kvduplex.kvflow.machines.send import LayerDone
+from kvduplex.kvflow.machines.send import PrefillAborted
+from kvduplex.kvflow.machines.send import PrefillSource
+from kvduplex.kvflow.machines.send import StepEnded
+from kvduplex.kvflow.machines.send import StepPlanned
 from kvduplex.kvflow.sender import KVSender
 from kvduplex.kvflow.sender import SendJob
 from kvduplex.transport.protocol import PeerHandle
@@ -42,25 +47,23 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class PushPlan(KVConnectorMetadata):
-    """One step's WRITEs on prefill, for the worker side (plain data)."""
+    """One step's pushes on prefill, for the worker side (plain data): which jobs' send
+    machines planned a chunk of this step (each machine holds its own plan)."""
 
     is_computing: bool
     """The step runs a forward (the transport yields the CPU meanwhile)."""
-    chunks: dict[str, Chunk] = field(default_factory=dict)
-    """WRITE plans by xid; a registration that lands mid-forward adds its own."""
+    xids: list[str] = field(default_factory=list)
+    """The jobs whose prefills this step computes, in step order."""
 
 
 class PushSender(KVSender):
     """Prefill's sender: jobs fed by running prefills, streamed layer by layer."""
 
-    _chunks: dict[str, Chunk]
-    """This step's WRITE plans, by request id (= xid): the current `PushPlan`'s."""
-    _step_seqs: dict[str, tuple[int, int]]
-    """This step's jobs: xid -> (start, end) of the scheduled chunk."""
+    _step_jobs: dict[str, SendJob]
+    """This step's jobs (by request id = xid): their machines plan and stream its chunk."""
 
     def _init_flow_state(self) -> None:
-        self._chunks = {}
-        self._step_seqs = {}
+        self._step_jobs = {}
 
     def expect(self, xid: str, peer: PeerHandle, num_prompt_tokens: int) -> None:
         """Push: a prefill named `xid` is about to be added (its request id is `xid`).
@@ -70,11 +73,9 @@ class PushSender(KVSender):
         """
         if self.engine.get_request(xid) is not None:
             raise ValueError(f"xid {xid!r} is in use by another request on this instance")
-        job = SendJob(
-            xid, peer, num_prompt_tokens, num_blocks_for_tokens(num_prompt_tokens, self.block_size),
-            expires_at=time.monotonic() + self.registration_wait_s, needs_first_token=True,
-        )  # fmt: skip
-        self._add(job)
+        num_blocks = num_blocks_for_tokens(num_prompt_tokens, self.block_size)
+        source = PrefillSource(self.transport.layout.num_layers)
+        self._add(self._new_job(xid, peer, num_prompt_tokens, num_blocks, source))
 
     def on_request_aborted(self, xid: str) -> None:
         """Engine thread: the prefill request `xid` was aborted (its caller left, or the
@@ -82,53 +83,53 @@ class PushSender(KVSender):
         job = self._jobs.get(xid)
         if job is None:  # aborted before its job began: refuse its registration later
             self.cancel(xid, "the prefill request was aborted")
-        elif not job.ended and job.error is None:
-            logger.info("xid=%s: prefill request aborted; cancelling its push", xid)
-            self._fail(job, "the prefill request was aborted")
-
-    def _register_request_job(self, job: SendJob, layer: int | None) -> None:
-        """Registration after prefill began: write what is computed at once (mid-forward:
-        this chunk's layers 0..layer at once, the later ones as they finish)."""
-        req = self.engine.get_request(job.xid)
-        if req is None:
-            return
-        step = self._step_seqs.get(job.xid)
-        if step is None or layer is None:
-            self._catch_up(job, req, self._blocks_done(job, req.num_computed_tokens))
-            return
-        start, end = step
-        self._catch_up(job, req, self._blocks_done(job, start))
-        hi = self._blocks_done(job, end)
-        if hi > job.sent:
-            chunk = self._plan(job, req, hi)
-            chunk.num_pending = self.transport.layout.num_layers - layer
-            chunk.from_layer = layer + 1
-            self._chunks[job.xid] = chunk
-            self._post(job, chunk, layers=list(range(layer + 1)))
+        else:
+            self._feed(job, PrefillAborted())
 
     # ---- connector hooks (engine thread) ----
 
     def build_connector_meta(self, out: SchedulerOutput) -> PushPlan:
-        """Scheduler side: plan this step's WRITEs of registered jobs."""
+        """Scheduler side: each job whose prefill this step computes plans its chunk."""
+        self._step_jobs.clear()
         plan = PushPlan(is_computing=bool(out.seqs))
-        self._chunks = plan.chunks
-        self._step_seqs = {}
         if not self._jobs:
             return plan
         for seq in out.seqs:
             job = self._jobs.get(seq.request_id)
-            if job is None or job.error is not None or job.src_blocks is not None:
+            req = self.engine.get_request(seq.request_id)
+            if job is None or req is None or job.error is not None or not job.source.streams:
                 continue
+            self._step_jobs[job.xid] = job
+            plan.xids.append(job.xid)
             end = seq.start_pos + seq.num_new_tokens
-            self._step_seqs[job.xid] = (seq.start_pos, end)
-            if job.reg is None:
-                continue
-            hi = self._blocks_done(job, end)
-            if hi > job.sent:
-                chunk = self._plan(job, self.engine.get_request(seq.request_id), hi)
-                chunk.num_pending = self.transport.layout.num_layers
-                plan.chunks[job.xid] = chunk
+            self._feed(job, StepPlanned(seq.start_pos, end, list(req.block_ids)))
         return plan
+
+    def start_load_kv(self, plan: PushPlan) -> None:
+        if plan.is_computing:
+            self.transport.set_compute_busy(True)
+
+    def layer_hook(self, plan: PushPlan) -> Callable[[int], None] | None:
+        """Worker side: after each layer, every planned job posts that layer's WRITEs."""
+        if not plan.xids:
+            return None
+        jobs = [self._step_jobs[xid] for xid in plan.xids if xid in self._step_jobs]
+
+        def on_layer_done(layer: int) -> None:
+            self._drain_registrations(layer)
+            now = time.monotonic()
+            for job in jobs:
+                if job.chunk is not None:
+                    self._feed(job, LayerDone(layer, now))
+
+        return on_layer_done
+
+    def wait_for_save(self, plan: PushPlan) -> None:
+        """Worker side, after the forward: every planned job's chunk ends."""
+        self.transport.set_compute_busy(False)
+        for job in self._step_jobs.values():
+            self._feed(job, StepEnded())
+        self._step_jobs.clear()
 
     def request_finished(self, req: Request, reason: FinishReason) -> None:
         """Scheduler side: an aborted request's job stops; a finished one ends once its
@@ -137,36 +138,10 @@ class PushSender(KVSender):
             self.on_request_aborted(req.request_id)
             return
         job = self._jobs.get(req.request_id)
-        if job is None or job.src_blocks is not None or not req.output_token_ids:
+        if job is None or not req.output_token_ids:
             return
-        job.first_token = req.output_token_ids[0]
-        job.num_cached_tokens = req.num_cached_tokens
-        job.compute_done_at = time.monotonic()
-        self._maybe_end(job)
-
-    def start_load_kv(self, plan: PushPlan) -> None:
-        if plan.is_computing:
-            self.transport.set_compute_busy(True)
-
-    def layer_hook(self, plan: PushPlan) -> Callable[[int], None] | None:
-        if not self._step_seqs:
-            return None
-
-        def on_layer_done(layer: int) -> None:
-            self._drain_registrations(layer)
-            for xid, chunk in plan.chunks.items():
-                if chunk.from_layer <= layer:
-                    self._post(self._jobs[xid], chunk, layers=[layer])
-
-        return on_layer_done
-
-    def wait_for_save(self, plan: PushPlan) -> None:
-        """Worker side, after the forward: every layer of the plan is posted."""
-        self.transport.set_compute_busy(False)
-        for xid, chunk in plan.chunks.items():
-            self._jobs[xid].sent = chunk.hi
-        self._chunks = {}
-        self._step_seqs.clear()
+        now = time.monotonic()
+        self._feed(job, FirstToken(req.output_token_ids[0], req.num_cached_tokens, now))
 
 
 __all__ = ["PushPlan", "PushSender"]

@@ -24,13 +24,15 @@ the prefix cache once filled). A late WRITE therefore never lands in a block
 that holds someone else's KV: whoever gives blocks up after a fallback does
 so while the receiver still references them.
 
-Threads: waits are created and ended on the engine thread; the pump only
-takes ``_lock`` (which guards ``_waits``) and queues engine calls.
+Each wait is a pure state machine,
+`kvduplex.kvflow.machines.receive.ReceiveMachine`; this class is its adapter.
+Threads: waits are created and ended on the engine thread; the pump feeds
+heartbeats and acknowledgements under ``_lock`` (which guards ``_waits``) and
+queues engine calls for the rest.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
 from collections.abc import Callable
@@ -38,39 +40,46 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 
-import msgspec
-
 from kvduplex.engine.connector import EngineHandle
 from kvduplex.kvflow.half import FlowHalf
+from kvduplex.kvflow.machines.actions import AcquireBlocks
+from kvduplex.kvflow.machines.actions import Log
+from kvduplex.kvflow.machines.actions import ReleaseBlocks
+from kvduplex.kvflow.machines.actions import TearDown
+from kvduplex.kvflow.machines.actions import Tell
+from kvduplex.kvflow.machines.receive import Acknowledged
+from kvduplex.kvflow.machines.receive import Alive
+from kvduplex.kvflow.machines.receive import Asked
+from kvduplex.kvflow.machines.receive import AskSender
+from kvduplex.kvflow.machines.receive import Begin
+from kvduplex.kvflow.machines.receive import Cancel
+from kvduplex.kvflow.machines.receive import Count
+from kvduplex.kvflow.machines.receive import Expire
+from kvduplex.kvflow.machines.receive import FlowDone
+from kvduplex.kvflow.machines.receive import FlowFailed
+from kvduplex.kvflow.machines.receive import FlowFirstToken
+from kvduplex.kvflow.machines.receive import Forget
+from kvduplex.kvflow.machines.receive import NotSent
+from kvduplex.kvflow.machines.receive import ReceiveAction
+from kvduplex.kvflow.machines.receive import ReceiveEvent
+from kvduplex.kvflow.machines.receive import ReceiveMachine
+from kvduplex.kvflow.machines.receive import ScheduleExpire
+from kvduplex.kvflow.machines.receive import SenderEnded
+from kvduplex.kvflow.machines.receive import SenderGone
+from kvduplex.kvflow.machines.receive import Tick
+from kvduplex.kvflow.machines.receive import WaitFailure
 from kvduplex.kvflow.messages import KVAlive
-from kvduplex.kvflow.messages import KVAliveAck
 from kvduplex.kvflow.messages import KVCancel
 from kvduplex.kvflow.messages import KVDone
 from kvduplex.kvflow.messages import KVFailed
 from kvduplex.kvflow.messages import KVRegister
 from kvduplex.kvflow.messages import KVRegistered
-from kvduplex.kvflow.sender import HEARTBEATS_PER_WAIT
 from kvduplex.transport.base import Transport
 from kvduplex.transport.messages import ControlMessage
 from kvduplex.transport.notify import Handler
 from kvduplex.transport.protocol import PeerHandle
 
 logger = logging.getLogger(__name__)
-
-
-class WaitFailure(enum.Enum):
-    """Why a wait ended without the KV (a metrics label too)."""
-
-    SENDER_FAILED = "sender_failed"
-    """KVFailed: nothing is in flight any more; the blocks may be reused."""
-    DEADLINE = "deadline"
-    CANCELLED = "cancelled"
-
-    @property
-    def may_still_be_written(self) -> bool:
-        """A late WRITE may still land in the registered blocks: compute elsewhere."""
-        return self is not WaitFailure.SENDER_FAILED
-
 
 OnDone = Callable[[KVDone], None]
 OnFailed = Callable[[WaitFailure, str], None]
@@ -79,24 +88,12 @@ OnFirstToken = Callable[[int], None]
 
 @dataclass
 class _Wait:
-    xid: str
-    peer: PeerHandle
-    blocks: list[int]
-    """Our own references on the registered blocks (released when the sender is done)."""
-    deadline: float
+    """A wait's machine and the flow's callbacks (called on the engine thread)."""
+
+    machine: ReceiveMachine
     on_done: OnDone
     on_failed: OnFailed
-    reg: KVRegister
-    """What we registered (re-sent, with what is left of the wait, until acknowledged)."""
-    reg_sent_at: float
     on_first_token: OnFirstToken | None = None
-    """The sender's first token, when it ends without the KV (KVFailed, or any end
-    after we fell back): the fallback continues from it."""
-    is_registered: bool = False
-    """The sender acknowledged the registration (KVRegistered or a KVAlive)."""
-    fell_back: bool = False
-    quarantine_until: float = 0.0
-    expiring: bool = False
 
 
 @dataclass
@@ -174,23 +171,22 @@ class KVReceiver(FlowHalf):
         """
         msg = KVRegister(xid, blocks, first_block, num_tokens, self.wait_s, self.wait_s)
         now = time.monotonic()
-        wait = _Wait(
-            xid, peer, list(blocks), now + self.wait_s, on_done, on_failed, reg=msg,
-            reg_sent_at=now, on_first_token=on_first_token,
+        machine = ReceiveMachine(
+            xid, peer, tuple(blocks), msg, self.wait_s, self.quarantine_s, deadline=now + self.wait_s,
+            reg_sent_at=now, wants_first_token=on_first_token is not None,
         )  # fmt: skip
+        wait = _Wait(machine, on_done, on_failed, on_first_token)
         with self._lock:
             if xid in self._waits:
                 logger.warning("xid=%s: already waited on; not registering again", xid)
                 return False
             self._waits[xid] = wait
-        self.engine.acquire_blocks(blocks)
+        self._feed(wait, Begin())
         try:
             self.transport.send_notif(peer, self.codec.encode(msg), xid)
         except Exception as exc:
             logger.warning("xid=%s: cannot register with %s: %s", xid, peer.engine_id, exc)
-            with self._lock:
-                self._waits.pop(xid, None)
-            self.engine.release_blocks(blocks)
+            self._feed(wait, NotSent())
             return False
         return True
 
@@ -198,119 +194,90 @@ class KVReceiver(FlowHalf):
         """Stop waiting for `xid` now (its flow falls back); False if unknown or over."""
         with self._lock:
             wait = self._waits.get(xid)
-        if wait is None or wait.fell_back:
+        if wait is None or wait.machine.fell_back:
             return False
-        self._give_up(wait, reason, WaitFailure.CANCELLED)
+        self._feed(wait, Cancel(reason, time.monotonic()))
         return True
 
+    # ---- running machines ----
+
+    def _feed(self, wait: _Wait, event: ReceiveEvent) -> None:
+        """Apply ``event`` under the lock, then carry the actions out. Block references
+        and the flow's callbacks only come from engine-thread events."""
+        with self._lock:
+            actions = wait.machine.handle(event)
+            forget = any(isinstance(a, Forget) for a in actions)
+            if forget and self._waits.get(wait.machine.xid) is wait:
+                del self._waits[wait.machine.xid]
+        for a in actions:
+            self._do(wait, a)
+
+    def _do(self, wait: _Wait, a: ReceiveAction) -> None:
+        m = wait.machine
+        match a:
+            case AcquireBlocks():
+                self.engine.acquire_blocks(list(a.block_ids))
+            case ReleaseBlocks():
+                self.engine.release_blocks(list(a.block_ids))
+            case Tell():
+                self._tell(m.peer, a.msg)
+            case FlowFirstToken() | FlowDone() | FlowFailed():
+                self._call_flow(wait, a)
+            case ScheduleExpire():
+                self.engine.call(partial(self._feed_expire, wait))
+            case AskSender():
+                self._asker.submit(self._ask_sender, wait)
+            case TearDown():
+                self.transport.disconnect(m.peer)
+            case Count():
+                setattr(self.stats, a.name, getattr(self.stats, a.name) + a.n)
+            case Log():
+                logger.log(a.level, "xid=%s: %s", m.xid, a.text)
+            case Forget():
+                pass  # done under the lock
+
+    def _call_flow(self, wait: _Wait, a: FlowFirstToken | FlowDone | FlowFailed) -> None:
+        """Engine thread: the flow hears how its wait went."""
+        if isinstance(a, FlowDone):
+            wait.on_done(a.msg)
+        elif isinstance(a, FlowFailed):
+            wait.on_failed(a.cause, a.reason)
+        elif wait.on_first_token is not None:
+            wait.on_first_token(a.token)
+
+    def _feed_expire(self, wait: _Wait) -> None:
+        """Engine thread: a deadline or a quarantine ran out."""
+        self._feed(wait, Expire(time.monotonic(), can_ask=self.peer_gone is not None))
+
     def _on_end(self, msg: KVDone | KVFailed, sender: str) -> None:
-        """The sender is done with ``msg.xid``: no WRITE can land any more."""
-        wait = self._pop_wait(msg.xid, sender)
+        """Engine thread: the sender is done with ``msg.xid``: no WRITE can land any more."""
+        with self._lock:
+            wait = self._waits.get(msg.xid)
         if wait is None:
+            logger.info("xid=%s: message from %s for no pending transfer", msg.xid, sender)
             return
-        self.engine.release_blocks(wait.blocks)
-        first_token = msg.first_token
-        if wait.on_first_token is not None and first_token is not None and (
-            wait.fell_back or isinstance(msg, KVFailed)
-        ):
-            wait.on_first_token(first_token)
-        if wait.fell_back:
-            self.stats.num_late += 1
-        elif isinstance(msg, KVDone):
-            self.stats.num_received += 1
-            self.stats.num_received_blocks += len(wait.blocks)
-            wait.on_done(msg)
-        else:
-            self.stats.num_failed += 1
-            logger.warning("xid=%s: the sender gave up (%s)", msg.xid, msg.reason)
-            wait.on_failed(WaitFailure.SENDER_FAILED, msg.reason)
-
-    def _pop_wait(self, xid: str, sender: str) -> _Wait | None:
-        with self._lock:
-            wait = self._waits.get(xid)
-            if wait is None:
-                logger.info("xid=%s: message from %s for no pending transfer", xid, sender)
-                return None
-            if sender != wait.peer.engine_id:
-                logger.warning(
-                    "xid=%s: message from %s, expected %s; ignored",
-                    xid,
-                    sender,
-                    wait.peer.engine_id,
-                )
-                return None
-            return self._waits.pop(xid)
-
-    def _give_up(self, wait: _Wait, reason: str, cause: WaitFailure) -> None:
-        """Stop waiting: the flow falls back; quarantine the registered blocks."""
-        with self._lock:
-            wait.fell_back = True
-            wait.quarantine_until = time.monotonic() + self.quarantine_s
-        self.stats.num_failed += 1
-        logger.warning("xid=%s: %s; falling back", wait.xid, reason)
-        self._tell(wait.peer, KVCancel(wait.xid, reason))
-        wait.on_failed(cause, reason)
-
-    def _expire(self, wait: _Wait) -> None:
-        with self._lock:
-            wait.expiring = False
-            current = self._waits.get(wait.xid) is wait
-        if not current:
-            return
-        if not wait.fell_back:
-            if time.monotonic() > wait.deadline:
-                self._give_up(
-                    wait, f"no word from the sender for {self.wait_s:g} s", WaitFailure.DEADLINE
-                )
-            return
-        if self.peer_gone is None:
-            self._release_unconfirmed(wait, "no word from the sender")
-            return
-        # Only the sender can say that nothing of its can land: ask it again (off this
-        # thread: it may need a handshake), unless its process is gone.
-        with self._lock:
-            wait.expiring = True  # until the answer to the asking
-        self._asker.submit(self._ask_sender, wait)
+        self._feed(wait, SenderEnded(msg, sender))
 
     def _ask_sender(self, wait: _Wait) -> None:
         """Asker thread: is the sender gone? else ask it to confirm (KVCancel again)."""
         assert self.peer_gone is not None
-        engine_id = wait.peer.engine_id
+        m = wait.machine
+        engine_id = m.peer.engine_id
         try:
             gone = self.peer_gone(engine_id)
         except Exception:
-            logger.exception("xid=%s: cannot tell whether %s is gone", wait.xid, engine_id)
+            logger.exception("xid=%s: cannot tell whether %s is gone", m.xid, engine_id)
             gone = False
         if gone:
-            self.engine.call(partial(self._release_unconfirmed, wait, "the sender is gone"))
+            self.engine.call(partial(self._feed, wait, SenderGone("the sender is gone")))
             return
-        peer = wait.peer
+        peer = m.peer
         if not self.transport.is_connected(engine_id) and self.reconnect is not None:
             peer = self.reconnect(engine_id) or peer
-        logger.warning("xid=%s: quarantined blocks unconfirmed; asking %s again", wait.xid,
+        logger.warning("xid=%s: quarantined blocks unconfirmed; asking %s again", m.xid,
                        engine_id)  # fmt: skip
-        self._tell(peer, KVCancel(wait.xid, "still waiting for confirmation"))
-        self.engine.call(partial(self._requarantine, wait))
-
-    def _requarantine(self, wait: _Wait) -> None:
-        with self._lock:
-            wait.quarantine_until = time.monotonic() + self.quarantine_s
-            wait.expiring = False
-            self.stats.num_quarantine_asks += 1
-
-    def _release_unconfirmed(self, wait: _Wait, why: str) -> None:
-        """Engine thread: give quarantined blocks back without the sender's word."""
-        with self._lock:
-            if self._waits.get(wait.xid) is not wait:
-                return  # confirmed meanwhile
-            del self._waits[wait.xid]
-        logger.warning(
-            "xid=%s: %s (%s); tearing its endpoint down and releasing quarantined blocks",
-            wait.xid, why, wait.peer.engine_id,
-        )  # fmt: skip
-        self.stats.num_teardowns += 1
-        self.transport.disconnect(wait.peer)
-        self.engine.release_blocks(wait.blocks)
+        self._tell(peer, KVCancel(m.xid, "still waiting for confirmation"))
+        self.engine.call(lambda: self._feed(wait, Asked(time.monotonic())))
 
     # ---- pump thread ----
 
@@ -321,47 +288,24 @@ class KVReceiver(FlowHalf):
     def _on_alive_notif(self, msg: ControlMessage, sender: str) -> None:
         """The sender still holds ``xid``: restart the wait (nothing to do in the engine)."""
         assert isinstance(msg, KVAlive)
-        now = time.monotonic()
         with self._lock:
             wait = self._waits.get(msg.xid)
-            if wait is None or wait.fell_back or sender != wait.peer.engine_id:
-                return  # no answer: the sender's deadline stays where ours was
-            wait.deadline = max(wait.deadline, now + self.wait_s)
-            wait.is_registered = True
-            self.stats.num_alive_received += 1
-            peer = wait.peer
-        self._tell(peer, KVAliveAck(msg.xid, msg.sent_at))
+        if wait is not None:
+            self._feed(wait, Alive(sender, msg.sent_at, time.monotonic()))
 
     def _on_registered_notif(self, msg: ControlMessage, sender: str) -> None:
         """The sender holds our registration of ``xid``: stop re-sending it."""
         with self._lock:
             wait = self._waits.get(msg.xid)
-            if wait is not None and sender == wait.peer.engine_id:
-                wait.is_registered = True
+        if wait is not None:
+            self._feed(wait, Acknowledged(sender))
 
     def _tick(self, now: float) -> None:
-        due: list[_Wait] = []
-        resend: list[tuple[PeerHandle, KVRegister]] = []
         with self._lock:
-            for wait in self._waits.values():
-                limit = wait.quarantine_until if wait.fell_back else wait.deadline
-                if now > limit and not wait.expiring:
-                    wait.expiring = True
-                    due.append(wait)
-                elif (
-                    not wait.fell_back
-                    and not wait.is_registered
-                    and now - wait.reg_sent_at >= self.wait_s / HEARTBEATS_PER_WAIT
-                ):
-                    wait.reg_sent_at = now
-                    left = wait.deadline - now
-                    resend.append((wait.peer, msgspec.structs.replace(wait.reg, time_left_s=left)))
-            self.stats.num_registrations_resent += len(resend)
-        for wait in due:
-            self.engine.call(partial(self._expire, wait))
-        for peer, reg in resend:
-            logger.info("xid=%s: registration not acknowledged; sending it again", reg.xid)
-            self._tell(peer, reg)
+            todo = [(w, w.machine.handle(Tick(now))) for w in self._waits.values()]
+        for wait, actions in todo:
+            for a in actions:
+                self._do(wait, a)
 
     def is_waiting(self, xid: str) -> bool:
         """Whether a wait (or its quarantine) holds `xid`."""

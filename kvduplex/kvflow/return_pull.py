@@ -20,7 +20,6 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 from kvduplex.engine.block_pool import BlockHash
@@ -28,15 +27,13 @@ from kvduplex.engine.block_pool import compute_block_hashes
 from kvduplex.engine.connector import EngineHandle
 from kvduplex.engine.request import FinishReason
 from kvduplex.engine.request import Request
-from kvduplex.kvflow.half import release_when_settled
-from kvduplex.kvflow.half import tear_down_if_unsettled
+from kvduplex.kvflow.half import ReadRunner
+from kvduplex.kvflow.machines.read import Outcome
 from kvduplex.kvflow.metrics import KVFlowMetrics
 from kvduplex.transport.base import Transport
 from kvduplex.transport.notify import NotificationPump
 from kvduplex.transport.protocol import PeerHandle
 from kvduplex.transport.protocol import TransferHandle
-from kvduplex.transport.protocol import TransferOp
-from kvduplex.transport.protocol import TransferState
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +85,9 @@ class TurnRetainer:
             with self._lock:
                 previous = self._by_session.pop(session, None)
                 self._by_session[session] = (
-                    req.request_id, time.monotonic() + self.lease_s, len(req.block_ids)
+                    req.request_id,
+                    time.monotonic() + self.lease_s,
+                    len(req.block_ids),
                 )
                 evicted = self._over_budget()
             if previous is not None:
@@ -210,29 +209,26 @@ class RetainedReader:
         if not missing or local is None:
             done.set_result(0)
             return done
-        try:
-            handle = self.transport.transfer(
-                TransferOp.READ, peer, xid, local, remote_blocks[num_have:],
-                deadline_s=self.deadline_s if deadline_s is None else min(deadline_s, self.deadline_s),
-            )  # fmt: skip
-        except Exception as exc:
-            logger.warning("xid=%s: READ of retained blocks failed to post: %s", xid, exc)
-            self.engine.release_blocks(local)
-            done.set_result(0)
-            return done
+        read_s = self.deadline_s if deadline_s is None else min(deadline_s, self.deadline_s)
 
-        def on_done(h: TransferHandle) -> None:  # progress thread
-            self.engine.call(partial(self._finish, h, local, missing, done))
-            tear_down_if_unsettled(self.transport, h, peer, self.deadline_s)
+        def on_outcome(o: Outcome, handle: TransferHandle | None) -> None:  # engine thread
+            self._finish(xid, o, handle, local, missing, done)
 
-        handle.add_done_callback(on_done)
+        runner = ReadRunner(
+            self.transport, self.engine, peer, xid, local, remote_blocks[num_have:], read_s,
+            self.deadline_s, on_outcome,
+        )  # fmt: skip
+        runner.start(acquire=False)  # the allocation is our reference, until settled
         return done
 
     def _finish(
-        self, handle: TransferHandle, local: list[int], keys: list[BlockHash], done: Future[int]
-    ) -> None:
+        self, xid: str, o: Outcome, handle: TransferHandle | None, local: list[int],
+        keys: list[BlockHash], done: Future[int],
+    ) -> None:  # fmt: skip
+        """Cache what was read whole; failed blocks are never cached (they go back once
+        nothing can land in them)."""
         n = 0
-        if handle.state is TransferState.DONE:
+        if o.ok and handle is not None:
             self.engine.cache_blocks(local, keys)
             n = len(local)
             self.num_read_blocks += n
@@ -240,9 +236,7 @@ class RetainedReader:
                 self.metrics.return_blocks.labels("read").inc(n)
                 self.metrics.return_bytes.labels("read").inc(handle.num_bytes)
         else:
-            logger.warning("xid=%s: READ of retained blocks failed: %s", handle.xid, handle.reason)
-        # Failed blocks are never cached; they go back once nothing can land in them.
-        release_when_settled(self.engine, handle, local)
+            logger.warning("xid=%s: READ of retained blocks failed: %s", xid, o.reason)
         done.set_result(n)
 
 

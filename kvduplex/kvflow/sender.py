@@ -43,12 +43,14 @@ Failure rules:
 * Deadlines travel as durations: a registration's ``time_left_s`` is counted
   from when it arrived here, on this host's monotonic clock.
 
-Threads: jobs are created, registered and ended on the engine thread; the
-transport's completion callbacks and the notification pump only take
-``_lock`` (which guards ``_jobs`` and every job's counters) or queue an engine
-call. (The file is longer than most: the engine-thread, completion and pump
-parts of one job state machine share that lock and its invariants, so they
-stay together.)
+The state of each job and these rules are a pure state machine,
+`kvduplex.kvflow.machines.send.SendMachine` (push and return are one machine
+with a source); this class is its adapter: it feeds each job's machine the
+events the engine thread, the transport's completion callbacks and the
+notification pump report (under ``_lock``, which also guards ``_jobs`` and
+the registrations for no job yet), and carries the actions out after it,
+outside the lock. Jobs are created, registered and forgotten on the engine
+thread.
 """
 
 from __future__ import annotations
@@ -58,16 +60,45 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from dataclasses import field
 from functools import partial
 
 from kvduplex.engine.connector import EngineHandle
-from kvduplex.engine.request import Request
 from kvduplex.kvflow.half import FlowHalf
-from kvduplex.kvflow.messages import KVAlive
+from kvduplex.kvflow.machines.actions import AcquireBlocks
+from kvduplex.kvflow.machines.actions import Log
+from kvduplex.kvflow.machines.actions import ReleaseBlocks
+from kvduplex.kvflow.machines.actions import TearDown
+from kvduplex.kvflow.machines.actions import Tell
+from kvduplex.kvflow.machines.send import HEARTBEATS_PER_WAIT
+from kvduplex.kvflow.machines.send import AbortPrefill
+from kvduplex.kvflow.machines.send import AliveAck
+from kvduplex.kvflow.machines.send import Begin
+from kvduplex.kvflow.machines.send import CancelHeard
+from kvduplex.kvflow.machines.send import Cancelled
+from kvduplex.kvflow.machines.send import Chunk
+from kvduplex.kvflow.machines.send import Count
+from kvduplex.kvflow.machines.send import Declined
+from kvduplex.kvflow.machines.send import Ended
+from kvduplex.kvflow.machines.send import Expire
+from kvduplex.kvflow.machines.send import Forgotten
+from kvduplex.kvflow.machines.send import HeldSource
+from kvduplex.kvflow.machines.send import PostWrite
+from kvduplex.kvflow.machines.send import PrefillProgress
+from kvduplex.kvflow.machines.send import Refuse
+from kvduplex.kvflow.machines.send import Registered
+from kvduplex.kvflow.machines.send import ReleasePrefill
+from kvduplex.kvflow.machines.send import ScheduleExpire
+from kvduplex.kvflow.machines.send import SendAction
+from kvduplex.kvflow.machines.send import SendEvent
+from kvduplex.kvflow.machines.send import SendMachine
+from kvduplex.kvflow.machines.send import Source
+from kvduplex.kvflow.machines.send import Tick
+from kvduplex.kvflow.machines.send import Tombstone
+from kvduplex.kvflow.machines.send import Waiting
+from kvduplex.kvflow.machines.send import WriteEnded
+from kvduplex.kvflow.machines.send import WriteSettled
 from kvduplex.kvflow.messages import KVAliveAck
 from kvduplex.kvflow.messages import KVCancel
-from kvduplex.kvflow.messages import KVDone
 from kvduplex.kvflow.messages import KVFailed
 from kvduplex.kvflow.messages import KVRegister
 from kvduplex.kvflow.messages import KVRegistered
@@ -83,8 +114,8 @@ from kvduplex.transport.protocol import TransferState
 
 logger = logging.getLogger(__name__)
 
-HEARTBEATS_PER_WAIT = 3
-"""`KVAlive` messages per wait period: a lost one or two do not end the wait."""
+SendJob = SendMachine
+"""One transfer this instance sends: its machine (the adapter keeps no other state)."""
 
 
 @dataclass(frozen=True)
@@ -94,64 +125,6 @@ class Registration:
     msg: KVRegister
     sender: str
     received_at: float
-
-
-@dataclass
-class Chunk:
-    """Blocks one step (or one catch-up) WRITEs for one job, layer by layer or at once."""
-
-    src: list[int]
-    dst: list[int]
-    hi: int
-    """Job blocks [0, hi) are sent once this chunk's layers are posted."""
-    num_pending: int = 0
-    """WRITEs of this chunk not ended yet; the last one drops the source references."""
-    from_layer: int = 0
-    """First layer the layer hook still WRITEs (a registration mid-forward did the rest)."""
-
-
-@dataclass
-class SendJob:
-    """One transfer this instance sends."""
-
-    xid: str
-    peer: PeerHandle
-    num_tokens: int
-    num_blocks: int
-    expires_at: float
-    """Registration deadline (until registered; `KVWaiting` moves it on), then the
-    receiver's own deadline (moved on by each acknowledged heartbeat)."""
-    src_blocks: list[int] | None = None
-    """Computed source blocks the job references (return); None: the request ``xid``'s
-    blocks, as its prefill computes them (push)."""
-    needs_first_token: bool = False
-    """Push: KVDone carries the prefill's first token, so the job ends after it."""
-    reg: KVRegister | None = None
-    alive_sent_at: float = 0.0
-    expiring: bool = False
-    """An `_expire` call is queued for the engine thread (one at a time)."""
-    sent: int = 0
-    """Blocks [0, sent) are written (or the receiver has them)."""
-    in_flight: int = 0
-    error: str | None = None
-    first_token: int | None = None
-    num_cached_tokens: int = 0
-    """Prompt tokens the prefill served from its own prefix cache."""
-    compute_done_at: float | None = None
-    first_post_at: float | None = None
-    last_done_at: float | None = None
-    ended: bool = False
-    declined: bool = False
-    """The receiver took nothing (a return offer it did not need or had no room for)."""
-    num_bytes: int = 0
-    unsettled_since: float | None = None
-    """When a WRITE of the job first failed while its data could still land."""
-    confirm_end: bool = False
-    """The receiver cancelled: it hears how the job ended even if it never registered."""
-    torn_down: bool = False
-    """The peer's endpoint was torn down to settle the job's WRITEs."""
-    on_end: list[Callable[[SendJob], None]] = field(default_factory=list)
-    """Engine-thread callbacks once the job ended (done or failed)."""
 
 
 @dataclass
@@ -177,7 +150,8 @@ class KVSenderStats:
 
 
 class KVSender(FlowHalf):
-    """Streams jobs' KV into peers' registered blocks; the push part is a connector."""
+    """Runs send machines: streams jobs' KV into peers' registered blocks; the push
+    part is a connector (`kvduplex.kvflow.push_prefill.PushSender`)."""
 
     TELL_FAILURE_LEVEL = logging.WARNING
 
@@ -203,7 +177,7 @@ class KVSender(FlowHalf):
         self.deadline_s = deadline_s
         self.metrics = metrics
         self.stats = KVSenderStats()
-        self._jobs: dict[str, SendJob] = {}
+        self._jobs: dict[str, SendMachine] = {}
         self._early: dict[str, tuple[Registration, float]] = {}  # xid -> (reg, kept until)
         self._cancelled: dict[str, float] = {}  # xid -> until when it is refused
         self._regs: list[Registration] = []  # received, not applied yet
@@ -221,6 +195,82 @@ class KVSender(FlowHalf):
             KVAliveAck: self._on_alive_ack_notif,
         }
 
+    # ---- running machines ----
+
+    def _new_job(
+        self, xid: str, peer: PeerHandle, num_tokens: int, num_blocks: int, source: Source,
+        on_end: Callable[[SendJob], None] | None = None,
+    ) -> SendMachine:  # fmt: skip
+        return SendMachine(
+            xid, peer, num_tokens, num_blocks, self.block_size, self.deadline_s, source,
+            expires_at=time.monotonic() + self.registration_wait_s,
+            on_end=[on_end] if on_end else [],
+        )  # fmt: skip
+
+    def _feed(self, job: SendMachine, event: SendEvent) -> None:
+        """Any thread: apply ``event`` to ``job`` under the lock, then carry its actions out."""
+        with self._lock:
+            actions = job.handle(event)
+        self._run(job, actions)
+
+    def _run(self, job: SendMachine, actions: list[SendAction]) -> None:
+        """Carry out a machine's actions, in order, outside the lock."""
+        for a in actions:
+            do: Callable[[SendMachine, SendAction], None] = getattr(self, _DO[type(a)])
+            do(job, a)
+
+    def _do_post(self, job: SendMachine, a: PostWrite) -> None:
+        self._post(job, a)
+
+    def _do_tell(self, job: SendMachine, a: Tell) -> None:
+        self._notify.submit(self._tell, job.peer, a.msg)
+
+    def _do_refuse(self, job: SendMachine, a: Refuse) -> None:
+        own = a.engine_id == job.peer.engine_id
+        self._refuse(job.peer if own else self._peer_of(a.engine_id), job.xid, a.problem)
+
+    def _do_acquire(self, job: SendMachine, a: AcquireBlocks) -> None:
+        self.engine.acquire_blocks(list(a.block_ids))
+
+    def _do_release(self, job: SendMachine, a: ReleaseBlocks) -> None:
+        self.engine.call(partial(self.engine.release_blocks, list(a.block_ids)))
+
+    def _do_tear_down(self, job: SendMachine, a: TearDown) -> None:
+        logger.warning("xid=%s: %s; tearing the endpoint with %s down",
+                       job.xid, a.why, job.peer.engine_id)  # fmt: skip
+        self.transport.disconnect(job.peer)
+
+    def _do_abort_prefill(self, job: SendMachine, a: AbortPrefill) -> None:
+        self._abort_unfinished(job.xid)
+
+    def _do_release_prefill(self, job: SendMachine, a: ReleasePrefill) -> None:
+        if not self.engine.release_held(job.xid):
+            # Failed before its prefill finished (a WRITE failed, the receiver gave up):
+            # nobody would release the blocks it holds when done, and its KV goes nowhere.
+            self._abort_unfinished(job.xid)
+
+    def _do_tombstone(self, job: SendMachine, a: Tombstone) -> None:
+        with self._lock:
+            self._cancelled[job.xid] = time.monotonic() + 2 * self.registration_wait_s
+
+    def _do_schedule_expire(self, job: SendMachine, a: ScheduleExpire) -> None:
+        self.engine.call(partial(self._expire, job.xid))
+
+    def _do_end(self, job: SendMachine, a: Ended) -> None:
+        self._account(job, time.monotonic())
+        self.engine.call(partial(self._forget, job))
+
+    def _do_count(self, job: SendMachine, a: Count) -> None:
+        setattr(self.stats, a.name, getattr(self.stats, a.name) + 1)
+
+    def _do_log(self, job: SendMachine, a: Log) -> None:
+        logger.log(a.level, "xid=%s: %s", job.xid, a.text)
+
+    def _abort_unfinished(self, xid: str) -> None:
+        req = self.engine.get_request(xid)
+        if req is not None and not req.is_finished:
+            self.engine.abort(xid)
+
     # ---- engine thread: jobs ----
 
     def offer(
@@ -236,17 +286,14 @@ class KVSender(FlowHalf):
         Takes a reference on each block until the job ends. Raises ValueError for
         an xid in progress.
         """
-        job = SendJob(
-            xid, peer, num_tokens, len(src_blocks),
-            expires_at=time.monotonic() + self.registration_wait_s,
-            src_blocks=list(src_blocks), on_end=[on_end] if on_end else [],
-        )  # fmt: skip
-        self.engine.acquire_blocks(job.src_blocks or [])
-        job.compute_done_at = time.monotonic()
+        job = self._new_job(
+            xid, peer, num_tokens, len(src_blocks), HeldSource(tuple(src_blocks)), on_end
+        )
+        self._run(job, job.handle(Begin(time.monotonic())))  # nobody else sees it yet
         try:
             self._add(job)
         except ValueError:
-            self.engine.release_blocks(job.src_blocks or [])
+            self.engine.release_blocks(src_blocks)
             raise
         return job
 
@@ -266,8 +313,7 @@ class KVSender(FlowHalf):
         job = self._jobs.get(xid)
         if job is None or job.reg is not None:
             return False
-        job.declined = True
-        self._fail(job, reason, notify=False)
+        self._feed(job, Declined(reason))
         return True
 
     def cancel(self, xid: str, reason: str, receiver: str | None = None) -> bool:
@@ -296,62 +342,23 @@ class KVSender(FlowHalf):
                     self._tell_engine, engine_id, KVFailed(xid, "no such transfer in progress")
                 )
             return False
-        if receiver is not None and receiver == job.peer.engine_id:
-            job.confirm_end = True
-        if job.src_blocks is None:
-            req = self.engine.get_request(xid)
-            if req is not None and not req.is_finished:
-                self.engine.abort(xid)
-        self._fail(job, reason)
+        self._feed(job, Cancelled(reason, receiver))
         return True
 
     def _register(self, reg: Registration, layer: int | None = None) -> None:
         """Apply a registration; `layer` is the last computed layer when called mid-forward."""
-        msg, sender = reg.msg, reg.sender
-        job = self._jobs.get(msg.xid)
+        job = self._jobs.get(reg.msg.xid)
         if job is None:
             self._register_unknown(reg)
             return
-        if sender != job.peer.engine_id:
-            wrong = f"sent by {sender}, but the transfer goes to {job.peer.engine_id}"
-            # Refused to its sender; the job waits on for its own receiver's.
-            self._refuse(self._peer_of(sender), msg.xid, wrong)
-            return
-        if job.reg is not None:
-            if not job.ended:
-                logger.info("xid=%s: duplicate registration; acknowledged again", msg.xid)
-                self._notify.submit(self._tell, job.peer, KVRegistered(msg.xid))
-            return
-        if job.ended:
-            self._refuse(job.peer, msg.xid, f"the transfer already ended: {job.error}")
-            return
-        problem = self._check_registration(job, msg)
-        now = time.monotonic()
-        left = min(msg.wait_s, msg.time_left_s) - (now - reg.received_at)
-        if problem is None and not left > 0:  # NaN too
-            problem = "it arrived after the receiver stopped waiting"
-        if problem is not None:
-            self._refuse(job.peer, msg.xid, problem)
-            self._fail(job, f"registration refused: {problem}")
-            return
-        with self._lock:
-            job.reg = msg
-            job.expires_at = now + left
-            job.alive_sent_at = now
-            job.sent = msg.first_block
-        self._notify.submit(self._tell, job.peer, KVRegistered(msg.xid))
-        if job.src_blocks is not None:
-            self._catch_up(job, None, job.num_blocks)
-            self._maybe_end(job)
-            return
-        self._register_request_job(job, layer)
-        self._maybe_end(job)
-
-    def _register_request_job(self, job: SendJob, layer: int | None) -> None:
-        """A registration for a job whose source is a request: WRITE what it computed."""
-        req = self.engine.get_request(job.xid)
-        if req is not None:
-            self._catch_up(job, req, self._blocks_done(job, req.num_computed_tokens))
+        progress = None
+        if job.source.streams:
+            req = self.engine.get_request(job.xid)
+            if req is not None:
+                progress = PrefillProgress(req.num_computed_tokens, list(req.block_ids), layer)
+        self._feed(
+            job, Registered(reg.msg, reg.sender, reg.received_at, time.monotonic(), progress)
+        )
 
     def _register_unknown(self, reg: Registration) -> None:
         """A registration for no job (yet): keep it for the job and acknowledge it, or,
@@ -406,46 +413,6 @@ class KVSender(FlowHalf):
         if peer is not None:
             self._notify.submit(self._tell, peer, KVFailed(xid, f"registration refused: {problem}"))
 
-    def _blocks_done(self, job: SendJob, num_computed: int) -> int:
-        """Job blocks whose every token is computed once `num_computed` tokens are."""
-        if num_computed >= job.num_tokens:
-            return job.num_blocks
-        return num_computed // self.block_size
-
-    def _catch_up(self, job: SendJob, req: Request | None, hi: int) -> None:
-        """WRITE blocks [sent, hi), all layers, in one transfer."""
-        if hi > job.sent:
-            if job.src_blocks is None:
-                self.stats.num_late_registrations += 1
-            chunk = self._plan(job, req, hi)
-            chunk.num_pending = 1
-            self._post(job, chunk, layers=None)
-            job.sent = hi
-
-    def _check_registration(self, job: SendJob, msg: KVRegister) -> str | None:
-        """Why the job's own receiver's registration cannot be served, or None."""
-        if msg.num_tokens != job.num_tokens:
-            return f"the receiver has {msg.num_tokens} tokens, the sender {job.num_tokens}"
-        if not 0 <= msg.first_block <= job.num_blocks or (
-            msg.first_block + len(msg.block_ids) != job.num_blocks
-        ):
-            return (
-                f"the receiver registered blocks {msg.first_block}..+{len(msg.block_ids)} "
-                f"of a {job.num_blocks}-block transfer"
-            )
-        return None
-
-    def _plan(self, job: SendJob, req: Request | None, hi: int) -> Chunk:
-        assert job.reg is not None
-        lo, first = job.sent, job.reg.first_block
-        if job.src_blocks is not None:
-            src = job.src_blocks[lo:hi]
-        else:
-            assert req is not None
-            src = list(req.block_ids[lo:hi])
-        self.engine.acquire_blocks(src)
-        return Chunk(src=src, dst=list(job.reg.block_ids[lo - first : hi - first]), hi=hi)
-
     def _drain_registrations(self, layer: int | None = None) -> None:
         """Apply registrations the pump received (between steps, or between two layers)."""
         with self._lock:
@@ -455,112 +422,53 @@ class KVSender(FlowHalf):
 
     # ---- posting and completion (any thread after posting) ----
 
-    def _post(self, job: SendJob, chunk: Chunk, layers: list[int] | None) -> None:
-        if job.error is None and time.monotonic() >= job.expires_at:
-            self._fail(job, "the receiver's wait ran out")  # never WRITE after its deadline
-        if job.error is not None:
-            self._chunk_part_done(job, chunk)
-            return
-        with self._lock:
-            job.in_flight += 1
-            if job.first_post_at is None:
-                job.first_post_at = time.monotonic()
-            deadline = min(self.deadline_s, max(0.001, job.expires_at - time.monotonic()))
+    def _post(self, job: SendMachine, a: PostWrite) -> None:
         try:
             handle = self.transport.transfer(
-                TransferOp.WRITE, job.peer, job.xid, chunk.src, chunk.dst,
-                layers=layers, deadline_s=deadline,
+                TransferOp.WRITE, job.peer, job.xid, list(a.src), list(a.dst),
+                layers=None if a.layers is None else list(a.layers), deadline_s=a.deadline_s,
             )  # fmt: skip
         except Exception as exc:  # a bug in the plan, or the transport closed
             logger.exception("xid=%s: WRITE failed to post", job.xid)
-            self._on_write_done(job, None, f"post failed: {exc}")
-            self._on_write_settled(job, chunk, None)
+            self._on_write_done(job, a.write_id, None, f"post failed: {exc}")
+            self._feed(job, WriteSettled(a.write_id, False, 0, time.monotonic()))
             return
-        handle.add_done_callback(lambda h: self._on_write_done(job, h, h.reason))
-        handle.add_settled_callback(lambda h: self._on_write_settled(job, chunk, h))
+        handle.add_done_callback(lambda h: self._on_write_done(job, a.write_id, h, h.reason))
+        handle.add_settled_callback(
+            lambda h: self._feed(
+                job,
+                WriteSettled(
+                    a.write_id, h.state is TransferState.DONE, h.num_bytes, time.monotonic()
+                ),
+            )
+        )
 
-    def _on_write_done(self, job: SendJob, handle: TransferHandle | None, reason: str | None) -> None:
+    def _on_write_done(
+        self, job: SendMachine, write_id: int, handle: TransferHandle | None, reason: str | None
+    ) -> None:
         """A WRITE ended: a failure stops the job's further WRITEs at once. Its data may
         still land, so the job counts it in flight until it is settled."""
-        if handle is not None and handle.state is TransferState.DONE:
-            return
-        with self._lock:
-            if job.error is None:
-                job.error = f"WRITE failed: {reason}"
-            if handle is not None and handle.may_still_land:
-                job.unsettled_since = job.unsettled_since or time.monotonic()
-        logger.warning("xid=%s: WRITE to %s failed: %s", job.xid, job.peer.engine_id, reason)
+        ok = handle is not None and handle.state is TransferState.DONE
+        may_still_land = handle is not None and handle.may_still_land
+        self._feed(job, WriteEnded(write_id, ok, may_still_land, reason, time.monotonic()))
+        if not ok:
+            logger.warning("xid=%s: WRITE to %s failed: %s", job.xid, job.peer.engine_id, reason)
 
-    def _on_write_settled(
-        self, job: SendJob, chunk: Chunk, handle: TransferHandle | None
-    ) -> None:
-        """Nothing of this WRITE can land any more: drop its source references; the
-        job's last one lets it end (KVFailed only now: the receiver may reuse its blocks)."""
-        with self._lock:
-            job.in_flight -= 1
-            job.last_done_at = time.monotonic()
-            if handle is not None and handle.state is TransferState.DONE:
-                job.num_bytes += handle.num_bytes
-                self.stats.num_writes += 1
-        self._chunk_part_done(job, chunk)
-        self._maybe_end(job)
-
-    def _chunk_part_done(self, job: SendJob, chunk: Chunk) -> None:
-        """One of the chunk's WRITEs ended (or was skipped); the last one drops the source refs."""
-        with self._lock:
-            chunk.num_pending -= 1
-            last = chunk.num_pending <= 0
-        if last and chunk.src:
-            src = chunk.src
-            self.engine.call(lambda: self.engine.release_blocks(src))
-
-    def _fail(self, job: SendJob, reason: str, *, notify: bool = True) -> None:
-        with self._lock:
-            if job.error is None:
-                job.error = reason
-        self._maybe_end(job, notify=notify)
-
-    def _maybe_end(self, job: SendJob, *, notify: bool = True) -> None:
-        """Send KVDone / KVFailed once nothing is in flight; then forget the job."""
-        with self._lock:
-            if job.ended or job.in_flight > 0:
-                return
-            if job.error is None and (
-                job.reg is None
-                or job.sent < job.num_blocks
-                or (job.needs_first_token and job.first_token is None)
-            ):
-                return
-            job.ended = True
-            end = time.monotonic()
-        if job.error is None:
-            msg: ControlMessage = KVDone(
-                job.xid, job.num_tokens, job.first_token, job.num_cached_tokens
-            )
-        else:
-            msg = KVFailed(job.xid, job.error, job.first_token)
-        if (job.reg is not None or job.confirm_end) and notify:
-            self._notify.submit(self._tell, job.peer, msg)
-        self._account(job, end)
-        self.engine.call(lambda: self._forget(job))
-
-    def _forget(self, job: SendJob) -> None:
-        """Engine thread: drop an ended job and the blocks it kept."""
+    def _forget(self, job: SendMachine) -> None:
+        """Engine thread: drop an ended job and what its source kept."""
         with self._lock:
             if self._jobs.get(job.xid) is job:
                 del self._jobs[job.xid]
-        if job.src_blocks is not None:
-            self.engine.release_blocks(job.src_blocks)
-        elif not self.engine.release_held(job.xid):
-            # Failed before its prefill finished (a WRITE failed, the receiver gave up):
-            # nobody would release the blocks it holds when done, and its KV goes nowhere.
-            req = self.engine.get_request(job.xid)
-            if req is not None and not req.is_finished:
-                self.engine.abort(job.xid)
+            actions = job.handle(Forgotten())
+        for a in actions:  # on the engine thread already: blocks go back at once
+            if isinstance(a, ReleaseBlocks):
+                self.engine.release_blocks(list(a.block_ids))
+            else:
+                self._run(job, [a])
         for fn in job.on_end:
             fn(job)
 
-    def _account(self, job: SendJob, end: float) -> None:
+    def _account(self, job: SendMachine, end: float) -> None:
         s = self.stats
         transfer_s = exposed_s = 0.0
         if job.first_post_at is not None and job.last_done_at is not None:
@@ -575,7 +483,7 @@ class KVSender(FlowHalf):
             s.exposed_s += min(exposed_s, transfer_s) if transfer_s else exposed_s
         else:
             s.num_failed += 1
-        if self.metrics is not None and job.src_blocks is None:
+        if self.metrics is not None and job.source.streams:
             self.metrics.on_push_sent(job.error is None, transfer_s, exposed_s)
         logger.debug(
             "xid=%s: send %s, %d bytes, transfer %.1f ms, exposed %.1f ms",
@@ -595,91 +503,43 @@ class KVSender(FlowHalf):
     def _on_cancel_notif(self, msg: ControlMessage, sender: str) -> None:
         assert isinstance(msg, KVCancel)
         logger.info("xid=%s: receiver %s cancelled: %s", msg.xid, sender, msg.reason)
-        with self._lock:  # no WRITE is posted from now on (the engine call comes later)
-            job = self._jobs.get(msg.xid)
-            if job is not None and sender == job.peer.engine_id and job.error is None:
-                job.error = f"cancelled by the receiver: {msg.reason}"
+        job = self._jobs.get(msg.xid)
+        if job is not None:  # no WRITE is posted from now on (the engine call comes later)
+            self._feed(job, CancelHeard(msg.reason, sender))
         self.engine.call(
             lambda: self.cancel(msg.xid, f"cancelled by the receiver: {msg.reason}", sender)
         )
 
     def _on_waiting_notif(self, msg: ControlMessage, sender: str) -> None:
         """The receiver still means to register ``xid``: keep waiting for it."""
-        now = time.monotonic()
-        with self._lock:
-            job = self._jobs.get(msg.xid)
-            if job is None or job.reg is not None or job.ended or sender != job.peer.engine_id:
-                return
-            job.expires_at = max(job.expires_at, now + self.registration_wait_s)
-            self.stats.num_waiting_received += 1
+        job = self._jobs.get(msg.xid)
+        if job is not None:
+            self._feed(job, Waiting(sender, self.registration_wait_s, time.monotonic()))
 
     def _on_alive_ack_notif(self, msg: ControlMessage, sender: str) -> None:
-        """The receiver restarted its wait when our heartbeat sent at ``sent_at`` arrived,
-        so its deadline is at least ``sent_at`` + its wait: ours may move there.
-        (``sent_at`` is our own monotonic clock echoed back; never trusted past now.)"""
+        """The receiver restarted its wait when our heartbeat sent at ``sent_at`` arrived:
+        our deadline may move on (``sent_at`` is our own clock echoed back)."""
         assert isinstance(msg, KVAliveAck)
-        sent_at = min(msg.sent_at, time.monotonic())
-        with self._lock:
-            job = self._jobs.get(msg.xid)
-            if job is None or job.reg is None or job.ended or sender != job.peer.engine_id:
-                return
-            job.expires_at = max(job.expires_at, sent_at + job.reg.wait_s)
+        job = self._jobs.get(msg.xid)
+        if job is not None:
+            self._feed(job, AliveAck(sender, msg.sent_at, time.monotonic()))
 
     def _tick(self, now: float) -> None:
-        beats: list[SendJob] = []
         healthy = self.engine.is_healthy
         with self._lock:
-            jobs = list(self._jobs.values())
-            stuck = [
-                j for j in jobs
-                if j.unsettled_since is not None and not j.torn_down and j.in_flight > 0
-                and now - j.unsettled_since > self.deadline_s
-            ]  # fmt: skip
-            for j in stuck:
-                j.torn_down = True
-            self.stats.num_teardowns += len(stuck)
-            for j in jobs:
-                if not healthy or j.reg is None or j.ended or j.error is not None:
-                    continue
-                if now - j.alive_sent_at >= j.reg.wait_s / HEARTBEATS_PER_WAIT:
-                    j.alive_sent_at = now
-                    beats.append(j)
-            self.stats.num_alive_sent += len(beats)
-            expired = []
-            for j in jobs:
-                if not j.ended and not j.expiring and now > j.expires_at:
-                    j.expiring = True  # a busy engine thread gets one call, not one per tick
-                    expired.append(j.xid)
+            todo = [(j, j.handle(Tick(now, healthy))) for j in list(self._jobs.values())]
             stale = [xid for xid, (_, until) in self._early.items() if now > until]
             for xid in [x for x, until in self._cancelled.items() if now > until]:
                 del self._cancelled[xid]
-        for j in stuck:
-            # NIXL has not let go of a failed WRITE: tearing the endpoint down is what
-            # guarantees that it cannot land; the next transfer to the peer reconnects.
-            logger.warning("xid=%s: a failed WRITE to %s is still unsettled after %g s; "
-                           "tearing its endpoint down", j.xid, j.peer.engine_id, self.deadline_s)
-            self.transport.disconnect(j.peer)
-        for j in beats:
-            self._notify.submit(self._tell, j.peer, KVAlive(j.xid, now))
-        for xid in expired:
-            self.engine.call(partial(self._expire, xid))
+        for job, actions in todo:
+            self._run(job, actions)
         for xid in stale:
             self.engine.call(partial(self._drop_early, xid))
 
     def _expire(self, xid: str) -> None:
         job = self._jobs.get(xid)
         if job is not None:
-            with self._lock:
-                job.expiring = False
-        if job is None or job.ended or time.monotonic() <= job.expires_at:
-            return
-        what = (
-            "no registration from the receiver"
-            if job.reg is None
-            else "the receiver's wait ran out"
-        )
-        logger.warning("xid=%s: %s; dropping the transfer", xid, what)
-        self.cancel(xid, what)
+            self._feed(job, Expire(time.monotonic()))
 
     def _drop_early(self, xid: str) -> None:
         """A registration for a job that never came: refused (nothing will be written)."""
@@ -712,4 +572,15 @@ class KVSender(FlowHalf):
         self._notify.shutdown(wait=False)
 
 
-__all__ = ["HEARTBEATS_PER_WAIT", "Chunk", "KVSender", "KVSenderStats", "Registration", "SendJob"]
+_DO: dict[type, str] = {
+    PostWrite: "_do_post", Tell: "_do_tell", Refuse: "_do_refuse", AcquireBlocks: "_do_acquire",
+    ReleaseBlocks: "_do_release", TearDown: "_do_tear_down", AbortPrefill: "_do_abort_prefill",
+    ReleasePrefill: "_do_release_prefill", Tombstone: "_do_tombstone",
+    ScheduleExpire: "_do_schedule_expire", Ended: "_do_end", Count: "_do_count", Log: "_do_log",
+}  # fmt: skip
+"""The `KVSender` method that carries out each kind of send action."""
+
+
+__all__ = [
+    "HEARTBEATS_PER_WAIT", "Chunk", "KVSender", "KVSenderStats", "Registration", "SendJob",
+]  # fmt: skip

@@ -1,0 +1,51 @@
+"""Actions the transfer machines share: what an adapter does for them.
+
+An adapter performs a machine's actions in the order given, after the call
+that returned them (never under the lock that serialises the machine's
+events: an action may complete a transfer inline, which is a new event).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvduplex.transport.messages import ControlMessage
+
+
+@dataclass(frozen=True)
+class Tell:
+    """Send ``msg`` to the transfer's peer (off the caller's thread; a lost one is logged)."""
+
+    msg: ControlMessage
+
+
+@dataclass(frozen=True)
+class AcquireBlocks:
+    """Take a reference on each block, at once (the caller is on the engine thread)."""
+
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ReleaseBlocks:
+    """Drop a reference on each block, on the engine thread."""
+
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TearDown:
+    """Remove the peer's endpoint: whatever of ours NIXL still holds towards it settles."""
+
+    why: str
+
+
+@dataclass(frozen=True)
+class Log:
+    """A lifecycle line for the transfer's log (``level``: a `logging` level)."""
+
+    level: int
+    text: str
+
+
+__all__ = ["AcquireBlocks", "Log", "ReleaseBlocks", "TearDown", "Tell"]

@@ -1,0 +1,148 @@
+"""The read machine: one READ of a peer's blocks into blocks of ours (pull, retained turn).
+
+::
+
+    Begin: AcquireBlocks(targets) ── PostRead ──► PENDING
+    PENDING ── Ended(ok) ─────────────────────► DONE: Outcome(ok) ── Settled ──► SETTLED:
+                                                                    ReleaseBlocks(targets)
+    PENDING ── Ended(failed, cannot land) ────► FAILED: Outcome(failed) ── Settled ──► SETTLED
+    PENDING ── Ended(failed, may still land) ─► MAY_LAND: Outcome(failed, discard) and
+               ArmCheck(after_s); Overdue while unsettled: TearDown; Settled ──► SETTLED
+    PostFailed ──────────────────────────────► SETTLED: Outcome(failed), ReleaseBlocks
+
+Our references on the target blocks go only once nothing of the READ can
+land in them (`Settled`), never merely when it failed; the outcome says
+whether the flow must compute into fresh blocks (``discard``). A READ that
+may still land and is still unsettled ``after_s`` after it failed has its
+peer's endpoint torn down, which settles it.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from kvduplex.kvflow.machines.actions import AcquireBlocks
+from kvduplex.kvflow.machines.actions import ReleaseBlocks
+from kvduplex.kvflow.machines.actions import TearDown
+
+
+class ReadPhase(enum.Enum):
+    NEW = "new"
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+    MAY_LAND = "may_land"
+    """Failed, and its data may still land in the targets (they stay referenced)."""
+    SETTLED = "settled"
+
+
+@dataclass(frozen=True)
+class Begin:
+    """Take our references on the targets, then post (``acquire``: False when the
+    targets were freshly allocated for the READ, whose allocation is our reference)."""
+
+    acquire: bool = True
+
+
+@dataclass(frozen=True)
+class PostFailed:
+    reason: str
+
+
+@dataclass(frozen=True)
+class Ended:
+    """The READ is final (its done callback)."""
+
+    ok: bool
+    may_still_land: bool
+    reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Settled:
+    """Nothing of the READ can land any more (its settled callback)."""
+
+
+@dataclass(frozen=True)
+class Overdue:
+    """``after_s`` passed since `ArmCheck`; ``settled``: whether the handle is settled."""
+
+    settled: bool
+
+
+ReadEvent = Begin | PostFailed | Ended | Settled | Overdue
+
+
+@dataclass(frozen=True)
+class PostRead:
+    """Post the READ of the peer's blocks into ``targets``."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """Tell the flow how the READ ended: ``ok`` (the targets hold the KV, cache them or
+    resume), else compute locally, into fresh blocks when ``discard``."""
+
+    ok: bool
+    discard: bool
+    reason: str | None = None
+
+
+@dataclass(frozen=True)
+class ArmCheck:
+    """Feed `Overdue` ``after_s`` from now."""
+
+    after_s: float
+
+
+ReadAction = AcquireBlocks | ReleaseBlocks | TearDown | PostRead | Outcome | ArmCheck
+
+
+@dataclass
+class ReadMachine:
+    """One READ into ``targets``; ``after_s``: how long a failed READ may stay unsettled."""
+
+    targets: tuple[int, ...]
+    after_s: float
+    phase: ReadPhase = ReadPhase.NEW
+    torn_down: bool = False
+
+    def handle(self, event: ReadEvent) -> list[ReadAction]:
+        """Apply ``event``; the actions to carry out, in order."""
+        if isinstance(event, Begin):
+            assert self.phase is ReadPhase.NEW
+            self.phase = ReadPhase.PENDING
+            return [AcquireBlocks(self.targets), PostRead()] if event.acquire else [PostRead()]
+        if isinstance(event, PostFailed):
+            assert self.phase is ReadPhase.PENDING
+            self.phase = ReadPhase.SETTLED
+            return [Outcome(False, False, event.reason), ReleaseBlocks(self.targets)]
+        if isinstance(event, Ended):
+            if self.phase is not ReadPhase.PENDING:
+                return []
+            if event.ok:
+                self.phase = ReadPhase.DONE
+                return [Outcome(True, False)]
+            if not event.may_still_land:
+                self.phase = ReadPhase.FAILED
+                return [Outcome(False, False, event.reason)]
+            self.phase = ReadPhase.MAY_LAND
+            return [Outcome(False, True, event.reason), ArmCheck(self.after_s)]
+        if isinstance(event, Settled):
+            if self.phase in (ReadPhase.NEW, ReadPhase.SETTLED):
+                return []
+            assert self.phase is not ReadPhase.PENDING, "settled before final"
+            self.phase = ReadPhase.SETTLED
+            return [ReleaseBlocks(self.targets)]
+        # Overdue
+        if self.phase is ReadPhase.MAY_LAND and not event.settled and not self.torn_down:
+            self.torn_down = True
+            return [TearDown(f"a failed READ is still unsettled after {self.after_s:g} s")]
+        return []
+
+
+__all__ = [
+    "ArmCheck", "Begin", "Ended", "Outcome", "Overdue", "PostFailed", "PostRead", "ReadAction",
+    "ReadEvent", "ReadMachine", "ReadPhase", "Settled",
+]  # fmt: skip

@@ -1,0 +1,298 @@
+"""The send machine's sources, events and actions (`kvduplex.kvflow.machines.send`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from kvduplex.kvflow.machines.actions import AcquireBlocks
+from kvduplex.kvflow.machines.actions import Log
+from kvduplex.kvflow.machines.actions import ReleaseBlocks
+from kvduplex.kvflow.machines.actions import TearDown
+from kvduplex.kvflow.machines.actions import Tell
+from kvduplex.kvflow.messages import KVRegister
+
+# ---- sources ----
+
+
+@dataclass(frozen=True)
+class PrefillProgress:
+    """Where the prefill of a push stands when its registration is applied."""
+
+    num_computed_tokens: int
+    block_ids: Sequence[int]
+    """The request's blocks, in token order."""
+    layer: int | None = None
+    """The last layer the running forward finished, when applied between two layers."""
+
+
+@dataclass(frozen=True)
+class PrefillSource:
+    """Push: the KV of prefill request ``xid``, computed layer by layer."""
+
+    num_layers: int
+    streams: bool = True
+
+
+@dataclass(frozen=True)
+class HeldSource:
+    """Return: KV already computed in ``block_ids``, referenced for the whole transfer."""
+
+    block_ids: tuple[int, ...]
+    streams: bool = False
+
+
+Source = PrefillSource | HeldSource
+
+
+# ---- events ----
+
+
+@dataclass(frozen=True)
+class Begin:
+    """The transfer was created (before it is visible to anyone)."""
+
+    now: float
+
+
+@dataclass(frozen=True)
+class Registered:
+    """A `KVRegister` for this transfer from ``sender``, received at ``received_at``."""
+
+    msg: KVRegister
+    sender: str
+    received_at: float
+    now: float
+    progress: PrefillProgress | None = None
+    """Push: the prefill's progress (None: it has not started)."""
+
+
+@dataclass(frozen=True)
+class StepPlanned:
+    """Push: the next forward computes tokens [start, end) of the prefill."""
+
+    start: int
+    end: int
+    block_ids: Sequence[int]
+
+
+@dataclass(frozen=True)
+class LayerDone:
+    """Push: the running forward finished ``layer``."""
+
+    layer: int
+    now: float
+
+
+@dataclass(frozen=True)
+class StepEnded:
+    """Push: the forward ended (every layer's WRITEs of its chunk are posted)."""
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    """Push: the prefill sampled its first token."""
+
+    token: int
+    num_cached_tokens: int
+    now: float
+
+
+@dataclass(frozen=True)
+class WriteEnded:
+    """WRITE ``write_id`` is final (DONE or FAILED); a failed one may still land."""
+
+    write_id: int
+    ok: bool
+    may_still_land: bool
+    reason: str | None
+    now: float
+
+
+@dataclass(frozen=True)
+class WriteSettled:
+    """Nothing of WRITE ``write_id`` can land any more (it came after `WriteEnded`)."""
+
+    write_id: int
+    ok: bool
+    num_bytes: int
+    now: float
+
+
+@dataclass(frozen=True)
+class Cancelled:
+    """Stop the transfer (``by``: the engine id of the receiver that asked, if one did)."""
+
+    reason: str
+    by: str | None = None
+
+
+@dataclass(frozen=True)
+class CancelHeard:
+    """The receiver's `KVCancel` arrived: post nothing more (`Cancelled` follows)."""
+
+    reason: str
+    sender: str
+
+
+@dataclass(frozen=True)
+class Declined:
+    """Return: the receiver takes nothing (ignored once registered)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class PrefillAborted:
+    """Push: the prefill request was aborted."""
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """The receiver's `KVWaiting`: it will register, keep waiting ``wait_s`` more."""
+
+    sender: str
+    wait_s: float
+    now: float
+
+
+@dataclass(frozen=True)
+class AliveAck:
+    """The receiver's `KVAliveAck` of our heartbeat sent at ``sent_at``."""
+
+    sender: str
+    sent_at: float
+    now: float
+
+
+@dataclass(frozen=True)
+class Tick:
+    """The clock moved (heartbeats, teardowns, deadlines); ``healthy``: our engine runs."""
+
+    now: float
+    healthy: bool
+
+
+@dataclass(frozen=True)
+class Expire:
+    """The engine thread's turn after `ScheduleExpire`: end the transfer if it expired."""
+
+    now: float
+
+
+@dataclass(frozen=True)
+class Forgotten:
+    """The adapter dropped the ended transfer: release what the source holds."""
+
+
+SendEvent = (
+    Begin | Registered | StepPlanned | LayerDone | StepEnded | FirstToken | WriteEnded
+    | WriteSettled | Cancelled | CancelHeard | Declined | PrefillAborted | Waiting | AliveAck
+    | Tick | Expire | Forgotten
+)  # fmt: skip
+
+
+# ---- actions (besides the shared ones) ----
+
+
+@dataclass(frozen=True)
+class PostWrite:
+    """Post one WRITE of ``src`` into the peer's ``dst`` (``layers``: None for all);
+    its end and settling come back as `WriteEnded` and `WriteSettled` with ``write_id``."""
+
+    write_id: int
+    src: tuple[int, ...]
+    dst: tuple[int, ...]
+    layers: tuple[int, ...] | None
+    deadline_s: float
+
+
+@dataclass(frozen=True)
+class Refuse:
+    """Tell engine ``engine_id`` (KVFailed) that nothing will be written for its registration."""
+
+    engine_id: str
+    problem: str
+
+
+@dataclass(frozen=True)
+class AbortPrefill:
+    """Push: abort the prefill request ``xid`` if it is still running."""
+
+
+@dataclass(frozen=True)
+class ReleasePrefill:
+    """Push, once forgotten: release the prefill's held blocks, or abort it if unfinished."""
+
+
+@dataclass(frozen=True)
+class Tombstone:
+    """Remember ``xid`` as cancelled for a while: a late registration is refused."""
+
+
+@dataclass(frozen=True)
+class ScheduleExpire:
+    """Feed `Expire` from the engine thread (one at a time)."""
+
+
+@dataclass(frozen=True)
+class Ended:
+    """The transfer ended (``ok``: DONE); forget it on the engine thread (`Forgotten`)."""
+
+    ok: bool
+
+
+Counter = Literal[
+    "num_late_registrations", "num_writes", "num_teardowns", "num_alive_sent",
+    "num_waiting_received",
+]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Count:
+    """Add one to the sender's statistic ``name``."""
+
+    name: Counter
+
+
+SendAction = (
+    PostWrite | Tell | Refuse | AcquireBlocks | ReleaseBlocks | TearDown | AbortPrefill
+    | ReleasePrefill | Tombstone | ScheduleExpire | Ended | Count | Log
+)  # fmt: skip
+
+
+__all__ = [
+    "AbortPrefill",
+    "AliveAck",
+    "Begin",
+    "CancelHeard",
+    "Cancelled",
+    "Count",
+    "Counter",
+    "Declined",
+    "Ended",
+    "Expire",
+    "FirstToken",
+    "Forgotten",
+    "HeldSource",
+    "LayerDone",
+    "PostWrite",
+    "PrefillAborted",
+    "PrefillProgress",
+    "PrefillSource",
+    "Refuse",
+    "Registered",
+    "ReleasePrefill",
+    "ScheduleExpire",
+    "SendAction",
+    "SendEvent",
+    "Source",
+    "StepEnded",
+    "StepPlanned",
+    "Tick",
+    "Tombstone",
+    "Waiting",
+    "WriteEnded",
+    "WriteSettled",
+]

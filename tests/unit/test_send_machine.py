@@ -1,0 +1,356 @@
+"""Property-based (hypothesis stateful) test of the send machine, push and return.
+
+Whatever order registrations (right, wrong, late, duplicate), the prefill's
+steps and layers, WRITE ends and settlings, cancels, declines, aborts,
+heartbeat answers, ticks and expiries come in:
+
+* every source block of a WRITE that is not settled is referenced by the
+  machine (no block can go to a new owner while a WRITE out of it may land);
+* the end message (KVDone / KVFailed, which lets the receiver reuse its blocks)
+  goes out at most once and only when no WRITE can land any more;
+* no WRITE is posted once the transfer failed or past the receiver's deadline;
+* KVDone means every registered block was written, every layer, by a WRITE
+  that ended DONE;
+* in the end, every reference the machine took is dropped.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine
+from hypothesis.stateful import initialize
+from hypothesis.stateful import invariant
+from hypothesis.stateful import precondition
+from hypothesis.stateful import rule
+
+from kvduplex.engine.kv_cache import num_blocks_for_tokens
+from kvduplex.kvflow.machines.actions import AcquireBlocks
+from kvduplex.kvflow.machines.actions import ReleaseBlocks
+from kvduplex.kvflow.machines.actions import TearDown
+from kvduplex.kvflow.machines.actions import Tell
+from kvduplex.kvflow.machines.send import AliveAck
+from kvduplex.kvflow.machines.send import Begin
+from kvduplex.kvflow.machines.send import CancelHeard
+from kvduplex.kvflow.machines.send import Cancelled
+from kvduplex.kvflow.machines.send import Declined
+from kvduplex.kvflow.machines.send import Ended
+from kvduplex.kvflow.machines.send import Expire
+from kvduplex.kvflow.machines.send import FirstToken
+from kvduplex.kvflow.machines.send import Forgotten
+from kvduplex.kvflow.machines.send import HeldSource
+from kvduplex.kvflow.machines.send import LayerDone
+from kvduplex.kvflow.machines.send import PostWrite
+from kvduplex.kvflow.machines.send import PrefillAborted
+from kvduplex.kvflow.machines.send import PrefillProgress
+from kvduplex.kvflow.machines.send import PrefillSource
+from kvduplex.kvflow.machines.send import Registered
+from kvduplex.kvflow.machines.send import ReleasePrefill
+from kvduplex.kvflow.machines.send import ScheduleExpire
+from kvduplex.kvflow.machines.send import SendAction
+from kvduplex.kvflow.machines.send import SendEvent
+from kvduplex.kvflow.machines.send import SendMachine
+from kvduplex.kvflow.machines.send import SendPhase
+from kvduplex.kvflow.machines.send import StepEnded
+from kvduplex.kvflow.machines.send import StepPlanned
+from kvduplex.kvflow.machines.send import Tick
+from kvduplex.kvflow.machines.send import Waiting
+from kvduplex.kvflow.machines.send import WriteEnded
+from kvduplex.kvflow.machines.send import WriteSettled
+from kvduplex.kvflow.messages import KVDone
+from kvduplex.kvflow.messages import KVFailed
+from kvduplex.kvflow.messages import KVRegister
+from kvduplex.transport.protocol import PeerHandle
+
+BLOCK_SIZE = 4
+NUM_LAYERS = 3
+WAIT_S = 10.0
+DEADLINE_S = 5.0
+PEER = "d0"
+OTHER = "d1"
+
+
+class SendMachineTest(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 100.0
+        self.refs: Counter[int] = Counter()
+        self.writes: dict[int, PostWrite] = {}
+        """Posted WRITEs not settled."""
+        self.ended_writes: dict[int, bool] = {}
+        """Of those, the ones final: ok?"""
+        self.may_land: set[int] = set()
+        self.ever_may_land = False
+        self.written: set[tuple[int, int]] = set()
+        """(dst block, layer) written by a WRITE that ended DONE."""
+        self.end_msgs: list[KVDone | KVFailed] = []
+        self.num_ended = 0
+        self.forgotten = False
+        self.expire_due = False
+        self.teardowns = 0
+        # the prefill (push)
+        self.num_computed = 0
+        self.in_step: tuple[int, int] | None = None
+        self.next_layer = 0
+        self.req_added = False
+        self.first_token_sent = False
+
+    @initialize(push=st.booleans(), num_tokens=st.integers(1, 24))
+    def begin(self, push: bool, num_tokens: int) -> None:
+        num_blocks = num_blocks_for_tokens(num_tokens, BLOCK_SIZE)
+        self.push = push
+        self.src = [100 + i for i in range(num_blocks)]
+        source = PrefillSource(NUM_LAYERS) if push else HeldSource(tuple(self.src))
+        peer = PeerHandle(PEER, "agent-" + PEER, None)  # type: ignore[arg-type]
+        self.m = SendMachine(
+            "x", peer, num_tokens, num_blocks, BLOCK_SIZE, DEADLINE_S, source,
+            expires_at=self.now + WAIT_S,
+        )  # fmt: skip
+        self.feed(Begin(self.now))
+
+    # ---- feeding the machine and checking each action ----
+
+    def feed(self, event: SendEvent) -> list[SendAction]:
+        actions = self.m.handle(event)
+        for a in actions:
+            self.check(a)
+        return actions
+
+    def check(self, a: SendAction) -> None:
+        if isinstance(a, AcquireBlocks):
+            self.refs.update(a.block_ids)
+        elif isinstance(a, ReleaseBlocks):
+            self.refs.subtract(a.block_ids)
+            assert all(n >= 0 for n in self.refs.values()), "released more than acquired"
+        elif isinstance(a, PostWrite):
+            assert not self.end_msgs and not self.num_ended, "WRITE after the end"
+            assert self.m.error is None, "WRITE posted after a failure"
+            assert self.now < self.m.expires_at, "WRITE posted past the receiver's deadline"
+            assert 0 < a.deadline_s <= DEADLINE_S
+            assert len(a.src) == len(a.dst) > 0
+            assert a.write_id not in self.writes
+            self.writes[a.write_id] = a
+        elif isinstance(a, Tell) and isinstance(a.msg, KVDone | KVFailed):
+            assert not self.writes, f"{a.msg} while WRITEs {sorted(self.writes)} may land"
+            self.end_msgs.append(a.msg)
+            if isinstance(a.msg, KVDone):
+                assert self.m.reg is not None
+                dst = self.m.reg.block_ids
+                missing = {(b, k) for b in dst for k in range(NUM_LAYERS)} - self.written
+                assert not missing, f"KVDone with blocks not written: {sorted(missing)}"
+        elif isinstance(a, Ended):
+            self.num_ended += 1
+            assert not self.writes, "ended while WRITEs may land"
+        elif isinstance(a, ScheduleExpire):
+            assert not self.expire_due
+            self.expire_due = True
+        elif isinstance(a, TearDown):
+            assert self.ever_may_land and self.writes, "teardown with no failed WRITE unsettled"
+            self.teardowns += 1
+        elif isinstance(a, ReleasePrefill):
+            assert self.push and self.forgotten
+
+    # ---- registration ----
+
+    def _registration(self, first_block: int, time_left: float, good_size: bool) -> KVRegister:
+        n = self.m.num_blocks
+        first = min(first_block, n)
+        dst = [500 + i for i in range(first, n)]
+        num_tokens = self.m.num_tokens if good_size else self.m.num_tokens + 1
+        return KVRegister("x", dst, first, num_tokens, WAIT_S, time_left)
+
+    def _progress(self, layer: int | None) -> PrefillProgress | None:
+        if not self.push or not self.req_added:
+            return None
+        return PrefillProgress(self.num_computed, self.src, layer)
+
+    @precondition(
+        lambda self: not self.forgotten
+        and (self.in_step is None or self.next_layer < NUM_LAYERS)
+    )  # fmt: skip
+    @rule(
+        first_block=st.sampled_from([0, 0, 0, 1, 2, 9]),
+        time_left=st.sampled_from([WAIT_S, WAIT_S, 3.0, -1.0]),
+        good_size=st.sampled_from([True, True, True, False]),
+        right_sender=st.sampled_from([True, True, True, False]),
+        delay=st.sampled_from([0.0, 0.0, 4.0]),
+    )  # fmt: skip
+    def register(
+        self, first_block: int, time_left: float, good_size: bool, right_sender: bool, delay: float
+    ) -> None:
+        msg = self._registration(first_block, time_left, good_size)
+        sender = PEER if right_sender else OTHER
+        # In a forward, the registration is applied by a layer's hook, which then posts
+        # that layer; between steps, by an engine call.
+        layer = self.next_layer if self.in_step is not None else None
+        self.feed(Registered(msg, sender, self.now - delay, self.now, self._progress(layer)))
+        if layer is not None:
+            self._layer(layer)
+            self.next_layer += 1
+
+    # ---- the prefill (push) ----
+
+    def _can_step(self) -> bool:
+        return (
+            self.push and not self.forgotten and self.in_step is None
+            and self.num_computed < self.m.num_tokens and self.m.error is None
+        )  # fmt: skip
+
+    @precondition(lambda self: self._can_step())
+    @rule(num_new=st.integers(1, 10))
+    def plan_step(self, num_new: int) -> None:
+        end = min(self.num_computed + num_new, self.m.num_tokens)
+        self.req_added = True
+        self.in_step = (self.num_computed, end)
+        self.next_layer = 0
+        self.feed(StepPlanned(self.num_computed, end, self.src))
+
+    def _layer(self, layer: int) -> None:
+        if self.m.chunk is not None:  # the adapter feeds only jobs with a chunk
+            self.feed(LayerDone(layer, self.now))
+
+    @precondition(lambda self: self.in_step is not None and self.next_layer < NUM_LAYERS)
+    @rule()
+    def layer_done(self) -> None:
+        self._layer(self.next_layer)
+        self.next_layer += 1
+
+    @precondition(lambda self: self.in_step is not None and self.next_layer == NUM_LAYERS)
+    @rule()
+    def step_ended(self) -> None:
+        assert self.in_step is not None
+        self.feed(StepEnded())
+        self.num_computed = self.in_step[1]
+        self.in_step = None
+
+    @precondition(
+        lambda self: self.push and not self.forgotten and not self.first_token_sent
+        and self.in_step is None and self.num_computed == self.m.num_tokens
+    )  # fmt: skip
+    @rule()
+    def first_token(self) -> None:
+        self.first_token_sent = True
+        self.feed(FirstToken(7, 0, self.now))
+
+    # ---- WRITEs ----
+
+    def _unended(self) -> list[int]:
+        return sorted(w for w in self.writes if w not in self.ended_writes)
+
+    @precondition(lambda self: bool(self._unended()))
+    @rule(data=st.data(), ok=st.booleans(), may_still_land=st.booleans())
+    def write_ends(self, data: st.DataObject, ok: bool, may_still_land: bool) -> None:
+        wid = data.draw(st.sampled_from(self._unended()))
+        self.ended_writes[wid] = ok
+        a = self.writes[wid]
+        if ok:
+            layers = range(NUM_LAYERS) if a.layers is None else a.layers
+            self.written.update((b, layer) for b in a.dst for layer in layers)
+        elif may_still_land:
+            self.may_land.add(wid)
+            self.ever_may_land = True
+        self.feed(WriteEnded(wid, ok, may_still_land and not ok, None if ok else "err", self.now))
+
+    @precondition(lambda self: bool(self.ended_writes))
+    @rule(data=st.data())
+    def write_settles(self, data: st.DataObject) -> None:
+        wid = data.draw(st.sampled_from(sorted(self.ended_writes)))
+        self._settle(wid)
+
+    def _settle(self, wid: int) -> None:
+        ok = self.ended_writes.pop(wid)
+        self.may_land.discard(wid)
+        self.writes.pop(wid)
+        self.feed(WriteSettled(wid, ok, 64 if ok else 0, self.now))
+
+    # ---- the receiver and the engine ----
+
+    @precondition(lambda self: not self.forgotten)
+    @rule(
+        what=st.sampled_from(["cancel", "cancel_by_peer", "cancel_by_other", "heard", "declined",
+                              "prefill_aborted"])
+    )  # fmt: skip
+    def interrupt(self, what: str) -> None:
+        """One rule for every way a transfer is stopped (each would end most runs early)."""
+        if what.startswith("cancel"):
+            by = {"cancel": None, "cancel_by_peer": PEER, "cancel_by_other": OTHER}[what]
+            self.feed(Cancelled("cancelled", by))
+        elif what == "heard":
+            self.feed(CancelHeard("cancelled", PEER))
+        elif what == "declined" and not self.push:
+            self.feed(Declined("has_all"))
+        elif what == "prefill_aborted" and self.push:
+            self.feed(PrefillAborted())
+
+    @precondition(lambda self: not self.forgotten)
+    @rule(sender=st.sampled_from([PEER, OTHER]), back=st.sampled_from([0.0, 2.0, -50.0]))
+    def receiver_answers(self, sender: str, back: float) -> None:
+        self.feed(Waiting(sender, WAIT_S, self.now))
+        self.feed(AliveAck(sender, self.now - back, self.now))  # -50: a forged future time
+
+    @rule(dt=st.sampled_from([0.5, 3.0, 6.0, 11.0]), healthy=st.booleans())
+    def tick(self, dt: float, healthy: bool) -> None:
+        self.now += dt
+        if not self.forgotten:
+            self.feed(Tick(self.now, healthy))
+
+    @precondition(lambda self: self.expire_due and not self.forgotten)
+    @rule()
+    def expire(self) -> None:
+        self.expire_due = False
+        self.feed(Expire(self.now))
+
+    @precondition(lambda self: self.num_ended == 1 and not self.forgotten)
+    @rule()
+    def forget(self) -> None:
+        self.forgotten = True
+        self.feed(Forgotten())
+
+    # ---- invariants ----
+
+    @invariant()
+    def sources_held_while_writes_may_land(self) -> None:
+        for wid, a in self.writes.items():
+            for b in a.src:
+                assert self.refs[b] > 0, f"block {b} of WRITE {wid} unreferenced while it may land"
+
+    @invariant()
+    def ends_once(self) -> None:
+        assert len(self.end_msgs) <= 1 and self.num_ended <= 1
+        if self.writes and self.m.error is not None:
+            assert self.m.phase is SendPhase.FAILING
+        if self.end_msgs and isinstance(self.end_msgs[0], KVDone):
+            assert self.m.phase is SendPhase.DONE
+
+    def teardown(self) -> None:
+        if not hasattr(self, "m"):
+            return
+        # Whatever was posted ends and settles (NIXL lets go, or the endpoint goes).
+        for wid in self._unended():
+            self.ended_writes[wid] = False
+            self.feed(WriteEnded(wid, False, False, "closed", self.now))
+        for wid in sorted(self.ended_writes):
+            self._settle(wid)
+        if self.in_step is not None:
+            for layer in range(self.next_layer, NUM_LAYERS):
+                self._layer(layer)
+            self.feed(StepEnded())
+            for wid in sorted(self.writes):  # posted by the last layers
+                self.ended_writes[wid] = False
+                self._settle(wid)
+        if not self.num_ended and not self.forgotten:
+            self.feed(Cancelled("closed"))
+        assert self.num_ended == 1, "the transfer never ended"
+        if not self.forgotten:
+            self.forgotten = True
+            self.feed(Forgotten())
+        held = {b: n for b, n in self.refs.items() if n}
+        assert not held, f"references never dropped: {held}"
+
+
+SendMachineTest.TestCase.settings = settings(
+    max_examples=300, stateful_step_count=50, deadline=None
+)
+test_send_machine = SendMachineTest.TestCase
