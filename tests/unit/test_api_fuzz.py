@@ -365,8 +365,10 @@ chat_fields: dict[str, Field] = {
         ),
     ),
     "tool_choice": field(
-        st.sampled_from([None, "none", "required", {"type": "function", "function": {"name": "f"}}]),
-        # "auto" needs --enable-auto-tool-choice, which these instances lack (400, as vLLM)
+        st.sampled_from([None, "none"]),
+        # "auto" needs --enable-auto-tool-choice, which these instances lack (400, as vLLM);
+        # "required" and a named function are valid only with tools that fit them, which
+        # fields drawn one by one cannot promise: tests/unit/test_structured_api.py has them
         st.sampled_from(["auto", "any", {"type": "function"}, {"type": "function", "function": {}}, 3]),
     ),
     "parallel_tool_calls": field(st.sampled_from([None, True, False]), st.just("both")),
