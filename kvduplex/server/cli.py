@@ -270,7 +270,7 @@ def build_parser(bench_workload: str = "serving") -> argparse.ArgumentParser:
     up.add_argument(
         "--demo-turns", type=int, default=6, help="turns of the demo session; 0 skips it"
     )
-    up.add_argument("--demo-max-tokens", type=int, default=96, help="tokens per answer")
+    up.add_argument("--demo-max-tokens", type=int, default=64, help="tokens per answer")
     up.add_argument(
         "--demo-first-turn-tokens", type=int, default=1200,
         help="the first turn's prompt, in tokens of the built-in byte tokenizer",
