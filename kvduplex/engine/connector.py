@@ -83,7 +83,8 @@ class KVConnector:
 
     def get_finished(self) -> list[KVTransferResult]:
         """Results of transfers that ended since the last call (received KV and its first
-        token, a receive that failed); the step applies them before it schedules."""
+        token, a receive that failed, a prefill's push cancelled or ended); the step
+        applies them before it schedules."""
         return []
 
     def has_pending_work(self) -> bool:

@@ -231,14 +231,18 @@ class LLMEngine:
     # -------------------------------------------------------------------- step
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; return what changed for each request since the last one."""
+        """Run one engine step; return what changed for each request since the last one.
+
+        A step that applies transfer results which gave requests their first token (or
+        stopped prefills) returns their outputs at once, without a forward: the first
+        token of a pushed prompt reaches its client one forward sooner."""
         outputs, self._pending = self._pending, []
-        resumed = self._apply_kv_results()
-        outputs += [o for req in resumed if (o := self._make_output(req)) is not None]
+        changed = self._apply_kv_results()
+        if changed:
+            self.last_step_did_work = True
+            return outputs + [o for req in changed if (o := self._make_output(req)) is not None]
         out = self.scheduler.schedule()
-        self.last_step_did_work = bool(
-            out.seqs or out.remote_kv_allocated or out.preempted_ids or resumed
-        )
+        self.last_step_did_work = bool(out.seqs or out.remote_kv_allocated or out.preempted_ids)
         connector = self.connector
         meta = out.kv_connector_metadata = connector.build_connector_meta(out)
         self.runner.drop_tables(out.dropped_table_ids)
@@ -260,15 +264,18 @@ class LLMEngine:
 
     def _apply_kv_results(self) -> list[Request]:
         """Apply the transfers the connector saw end (the one place they change
-        requests); return the requests that got their first token with remote KV."""
+        requests); return the requests whose outputs that changed: those that got their
+        first token with remote KV, and prefills stopped because their push failed."""
         results = self.connector.get_finished()
         if not results:
             return []
-        resumed = self.scheduler.apply_kv_results(results)
+        applied = self.scheduler.apply_kv_results(results)
         vocab_size = self.loaded.config.vocab_size
-        for req in resumed:  # sampled elsewhere: a seeded generator skips that draw
+        for req in applied.resumed:  # sampled elsewhere: a seeded generator skips that draw
             self._generators.skip(req.request_id, req.sampling_params, vocab_size)
-        return resumed
+        if applied.stopped:
+            self._drop_stale_tables()
+        return applied.resumed + applied.stopped
 
     def _request_finished(self, req: Request, reason: FinishReason) -> bool:
         """The scheduler's finish hook: the connector hears of every finish."""

@@ -35,6 +35,8 @@ from collections import deque
 from collections.abc import Callable
 from collections.abc import Iterable
 from collections.abc import Mapping
+from dataclasses import dataclass
+from dataclasses import field
 
 from kvduplex.config import SchedulerConfig
 from kvduplex.engine.kv_manager import KVCacheManager
@@ -45,6 +47,8 @@ from kvduplex.engine.scheduler_output import BlockTableTracker
 from kvduplex.engine.scheduler_output import KVFirstToken
 from kvduplex.engine.scheduler_output import KVReceived
 from kvduplex.engine.scheduler_output import KVReceiveFailed
+from kvduplex.engine.scheduler_output import KVSendCancelled
+from kvduplex.engine.scheduler_output import KVSendEnded
 from kvduplex.engine.scheduler_output import KVTransferResult
 from kvduplex.engine.scheduler_output import RemoteKVAllocation
 from kvduplex.engine.scheduler_output import ScheduledSeq
@@ -53,6 +57,16 @@ from kvduplex.engine.scheduler_output import StepBuilder
 from kvduplex.engine.scheduler_output import check_stop
 
 logger = logging.getLogger(__name__)
+
+@dataclass
+class KVApplied:
+    """What applying a step's transfer results changed, for the engine's outputs."""
+
+    resumed: list[Request] = field(default_factory=list)
+    """Got their first token with their remote KV (finished already, some of them)."""
+    stopped: list[Request] = field(default_factory=list)
+    """Prefills aborted because the push of their KV failed or was cancelled."""
+
 
 RequestFinished = Callable[[Request, FinishReason], bool]
 """Called once per finish with the request (already in its final status); returns
@@ -207,18 +221,20 @@ class Scheduler:
 
     # ---- remote KV ----
 
-    def apply_kv_results(self, results: Iterable[KVTransferResult]) -> list[Request]:
+    def apply_kv_results(self, results: Iterable[KVTransferResult]) -> KVApplied:
         """Apply what the connector reported about transfers since the last step (the
-        only place transfers change requests); return the requests that got their first
-        token with remote KV (finished already, some of them). A result for a request
-        that is no longer waiting (aborted meanwhile) is dropped."""
-        resumed: list[Request] = []
+        only place transfers change requests). A result for a request that is no longer
+        waiting (aborted meanwhile) is dropped."""
+        applied = KVApplied()
         for res in results:
             rid = res.request_id
             if isinstance(res, KVFirstToken):
                 req = self._requests.get(rid)
                 if req is not None and req.num_output_tokens == 0:
                     req.forced_first_token = res.token
+                continue
+            if isinstance(res, KVSendCancelled | KVSendEnded):
+                self._apply_send_result(res, applied)
                 continue
             req = self._remote_waiting.get(rid)
             if req is None:
@@ -232,8 +248,19 @@ class Scheduler:
             req.num_remote_kv_bytes = res.num_remote_kv_bytes
             self.on_remote_kv_done(rid, res.first_token)
             if res.first_token is not None:
-                resumed.append(req)
-        return resumed
+                applied.resumed.append(req)
+        return applied
+
+    def _apply_send_result(self, res: KVSendCancelled | KVSendEnded, applied: KVApplied) -> None:
+        """A push from this prefill was cancelled or can land no more: the prefill stops
+        if it still computes; once nothing can land, its held blocks are freed."""
+        rid = res.request_id
+        if isinstance(res, KVSendEnded) and self.release_held(rid):
+            return
+        req = self._requests.get(rid)
+        if req is not None:
+            self._finish(req, FinishReason.ABORT)
+            applied.stopped.append(req)
 
     def on_remote_kv_done(self, request_id: str, first_token: int | None) -> bool:
         """The sender filled the prompt's blocks; start decoding. Returns True if it finished.
@@ -460,6 +487,7 @@ class Scheduler:
 
 
 __all__ = [
+    "KVApplied",
     "RequestFinished",
     "ScheduledSeq",
     "Scheduler",

@@ -91,7 +91,25 @@ class KVFirstToken:
     token: int
 
 
-KVTransferResult = KVReceived | KVReceiveFailed | KVFirstToken
+@dataclass(frozen=True)
+class KVSendCancelled:
+    """The push of a prefill request's KV was cancelled (the receiver gave up, the
+    router cancelled it): a prefill still computing stops. Its blocks stay held while
+    WRITEs from them may still land (`KVSendEnded` frees them)."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class KVSendEnded:
+    """Nothing more of the push of a prefill request's KV can land: its held blocks are
+    freed; a prefill still computing (its push failed first) stops, since its KV would
+    go nowhere."""
+
+    request_id: str
+
+
+KVTransferResult = KVReceived | KVReceiveFailed | KVFirstToken | KVSendCancelled | KVSendEnded
 """What a connector's worker side reports about its transfers; the engine applies them
 at the start of its next step (`Scheduler.apply_kv_results`)."""
 
@@ -240,6 +258,8 @@ __all__ = [
     "KVFirstToken",
     "KVReceiveFailed",
     "KVReceived",
+    "KVSendCancelled",
+    "KVSendEnded",
     "KVTransferResult",
     "RemoteKVAllocation",
     "ScheduledSeq",

@@ -65,6 +65,12 @@ class PrefillConnector(KVConnector):
         assert isinstance(meta, PushPlan)
         self.sender.wait_for_save(meta)
 
+    def get_finished(self) -> list[KVTransferResult]:
+        return self.sender.take_finished()
+
+    def has_pending_work(self) -> bool:
+        return self.sender.has_pending_work()
+
 
 @dataclass
 class RemoteKVLoads(KVConnectorMetadata):

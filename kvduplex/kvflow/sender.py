@@ -63,6 +63,9 @@ from dataclasses import dataclass
 from functools import partial
 
 from kvduplex.engine.connector import EngineHandle
+from kvduplex.engine.scheduler_output import KVSendCancelled
+from kvduplex.engine.scheduler_output import KVSendEnded
+from kvduplex.engine.scheduler_output import KVTransferResult
 from kvduplex.kvflow.half import FlowHalf
 from kvduplex.kvflow.machines.actions import AcquireBlocks
 from kvduplex.kvflow.machines.actions import Log
@@ -181,6 +184,7 @@ class KVSender(FlowHalf):
         self._early: dict[str, tuple[Registration, float]] = {}  # xid -> (reg, kept until)
         self._cancelled: dict[str, float] = {}  # xid -> until when it is refused
         self._regs: list[Registration] = []  # received, not applied yet
+        self._finished: list[KVTransferResult] = []  # prefills' sends that ended
         self._notify = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-send-notify")
         self._init_flow_state()
 
@@ -241,13 +245,14 @@ class KVSender(FlowHalf):
         self.transport.disconnect(job.peer)
 
     def _do_abort_prefill(self, job: SendMachine, a: AbortPrefill) -> None:
-        self._abort_unfinished(job.xid)
+        with self._lock:
+            self._finished.append(KVSendCancelled(job.xid))
 
     def _do_release_prefill(self, job: SendMachine, a: ReleasePrefill) -> None:
-        if not self.engine.release_held(job.xid):
-            # Failed before its prefill finished (a WRITE failed, the receiver gave up):
-            # nobody would release the blocks it holds when done, and its KV goes nowhere.
-            self._abort_unfinished(job.xid)
+        # Also ends a prefill that failed before it finished (a WRITE failed, the
+        # receiver gave up): nobody would release its blocks, and its KV goes nowhere.
+        with self._lock:
+            self._finished.append(KVSendEnded(job.xid))
 
     def _do_tombstone(self, job: SendMachine, a: Tombstone) -> None:
         with self._lock:
@@ -266,10 +271,15 @@ class KVSender(FlowHalf):
     def _do_log(self, job: SendMachine, a: Log) -> None:
         logger.log(a.level, "xid=%s: %s", job.xid, a.text)
 
-    def _abort_unfinished(self, xid: str) -> None:
-        req = self.engine.get_request(xid)
-        if req is not None and not req.is_finished:
-            self.engine.abort(xid)
+    def take_finished(self) -> list[KVTransferResult]:
+        """Engine thread: what ended prefills' sends since the last call, for the step
+        to apply (a held prefill's blocks are freed, a failed one stops)."""
+        with self._lock:
+            finished, self._finished = self._finished, []
+        return finished
+
+    def has_pending_work(self) -> bool:
+        return bool(self._finished)
 
     # ---- engine thread: jobs ----
 

@@ -29,6 +29,8 @@ from kvduplex.engine.scheduler_output import KVConnectorMetadata
 from kvduplex.engine.scheduler_output import KVFirstToken
 from kvduplex.engine.scheduler_output import KVReceived
 from kvduplex.engine.scheduler_output import KVReceiveFailed
+from kvduplex.engine.scheduler_output import KVSendCancelled
+from kvduplex.engine.scheduler_output import KVSendEnded
 from kvduplex.engine.scheduler_output import KVTransferResult
 from kvduplex.engine.scheduler_output import RemoteKVAllocation
 from kvduplex.engine.scheduler_output import SchedulerOutput
@@ -190,12 +192,15 @@ def test_received_kv_and_its_first_token_come_out_of_the_next_step(tiny: LoadedM
     # 2. The worker side saw the KV arrive: nothing changes before the next step.
     conn.results.append(KVReceived("r", 42, num_remote_cached_tokens=4, num_remote_kv_bytes=99))
     assert req.status is RequestStatus.WAITING_FOR_REMOTE_KV and engine.has_unfinished()
-    # 3. The step applies it, reports the first token on its own, then decodes on.
-    outs = outputs_of(engine.step(), "r")
-    assert outs[0].new_token_ids == [42]
-    assert len(outs) == 2 and len(outs[1].new_token_ids) == 1 and not outs[1].finished
+    # 3. The step applies it and returns the first token at once, before any forward.
+    num_scheduled = len(conn.outputs)
+    (first,) = outputs_of(engine.step(), "r")
+    assert first.new_token_ids == [42] and len(conn.outputs) == num_scheduled
     assert req.num_remote_cached_tokens == 4 and req.num_remote_kv_bytes == 99
-    assert outs[0].num_remote_kv_bytes == 99 and outs[0].num_prompt_computed_here == 0
+    assert first.num_remote_kv_bytes == 99 and first.num_prompt_computed_here == 0
+    # 4. The next step decodes on.
+    (second,) = outputs_of(engine.step(), "r")
+    assert len(second.new_token_ids) == 1 and not second.finished
     rest = drain(engine)["r"]
     assert rest[-1].finished and req.num_output_tokens == GREEDY.max_tokens
     assert engine.block_pool.stats().num_in_use == 0
@@ -229,6 +234,34 @@ def test_a_result_for_an_aborted_request_is_dropped(tiny: LoadedModel) -> None:
     assert out.finished and out.finish_reason == "abort" and out.new_token_ids == []
     assert not engine.has_unfinished()
     assert engine.block_pool.stats().num_in_use == 0
+
+
+def test_a_prefills_ended_push_frees_its_held_blocks_at_the_next_step(tiny: LoadedModel) -> None:
+    """Prefill's side: the worker reports a push cancelled or ended as plain records;
+    only the next step changes requests (held blocks freed, a computing prefill stopped)."""
+    engine, conn = make_engine(tiny)
+    conn.hold.add("pushed")
+    drain_one(engine, Request("pushed", PROMPT, GREEDY))
+    in_use = engine.block_pool.stats().num_in_use
+    # 1. Cancelled after its prefill finished: its WRITEs may still land, blocks stay held.
+    conn.results.append(KVSendCancelled("pushed"))
+    assert engine.step() == [] and engine.scheduler.num_held == 1
+    assert engine.block_pool.stats().num_in_use == in_use
+    # 2. Nothing can land any more: freed by the next step, not before.
+    conn.results.append(KVSendEnded("pushed"))
+    assert engine.scheduler.num_held == 1
+    engine.step()
+    assert engine.scheduler.num_held == 0 and engine.block_pool.stats().num_in_use == 0
+    # 3. A push that ends (or is cancelled) while its prefill computes stops the prefill.
+    for rid, result in (("ended", KVSendEnded("ended")), ("cancelled", KVSendCancelled("cancelled"))):
+        long = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+        engine.add_request(Request(rid, PROMPT, long))
+        engine.step()
+        conn.results.append(result)
+        (out,) = outputs_of(engine.step(), rid)
+        assert out.finished and out.finish_reason == "abort"
+        assert conn.finished[-1][:2] == (rid, FinishReason.ABORT)
+    assert not engine.has_unfinished() and engine.block_pool.stats().num_in_use == 0
 
 
 # ---- request_finished ----

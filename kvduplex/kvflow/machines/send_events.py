@@ -218,12 +218,14 @@ class Refuse:
 
 @dataclass(frozen=True)
 class AbortPrefill:
-    """Push: abort the prefill request ``xid`` if it is still running."""
+    """Push: the prefill request ``xid`` stops if it is still running (the adapter
+    reports it to the engine's next step)."""
 
 
 @dataclass(frozen=True)
 class ReleasePrefill:
-    """Push, once forgotten: release the prefill's held blocks, or abort it if unfinished."""
+    """Push, once forgotten: the prefill's held blocks are freed, or it stops if
+    unfinished (the adapter reports it to the engine's next step)."""
 
 
 @dataclass(frozen=True)
