@@ -55,6 +55,13 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
+    def store_transposed(self) -> None:
+        """Keep the weight's shape ``(out, in)`` but store it column-major, so that
+        ``F.linear`` multiplies by a row-major ``(in, out)`` matrix: on CPU, MKL's
+        sgemm for a few rows (a decode batch) runs faster that way."""
+        if self.weight.is_contiguous():
+            self.weight.data = self.weight.data.t().contiguous().t()
+
 
 class Embedding(nn.Module):
     """Token embedding table, allocated uninitialised."""

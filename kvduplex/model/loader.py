@@ -28,6 +28,7 @@ from kvduplex.config import ModelLoadConfig
 from kvduplex.engine.kv_cache import dtype_from_name
 from kvduplex.model.config import DecoderConfig
 from kvduplex.model.decoder import DecoderForCausalLM
+from kvduplex.model.decoder import Linear
 from kvduplex.model.decoder import fused_shard_rows
 from kvduplex.model.decoder import hf_weight_target
 from kvduplex.model.presets import PRESETS
@@ -111,6 +112,10 @@ def load_model(cfg: ModelLoadConfig) -> LoadedModel:
         source = "files:" + ",".join(f"{f.name}={f.stat().st_size}" for f in files)
     tokenizer = load_tokenizer(cfg.model)
     model.eval()
+    if device.type == "cpu":
+        for module in model.modules():
+            if isinstance(module, Linear):
+                module.store_transposed()
     identity = model_identity(config, dtype, source)
     logger.info(
         "loaded model %s (%s, %d layers, %s on %s)", name, config.architecture,
