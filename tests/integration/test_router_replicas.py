@@ -149,20 +149,19 @@ def test_replicas_that_share_nothing_keep_a_sessions_turns_where_its_history_is(
         want_p = rendezvous.rank(session, fleet.prefill, str)[0]
         want_d = rendezvous.rank(session, fleet.decode, str)[0]
         history = [rng.randrange(1, 250) for _ in range(40 + rng.randrange(30))]
+        # The previous prompt, and its answer but the last token, up to a full block: in
+        # prefill's cache whichever router served the previous turn.
+        returned = 0
         for turn in range(4):
             before = fleet.served()
             got, cached = _complete(routers[turn % 2], history, session)
             assert _moved(before, fleet.served()) == {want_p, want_d}, (session, turn)
             want, _ = _complete(fleet.reference, history, f"ref-{session}")
             assert got == want, (session, turn)
-            if turn > 0:
-                # The previous prompt, and its answer but the last token, up to a full
-                # block: in prefill's cache whichever router served the previous turn.
-                returned = (prev_len + len(prev_answer) - 1) // BS * BS
-                assert cached >= returned, (session, turn, cached, returned)
+            assert cached >= returned, (session, turn, cached, returned)
             num_offered += 1
             wait_until(lambda n=num_offered: _returns_settled(fleet, n), 30, "the return")
-            prev_len, prev_answer = len(history), got
+            returned = (len(history) + len(got) - 1) // BS * BS
             history = [*history, *got, *(rng.randrange(1, 250) for _ in range(10))]
 
 

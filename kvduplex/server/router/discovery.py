@@ -111,19 +111,18 @@ class DnsSet:
     """URLs whose /health named another role (logged once, asked again each round)."""
 
 
+@dataclass
 class Discovery:
     """Keeps the pools' instances as their DNS names say (see the module docstring)."""
 
-    def __init__(
-        self, sets: list[DnsSet], resolve: Resolve, client: httpx.AsyncClient, timeout_s: float
-    ) -> None:
-        self.sets = sets
-        self.resolve = resolve
-        self.client = client
-        """For the /health of addresses that appear (the router's probe client)."""
-        self.timeout_s = timeout_s
-        self.num_rounds = 0
-        """Rounds done; the router is not ready before the first."""
+    sets: list[DnsSet]
+    resolve: Resolve
+    client: httpx.AsyncClient
+    """For the /health of addresses that appear (the router's probe client)."""
+    timeout_s: float
+    """Deadline of one such /health."""
+    num_rounds: int = 0
+    """Rounds done; the router is not ready before the first."""
 
     @classmethod
     def try_from_config(
