@@ -322,8 +322,9 @@ class RouterConfig:
     max_sessions: int = 100_000
     """Most sessions remembered; the least recently used is forgotten first."""
     session_busy_margin: int = 2
-    """A session's next turn leaves its instance when that one has more than this many
-    requests in flight beyond the least busy one."""
+    """A session's next turn leaves its instance (a named session's: the first of its
+    rendezvous rank, for the next) when that one has more than this many requests in
+    flight beyond the least busy one."""
     load_half_life_s: float = 30.0
     """Half-life of the count of recent assignments that spreads new sessions."""
     health_interval_s: float = 2.0

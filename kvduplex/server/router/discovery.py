@@ -22,7 +22,8 @@ address that is one of them is not added twice.
 
 Resolution never blocks the event loop: `DnsResolver` asks over asyncio
 (dnspython), the system's servers (/etc/resolv.conf, its search domains
-included) or ``--dns-server``. Tests inject any `Resolve` function.
+included; /etc/hosts is not read) or ``--dns-server``. Tests inject any
+`Resolve` function.
 """
 
 from __future__ import annotations

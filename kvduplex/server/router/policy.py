@@ -320,8 +320,9 @@ class RoutingPolicy:
         """Choose P (if there are prefill instances) and D for a request with prompt `ids`.
 
         `session_key` is the client's name for the session (its instances are then
-        its rendezvous choice); without one the session is recognised by its prompt. Counts the request as in flight
-        on both; the caller reports back with `prefill_done` / `decode_done`.
+        its rendezvous choice); without one the session is recognised by its prompt.
+        Counts the request as in flight on both; the caller reports back with
+        `prefill_done` / `decode_done`.
         Without a healthy prefill instance the route has none (decode computes
         the prompt); raises `NoHealthyInstance` without a healthy decode instance.
         """
