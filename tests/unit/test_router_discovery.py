@@ -19,6 +19,7 @@ from kvduplex.server.router.app import create_router_app
 from kvduplex.server.router.discovery import DnsResolver
 from kvduplex.server.router.discovery import ResolveFailed
 from kvduplex.server.router.discovery import instance_url
+from kvduplex.server.router.discovery import run_discovery
 from kvduplex.server.router.state import RouterState
 from tests.dns_server import StaticDns
 from tests.unit.test_router import _metric
@@ -200,3 +201,34 @@ def test_the_dns_resolver_reads_a_and_aaaa_records_and_tells_failures() -> None:
     silent = DnsResolver(f"127.0.0.1:{port}", timeout_s=0.3)  # nothing answers there now
     with pytest.raises(ResolveFailed):
         asyncio.run(silent("decode.kv.svc"))
+
+
+def test_a_round_that_fails_unexpectedly_is_logged_and_the_next_one_runs(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A resolver answer that is not an address: the round fails, logged; discovery goes
+    on and the next round, with a good answer, adds the instance."""
+    fleet = Fleet()
+    fleet.roles = {"10.0.1.1": "decode"}
+    answers = [{"not-an-address"}, {"10.0.1.1"}]
+
+    async def resolve(name: str) -> set[str]:
+        return answers.pop(0) if len(answers) > 1 else answers[0]
+
+    cfg = RouterConfig(decode_dns=f"{DECODE_NAME}:8001", dns_interval_s=0.01)
+    state = RouterState.create(
+        cfg, ByteTokenizer(), transport=httpx.MockTransport(fleet.handle), resolve=resolve
+    )
+    assert state.discovery is not None
+    discovery = state.discovery
+
+    async def until_added() -> None:
+        rounds = asyncio.create_task(run_discovery(discovery, interval_s=0.01))
+        while not state.policy.decode.backends:
+            await asyncio.sleep(0.01)
+        rounds.cancel()
+
+    with caplog.at_level(logging.ERROR, logger="kvduplex.server.router.discovery"):
+        asyncio.run(asyncio.wait_for(until_added(), timeout=10))
+    assert "DNS discovery round failed" in caplog.text
+    assert [b.url for b in state.policy.decode.backends] == ["http://10.0.1.1:8001"]

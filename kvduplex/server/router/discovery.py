@@ -207,9 +207,13 @@ class Discovery:
 
 
 async def run_discovery(discovery: Discovery, interval_s: float) -> None:
-    """Discovery rounds every `interval_s` (the first at once) until cancelled."""
+    """Discovery rounds every `interval_s` (the first at once) until cancelled. A round
+    that fails unexpectedly is logged and leaves the instances as they were."""
     loop = asyncio.get_running_loop()
     while True:
         started = loop.time()
-        await discovery.run_round()
+        try:
+            await discovery.run_round()
+        except Exception:
+            logger.exception("DNS discovery round failed; the instances stay as they were")
         await asyncio.sleep(max(0.0, interval_s - (loop.time() - started)))
