@@ -13,9 +13,11 @@ are read here (`Environment`); every flag of serve, router and up is also
 from __future__ import annotations
 
 import enum
+import ipaddress
 import os
 from dataclasses import dataclass
 from dataclasses import field
+from urllib.parse import urlsplit
 
 from kvduplex.openai.reasoning import REASONING_PARSERS
 from kvduplex.openai.tool_parsers import TOOL_CALL_PARSERS
@@ -269,6 +271,23 @@ class ServerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
+def host_and_port(text: str, what: str, default_port: int | None = None) -> tuple[str, int]:
+    """`text` as HOST:PORT (an IPv6 address in brackets; PORT may be left out where
+    `default_port` is given); a ValueError naming `what` if it is not one."""
+    form = "HOST:PORT" if default_port is None else "HOST or HOST:PORT"
+    problem = ValueError(f"{what} must be {form} (e.g. kvduplex-decode-headless:8000), got {text!r}")
+    try:
+        parts = urlsplit("//" + text)
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        raise problem from None
+    if port is None and not text.endswith(":"):
+        port = default_port
+    if not host or not port or parts.path or parts.query or parts.fragment or parts.username:
+        raise problem
+    return host, port
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     """The router: the OpenAI front door over prefill and decode instances."""
@@ -277,6 +296,19 @@ class RouterConfig:
     """Prefill instance URLs (none: decode instances compute whole requests)."""
     decode: tuple[str, ...] = ()
     """Decode instance URLs."""
+    prefill_dns: str = ""
+    """NAME:PORT: every address of DNS name NAME (its A and AAAA records, as a Kubernetes
+    headless Service gives) is a prefill instance on PORT, re-resolved every
+    --dns-interval-s; with or instead of --prefill."""
+    decode_dns: str = ""
+    """NAME:PORT: every address of DNS name NAME is a decode instance on PORT (as
+    --prefill-dns); with or instead of --decode."""
+    dns_interval_s: float = 5.0
+    """Seconds between resolutions of --prefill-dns and --decode-dns: an address that
+    appears joins once its /health names the role, one that is gone leaves."""
+    dns_server: str = ""
+    """IP or IP:PORT of the DNS server that --prefill-dns and --decode-dns ask (empty: the
+    system's, in /etc/resolv.conf)."""
     mode: TransferMode = TransferMode.PUSH
     """KV transfer: push (prefill writes layer by layer) or pull (decode reads after)."""
     model: str = "tiny"
@@ -290,8 +322,9 @@ class RouterConfig:
     max_sessions: int = 100_000
     """Most sessions remembered; the least recently used is forgotten first."""
     session_busy_margin: int = 2
-    """A session's next turn leaves its instance when that one has more than this many
-    requests in flight beyond the least busy one."""
+    """A session's next turn leaves its instance (a named session's: the first of its
+    rendezvous rank, for the next) when that one has more than this many requests in
+    flight beyond the least busy one."""
     load_half_life_s: float = 30.0
     """Half-life of the count of recent assignments that spreads new sessions."""
     health_interval_s: float = 2.0
@@ -343,14 +376,17 @@ class RouterConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefill", tuple(u.rstrip("/") for u in self.prefill))
         object.__setattr__(self, "decode", tuple(u.rstrip("/") for u in self.decode))
-        if not self.decode:
-            raise ValueError("give at least one --decode URL")
+        if not self.decode and not self.decode_dns:
+            raise ValueError("give at least one --decode URL, or --decode-dns NAME:PORT")
         for url in (*self.prefill, *self.decode):
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"instance URLs start with http:// or https://, got {url!r}")
+        self._check_dns()
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        for name in ("session_ttl_s", "load_half_life_s", "health_interval_s", "health_timeout_s"):
+        positive = ("session_ttl_s", "load_half_life_s", "health_interval_s", "health_timeout_s",
+                    "dns_interval_s")  # fmt: skip
+        for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         lows = (("health_failures", 1), ("max_sessions", 1), ("max_body_mb", 1),
@@ -362,6 +398,17 @@ class RouterConfig:
             raise ValueError(
                 f"short_append_tokens must be >= 0 (0 = off), got {self.short_append_tokens}"
             )
+
+    def _check_dns(self) -> None:
+        for name in ("prefill_dns", "decode_dns"):
+            if getattr(self, name):
+                host_and_port(getattr(self, name), name)
+        if self.dns_server:
+            host, _ = host_and_port(self.dns_server, "dns_server", default_port=53)
+            try:
+                ipaddress.ip_address(host)
+            except ValueError:
+                raise ValueError(f"dns_server is an IP address, got {host!r}") from None
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,8 @@ logger = logging.getLogger("kvduplex")
 _ENGINE_SECTIONS = (ModelLoadConfig, CacheConfig, SchedulerConfig, TransferConfig)
 _UP_ROUTER_SKIP = (
     "prefill", "decode", "mode", "model", "host", "port", "log_level", "api_key",
-    "cluster_secret_file", "drain_timeout_s",
+    "cluster_secret_file", "drain_timeout_s", "prefill_dns", "decode_dns", "dns_interval_s",
+    "dns_server",
 )  # fmt: skip
 """Router flags that `kvduplex up` sets itself (its local demo cluster has no API key);
 it passes the others through."""

@@ -5,9 +5,9 @@ by deploy/kubernetes/render.sh with ``kubectl kustomize``), so no cluster and no
 are needed; where kubectl is installed, the rendered files must match the overlays.
 What is checked against the code: every flag in a container's args is one the command
 takes; the probe and scrape paths are routes the apps serve; ports, config keys, the
-config and secret paths, the Secret's keys and the instance URLs agree with each other;
-the grace period covers the drain; and every metric the Grafana dashboard queries is
-one the code defines.
+config and secret paths, the Secret's keys and the instances' DNS names agree with each
+other; the grace period covers the drain; and every metric the Grafana dashboard
+queries is one the code defines.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from kvduplex.config import RouterConfig
 from kvduplex.config import SchedulerConfig
 from kvduplex.config import ServerConfig
 from kvduplex.config import TransferConfig
+from kvduplex.config import host_and_port
 from kvduplex.engine.metrics import EngineMetrics
 from kvduplex.kvflow.metrics import KVFlowMetrics
 from kvduplex.model.tokenizer import ByteTokenizer
@@ -280,18 +281,17 @@ def test_router_reaches_each_set_through_its_headless_service(overlay: str) -> N
     deps = dict(deployments(docs))
     values = flag_values(container(deps["router"])["args"])
     for role in ("prefill", "decode"):
-        (url,) = values[f"--{role}"]
-        parsed = httpx.URL(url)
-        service = services[parsed.host]
-        assert parsed.host == f"kvduplex-{role}-headless"
+        assert f"--{role}" not in values, "instances are found by DNS, not listed"
+        name, dns_port = host_and_port(the(values, f"--{role}-dns"), f"{role}_dns")
+        service = services[name]
+        assert name == f"kvduplex-{role}-headless"
         assert service["spec"]["clusterIP"] == "None"
+        assert not service["spec"].get("publishNotReadyAddresses"), "ready pods only"
         assert service["spec"]["selector"]["app.kubernetes.io/component"] == role
         (port,) = service["spec"]["ports"]
-        assert port["port"] == parsed.port and port["targetPort"] == "http"
+        assert port["port"] == dns_port and port["targetPort"] == "http"
         instance_port = int(the(flag_values(container(deps[role])["args"]), "--port"))
-        assert parsed.port == instance_port
-        # One replica per set while the router lists instances by URL.
-        assert deps[role]["spec"]["replicas"] == 1
+        assert dns_port == instance_port
     assert deps["router"]["spec"]["replicas"] == 2
     front = services["kvduplex-router"]["spec"]
     assert front["selector"]["app.kubernetes.io/component"] == "router"

@@ -92,6 +92,22 @@ def test_named_session_sticks_unless_much_busier() -> None:
     _done(policy, moved)
     p.in_flight -= extra + 1
     back = policy.route([*_turn1(0), 5, 5, 6, 7], "alice")
+    assert back.prefill is p, "not busier any more: back to its rendezvous choice"
+
+
+def test_a_session_recognised_by_its_prompt_follows_its_move() -> None:
+    policy, _ = _policy(2, 2, busy_margin=0)
+    first = policy.route(_turn1(0), None)
+    _done(policy, first)
+    p = first.prefill
+    assert p is not None
+    p.in_flight += 1  # busier than the least by one: past the margin
+    moved = policy.route([*_turn1(0), 5, 5], None)
+    assert moved.is_session_hit and moved.prefill is not p
+    _done(policy, moved)
+    p.in_flight -= 1
+    back = policy.route([*_turn1(0), 5, 5, 6], None)
+    assert back.session_id == first.session_id
     assert back.prefill is moved.prefill, "the session moved: its next turn follows"
 
 

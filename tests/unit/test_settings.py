@@ -98,6 +98,23 @@ def test_router_takes_its_instances_and_secret_file_from_a_file(tmp_path: Path) 
     assert config.decode == ("http://x:2",)
 
 
+def test_router_finds_its_instances_by_dns_from_each_layer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = write(
+        tmp_path, "router.yaml",
+        "prefill_dns: kvduplex-prefill-headless:8000\ndns_interval_s: 2.5\n",
+    )  # fmt: skip
+    monkeypatch.setenv("KVDUPLEX_DECODE_DNS", "kvduplex-decode-headless:8000")
+    config = router_config(parse_args(["router", "--config", cfg, "--dns-server", "10.0.0.10"]))
+    assert config.prefill_dns == "kvduplex-prefill-headless:8000"
+    assert config.decode_dns == "kvduplex-decode-headless:8000" and config.decode == ()
+    assert (config.dns_interval_s, config.dns_server) == (2.5, "10.0.0.10")
+    monkeypatch.setenv("KVDUPLEX_DECODE_DNS", "kvduplex-decode-headless")
+    with pytest.raises(ValueError, match="decode_dns must be HOST:PORT"):
+        router_config(parse_args(["router"]))
+
+
 def test_router_without_decode_anywhere_says_so() -> None:
     with pytest.raises(ValueError, match="--decode"):
         router_config(parse_args(["router"]))

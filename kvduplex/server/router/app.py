@@ -66,6 +66,7 @@ from kvduplex.server.drain import DrainingServer
 from kvduplex.server.drain import exit_code
 from kvduplex.server.guard import BodyCap
 from kvduplex.server.router.calls import until_unhealthy
+from kvduplex.server.router.discovery import run_discovery
 from kvduplex.server.router.flows import DecodeUnreachable
 from kvduplex.server.router.flows import Forward
 from kvduplex.server.router.flows import is_short_append
@@ -215,27 +216,38 @@ def _sessions(state: RouterState, raw: Request, limit: int) -> JSONResponse:
     })  # fmt: skip
 
 
+def _start_background(state: RouterState) -> list[asyncio.Task[None]]:
+    """The lifespan's tasks: the health prober and, with DNS names, the discovery."""
+    config = state.config
+    prober = run_prober(
+        state.probe_client, state.policy, config.health_interval_s, config.health_timeout_s,
+        on_round=state.note_probe_round,
+    )  # fmt: skip
+    tasks = [asyncio.create_task(prober)]
+    if state.discovery is not None:
+        tasks.append(asyncio.create_task(run_discovery(state.discovery, config.dns_interval_s)))
+    return tasks
+
+
+async def _stop_background(tasks: list[asyncio.Task[None]]) -> None:
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
 def create_router_app(state: RouterState) -> FastAPI:
-    """The router's app; its lifespan runs the health prober and closes the client."""
+    """The router's app; its lifespan runs the health prober (and the DNS discovery) and
+    closes the clients."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        config = state.config
-        prober = asyncio.create_task(
-            run_prober(
-                state.probe_client,
-                state.policy,
-                config.health_interval_s,
-                config.health_timeout_s,
-                on_round=state.note_probe_round,
-            )
-        )
+        tasks = _start_background(state)
         try:
             yield
         finally:
-            prober.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await prober
+            await _stop_background(tasks)
             await state.client.aclose()
             await state.probe_client.aclose()
 
@@ -300,13 +312,23 @@ def create_router_app(state: RouterState) -> FastAPI:
     return app
 
 
+def _dns_note(target: str, config: RouterConfig) -> str:
+    """For the start log: `target`'s DNS discovery, if any."""
+    if not target:
+        return ""
+    server = config.dns_server or "the system's DNS"
+    return f" and DNS {target} (via {server}, every {config.dns_interval_s:g} s)"
+
+
 def serve_router(config: RouterConfig) -> int:
     """Serve until a signal, draining first (`kvduplex.server.drain`); the exit code."""
     state = RouterState.create(config, load_tokenizer(config.model))
     logger.info(
-        "router (%s) on http://%s:%d: prefill %s, decode %s; sessions: ttl %.0f s, at most %d; "
-        "return %s, short appends up to %d tokens; health probes every %.1f s; API key %s",
-        config.mode.value, config.host, config.port, list(config.prefill), list(config.decode),
+        "router (%s) on http://%s:%d: prefill %s%s, decode %s%s; sessions: ttl %.0f s, at most "
+        "%d; return %s, short appends up to %d tokens; health probes every %.1f s; API key %s",
+        config.mode.value, config.host, config.port,
+        list(config.prefill), _dns_note(config.prefill_dns, config),
+        list(config.decode), _dns_note(config.decode_dns, config),
         config.session_ttl_s, config.max_sessions, config.return_mode.value,
         config.short_append_tokens, config.health_interval_s,
         "required" if state.api_key else "not set (open)",

@@ -51,7 +51,7 @@ async def probe(
             resp = await client.get(b.url + "/health", timeout=timeout_s)
         is_ok, why = resp.status_code == 200, f"HTTP {resp.status_code}"
         if is_ok:
-            _note_health(b, resp)
+            note_health(b, resp)
         elif is_draining(resp):
             _note_draining(pool, b, policy.clock())
             return
@@ -89,7 +89,7 @@ def _note_draining(pool: BackendPool, b: Backend, now: float) -> None:
     b.num_failed_probes = 0
 
 
-def _note_health(b: Backend, resp: httpx.Response) -> None:
+def note_health(b: Backend, resp: httpx.Response) -> None:
     """Keep what a good probe's body says: ``max_model_len``, ``engine_id``, ``block_size``."""
     try:
         body = resp.json()

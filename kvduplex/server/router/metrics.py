@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeHistogramMetricFamily
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvduplex.metrics import MetricFactory
@@ -26,8 +27,9 @@ HIT_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
 
 
 class RouterMetrics:
-    """Session hits and misses, requests by flow, sessions remembered, instance health,
-    requests routed again, streams ended by an error and first tokens that diverged."""
+    """Session hits and misses, requests by flow, sessions remembered, instance health
+    (`InstanceHealth`), requests routed again, streams ended by an error and first tokens
+    that diverged."""
 
     def __init__(self, registry: CollectorRegistry, policy: RoutingPolicy) -> None:
         m = MetricFactory(registry, "kvduplex_router_")
@@ -43,16 +45,7 @@ class RouterMetrics:
         )
         self.sessions = m.gauge("sessions", "Sessions the router remembers.")
         self.sessions.set_function(lambda: len(policy.sessions))
-        self.instance_healthy = m.gauge(
-            "instance_healthy",
-            "1 while the router sends new work to the instance, else 0 (a failed connection, "
-            "or failed probes in a row, until a later probe succeeds; not a 5xx answer).",
-            ["url", "role"],
-        )
-        for role, pool in (("prefill", policy.prefill), ("decode", policy.decode)):
-            for b in pool.backends:
-                child = self.instance_healthy.labels(url=b.url, role=role)
-                child.set_function(lambda b=b: float(b.is_healthy))  # type: ignore[misc]
+        registry.register(InstanceHealth(policy))
         self.rerouted = m.counter(
             "rerouted",
             "Requests sent to another decode instance because theirs could not be reached.",
@@ -99,6 +92,26 @@ class RouterMetrics:
         self.answer_tokens.labels(outcome="hit").inc(num_hit)
         self.answer_tokens.labels(outcome="miss").inc(num_returnable - num_hit)
         self.answer_hit.observe(num_hit / num_returnable)
+
+
+class InstanceHealth(Collector):
+    """``kvduplex_router_instance_healthy``: each instance the router knows now (given by
+    URL or discovered by DNS), computed at each scrape."""
+
+    def __init__(self, policy: RoutingPolicy) -> None:
+        self.policy = policy
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "kvduplex_router_instance_healthy",
+            "1 while the router sends new work to the instance, else 0 (a failed connection, "
+            "or failed probes in a row, until a later probe succeeds; not a 5xx answer).",
+            labels=["url", "role"],
+        )
+        for role, pool in (("prefill", self.policy.prefill), ("decode", self.policy.decode)):
+            for b in pool.backends:
+                family.add_metric([b.url, role], float(b.is_healthy))
+        yield family
 
 
 class SessionHitRates(Collector):

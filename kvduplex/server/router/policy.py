@@ -1,18 +1,34 @@
 """Which prefill (P) and decode (D) instance serves a request.
 
-Design note. A turn of a known session goes back to the P and D that served
-the session's last turn, where its history is cached, unless that instance is
-much busier than the least busy one (more than `busy_margin` requests in
-flight beyond it) or unhealthy; then it goes where a new session would, and
-the session moves there.
+Design note. A session the client names (``X-Session-Id``, ``prompt_cache_key``)
+goes to its rendezvous choice (`rendezvous`): the healthy instance that its id
+ranks first, so that every router replica, and a router after its restart, sends
+its turns to the P and D that hold its history without sharing memory. Load is the
+escape: when that instance is much busier than the least busy one (more than
+`busy_margin` requests in flight beyond it), the turn goes to the next in the
+session's rank that is not, which replicas that see the same loads agree on too;
+the next turn goes back to the first once it is not. An instance that leaves (or
+turns unhealthy) moves only the sessions that ranked it first; one that joins
+takes only those that rank it first (about 1/n of them), which recompute their
+history there once.
 
-A new session goes to the least loaded instance. Load is what the router
+A session the router recognises by its prompt (no name) is the router's own: its
+next turn goes back to the P and D that served its last turn, where its history
+is cached, unless that instance is much busier than the least busy one (as
+above) or unhealthy; then it goes where a new session would, and the session
+moves there.
+
+A new unnamed session goes to the least loaded instance. Load is what the router
 itself assigned: requests in flight (counted from the moment of choosing,
 so requests that arrive together see each other) plus a count of recent
 assignments that decays with a half-life, so sessions that will come back
 spread as well as the requests of the moment. Equal loads are broken
 round-robin. The prompt's prefix alone never attracts a new session: a
 system prompt shared by every conversation would send them all to one place.
+
+Members. The pools start with the configured URLs; discovery (`discovery`) adds
+and removes instances as DNS answers change (`BackendPool.add`, `remove`). One
+removed gets no new work; its calls in flight end as they would have.
 
 Health. An instance is unhealthy from a failed call (unreachable, or its
 connection failed) or from `health_failures` failed probes of its /health in
@@ -42,6 +58,7 @@ from dataclasses import dataclass
 from dataclasses import field
 
 from kvduplex.config import RouterConfig
+from kvduplex.server.router import rendezvous
 from kvduplex.server.router.sessions import Session
 from kvduplex.server.router.sessions import SessionTable
 
@@ -123,6 +140,10 @@ def _no_watch() -> None:
     pass
 
 
+def _url(b: Backend) -> str:
+    return b.url
+
+
 class BackendPool:
     """The instances of one role, their load and the round-robin cursor that breaks ties."""
 
@@ -135,6 +156,25 @@ class BackendPool:
 
     def by_url(self, url: str | None) -> Backend | None:
         return None if url is None or url not in self._index else self.backends[self._index[url]]
+
+    def add(self, backend: Backend) -> None:
+        """`backend` joins the pool (an instance discovered); its URL must be new to it."""
+        if backend.url in self._index:
+            raise ValueError(f"{backend.url} is already an instance of this pool")
+        self._index[backend.url] = len(self.backends)
+        self.backends.append(backend)
+
+    def remove(self, url: str) -> Backend | None:
+        """The instance at `url` leaves the pool (it left DNS): no new work for it, its
+        sessions go elsewhere at their next turn; its calls in flight end as they would
+        have (their routes hold it). The backend removed, or None if it was not there."""
+        b = self.by_url(url)
+        if b is None:
+            return None
+        self.backends.remove(b)
+        self._index = {x.url: i for i, x in enumerate(self.backends)}
+        self._cursor = self._cursor % len(self.backends) if self.backends else 0
+        return b
 
     def _recent(self, b: Backend, now: float) -> float:
         return b.recent * 0.5 ** (max(0.0, now - b.recent_at) / self.half_life_s)
@@ -158,6 +198,16 @@ class BackendPool:
         )
         self._cursor = (self._index[best.url] + 1) % n
         return best
+
+    def try_rendezvous(self, session_id: str, busy_margin: int) -> Backend | None:
+        """The session's instance (module docstring): the first healthy instance of its
+        rendezvous rank that is not much busier than the least busy; None if none is
+        healthy."""
+        up = self.healthy()
+        if not up:
+            return None
+        limit = min(b.in_flight for b in up) + busy_margin
+        return next(b for b in rendezvous.rank(session_id, up, _url) if b.in_flight <= limit)
 
     def can_keep(self, b: Backend, busy_margin: int) -> bool:
         """Whether a session may stay on `b`: healthy, and not much busier than the least."""
@@ -218,6 +268,8 @@ class Route:
     """The prompt holds the previous turn's answer where it left it (None: unknown)."""
     is_returning: bool = True
     """The session's turns are returned to prefill now (`sessions` module docstring)."""
+    is_named: bool = False
+    """The client named the session: its instances are its rendezvous choice."""
     prefill_open: bool = True
     decode_open: bool = True
 
@@ -237,8 +289,6 @@ class RoutingPolicy:
         health_failures: int = 2,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not decode_urls:
-            raise ValueError("give at least one decode instance")
         self.prefill = BackendPool(prefill_urls, load_half_life_s, health_failures)
         self.decode = BackendPool(decode_urls, load_half_life_s, health_failures)
         self.sessions = SessionTable(session_ttl_s, max_sessions)
@@ -269,9 +319,10 @@ class RoutingPolicy:
     def route(self, ids: Sequence[int], session_key: str | None) -> Route:
         """Choose P (if there are prefill instances) and D for a request with prompt `ids`.
 
-        `session_key` is the client's name for the session; without one the
-        session is recognised by its prompt. Counts the request as in flight
-        on both; the caller reports back with `prefill_done` / `decode_done`.
+        `session_key` is the client's name for the session (its instances are then
+        its rendezvous choice); without one the session is recognised by its prompt.
+        Counts the request as in flight on both; the caller reports back with
+        `prefill_done` / `decode_done`.
         Without a healthy prefill instance the route has none (decode computes
         the prompt); raises `NoHealthyInstance` without a healthy decode instance.
         """
@@ -288,16 +339,21 @@ class RoutingPolicy:
             session_id = session.session_id
         else:
             session_id = f"s-{uuid.uuid4().hex}"
-        prefill = self._try_choose(self.prefill, session.prefill_url if session else None, now)
-        decode = self._try_choose(self.decode, session.decode_url if session else None, now)
+        if session_key is not None:
+            prefill = self._try_rendezvous(self.prefill, session_key, now)
+            decode = self._try_rendezvous(self.decode, session_key, now)
+        else:
+            prefill = self._try_choose(self.prefill, session.prefill_url if session else None, now)
+            decode = self._try_choose(self.decode, session.decode_url if session else None, now)
         assert decode is not None  # one is healthy (checked above)
         reuses = session.reuses_answer(ids) if session is not None else None
         current = self.sessions.record(
             session_id, prefill.url if prefill else None, decode.url, ids, now, reuses
         )
         return Route(
-            session_id, session is not None, prefill, decode, session, reuses, current.is_returning
-        )
+            session_id, session is not None, prefill, decode, session, reuses, current.is_returning,
+            is_named=session_key is not None,
+        )  # fmt: skip
 
     def try_reroute(self, route: Route) -> Route | None:
         """A new route for `route`'s request after its decode instance could not be reached
@@ -305,20 +361,35 @@ class RoutingPolicy:
         instance if it is still healthy. The session moves with it. None if no decode
         instance is healthy. `route` itself is released by its caller as before."""
         now = self.clock()
-        decode = self.decode.try_least_loaded(now)
+        decode = self._try_choose_again(self.decode, route, now)
         if decode is None:
             return None
-        self.decode.assign(decode, now)
         prefill = route.prefill
-        if prefill is None or not prefill.is_healthy:
-            prefill = self.prefill.try_least_loaded(now)
-        if prefill is not None:
+        if prefill is not None and prefill.is_healthy:
             self.prefill.assign(prefill, now)
+        else:
+            prefill = self._try_choose_again(self.prefill, route, now)
         self.sessions.move(route.session_id, prefill.url if prefill else None, decode.url)
         return Route(
             route.session_id, route.is_session_hit, prefill, decode, route.previous,
-            route.reuses_answer, route.is_returning,
+            route.reuses_answer, route.is_returning, route.is_named,
         )  # fmt: skip
+
+    def _try_choose_again(self, pool: BackendPool, route: Route, now: float) -> Backend | None:
+        """`route`'s session's choice among the healthy instances left: its rendezvous
+        choice if the client named it, else the least loaded."""
+        if route.is_named:
+            return self._try_rendezvous(pool, route.session_id, now)
+        chosen = pool.try_least_loaded(now)
+        if chosen is not None:
+            pool.assign(chosen, now)
+        return chosen
+
+    def _try_rendezvous(self, pool: BackendPool, session_id: str, now: float) -> Backend | None:
+        chosen = pool.try_rendezvous(session_id, self.busy_margin)
+        if chosen is not None:
+            pool.assign(chosen, now)
+        return chosen
 
     def _try_choose(self, pool: BackendPool, pinned_url: str | None, now: float) -> Backend | None:
         pinned = pool.by_url(pinned_url)

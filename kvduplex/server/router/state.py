@@ -19,6 +19,8 @@ from kvduplex.server.auth import api_key_headers
 from kvduplex.server.auth import resolve_api_key
 from kvduplex.server.drain import DrainState
 from kvduplex.server.guard import load_cluster_secret
+from kvduplex.server.router.discovery import Discovery
+from kvduplex.server.router.discovery import Resolve
 from kvduplex.server.router.metrics import RouterMetrics
 from kvduplex.server.router.policy import RoutingPolicy
 from kvduplex.transport.trust import secret_headers
@@ -47,6 +49,8 @@ class RouterState:
     """Health probe rounds done; the router is not ready before the first."""
     drain: DrainState = field(default_factory=DrainState)
     """The drain on SIGTERM (`kvduplex.server.drain`): requests in flight, whether it drains."""
+    discovery: Discovery | None = None
+    """Instances by DNS (``--prefill-dns``, ``--decode-dns``); None: URLs only."""
 
     def note_probe_round(self) -> None:
         self.num_probe_rounds += 1
@@ -57,9 +61,12 @@ class RouterState:
             return "draining: shutting down"
         if self.num_probe_rounds == 0:
             return "the instances have not been probed yet"
+        if self.discovery is not None and self.discovery.num_rounds == 0:
+            return "the instances' DNS names have not been resolved yet"
         if not self.policy.decode.healthy():
             return "no healthy decode instance"
-        if self.policy.prefill.backends and not self.policy.prefill.healthy():
+        has_prefill = self.policy.prefill.backends or self.config.prefill_dns
+        if has_prefill and not self.policy.prefill.healthy():
             return "no healthy prefill instance"
         return None
 
@@ -71,8 +78,10 @@ class RouterState:
         *,
         transport: httpx.AsyncBaseTransport | None = None,
         clock: Callable[[], float] = time.monotonic,
+        resolve: Resolve | None = None,
     ) -> RouterState:
-        """`transport` replaces the network (tests); `clock` the policy's clock."""
+        """`transport` replaces the network (tests); `clock` the policy's clock; `resolve`
+        DNS (tests)."""
         policy = RoutingPolicy.from_config(config, clock)
         registry = CollectorRegistry()
         env = Environment.read()
@@ -89,6 +98,7 @@ class RouterState:
         return cls(
             config, tokenizer, policy, registry, RouterMetrics(registry, policy), client,
             probe_client, api_key, drain=DrainState(timeout_s=config.drain_timeout_s),
+            discovery=Discovery.try_from_config(config, policy, probe_client, resolve),
         )  # fmt: skip
 
 
