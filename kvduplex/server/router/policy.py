@@ -218,6 +218,8 @@ class Route:
     """The prompt holds the previous turn's answer where it left it (None: unknown)."""
     is_returning: bool = True
     """The session's turns are returned to prefill now (`sessions` module docstring)."""
+    sends_reasoning: bool = False
+    """The session's client sends answers back with their reasoning (`Session`)."""
     prefill_open: bool = True
     decode_open: bool = True
 
@@ -296,8 +298,9 @@ class RoutingPolicy:
             session_id, prefill.url if prefill else None, decode.url, ids, now, reuses
         )
         return Route(
-            session_id, session is not None, prefill, decode, session, reuses, current.is_returning
-        )
+            session_id, session is not None, prefill, decode, session, reuses, current.is_returning,
+            current.sends_reasoning,
+        )  # fmt: skip
 
     def try_reroute(self, route: Route) -> Route | None:
         """A new route for `route`'s request after its decode instance could not be reached
@@ -317,7 +320,7 @@ class RoutingPolicy:
         self.sessions.move(route.session_id, prefill.url if prefill else None, decode.url)
         return Route(
             route.session_id, route.is_session_hit, prefill, decode, route.previous,
-            route.reuses_answer, route.is_returning,
+            route.reuses_answer, route.is_returning, route.sends_reasoning,
         )  # fmt: skip
 
     def _try_choose(self, pool: BackendPool, pinned_url: str | None, now: float) -> Backend | None:
