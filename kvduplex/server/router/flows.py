@@ -138,14 +138,15 @@ def _outcome(status: int) -> Outcome:
 
 def _prefill_body(fwd: Forward, xid: str, seed: int | None) -> dict[str, Any]:
     """P samples the first token with the request's own parameters (D's, on a fallback),
-    and under its grammar (structured output) when it has one."""
+    and under its grammar (structured output) when it has one; it computes the token's
+    logprobs when the request asks for them (D never sees the logits they come from)."""
     req = fwd.request
     body = {
         "xid": xid, "prompt_token_ids": fwd.ids, "temperature": req.temperature,
         "top_p": req.top_p, "top_k": req.top_k, "min_p": req.min_p,
         "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
         "repetition_penalty": req.repetition_penalty, "seed": seed,
-        "session_id": fwd.route.session_id,
+        "session_id": fwd.route.session_id, "logprobs": req.num_logprobs(),
     }  # fmt: skip
     spec = structured.grammar_spec_of(req)
     if spec is not None:
@@ -345,16 +346,9 @@ def is_short_append(state: RouterState, fwd: Forward) -> bool:
     return 0 < num_new <= limit
 
 
-def wants_logprobs(fwd: Forward) -> bool:
-    """The request asks for logprobs. In push mode prefill samples the first token, whose
-    logits decode never sees: such a request is served by decode alone, as a short append
-    is (its turn still returns to prefill)."""
-    return fwd.request.num_logprobs() is not None
-
-
 async def serve_short_append(state: RouterState, fwd: Forward) -> Response:
     """Decode alone computes the turn over its cached history, then returns it to prefill
-    (a short append, or a request asking for logprobs: `wants_logprobs`)."""
+    (a short append)."""
     p = fwd.route.prefill
     assert p is not None
     state.policy.prefill_done(fwd.route, Outcome.OK)  # not called: nothing to say of it
