@@ -164,8 +164,14 @@ class ChatConversation:
             self.messages = [{"role": "system", "content": self.system}]
 
     def next_request(self, new_input: str, max_tokens: int) -> Request:
+        body = self._next_body(new_input, max_tokens)
+        return Request("/v1/chat/completions", body, {"X-Session-Id": self.session})
+
+    def _next_body(self, new_input: str, max_tokens: int) -> dict[str, Any]:
+        """The next request's body; `new_input` is a tool's result after a call, else the
+        user's message."""
         last = self.messages[-1]
-        if self.use_tools and last["role"] == "assistant" and last.get("tool_calls"):
+        if last["role"] == "assistant" and last.get("tool_calls"):
             call_id = last["tool_calls"][0]["id"]
             self.messages.append({"role": "tool", "tool_call_id": call_id, "content": new_input})
         else:
@@ -173,7 +179,7 @@ class ChatConversation:
         body = {**_common(self.model, self.session, max_tokens), "messages": list(self.messages)}
         if self.use_tools:
             body["tools"] = tool_definitions()
-        return Request("/v1/chat/completions", body, {"X-Session-Id": self.session})
+        return body
 
     def add_answer(
         self, text: str, token_ids: list[int], message: dict[str, Any] | None = None
@@ -191,28 +197,15 @@ class ChatConversation:
 
 
 @dataclass
-class AgentConversation:
+class AgentConversation(ChatConversation):
     """An agent's tool loop (see the module docstring): even turns force a call, sent back
     as received with its result; odd turns answer freely, sent back without reasoning."""
 
-    model: str
-    session: str
-    system: str
-    messages: list[dict[str, Any]] = field(default_factory=list)
+    use_tools: bool = True
     num_turns: int = 0
 
-    def __post_init__(self) -> None:
-        if not self.messages:
-            self.messages = [{"role": "system", "content": self.system}]
-
-    def next_request(self, new_input: str, max_tokens: int) -> Request:
-        last = self.messages[-1]
-        if last["role"] == "assistant" and last.get("tool_calls"):
-            call_id = last["tool_calls"][0]["id"]
-            self.messages.append({"role": "tool", "tool_call_id": call_id, "content": new_input})
-        else:
-            self.messages.append({"role": "user", "content": new_input})
-        body = {**_common(self.model, self.session, max_tokens), "messages": list(self.messages)}
+    def _next_body(self, new_input: str, max_tokens: int) -> dict[str, Any]:
+        body = super()._next_body(new_input, max_tokens)
         body["tools"] = tool_definitions(AGENT_COMMAND_CHARS)
         if self.num_turns % 2 == 0:  # one call, written under the tool's grammar
             body.update(tool_choice="required", parallel_tool_calls=False)
@@ -220,7 +213,7 @@ class AgentConversation:
         else:
             body["tool_choice"] = "none"
         self.num_turns += 1
-        return Request("/v1/chat/completions", body, {"X-Session-Id": self.session})
+        return body
 
     def add_answer(
         self, text: str, token_ids: list[int], message: dict[str, Any] | None = None
