@@ -207,3 +207,31 @@ def test_reasoning_the_client_strips_is_never_returned_and_whole_answers_are_hit
     assert view and view[0]["is_returning"] and view[0]["answer_hit_rate"] == 1.0, view
     for url in (rig.prefill, rig.decode, rig.reference):
         assert_pool_clean(url)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_of_a_parsed_answer_through_push_match_colocated(rig: Rig, stream: bool) -> None:
+    """Every token of an answer the router parses (all reasoning) has its logprobs entry,
+    the first one (prefill's) included, as on a colocated instance with the same parser."""
+    body = {"model": "tiny", "max_tokens": 12, "temperature": 1.0, "seed": 5, "min_tokens": 12,
+            "messages": [{"role": "user", "content": "Think first."}], "logprobs": True,
+            "top_logprobs": 2, "stream": stream}  # fmt: skip
+
+    def entries(url: str) -> list[dict[str, Any]]:
+        if not stream:
+            resp = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+            assert resp.status_code == 200, resp.text
+            return list(resp.json()["choices"][0]["logprobs"]["content"])
+        out: list[dict[str, Any]] = []
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    for choice in json.loads(line[6:])["choices"]:
+                        out.extend((choice.get("logprobs") or {}).get("content") or [])
+        return out
+
+    got, want = entries(rig.router), entries(rig.reference)
+    assert len(got) == len(want) == 12
+    for g, w in zip(got, want, strict=True):
+        assert g["token"] == w["token"] and abs(g["logprob"] - w["logprob"]) <= 1e-5, (g, w)
+        assert [t["token"] for t in g["top_logprobs"]] == [t["token"] for t in w["top_logprobs"]]
