@@ -105,7 +105,7 @@ async def _run_session(
         if not res.ok:
             on_done.update(len(plan.turns) - turn.index - 1)
             break
-        conv.add_answer(res.text, res.token_ids)
+        conv.add_answer(res.text, res.token_ids, res.message)
     return records
 
 

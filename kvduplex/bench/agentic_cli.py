@@ -37,6 +37,7 @@ from kvduplex.bench.agentic_modes import kv_bytes_per_token
 from kvduplex.bench.agentic_modes import kv_cache_mb_for
 from kvduplex.bench.agentic_modes import modes_named
 from kvduplex.bench.agentic_modes import start_deployment
+from kvduplex.bench.conversation import AGENT_SERVER_FLAGS
 from kvduplex.bench.conversation import PromptForm
 from kvduplex.bench.kvmetrics import Instance
 from kvduplex.bench.kvmetrics import instance_role
@@ -65,7 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--think-max", type=float, default=d.think_time_s[1], help="seconds")
     g.add_argument("--length-scale", type=float, default=1.0, help="scales inputs and answers")
     g.add_argument("--form", default="tokens", choices=[f.value for f in PromptForm],
-                   help="token-id prompts (/v1/completions) or chat messages")  # fmt: skip
+                   help="token-id prompts (/v1/completions), chat messages, or an agent's chat "
+                   "(forced tool calls sent back as received, free answers sent back without "
+                   "their reasoning; the local modes' servers run --reasoning-parser deepseek_r1)")  # fmt: skip
     g.add_argument("--chat-plain", action="store_true",
                    help="chat without tools (assistant text, user messages)")  # fmt: skip
     g.add_argument("--repetitions", type=int, default=1, help="runs of the workload per mode")
@@ -152,7 +155,10 @@ def _run_local(args: argparse.Namespace, model: str, modes: list[ModeSpec],
         _echo(n)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvduplex-agentic-"))
     with LocalCluster(log_dir=log_dir, env={"OMP_NUM_THREADS": "1"}) as cluster:
-        dep = start_deployment(cluster, modes, model=model, kv_cache_mb=kv_mb, echo=_echo)
+        parsing = AGENT_SERVER_FLAGS if args.form == PromptForm.AGENT.value else ()
+        dep = start_deployment(
+            cluster, modes, model=model, kv_cache_mb=kv_mb, echo=_echo, parsing_flags=parsing
+        )
         endpoints = [
             Endpoint(m.name, dep.fronts[m.name], m.disaggregated, tuple(dep.instances[m.name]))
             for m in modes
@@ -167,7 +173,7 @@ def _run_local(args: argparse.Namespace, model: str, modes: list[ModeSpec],
                     fronts=dep.fronts)  # fmt: skip
         models = asyncio.run(served_models(endpoints[0].url))
         _check_context(configs, models, model, PromptForm(args.form))
-        if args.form == "chat" and not args.chat_plain:
+        if _sends_tools(args):
             _require_tools(endpoints[0].url, model)
         runs = run_interleaved(
             endpoints, configs, model=model, repetitions=args.repetitions,
@@ -185,13 +191,17 @@ def _check_context(
     if not isinstance(limit, int):
         return
     # chat templates add a few tokens per message; the token-id form adds none
-    overhead = 16 * 2 * max(c.num_turns for c in configs) if form is PromptForm.CHAT else 0
+    overhead = 16 * 2 * max(c.num_turns for c in configs) if form.is_chat else 0
     need = max(max_session_tokens(c) for c in configs) + overhead
     if need > limit:
         raise ValueError(
             f"the longest session needs up to {need} tokens of context, more than {model}'s "
             f"max_model_len {limit}; lower --turns, --length-scale or --system-tokens"
         )
+
+
+def _sends_tools(args: argparse.Namespace) -> bool:
+    return args.form == PromptForm.AGENT.value or (args.form == "chat" and not args.chat_plain)
 
 
 def _require_tools(url: str, model: str) -> None:
@@ -214,7 +224,7 @@ def _run_url(args: argparse.Namespace, configs: list[WorkloadConfig], notes: lis
     kind = "disaggregated" if disaggregated else "colocated"
     notes.append(f"endpoint {url} ({kind}), model {model}")
     meta.update(model=model, url=url, metrics_instances=[asdict(i) for i in instances])
-    if args.form == "chat" and not args.chat_plain:
+    if _sends_tools(args):
         _require_tools(url, model)
     runs = run_interleaved(
         [Endpoint(args.label, url, disaggregated, instances)], configs, model=model,

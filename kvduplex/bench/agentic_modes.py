@@ -130,8 +130,11 @@ def start_deployment(
     kv_cache_mb: int,
     echo: Callable[[str], None],
     start_timeout_s: float = 600.0,
+    parsing_flags: tuple[str, ...] = (),
 ) -> Deployment:
-    """Start the instances and routers `modes` need; modes the router cannot serve are skipped."""
+    """Start the instances and routers `modes` need; modes the router cannot serve are skipped.
+    `parsing_flags` (tool-call and reasoning parsers) go to the servers that answer clients:
+    the routers and the colocated instance."""
     serve = ["serve", "--model", model, "--num-threads", "1", "--kv-cache-mb", str(kv_cache_mb)]
     serve += ["--log-level", "warning", "--kv-wait-timeout-s", "120", "--transfer-timeout-s", "120"]
     serve += ["--pull-lease-s", "300"]
@@ -150,7 +153,8 @@ def start_deployment(
     run = [m for m in modes if m.name in extra]
     num_prefill = max((m.num_prefill for m in run if m.disaggregated), default=0)
     if any(not m.disaggregated for m in run):
-        colo = cluster.start("colocated", [*serve, "--role", "both"], free_port(), cpus=p_cpu)
+        colo_args = [*serve, "--role", "both", *parsing_flags]
+        colo = cluster.start("colocated", colo_args, free_port(), cpus=p_cpu)
         dep.fronts["colocated"] = colo.url
         dep.instances["colocated"] = [Instance(colo.url, "both")]
     prefills = [
@@ -165,7 +169,7 @@ def start_deployment(
         if not m.disaggregated or decode is None:
             continue
         ps = prefills[: m.num_prefill]
-        args = ["router", "--mode", str(m.kv_mode), "--model", model, *extra[m.name]]
+        args = ["router", "--mode", str(m.kv_mode), "--model", model, *extra[m.name], *parsing_flags]
         args += ["--prefill", *(p.url for p in ps), "--decode", decode.url]
         router = cluster.start(f"router-{_file_name(m.name)}", args, free_port())
         try:

@@ -14,6 +14,20 @@ assistant text and user messages for servers that refuse tools. The server
 renders the messages with its chat template, so the answer's tokens in the
 next prompt are the text's, which need not equal the ids generated.
 
+Agent form (``/v1/chat/completions``, `AgentConversation`): an agent's tool
+loop whose calls the model makes itself. Turns alternate: a forced call
+(``tool_choice: required``: grammar-constrained decoding makes even random
+weights write a valid call of the shell tool), sent back exactly as received,
+then its result as a ``tool`` message; and a free answer (``tool_choice:
+none``) that the server's reasoning parser splits, sent back without its
+``reasoning_content`` as OpenAI's convention has clients do, then a user
+message. A forced call's length is the call's (the grammar ends it), not the
+workload's. The server is meant to run ``--reasoning-parser deepseek_r1``
+(`AGENT_SERVER_FLAGS`): that parser reads an answer as reasoning until it
+writes ``</think>``, as DeepSeek-R1 begins its answers inside the think block,
+so a random model's free answer is all reasoning, and the client strips all of
+it.
+
 Every request names its session twice: OpenAI's ``prompt_cache_key`` field and
 the ``X-Session-Id`` header.
 """
@@ -31,13 +45,32 @@ from typing import Protocol
 class PromptForm(enum.Enum):
     TOKENS = "tokens"
     CHAT = "chat"
+    AGENT = "agent"
+
+    @property
+    def is_chat(self) -> bool:
+        return self is not PromptForm.TOKENS
 
 
 TOOL_NAME = "run_shell"
 
+AGENT_SERVER_FLAGS = ("--reasoning-parser", "deepseek_r1")
+"""What the agent form needs of the server (router, or colocated instance)."""
 
-def tool_definitions() -> list[dict[str, Any]]:
-    """The ``tools`` of an agentic chat request: one shell tool (a fresh copy each call)."""
+AGENT_COMMAND_CHARS = 48
+"""The longest command a forced call may write (so that its grammar ends the call)."""
+
+AGENT_CALL_TOKENS = 128
+"""``max_tokens`` of a forced call, at least: room for a whole call (its name, up to
+`AGENT_COMMAND_CHARS` of command, the JSON around them; the grammar ends it sooner)."""
+
+
+def tool_definitions(max_command_chars: int | None = None) -> list[dict[str, Any]]:
+    """The ``tools`` of an agentic chat request: one shell tool (a fresh copy each call),
+    its command at most `max_command_chars` long if given."""
+    command: dict[str, Any] = {"type": "string"}
+    if max_command_chars is not None:
+        command["maxLength"] = max_command_chars
     return [
         {
             "type": "function",
@@ -46,7 +79,7 @@ def tool_definitions() -> list[dict[str, Any]]:
                 "description": "Run a shell command in the repository and return its output.",
                 "parameters": {
                     "type": "object",
-                    "properties": {"command": {"type": "string"}},
+                    "properties": {"command": command},
                     "required": ["command"],
                 },
             },
@@ -73,8 +106,11 @@ class Conversation(Protocol):
         """The request of the next turn: the history so far plus `new_input`."""
         ...
 
-    def add_answer(self, text: str, token_ids: list[int]) -> None:
-        """Append the answer the server gave to the last request."""
+    def add_answer(
+        self, text: str, token_ids: list[int], message: dict[str, Any] | None = None
+    ) -> None:
+        """Append the answer the server gave to the last request (`message`: a chat
+        answer's assistant message as the client built it)."""
         ...
 
 
@@ -106,7 +142,9 @@ class TokenConversation:
         body = {**_common(self.model, self.session, max_tokens), "prompt": list(self.ids)}
         return Request("/v1/completions", body, {"X-Session-Id": self.session})
 
-    def add_answer(self, text: str, token_ids: list[int]) -> None:
+    def add_answer(
+        self, text: str, token_ids: list[int], message: dict[str, Any] | None = None
+    ) -> None:
         self.ids.extend(token_ids)
 
 
@@ -126,8 +164,14 @@ class ChatConversation:
             self.messages = [{"role": "system", "content": self.system}]
 
     def next_request(self, new_input: str, max_tokens: int) -> Request:
+        body = self._next_body(new_input, max_tokens)
+        return Request("/v1/chat/completions", body, {"X-Session-Id": self.session})
+
+    def _next_body(self, new_input: str, max_tokens: int) -> dict[str, Any]:
+        """The next request's body; `new_input` is a tool's result after a call, else the
+        user's message."""
         last = self.messages[-1]
-        if self.use_tools and last["role"] == "assistant" and last.get("tool_calls"):
+        if last["role"] == "assistant" and last.get("tool_calls"):
             call_id = last["tool_calls"][0]["id"]
             self.messages.append({"role": "tool", "tool_call_id": call_id, "content": new_input})
         else:
@@ -135,9 +179,11 @@ class ChatConversation:
         body = {**_common(self.model, self.session, max_tokens), "messages": list(self.messages)}
         if self.use_tools:
             body["tools"] = tool_definitions()
-        return Request("/v1/chat/completions", body, {"X-Session-Id": self.session})
+        return body
 
-    def add_answer(self, text: str, token_ids: list[int]) -> None:
+    def add_answer(
+        self, text: str, token_ids: list[int], message: dict[str, Any] | None = None
+    ) -> None:
         if not self.use_tools:
             self.messages.append({"role": "assistant", "content": text})
             return
@@ -150,10 +196,44 @@ class ChatConversation:
         self.messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
 
 
+@dataclass
+class AgentConversation(ChatConversation):
+    """An agent's tool loop (see the module docstring): even turns force a call, sent back
+    as received with its result; odd turns answer freely, sent back without reasoning."""
+
+    use_tools: bool = True
+    num_turns: int = 0
+
+    def _next_body(self, new_input: str, max_tokens: int) -> dict[str, Any]:
+        body = super()._next_body(new_input, max_tokens)
+        body["tools"] = tool_definitions(AGENT_COMMAND_CHARS)
+        if self.num_turns % 2 == 0:  # one call, written under the tool's grammar
+            body.update(tool_choice="required", parallel_tool_calls=False)
+            body["max_tokens"] = max(max_tokens, AGENT_CALL_TOKENS)
+        else:
+            body["tool_choice"] = "none"
+        self.num_turns += 1
+        return body
+
+    def add_answer(
+        self, text: str, token_ids: list[int], message: dict[str, Any] | None = None
+    ) -> None:
+        if message is None:
+            message = {"role": "assistant", "content": text}
+        if message.get("tool_calls"):
+            self.messages.append(dict(message))  # as received
+            return
+        # Reasoning stripped, as OpenAI's convention has clients do.
+        self.messages.append({"role": "assistant", "content": message.get("content") or ""})
+
+
 def new_conversation(
     form: PromptForm, model: str, session: str, system: str, *, shape: str, chat_plain: bool
 ) -> Conversation:
-    """The history of one session in `form`; tools only in the agentic shape, unless plain."""
+    """The history of one session in `form`; tools only in the agentic shape, unless plain
+    (the agent form always has them)."""
     if form is PromptForm.TOKENS:
         return TokenConversation(model, session, system)
+    if form is PromptForm.AGENT:
+        return AgentConversation(model, session, system)
     return ChatConversation(model, session, system, use_tools=shape == "agentic" and not chat_plain)

@@ -101,7 +101,7 @@ async def _session(
         turns.append(Turn(time.monotonic() - t0, name, res))
         if not res.ok:
             return
-        conv.add_answer(res.text, res.token_ids)
+        conv.add_answer(res.text, res.token_ids, res.message)
 
 
 async def run_sessions(url: str, model: str, cfg: SoakConfig, duration_s: float) -> list[Turn]:

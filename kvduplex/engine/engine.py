@@ -101,8 +101,9 @@ class RequestOutput:
     num_remote_kv_bytes: int = 0
     """Bytes of prompt KV that arrived from that instance."""
     new_logprobs: list[TokenLogprobs | None] | None = None
-    """With ``SamplingParams.logprobs``: one entry per new token (None for a token whose
-    logits this instance never saw, e.g. a first token sampled by another instance)."""
+    """With ``SamplingParams.logprobs``: one entry per new token (a first token sampled
+    by another instance has the logprobs that instance sent; None for a token whose
+    logits no instance reported)."""
 
 
 _FINISH_NAMES = {
@@ -357,6 +358,8 @@ class LLMEngine:
         computed = compute_logprobs(logits[rows], chosen, num_top)
         for j, position, lp in zip(rows, positions, computed, strict=True):
             self._logprobs[sampling[j].request_id][position] = lp
+            if position == 0:  # for a push's KVDone, which carries it with the token
+                sampling[j].first_token_logprobs = lp
 
     def _make_output(self, req: Request) -> RequestOutput | None:
         rid = req.request_id
@@ -403,6 +406,8 @@ class LLMEngine:
             output.new_logprobs = [
                 by_position.pop(i, None) for i in range(emitted, len(req.output_token_ids))
             ]
+            if emitted == 0 and output.new_logprobs and output.new_logprobs[0] is None:
+                output.new_logprobs[0] = req.first_token_logprobs  # sampled elsewhere
         if finished:
             self._forget(rid)
         return output

@@ -30,6 +30,7 @@ from dataclasses import field
 from typing import TYPE_CHECKING
 
 from kvduplex.engine.sampling import SamplingParams
+from kvduplex.engine.sampling import TokenLogprobs
 
 if TYPE_CHECKING:
     from kvduplex.engine.block_pool import BlockHash
@@ -131,6 +132,9 @@ class Request:
     """The first output token when another instance sampled it (and the client may have
     it already): a request that computes its prompt here after all continues from it
     instead of sampling its own."""
+    first_token_logprobs: TokenLogprobs | None = field(default=None, init=False)
+    """With ``SamplingParams.logprobs``: the first output token's logprobs, computed here
+    when it was sampled here, or by the instance that sampled it (sent with its KV)."""
     stop_reason: int | None = field(default=None, init=False)
     """The stop token id that ended the request (None for EOS, length and abort)."""
     finish_reason: FinishReason | None = field(default=None, init=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from dataclasses import field
+from typing import Any
 
 GREEDY_BELOW_TEMPERATURE = 1e-5
 """Temperatures below this sample greedily (logits / t would overflow float32)."""
@@ -105,3 +106,44 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One output token's logprob and the most likely alternatives at its position (plain data: it
+    travels with a first token sampled on another instance)."""
+
+    token_id: int
+    logprob: float
+    """log-softmax of the model's raw logits at the token (may be -inf)."""
+    rank: int
+    """1 for the most likely token; ties share the better rank."""
+    top: tuple[tuple[int, float], ...]
+    """The most likely (token id, logprob) pairs, most likely first."""
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-safe form (JSON has no -inf: a logprob below `JSON_LOGPROB_FLOOR` is
+        written as it, which is what every response writes for it)."""
+        return {
+            "token_id": self.token_id, "logprob": json_logprob(self.logprob), "rank": self.rank,
+            "top": [[t, json_logprob(lp)] for t, lp in self.top],
+        }  # fmt: skip
+
+    @classmethod
+    def from_json(cls, data: Any) -> TokenLogprobs:
+        """`to_json`'s form back; ValueError if `data` is not one."""
+        try:
+            top = tuple((int(t), float(lp)) for t, lp in data["top"])
+            return cls(int(data["token_id"]), float(data["logprob"]), int(data["rank"]), top)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"not a token's logprobs: {data!r}") from exc
+
+
+JSON_LOGPROB_FLOOR = -9999.0
+"""What a logprob of -inf (or NaN) is written as in JSON (which has neither), as vLLM
+writes it."""
+
+
+def json_logprob(value: float) -> float:
+    """`value`, or `JSON_LOGPROB_FLOOR` where JSON cannot hold it."""
+    return value if math.isfinite(value) else JSON_LOGPROB_FLOOR

@@ -246,6 +246,8 @@ class Scheduler:
             assert isinstance(res, KVReceived)
             req.num_remote_cached_tokens = res.num_remote_cached_tokens
             req.num_remote_kv_bytes = res.num_remote_kv_bytes
+            if res.first_token_logprobs is not None:
+                req.first_token_logprobs = res.first_token_logprobs
             self.on_remote_kv_done(rid, res.first_token)
             if res.first_token is not None:
                 applied.resumed.append(req)

@@ -25,6 +25,7 @@ from dataclasses import field
 
 from kvduplex.engine.request import FinishReason
 from kvduplex.engine.request import Request
+from kvduplex.engine.sampling import TokenLogprobs
 
 
 @dataclass
@@ -71,6 +72,8 @@ class KVReceived:
     num_remote_cached_tokens: int
     """Prompt tokens the sender served from its own prefix cache."""
     num_remote_kv_bytes: int
+    first_token_logprobs: TokenLogprobs | None = None
+    """The sender's logprobs of `first_token`, when the request asked for logprobs."""
 
 
 @dataclass(frozen=True)

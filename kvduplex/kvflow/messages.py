@@ -17,6 +17,7 @@ receives)::
 
 from __future__ import annotations
 
+from kvduplex.engine.sampling import TokenLogprobs
 from kvduplex.transport.messages import ControlMessage
 
 
@@ -75,6 +76,9 @@ class KVDone(ControlMessage, tag="kv_done", frozen=True):
     """First sampled token, when the sender is a prefill instance."""
     num_cached_tokens: int = 0
     """Prompt tokens the sender served from its prefix cache (it computed the rest)."""
+    first_token_logprobs: TokenLogprobs | None = None
+    """The first token's logprobs, when the request asked for them: the receiver never
+    sees the logits they come from."""
 
 
 class KVFailed(ControlMessage, tag="kv_failed", frozen=True):

@@ -172,7 +172,11 @@ class PushDecode:
             self._fall_back(rid, "no_first_token", discard_blocks=False)
             return
         num_bytes = num_blocks * self.receiver.transport.layout.bytes_per_block
-        self._finished.append(KVReceived(rid, msg.first_token, msg.num_cached_tokens, num_bytes))
+        self._finished.append(
+            KVReceived(
+                rid, msg.first_token, msg.num_cached_tokens, num_bytes, msg.first_token_logprobs
+            )
+        )
         self.stats.num_received += 1
         self.stats.num_received_blocks += num_blocks
         if self.metrics is not None:

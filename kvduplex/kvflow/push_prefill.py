@@ -141,7 +141,10 @@ class PushSender(KVSender):
         if job is None or not req.output_token_ids:
             return
         now = time.monotonic()
-        self._feed(job, FirstToken(req.output_token_ids[0], req.num_cached_tokens, now))
+        first = FirstToken(
+            req.output_token_ids[0], req.num_cached_tokens, now, req.first_token_logprobs
+        )
+        self._feed(job, first)
 
 
 __all__ = ["PushPlan", "PushSender"]

@@ -24,7 +24,9 @@ Which blocks: the offer starts at ``from_block``, by default the first block
 that is not wholly prompt when the prompt's KV came from prefill (which
 computed the prompt and cached its full blocks), else the first block (decode
 computed the prompt itself: a short append, or a fallback). It ends at the
-last full block whose KV decode computed. Prefill answers with the first
+last full block whose KV decode computed, or earlier where the request's
+``max_tokens`` says (the router's limit: a reasoning the client will strip
+is never hit, so never sent). Prefill answers with the first
 offered block it lacks, so what it has is never sent again.
 """
 
@@ -69,6 +71,9 @@ class ReturnSpec:
     peer: PeerHandle
     from_block: int | None = None
     """First block to offer; None: the first block that is not wholly prompt."""
+    max_tokens: int | None = None
+    """The offer ends at or before this many tokens of the turn (whole blocks only); None:
+    at the last full block decode computed."""
 
 
 @dataclass
@@ -174,6 +179,8 @@ class ReturnOfferer:
     def _build_offer(self, req: Request, spec: ReturnSpec) -> tuple[str, list[int], KVOffer] | None:
         bs = self.block_size
         num_full = min(req.num_computed_tokens // bs, len(req.block_ids), len(req.block_hashes))
+        if spec.max_tokens is not None:
+            num_full = min(num_full, spec.max_tokens // bs)
         first = spec.from_block
         if first is None:  # the prompt's sender has its full blocks; else offer them all
             first = req.num_prompt_tokens // bs if req.num_remote_cached_tokens is not None else 0

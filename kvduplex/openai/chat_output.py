@@ -175,6 +175,12 @@ class ChatOutputParser:
     def has_reasoning_parser(self) -> bool:
         return self._think is not None
 
+    @property
+    def may_start_with_reasoning(self) -> bool:
+        """Before the answer: whether it may begin with reasoning (both parsers read
+        reasoning only at an answer's start, `reasoning.starts_in_reasoning`)."""
+        return self._think is not None and self._think.may_reason
+
     def feed(self, text: str) -> DeltaMessage:
         """What `text` (the answer's next text) makes final."""
         reasoning, content = self._think.feed(text) if self._think else ("", text)

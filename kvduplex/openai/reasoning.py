@@ -64,6 +64,12 @@ class ThinkParser:
         ]
         self._buf = ""
 
+    @property
+    def may_reason(self) -> bool:
+        """Whether the answer may still reason from here (before any text: whether it may
+        begin with reasoning)."""
+        return self._phase is not _Phase.CONTENT
+
     def feed(self, text: str) -> tuple[str, str]:
         """(reasoning, content) text newly final."""
         self._buf += text

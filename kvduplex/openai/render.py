@@ -12,20 +12,20 @@ alternatives, most likely first) and `completion_logprobs` (``tokens``,
 ``token_logprobs``, ``top_logprobs``: per token a map of the k most likely
 alternatives and the token itself, as vLLM's, ``text_offset``). They describe
 the model's raw distribution (see `kvduplex.engine.sampling`). A token's text is
-its own decoding; JSON has no -inf, so a logprob of -inf is `LOGPROB_FLOOR`.
+its own decoding; JSON has no -inf, so a logprob of -inf is `JSON_LOGPROB_FLOOR`.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from dataclasses import field
 from typing import Any
 
-from kvduplex.engine.sampler import TokenLogprobs
+from kvduplex.engine.sampling import TokenLogprobs
+from kvduplex.engine.sampling import json_logprob
 from kvduplex.model.tokenizer import ByteTokenizer
 from kvduplex.model.tokenizer import Tokenizer
 from kvduplex.openai.protocol import error_body
@@ -73,14 +73,6 @@ def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int
     }
 
 
-LOGPROB_FLOOR = -9999.0
-"""What a logprob of -inf (or NaN) is written as (JSON has neither), as vLLM writes it."""
-
-
-def _logprob(value: float) -> float:
-    return value if math.isfinite(value) else LOGPROB_FLOOR
-
-
 def token_text_and_bytes(tokenizer: Tokenizer, token_id: int) -> tuple[str, list[int]]:
     """A token's own text (special tokens written out) and its bytes: those of the text,
     but a byte-level token that is part of a multi-byte character is its own byte."""
@@ -101,9 +93,9 @@ def chat_logprobs(tokenizer: Tokenizer, entries: Sequence[TokenLogprobs | None])
         top = []
         for tid, lp in e.top:
             alt_text, alt_raw = token_text_and_bytes(tokenizer, tid)
-            top.append({"token": alt_text, "logprob": _logprob(lp), "bytes": alt_raw})
+            top.append({"token": alt_text, "logprob": json_logprob(lp), "bytes": alt_raw})
         content.append(
-            {"token": text, "logprob": _logprob(e.logprob), "bytes": raw, "top_logprobs": top}
+            {"token": text, "logprob": json_logprob(e.logprob), "bytes": raw, "top_logprobs": top}
         )
     return {"content": content}
 
@@ -123,13 +115,13 @@ def completion_logprobs(
             continue
         text = tokenizer.decode([e.token_id], skip_special_tokens=False)
         tokens.append(text)
-        token_logprobs.append(_logprob(e.logprob))
+        token_logprobs.append(json_logprob(e.logprob))
         alternatives: dict[str, float] = {}
         for tid, lp in e.top:  # two ids of one text (bytes of a split character): the likelier
             alternatives.setdefault(
-                tokenizer.decode([tid], skip_special_tokens=False), _logprob(lp)
+                tokenizer.decode([tid], skip_special_tokens=False), json_logprob(lp)
             )
-        alternatives.setdefault(text, _logprob(e.logprob))
+        alternatives.setdefault(text, json_logprob(e.logprob))
         top_logprobs.append(alternatives)
         offsets.append(text_offset)
         text_offset += len(text)

@@ -77,6 +77,10 @@ class KVTransferParams(BaseModel):
     """``return_to``'s KV engine id, if the caller knows it (as ``engine_id``)."""
     return_from_block: int | None = Field(default=None, ge=0)
     """First block to return (None: the first that is not wholly prompt)."""
+    return_max_tokens: int | None = Field(default=None, ge=0)
+    """The return covers at most this many of the turn's tokens (its prompt, then its
+    answer), in whole blocks (None: every full block decode computed). The router limits
+    it to what the next prompt will hold (an answer's reasoning that the client strips)."""
     mark_first_token: bool = False
     """A streamed answer names the ids of its first chunk with tokens (the router splices
     prefill's first token in by id; see `Generation.mark_first_token`)."""
@@ -171,7 +175,9 @@ class DecodePreparer:
         except Exception as exc:  # no return this turn: the next one recomputes
             logger.warning("session %s: no connection to %s (%s)", kv.session_id, kv.return_to, exc)
             return
-        gen.request.connector_meta = ReturnSpec(kv.session_id, peer, kv.return_from_block)
+        gen.request.connector_meta = ReturnSpec(
+            kv.session_id, peer, kv.return_from_block, kv.return_max_tokens
+        )
         gen.request.hold_blocks_on_finish = True
 
 

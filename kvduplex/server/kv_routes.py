@@ -6,7 +6,8 @@ Prefill:
   its blocks under a lease; ``POST /internal/release`` drops the lease early.
 * ``POST /internal/push/prefill`` (push) runs a prompt to its first token while
   `PushSender` writes its KV into the decode instance named in the body;
-  answers with the first token as soon as it is sampled.
+  answers with the first token as soon as it is sampled (and its logprobs, when the
+  request asks for them).
 * ``POST /internal/push/cancel`` stops a push (the router: decode refused it).
 
 With ``pull_from`` (``--return-mode pull``), the push prefill first READs
@@ -21,6 +22,7 @@ import logging
 import time
 from dataclasses import asdict
 from typing import Annotated
+from typing import Any
 from typing import Literal
 
 from fastapi import APIRouter
@@ -30,7 +32,9 @@ from pydantic import Field
 
 from kvduplex.engine.engine import RequestRejected
 from kvduplex.engine.request import Request
+from kvduplex.engine.sampling import MAX_LOGPROBS
 from kvduplex.engine.sampling import SamplingParams
+from kvduplex.engine.sampling import TokenLogprobs
 from kvduplex.engine.structured import GrammarSpec
 from kvduplex.engine.structured import RequestGrammar
 from kvduplex.kvflow.connectors import PrefillFlows
@@ -71,6 +75,9 @@ class PrefillRequest(BaseModel):
     """The request's own penalties: repetition acts on the first token (over the prompt);
     presence and frequency, over an output still empty, only travel on."""
     seed: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    """The request asks for logprobs, with this many alternatives: the first token's are
+    computed here (the answer gives them, and KVDone carries them to decode)."""
     grammar: GrammarBody | None = None
     """The first token is sampled under this grammar (the request's structured output)."""
 
@@ -179,6 +186,7 @@ class PushPrefill:
             expected = True
 
         last, ids, text = None, [], []
+        logprobs: list[TokenLogprobs | None] = []
         try:
             held = Request(
                 xid, body.prompt_token_ids, _first_token_params(body), hold_blocks_on_finish=True,
@@ -188,6 +196,7 @@ class PushPrefill:
                 last = out
                 ids.extend(out.new_token_ids)
                 text.append(out.new_text)
+                logprobs.extend(out.new_logprobs or ())
         except (RequestRejected, ValueError) as exc:
             raise APIError(400, str(exc)) from None
         finally:
@@ -197,11 +206,14 @@ class PushPrefill:
             raise APIError(409, f"xid {xid}: the push was cancelled (by decode, or its deadline)")
         if last is None or not ids:
             raise APIError(500, f"xid {xid}: prefill finished without a token")
-        return JSONResponse({
+        answer: dict[str, Any] = {
             "xid": xid, "engine_id": sender.transport.engine_id, "first_token": ids[0],
             "text": "".join(text), "num_tokens": last.num_prompt_tokens,
             "num_cached_tokens": last.num_cached_tokens,
-        })  # fmt: skip
+        }  # fmt: skip
+        if logprobs and logprobs[0] is not None:
+            answer["first_token_logprobs"] = logprobs[0].to_json()
+        return JSONResponse(answer)
 
     async def _read_retained(self, xid: str, src: RetainedTurn, arrived: float) -> int:
         """``--return-mode pull``: READ the decode's retained blocks this cache lacks,
@@ -282,5 +294,5 @@ def _first_token_params(body: PrefillRequest) -> SamplingParams:
         max_tokens=1, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
         min_p=body.min_p, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-        seed=body.seed, ignore_eos=True,
+        seed=body.seed, ignore_eos=True, logprobs=body.logprobs,
     )  # fmt: skip

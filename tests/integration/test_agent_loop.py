@@ -8,6 +8,9 @@ reasoning parser: a random model's answer is all reasoning) and strips the reaso
 before sending the answer back, as Qwen3 and DeepSeek clients do. Every reply must
 parse into the client's types, and each must be token for token the reply of a
 colocated instance (same flags) given the same messages.
+
+The duplex return gives prefill only what the next prompt holds: an answer without
+reasoning whole, a reasoning turn (whose reasoning the client strips) up to its prompt.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import pytest
 from kvduplex.server.cluster import LocalCluster
 from kvduplex.server.cluster import free_port
 from tests.integration.conftest import assert_pool_clean
+from tests.integration.conftest import metric
+from tests.integration.conftest import wait_until
 from tests.skips import skip_module_without_nixl
 
 openai = pytest.importorskip("openai")
@@ -134,3 +139,99 @@ def test_a_tool_loop_through_push_and_duplex_matches_colocated(rig: Rig) -> None
     assert returns["num_offered"] >= 1 and returns["num_failed"] == 0, returns
     for url in (rig.prefill, rig.decode, rig.reference):
         assert_pool_clean(url)
+
+
+def _returned(rig: Rig) -> tuple[int, float]:
+    """Returns decode offered, and blocks it sent back, once every return settled."""
+
+    def settled() -> bool:
+        st = httpx.get(rig.decode + "/internal/kv/return/stats", timeout=10).json()
+        return bool(st["num_offered"] == st["num_done"] + st["num_declined"] + st["num_failed"])
+
+    wait_until(settled, timeout_s=60, what="returns to settle")
+    st = httpx.get(rig.decode + "/internal/kv/return/stats", timeout=10).json()
+    return st["num_offered"], metric(
+        rig.decode, "kvduplex_kv_return_blocks_total", direction="sent"
+    )
+
+
+def test_reasoning_the_client_strips_is_never_returned_and_whole_answers_are_hit(
+    rig: Rig,
+) -> None:
+    """Turns alternate: a JSON answer (``response_format``: no reasoning), sent back whole,
+    and a free answer (all reasoning, for a random model), sent back stripped."""
+    bs = int(httpx.get(rig.decode + "/health", timeout=10).json()["block_size"])
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a coding agent. Answer in JSON. " * 3},
+        {"role": "user", "content": "Find why the tests fail."},
+    ]
+    prev: tuple[int, int] | None = None  # the previous turn's prompt and answer tokens
+    for turn in range(NUM_TURNS):
+        offered, sent = _returned(rig)
+        is_json = turn % 2 == 0
+        body: dict[str, Any] = {"model": "tiny", "messages": messages, "max_tokens": 96,
+                                "min_tokens": 40, "temperature": 1.0, "seed": 7,
+                                "session_id": "agent-strip"}  # fmt: skip
+        if is_json:
+            body.update(
+                response_format={"type": "json_object"},
+                max_tokens=48,
+                min_tokens=0,
+                temperature=0.0,
+                ignore_eos=True,
+            )
+        resp = httpx.post(rig.router + "/v1/chat/completions", json=body, timeout=120)
+        assert resp.status_code == 200, resp.text
+        out = resp.json()
+        message, usage = out["choices"][0]["message"], out["usage"]
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        if prev is not None and not is_json:  # the JSON answer came back whole: hit
+            assert cached >= (prev[0] + prev[1] - 1) // bs * bs, (turn, cached, prev)
+        prev = (usage["prompt_tokens"], usage["completion_tokens"])
+        now_offered, now_sent = _returned(rig)
+        if is_json:  # returned whole: its answer's blocks
+            assert now_offered == offered + 1 and now_sent > sent, turn
+            messages.append(message)
+        else:  # all reasoning: nothing of it went back
+            assert message["reasoning_content"], (
+                message,
+                usage,
+                out["choices"][0].get("finish_reason"),
+            )
+            assert usage["completion_tokens"] >= 2 * bs
+            assert now_offered == offered and now_sent == sent, turn
+            messages.append({"role": "assistant", "content": message["content"] or ""})
+        messages.append({"role": "user", "content": f"Try step {turn + 1}."})
+    view = [v for v in httpx.get(rig.router + "/sessions", timeout=10).json()["sessions"]
+            if v["session_id"] == "agent-strip"]  # fmt: skip
+    assert view and view[0]["is_returning"] and view[0]["answer_hit_rate"] == 1.0, view
+    for url in (rig.prefill, rig.decode, rig.reference):
+        assert_pool_clean(url)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_of_a_parsed_answer_through_push_match_colocated(rig: Rig, stream: bool) -> None:
+    """Every token of an answer the router parses (all reasoning) has its logprobs entry,
+    the first one (prefill's) included, as on a colocated instance with the same parser."""
+    body = {"model": "tiny", "max_tokens": 12, "temperature": 1.0, "seed": 5, "min_tokens": 12,
+            "messages": [{"role": "user", "content": "Think first."}], "logprobs": True,
+            "top_logprobs": 2, "stream": stream}  # fmt: skip
+
+    def entries(url: str) -> list[dict[str, Any]]:
+        if not stream:
+            resp = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+            assert resp.status_code == 200, resp.text
+            return list(resp.json()["choices"][0]["logprobs"]["content"])
+        out: list[dict[str, Any]] = []
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    for choice in json.loads(line[6:])["choices"]:
+                        out.extend((choice.get("logprobs") or {}).get("content") or [])
+        return out
+
+    got, want = entries(rig.router), entries(rig.reference)
+    assert len(got) == len(want) == 12
+    for g, w in zip(got, want, strict=True):
+        assert g["token"] == w["token"] and abs(g["logprob"] - w["logprob"]) <= 1e-5, (g, w)
+        assert [t["token"] for t in g["top_logprobs"]] == [t["token"] for t in w["top_logprobs"]]

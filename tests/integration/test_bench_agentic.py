@@ -1,4 +1,5 @@
-"""The multi-turn agentic benchmark's quick workload against a real tiny instance (``--url``)."""
+"""The multi-turn agentic benchmark's quick workload against a real tiny instance (``--url``),
+in its default form, and in the agent form against one with a reasoning parser."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from kvduplex.bench.conversation import AGENT_SERVER_FLAGS
+from kvduplex.bench.conversation import TOOL_NAME
 from kvduplex.server.cluster import LocalCluster
 from kvduplex.server.cluster import Process
 from kvduplex.server.cluster import free_port
@@ -54,3 +57,37 @@ def test_quick_workload_against_an_endpoint(instance: Process, tmp_path: Path) -
             assert all(r["result"]["completion_tokens"] == r["max_tokens"] for r in turns)
             # the warm-up session cached the shared system prompt (128 tokens, 8 blocks)
             assert all(r["result"]["cached_tokens"] >= 128 for r in turns)
+
+
+@pytest.fixture(scope="module")
+def reasoning_instance(cluster: LocalCluster) -> Process:
+    args = ["serve", "--model", "tiny", "--num-blocks", "256", "--block-size", "16"]
+    args += [*AGENT_SERVER_FLAGS, "--log-level", "warning"]
+    proc = cluster.start("reasoning-instance", args, free_port())
+    cluster.wait_healthy(timeout_s=120)
+    return proc
+
+
+def test_the_agent_form_sends_model_calls_back_and_strips_reasoning(
+    reasoning_instance: Process, tmp_path: Path
+) -> None:
+    url = reasoning_instance.url
+    cmd = [sys.executable, "-m", "kvduplex", "bench", "--workload", "agentic", "--quick",
+           "--form", "agent", "--shapes", "agentic", "--url", url, "--metrics-url", url,
+           "--no-progress", "--results-dir", str(tmp_path), "--name", "agent"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    records = json.loads((tmp_path / "agent.json").read_text())["records"]
+    assert len(records) == 2 * 3 and all(r["result"]["ok"] for r in records)
+    for r in records:
+        message = r["result"]["message"]
+        if r["turn"] % 2 == 0:  # the model's own call, under the tool's grammar
+            (call,) = message["tool_calls"]
+            assert call["function"]["name"] == TOOL_NAME
+            assert len(json.loads(call["function"]["arguments"])["command"]) <= 48
+        else:  # the reasoning parser's split (the client then strips the reasoning)
+            assert message["reasoning_content"] and not message.get("tool_calls")
+    for session in (0, 1):
+        turns = sorted((r for r in records if r["session"] == session), key=lambda r: r["turn"])
+        for prev, cur in itertools.pairwise(turns):  # the history holds the previous turn
+            assert cur["result"]["cached_tokens"] >= prev["result"]["prompt_tokens"] // 16 * 16

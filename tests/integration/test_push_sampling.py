@@ -1,8 +1,8 @@
 """Sampling parameters through push and pull routers, token for token against a
 colocated instance: prefill samples the first token with the request's penalties
 and seed, decode continues with that token counted in its penalties. A request
-asking for logprobs gets the colocated instance's logprobs (in push mode decode
-computes it alone)."""
+asking for logprobs gets the colocated instance's logprobs (in push mode prefill
+computes the first token's and sends them with the token)."""
 
 from __future__ import annotations
 
@@ -146,31 +146,57 @@ def test_seeded_penalised_requests_match_colocated(dep: Deployment, mode: str) -
     _check_pushed(dep, mode, before, 2 * len(SEEDED))
 
 
+def _logprobs(url: str, path: str, body: dict, is_stream: bool) -> tuple[list[int], dict]:
+    """The answer's ids and its ``choice.logprobs``; streamed, the chunks' lists joined."""
+    if not is_stream:
+        resp = httpx.post(url + path, json=body, timeout=120)
+        assert resp.status_code == 200, resp.text
+        choice = resp.json()["choices"][0]
+        return list(choice["token_ids"]), dict(choice["logprobs"])
+    ids, _, chunks = stream(url, path, body)
+    joined: dict[str, list] = {}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            for key, entries in (choice.get("logprobs") or {}).items():
+                joined.setdefault(key, []).extend(entries)
+    return ids, joined
+
+
+def _assert_close(got: object, want: object, where: str = "logprobs") -> None:
+    """Equal, but floats within 1e-5."""
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys(), (where, got, want)
+        for key in want:
+            _assert_close(got[key], want[key], f"{where}.{key}")
+    elif isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want), (where, got, want)
+        for k, (g, w) in enumerate(zip(got, want, strict=True)):
+            _assert_close(g, w, f"{where}[{k}]")
+    elif isinstance(want, float):
+        assert isinstance(got, float) and math.isclose(got, want, abs_tol=1e-5), (where, got, want)
+    else:
+        assert got == want, (where, got, want)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_logprobs_through_the_router_match_colocated(dep: Deployment, mode: str) -> None:
-    body = _body([(k * 13) % 250 + 1 for k in range(40)], max_tokens=6, logprobs=3,
-                 temperature=0.8, seed=21)  # fmt: skip
-    want = _post(dep.reference, body)["choices"][0]
-    before = _push_stats(dep.decode)
-    got = _post(dep.routers[mode], body)["choices"][0]
-    _check_pushed(dep, mode, before, 0)  # decode computes it alone
-    assert got["token_ids"] == want["token_ids"]
-    assert got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
-    for a, b in zip(
-        got["logprobs"]["token_logprobs"], want["logprobs"]["token_logprobs"], strict=True
-    ):
-        assert math.isclose(a, b, abs_tol=1e-4)
-    assert len(got["logprobs"]["token_logprobs"]) == 6
+    """Every token has its logprobs entry, the first one included (prefill computed it and
+    sent it with the token), streamed or not, chat or completions, as colocated's."""
+    completion = _body([(k * 13) % 250 + 1 for k in range(40)], max_tokens=6, logprobs=3,
+                       temperature=0.8, seed=21)  # fmt: skip
     chat = {"model": "tiny", "messages": [{"role": "user", "content": f"logprobs via {mode}"}],
-            "max_tokens": 5, "temperature": 0.0, "logprobs": True, "top_logprobs": 2, "ignore_eos": True}  # fmt: skip
-    resp = httpx.post(dep.routers[mode] + "/v1/chat/completions", json=chat, timeout=120)
-    assert resp.status_code == 200, resp.text
-    content = resp.json()["choices"][0]["logprobs"]["content"]
-    ref = httpx.post(dep.reference + "/v1/chat/completions", json=chat, timeout=120).json()
-    assert [e["token"] for e in content] == [
-        e["token"] for e in ref["choices"][0]["logprobs"]["content"]
-    ]
-    assert all(len(e["top_logprobs"]) == 2 for e in content) and len(content) == 5
+            "max_tokens": 5, "temperature": 0.0, "logprobs": True, "top_logprobs": 2,
+            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    before = _push_stats(dep.decode)
+    for path, body in (("/v1/completions", completion), ("/v1/chat/completions", chat)):
+        for is_stream in (False, True):
+            want_ids, want = _logprobs(dep.reference, path, body, is_stream)
+            got_ids, got = _logprobs(dep.routers[mode], path, body, is_stream)
+            assert got_ids == want_ids, (path, is_stream)
+            _assert_close(got, want, f"{path} stream={is_stream}")
+            entries = want["content"] if "content" in want else want["token_logprobs"]
+            assert len(entries) == body["max_tokens"]
+    _check_pushed(dep, mode, before, 4)  # pushed: none went to decode alone
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient
 from httpx_sse import connect_sse
 
 from kvduplex.engine.sampler import TokenLogprobs
+from kvduplex.engine.sampling import JSON_LOGPROB_FLOOR
 from kvduplex.model.tokenizer import ByteTokenizer
 from kvduplex.openai import render
 from kvduplex.openai.protocol import IGNORED_FIELDS
@@ -204,12 +205,12 @@ def test_logprob_rendering_of_split_characters_infinities_and_gaps() -> None:
     chat = render.chat_logprobs(tok, entries)["content"]
     assert [e["bytes"] for e in chat] == [[e_acute[0]], list(b"<|eos|>")]
     assert chat[0]["top_logprobs"][1] == {"token": "\ufffd", "logprob": -1.0, "bytes": [e_acute[1]]}
-    assert chat[1]["logprob"] == render.LOGPROB_FLOOR
+    assert chat[1]["logprob"] == JSON_LOGPROB_FLOOR
     done = render.completion_logprobs(tok, entries, text_offset=7)
     assert done["tokens"] == ["\ufffd", "<|eos|>"] and done["text_offset"] == [7, 8]
     # Both bytes decode to U+FFFD: the map keeps the likelier one's logprob.
     assert done["top_logprobs"][0] == {"\ufffd": -0.5, "h": -2.0}
-    assert done["token_logprobs"][1] == render.LOGPROB_FLOOR
+    assert done["token_logprobs"][1] == JSON_LOGPROB_FLOOR
 
 
 def test_the_openai_client_sends_the_fields_and_reads_the_logprobs(client: TestClient) -> None:

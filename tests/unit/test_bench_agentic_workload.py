@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 
+from kvduplex.bench.conversation import AGENT_COMMAND_CHARS
 from kvduplex.bench.conversation import TOOL_NAME
 from kvduplex.bench.conversation import ChatConversation
 from kvduplex.bench.conversation import PromptForm
@@ -117,6 +118,29 @@ def test_plain_chat_has_only_user_and_assistant_text(shape: str, plain: bool) ->
     assert req.body["messages"] == [
         {"role": "system", "content": "SYS"}, {"role": "user", "content": "q1"},
         {"role": "assistant", "content": "a1"}, {"role": "user", "content": "q2"},
+    ]  # fmt: skip
+
+
+def test_an_agent_sends_calls_back_as_received_and_strips_reasoning() -> None:
+    conv = new_conversation(PromptForm.AGENT, "m", "s3", "SYS", shape="agentic", chat_plain=True)
+    first = conv.next_request("task", max_tokens=8)
+    assert first.body["tool_choice"] == "required" and first.body["parallel_tool_calls"] is False
+    command = first.body["tools"][0]["function"]["parameters"]["properties"]["command"]
+    assert command["maxLength"] == AGENT_COMMAND_CHARS  # the call's grammar can end
+    call = {"id": "chatcmpl-tool-1", "type": "function",
+            "function": {"name": TOOL_NAME, "arguments": '{"command": "ls"}'}}  # fmt: skip
+    received = {"role": "assistant", "content": None, "tool_calls": [call]}
+    conv.add_answer("", [1, 2], received)
+    second = conv.next_request("exit 0", max_tokens=8)
+    assert second.body["tool_choice"] == "none"
+    assert second.body["messages"][2:] == [
+        received, {"role": "tool", "tool_call_id": "chatcmpl-tool-1", "content": "exit 0"},
+    ]  # fmt: skip
+    conv.add_answer("", [3], {"role": "assistant", "content": None, "reasoning_content": "hmm"})
+    third = conv.next_request("next", max_tokens=8)
+    assert third.body["tool_choice"] == "required"
+    assert third.body["messages"][4:] == [
+        {"role": "assistant", "content": ""}, {"role": "user", "content": "next"},
     ]  # fmt: skip
 
 

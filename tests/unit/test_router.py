@@ -63,7 +63,12 @@ class FakeInstances:
         self.calls.append((str(request.url), body, request.headers))
         url = str(request.url)
         if url == P + "/internal/push/prefill":
-            return httpx.Response(200, json={"xid": body["xid"], "first_token": self.answer_ids[0]})
+            ans: dict[str, Any] = {"xid": body["xid"], "first_token": self.answer_ids[0]}
+            if body.get("logprobs") is not None:  # P computes the first token's
+                top = [[self.answer_ids[0], -0.5], [99, -1.5]][: body["logprobs"]]
+                lp = {"token_id": self.answer_ids[0], "logprob": -0.5, "rank": 1, "top": top}
+                ans["first_token_logprobs"] = lp
+            return httpx.Response(200, json=ans)
         if url == P + "/internal/prefill":
             return httpx.Response(200, json={"xid": body["xid"], "block_ids": [0], "num_tokens": 3})
         if url.endswith("/internal/push/cancel"):
@@ -200,19 +205,25 @@ def test_prefill_samples_the_first_token_with_the_requests_penalties(mode: Mode)
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_push_serves_a_logprobs_request_from_decode_alone(stream: bool) -> None:
-    """Decode never sees the logits of the token prefill samples: a request asking for
-    logprobs is computed by decode (as a short append is)."""
+def test_push_carries_prefills_first_token_logprobs(stream: bool) -> None:
+    """A request asking for logprobs is pushed: P computes its first token's (D never sees
+    those logits) and the router's first chunk carries them."""
     fake = FakeInstances()
-    body = {"model": "tiny", "prompt": "hi", "logprobs": 1, "stream": stream}
+    body = {"model": "tiny", "prompt": "hi", "logprobs": 2, "stream": stream}
     with _router(fake, Mode.PUSH) as router:
         r = router.post("/v1/completions", json=body)
         assert r.status_code == 200, r.text
-        assert _metric(router, "kvduplex_router_requests_total", mode="local_logprobs") == 1
-    assert fake.bodies(P + "/internal/push/prefill") == []
+        assert _metric(router, "kvduplex_router_requests_total", mode="push") == 1
+    (p_body,) = fake.bodies(P + "/internal/push/prefill")
+    assert p_body["logprobs"] == 2
     (d_body,) = fake.bodies(D + "/v1/completions")
-    params = d_body["kv_transfer_params"]
-    assert params["mode"] == "local" and params["session_id"]
+    assert d_body["kv_transfer_params"]["mode"] == "push"
+    if stream:
+        first = json.loads(r.text.split("\n\n")[0][len("data: ") :])["choices"][0]
+        assert first["text"] == "h" and first["logprobs"] == {
+            "tokens": ["h"], "token_logprobs": [-0.5], "top_logprobs": [{"h": -0.5, "c": -1.5}],
+            "text_offset": [0],
+        }  # fmt: skip
 
 
 @pytest.mark.parametrize("mode", [Mode.PUSH, Mode.PULL])

@@ -11,9 +11,13 @@ from collections.abc import AsyncIterator
 from prometheus_client import CollectorRegistry
 from prometheus_client import generate_latest
 
+from kvduplex.openai.chat_output import ChatOutputParser
+from kvduplex.openai.reasoning import ThinkParser
+from kvduplex.openai.reasoning import starts_in_reasoning
 from kvduplex.openai.transcript import ANSWER_IDS_FIELD
 from kvduplex.openai.transcript import message_key
 from kvduplex.server.router.answers import RelayedAnswer
+from kvduplex.server.router.answers import return_limit
 from kvduplex.server.router.answers import tap_answer
 from kvduplex.server.router.metrics import RouterMetrics
 from kvduplex.server.router.policy import RoutingPolicy
@@ -103,6 +107,44 @@ def test_the_return_stops_when_an_answer_is_not_sent_back_and_resumes_when_it_is
     # Forgetting the session forgets its answers.
     table.record("t", "p", "d", [1], now=100.0)
     assert table.get("s", 100.0) is None and table.answers.place(message, 100.0) is None
+
+
+def _may_reason(parser: str, prompt_tail: str) -> bool:
+    return ChatOutputParser(ThinkParser(starts_in_reasoning(parser, prompt_tail)), None) \
+        .may_start_with_reasoning  # fmt: skip
+
+
+def test_a_reasoning_answer_is_returned_up_to_its_prompt_until_reasoning_comes_back() -> None:
+    # Which answers may begin with reasoning, by parser and the template's prompt end.
+    assert _may_reason("deepseek_r1", "<|assistant|>") and _may_reason("qwen3", "<think>\n")
+    assert _may_reason("qwen3", "assistant\n")  # only if it opens one: it may
+    assert not _may_reason("qwen3", "<think>\n\n</think>\n\n")  # thinking off
+    assert not ChatOutputParser(None, None).may_start_with_reasoning
+    assert return_limit(True, False, 40) == 40
+    assert return_limit(True, True, 40) is None and return_limit(False, False, 40) is None
+
+    table = SessionTable(ttl_s=60.0, max_sessions=10)
+    prompt, answer = list(range(20)), [300, 301, 302, 303]
+    s = table.record("s", "p", "d", prompt, now=0.0)
+    assert not s.sends_reasoning  # the default: the client strips reasoning
+    table.note_return_limit("s", return_limit(True, s.sends_reasoning, len(prompt)))
+    stripped = {"role": "assistant", "content": "", "reasoning_content": "abcd"}
+    table.note_answer("s", prompt, len(answer), answer, stripped, now=0.0)
+    # The client sent the answer back stripped: the return, limited to the prompt, was hit
+    # and goes on; the session still strips.
+    nxt = [*prompt, 9, 9]
+    s = table.record("s", "p", "d", nxt, now=1.0, reuses_answer=False)
+    assert s.is_returning and not s.sends_reasoning and s.return_limit is None
+    # A turn returned whole (no reasoning possible, e.g. a forced tool call) and edited:
+    # the return stops, as for any changed answer.
+    table.note_answer("s", nxt, len(answer), answer, {"role": "assistant", "content": "x"})
+    s = table.record("s", "p", "d", [*nxt, 1, 2, 3, 4, 5], now=2.0, reuses_answer=False)
+    assert not s.is_returning and not s.sends_reasoning
+    # An answer with reasoning that comes back whole: the session sends reasoning back.
+    table.note_answer("s", [*nxt, 1, 2, 3, 4, 5], len(answer), answer, stripped, now=2.0)
+    s = table.record("s", "p", "d", list(range(40)), now=3.0, reuses_answer=True)
+    assert s.is_returning and s.sends_reasoning
+    assert return_limit(True, s.sends_reasoning, 40) is None
 
 
 def test_policy_routes_carry_the_reuse_and_the_metrics_count_hits() -> None:

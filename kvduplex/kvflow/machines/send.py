@@ -42,6 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from dataclasses import field
 
+from kvduplex.engine.sampling import TokenLogprobs
 from kvduplex.kvflow.machines.actions import AcquireBlocks
 from kvduplex.kvflow.machines.actions import Log
 from kvduplex.kvflow.machines.actions import ReleaseBlocks
@@ -144,6 +145,7 @@ class SendMachine:
     confirm_end: bool = False
     """The receiver cancelled: it hears how the transfer ended even if it never registered."""
     first_token: int | None = None
+    first_token_logprobs: TokenLogprobs | None = None
     num_cached_tokens: int = 0
     """Prompt tokens the prefill served from its own prefix cache."""
     num_bytes: int = 0
@@ -197,6 +199,7 @@ class SendMachine:
         if not self.source.streams:
             return []
         self.first_token = event.token
+        self.first_token_logprobs = event.logprobs
         self.num_cached_tokens = event.num_cached_tokens
         self.compute_done_at = event.now
         return self._maybe_end(event.now)
@@ -427,7 +430,10 @@ class SendMachine:
         if (self.reg is not None or self.confirm_end) and notify:
             msg: ControlMessage
             if self.error is None:
-                msg = KVDone(self.xid, self.num_tokens, self.first_token, self.num_cached_tokens)
+                msg = KVDone(
+                    self.xid, self.num_tokens, self.first_token, self.num_cached_tokens,
+                    self.first_token_logprobs,
+                )  # fmt: skip
             else:
                 msg = KVFailed(self.xid, self.error, self.first_token)
             out.append(Tell(msg))

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from kvduplex.engine.sampling import TokenLogprobs
 from kvduplex.kvflow.machines.actions import AcquireBlocks
 from kvduplex.kvflow.machines.actions import Log
 from kvduplex.kvflow.machines.actions import ReleaseBlocks
@@ -97,6 +98,8 @@ class FirstToken:
     token: int
     num_cached_tokens: int
     now: float
+    logprobs: TokenLogprobs | None = None
+    """The token's logprobs, when the request asked for them (they go with KVDone)."""
 
 
 @dataclass(frozen=True)

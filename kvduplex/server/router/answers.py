@@ -9,6 +9,14 @@ runs after the router's parsing). The session table keeps them: how much of
 the next prompt decode holds (short appends), whether the next prompt sends
 the answer back as returned (the adaptive return), and the ids to splice in
 its place (`kvduplex.openai.transcript`).
+
+`return_limit` says how much of a turn the duplex return should give prefill:
+what the next prompt will hold. An answer's reasoning, which clients strip
+before sending the answer back, would never be hit::
+
+    turn       |---- prompt ----|<think> reasoning </think> content|
+    next       |---- prompt ----|content|-- new message --|
+    returned   |== whole blocks ==|   (up to the prompt's end, rounded down)
 """
 
 from __future__ import annotations
@@ -94,6 +102,22 @@ async def tap_answer(
     if ids is not None:
         num_tokens = len(ids)
     on_answer(RelayedAnswer(num_tokens, ids, message.message() if is_chat else None))
+
+
+def return_limit(
+    may_start_with_reasoning: bool, sends_reasoning: bool, num_prompt_tokens: int
+) -> int | None:
+    """How many of a turn's tokens its duplex return covers (None: all that decode holds).
+
+    An answer that may begin with reasoning (`ChatOutputParser.may_start_with_reasoning`:
+    both parsers read reasoning only at an answer's start) in a session whose client has not
+    shown that it sends reasoning back (`Session.sends_reasoning`) is returned up to the
+    prompt's end: the rest is the reasoning and what follows it, which the next prompt
+    does not hold where the answer left it. Decode rounds the limit down to whole blocks.
+    """
+    if may_start_with_reasoning and not sends_reasoning:
+        return num_prompt_tokens
+    return None
 
 
 def _event_json(event: bytes) -> Any:

@@ -74,7 +74,6 @@ from kvduplex.server.router.flows import serve_decode_only
 from kvduplex.server.router.flows import serve_pull
 from kvduplex.server.router.flows import serve_push
 from kvduplex.server.router.flows import serve_short_append
-from kvduplex.server.router.flows import wants_logprobs
 from kvduplex.server.router.health import run_prober
 from kvduplex.server.router.policy import NoHealthyInstance
 from kvduplex.server.router.policy import Outcome
@@ -177,8 +176,6 @@ async def _run_flow(state: RouterState, fwd: Forward) -> Response:
         mode, flow = "decode", serve_decode_only
     elif state.config.mode is TransferMode.PUSH and is_short_append(state, fwd):
         mode, flow = "short_append", serve_short_append
-    elif state.config.mode is TransferMode.PUSH and wants_logprobs(fwd):
-        mode, flow = "local_logprobs", serve_short_append
     elif state.config.mode is TransferMode.PUSH:
         mode, flow = "push", serve_push
     else:

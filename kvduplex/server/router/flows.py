@@ -23,7 +23,8 @@ part): ``report_answer`` (D ends the answer with its generated ids, which
 ``prompt_token_ids`` (the ids the router built, answers sent back spliced: D
 computes exactly what P was given). With ``--return-mode push`` the turn is
 returned to P (``return_to``) while the session's client sends its answers back
-as returned (`sessions` module docstring); at the next turn P's cached-token
+as returned (`sessions` module docstring), up to what the next prompt will hold
+(``return_max_tokens``: `answers.return_limit`); at the next turn P's cached-token
 count says how much of the returned answer it still held (the answer hit,
 `note_answer_hit`).
 
@@ -63,6 +64,7 @@ from kvduplex.openai.errors import REQUEST_ID_HEADER
 from kvduplex.openai.protocol import OpenAIRequest
 from kvduplex.openai.protocol import error_body
 from kvduplex.server.router.answers import RelayedAnswer
+from kvduplex.server.router.answers import return_limit
 from kvduplex.server.router.answers import tap_answer
 from kvduplex.server.router.calls import InstanceDown
 from kvduplex.server.router.calls import until_unhealthy
@@ -136,14 +138,15 @@ def _outcome(status: int) -> Outcome:
 
 def _prefill_body(fwd: Forward, xid: str, seed: int | None) -> dict[str, Any]:
     """P samples the first token with the request's own parameters (D's, on a fallback),
-    and under its grammar (structured output) when it has one."""
+    and under its grammar (structured output) when it has one; it computes the token's
+    logprobs when the request asks for them (D never sees the logits they come from)."""
     req = fwd.request
     body = {
         "xid": xid, "prompt_token_ids": fwd.ids, "temperature": req.temperature,
         "top_p": req.top_p, "top_k": req.top_k, "min_p": req.min_p,
         "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
         "repetition_penalty": req.repetition_penalty, "seed": seed,
-        "session_id": fwd.route.session_id,
+        "session_id": fwd.route.session_id, "logprobs": req.num_logprobs(),
     }  # fmt: skip
     spec = structured.grammar_spec_of(req)
     if spec is not None:
@@ -161,13 +164,20 @@ def _decode_params(fwd: Forward, params: dict[str, Any]) -> dict[str, Any]:
 
 
 def _return_to(state: RouterState, fwd: Forward, p: Backend) -> dict[str, Any]:
-    """The duplex return's params, if this turn is returned to `p` (else none)."""
+    """The duplex return's params, if this turn is returned to `p` (else none): limited to
+    what the next prompt will hold (`answers.return_limit`)."""
     if state.config.return_mode is not ReturnMode.PUSH:
         return {}
     if not fwd.route.is_returning:
         state.metrics.returns_skipped.inc()
         return {}
-    return {"return_to": p.url, "return_engine_id": p.engine_id}
+    params: dict[str, Any] = {"return_to": p.url, "return_engine_id": p.engine_id}
+    may_reason = fwd.parser is not None and fwd.parser.may_start_with_reasoning
+    limit = return_limit(may_reason, fwd.route.sends_reasoning, len(fwd.ids))
+    state.policy.sessions.note_return_limit(fwd.route.session_id, limit)
+    if limit is not None:
+        params["return_max_tokens"] = limit
+    return params
 
 
 def note_answer_hit(state: RouterState, fwd: Forward, num_cached_tokens: int) -> None:
@@ -180,6 +190,8 @@ def note_answer_hit(state: RouterState, fwd: Forward, num_cached_tokens: int) ->
     if not prev.is_returning or prev.prefill_url != p.url:
         return
     start, end = prev.num_prompt_tokens, prev.answer_end
+    if prev.return_limit is not None:
+        end = min(end, prev.return_limit)
     if p.block_size:
         end = end // p.block_size * p.block_size
     num_returnable = end - start
@@ -334,16 +346,9 @@ def is_short_append(state: RouterState, fwd: Forward) -> bool:
     return 0 < num_new <= limit
 
 
-def wants_logprobs(fwd: Forward) -> bool:
-    """The request asks for logprobs. In push mode prefill samples the first token, whose
-    logits decode never sees: such a request is served by decode alone, as a short append
-    is (its turn still returns to prefill)."""
-    return fwd.request.num_logprobs() is not None
-
-
 async def serve_short_append(state: RouterState, fwd: Forward) -> Response:
     """Decode alone computes the turn over its cached history, then returns it to prefill
-    (a short append, or a request asking for logprobs: `wants_logprobs`)."""
+    (a short append)."""
     p = fwd.route.prefill
     assert p is not None
     state.policy.prefill_done(fwd.route, Outcome.OK)  # not called: nothing to say of it

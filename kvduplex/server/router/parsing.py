@@ -83,7 +83,8 @@ def _parse_chunk(chunk: dict[str, Any], parser: ChatOutputParser, add_role: bool
     text = (choice.get("delta") or {}).get("content") or ""
     reason = choice.get("finish_reason")
     delta, reason = parser.step(text, reason, is_final=reason is not None)
-    if delta.is_empty() and reason is None and not choice.get("token_ids"):
+    has_tokens = choice.get("token_ids") or choice.get("logprobs")  # kept, as an instance does
+    if delta.is_empty() and reason is None and not has_tokens:
         return False
     fields = delta.to_json()
     choice["delta"] = {"role": "assistant", **fields} if add_role else fields

@@ -270,6 +270,8 @@ class Route:
     """The session's turns are returned to prefill now (`sessions` module docstring)."""
     is_named: bool = False
     """The client named the session: its instances are its rendezvous choice."""
+    sends_reasoning: bool = False
+    """The session's client sends answers back with their reasoning (`Session`)."""
     prefill_open: bool = True
     decode_open: bool = True
 
@@ -352,7 +354,7 @@ class RoutingPolicy:
         )
         return Route(
             session_id, session is not None, prefill, decode, session, reuses, current.is_returning,
-            is_named=session_key is not None,
+            is_named=session_key is not None, sends_reasoning=current.sends_reasoning,
         )  # fmt: skip
 
     def try_reroute(self, route: Route) -> Route | None:
@@ -372,7 +374,8 @@ class RoutingPolicy:
         self.sessions.move(route.session_id, prefill.url if prefill else None, decode.url)
         return Route(
             route.session_id, route.is_session_hit, prefill, decode, route.previous,
-            route.reuses_answer, route.is_returning, route.is_named,
+            route.reuses_answer, route.is_returning, is_named=route.is_named,
+            sends_reasoning=route.sends_reasoning,
         )  # fmt: skip
 
     def _try_choose_again(self, pool: BackendPool, route: Route, now: float) -> Backend | None:

@@ -15,6 +15,11 @@ ends as vLLM ends a stream that fails: one error event, ``data: {"error":
 {"message", "type": "server_error", "code": "decode_failed"}}``, then
 ``data: [DONE]``. Tokens already sent stay sent; none is sent twice.
 
+When the request asks for logprobs, P's answer carries the first token's (P
+computed them, D never sees those logits): the first chunk has them, and D
+has them too (they travel with the token in KVDone) for the answers it writes
+whole.
+
 `answers.tap_answer` learns each answer as it passes (its length, the ids
 decode reports at its end, which it removes, and a chat answer's message as the
 client received it): the session table records them for the next turn.
@@ -47,6 +52,7 @@ from starlette.types import Scope
 from starlette.types import Send
 
 from kvduplex.engine.detokenizer import IncrementalDetokenizer
+from kvduplex.engine.sampling import TokenLogprobs
 from kvduplex.model.tokenizer import Tokenizer
 from kvduplex.openai import render
 from kvduplex.openai.errors import REQUEST_ID_HEADER
@@ -196,10 +202,17 @@ class FirstToken:
     on_diverged: Callable[[], None] = field(default=lambda: None)
     """Called when D's first token is not the one sent (the stream then ends)."""
 
-    def chunk(self, token: int) -> tuple[str, bytes]:
-        """The token's text as D's detokenizer releases it (not the last token), and the chunk."""
+    def chunk(self, token: int, logprobs: TokenLogprobs | None = None) -> tuple[str, bytes]:
+        """The token's text as D's detokenizer releases it (not the last token), and the chunk
+        (with the token's `logprobs`, P's, when the request asks for them)."""
         text = IncrementalDetokenizer(self.tokenizer).update([token], is_final=False)
-        choice = render.stream_choice(self.head, text, [token], None, is_first=True)
+        entry = None
+        if logprobs is not None:
+            if self.head.is_chat:
+                entry = render.chat_logprobs(self.tokenizer, [logprobs])
+            else:
+                entry = render.completion_logprobs(self.tokenizer, [logprobs])
+        choice = render.stream_choice(self.head, text, [token], None, True, logprobs=entry)
         return text, render.sse_data(render.stream_chunk(self.head, choice)).encode()
 
 
@@ -227,7 +240,7 @@ async def push_stream(
         sent: SentToken | None = None
         if ans is not None and not next_event.done():
             token = int(ans["first_token"])
-            text, chunk = first.chunk(token)
+            text, chunk = first.chunk(token, _try_logprobs(ans.get("first_token_logprobs")))
             sent = SentToken(token, text)
             yield chunk
         looking = True  # for D's first chunk with tokens
@@ -265,6 +278,17 @@ async def push_stream(
             with contextlib.suppress(BaseException):
                 await asyncio.shield(next_event)
             await events.aclose()
+
+
+def _try_logprobs(data: Any) -> TokenLogprobs | None:
+    """P's first-token logprobs from its answer (None: not asked for, or not readable)."""
+    if data is None:
+        return None
+    try:
+        return TokenLogprobs.from_json(data)
+    except ValueError:
+        logger.warning("prefill's first-token logprobs are not readable: %r", data)
+        return None
 
 
 @dataclass(frozen=True)
@@ -325,4 +349,15 @@ def splice_first_token(data: str, sent: SentToken | None) -> tuple[Splice, str |
         choice["text"] = rest
     if "token_ids" in choice:
         choice["token_ids"] = choice["token_ids"][1:]
+    _drop_first_logprobs(choice)
     return Splice.DROPPED, json.dumps(chunk)
+
+
+def _drop_first_logprobs(choice: dict[str, Any]) -> None:
+    """`choice` without its first token's logprobs entry (sent with that token already)."""
+    lp = choice.get("logprobs")
+    if not isinstance(lp, dict):
+        return
+    for key in ("content", "tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        if isinstance(lp.get(key), list):
+            lp[key] = lp[key][1:]

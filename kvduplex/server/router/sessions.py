@@ -30,6 +30,15 @@ blocks will be hit (`reuses_answer`). A turn that does not (the answer was
 edited, stripped, or the conversation branched) stops the return for the
 session; the next turn that does resumes it. The first turn of a session, and
 a turn after an answer whose ids were not learnt, keep the session's state.
+
+Reasoning. A client that follows the OpenAI convention sends an answer back
+without its ``reasoning_content``, so the next prompt leaves the answer where
+its reasoning began: the return of such a turn is limited to its prompt
+(`return_limit`, decided by the router's flows), and whether the next prompt
+then keeps the answer does not stop the return (the part returned is kept
+either way). A session shows that it sends reasoning back when a prompt holds a
+previous answer that had reasoning (`sends_reasoning`); its turns are then
+returned whole.
 """
 
 from __future__ import annotations
@@ -136,6 +145,12 @@ class Session:
     """Over the session, tokens of returned answers that prefill had cached next turn."""
     num_answer_tokens_returnable: int = 0
     """Over the session, tokens of returned answers that prefill could have cached."""
+    answer_has_reasoning: bool = False
+    """The latest answer, as the client received it, had ``reasoning_content``."""
+    sends_reasoning: bool = False
+    """A prompt of this session held a previous answer with its reasoning."""
+    return_limit: int | None = None
+    """The latest turn's return covers at most this many tokens (None: all of it)."""
 
     @property
     def answer_hit_rate(self) -> float | None:
@@ -205,13 +220,17 @@ class SessionTable:
         if old is not None:
             self.index.remove(session_id, old.prompt_key)
         returning = old.is_returning if old is not None else True
-        if reuses_answer is not None:
-            returning = reuses_answer
+        sends_reasoning = old.sends_reasoning if old is not None else False
+        if reuses_answer is not None and old is not None:
+            if old.return_limit is None:  # a limited return is kept whatever the answer
+                returning = reuses_answer
+            if old.answer_has_reasoning:
+                sends_reasoning = reuses_answer
         session = Session(
             session_id=session_id, prefill_url=prefill_url, decode_url=decode_url, last_used=now,
             num_turns=1 if old is None else old.num_turns + 1,
             prompt_key=self.index.add(session_id, ids), num_prompt_tokens=len(ids),
-            is_returning=returning,
+            is_returning=returning, sends_reasoning=sends_reasoning,
             num_answer_tokens_hit=old.num_answer_tokens_hit if old else 0,
             num_answer_tokens_returnable=old.num_answer_tokens_returnable if old else 0,
         )  # fmt: skip
@@ -243,7 +262,10 @@ class SessionTable:
         session = self._sessions.get(session_id)
         if session is None or session.num_prompt_tokens != len(prompt_ids):
             return
-        update: dict[str, Any] = {"num_answer_tokens": num_tokens}
+        update: dict[str, Any] = {
+            "num_answer_tokens": num_tokens,
+            "answer_has_reasoning": bool(message and message.get("reasoning_content")),
+        }
         if answer_ids:
             end = len(prompt_ids) + len(answer_ids) - 1
             update["answer_end"] = end
@@ -251,6 +273,12 @@ class SessionTable:
             if message is not None:
                 self.answers.add(AnswerRecord(tuple(answer_ids), message), now, owner=session_id)
         self._sessions[session_id] = replace(session, **update)
+
+    def note_return_limit(self, session_id: str, limit: int | None) -> None:
+        """`session_id`'s latest turn is returned up to `limit` tokens (None: whole)."""
+        session = self._sessions.get(session_id)
+        if session is not None:
+            self._sessions[session_id] = replace(session, return_limit=limit)
 
     def note_answer_hit(self, session_id: str, num_hit: int, num_returnable: int) -> None:
         """At `session_id`'s latest turn, prefill had `num_hit` of the `num_returnable`
