@@ -265,7 +265,7 @@ class LLMEngine:
 
     def _apply_kv_results(self) -> list[Request]:
         """Apply the transfers the connector saw end (the one place they change
-        requests); return the requests whose outputs that changed: those that got their
+        requests); return the requests whose outputs changed: those that got their
         first token with remote KV, and prefills stopped because their push failed."""
         results = self.connector.get_finished()
         if not results:

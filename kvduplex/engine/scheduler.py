@@ -58,6 +58,7 @@ from kvduplex.engine.scheduler_output import check_stop
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass
 class KVApplied:
     """What applying a step's transfer results changed, for the engine's outputs."""
