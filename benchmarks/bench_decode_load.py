@@ -1,20 +1,26 @@
-"""Decode under load: decode attention copying each sequence's blocks against reading the
-pool in place, side by side in one engine (not a test).
+"""Decode under load: two ways of running the same decode step side by side in one engine
+(not a test). ``--compare attention`` (default): decode attention copying each sequence's
+blocks against reading the pool in place. ``--compare matmul``: linear layers on the plain
+weights (MKL) against the oneDNN-packed copies for batches of two or more rows.
 
 For each context C, the largest concurrency's requests (C random token ids each, seeded,
 greedy, ``ignore_eos``) are prefilled in one engine; then, for each concurrency B from
 the largest down (requests beyond B aborted in between), whole engine steps (schedule,
 forward, sample, detokenise) alternate between the decode attention paths in blocks::
 
-    warm-up copy, warm-up sdpa, copy x block, sdpa x block, copy x block, ...
+    warm-up A, warm-up B, A x block, B x block, A x block, ...
 
-Same engine, weights, requests and pool for both paths: only `ModelRunner.set_decode_attention`
-differs (``copy``: blocks copied into a scratch buffer per group, the path before;
-``sdpa``: every decode read in place where its blocks form long ranges). The context grows
-by one token a step for both alike. Decode tok/s = B / step time.
+Same engine, weights, requests and pool for both: for ``attention`` only
+`ModelRunner.set_decode_attention` differs (``copy``: blocks copied into a scratch buffer
+per group, the path before; ``sdpa``: every decode read in place where its blocks form long
+ranges); for ``matmul`` only whether the linear layers hold their oneDNN-packed copies
+(``plain``: MKL on the column-major weight at every batch, as with
+``--no-cpu-packed-weights``; ``packed``: the default). The context grows by one token a
+step for both alike. Decode tok/s = B / step time.
 
     .venv/bin/python benchmarks/bench_decode_load.py                          # small, 1k/2k/4k
     .venv/bin/python benchmarks/bench_decode_load.py --contexts 2048 --concurrency 8 4 1
+    .venv/bin/python benchmarks/bench_decode_load.py --compare matmul --model results/llama-50m
 
 Writes results/bench_decode_load[-<tag>].json and .md. The JSON holds every step's time, the
 machine's load from other processes during each cell (``/proc/stat`` minus this process)
@@ -34,7 +40,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-PATHS = ("copy", "sdpa")
+VARIANTS = {"attention": ("copy", "sdpa"), "matmul": ("plain", "packed")}
 
 
 class ForeignLoad:
@@ -60,7 +66,7 @@ class ForeignLoad:
         return max(0.0, (busy1 - busy0) - (own1 - own0)) / ticks
 
 
-def make_engine(preset: str, seed: int, threads: int, max_seqs: int, kv_mb: int) -> Any:
+def make_engine(model: str, seed: int, threads: int, max_seqs: int, kv_mb: int) -> Any:
     from kvduplex.config import CacheConfig
     from kvduplex.config import EngineConfig
     from kvduplex.config import ModelLoadConfig
@@ -68,7 +74,7 @@ def make_engine(preset: str, seed: int, threads: int, max_seqs: int, kv_mb: int)
     from kvduplex.engine.engine import LLMEngine
 
     cfg = EngineConfig(
-        model=ModelLoadConfig(model=preset, seed=seed, dtype="float32", device="cpu", num_threads=threads),
+        model=ModelLoadConfig(model=model, seed=seed, dtype="float32", device="cpu", num_threads=threads),
         cache=CacheConfig(block_size=16, kv_cache_mb=kv_mb),
         scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=2048),
     )
@@ -89,8 +95,33 @@ def table_ranges(engine: Any) -> list[int]:
     return counts
 
 
-def timed_steps(engine: Any, path: str, num: int) -> list[float]:
-    engine.runner.set_decode_attention(path)
+class Variants:
+    """Switches one engine between the two ways of `--compare`."""
+
+    def __init__(self, engine: Any, compare: str) -> None:
+        from kvduplex.model.decoder import Linear
+
+        self.engine = engine
+        self.names = VARIANTS[compare]
+        self.compare = compare
+        self._linears = [m for m in engine.runner.model.modules() if isinstance(m, Linear)]
+        self._packed = [m.packed for m in self._linears]
+        self._tied = engine.runner.model.tied_head_packed
+        if compare == "matmul" and not any(p is not None for p in self._packed):
+            raise SystemExit("no linear weight is packed for oneDNN here (not float32 on CPU?)")
+
+    def use(self, name: str) -> None:
+        if self.compare == "attention":
+            self.engine.runner.set_decode_attention(name)
+            return
+        packed = name == "packed"
+        for module, copy in zip(self._linears, self._packed, strict=True):
+            module.packed = copy if packed else None
+        self.engine.runner.model.tied_head_packed = self._tied if packed else None
+
+
+def timed_steps(engine: Any, variants: Variants, name: str, num: int) -> list[float]:
+    variants.use(name)
     times = []
     for _ in range(num):
         t0 = time.perf_counter()
@@ -99,7 +130,9 @@ def timed_steps(engine: Any, path: str, num: int) -> list[float]:
     return times
 
 
-def run_context(engine: Any, context: int, levels: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
+def run_context(
+    engine: Any, variants: Variants, context: int, levels: list[int], args: argparse.Namespace
+) -> list[dict[str, Any]]:
     from kvduplex.engine.request import Request
     from kvduplex.engine.sampling import SamplingParams
 
@@ -126,35 +159,35 @@ def run_context(engine: Any, context: int, levels: list[int], args: argparse.Nam
         rids = rids[:level]
         engine.step()  # the aborts' outputs
         assert len(engine.scheduler._running) == level, "every request must still decode"
-        for path in PATHS:
-            timed_steps(engine, path, args.warmup)
+        a, b = variants.names
+        for name in variants.names:
+            timed_steps(engine, variants, name, args.warmup)
         load = ForeignLoad()
-        times: dict[str, list[list[float]]] = {p: [] for p in PATHS}
+        times: dict[str, list[list[float]]] = {n: [] for n in variants.names}
         for _ in range(args.reps):
-            for path in PATHS:
-                times[path].append(timed_steps(engine, path, args.block))
+            for name in variants.names:
+                times[name].append(timed_steps(engine, variants, name, args.block))
         if len(engine.scheduler._running) != level:
             raise RuntimeError(f"context {context} x {level}: a request finished while timed")
-        flat = {p: [t for block in times[p] for t in block] for p in PATHS}
+        flat = {n: [t for block in times[n] for t in block] for n in variants.names}
         block_ratios = [
-            statistics.median(c) / statistics.median(s)
-            for c, s in zip(times["copy"], times["sdpa"], strict=True)
+            statistics.median(x) / statistics.median(y) for x, y in zip(times[a], times[b], strict=True)
         ]
         cell = {
             "context": context,
             "concurrency": level,
             "prefill_s": prefill_s,
             "step_ms": times,
-            "p50_ms": {p: statistics.median(flat[p]) for p in PATHS},
-            "decode_tok_s": {p: level * 1e3 / statistics.median(flat[p]) for p in PATHS},
-            "ratio_copy_over_sdpa": statistics.median(flat["copy"]) / statistics.median(flat["sdpa"]),
+            "p50_ms": {n: statistics.median(flat[n]) for n in variants.names},
+            "decode_tok_s": {n: level * 1e3 / statistics.median(flat[n]) for n in variants.names},
+            "ratio": statistics.median(flat[a]) / statistics.median(flat[b]),
             "block_ratios": block_ratios,
             "foreign_load_cpus": load.take(),
             "ranges_per_table": table_ranges(engine),
         }
         print(
-            f"context {context} x {level}: copy {cell['p50_ms']['copy']:.1f} ms, "
-            f"sdpa {cell['p50_ms']['sdpa']:.1f} ms, copy/sdpa {cell['ratio_copy_over_sdpa']:.2f} "
+            f"context {context} x {level}: {a} {cell['p50_ms'][a]:.1f} ms, "
+            f"{b} {cell['p50_ms'][b]:.1f} ms, {a}/{b} {cell['ratio']:.2f} "
             f"(blocks {min(block_ratios):.2f}-{max(block_ratios):.2f}), "
             f"foreign load {cell['foreign_load_cpus']:.2f} cpus",
             flush=True,
@@ -166,30 +199,32 @@ def run_context(engine: Any, context: int, levels: list[int], args: argparse.Nam
     return cells
 
 
-def table(cells: list[dict[str, Any]]) -> str:
+def table(cells: list[dict[str, Any]], names: tuple[str, str]) -> str:
     from benchmarks.common import md_table
 
+    a, b = names
     rows = []
     for c in cells:
         ranges = c["ranges_per_table"]
         rows.append([
             c["context"], c["concurrency"],
-            f"{c['p50_ms']['copy']:.1f}", f"{c['p50_ms']['sdpa']:.1f}",
-            f"{c['decode_tok_s']['copy']:.1f}", f"{c['decode_tok_s']['sdpa']:.1f}",
-            f"**{c['ratio_copy_over_sdpa']:.2f}**",
+            f"{c['p50_ms'][a]:.1f}", f"{c['p50_ms'][b]:.1f}",
+            f"{c['decode_tok_s'][a]:.1f}", f"{c['decode_tok_s'][b]:.1f}",
+            f"**{c['ratio']:.2f}**",
             f"{min(c['block_ratios']):.2f}-{max(c['block_ratios']):.2f}",
             f"{statistics.median(ranges):.0f}" if ranges else "-",
             f"{c['foreign_load_cpus']:.2f}",
         ])  # fmt: skip
-    header = ["context", "decodes", "step p50 ms copy", "step p50 ms sdpa", "decode tok/s copy",
-              "decode tok/s sdpa", "copy / sdpa", "per-block ratios", "ranges per table",
+    header = ["context", "decodes", f"step p50 ms {a}", f"step p50 ms {b}", f"decode tok/s {a}",
+              f"decode tok/s {b}", f"{a} / {b}", "per-block ratios", "ranges per table",
               "foreign load (cpus)"]  # fmt: skip
     return md_table(header, rows)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="small")
+    ap.add_argument("--model", "--preset", default="small", help="a preset or a Hugging Face folder")
+    ap.add_argument("--compare", choices=sorted(VARIANTS), default="attention")
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[16, 8, 4, 1])
     ap.add_argument("--reps", type=int, default=3, help="blocks of each path per cell")
@@ -205,25 +240,28 @@ def main() -> None:
 
     from benchmarks.common import pin
     from benchmarks.common import write_results
-    from kvduplex.model.presets import preset_config
+    from kvduplex.model.loader import load_model_config
 
     pinned = pin({int(c) for c in args.cpus.split(",")}, args.threads)
     torch.manual_seed(args.seed)
-    cfg = preset_config(args.preset)
+    cfg = load_model_config(args.model)
     per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
     steps = len(args.concurrency) * (2 * args.warmup + 2 * args.reps * args.block) + 32
     kv_mb = max(args.concurrency) * (max(args.contexts) + steps) * per_token // 2**20 + 64
-    engine = make_engine(args.preset, args.seed, args.threads, max(args.concurrency), kv_mb)
+    engine = make_engine(args.model, args.seed, args.threads, max(args.concurrency), kv_mb)
     engine.warmup()
+    variants = Variants(engine, args.compare)
     cells = []
     for context in args.contexts:
-        cells += run_context(engine, context, args.concurrency, args)
+        cells += run_context(engine, variants, context, args.concurrency, args)
+    a, b = variants.names
     text = (
-        f"`{args.preset}` float32, whole engine steps, {pinned}; {args.reps} blocks of "
-        f"{args.block} steps per path and cell, interleaved copy/sdpa, after {args.warmup} "
-        f"warm-up steps of each; KV pool {kv_mb} MiB\n\n" + table(cells)
+        f"`{args.model}` float32, whole engine steps, {pinned}; {args.reps} blocks of "
+        f"{args.block} steps per variant and cell, interleaved {a}/{b}, after {args.warmup} "
+        f"warm-up steps of each; KV pool {kv_mb} MiB\n\n" + table(cells, variants.names)
     )
-    name = "bench_decode_load" + (f"-{args.tag}" if args.tag else "")
+    name = "bench_decode_load" + (f"-{args.compare}" if args.compare != "attention" else "")
+    name += f"-{args.tag}" if args.tag else ""
     write_results(name, {"args": vars(args), "pinned": pinned, "kv_mb": kv_mb, "cells": cells}, text)
     print(text)
 

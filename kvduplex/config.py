@@ -151,6 +151,10 @@ class ModelLoadConfig:
     """Decode attention: auto (paged, or copy for models with sliding-window layers), paged
     (read the KV pool in place where blocks run), copy (blocks copied per length group,
     then SDPA) or flex (compiled FlexAttention in place; compiles at start-up)."""
+    cpu_packed_weights: bool = True
+    """On CPU, also keep every float32 linear weight packed for oneDNN and use it for
+    matmuls of two or more rows (decode batches, prefills); a single row keeps MKL's gemv
+    on the plain weight. Doubles the memory of the linear weights; off keeps one copy."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -29,8 +29,10 @@ from kvduplex.engine.kv_cache import dtype_from_name
 from kvduplex.model.config import DecoderConfig
 from kvduplex.model.decoder import DecoderForCausalLM
 from kvduplex.model.decoder import Linear
+from kvduplex.model.decoder import can_pack_for_onednn
 from kvduplex.model.decoder import fused_shard_rows
 from kvduplex.model.decoder import hf_weight_target
+from kvduplex.model.decoder import pack_for_onednn
 from kvduplex.model.presets import PRESETS
 from kvduplex.model.presets import init_random_weights
 from kvduplex.model.presets import preset_config
@@ -113,15 +115,35 @@ def load_model(cfg: ModelLoadConfig) -> LoadedModel:
     tokenizer = load_tokenizer(cfg.model)
     model.eval()
     if device.type == "cpu":
-        for module in model.modules():
-            if isinstance(module, Linear):
-                module.store_transposed()
+        _prepare_cpu_weights(model, packed=cfg.cpu_packed_weights)
     identity = model_identity(config, dtype, source)
     logger.info(
         "loaded model %s (%s, %d layers, %s on %s)", name, config.architecture,
         config.num_layers, str(dtype).removeprefix("torch."), device,
     )
     return LoadedModel(model, config, tokenizer, name, identity, dtype, device)
+
+
+def _prepare_cpu_weights(model: DecoderForCausalLM, packed: bool) -> None:
+    """Lay out linear weights for CPU matmuls: column-major for MKL's few-row sgemm and,
+    with `packed`, a oneDNN-packed copy for two or more rows (`decoder.pack_for_onednn`)."""
+    copies = 0
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.store_transposed()
+            if packed and can_pack_for_onednn(module.weight):
+                module.pack_for_onednn()
+                copies += module.weight.numel() * module.weight.element_size()
+    if packed and model.lm_head is None and can_pack_for_onednn(model.embed_tokens.weight):
+        model.tied_head_packed = pack_for_onednn(model.embed_tokens.weight)
+        copies += model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    if copies:
+        logger.info("linear weights also packed for oneDNN: %.1f MiB more", copies / 2**20)
+
+
+def load_model_config(model: str) -> DecoderConfig:
+    """The architecture `load_model` builds for `model` (preset name or folder), without weights."""
+    return preset_config(model) if model in PRESETS else _read_config(Path(model))
 
 
 def load_tokenizer(model: str) -> Tokenizer:
