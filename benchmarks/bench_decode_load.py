@@ -1,6 +1,7 @@
 """Decode under load: two ways of running the same decode step side by side in one engine
 (not a test). ``--compare attention`` (default): decode attention copying each sequence's
-blocks against reading the pool in place. ``--compare matmul``: linear layers on the plain
+blocks against reading the pool in place; ``--compare kernel``: the in-place SDPA path
+(``paged``) against the compiled CPU kernel (``kernel``). ``--compare matmul``: linear layers on the plain
 weights (MKL) against the oneDNN-packed copies for batches of two or more rows.
 
 For each context C, the largest concurrency's requests (C random token ids each, seeded,
@@ -40,7 +41,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-VARIANTS = {"attention": ("copy", "sdpa"), "matmul": ("plain", "packed")}
+VARIANTS = {"attention": ("copy", "paged"), "kernel": ("paged", "kernel"), "matmul": ("plain", "packed")}
 
 
 class ForeignLoad:
@@ -111,7 +112,7 @@ class Variants:
             raise SystemExit("no linear weight is packed for oneDNN here (not float32 on CPU?)")
 
     def use(self, name: str) -> None:
-        if self.compare == "attention":
+        if self.compare != "matmul":
             self.engine.runner.set_decode_attention(name)
             return
         packed = name == "packed"

@@ -42,7 +42,8 @@ class DecodeAttention(enum.StrEnum):
     """How a step's decodes attend over the paged KV pool (``--decode-attention``)."""
 
     AUTO = enum.auto()
-    """``paged`` for models without sliding-window layers, ``copy`` for the others."""
+    """``kernel`` where it applies and torch runs one thread; else ``paged`` for models
+    without sliding-window layers, ``copy`` for the others."""
     PAGED = enum.auto()
     """Every decode reads the pool in place where its blocks form long ranges; the rest of
     each sequence is copied; partials merged by log-sum-exp."""
@@ -51,6 +52,9 @@ class DecodeAttention(enum.StrEnum):
     group (a lone decode over a few ranges read in place)."""
     FLEX = enum.auto()
     """One compiled FlexAttention call reading the pool in place (compiles at start-up)."""
+    KERNEL = enum.auto()
+    """CPU, float32: a C kernel, built at first use, reads every decode's blocks in place
+    through its block table, one thread (`model/cpu_decode.py`)."""
 
     @classmethod
     def parse(cls, value: str) -> DecodeAttention:
@@ -148,9 +152,11 @@ class ModelLoadConfig:
     num_threads: int = 0
     """torch intra-op threads; 0 keeps torch's default."""
     decode_attention: DecodeAttention = DecodeAttention.AUTO
-    """Decode attention: auto (paged, or copy for models with sliding-window layers), paged
-    (read the KV pool in place where blocks run), copy (blocks copied per length group,
-    then SDPA) or flex (compiled FlexAttention in place; compiles at start-up)."""
+    """Decode attention: auto (kernel on CPU with one torch thread where it builds; else
+    paged, or copy for models with sliding-window layers), kernel (a compiled CPU kernel
+    walking each block table), paged (read the KV pool in place where blocks run), copy
+    (blocks copied per length group, then SDPA) or flex (compiled FlexAttention in place;
+    compiles at start-up)."""
     cpu_packed_weights: bool = True
     """On CPU, also keep every float32 linear weight packed for oneDNN and use it for
     matmuls of two or more rows (decode batches, prefills); a single row keeps MKL's gemv

@@ -30,6 +30,7 @@ from kvduplex.engine.runner_inputs import GROUP_COST_TOKENS
 from kvduplex.engine.runner_inputs import InputBuilder
 from kvduplex.engine.runner_inputs import SeqInput
 from kvduplex.engine.runner_inputs import group_by_length
+from kvduplex.model import cpu_decode
 from kvduplex.model.config import DecoderConfig
 from kvduplex.model.decoder import DecoderForCausalLM
 from kvduplex.model.flex_decode import FlexDecode
@@ -123,9 +124,13 @@ class ModelRunner:
         the rest copied, partials merged by log-sum-exp (`PagedDecodes`); ``copy``: decodes
         grouped by length, their blocks copied into a scratch buffer, one SDPA per group
         (a lone decode over a few ranges in place), the path before ``paged``; ``flex``:
-        one compiled FlexAttention call reading the pool in place; ``auto`` (or its old
-        name ``sdpa``): ``paged``, or ``copy`` for a model with sliding-window layers
-        (which also use ``copy`` for ``flex``). `decode_attention` holds the path taken.
+        one compiled FlexAttention call reading the pool in place; ``kernel``: a compiled
+        CPU kernel walking each decode's block table (`cpu_decode.py`; ValueError where it
+        does not apply or cannot be built); ``auto`` (or its old name ``sdpa``):
+        ``kernel`` where it applies and builds and torch runs one thread (the kernel does
+        not split its work over threads), else ``paged``, or ``copy`` for a model with
+        sliding-window layers (which also use ``copy`` for ``flex``). `decode_attention`
+        holds the path taken.
         """
         choice = DecodeAttention.parse(name)
         windowed = any(self.config.window_of(i) is not None for i in range(self.config.num_layers))
@@ -134,6 +139,19 @@ class ModelRunner:
                 "decode attention 'paged' reads whole sequences and this model has sliding-window "
                 "layers: use --decode-attention auto or copy"
             )
+        kernel = None
+        if choice is DecodeAttention.KERNEL:
+            kernel = self._decode_kernel()
+            if kernel is None:
+                raise ValueError(
+                    "decode attention 'kernel' needs a float32 pool on CPU, a head size that is a "
+                    f"multiple of {cpu_decode.LANES} and a C compiler (see the log): use "
+                    "--decode-attention auto"
+                )
+        elif choice is DecodeAttention.AUTO and torch.get_num_threads() == 1:
+            kernel = self._decode_kernel()
+            if kernel is not None:
+                choice = DecodeAttention.KERNEL
         if choice is DecodeAttention.AUTO:
             choice = DecodeAttention.COPY if windowed else DecodeAttention.PAGED
         elif choice is DecodeAttention.FLEX and windowed:
@@ -145,9 +163,17 @@ class ModelRunner:
             if choice is DecodeAttention.FLEX:
                 flex = FlexDecode(self.layout.num_blocks, self.layout.block_size, self.device)
             paged = choice is DecodeAttention.PAGED
-            self._builders[path] = InputBuilder(self.layout, self.device, flex, paged=paged)
+            self._builders[path] = InputBuilder(self.layout, self.device, flex, paged=paged, kernel=kernel)
         self.decode_attention = path
         self.inputs = self._builders[path]
+
+    def _decode_kernel(self) -> cpu_decode.PagedDecodeKernel | None:
+        """The CPU decode kernel for this model and pool; None where it does not apply or
+        cannot be built."""
+        cfg = self.config
+        if not cpu_decode.supports(cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, self.kv_pool.dtype, self.device):
+            return None
+        return cpu_decode.load_kernel(cfg.head_dim, cfg.num_heads // cfg.num_kv_heads)
 
     # ---- block tables ----
 

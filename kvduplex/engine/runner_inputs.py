@@ -39,6 +39,8 @@ from kvduplex.model.attention import AttentionContext
 from kvduplex.model.attention import DecodeGroup
 from kvduplex.model.attention import PoolRuns
 from kvduplex.model.attention import PrefillSpan
+from kvduplex.model.cpu_decode import KernelDecodes
+from kvduplex.model.cpu_decode import PagedDecodeKernel
 from kvduplex.model.flex_decode import FlexDecode
 from kvduplex.model.paged_decode import GatheredRows
 from kvduplex.model.paged_decode import PagedDecodes
@@ -75,14 +77,21 @@ class InputBuilder:
     """Builds `StepBatch`es for one runner (engine thread only)."""
 
     def __init__(
-        self, layout: KVCacheLayout, device: torch.device, flex: FlexDecode | None = None, paged: bool = False
+        self,
+        layout: KVCacheLayout,
+        device: torch.device,
+        flex: FlexDecode | None = None,
+        paged: bool = False,
+        kernel: PagedDecodeKernel | None = None,
     ) -> None:
-        """With `flex`, decodes attend in place through it; else with `paged`, all decodes
+        """With `kernel`, all decodes go to it with their block tables (`KernelDecodes`);
+        else with `flex`, decodes attend in place through it; else with `paged`, all decodes
         read the pool in place where their blocks form long ranges (`PagedDecodes`); else
         in groups whose blocks are copied (`DecodeGroup`)."""
         self.block_size = layout.block_size
         self.flex = flex
         self.paged = paged
+        self.kernel = kernel
         self._min_range_blocks = max(1, -(-IN_PLACE_MIN_RANGE_TOKENS // layout.block_size))
         self.device = device
         self._pin = device.type == "cuda"
@@ -146,8 +155,17 @@ class InputBuilder:
         groups: list[DecodeGroup] = []
         flex_batch = None
         paged = None
+        kernel_batch = None
         scratch_blocks = 0
-        if decodes.size and self.flex is not None:
+        if decodes.size and self.kernel is not None:
+            width = -(-int(ends[decodes].max()) // bs)
+            kernel_batch = KernelDecodes(
+                token_index=self._tensor(first[decodes]),
+                tables=self._tensor(tables.table[rows[decodes], :width]),
+                lens=self._tensor(ends[decodes]),
+                all_tokens=total == n,
+            )
+        elif decodes.size and self.flex is not None:
             width = -(-int(ends[decodes].max()) // bs)
             flex_batch = self.flex.batch(
                 self._tensor(first[decodes]), tables.table[rows[decodes], :width], ends[decodes]
@@ -167,6 +185,8 @@ class InputBuilder:
             flex=self.flex,
             flex_batch=flex_batch,
             paged=paged,
+            kernel=self.kernel if kernel_batch is not None else None,
+            kernel_batch=kernel_batch,
         )
         return StepBatch(
             input_ids=staged[0], positions=staged[1], logits_index=self._tensor(logits_index), ctx=ctx

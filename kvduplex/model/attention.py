@@ -27,7 +27,9 @@ sequences; each sequence contributes ``q_len`` new tokens at positions
    runs with a length mask; a group of one sequence whose blocks fill a few
    ranges skips the copy (`PoolRuns`). Or, when the runner enables it and the
    layer has no sliding window, all decodes in one compiled FlexAttention call
-   that reads the pool in place (`flex_decode.py`).
+   that reads the pool in place (`flex_decode.py`). Or, on CPU with the ``kernel``
+   path, all decodes in one call of a compiled C kernel that walks each sequence's
+   block table (`cpu_decode.py`).
 
 Why groups (copied rows): padding every decode to the longest context of the step, into a
 fresh tensor in every layer, cost more on CPU than the attention itself; one
@@ -53,6 +55,8 @@ from dataclasses import field
 import torch
 import torch.nn.functional as F
 
+from kvduplex.model.cpu_decode import KernelDecodes
+from kvduplex.model.cpu_decode import PagedDecodeKernel
 from kvduplex.model.flex_decode import FlexDecode
 from kvduplex.model.flex_decode import FlexDecodeBatch
 from kvduplex.model.paged_decode import PagedDecodes
@@ -147,6 +151,10 @@ class AttentionContext:
     paged: PagedDecodes | None = None
     """This step's decodes read in place (layers without a sliding window only); None:
     through `decode_groups` or `flex_batch`."""
+    kernel: PagedDecodeKernel | None = None
+    """The CPU decode kernel; with `kernel_batch`, used for all decodes."""
+    kernel_batch: KernelDecodes | None = None
+    """This step's decodes for `kernel`."""
     _masks: dict[tuple[str, int, int | None], torch.Tensor | None] = field(default_factory=dict)
     _ranges: dict[tuple[int, int | None], list[tuple[int, int, int]]] = field(default_factory=dict)
 
@@ -156,6 +164,8 @@ class AttentionContext:
             return int(self.flex_batch.token_index.shape[0])
         if self.paged is not None:
             return self.paged.num_seqs
+        if self.kernel_batch is not None:
+            return int(self.kernel_batch.lens.shape[0])
         return sum(group.num_seqs for group in self.decode_groups)
 
     def decode_mask(self, index: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
@@ -260,7 +270,9 @@ def paged_attention(
             qs[None], ks[None], vs[None], attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
         )  # (1, num_heads, q_len, head_dim)
         out[span.token_start:end] = o[0].transpose(0, 1)
-    if ctx.paged is not None:
+    if ctx.kernel is not None and ctx.kernel_batch is not None:
+        ctx.kernel.attend(q, layer_pool, ctx.kernel_batch, scale, window, out)
+    elif ctx.paged is not None:
         assert window is None, "paged decodes are built only for models without sliding windows"
         paged_decode_attention(q, layer_pool, ctx.paged, ctx.decode_kv, scale, out)
     elif ctx.flex is not None and ctx.flex_batch is not None:

@@ -1,5 +1,6 @@
-"""``serve --decode-attention {auto,paged,copy,flex}``: the flag reaches the runner, the forward
-takes the path it names, and ``paged`` and ``copy`` pick the same tokens."""
+"""``serve --decode-attention {auto,paged,copy,flex,kernel}``: the flag reaches the runner, the
+forward takes the path it names, and ``paged`` and ``copy`` pick the same tokens (``kernel``:
+`test_cpu_decode_kernel.py`)."""
 
 from __future__ import annotations
 
@@ -84,9 +85,9 @@ def test_the_flag_parses_to_the_config_and_defaults_to_auto(
     parser = build_parser()
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--help"])
-    assert "--decode-attention {auto,paged,copy,flex}" in capsys.readouterr().out
+    assert "--decode-attention {auto,paged,copy,flex,kernel}" in capsys.readouterr().out
     assert _serve_config().model.decode_attention is DecodeAttention.AUTO
-    for name in ("auto", "paged", "copy", "flex"):
+    for name in ("auto", "paged", "copy", "flex", "kernel"):
         assert _serve_config("--decode-attention", name).model.decode_attention is DecodeAttention(
             name
         )
@@ -94,7 +95,7 @@ def test_the_flag_parses_to_the_config_and_defaults_to_auto(
         parser.parse_args(["serve", "--decode-attention", "in-place"])
     # the engine config's old name of the default still reads as it
     assert ModelLoadConfig(decode_attention="sdpa").decode_attention is DecodeAttention.AUTO  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="auto, paged, copy, flex"):
+    with pytest.raises(ValueError, match="auto, paged, copy, flex, kernel"):
         ModelLoadConfig(decode_attention="in-place")  # type: ignore[arg-type]
 
 
@@ -104,6 +105,7 @@ def test_the_flag_parses_to_the_config_and_defaults_to_auto(
 def test_the_flag_picks_the_path_every_decode_step_takes(
     tiny: LoadedModel, flag: str, path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # auto: the CPU kernel only with one thread
     engine = LLMEngine(_serve_config("--decode-attention", flag), loaded=tiny)
     assert engine.runner.decode_attention == path
     calls = _count_calls(monkeypatch)
@@ -146,7 +148,8 @@ def test_paged_and_copy_are_token_exact(
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_windowed_models_copy_under_auto_and_refuse_paged() -> None:
+def test_windowed_models_copy_under_auto_and_refuse_paged(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # auto: the CPU kernel only with one thread
     cfg = dataclasses.replace(
         preset_config("tiny"), architecture="mistral", sliding_window=8, sliding_layers=(0, 1, 2, 3)
     )

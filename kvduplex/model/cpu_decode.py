@@ -1,0 +1,200 @@
+"""Decode attention on CPU by a small compiled kernel that walks each sequence's block
+table (`csrc/paged_decode_cpu.c`): every decode of a step reads its K/V in place, once,
+whatever the pool's fragmentation; no ranges, copies, masks or merges.
+
+Design note. On one core, attention under load is bound by reading K/V (float32: 12 KiB
+per token of a 50M Llama). SDPA's flash kernel called per range of consecutive blocks
+(`paged_decode.py`) read it at ~5-6 GB/s here, the kernel at ~7.5 GB/s with the blocks in
+random order (a contiguous matrix-vector product reads ~9.7 GB/s on the same core): two
+passes (scores, then the weighted sum of V) walking the tokens in table order, all KV heads
+of a token being one contiguous run, with the next block prefetched. It runs on one thread:
+the runner takes it for ``auto`` only when torch runs one thread (a multi-threaded SDPA
+splits heads over cores, which this kernel does not).
+
+The kernel is C, compiled at first use with the system C compiler (``cc`` or ``$CC``) for
+this CPU (``-O3 -march=native``), once per head size and query heads per KV head, into
+``$KVDUPLEX_CACHE_DIR`` (default ``~/.cache/kvduplex``), keyed by a hash of the source,
+the flags and the CPU; loaded with `ctypes`, which releases the GIL during the call. No
+compiler, or a failed build: `load_kernel` returns None and the runner keeps ``paged``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_decode_cpu.c"
+FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-ffp-contract=fast",
+         "-shared", "-fPIC")  # fmt: skip
+LANES = 16
+"""The kernel's vector width in floats: head sizes must be a multiple of it."""
+MAX_HEADS = 1024
+
+
+@dataclass(frozen=True)
+class KernelDecodes:
+    """This step's decodes for the kernel: their tokens, block tables and key ranges."""
+
+    token_index: torch.Tensor  # (num_seqs,) int64
+    """Flattened-batch index of each decode's new token."""
+    tables: torch.Tensor  # (num_seqs, width) int64, contiguous
+    """Each decode's block table, cut to the longest decode's blocks."""
+    lens: torch.Tensor  # (num_seqs,) int64
+    """Keys each decode sees, its new token included (its position + 1)."""
+    all_tokens: bool
+    """Every token of the step is one of these decodes, in order (q needs no gather)."""
+
+
+def supports(
+    head_dim: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype, device: torch.device
+) -> bool:
+    """Whether the kernel applies to this model and pool at all (before building it)."""
+    return (
+        device.type == "cpu"
+        and dtype == torch.float32
+        and head_dim % LANES == 0
+        and num_heads % num_kv_heads == 0
+        and num_heads <= MAX_HEADS
+    )
+
+
+class PagedDecodeKernel:
+    """The compiled kernel for one head size and group (query heads per KV head)."""
+
+    def __init__(self, library: Path, head_dim: int, group: int) -> None:
+        self.head_dim = head_dim
+        self.group = group
+        self._fn = ctypes.CDLL(str(library)).kvd_paged_decode_f32
+        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        self._fn.argtypes = [
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            i64,
+            ptr,
+            ptr,
+            i64,
+            i64,
+            i64,
+            ctypes.c_float,
+            ptr,
+            ptr,
+        ]
+        self._fn.restype = ctypes.c_int
+
+    def attend(
+        self,
+        q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
+        layer_pool: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim), contiguous
+        batch: KernelDecodes,
+        scale: float,
+        window: int | None,
+        out: torch.Tensor,  # (num_tokens, num_heads, head_dim), written at the decode tokens
+    ) -> None:
+        """Attention of every decode of `batch` over `layer_pool`, in place (a sliding
+        `window` sees its last `window` keys)."""
+        _, _, block_size, kv_heads, dim = layer_pool.shape
+        if (
+            not layer_pool.is_contiguous()
+            or q.dtype != torch.float32
+            or layer_pool.dtype != torch.float32
+        ):
+            raise ValueError("the CPU decode kernel needs a contiguous float32 pool and queries")
+        n = batch.lens.shape[0]
+        heads = q.shape[1]
+        qd = (q if batch.all_tokens else q.index_select(0, batch.token_index)).contiguous()
+        starts = (
+            (batch.lens - window).clamp_(min=0)
+            if window is not None
+            else torch.zeros_like(batch.lens)
+        )
+        widest = int((batch.lens - starts).max())
+        scores = torch.empty(heads * widest, dtype=torch.float32)
+        res = (
+            out
+            if batch.all_tokens and out.is_contiguous()
+            else torch.empty((n, heads, dim), dtype=q.dtype)
+        )
+        status = self._fn(
+            qd.data_ptr(), layer_pool[0].data_ptr(), layer_pool[1].data_ptr(),
+            batch.tables.data_ptr(), batch.tables.shape[1], starts.data_ptr(), batch.lens.data_ptr(),
+            n, kv_heads, block_size, scale, scores.data_ptr(), res.data_ptr(),
+        )  # fmt: skip
+        if status != 0:
+            raise ValueError(f"the CPU decode kernel refused {heads} heads (at most {MAX_HEADS})")
+        if res is not out:
+            out.index_copy_(0, batch.token_index, res)
+
+
+@functools.cache
+def load_kernel(head_dim: int, group: int) -> PagedDecodeKernel | None:
+    """The kernel for `head_dim` and `group`, built now if not cached; None (logged once)
+    when it cannot be built here."""
+    try:
+        return PagedDecodeKernel(_build(head_dim, group), head_dim, group)
+    except (OSError, subprocess.SubprocessError) as exc:
+        logger.warning("CPU decode kernel unavailable (%s); decode attention stays on SDPA", exc)
+        return None
+
+
+def _build(head_dim: int, group: int) -> Path:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise OSError("no C compiler (cc, gcc or $CC)")
+    source = SOURCE.read_bytes()
+    flags = (*FLAGS, f"-DKVD_HEAD_DIM={head_dim}", f"-DKVD_GROUP={group}")
+    key = hashlib.sha256(
+        b"\0".join([source, compiler.encode(), *(f.encode() for f in flags), _cpu_id()])
+    )
+    cache = (
+        Path(os.environ.get("KVDUPLEX_CACHE_DIR") or Path.home() / ".cache" / "kvduplex")
+        / "kernels"
+    )
+    target = cache / f"paged_decode_cpu-{head_dim}-{group}-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        built = Path(tmp) / target.name
+        result = subprocess.run(
+            [compiler, *flags, "-o", str(built), str(SOURCE)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if result.returncode != 0:
+            raise OSError(f"{compiler} failed: {result.stderr.strip()[-500:]}")
+        os.replace(built, target)  # atomic: processes building at once each land a whole file
+    logger.info(
+        "built the CPU decode kernel for head size %d, group %d: %s", head_dim, group, target
+    )
+    return target
+
+
+def _cpu_id() -> bytes:
+    """What `-march=native` depends on: the machine and its CPU's flags."""
+    flags = b""
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            for line in f:
+                if line.startswith((b"flags", b"Features", b"model name")):
+                    flags += line
+                if line.strip() == b"":
+                    break
+    except OSError:
+        pass
+    return platform.machine().encode() + b"\0" + flags
