@@ -15,6 +15,7 @@ import sys
 import httpx
 import pytest
 
+from kvduplex.model.cpu_decode import load_kernel
 from kvduplex.server.cluster import LocalCluster
 from kvduplex.server.cluster import free_port
 
@@ -37,12 +38,13 @@ async def _answers(url: str, prompts: list[list[int]]) -> list[list[int]]:
         return list(await asyncio.gather(*(one(p) for p in prompts)))
 
 
-def test_paged_and_copy_instances_answer_the_same_tokens(cluster: LocalCluster) -> None:
+def test_paged_copy_and_kernel_instances_answer_the_same_tokens(cluster: LocalCluster) -> None:
+    paths = ("paged", "copy", "kernel") if load_kernel(32, 2) is not None else ("paged", "copy")
     urls = {
         path: cluster.start(
             f"decode-attention-{path}", [*SERVE, "--decode-attention", path], free_port()
         ).url
-        for path in ("paged", "copy")
+        for path in paths
     }
     cluster.wait_healthy(timeout_s=120)
     rng = random.Random(7)
@@ -51,7 +53,7 @@ def test_paged_and_copy_instances_answer_the_same_tokens(cluster: LocalCluster) 
     answers = {path: asyncio.run(_answers(url, prompts)) for path, url in urls.items()}
     assert all(len(a) == 12 for a in answers["paged"])
     assert len({tuple(a) for a in answers["paged"]}) == len(prompts)  # not one constant answer
-    assert answers["paged"] == answers["copy"]
+    assert all(answers[path] == answers["paged"] for path in paths)
 
 
 def test_an_unknown_path_is_refused_at_the_command_line() -> None:
