@@ -34,6 +34,7 @@ from typing import Protocol
 import torch
 
 from kvduplex.engine.sampling import SamplingParams
+from kvduplex.engine.sampling import TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -310,19 +311,6 @@ def sample(
 
 
 # ------------------------------------------------------------------- logprobs
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """One output token's logprob and the most likely alternatives at its position."""
-
-    token_id: int
-    logprob: float
-    """log-softmax of the model's raw logits at the token (may be -inf)."""
-    rank: int
-    """1 for the most likely token; ties share the better rank."""
-    top: tuple[tuple[int, float], ...]
-    """The most likely (token id, logprob) pairs, most likely first."""
 
 
 def compute_logprobs(

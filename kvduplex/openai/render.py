@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from dataclasses import field
 from typing import Any
 
-from kvduplex.engine.sampler import TokenLogprobs
+from kvduplex.engine.sampling import TokenLogprobs
 from kvduplex.model.tokenizer import ByteTokenizer
 from kvduplex.model.tokenizer import Tokenizer
 from kvduplex.openai.protocol import error_body
