@@ -44,7 +44,8 @@ async def tap_answer(
 ) -> AsyncIterator[bytes]:
     """Relay `parts` without decode's report of the answer's ids (the last event of a
     stream, a field of a whole body), and call `on_answer` once the answer ended (not if
-    the stream was cut or the client left)."""
+    the stream was cut or the client left). A completion stream's text chunks are relayed
+    without being parsed (`_PARSED_MARKS`); a chat stream's deltas make its message."""
     if not is_stream:
         raw = b"".join([part async for part in parts])
         try:
@@ -69,6 +70,10 @@ async def tap_answer(
         *events, buf = buf.split(b"\n\n")
         out = []
         for event in events:
+            if not is_chat and not any(mark in event for mark in _PARSED_MARKS):
+                out.append(event + b"\n\n")  # a completion chunk of text: counted, not parsed
+                num_chunk_tokens += _TEXT in event and _NO_TEXT not in event
+                continue
             chunk = _event_json(event)
             if isinstance(chunk, dict) and ANSWER_IDS_FIELD in chunk:
                 ids = _ids_or_none(chunk[ANSWER_IDS_FIELD])
@@ -94,6 +99,14 @@ async def tap_answer(
     if ids is not None:
         num_tokens = len(ids)
     on_answer(RelayedAnswer(num_tokens, ids, message.message() if is_chat else None))
+
+
+_PARSED_MARKS = (f'"{ANSWER_IDS_FIELD}"'.encode(), b'"usage"', b'"token_ids"')
+"""What makes a completion stream's event worth parsing: the report of the answer's ids,
+usage, token ids. Its other events are text chunks, counted by their bytes (as an instance
+writes them: `json.dumps`'s separators); a quote in a text is escaped, never a mark."""
+_TEXT = b'"text": "'
+_NO_TEXT = b'"text": ""'
 
 
 def _event_json(event: bytes) -> Any:
