@@ -235,8 +235,9 @@ async def push_stream(
             text, chunk = first.chunk(token)
             sent = SentToken(token, text)
             yield chunk
-        spliced = first_events(sent)
-        next(spliced)
+        splicing = first_events(sent)
+        next(splicing)
+        spliced: Generator[tuple[bytes, Splice], bytes, None] | None = splicing
         while True:
             # Shielded: a cancel of this task (anyio repeats Starlette's, once per loop
             # iteration, until the task leaves the scope) would otherwise reach the reader
