@@ -33,6 +33,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -172,6 +173,8 @@ class Load:
 
     num_events: int = 0
     num_requests: int = 0
+    num_errors: int = 0
+    """Answers other than 200 (the router's 503 when its probes time out, overloaded)."""
     ttfts_s: list[float] = field(default_factory=list)
 
 
@@ -182,8 +185,11 @@ async def _stream_once(
     start = time.perf_counter()
     writer.write(request)
     head = await reader.readuntil(b"\r\n\r\n")
-    if not head.startswith(b"HTTP/1.1 200"):
-        raise RuntimeError(f"not 200: {head[:200]!r}")
+    if not head.startswith(b"HTTP/1.1 200"):  # an error answer: counted, its body read
+        length = re.search(rb"content-length: *(\d+)", head, re.IGNORECASE)
+        await reader.readexactly(int(length.group(1)) if length else 0)
+        load.num_errors += 1
+        return
     first = True
     while True:
         size = int((await reader.readuntil(b"\r\n"))[:-2], 16)
@@ -229,17 +235,45 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+_PROFILED = """
+import cProfile, runpy, sys, time
+sys.argv = sys.argv[1:]
+profile = cProfile.Profile(time.thread_time)  # the event loop's CPU time, not waits
+profile.enable()
+try:
+    runpy.run_module(sys.argv[0], run_name="__main__")
+except SystemExit:
+    pass
+finally:
+    profile.disable()
+    profile.dump_stats({path!r})
+"""
+"""`python -c` this, then the module and its arguments: the module under cProfile."""
+
+
 def start_router(
-    port: int, p_port: int, d_port: int, cpu: int, log: Path, profile: str = ""
+    port: int,
+    p_port: int,
+    d_port: int,
+    cpu: int,
+    log: Path,
+    profile: str = "",
+    repo: Path = REPO,
 ) -> subprocess.Popen[bytes]:
-    """``kvduplex router`` pinned to `cpu`; under cProfile (written to `profile`) if given."""
-    python = [sys.executable, "-m", "cProfile", "-o", profile] if profile else [sys.executable]
-    cmd = [*python, "-m", "kvduplex", "router", "--model", "tiny", "--port", str(port),
+    """``kvduplex router`` of checkout `repo`, pinned to `cpu`; under cProfile (written to
+    `profile`) if given."""
+    python = (
+        [sys.executable, "-c", _PROFILED.format(path=profile)]
+        if profile
+        else [sys.executable, "-m"]
+    )
+    cmd = [*python, "kvduplex", "router", "--model", "tiny", "--port", str(port),
            "--prefill", f"http://127.0.0.1:{p_port}", "--decode", f"http://127.0.0.1:{d_port}",
            "--health-interval-s", "1"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    path = os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
     return subprocess.Popen(
-        cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+        cmd, env=env, cwd=repo, stdout=log.open("wb"), stderr=subprocess.STDOUT,
         preexec_fn=lambda: os.sched_setaffinity(0, {cpu}),
     )  # fmt: skip
 
@@ -272,10 +306,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     stub = Stub()
     p_port, d_port, r_port = free_port(), free_port(), free_port()
     servers = [
-        await asyncio.start_server(stub.serve, "127.0.0.1", p, backlog=4096) for p in (p_port, d_port)
+        await asyncio.start_server(stub.serve, "127.0.0.1", p, backlog=4096)
+        for p in (p_port, d_port)
     ]
     log = Path(args.log)
-    proc = start_router(r_port, p_port, d_port, router_cpu, log, args.profile_router)
+    proc = start_router(
+        r_port, p_port, d_port, router_cpu, log, args.profile_router, Path(args.router_repo)
+    )
     results: dict[str, Any] = {"capacity": [], "ttft": []}
     try:
         await wait_ready(r_port, proc)
@@ -289,6 +326,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             own = time.process_time() - own0
             row = {
                 "streams": n, "events": load.num_events, "requests": load.num_requests,
+                "errors": load.num_errors,
                 "wall_s": wall, "router_cpu_s": cpu, "load_cpu_s": own,
                 "events_per_s": load.num_events / wall,
                 "events_per_router_cpu_s": load.num_events / cpu if cpu > 0 else float("nan"),
@@ -300,10 +338,13 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             direct: list[float] = []
             routed: list[float] = []
             cpu_s = wall_s = 0.0
+            num_errors = 0
             for _ in range(args.rounds):
                 direct += (await run_streams(d_port, n, args.ttft_tokens, args.ttft_s)).ttfts_s
                 cpu0, t0 = cpu_seconds(proc.pid), time.perf_counter()
-                routed += (await run_streams(r_port, n, args.ttft_tokens, args.ttft_s)).ttfts_s
+                load = await run_streams(r_port, n, args.ttft_tokens, args.ttft_s)
+                routed += load.ttfts_s
+                num_errors += load.num_errors
                 cpu_s += cpu_seconds(proc.pid) - cpu0
                 wall_s += time.perf_counter() - t0
             row = {
@@ -314,6 +355,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 "direct_p90_ms": _quantile_ms(direct, 0.9),
                 "routed_p90_ms": _quantile_ms(routed, 0.9),
             }  # fmt: skip
+            row["routed_errors"] = num_errors
             row["stub_connections"] = stub.num_connections
             results["ttft"].append(row)
             print(json.dumps(row), flush=True)
@@ -331,6 +373,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "router_cpu": router_cpu, "load_cpu": load_cpu, "capacity_tokens": args.capacity_tokens,
         "ttft_tokens": args.ttft_tokens, "tpot_ms": args.tpot_ms, "duration_s": args.duration_s,
         "ttft_s": args.ttft_s, "rounds": args.rounds, "loadavg_before": args.loadavg_before,
+        "router_repo": args.router_repo, "loadavg_after": os.getloadavg(),
     }  # fmt: skip
     return results
 
@@ -362,18 +405,24 @@ def table(results: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 64, 256])
-    parser.add_argument("--capacity-tokens", type=int, default=256)
-    parser.add_argument("--duration-s", type=float, default=8.0)
+    parser.add_argument("--capacity-tokens", type=int, default=128)
+    parser.add_argument("--duration-s", type=float, default=6.0)
     parser.add_argument("--ttft-tokens", type=int, default=16)
     parser.add_argument("--tpot-ms", type=float, default=20.0)
-    parser.add_argument("--ttft-s", type=float, default=4.0, help="per round and side")
+    parser.add_argument("--ttft-s", type=float, default=3.0, help="per round and side")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--router-cpu", type=int, default=0)
     parser.add_argument("--load-cpu", type=int, default=1)
     parser.add_argument("--log", default="/tmp/kvduplex-router-capacity.log")
+    parser.add_argument("--name", default="router_capacity", help="results/NAME.json and .md")
+    parser.add_argument(
+        "--router-repo", default=str(REPO), metavar="DIR",
+        help="the checkout whose router runs (default: this one), to compare versions",
+    )  # fmt: skip
     parser.add_argument(
         "--profile-router", default="", metavar="FILE",
-        help="run the router under cProfile, its stats written to FILE (slower: profile only)",
+        help="run the router under cProfile (its event loop's CPU time), the stats written "
+        "to FILE (slower: for profiles only)",
     )  # fmt: skip
     args = parser.parse_args()
     args.loadavg_before = os.getloadavg()
@@ -381,7 +430,7 @@ def main() -> None:
     from benchmarks.common import write_results
 
     text = table(results)
-    path = write_results("router_capacity", results, text)
+    path = write_results(args.name, results, text)
     print(text)
     print(f"wrote {path}")
 
