@@ -22,7 +22,7 @@ next request when its answer ends):
   the first event through the router against straight to the stub's D (the same request,
   interleaved: direct, router, direct, router). Added TTFT = router p50 - direct p50.
 
-    python benchmarks/bench_router_capacity.py            # about 2 minutes
+    PYTHONPATH=. python benchmarks/bench_router_capacity.py   # about 2 minutes
 
 Writes results/router_capacity.json and .md.
 """
