@@ -206,6 +206,9 @@ class HFTokenizer(Tokenizer):
     ``tokenizer_config.json`` (overridden by ``special_tokens_map.json``), ``len`` counting
     added tokens, BOS and the like added by tokenizer.json's post-processor, and
     ``clean_up_tokenization_spaces`` applied on decode where the config asks for it.
+    Not read: transformers' per-class overrides of that post-processor (a Llama
+    tokenizer_config's ``add_bos_token``/``add_eos_token`` that disagree with its
+    tokenizer.json), and slow (sentencepiece-only) tokenizers.
     """
 
     def __init__(self, folder: str | Path, extra_eos_token_ids: Sequence[int] = ()) -> None:
