@@ -20,7 +20,9 @@ next request when its answer ends):
   stime of its process, /proc), which is the figure per core;
 * TTFT: answers of ``--ttft-tokens`` events paced at ``--tpot-ms``; the client's time to
   the first event through the router against straight to the stub's D (the same request,
-  interleaved: direct, router, direct, router). Added TTFT = router p50 - direct p50.
+  interleaved: direct, router, direct, router), each stream starting after a random pause
+  of up to one answer so that requests do not come in bursts. Added TTFT = router p50 -
+  direct p50.
 
     PYTHONPATH=. python benchmarks/bench_router_capacity.py   # about 2 minutes
 
@@ -33,6 +35,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import re
 import statistics
 import subprocess
@@ -203,8 +206,14 @@ async def _stream_once(
     load.num_requests += 1
 
 
-async def run_streams(port: int, num_streams: int, num_tokens: int, duration_s: float) -> Load:
-    """`num_streams` closed-loop streams for `duration_s` against 127.0.0.1:`port`."""
+async def run_streams(
+    port: int, num_streams: int, num_tokens: int, duration_s: float, stagger_s: float = 0.0
+) -> Load:
+    """`num_streams` closed-loop streams for `duration_s` against 127.0.0.1:`port`, each
+    starting after a random (seeded) pause in ``[0, stagger_s)``: streams of one length
+    started at once would stay in step and send their requests in bursts."""
+    rng = random.Random(0)
+    pauses = [rng.uniform(0.0, stagger_s) for _ in range(num_streams)]
     body = json.dumps({"model": "tiny", "prompt": "hello router", "max_tokens": num_tokens,
                        "stream": True, "temperature": 0}).encode()  # fmt: skip
     request = (
@@ -214,7 +223,8 @@ async def run_streams(port: int, num_streams: int, num_tokens: int, duration_s: 
     load = Load()
     deadline = time.perf_counter() + duration_s
 
-    async def stream() -> None:
+    async def stream(pause_s: float) -> None:
+        await asyncio.sleep(pause_s)
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         try:
             while time.perf_counter() < deadline:
@@ -222,7 +232,7 @@ async def run_streams(port: int, num_streams: int, num_tokens: int, duration_s: 
         finally:
             writer.close()
 
-    await asyncio.gather(*(stream() for _ in range(num_streams)))
+    await asyncio.gather(*(stream(pause) for pause in pauses))
     return load
 
 
@@ -339,10 +349,12 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             routed: list[float] = []
             cpu_s = wall_s = 0.0
             num_errors = 0
+            stagger_s = args.ttft_tokens * args.tpot_ms / 1e3  # one answer's length
             for _ in range(args.rounds):
-                direct += (await run_streams(d_port, n, args.ttft_tokens, args.ttft_s)).ttfts_s
+                load = await run_streams(d_port, n, args.ttft_tokens, args.ttft_s, stagger_s)
+                direct += load.ttfts_s
                 cpu0, t0 = cpu_seconds(proc.pid), time.perf_counter()
-                load = await run_streams(r_port, n, args.ttft_tokens, args.ttft_s)
+                load = await run_streams(r_port, n, args.ttft_tokens, args.ttft_s, stagger_s)
                 routed += load.ttfts_s
                 num_errors += load.num_errors
                 cpu_s += cpu_seconds(proc.pid) - cpu0
