@@ -241,11 +241,11 @@ def main() -> None:
 
     from benchmarks.common import pin
     from benchmarks.common import write_results
-    from kvduplex.model.loader import load_model_config
+    from kvduplex.model.source import model_config
 
     pinned = pin({int(c) for c in args.cpus.split(",")}, args.threads)
     torch.manual_seed(args.seed)
-    cfg = load_model_config(args.model)
+    cfg = model_config(args.model)
     per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4
     steps = len(args.concurrency) * (2 * args.warmup + 2 * args.reps * args.block) + 32
     kv_mb = max(args.concurrency) * (max(args.contexts) + steps) * per_token // 2**20 + 64

@@ -45,10 +45,10 @@ from kvduplex.config import ModelLoadConfig
 from kvduplex.config import SchedulerConfig
 from kvduplex.engine.engine import LLMEngine
 from kvduplex.engine.request import Request
+from kvduplex.engine.sampling import GrammarKind
+from kvduplex.engine.sampling import GrammarSpec
 from kvduplex.engine.sampling import SamplingParams
 from kvduplex.engine.structured import GrammarCompiler
-from kvduplex.engine.structured import GrammarKind
-from kvduplex.engine.structured import GrammarSpec
 from kvduplex.model.loader import LoadedModel
 from kvduplex.model.loader import load_model
 from kvduplex.model.tokenizer import HFTokenizer

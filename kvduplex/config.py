@@ -379,6 +379,10 @@ class RouterConfig:
     """At SIGTERM the router drains: /ready answers 503, new requests are refused (503,
     code draining), and the requests in flight finish; then it exits 0. After this many
     seconds it exits anyway (1, logged). A second SIGTERM or SIGINT exits at once."""
+    prompt_threads: int = 4
+    """Threads that build prompts (chat template, tokenizer) off the event loop, which
+    stays free for health probes and the streams relayed; more requests than this wait
+    for one."""
     parsing: ParsingConfig = field(default_factory=ParsingConfig)
     """Tool calls and reasoning parsed out of chat answers, here (instances are asked
     for raw text)."""
@@ -400,7 +404,7 @@ class RouterConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         lows = (("health_failures", 1), ("max_sessions", 1), ("max_body_mb", 1),
-                ("session_busy_margin", 0), ("drain_timeout_s", 0))  # fmt: skip
+                ("session_busy_margin", 0), ("drain_timeout_s", 0), ("prompt_threads", 1))  # fmt: skip
         for name, low in lows:
             if getattr(self, name) < low:
                 raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")

@@ -47,9 +47,9 @@ from typing import TypeVar
 
 from kvduplex.engine.engine import LLMEngine
 from kvduplex.engine.engine import RequestOutput
-from kvduplex.engine.engine import RequestRejected
 from kvduplex.engine.metrics import EngineMetrics
 from kvduplex.engine.request import Request
+from kvduplex.engine.request import RequestRejected
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -37,18 +37,20 @@ from kvduplex.engine.kv_cache import allocate_kv_pool
 from kvduplex.engine.kv_manager import KVCacheManager
 from kvduplex.engine.request import FinishReason
 from kvduplex.engine.request import Request
+from kvduplex.engine.request import RequestRejected
 from kvduplex.engine.request import RequestStatus
+from kvduplex.engine.request import check_request_size
 from kvduplex.engine.runner import ModelRunner
 from kvduplex.engine.runner import SeqInput
 from kvduplex.engine.runner import kv_layout_for
 from kvduplex.engine.runner import num_blocks_for_memory
 from kvduplex.engine.sampler import PenaltyCounts
 from kvduplex.engine.sampler import RequestGenerators
-from kvduplex.engine.sampler import TokenLogprobs
 from kvduplex.engine.sampler import apply_token_bitmask
 from kvduplex.engine.sampler import compute_logprobs
 from kvduplex.engine.sampler import sample
 from kvduplex.engine.sampling import SamplingParams
+from kvduplex.engine.sampling import TokenLogprobs
 from kvduplex.engine.scheduler import Scheduler
 from kvduplex.engine.scheduler import SchedulerOutput
 from kvduplex.engine.scheduler_output import KVConnectorMetadata
@@ -57,24 +59,6 @@ from kvduplex.model.loader import LoadedModel
 from kvduplex.model.loader import load_model
 
 logger = logging.getLogger(__name__)
-
-
-def check_request_size(max_model_len: int, num_prompt_tokens: int, max_tokens: int) -> None:
-    """Raise RequestRejected when a request of this size can never be served (the router
-    checks with the instances' `max_model_len` before it dispatches anything)."""
-    if num_prompt_tokens < 1:
-        raise RequestRejected("the prompt is empty; send at least one token")
-    total = num_prompt_tokens + max_tokens
-    if total > max_model_len:
-        raise RequestRejected(
-            f"this model's maximum context length is {max_model_len} tokens, but the "
-            f"request asks for {total} ({num_prompt_tokens} in the prompt + {max_tokens} "
-            "to generate); shorten the prompt or lower max_tokens"
-        )
-
-
-class RequestRejected(ValueError):
-    """A request that can never be served as asked (e.g. too long); the message says why."""
 
 
 @dataclass

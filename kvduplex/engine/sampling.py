@@ -1,7 +1,10 @@
-"""Per-request sampling parameters."""
+"""Per-request sampling parameters, the grammar a request's output must match, and the
+logprobs sampling reports: plain data, torch-free (the router builds and reads them too;
+the sampler and `structured` act on them)."""
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 from dataclasses import field
@@ -106,6 +109,44 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+
+class GrammarKind(enum.Enum):
+    """What a `GrammarSpec` constrains the output to."""
+
+    JSON_OBJECT = "json_object"
+    """Any JSON object."""
+    JSON_SCHEMA = "json_schema"
+    """A JSON value valid against `GrammarSpec.schema`."""
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a request's output must match; hashable, and sent as is to a prefill instance."""
+
+    kind: GrammarKind
+    schema: str | None = None
+    """JSON text of the schema (`GrammarKind.JSON_SCHEMA` only)."""
+
+    def __post_init__(self) -> None:
+        if (self.kind is GrammarKind.JSON_SCHEMA) != (self.schema is not None):
+            raise ValueError("GrammarSpec: a schema goes with kind json_schema, and only with it")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind.value, "schema": self.schema}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GrammarSpec:
+        """ValueError for an unknown kind or a schema that does not fit it."""
+        kind = data.get("kind")
+        try:
+            grammar_kind = GrammarKind(kind)
+        except ValueError:
+            raise ValueError(f"unknown grammar kind {kind!r}") from None
+        schema = data.get("schema")
+        if schema is not None and not isinstance(schema, str):
+            raise ValueError("grammar schema must be JSON text")
+        return cls(grammar_kind, schema)
 
 
 @dataclass(frozen=True)

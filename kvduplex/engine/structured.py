@@ -42,16 +42,16 @@ and tool-call text is predictable for `openai.structured.ToolCallStream`.
 
 from __future__ import annotations
 
-import enum
 import logging
 import re
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from kvduplex.engine.sampling import GrammarKind
+from kvduplex.engine.sampling import GrammarSpec
 from kvduplex.model.tokenizer import ByteTokenizer
 from kvduplex.model.tokenizer import HFTokenizer
 from kvduplex.model.tokenizer import Tokenizer
@@ -62,46 +62,8 @@ COMPILE_CACHE_ENTRIES = 256
 """Compiled grammars kept per instance (least recently used dropped), keyed by schema."""
 
 
-class GrammarKind(enum.Enum):
-    """What a `GrammarSpec` constrains the output to."""
-
-    JSON_OBJECT = "json_object"
-    """Any JSON object."""
-    JSON_SCHEMA = "json_schema"
-    """A JSON value valid against `GrammarSpec.schema`."""
-
-
 class StructuredOutputError(ValueError):
     """A grammar that cannot be compiled (a bad or unsupported schema); the message says why."""
-
-
-@dataclass(frozen=True)
-class GrammarSpec:
-    """What a request's output must match; hashable, and sent as is to a prefill instance."""
-
-    kind: GrammarKind
-    schema: str | None = None
-    """JSON text of the schema (`GrammarKind.JSON_SCHEMA` only)."""
-
-    def __post_init__(self) -> None:
-        if (self.kind is GrammarKind.JSON_SCHEMA) != (self.schema is not None):
-            raise ValueError("GrammarSpec: a schema goes with kind json_schema, and only with it")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind.value, "schema": self.schema}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> GrammarSpec:
-        """ValueError for an unknown kind or a schema that does not fit it."""
-        kind = data.get("kind")
-        try:
-            grammar_kind = GrammarKind(kind)
-        except ValueError:
-            raise ValueError(f"unknown grammar kind {kind!r}") from None
-        schema = data.get("schema")
-        if schema is not None and not isinstance(schema, str):
-            raise ValueError("grammar schema must be JSON text")
-        return cls(grammar_kind, schema)
 
 
 _CPP_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")

@@ -34,13 +34,16 @@ from kvduplex.model.decoder import fused_shard_rows
 from kvduplex.model.decoder import hf_weight_target
 from kvduplex.model.decoder import pack_for_onednn
 from kvduplex.model.presets import PRESETS
-from kvduplex.model.presets import init_random_weights
-from kvduplex.model.presets import preset_config
-from kvduplex.model.tokenizer import ByteTokenizer
-from kvduplex.model.tokenizer import HFTokenizer
+from kvduplex.model.source import load_tokenizer
+from kvduplex.model.source import model_config
+from kvduplex.model.source import model_folder
 from kvduplex.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+INIT_STD = 0.02
+"""Standard deviation of a preset's random matrix weights (as transformers'
+initializer_range)."""
 
 _INDEX_FILE = "model.safetensors.index.json"
 _SINGLE_FILE = "model.safetensors"
@@ -95,20 +98,13 @@ def load_model(cfg: ModelLoadConfig) -> LoadedModel:
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     name = cfg.served_model_name or cfg.model
+    config = model_config(cfg.model)
     if cfg.model in PRESETS:
-        config = preset_config(cfg.model)
         model = _empty_model(config, dtype, device)
         init_random_weights(model, cfg.seed)
         source = f"preset:{cfg.model}:seed={cfg.seed}"
     else:
-        folder = Path(cfg.model)
-        if not folder.is_dir():
-            raise ValueError(
-                f"model {cfg.model!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
-                "nor a local folder"
-            )
-        config = _read_config(folder)
-        files = weight_files(folder)
+        files = weight_files(model_folder(cfg.model))
         model = _empty_model(config, dtype, device)
         load_safetensors(model, files)
         source = "files:" + ",".join(f"{f.name}={f.stat().st_size}" for f in files)
@@ -141,27 +137,6 @@ def _prepare_cpu_weights(model: DecoderForCausalLM, packed: bool) -> None:
         logger.info("linear weights also packed for oneDNN: %.1f MiB more", copies / 2**20)
 
 
-def load_model_config(model: str) -> DecoderConfig:
-    """The architecture `load_model` builds for `model` (preset name or folder), without weights."""
-    return preset_config(model) if model in PRESETS else _read_config(Path(model))
-
-
-def load_tokenizer(model: str) -> Tokenizer:
-    """The tokenizer `load_model` gives `model` (preset name or folder), without the weights.
-
-    A folder's tokenizer also ends generation at config.json's EOS ids. The
-    router uses this to render and tokenize prompts exactly as the instances do.
-    """
-    if model in PRESETS:
-        return ByteTokenizer()
-    folder = Path(model)
-    if not folder.is_dir():
-        raise ValueError(
-            f"model {model!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a local folder"
-        )
-    return HFTokenizer(folder, extra_eos_token_ids=_read_config(folder).eos_token_ids)
-
-
 def model_identity(config: DecoderConfig, dtype: torch.dtype, source: str) -> bytes:
     """sha256 over the canonical config JSON, the dtype name and the weight source."""
     h = hashlib.sha256()
@@ -169,13 +144,6 @@ def model_identity(config: DecoderConfig, dtype: torch.dtype, source: str) -> by
         h.update(part.encode())
         h.update(b"\0")
     return h.digest()
-
-
-def _read_config(folder: Path) -> DecoderConfig:
-    path = folder / "config.json"
-    if not path.is_file():
-        raise ValueError(f"{folder} has no config.json")
-    return DecoderConfig.from_hf_config(json.loads(path.read_text()))
 
 
 def _empty_model(config: DecoderConfig, dtype: torch.dtype, device: torch.device) -> DecoderForCausalLM:
@@ -253,3 +221,26 @@ def _start_len(rows: tuple[int, int]) -> tuple[int, int]:
 def count_parameters(model: nn.Module) -> int:
     """Number of parameter elements (tied matrices counted once)."""
     return sum(p.numel() for p in model.parameters())
+
+
+@torch.no_grad()
+def init_random_weights(model: nn.Module, seed: int) -> None:
+    """Fill `model` deterministically (a preset's weights): norms 1, biases 0, other
+    weights N(0, INIT_STD).
+
+    Values are drawn in float32 on CPU from one ``torch.Generator`` seeded with
+    `seed`, parameter by parameter in module order, and then copied (cast, moved)
+    into each parameter: the same (preset, seed) gives the same weights in every
+    process, whatever the model's dtype or device beyond that final rounding.
+    """
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif name.endswith(".bias"):
+            param.zero_()
+        else:
+            values = torch.empty(param.shape, dtype=torch.float32)
+            values.normal_(0.0, INIT_STD, generator=gen)
+            param.copy_(values)

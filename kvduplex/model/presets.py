@@ -8,21 +8,14 @@ kv-heavy   16 layers of full MHA with 16 heads x 128 but hidden 512: KV bytes
 =========  ===================================================================
 
 All use the built-in byte tokenizer, so their bos/eos ids are its special ids.
-Weights are drawn on CPU from one ``torch.Generator`` seeded with the load
-seed, parameter by parameter in module order, so the same (preset, seed) gives
-the same weights in every process and on every device.
+This module is plain data, torch-free: the router reads which tokenizer a preset
+uses from it. Their weights are drawn by `loader.init_random_weights`.
 """
 
 from __future__ import annotations
 
-import torch
-from torch import nn
-
 from kvduplex.model.config import DecoderConfig
 from kvduplex.model.tokenizer import ByteTokenizer
-
-INIT_STD = 0.02
-"""Standard deviation of random matrix weights (as transformers' initializer_range)."""
 
 
 def _preset(**kwargs: int | float | bool | str) -> DecoderConfig:
@@ -58,24 +51,3 @@ def preset_config(name: str) -> DecoderConfig:
         return PRESETS[name]
     except KeyError:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}") from None
-
-
-@torch.no_grad()
-def init_random_weights(model: nn.Module, seed: int) -> None:
-    """Fill `model` deterministically: norms 1, biases 0, other weights N(0, INIT_STD).
-
-    Values are drawn in float32 on CPU and then copied (cast, moved) into each
-    parameter, so the result does not depend on the model's dtype or device
-    beyond that final rounding.
-    """
-    gen = torch.Generator(device="cpu")
-    gen.manual_seed(seed)
-    for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
-            param.fill_(1.0)
-        elif name.endswith(".bias"):
-            param.zero_()
-        else:
-            values = torch.empty(param.shape, dtype=torch.float32)
-            values.normal_(0.0, INIT_STD, generator=gen)
-            param.copy_(values)

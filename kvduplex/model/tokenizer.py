@@ -1,7 +1,7 @@
 """Tokenizers: a Hugging Face folder's own, or a built-in byte-level one.
 
 Both subclass the `Tokenizer` protocol, which implements `encode_chat` for
-them. Conventions follow transformers: ``apply_chat_template`` returns the
+them; neither imports torch (the router loads them too). Conventions follow transformers: ``apply_chat_template`` returns the
 prompt string (the template adds BOS if the model wants one), and `encode_chat`
 encodes it without adding special tokens again. Special-token strings inside
 a text (``<|im_start|>``) encode as their ids. Messages reach the template as
@@ -29,6 +29,9 @@ from pathlib import Path
 from typing import Any
 from typing import Protocol
 from typing import runtime_checkable
+
+from kvduplex.model.chat_template import ChatTemplates
+from kvduplex.model.chat_template import read_chat_templates
 
 _REPLACEMENT = "\ufffd"
 
@@ -196,7 +199,17 @@ def _byte_content(message: dict[str, Any]) -> str:
 
 
 class HFTokenizer(Tokenizer):
-    """A Hugging Face folder's tokenizer (tokenizer.json + tokenizer_config.json) via transformers."""
+    """A Hugging Face folder's tokenizer: tokenizer.json run by `tokenizers`, the chat
+    template rendered as transformers renders it (`chat_template`); torch-free.
+
+    Read as transformers' fast tokenizer reads the folder: special tokens by name from
+    ``tokenizer_config.json`` (overridden by ``special_tokens_map.json``), ``len`` counting
+    added tokens, BOS and the like added by tokenizer.json's post-processor, and
+    ``clean_up_tokenization_spaces`` applied on decode where the config asks for it.
+    Not read: transformers' per-class overrides of that post-processor (a Llama
+    tokenizer_config's ``add_bos_token``/``add_eos_token`` that disagree with its
+    tokenizer.json), and slow (sentencepiece-only) tokenizers.
+    """
 
     def __init__(self, folder: str | Path, extra_eos_token_ids: Sequence[int] = ()) -> None:
         """Load from `folder`; `extra_eos_token_ids` (e.g. config.json's) also end generation.
@@ -204,44 +217,100 @@ class HFTokenizer(Tokenizer):
         EOS ids are the union of the tokenizer's eos token, `extra_eos_token_ids`
         and ``generation_config.json``'s ``eos_token_id`` when present.
         """
-        from transformers import AutoTokenizer
+        from tokenizers import Tokenizer as RustTokenizer
 
         folder = Path(folder)
         if not (folder / "tokenizer.json").is_file():
             raise ValueError(f"{folder} has no tokenizer.json; only fast (tokenizers) files are supported")
-        self._tok: Any = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-        self.vocab_size = len(self._tok)
-        bos = self._tok.bos_token_id
-        self.bos_token_id = None if bos is None else int(bos)
+        self._folder = folder
+        self._tok = RustTokenizer.from_file(str(folder / "tokenizer.json"))
+        config = _read_json(folder / "tokenizer_config.json")
+        specials = _special_tokens({**config, **_read_json(folder / "special_tokens_map.json")})
+        self._clean_up_spaces = bool(config.get("clean_up_tokenization_spaces", False))
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.bos_token_id = self._id_of(specials.get("bos_token"))
         eos: list[int] = []
-        if self._tok.eos_token_id is not None:
-            eos.append(int(self._tok.eos_token_id))
+        eos_id = self._id_of(specials.get("eos_token"))
+        if eos_id is not None:
+            eos.append(eos_id)
         eos.extend(int(e) for e in extra_eos_token_ids)
         eos.extend(_generation_eos(folder))
         self.eos_token_ids = tuple(dict.fromkeys(eos))
+        self._templates = ChatTemplates(read_chat_templates(folder, config), specials)
+        self._hf_tokenizer: Any = None
+
+    def _id_of(self, token: object) -> int | None:
+        if not isinstance(token, str):
+            return None
+        token_id = self._tok.token_to_id(token)
+        return None if token_id is None else int(token_id)
 
     @property
     def hf_tokenizer(self) -> Any:
-        """The transformers tokenizer underneath (e.g. to build a grammar's vocabulary)."""
-        return self._tok
+        """The folder's transformers tokenizer (loaded on first use; transformers imports
+        torch): what xgrammar builds a grammar's vocabulary from, on an instance."""
+        if self._hf_tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._hf_tokenizer = AutoTokenizer.from_pretrained(
+                str(self._folder), local_files_only=True
+            )
+        return self._hf_tokenizer
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def _decode_known(self, ids: list[int], skip_special_tokens: bool) -> str:
-        return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
+        text = str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
+        return _clean_up_spaces(text) if self._clean_up_spaces else text
 
     def _chat_text(self, messages: Messages, add_generation_prompt: bool, tools: Tools) -> str:
-        if not getattr(self._tok, "chat_template", None):
+        if not self._templates:
             raise ValueError("this model's tokenizer has no chat template; send a plain prompt")
-        try:
-            text = self._tok.apply_chat_template(
-                messages, tools=tools or None, tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-            )  # fmt: skip
-        except Exception as exc:  # the template's own checks (jinja2 TemplateError)
-            raise ValueError(f"the chat template refused these messages: {exc}") from exc
-        return str(text)
+        return self._templates.render(messages, add_generation_prompt, tools)
+
+
+_SPECIAL_TOKEN_NAMES = (
+    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
+)  # fmt: skip
+
+
+def _special_tokens(config: dict[str, Any]) -> dict[str, Any]:
+    """The special tokens by name as a chat template sees them (their text; a token saved
+    as an AddedToken object gives its ``content``)."""
+    out: dict[str, Any] = {}
+    for name in _SPECIAL_TOKEN_NAMES:
+        text = _token_text(config.get(name))
+        if text is not None:
+            out[name] = text
+    extra = config.get("additional_special_tokens")
+    if isinstance(extra, list):
+        texts = [_token_text(t) for t in extra]
+        out["additional_special_tokens"] = [t for t in texts if t is not None]
+    return out
+
+
+def _token_text(token: object) -> str | None:
+    if isinstance(token, dict):
+        token = token.get("content")
+    return token if isinstance(token, str) else None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return data if isinstance(data, dict) else {}
+
+
+def _clean_up_spaces(text: str) -> str:
+    """transformers' ``clean_up_tokenization``: no space before punctuation and clitics."""
+    for before, after in (
+        (" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+        (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"),
+    ):  # fmt: skip
+        text = text.replace(before, after)
+    return text
 
 
 def _generation_eos(folder: Path) -> list[int]:

@@ -34,6 +34,7 @@ from kvduplex.openai.protocol import OpenAIRequest
 from kvduplex.openai.protocol import check_nesting
 from kvduplex.openai.protocol import check_unicode_tree
 from kvduplex.openai.transcript import AnswerBook
+from kvduplex.openai.transcript import HeadCache
 from kvduplex.openai.transcript import Placement
 from kvduplex.openai.transcript import splice_chat_ids
 
@@ -56,27 +57,65 @@ def prompt_token_ids(
     """The prompt's token ids; PromptError if there is none to build. `answers` (read at
     clock time `now`) gives a chat prompt the generated ids of the answers it sends back.
 
+    The same in two steps, `placed_answers` then `build_prompt_ids`, where only the
+    second may run off the thread that owns `answers` (the router renders in a pool).
+    """
+    placements = placed_answers(request, answers, now)
+    return build_prompt_ids(request, tokenizer, placements, answers.heads if answers else None)
+
+
+def placed_answers(
+    request: OpenAIRequest, answers: AnswerBook | None, now: float
+) -> list[Placement | None] | None:
+    """A chat prompt's answers found in `answers` (`answer_placements`), or None where there
+    are none to place. Cheap (a dict lookup per assistant message), but it touches the
+    book: call it where the book is updated (the router's event loop)."""
+    if answers is None or not isinstance(request, ChatCompletionRequest):
+        return None
+    try:
+        placements = answer_placements(request.messages, answers, now)
+    except RecursionError:
+        raise _too_deep(request) from None
+    except ValueError as exc:
+        raise PromptError(str(exc), "messages") from None
+    return placements if any(p is not None for p in placements) else None
+
+
+def build_prompt_ids(
+    request: OpenAIRequest,
+    tokenizer: Tokenizer,
+    placements: Sequence[Placement | None] | None = None,
+    heads: HeadCache | None = None,
+) -> list[int]:
+    """The prompt's token ids, with `placements` (of `placed_answers`) spliced in; the
+    template's work (rendering, tokenizing), safe in any thread. PromptError if there is no
+    prompt to build.
+
     Validation bounds how deep a body nests (`MAX_NESTING_DEPTH`); should building the
     prompt still recurse too deep (a template's own recursion), that is a PromptError
     too, never a server error.
     """
     try:
         if isinstance(request, ChatCompletionRequest):
-            ids = chat_prompt_ids(request, tokenizer, answers, now)
+            ids = chat_prompt_ids(request, tokenizer, placements, heads)
         else:
             ids = completion_prompt_ids(request, tokenizer)
     except RecursionError:
-        param = "prompt"
-        if isinstance(request, ChatCompletionRequest):
-            param = "tools" if request.tools else "messages"
-        raise PromptError(
-            f"the request nests too deeply to build its prompt; keep {param} within "
-            f"{MAX_NESTING_DEPTH} levels of lists and objects",
-            param,
-        ) from None
+        raise _too_deep(request) from None
     if not ids:
         raise PromptError("the prompt is empty", "prompt")
     return ids
+
+
+def _too_deep(request: OpenAIRequest) -> PromptError:
+    param = "prompt"
+    if isinstance(request, ChatCompletionRequest):
+        param = "tools" if request.tools else "messages"
+    return PromptError(
+        f"the request nests too deeply to build its prompt; keep {param} within "
+        f"{MAX_NESTING_DEPTH} levels of lists and objects",
+        param,
+    )
 
 
 def completion_prompt_ids(request: CompletionRequest, tokenizer: Tokenizer) -> list[int]:
@@ -94,16 +133,14 @@ def completion_prompt_ids(request: CompletionRequest, tokenizer: Tokenizer) -> l
 def chat_prompt_ids(
     request: ChatCompletionRequest,
     tokenizer: Tokenizer,
-    answers: AnswerBook | None = None,
-    now: float = 0.0,
+    placements: Sequence[Placement | None] | None = None,
+    heads: HeadCache | None = None,
 ) -> list[int]:
     messages = template_messages(request.messages)
     tools = template_tools(request.tools)
     try:
-        placements = answer_placements(request.messages, answers, now)
-        if any(p is not None for p in placements):
-            assert answers is not None
-            spliced = splice_chat_ids(tokenizer, messages, tools, placements, answers.heads)
+        if placements is not None and any(p is not None for p in placements):
+            spliced = splice_chat_ids(tokenizer, messages, tools, placements, heads)
             if spliced is not None:
                 return spliced
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from dataclasses import field
 from typing import Any
 
-from kvduplex.engine.structured import GrammarKind
-from kvduplex.engine.structured import GrammarSpec
+from kvduplex.engine.sampling import GrammarKind
+from kvduplex.engine.sampling import GrammarSpec
 from kvduplex.openai.protocol import ChatCompletionRequest
 from kvduplex.openai.protocol import OpenAIRequest
 from kvduplex.openai.protocol import named_tool

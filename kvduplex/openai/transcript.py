@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from collections import OrderedDict
 from collections.abc import Mapping
 from collections.abc import Sequence
@@ -199,22 +200,27 @@ class HeadCache:
     """Where heads end, so that a conversation's next turn does not render each past
     answer's head again: (length, sha256) of ``render(messages[:i], add_generation_prompt
     =True, tools)``, keyed by a hash chained over the tools and the messages. Bounded (least
-    recently used go first). One tokenizer (one template) per cache."""
+    recently used go first). One tokenizer (one template) per cache. Thread-safe: the
+    router builds prompts in a pool of threads."""
 
     def __init__(self, max_entries: int = 65536) -> None:
         self.max_entries = max_entries
         self._heads: OrderedDict[bytes, tuple[int, bytes]] = OrderedDict()
+        self._lock = threading.Lock()
 
     def get(self, key: bytes) -> tuple[int, bytes] | None:
-        head = self._heads.get(key)
-        if head is not None:
-            self._heads.move_to_end(key)
-        return head
+        with self._lock:
+            head = self._heads.get(key)
+            if head is not None:
+                self._heads.move_to_end(key)
+            return head
 
     def put(self, key: bytes, head: str) -> None:
-        self._heads[key] = (len(head), _sha(head))
-        while len(self._heads) > self.max_entries:
-            self._heads.popitem(last=False)
+        entry = (len(head), _sha(head))
+        with self._lock:
+            self._heads[key] = entry
+            while len(self._heads) > self.max_entries:
+                self._heads.popitem(last=False)
 
 
 def _sha(text: str) -> bytes:

@@ -57,11 +57,11 @@ from kvduplex.config import ParsingConfig
 from kvduplex.engine.async_engine import AsyncEngine
 from kvduplex.engine.async_engine import EngineDeadError
 from kvduplex.engine.engine import RequestOutput
-from kvduplex.engine.engine import RequestRejected
 from kvduplex.engine.request import Request as EngineRequest
-from kvduplex.engine.sampler import TokenLogprobs
+from kvduplex.engine.request import RequestRejected
+from kvduplex.engine.sampling import GrammarSpec
+from kvduplex.engine.sampling import TokenLogprobs
 from kvduplex.engine.structured import GrammarCompiler
-from kvduplex.engine.structured import GrammarSpec
 from kvduplex.engine.structured import RequestGrammar
 from kvduplex.engine.structured import StructuredOutputError
 from kvduplex.openai import render

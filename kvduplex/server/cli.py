@@ -235,8 +235,9 @@ def _demo(
     return True
 
 
-def build_parser(bench_workload: str = "serving") -> argparse.ArgumentParser:
-    """The whole command line; `bench_workload` picks which workload's flags ``bench`` takes."""
+def build_parser(bench_workload: str | None = "serving") -> argparse.ArgumentParser:
+    """The whole command line; `bench_workload` picks which workload's flags ``bench`` takes
+    (None: none, for another command, which then imports no benchmark code)."""
     parser = argparse.ArgumentParser(prog="kvduplex", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -307,7 +308,7 @@ def build_parser(bench_workload: str = "serving") -> argparse.ArgumentParser:
         from kvduplex.bench.agentic_cli import add_arguments as add_agentic_arguments
 
         add_agentic_arguments(bench)
-    else:
+    elif bench_workload is not None:
         from kvduplex.bench.serving import add_arguments
 
         add_arguments(bench)
@@ -329,10 +330,13 @@ def _add_config_flag(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
-def bench_workload_of(argv: list[str]) -> str:
-    """The ``--workload`` of a ``bench`` command line (its flags depend on it)."""
-    if not argv or argv[0] != "bench":
+def bench_workload_of(argv: list[str]) -> str | None:
+    """The ``--workload`` of a ``bench`` command line (its flags depend on it); None for
+    another command (``serve``, ``router``, ``up``: they import no benchmark code)."""
+    if not argv or argv[0] in ("-h", "--help"):
         return "serving"
+    if argv[0] != "bench":
+        return None
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--workload", default="serving", choices=BENCH_WORKLOADS)
     known, _ = pre.parse_known_args(argv[1:])

@@ -30,12 +30,12 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from pydantic import Field
 
-from kvduplex.engine.engine import RequestRejected
 from kvduplex.engine.request import Request
+from kvduplex.engine.request import RequestRejected
 from kvduplex.engine.sampling import MAX_LOGPROBS
+from kvduplex.engine.sampling import GrammarSpec
 from kvduplex.engine.sampling import SamplingParams
 from kvduplex.engine.sampling import TokenLogprobs
-from kvduplex.engine.structured import GrammarSpec
 from kvduplex.engine.structured import RequestGrammar
 from kvduplex.kvflow.connectors import PrefillFlows
 from kvduplex.kvflow.lease import LeaseTable

@@ -14,8 +14,8 @@ import pytest
 from fastapi.testclient import TestClient
 from httpx_sse import connect_sse
 
-from kvduplex.engine.sampler import TokenLogprobs
 from kvduplex.engine.sampling import JSON_LOGPROB_FLOOR
+from kvduplex.engine.sampling import TokenLogprobs
 from kvduplex.model.tokenizer import ByteTokenizer
 from kvduplex.openai import render
 from kvduplex.openai.protocol import IGNORED_FIELDS

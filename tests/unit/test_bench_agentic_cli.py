@@ -18,7 +18,7 @@ def test_the_workload_flag_picks_the_bench_flags() -> None:
     argv = ["bench", "--workload", "agentic", "--url", "http://h:1", "--sessions", "3"]
     assert bench_workload_of(argv) == "agentic"
     assert bench_workload_of(["bench", "--rounds", "2"]) == "serving"
-    assert bench_workload_of(["serve", "--workload", "agentic"]) == "serving"
+    assert bench_workload_of(["serve", "--workload", "agentic"]) is None  # no bench flags
     args = build_parser(bench_workload_of(argv)).parse_args(argv)
     assert (args.workload, args.url, args.sessions) == ("agentic", "http://h:1", 3)
     serving = build_parser().parse_args(["bench", "--rounds", "2"])

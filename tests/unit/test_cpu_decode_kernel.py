@@ -24,7 +24,7 @@ from kvduplex.engine.sampling import SamplingParams
 from kvduplex.model import cpu_decode
 from kvduplex.model.cpu_decode import KernelDecodes
 from kvduplex.model.decoder import DecoderForCausalLM
-from kvduplex.model.presets import init_random_weights
+from kvduplex.model.loader import init_random_weights
 from kvduplex.model.presets import preset_config
 from kvduplex.server.cli import _engine_config
 from kvduplex.server.cli import build_parser

@@ -13,8 +13,8 @@ from kvduplex.config import ModelLoadConfig
 from kvduplex.config import SchedulerConfig
 from kvduplex.engine.engine import LLMEngine
 from kvduplex.engine.engine import RequestOutput
-from kvduplex.engine.engine import RequestRejected
 from kvduplex.engine.request import Request
+from kvduplex.engine.request import RequestRejected
 from kvduplex.engine.sampling import SamplingParams
 from kvduplex.model.loader import LoadedModel
 from kvduplex.model.loader import load_model

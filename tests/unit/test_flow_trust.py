@@ -12,8 +12,8 @@ import torch
 from prometheus_client import REGISTRY
 
 from kvduplex.engine.block_pool import compute_block_hashes
-from kvduplex.engine.engine import RequestRejected
 from kvduplex.engine.request import Request
+from kvduplex.engine.request import RequestRejected
 from kvduplex.kvflow.lease import LeaseTable
 from kvduplex.kvflow.messages import KVDone
 from kvduplex.kvflow.messages import KVOffer

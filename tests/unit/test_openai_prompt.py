@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from kvduplex.model.loader import load_tokenizer
+from kvduplex.model.source import load_tokenizer
 from kvduplex.model.tokenizer import ByteTokenizer
 from kvduplex.model.tokenizer import HFTokenizer
 from kvduplex.openai.prompt import PromptError

@@ -238,3 +238,17 @@ def test_the_router_sends_the_secret_of_its_secret_file(
     secret.write_text("short")
     with pytest.raises(ValueError, match="at least"):
         RouterState.create(router_config(parse_args(args)), ByteTokenizer())
+
+
+def test_router_prompt_threads_from_each_layer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    decode = ["router", "--decode", "http://d"]
+    assert router_config(parse_args(decode)).prompt_threads == 4
+    cfg = write(tmp_path, "r.yaml", "prompt_threads: 2\n")
+    assert router_config(parse_args([*decode, "--config", cfg])).prompt_threads == 2
+    monkeypatch.setenv("KVDUPLEX_PROMPT_THREADS", "3")
+    assert router_config(parse_args([*decode, "--config", cfg])).prompt_threads == 3
+    assert router_config(parse_args([*decode, "--prompt-threads", "8"])).prompt_threads == 8
+    with pytest.raises(ValueError, match="prompt_threads must be >= 1"):
+        router_config(parse_args([*decode, "--prompt-threads", "0"]))

@@ -18,11 +18,11 @@ from kvduplex.engine.engine import LLMEngine
 from kvduplex.engine.request import Request
 from kvduplex.engine.sampler import apply_token_bitmask
 from kvduplex.engine.sampler import sample
+from kvduplex.engine.sampling import GrammarKind
+from kvduplex.engine.sampling import GrammarSpec
 from kvduplex.engine.sampling import SamplingParams
 from kvduplex.engine.scheduler_output import check_stop
 from kvduplex.engine.structured import GrammarCompiler
-from kvduplex.engine.structured import GrammarKind
-from kvduplex.engine.structured import GrammarSpec
 from kvduplex.engine.structured import StructuredOutputError
 from kvduplex.engine.structured import fill_bitmask
 from kvduplex.model.loader import LoadedModel

@@ -309,3 +309,56 @@ def test_detokenizer_decodes_a_bounded_window_per_step() -> None:
     for n in range(1, len(ids) + 1):
         detok.update(ids[:n], is_final=False)
     assert tok.decoded < 6 * len(ids)  # a full decode per step would be ~len(ids)**2 / 2
+
+
+TOOL_USE_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}<|im_start|>tools\n{{ tools | tojson }}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% if m.tool_calls is defined %}{% for c in m.tool_calls %}<call>{{ c.function.name }}"
+    "({{ c.function.arguments | tojson }})</call>{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize("template", [CHAT_TEMPLATE, TOOL_USE_TEMPLATE])
+def test_hf_tokenizer_matches_transformers(tmp_path: Path, template: str) -> None:
+    """The torch-free tokenizer gives what transformers' own gives the same folder."""
+    from transformers import AutoTokenizer
+
+    write_hf_tokenizer(tmp_path, chat_template=template)
+    ours, ref = HFTokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
+    assert (ours.vocab_size, ours.bos_token_id) == (len(ref), ref.bos_token_id)
+    assert ours.eos_token_ids == (ref.eos_token_id,)
+    texts = ["hello world", "the lazy dog , ok <|im_end|>", "<s> x\n\u00e9\u4e2d <|im_start|>", ""]
+    for text in texts:
+        for special in (True, False):
+            ids = ours.encode(text, add_special_tokens=special)
+            assert ids == ref.encode(text, add_special_tokens=special)
+            for skip in (True, False):
+                assert ours.decode(ids, skip) == ref.decode(ids, skip_special_tokens=skip)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"x": "\u00e9"}}}
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "the fox <|im_end|>"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"},
+    ]
+    for with_tools in (None, tools):
+        for gen in (True, False):
+            want = ref.apply_chat_template(
+                messages, tools=with_tools, add_generation_prompt=gen, tokenize=False
+            )
+            assert ours.apply_chat_template(messages, gen, with_tools) == want
+
+
+def test_hf_tokenizer_templates_from_files_and_by_name(tmp_path: Path) -> None:
+    """chat_template.jinja overrides the config's; with tools, ``tool_use`` is chosen."""
+    write_hf_tokenizer(tmp_path)
+    (tmp_path / "chat_template.jinja").write_text("A{{ messages[0]['content'] }}")
+    (tmp_path / "additional_chat_templates").mkdir()
+    (tmp_path / "additional_chat_templates" / "tool_use.jinja").write_text("T{{ tools | length }}")
+    tok = HFTokenizer(tmp_path)
+    msgs = [{"role": "user", "content": "x"}]
+    assert tok.apply_chat_template(msgs) == "Ax"
+    assert tok.apply_chat_template(msgs, tools=[{"type": "function"}]) == "T1"

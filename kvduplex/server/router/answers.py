@@ -52,7 +52,8 @@ async def tap_answer(
 ) -> AsyncIterator[bytes]:
     """Relay `parts` without decode's report of the answer's ids (the last event of a
     stream, a field of a whole body), and call `on_answer` once the answer ended (not if
-    the stream was cut or the client left)."""
+    the stream was cut or the client left). A completion stream's text chunks are relayed
+    without being parsed (`_PARSED_MARKS`); a chat stream's deltas make its message."""
     if not is_stream:
         raw = b"".join([part async for part in parts])
         try:
@@ -68,40 +69,64 @@ async def tap_answer(
         on_answer(RelayedAnswer(num_tokens, _ids_or_none(reported), message))
         return
     buf = b""
-    num_chunk_tokens = 0
-    usage_tokens: int | None = None
-    ids: list[int] | None = None
-    message = MessageAccumulator()
+    tally = _StreamTally(is_chat)
     async for part in parts:
         buf += part
         *events, buf = buf.split(b"\n\n")
-        out = []
-        for event in events:
-            chunk = _event_json(event)
-            if isinstance(chunk, dict) and ANSWER_IDS_FIELD in chunk:
-                ids = _ids_or_none(chunk[ANSWER_IDS_FIELD])
-                continue
-            out.append(event + b"\n\n")
-            if not isinstance(chunk, dict):
-                continue
-            usage = chunk.get("usage")
-            used = usage.get("completion_tokens") if isinstance(usage, dict) else None
-            usage_tokens = used if isinstance(used, int) else usage_tokens
-            for choice in chunk.get("choices") or []:
-                delta = choice.get("delta")
-                if isinstance(delta, dict):
-                    message.add_delta(delta)
-                text = choice.get("text") or (delta or {}).get("content")
-                n = choice.get("token_ids")
-                num_chunk_tokens += len(n) if n else 1 if text else 0
+        out = [event + b"\n\n" for event in events if tally.take(event)]
         if out:
             yield b"".join(out)
     if buf:
         yield buf
-    num_tokens = usage_tokens if usage_tokens is not None else num_chunk_tokens
-    if ids is not None:
-        num_tokens = len(ids)
-    on_answer(RelayedAnswer(num_tokens, ids, message.message() if is_chat else None))
+    on_answer(tally.answer())
+
+
+class _StreamTally:
+    """What a stream's events tell of its answer, event by event."""
+
+    def __init__(self, is_chat: bool) -> None:
+        self.is_chat = is_chat
+        self.num_chunk_tokens = 0
+        self.usage_tokens: int | None = None
+        self.ids: list[int] | None = None
+        self.message = MessageAccumulator()
+
+    def take(self, event: bytes) -> bool:
+        """Note one whole event; False if it is decode's report of the ids (not relayed)."""
+        if not self.is_chat and not any(mark in event for mark in _PARSED_MARKS):
+            self.num_chunk_tokens += _TEXT in event and _NO_TEXT not in event
+            return True  # a completion chunk of text: counted, not parsed
+        chunk = _event_json(event)
+        if not isinstance(chunk, dict):
+            return True
+        if ANSWER_IDS_FIELD in chunk:
+            self.ids = _ids_or_none(chunk[ANSWER_IDS_FIELD])
+            return False
+        usage = chunk.get("usage")
+        used = usage.get("completion_tokens") if isinstance(usage, dict) else None
+        self.usage_tokens = used if isinstance(used, int) else self.usage_tokens
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta")
+            if isinstance(delta, dict):
+                self.message.add_delta(delta)
+            text = choice.get("text") or (delta or {}).get("content")
+            n = choice.get("token_ids")
+            self.num_chunk_tokens += len(n) if n else 1 if text else 0
+        return True
+
+    def answer(self) -> RelayedAnswer:
+        num_tokens = self.usage_tokens if self.usage_tokens is not None else self.num_chunk_tokens
+        if self.ids is not None:
+            num_tokens = len(self.ids)
+        return RelayedAnswer(num_tokens, self.ids, self.message.message() if self.is_chat else None)
+
+
+_PARSED_MARKS = (f'"{ANSWER_IDS_FIELD}"'.encode(), b'"usage"', b'"token_ids"')
+"""What makes a completion stream's event worth parsing: the report of the answer's ids,
+usage, token ids. Its other events are text chunks, counted by their bytes (as an instance
+writes them: `json.dumps`'s separators); a quote in a text is escaped, never a mark."""
+_TEXT = b'"text": "'
+_NO_TEXT = b'"text": ""'
 
 
 def return_limit(

@@ -3,7 +3,10 @@
 Each request is validated with the instances' own models and its prompt built
 into token ids with the model's own tokenizer and chat template
 (`kvduplex.openai`), so a bad request is refused here in the words an instance
-would use. The policy then picks P and D (sessions, load), and one of the
+would use. Prompts are built in a small pool of threads (``--prompt-threads``),
+never on the event loop, which keeps health probes and relayed streams moving
+however long a conversation's template takes. The router never imports torch:
+its tokenizer is `kvduplex.model.source.load_tokenizer`'s. The policy then picks P and D (sessions, load), and one of the
 flows (`flows.py`) forwards the body as the client sent it.
 
 Routes: /v1/completions, /v1/chat/completions, /v1/models (a decode
@@ -45,9 +48,9 @@ from prometheus_client import generate_latest
 
 from kvduplex.config import RouterConfig
 from kvduplex.config import TransferMode
-from kvduplex.engine.engine import RequestRejected
-from kvduplex.engine.engine import check_request_size
-from kvduplex.model.loader import load_tokenizer
+from kvduplex.engine.request import RequestRejected
+from kvduplex.engine.request import check_request_size
+from kvduplex.model.source import load_tokenizer
 from kvduplex.openai.chat_output import ChatOutputParser
 from kvduplex.openai.chat_output import check_tool_choice
 from kvduplex.openai.chat_output import output_parser
@@ -55,7 +58,8 @@ from kvduplex.openai.chat_output import prompt_tail
 from kvduplex.openai.errors import APIError
 from kvduplex.openai.errors import install_error_handlers
 from kvduplex.openai.prompt import PromptError
-from kvduplex.openai.prompt import prompt_token_ids
+from kvduplex.openai.prompt import build_prompt_ids
+from kvduplex.openai.prompt import placed_answers
 from kvduplex.openai.protocol import ChatCompletionRequest
 from kvduplex.openai.protocol import CompletionRequest
 from kvduplex.openai.protocol import OpenAIRequest
@@ -101,11 +105,7 @@ async def route_request(
     state: RouterState, raw: Request, request: OpenAIRequest, path: str
 ) -> Response:
     """Build the prompt, choose the instances and run the configured flow."""
-    try:
-        sessions = state.policy.sessions
-        ids = prompt_token_ids(request, state.tokenizer, sessions.answers, state.policy.clock())
-    except PromptError as exc:
-        raise APIError(400, exc.message, param=exc.param) from None
+    ids = await build_prompt(state, request)
     _check_size(state, request, len(ids))
     parser = _chat_parser(state, request, ids)
     key = session_key(raw, request)
@@ -130,6 +130,20 @@ async def route_request(
         return await _run_flow(state, replace(fwd, route=rerouted))
     except DecodeUnreachable as exc:
         raise APIError(502, str(exc), code="decode_failed") from None
+
+
+async def build_prompt(state: RouterState, request: OpenAIRequest) -> list[int]:
+    """The prompt's ids as the instances compute them (400 if there is none to build).
+    The answers sent back are looked up here, on the event loop that updates the session
+    table; the template and the tokenizer run in `RouterState.prompts`."""
+    answers = state.policy.sessions.answers
+    try:
+        placements = placed_answers(request, answers, state.policy.clock())
+        return await asyncio.get_running_loop().run_in_executor(
+            state.prompts, build_prompt_ids, request, state.tokenizer, placements, answers.heads
+        )
+    except PromptError as exc:
+        raise APIError(400, exc.message, param=exc.param) from None
 
 
 def _chat_parser(
@@ -247,6 +261,7 @@ def create_router_app(state: RouterState) -> FastAPI:
             await _stop_background(tasks)
             await state.client.aclose()
             await state.probe_client.aclose()
+            state.prompts.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="kvduplex-router", lifespan=lifespan)
     install_error_handlers(app)

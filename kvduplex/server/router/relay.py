@@ -6,7 +6,8 @@ of its own, which names its token id. `push_stream` writes P's token as the
 first chunk, then D's stream with that copy dropped if, and only if, its id is
 P's token's (`splice_first_token`); a D that fell back and sampled another
 first token ends the stream with an error rather than a mixed answer. D's
-events are read with httpx-sse, the one SSE parser of the project.
+events are parsed up to that copy (its ``data:`` lines, each event's JSON); the rest of
+D's stream is relayed as its bytes come, unparsed.
 
 A stream is relayed in whole events. If D's connection fails mid-answer (D
 died), or the router marks D unhealthy meanwhile (D hung or partitioned: the
@@ -35,10 +36,12 @@ import contextlib
 import enum
 import json
 import logging
+import re
 from collections.abc import AsyncGenerator
 from collections.abc import AsyncIterator
 from collections.abc import Awaitable
 from collections.abc import Callable
+from collections.abc import Generator
 from dataclasses import dataclass
 from dataclasses import field
 from typing import Any
@@ -46,7 +49,6 @@ from typing import Any
 import anyio
 import httpx
 from fastapi.responses import StreamingResponse
-from httpx_sse import EventSource
 from starlette.types import Receive
 from starlette.types import Scope
 from starlette.types import Send
@@ -230,54 +232,101 @@ async def push_stream(
     differently), the answer cannot be both: the stream ends with a ``decode_diverged``
     error event, never with P's token followed by the rest of D's answer. If D's stream
     starts before P answers (or P failed), D's stream is relayed as it is, less the field.
+
+    Only D's events up to that chunk are parsed (`first_events`); from there on D's bytes
+    are relayed as they arrive, unparsed (`relay` regroups them in whole events).
     """
-    events = EventSource(upstream).aiter_sse()
-    next_event = asyncio.ensure_future(anext(events, None))
+    parts = upstream.aiter_bytes()
+    next_part = asyncio.ensure_future(anext(parts, None))
     try:
         if not prefill.done():
-            await asyncio.wait({prefill, next_event}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({prefill, next_part}, return_when=asyncio.FIRST_COMPLETED)
         ans = prefill.result() if prefill.done() else None
         sent: SentToken | None = None
-        if ans is not None and not next_event.done():
+        if ans is not None and not next_part.done():
             token = int(ans["first_token"])
             text, chunk = first.chunk(token, _try_logprobs(ans.get("first_token_logprobs")))
             sent = SentToken(token, text)
             yield chunk
-        looking = True  # for D's first chunk with tokens
+        splicing = first_events(sent)
+        next(splicing)
+        spliced: Generator[tuple[bytes, Splice], bytes, None] | None = splicing
         while True:
             # Shielded: a cancel of this task (anyio repeats Starlette's, once per loop
             # iteration, until the task leaves the scope) would otherwise reach the reader
             # again while it closes D's connection, and leave that connection open.
-            event = await asyncio.shield(next_event)
-            if event is None:
+            part = await asyncio.shield(next_part)
+            if part is None:
                 return
-            next_event = asyncio.ensure_future(anext(events, None))
-            data: str | None = event.data
-            if looking:
-                splice, data = splice_first_token(event.data, sent)
-                looking = splice is Splice.NOT_CONTENT
-                if splice is Splice.DIVERGED:
-                    first.on_diverged()
-                    logger.warning(
-                        "xid=%s: decode's first token is not prefill's %s (decode fell back "
-                        "and sampled another); ending the stream", first.xid, sent,
-                    )  # fmt: skip
-                    message = "decode's answer diverged from the first token already sent"
-                    error = error_body(message, "server_error", code="decode_diverged")
-                    yield (render.sse_data(error) + render.SSE_DONE).encode()
-                    return
-            if data is not None:
-                yield f"data: {data}\n\n".encode()
+            next_part = asyncio.ensure_future(anext(parts, None))
+            if spliced is None:
+                yield part
+                continue
+            out, splice = spliced.send(part)
+            if splice is Splice.DIVERGED:
+                first.on_diverged()
+                logger.warning(
+                    "xid=%s: decode's first token is not prefill's %s (decode fell back "
+                    "and sampled another); ending the stream", first.xid, sent,
+                )  # fmt: skip
+                message = "decode's answer diverged from the first token already sent"
+                error = error_body(message, "server_error", code="decode_diverged")
+                yield (render.sse_data(error) + render.SSE_DONE).encode()
+                return
+            if splice is not Splice.NOT_CONTENT:
+                spliced = None  # the rest of D's stream passes as it is
+            if out:
+                yield out
     finally:
         # The reader is never cancelled: a cancel that lands while it closes D's connection
         # (it does at the stream's end) leaves the connection open. Closing the response
         # ends its read instead (a no-op if the reader already closes it).
         with anyio.CancelScope(shield=True):  # see `relay`'s close
-            if not next_event.done():
+            if not next_part.done():
                 await upstream.aclose()
             with contextlib.suppress(BaseException):
-                await asyncio.shield(next_event)
-            await events.aclose()
+                await asyncio.shield(next_part)
+            await aclose_parts(parts)
+
+
+def first_events(sent: SentToken | None) -> Generator[tuple[bytes, Splice], bytes, None]:
+    """Sent D's stream part by part, the bytes to relay of it and how the splice stands:
+    `Splice.NOT_CONTENT` while D's first chunk with tokens is still ahead (only whole
+    events are relayed, the first chunk as `splice_first_token` rewrites it); then the splice found and the rest of the part as
+    it came (the caller relays what follows unparsed)."""
+    buf = b""
+    out = b""
+    splice = Splice.NOT_CONTENT
+    while True:
+        buf += yield out, splice
+        kept: list[bytes] = []
+        while splice is Splice.NOT_CONTENT and (end := buf.find(b"\n\n")) >= 0:
+            event, buf = buf[: end + 2], buf[end + 2 :]
+            data = _event_data(event)
+            if data is None:  # a comment, or an event without data: passed on
+                kept.append(event)
+                continue
+            splice, data = splice_first_token(data, sent)
+            if data is not None:
+                kept.append(f"data: {data}\n\n".encode())
+        if splice is not Splice.NOT_CONTENT:
+            kept.append(buf)
+            buf = b""
+        out = b"".join(kept)
+
+
+def _event_data(event: bytes) -> str | None:
+    """The data of one whole SSE event, its ``data:`` lines joined as the SSE spec joins
+    them; None if it has none (a comment, say)."""
+    text = event.decode("utf-8", "replace")
+    lines = [
+        line[5:].removeprefix(" ") for line in _SSE_LINE.split(text) if line.startswith("data:")
+    ]
+    return "\n".join(lines) if lines else None
+
+
+_SSE_LINE = re.compile(r"\r\n|\r|\n")
+"""Where an SSE line ends."""
 
 
 def _try_logprobs(data: Any) -> TokenLogprobs | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from dataclasses import field
 from typing import Any
@@ -43,6 +44,10 @@ class RouterState:
     probe_client: httpx.AsyncClient
     """The health probes' own pool, so that a busy router never takes its own wait for a
     connection for an instance's failure."""
+    prompts: ThreadPoolExecutor
+    """Where prompts are built (``--prompt-threads``; `app.build_prompt`): rendering and
+    tokenizing hold a thread for milliseconds (a long conversation: tens), which the
+    event loop does not wait on. Shut down with the app."""
     api_key: str | None = None
     """What clients must send on /v1/* (see `kvduplex.server.auth`); None: open."""
     num_probe_rounds: int = 0
@@ -95,9 +100,10 @@ class RouterState:
         probe_client = httpx.AsyncClient(
             timeout=httpx.Timeout(config.health_timeout_s), transport=transport
         )
+        prompts = ThreadPoolExecutor(config.prompt_threads, thread_name_prefix="kvduplex-prompt")
         return cls(
             config, tokenizer, policy, registry, RouterMetrics(registry, policy), client,
-            probe_client, api_key, drain=DrainState(timeout_s=config.drain_timeout_s),
+            probe_client, prompts, api_key, drain=DrainState(timeout_s=config.drain_timeout_s),
             discovery=Discovery.try_from_config(config, policy, probe_client, resolve),
         )  # fmt: skip
 

@@ -1,0 +1,451 @@
+"""The router alone: relayed SSE chunks per second per core, and the TTFT it adds.
+
+A stub plays the instances (one asyncio HTTP/1.1 server, keep-alive, two ports: P and
+D) and answers what the router asks in push mode, as the instances would (the bodies are
+built with `kvduplex.openai.render`): ``/ready`` and ``/health`` with ``max_model_len``
+and an engine id; ``POST /internal/push/prefill`` at once with the first token;
+``POST /v1/completions`` on D as a stream of one SSE event per token, each its own HTTP
+chunk, the first naming its token id (``mark_first_token``: the router drops it, P's copy
+was sent), the last reporting the answer's ids (``report_answer``), then ``[DONE]``.
+The router (``kvduplex router``, a process of its own, the built-in ``tiny`` preset's
+byte tokenizer) is pinned to one core; the stub and the load client (raw asyncio, one
+keep-alive connection per stream) share this process, pinned to the other.
+
+Two phases, each at 1, 64 and 256 concurrent streams (closed loop: a stream sends its
+next request when its answer ends):
+
+* capacity: answers of ``--capacity-tokens`` events streamed as fast as the stub can
+  (each stream yields to the others after each event, as a decode step would); SSE events
+  the client received per second, and per second of the router's CPU time (utime +
+  stime of its process, /proc), which is the figure per core;
+* TTFT: answers of ``--ttft-tokens`` events paced at ``--tpot-ms``; the client's time to
+  the first event through the router against straight to the stub's D (the same request,
+  interleaved: direct, router, direct, router), each stream starting after a random pause
+  of up to one answer so that requests do not come in bursts. Added TTFT = router p50 -
+  direct p50.
+
+    PYTHONPATH=. python benchmarks/bench_router_capacity.py   # about 2 minutes
+
+Writes results/router_capacity.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from dataclasses import field
+from pathlib import Path
+from typing import Any
+
+from kvduplex.openai import render
+from kvduplex.openai.transcript import ANSWER_IDS_FIELD
+from kvduplex.server.cluster import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+FIRST_TOKEN = 65
+"""The stub's every token ("A"): P's first token and D's copy of it match."""
+
+
+# ------------------------------------------------------------------ the stub instances
+
+
+@dataclass
+class Stub:
+    """P and D: counts what they served; D paces its events `interval_s` apart."""
+
+    interval_s: float = 0.0
+    num_prefills: int = 0
+    num_streams: int = 0
+    num_connections: int = 0
+    _events: dict[tuple[int, bool], list[bytes]] = field(default_factory=dict)
+    _open: dict[asyncio.StreamWriter, asyncio.Task[Any]] = field(default_factory=dict)
+
+    def events(self, num_tokens: int, mark: bool) -> list[bytes]:
+        """D's answer as HTTP chunks, one SSE event each (built once per shape)."""
+        key = (num_tokens, mark)
+        if key not in self._events:
+            head = render.ResponseHead(request_id="cmpl-stub", model="tiny", is_chat=False)
+            out = []
+            for i in range(num_tokens):
+                reason = "length" if i == num_tokens - 1 else None
+                choice = render.stream_choice(head, "A", [FIRST_TOKEN], reason, is_first=i == 0)
+                chunk = render.stream_chunk(head, choice)
+                if mark and i == 0:
+                    chunk[render.FIRST_TOKEN_IDS_FIELD] = [FIRST_TOKEN]
+                out.append(render.sse_data(chunk))
+            out.append(render.sse_data({ANSWER_IDS_FIELD: [FIRST_TOKEN] * num_tokens}))
+            out.append(render.SSE_DONE)
+            self._events[key] = [_http_chunk(e.encode()) for e in out]
+        return self._events[key]
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.num_connections += 1
+        task = asyncio.current_task()
+        assert task is not None
+        self._open[writer] = task
+        try:
+            while True:
+                method, path, body = await _read_request(reader)
+                await self._answer(method, path, body, writer)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            del self._open[writer]
+            writer.close()
+
+    async def close(self) -> None:
+        """Close the connections still open and wait for their handlers to end."""
+        tasks = list(self._open.values())
+        for writer in list(self._open):
+            writer.close()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _answer(
+        self, method: str, path: str, body: bytes, writer: asyncio.StreamWriter
+    ) -> None:
+        if method == "GET" and path in ("/ready", "/health"):
+            payload = {"status": "ok", "max_model_len": 1 << 20, "engine_id": "stub",
+                       "block_size": 16}  # fmt: skip
+            return await _write_json(writer, payload)
+        req = json.loads(body) if body else {}
+        if path == "/internal/push/prefill":
+            self.num_prefills += 1
+            return await _write_json(writer, {"xid": req["xid"], "first_token": FIRST_TOKEN,
+                                              "num_cached_tokens": 0})  # fmt: skip
+        if path.startswith("/internal/"):
+            return await _write_json(writer, {"xid": req.get("xid", "")})
+        if path != "/v1/completions" or not req.get("stream"):
+            return await _write_json(writer, {"error": {"message": "stub: not served"}}, 404)
+        self.num_streams += 1
+        params = req.get("kv_transfer_params") or {}
+        events = self.events(int(req["max_tokens"]), bool(params.get("mark_first_token")))
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"x-request-id: cmpl-stub\r\ntransfer-encoding: chunked\r\n\r\n"
+        )
+        for event in events:
+            writer.write(event)
+            await writer.drain()
+            if self.interval_s > 0:
+                await asyncio.sleep(self.interval_s)
+            else:
+                await asyncio.sleep(0)  # the other streams' turn, as a decode step
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+
+def _http_chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str, bytes]:
+    head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+    method, path, _ = head[0].split(" ", 2)
+    length = 0
+    for line in head[1:]:
+        name, _, value = line.partition(":")
+        if name.lower() == "content-length":
+            length = int(value)
+    return method, path, await reader.readexactly(length) if length else b""
+
+
+async def _write_json(writer: asyncio.StreamWriter, payload: Any, status: int = 200) -> None:
+    body = json.dumps(payload).encode()
+    writer.write(
+        b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+        % (status, len(body), body)
+    )
+    await writer.drain()
+
+
+# ------------------------------------------------------------------------ the client
+
+
+@dataclass
+class Load:
+    """What one run of streams saw."""
+
+    num_events: int = 0
+    num_requests: int = 0
+    num_errors: int = 0
+    """Answers other than 200 (the router's 503 when its probes time out, overloaded)."""
+    ttfts_s: list[float] = field(default_factory=list)
+
+
+async def _stream_once(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes, load: Load
+) -> None:
+    """One streamed completion on a kept-alive connection: its events counted, its TTFT."""
+    start = time.perf_counter()
+    writer.write(request)
+    head = await reader.readuntil(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/1.1 200"):  # an error answer: counted, its body read
+        length = re.search(rb"content-length: *(\d+)", head, re.IGNORECASE)
+        await reader.readexactly(int(length.group(1)) if length else 0)
+        load.num_errors += 1
+        return
+    first = True
+    while True:
+        size = int((await reader.readuntil(b"\r\n"))[:-2], 16)
+        data = await reader.readexactly(size + 2)
+        if size == 0:
+            break
+        if first and b"data: " in data:
+            load.ttfts_s.append(time.perf_counter() - start)
+            first = False
+        load.num_events += data.count(b"\n\n")
+    load.num_requests += 1
+
+
+async def run_streams(
+    port: int, num_streams: int, num_tokens: int, duration_s: float, stagger_s: float = 0.0
+) -> Load:
+    """`num_streams` closed-loop streams for `duration_s` against 127.0.0.1:`port`, each
+    starting after a random (seeded) pause in ``[0, stagger_s)``: streams of one length
+    started at once would stay in step and send their requests in bursts."""
+    rng = random.Random(0)
+    pauses = [rng.uniform(0.0, stagger_s) for _ in range(num_streams)]
+    body = json.dumps({"model": "tiny", "prompt": "hello router", "max_tokens": num_tokens,
+                       "stream": True, "temperature": 0}).encode()  # fmt: skip
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    load = Load()
+    deadline = time.perf_counter() + duration_s
+
+    async def stream(pause_s: float) -> None:
+        await asyncio.sleep(pause_s)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            while time.perf_counter() < deadline:
+                await _stream_once(reader, writer, request, load)
+        finally:
+            writer.close()
+
+    await asyncio.gather(*(stream(pause) for pause in pauses))
+    return load
+
+
+# ------------------------------------------------------------------------ the router
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of process `pid` (all its threads), in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+_PROFILED = """
+import cProfile, runpy, sys, time
+sys.argv = sys.argv[1:]
+profile = cProfile.Profile(time.thread_time)  # the event loop's CPU time, not waits
+profile.enable()
+try:
+    runpy.run_module(sys.argv[0], run_name="__main__")
+except SystemExit:
+    pass
+finally:
+    profile.disable()
+    profile.dump_stats({path!r})
+"""
+"""`python -c` this, then the module and its arguments: the module under cProfile."""
+
+
+def start_router(
+    port: int,
+    p_port: int,
+    d_port: int,
+    cpu: int,
+    log: Path,
+    profile: str = "",
+    repo: Path = REPO,
+) -> subprocess.Popen[bytes]:
+    """``kvduplex router`` of checkout `repo`, pinned to `cpu`; under cProfile (written to
+    `profile`) if given."""
+    python = (
+        [sys.executable, "-c", _PROFILED.format(path=profile)]
+        if profile
+        else [sys.executable, "-m"]
+    )
+    cmd = [*python, "kvduplex", "router", "--model", "tiny", "--port", str(port),
+           "--prefill", f"http://127.0.0.1:{p_port}", "--decode", f"http://127.0.0.1:{d_port}",
+           "--health-interval-s", "1"]  # fmt: skip
+    path = os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
+    return subprocess.Popen(
+        cmd, env=env, cwd=repo, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+        preexec_fn=lambda: os.sched_setaffinity(0, {cpu}),
+    )  # fmt: skip
+
+
+async def wait_ready(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError("the router exited")
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /ready HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            status = await reader.readline()
+            writer.close()
+            if b" 200 " in status:
+                return
+        except OSError:
+            pass
+        await asyncio.sleep(0.2)
+    raise RuntimeError("the router was not ready in time")
+
+
+def _p50_ms(values: list[float]) -> float:
+    return statistics.median(values) * 1e3 if values else float("nan")
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    router_cpu, load_cpu = args.router_cpu, args.load_cpu
+    os.sched_setaffinity(0, {load_cpu})
+    stub = Stub()
+    p_port, d_port, r_port = free_port(), free_port(), free_port()
+    servers = [
+        await asyncio.start_server(stub.serve, "127.0.0.1", p, backlog=4096)
+        for p in (p_port, d_port)
+    ]
+    log = Path(args.log)
+    proc = start_router(
+        r_port, p_port, d_port, router_cpu, log, args.profile_router, Path(args.router_repo)
+    )
+    results: dict[str, Any] = {"capacity": [], "ttft": []}
+    try:
+        await wait_ready(r_port, proc)
+        stub.interval_s = 0.0
+        await run_streams(r_port, 8, 32, 2.0)  # warm-up
+        for n in args.streams:
+            cpu0, t0, own0 = cpu_seconds(proc.pid), time.perf_counter(), time.process_time()
+            load = await run_streams(r_port, n, args.capacity_tokens, args.duration_s)
+            wall = time.perf_counter() - t0
+            cpu = cpu_seconds(proc.pid) - cpu0
+            own = time.process_time() - own0
+            row = {
+                "streams": n, "events": load.num_events, "requests": load.num_requests,
+                "errors": load.num_errors,
+                "wall_s": wall, "router_cpu_s": cpu, "load_cpu_s": own,
+                "events_per_s": load.num_events / wall,
+                "events_per_router_cpu_s": load.num_events / cpu if cpu > 0 else float("nan"),
+            }  # fmt: skip
+            results["capacity"].append(row)
+            print(json.dumps(row), flush=True)
+        stub.interval_s = args.tpot_ms / 1e3
+        for n in args.streams:
+            direct: list[float] = []
+            routed: list[float] = []
+            cpu_s = wall_s = 0.0
+            num_errors = 0
+            stagger_s = args.ttft_tokens * args.tpot_ms / 1e3  # one answer's length
+            for _ in range(args.rounds):
+                load = await run_streams(d_port, n, args.ttft_tokens, args.ttft_s, stagger_s)
+                direct += load.ttfts_s
+                cpu0, t0 = cpu_seconds(proc.pid), time.perf_counter()
+                load = await run_streams(r_port, n, args.ttft_tokens, args.ttft_s, stagger_s)
+                routed += load.ttfts_s
+                num_errors += load.num_errors
+                cpu_s += cpu_seconds(proc.pid) - cpu0
+                wall_s += time.perf_counter() - t0
+            row = {
+                "streams": n, "num_direct": len(direct), "num_routed": len(routed),
+                "direct_p50_ms": _p50_ms(direct), "routed_p50_ms": _p50_ms(routed),
+                "added_p50_ms": _p50_ms(routed) - _p50_ms(direct),
+                "router_cpu_share": cpu_s / wall_s if wall_s > 0 else float("nan"),
+                "direct_p90_ms": _quantile_ms(direct, 0.9),
+                "routed_p90_ms": _quantile_ms(routed, 0.9),
+            }  # fmt: skip
+            row["routed_errors"] = num_errors
+            row["stub_connections"] = stub.num_connections
+            results["ttft"].append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        for server in servers:
+            server.close()
+        await stub.close()
+    results["setup"] = {
+        "router_cpu": router_cpu, "load_cpu": load_cpu, "capacity_tokens": args.capacity_tokens,
+        "ttft_tokens": args.ttft_tokens, "tpot_ms": args.tpot_ms, "duration_s": args.duration_s,
+        "ttft_s": args.ttft_s, "rounds": args.rounds, "loadavg_before": args.loadavg_before,
+        "router_repo": args.router_repo, "loadavg_after": os.getloadavg(),
+    }  # fmt: skip
+    return results
+
+
+def _quantile_ms(values: list[float], q: float) -> float:
+    if len(values) < 2:
+        return _p50_ms(values)
+    return statistics.quantiles(values, n=100)[int(q * 100) - 1] * 1e3
+
+
+def table(results: dict[str, Any]) -> str:
+    ttft = {r["streams"]: r for r in results["ttft"]}
+    lines = [
+        "| streams | events/s relayed | router CPU | events/s per router core "
+        "| TTFT direct p50 | TTFT via router p50 | added p50 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results["capacity"]:
+        t = ttft.get(r["streams"], {})
+        lines.append(
+            f"| {r['streams']} | {r['events_per_s']:,.0f} | {r['router_cpu_s'] / r['wall_s']:.0%} "
+            f"| {r['events_per_router_cpu_s']:,.0f} | {t.get('direct_p50_ms', float('nan')):.2f} ms "
+            f"| {t.get('routed_p50_ms', float('nan')):.2f} ms "
+            f"| {t.get('added_p50_ms', float('nan')):.2f} ms |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 64, 256])
+    parser.add_argument("--capacity-tokens", type=int, default=128)
+    parser.add_argument("--duration-s", type=float, default=6.0)
+    parser.add_argument("--ttft-tokens", type=int, default=16)
+    parser.add_argument("--tpot-ms", type=float, default=20.0)
+    parser.add_argument("--ttft-s", type=float, default=3.0, help="per round and side")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--router-cpu", type=int, default=0)
+    parser.add_argument("--load-cpu", type=int, default=1)
+    parser.add_argument("--log", default="/tmp/kvduplex-router-capacity.log")
+    parser.add_argument("--name", default="router_capacity", help="results/NAME.json and .md")
+    parser.add_argument(
+        "--router-repo", default=str(REPO), metavar="DIR",
+        help="the checkout whose router runs (default: this one), to compare versions",
+    )  # fmt: skip
+    parser.add_argument(
+        "--profile-router", default="", metavar="FILE",
+        help="run the router under cProfile (its event loop's CPU time), the stats written "
+        "to FILE (slower: for profiles only)",
+    )  # fmt: skip
+    args = parser.parse_args()
+    args.loadavg_before = os.getloadavg()
+    results = asyncio.run(main_async(args))
+    from benchmarks.common import write_results
+
+    text = table(results)
+    path = write_results(args.name, results, text)
+    print(text)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
