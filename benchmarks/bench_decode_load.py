@@ -16,7 +16,8 @@ Same engine, weights, requests and pool for both: for ``attention`` only
 per group, the path before; ``sdpa``: every decode read in place where its blocks form long
 ranges); for ``matmul`` only whether the linear layers hold their oneDNN-packed copies
 (``plain``: MKL on the column-major weight at every batch, as with
-``--no-cpu-packed-weights``; ``packed``: the default). The context grows by one token a
+``--no-cpu-packed-weights``; ``packed``: the default); for ``both``, the two together
+(``paged+plain``, the state before either, against ``kernel+packed``). The context grows by one token a
 step for both alike. Decode tok/s = B / step time.
 
     .venv/bin/python benchmarks/bench_decode_load.py                          # small, 1k/2k/4k
@@ -41,7 +42,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-VARIANTS = {"attention": ("copy", "paged"), "kernel": ("paged", "kernel"), "matmul": ("plain", "packed")}
+VARIANTS = {
+    "attention": ("copy", "paged"),
+    "kernel": ("paged", "kernel"),
+    "matmul": ("plain", "packed"),
+    "both": ("paged+plain", "kernel+packed"),
+}
 
 
 class ForeignLoad:
@@ -108,14 +114,17 @@ class Variants:
         self._linears = [m for m in engine.runner.model.modules() if isinstance(m, Linear)]
         self._packed = [m.packed for m in self._linears]
         self._tied = engine.runner.model.tied_head_packed
-        if compare == "matmul" and not any(p is not None for p in self._packed):
+        if compare in ("matmul", "both") and not any(p is not None for p in self._packed):
             raise SystemExit("no linear weight is packed for oneDNN here (not float32 on CPU?)")
 
     def use(self, name: str) -> None:
-        if self.compare != "matmul":
-            self.engine.runner.set_decode_attention(name)
-            return
-        packed = name == "packed"
+        attention, _, weights = name.partition("+")
+        if self.compare in ("attention", "kernel", "both"):
+            self.engine.runner.set_decode_attention(attention)
+        if self.compare in ("matmul", "both"):
+            self._pack(weights == "packed" if self.compare == "both" else name == "packed")
+
+    def _pack(self, packed: bool) -> None:
         for module, copy in zip(self._linears, self._packed, strict=True):
             module.packed = copy if packed else None
         self.engine.runner.model.tied_head_packed = self._tied if packed else None
