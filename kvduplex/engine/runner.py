@@ -127,8 +127,9 @@ class ModelRunner:
         one compiled FlexAttention call reading the pool in place; ``kernel``: a compiled
         CPU kernel walking each decode's block table (`cpu_decode.py`; ValueError where it
         does not apply or cannot be built); ``auto`` (or its old name ``sdpa``):
-        ``kernel`` where it applies and builds and torch runs one thread (the kernel does
-        not split its work over threads), else ``paged``, or ``copy`` for a model with
+        ``kernel`` where it applies and builds and torch runs one thread (split over two
+        threads it did not beat ``paged`` at every batch, hot_path.md section 9), else
+        ``paged``, or ``copy`` for a model with
         sliding-window layers (which also use ``copy`` for ``flex``). `decode_attention`
         holds the path taken.
         """

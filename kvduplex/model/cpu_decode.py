@@ -7,9 +7,10 @@ per token of a 50M Llama). SDPA's flash kernel called per range of consecutive b
 (`paged_decode.py`) read it at ~5-6 GB/s here, the kernel at ~7.5 GB/s with the blocks in
 random order (a contiguous matrix-vector product reads ~9.7 GB/s on the same core): two
 passes (scores, then the weighted sum of V) walking the tokens in table order, all KV heads
-of a token being one contiguous run, with the next block prefetched. It runs on one thread:
-the runner takes it for ``auto`` only when torch runs one thread (a multi-threaded SDPA
-splits heads over cores, which this kernel does not).
+of a token being one contiguous run, with the next block prefetched. With more torch
+threads than one, a step's decodes are split over as many threads (`work_items`: by
+sequence, or by KV head when there are fewer sequences than threads), each calling the
+kernel on its share.
 
 The kernel is C, compiled at first use with the system C compiler (``cc`` or ``$CC``) for
 this CPU (``-O3 -march=native``), once per head size and query heads per KV head, into
@@ -23,12 +24,14 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import itertools
 import logging
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,22 +82,10 @@ class PagedDecodeKernel:
         self.group = group
         self._fn = ctypes.CDLL(str(library)).kvd_paged_decode_f32
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._fn.argtypes = [
-            ptr,
-            ptr,
-            ptr,
-            ptr,
-            i64,
-            ptr,
-            ptr,
-            i64,
-            i64,
-            i64,
-            ctypes.c_float,
-            ptr,
-            ptr,
-        ]
+        self._fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ptr]
         self._fn.restype = ctypes.c_int
+        self._pool: ThreadPoolExecutor | None = None
+        self._workers = 0
 
     def attend(
         self,
@@ -106,38 +97,79 @@ class PagedDecodeKernel:
         out: torch.Tensor,  # (num_tokens, num_heads, head_dim), written at the decode tokens
     ) -> None:
         """Attention of every decode of `batch` over `layer_pool`, in place (a sliding
-        `window` sees its last `window` keys)."""
+        `window` sees its last `window` keys). With more than one torch thread, the work is
+        split over that many threads by sequence, or by KV head when there are fewer
+        sequences than threads (`work_items`)."""
         _, _, block_size, kv_heads, dim = layer_pool.shape
-        if (
-            not layer_pool.is_contiguous()
-            or q.dtype != torch.float32
-            or layer_pool.dtype != torch.float32
-        ):
+        if not layer_pool.is_contiguous() or q.dtype != torch.float32 or layer_pool.dtype != torch.float32:
             raise ValueError("the CPU decode kernel needs a contiguous float32 pool and queries")
         n = batch.lens.shape[0]
         heads = q.shape[1]
+        if heads > MAX_HEADS:
+            raise ValueError(f"the CPU decode kernel takes at most {MAX_HEADS} heads, not {heads}")
         qd = (q if batch.all_tokens else q.index_select(0, batch.token_index)).contiguous()
-        starts = (
-            (batch.lens - window).clamp_(min=0)
-            if window is not None
-            else torch.zeros_like(batch.lens)
-        )
-        widest = int((batch.lens - starts).max())
-        scores = torch.empty(heads * widest, dtype=torch.float32)
-        res = (
-            out
-            if batch.all_tokens and out.is_contiguous()
-            else torch.empty((n, heads, dim), dtype=q.dtype)
-        )
-        status = self._fn(
-            qd.data_ptr(), layer_pool[0].data_ptr(), layer_pool[1].data_ptr(),
-            batch.tables.data_ptr(), batch.tables.shape[1], starts.data_ptr(), batch.lens.data_ptr(),
-            n, kv_heads, block_size, scale, scores.data_ptr(), res.data_ptr(),
-        )  # fmt: skip
-        if status != 0:
-            raise ValueError(f"the CPU decode kernel refused {heads} heads (at most {MAX_HEADS})")
+        starts = (batch.lens - window).clamp_(min=0) if window is not None else torch.zeros_like(batch.lens)
+        widths = (batch.lens - starts).tolist()
+        res = out if batch.all_tokens and out.is_contiguous() else torch.empty((n, heads, dim), dtype=q.dtype)
+        stride = batch.tables.shape[1]
+        row = heads * dim * 4  # bytes of one sequence's q or output rows
+
+        def run(item: tuple[int, int, int, int]) -> None:
+            lo, hi, head_lo, head_hi = item
+            scores = torch.empty(heads * max(widths[lo:hi]), dtype=torch.float32)
+            status = self._fn(
+                qd.data_ptr() + lo * row, layer_pool[0].data_ptr(), layer_pool[1].data_ptr(),
+                batch.tables.data_ptr() + lo * stride * 8, stride, starts.data_ptr() + lo * 8,
+                batch.lens.data_ptr() + lo * 8, hi - lo, kv_heads, head_lo, head_hi, block_size, scale,
+                scores.data_ptr(), res.data_ptr() + lo * row,
+            )  # fmt: skip
+            assert status == 0, "the kernel refused a head range work_items made"
+
+        items = work_items(widths, kv_heads, torch.get_num_threads())
+        if len(items) == 1:
+            run(items[0])
+        else:
+            futures = [self._threads(len(items) - 1).submit(run, item) for item in items[1:]]
+            try:
+                run(items[0])  # this thread takes the first share
+            finally:
+                for f in futures:
+                    f.result()
         if res is not out:
             out.index_copy_(0, batch.token_index, res)
+
+    def _threads(self, workers: int) -> ThreadPoolExecutor:
+        """Threads for all but the calling thread's share (grown, never shrunk)."""
+        if self._pool is None or self._workers < workers:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+            self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvduplex-decode")
+            self._workers = workers
+        return self._pool
+
+
+def work_items(widths: list[int], kv_heads: int, threads: int) -> list[tuple[int, int, int, int]]:
+    """A step's decodes split for `threads` threads: ``(first seq, end seq, first KV head,
+    end KV head)`` each. With at least as many sequences as threads, runs of sequences with
+    about equal keys each; with fewer, each sequence's KV heads in about equal parts."""
+    n = len(widths)
+    if threads <= 1 or n == 0:
+        return [(0, n, 0, kv_heads)]
+    if n >= threads:
+        total, bounds, seen = sum(widths), [0], 0
+        for i, w in enumerate(widths[:-1]):
+            seen += w
+            if seen * threads >= total * len(bounds) and len(bounds) < threads:
+                bounds.append(i + 1)
+        bounds.append(n)
+        return [(a, b, 0, kv_heads) for a, b in itertools.pairwise(bounds) if b > a]
+    parts = min(kv_heads, -(-threads // n))
+    return [
+        (s, s + 1, kv_heads * j // parts, kv_heads * (j + 1) // parts)
+        for s in range(n)
+        for j in range(parts)
+        if kv_heads * (j + 1) // parts > kv_heads * j // parts
+    ]
 
 
 @functools.cache

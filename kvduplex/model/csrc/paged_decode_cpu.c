@@ -72,8 +72,8 @@ enum { SCORES, VALUES };
  * out. Inlined with `pass` constant, so each pass is its own loop. */
 static inline __attribute__((always_inline)) void walk(
     int pass, const float *pool, const int64_t *table, int64_t first, int64_t end,
-    int64_t kv_heads, int64_t block_size, const float *qs, float scale,
-    float *scores, float *mx, float *os)
+    int64_t kv_heads, int64_t head_lo, int64_t head_hi, int64_t block_size, const float *qs,
+    float scale, float *scores, float *mx, float *os)
 {
     const int64_t dim = KVD_HEAD_DIM, width = end - first;
     const int64_t token_stride = kv_heads * dim, block_stride = block_size * token_stride;
@@ -85,10 +85,10 @@ static inline __attribute__((always_inline)) void walk(
         const float *next = t + n < end ? pool + table[b + 1] * block_stride : blk;
         for (int64_t i = 0; i < n; i++, t++) {
             const float *tok = blk + i * token_stride;
-            for (int64_t l = 0; l < token_stride; l += LINE_FLOATS)
+            for (int64_t l = head_lo * dim; l < head_hi * dim; l += LINE_FLOATS)
                 __builtin_prefetch(next + i * token_stride + l);
             const int64_t col = t - first;
-            for (int64_t h = 0; h < kv_heads; h++) {
+            for (int64_t h = head_lo; h < head_hi; h++) {
                 vf x[CHUNKS];
                 for (int c = 0; c < CHUNKS; c++) x[c] = load(tok + h * dim + c * LANES);
                 for (int g = 0; g < GROUP; g++) {
@@ -111,8 +111,11 @@ static inline __attribute__((always_inline)) void walk(
     }
 }
 
-/* Returns 0, or -1 for more heads than MAX_HEADS. Sequence s attends to its keys
- * [starts[s], lens[s]) (positions; the block of position t is tables[s][t / block_size]). */
+/* Returns 0, or -1 for more heads than MAX_HEADS or a bad head range. Sequence s attends
+ * to its keys [starts[s], lens[s]) (positions; the block of position t is
+ * tables[s][t / block_size]). Only KV heads [head_lo, head_hi) and their query heads are
+ * computed and written, so callers may split one step's work over threads by sequence
+ * and by KV head, each with its own scratch. */
 int kvd_paged_decode_f32(
     const float *q,          /* (num_seqs, kv_heads * GROUP, KVD_HEAD_DIM) */
     const float *k_pool,     /* (num_blocks, block_size, kv_heads, KVD_HEAD_DIM) */
@@ -121,23 +124,26 @@ int kvd_paged_decode_f32(
     int64_t table_stride,
     const int64_t *starts,   /* (num_seqs,) first key seen */
     const int64_t *lens,     /* (num_seqs,) keys up to here (the new token's included) */
-    int64_t num_seqs, int64_t kv_heads, int64_t block_size, float scale,
+    int64_t num_seqs, int64_t kv_heads, int64_t head_lo, int64_t head_hi, int64_t block_size,
+    float scale,
     float *scores,           /* scratch: kv_heads * GROUP * max(lens - starts) floats */
     float *out)              /* (num_seqs, kv_heads * GROUP, KVD_HEAD_DIM) */
 {
     const int64_t dim = KVD_HEAD_DIM, heads = kv_heads * GROUP;
     float mx[MAX_HEADS], inv[MAX_HEADS];
-    if (heads > MAX_HEADS) return -1;
+    if (heads > MAX_HEADS || head_lo < 0 || head_hi > kv_heads || head_lo >= head_hi) return -1;
+    const int64_t r_lo = head_lo * GROUP, r_hi = head_hi * GROUP;
     for (int64_t s = 0; s < num_seqs; s++) {
         const int64_t first = starts[s], end = lens[s], width = end - first;
         const int64_t *table = tables + s * table_stride;
         const float *qs = q + s * heads * dim;
         float *os = out + s * heads * dim;
-        memset(os, 0, sizeof(float) * heads * dim);
+        memset(os + r_lo * dim, 0, sizeof(float) * (r_hi - r_lo) * dim);
         if (width <= 0) continue;
-        for (int64_t r = 0; r < heads; r++) mx[r] = -3.0e38f;
-        walk(SCORES, k_pool, table, first, end, kv_heads, block_size, qs, scale, scores, mx, os);
-        for (int64_t r = 0; r < heads; r++) {
+        for (int64_t r = r_lo; r < r_hi; r++) mx[r] = -3.0e38f;
+        walk(SCORES, k_pool, table, first, end, kv_heads, head_lo, head_hi, block_size, qs, scale,
+             scores, mx, os);
+        for (int64_t r = r_lo; r < r_hi; r++) {
             float *row = scores + r * width;
             const float m = mx[r];
             float sum = 0.0f;
@@ -149,8 +155,9 @@ int kvd_paged_decode_f32(
             }
             inv[r] = 1.0f / sum;
         }
-        walk(VALUES, v_pool, table, first, end, kv_heads, block_size, qs, scale, scores, mx, os);
-        for (int64_t r = 0; r < heads; r++)
+        walk(VALUES, v_pool, table, first, end, kv_heads, head_lo, head_hi, block_size, qs, scale,
+             scores, mx, os);
+        for (int64_t r = r_lo; r < r_hi; r++)
             for (int64_t d = 0; d < dim; d++) os[r * dim + d] *= inv[r];
     }
     return 0;
