@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import signal
 import sys
@@ -287,6 +288,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--long-prompt", type=int, default=2000)
     ap.add_argument("--long-max-tokens", type=int, default=64)
     ap.add_argument("--long-rounds", type=int, default=6, help="long requests per mode")
+    ap.add_argument("--front-on-p", action="store_true",
+                    help="routers and this client on P's core, so D has its core to itself")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tag", default="")
     ap.add_argument(
@@ -309,11 +312,16 @@ def main() -> None:
     log_dir = Path(tempfile.mkdtemp(prefix="return-cost-"))
     with LocalCluster(log_dir=log_dir, env={"OMP_NUM_THREADS": "1"}) as cluster:
         dep = start_deployment(cluster, modes_named([COLOCATED, PUSH, DUPLEX]), model=args.model,
-                               kv_cache_mb=args.kv_cache_mb, echo=lambda s: print(s, flush=True))  # fmt: skip
+                               kv_cache_mb=args.kv_cache_mb, echo=lambda s: print(s, flush=True),
+                               routers_on_p=args.front_on_p)  # fmt: skip
         if dep.skipped:
             raise RuntimeError(f"modes skipped: {dep.skipped}")
         args.pinned = dep.pinned
-        print(f"{dep.pinned}; logs in {log_dir}", flush=True)
+        if args.front_on_p:
+            p_cpu = min(os.sched_getaffinity(0))
+            os.sched_setaffinity(0, {p_cpu})
+            args.pinned += f"; client on cpu {p_cpu}"
+        print(f"{args.pinned}; logs in {log_dir}", flush=True)
         instances = list(dict.fromkeys(dep.instances[PUSH]))
         got = asyncio.run(measure(args, dep.fronts, instances))
     rows, table = summarize(got["records"], got["kv"], args)

@@ -131,10 +131,12 @@ def start_deployment(
     echo: Callable[[str], None],
     start_timeout_s: float = 600.0,
     parsing_flags: tuple[str, ...] = (),
+    routers_on_p: bool = False,
 ) -> Deployment:
     """Start the instances and routers `modes` need; modes the router cannot serve are skipped.
     `parsing_flags` (tool-call and reasoning parsers) go to the servers that answer clients:
-    the routers and the colocated instance."""
+    the routers and the colocated instance. `routers_on_p` pins the routers to P's core
+    (else they run anywhere, D's core included)."""
     serve = ["serve", "--model", model, "--num-threads", "1", "--kv-cache-mb", str(kv_cache_mb)]
     serve += ["--log-level", "warning", "--kv-wait-timeout-s", "120", "--transfer-timeout-s", "120"]
     serve += ["--pull-lease-s", "300"]
@@ -171,7 +173,9 @@ def start_deployment(
         ps = prefills[: m.num_prefill]
         args = ["router", "--mode", str(m.kv_mode), "--model", model, *extra[m.name], *parsing_flags]
         args += ["--prefill", *(p.url for p in ps), "--decode", decode.url]
-        router = cluster.start(f"router-{_file_name(m.name)}", args, free_port())
+        router = cluster.start(
+            f"router-{_file_name(m.name)}", args, free_port(), cpus=p_cpu if routers_on_p else None
+        )
         try:
             cluster.wait_healthy(timeout_s=120)
         except RuntimeError as exc:
@@ -183,10 +187,8 @@ def start_deployment(
         dep.instances[m.name] = [Instance(p.url, "prefill") for p in ps]
         dep.instances[m.name].append(Instance(decode.url, "decode"))
     p_desc = "colocated, P1, P2" if num_prefill > 1 else "colocated and P"
-    dep.pinned = (
-        f"{p_desc} on cpu {p_cpu[0]}, D on cpu {d_cpu[0]}, 1 torch thread each; "
-        "routers and client unpinned"
-    )
+    routers = f"routers on cpu {p_cpu[0]}" if routers_on_p else "routers and client unpinned"
+    dep.pinned = f"{p_desc} on cpu {p_cpu[0]}, D on cpu {d_cpu[0]}, 1 torch thread each; {routers}"
     return dep
 
 
