@@ -98,7 +98,7 @@ class RouterState:
         secret = load_cluster_secret(config.cluster_secret_file, env.cluster_secret)
         client = httpx.AsyncClient(
             timeout=httpx.Timeout(600.0, connect=5.0),
-            transport=transport or AiohttpTransport(client=_instance_session),
+            transport=transport or InstanceTransport(client=_instance_session),
             headers={**secret_headers(secret), **api_key_headers(api_key)},
         )  # fmt: skip
         probe_client = httpx.AsyncClient(
@@ -110,6 +110,29 @@ class RouterState:
             probe_client, prompts, api_key, drain=DrainState(timeout_s=config.drain_timeout_s),
             discovery=Discovery.try_from_config(config, policy, probe_client, resolve),
         )  # fmt: skip
+
+
+class InstanceTransport(AiohttpTransport):
+    """httpx over aiohttp, its errors told apart as the router needs.
+
+    httpx-aiohttp raises `httpx.ConnectTimeout` for every aiohttp connection error; the
+    router takes a connect error or timeout for an instance that never saw the request
+    (`flows.DecodeUnreachable`: the request is routed again). So only a refused or failed
+    connect (`httpx.ConnectError`) and a connect timeout keep that meaning; a connection
+    that the instance closed after the request was sent is `httpx.RemoteProtocolError`, as
+    httpcore raises it.
+    """
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        try:
+            return await super().handle_async_request(request)
+        except httpx.ConnectTimeout as exc:
+            cause = exc.__cause__
+            if isinstance(cause, aiohttp.ConnectionTimeoutError):
+                raise
+            if isinstance(cause, aiohttp.ClientConnectorError):
+                raise httpx.ConnectError(str(exc), request=request) from cause
+            raise httpx.RemoteProtocolError(str(exc), request=request) from cause
 
 
 def _instance_session() -> aiohttp.ClientSession:
