@@ -347,7 +347,7 @@ def serve_router(config: RouterConfig) -> int:
     )  # fmt: skip
     server_config = uvicorn.Config(
         create_router_app(state), host=config.host, port=config.port, log_level="warning",
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=5, loop="uvloop", http="httptools",
     )  # fmt: skip
     server = DrainingServer(server_config, state.drain)
     server.run()

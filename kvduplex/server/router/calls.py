@@ -12,7 +12,7 @@ answered is a 502, a decode stream ends with an error event.
 
 How a call is abandoned. A call still waiting for its response (the head of a
 stream, or a whole body) runs in a task of its own (`until_unhealthy`), which
-is cancelled once; httpcore then closes the connection. The caller's own
+is cancelled once; the client then closes the connection. The caller's own
 cancels never reach that task (it waits with `asyncio.wait`, which passes
 none on): a cancel repeated while httpcore closes a connection leaves the
 connection open (see `relay.push_stream`). A stream being read is abandoned

@@ -10,7 +10,9 @@ from dataclasses import dataclass
 from dataclasses import field
 from typing import Any
 
+import aiohttp
 import httpx
+from httpx_aiohttp import AiohttpTransport
 from prometheus_client import CollectorRegistry
 
 from kvduplex.config import Environment
@@ -40,7 +42,9 @@ class RouterState:
     """To the instances: sends the cluster secret and the API key. No cap on connections:
     every request in flight holds one to P and one to D for as long as it runs. Its read
     deadline (600 s) is a last resort: a call ends sooner when its instance is marked
-    unhealthy (`calls.py`)."""
+    unhealthy (`calls.py`). It sends through aiohttp (`_instance_session`): httpcore's
+    pool walks all its connections on every request and release (quadratically in its
+    keep-alive check), which at 64 streams took a third of the router's CPU."""
     probe_client: httpx.AsyncClient
     """The health probes' own pool, so that a busy router never takes its own wait for a
     connection for an instance's failure."""
@@ -93,9 +97,9 @@ class RouterState:
         api_key = resolve_api_key(config.api_key, env.api_key)
         secret = load_cluster_secret(config.cluster_secret_file, env.cluster_secret)
         client = httpx.AsyncClient(
-            timeout=httpx.Timeout(600.0, connect=5.0), transport=transport,
+            timeout=httpx.Timeout(600.0, connect=5.0),
+            transport=transport or InstanceTransport(client=_instance_session),
             headers={**secret_headers(secret), **api_key_headers(api_key)},
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
         )  # fmt: skip
         probe_client = httpx.AsyncClient(
             timeout=httpx.Timeout(config.health_timeout_s), transport=transport
@@ -106,6 +110,37 @@ class RouterState:
             probe_client, prompts, api_key, drain=DrainState(timeout_s=config.drain_timeout_s),
             discovery=Discovery.try_from_config(config, policy, probe_client, resolve),
         )  # fmt: skip
+
+
+class InstanceTransport(AiohttpTransport):
+    """httpx over aiohttp, its errors told apart as the router needs.
+
+    httpx-aiohttp raises `httpx.ConnectTimeout` for every aiohttp connection error; the
+    router takes a connect error or timeout for an instance that never saw the request
+    (`flows.DecodeUnreachable`: the request is routed again). So only a refused or failed
+    connect (`httpx.ConnectError`) and a connect timeout keep that meaning; a connection
+    that the instance closed after the request was sent is `httpx.RemoteProtocolError`, as
+    httpcore raises it.
+    """
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        try:
+            return await super().handle_async_request(request)
+        except httpx.ConnectTimeout as exc:
+            cause = exc.__cause__
+            if isinstance(cause, aiohttp.ConnectionTimeoutError):
+                raise
+            if isinstance(cause, aiohttp.ClientConnectorError):
+                raise httpx.ConnectError(str(exc), request=request) from cause
+            raise httpx.RemoteProtocolError(str(exc), request=request) from cause
+
+
+def _instance_session() -> aiohttp.ClientSession:
+    """The aiohttp session under `RouterState.client` (made in the event loop, at its first
+    call): no cap on connections (aiohttp's default is 100), idle ones kept 5 s as httpx
+    keeps them; httpx's client gives the timeouts, headers and errors."""
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=5.0)
+    return aiohttp.ClientSession(connector=connector)
 
 
 def json_request(

@@ -1,0 +1,115 @@
+"""The router's client to the instances (httpx over aiohttp): its errors keep the meanings
+the flows act on, and a response closed while it is read ends the read."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from kvduplex.server.cluster import free_port
+from kvduplex.server.router.state import InstanceTransport
+from kvduplex.server.router.state import _instance_session
+
+_STREAM_HEAD = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+)
+_ONE_EVENT = b"b\r\ndata: one\n\n\r\n"  # one HTTP chunk: 11 bytes
+
+
+def _client() -> httpx.AsyncClient:
+    transport = InstanceTransport(client=_instance_session)
+    return httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0), transport=transport)
+
+
+def test_a_refused_connection_is_a_connect_error() -> None:
+    """A D that never saw the request: `flows.DecodeUnreachable` routes it again."""
+
+    async def run() -> None:
+        async with _client() as client:
+            with pytest.raises(httpx.ConnectError):
+                await client.get(f"http://127.0.0.1:{free_port()}/v1/completions")
+
+    asyncio.run(run())
+
+
+def test_a_connection_closed_after_the_request_is_not_a_connect_error() -> None:
+    """The instance read the request, then closed its connection: not "unreachable"."""
+    seen: list[bytes] = []
+
+    async def close_after_request(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        seen.append(await reader.readuntil(b"\r\n\r\n"))
+        writer.close()
+
+    async def run() -> None:
+        server = await asyncio.start_server(close_after_request, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server, _client() as client:
+            with pytest.raises(httpx.RemoteProtocolError):
+                await client.get(f"http://127.0.0.1:{port}/v1/completions")
+
+    asyncio.run(run())
+    assert seen and seen[0].startswith(b"GET /v1/completions")
+
+
+def test_a_stream_cut_mid_answer_ends_its_read_with_a_read_error() -> None:
+    async def cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(_STREAM_HEAD + _ONE_EVENT)
+        await writer.drain()
+        writer.close()
+
+    async def run() -> list[bytes]:
+        server = await asyncio.start_server(cut, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        parts: list[bytes] = []
+        async with server, _client() as client:
+            request = client.build_request("GET", f"http://127.0.0.1:{port}/")
+            resp = await client.send(request, stream=True)
+            with pytest.raises(httpx.ReadError):
+                async for part in resp.aiter_bytes():
+                    parts.append(part)
+        return parts
+
+    assert b"".join(asyncio.run(run())) == b"data: one\n\n"
+
+
+def test_closing_a_response_ends_a_read_in_flight_and_the_connection() -> None:
+    """What `relay.relay` does when D is marked unhealthy mid-answer: D sees its
+    connection closed."""
+    closed = asyncio.Event()
+
+    async def hang(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(_STREAM_HEAD + _ONE_EVENT)
+        await writer.drain()
+        await reader.read()  # b"" once the router closes the connection
+        closed.set()
+        writer.close()
+
+    async def run() -> None:
+        server = await asyncio.start_server(hang, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server, _client() as client:
+            request = client.build_request("GET", f"http://127.0.0.1:{port}/")
+            resp = await client.send(request, stream=True)
+            parts: list[bytes] = []
+            got_one = asyncio.Event()
+
+            async def read() -> None:
+                async for part in resp.aiter_bytes():
+                    parts.append(part)
+                    got_one.set()  # this task goes on to wait for D's next bytes
+
+            reading = asyncio.ensure_future(read())
+            await got_one.wait()
+            await resp.aclose()
+            with pytest.raises(httpx.TransportError):
+                await asyncio.wait_for(reading, 10)
+            await asyncio.wait_for(closed.wait(), 10)
+            assert parts == [b"data: one\n\n"]
+
+    asyncio.run(run())
