@@ -249,6 +249,24 @@ def splice_chat_ids(
     ``placements[i]`` in message i's place where the text allows (see the module
     docstring); None when none could be placed (render as usual). ValueError if the
     template refuses the messages. `heads` remembers where heads end, across calls."""
+    calls = _placed_calls(tokenizer, messages, tools, placements)
+    placed: set[int] = set()
+    ids = _splice_rendered(tokenizer, messages, tools, placements, heads, placed)
+    if calls and not set(calls) <= placed:  # the template re-rendered a call its own way
+        return _splice_with_calls(tokenizer, messages, tools, placements, calls) or ids
+    return ids
+
+
+def _splice_rendered(
+    tokenizer: Tokenizer,
+    messages: Messages,
+    tools: Tools,
+    placements: Sequence[Placement | None],
+    heads: HeadCache | None,
+    placed: set[int],
+) -> list[int] | None:
+    """`splice_chat_ids` where each message's ids are found in the template's own text;
+    adds to `placed` the messages whose ids were placed."""
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
     keys = _head_keys(messages, tools) if heads is not None else []
     spans: list[tuple[int, int, tuple[int, ...], list[bool]]] = []
@@ -267,7 +285,16 @@ def splice_chat_ids(
             continue
         end, visible = matched
         spans.append((start, end, placement.token_ids, visible))
+        placed.add(i)
         pos = end
+    return _join(tokenizer, text, spans)
+
+
+def _join(
+    tokenizer: Tokenizer, text: str, spans: Sequence[tuple[int, int, tuple[int, ...], list[bool]]]
+) -> list[int] | None:
+    """`text` encoded, with each span's ids in its place; None if there is no span or the
+    result does not show exactly `text`."""
     if not spans:
         return None
     ids: list[int] = []
@@ -286,6 +313,130 @@ def splice_chat_ids(
     if tokenizer.decode(shown, skip_special_tokens=False) != text:
         return None
     return ids
+
+
+def _calls_sentinel(i: int) -> str:
+    return f"{_SENTINEL}{i}\u2063"
+
+
+def _placed_calls(
+    tokenizer: Tokenizer, messages: Messages, tools: Tools, placements: Sequence[Placement | None]
+) -> dict[int, tuple[str, str]]:
+    """The tool-call messages whose generated ids are placed after their head: index ->
+    (the text of the ids, the text of their last id where it is a special token, else "")."""
+    calls: dict[int, tuple[str, str]] = {}
+    for i, placement in enumerate(placements):
+        if placement is None or not placement.at_head or not messages[i].get("tool_calls"):
+            continue
+        ids = list(placement.token_ids)
+        last = tokenizer.decode(ids[-1:], skip_special_tokens=False)
+        hidden = bool(last) and not tokenizer.decode(ids[-1:], skip_special_tokens=True)
+        calls[i] = (tokenizer.decode(ids, skip_special_tokens=False), last if hidden else "")
+    return calls
+
+
+def _render_with_calls(
+    tokenizer: Tokenizer,
+    messages: Messages,
+    tools: Tools,
+    calls: Mapping[int, tuple[str, str]],
+    add_generation_prompt: bool,
+) -> tuple[str, dict[int, int]]:
+    """The template's text of `messages` with each message of `calls` rendered as a content
+    message (no tool calls) whose content is the text of its generated ids, and where each
+    such text begins. The template's end of turn after it is dropped where the ids end with
+    that very special token (as a content answer's ids do). ValueError if a message's
+    place cannot be found."""
+    marked = [
+        {"role": m.get("role", "assistant"), "content": _calls_sentinel(i)} if i in calls else m
+        for i, m in enumerate(messages)
+    ]
+    text = tokenizer.apply_chat_template(
+        marked, add_generation_prompt=add_generation_prompt, tools=tools
+    )
+    starts: dict[int, int] = {}
+    for i in sorted(calls):
+        sentinel = _calls_sentinel(i)
+        at = text.find(sentinel)
+        if at < 0 or text.find(sentinel, at + 1) >= 0:
+            raise ValueError("the template does not show a message's content once")
+        generated, last = calls[i]
+        after = text[at + len(sentinel) :]
+        if last and after.startswith(last):
+            after = after[len(last) :]
+        text = text[:at] + generated + after
+        starts[i] = at
+    return text, starts
+
+
+def _splice_with_calls(
+    tokenizer: Tokenizer,
+    messages: Messages,
+    tools: Tools,
+    placements: Sequence[Placement | None],
+    calls: dict[int, tuple[str, str]],
+) -> list[int] | None:
+    """`splice_chat_ids` where some placed messages are tool calls. The template renders a
+    past call its own way, never as the text the model wrote, so such a message's span is
+    found structurally: the conversation is rendered with the message as a content message,
+    and its generated ids go there if what precedes them is exactly the head they were
+    generated after (itself rendered so: earlier calls as their ids). A message whose head
+    differs (a template that gives a call turn another header) is rendered normally, and so
+    is everything after it."""
+    calls = dict(calls)
+    while calls:
+        try:
+            text, starts = _render_with_calls(tokenizer, messages, tools, calls, True)
+        except ValueError:
+            return None
+        heads = {}
+        for i in sorted(calls):
+            try:
+                head, _ = _render_with_calls(
+                    tokenizer, messages[:i], tools, {j: c for j, c in calls.items() if j < i}, True
+                )
+            except ValueError:
+                head = ""
+            heads[i] = head
+        bad = [i for i in sorted(calls) if not _follows(text, starts[i], heads[i])]
+        if not bad:
+            break
+        for i in sorted(calls):
+            if i >= bad[0]:
+                del calls[i]
+    if not calls:
+        return None
+    spans: list[tuple[int, int, tuple[int, ...], list[bool]]] = []
+    pos = 0
+    for i, placement in enumerate(placements):
+        if placement is None:
+            continue
+        if i in calls:
+            start = starts[i]
+            end = start + len(calls[i][0])
+            spans.append((start, end, placement.token_ids, [True] * len(placement.token_ids)))
+            pos = end
+            continue
+        if not placement.at_head:
+            continue
+        try:
+            head, _ = _render_with_calls(
+                tokenizer, messages[:i], tools, {j: c for j, c in calls.items() if j < i}, True
+            )
+        except ValueError:
+            continue
+        if len(head) < pos or not text.startswith(head):
+            continue
+        matched = _match(tokenizer, placement.token_ids, text, len(head))
+        if matched is None:
+            continue
+        spans.append((len(head), matched[0], placement.token_ids, matched[1]))
+        pos = matched[0]
+    return _join(tokenizer, text, spans)
+
+
+def _follows(text: str, start: int, head: str) -> bool:
+    return bool(head) and start == len(head) and text.startswith(head)
 
 
 def _cached_head_end(
