@@ -383,56 +383,61 @@ def _splice_with_calls(
     generated after (itself rendered so: earlier calls as their ids). A message whose head
     differs (a template that gives a call turn another header) is rendered normally, and so
     is everything after it."""
+    found = _calls_in_place(tokenizer, messages, tools, calls)
+    if found is None:
+        return None
+    text, starts, calls = found
+    spans: list[tuple[int, int, tuple[int, ...], list[bool]]] = []
+    pos = 0
+    for i, placement in enumerate(placements):
+        if placement is None or (i not in calls and not placement.at_head):
+            continue
+        if i in calls:
+            end = starts[i] + len(calls[i][0])
+            spans.append((starts[i], end, placement.token_ids, [True] * len(placement.token_ids)))
+            pos = end
+            continue
+        head = _head_with_calls(tokenizer, messages, tools, calls, i)
+        if len(head) < pos or not text.startswith(head):
+            continue
+        matched = _match(tokenizer, placement.token_ids, text, len(head))
+        if matched is not None:
+            spans.append((len(head), matched[0], placement.token_ids, matched[1]))
+            pos = matched[0]
+    return _join(tokenizer, text, spans)
+
+
+def _calls_in_place(
+    tokenizer: Tokenizer, messages: Messages, tools: Tools, calls: dict[int, tuple[str, str]]
+) -> tuple[str, dict[int, int], dict[int, tuple[str, str]]] | None:
+    """The text with `calls` as their ids, where each begins, and the calls kept: those
+    (from the first on) whose ids follow exactly their head; None if none."""
     calls = dict(calls)
     while calls:
         try:
             text, starts = _render_with_calls(tokenizer, messages, tools, calls, True)
         except ValueError:
             return None
-        heads = {}
-        for i in sorted(calls):
-            try:
-                head, _ = _render_with_calls(
-                    tokenizer, messages[:i], tools, {j: c for j, c in calls.items() if j < i}, True
-                )
-            except ValueError:
-                head = ""
-            heads[i] = head
-        bad = [i for i in sorted(calls) if not _follows(text, starts[i], heads[i])]
+        bad = [
+            i for i in sorted(calls)
+            if not _follows(text, starts[i], _head_with_calls(tokenizer, messages, tools, calls, i))
+        ]  # fmt: skip
         if not bad:
-            break
-        for i in sorted(calls):
-            if i >= bad[0]:
-                del calls[i]
-    if not calls:
-        return None
-    spans: list[tuple[int, int, tuple[int, ...], list[bool]]] = []
-    pos = 0
-    for i, placement in enumerate(placements):
-        if placement is None:
-            continue
-        if i in calls:
-            start = starts[i]
-            end = start + len(calls[i][0])
-            spans.append((start, end, placement.token_ids, [True] * len(placement.token_ids)))
-            pos = end
-            continue
-        if not placement.at_head:
-            continue
-        try:
-            head, _ = _render_with_calls(
-                tokenizer, messages[:i], tools, {j: c for j, c in calls.items() if j < i}, True
-            )
-        except ValueError:
-            continue
-        if len(head) < pos or not text.startswith(head):
-            continue
-        matched = _match(tokenizer, placement.token_ids, text, len(head))
-        if matched is None:
-            continue
-        spans.append((len(head), matched[0], placement.token_ids, matched[1]))
-        pos = matched[0]
-    return _join(tokenizer, text, spans)
+            return text, starts, calls
+        calls = {i: c for i, c in calls.items() if i < bad[0]}
+    return None
+
+
+def _head_with_calls(
+    tokenizer: Tokenizer, messages: Messages, tools: Tools,
+    calls: Mapping[int, tuple[str, str]], i: int,
+) -> str:  # fmt: skip
+    """The head of message `i`, earlier `calls` as their ids ("" if it cannot be found)."""
+    earlier = {j: c for j, c in calls.items() if j < i}
+    try:
+        return _render_with_calls(tokenizer, messages[:i], tools, earlier, True)[0]
+    except ValueError:
+        return ""
 
 
 def _follows(text: str, start: int, head: str) -> bool:
