@@ -30,6 +30,16 @@ model generated but the returned text never showed, e.g. an end-of-turn inside
 the answer, are the one thing allowed to be extra; they are the model's own),
 otherwise the whole prompt is rendered normally.
 
+Tool calls. A template renders a past call its own way (e.g.
+``<tool_calls>[{"id": ..., "name": ..., "arguments": ...}]</tool_calls>``), never
+as the text the model wrote, so a call's ids are never found in the template's
+text. A tool-call message whose record matches (same content, call ids, names,
+arguments: an edited call has no record) is then placed structurally: the
+conversation is rendered with that message as a content message holding the
+ids' text, and the ids go there if what precedes them is exactly their head
+(`_splice_with_calls`). That prompt is the previous prompt, the generated ids,
+then the template's end of turn and what follows; the check is against that text.
+
 The same function runs on the router and on every instance that answers chat
 requests, each with its own book, so given the same messages and the same
 records they build the same ids. The router also hands decode the ids it built
