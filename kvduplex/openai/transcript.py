@@ -30,6 +30,16 @@ model generated but the returned text never showed, e.g. an end-of-turn inside
 the answer, are the one thing allowed to be extra; they are the model's own),
 otherwise the whole prompt is rendered normally.
 
+Tool calls. A template renders a past call its own way (e.g.
+``<tool_calls>[{"id": ..., "name": ..., "arguments": ...}]</tool_calls>``), never
+as the text the model wrote, so a call's ids are never found in the template's
+text. A tool-call message whose record matches (same content, call ids, names,
+arguments: an edited call has no record) is then placed structurally: the
+conversation is rendered with that message as a content message holding the
+ids' text, and the ids go there if what precedes them is exactly their head
+(`_splice_with_calls`). That prompt is the previous prompt, the generated ids,
+then the template's end of turn and what follows; the check is against that text.
+
 The same function runs on the router and on every instance that answers chat
 requests, each with its own book, so given the same messages and the same
 records they build the same ids. The router also hands decode the ids it built
@@ -249,6 +259,24 @@ def splice_chat_ids(
     ``placements[i]`` in message i's place where the text allows (see the module
     docstring); None when none could be placed (render as usual). ValueError if the
     template refuses the messages. `heads` remembers where heads end, across calls."""
+    calls = _placed_calls(tokenizer, messages, tools, placements)
+    placed: set[int] = set()
+    ids = _splice_rendered(tokenizer, messages, tools, placements, heads, placed)
+    if calls and not set(calls) <= placed:  # the template re-rendered a call its own way
+        return _splice_with_calls(tokenizer, messages, tools, placements, calls) or ids
+    return ids
+
+
+def _splice_rendered(
+    tokenizer: Tokenizer,
+    messages: Messages,
+    tools: Tools,
+    placements: Sequence[Placement | None],
+    heads: HeadCache | None,
+    placed: set[int],
+) -> list[int] | None:
+    """`splice_chat_ids` where each message's ids are found in the template's own text;
+    adds to `placed` the messages whose ids were placed."""
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
     keys = _head_keys(messages, tools) if heads is not None else []
     spans: list[tuple[int, int, tuple[int, ...], list[bool]]] = []
@@ -267,7 +295,16 @@ def splice_chat_ids(
             continue
         end, visible = matched
         spans.append((start, end, placement.token_ids, visible))
+        placed.add(i)
         pos = end
+    return _join(tokenizer, text, spans)
+
+
+def _join(
+    tokenizer: Tokenizer, text: str, spans: Sequence[tuple[int, int, tuple[int, ...], list[bool]]]
+) -> list[int] | None:
+    """`text` encoded, with each span's ids in its place; None if there is no span or the
+    result does not show exactly `text`."""
     if not spans:
         return None
     ids: list[int] = []
@@ -286,6 +323,135 @@ def splice_chat_ids(
     if tokenizer.decode(shown, skip_special_tokens=False) != text:
         return None
     return ids
+
+
+def _calls_sentinel(i: int) -> str:
+    return f"{_SENTINEL}{i}\u2063"
+
+
+def _placed_calls(
+    tokenizer: Tokenizer, messages: Messages, tools: Tools, placements: Sequence[Placement | None]
+) -> dict[int, tuple[str, str]]:
+    """The tool-call messages whose generated ids are placed after their head: index ->
+    (the text of the ids, the text of their last id where it is a special token, else "")."""
+    calls: dict[int, tuple[str, str]] = {}
+    for i, placement in enumerate(placements):
+        if placement is None or not placement.at_head or not messages[i].get("tool_calls"):
+            continue
+        ids = list(placement.token_ids)
+        last = tokenizer.decode(ids[-1:], skip_special_tokens=False)
+        hidden = bool(last) and not tokenizer.decode(ids[-1:], skip_special_tokens=True)
+        calls[i] = (tokenizer.decode(ids, skip_special_tokens=False), last if hidden else "")
+    return calls
+
+
+def _render_with_calls(
+    tokenizer: Tokenizer,
+    messages: Messages,
+    tools: Tools,
+    calls: Mapping[int, tuple[str, str]],
+    add_generation_prompt: bool,
+) -> tuple[str, dict[int, int]]:
+    """The template's text of `messages` with each message of `calls` rendered as a content
+    message (no tool calls) whose content is the text of its generated ids, and where each
+    such text begins. The template's end of turn after it is dropped where the ids end with
+    that very special token (as a content answer's ids do). ValueError if a message's
+    place cannot be found."""
+    marked = [
+        {"role": m.get("role", "assistant"), "content": _calls_sentinel(i)} if i in calls else m
+        for i, m in enumerate(messages)
+    ]
+    text = tokenizer.apply_chat_template(
+        marked, add_generation_prompt=add_generation_prompt, tools=tools
+    )
+    starts: dict[int, int] = {}
+    for i in sorted(calls):
+        sentinel = _calls_sentinel(i)
+        at = text.find(sentinel)
+        if at < 0 or text.find(sentinel, at + 1) >= 0:
+            raise ValueError("the template does not show a message's content once")
+        generated, last = calls[i]
+        after = text[at + len(sentinel) :]
+        if last and after.startswith(last):
+            after = after[len(last) :]
+        text = text[:at] + generated + after
+        starts[i] = at
+    return text, starts
+
+
+def _splice_with_calls(
+    tokenizer: Tokenizer,
+    messages: Messages,
+    tools: Tools,
+    placements: Sequence[Placement | None],
+    calls: dict[int, tuple[str, str]],
+) -> list[int] | None:
+    """`splice_chat_ids` where some placed messages are tool calls. The template renders a
+    past call its own way, never as the text the model wrote, so such a message's span is
+    found structurally: the conversation is rendered with the message as a content message,
+    and its generated ids go there if what precedes them is exactly the head they were
+    generated after (itself rendered so: earlier calls as their ids). A message whose head
+    differs (a template that gives a call turn another header) is rendered normally, and so
+    is everything after it."""
+    found = _calls_in_place(tokenizer, messages, tools, calls)
+    if found is None:
+        return None
+    text, starts, calls = found
+    spans: list[tuple[int, int, tuple[int, ...], list[bool]]] = []
+    pos = 0
+    for i, placement in enumerate(placements):
+        if placement is None or (i not in calls and not placement.at_head):
+            continue
+        if i in calls:
+            end = starts[i] + len(calls[i][0])
+            spans.append((starts[i], end, placement.token_ids, [True] * len(placement.token_ids)))
+            pos = end
+            continue
+        head = _head_with_calls(tokenizer, messages, tools, calls, i)
+        if len(head) < pos or not text.startswith(head):
+            continue
+        matched = _match(tokenizer, placement.token_ids, text, len(head))
+        if matched is not None:
+            spans.append((len(head), matched[0], placement.token_ids, matched[1]))
+            pos = matched[0]
+    return _join(tokenizer, text, spans)
+
+
+def _calls_in_place(
+    tokenizer: Tokenizer, messages: Messages, tools: Tools, calls: dict[int, tuple[str, str]]
+) -> tuple[str, dict[int, int], dict[int, tuple[str, str]]] | None:
+    """The text with `calls` as their ids, where each begins, and the calls kept: those
+    (from the first on) whose ids follow exactly their head; None if none."""
+    calls = dict(calls)
+    while calls:
+        try:
+            text, starts = _render_with_calls(tokenizer, messages, tools, calls, True)
+        except ValueError:
+            return None
+        bad = [
+            i for i in sorted(calls)
+            if not _follows(text, starts[i], _head_with_calls(tokenizer, messages, tools, calls, i))
+        ]  # fmt: skip
+        if not bad:
+            return text, starts, calls
+        calls = {i: c for i, c in calls.items() if i < bad[0]}
+    return None
+
+
+def _head_with_calls(
+    tokenizer: Tokenizer, messages: Messages, tools: Tools,
+    calls: Mapping[int, tuple[str, str]], i: int,
+) -> str:  # fmt: skip
+    """The head of message `i`, earlier `calls` as their ids ("" if it cannot be found)."""
+    earlier = {j: c for j, c in calls.items() if j < i}
+    try:
+        return _render_with_calls(tokenizer, messages[:i], tools, earlier, True)[0]
+    except ValueError:
+        return ""
+
+
+def _follows(text: str, start: int, head: str) -> bool:
+    return bool(head) and start == len(head) and text.startswith(head)
 
 
 def _cached_head_end(

@@ -109,8 +109,13 @@ def test_a_tool_loop_through_push_and_duplex_matches_colocated(rig: Rig) -> None
         {"role": "system", "content": "You are a coding agent. Use the shell tool."},
         {"role": "user", "content": "Find why the build fails and fix it."},
     ]
+    forced_hits: list[tuple[int, int]] = []  # (hit, returnable) of each forced call's answer
     for turn in range(NUM_TURNS):
+        before = _session_hits(rig, "agent-loop")
         choice, ids = _ask(agent, messages, turn)
+        if turn % 2 == 1:  # this prompt sent the forced call back as returned
+            after = _session_hits(rig, "agent-loop")
+            forced_hits.append((after[0] - before[0], after[1] - before[1]))
         ref_choice, ref_ids = _ask(colocated, messages, turn)
         assert ids == ref_ids, f"turn {turn}: the router's answer is not colocated's"
         message = choice.message
@@ -133,12 +138,31 @@ def test_a_tool_loop_through_push_and_duplex_matches_colocated(rig: Rig) -> None
             # The client strips the reasoning before sending the answer back.
             messages.append({"role": "assistant", "content": message.content or ""})
             messages.append({"role": "user", "content": f"Now try step {turn + 1}."})
+    # The forced calls' returned blocks were read: the next prompt spliced the generated ids
+    # (the template renders a call otherwise), so the session kept returning.
+    hit = sum(h for h, _ in forced_hits)
+    returnable = sum(r for _, r in forced_hits)
+    assert returnable > 0 and hit / returnable >= 0.95, forced_hits
+    view = _session_view(rig, "agent-loop")
+    assert view["is_returning"], view
     push = httpx.get(rig.decode + "/internal/kv/push/stats", timeout=10).json()
     assert push["num_received"] == NUM_TURNS and push["num_fallbacks"] == 0, push
     returns = httpx.get(rig.decode + "/internal/kv/return/stats", timeout=10).json()
     assert returns["num_offered"] >= 1 and returns["num_failed"] == 0, returns
     for url in (rig.prefill, rig.decode, rig.reference):
         assert_pool_clean(url)
+
+
+def _session_view(rig: Rig, session_id: str) -> dict[str, Any]:
+    sessions = httpx.get(rig.router + "/sessions", timeout=10).json()["sessions"]
+    view = [v for v in sessions if v["session_id"] == session_id]
+    return dict(view[0]) if view else {}
+
+
+def _session_hits(rig: Rig, session_id: str) -> tuple[int, int]:
+    """The router's count of the session's returned answer tokens hit, and returnable."""
+    view = _session_view(rig, session_id)
+    return view.get("answer_tokens_hit", 0), view.get("answer_tokens_returnable", 0)
 
 
 def _returned(rig: Rig) -> tuple[int, float]:

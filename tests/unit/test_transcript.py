@@ -253,3 +253,76 @@ def test_a_tool_call_answer_sent_back_as_parsed_keeps_its_ids(tmp_path: Path) ->
     assert tok.decode(ids, skip_special_tokens=False) == tok.apply_chat_template(
         template_messages(_chat(msgs).messages)
     )
+
+
+def _calls_template(head: str, end: str) -> str:
+    """A template that renders a past call its own way (never the text the model wrote)."""
+    return (
+        "{{ bos_token }}{% for m in messages %}" + head.replace("ROLE", "{{ m['role'] }}")
+        + "{% if m.get('tool_calls') %}<tool_calls>{{ m['tool_calls'] | tojson }}</tool_calls>"
+        "{% else %}{{ m['content'] }}{% endif %}" + end + "{% endfor %}"
+        "{% if add_generation_prompt %}" + head.replace("ROLE", "assistant") + "{% endif %}"
+    )
+
+
+CALLS_CHATML = _calls_template("<|im_start|>ROLE\n", "<|im_end|>\n")
+CALLS_LLAMA3 = _calls_template("<|start_header_id|>ROLE<|end_header_id|>\n\n", "<|eot_id|>")
+
+
+@pytest.mark.parametrize(
+    ("template", "eos"),
+    [(CALLS_CHATML, "<|im_end|>"), (CALLS_LLAMA3, "<|eot_id|>")],
+    ids=["chatml", "llama3"],
+)
+def test_a_forced_call_sent_back_unchanged_keeps_its_generated_ids(
+    tmp_path: Path, template: str, eos: str
+) -> None:
+    """The grammar made the model write ``[{"name": ..., "parameters": ...}]``; the template
+    renders the call otherwise. Sent back as returned (parallel calls, the router's ids),
+    the next prompt is the previous prompt + the generated ids + the template's end of turn
+    and what follows; an edited call is rendered as usual."""
+    tok = _bpe(tmp_path, template, eos)
+    eos_id = tok.encode(eos, add_special_tokens=False)[0]
+    written = '[{"name": "ls", "parameters": {"path": "/tmp"}}, {"name": "ls", "parameters": {}}]'
+    generated = [*_single_pieces(tok, written), eos_id]
+    calls = [
+        {"id": "chatcmpl-tool-1", "type": "function",
+         "function": {"name": "ls", "arguments": '{"path": "/tmp"}'}},
+        {"id": "chatcmpl-tool-2", "type": "function", "function": {"name": "ls", "arguments": "{}"}},
+    ]  # fmt: skip
+    book = AnswerBook()
+    returned = {"role": "assistant", "content": "", "tool_calls": calls}
+    book.add(AnswerRecord(tuple(generated), returned), now=0.0)
+    first = [{"role": "user", "content": "list"}]
+    prompt1 = prompt_token_ids(_chat(first), tok)
+    tools = [{"role": "tool", "tool_call_id": c["id"], "content": "a b"} for c in calls]
+    second = [*first, {"role": "assistant", "content": None, "tool_calls": calls}, *tools]
+    ids = prompt_token_ids(_chat(second), tok, book)
+    assert ids[: len(prompt1) + len(generated)] == prompt1 + generated
+    rest = tok.apply_chat_template(template_messages(_chat(second).messages))
+    rest = rest[rest.index("</tool_calls>") + len("</tool_calls>") + len(eos) :]
+    assert tok.decode(ids[len(prompt1) + len(generated) :], skip_special_tokens=False) == rest
+
+    # The next turn continues this prompt exactly (the earlier call spliced too).
+    book.add(AnswerRecord(tuple(generated), {**returned, "tool_calls": calls[:1]}), now=1.0)
+    third = [*second, {"role": "assistant", "content": None, "tool_calls": calls[:1]},
+             tools[0]]  # fmt: skip
+    ids3 = prompt_token_ids(_chat(third), tok, book)
+    assert ids3[: len(ids) + len(generated)] == ids + generated
+
+    plain = prompt_token_ids(_chat(second), tok)
+    text = tok.apply_chat_template(template_messages(_chat(second).messages))
+    assert tok.decode(plain, skip_special_tokens=False) == text
+    edits = [
+        {**calls[0], "function": {"name": "ls", "arguments": '{"path": "/"}'}},  # arguments
+        {**calls[0], "id": "call_x"},  # id
+    ]
+    for edited in edits:
+        changed = [*first, {"role": "assistant", "content": None, "tool_calls": [edited, calls[1]]},
+                   *tools]  # fmt: skip
+        got = prompt_token_ids(_chat(changed), tok, book)
+        assert got == prompt_token_ids(_chat(changed), tok)
+    with_content = [*first, {"role": "assistant", "content": "ok", "tool_calls": calls}, *tools]
+    assert prompt_token_ids(_chat(with_content), tok, book) == prompt_token_ids(
+        _chat(with_content), tok
+    )
