@@ -54,7 +54,7 @@ class DecodeAttention(enum.StrEnum):
     """One compiled FlexAttention call reading the pool in place (compiles at start-up)."""
     KERNEL = enum.auto()
     """CPU, float32: a C kernel, built at first use, reads every decode's blocks in place
-    through its block table, one thread (`model/cpu_decode.py`)."""
+    through its block table, split over torch's threads (`model/cpu_decode.py`)."""
 
     @classmethod
     def parse(cls, value: str) -> DecodeAttention:

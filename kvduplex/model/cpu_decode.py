@@ -16,7 +16,8 @@ The kernel is C, compiled at first use with the system C compiler (``cc`` or ``$
 this CPU (``-O3 -march=native``), once per head size and query heads per KV head, into
 ``$KVDUPLEX_CACHE_DIR`` (default ``~/.cache/kvduplex``), keyed by a hash of the source,
 the flags and the CPU; loaded with `ctypes`, which releases the GIL during the call. No
-compiler, or a failed build: `load_kernel` returns None and the runner keeps ``paged``.
+compiler, or a failed build: `load_kernel` returns None (logged with the compiler's
+error) and the runner keeps ``paged`` (``copy`` for sliding-window models).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import itertools
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -40,8 +42,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode_cpu.c"
-FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd", "-ffp-contract=fast",
-         "-shared", "-fPIC")  # fmt: skip
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast", "-shared", "-fPIC")
+X86_FLAGS = ("-mprefer-vector-width=512",)
+"""x86 compilers only: use 512-bit vectors where the CPU has them (GCC prefers 256)."""
 LANES = 16
 """The kernel's vector width in floats: head sizes must be a multiple of it."""
 MAX_HEADS = 1024
@@ -105,8 +108,14 @@ class PagedDecodeKernel:
             raise ValueError("the CPU decode kernel needs a contiguous float32 pool and queries")
         n = batch.lens.shape[0]
         heads = q.shape[1]
-        if heads > MAX_HEADS:
-            raise ValueError(f"the CPU decode kernel takes at most {MAX_HEADS} heads, not {heads}")
+        if dim != self.head_dim or heads != kv_heads * self.group or heads > MAX_HEADS:
+            raise ValueError(
+                f"this CPU decode kernel is built for head size {self.head_dim} and {self.group} query "
+                f"heads per KV head (at most {MAX_HEADS} heads), not {dim} and {heads} / {kv_heads}"
+            )
+        for t in (batch.tables, batch.lens, batch.token_index):
+            if t.dtype != torch.int64 or not t.is_contiguous():
+                raise ValueError("the CPU decode kernel needs contiguous int64 tables, lens and token indices")
         qd = (q if batch.all_tokens else q.index_select(0, batch.token_index)).contiguous()
         starts = (batch.lens - window).clamp_(min=0) if window is not None else torch.zeros_like(batch.lens)
         widths = (batch.lens - starts).tolist()
@@ -139,13 +148,13 @@ class PagedDecodeKernel:
             out.index_copy_(0, batch.token_index, res)
 
     def _threads(self, workers: int) -> ThreadPoolExecutor:
-        """Threads for all but the calling thread's share (grown, never shrunk)."""
-        if self._pool is None or self._workers < workers:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-            self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvduplex-decode")
-            self._workers = workers
-        return self._pool
+        """Threads for all but the calling thread's share. Grown by replacing the pool, never
+        shut down here: another engine in the process may still be submitting to the old one."""
+        pool = self._pool
+        if pool is None or self._workers < workers:
+            pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvduplex-decode")
+            self._pool, self._workers = pool, workers
+        return pool
 
 
 def work_items(widths: list[int], kv_heads: int, threads: int) -> list[tuple[int, int, int, int]]:
@@ -163,7 +172,7 @@ def work_items(widths: list[int], kv_heads: int, threads: int) -> list[tuple[int
                 bounds.append(i + 1)
         bounds.append(n)
         return [(a, b, 0, kv_heads) for a, b in itertools.pairwise(bounds) if b > a]
-    parts = min(kv_heads, -(-threads // n))
+    parts = min(kv_heads, max(1, threads // n))  # at most `threads` items
     return [
         (s, s + 1, kv_heads * j // parts, kv_heads * (j + 1) // parts)
         for s in range(n)
@@ -178,42 +187,35 @@ def load_kernel(head_dim: int, group: int) -> PagedDecodeKernel | None:
     when it cannot be built here."""
     try:
         return PagedDecodeKernel(_build(head_dim, group), head_dim, group)
-    except (OSError, subprocess.SubprocessError) as exc:
+    except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as exc:
         logger.warning("CPU decode kernel unavailable (%s); decode attention stays on SDPA", exc)
         return None
 
 
 def _build(head_dim: int, group: int) -> Path:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    cc = os.environ.get("CC")
+    compiler = shlex.split(cc) if cc else [c for c in (shutil.which("cc") or shutil.which("gcc"),) if c]
+    if not compiler:
         raise OSError("no C compiler (cc, gcc or $CC)")
     source = SOURCE.read_bytes()
-    flags = (*FLAGS, f"-DKVD_HEAD_DIM={head_dim}", f"-DKVD_GROUP={group}")
-    key = hashlib.sha256(
-        b"\0".join([source, compiler.encode(), *(f.encode() for f in flags), _cpu_id()])
-    )
-    cache = (
-        Path(os.environ.get("KVDUPLEX_CACHE_DIR") or Path.home() / ".cache" / "kvduplex")
-        / "kernels"
-    )
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    flags = (*FLAGS, *(X86_FLAGS if x86 else ()), f"-DKVD_HEAD_DIM={head_dim}", f"-DKVD_GROUP={group}")
+    parts = [source, *(c.encode() for c in compiler), *(f.encode() for f in flags), _cpu_id()]
+    key = hashlib.sha256(b"\0".join(parts))
+    cache = Path(os.environ.get("KVDUPLEX_CACHE_DIR") or Path.home() / ".cache" / "kvduplex") / "kernels"
     target = cache / f"paged_decode_cpu-{head_dim}-{group}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
-    cache.mkdir(parents=True, exist_ok=True)
+    cache.mkdir(mode=0o700, parents=True, exist_ok=True)  # a library loaded from here must be ours
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         built = Path(tmp) / target.name
         result = subprocess.run(
-            [compiler, *flags, "-o", str(built), str(SOURCE)],
-            capture_output=True,
-            text=True,
-            timeout=120,
+            [*compiler, *flags, "-o", str(built), str(SOURCE)], capture_output=True, text=True, timeout=120
         )
         if result.returncode != 0:
-            raise OSError(f"{compiler} failed: {result.stderr.strip()[-500:]}")
+            raise OSError(f"{' '.join(compiler)} failed: {result.stderr.strip()[-500:]}")
         os.replace(built, target)  # atomic: processes building at once each land a whole file
-    logger.info(
-        "built the CPU decode kernel for head size %d, group %d: %s", head_dim, group, target
-    )
+    logger.info("built the CPU decode kernel for head size %d, group %d: %s", head_dim, group, target)
     return target
 
 

@@ -77,6 +77,8 @@ def can_pack_for_onednn(weight: torch.Tensor) -> bool:
         and weight.dtype == torch.float32
         and weight.dim() == 2
         and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     )
 
 

@@ -40,17 +40,25 @@ static inline vf load(const float *p) { return *(const vfu *)p; }
 static inline void store(float *p, vf v) { *(vfu *)p = v; }
 
 static inline float hsum(vf v) {
+#if defined(__clang__) || __GNUC__ >= 12
     vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7)
           + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
     vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
     return (b[0] + b[2]) + (b[1] + b[3]);
+#else
+    float s = 0.0f;
+    for (int i = 0; i < LANES; i++) s += v[i];
+    return s;
+#endif
 }
 
-/* exp(x) for x <= 0 (relative error ~2e-7): 2^n * p(f) with a degree-6 polynomial. */
+/* exp(x) for x <= 0: 2^n * p(f), n the nearest integer to x / ln 2 (so f in [-0.5, 0.5],
+ * the range the degree-6 coefficients are fitted on; after the clamp n >= -126, a normal
+ * float). */
 static inline float exp_nonpositive(float x) {
     x = x < -87.0f ? -87.0f : x;
     float t = x * 1.44269504088896341f;
-    float n = __builtin_floorf(t);
+    float n = __builtin_rintf(t);
     float f = t - n;
     float p = 1.535336188319500e-4f;
     p = p * f + 1.339887440266574e-3f;
