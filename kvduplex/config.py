@@ -159,8 +159,9 @@ class ModelLoadConfig:
     compiles at start-up)."""
     cpu_packed_weights: bool = True
     """On CPU, also keep every float32 linear weight packed for oneDNN and use it for
-    matmuls of two or more rows (decode batches, prefills); a single row keeps MKL's gemv
-    on the plain weight. Doubles the memory of the linear weights; off keeps one copy."""
+    matmuls of 2 to 64 rows (decode batches); a single row (MKL's gemv) and longer inputs
+    (prefill chunks) use the plain weight. Doubles the memory of the linear weights; off
+    keeps one copy."""
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

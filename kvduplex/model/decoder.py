@@ -97,14 +97,18 @@ def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor:
 
 
 _ONEDNN_ROWS_HINT = 32
+ONEDNN_MAX_ROWS = 64
+"""Inputs of more rows (prefill chunks) stay on MKL: there the two are on a par, and oneDNN
+keeps a primitive per distinct row count, so prefills of every length grew an instance's
+memory (+40% RSS in the soak test before this bound)."""
 
 
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
 ) -> torch.Tensor:
-    """``x @ weight.T + bias``: on the oneDNN-packed copy for two or more rows when there is
-    one, else `F.linear` on the plain weight."""
-    if packed is not None and x.dim() == 2 and x.shape[0] > 1 and not torch.is_grad_enabled():
+    """``x @ weight.T + bias``: on the oneDNN-packed copy for 2 to `ONEDNN_MAX_ROWS` rows when
+    there is one, else `F.linear` on the plain weight."""
+    if packed is not None and x.dim() == 2 and 1 < x.shape[0] <= ONEDNN_MAX_ROWS and not torch.is_grad_enabled():
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
