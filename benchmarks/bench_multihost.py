@@ -64,6 +64,7 @@ from kvduplex.bench.multihost_load import check_exact
 from kvduplex.bench.multihost_load import run_load
 from kvduplex.bench.multihost_report import Labels
 from kvduplex.bench.multihost_report import Membership
+from kvduplex.bench.multihost_report import Observed
 from kvduplex.bench.multihost_report import Timeline
 from kvduplex.bench.multihost_report import duplex_hits
 from kvduplex.bench.multihost_report import failures
@@ -263,20 +264,22 @@ def main() -> int:
     hits = duplex_hits(turns, fleet_cfg.block_size, Membership(members[HostRole.PREFILL]))
     fails = failures(turns, KILLED_ROUTER, tl.kill_s)
     by_decode = served_by_decode(turns, state.pop("return_records"))
+    decodes = [h.label for h in fleet.hosts.values() if h.role is HostRole.DECODE]
     labels = Labels(tuple(r.label for r in routers), KILLED_ROUTER, JOINED, DRAINED)
+    returns = {label: state["return_stats"][label] for label in decodes}
+    obs = Observed(turns, labels, tl, hits, fails, by_decode, state["pools"], drained_in_s, returns)
     title = (
         f"Multi-host run: {args.model}, push + duplex return, 2 prefill + 2 decode (+1 joining) "
         f"+ 2 routers, each in its own network namespace; {args.sessions} clients, sessions of "
         f"{args.turns} turns alternating routers, {load_s:.0f} s"
     )
-    table, is_ok = format_report(
-        title, turns, labels, tl, hits, fails, by_decode, state["pools"], drained_in_s
-    )
+    table, is_ok = format_report(title, obs)
     data = {
         "args": vars(args), "fleet": asdict(fleet_cfg),
         "load": {**asdict(load_cfg), "shape": asdict(load_cfg.shape)},
         "timeline": asdict(tl), "load_s": load_s,
-        "published": {role.value: changes for role, changes in members.items()}, "drained_in_s": drained_in_s,
+        "published": {role.value: changes for role, changes in members.items()},
+        "drained_in_s": drained_in_s,
         "hits": {g: {**asdict(h), "rate": h.rate} for g, h in hits.items()},
         "failures": asdict(fails),
         "turns_by_decode": {label: len(ts) for label, ts in by_decode.items()},

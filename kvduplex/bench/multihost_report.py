@@ -217,72 +217,112 @@ def _pool_ok(st: dict[str, object]) -> bool:
     )  # fmt: skip
 
 
-def format_report(
-    title: str, turns: list[TurnRecord], labels: Labels, tl: Timeline,
-    hits: dict[str, HitGroup], fails: Failures, by_decode: dict[str, list[TurnRecord]],
-    pools: dict[str, dict[str, object]], drained_in_s: float | None,
-) -> tuple[str, bool]:  # fmt: skip
-    """The Markdown report, and whether every bar was met."""
-    completed = [t for t in turns if t.ok]
+@dataclass
+class Observed:
+    """What a run saw, for `format_report`."""
+
+    turns: list[TurnRecord]
+    labels: Labels
+    timeline: Timeline
+    hits: dict[str, HitGroup]
+    failures: Failures
+    by_decode: dict[str, list[TurnRecord]]
+    """Completed turns by the decode instance that answered them (`served_by_decode`)."""
+    pools: dict[str, dict[str, object]]
+    """``/internal/kv/stats`` of every instance still up, by label."""
+    drained_in_s: float | None
+    """What the drained instance logged (``drained in N s``); None: nothing."""
+    returns: dict[str, dict[str, int]]
+    """``/internal/kv/return/stats`` of each decode instance, by label."""
+
+
+Row = tuple[str, str, str, bool | None]
+"""(what, bar, seen, met: None where there is no bar)."""
+
+
+def _answer_rows(obs: Observed) -> list[Row]:
+    completed = [t for t in obs.turns if t.ok]
     wrong = [t for t in completed if t.is_exact is False]
     unchecked = [t for t in completed if t.is_exact is None]
-    killed, other = labels.routers[labels.killed_router], labels.routers[1 - labels.killed_router]
-    joined_turns = [t for t in by_decode.get(labels.joined, [])
-                    if tl.join_published_s is None or t.attempts[-1].start_s >= tl.join_published_s]  # fmt: skip
-    first_joined = min((t.attempts[-1].start_s for t in joined_turns), default=None)
-    via_other = hits["previous turn via the other router"]
-    rows: list[tuple[str, str, str, bool | None]] = [
-        ("turns completed", "", f"{len(completed)} of {len(turns)}", None),
+    f, lb = obs.failures, obs.labels
+    killed, other = lb.routers[lb.killed_router], lb.routers[1 - lb.killed_router]
+    return [
+        ("turns completed", "", f"{len(completed)} of {len(obs.turns)}", None),
         ("completed turns not token-exact against the reference", "0",
          f"{len(wrong)}" + (f" ({len(unchecked)} not checked)" if unchecked else ""),
          not wrong and not unchecked),
         ("failed turns, other than in flight on the killed router", "0",
-         f"{len(fails.failed_other)}", not fails.failed_other),
+         f"{len(f.failed_other)}", not f.failed_other),
         (f"turns in flight on {killed} at its kill", "may fail",
-         f"{fails.num_in_flight_at_kill}: {fails.num_in_flight_completed} completed when sent "
-         f"to {other}, {len(fails.failed_in_flight)} failed", None),
+         f"{f.num_in_flight_at_kill}: {f.num_in_flight_completed} completed when sent "
+         f"to {other}, {len(f.failed_in_flight)} failed", None),
         (f"turns sent to {killed} after its kill (refused), sent to {other}", "",
-         f"{fails.num_refused_after_kill}", None),
-        ("turns sent twice for another reason", "", f"{fails.num_retried_other}", None),
+         f"{f.num_refused_after_kill}", None),
+        ("turns sent twice for another reason", "", f"{f.num_retried_other}", None),
+    ]  # fmt: skip
+
+
+def _hit_rows(obs: Observed) -> list[Row]:
+    via_other = obs.hits["previous turn via the other router"]
+    rows: list[Row] = [
         ("duplex hit, turns >= 2, previous turn via the other router", f">= {pct(HIT_BAR)}",
          _hit_cell(via_other), via_other.rate is not None and via_other.rate >= HIT_BAR),
     ]  # fmt: skip
     for g in HIT_GROUPS[:1] + HIT_GROUPS[2:-1]:
-        rows.append((f"duplex hit, turns >= 2, {g}", "", _hit_cell(hits[g]), None))
+        rows.append((f"duplex hit, turns >= 2, {g}", "", _hit_cell(obs.hits[g]), None))
     g = HIT_GROUPS[-1]
-    rows.append((f"turns >= 2: {g}", "", _hit_cell(hits[g], "by decode's own cache"), None))
-    rows += [
-        (f"{labels.joined}: turns it answered after joining", "> 0",
-         f"{len(joined_turns)} (first sent at {_s(first_joined)})", bool(joined_turns)),
-        (f"{labels.drained}: drain after SIGTERM", "exit 0, drained",
-         f"exit {tl.drain_exit_code}, "
-         + ("no 'drained in' logged" if drained_in_s is None else f"drained in {drained_in_s:.2f} s"),
-         tl.drain_exit_code == 0 and drained_in_s is not None),
+    rows.append((f"turns >= 2: {g}", "", _hit_cell(obs.hits[g], "by decode's own cache"), None))
+    return rows
+
+
+def _host_rows(obs: Observed) -> list[Row]:
+    tl, lb, pools = obs.timeline, obs.labels, obs.pools
+    published = tl.join_published_s if tl.join_published_s is not None else float("inf")
+    joined = [t for t in obs.by_decode.get(lb.joined, []) if t.attempts[-1].start_s >= published]
+    first = min((t.attempts[-1].start_s for t in joined), default=None)
+    drained = "no 'drained in' logged" if obs.drained_in_s is None else (
+        f"drained in {obs.drained_in_s:.2f} s")  # fmt: skip
+    bad_pools = {label: st for label, st in pools.items() if not _pool_ok(st)}
+    completed = [t for t in obs.turns if t.ok]
+    return [
+        (f"{lb.joined}: turns it answered after joining", "> 0",
+         f"{len(joined)} (first sent at {_s(first)})", bool(joined)),
+        (f"{lb.drained}: drain after SIGTERM", "exit 0, drained",
+         f"exit {tl.drain_exit_code}, {drained}",
+         tl.drain_exit_code == 0 and obs.drained_in_s is not None),
         ("blocks in use after the load, on every instance up", "0",
          ", ".join(f"{label} {st['num_in_use']}" for label, st in pools.items()),
          all(st["num_in_use"] == 0 for st in pools.values())),
         ("pool integrity; nothing running or waiting", "ok",
-         "ok" if all(_pool_ok(st) for st in pools.values()) else
-         ", ".join(f"{label}: {st}" for label, st in pools.items() if not _pool_ok(st)),
-         all(_pool_ok(st) for st in pools.values())),
+         "ok" if not bad_pools else "; ".join(f"{k}: {v}" for k, v in bad_pools.items()),
+         not bad_pools),
+        ("duplex returns offered by decode: done, failed, declined", "",
+         ", ".join(str(sum(r[k] for r in obs.returns.values()))
+                   for k in ("num_done", "num_failed", "num_declined")), None),
         ("completed turns by router", "",
-         ", ".join(f"{r} {sum(t.router == i for t in completed)}" for i, r in enumerate(labels.routers)), None),
+         ", ".join(f"{r} {sum(t.router == i for t in completed)}"
+                   for i, r in enumerate(lb.routers)), None),
         ("completed turns by decode", "",
-         ", ".join(f"{label or 'unknown'} {len(ts)}" for label, ts in sorted(by_decode.items())), None),
+         ", ".join(f"{label or 'unknown'} {len(ts)}"
+                   for label, ts in sorted(obs.by_decode.items())), None),
     ]  # fmt: skip
-    is_ok = all(met is not False for *_, met in rows)
+
+
+def format_report(title: str, obs: Observed) -> tuple[str, bool]:
+    """The Markdown report, and whether every bar was met."""
+    rows = _answer_rows(obs) + _hit_rows(obs) + _host_rows(obs)
+    tl, lb = obs.timeline, obs.labels
     events = (
-        f"{labels.joined} started at {_s(tl.join_started_s)}, joined DNS at "
-        f"{_s(tl.join_published_s)}; {labels.drained} left DNS and got SIGTERM at "
-        f"{_s(tl.drain_s)}, exited at {_s(tl.drain_exit_s)}; {killed} got SIGKILL at "
-        f"{_s(tl.kill_s)} (seconds from the start of the load)."
+        f"{lb.joined} started at {_s(tl.join_started_s)}, joined DNS at "
+        f"{_s(tl.join_published_s)}; {lb.drained} left DNS and got SIGTERM at "
+        f"{_s(tl.drain_s)}, exited at {_s(tl.drain_exit_s)}; {lb.routers[lb.killed_router]} "
+        f"got SIGKILL at {_s(tl.kill_s)} (seconds from the start of the load)."
     )
     lines = [f"# {title}", "", events, "", "| check | bar | seen | met |", "|---|---|---|---|"]
     for what, bar, seen, met in rows:
-        lines.append(
-            f"| {what} | {bar} | {seen} | {'' if met is None else 'yes' if met else 'NO'} |"
-        )
-    errors = fails.failed_other[:5] + fails.failed_in_flight[:5]
+        mark = "" if met is None else "yes" if met else "NO"
+        lines.append(f"| {what} | {bar} | {seen} | {mark} |")
+    errors = obs.failures.failed_other[:5] + obs.failures.failed_in_flight[:5]
     if errors:
         lines += ["", "Failed turns (first few):", *(f"- {e}" for e in errors)]
-    return "\n".join(lines), is_ok
+    return "\n".join(lines), all(met is not False for *_, met in rows)
