@@ -22,8 +22,8 @@ Timeline (seconds from the start of the load; defaults at 25%, 45%, 65%):
 * `--join-at-s`: host decode-2 starts; once healthy, its address joins the decode name.
 * `--drain-at-s`: prefill-1's address leaves the prefill name and it gets SIGTERM at once
   (as a pod that turns unready; no preStop wait), so a router may still send it a
-  prefill until its next probe or DNS round: that one is refused (draining) and decode
-  computes the prompt.
+  prefill until its next probe or DNS round: that one is refused (draining, or the
+  connection once it has exited) and decode computes the prompt.
 * `--kill-at-s`: router-1 gets SIGKILL, once a turn is in flight on it (waiting up to
   10 s for one).
 
