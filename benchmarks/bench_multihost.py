@@ -71,11 +71,14 @@ from kvduplex.bench.multihost_report import failures
 from kvduplex.bench.multihost_report import format_report
 from kvduplex.bench.multihost_report import served_by_decode
 from kvduplex.server.netns import netns_unavailable_reason
+from kvduplex.server.report import scrape
 
 KILLED_ROUTER = 1
 JOINED, DRAINED = "decode-2", "prefill-1"
 KILL_WAIT_S = 10.0
 """How long after --kill-at-s the kill waits for a turn in flight on the router."""
+DECLINED = "kvduplex_kv_return_declined_total"
+"""Prefill's counter of the return offers it declined, by reason."""
 DRAINED_IN = re.compile(r"drained in ([0-9.]+) s")
 
 
@@ -226,6 +229,11 @@ def after_load(fleet: Fleet, reference: str) -> dict[str, Any]:
     out["push_stats"] = {h.label: _get(h.url + "/internal/kv/push/stats") for h in up}
     out["return_stats"] = {h.label: _get(h.url + "/internal/kv/return/stats") for h in up}
     out["return_records"] = {d.label: _get(d.url + "/internal/kv/return/records") for d in decodes}
+    out["declined"] = {
+        h.label: {dict(labels)["reason"]: v for (name, labels), v in scrape(h.url).items()
+                  if name == DECLINED}
+        for h in up if h.role is HostRole.PREFILL
+    }  # fmt: skip
     return out
 
 
@@ -263,11 +271,18 @@ def main() -> int:
         asyncio.run(check_exact(reference, args.model, turns))
     hits = duplex_hits(turns, fleet_cfg.block_size, Membership(members[HostRole.PREFILL]))
     fails = failures(turns, KILLED_ROUTER, tl.kill_s)
-    by_decode = served_by_decode(turns, state.pop("return_records"))
+    records = state.pop("return_records")
+    by_decode = served_by_decode(turns, records)
     decodes = [h.label for h in fleet.hosts.values() if h.role is HostRole.DECODE]
     labels = Labels(tuple(r.label for r in routers), KILLED_ROUTER, JOINED, DRAINED)
     returns = {label: state["return_stats"][label] for label in decodes}
-    obs = Observed(turns, labels, tl, hits, fails, by_decode, state["pools"], drained_in_s, returns)
+    declined: dict[str, float] = {}
+    for reasons in state["declined"].values():
+        for reason, n in reasons.items():
+            declined[reason] = declined.get(reason, 0.0) + n
+    obs = Observed(
+        turns, labels, tl, hits, fails, by_decode, state["pools"], drained_in_s, returns, declined
+    )
     title = (
         f"Multi-host run: {args.model}, push + duplex return, 2 prefill + 2 decode (+1 joining) "
         f"+ 2 routers, each in its own network namespace; {args.sessions} clients, sessions of "
@@ -283,7 +298,7 @@ def main() -> int:
         "hits": {g: {**asdict(h), "rate": h.rate} for g, h in hits.items()},
         "failures": asdict(fails),
         "turns_by_decode": {label: len(ts) for label, ts in by_decode.items()},
-        "turns": [_turn_row(t) for t in turns], **state,
+        "turns": [_turn_row(t, records) for t in turns], **state,
     }  # fmt: skip
     path = write_results("multihost" + (f"-{args.tag}" if args.tag else ""), data, table)
     print(table)
@@ -291,12 +306,16 @@ def main() -> int:
     return 0 if is_ok else 1
 
 
-def _turn_row(t: TurnRecord) -> dict[str, Any]:
+def _turn_row(t: TurnRecord, records: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One turn for the JSON; `records`: each decode's return records by request id."""
+    rid = t.result.response_id
+    decode = next((label for label, recs in records.items() if rid and rid in recs), None)
     return {
         "session": t.session, "turn": t.turn, "prompt_tokens": len(t.prompt),
         "max_tokens": t.max_tokens, "ok": t.ok, "exact": t.is_exact,
-        "cached_tokens": t.result.cached_tokens, "response_id": t.result.response_id,
+        "cached_tokens": t.result.cached_tokens, "response_id": rid,
         "prefill_computed_tokens": t.result.kv.prefill_computed_tokens if t.result.kv else None,
+        "decode": decode, "return": None if decode is None else records[decode][rid],
         "attempts": [
             {"router": a.router, "start_s": round(a.start_s, 3), "end_s": round(a.end_s, 3),
              "ok": a.result.ok, "error": a.result.error[:200]}

@@ -234,6 +234,8 @@ class Observed:
     """What the drained instance logged (``drained in N s``); None: nothing."""
     returns: dict[str, dict[str, int]]
     """``/internal/kv/return/stats`` of each decode instance, by label."""
+    declined: dict[str, float]
+    """Return offers prefill declined, by reason (``kvduplex_kv_return_declined_total``)."""
 
 
 Row = tuple[str, str, str, bool | None]
@@ -296,9 +298,11 @@ def _host_rows(obs: Observed) -> list[Row]:
         ("pool integrity; nothing running or waiting", "ok",
          "ok" if not bad_pools else "; ".join(f"{k}: {v}" for k, v in bad_pools.items()),
          not bad_pools),
-        ("duplex returns offered by decode: done, failed, declined", "",
+        ("duplex returns offered by decode: done, failed, declined (why)", "",
          ", ".join(str(sum(r[k] for r in obs.returns.values()))
-                   for k in ("num_done", "num_failed", "num_declined")), None),
+                   for k in ("num_done", "num_failed", "num_declined"))
+         + "".join(f"; {reason} {n:.0f}" for reason, n in sorted(obs.declined.items()) if n),
+         None),
         ("completed turns by router", "",
          ", ".join(f"{r} {sum(t.router == i for t in completed)}"
                    for i, r in enumerate(lb.routers)), None),

@@ -1,5 +1,6 @@
 """The multi-host run's client and report: which failures a client sends to the other router,
-how turns are grouped for the duplex hit, and how failures are told apart around the kill."""
+how turns are grouped for the duplex hit, how failures are told apart around the kill, and
+which bars the report holds the run to."""
 
 from __future__ import annotations
 
@@ -12,9 +13,13 @@ from kvduplex.bench.client import RequestResult
 from kvduplex.bench.client import stream_request
 from kvduplex.bench.multihost_load import Attempt
 from kvduplex.bench.multihost_load import TurnRecord
+from kvduplex.bench.multihost_report import Labels
 from kvduplex.bench.multihost_report import Membership
+from kvduplex.bench.multihost_report import Observed
+from kvduplex.bench.multihost_report import Timeline
 from kvduplex.bench.multihost_report import duplex_hits
 from kvduplex.bench.multihost_report import failures
+from kvduplex.bench.multihost_report import format_report
 from kvduplex.bench.multihost_report import rendezvous_choice
 
 BS = 4
@@ -106,3 +111,35 @@ def test_failures_are_told_apart_by_whether_they_were_in_flight_at_the_kill() ->
     assert [e.split(":")[0] for e in f.failed_in_flight] == ["b turn 0"]
     assert [e.split(":")[0] for e in f.failed_other] == ["d turn 0"]
     assert failures(turns, killed_router=None, kill_s=None).num_in_flight_at_kill == 0
+
+
+def _observed(turns: list[TurnRecord], in_use: int = 0) -> Observed:
+    both = Membership([(0.0, [P0, P1])])
+    pool = {"integrity_ok": True, "num_in_use": in_use, "num_running": 0, "num_waiting": 0}
+    returns = {"decode-0": {"num_done": 3, "num_failed": 1, "num_declined": 0}}
+    tl = Timeline(drain_exit_code=0, join_published_s=0.0)
+    return Observed(
+        turns, Labels(("router-0", "router-1"), 1, "decode-2", "prefill-1"), tl,
+        duplex_hits(turns, BS, both), failures(turns, 1, None), {"decode-2": turns[:1]},
+        {"decode-0": pool}, 0.5, returns, {"has_all": 0.0, "no_room": 1.0},
+    )  # fmt: skip
+
+
+def test_the_report_meets_its_bars_only_when_every_one_holds() -> None:
+    turns = [_turn("s", 0, 10, 8, 0, 0, 1.0), _turn("s", 1, 20, 8, 16, 1, 5.0)]
+    for t in turns:
+        t.is_exact = True
+    table, is_ok = format_report("run", _observed(turns))
+    assert is_ok and "| NO |" not in table
+    assert (
+        "| duplex returns offered by decode: done, failed, declined (why) |  | 3, 1, 0; no_room 1 |  |"
+        in table
+    )
+
+    turns[1].is_exact = False  # a wrong token
+    table, is_ok = format_report("run", _observed(turns))
+    assert not is_ok
+    assert "| completed turns not token-exact against the reference | 0 | 1 | NO |" in table
+    turns[1].is_exact = True
+    _, is_ok = format_report("run", _observed(turns, in_use=2))  # a leaked block
+    assert not is_ok
