@@ -57,6 +57,9 @@ class RequestResult:
     cached_tokens: int = 0
     completion_tokens: int = 0
     error: str = ""
+    is_transport_error: bool = False
+    """It failed below HTTP: no connection, or the connection broke before the answer
+    ended (a client may send it again elsewhere); not an HTTP error status."""
     kv: KVUsage | None = None
     """``usage.kv`` when the server reports it."""
     response_id: str = ""
@@ -158,6 +161,8 @@ async def stream_request(
                     chunks += 1
                     text.append(piece)
                     ids.extend(new_ids)
+    except httpx.TransportError as exc:
+        return RequestResult(ok=False, error=repr(exc), is_transport_error=True)
     except (httpx.HTTPError, SSEError) as exc:
         return RequestResult(ok=False, error=repr(exc))
     if first is None:

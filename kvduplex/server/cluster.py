@@ -118,14 +118,14 @@ class LocalCluster:
         logger.info("started %s (pid %d): %s", name, popen.pid, " ".join(cmd))
         return proc
 
-    def wait_healthy(self, timeout_s: float = 120.0) -> None:
-        """Block until every process answers GET /health with 200.
+    def wait_healthy(self, timeout_s: float = 120.0, procs: list[Process] | None = None) -> None:
+        """Block until every process (or each of `procs`) answers GET /health with 200.
 
         Raises RuntimeError with the log tail of a process that exited or
         stayed unhealthy past the deadline.
         """
         deadline = time.monotonic() + timeout_s
-        pending = list(self.processes)
+        pending = list(self.processes if procs is None else procs)
         with httpx.Client(timeout=2.0) as client:
             while pending:
                 proc = pending[0]

@@ -26,6 +26,10 @@ UCX settings for a process on either end (`LinkEnd.ucx_env`):
 * ``UCX_NET_DEVICES=<that end's veth>``: the only interface leading to the
   peer; `lo` in each namespace is a different loopback, and eth0 leads elsewhere.
 
+Many hosts that reach each other: `NetnsLan`, one subnet on a bridge in the root
+namespace, a veth per host (see its docstring). A `NetnsHost`'s namespace reaches
+only the root namespace: its /24 is its own, and the root namespace does not forward.
+
 Needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN) and iproute2 (`ip`; `tc` to shape);
 `netns_unavailable_reason()` says why not, for tests to skip with.
 """
@@ -183,16 +187,9 @@ class NetnsHost:
             shaping = tbf_args(self.rate_mbit)
             _run(["tc", "qdisc", "add", "dev", outer.dev, "root", *shaping])
             _run([*inner.exec_prefix(), "tc", "qdisc", "add", "dev", inner.dev, "root", *shaping])
-        self._wait_link_up()
+        _wait_link_up(self.outer.dev)
         rate = "unshaped" if self.rate_mbit is None else f"{self.rate_mbit} Mbit/s"
         logger.info("netns %s up: %s <-> %s, %s", ns, outer, inner, rate)
-
-    def _wait_link_up(self) -> None:
-        deadline = time.monotonic() + _LINK_UP_TIMEOUT_S
-        while "LOWER_UP" not in _run(["ip", "-o", "link", "show", "dev", self.outer.dev]):
-            if time.monotonic() > deadline:
-                raise NetnsError(f"veth {self.outer.dev} not up after {_LINK_UP_TIMEOUT_S}s")
-            time.sleep(0.01)
 
     def close(self) -> None:
         """Remove what `__enter__` made: the veth pair (one end's deletion deletes both)
@@ -207,6 +204,109 @@ class NetnsHost:
             with contextlib.suppress(NetnsError):
                 _run(["ip", "netns", "del", self.name])
             logger.info("netns %s removed", self.name)
+
+
+def _wait_link_up(dev: str) -> None:
+    """Wait until `dev` (in the root namespace) has its carrier (``LOWER_UP``)."""
+    deadline = time.monotonic() + _LINK_UP_TIMEOUT_S
+    while "LOWER_UP" not in _run(["ip", "-o", "link", "show", "dev", dev]):
+        if time.monotonic() > deadline:
+            raise NetnsError(f"{dev} not up after {_LINK_UP_TIMEOUT_S}s")
+        time.sleep(0.01)  # the kernel brings the link up on its own; nothing to wait on
+
+
+class NetnsLan:
+    """Hosts on one subnet, each a network namespace on a bridge; a context manager.
+
+    ::
+
+        root namespace (this process): bridge kvd<x>br, 10.200.<x>.1/24
+          │  ports: kvd<x>h2o   kvd<x>h3o   ...      (DNS server, client)
+          │            ║ veth      ║ veth
+          │  ┌─────────╨──────┐ ┌──╨─────────────┐
+          │  │ kvd<x>h2i      │ │ kvd<x>h3i      │   one namespace per host,
+          │  │ 10.200.<x>.2/24│ │ 10.200.<x>.3/24│   kvd-<pid>-<x>-<label>
+          │  └────────────────┘ └────────────────┘
+
+    Design note: the hosts share one layer-2 segment, so they reach each other
+    directly and the root namespace reaches them over the bridge's connected
+    route: nothing is routed and no forwarding setting of this machine changes.
+    Where bridged traffic passes iptables (``br_netfilter``), the ``FORWARD``
+    chain must accept it.
+
+    `__enter__` creates the bridge, with the subnet's first address, and brings it
+    up; `add_host` adds a host; `close()` (also on exit) removes every host's
+    veth pair and namespace, then the bridge. As for `NetnsHost`, stop the
+    processes running in the hosts first.
+    """
+
+    def __init__(self) -> None:
+        self._pid = os.getpid()
+        self._x = _free_subnet(self._pid)
+        self.bridge = LinkEnd(None, f"{_SUBNET_PREFIX}.{self._x}.1", f"kvd{self._x}br")
+        """The root namespace's end: reach it from a host at `bridge.ip`."""
+        self.hosts: list[LinkEnd] = []
+        """The hosts' ends, in the order they were added."""
+        self._outer_devs: list[str] = []
+        """The bridge's end of each host's veth pair."""
+        self._has_bridge = False
+
+    def __enter__(self) -> NetnsLan:
+        try:
+            _run(["ip", "link", "add", "name", self.bridge.dev, "type", "bridge"])
+            self._has_bridge = True
+            _run(["ip", "addr", "add", f"{self.bridge.ip}/24", "dev", self.bridge.dev])
+            _run(["ip", "link", "set", self.bridge.dev, "up"])
+        except BaseException:
+            self.close()
+            raise
+        logger.info("bridge %s up: %s/24", self.bridge.dev, self.bridge.ip)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def add_host(self, label: str) -> LinkEnd:
+        """A new host on the subnet, named ``kvd-<pid>-<x>-<label>``; its end (namespace,
+        address, interface). Raises `NetnsError` on failure; `close` removes what it made."""
+        if not self._has_bridge:
+            raise NetnsError("add_host needs the LAN entered (use it as a context manager)")
+        n = len(self.hosts) + 2
+        if n > 254:
+            raise NetnsError(f"a LAN holds at most 253 hosts; {label!r} is one more")
+        host = LinkEnd(f"kvd-{self._pid}-{self._x}-{label}", f"{_SUBNET_PREFIX}.{self._x}.{n}",
+                       f"kvd{self._x}h{n}i")  # fmt: skip
+        outer = f"kvd{self._x}h{n}o"
+        ns = host.netns
+        assert ns is not None
+        _run(["ip", "netns", "add", ns])
+        self.hosts.append(host)  # from here on, `close` removes it
+        self._outer_devs.append(outer)
+        _run(["ip", "link", "add", outer, "type", "veth", "peer", "name", host.dev, "netns", ns])
+        _run(["ip", "link", "set", outer, "master", self.bridge.dev])
+        _run(["ip", "-n", ns, "addr", "add", f"{host.ip}/24", "dev", host.dev])
+        _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+        _run(["ip", "-n", ns, "link", "set", host.dev, "up"])
+        _run(["ip", "link", "set", outer, "up"])
+        _wait_link_up(outer)
+        logger.info("host %s on %s: %s", ns, self.bridge.dev, host.ip)
+        return host
+
+    def close(self) -> None:
+        """Remove each host's veth pair (one end's deletion deletes both) and namespace,
+        then the bridge. Calling it again is harmless."""
+        while self.hosts:
+            ns, outer = self.hosts.pop().netns, self._outer_devs.pop()
+            assert ns is not None
+            with contextlib.suppress(NetnsError):
+                _run(["ip", "link", "del", outer])
+            with contextlib.suppress(NetnsError):
+                _run(["ip", "netns", "del", ns])
+        if self._has_bridge:
+            self._has_bridge = False
+            with contextlib.suppress(NetnsError):
+                _run(["ip", "link", "del", self.bridge.dev])
+            logger.info("bridge %s removed", self.bridge.dev)
 
 
 def _free_subnet(pid: int) -> int:

@@ -29,7 +29,7 @@ import pytest
 from kvduplex.server.cluster import LocalCluster
 from kvduplex.server.cluster import free_port
 from kvduplex.server.router import rendezvous
-from tests.dns_server import StaticDns
+from kvduplex.server.static_dns import StaticDns
 from tests.integration.conftest import assert_pool_clean
 from tests.integration.conftest import metric
 from tests.integration.conftest import wait_until

@@ -21,7 +21,7 @@ from kvduplex.server.router.discovery import ResolveFailed
 from kvduplex.server.router.discovery import instance_url
 from kvduplex.server.router.discovery import run_discovery
 from kvduplex.server.router.state import RouterState
-from tests.dns_server import StaticDns
+from kvduplex.server.static_dns import StaticDns
 from tests.unit.test_router import _metric
 
 PREFILL_NAME, DECODE_NAME = "prefill.kv.svc", "decode.kv.svc"

@@ -1,9 +1,10 @@
-"""A DNS server for tests: A and AAAA records from a dict that the test changes.
+"""A DNS server for tests and benchmarks: A and AAAA records from a dict that they change.
 
-It listens on 127.0.0.1 on a free UDP port, in a thread, and answers with dnspython's
-own message codec: a name in `records` gets its addresses of the asked type (none:
-an empty answer), any other name NXDOMAIN. The router reaches it with
-``--dns-server 127.0.0.1:PORT``.
+It listens on a free UDP port of `host` (127.0.0.1 unless told; an address that
+other network namespaces reach, such as a `NetnsLan`'s bridge, serves them), in a
+thread, and answers with dnspython's own message codec: a name in `records` gets
+its addresses of the asked type (none: an empty answer), any other name
+NXDOMAIN. The router reaches it with ``--dns-server HOST:PORT`` (`address`).
 """
 
 from __future__ import annotations
@@ -20,20 +21,20 @@ import dns.rrset
 
 
 class StaticDns:
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1") -> None:
         self.records: dict[str, list[str]] = {}
         """Name (no final dot, lower case) → its addresses, IPv4 and IPv6."""
         self.num_queries = 0
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self._sock.bind(("127.0.0.1", 0))
+        self._sock.bind((host, 0))
         self._sock.settimeout(0.05)  # how often the thread checks that it must stop
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._serve, name="test-dns", daemon=True)
+        self._thread = threading.Thread(target=self._serve, name="static-dns", daemon=True)
 
     @property
     def address(self) -> str:
-        """``127.0.0.1:PORT``, as ``--dns-server`` takes it."""
+        """``HOST:PORT``, as ``--dns-server`` takes it."""
         host, port = self._sock.getsockname()
         return f"{host}:{port}"
 
