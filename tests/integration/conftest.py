@@ -193,3 +193,13 @@ def p_across_link(
         ref = cluster.start("reference", [*serve, *ref_flags], free_port())
         cluster.wait_healthy(timeout_s=180)
         yield AcrossLink(link, cluster, p, d, ref)
+
+
+def complete_turn(url: str, prompt: list[int], session: str) -> tuple[list[int], int]:
+    """One greedy 16-token completion of `tiny` in `session`: its token ids and cached prompt tokens."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0.0,
+            "ignore_eos": True, "return_token_ids": True, "prompt_cache_key": session}  # fmt: skip
+    resp = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    out = resp.json()
+    return list(out["choices"][0]["token_ids"]), out["usage"]["prompt_tokens_details"]["cached_tokens"]

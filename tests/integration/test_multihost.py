@@ -30,6 +30,7 @@ from kvduplex.bench.multihost import HostRole
 from kvduplex.server.netns import netns_unavailable_reason
 from kvduplex.server.router import rendezvous
 from tests.integration.conftest import assert_pool_clean
+from tests.integration.conftest import complete_turn
 from tests.integration.conftest import wait_until
 from tests.skips import skip_module_without_nixl
 
@@ -73,17 +74,6 @@ def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
         for r in routers:
             wait_until(lambda r=r: _sees(r.url, urls), 30, f"{r.label} to find every instance")
         yield Hosts(fleet, ps, ds, [r.url for r in routers], reference.url)
-
-
-def _complete(url: str, prompt: list[int], session: str) -> tuple[list[int], int]:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0.0,
-            "ignore_eos": True, "return_token_ids": True, "prompt_cache_key": session}  # fmt: skip
-    resp = httpx.post(url + "/v1/completions", json=body, timeout=120)
-    assert resp.status_code == 200, resp.text
-    out = resp.json()
-    return list(out["choices"][0]["token_ids"]), out["usage"]["prompt_tokens_details"][
-        "cached_tokens"
-    ]
 
 
 def _returns(url: str) -> dict[str, int]:
@@ -132,8 +122,8 @@ def test_a_session_alternating_routers_keeps_its_duplex_hit_across_hosts(hosts: 
     history = [rng.randrange(1, 250) for _ in range(45)]
     returned = 0
     for turn in range(4):
-        got, cached = _complete(hosts.routers[turn % 2], history, session)
-        want, _ = _complete(hosts.reference, history, f"ref-{session}")
+        got, cached = complete_turn(hosts.routers[turn % 2], history, session)
+        want, _ = complete_turn(hosts.reference, history, f"ref-{session}")
         assert got == want, turn
         # The previous prompt and its answer but the last token, up to a full block: the
         # answer reached prefill by the duplex return, after the other router's turn.

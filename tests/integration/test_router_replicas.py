@@ -31,6 +31,7 @@ from kvduplex.server.cluster import free_port
 from kvduplex.server.router import rendezvous
 from kvduplex.server.static_dns import StaticDns
 from tests.integration.conftest import assert_pool_clean
+from tests.integration.conftest import complete_turn
 from tests.integration.conftest import metric
 from tests.integration.conftest import wait_until
 from tests.skips import skip_module_without_nixl
@@ -107,17 +108,6 @@ def clean_pools(fleet: Fleet) -> Iterator[None]:
         assert_pool_clean(url)
 
 
-def _complete(url: str, prompt: list[int], session: str) -> tuple[list[int], int]:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0.0,
-            "ignore_eos": True, "return_token_ids": True, "prompt_cache_key": session}  # fmt: skip
-    resp = httpx.post(url + "/v1/completions", json=body, timeout=120)
-    assert resp.status_code == 200, resp.text
-    out = resp.json()
-    return list(out["choices"][0]["token_ids"]), out["usage"]["prompt_tokens_details"][
-        "cached_tokens"
-    ]
-
-
 def _returns_settled(fleet: Fleet, num_offered: int) -> bool:
     """The decode instances offered `num_offered` returns in all, and each has ended."""
     stats = [httpx.get(d + "/internal/kv/return/stats", timeout=10).json() for d in fleet.decode]
@@ -154,9 +144,9 @@ def test_replicas_that_share_nothing_keep_a_sessions_turns_where_its_history_is(
         returned = 0
         for turn in range(4):
             before = fleet.served()
-            got, cached = _complete(routers[turn % 2], history, session)
+            got, cached = complete_turn(routers[turn % 2], history, session)
             assert _moved(before, fleet.served()) == {want_p, want_d}, (session, turn)
-            want, _ = _complete(fleet.reference, history, f"ref-{session}")
+            want, _ = complete_turn(fleet.reference, history, f"ref-{session}")
             assert got == want, (session, turn)
             assert cached >= returned, (session, turn, cached, returned)
             num_offered += 1
@@ -193,8 +183,8 @@ def test_decode_instances_join_and_leave_as_the_dns_answer_changes(fleet: Fleet)
     def turn(s: str) -> str:
         """One turn of session `s`, checked against the reference; the decode it reached."""
         before = fleet.served()
-        got, _ = _complete(router, histories[s], s)
-        want, _ = _complete(fleet.reference, histories[s], f"ref-{s}")
+        got, _ = complete_turn(router, histories[s], s)
+        want, _ = complete_turn(fleet.reference, histories[s], f"ref-{s}")
         assert got == want, s
         (decode,) = _moved(before, fleet.served()) & {d0, d1}
         histories[s] = [*histories[s], *got, *(rng.randrange(1, 250) for _ in range(5))]
