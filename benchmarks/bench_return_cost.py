@@ -224,6 +224,13 @@ def at_load_ratio(push: list[Timed], duplex: list[Timed]) -> float | None:
     return float(np.mean([t.result.tpot_s for t in dup]) / at) if at > 0 else None
 
 
+def _tpot_after_gap(r: RequestResult) -> float:
+    """Mean gap between tokens from the second on: `tpot_s` without the first gap (which
+    in push holds the handoff from prefill's first token to decode's second)."""
+    n = len(r.token_ids)
+    return (r.e2e_s - r.ttft_s - r.first_gap_s) / (n - 2) if n > 2 else r.tpot_s
+
+
 def summarize(
     records: list[Timed], kv: dict[str, Any], args: argparse.Namespace
 ) -> tuple[list[dict[str, Any]], str]:
@@ -236,6 +243,8 @@ def summarize(
             "part": part, "concurrency": conc, "mode": mode, "n": len(ok), "errors": len(cell) - len(ok),
             "tpot_p50_ms": percentile(tpot, 50), "tpot_p90_ms": percentile(tpot, 90),
             "ttft_p50_ms": percentile([t.result.ttft_s * 1e3 for t in ok], 50),
+            "first_gap_p50_ms": percentile([t.result.first_gap_s * 1e3 for t in ok], 50),
+            "tpot_after_gap_p50_ms": percentile([_tpot_after_gap(t.result) * 1e3 for t in ok], 50),
             "decodes_at_once": sum(t.decodes_at_once for t in ok) / max(len(ok), 1),
             "d_to_p_MiB": kv.get(f"{mode}@{conc}", {}).get("d_to_p_bytes", 0.0) / 2**20 if part == "load" else None,
         })  # fmt: skip
@@ -255,6 +264,11 @@ def summarize(
     if push and colo:
         lines.append([f"one {args.long_prompt}-token prompt", f"{push['tpot_p50_ms']:.1f}",
                       f"colocated {colo['tpot_p50_ms']:.1f}", f"**{push['tpot_p50_ms'] / colo['tpot_p50_ms']:.3f}** (push / colocated)", "-",
+                      "1 / 1", "-", f"{push['n']} / {colo['n']}"])  # fmt: skip
+        lines.append([f"the same, tokens 2 on (first gap {push['first_gap_p50_ms']:.1f} / "
+                      f"{colo['first_gap_p50_ms']:.1f} ms)", f"{push['tpot_after_gap_p50_ms']:.1f}",
+                      f"colocated {colo['tpot_after_gap_p50_ms']:.1f}",
+                      f"**{push['tpot_after_gap_p50_ms'] / colo['tpot_after_gap_p50_ms']:.3f}**", "-",
                       "1 / 1", "-", f"{push['n']} / {colo['n']}"])  # fmt: skip
     header = ["case", "push TPOT p50 ms", "push+duplex (or colocated) TPOT p50 ms", "ratio (p50)",
               "push+duplex / push's TPOT line at push+duplex's load (means)",

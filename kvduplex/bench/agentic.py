@@ -49,6 +49,9 @@ class TurnRecord:
     returned_blocks: int | None = None
     """Blocks of this turn that decode WROTE back to prefill (None: not known)."""
     returned_bytes: int | None = None
+    previous_sent_back: bool = True
+    """This turn's prompt holds the previous turn's answer as it was generated (False: the
+    client rewrote it, or stripped its reasoning, so that the answer is not history)."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,7 @@ async def _run_session(
         shape=config.shape.name, chat_plain=target.chat_plain,
     )  # fmt: skip
     records = []
+    sent_back = True
     for turn, text in zip(plan.turns, input_texts(config, plan, salt), strict=True):
         if turn.think_s > 0:
             await asyncio.sleep(turn.think_s)
@@ -98,14 +102,14 @@ async def _run_session(
                 mode=target.mode, shape=config.shape.name, repetition=repetition,
                 session=plan.index, turn=turn.index, think_s=turn.think_s,
                 input_tokens=turn.input_tokens, max_tokens=turn.answer_tokens,
-                start_s=start, result=res,
+                start_s=start, result=res, previous_sent_back=sent_back,
             )
         )  # fmt: skip
         on_done.update(1)
         if not res.ok:
             on_done.update(len(plan.turns) - turn.index - 1)
             break
-        conv.add_answer(res.text, res.token_ids, res.message)
+        sent_back = conv.add_answer(res.text, res.token_ids, res.message)
     return records
 
 

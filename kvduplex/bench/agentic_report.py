@@ -106,8 +106,14 @@ def history_hit(r: TurnRecord, index: dict[HistoryKey, TurnRecord]) -> float | N
     prev = index.get((r.mode, r.shape, r.repetition, r.session, r.turn - 1))
     if prev is None or not prev.result.ok or not r.result.ok:
         return None
-    history = prev.result.prompt_tokens + prev.result.completion_tokens
+    history = prev.result.prompt_tokens + _answer_in_history(r, prev)
     return min(1.0, r.result.cached_tokens / history) if history else None
+
+
+def _answer_in_history(r: TurnRecord, prev: TurnRecord) -> int:
+    """The tokens of `prev`'s answer that `r`'s prompt holds as generated: all of them, or
+    none where the client rewrote it or stripped its reasoning."""
+    return prev.result.completion_tokens if r.previous_sent_back else 0
 
 
 def answer_hit(r: TurnRecord, index: dict[HistoryKey, TurnRecord]) -> float | None:
@@ -117,11 +123,12 @@ def answer_hit(r: TurnRecord, index: dict[HistoryKey, TurnRecord]) -> float | No
     token-id prompts the next prompt holds the answer's ids, so it is near 1
     when the answer's KV is cached (returned to P, or kept by a colocated
     instance) and near 0 without a return. In chat form it is near 0 wherever
-    the re-rendered assistant turn departs from the ids generated (an answer
-    replaced by a tool call, text that re-encodes differently).
+    the re-rendered assistant turn departs from the ids generated (text that
+    re-encodes differently). None where the client did not send the answer back as
+    generated (rewritten, or its reasoning stripped): there is nothing to hit.
     """
     prev = index.get((r.mode, r.shape, r.repetition, r.session, r.turn - 1))
-    if prev is None or not prev.result.ok or not r.result.ok or not prev.result.completion_tokens:
+    if prev is None or not prev.result.ok or not r.result.ok or not _answer_in_history(r, prev):
         return None
     reused = r.result.cached_tokens - prev.result.prompt_tokens
     return min(1.0, max(0.0, reused / prev.result.completion_tokens))
@@ -211,7 +218,8 @@ class BlockBound:
     """Blocks moved per turn against the bound the design sets, over turns >= 1 of a mode/shape.
 
     P->D: at most the blocks of the tokens that are new since the previous turn's
-    prompt and answer, plus one (the partial block they start in). D->P: at most
+    prompt and answer (the prompt alone where the client did not send the answer back as
+    generated), plus one (the partial block they start in). D->P: at most
     the blocks of what D computed (the answer; on a short append also the new
     input) plus one (the block holding the end of what P computed).
     """
@@ -239,7 +247,7 @@ def block_bounds(
             if prev is None or not (prev.result.ok and r.result.ok):
                 continue
             if r.result.kv is not None and r.result.kv.bytes_to_decode:
-                new = r.result.prompt_tokens - prev.result.prompt_tokens - prev.result.completion_tokens
+                new = r.result.prompt_tokens - prev.result.prompt_tokens - _answer_in_history(r, prev)
                 pairs["P→D"].append(
                     (r.result.kv.bytes_to_decode // bytes_per_block, -(-max(new, 0) // block_size) + 1)
                 )

@@ -51,6 +51,10 @@ class RequestResult:
     e2e_s: float = 0.0
     tpot_s: float = 0.0
     """Mean gap between content chunks after the first."""
+    first_gap_s: float = 0.0
+    """The gap between the first content chunk and the second (0 with fewer than two). In a
+    push deployment the first token is prefill's and the second decode's: this gap holds
+    the handoff, which `tpot_s` spreads over the answer."""
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
@@ -122,9 +126,7 @@ async def stream_request(
         "return_token_ids": True,
     }
     start = time.perf_counter()
-    first: float | None = None
-    last = start
-    chunks = 0
+    times: list[float] = []  # when each content chunk came
     text: list[str] = []
     ids: list[int] = []
     usage: dict[str, Any] = {}
@@ -154,25 +156,23 @@ async def stream_request(
                     piece = choice.get("text") or delta.get("content") or ""
                     if not new_ids and not piece and not _has_output(delta):
                         continue
-                    now = time.perf_counter()
-                    if first is None:
-                        first = now
-                    last = now
-                    chunks += 1
+                    times.append(time.perf_counter())
                     text.append(piece)
                     ids.extend(new_ids)
     except httpx.TransportError as exc:
         return RequestResult(ok=False, error=repr(exc), is_transport_error=True)
     except (httpx.HTTPError, SSEError) as exc:
         return RequestResult(ok=False, error=repr(exc))
-    if first is None:
+    if not times:
         return RequestResult(ok=False, error="no tokens received")
-    n = max(len(ids), chunks)
+    first, last = times[0], times[-1]
+    n = max(len(ids), len(times))
     return RequestResult(
         ok=True,
         ttft_s=first - start,
         e2e_s=last - start,
         tpot_s=(last - first) / (n - 1) if n > 1 else 0.0,
+        first_gap_s=times[1] - first if len(times) > 1 else 0.0,
         text="".join(text),
         token_ids=ids,
         prompt_tokens=int(usage.get("prompt_tokens", 0)),

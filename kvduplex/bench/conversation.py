@@ -108,9 +108,10 @@ class Conversation(Protocol):
 
     def add_answer(
         self, text: str, token_ids: list[int], message: dict[str, Any] | None = None
-    ) -> None:
+    ) -> bool:
         """Append the answer the server gave to the last request (`message`: a chat
-        answer's assistant message as the client built it)."""
+        answer's assistant message as the client built it); whether the history now holds
+        it as it was generated (False: the client rewrote it, or stripped its reasoning)."""
         ...
 
 
@@ -144,8 +145,9 @@ class TokenConversation:
 
     def add_answer(
         self, text: str, token_ids: list[int], message: dict[str, Any] | None = None
-    ) -> None:
+    ) -> bool:
         self.ids.extend(token_ids)
+        return True
 
 
 @dataclass
@@ -183,10 +185,10 @@ class ChatConversation:
 
     def add_answer(
         self, text: str, token_ids: list[int], message: dict[str, Any] | None = None
-    ) -> None:
+    ) -> bool:
         if not self.use_tools:
             self.messages.append({"role": "assistant", "content": text})
-            return
+            return True
         self.num_calls += 1
         call = {
             "id": f"call-{self.session}-{self.num_calls}",
@@ -194,6 +196,7 @@ class ChatConversation:
             "function": {"name": TOOL_NAME, "arguments": json.dumps({"command": text})},
         }
         self.messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        return False
 
 
 @dataclass
@@ -217,14 +220,15 @@ class AgentConversation(ChatConversation):
 
     def add_answer(
         self, text: str, token_ids: list[int], message: dict[str, Any] | None = None
-    ) -> None:
+    ) -> bool:
         if message is None:
             message = {"role": "assistant", "content": text}
         if message.get("tool_calls"):
             self.messages.append(dict(message))  # as received
-            return
+            return True
         # Reasoning stripped, as OpenAI's convention has clients do.
         self.messages.append({"role": "assistant", "content": message.get("content") or ""})
+        return not message.get("reasoning_content")
 
 
 def new_conversation(

@@ -200,6 +200,25 @@ def test_answer_hit_is_the_share_of_the_previous_answer_found_cached() -> None:
     assert report.answer_hit(t0, index) is None
 
 
+def test_an_answer_not_sent_back_is_neither_history_nor_a_hit_and_its_tokens_count_as_new() -> None:
+    """A client that strips an answer's reasoning (or rewrites it) sends a prompt without
+    it: there is no answer to hit, and the whole prompt past the previous one is new to D."""
+    bpb, bs = 1000, 16
+    t0 = _rec("push", 0, 1.0, prompt=100, cached=0)
+    t0.result.completion_tokens = 80
+    # 40 new tokens after turn 0's prompt (its 80-token answer left out): 3 + 1 blocks P->D
+    stripped = _rec("push", 1, 1.0, prompt=140, cached=96, kv=KVUsage(44, 0, 4 * bpb))
+    stripped.previous_sent_back = False
+    index = report.history_index([t0, stripped])
+    assert report.answer_hit(stripped, index) is None
+    assert report.history_hit(stripped, index) == pytest.approx(96 / 100)
+    (row,) = report.block_bounds([t0, stripped], bpb, bs)
+    assert (row.way, row.over, row.mean_bound) == ("P→D", 0, 4)
+    stripped.previous_sent_back = True  # read as sent back, the bound would be 0 + 1 blocks
+    (row,) = report.block_bounds([t0, stripped], bpb, bs)
+    assert (row.over, row.max_excess) == (1, 3)
+
+
 def _engine_ttft(sum_s: float, count: float) -> dict:
     return {(ENGINE_TTFT + "_sum", ()): sum_s, (ENGINE_TTFT + "_count", ()): count}
 

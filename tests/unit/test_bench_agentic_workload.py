@@ -94,7 +94,7 @@ def test_agentic_chat_turns_are_tool_calls_and_tool_results() -> None:
     ]  # fmt: skip
     assert first.body["tools"][0]["function"]["name"] == TOOL_NAME
     assert first.body["prompt_cache_key"] == "s1" and first.headers == {"X-Session-Id": "s1"}
-    conv.add_answer("ls -la", [1, 2])
+    assert not conv.add_answer("ls -la", [1, 2])  # rewritten into a call
     second = conv.next_request("out", max_tokens=4)
     assistant, tool = second.body["messages"][2:]
     assert assistant["role"] == "assistant" and assistant["content"] is None
@@ -112,7 +112,7 @@ def test_agentic_chat_turns_are_tool_calls_and_tool_results() -> None:
 def test_plain_chat_has_only_user_and_assistant_text(shape: str, plain: bool) -> None:
     conv = new_conversation(PromptForm.CHAT, "m", "s2", "SYS", shape=shape, chat_plain=plain)
     conv.next_request("q1", max_tokens=4)
-    conv.add_answer("a1", [])
+    assert conv.add_answer("a1", [])
     req = conv.next_request("q2", max_tokens=4)
     assert "tools" not in req.body
     assert req.body["messages"] == [
@@ -130,13 +130,14 @@ def test_an_agent_sends_calls_back_as_received_and_strips_reasoning() -> None:
     call = {"id": "chatcmpl-tool-1", "type": "function",
             "function": {"name": TOOL_NAME, "arguments": '{"command": "ls"}'}}  # fmt: skip
     received = {"role": "assistant", "content": None, "tool_calls": [call]}
-    conv.add_answer("", [1, 2], received)
+    assert conv.add_answer("", [1, 2], received)  # sent back as generated
     second = conv.next_request("exit 0", max_tokens=8)
     assert second.body["tool_choice"] == "none"
     assert second.body["messages"][2:] == [
         received, {"role": "tool", "tool_call_id": "chatcmpl-tool-1", "content": "exit 0"},
     ]  # fmt: skip
-    conv.add_answer("", [3], {"role": "assistant", "content": None, "reasoning_content": "hmm"})
+    stripped = {"role": "assistant", "content": None, "reasoning_content": "hmm"}
+    assert not conv.add_answer("", [3], stripped)  # its reasoning stripped: not as generated
     third = conv.next_request("next", max_tokens=8)
     assert third.body["tool_choice"] == "required"
     assert third.body["messages"][4:] == [
