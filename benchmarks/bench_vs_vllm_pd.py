@@ -117,6 +117,21 @@ def nixl_reads(engines: list[Process]) -> float:
     return metric_sum(scrape(engines[1].url), "vllm:nixl_xfer_time_seconds_count")
 
 
+ENGINE_TPOT = {
+    VLLM_PD: "vllm:request_time_per_output_token_seconds",
+    "kvduplex": "kvduplex_time_per_output_token_seconds",
+}
+"""Each system's histogram of a request's mean time between output tokens, as its decode
+engine measures it (from its first token to its last), without the front's relay."""
+
+
+def engine_tpot(url: str, system: str) -> tuple[float, float]:
+    """(sum, count) of `url`'s engine TPOT histogram."""
+    samples = scrape(url)
+    name = ENGINE_TPOT[system]
+    return metric_sum(samples, name + "_sum"), metric_sum(samples, name + "_count")
+
+
 def pin_tree(proc: Process, core: int) -> dict[int, list[int]]:
     """Pin every thread of every process in `proc`'s process group to `core`; the affinity
     each process had before. vLLM's CPU worker sets its own: its prefill worker's main
@@ -225,15 +240,24 @@ def run(
                     insts = instances.get(mode, [])
                     before = settle(insts) if insts else {}
                     reads0 = nixl_reads(vllm) if is_vllm else 0.0
+                    system = VLLM_PD if is_vllm else "kvduplex"
+                    d_url = vllm[1].url if is_vllm else next(
+                        (i.url for i in insts if i.role == "decode"), ""
+                    )
+                    tpot0 = engine_tpot(d_url, system) if d_url else (0.0, 0.0)
                     recs, wall = asyncio.run(run_workload(target, config, salt=f"{mode}-r{rep}", repetition=rep,
                                                           progress=False))  # fmt: skip
                     moved = kv_moved(insts, before, settle(insts)) if insts else None
                     reads = nixl_reads(vllm) - reads0 if is_vllm else None
+                    tpot1 = engine_tpot(d_url, system) if d_url else (0.0, 0.0)
+                    count = tpot1[1] - tpot0[1]
+                    d_tpot_ms = (tpot1[0] - tpot0[0]) / count * 1e3 if count else None
                     records += recs
                     runs.append({"mode": mode, "shape": config.shape.name, "repetition": rep, "wall_s": wall,
                                  "d_to_p_bytes": moved.d_to_p_bytes if moved else None,
                                  "p_to_d_bytes": moved.p_to_d_bytes if moved else None,
-                                 "vllm_nixl_reads": reads})  # fmt: skip
+                                 "vllm_nixl_reads": reads,
+                                 "decode_engine_tpot_mean_ms": d_tpot_ms})  # fmt: skip
                     cell = kv.setdefault(
                         f"{mode} / {config.shape.name}",
                         {"p_to_d_bytes": None, "d_to_p_bytes": None},
@@ -244,7 +268,8 @@ def run(
                             cell[key] = (cell[key] or 0.0) + got
                     failed = [r.result.error for r in recs if not r.result.ok]
                     print(f"rep {rep} {config.shape.name} {mode}: {len(recs) - len(failed)}/{len(recs)} ok, "
-                          f"{wall:.1f} s{'' if reads is None else f', vLLM D read KV {reads:.0f} times'} "
+                          f"{wall:.1f} s{'' if reads is None else f', vLLM D read KV {reads:.0f} times'}"
+                          f"{'' if d_tpot_ms is None else f', D engine TPOT mean {d_tpot_ms:.1f} ms'} "
                           f"{failed[:1]}", flush=True)  # fmt: skip
                 pause(vllm, True)
         pause(vllm, False)  # stopped processes do not take SIGTERM

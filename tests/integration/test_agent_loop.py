@@ -259,3 +259,46 @@ def test_logprobs_of_a_parsed_answer_through_push_match_colocated(rig: Rig, stre
     for g, w in zip(got, want, strict=True):
         assert g["token"] == w["token"] and abs(g["logprob"] - w["logprob"]) <= 1e-5, (g, w)
         assert [t["token"] for t in g["top_logprobs"]] == [t["token"] for t in w["top_logprobs"]]
+
+
+def test_a_call_the_agent_edits_is_rendered_as_sent_and_never_hit(rig: Rig) -> None:
+    """An agent that rewrites a forced call's arguments before sending it back (a sanitised
+    command, say) gets the answer a colocated instance gives for those messages: the edited
+    call is rendered from its text, not spliced from the ids generated; its returned blocks
+    are not hit, and the router stops returning the session's turns."""
+    agent = openai.OpenAI(base_url=rig.router + "/v1", api_key="unused", max_retries=0)
+    colocated = openai.OpenAI(base_url=rig.reference + "/v1", api_key="unused", max_retries=0)
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a careful coding agent. Use the shell tool."},
+        {"role": "user", "content": "List the files, then read the build log."},
+    ]
+    session = "agent-edit"
+
+    def ask(client: Any, turn: int) -> tuple[Any, list[int]]:
+        resp = client.chat.completions.create(
+            model="tiny", messages=messages, tools=TOOLS,
+            tool_choice="required" if turn % 2 == 0 else "auto", parallel_tool_calls=False,
+            max_tokens=96, temperature=0.0,
+            extra_body={"return_token_ids": True, "session_id": session},
+        )  # fmt: skip
+        choice = resp.choices[0]
+        return choice, list((choice.model_extra or {})["token_ids"])
+
+    choice, ids = ask(agent, 0)
+    assert ids == ask(colocated, 0)[1]
+    call = choice.message.tool_calls[0]
+    edited = choice.message.model_dump(exclude_none=True)
+    command = json.loads(call.function.arguments)["command"]
+    edited["tool_calls"][0]["function"]["arguments"] = json.dumps({"command": command + " -l"})
+    messages += [edited, {"role": "tool", "tool_call_id": call.id, "content": "exit 0"}]
+    before = _session_hits(rig, session)
+    assert _session_view(rig, session)["is_returning"]  # turn 0's call was returned
+    choice, ids = ask(agent, 1)
+    ref_choice, ref_ids = ask(colocated, 1)
+    assert ids == ref_ids, "the router's answer after an edited call is not colocated's"
+    assert _without_call_ids(choice.message) == _without_call_ids(ref_choice.message)
+    hit, returnable = (a - b for a, b in zip(_session_hits(rig, session), before, strict=True))
+    assert returnable > 0 and hit == 0, (hit, returnable)
+    assert not _session_view(rig, session)["is_returning"]
+    for url in (rig.prefill, rig.decode, rig.reference):
+        assert_pool_clean(url)
