@@ -167,6 +167,66 @@ async def _write_json(writer: asyncio.StreamWriter, payload: Any, status: int = 
     await writer.drain()
 
 
+# -------------------------------------------------------------------- the floor relay
+
+
+class FloorRelay:
+    """The least a push relay does, in raw asyncio streams: per client connection one
+    kept-alive connection to P and one to D; each request goes to both at once (P's
+    prefill, D's stream, as the router sends them), and D's HTTP chunks are piped back as
+    they come, unparsed. No routing, JSON, tokenizing, validation or framework: what it
+    adds to TTFT is the floor under a Python relay's on this machine (its process, pinned
+    as the router is, and the hops between cores)."""
+
+    def __init__(self, p_port: int, d_port: int) -> None:
+        self.p_port, self.d_port = p_port, d_port
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        p_reader, p_writer = await asyncio.open_connection("127.0.0.1", self.p_port)
+        d_reader, d_writer = await asyncio.open_connection("127.0.0.1", self.d_port)
+        prefill = b'{"xid": "floor"}'
+        p_request = (
+            b"POST /internal/push/prefill HTTP/1.1\r\nhost: p\r\ncontent-type: application/json"
+            b"\r\ncontent-length: %d\r\n\r\n%s" % (len(prefill), prefill)
+        )
+        try:
+            while True:
+                _, path, body = await _read_request(reader)
+                p_writer.write(p_request)
+                d_writer.write(
+                    b"POST %s HTTP/1.1\r\nhost: d\r\ncontent-type: application/json\r\n"
+                    b"content-length: %d\r\n\r\n%s" % (path.encode(), len(body), body)
+                )
+                p_head = await p_reader.readuntil(b"\r\n\r\n")
+                length = re.search(rb"content-length: *(\d+)", p_head, re.IGNORECASE)
+                await p_reader.readexactly(int(length.group(1)) if length else 0)
+                writer.write(await d_reader.readuntil(b"\r\n\r\n"))
+                while True:
+                    line = await d_reader.readuntil(b"\r\n")
+                    size = int(line[:-2], 16)
+                    writer.write(line + await d_reader.readexactly(size + 2))
+                    if size == 0:
+                        break
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            for w in (writer, p_writer, d_writer):
+                w.close()
+
+
+def serve_floor_relay(port: int, p_port: int, d_port: int) -> None:
+    """Run a `FloorRelay` on 127.0.0.1:`port` until killed."""
+
+    async def main() -> None:
+        relay = FloorRelay(p_port, d_port)
+        server = await asyncio.start_server(relay.serve, "127.0.0.1", port, backlog=4096)
+        async with server:
+            await server.serve_forever()
+
+    asyncio.run(main())
+
+
 # ------------------------------------------------------------------------ the client
 
 
@@ -323,6 +383,12 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     proc = start_router(
         r_port, p_port, d_port, router_cpu, log, args.profile_router, Path(args.router_repo)
     )
+    f_port = free_port()
+    floor = subprocess.Popen(
+        [sys.executable, __file__, "--floor-relay", str(f_port), str(p_port), str(d_port)],
+        env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO,
+        preexec_fn=lambda: os.sched_setaffinity(0, {router_cpu}),
+    )  # fmt: skip
     results: dict[str, Any] = {"capacity": [], "ttft": []}
     try:
         await wait_ready(r_port, proc)
@@ -347,6 +413,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         for n in args.streams:
             direct: list[float] = []
             routed: list[float] = []
+            floored: list[float] = []
             cpu_s = wall_s = 0.0
             num_errors = 0
             stagger_s = args.ttft_tokens * args.tpot_ms / 1e3  # one answer's length
@@ -359,10 +426,14 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 num_errors += load.num_errors
                 cpu_s += cpu_seconds(proc.pid) - cpu0
                 wall_s += time.perf_counter() - t0
+                load = await run_streams(f_port, n, args.ttft_tokens, args.ttft_s, stagger_s)
+                floored += load.ttfts_s
             row = {
                 "streams": n, "num_direct": len(direct), "num_routed": len(routed),
                 "direct_p50_ms": _p50_ms(direct), "routed_p50_ms": _p50_ms(routed),
                 "added_p50_ms": _p50_ms(routed) - _p50_ms(direct),
+                "floor_p50_ms": _p50_ms(floored),
+                "floor_added_p50_ms": _p50_ms(floored) - _p50_ms(direct),
                 "router_cpu_share": cpu_s / wall_s if wall_s > 0 else float("nan"),
                 "direct_p90_ms": _quantile_ms(direct, 0.9),
                 "routed_p90_ms": _quantile_ms(routed, 0.9),
@@ -372,6 +443,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             results["ttft"].append(row)
             print(json.dumps(row), flush=True)
     finally:
+        floor.kill()
+        floor.wait()
         proc.terminate()
         try:
             proc.wait(timeout=15)
@@ -400,8 +473,8 @@ def table(results: dict[str, Any]) -> str:
     ttft = {r["streams"]: r for r in results["ttft"]}
     lines = [
         "| streams | events/s relayed | router CPU | events/s per router core "
-        "| TTFT direct p50 | TTFT via router p50 | added p50 |",
-        "|---|---|---|---|---|---|---|",
+        "| TTFT direct p50 | TTFT via router p50 | added p50 | added p50 by the floor relay |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in results["capacity"]:
         t = ttft.get(r["streams"], {})
@@ -409,12 +482,15 @@ def table(results: dict[str, Any]) -> str:
             f"| {r['streams']} | {r['events_per_s']:,.0f} | {r['router_cpu_s'] / r['wall_s']:.0%} "
             f"| {r['events_per_router_cpu_s']:,.0f} | {t.get('direct_p50_ms', float('nan')):.2f} ms "
             f"| {t.get('routed_p50_ms', float('nan')):.2f} ms "
-            f"| {t.get('added_p50_ms', float('nan')):.2f} ms |"
+            f"| {t.get('added_p50_ms', float('nan')):.2f} ms "
+            f"| {t.get('floor_added_p50_ms', float('nan')):.2f} ms |"
         )
     return "\n".join(lines)
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--floor-relay"]:
+        return serve_floor_relay(*(int(a) for a in sys.argv[2:5]))
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--capacity-tokens", type=int, default=128)
