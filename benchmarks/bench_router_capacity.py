@@ -22,9 +22,11 @@ next request when its answer ends):
   the first event through the router against straight to the stub's D (the same request,
   interleaved: direct, router, direct, router), each stream starting after a random pause
   of up to one answer so that requests do not come in bursts. Added TTFT = router p50 -
-  direct p50.
+  direct p50. A floor relay (`FloorRelay`: raw asyncio, pinned as the router, calling
+  P and D at once and piping D's chunks back unparsed) runs the same streams third:
+  what it adds is the floor under any Python relay on this machine.
 
-    PYTHONPATH=. python benchmarks/bench_router_capacity.py   # about 2 minutes
+    PYTHONPATH=. python benchmarks/bench_router_capacity.py   # about 3 minutes
 
 Writes results/router_capacity.json and .md.
 """
