@@ -40,6 +40,16 @@ ids' text, and the ids go there if what precedes them is exactly their head
 (`_splice_with_calls`). That prompt is the previous prompt, the generated ids,
 then the template's end of turn and what follows; the check is against that text.
 
+Cost. Every text a placement is checked against (an answer's head, the text
+before a stripped answer's content, a call's head with earlier calls as their
+ids) is rendered once and remembered as (length, sha256) in the book's
+`HeadCache`, keyed by a hash chained over the tools and the messages before it:
+a conversation's next turn renders the template a fixed number of times (the
+whole conversation, once or twice, and the heads that are new), not once per
+message placed. A remembered head is only ever compared with today's text, and
+the spliced prompt must decode to that text, so a stale or colliding entry can
+lose a hit, never place a wrong token.
+
 The same function runs on the router and on every instance that answers chat
 requests, each with its own book, so given the same messages and the same
 records they build the same ids. The router also hands decode the ids it built
@@ -55,6 +65,7 @@ import hashlib
 import json
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -233,6 +244,42 @@ class HeadCache:
                 self._heads.popitem(last=False)
 
 
+class _Prefixes:
+    """Digests of a text's prefixes, as `HeadCache` keeps them: prefixes asked for in
+    increasing length hash the text once in all (each span hashed once), not once each."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self._hash = hashlib.sha256()
+        self._end = 0
+
+    def starts_with(self, end: int, digest: bytes) -> bool:
+        """Whether the text begins with the text of length `end` and sha256 `digest`."""
+        if end > len(self.text):
+            return False
+        if end < self._end:
+            return _sha(self.text[:end]) == digest
+        self._hash.update(self.text[self._end : end].encode("utf-8", "surrogatepass"))
+        self._end = end
+        return self._hash.copy().digest() == digest
+
+
+def _known_prefix(
+    heads: HeadCache | None, key: bytes, render: Callable[[], str | None]
+) -> tuple[int, bytes] | None:
+    """(length, digest) of the text `render` makes (None: it cannot), from `heads` under
+    `key` if there, else rendered and remembered."""
+    cached = heads.get(key) if heads is not None else None
+    if cached is not None:
+        return cached
+    text = render()
+    if text is None:
+        return None
+    if heads is not None:
+        heads.put(key, text)
+    return len(text), _sha(text)
+
+
 def _sha(text: str) -> bytes:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
 
@@ -242,10 +289,13 @@ def _head_keys(messages: Messages, tools: Tools) -> list[bytes]:
     key = hashlib.sha256(json.dumps(tools, sort_keys=True, default=str).encode()).digest()
     keys = [key]
     for m in messages:
-        blob = json.dumps(m, sort_keys=True, default=str).encode("utf-8", "surrogatepass")
-        key = hashlib.sha256(key + blob).digest()
+        key = hashlib.sha256(key + _message_blob(m)).digest()
         keys.append(key)
     return keys
+
+
+def _message_blob(message: Mapping[str, Any]) -> bytes:
+    return json.dumps(message, sort_keys=True, default=str).encode("utf-8", "surrogatepass")
 
 
 def splice_chat_ids(
@@ -263,7 +313,7 @@ def splice_chat_ids(
     placed: set[int] = set()
     ids = _splice_rendered(tokenizer, messages, tools, placements, heads, placed)
     if calls and not set(calls) <= placed:  # the template re-rendered a call its own way
-        return _splice_with_calls(tokenizer, messages, tools, placements, calls) or ids
+        return _splice_with_calls(tokenizer, messages, tools, placements, calls, heads) or ids
     return ids
 
 
@@ -278,16 +328,15 @@ def _splice_rendered(
     """`splice_chat_ids` where each message's ids are found in the template's own text;
     adds to `placed` the messages whose ids were placed."""
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
-    keys = _head_keys(messages, tools) if heads is not None else []
+    keys = _head_keys(messages, tools)
+    prefixes = _Prefixes(text)
     spans: list[tuple[int, int, tuple[int, ...], list[bool]]] = []
     pos = 0
     for i, placement in enumerate(placements):
         if placement is None:
             continue
-        if placement.at_head and heads is not None:
-            start = _cached_head_end(tokenizer, messages, tools, i, text, heads, keys[i])
-        else:
-            start = _span_start(tokenizer, messages, tools, i, placement.at_head, text)
+        start = _span_start(tokenizer, messages, tools, i, placement.at_head, prefixes,
+                            heads, keys[i])  # fmt: skip
         if start is None or start < pos:
             continue
         matched = _match(tokenizer, placement.token_ids, text, start)
@@ -385,6 +434,7 @@ def _splice_with_calls(
     tools: Tools,
     placements: Sequence[Placement | None],
     calls: dict[int, tuple[str, str]],
+    heads: HeadCache | None = None,
 ) -> list[int] | None:
     """`splice_chat_ids` where some placed messages are tool calls. The template renders a
     past call its own way, never as the text the model wrote, so such a message's span is
@@ -392,11 +442,13 @@ def _splice_with_calls(
     and its generated ids go there if what precedes them is exactly the head they were
     generated after (itself rendered so: earlier calls as their ids). A message whose head
     differs (a template that gives a call turn another header) is rendered normally, and so
-    is everything after it."""
-    found = _calls_in_place(tokenizer, messages, tools, calls)
+    is everything after it. Heads are remembered in `heads`, as content answers' are."""
+    keys = _head_keys(messages, tools)
+    found = _calls_in_place(tokenizer, messages, tools, calls, heads, keys)
     if found is None:
         return None
     text, starts, calls = found
+    prefixes = _Prefixes(text)
     spans: list[tuple[int, int, tuple[int, ...], list[bool]]] = []
     pos = 0
     for i, placement in enumerate(placements):
@@ -407,19 +459,20 @@ def _splice_with_calls(
             spans.append((starts[i], end, placement.token_ids, [True] * len(placement.token_ids)))
             pos = end
             continue
-        head = _head_with_calls(tokenizer, messages, tools, calls, i)
-        if len(head) < pos or not text.startswith(head):
+        head = _head_with_calls(tokenizer, messages, tools, calls, i, heads, keys)
+        if head is None or head[0] < pos or not prefixes.starts_with(*head):
             continue
-        matched = _match(tokenizer, placement.token_ids, text, len(head))
+        matched = _match(tokenizer, placement.token_ids, text, head[0])
         if matched is not None:
-            spans.append((len(head), matched[0], placement.token_ids, matched[1]))
+            spans.append((head[0], matched[0], placement.token_ids, matched[1]))
             pos = matched[0]
     return _join(tokenizer, text, spans)
 
 
 def _calls_in_place(
-    tokenizer: Tokenizer, messages: Messages, tools: Tools, calls: dict[int, tuple[str, str]]
-) -> tuple[str, dict[int, int], dict[int, tuple[str, str]]] | None:
+    tokenizer: Tokenizer, messages: Messages, tools: Tools, calls: dict[int, tuple[str, str]],
+    heads: HeadCache | None, keys: Sequence[bytes],
+) -> tuple[str, dict[int, int], dict[int, tuple[str, str]]] | None:  # fmt: skip
     """The text with `calls` as their ids, where each begins, and the calls kept: those
     (from the first on) whose ids follow exactly their head; None if none."""
     calls = dict(calls)
@@ -428,69 +481,85 @@ def _calls_in_place(
             text, starts = _render_with_calls(tokenizer, messages, tools, calls, True)
         except ValueError:
             return None
-        bad = [
-            i for i in sorted(calls)
-            if not _follows(text, starts[i], _head_with_calls(tokenizer, messages, tools, calls, i))
-        ]  # fmt: skip
-        if not bad:
+        prefixes = _Prefixes(text)
+        bad = next(
+            (i for i in sorted(calls) if not _follows(prefixes, starts[i], _head_with_calls(
+                tokenizer, messages, tools, calls, i, heads, keys
+            ))),
+            None,
+        )  # fmt: skip
+        if bad is None:
             return text, starts, calls
-        calls = {i: c for i, c in calls.items() if i < bad[0]}
+        calls = {i: c for i, c in calls.items() if i < bad}
     return None
+
+
+def _follows(text: _Prefixes, start: int, head: tuple[int, bytes] | None) -> bool:
+    """Whether a span at `start` follows exactly a (non-empty) `head` of `text`."""
+    return head is not None and 0 < head[0] == start and text.starts_with(*head)
 
 
 def _head_with_calls(
     tokenizer: Tokenizer, messages: Messages, tools: Tools,
-    calls: Mapping[int, tuple[str, str]], i: int,
-) -> str:  # fmt: skip
-    """The head of message `i`, earlier `calls` as their ids ("" if it cannot be found)."""
+    calls: Mapping[int, tuple[str, str]], i: int, heads: HeadCache | None,
+    keys: Sequence[bytes],
+) -> tuple[int, bytes] | None:  # fmt: skip
+    """(length, digest) of the head of message `i`, earlier `calls` as their ids (None if
+    the template refuses it), remembered in `heads`."""
     earlier = {j: c for j, c in calls.items() if j < i}
-    try:
-        return _render_with_calls(tokenizer, messages[:i], tools, earlier, True)[0]
-    except ValueError:
-        return ""
+    blob = json.dumps(sorted(earlier.items())).encode("utf-8", "surrogatepass")
+    key = hashlib.sha256(keys[i] + b"calls:" + blob).digest()
 
-
-def _follows(text: str, start: int, head: str) -> bool:
-    return bool(head) and start == len(head) and text.startswith(head)
-
-
-def _cached_head_end(
-    tokenizer: Tokenizer, messages: Messages, tools: Tools, i: int, text: str,
-    heads: HeadCache, key: bytes,
-) -> int | None:  # fmt: skip
-    """`_span_start` after the head, with the head's end remembered in `heads`."""
-    cached = heads.get(key)
-    if cached is None:
+    def render() -> str | None:
         try:
-            head = tokenizer.apply_chat_template(
-                messages[:i], add_generation_prompt=True, tools=tools
-            )
+            return _render_with_calls(tokenizer, messages[:i], tools, earlier, True)[0]
         except ValueError:
             return None
-        heads.put(key, head)
-        return len(head) if text.startswith(head) else None
-    end, digest = cached
-    return end if len(text) >= end and _sha(text[:end]) == digest else None
+
+    return _known_prefix(heads, key, render)
 
 
 def _span_start(
-    tokenizer: Tokenizer, messages: Messages, tools: Tools, i: int, at_head: bool, text: str
-) -> int | None:
-    """Where message `i`'s ids begin in `text`: after the head, or where its content is."""
+    tokenizer: Tokenizer, messages: Messages, tools: Tools, i: int, at_head: bool,
+    text: _Prefixes, heads: HeadCache | None, key: bytes,
+) -> int | None:  # fmt: skip
+    """Where message `i`'s ids begin in `text`: after the head, or where its content is
+    (the text before that remembered in `heads` under `key`, the chained hash of the
+    messages before `i`, so that a conversation's next turn renders it again only if it
+    is new)."""
+    if at_head:
+        known = _known_prefix(heads, key, lambda: _try_render(tokenizer, messages[:i], tools))
+    else:
+        content_key = hashlib.sha256(key + b"content:" + _message_blob(messages[i])).digest()
+        known = _known_prefix(
+            heads, content_key, lambda: _before_content(tokenizer, messages, tools, i)
+        )
+    if known is None or not text.starts_with(*known):
+        return None
+    return known[0]
+
+
+def _try_render(tokenizer: Tokenizer, messages: Messages, tools: Tools) -> str | None:
+    """`messages` rendered with the generation prompt; None if the template refuses them."""
     try:
-        if at_head:
-            head = tokenizer.apply_chat_template(
-                messages[:i], add_generation_prompt=True, tools=tools
-            )
-            return len(head) if text.startswith(head) else None
-        marked = [*messages[:i], {**messages[i], "content": _SENTINEL}, *messages[i + 1 :]]
-        rendered = tokenizer.apply_chat_template(marked, add_generation_prompt=True, tools=tools)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
     except ValueError:
         return None
-    at = rendered.find(_SENTINEL)
-    if at < 0 or rendered.find(_SENTINEL, at + 1) >= 0 or not text.startswith(rendered[:at]):
+
+
+def _before_content(
+    tokenizer: Tokenizer, messages: Messages, tools: Tools, i: int
+) -> str | None:
+    """The template's text before message `i`'s content (None: it does not show the
+    content exactly once)."""
+    marked = [*messages[:i], {**messages[i], "content": _SENTINEL}, *messages[i + 1 :]]
+    rendered = _try_render(tokenizer, marked, tools)
+    if rendered is None:
         return None
-    return at
+    at = rendered.find(_SENTINEL)
+    if at < 0 or rendered.find(_SENTINEL, at + 1) >= 0:
+        return None
+    return rendered[:at]
 
 
 def _match(

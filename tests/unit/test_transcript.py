@@ -326,3 +326,61 @@ def test_a_forced_call_sent_back_unchanged_keeps_its_generated_ids(
     assert prompt_token_ids(_chat(with_content), tok, book) == prompt_token_ids(
         _chat(with_content), tok
     )
+
+
+@pytest.mark.parametrize(
+    ("template", "eos"),
+    [(CALLS_CHATML, "<|im_end|>"), (CALLS_LLAMA3, "<|eot_id|>")],
+    ids=["chatml", "llama3"],
+)
+def test_an_agent_loops_renders_do_not_grow_with_its_turns(
+    tmp_path: Path, template: str, eos: str
+) -> None:
+    """A long tool loop (forced calls sent back, tool results, content answers, stripped
+    reasoning): once the book has seen a turn's heads, the next turn renders the template a
+    fixed number of times, however many calls and answers it places, and builds the very
+    ids that a book without remembered heads builds."""
+    tok = _bpe(tmp_path, template, eos)
+    eos_id = tok.encode(eos, add_special_tokens=False)[0]
+    renders = 0
+    render = tok.apply_chat_template
+
+    def counting(*args: Any, **kwargs: Any) -> str:
+        nonlocal renders
+        renders += 1
+        return render(*args, **kwargs)
+
+    tok.apply_chat_template = counting  # type: ignore[method-assign]
+    book = AnswerBook()
+    records: list[AnswerRecord] = []
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "fix the build"}]
+    per_turn = []
+    for turn in range(12):
+        before = renders
+        ids = prompt_token_ids(_chat(messages), tok, book, now=float(turn))
+        per_turn.append(renders - before)
+        fresh = AnswerBook()  # the same records, no heads remembered
+        for record in records:
+            fresh.add(record, now=float(turn))
+        assert prompt_token_ids(_chat(messages), tok, fresh, now=float(turn)) == ids, turn
+        if turn % 3 == 0:  # a forced call, sent back as returned
+            args = json.dumps({"path": f"/tmp/{turn}"})
+            call = {"id": f"call-{turn}", "type": "function",
+                    "function": {"name": "ls", "arguments": args}}  # fmt: skip
+            written = json.dumps([{"name": "ls", "parameters": {"path": f"/tmp/{turn}"}}])
+            records.append(AnswerRecord(tuple([*_single_pieces(tok, written), eos_id]),
+                                        {"role": "assistant", "content": "", "tool_calls": [call]}))
+            book.add(records[-1], now=float(turn))
+            messages += [{"role": "assistant", "content": None, "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": call["id"], "content": "a b"}]  # fmt: skip
+        else:  # a content answer; every other one loses its reasoning on the way back
+            text = "hello world"
+            reasoning = "the lazy dog" if turn % 3 == 2 else ""
+            thought = _single_pieces(tok, reasoning) if reasoning else []
+            returned = {"role": "assistant", "content": text, "reasoning_content": reasoning or None}
+            records.append(AnswerRecord(tuple([*thought, *_single_pieces(tok, text), eos_id]),
+                                        returned, num_reasoning_ids=len(thought)))
+            book.add(records[-1], now=float(turn))
+            messages += [{"role": "assistant", "content": text},
+                         {"role": "user", "content": f"step {turn}"}]  # fmt: skip
+    assert max(per_turn[1:]) <= 6, per_turn  # 12 turns: 11 answers placed in the last
