@@ -82,9 +82,23 @@ async def main(args: argparse.Namespace) -> None:
         async def via(client: httpx.AsyncClient) -> None:
             (await client.send(json_request(client, url, BODY))).json()
 
+        transport = InstanceTransport(client=_instance_session)
+        parsed = httpx.URL(url)
+        extensions = {"timeout": timeout.as_dict()}
+
+        async def via_transport() -> None:
+            request = httpx.Request(
+                "POST", parsed, content=payload, extensions=extensions,
+                headers={"content-type": "application/json"},
+            )  # fmt: skip
+            resp = await transport.handle_async_request(request)
+            await resp.aread()
+            resp.json()
+
         clients: list[tuple[str, Callable[[], Awaitable[None]]]] = [
             ("raw asyncio streams (floor)", via_raw), ("aiohttp", via_aiohttp),
             ("httpx over aiohttp (the router's)", lambda: via(routers)),
+            ("the router's transport called directly", via_transport),
             ("httpx over httpcore", lambda: via(plain)),
         ]  # fmt: skip
         print(f"| client | call p50 ms | call p90 ms |  (gap {args.gap_ms} ms, {args.calls} calls)")

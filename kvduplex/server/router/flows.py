@@ -78,7 +78,6 @@ from kvduplex.server.router.relay import body_parts
 from kvduplex.server.router.relay import push_stream
 from kvduplex.server.router.relay import relay
 from kvduplex.server.router.state import RouterState
-from kvduplex.server.router.state import json_request
 
 logger = logging.getLogger(__name__)
 
@@ -212,7 +211,7 @@ async def _post_prefill(
     outcome = Outcome.REFUSED  # until the call ends one way or the other
     try:
         resp = await until_unhealthy(
-            p, state.client.send(json_request(state.client, p.url + path, req))
+            p, state.calls.post(p.url + path, req)
         )
         outcome = _outcome(resp.status_code)
         if resp.status_code != 200:
@@ -238,7 +237,7 @@ async def _retained(state: RouterState, d: Backend, session_id: str) -> dict[str
     url = d.url + "/internal/kv/retained"
     try:
         resp = await until_unhealthy(
-            d, state.client.send(json_request(state.client, url, {"session_id": session_id}))
+            d, state.calls.post(url, {"session_id": session_id})
         )
     except httpx.HTTPError as exc:
         logger.info("session %s: retained turn at %s unavailable: %s", session_id, d.url, exc)
@@ -258,13 +257,13 @@ async def _cancel(state: RouterState, b: Backend, xid: str, reason: str) -> None
     body = {"xid": xid, "reason": reason}
     with contextlib.suppress(httpx.HTTPError):
         url = b.url + "/internal/push/cancel"
-        await until_unhealthy(b, state.client.send(json_request(state.client, url, body)))
+        await until_unhealthy(b, state.calls.post(url, body))
 
 
 async def _release(state: RouterState, b: Backend, xid: str) -> None:
     with contextlib.suppress(httpx.HTTPError):
         url = b.url + "/internal/release"
-        await until_unhealthy(b, state.client.send(json_request(state.client, url, {"xid": xid})))
+        await until_unhealthy(b, state.calls.post(url, {"xid": xid}))
 
 
 async def _open_decode(
@@ -281,10 +280,7 @@ async def _open_decode(
         headers = {**headers, RAW_OUTPUT_HEADER: "1"}
     try:
         resp = await until_unhealthy(
-            d,
-            state.client.send(
-                json_request(state.client, d.url + fwd.path, body, headers), stream=True
-            ),
+            d, state.calls.post(d.url + fwd.path, body, headers, stream=True)
         )
         if resp.status_code == 503 and await is_draining_answer(resp):
             # D got SIGTERM after the route was chosen, before a probe saw it: no new work

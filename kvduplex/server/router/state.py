@@ -45,6 +45,9 @@ class RouterState:
     unhealthy (`calls.py`). It sends through aiohttp (`_instance_session`): httpcore's
     pool walks all its connections on every request and release (quadratically in its
     keep-alive check), which at 64 streams took a third of the router's CPU."""
+    calls: InstanceCalls
+    """The flows' POSTs to the instances (prefill, decode's stream, cancels): `client`'s
+    transport, headers and timeout, without `httpx.AsyncClient`'s layers."""
     probe_client: httpx.AsyncClient
     """The health probes' own pool, so that a busy router never takes its own wait for a
     connection for an instance's failure."""
@@ -96,18 +99,18 @@ class RouterState:
         env = Environment.read()
         api_key = resolve_api_key(config.api_key, env.api_key)
         secret = load_cluster_secret(config.cluster_secret_file, env.cluster_secret)
-        client = httpx.AsyncClient(
-            timeout=httpx.Timeout(600.0, connect=5.0),
-            transport=transport or InstanceTransport(client=_instance_session),
-            headers={**secret_headers(secret), **api_key_headers(api_key)},
-        )  # fmt: skip
+        timeout = httpx.Timeout(600.0, connect=5.0)
+        headers = {**secret_headers(secret), **api_key_headers(api_key)}
+        transport = transport or InstanceTransport(client=_instance_session)
+        client = httpx.AsyncClient(timeout=timeout, transport=transport, headers=headers)
+        calls = InstanceCalls(transport, headers, timeout)
         probe_client = httpx.AsyncClient(
             timeout=httpx.Timeout(config.health_timeout_s), transport=transport
         )
         prompts = ThreadPoolExecutor(config.prompt_threads, thread_name_prefix="kvduplex-prompt")
         return cls(
             config, tokenizer, policy, registry, RouterMetrics(registry, policy), client,
-            probe_client, prompts, api_key, drain=DrainState(timeout_s=config.drain_timeout_s),
+            calls, probe_client, prompts, api_key, drain=DrainState(timeout_s=config.drain_timeout_s),
             discovery=Discovery.try_from_config(config, policy, probe_client, resolve),
         )  # fmt: skip
 
@@ -141,6 +144,50 @@ def _instance_session() -> aiohttp.ClientSession:
     keeps them; httpx's client gives the timeouts, headers and errors."""
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=5.0)
     return aiohttp.ClientSession(connector=connector)
+
+
+class InstanceCalls:
+    """POSTs of JSON to the instances, sent to the transport directly: httpx's `Request`
+    and `Response` (the relay reads the response as it would any, and errors are httpx's),
+    without `httpx.AsyncClient`'s layers (URL merging and parsing, auth and redirect
+    handling, cookies, default headers), which cost the router ~0.4 ms of its core per
+    call (`benchmarks/bench_http_clients.py`), two calls on each request's first token's
+    path. Each URL is parsed once."""
+
+    def __init__(
+        self, transport: httpx.AsyncBaseTransport, headers: dict[str, str], timeout: httpx.Timeout
+    ) -> None:
+        self.transport = transport
+        self.headers = {"content-type": "application/json", **headers}
+        self.extensions = {"timeout": timeout.as_dict()}
+        self._urls: dict[str, httpx.URL] = {}
+
+    async def post(
+        self, url: str, body: dict[str, Any], headers: dict[str, str] | None = None,
+        *, stream: bool = False,
+    ) -> httpx.Response:  # fmt: skip
+        """POST `body` as JSON to `url`; the response read whole, or (`stream`) its head
+        only, the body to be read and closed by the caller. Lone surrogates (valid in a
+        request a client sent us, e.g. in ``user``) are escaped, as `json.dumps` writes
+        them."""
+        parsed = self._urls.get(url)
+        if parsed is None:
+            if len(self._urls) >= 4096:  # instances come and go: keep the table bounded
+                self._urls.clear()
+            parsed = self._urls[url] = httpx.URL(url)
+        request = httpx.Request(
+            "POST", parsed, content=json.dumps(body).encode(),
+            headers={**self.headers, **headers} if headers else self.headers,
+            extensions=self.extensions,
+        )  # fmt: skip
+        response = await self.transport.handle_async_request(request)
+        response.request = request
+        if not stream:
+            try:
+                await response.aread()
+            finally:
+                await response.aclose()
+        return response
 
 
 def json_request(
