@@ -113,3 +113,54 @@ def test_closing_a_response_ends_a_read_in_flight_and_the_connection() -> None:
             assert parts == [b"data: one\n\n"]
 
     asyncio.run(run())
+
+
+def test_instance_calls_post_json_with_the_routers_headers_over_real_sockets() -> None:
+    """`InstanceCalls` (the flows' POSTs, sent to the transport directly): the body as JSON
+    with the router's headers and the call's own, a whole answer read and its connection
+    given back for the next call, a streamed one left for its reader."""
+    from kvduplex.server.router.state import InstanceCalls
+
+    requests: list[bytes] = []
+    connections: list[asyncio.StreamWriter] = []
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(writer)
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:
+                break
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            requests.append(head + await reader.readexactly(length))
+            if b"/stream" in head.split(b"\r\n")[0]:
+                writer.write(_STREAM_HEAD + _ONE_EVENT + b"0\r\n\r\n")
+            else:
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 12\r\n\r\n{\"ok\": true}")
+            await writer.drain()
+        writer.close()
+
+    async def run() -> None:
+        server = await asyncio.start_server(answer, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        transport = InstanceTransport(client=_instance_session)
+        calls = InstanceCalls(transport, {"x-secret": "s"}, httpx.Timeout(5.0))
+        try:
+            url = f"http://127.0.0.1:{port}"
+            got = await calls.post(url + "/prefill", {"user": "\ud800", "n": 1})
+            assert got.status_code == 200 and got.json() == {"ok": True} and got.is_closed
+            streamed = await calls.post(url + "/stream", {}, {"x-raw": "1"}, stream=True)
+            assert not streamed.is_closed  # the relay reads it
+            assert [part async for part in streamed.aiter_bytes()] == [b"data: one\n\n"]
+            await streamed.aclose()
+        finally:
+            await transport.aclose()
+            server.close()
+            await server.wait_closed()
+        assert len(connections) == 1  # the whole answer's connection served the next call
+        first, second = (r.lower() for r in requests)
+        assert b"x-secret: s" in first and b"content-type: application/json" in first
+        assert first.endswith(b'{"user": "\\ud800", "n": 1}')  # a lone surrogate escaped
+        assert b"x-raw: 1" in second and b"x-secret: s" in second
+
+    asyncio.run(run())
