@@ -28,20 +28,13 @@ from tests.unit.test_transcript import CALLS_CHATML
 from tests.unit.test_transcript import _bpe
 from tests.unit.test_transcript import _chat
 from tests.unit.test_transcript import _single_pieces
+from tests.unit.test_transcript import count_renders
 
 
 def main(args: argparse.Namespace) -> None:
     tok = _bpe(Path(tempfile.mkdtemp()), CALLS_CHATML, "<|im_end|>")
     eos = tok.encode("<|im_end|>", add_special_tokens=False)[0]
-    renders = 0
-    render = tok.apply_chat_template
-
-    def counting(*a: Any, **k: Any) -> str:
-        nonlocal renders
-        renders += 1
-        return render(*a, **k)
-
-    tok.apply_chat_template = counting  # type: ignore[method-assign]
+    renders = count_renders(tok)
     print("| turns | last turn's prompt tokens | build ms (median) | template renders |")
     print("|---|---|---|---|")
     for n in args.turns:
@@ -71,11 +64,11 @@ def main(args: argparse.Namespace) -> None:
                 messages += [answer, {"role": "user", "content": "the lazy dog " * 4}]
         times, counts = [], []
         for _ in range(args.repeats):
-            before = renders
+            before = renders()
             t0 = time.perf_counter()
             ids = prompt_token_ids(_chat(messages), tok, book, now=float(n))
             times.append(time.perf_counter() - t0)
-            counts.append(renders - before)
+            counts.append(renders() - before)
         print(f"| {n} | {len(ids)} | {statistics.median(times) * 1e3:.1f} | {counts[0]} |")
 
 

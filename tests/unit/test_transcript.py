@@ -5,6 +5,7 @@ ChatML- and Llama-3-style templates."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,20 @@ def _single_pieces(tok: HFTokenizer, text: str) -> list[int]:
     ids = [tok.encode(ch, add_special_tokens=False) for ch in text]
     assert all(len(i) == 1 for i in ids)
     return [i[0] for i in ids]
+
+
+def count_renders(tok: HFTokenizer) -> Callable[[], int]:
+    """Count `tok`'s chat template renders from now on; the count so far, when called."""
+    renders = 0
+    render = tok.apply_chat_template
+
+    def counting(*args: Any, **kwargs: Any) -> str:
+        nonlocal renders
+        renders += 1
+        return render(*args, **kwargs)
+
+    tok.apply_chat_template = counting  # type: ignore[method-assign]
+    return lambda: renders
 
 
 def _chat(messages: list[dict[str, Any]]) -> ChatCompletionRequest:
@@ -342,23 +357,15 @@ def test_an_agent_loops_renders_do_not_grow_with_its_turns(
     ids that a book without remembered heads builds."""
     tok = _bpe(tmp_path, template, eos)
     eos_id = tok.encode(eos, add_special_tokens=False)[0]
-    renders = 0
-    render = tok.apply_chat_template
-
-    def counting(*args: Any, **kwargs: Any) -> str:
-        nonlocal renders
-        renders += 1
-        return render(*args, **kwargs)
-
-    tok.apply_chat_template = counting  # type: ignore[method-assign]
+    renders = count_renders(tok)
     book = AnswerBook()
     records: list[AnswerRecord] = []
     messages: list[dict[str, Any]] = [{"role": "user", "content": "fix the build"}]
     per_turn = []
     for turn in range(12):
-        before = renders
+        before = renders()
         ids = prompt_token_ids(_chat(messages), tok, book, now=float(turn))
-        per_turn.append(renders - before)
+        per_turn.append(renders() - before)
         fresh = AnswerBook()  # the same records, no heads remembered
         for record in records:
             fresh.add(record, now=float(turn))
