@@ -29,9 +29,9 @@ from benchmarks.bench_router_capacity import Stub
 from kvduplex.server.cluster import free_port
 from kvduplex.server.router.state import InstanceTransport
 from kvduplex.server.router.state import _instance_session
-from kvduplex.server.router.state import json_request
 
 BODY = {"xid": "x", "prompt_token_ids": list(range(64))}
+JSON = {"content-type": "application/json"}
 
 
 def serve_stub(port: int, cpu: int) -> int:
@@ -80,7 +80,7 @@ async def main(args: argparse.Namespace) -> None:
                 await resp.json()
 
         async def via(client: httpx.AsyncClient) -> None:
-            (await client.send(json_request(client, url, BODY))).json()
+            (await client.post(url, content=payload, headers=JSON)).json()
 
         transport = InstanceTransport(client=_instance_session)
         parsed = httpx.URL(url)
@@ -117,6 +117,7 @@ async def main(args: argparse.Namespace) -> None:
         writer.close()
         await session.close()
         await routers.aclose()
+        await transport.aclose()
         await plain.aclose()
     finally:
         os.kill(pid, 9)

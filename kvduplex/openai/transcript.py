@@ -310,10 +310,12 @@ def splice_chat_ids(
     docstring); None when none could be placed (render as usual). ValueError if the
     template refuses the messages. `heads` remembers where heads end, across calls."""
     calls = _placed_calls(tokenizer, messages, tools, placements)
+    keys = _head_keys(messages, tools)
     placed: set[int] = set()
-    ids = _splice_rendered(tokenizer, messages, tools, placements, heads, placed)
+    ids = _splice_rendered(tokenizer, messages, tools, placements, heads, keys, placed)
     if calls and not set(calls) <= placed:  # the template re-rendered a call its own way
-        return _splice_with_calls(tokenizer, messages, tools, placements, calls, heads) or ids
+        spliced = _splice_with_calls(tokenizer, messages, tools, placements, calls, heads, keys)
+        return spliced or ids
     return ids
 
 
@@ -323,12 +325,12 @@ def _splice_rendered(
     tools: Tools,
     placements: Sequence[Placement | None],
     heads: HeadCache | None,
+    keys: Sequence[bytes],
     placed: set[int],
 ) -> list[int] | None:
     """`splice_chat_ids` where each message's ids are found in the template's own text;
     adds to `placed` the messages whose ids were placed."""
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
-    keys = _head_keys(messages, tools)
     prefixes = _Prefixes(text)
     spans: list[tuple[int, int, tuple[int, ...], list[bool]]] = []
     pos = 0
@@ -434,7 +436,8 @@ def _splice_with_calls(
     tools: Tools,
     placements: Sequence[Placement | None],
     calls: dict[int, tuple[str, str]],
-    heads: HeadCache | None = None,
+    heads: HeadCache | None,
+    keys: Sequence[bytes],
 ) -> list[int] | None:
     """`splice_chat_ids` where some placed messages are tool calls. The template renders a
     past call its own way, never as the text the model wrote, so such a message's span is
@@ -443,7 +446,6 @@ def _splice_with_calls(
     generated after (itself rendered so: earlier calls as their ids). A message whose head
     differs (a template that gives a call turn another header) is rendered normally, and so
     is everything after it. Heads are remembered in `heads`, as content answers' are."""
-    keys = _head_keys(messages, tools)
     found = _calls_in_place(tokenizer, messages, tools, calls, heads, keys)
     if found is None:
         return None

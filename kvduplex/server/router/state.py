@@ -189,16 +189,3 @@ class InstanceCalls:
                 await response.aclose()
         return response
 
-
-def json_request(
-    client: httpx.AsyncClient,
-    url: str,
-    body: dict[str, Any],
-    headers: dict[str, str] | None = None,
-) -> httpx.Request:
-    """A POST of `body` as JSON. Lone surrogates (valid in a request a client sent us, e.g.
-    in ``user``) are escaped rather than refused, as `json.dumps` writes them."""
-    return client.build_request(
-        "POST", url, content=json.dumps(body).encode(),
-        headers={"content-type": "application/json", **(headers or {})},
-    )  # fmt: skip
