@@ -23,6 +23,7 @@ from kvduplex.config import TransferMode
 from kvduplex.model.tokenizer import ByteTokenizer
 from kvduplex.openai import render
 from kvduplex.server.router.app import create_router_app
+from kvduplex.server.router.relay import OUTER_SEND_KEY
 from kvduplex.server.router.relay import FirstToken
 from kvduplex.server.router.relay import push_stream
 from kvduplex.server.router.relay import relay
@@ -274,10 +275,9 @@ async def _decode_that_holds_its_stream(
 @pytest.mark.parametrize("p_answers_first", [True, False])
 def test_a_client_leaving_after_done_lets_go_of_ds_connection(p_answers_first: bool) -> None:
     """The client closes its connection right after [DONE] (as clients do) while the
-    router's reader task waits for the end of D's stream. Starlette cancels the body's task
-    and anyio repeats the cancel until the task leaves its scope; the reader must not see
-    those repeats (they would interrupt the close of D's connection, which then stays
-    ACTIVE in the pool and in CLOSE-WAIT on the socket forever)."""
+    router waits for the end of D's stream: the response's listener cancels the body's
+    task, and the cleanup must still close D's connection (else it stays ACTIVE in the
+    pool and in CLOSE-WAIT on the socket forever)."""
     router_closed = asyncio.Event()
     sent: list[dict[str, Any]] = []
     done_sent = asyncio.Event()
@@ -313,3 +313,38 @@ def test_a_client_leaving_after_done_lets_go_of_ds_connection(p_answers_first: b
 
     asyncio.run(serve())
     assert any(b"[DONE]" in m.get("body", b"") for m in sent)
+
+
+def test_a_relayed_streams_parts_after_its_first_go_to_the_outer_send() -> None:
+    """The head and the first part pass through the middlewares' `send` (those that act
+    on a response act on its start); the parts after it through the one `OuterSend` kept.
+    The listener never ends the stream of a client that stays."""
+    upstream = httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=_SlowToClose())
+
+    async def parts() -> AsyncIterator[bytes]:
+        for event in (b"data: 1\n\n", b"data: 2\n\n", b"data: [DONE]\n\n"):
+            yield event
+
+    closed: list[bool] = []
+    response = relay(upstream, parts(), closed.append, "decode at http://d")
+    inner: list[dict[str, Any]] = []
+    outer: list[dict[str, Any]] = []
+
+    async def inner_send(message: dict[str, Any]) -> None:
+        inner.append(message)
+
+    async def outer_send(message: dict[str, Any]) -> None:
+        outer.append(message)
+
+    async def receive() -> dict[str, Any]:
+        await asyncio.Event().wait()  # the client stays
+        raise AssertionError("unreachable")
+
+    scope = {"type": "http", "asgi": {"spec_version": "2.3"}, OUTER_SEND_KEY: outer_send}
+    asyncio.run(response(scope, receive, inner_send))  # type: ignore[arg-type]
+    assert [m["type"] for m in inner] == ["http.response.start", "http.response.body"]
+    assert inner[1]["body"] == b"data: 1\n\n"
+    assert [(m["body"], m["more_body"]) for m in outer] == [
+        (b"data: 2\n\n", True), (b"data: [DONE]\n\n", True), (b"", False),
+    ]  # fmt: skip
+    assert closed == [False]

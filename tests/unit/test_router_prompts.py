@@ -4,7 +4,8 @@
   (``kvduplex router``: parsing, its config, its tokenizer, its app) and finds neither
   torch, nor transformers, nor the engine's or the model's torch code loaded.
 * With every prompt thread stuck in a chat template, the router's /health answers
-  and its prober keeps probing: the event loop is not the one rendering.
+  and its prober keeps probing: the event loop is not the one rendering. Only a short
+  request's prompt is built on the loop (`INLINE_PROMPT_BYTES`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from kvduplex.config import RouterConfig
 from kvduplex.model.tokenizer import ByteTokenizer
 from kvduplex.model.tokenizer import Messages
 from kvduplex.model.tokenizer import Tools
+from kvduplex.server.router.app import INLINE_PROMPT_BYTES
 from kvduplex.server.router.app import create_router_app
 from kvduplex.server.router.state import RouterState
 from tests.unit.test_router import D
@@ -126,7 +128,8 @@ def test_health_and_probes_go_on_while_every_prompt_thread_renders() -> None:
     probes = CountedProbes(FakeInstances())
     config = RouterConfig(prefill=(P,), decode=(D,), prompt_threads=2, health_interval_s=0.05)
     state = RouterState.create(config, tok, transport=httpx.MockTransport(probes.handle))
-    body: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    content = "hi " * (INLINE_PROMPT_BYTES // 3)  # a body over the size built on the loop
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": content}], "max_tokens": 2}
     num_requests = 5  # more than the pool: the rest wait for a thread, not the loop
     with TestClient(create_router_app(state)) as client, ThreadPoolExecutor(8) as clients:
         try:
@@ -147,3 +150,17 @@ def test_health_and_probes_go_on_while_every_prompt_thread_renders() -> None:
     assert [a.status_code for a in answers] == [200] * num_requests
     assert tok.most_rendering == config.prompt_threads  # bounded by the pool
     assert all(name.startswith("kvduplex-prompt") for name in tok.threads)
+
+
+def test_a_short_prompt_is_built_on_the_event_loop_and_a_long_one_in_the_pool() -> None:
+    tok = GatedTemplate()
+    tok.gate.set()  # no waiting: only where each prompt is rendered
+    config = RouterConfig(prefill=(P,), decode=(D,), prompt_threads=2, health_interval_s=0.05)
+    state = RouterState.create(config, tok, transport=httpx.MockTransport(FakeInstances().handle))
+    short = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    long = {"messages": [{"role": "user", "content": "hi " * INLINE_PROMPT_BYTES}], "max_tokens": 2}
+    with TestClient(create_router_app(state)) as client:
+        assert client.post("/v1/chat/completions", json=short).status_code == 200
+        assert not any(name.startswith("kvduplex-prompt") for name in tok.threads)
+        assert client.post("/v1/chat/completions", json=long).status_code == 200
+    assert any(name.startswith("kvduplex-prompt") for name in tok.threads)

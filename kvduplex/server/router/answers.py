@@ -22,6 +22,7 @@ before sending the answer back, would never be hit::
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -93,7 +94,7 @@ class _StreamTally:
 
     def take(self, event: bytes) -> bool:
         """Note one whole event; False if it is decode's report of the ids (not relayed)."""
-        if not self.is_chat and not any(mark in event for mark in _PARSED_MARKS):
+        if not self.is_chat and _PARSED_MARKS.search(event) is None:
             self.num_chunk_tokens += _TEXT in event and _NO_TEXT not in event
             return True  # a completion chunk of text: counted, not parsed
         chunk = _event_json(event)
@@ -121,9 +122,9 @@ class _StreamTally:
         return RelayedAnswer(num_tokens, self.ids, self.message.message() if self.is_chat else None)
 
 
-_PARSED_MARKS = (f'"{ANSWER_IDS_FIELD}"'.encode(), b'"usage"', b'"token_ids"')
+_PARSED_MARKS = re.compile(b'"(?:%s|usage|token_ids)"' % re.escape(ANSWER_IDS_FIELD.encode()))
 """What makes a completion stream's event worth parsing: the report of the answer's ids,
-usage, token ids. Its other events are text chunks, counted by their bytes (as an instance
+usage, token ids (one search an event). Its other events are text chunks, counted by their bytes (as an instance
 writes them: `json.dumps`'s separators); a quote in a text is escaped, never a mark."""
 _TEXT = b'"text": "'
 _NO_TEXT = b'"text": ""'

@@ -11,13 +11,13 @@ ends: a prefill fails (decode computes the prompt), a decode that has not
 answered is a 502, a decode stream ends with an error event.
 
 How a call is abandoned. A call still waiting for its response (the head of a
-stream, or a whole body) runs in a task of its own (`until_unhealthy`), which
-is cancelled once; the client then closes the connection. The caller's own
-cancels never reach that task (it waits with `asyncio.wait`, which passes
-none on): a cancel repeated while httpcore closes a connection leaves the
-connection open (see `relay.push_stream`). A stream being read is abandoned
-by closing its response instead (`relay.relay`), which ends the read with
-`httpx.ReadError`.
+stream, or a whole body) runs in its caller's task, which `until_unhealthy`
+cancels once when the instance is marked unhealthy, as `asyncio.timeout` does
+at a deadline: aiohttp then closes the connection, and the cancel becomes
+`InstanceDown`. No task of its own: a call's start and end cost no turn of the
+event loop each, which under load is what a request's first token waits on. A
+stream being read is abandoned by closing its response instead
+(`relay.relay`), which ends the read with an `httpx` transport error.
 """
 
 from __future__ import annotations
@@ -45,35 +45,27 @@ class InstanceDown(httpx.TransportError):
 
 async def until_unhealthy(b: Backend, call: Coroutine[Any, Any, T]) -> T:
     """What `call` (a call to `b`) returns, unless `b` is marked unhealthy first: the call
-    is then cancelled, its end awaited, and `InstanceDown` raised. If `b` is presumed down
-    already, `call` never starts. If the caller is cancelled, the call is cancelled once
-    and left to end on its own."""
+    is then cancelled and `InstanceDown` raised. If `b` is presumed down already, `call`
+    never starts. The caller's own cancels reach the call as they would without this."""
     if b.is_down:
         call.close()
         raise InstanceDown(b.url)
-    task = asyncio.ensure_future(call)
-    down: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    task = asyncio.current_task()
+    assert task is not None, "until_unhealthy runs in a task"
+    fired = False
 
     def on_unhealthy() -> None:
-        if not down.done():
-            down.set_result(None)
+        nonlocal fired
+        if not fired:
+            fired = True
+            task.cancel()
 
     unwatch = b.watch(on_unhealthy)
     try:
-        await asyncio.wait((task, down), return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        _abandon(task)
+        return await call
+    except asyncio.CancelledError:
+        if fired and task.uncancel() == 0:  # only this cancel: the instance's, not a caller's
+            raise InstanceDown(b.url) from None
         raise
     finally:
         unwatch()
-    if task.done():
-        return task.result()
-    _abandon(task)
-    await asyncio.wait((task,))  # the cancelled call closes its connection
-    raise InstanceDown(b.url)
-
-
-def _abandon(task: asyncio.Future[Any]) -> None:
-    """Cancel `task` once; its exception, if any, is nobody's to handle."""
-    task.cancel()
-    task.add_done_callback(lambda t: t.cancelled() or t.exception())

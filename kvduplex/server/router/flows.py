@@ -392,6 +392,10 @@ async def serve_pull(state: RouterState, fwd: Forward) -> Response:
     return _relay_decode(state, fwd, upstream, body_parts(upstream))
 
 
+_CANCELS: set[asyncio.Task[None]] = set()
+"""D's cancels after a failed prefill, sent from a callback: held until they end."""
+
+
 async def serve_push(state: RouterState, fwd: Forward) -> Response:
     p = fwd.route.prefill
     d = fwd.route.decode
@@ -425,6 +429,7 @@ async def serve_push(state: RouterState, fwd: Forward) -> Response:
         if fwd.route.is_session_hit:
             p_req["pull_from"] = await _retained(state, d, fwd.route.session_id)
     prefill = asyncio.create_task(_post_prefill(state, fwd, "/internal/push/prefill", p_req))
+    await asyncio.sleep(0)  # P's call goes out first: the first token waits on P's answer
     try:
         upstream = await _open_decode(
             state, fwd, {**body, "kv_transfer_params": _decode_params(fwd, params)}, {}
@@ -433,15 +438,20 @@ async def serve_push(state: RouterState, fwd: Forward) -> Response:
         await _cancel(state, p, xid, "decode unreachable")
         raise
 
-    async def watch_prefill() -> dict[str, Any] | None:
-        ans = await prefill
-        if ans is None:
-            await _cancel(state, d, xid, "prefill failed")
-        else:
+    def on_prefill(task: asyncio.Task[dict[str, Any] | None]) -> None:
+        """P answered: its hit noted, or D told to compute the prompt itself (a callback,
+        not a task awaiting P: the first token waits on no more turns of the loop)."""
+        if task.cancelled() or task.exception() is not None:
+            return
+        ans = task.result()
+        if ans is not None:
             note_answer_hit(state, fwd, int(ans.get("num_cached_tokens", 0)))
-        return ans
+            return
+        cancel = asyncio.ensure_future(_cancel(state, d, xid, "prefill failed"))
+        _CANCELS.add(cancel)
+        cancel.add_done_callback(_CANCELS.discard)
 
-    watcher = asyncio.create_task(watch_prefill())
+    prefill.add_done_callback(on_prefill)
     if isinstance(upstream, Response) or upstream.status_code != 200:
         await _cancel(state, p, xid, "decode refused the request")
         if isinstance(upstream, Response):
@@ -459,4 +469,4 @@ async def serve_push(state: RouterState, fwd: Forward) -> Response:
         return_token_ids=fwd.request.return_token_ids,
     )  # fmt: skip
     first = FirstToken(head, state.tokenizer, xid, state.metrics.first_token_diverged.inc)
-    return _relay_decode(state, fwd, upstream, push_stream(upstream, watcher, first))
+    return _relay_decode(state, fwd, upstream, push_stream(upstream, prefill, first))

@@ -46,9 +46,14 @@ from dataclasses import dataclass
 from dataclasses import field
 from typing import Any
 
+import aiohttp
 import anyio
 import httpx
 from fastapi.responses import StreamingResponse
+from httpx_aiohttp.transport import AiohttpResponseStream
+from httpx_aiohttp.transport import map_aiohttp_exceptions
+from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp
 from starlette.types import Receive
 from starlette.types import Scope
 from starlette.types import Send
@@ -64,14 +69,37 @@ from kvduplex.server.router.calls import InstanceDown
 logger = logging.getLogger(__name__)
 
 
+OUTER_SEND_KEY = "kvduplex.outer_send"
+"""Where `OuterSend` keeps the `send` it was given, in the request's scope."""
+
+
+class OuterSend:
+    """Pure ASGI, the app's outermost middleware: keeps the `send` it is given in the
+    scope, for `_RelayedResponse` to send a stream's parts after its first through (each
+    inner middleware wraps `send` in a coroutine of its own, ~5 of them a relayed part;
+    those that act on a response act on its start)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope[OUTER_SEND_KEY] = send
+        await self.app(scope, receive, send)
+
+
 class _RelayedResponse(StreamingResponse):
     """A streaming response that runs `cleanup` however it ends.
 
-    Starlette stops iterating the body when the client leaves (its send raises),
-    which leaves the body generator suspended: its `finally` would run only when
-    the garbage collector gets to it, and the upstream connection waits in
-    CLOSE-WAIT, out of the pool, until then. So the body is closed here, shielded
-    from the cancellation that a client leaving may bring.
+    The body is sent from the request's own task, and a task of its own waits for the
+    client to leave (uvicorn's `send` says nothing once it has): then it cancels the
+    request's task, once. (Starlette's own response, under a server that speaks ASGI
+    below 2.4 as uvicorn's httptools does, runs the two in an anyio task group: two
+    tasks and a cancel scope more per response, and the first part a turn of the event
+    loop later.) A stream cut short leaves the body generator suspended: its `finally`
+    would run only when the garbage collector gets to it, and the upstream connection
+    would wait in CLOSE-WAIT, out of the pool, until then. So the body is closed here,
+    shielded.
     """
 
     def __init__(
@@ -82,13 +110,50 @@ class _RelayedResponse(StreamingResponse):
         self._body = body
         self._cleanup = cleanup
 
+    async def _stream(self, send: Send, outer_send: Send) -> None:
+        """The head and first part through `send` (the middlewares that look at a
+        response's start see it), the rest through `outer_send`."""
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})  # fmt: skip
+        async for part in self.body_iterator:
+            await send({"type": "http.response.body", "body": part, "more_body": True})
+            send = outer_send
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        left = False
+
+        async def listen() -> None:
+            """Cancel the request's task if the client leaves (cancelled itself first
+            when the stream ends: a response that completed reads as a disconnect)."""
+            nonlocal left
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            left = True
+            task.cancel()
+
+        spec = scope.get("asgi", {}).get("spec_version", "2.0")
+        # From ASGI 2.4 on, `send` raises OSError once the client has left: no listener.
+        listener = None if _version(spec) >= (2, 4) else asyncio.ensure_future(listen())
         try:
-            await super().__call__(scope, receive, send)
+            await self._stream(send, scope.get(OUTER_SEND_KEY, send))
+        except OSError:
+            raise ClientDisconnect() from None
+        except asyncio.CancelledError:
+            if not left or task.uncancel() > 0:  # a cancel other than the client's leaving
+                raise
         finally:
+            if listener is not None:
+                listener.cancel()  # before any await: a completed response never cancels
             with anyio.CancelScope(shield=True):
                 await self._body.aclose()  # runs the body's `finally` if it began
                 await self._cleanup()  # else this closes upstream
+
+
+def _version(spec: str) -> tuple[int, ...]:
+    return tuple(int(n) for n in spec.split("."))
 
 
 def relay(
@@ -187,10 +252,21 @@ async def aclose_parts(parts: AsyncIterator[bytes]) -> None:
         await aclose()
 
 
-async def body_parts(upstream: httpx.Response) -> AsyncIterator[bytes]:
-    """`upstream`'s body as it arrives (decoded: only the content type is relayed)."""
-    async for part in upstream.aiter_bytes():
-        yield part
+def body_parts(upstream: httpx.Response) -> AsyncIterator[bytes]:
+    """`upstream`'s body as it arrives: from aiohttp's stream directly when it came over
+    aiohttp, without httpx's iterators around it (three generators and a decoder a part),
+    else through httpx; a compressed body (instances send none) through httpx, which
+    decodes it (only the content type is relayed). Errors are httpx's either way."""
+    stream = upstream.stream
+    if isinstance(stream, AiohttpResponseStream) and "content-encoding" not in upstream.headers:
+        return _aiohttp_parts(stream._aiohttp_response.content)
+    return upstream.aiter_bytes()
+
+
+async def _aiohttp_parts(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+    with map_aiohttp_exceptions():  # as httpx-aiohttp's own stream maps them
+        async for part in content.iter_any():
+            yield part
 
 
 @dataclass(frozen=True)
@@ -236,33 +312,25 @@ async def push_stream(
     Only D's events up to that chunk are parsed (`first_events`); from there on D's bytes
     are relayed as they arrive, unparsed (`relay` regroups them in whole events).
     """
-    parts = upstream.aiter_bytes()
-    next_part = asyncio.ensure_future(anext(parts, None))
+    parts = body_parts(upstream)
+    first_part = asyncio.ensure_future(anext(parts, None))
     try:
         if not prefill.done():
-            await asyncio.wait({prefill, next_part}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({prefill, first_part}, return_when=asyncio.FIRST_COMPLETED)
         ans = prefill.result() if prefill.done() else None
         sent: SentToken | None = None
-        if ans is not None and not next_part.done():
+        if ans is not None and not first_part.done():
             token = int(ans["first_token"])
             text, chunk = first.chunk(token, _try_logprobs(ans.get("first_token_logprobs")))
             sent = SentToken(token, text)
             yield chunk
         splicing = first_events(sent)
         next(splicing)
-        spliced: Generator[tuple[bytes, Splice], bytes, None] | None = splicing
-        while True:
-            # Shielded: a cancel of this task (anyio repeats Starlette's, once per loop
-            # iteration, until the task leaves the scope) would otherwise reach the reader
-            # again while it closes D's connection, and leave that connection open.
-            part = await asyncio.shield(next_part)
-            if part is None:
-                return
-            next_part = asyncio.ensure_future(anext(parts, None))
-            if spliced is None:
-                yield part
-                continue
-            out, splice = spliced.send(part)
+        # Shielded: a client that leaves cancels this task once (`_RelayedResponse`); the
+        # read in its own task is then left to `finally`, which closes D's response.
+        part = await asyncio.shield(first_part)
+        while part is not None:
+            out, splice = splicing.send(part)
             if splice is Splice.DIVERGED:
                 first.on_diverged()
                 logger.warning(
@@ -273,19 +341,22 @@ async def push_stream(
                 error = error_body(message, "server_error", code="decode_diverged")
                 yield (render.sse_data(error) + render.SSE_DONE).encode()
                 return
-            if splice is not Splice.NOT_CONTENT:
-                spliced = None  # the rest of D's stream passes as it is
             if out:
                 yield out
+            part = await anext(parts, None)
+            if splice is not Splice.NOT_CONTENT:
+                break
+        # Read in this task from here on, not one task a part: the one cancel that a
+        # client's leaving brings ends the read in flight, and `relay` closes D's response.
+        while part is not None:  # the rest of D's stream passes as it is
+            yield part
+            part = await anext(parts, None)
     finally:
-        # The reader is never cancelled: a cancel that lands while it closes D's connection
-        # (it does at the stream's end) leaves the connection open. Closing the response
-        # ends its read instead (a no-op if the reader already closes it).
         with anyio.CancelScope(shield=True):  # see `relay`'s close
-            if not next_part.done():
-                await upstream.aclose()
+            if not first_part.done():
+                await upstream.aclose()  # ends the read (a no-op if it already ended)
             with contextlib.suppress(BaseException):
-                await asyncio.shield(next_part)
+                await asyncio.shield(first_part)
             await aclose_parts(parts)
 
 

@@ -160,6 +160,9 @@ class InstanceCalls:
         self.transport = transport
         self.headers = {"content-type": "application/json", **headers}
         self.extensions = {"timeout": timeout.as_dict()}
+        # A stream's parts are waited for without a deadline (aiohttp would move a timer at
+        # each part): its instance marked unhealthy ends it (`relay.relay`).
+        self.stream_extensions = {"timeout": {**timeout.as_dict(), "read": None}}
         self._urls: dict[str, httpx.URL] = {}
 
     async def post(
@@ -178,7 +181,7 @@ class InstanceCalls:
         request = httpx.Request(
             "POST", parsed, content=json.dumps(body).encode(),
             headers={**self.headers, **headers} if headers else self.headers,
-            extensions=self.extensions,
+            extensions=self.stream_extensions if stream else self.extensions,
         )  # fmt: skip
         response = await self.transport.handle_async_request(request)
         response.request = request
