@@ -164,3 +164,21 @@ def test_a_short_prompt_is_built_on_the_event_loop_and_a_long_one_in_the_pool() 
         assert not any(name.startswith("kvduplex-prompt") for name in tok.threads)
         assert client.post("/v1/chat/completions", json=long).status_code == 200
     assert any(name.startswith("kvduplex-prompt") for name in tok.threads)
+
+
+def test_settle_heap_freezes_the_start_up_heap_and_collects_the_young_less_often() -> None:
+    """In a process of its own (it changes the process's collector)."""
+    code = (
+        "import gc, json\n"
+        "from kvduplex.server.router.app import GC_YOUNG_THRESHOLD, settle_heap\n"
+        "before = gc.get_threshold()\n"
+        "settle_heap()\n"
+        "print(json.dumps([gc.get_freeze_count(), before, gc.get_threshold(), GC_YOUNG_THRESHOLD]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+        check=True,
+    )  # fmt: skip
+    frozen, before, after, young = json.loads(out.stdout)
+    assert frozen > 10_000  # the modules' objects, the app's
+    assert after == [young, *before[1:]] and young > before[0]
