@@ -54,7 +54,9 @@ async def tap_answer(
     """Relay `parts` without decode's report of the answer's ids (the last event of a
     stream, a field of a whole body), and call `on_answer` once the answer ended (not if
     the stream was cut or the client left). A completion stream's text chunks are relayed
-    without being parsed (`_PARSED_MARKS`); a chat stream's deltas make its message."""
+    without being parsed (`_PARSED_MARKS`); a chat stream's deltas make its message. A
+    stream is relayed in whole events (what follows the last one is relayed only when the
+    stream ends, not when it is cut)."""
     if not is_stream:
         raw = b"".join([part async for part in parts])
         try:

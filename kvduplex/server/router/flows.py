@@ -325,7 +325,8 @@ def _relay_decode(
         state.policy.decode_done(fwd.route, Outcome.FAILED if failed else outcome)
 
     d = fwd.route.decode
-    return relay(upstream, parts, close, f"decode at {d.url}", d.watch)
+    tapped = upstream.status_code == 200  # `tap_answer` relays whole events only
+    return relay(upstream, parts, close, f"decode at {d.url}", d.watch, in_whole_events=tapped)
 
 
 def is_short_append(state: RouterState, fwd: Forward) -> bool:

@@ -162,12 +162,15 @@ def relay(
     on_close: Callable[[bool], None],
     source: str,
     watch: Callable[[Callable[[], None]], Callable[[], None]] | None = None,
+    *,
+    in_whole_events: bool = False,
 ) -> StreamingResponse:
     """Stream `parts` with `upstream`'s status and content type; close it and call
     ``on_close(failed)`` once, when the stream ends or the client leaves (`failed`:
     `source`'s connection failed mid-answer, or `source` was marked unhealthy; a stream
     then ends with an error event). `watch` is `source`'s `Backend.watch`: when it calls
-    back, `upstream` is closed and the answer abandoned."""
+    back, `upstream` is closed and the answer abandoned. `in_whole_events`: `parts` come
+    in whole SSE events already (`answers.tap_answer`'s), not regrouped again."""
     content_type = upstream.headers.get("content-type", "application/json")
     is_sse = content_type.startswith("text/event-stream")
     closed = False
@@ -197,7 +200,7 @@ def relay(
 
     async def body() -> AsyncGenerator[bytes, None]:
         failed = False
-        source_parts = whole_events(parts) if is_sse else parts
+        source_parts = whole_events(parts) if is_sse and not in_whole_events else parts
         try:
             async for part in source_parts:
                 if abandoned is not None:  # what D sent after the router gave up on it
