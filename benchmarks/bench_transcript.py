@@ -5,8 +5,8 @@ it) with a template that renders past calls its own way: even turns a forced too
 (sent back as returned, then a tool result), odd turns a content answer (sent back, then
 a user message). One `AnswerBook` carries the records and remembered heads across turns,
 as a router's does. Printed per N: the last turn's prompt build time (median of
-`--repeats` builds of that turn, each with the book as the loop left it) and how many
-times it rendered the template.
+`--repeats` builds of that turn, each with the book as the loop left it), how many
+times it rendered the template and how many times it decoded ids to text.
 
     PYTHONPATH=. python benchmarks/bench_transcript.py
 """
@@ -18,6 +18,7 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +36,9 @@ def main(args: argparse.Namespace) -> None:
     tok = _bpe(Path(tempfile.mkdtemp()), CALLS_CHATML, "<|im_end|>")
     eos = tok.encode("<|im_end|>", add_special_tokens=False)[0]
     renders = count_renders(tok)
-    print("| turns | last turn's prompt tokens | build ms (median) | template renders |")
-    print("|---|---|---|---|")
+    decodes = _count_decodes(tok)
+    print("| turns | last turn's prompt tokens | build ms (median) | template renders | decodes |")
+    print("|---|---|---|---|---|")
     for n in args.turns:
         book = AnswerBook()
         messages: list[dict[str, Any]] = [
@@ -62,14 +64,30 @@ def main(args: argparse.Namespace) -> None:
                 answer = {"role": "assistant", "content": text}
                 book.add(AnswerRecord((*_single_pieces(tok, text), eos), answer), float(turn))
                 messages += [answer, {"role": "user", "content": "the lazy dog " * 4}]
-        times, counts = [], []
+        times, counts, decoded = [], [], []
         for _ in range(args.repeats):
-            before = renders()
+            before, decodes_before = renders(), decodes()
             t0 = time.perf_counter()
             ids = prompt_token_ids(_chat(messages), tok, book, now=float(n))
             times.append(time.perf_counter() - t0)
             counts.append(renders() - before)
-        print(f"| {n} | {len(ids)} | {statistics.median(times) * 1e3:.1f} | {counts[0]} |")
+            decoded.append(decodes() - decodes_before)
+        print(f"| {n} | {len(ids)} | {statistics.median(times) * 1e3:.1f} | {counts[0]} "
+              f"| {decoded[0]} |")  # fmt: skip
+
+
+def _count_decodes(tok: Any) -> Callable[[], int]:
+    """Count `tok`'s decodes of ids from now on; the count so far, when called."""
+    num = 0
+    decode = tok.decode
+
+    def counting(*args: Any, **kwargs: Any) -> str:
+        nonlocal num
+        num += 1
+        return str(decode(*args, **kwargs))
+
+    tok.decode = counting
+    return lambda: num
 
 
 if __name__ == "__main__":

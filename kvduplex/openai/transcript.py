@@ -312,9 +312,12 @@ def splice_chat_ids(
     calls = _placed_calls(tokenizer, messages, tools, placements)
     keys = _head_keys(messages, tools)
     placed: set[int] = set()
-    ids = _splice_rendered(tokenizer, messages, tools, placements, heads, keys, placed)
+    specials: dict[int, str | None] = {}
+    ids = _splice_rendered(tokenizer, messages, tools, placements, heads, keys, placed, specials)
     if calls and not set(calls) <= placed:  # the template re-rendered a call its own way
-        spliced = _splice_with_calls(tokenizer, messages, tools, placements, calls, heads, keys)
+        spliced = _splice_with_calls(
+            tokenizer, messages, tools, placements, calls, heads, keys, specials
+        )
         return spliced or ids
     return ids
 
@@ -327,9 +330,10 @@ def _splice_rendered(
     heads: HeadCache | None,
     keys: Sequence[bytes],
     placed: set[int],
+    specials: dict[int, str | None],
 ) -> list[int] | None:
     """`splice_chat_ids` where each message's ids are found in the template's own text;
-    adds to `placed` the messages whose ids were placed."""
+    adds to `placed` the messages whose ids were placed (`specials`: `_match`'s)."""
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
     prefixes = _Prefixes(text)
     spans: list[tuple[int, int, tuple[int, ...], list[bool]]] = []
@@ -341,7 +345,7 @@ def _splice_rendered(
                             heads, keys[i])  # fmt: skip
         if start is None or start < pos:
             continue
-        matched = _match(tokenizer, placement.token_ids, text, start)
+        matched = _match(tokenizer, placement.token_ids, text, start, specials)
         if matched is None:
             continue
         end, visible = matched
@@ -438,6 +442,7 @@ def _splice_with_calls(
     calls: dict[int, tuple[str, str]],
     heads: HeadCache | None,
     keys: Sequence[bytes],
+    specials: dict[int, str | None],
 ) -> list[int] | None:
     """`splice_chat_ids` where some placed messages are tool calls. The template renders a
     past call its own way, never as the text the model wrote, so such a message's span is
@@ -464,7 +469,7 @@ def _splice_with_calls(
         head = _head_with_calls(tokenizer, messages, tools, calls, i, heads, keys)
         if head is None or head[0] < pos or not prefixes.starts_with(*head):
             continue
-        matched = _match(tokenizer, placement.token_ids, text, head[0])
+        matched = _match(tokenizer, placement.token_ids, text, head[0], specials)
         if matched is not None:
             spans.append((head[0], matched[0], placement.token_ids, matched[1]))
             pos = matched[0]
@@ -565,18 +570,19 @@ def _before_content(
 
 
 def _match(
-    tokenizer: Tokenizer, ids: Sequence[int], text: str, start: int
-) -> tuple[int, list[bool]] | None:
+    tokenizer: Tokenizer, ids: Sequence[int], text: str, start: int,
+    special: dict[int, str | None],
+) -> tuple[int, list[bool]] | None:  # fmt: skip
     """Where the text of `ids` ends if `text` shows it from `start` on, and which ids it
     shows (a special token the text does not show there is skipped: the model generated it,
-    the returned text never showed it); None if `text` shows something else."""
+    the returned text never showed it); None if `text` shows something else. `special`
+    remembers, per id, its text if it is a special token (else None), for the next calls."""
     whole = tokenizer.decode(list(ids), skip_special_tokens=False)
     if text.startswith(whole, start):  # the usual case: every id shows as generated
         return start + len(whole), [True] * len(ids)
     pos = start
     visible: list[bool] = []
     run: list[int] = []
-    special: dict[int, str | None] = {}  # id -> its text if it is a special token
 
     def flush() -> bool:
         nonlocal pos
