@@ -18,7 +18,6 @@ import json
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from tests.unit.test_transcript import CALLS_CHATML
 from tests.unit.test_transcript import _bpe
 from tests.unit.test_transcript import _chat
 from tests.unit.test_transcript import _single_pieces
+from tests.unit.test_transcript import count_calls
 from tests.unit.test_transcript import count_renders
 
 
@@ -36,7 +36,7 @@ def main(args: argparse.Namespace) -> None:
     tok = _bpe(Path(tempfile.mkdtemp()), CALLS_CHATML, "<|im_end|>")
     eos = tok.encode("<|im_end|>", add_special_tokens=False)[0]
     renders = count_renders(tok)
-    decodes = _count_decodes(tok)
+    decodes = count_calls(tok, "decode")
     print("| turns | last turn's prompt tokens | build ms (median) | template renders | decodes |")
     print("|---|---|---|---|---|")
     for n in args.turns:
@@ -74,20 +74,6 @@ def main(args: argparse.Namespace) -> None:
             decoded.append(decodes() - decodes_before)
         print(f"| {n} | {len(ids)} | {statistics.median(times) * 1e3:.1f} | {counts[0]} "
               f"| {decoded[0]} |")  # fmt: skip
-
-
-def _count_decodes(tok: Any) -> Callable[[], int]:
-    """Count `tok`'s decodes of ids from now on; the count so far, when called."""
-    num = 0
-    decode = tok.decode
-
-    def counting(*args: Any, **kwargs: Any) -> str:
-        nonlocal num
-        num += 1
-        return str(decode(*args, **kwargs))
-
-    tok.decode = counting
-    return lambda: num
 
 
 if __name__ == "__main__":

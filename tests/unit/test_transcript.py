@@ -79,16 +79,21 @@ def _single_pieces(tok: HFTokenizer, text: str) -> list[int]:
 
 def count_renders(tok: HFTokenizer) -> Callable[[], int]:
     """Count `tok`'s chat template renders from now on; the count so far, when called."""
-    renders = 0
-    render = tok.apply_chat_template
+    return count_calls(tok, "apply_chat_template")
 
-    def counting(*args: Any, **kwargs: Any) -> str:
-        nonlocal renders
-        renders += 1
-        return render(*args, **kwargs)
 
-    tok.apply_chat_template = counting  # type: ignore[method-assign]
-    return lambda: renders
+def count_calls(obj: Any, method: str) -> Callable[[], int]:
+    """Count calls of `obj`'s `method` from now on; the count so far, when called."""
+    num = 0
+    call = getattr(obj, method)
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        nonlocal num
+        num += 1
+        return call(*args, **kwargs)
+
+    setattr(obj, method, counting)
+    return lambda: num
 
 
 def _chat(messages: list[dict[str, Any]]) -> ChatCompletionRequest:
