@@ -62,10 +62,13 @@ async def until_unhealthy(b: Backend, call: Coroutine[Any, Any, T]) -> T:
 
     unwatch = b.watch(on_unhealthy)
     try:
-        return await call
+        result = await call
     except asyncio.CancelledError:
         if fired and task.uncancel() == 0:  # only this cancel: the instance's, not a caller's
             raise InstanceDown(b.url) from None
         raise
     finally:
         unwatch()
+    if fired:  # the call ended on its own all the same: the cancel is withdrawn
+        task.uncancel()
+    return result

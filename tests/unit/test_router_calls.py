@@ -1,0 +1,97 @@
+"""`calls.until_unhealthy`: a call to an instance ends once the instance is marked down.
+
+The call runs in its caller's task, which is cancelled once when the instance is marked
+down; that cancel becomes `InstanceDown`. A cancel of the caller's own passes through as
+itself, and a call that ends on its own leaves no cancel behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvduplex.server.router.calls import InstanceDown
+from kvduplex.server.router.calls import until_unhealthy
+from kvduplex.server.router.policy import BackendPool
+
+
+def _pool() -> BackendPool:
+    return BackendPool(["http://d"], half_life_s=30.0)
+
+
+async def _hung(started: asyncio.Event, ended: list[str]) -> str:
+    started.set()
+    try:
+        await asyncio.Event().wait()  # an instance that never answers
+    except asyncio.CancelledError:
+        ended.append("cancelled")
+        raise
+    return "unreachable"
+
+
+def test_a_call_to_an_instance_marked_down_ends_with_instance_down() -> None:
+    async def run() -> tuple[list[str], int]:
+        pool = _pool()
+        b = pool.backends[0]
+        started, ended = asyncio.Event(), []
+
+        async def caller() -> None:
+            with pytest.raises(InstanceDown):
+                await until_unhealthy(b, _hung(started, ended))
+
+        task = asyncio.ensure_future(caller())
+        await started.wait()
+        pool.mark_failed(b, now=1.0)
+        await task
+        return ended, task.cancelling()
+
+    ended, cancelling = asyncio.run(run())
+    assert ended == ["cancelled"], "the call itself was cancelled"
+    assert cancelling == 0, "no cancel left on the caller's task"
+
+
+def test_the_callers_own_cancel_passes_through_even_when_the_instance_fails_too() -> None:
+    async def run() -> list[str]:
+        pool = _pool()
+        b = pool.backends[0]
+        started, ended = asyncio.Event(), []
+        task = asyncio.ensure_future(until_unhealthy(b, _hung(started, ended)))
+        await started.wait()
+        task.cancel()  # the caller's
+        pool.mark_failed(b, now=1.0)  # and the instance's, before the task runs again
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return ended
+
+    assert asyncio.run(run()) == ["cancelled"]
+
+
+def test_a_call_that_ends_on_its_own_returns_and_stops_watching() -> None:
+    async def answer() -> str:
+        await asyncio.sleep(0)
+        return "ok"
+
+    async def run() -> tuple[str, int, int]:
+        pool = _pool()
+        b = pool.backends[0]
+        result = await until_unhealthy(b, answer())
+        task = asyncio.current_task()
+        assert task is not None
+        return result, len(b.watchers), task.cancelling()
+
+    assert asyncio.run(run()) == ("ok", 0, 0)
+
+
+def test_a_call_to_an_instance_already_down_never_starts() -> None:
+    async def run() -> None:
+        pool = _pool()
+        b = pool.backends[0]
+        pool.mark_failed(b, now=1.0)
+        started, ended = asyncio.Event(), []
+        call = _hung(started, ended)
+        with pytest.raises(InstanceDown):
+            await until_unhealthy(b, call)
+        assert not started.is_set()
+
+    asyncio.run(run())
