@@ -126,8 +126,9 @@ class _StreamTally:
 
 _PARSED_MARKS = re.compile(b'"(?:%s|usage|token_ids)"' % re.escape(ANSWER_IDS_FIELD.encode()))
 """What makes a completion stream's event worth parsing: the report of the answer's ids,
-usage, token ids (one search an event). Its other events are text chunks, counted by their bytes (as an instance
-writes them: `json.dumps`'s separators); a quote in a text is escaped, never a mark."""
+usage, token ids (one search an event). Its other events are text chunks, counted by
+their bytes (as an instance writes them: `json.dumps`'s separators); a quote in a text
+is escaped, never a mark."""
 _TEXT = b'"text": "'
 _NO_TEXT = b'"text": ""'
 

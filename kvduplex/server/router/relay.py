@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
 import json
 import logging
 import re
@@ -152,6 +153,7 @@ class _RelayedResponse(StreamingResponse):
                 await self._cleanup()  # else this closes upstream
 
 
+@functools.cache
 def _version(spec: str) -> tuple[int, ...]:
     return tuple(int(n) for n in spec.split("."))
 
@@ -313,7 +315,8 @@ async def push_stream(
     starts before P answers (or P failed), D's stream is relayed as it is, less the field.
 
     Only D's events up to that chunk are parsed (`first_events`); from there on D's bytes
-    are relayed as they arrive, unparsed (`relay` regroups them in whole events).
+    are relayed as they arrive, unparsed (regrouped in whole events after: the
+    answer's tap, else `relay`).
     """
     parts = body_parts(upstream)
     first_part = asyncio.ensure_future(anext(parts, None))
