@@ -22,9 +22,12 @@ next request when its answer ends):
   the first event through the router against straight to the stub's D (the same request,
   interleaved: direct, router, direct, router), each stream starting after a random pause
   of up to one answer so that requests do not come in bursts. Added TTFT = router p50 -
-  direct p50. A floor relay (`FloorRelay`: raw asyncio, pinned as the router, calling
-  P and D at once and piping D's chunks back unparsed) runs the same streams third:
-  what it adds is the floor under any Python relay on this machine.
+  direct p50. Two floors, pinned as the router, run the same streams after it, each
+  calling P and D as the push router does and piping D's stream back unparsed: the
+  stack floor (`StackFloor`: the router's own server and client, uvicorn and aiohttp,
+  with nothing of the router in them), what any relay on this stack adds here; and the
+  floor relay (`FloorRelay`: raw asyncio), what any Python relay adds here. The CPU
+  per request of all three is reported beside their TTFTs.
 
     PYTHONPATH=. python benchmarks/bench_router_capacity.py   # about 3 minutes
 
@@ -47,6 +50,9 @@ from dataclasses import dataclass
 from dataclasses import field
 from pathlib import Path
 from typing import Any
+
+import aiohttp
+import uvicorn
 
 from kvduplex.openai import render
 from kvduplex.openai.transcript import ANSWER_IDS_FIELD
@@ -217,6 +223,61 @@ class FloorRelay:
                 w.close()
 
 
+class StackFloor:
+    """The router's own server and client stack with nothing of the router in it: one
+    ASGI callable under uvicorn (uvloop, httptools, as `kvduplex router` runs), calling P
+    and D with aiohttp's client (one pooled session, as `state.InstanceTransport`'s) in the
+    push router's order (P's call started first, in a task; D's stream opened; P's answer
+    awaited) and sending D's parts on as aiohttp reads them, unparsed. No routing, JSON,
+    tokenizing, middleware or FastAPI. What it adds is the floor under any relay built on
+    this stack on this machine, as `FloorRelay`'s is under any Python relay."""
+
+    def __init__(self, p_port: int, d_port: int) -> None:
+        self.p_url = f"http://127.0.0.1:{p_port}/internal/push/prefill"
+        self.d_url = f"http://127.0.0.1:{d_port}"
+        self.session: aiohttp.ClientSession | None = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["method"] == "GET":  # `wait_ready`
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            return await send({"type": "http.response.body", "body": b""})
+        if self.session is None:  # made in the server's event loop
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=5.0)
+            self.session = aiohttp.ClientSession(connector=connector)
+        body, more = b"", True
+        while more:
+            message = await receive()
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        prefill = asyncio.ensure_future(self._prefill(self.session))
+        await asyncio.sleep(0)  # P's call goes out first
+        url = self.d_url + scope["path"]
+        async with self.session.post(url, data=body, headers=_JSON_HEADERS) as d:
+            await prefill
+            head = [(b"content-type", d.headers["content-type"].encode())]
+            await send({"type": "http.response.start", "status": d.status, "headers": head})
+            async for part in d.content.iter_any():
+                await send({"type": "http.response.body", "body": part, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _prefill(self, session: aiohttp.ClientSession) -> None:
+        async with session.post(self.p_url, data=b'{"xid": "floor"}', headers=_JSON_HEADERS) as p:
+            await p.read()
+
+
+_JSON_HEADERS = {"content-type": "application/json"}
+
+
+def serve_stack_floor(port: int, p_port: int, d_port: int) -> None:
+    """Run a `StackFloor` on 127.0.0.1:`port` until killed."""
+    uvicorn.run(
+        StackFloor(p_port, d_port), host="127.0.0.1", port=port, loop="uvloop",
+        http="httptools", lifespan="off", log_level="warning", backlog=4096,
+    )  # fmt: skip
+
+
 def serve_floor_relay(port: int, p_port: int, d_port: int) -> None:
     """Run a `FloorRelay` on 127.0.0.1:`port` until killed."""
 
@@ -350,6 +411,20 @@ def start_router(
     )  # fmt: skip
 
 
+def start_relay(
+    flag: str, p_port: int, d_port: int, cpu: int
+) -> tuple[int, subprocess.Popen[bytes]]:
+    """A floor (`flag`: ``--floor-relay``, ``--stack-floor``) over the stub, pinned to
+    `cpu`: its port and process."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, __file__, flag, str(port), str(p_port), str(d_port)],
+        env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO,
+        preexec_fn=lambda: os.sched_setaffinity(0, {cpu}),
+    )  # fmt: skip
+    return port, proc
+
+
 async def wait_ready(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -366,6 +441,46 @@ async def wait_ready(port: int, proc: subprocess.Popen[bytes], timeout_s: float 
             pass
         await asyncio.sleep(0.2)
     raise RuntimeError("the router was not ready in time")
+
+
+@dataclass
+class Side:
+    """One relay of the TTFT phase (the router, a floor): its TTFTs and its process's CPU."""
+
+    port: int
+    pid: int
+    ttfts_s: list[float] = field(default_factory=list)
+    cpu_s: float = 0.0
+    wall_s: float = 0.0
+    num_requests: int = 0
+    num_errors: int = 0
+
+    async def run(
+        self, num_streams: int, num_tokens: int, duration_s: float, stagger_s: float
+    ) -> None:
+        cpu0, t0 = cpu_seconds(self.pid), time.perf_counter()
+        load = await run_streams(self.port, num_streams, num_tokens, duration_s, stagger_s)
+        self.cpu_s += cpu_seconds(self.pid) - cpu0
+        self.wall_s += time.perf_counter() - t0
+        self.ttfts_s += load.ttfts_s
+        self.num_requests += load.num_requests
+        self.num_errors += load.num_errors
+
+    @property
+    def cpu_per_request_ms(self) -> float:
+        return self.cpu_s / self.num_requests * 1e3 if self.num_requests else float("nan")
+
+
+async def wait_listening(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.close()
+            return
+        except OSError:
+            await asyncio.sleep(0.1)
+    raise RuntimeError(f"nothing listens on port {port}")
 
 
 def _p50_ms(values: list[float]) -> float:
@@ -385,17 +500,18 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     proc = start_router(
         r_port, p_port, d_port, router_cpu, log, args.profile_router, Path(args.router_repo)
     )
-    f_port = free_port()
-    floor = subprocess.Popen(
-        [sys.executable, __file__, "--floor-relay", str(f_port), str(p_port), str(d_port)],
-        env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO,
-        preexec_fn=lambda: os.sched_setaffinity(0, {router_cpu}),
-    )  # fmt: skip
+    relays = {  # each in a process of its own, pinned as the router is
+        name: start_relay(flag, p_port, d_port, router_cpu)
+        for name, flag in [("stack_floor", "--stack-floor"), ("floor", "--floor-relay")]
+    }
     results: dict[str, Any] = {"capacity": [], "ttft": []}
     try:
         await wait_ready(r_port, proc)
         stub.interval_s = 0.0
         await run_streams(r_port, 8, 32, 2.0)  # warm-up
+        for port, relay in relays.values():
+            await wait_listening(port, relay)
+            await run_streams(port, 8, 32, 1.0)  # warm-up
         for n in args.streams:
             cpu0, t0, own0 = cpu_seconds(proc.pid), time.perf_counter(), time.process_time()
             load = await run_streams(r_port, n, args.capacity_tokens, args.duration_s)
@@ -414,39 +530,36 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         stub.interval_s = args.tpot_ms / 1e3
         for n in args.streams:
             direct: list[float] = []
-            routed: list[float] = []
-            floored: list[float] = []
-            cpu_s = wall_s = 0.0
-            num_errors = 0
+            sides = {"routed": Side(r_port, proc.pid)} | {
+                name: Side(port, relay.pid) for name, (port, relay) in relays.items()
+            }
             stagger_s = args.ttft_tokens * args.tpot_ms / 1e3  # one answer's length
             for _ in range(args.rounds):
                 load = await run_streams(d_port, n, args.ttft_tokens, args.ttft_s, stagger_s)
                 direct += load.ttfts_s
-                cpu0, t0 = cpu_seconds(proc.pid), time.perf_counter()
-                load = await run_streams(r_port, n, args.ttft_tokens, args.ttft_s, stagger_s)
-                routed += load.ttfts_s
-                num_errors += load.num_errors
-                cpu_s += cpu_seconds(proc.pid) - cpu0
-                wall_s += time.perf_counter() - t0
-                load = await run_streams(f_port, n, args.ttft_tokens, args.ttft_s, stagger_s)
-                floored += load.ttfts_s
+                for side in sides.values():  # the router, the stack floor, the floor relay
+                    await side.run(n, args.ttft_tokens, args.ttft_s, stagger_s)
+            routed = sides["routed"]
             row = {
-                "streams": n, "num_direct": len(direct), "num_routed": len(routed),
-                "direct_p50_ms": _p50_ms(direct), "routed_p50_ms": _p50_ms(routed),
-                "added_p50_ms": _p50_ms(routed) - _p50_ms(direct),
-                "floor_p50_ms": _p50_ms(floored),
-                "floor_added_p50_ms": _p50_ms(floored) - _p50_ms(direct),
-                "router_cpu_share": cpu_s / wall_s if wall_s > 0 else float("nan"),
-                "direct_p90_ms": _quantile_ms(direct, 0.9),
-                "routed_p90_ms": _quantile_ms(routed, 0.9),
+                "streams": n, "num_direct": len(direct), "num_routed": len(routed.ttfts_s),
+                "direct_p50_ms": _p50_ms(direct), "direct_p90_ms": _quantile_ms(direct, 0.9),
+                "routed_p90_ms": _quantile_ms(routed.ttfts_s, 0.9),
+                "router_cpu_share": routed.cpu_s / routed.wall_s,
             }  # fmt: skip
+            for name, side in sides.items():
+                row[f"{name}_p50_ms"] = _p50_ms(side.ttfts_s)
+                row[f"{name}_added_p50_ms"] = _p50_ms(side.ttfts_s) - _p50_ms(direct)
+                row[f"{name}_cpu_per_request_ms"] = side.cpu_per_request_ms
+            row["added_p50_ms"] = row.pop("routed_added_p50_ms")
+            num_errors = routed.num_errors
             row["routed_errors"] = num_errors
             row["stub_connections"] = stub.num_connections
             results["ttft"].append(row)
             print(json.dumps(row), flush=True)
     finally:
-        floor.kill()
-        floor.wait()
+        for _, relay in relays.values():
+            relay.kill()
+            relay.wait()
         proc.terminate()
         try:
             proc.wait(timeout=15)
@@ -475,17 +588,22 @@ def table(results: dict[str, Any]) -> str:
     ttft = {r["streams"]: r for r in results["ttft"]}
     lines = [
         "| streams | events/s relayed | router CPU | events/s per router core "
-        "| TTFT direct p50 | TTFT via router p50 | added p50 | added p50 by the floor relay |",
-        "|---|---|---|---|---|---|---|---|",
+        "| TTFT direct p50 | TTFT via router p50 | added p50: router | stack floor | floor relay "
+        "| CPU per request: router | stack floor | floor relay |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results["capacity"]:
         t = ttft.get(r["streams"], {})
+
+        def ms(key: str, t: dict[str, Any] = t) -> str:
+            return f"{t.get(key, float('nan')):.2f} ms"
+
         lines.append(
             f"| {r['streams']} | {r['events_per_s']:,.0f} | {r['router_cpu_s'] / r['wall_s']:.0%} "
-            f"| {r['events_per_router_cpu_s']:,.0f} | {t.get('direct_p50_ms', float('nan')):.2f} ms "
-            f"| {t.get('routed_p50_ms', float('nan')):.2f} ms "
-            f"| {t.get('added_p50_ms', float('nan')):.2f} ms "
-            f"| {t.get('floor_added_p50_ms', float('nan')):.2f} ms |"
+            f"| {r['events_per_router_cpu_s']:,.0f} | {ms('direct_p50_ms')} | {ms('routed_p50_ms')} "
+            f"| {ms('added_p50_ms')} | {ms('stack_floor_added_p50_ms')} "
+            f"| {ms('floor_added_p50_ms')} | {ms('routed_cpu_per_request_ms')} "
+            f"| {ms('stack_floor_cpu_per_request_ms')} | {ms('floor_cpu_per_request_ms')} |"
         )
     return "\n".join(lines)
 
@@ -493,6 +611,8 @@ def table(results: dict[str, Any]) -> str:
 def main() -> None:
     if sys.argv[1:2] == ["--floor-relay"]:
         return serve_floor_relay(*(int(a) for a in sys.argv[2:5]))
+    if sys.argv[1:2] == ["--stack-floor"]:
+        return serve_stack_floor(*(int(a) for a in sys.argv[2:5]))
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--capacity-tokens", type=int, default=128)

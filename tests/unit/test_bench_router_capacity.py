@@ -8,6 +8,8 @@ import asyncio
 from benchmarks.bench_router_capacity import FIRST_TOKEN
 from benchmarks.bench_router_capacity import Stub
 from benchmarks.bench_router_capacity import run_streams
+from benchmarks.bench_router_capacity import start_relay
+from benchmarks.bench_router_capacity import wait_listening
 from kvduplex.server.router.relay import SentToken
 from kvduplex.server.router.relay import Splice
 from kvduplex.server.router.relay import first_events
@@ -37,3 +39,30 @@ def test_the_stub_and_client_run_a_stream_straight() -> None:
     num_requests, num_events, num_ttfts = asyncio.run(run())
     assert num_requests >= 2 and num_ttfts == num_requests
     assert num_events == num_requests * (8 + 2)  # tokens, the ids report, [DONE]
+
+
+def test_the_floors_relay_the_stubs_streams_whole() -> None:
+    """The floor relay (raw asyncio) and the stack floor (uvicorn and aiohttp, nothing of
+    the router) each relay the stub's answers to the client, every event of them."""
+
+    async def run(flag: str) -> tuple[int, int, int, int]:
+        stub = Stub()
+        servers = [await asyncio.start_server(stub.serve, "127.0.0.1", 0) for _ in range(2)]
+        p_port, d_port = (s.sockets[0].getsockname()[1] for s in servers)
+        port, proc = start_relay(flag, p_port, d_port, cpu=0)
+        try:
+            await wait_listening(port, proc)
+            load = await run_streams(port, 2, 8, duration_s=0.3)
+        finally:
+            proc.kill()
+            proc.wait()
+            for server in servers:
+                server.close()
+            await stub.close()
+        return load.num_requests, load.num_events, len(load.ttfts_s), stub.num_prefills
+
+    for flag in ("--floor-relay", "--stack-floor"):
+        num_requests, num_events, num_ttfts, num_prefills = asyncio.run(run(flag))
+        assert num_requests >= 2 and num_ttfts == num_requests, flag
+        assert num_events == num_requests * (8 + 2), flag  # tokens, the ids report, [DONE]
+        assert num_prefills >= num_requests, flag  # P was called for each
