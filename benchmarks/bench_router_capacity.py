@@ -27,7 +27,11 @@ next request when its answer ends):
   stack floor (`StackFloor`: the router's own server and client, uvicorn and aiohttp,
   with nothing of the router in them), what any relay on this stack adds here; and the
   floor relay (`FloorRelay`: raw asyncio), what any Python relay adds here. The CPU
-  per request of all three is reported beside their TTFTs.
+  per request of each is reported beside its TTFT. ``--ladder`` adds the rungs between
+  the stack floor and the router: the router's client to the instances (`ClientFloor`:
+  httpx's models over aiohttp), and that inside the router's app (`app_floor`: FastAPI,
+  its middlewares and error handlers, the router's relayed response): what each layer
+  adds, the router's own work being what is left above the app floor.
 
     PYTHONPATH=. python benchmarks/bench_router_capacity.py   # about 3 minutes
 
@@ -46,17 +50,34 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from dataclasses import field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import httpx
 import uvicorn
+from fastapi import FastAPI
+from fastapi import Request
+from fastapi import Response
 
 from kvduplex.openai import render
+from kvduplex.openai.errors import install_error_handlers
+from kvduplex.openai.protocol import CompletionRequest
 from kvduplex.openai.transcript import ANSWER_IDS_FIELD
+from kvduplex.server.auth import APIKeyGuard
 from kvduplex.server.cluster import free_port
+from kvduplex.server.drain import DrainGuard
+from kvduplex.server.drain import DrainState
+from kvduplex.server.guard import BodyCap
+from kvduplex.server.router.relay import OuterSend
+from kvduplex.server.router.relay import body_parts
+from kvduplex.server.router.relay import relay
+from kvduplex.server.router.state import InstanceCalls
+from kvduplex.server.router.state import InstanceTransport
+from kvduplex.server.router.state import instance_session
 
 REPO = Path(__file__).resolve().parent.parent
 FIRST_TOKEN = 65
@@ -270,11 +291,80 @@ class StackFloor:
 _JSON_HEADERS = {"content-type": "application/json"}
 
 
-def serve_stack_floor(port: int, p_port: int, d_port: int) -> None:
-    """Run a `StackFloor` on 127.0.0.1:`port` until killed."""
+class ClientFloor(StackFloor):
+    """`StackFloor` with the router's own client to the instances (`state.InstanceCalls`
+    over `state.InstanceTransport`: httpx's requests and responses over aiohttp; D's
+    stream read by `relay.body_parts`). The first rung of ``--ladder``."""
+
+    calls: InstanceCalls | None = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] == "GET":
+            return await super().__call__(scope, receive, send)
+        body, more = b"", True
+        while more:
+            message = await receive()
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        d = await self.open(json.loads(body), scope["path"])
+        head = [(b"content-type", d.headers["content-type"].encode())]
+        await send({"type": "http.response.start", "status": d.status_code, "headers": head})
+        try:
+            async for part in body_parts(d):
+                await send({"type": "http.response.body", "body": part, "more_body": True})
+        finally:
+            await d.aclose()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def open(self, request: dict[str, Any], path: str) -> httpx.Response:
+        """P called and D's stream opened as `StackFloor` does, through the router's client;
+        D's response once P answered."""
+        if self.calls is None:  # its aiohttp session is made in the server's event loop
+            transport = InstanceTransport(client=instance_session)
+            self.calls = InstanceCalls(transport, {}, httpx.Timeout(600.0, connect=5.0))
+        prefill = asyncio.ensure_future(self.calls.post(self.p_url, {"xid": "floor"}))
+        await asyncio.sleep(0)  # P's call goes out first
+        d = await self.calls.post(self.d_url + path, request, stream=True)
+        (await prefill).json()
+        return d
+
+
+def app_floor(p_port: int, d_port: int) -> FastAPI:
+    """`ClientFloor`'s relay inside the router's app: FastAPI with the router's error
+    handlers and middlewares (as `router.app.create_router_app` adds them), the body
+    validated as the router's route validates it, the answer sent by the router's
+    `relay.relay`. The second rung of ``--ladder``: what is left between it and the
+    router is the router's own work (prompt, routing, sessions, splice, answer tap)."""
+    client = ClientFloor(p_port, d_port)
+    app = FastAPI()
+    install_error_handlers(app)
+    app.add_middleware(DrainGuard, drain=DrainState())
+    app.add_middleware(BodyCap, max_body_bytes=1 << 20)
+    app.add_middleware(APIKeyGuard, api_key=None)
+    app.add_middleware(OuterSend)
+
+    @app.get("/ready")
+    async def ready() -> dict[str, str]:
+        return {"status": "ready"}
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        d = await client.open(dict(await raw.json()), "/v1/completions")
+        return relay(d, body_parts(d), lambda failed: None, "decode")
+
+    return app
+
+
+def serve_stack_floor(port: int, p_port: int, d_port: int, rung: str = "stack") -> None:
+    """Run a `StackFloor` (`rung`: or a `ClientFloor`, or an `app_floor`) on
+    127.0.0.1:`port` until killed."""
+    rungs: dict[str, Callable[[int, int], Any]] = {
+        "stack": StackFloor, "client": ClientFloor, "app": app_floor,
+    }  # fmt: skip
+    app = rungs[rung](p_port, d_port)
     uvicorn.run(
-        StackFloor(p_port, d_port), host="127.0.0.1", port=port, loop="uvloop",
-        http="httptools", lifespan="off", log_level="warning", backlog=4096,
+        app, host="127.0.0.1", port=port, loop="uvloop", http="httptools", lifespan="off",
+        log_level="warning", backlog=4096,
     )  # fmt: skip
 
 
@@ -500,9 +590,12 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     proc = start_router(
         r_port, p_port, d_port, router_cpu, log, args.profile_router, Path(args.router_repo)
     )
+    rungs = (
+        [("app_floor", "--app-floor"), ("client_floor", "--client-floor")] if args.ladder else []
+    )
     relays = {  # each in a process of its own, pinned as the router is
         name: start_relay(flag, p_port, d_port, router_cpu)
-        for name, flag in [("stack_floor", "--stack-floor"), ("floor", "--floor-relay")]
+        for name, flag in [*rungs, ("stack_floor", "--stack-floor"), ("floor", "--floor-relay")]
     }
     results: dict[str, Any] = {"capacity": [], "ttft": []}
     try:
@@ -611,8 +704,10 @@ def table(results: dict[str, Any]) -> str:
 def main() -> None:
     if sys.argv[1:2] == ["--floor-relay"]:
         return serve_floor_relay(*(int(a) for a in sys.argv[2:5]))
-    if sys.argv[1:2] == ["--stack-floor"]:
-        return serve_stack_floor(*(int(a) for a in sys.argv[2:5]))
+    for rung in ("stack", "client", "app"):
+        if sys.argv[1:2] == [f"--{rung}-floor"]:
+            port, p_port, d_port = (int(a) for a in sys.argv[2:5])
+            return serve_stack_floor(port, p_port, d_port, rung)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--capacity-tokens", type=int, default=128)
@@ -621,6 +716,11 @@ def main() -> None:
     parser.add_argument("--tpot-ms", type=float, default=20.0)
     parser.add_argument("--ttft-s", type=float, default=3.0, help="per round and side")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--ladder", action="store_true",
+        help="also run the stack floor with the router's client (client floor), and that "
+        "inside the router's FastAPI app and middlewares (app floor): what each layer adds",
+    )  # fmt: skip
     parser.add_argument("--router-cpu", type=int, default=0)
     parser.add_argument("--load-cpu", type=int, default=1)
     parser.add_argument("--log", default="/tmp/kvduplex-router-capacity.log")

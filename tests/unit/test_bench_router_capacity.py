@@ -42,8 +42,9 @@ def test_the_stub_and_client_run_a_stream_straight() -> None:
 
 
 def test_the_floors_relay_the_stubs_streams_whole() -> None:
-    """The floor relay (raw asyncio) and the stack floor (uvicorn and aiohttp, nothing of
-    the router) each relay the stub's answers to the client, every event of them."""
+    """Each floor relays the stub's answers to the client, every event of them: the floor
+    relay (raw asyncio), the stack floor (uvicorn and aiohttp, nothing of the router) and
+    the two rungs of the ladder above it (the router's client; that in the router's app)."""
 
     async def run(flag: str) -> tuple[int, int, int, int]:
         stub = Stub()
@@ -61,7 +62,7 @@ def test_the_floors_relay_the_stubs_streams_whole() -> None:
             await stub.close()
         return load.num_requests, load.num_events, len(load.ttfts_s), stub.num_prefills
 
-    for flag in ("--floor-relay", "--stack-floor"):
+    for flag in ("--floor-relay", "--stack-floor", "--client-floor", "--app-floor"):
         num_requests, num_events, num_ttfts, num_prefills = asyncio.run(run(flag))
         assert num_requests >= 2 and num_ttfts == num_requests, flag
         assert num_events == num_requests * (8 + 2), flag  # tokens, the ids report, [DONE]

@@ -10,7 +10,7 @@ import pytest
 
 from kvduplex.server.cluster import free_port
 from kvduplex.server.router.state import InstanceTransport
-from kvduplex.server.router.state import _instance_session
+from kvduplex.server.router.state import instance_session
 
 _STREAM_HEAD = (
     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
@@ -19,7 +19,7 @@ _ONE_EVENT = b"b\r\ndata: one\n\n\r\n"  # one HTTP chunk: 11 bytes
 
 
 def _client() -> httpx.AsyncClient:
-    transport = InstanceTransport(client=_instance_session)
+    transport = InstanceTransport(client=instance_session)
     return httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0), transport=transport)
 
 
@@ -143,7 +143,7 @@ def test_instance_calls_post_json_with_the_routers_headers_over_real_sockets() -
     async def run() -> None:
         server = await asyncio.start_server(answer, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        transport = InstanceTransport(client=_instance_session)
+        transport = InstanceTransport(client=instance_session)
         calls = InstanceCalls(transport, {"x-secret": "s"}, httpx.Timeout(5.0))
         try:
             url = f"http://127.0.0.1:{port}"

@@ -42,7 +42,7 @@ class RouterState:
     """To the instances: sends the cluster secret and the API key. No cap on connections:
     every request in flight holds one to P and one to D for as long as it runs. Its read
     deadline (600 s) is a last resort: a call ends sooner when its instance is marked
-    unhealthy (`calls.py`). It sends through aiohttp (`_instance_session`): httpcore's
+    unhealthy (`calls.py`). It sends through aiohttp (`instance_session`): httpcore's
     pool walks all its connections on every request and release (quadratically in its
     keep-alive check), which at 64 streams took a third of the router's CPU."""
     calls: InstanceCalls
@@ -101,7 +101,7 @@ class RouterState:
         secret = load_cluster_secret(config.cluster_secret_file, env.cluster_secret)
         timeout = httpx.Timeout(600.0, connect=5.0)
         headers = {**secret_headers(secret), **api_key_headers(api_key)}
-        transport = transport or InstanceTransport(client=_instance_session)
+        transport = transport or InstanceTransport(client=instance_session)
         client = httpx.AsyncClient(timeout=timeout, transport=transport, headers=headers)
         calls = InstanceCalls(transport, headers, timeout)
         probe_client = httpx.AsyncClient(
@@ -138,7 +138,7 @@ class InstanceTransport(AiohttpTransport):
             raise httpx.RemoteProtocolError(str(exc), request=request) from cause
 
 
-def _instance_session() -> aiohttp.ClientSession:
+def instance_session() -> aiohttp.ClientSession:
     """The aiohttp session under `RouterState.client` (made in the event loop, at its first
     call): no cap on connections (aiohttp's default is 100), idle ones kept 5 s as httpx
     keeps them; httpx's client gives the timeouts, headers and errors."""
