@@ -110,7 +110,7 @@ class BodyCap:
         if body is None:  # refused before reading a byte of it, or once past the cap
             await self._too_large()(scope, receive, send)
             return
-        await self.app(scope, _replay(body, receive), send)
+        await self.app(scope, replay_body(body, receive), send)
 
     def _too_large(self) -> JSONResponse:
         cap = self.max_body_bytes
@@ -181,7 +181,7 @@ class InternalGuard:
         )  # fmt: skip
 
 
-def _replay(body: bytes, receive: Receive) -> Receive:
+def replay_body(body: bytes, receive: Receive) -> Receive:
     """A `receive` that yields `body` once, then the client's own messages (disconnect)."""
     sent = False
 
@@ -201,4 +201,5 @@ __all__ = [
     "InternalGuard",
     "load_cluster_secret",
     "new_cluster_secret",
+    "replay_body",
 ]

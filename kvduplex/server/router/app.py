@@ -11,6 +11,10 @@ take less than the hand-off to a thread and back would. The router never imports
 its tokenizer is `kvduplex.model.source.load_tokenizer`'s. The policy then picks P and D (sessions, load), and one of the
 flows (`flows.py`) forwards the body as the client sent it.
 
+A POST to /v1/completions or /v1/chat/completions whose JSON body validates is
+routed by `HotRoutes`, the innermost middleware, past FastAPI's request handling;
+every other request, a body refused included, is FastAPI's to answer.
+
 Routes: /v1/completions, /v1/chat/completions, /v1/models (a decode
 instance's), /health (liveness), /ready (readiness: a healthy decode instance, and
 a healthy prefill one when any is configured; 503 ``draining`` after SIGTERM, when
@@ -48,6 +52,11 @@ from fastapi.responses import JSONResponse
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client import generate_latest
+from pydantic import TypeAdapter
+from starlette.types import ASGIApp
+from starlette.types import Receive
+from starlette.types import Scope
+from starlette.types import Send
 
 from kvduplex.config import RouterConfig
 from kvduplex.config import TransferMode
@@ -72,6 +81,7 @@ from kvduplex.server.drain import DrainGuard
 from kvduplex.server.drain import DrainingServer
 from kvduplex.server.drain import exit_code
 from kvduplex.server.guard import BodyCap
+from kvduplex.server.guard import replay_body
 from kvduplex.server.router.calls import until_unhealthy
 from kvduplex.server.router.discovery import run_discovery
 from kvduplex.server.router.flows import DecodeUnreachable
@@ -263,6 +273,55 @@ async def _stop_background(tasks: list[asyncio.Task[None]]) -> None:
             await task
 
 
+class HotRoutes:
+    """Pure ASGI, the innermost of the router's middlewares: a POST to /v1/completions or
+    /v1/chat/completions with a JSON body that validates is routed here at once, past
+    Starlette's router and FastAPI's request handling, the largest layer of the router's
+    CPU per request under load (`benchmarks/bench_router_capacity.py --ladder`). Anything
+    else, a body that does not parse or validate included, goes on to FastAPI with its
+    body as it came: its routes answer as they always do (their validation errors, the
+    OpenAPI schema). What runs for the route is the routes' own (`route_request`), and the
+    middlewares outside this one (API key, body cap, drain, X-Request-ID, the catch-all
+    500) wrap both. Served here: only what FastAPI's route would take as the same JSON
+    and validate into the same request (a content type of ``application/json``)."""
+
+    def __init__(self, app: ASGIApp, state: RouterState) -> None:
+        self.app = app
+        self.state = state
+        self.routes: dict[str, TypeAdapter[OpenAIRequest]] = {
+            "/v1/completions": TypeAdapter(CompletionRequest),
+            "/v1/chat/completions": TypeAdapter(ChatCompletionRequest),
+        }
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        route = None
+        if scope["type"] == "http" and scope["method"] == "POST" and _is_json(scope):
+            route = self.routes.get(scope["path"])
+        if route is None:
+            await self.app(scope, receive, send)
+            return
+        raw = Request(scope, receive)
+        body = await raw.body()
+        try:
+            request = route.validate_python(await raw.json())
+        except Exception:  # not JSON, invalid, nested too deeply: FastAPI's to answer
+            await self.app(scope, replay_body(body, receive), send)
+            return
+        try:
+            response = await route_request(self.state, raw, request, scope["path"])
+        except APIError as exc:  # as the app's handler answers it
+            response = exc.response()
+        await response(scope, receive, send)
+
+
+def _is_json(scope: Scope) -> bool:
+    """The request says its body is JSON: ``application/json``, parameters aside."""
+    for key, value in scope["headers"]:
+        if key == b"content-type":
+            return value.partition(b";")[0].strip().lower() == b"application/json"
+    return False
+
+
 def create_router_app(state: RouterState) -> FastAPI:
     """The router's app; its lifespan runs the health prober (and the DNS discovery) and
     closes the clients."""
@@ -279,6 +338,7 @@ def create_router_app(state: RouterState) -> FastAPI:
             state.prompts.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="kvduplex-router", lifespan=lifespan)
+    app.add_middleware(HotRoutes, state=state)  # added first: the innermost
     install_error_handlers(app)
     app.add_middleware(DrainGuard, drain=state.drain)
     app.add_middleware(BodyCap, max_body_bytes=state.config.max_body_mb << 20)
