@@ -164,3 +164,34 @@ def test_instance_calls_post_json_with_the_routers_headers_over_real_sockets() -
         assert b"x-raw: 1" in second and b"x-secret: s" in second
 
     asyncio.run(run())
+
+
+def test_instance_calls_tell_connection_errors_apart_as_the_transport_does() -> None:
+    """`InstanceCalls.post` over the router's transport (no `httpx.Request`): a refused
+    connection is a connect error (the request is routed again), a connection closed
+    after the request is not."""
+    from kvduplex.server.router.state import InstanceCalls
+
+    async def close_after_request(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.close()
+
+    async def run() -> None:
+        server = await asyncio.start_server(close_after_request, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        transport = InstanceTransport(client=instance_session)
+        calls = InstanceCalls(transport, {}, httpx.Timeout(5.0))
+        try:
+            with pytest.raises(httpx.ConnectError):
+                await calls.post(f"http://127.0.0.1:{free_port()}/x", {})
+            for stream in (False, True):
+                with pytest.raises(httpx.RemoteProtocolError):
+                    await calls.post(f"http://127.0.0.1:{port}/x", {}, stream=stream)
+        finally:
+            await transport.aclose()
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(run())

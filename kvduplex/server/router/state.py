@@ -13,6 +13,8 @@ from typing import Any
 import aiohttp
 import httpx
 from httpx_aiohttp import AiohttpTransport
+from httpx_aiohttp.transport import AiohttpResponseStream
+from httpx_aiohttp.transport import map_aiohttp_exceptions
 from prometheus_client import CollectorRegistry
 
 from kvduplex.config import Environment
@@ -130,12 +132,50 @@ class InstanceTransport(AiohttpTransport):
         try:
             return await super().handle_async_request(request)
         except httpx.ConnectTimeout as exc:
-            cause = exc.__cause__
-            if isinstance(cause, aiohttp.ConnectionTimeoutError):
-                raise
-            if isinstance(cause, aiohttp.ClientConnectorError):
-                raise httpx.ConnectError(str(exc), request=request) from cause
-            raise httpx.RemoteProtocolError(str(exc), request=request) from cause
+            raise _told_apart(exc, request) from exc.__cause__
+
+    async def post(
+        self, url: str, content: bytes, headers: dict[str, str], timeout: aiohttp.ClientTimeout
+    ) -> httpx.Response:
+        """POST `content` to `url` over aiohttp without an `httpx.Request` (the router's own
+        calls, `InstanceCalls`): the response as `handle_async_request` returns it (its
+        body to be read, from aiohttp's stream), its errors as that raises them."""
+        if not isinstance(self.client, aiohttp.ClientSession):
+            self.client = self.get_client()
+        try:
+            with map_aiohttp_exceptions():
+                response = await self.client.request(
+                    "POST", url, data=content, headers=headers, allow_redirects=False,
+                    auto_decompress=False, timeout=timeout,
+                ).__aenter__()  # fmt: skip
+        except httpx.ConnectTimeout as exc:
+            raise _told_apart(exc, None) from exc.__cause__
+        extensions = {"http_version": b"HTTP/1.1"}
+        if response.reason:
+            extensions["reason_phrase"] = response.reason.encode()
+        return httpx.Response(
+            response.status, headers=response.raw_headers,
+            stream=AiohttpResponseStream(response), extensions=extensions,
+        )  # fmt: skip
+
+
+def client_timeout(timeout: httpx.Timeout, *, read: bool = True) -> aiohttp.ClientTimeout:
+    """`timeout` as httpx-aiohttp gives it to aiohttp (`read`: False, no read deadline)."""
+    return aiohttp.ClientTimeout(
+        sock_connect=timeout.connect, sock_read=timeout.read if read else None,
+        connect=timeout.pool,
+    )  # fmt: skip
+
+
+def _told_apart(exc: httpx.ConnectTimeout, request: httpx.Request | None) -> httpx.HTTPError:
+    """httpx-aiohttp's `ConnectTimeout` for any connection error, told apart (see
+    `InstanceTransport`)."""
+    cause = exc.__cause__
+    if isinstance(cause, aiohttp.ConnectionTimeoutError):
+        return exc
+    if isinstance(cause, aiohttp.ClientConnectorError):
+        return httpx.ConnectError(str(exc), request=request)
+    return httpx.RemoteProtocolError(str(exc), request=request)
 
 
 def instance_session() -> aiohttp.ClientSession:
@@ -147,12 +187,16 @@ def instance_session() -> aiohttp.ClientSession:
 
 
 class InstanceCalls:
-    """POSTs of JSON to the instances, sent to the transport directly: httpx's `Request`
-    and `Response` (the relay reads the response as it would any, and errors are httpx's),
-    without `httpx.AsyncClient`'s layers (URL merging and parsing, auth and redirect
-    handling, cookies, default headers), which cost the router ~0.4 ms of its core per
-    call (`benchmarks/bench_http_clients.py`), two calls on each request's first token's
-    path. Each URL is parsed once."""
+    """POSTs of JSON to the instances, sent to the transport directly: httpx's `Response`
+    (the relay reads the response as it would any, and errors are httpx's), without
+    `httpx.AsyncClient`'s layers (URL merging and parsing, auth and redirect handling,
+    cookies, default headers), which cost the router ~0.4 ms of its core per call
+    (`benchmarks/bench_http_clients.py`), two calls on each request's first token's path.
+    Over the router's own transport (`InstanceTransport.post`) no `httpx.Request` is made
+    either: its headers and body are checked and copied once more for aiohttp, which
+    under load cost the router ~0.3 ms of its core per request (`bench_router_capacity.py
+    --ladder`: the client floor against the stack floor). Any other transport (a test's)
+    gets an `httpx.Request`, each URL parsed once."""
 
     def __init__(
         self, transport: httpx.AsyncBaseTransport, headers: dict[str, str], timeout: httpx.Timeout
@@ -163,6 +207,7 @@ class InstanceCalls:
         # A stream's parts are waited for without a deadline (aiohttp would move a timer at
         # each part): its instance marked unhealthy ends it (`relay.relay`).
         self.stream_extensions = {"timeout": {**timeout.as_dict(), "read": None}}
+        self.timeouts = client_timeout(timeout), client_timeout(timeout, read=False)
         self._urls: dict[str, httpx.URL] = {}
 
     async def post(
@@ -173,18 +218,13 @@ class InstanceCalls:
         only, the body to be read and closed by the caller. Lone surrogates (valid in a
         request a client sent us, e.g. in ``user``) are escaped, as `json.dumps` writes
         them."""
-        parsed = self._urls.get(url)
-        if parsed is None:
-            if len(self._urls) >= 4096:  # instances come and go: keep the table bounded
-                self._urls.clear()
-            parsed = self._urls[url] = httpx.URL(url)
-        request = httpx.Request(
-            "POST", parsed, content=json.dumps(body).encode(),
-            headers={**self.headers, **headers} if headers else self.headers,
-            extensions=self.stream_extensions if stream else self.extensions,
-        )  # fmt: skip
-        response = await self.transport.handle_async_request(request)
-        response.request = request
+        content = json.dumps(body).encode()
+        all_headers = {**self.headers, **headers} if headers else self.headers
+        if isinstance(self.transport, InstanceTransport):
+            timeout = self.timeouts[stream]
+            response = await self.transport.post(url, content, all_headers, timeout)
+        else:
+            response = await self._send(url, content, all_headers, stream)
         if not stream:
             try:
                 await response.aread()
@@ -192,3 +232,18 @@ class InstanceCalls:
                 await response.aclose()
         return response
 
+    async def _send(
+        self, url: str, content: bytes, headers: dict[str, str], stream: bool
+    ) -> httpx.Response:
+        parsed = self._urls.get(url)
+        if parsed is None:
+            if len(self._urls) >= 4096:  # instances come and go: keep the table bounded
+                self._urls.clear()
+            parsed = self._urls[url] = httpx.URL(url)
+        request = httpx.Request(
+            "POST", parsed, content=content, headers=headers,
+            extensions=self.stream_extensions if stream else self.extensions,
+        )  # fmt: skip
+        response = await self.transport.handle_async_request(request)
+        response.request = request
+        return response
