@@ -597,11 +597,19 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         name: start_relay(flag, p_port, d_port, router_cpu)
         for name, flag in [*rungs, ("stack_floor", "--stack-floor"), ("floor", "--floor-relay")]
     }
+    compared = {}  # other checkouts' routers, beside this one in the TTFT phase
+    for i, repo in enumerate(args.compare):
+        port, other_log = free_port(), log.with_suffix(f".compare{i}.log")
+        other = start_router(port, p_port, d_port, router_cpu, other_log, "", Path(repo))
+        compared[f"compare_{i}"] = (port, other)
     results: dict[str, Any] = {"capacity": [], "ttft": []}
     try:
         await wait_ready(r_port, proc)
         stub.interval_s = 0.0
         await run_streams(r_port, 8, 32, 2.0)  # warm-up
+        for port, other in compared.values():
+            await wait_ready(port, other)
+            await run_streams(port, 8, 32, 2.0)  # warm-up
         for port, relay in relays.values():
             await wait_listening(port, relay)
             await run_streams(port, 8, 32, 1.0)  # warm-up
@@ -624,13 +632,14 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         for n in args.streams:
             direct: list[float] = []
             sides = {"routed": Side(r_port, proc.pid)} | {
-                name: Side(port, relay.pid) for name, (port, relay) in relays.items()
+                name: Side(port, other.pid) for name, (port, other) in (compared | relays).items()
             }
             stagger_s = args.ttft_tokens * args.tpot_ms / 1e3  # one answer's length
-            for _ in range(args.rounds):
+            for k in range(args.rounds):
                 load = await run_streams(d_port, n, args.ttft_tokens, args.ttft_s, stagger_s)
                 direct += load.ttfts_s
-                for side in sides.values():  # the router, the stack floor, the floor relay
+                order = list(sides.values())  # the router, compared ones, the floors
+                for side in order[::-1] if k % 2 else order:  # reversed every other round
                     await side.run(n, args.ttft_tokens, args.ttft_s, stagger_s)
             routed = sides["routed"]
             row = {
@@ -653,12 +662,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         for _, relay in relays.values():
             relay.kill()
             relay.wait()
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_routers([proc, *(other for _, other in compared.values())])
         for server in servers:
             server.close()
         await stub.close()
@@ -667,8 +671,20 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "ttft_tokens": args.ttft_tokens, "tpot_ms": args.tpot_ms, "duration_s": args.duration_s,
         "ttft_s": args.ttft_s, "rounds": args.rounds, "loadavg_before": args.loadavg_before,
         "router_repo": args.router_repo, "loadavg_after": os.getloadavg(),
+        "compare": {f"compare_{i}": repo for i, repo in enumerate(args.compare)},
     }  # fmt: skip
     return results
+
+
+def stop_routers(routers: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM each router (they drain), killed if one takes longer than 15 s."""
+    for router in routers:
+        router.terminate()
+        try:
+            router.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            router.kill()
+            router.wait()
 
 
 def _quantile_ms(values: list[float], q: float) -> float:
@@ -730,6 +746,11 @@ def main() -> None:
         help="the checkout whose router runs (default: this one), to compare versions",
     )  # fmt: skip
     parser.add_argument(
+        "--compare", nargs="+", default=[], metavar="DIR",
+        help="also run these checkouts' routers in the TTFT phase, interleaved with this one "
+        "round by round (compare_0, compare_1, ... in the results)",
+    )  # fmt: skip
+    parser.add_argument(
         "--profile-router", default="", metavar="FILE",
         help="run the router under cProfile (its event loop's CPU time), the stats written "
         "to FILE (slower: for profiles only)",
@@ -742,6 +763,13 @@ def main() -> None:
     text = table(results)
     path = write_results(args.name, results, text)
     print(text)
+    for row in results["ttft"]:
+        for name, repo in results["setup"]["compare"].items():
+            print(
+                f"{row['streams']} streams: added p50 {row['added_p50_ms']:.2f} ms, CPU a "
+                f"request {row['routed_cpu_per_request_ms']:.2f} ms; {repo}: "
+                f"{row[f'{name}_added_p50_ms']:.2f} ms, {row[f'{name}_cpu_per_request_ms']:.2f} ms"
+            )
     print(f"wrote {path}")
 
 
