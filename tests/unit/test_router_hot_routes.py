@@ -17,6 +17,8 @@ from starlette.types import Receive
 from starlette.types import Scope
 from starlette.types import Send
 
+from kvduplex.server.router import app as app_module
+from kvduplex.server.router.app import _is_plain
 from tests.unit.test_router import BAD
 from tests.unit.test_router import FakeInstances
 from tests.unit.test_router import _router
@@ -118,3 +120,41 @@ def test_a_post_that_is_not_json_goes_to_fastapi() -> None:
             r = router.post("/v1/completions", content=content, headers=headers)
             assert r.status_code == 400, r.text
         assert counts["/v1/completions"] == 2
+
+
+def test_json_content_types_that_fastapi_reads_alike_take_the_hot_path() -> None:
+    with _router(FakeInstances()) as router, _counting_fastapi_routes(router) as counts:
+        for content_type in ("application/json; charset=utf-8", "Application/JSON"):
+            headers = {"content-type": content_type}
+            r = router.post("/v1/completions", content=_content(GOOD[0][1]), headers=headers)
+            assert r.status_code == 200, r.text
+        assert counts["/v1/completions"] == 0
+
+
+def test_a_root_path_or_fastapis_telemetry_leaves_the_request_to_fastapi() -> None:
+    """A ``root_path`` changes what path a route matches, and FastAPI's OpenTelemetry names
+    its spans by the route it matched: either way FastAPI routes the request itself."""
+    headers = [(b"content-type", b"application/json")]
+    plain = {"type": "http", "headers": headers, "root_path": ""}
+    assert _is_plain(plain)
+    assert not _is_plain({**plain, "root_path": "/api"})
+    assert not _is_plain({**plain, "fastapi.telemetry": object()})
+    assert _is_plain({**plain, "fastapi.telemetry": None})  # a request it excluded
+    assert not _is_plain({**plain, "headers": [(b"content-type", b"text/plain")]})
+
+
+def test_an_unexpected_failure_on_the_hot_path_is_a_500_in_openai_json(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As on FastAPI's route: the catch-all answers, X-Request-ID echoed."""
+
+    async def failing(*args: Any) -> Any:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(app_module, "route_request", failing)
+    with _router(FakeInstances()) as router:
+        headers = {**JSON, "x-request-id": "r2"}
+        r = router.post("/v1/completions", content=_content(GOOD[0][1]), headers=headers)
+    assert r.status_code == 500
+    assert r.json()["error"]["code"] == "internal_error"
+    assert "r2" in r.json()["error"]["message"] and r.headers["x-request-id"] == "r2"

@@ -283,7 +283,9 @@ class HotRoutes:
     OpenAPI schema). What runs for the route is the routes' own (`route_request`), and the
     middlewares outside this one (API key, body cap, drain, X-Request-ID, the catch-all
     500) wrap both. Served here: only what FastAPI's route would take as the same JSON
-    and validate into the same request (a content type of ``application/json``)."""
+    and validate into the same request (a content type of ``application/json``, no
+    ``root_path``), and not while FastAPI's own OpenTelemetry observes the request (its
+    spans name the route FastAPI matched)."""
 
     def __init__(self, app: ASGIApp, state: RouterState) -> None:
         self.app = app
@@ -295,16 +297,19 @@ class HotRoutes:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         route = None
-        if scope["type"] == "http" and scope["method"] == "POST" and _is_json(scope):
+        if scope["type"] == "http" and scope["method"] == "POST" and _is_plain(scope):
             route = self.routes.get(scope["path"])
         if route is None:
             await self.app(scope, receive, send)
             return
         raw = Request(scope, receive)
-        body = await raw.body()
+        body = await raw.body()  # whole: `BodyCap`, outside, read it (or refused it)
         try:
             request = route.validate_python(await raw.json())
         except Exception:  # not JSON, invalid, nested too deeply: FastAPI's to answer
+            request = None
+        if request is None:  # outside the handler: the failed parse is not kept alive
+            del raw
             await self.app(scope, replay_body(body, receive), send)
             return
         try:
@@ -314,8 +319,11 @@ class HotRoutes:
         await response(scope, receive, send)
 
 
-def _is_json(scope: Scope) -> bool:
-    """The request says its body is JSON: ``application/json``, parameters aside."""
+def _is_plain(scope: Scope) -> bool:
+    """The request says its body is JSON (``application/json``, parameters aside), and
+    neither a ``root_path`` nor FastAPI's OpenTelemetry bears on how it is routed."""
+    if scope.get("root_path") or scope.get("fastapi.telemetry") is not None:
+        return False
     for key, value in scope["headers"]:
         if key == b"content-type":
             return value.partition(b";")[0].strip().lower() == b"application/json"

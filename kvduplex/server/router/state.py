@@ -151,8 +151,8 @@ class InstanceTransport(AiohttpTransport):
         except httpx.ConnectTimeout as exc:
             raise _told_apart(exc, None) from exc.__cause__
         extensions = {"http_version": b"HTTP/1.1"}
-        if response.reason:
-            extensions["reason_phrase"] = response.reason.encode()
+        if response.reason:  # as aiohttp decoded it (bytes not UTF-8 kept as they came)
+            extensions["reason_phrase"] = response.reason.encode("utf-8", "surrogateescape")
         return httpx.Response(
             response.status, headers=response.raw_headers,
             stream=AiohttpResponseStream(response), extensions=extensions,
@@ -217,7 +217,8 @@ class InstanceCalls:
         """POST `body` as JSON to `url`; the response read whole, or (`stream`) its head
         only, the body to be read and closed by the caller. Lone surrogates (valid in a
         request a client sent us, e.g. in ``user``) are escaped, as `json.dumps` writes
-        them."""
+        them. Over `InstanceTransport` the response has no `httpx.Request` (its
+        ``request``, ``url`` and ``raise_for_status`` are not for these calls)."""
         content = json.dumps(body).encode()
         all_headers = {**self.headers, **headers} if headers else self.headers
         if isinstance(self.transport, InstanceTransport):
