@@ -207,7 +207,8 @@ class InstanceCalls:
         # A stream's parts are waited for without a deadline (aiohttp would move a timer at
         # each part): its instance marked unhealthy ends it (`relay.relay`).
         self.stream_extensions = {"timeout": {**timeout.as_dict(), "read": None}}
-        self.timeouts = client_timeout(timeout), client_timeout(timeout, read=False)
+        self.timeout = client_timeout(timeout)
+        self.stream_timeout = client_timeout(timeout, read=False)
         self._urls: dict[str, httpx.URL] = {}
 
     async def post(
@@ -222,7 +223,7 @@ class InstanceCalls:
         content = json.dumps(body).encode()
         all_headers = {**self.headers, **headers} if headers else self.headers
         if isinstance(self.transport, InstanceTransport):
-            timeout = self.timeouts[stream]
+            timeout = self.stream_timeout if stream else self.timeout
             response = await self.transport.post(url, content, all_headers, timeout)
         else:
             response = await self._send(url, content, all_headers, stream)
