@@ -31,9 +31,15 @@ next request when its answer ends):
   the stack floor and the router: the router's client to the instances (`ClientFloor`:
   httpx's models over aiohttp), and that inside the router's app (`app_floor`: FastAPI,
   its middlewares and error handlers, the router's relayed response): what each layer
-  adds, the router's own work being what is left above the app floor.
+  adds, the router's own work being what is left above the app floor. ``--reference
+  sglang vllm`` runs two compiled P/D routers (`REFERENCES`, Rust) beside the router, in
+  a venv of their own (``--reference-python``): on P's port the stub answers their
+  prefill as a prefill instance does (`Stub.serve_prefill`).
 
     PYTHONPATH=. python benchmarks/bench_router_capacity.py   # about 3 minutes
+    python -m venv /tmp/refvenv && /tmp/refvenv/bin/pip install sglang-router vllm-router
+    PYTHONPATH=. python benchmarks/bench_router_capacity.py --reference sglang vllm \
+        --reference-python /tmp/refvenv/bin/python
 
 Writes results/router_capacity.json and .md.
 """
@@ -117,6 +123,19 @@ class Stub:
         return self._events[key]
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One client connection: P's and D's routes (see `_answer`)."""
+        await self._serve(reader, writer, is_prefill=False)
+
+    async def serve_prefill(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        """One connection to P's port: `serve`, and ``POST /v1/completions`` answered as
+        a prefill instance answers the reference routers' prefill (`_PREFILL_ANSWER`)."""
+        await self._serve(reader, writer, is_prefill=True)
+
+    async def _serve(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, is_prefill: bool
+    ) -> None:
         self.num_connections += 1
         task = asyncio.current_task()
         assert task is not None
@@ -124,9 +143,13 @@ class Stub:
         try:
             while True:
                 method, path, body = await _read_request(reader)
-                await self._answer(method, path, body, writer)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
+                if is_prefill and method == "POST" and path == "/v1/completions":
+                    self.num_prefills += 1
+                    await _write_json(writer, _PREFILL_ANSWER)
+                else:
+                    await self._answer(method, path, body, writer)
+        except (asyncio.IncompleteReadError, ConnectionError, ValueError):
+            pass  # ValueError: a line that is no request (an HTTP/2 client's preface): closed
         finally:
             del self._open[writer]
             writer.close()
@@ -170,6 +193,18 @@ class Stub:
                 await asyncio.sleep(0)  # the other streams' turn, as a decode step
         writer.write(b"0\r\n\r\n")
         await writer.drain()
+
+
+_PREFILL_ANSWER = {
+    "id": "cmpl-stub", "object": "text_completion", "model": "tiny",
+    "choices": [{"index": 0, "text": chr(FIRST_TOKEN), "finish_reason": "length"}],
+    "usage": {"prompt_tokens": 12, "completion_tokens": 1, "total_tokens": 13},
+    "kv_transfer_params": {"do_remote_prefill": True, "do_remote_decode": False,
+                           "remote_engine_id": "stub", "remote_block_ids": [0],
+                           "remote_host": "127.0.0.1", "remote_port": 1},
+}  # fmt: skip
+"""P's answer to a reference router's prefill (``max_tokens`` 1): a completion of one
+token, with the ``kv_transfer_params`` a vLLM prefill instance returns for D."""
 
 
 def _http_chunk(data: bytes) -> bytes:
@@ -515,14 +550,56 @@ def start_relay(
     return port, proc
 
 
-async def wait_ready(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
+REFERENCES = {
+    "sglang": ["-m", "sglang_router.launch_router", "--pd-disaggregation", "--log-level", "warn"],
+    "vllm": ["-m", "vllm_router.launch_router", "--vllm-pd-disaggregation",
+             "--log-level", "warning"],
+}  # fmt: skip
+"""The reference P/D routers (``--reference``), each ``python -m`` its package's launcher
+in P/D mode: SGLang's (PyPI ``sglang-router``) sends the request to P and D at once, as
+the push router does; vLLM's (PyPI ``vllm-router``) sends it to P (``max_tokens`` 1),
+then to D with P's ``kv_transfer_params``. Both are compiled (Rust, tokio, hyper)."""
+
+
+def start_reference(
+    kind: str, python: str, port: int, p_port: int, d_port: int, cpu: int, log: Path
+) -> subprocess.Popen[bytes]:
+    """Reference router `kind` (`REFERENCES`) run by `python` over the stub, pinned to
+    `cpu` (one core: tokio starts one worker thread), probing the stub every second as
+    the router does, its metrics on a port of its own."""
+    cmd = [python, *REFERENCES[kind], "--host", "127.0.0.1", "--port", str(port),
+           "--prefill", f"http://127.0.0.1:{p_port}", "--decode", f"http://127.0.0.1:{d_port}",
+           "--policy", "round_robin", "--health-check-interval-secs", "1",
+           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]  # fmt: skip
+    return subprocess.Popen(
+        cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+        preexec_fn=lambda: os.sched_setaffinity(0, {cpu}),
+    )  # fmt: skip
+
+
+def check_references(kinds: list[str], python: str) -> None:
+    """Exit with how to install them if `python` lacks a reference router of `kinds`."""
+    for kind in kinds:
+        module = REFERENCES[kind][1].split(".")[0]
+        found = subprocess.run([python, "-c", f"import {module}"], capture_output=True)
+        if found.returncode != 0:
+            raise SystemExit(
+                f"--reference {kind}: {python} cannot import {module}; install it in a venv of "
+                f"its own (python -m venv /tmp/refvenv && /tmp/refvenv/bin/pip install "
+                f"{kind}-router) and pass --reference-python /tmp/refvenv/bin/python"
+            )
+
+
+async def wait_ready(
+    port: int, proc: subprocess.Popen[bytes], timeout_s: float = 60.0, path: str = "/ready"
+) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError("the router exited")
         try:
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.write(b"GET /ready HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            writer.write(b"GET %s HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n" % path.encode())
             status = await reader.readline()
             writer.close()
             if b" 200 " in status:
@@ -583,8 +660,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     stub = Stub()
     p_port, d_port, r_port = free_port(), free_port(), free_port()
     servers = [
-        await asyncio.start_server(stub.serve, "127.0.0.1", p, backlog=4096)
-        for p in (p_port, d_port)
+        await asyncio.start_server(serve, "127.0.0.1", port, backlog=4096)
+        for serve, port in ((stub.serve_prefill, p_port), (stub.serve, d_port))
     ]
     log = Path(args.log)
     proc = start_router(
@@ -597,18 +674,16 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         name: start_relay(flag, p_port, d_port, router_cpu)
         for name, flag in [*rungs, ("stack_floor", "--stack-floor"), ("floor", "--floor-relay")]
     }
-    compared = {}  # other checkouts' routers, beside this one in the TTFT phase
-    for i, repo in enumerate(args.compare):
-        port, other_log = free_port(), log.with_suffix(f".compare{i}.log")
-        other = start_router(port, p_port, d_port, router_cpu, other_log, "", Path(repo))
-        compared[f"compare_{i}"] = (port, other)
+    others = start_others(args, p_port, d_port, log)
     results: dict[str, Any] = {"capacity": [], "ttft": []}
     try:
         await wait_ready(r_port, proc)
         stub.interval_s = 0.0
         await run_streams(r_port, 8, 32, 2.0)  # warm-up
-        for port, other in compared.values():
-            await wait_ready(port, other)
+        for name, (port, other) in others.items():  # a reference router has no /ready
+            await wait_ready(
+                port, other, path="/ready" if name.startswith("compare_") else "/health"
+            )
             await run_streams(port, 8, 32, 2.0)  # warm-up
         for port, relay in relays.values():
             await wait_listening(port, relay)
@@ -632,7 +707,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         for n in args.streams:
             direct: list[float] = []
             sides = {"routed": Side(r_port, proc.pid)} | {
-                name: Side(port, other.pid) for name, (port, other) in (compared | relays).items()
+                name: Side(port, other.pid) for name, (port, other) in (others | relays).items()
             }
             stagger_s = args.ttft_tokens * args.tpot_ms / 1e3  # one answer's length
             for k in range(args.rounds):
@@ -653,8 +728,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 row[f"{name}_added_p50_ms"] = _p50_ms(side.ttfts_s) - _p50_ms(direct)
                 row[f"{name}_cpu_per_request_ms"] = side.cpu_per_request_ms
             row["added_p50_ms"] = row.pop("routed_added_p50_ms")
-            num_errors = routed.num_errors
-            row["routed_errors"] = num_errors
+            row["routed_errors"] = routed.num_errors
+            for name in others:
+                row[f"{name}_errors"] = sides[name].num_errors
             row["stub_connections"] = stub.num_connections
             results["ttft"].append(row)
             print(json.dumps(row), flush=True)
@@ -662,7 +738,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         for _, relay in relays.values():
             relay.kill()
             relay.wait()
-        stop_routers([proc, *(other for _, other in compared.values())])
+        stop_routers([proc, *(other for _, other in others.values())])
         for server in servers:
             server.close()
         await stub.close()
@@ -672,8 +748,29 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "ttft_s": args.ttft_s, "rounds": args.rounds, "loadavg_before": args.loadavg_before,
         "router_repo": args.router_repo, "loadavg_after": os.getloadavg(),
         "compare": {f"compare_{i}": repo for i, repo in enumerate(args.compare)},
+        "reference": [f"{kind}_router" for kind in args.reference],
     }  # fmt: skip
     return results
+
+
+def start_others(
+    args: argparse.Namespace, p_port: int, d_port: int, log: Path
+) -> dict[str, tuple[int, subprocess.Popen[bytes]]]:
+    """The routers that run beside this one in the TTFT phase, pinned as it is, by name:
+    other checkouts' (``--compare``: compare_0, ...) and the reference routers
+    (``--reference``: sglang_router, vllm_router); their ports and processes."""
+    others = {}
+    for i, repo in enumerate(args.compare):
+        port, other_log = free_port(), log.with_suffix(f".compare{i}.log")
+        other = start_router(port, p_port, d_port, args.router_cpu, other_log, "", Path(repo))
+        others[f"compare_{i}"] = (port, other)
+    for kind in args.reference:
+        port, ref_log = free_port(), log.with_suffix(f".{kind}.log")
+        ref = start_reference(
+            kind, args.reference_python, port, p_port, d_port, args.router_cpu, ref_log
+        )
+        others[f"{kind}_router"] = (port, ref)
+    return others
 
 
 def stop_routers(routers: list[subprocess.Popen[bytes]]) -> None:
@@ -751,11 +848,21 @@ def main() -> None:
         "round by round (compare_0, compare_1, ... in the results)",
     )  # fmt: skip
     parser.add_argument(
+        "--reference", nargs="+", default=[], choices=sorted(REFERENCES),
+        help="also run these compiled P/D routers in the TTFT phase, interleaved with this "
+        "one (SGLang's and vLLM's, from PyPI: see --reference-python)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--reference-python", default=sys.executable, metavar="PYTHON",
+        help="the Python that has the --reference routers installed (a venv of their own)",
+    )  # fmt: skip
+    parser.add_argument(
         "--profile-router", default="", metavar="FILE",
         help="run the router under cProfile (its event loop's CPU time), the stats written "
         "to FILE (slower: for profiles only)",
     )  # fmt: skip
     args = parser.parse_args()
+    check_references(args.reference, args.reference_python)
     args.loadavg_before = os.getloadavg()
     results = asyncio.run(main_async(args))
     from benchmarks.common import write_results
@@ -769,6 +876,14 @@ def main() -> None:
                 f"{row['streams']} streams: added p50 {row['added_p50_ms']:.2f} ms, CPU a "
                 f"request {row['routed_cpu_per_request_ms']:.2f} ms; {repo}: "
                 f"{row[f'{name}_added_p50_ms']:.2f} ms, {row[f'{name}_cpu_per_request_ms']:.2f} ms"
+            )
+    for row in results["ttft"]:
+        for name in results["setup"]["reference"]:
+            print(
+                f"{row['streams']} streams: added p50 {row['added_p50_ms']:.2f} ms, CPU a "
+                f"request {row['routed_cpu_per_request_ms']:.2f} ms; {name}: "
+                f"{row[f'{name}_added_p50_ms']:.2f} ms, "
+                f"{row[f'{name}_cpu_per_request_ms']:.2f} ms, {row[f'{name}_errors']} errors"
             )
     print(f"wrote {path}")
 

@@ -1,12 +1,18 @@
 """The router capacity benchmark's stub answers as a decode instance does, so that the
-router's splice drops its copy of prefill's first token and relays the rest."""
+router's splice drops its copy of prefill's first token and relays the rest; on P's
+port, as a prefill instance answers the reference routers; the floors relay whole."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+from typing import Any
+
+import pytest
 
 from benchmarks.bench_router_capacity import FIRST_TOKEN
 from benchmarks.bench_router_capacity import Stub
+from benchmarks.bench_router_capacity import check_references
 from benchmarks.bench_router_capacity import run_streams
 from benchmarks.bench_router_capacity import start_relay
 from benchmarks.bench_router_capacity import wait_listening
@@ -67,3 +73,46 @@ def test_the_floors_relay_the_stubs_streams_whole() -> None:
         assert num_requests >= 2 and num_ttfts == num_requests, flag
         assert num_events == num_requests * (8 + 2), flag  # tokens, the ids report, [DONE]
         assert num_prefills >= num_requests, flag  # P was called for each
+
+
+def test_the_stubs_prefill_port_answers_a_reference_routers_prefill() -> None:
+    """On P's port a completion is answered as a vLLM prefill instance answers one: a
+    token and the ``kv_transfer_params`` for D; the push router's own prefill route
+    answers as before; a client speaking HTTP/2 first is disconnected, nothing raised."""
+
+    async def run() -> tuple[dict[str, Any], dict[str, Any], bytes]:
+        stub = Stub()
+        server = await asyncio.start_server(stub.serve_prefill, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        answers = []
+        for path, body in [("/v1/completions", {"prompt": "hi", "max_tokens": 1}),
+                           ("/internal/push/prefill", {"xid": "x"})]:  # fmt: skip
+            data = json.dumps(body).encode()
+            writer.write(
+                b"POST %s HTTP/1.1\r\nhost: p\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\n\r\n%s" % (path.encode(), len(data), data)
+            )
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            answers.append(json.loads(await reader.readexactly(length)))
+        writer.close()
+        h2_reader, h2_writer = await asyncio.open_connection("127.0.0.1", port)
+        h2_writer.write(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        rest = await h2_reader.read()  # to the end: the stub closed the connection
+        h2_writer.close()
+        server.close()
+        await stub.close()
+        assert stub.num_prefills == 2
+        return answers[0], answers[1], rest
+
+    completion, push, rest = asyncio.run(run())
+    assert completion["choices"][0]["text"] == chr(FIRST_TOKEN)
+    assert completion["kv_transfer_params"]["do_remote_prefill"] is True
+    assert push == {"xid": "x", "first_token": FIRST_TOKEN, "num_cached_tokens": 0}
+    assert rest.startswith(b"HTTP/1.1 404 ")  # "PRI *" not served; "SM" not a request
+
+
+def test_a_missing_reference_router_says_how_to_install_it() -> None:
+    with pytest.raises(SystemExit, match="pip install vllm-router"):
+        check_references(["vllm"], "/bin/false")  # a Python that imports nothing
