@@ -148,8 +148,8 @@ class Stub:
                     await _write_json(writer, _PREFILL_ANSWER)
                 else:
                     await self._answer(method, path, body, writer)
-        except (asyncio.IncompleteReadError, ConnectionError, ValueError):
-            pass  # ValueError: a line that is no request (an HTTP/2 client's preface): closed
+        except (asyncio.IncompleteReadError, ConnectionError, NotARequest):
+            pass  # the connection closed: by the client, or here
         finally:
             del self._open[writer]
             writer.close()
@@ -211,9 +211,17 @@ def _http_chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
 
+class NotARequest(Exception):
+    """What came is no HTTP/1.x request (an HTTP/2 client's preface, ``PRI * HTTP/2.0``,
+    which the reference routers try first): the stub closes the connection."""
+
+
 async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str, bytes]:
     head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
-    method, path, _ = head[0].split(" ", 2)
+    request_line = head[0].split(" ")
+    if len(request_line) != 3 or not request_line[2].startswith("HTTP/1."):
+        raise NotARequest(head[0])
+    method, path, _ = request_line
     length = 0
     for line in head[1:]:
         name, _, value = line.partition(":")
@@ -425,8 +433,13 @@ class Load:
     num_events: int = 0
     num_requests: int = 0
     num_errors: int = 0
-    """Answers other than 200 (the router's 503 when its probes time out, overloaded)."""
+    """Answers other than 200 (the router's 503 when its probes time out, overloaded), and
+    streams with an error event (a relay that failed after its head)."""
     ttfts_s: list[float] = field(default_factory=list)
+
+
+_ERROR_EVENT = re.compile(rb'data: *\{ *"error"')
+"""An SSE event that is an error object (a relay's ``decode_failed``, say)."""
 
 
 async def _stream_once(
@@ -441,17 +454,21 @@ async def _stream_once(
         await reader.readexactly(int(length.group(1)) if length else 0)
         load.num_errors += 1
         return
-    first = True
+    first, failed = True, False
     while True:
         size = int((await reader.readuntil(b"\r\n"))[:-2], 16)
         data = await reader.readexactly(size + 2)
         if size == 0:
             break
-        if first and b"data: " in data:
+        failed = failed or _ERROR_EVENT.search(data) is not None
+        if first and b"data: " in data and not failed:
             load.ttfts_s.append(time.perf_counter() - start)
-            first = False
+        first = first and b"data: " not in data
         load.num_events += data.count(b"\n\n")
-    load.num_requests += 1
+    if failed:  # an error event in a 200 stream: an error, its first event no TTFT
+        load.num_errors += 1
+    else:
+        load.num_requests += 1
 
 
 async def run_streams(
@@ -550,24 +567,43 @@ def start_relay(
     return port, proc
 
 
+@dataclass(frozen=True)
+class Reference:
+    """A reference P/D router (``--reference``): ``python -m MODULE.launch_router`` in P/D
+    mode."""
+
+    name: str
+    """Its side in the results (``NAME_added_p50_ms``, ...)."""
+    package: str
+    """On PyPI."""
+    module: str
+    mode_flags: tuple[str, ...]
+    """P/D mode, and no log line per request."""
+    ready_path: str
+    """200 once it has an instance of each role to send to."""
+
+
 REFERENCES = {
-    "sglang": ["-m", "sglang_router.launch_router", "--pd-disaggregation", "--log-level", "warn"],
-    "vllm": ["-m", "vllm_router.launch_router", "--vllm-pd-disaggregation",
-             "--log-level", "warning"],
+    "sglang": Reference("sglang_router", "sglang-router", "sglang_router",
+                        ("--pd-disaggregation", "--log-level", "warn"), "/readiness"),
+    "vllm": Reference("vllm_router", "vllm-router", "vllm_router",
+                      ("--vllm-pd-disaggregation", "--log-level", "warning"), "/health"),
 }  # fmt: skip
-"""The reference P/D routers (``--reference``), each ``python -m`` its package's launcher
-in P/D mode: SGLang's (PyPI ``sglang-router``) sends the request to P and D at once, as
-the push router does; vLLM's (PyPI ``vllm-router``) sends it to P (``max_tokens`` 1),
-then to D with P's ``kv_transfer_params``. Both are compiled (Rust, tokio, hyper)."""
+"""SGLang's router sends a request to P and D at once, as the push router does; vLLM's
+sends it to P (``max_tokens`` 1), then to D with P's ``kv_transfer_params``. Both are
+compiled (Rust, tokio, hyper). vLLM's opens its port once its instances answer their
+probes, so its ``/health`` says it is ready; SGLang's ``/health`` says only that it
+runs (``/readiness`` is 503 until it has instances)."""
 
 
 def start_reference(
-    kind: str, python: str, port: int, p_port: int, d_port: int, cpu: int, log: Path
+    ref: Reference, python: str, port: int, p_port: int, d_port: int, cpu: int, log: Path
 ) -> subprocess.Popen[bytes]:
-    """Reference router `kind` (`REFERENCES`) run by `python` over the stub, pinned to
-    `cpu` (one core: tokio starts one worker thread), probing the stub every second as
-    the router does, its metrics on a port of its own."""
-    cmd = [python, *REFERENCES[kind], "--host", "127.0.0.1", "--port", str(port),
+    """Reference router `ref` run by `python` over the stub, pinned to `cpu` (one core:
+    tokio starts one worker thread), probing the stub every second as the router does,
+    its metrics on a port of its own."""
+    cmd = [python, "-m", f"{ref.module}.launch_router", *ref.mode_flags,
+           "--host", "127.0.0.1", "--port", str(port),
            "--prefill", f"http://127.0.0.1:{p_port}", "--decode", f"http://127.0.0.1:{d_port}",
            "--policy", "round_robin", "--health-check-interval-secs", "1",
            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]  # fmt: skip
@@ -578,15 +614,20 @@ def start_reference(
 
 
 def check_references(kinds: list[str], python: str) -> None:
-    """Exit with how to install them if `python` lacks a reference router of `kinds`."""
+    """Exit with how to install them if `python` (missing, or not a Python) lacks a
+    reference router of `kinds`."""
     for kind in kinds:
-        module = REFERENCES[kind][1].split(".")[0]
-        found = subprocess.run([python, "-c", f"import {module}"], capture_output=True)
-        if found.returncode != 0:
+        ref = REFERENCES[kind]
+        try:
+            found = subprocess.run([python, "-c", f"import {ref.module}"], capture_output=True)
+            imported = found.returncode == 0
+        except OSError:
+            imported = False
+        if not imported:
             raise SystemExit(
-                f"--reference {kind}: {python} cannot import {module}; install it in a venv of "
-                f"its own (python -m venv /tmp/refvenv && /tmp/refvenv/bin/pip install "
-                f"{kind}-router) and pass --reference-python /tmp/refvenv/bin/python"
+                f"--reference {kind}: {python} cannot import {ref.module}; install it in a "
+                f"venv of its own (python -m venv /tmp/refvenv && /tmp/refvenv/bin/pip "
+                f"install {ref.package}) and pass --reference-python /tmp/refvenv/bin/python"
             )
 
 
@@ -664,26 +705,26 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         for serve, port in ((stub.serve_prefill, p_port), (stub.serve, d_port))
     ]
     log = Path(args.log)
-    proc = start_router(
-        r_port, p_port, d_port, router_cpu, log, args.profile_router, Path(args.router_repo)
-    )
     rungs = (
         [("app_floor", "--app-floor"), ("client_floor", "--client-floor")] if args.ladder else []
     )
-    relays = {  # each in a process of its own, pinned as the router is
-        name: start_relay(flag, p_port, d_port, router_cpu)
-        for name, flag in [*rungs, ("stack_floor", "--stack-floor"), ("floor", "--floor-relay")]
-    }
-    others = start_others(args, p_port, d_port, log)
+    started: list[subprocess.Popen[bytes]] = []  # stopped at the end, however far it got
     results: dict[str, Any] = {"capacity": [], "ttft": []}
     try:
+        proc = start_router(
+            r_port, p_port, d_port, router_cpu, log, args.profile_router, Path(args.router_repo)
+        )
+        started.append(proc)
+        relays: dict[str, tuple[int, subprocess.Popen[bytes]]] = {}  # pinned as the router is
+        for name, flag in [*rungs, ("stack_floor", "--stack-floor"), ("floor", "--floor-relay")]:
+            relays[name] = start_relay(flag, p_port, d_port, router_cpu)
+            started.append(relays[name][1])
+        others = start_others(args, p_port, d_port, log, started)
         await wait_ready(r_port, proc)
         stub.interval_s = 0.0
         await run_streams(r_port, 8, 32, 2.0)  # warm-up
-        for name, (port, other) in others.items():  # a reference router has no /ready
-            await wait_ready(
-                port, other, path="/ready" if name.startswith("compare_") else "/health"
-            )
+        for port, other, ready_path in others.values():
+            await wait_ready(port, other, path=ready_path)
             await run_streams(port, 8, 32, 2.0)  # warm-up
         for port, relay in relays.values():
             await wait_listening(port, relay)
@@ -706,9 +747,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         stub.interval_s = args.tpot_ms / 1e3
         for n in args.streams:
             direct: list[float] = []
-            sides = {"routed": Side(r_port, proc.pid)} | {
-                name: Side(port, other.pid) for name, (port, other) in (others | relays).items()
-            }
+            sides = (
+                {"routed": Side(r_port, proc.pid)}
+                | {name: Side(port, other.pid) for name, (port, other, _) in others.items()}
+                | {name: Side(port, relay.pid) for name, (port, relay) in relays.items()}
+            )
             stagger_s = args.ttft_tokens * args.tpot_ms / 1e3  # one answer's length
             for k in range(args.rounds):
                 load = await run_streams(d_port, n, args.ttft_tokens, args.ttft_s, stagger_s)
@@ -735,10 +778,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             results["ttft"].append(row)
             print(json.dumps(row), flush=True)
     finally:
-        for _, relay in relays.values():
-            relay.kill()
-            relay.wait()
-        stop_routers([proc, *(other for _, other in others.values())])
+        stop_processes(started)
         for server in servers:
             server.close()
         await stub.close()
@@ -748,40 +788,47 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "ttft_s": args.ttft_s, "rounds": args.rounds, "loadavg_before": args.loadavg_before,
         "router_repo": args.router_repo, "loadavg_after": os.getloadavg(),
         "compare": {f"compare_{i}": repo for i, repo in enumerate(args.compare)},
-        "reference": [f"{kind}_router" for kind in args.reference],
+        "reference": [REFERENCES[kind].name for kind in args.reference],
     }  # fmt: skip
     return results
 
 
 def start_others(
-    args: argparse.Namespace, p_port: int, d_port: int, log: Path
-) -> dict[str, tuple[int, subprocess.Popen[bytes]]]:
+    args: argparse.Namespace,
+    p_port: int,
+    d_port: int,
+    log: Path,
+    started: list[subprocess.Popen[bytes]],
+) -> dict[str, tuple[int, subprocess.Popen[bytes], str]]:
     """The routers that run beside this one in the TTFT phase, pinned as it is, by name:
     other checkouts' (``--compare``: compare_0, ...) and the reference routers
-    (``--reference``: sglang_router, vllm_router); their ports and processes."""
+    (``--reference``: sglang_router, vllm_router); their ports, processes (each added to
+    `started` as it starts) and the paths that say they are ready."""
     others = {}
     for i, repo in enumerate(args.compare):
         port, other_log = free_port(), log.with_suffix(f".compare{i}.log")
         other = start_router(port, p_port, d_port, args.router_cpu, other_log, "", Path(repo))
-        others[f"compare_{i}"] = (port, other)
+        started.append(other)
+        others[f"compare_{i}"] = (port, other, "/ready")
     for kind in args.reference:
+        ref = REFERENCES[kind]
         port, ref_log = free_port(), log.with_suffix(f".{kind}.log")
-        ref = start_reference(
-            kind, args.reference_python, port, p_port, d_port, args.router_cpu, ref_log
-        )
-        others[f"{kind}_router"] = (port, ref)
+        python = args.reference_python
+        proc = start_reference(ref, python, port, p_port, d_port, args.router_cpu, ref_log)
+        started.append(proc)
+        others[ref.name] = (port, proc, ref.ready_path)
     return others
 
 
-def stop_routers(routers: list[subprocess.Popen[bytes]]) -> None:
-    """SIGTERM each router (they drain), killed if one takes longer than 15 s."""
-    for router in routers:
-        router.terminate()
+def stop_processes(procs: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM each (the routers drain), killed if one takes longer than 15 s."""
+    for proc in procs:
+        proc.terminate()
         try:
-            router.wait(timeout=15)
+            proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
-            router.kill()
-            router.wait()
+            proc.kill()
+            proc.wait()
 
 
 def _quantile_ms(values: list[float], q: float) -> float:
@@ -811,6 +858,18 @@ def table(results: dict[str, Any]) -> str:
             f"| {ms('floor_added_p50_ms')} | {ms('routed_cpu_per_request_ms')} "
             f"| {ms('stack_floor_cpu_per_request_ms')} | {ms('floor_cpu_per_request_ms')} |"
         )
+    suffix = "_added_p50_ms"
+    first = results["ttft"][0] if results["ttft"] else {}
+    also = [key.removesuffix(suffix) for key in first if key.endswith(suffix)]
+    also = [name for name in also if name not in ("stack_floor", "floor")]
+    if also:  # the ladder's rungs, other checkouts' routers, the reference routers
+        lines += ["", "| streams | also run | added p50 | CPU per request |", "|---|---|---|---|"]
+        for t in results["ttft"]:
+            lines += [
+                f"| {t['streams']} | {name} | {t[name + suffix]:.2f} ms "
+                f"| {t[name + '_cpu_per_request_ms']:.2f} ms |"
+                for name in also
+            ]
     return "\n".join(lines)
 
 
@@ -862,6 +921,7 @@ def main() -> None:
         "to FILE (slower: for profiles only)",
     )  # fmt: skip
     args = parser.parse_args()
+    args.reference = list(dict.fromkeys(args.reference))  # each once
     check_references(args.reference, args.reference_python)
     args.loadavg_before = os.getloadavg()
     results = asyncio.run(main_async(args))
@@ -870,18 +930,13 @@ def main() -> None:
     text = table(results)
     path = write_results(args.name, results, text)
     print(text)
+    setup = results["setup"]
+    labels = setup["compare"] | {name: name for name in setup["reference"]}
     for row in results["ttft"]:
-        for name, repo in results["setup"]["compare"].items():
+        for name, label in labels.items():
             print(
                 f"{row['streams']} streams: added p50 {row['added_p50_ms']:.2f} ms, CPU a "
-                f"request {row['routed_cpu_per_request_ms']:.2f} ms; {repo}: "
-                f"{row[f'{name}_added_p50_ms']:.2f} ms, {row[f'{name}_cpu_per_request_ms']:.2f} ms"
-            )
-    for row in results["ttft"]:
-        for name in results["setup"]["reference"]:
-            print(
-                f"{row['streams']} streams: added p50 {row['added_p50_ms']:.2f} ms, CPU a "
-                f"request {row['routed_cpu_per_request_ms']:.2f} ms; {name}: "
+                f"request {row['routed_cpu_per_request_ms']:.2f} ms; {label}: "
                 f"{row[f'{name}_added_p50_ms']:.2f} ms, "
                 f"{row[f'{name}_cpu_per_request_ms']:.2f} ms, {row[f'{name}_errors']} errors"
             )

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from benchmarks.bench_router_capacity import FIRST_TOKEN
+from benchmarks.bench_router_capacity import Load
 from benchmarks.bench_router_capacity import Stub
+from benchmarks.bench_router_capacity import _stream_once
 from benchmarks.bench_router_capacity import check_references
 from benchmarks.bench_router_capacity import run_streams
 from benchmarks.bench_router_capacity import start_relay
@@ -80,7 +83,9 @@ def test_the_stubs_prefill_port_answers_a_reference_routers_prefill() -> None:
     token and the ``kv_transfer_params`` for D; the push router's own prefill route
     answers as before; a client speaking HTTP/2 first is disconnected, nothing raised."""
 
-    async def run() -> tuple[dict[str, Any], dict[str, Any], bytes]:
+    async def run() -> tuple[dict[str, Any], dict[str, Any], bytes, list[dict[str, Any]]]:
+        unhandled: list[dict[str, Any]] = []  # what a connection's handler let escape
+        asyncio.get_running_loop().set_exception_handler(lambda _, ctx: unhandled.append(ctx))
         stub = Stub()
         server = await asyncio.start_server(stub.serve_prefill, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
@@ -99,20 +104,49 @@ def test_the_stubs_prefill_port_answers_a_reference_routers_prefill() -> None:
         writer.close()
         h2_reader, h2_writer = await asyncio.open_connection("127.0.0.1", port)
         h2_writer.write(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
-        rest = await h2_reader.read()  # to the end: the stub closed the connection
+        rest = await asyncio.wait_for(h2_reader.read(), 10)  # to the end: closed
         h2_writer.close()
         server.close()
         await stub.close()
         assert stub.num_prefills == 2
-        return answers[0], answers[1], rest
+        return answers[0], answers[1], rest, unhandled
 
-    completion, push, rest = asyncio.run(run())
+    completion, push, rest, unhandled = asyncio.run(run())
     assert completion["choices"][0]["text"] == chr(FIRST_TOKEN)
     assert completion["kv_transfer_params"]["do_remote_prefill"] is True
     assert push == {"xid": "x", "first_token": FIRST_TOKEN, "num_cached_tokens": 0}
-    assert rest.startswith(b"HTTP/1.1 404 ")  # "PRI *" not served; "SM" not a request
+    assert rest == b"" and unhandled == []  # closed unanswered, nothing raised
 
 
-def test_a_missing_reference_router_says_how_to_install_it() -> None:
-    with pytest.raises(SystemExit, match="pip install vllm-router"):
-        check_references(["vllm"], "/bin/false")  # a Python that imports nothing
+def test_a_missing_reference_router_says_how_to_install_it(tmp_path: Path) -> None:
+    for python in ("/bin/false", str(tmp_path / "no-python")):  # imports nothing; no file
+        with pytest.raises(SystemExit, match="pip install vllm-router"):
+            check_references(["vllm"], python)
+
+
+def test_an_error_event_after_a_200_is_an_error_not_a_ttft() -> None:
+    """A relay that fails after its head streams an error event: the client counts the
+    stream as an error, and its first event (the error) as no time to a first token."""
+    failed = b'data: {"error": {"message": "decode at D failed mid-answer"}}\n\n'
+    served = b'data: {"choices": [{"text": "A"}]}\n\ndata: [DONE]\n\n'
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for event in (failed, served):
+            await reader.readuntil(b"\r\n\r\n")  # a request with no body
+            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+            writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(event), event))
+        writer.close()
+
+    async def run() -> Load:
+        server = await asyncio.start_server(answer, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        load = Load()
+        for _ in range(2):
+            await _stream_once(reader, writer, b"POST / HTTP/1.1\r\n\r\n", load)
+        writer.close()
+        server.close()
+        return load
+
+    load = asyncio.run(run())
+    assert (load.num_errors, load.num_requests, len(load.ttfts_s)) == (1, 1, 1)
