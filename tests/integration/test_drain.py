@@ -7,6 +7,7 @@ Also: ``kvduplex serve --config FILE`` starts with the file's values."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import time
@@ -18,6 +19,7 @@ import pytest
 from kvduplex.server.cluster import LocalCluster
 from kvduplex.server.cluster import Process
 from kvduplex.server.cluster import free_port
+from kvduplex.server.router import rendezvous
 from tests.integration.conftest import assert_pool_clean
 from tests.integration.conftest import kv_stats
 from tests.integration.conftest import metric
@@ -44,6 +46,13 @@ def _signal(proc: Process, sig: signal.Signals = signal.SIGTERM) -> None:
 def _long_victim(url: str, salt: int, **extra: object) -> Victim:
     b = body(prompt_ids(40, salt), LONG_ANSWER, stream=True, **extra)
     return Victim(url, b, client_timeout_s=120).start()
+
+
+def _sessions_first_on(url: str, other: str, n: int) -> list[str]:
+    """`n` session ids that rank instance `url` before `other` (the router's choice)."""
+    ids = (f"s{i}" for i in itertools.count())
+    first = (sid for sid in ids if rendezvous.rank(sid, [url, other], str)[0] == url)
+    return list(itertools.islice(first, n))
 
 
 def _is_draining(url: str) -> bool:
@@ -112,11 +121,18 @@ def test_draining_decode_behind_a_router(tmp_path: Path) -> None:
         cluster.wait_healthy(timeout_s=60)
         wait_until(lambda: httpx.get(router.url + "/ready").status_code == 200, 10, "router ready")
 
-        victims = [_long_victim(router.url, salt=10 + i, session_id=f"s{i}") for i in range(4)]
+        # Two sessions whose rendezvous choice is decode-1, two decode-2 (the ports, and so
+        # the choices of fixed ids, change from run to run).
+        num_on_d1 = 2
+        sessions = _sessions_first_on(d1.url, d2.url, num_on_d1)
+        sessions += _sessions_first_on(d2.url, d1.url, 4 - num_on_d1)
+        victims = [
+            _long_victim(router.url, salt=10 + i, session_id=sid) for i, sid in enumerate(sessions)
+        ]
         for v in victims:
             assert v.first_token.wait(60), v.error
-        num_on_d1 = kv_stats(d1.url)["num_running"]
-        assert num_on_d1 >= 1, "the router spread the sessions over both decode instances"
+        # The first token is prefill's: decode runs a request once its KV has landed.
+        wait_until(lambda: kv_stats(d1.url)["num_running"] >= 1, 60, "a session on decode-1")
         returns_before = _count_returns(p.url)
 
         _signal(d1)

@@ -295,14 +295,20 @@ def test_prefill_queue_longer_than_the_wait_does_not_fall_back(
     wait; P's heartbeats keep D waiting, and D computes none of the prompts itself.
 
     P sends a job's k-th heartbeat no sooner than k/3 of the wait after D registered,
-    so more than 2 heartbeats per request mean some request waited past D's 1 s."""
+    so more than 2 heartbeats per request mean some request waited past D's 1 s. The
+    burst (6 x 600 tokens, one step each) keeps P busy for seconds even on a fast core
+    (6 x 300 took under 1 s of P's time on some); both hold all six at once."""
+    blocks = ["--num-blocks", "480"]  # 6 x 76 blocks of 8
     p = cluster.start(
         "prefill-slow",
-        [*_SERVE, "--role", "prefill", "--max-num-batched-tokens", "1", "--kv-wait-timeout-s", "1"],
+        [*_SERVE, *blocks, "--role", "prefill", "--max-num-batched-tokens", "1",
+         "--kv-wait-timeout-s", "1"],
         free_port(),
-    )
+    )  # fmt: skip
     d = cluster.start(
-        "decode-1s-wait", [*_SERVE, "--role", "decode", "--kv-wait-timeout-s", "1"], free_port()
+        "decode-1s-wait",
+        [*_SERVE, *blocks, "--role", "decode", "--kv-wait-timeout-s", "1"],
+        free_port(),
     )
     procs = [p, d]
     try:
@@ -310,12 +316,13 @@ def test_prefill_queue_longer_than_the_wait_does_not_fall_back(
         r = start_router(cluster, "router-slow", "push", p.url, d.url)
         procs.append(r)
         cluster.wait_healthy(timeout_s=60)
-        bodies = [_body(_ids(300, salt=400 + i), max_tokens=3) for i in range(6)]
+        bodies = [_body(_ids(600, salt=400 + i), max_tokens=3) for i in range(6)]
         with ThreadPoolExecutor(len(bodies)) as pool:
             got = list(pool.map(lambda b: _complete(r.url, b), bodies))
         assert got == [_complete(dep.reference, b) for b in bodies]
         d_stats = _push_stats(d.url)
-        assert d_stats["num_alive_received"] > 2 * len(bodies), "P never queued past D's wait"
+        num_alive = d_stats["num_alive_received"]
+        assert num_alive > 2 * len(bodies), f"P never queued past D's wait ({num_alive})"
         assert d_stats["num_fallbacks"] == 0 and d_stats["num_received"] == len(bodies)
         assert _push_stats(p.url)["num_done"] == len(bodies)
         for url in (p.url, d.url):
