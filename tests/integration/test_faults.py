@@ -126,7 +126,9 @@ def test_kill_while_requests_are_queued_prefilled_and_decoded(
 ) -> None:
     """Three requests at once: one decoding on D, one whose long prefill P is computing
     (its KV streaming to D layer by layer), one queued on P behind it."""
-    decoding = Victim(rig.url, body(prompt_ids(24, next(salts)), 1200, stream=True)).start()
+    # 2,400 tokens: still decoding when the polls below are done (1,200 had ended on a
+    # fast core, in 1.5 s).
+    decoding = Victim(rig.url, body(prompt_ids(24, next(salts)), 2400, stream=True)).start()
     poll(lambda: len(decoding.tokens) >= 3, "a request decoding on D")
     written = write_bytes(rig.p.url)
     # 3,200 tokens at P's 4 a step: a prefill long enough (~800 steps) for the polls below.
