@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from dataclasses import field
 from types import FrameType
 from typing import TYPE_CHECKING
+from typing import Any
 
 import uvicorn
 from starlette.types import ASGIApp
@@ -58,6 +59,13 @@ logger = logging.getLogger(__name__)
 
 DRAIN_POLL_S = 0.1
 """How often a drain checks what the instance still owes."""
+KEEP_ALIVE_S = 75
+"""How long a kvduplex server (an instance, the router) keeps an idle connection open
+(uvicorn's default: 5 s): longer than the router keeps one to an instance
+(`router.state.POOL_IDLE_S`) and than the usual load balancer's idle timeout (60 s), so
+that the client closes an idle connection first. A request written on a connection just
+as its server closes it fails on the wire, and no client resends a POST (aiohttp resends
+only idempotent methods): a router's call to decode would end in a 502."""
 UNCOUNTED_PATHS = frozenset({"/health", "/ready", "/metrics"})
 """Probes and scrapes: never refused, never waited for."""
 ADMITTING_PATHS = frozenset({"/internal/push/prefill", "/internal/prefill"})
@@ -148,6 +156,16 @@ async def wait_drained(engine: AsyncEngine | None, drain: DrainState) -> bool:
             )  # fmt: skip
             return False
         await asyncio.sleep(DRAIN_POLL_S)
+
+
+def uvicorn_config(app: ASGIApp, host: str, port: int, **kwargs: Any) -> uvicorn.Config:
+    """uvicorn's config for a kvduplex server (`DrainingServer`): idle connections kept
+    `KEEP_ALIVE_S`, 5 s to close the connections left once a drain ended, uvicorn's own
+    log lines at warning; `kwargs` as uvicorn takes them (its loop and HTTP parser)."""
+    return uvicorn.Config(
+        app, host=host, port=port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S,
+        timeout_graceful_shutdown=5, **kwargs,
+    )  # fmt: skip
 
 
 class DrainingServer(uvicorn.Server):

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from dataclasses import field
 from functools import partial
 
-import uvicorn
 from fastapi import APIRouter
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
@@ -27,6 +26,7 @@ from kvduplex.server.auth import resolve_api_key
 from kvduplex.server.drain import DrainingServer
 from kvduplex.server.drain import DrainState
 from kvduplex.server.drain import exit_code
+from kvduplex.server.drain import uvicorn_config
 from kvduplex.server.guard import InternalGuard
 from kvduplex.server.guard import load_cluster_secret
 
@@ -173,13 +173,7 @@ def serve(
         server_config.host,
         server_config.port,
     )
-    config = uvicorn.Config(
-        instance.app,
-        host=server_config.host,
-        port=server_config.port,
-        log_level="warning",
-        timeout_graceful_shutdown=5,
-    )
+    config = uvicorn_config(instance.app, server_config.host, server_config.port)
     server = DrainingServer(config, instance.state.drain, instance.async_engine)
     try:
         server.run()

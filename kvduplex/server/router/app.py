@@ -45,7 +45,6 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 
 import httpx
-import uvicorn
 from fastapi import FastAPI
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -80,6 +79,7 @@ from kvduplex.server.auth import bearer_matches
 from kvduplex.server.drain import DrainGuard
 from kvduplex.server.drain import DrainingServer
 from kvduplex.server.drain import exit_code
+from kvduplex.server.drain import uvicorn_config
 from kvduplex.server.guard import BodyCap
 from kvduplex.server.guard import replay_body
 from kvduplex.server.router.calls import until_unhealthy
@@ -448,10 +448,9 @@ def serve_router(config: RouterConfig) -> int:
         config.short_append_tokens, config.health_interval_s,
         "required" if state.api_key else "not set (open)",
     )  # fmt: skip
-    server_config = uvicorn.Config(
-        create_router_app(state), host=config.host, port=config.port, log_level="warning",
-        timeout_graceful_shutdown=5, loop="uvloop", http="httptools",
-    )  # fmt: skip
+    server_config = uvicorn_config(
+        create_router_app(state), config.host, config.port, loop="uvloop", http="httptools"
+    )
     server = DrainingServer(server_config, state.drain)
     settle_heap()
     server.run()

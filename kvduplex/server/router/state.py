@@ -178,11 +178,18 @@ def _told_apart(exc: httpx.ConnectTimeout, request: httpx.Request | None) -> htt
     return httpx.RemoteProtocolError(str(exc), request=request)
 
 
+POOL_IDLE_S = 60.0
+"""How long the router keeps an idle connection to an instance for its next call: less
+than the instances keep it open (`drain.KEEP_ALIVE_S`), so the router closes it first
+(see there), and long enough that a session's next turn after a pause (an agent running
+its tools) finds it open rather than connecting again."""
+
+
 def instance_session() -> aiohttp.ClientSession:
     """The aiohttp session under `RouterState.client` (made in the event loop, at its first
-    call): no cap on connections (aiohttp's default is 100), idle ones kept 5 s as httpx
-    keeps them; httpx's client gives the timeouts, headers and errors."""
-    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=5.0)
+    call): no cap on connections (aiohttp's default is 100), idle ones kept `POOL_IDLE_S`;
+    httpx's client gives the timeouts, headers and errors."""
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=POOL_IDLE_S)
     return aiohttp.ClientSession(connector=connector)
 
 
