@@ -34,7 +34,10 @@ next request when its answer ends):
   adds, the router's own work being what is left above the app floor. ``--reference
   sglang vllm`` runs two compiled P/D routers (`REFERENCES`, Rust) beside the router, in
   a venv of their own (``--reference-python``): on P's port the stub answers their
-  prefill as a prefill instance does (`Stub.serve_prefill`).
+  prefill as a prefill instance does (`Stub.serve_prefill`). ``--timeline`` notes where
+  each request's first event spent its time (`timeline.py`): how long each side took to
+  get the request to P and to D, and from their answers to the client, against the same
+  stages straight to D.
 
     PYTHONPATH=. python benchmarks/bench_router_capacity.py   # about 3 minutes
     python -m venv /tmp/refvenv && /tmp/refvenv/bin/pip install sglang-router vllm-router
@@ -69,6 +72,9 @@ from fastapi import FastAPI
 from fastapi import Request
 from fastapi import Response
 
+from benchmarks.timeline import STAGES
+from benchmarks.timeline import Timeline
+from benchmarks.timeline import named_request
 from kvduplex.openai import render
 from kvduplex.openai.errors import install_error_handlers
 from kvduplex.openai.protocol import CompletionRequest
@@ -99,6 +105,8 @@ class Stub:
     """P and D: counts what they served; D paces its events `interval_s` apart."""
 
     interval_s: float = 0.0
+    timeline: Timeline | None = None
+    """Where each request's first event spent its time, if noted (``--timeline``)."""
     num_prefills: int = 0
     num_streams: int = 0
     num_connections: int = 0
@@ -144,11 +152,14 @@ class Stub:
         try:
             while True:
                 method, path, body = await _read_request(reader)
+                read_at = time.perf_counter()
                 if is_prefill and method == "POST" and path == "/v1/completions":
                     self.num_prefills += 1
                     await _write_json(writer, _PREFILL_ANSWER)
+                    if self.timeline is not None:
+                        self.timeline.note_prefill(json.loads(body), read_at, time.perf_counter())
                 else:
-                    await self._answer(method, path, body, writer)
+                    await self._answer(method, path, body, writer, read_at)
         except (asyncio.IncompleteReadError, ConnectionError, NotARequest):
             pass  # the connection closed: by the client, or here
         finally:
@@ -163,7 +174,7 @@ class Stub:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _answer(
-        self, method: str, path: str, body: bytes, writer: asyncio.StreamWriter
+        self, method: str, path: str, body: bytes, writer: asyncio.StreamWriter, read_at: float
     ) -> None:
         if method == "GET" and path in ("/ready", "/health"):
             payload = {"status": "ok", "max_model_len": 1 << 20, "engine_id": "stub",
@@ -172,8 +183,11 @@ class Stub:
         req = json.loads(body) if body else {}
         if path == "/internal/push/prefill":
             self.num_prefills += 1
-            return await _write_json(writer, {"xid": req["xid"], "first_token": FIRST_TOKEN,
-                                              "num_cached_tokens": 0})  # fmt: skip
+            await _write_json(writer, {"xid": req["xid"], "first_token": FIRST_TOKEN,
+                                       "num_cached_tokens": 0})  # fmt: skip
+            if self.timeline is not None:
+                self.timeline.note_prefill(req, read_at, time.perf_counter())
+            return
         if path.startswith("/internal/"):
             return await _write_json(writer, {"xid": req.get("xid", "")})
         if path != "/v1/completions" or not req.get("stream"):
@@ -185,8 +199,10 @@ class Stub:
             b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
             b"x-request-id: cmpl-stub\r\ntransfer-encoding: chunked\r\n\r\n"
         )
-        for event in events:
+        for i, event in enumerate(events):
             writer.write(event)
+            if i == 0 and self.timeline is not None:
+                self.timeline.note_decode(req, read_at, time.perf_counter())
             await writer.drain()
             if self.interval_s > 0:
                 await asyncio.sleep(self.interval_s)
@@ -445,8 +461,9 @@ _ERROR_EVENT = re.compile(rb'data: *\{ *"error"')
 
 async def _stream_once(
     reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes, load: Load
-) -> None:
-    """One streamed completion on a kept-alive connection: its events counted, its TTFT."""
+) -> tuple[float, float | None]:
+    """One streamed completion on a kept-alive connection: its events counted, its TTFT;
+    when it was sent, and the TTFT counted for it (None: none was)."""
     start = time.perf_counter()
     writer.write(request)
     head = await reader.readuntil(b"\r\n\r\n")
@@ -454,8 +471,8 @@ async def _stream_once(
         length = re.search(rb"content-length: *(\d+)", head, re.IGNORECASE)
         await reader.readexactly(int(length.group(1)) if length else 0)
         load.num_errors += 1
-        return
-    first, failed = True, False
+        return start, None
+    first, failed, ttft = True, False, None
     while True:
         size = int((await reader.readuntil(b"\r\n"))[:-2], 16)
         data = await reader.readexactly(size + 2)
@@ -463,25 +480,35 @@ async def _stream_once(
             break
         failed = failed or _ERROR_EVENT.search(data) is not None
         if first and b"data: " in data and not failed:
-            load.ttfts_s.append(time.perf_counter() - start)
+            ttft = time.perf_counter() - start
+            load.ttfts_s.append(ttft)
         first = first and b"data: " not in data
         load.num_events += data.count(b"\n\n")
     if failed:  # an error event in a 200 stream: an error, its first event no TTFT
         load.num_errors += 1
     else:
         load.num_requests += 1
+    return start, ttft
 
 
 async def run_streams(
-    port: int, num_streams: int, num_tokens: int, duration_s: float, stagger_s: float = 0.0
+    port: int,
+    num_streams: int,
+    num_tokens: int,
+    duration_s: float,
+    stagger_s: float = 0.0,
+    timeline: Timeline | None = None,
+    name: str = "",
 ) -> Load:
     """`num_streams` closed-loop streams for `duration_s` against 127.0.0.1:`port`, each
     starting after a random (seeded) pause in ``[0, stagger_s)``: streams of one length
-    started at once would stay in step and send their requests in bursts."""
+    started at once would stay in step and send their requests in bursts. With a
+    `timeline`, each request is named `name` and a number, and noted in it."""
     rng = random.Random(0)
     pauses = [rng.uniform(0.0, stagger_s) for _ in range(num_streams)]
-    body = json.dumps({"model": "tiny", "prompt": "hello router", "max_tokens": num_tokens,
-                       "stream": True, "temperature": 0}).encode()  # fmt: skip
+    fields = {"model": "tiny", "prompt": "hello router", "max_tokens": num_tokens,
+              "stream": True, "temperature": 0}  # fmt: skip
+    body = json.dumps(fields).encode()
     request = (
         b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
         b"content-length: %d\r\n\r\n%s" % (len(body), body)
@@ -489,16 +516,23 @@ async def run_streams(
     load = Load()
     deadline = time.perf_counter() + duration_s
 
-    async def stream(pause_s: float) -> None:
+    async def stream(index: int, pause_s: float) -> None:
         await asyncio.sleep(pause_s)
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         try:
+            k = 0
             while time.perf_counter() < deadline:
-                await _stream_once(reader, writer, request, load)
+                if timeline is None:
+                    await _stream_once(reader, writer, request, load)
+                    continue
+                user, k = f"{name}{index}.{k}", k + 1
+                sent, ttft = await _stream_once(reader, writer, named_request(fields, user), load)
+                if ttft is not None:
+                    timeline.sent[user], timeline.first[user] = sent, sent + ttft
         finally:
             writer.close()
 
-    await asyncio.gather(*(stream(pause) for pause in pauses))
+    await asyncio.gather(*(stream(i, pause) for i, pause in enumerate(pauses)))
     return load
 
 
@@ -665,10 +699,13 @@ class Side:
     num_errors: int = 0
 
     async def run(
-        self, num_streams: int, num_tokens: int, duration_s: float, stagger_s: float
-    ) -> None:
+        self, num_streams: int, num_tokens: int, duration_s: float, stagger_s: float,
+        timeline: Timeline | None = None, name: str = "",
+    ) -> None:  # fmt: skip
         cpu0, t0 = cpu_seconds(self.pid), time.perf_counter()
-        load = await run_streams(self.port, num_streams, num_tokens, duration_s, stagger_s)
+        load = await run_streams(
+            self.port, num_streams, num_tokens, duration_s, stagger_s, timeline, name
+        )
         self.cpu_s += cpu_seconds(self.pid) - cpu0
         self.wall_s += time.perf_counter() - t0
         self.ttfts_s += load.ttfts_s
@@ -746,6 +783,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             results["capacity"].append(row)
             print(json.dumps(row), flush=True)
         stub.interval_s = args.tpot_ms / 1e3
+        timeline = stub.timeline = Timeline() if args.timeline else None
         for n in args.streams:
             direct: list[float] = []
             sides = (
@@ -755,26 +793,17 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             )
             stagger_s = args.ttft_tokens * args.tpot_ms / 1e3  # one answer's length
             for k in range(args.rounds):
-                load = await run_streams(d_port, n, args.ttft_tokens, args.ttft_s, stagger_s)
+                load = await run_streams(
+                    d_port, n, args.ttft_tokens, args.ttft_s, stagger_s, timeline,
+                    f"direct.{n}.{k}.",
+                )  # fmt: skip
                 direct += load.ttfts_s
-                order = list(sides.values())  # the router, compared ones, the floors
-                for side in order[::-1] if k % 2 else order:  # reversed every other round
-                    await side.run(n, args.ttft_tokens, args.ttft_s, stagger_s)
-            routed = sides["routed"]
-            row = {
-                "streams": n, "num_direct": len(direct), "num_routed": len(routed.ttfts_s),
-                "direct_p50_ms": _p50_ms(direct), "direct_p90_ms": _quantile_ms(direct, 0.9),
-                "routed_p90_ms": _quantile_ms(routed.ttfts_s, 0.9),
-                "router_cpu_share": routed.cpu_s / routed.wall_s,
-            }  # fmt: skip
-            for name, side in sides.items():
-                row[f"{name}_p50_ms"] = _p50_ms(side.ttfts_s)
-                row[f"{name}_added_p50_ms"] = _p50_ms(side.ttfts_s) - _p50_ms(direct)
-                row[f"{name}_cpu_per_request_ms"] = side.cpu_per_request_ms
-            row["added_p50_ms"] = row.pop("routed_added_p50_ms")
-            row["routed_errors"] = routed.num_errors
-            for name in others:
-                row[f"{name}_errors"] = sides[name].num_errors
+                order = list(sides.items())  # the router, compared ones, the floors
+                for name, side in order[::-1] if k % 2 else order:  # reversed every other
+                    await side.run(
+                        n, args.ttft_tokens, args.ttft_s, stagger_s, timeline, f"{name}.{n}.{k}."
+                    )
+            row = ttft_row(n, direct, sides, list(others), timeline)
             row["stub_connections"] = stub.num_connections
             results["ttft"].append(row)
             print(json.dumps(row), flush=True)
@@ -790,8 +819,37 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "router_repo": args.router_repo, "loadavg_after": os.getloadavg(),
         "compare": {f"compare_{i}": repo for i, repo in enumerate(args.compare)},
         "reference": [REFERENCES[kind].name for kind in args.reference],
+        "timeline": args.timeline,
     }  # fmt: skip
     return results
+
+
+def ttft_row(
+    n: int, direct: list[float], sides: dict[str, Side], others: list[str],
+    timeline: Timeline | None,
+) -> dict[str, Any]:  # fmt: skip
+    """The TTFT phase's figures at `n` streams: each side's added p50 (the router's as
+    ``added_p50_ms``) and CPU per request, the errors of the other routers, the stages."""
+    routed = sides["routed"]
+    row = {
+        "streams": n, "num_direct": len(direct), "num_routed": len(routed.ttfts_s),
+        "direct_p50_ms": _p50_ms(direct), "direct_p90_ms": _quantile_ms(direct, 0.9),
+        "routed_p90_ms": _quantile_ms(routed.ttfts_s, 0.9),
+        "router_cpu_share": routed.cpu_s / routed.wall_s,
+    }  # fmt: skip
+    for name, side in sides.items():
+        row[f"{name}_p50_ms"] = _p50_ms(side.ttfts_s)
+        row[f"{name}_added_p50_ms"] = _p50_ms(side.ttfts_s) - _p50_ms(direct)
+        row[f"{name}_cpu_per_request_ms"] = side.cpu_per_request_ms
+    row["added_p50_ms"] = row.pop("routed_added_p50_ms")
+    row["routed_errors"] = routed.num_errors
+    for name in others:
+        row[f"{name}_errors"] = sides[name].num_errors
+    if timeline is not None:
+        for name in ("direct", *sides):
+            for stage, ms in timeline.stages_ms(f"{name}.{n}.").items():
+                row[f"{name}_{stage}_ms"] = ms
+    return row
 
 
 def start_others(
@@ -871,6 +929,23 @@ def table(results: dict[str, Any]) -> str:
                 f"| {t[name + '_cpu_per_request_ms']:.2f} ms |"
                 for name in also
             ]
+    if results["setup"].get("timeline"):
+        lines += ["", timeline_table(results["ttft"])]
+    return "\n".join(lines)
+
+
+def timeline_table(rows: list[dict[str, Any]]) -> str:
+    """``--timeline``'s stages (p50, ms) for each side, straight to D first."""
+    lines = [
+        "| streams | side | to P | P's answer to the client | to D "
+        "| D's first event to the client |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        sides = [key.removesuffix("_to_d_ms") for key in row if key.endswith("_to_d_ms")]
+        for side in sides:
+            cells = " | ".join(f"{row[f'{side}_{stage}_ms']:.2f}" for stage in STAGES)
+            lines.append(f"| {row['streams']} | {side} | {cells} |")
     return "\n".join(lines)
 
 
@@ -915,6 +990,11 @@ def main() -> None:
     parser.add_argument(
         "--reference-python", default=sys.executable, metavar="PYTHON",
         help="the Python that has the --reference routers installed (a venv of their own)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--timeline", action="store_true",
+        help="note where each request's first event spent its time (benchmarks/timeline.py): "
+        "to P and D, and from their answers to the client, for each side and straight to D",
     )  # fmt: skip
     parser.add_argument(
         "--profile-router", default="", metavar="FILE",

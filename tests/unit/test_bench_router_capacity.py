@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from benchmarks.bench_router_capacity import check_references
 from benchmarks.bench_router_capacity import run_streams
 from benchmarks.bench_router_capacity import start_relay
 from benchmarks.bench_router_capacity import wait_listening
+from benchmarks.timeline import Timeline
 from kvduplex.server.router.relay import SentToken
 from kvduplex.server.router.relay import Splice
 from kvduplex.server.router.relay import first_events
@@ -150,3 +152,47 @@ def test_an_error_event_after_a_200_is_an_error_not_a_ttft() -> None:
 
     load = asyncio.run(run())
     assert (load.num_errors, load.num_requests, len(load.ttfts_s)) == (1, 1, 1)
+
+
+def test_the_timeline_links_the_push_routers_prefill_to_its_request_by_xid() -> None:
+    """P's body from the push router names only the transfer; D's names it and the
+    request: the stages are differences of the readings, whichever side came first."""
+    timeline = Timeline()
+    timeline.sent["r.0"], timeline.first["r.0"] = 1.0, 1.010
+    timeline.note_decode({"user": "r.0", "kv_transfer_params": {"xid": "x"}}, 1.004, 1.005)
+    timeline.note_prefill({"xid": "x"}, 1.002, 1.003)  # after D: linked all the same
+    timeline.sent["s.0"], timeline.first["s.0"] = 2.0, 2.010
+    timeline.note_prefill({"xid": "y"}, 2.001, 2.002)  # before D
+    timeline.note_decode({"user": "s.0", "kv_transfer_params": {"xid": "y"}}, 2.003, 2.004)
+    timeline.sent["t.0"], timeline.first["t.0"] = 3.0, 3.010
+    timeline.note_prefill({"user": "t.0"}, 3.001, 3.002)  # a reference router's: by name
+    for name, to_p in (("r.", 2.0), ("s.", 1.0), ("t.", 1.0)):
+        stages = timeline.stages_ms(name)
+        assert stages["to_p"] == pytest.approx(to_p), name
+        assert stages["p_answer_to_client"] == pytest.approx(10.0 - to_p - 1.0), name
+    assert timeline.stages_ms("r.")["to_d"] == pytest.approx(4.0)
+    assert timeline.stages_ms("r.")["d_first_to_client"] == pytest.approx(5.0)
+    assert math.isnan(timeline.stages_ms("t.")["to_d"])  # D never saw it
+
+
+def test_the_timeline_notes_every_request_of_a_run() -> None:
+    async def run() -> tuple[Timeline, Load]:
+        stub = Stub(timeline=Timeline())
+        server = await asyncio.start_server(stub.serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        assert stub.timeline is not None
+        load = await run_streams(port, 2, 4, 0.2, timeline=stub.timeline, name="direct.2.0.")
+        server.close()
+        await stub.close()
+        return stub.timeline, load
+
+    timeline, load = asyncio.run(run())
+    named = [user for user in timeline.first if user.startswith("direct.2.0.")]
+    assert len(named) == load.num_requests >= 2
+    assert all(user in timeline.d_read and user in timeline.d_first for user in named)
+    for user in named:
+        sent, first = timeline.sent[user], timeline.first[user]
+        assert sent <= timeline.d_read[user] <= timeline.d_first[user] <= first
+    stages = timeline.stages_ms("direct.")
+    assert stages["to_d"] >= 0 and stages["d_first_to_client"] >= 0
+    assert math.isnan(stages["to_p"])  # straight to D: no P
