@@ -28,7 +28,7 @@ import httpx
 from benchmarks.bench_router_capacity import Stub
 from kvduplex.server.cluster import free_port
 from kvduplex.server.router.state import InstanceTransport
-from kvduplex.server.router.state import _instance_session
+from kvduplex.server.router.state import instance_session
 
 BODY = {"xid": "x", "prompt_token_ids": list(range(64))}
 JSON = {"content-type": "application/json"}
@@ -64,7 +64,7 @@ async def main(args: argparse.Namespace) -> None:
             b"\r\ncontent-length: %d\r\n\r\n%s" % (len(payload), payload)
         )
         timeout = httpx.Timeout(600.0, connect=5.0)
-        routers = httpx.AsyncClient(timeout=timeout, transport=InstanceTransport(client=_instance_session))
+        routers = httpx.AsyncClient(timeout=timeout, transport=InstanceTransport(client=instance_session))
         plain = httpx.AsyncClient(timeout=timeout)
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
 
@@ -82,7 +82,7 @@ async def main(args: argparse.Namespace) -> None:
         async def via(client: httpx.AsyncClient) -> None:
             (await client.post(url, content=payload, headers=JSON)).json()
 
-        transport = InstanceTransport(client=_instance_session)
+        transport = InstanceTransport(client=instance_session)
         parsed = httpx.URL(url)
         extensions = {"timeout": timeout.as_dict()}
 

@@ -75,6 +75,7 @@ from fastapi import Response
 from benchmarks.timeline import STAGES
 from benchmarks.timeline import Timeline
 from benchmarks.timeline import named_request
+from kvduplex.config import ROUTER_POOL_IDLE_S
 from kvduplex.openai import render
 from kvduplex.openai.errors import install_error_handlers
 from kvduplex.openai.protocol import CompletionRequest
@@ -87,7 +88,6 @@ from kvduplex.server.guard import BodyCap
 from kvduplex.server.router.relay import OuterSend
 from kvduplex.server.router.relay import body_parts
 from kvduplex.server.router.relay import relay
-from kvduplex.server.router.state import POOL_IDLE_S
 from kvduplex.server.router.state import InstanceCalls
 from kvduplex.server.router.state import InstanceTransport
 from kvduplex.server.router.state import instance_session
@@ -325,7 +325,7 @@ class StackFloor:
             await send({"type": "http.response.start", "status": 200, "headers": []})
             return await send({"type": "http.response.body", "body": b""})
         if self.session is None:  # made in the server's event loop
-            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=POOL_IDLE_S)
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=ROUTER_POOL_IDLE_S)
             self.session = aiohttp.ClientSession(connector=connector)
         body, more = b"", True
         while more:

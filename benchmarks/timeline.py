@@ -6,7 +6,8 @@ sent it. The load client notes when it sent a request and when its first event c
 stub notes when P and D read it, when P answered and when D wrote its first event. P
 learns the name as each relay tells P of the request: the push router's prefill body
 carries no ``user`` but the transfer id (``xid``) that D's ``kv_transfer_params`` names
-too; the reference routers send P the client's body. All times are this process's clock
+too; the reference routers send P the client's body (the floors send P a body of their
+own, which names no request: they have no P stages). All times are this process's clock
 (the stub and the client share it), so each stage is a difference of two readings::
 
     client sent ──► P read   P answered ──────────────► client's first event

@@ -238,6 +238,11 @@ class ParsingConfig:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
 
 
+ROUTER_POOL_IDLE_S = 60.0
+"""The longest the router keeps an idle connection to an instance for its next call
+(`router.state.instance_session`); an instance keeps one open longer (--keep-alive-s)."""
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """The HTTP server of one instance."""
@@ -268,6 +273,11 @@ class ServerConfig:
     code draining), and the work in flight finishes, the KV pushes and returns it owes
     included; then it exits 0. After this many seconds it exits anyway (1, logged). A
     second SIGTERM or SIGINT exits at once."""
+    keep_alive_s: int = 75
+    """How long an idle client connection is kept open, in seconds: longer than any
+    client keeps one idle for reuse (the router: 60 s), so that the client closes it first
+    (a request sent just as the server closes the connection fails, and a POST is not
+    sent again)."""
     parsing: ParsingConfig = field(default_factory=ParsingConfig)
     """Tool calls and reasoning parsed out of the chat answers this instance serves
     directly (a router asks for raw text and parses them itself)."""
@@ -277,6 +287,11 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if not self.keep_alive_s > ROUTER_POOL_IDLE_S:
+            raise ValueError(
+                f"keep_alive_s must be > {ROUTER_POOL_IDLE_S:g} (the router keeps an idle "
+                f"connection to an instance that long), got {self.keep_alive_s}"
+            )
         for name in ("internal_max_body_mb", "max_body_mb"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -380,6 +395,11 @@ class RouterConfig:
     """At SIGTERM the router drains: /ready answers 503, new requests are refused (503,
     code draining), and the requests in flight finish; then it exits 0. After this many
     seconds it exits anyway (1, logged). A second SIGTERM or SIGINT exits at once."""
+    keep_alive_s: int = 75
+    """How long an idle client connection is kept open, in seconds: longer than a load
+    balancer in front keeps one idle for reuse (nginx, AWS ALB: 60 s; GCP's: 600 s, Envoy:
+    1 h, unless set lower), so that it closes the connection first (a request sent just as
+    the router closes it fails, and a POST is not sent again)."""
     prompt_threads: int = 4
     """Threads that build prompts (chat template, tokenizer) off the event loop, which
     stays free for health probes and the streams relayed; more requests than this wait
@@ -400,7 +420,7 @@ class RouterConfig:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         positive = ("session_ttl_s", "load_half_life_s", "health_interval_s", "health_timeout_s",
-                    "dns_interval_s")  # fmt: skip
+                    "dns_interval_s", "keep_alive_s")  # fmt: skip
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

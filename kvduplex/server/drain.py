@@ -45,6 +45,7 @@ from typing import Any
 
 import uvicorn
 from starlette.types import ASGIApp
+from starlette.types import Message
 from starlette.types import Receive
 from starlette.types import Scope
 from starlette.types import Send
@@ -59,13 +60,6 @@ logger = logging.getLogger(__name__)
 
 DRAIN_POLL_S = 0.1
 """How often a drain checks what the instance still owes."""
-KEEP_ALIVE_S = 75
-"""How long a kvduplex server (an instance, the router) keeps an idle connection open
-(uvicorn's default: 5 s): longer than the router keeps one to an instance
-(`router.state.POOL_IDLE_S`) and than the usual load balancer's idle timeout (60 s), so
-that the client closes an idle connection first. A request written on a connection just
-as its server closes it fails on the wire, and no client resends a POST (aiohttp resends
-only idempotent methods): a router's call to decode would end in a 502."""
 UNCOUNTED_PATHS = frozenset({"/health", "/ready", "/metrics"})
 """Probes and scrapes: never refused, never waited for."""
 ADMITTING_PATHS = frozenset({"/internal/push/prefill", "/internal/prefill"})
@@ -108,6 +102,8 @@ class DrainGuard:
         self.drain = drain
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.drain.is_draining:
+            send = _closing(send)
         if scope["type"] != "http" or scope["path"] in UNCOUNTED_PATHS:
             await self.app(scope, receive, send)
             return
@@ -119,6 +115,21 @@ class DrainGuard:
             await self.app(scope, receive, send)
         finally:
             self.drain.num_in_flight -= 1
+
+
+def _closing(send: Send) -> Send:
+    """`send` for a request that came while draining: its response asks the client to close
+    the connection (``connection: close``; uvicorn closes it once the response is sent), so
+    that the client's next request opens a connection to a server that takes work rather
+    than meeting this one's 503 again, or its close when the drain ends."""
+
+    async def send_closing(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"connection"]
+            message = {**message, "headers": [*headers, (b"connection", b"close")]}
+        await send(message)
+
+    return send_closing
 
 
 def owed_work(engine: LLMEngine, drain: DrainState) -> dict[str, int]:
@@ -158,12 +169,22 @@ async def wait_drained(engine: AsyncEngine | None, drain: DrainState) -> bool:
         await asyncio.sleep(DRAIN_POLL_S)
 
 
-def uvicorn_config(app: ASGIApp, host: str, port: int, **kwargs: Any) -> uvicorn.Config:
+def uvicorn_config(
+    app: ASGIApp, host: str, port: int, keep_alive_s: int, **kwargs: Any
+) -> uvicorn.Config:
     """uvicorn's config for a kvduplex server (`DrainingServer`): idle connections kept
-    `KEEP_ALIVE_S`, 5 s to close the connections left once a drain ended, uvicorn's own
-    log lines at warning; `kwargs` as uvicorn takes them (its loop and HTTP parser)."""
+    `keep_alive_s` (``--keep-alive-s``; uvicorn's default is 5 s), 5 s to close the
+    connections left once a drain ended, uvicorn's own log lines at warning; `kwargs` as
+    uvicorn takes them (its loop and HTTP parser).
+
+    Why keep-alive is long: the client of a connection must be the one to close it when it
+    is idle. A request written on a connection just as its server closes it fails on the
+    wire, and neither aiohttp nor httpx sends a POST again (aiohttp resends only
+    idempotent methods), so a router's call to decode would end in a 502. The router
+    reuses an idle connection for at most `config.ROUTER_POOL_IDLE_S` (60 s), under the
+    75 s an instance keeps it by default."""
     return uvicorn.Config(
-        app, host=host, port=port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S,
+        app, host=host, port=port, log_level="warning", timeout_keep_alive=keep_alive_s,
         timeout_graceful_shutdown=5, **kwargs,
     )  # fmt: skip
 

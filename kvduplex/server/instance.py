@@ -173,7 +173,9 @@ def serve(
         server_config.host,
         server_config.port,
     )
-    config = uvicorn_config(instance.app, server_config.host, server_config.port)
+    config = uvicorn_config(
+        instance.app, server_config.host, server_config.port, server_config.keep_alive_s
+    )
     server = DrainingServer(config, instance.state.drain, instance.async_engine)
     try:
         server.run()

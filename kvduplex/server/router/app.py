@@ -449,8 +449,9 @@ def serve_router(config: RouterConfig) -> int:
         "required" if state.api_key else "not set (open)",
     )  # fmt: skip
     server_config = uvicorn_config(
-        create_router_app(state), config.host, config.port, loop="uvloop", http="httptools"
-    )
+        create_router_app(state), config.host, config.port, config.keep_alive_s,
+        loop="uvloop", http="httptools",
+    )  # fmt: skip
     server = DrainingServer(server_config, state.drain)
     settle_heap()
     server.run()

@@ -17,6 +17,7 @@ from httpx_aiohttp.transport import AiohttpResponseStream
 from httpx_aiohttp.transport import map_aiohttp_exceptions
 from prometheus_client import CollectorRegistry
 
+from kvduplex.config import ROUTER_POOL_IDLE_S
 from kvduplex.config import Environment
 from kvduplex.config import RouterConfig
 from kvduplex.model.tokenizer import Tokenizer
@@ -51,8 +52,9 @@ class RouterState:
     """The flows' POSTs to the instances (prefill, decode's stream, cancels): `client`'s
     transport, headers and timeout, without `httpx.AsyncClient`'s layers."""
     probe_client: httpx.AsyncClient
-    """The health probes' own pool, so that a busy router never takes its own wait for a
-    connection for an instance's failure."""
+    """The health probes' client, with their own timeout, over `client`'s transport and so
+    its pool, which has no cap: a busy router never makes a probe wait for a connection,
+    and so never takes that wait for an instance's failure."""
     prompts: ThreadPoolExecutor
     """Where prompts are built (``--prompt-threads``; `app.build_prompt`): rendering and
     tokenizing hold a thread for milliseconds (a long conversation: tens), which the
@@ -178,18 +180,14 @@ def _told_apart(exc: httpx.ConnectTimeout, request: httpx.Request | None) -> htt
     return httpx.RemoteProtocolError(str(exc), request=request)
 
 
-POOL_IDLE_S = 60.0
-"""How long the router keeps an idle connection to an instance for its next call: less
-than the instances keep it open (`drain.KEEP_ALIVE_S`), so the router closes it first
-(see there), and long enough that a session's next turn after a pause (an agent running
-its tools) finds it open rather than connecting again."""
-
-
 def instance_session() -> aiohttp.ClientSession:
     """The aiohttp session under `RouterState.client` (made in the event loop, at its first
-    call): no cap on connections (aiohttp's default is 100), idle ones kept `POOL_IDLE_S`;
-    httpx's client gives the timeouts, headers and errors."""
-    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=POOL_IDLE_S)
+    call): no cap on connections (aiohttp's default is 100); an idle one is reused for up
+    to `ROUTER_POOL_IDLE_S` (60 s: a session's next turn after a pause, an agent running
+    its tools, finds it open), never after, so never as the instance, which keeps it open
+    longer (``--keep-alive-s``), closes it (`drain.uvicorn_config`); httpx's client gives
+    the timeouts, headers and errors."""
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=ROUTER_POOL_IDLE_S)
     return aiohttp.ClientSession(connector=connector)
 
 
