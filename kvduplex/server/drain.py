@@ -259,4 +259,5 @@ __all__ = [
     "admits_work",
     "exit_code",
     "owed_work",
+    "uvicorn_config",
 ]
