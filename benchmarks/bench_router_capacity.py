@@ -74,7 +74,6 @@ from fastapi import Response
 
 from benchmarks.timeline import STAGES
 from benchmarks.timeline import Timeline
-from benchmarks.timeline import named_request
 from kvduplex.config import ROUTER_POOL_IDLE_S
 from kvduplex.openai import render
 from kvduplex.openai.errors import install_error_handlers
@@ -491,6 +490,15 @@ async def _stream_once(
     return start, ttft
 
 
+def completion_request(fields: dict[str, Any]) -> bytes:
+    """POST /v1/completions of `fields` as JSON, as the load client sends it."""
+    body = json.dumps(fields).encode()
+    return (
+        b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n%s" % (len(body), body)
+    )
+
+
 async def run_streams(
     port: int,
     num_streams: int,
@@ -508,11 +516,7 @@ async def run_streams(
     pauses = [rng.uniform(0.0, stagger_s) for _ in range(num_streams)]
     fields = {"model": "tiny", "prompt": "hello router", "max_tokens": num_tokens,
               "stream": True, "temperature": 0}  # fmt: skip
-    body = json.dumps(fields).encode()
-    request = (
-        b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
-        b"content-length: %d\r\n\r\n%s" % (len(body), body)
-    )
+    request = completion_request(fields)
     load = Load()
     deadline = time.perf_counter() + duration_s
 
@@ -526,7 +530,8 @@ async def run_streams(
                     await _stream_once(reader, writer, request, load)
                     continue
                 user, k = f"{name}{index}.{k}", k + 1
-                sent, ttft = await _stream_once(reader, writer, named_request(fields, user), load)
+                named = completion_request({**fields, "user": user})
+                sent, ttft = await _stream_once(reader, writer, named, load)
                 if ttft is not None:
                     timeline.sent[user], timeline.first[user] = sent, sent + ttft
         finally:

@@ -20,7 +20,6 @@ client's read, the splice, its server's write); against the same stages straight
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import dataclass
 from dataclasses import field
@@ -82,12 +81,3 @@ class Timeline:
             values = [end[u] - start[u] for u in users if u in start and u in end]
             out[stage] = statistics.median(values) * 1e3 if values else float("nan")
         return out
-
-
-def named_request(body: dict[str, Any], user: str) -> bytes:
-    """POST /v1/completions of `body`, named `user`, as the load client sends it."""
-    data = json.dumps({**body, "user": user}).encode()
-    return (
-        b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
-        b"content-length: %d\r\n\r\n%s" % (len(data), data)
-    )
