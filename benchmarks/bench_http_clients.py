@@ -1,6 +1,6 @@
 """What one call to an instance costs the router's HTTP client, against the alternatives.
 
-The stub instance of `bench_router_capacity.py` (its P answering ``POST
+The stub instance of `bench_router_capacity.py` (`router_stub.py`) (its P answering ``POST
 /internal/push/prefill`` with a small JSON body) runs in a child process pinned to one
 core; this process, pinned to the other, POSTs to it one call at a time and times each
 call to its parsed answer: over raw asyncio streams (one kept-alive connection, the
@@ -25,7 +25,7 @@ from collections.abc import Callable
 import aiohttp
 import httpx
 
-from benchmarks.bench_router_capacity import Stub
+from benchmarks.router_stub import Stub
 from kvduplex.server.cluster import free_port
 from kvduplex.server.router.state import InstanceTransport
 from kvduplex.server.router.state import instance_session

@@ -12,14 +12,14 @@ from typing import Any
 
 import pytest
 
-from benchmarks.bench_router_capacity import FIRST_TOKEN
-from benchmarks.bench_router_capacity import Load
-from benchmarks.bench_router_capacity import Stub
-from benchmarks.bench_router_capacity import _stream_once
-from benchmarks.bench_router_capacity import check_references
-from benchmarks.bench_router_capacity import run_streams
-from benchmarks.bench_router_capacity import start_relay
-from benchmarks.bench_router_capacity import wait_listening
+from benchmarks.router_load import Load
+from benchmarks.router_load import run_streams
+from benchmarks.router_load import stream_once
+from benchmarks.router_procs import check_references
+from benchmarks.router_procs import start_relay
+from benchmarks.router_procs import wait_listening
+from benchmarks.router_stub import FIRST_TOKEN
+from benchmarks.router_stub import Stub
 from benchmarks.timeline import Timeline
 from kvduplex.server.router.relay import SentToken
 from kvduplex.server.router.relay import Splice
@@ -145,7 +145,7 @@ def test_an_error_event_after_a_200_is_an_error_not_a_ttft() -> None:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         load = Load()
         for _ in range(2):
-            await _stream_once(reader, writer, b"POST / HTTP/1.1\r\n\r\n", load)
+            await stream_once(reader, writer, b"POST / HTTP/1.1\r\n\r\n", load)
         writer.close()
         server.close()
         return load
