@@ -13,6 +13,11 @@ nothing here changes a request.
 While a request waits for admission (queued on decode), its spec sends
 prefill `KVWaiting` every third of the wait, which keeps prefill's wait for
 the registration open; a spec whose request left before admission is dropped.
+
+The router cancels a push when prefill fails, which can be before decode has
+the request (prefill refused at once, the request still on its way here): such
+a cancel is kept for up to a wait (`MAX_EARLY_CANCELS` at most), and the
+request, when it comes, prefills its prompt here without waiting for KV.
 """
 
 from __future__ import annotations
@@ -42,6 +47,9 @@ from kvduplex.transport.notify import NotificationPump
 from kvduplex.transport.protocol import PeerHandle
 
 logger = logging.getLogger(__name__)
+
+MAX_EARLY_CANCELS = 4096
+"""Cancels of pushes decode has not heard of yet, kept at most (the oldest go first)."""
 
 
 @dataclass
@@ -84,6 +92,7 @@ class PushDecode:
         self._lock = threading.Lock()
         self._specs: dict[str, PushSpec] = {}
         self._spec_waiting_at: dict[str, float] = {}  # xid -> last KVWaiting to its prefill
+        self._early_cancels: dict[str, float] = {}  # xid -> when, for a request still to come
         self._finished: list[KVTransferResult] = []  # engine thread
 
     def attach(self, pump: NotificationPump) -> None:
@@ -95,6 +104,10 @@ class PushDecode:
         with self._lock:
             if spec.xid in self._specs or self.receiver.is_waiting(spec.xid):
                 raise ValueError(f"xid {spec.xid!r} is in use by another request")
+            if self._early_cancels.pop(spec.xid, None) is not None:
+                # No spec: the request prefills its prompt here when admitted (`start`).
+                logger.info("xid=%s: cancelled before it came; computing locally", spec.xid)
+                return
             self._specs[spec.xid] = spec
             self._spec_waiting_at[spec.xid] = time.monotonic()
 
@@ -142,13 +155,20 @@ class PushDecode:
             self._fall_back(rid, "register_failed", discard_blocks=False)
 
     def cancel(self, xid: str, reason: str) -> bool:
-        """Stop waiting for `xid` (the router: prefill failed); False if unknown."""
+        """Stop waiting for `xid` (the router: prefill failed); False if unknown (kept for
+        a request still to come: see the module docstring) or over."""
         with self._lock:
             spec = self._specs.pop(xid, None)
             self._spec_waiting_at.pop(xid, None)
         if spec is not None:  # not admitted yet: it computes locally when admitted
             return True
-        return self.receiver.cancel(xid, reason)
+        if self.receiver.cancel(xid, reason):
+            return True
+        with self._lock:
+            if len(self._early_cancels) >= MAX_EARLY_CANCELS:
+                del self._early_cancels[next(iter(self._early_cancels))]
+            self._early_cancels[xid] = time.monotonic()
+        return False
 
     def on_aborted(self, xid: str) -> None:
         """Engine thread: decode's request for `xid` was aborted. Before admission its
@@ -215,6 +235,11 @@ class PushDecode:
     def _tick(self, now: float) -> None:
         beats: list[PushSpec] = []
         with self._lock:
+            while self._early_cancels:  # in the order they came
+                xid, at = next(iter(self._early_cancels.items()))
+                if now - at < self.wait_s:
+                    break
+                del self._early_cancels[xid]
             if self.engine.is_healthy:
                 for xid, at in self._spec_waiting_at.items():
                     if now - at >= self.wait_s / HEARTBEATS_PER_WAIT:

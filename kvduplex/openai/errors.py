@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp
 from starlette.types import Message
 from starlette.types import Receive
@@ -110,7 +111,9 @@ def internal_error(scope: Scope, exc: BaseException) -> JSONResponse:
 class CatchAll:
     """Pure ASGI: an exception that escapes the routes becomes a 500 in OpenAI error JSON
     (see `internal_error`) instead of Starlette's plain-text one. An exception after the
-    response began is re-raised: the server ends the connection, as before."""
+    response began is re-raised: the server ends the connection, as before. A client
+    that left before its answer began (`ClientDisconnect`) gets none, and no error is
+    logged."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -129,6 +132,9 @@ class CatchAll:
 
         try:
             await self.app(scope, receive, send_noting_start)
+        except ClientDisconnect:
+            if started:
+                raise
         except Exception as exc:
             if started:
                 raise

@@ -42,7 +42,9 @@ import contextlib
 import gc
 import logging
 from collections.abc import AsyncIterator
+from collections.abc import Coroutine
 from dataclasses import replace
+from typing import Any
 
 import httpx
 from fastapi import FastAPI
@@ -52,6 +54,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client import generate_latest
 from pydantic import TypeAdapter
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp
 from starlette.types import Receive
 from starlette.types import Scope
@@ -138,6 +141,14 @@ async def route_request(
     metrics = state.metrics
     (metrics.session_hits if route.is_session_hit else metrics.session_misses).inc()
     fwd = Forward(path=path, request=request, body=body, ids=ids, route=route, parser=parser)
+    if request.stream:  # its relayed response notices a client that leaves (`relay.py`)
+        return await _serve(state, fwd)
+    return await _unless_client_leaves(_serve(state, fwd), raw.receive)
+
+
+async def _serve(state: RouterState, fwd: Forward) -> Response:
+    """The flow for `fwd`, and once more on another decode instance if D was unreachable."""
+    route = fwd.route
     try:
         return await _run_flow(state, fwd)
     except DecodeUnreachable as exc:
@@ -145,11 +156,38 @@ async def route_request(
     rerouted = state.policy.try_reroute(route)
     if rerouted is None:
         raise _unavailable(state, NoHealthyInstance("decode"))
-    metrics.rerouted.inc()
+    state.metrics.rerouted.inc()
     try:
         return await _run_flow(state, replace(fwd, route=rerouted))
     except DecodeUnreachable as exc:
         raise APIError(502, str(exc), code="decode_failed") from None
+
+
+async def _unless_client_leaves(call: Coroutine[Any, Any, Response], receive: Receive) -> Response:
+    """`call`'s response, unless the client leaves first: `call` is then cancelled (its
+    calls to the instances are closed, and the instances abort the request) and
+    `ClientDisconnect` raised. For a whole answer, which D sends only once it has
+    generated all of it; no server cancels a request's task when its client leaves."""
+    task = asyncio.current_task()
+    assert task is not None
+    left = False
+
+    async def listen() -> None:
+        nonlocal left
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        left = True
+        task.cancel()
+
+    listener = asyncio.ensure_future(listen())
+    try:
+        return await call
+    except asyncio.CancelledError:
+        if left and task.uncancel() == 0:  # only the client's leaving: not a cancel from above
+            raise ClientDisconnect() from None
+        raise
+    finally:
+        listener.cancel()
 
 
 async def build_prompt(

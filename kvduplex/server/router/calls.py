@@ -23,11 +23,15 @@ stream being read is abandoned by closing its response instead
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Coroutine
+from collections.abc import Iterator
 from typing import Any
 from typing import TypeVar
 
+import aiohttp
 import httpx
+from httpx_aiohttp.transport import map_aiohttp_exceptions
 
 from kvduplex.server.router.policy import Backend
 
@@ -41,6 +45,19 @@ class InstanceDown(httpx.TransportError):
     def __init__(self, what: str) -> None:
         """`what`: the instance, as a log line names it (its URL, or "decode at URL")."""
         super().__init__(f"{what} was marked unhealthy (failed health probes or a failed call)")
+
+
+@contextlib.contextmanager
+def instance_errors() -> Iterator[None]:
+    """aiohttp's errors as httpx's, as httpx-aiohttp maps them, and those it leaves as
+    they are (an answer that is not HTTP: a TLS port, a port another process took) as
+    `httpx.RemoteProtocolError`: every caller of an instance handles httpx's errors, and
+    one that escaped would end a request with a 500, or the health prober."""
+    try:
+        with map_aiohttp_exceptions():
+            yield
+    except aiohttp.ClientError as exc:
+        raise httpx.RemoteProtocolError(f"{type(exc).__name__}: {exc}") from exc
 
 
 async def until_unhealthy(b: Backend, call: Coroutine[Any, Any, T]) -> T:

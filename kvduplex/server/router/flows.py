@@ -389,7 +389,9 @@ async def serve_pull(state: RouterState, fwd: Forward) -> Response:
             await _release(state, p, xid)
         raise
     if isinstance(upstream, Response):
-        return upstream
+        return upstream  # D may have read, or be reading: the lease runs out on its own
+    if ans is not None and 400 <= upstream.status_code < 500:
+        await _release(state, p, xid)  # D refused the request before it read anything
     return _relay_decode(state, fwd, upstream, body_parts(upstream))
 
 
@@ -430,18 +432,12 @@ async def serve_push(state: RouterState, fwd: Forward) -> Response:
         if fwd.route.is_session_hit:
             p_req["pull_from"] = await _retained(state, d, fwd.route.session_id)
     prefill = asyncio.create_task(_post_prefill(state, fwd, "/internal/push/prefill", p_req))
-    await asyncio.sleep(0)  # P's call goes out first: the first token waits on P's answer
-    try:
-        upstream = await _open_decode(
-            state, fwd, {**body, "kv_transfer_params": _decode_params(fwd, params)}, {}
-        )
-    except DecodeUnreachable:
-        await _cancel(state, p, xid, "decode unreachable")
-        raise
 
     def on_prefill(task: asyncio.Task[dict[str, Any] | None]) -> None:
         """P answered: its hit noted, or D told to compute the prompt itself (a callback,
-        not a task awaiting P: the first token waits on no more turns of the loop)."""
+        not a task awaiting P: the first token waits on no more turns of the loop). D is
+        told as soon as P fails, before its head if need be (a whole answer's head comes
+        at its end): a cancel that reaches D before the request is kept there for it."""
         if task.cancelled() or task.exception() is not None:
             return
         ans = task.result()
@@ -453,6 +449,14 @@ async def serve_push(state: RouterState, fwd: Forward) -> Response:
         cancel.add_done_callback(_CANCELS.discard)
 
     prefill.add_done_callback(on_prefill)
+    await asyncio.sleep(0)  # P's call goes out first: the first token waits on P's answer
+    try:
+        upstream = await _open_decode(
+            state, fwd, {**body, "kv_transfer_params": _decode_params(fwd, params)}, {}
+        )
+    except DecodeUnreachable:
+        await _cancel(state, p, xid, "decode unreachable")
+        raise
     if isinstance(upstream, Response) or upstream.status_code != 200:
         await _cancel(state, p, xid, "decode refused the request")
         if isinstance(upstream, Response):

@@ -52,7 +52,6 @@ import anyio
 import httpx
 from fastapi.responses import StreamingResponse
 from httpx_aiohttp.transport import AiohttpResponseStream
-from httpx_aiohttp.transport import map_aiohttp_exceptions
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp
 from starlette.types import Receive
@@ -66,6 +65,7 @@ from kvduplex.openai import render
 from kvduplex.openai.errors import REQUEST_ID_HEADER
 from kvduplex.openai.protocol import error_body
 from kvduplex.server.router.calls import InstanceDown
+from kvduplex.server.router.calls import instance_errors
 
 logger = logging.getLogger(__name__)
 
@@ -106,14 +106,28 @@ class _RelayedResponse(StreamingResponse):
     def __init__(
         self, body: AsyncGenerator[bytes, None], cleanup: Callable[[], Awaitable[None]],
         status_code: int, headers: dict[str, str],
+        failure: Callable[[], dict[str, Any] | None] | None = None,
     ) -> None:  # fmt: skip
         super().__init__(body, status_code=status_code, headers=headers)
         self._body = body
         self._cleanup = cleanup
+        self._failure = failure
 
     async def _stream(self, send: Send, outer_send: Send) -> None:
         """The head and first part through `send` (the middlewares that look at a
-        response's start see it), the rest through `outer_send`."""
+        response's start see it), the rest through `outer_send`. A whole answer (one that
+        says how it failed: `failure`) is read before its head, so that one cut short is
+        answered 502 with that error, never 200 with part of a body."""
+        if self._failure is not None:
+            body = b"".join([part async for part in self._body])
+            status, headers = self.status_code, self.raw_headers
+            error = self._failure()
+            if error is not None:
+                status, headers = 502, [(b"content-type", b"application/json")]
+                body = json.dumps(error).encode()
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+            return
         await send({"type": "http.response.start", "status": self.status_code,
                     "headers": self.raw_headers})  # fmt: skip
         async for part in self.body_iterator:
@@ -177,6 +191,7 @@ def relay(
     is_sse = content_type.startswith("text/event-stream")
     closed = False
     abandoned: InstanceDown | None = None
+    failure: dict[str, Any] | None = None  # a whole answer's, to answer in its place
     closing: set[asyncio.Task[None]] = set()
 
     def abandon() -> None:
@@ -214,10 +229,13 @@ def relay(
             exc = abandoned or exc  # a closed response's read ends with its own error
             failed = True
             logger.warning("%s failed mid-answer: %r", source, exc)
+            message = f"{source} failed mid-answer: {exc!r}"
+            error = error_body(message, "server_error", code="decode_failed")
             if is_sse:
-                message = f"{source} failed mid-answer: {exc!r}"
-                error = error_body(message, "server_error", code="decode_failed")
                 yield (render.sse_data(error) + render.SSE_DONE).encode()
+            else:
+                nonlocal failure
+                failure = error
         finally:
             with anyio.CancelScope(shield=True):
                 await aclose_parts(source_parts)  # stops their readers before upstream closes
@@ -226,7 +244,8 @@ def relay(
     headers = {"content-type": content_type}
     if REQUEST_ID_HEADER in upstream.headers:  # the answer's id (a client's own is echoed)
         headers[REQUEST_ID_HEADER] = upstream.headers[REQUEST_ID_HEADER]
-    return _RelayedResponse(body(), close, upstream.status_code, headers)
+    whole = None if is_sse else lambda: failure
+    return _RelayedResponse(body(), close, upstream.status_code, headers, whole)
 
 
 def _no_watch() -> None:
@@ -261,15 +280,22 @@ def body_parts(upstream: httpx.Response) -> AsyncIterator[bytes]:
     """`upstream`'s body as it arrives: from aiohttp's stream directly when it came over
     aiohttp, without httpx's iterators around it (three generators and a decoder a part),
     else through httpx; a compressed body (instances send none) through httpx, which
-    decodes it (only the content type is relayed). Errors are httpx's either way."""
+    decodes it (only the content type is relayed); a body read already (a 503's, read to
+    tell a drain from another refusal) as it was read. Errors are httpx's either way."""
+    if upstream.is_stream_consumed:
+        return _parts(upstream.content)
     stream = upstream.stream
     if isinstance(stream, AiohttpResponseStream) and "content-encoding" not in upstream.headers:
         return _aiohttp_parts(stream._aiohttp_response.content)
     return upstream.aiter_bytes()
 
 
+async def _parts(content: bytes) -> AsyncIterator[bytes]:
+    yield content
+
+
 async def _aiohttp_parts(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
-    with map_aiohttp_exceptions():  # as httpx-aiohttp's own stream maps them
+    with instance_errors():  # as the router's own stream maps them (`state.InstanceStream`)
         async for part in content.iter_any():
             yield part
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import AsyncIterator
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -14,7 +15,6 @@ import aiohttp
 import httpx
 from httpx_aiohttp import AiohttpTransport
 from httpx_aiohttp.transport import AiohttpResponseStream
-from httpx_aiohttp.transport import map_aiohttp_exceptions
 from prometheus_client import CollectorRegistry
 
 from kvduplex.config import ROUTER_POOL_IDLE_S
@@ -25,6 +25,7 @@ from kvduplex.server.auth import api_key_headers
 from kvduplex.server.auth import resolve_api_key
 from kvduplex.server.drain import DrainState
 from kvduplex.server.guard import load_cluster_secret
+from kvduplex.server.router.calls import instance_errors
 from kvduplex.server.router.discovery import Discovery
 from kvduplex.server.router.discovery import Resolve
 from kvduplex.server.router.metrics import RouterMetrics
@@ -132,9 +133,14 @@ class InstanceTransport(AiohttpTransport):
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         try:
-            return await super().handle_async_request(request)
+            with instance_errors():
+                response = await super().handle_async_request(request)
         except httpx.ConnectTimeout as exc:
             raise _told_apart(exc, request) from exc.__cause__
+        stream = response.stream
+        if isinstance(stream, AiohttpResponseStream):
+            response.stream = InstanceStream(stream._aiohttp_response)
+        return response
 
     async def post(
         self, url: str, content: bytes, headers: dict[str, str], timeout: aiohttp.ClientTimeout
@@ -145,7 +151,7 @@ class InstanceTransport(AiohttpTransport):
         if not isinstance(self.client, aiohttp.ClientSession):
             self.client = self.get_client()
         try:
-            with map_aiohttp_exceptions():
+            with instance_errors():
                 response = await self.client.request(
                     "POST", url, data=content, headers=headers, allow_redirects=False,
                     auto_decompress=False, timeout=timeout,
@@ -157,8 +163,22 @@ class InstanceTransport(AiohttpTransport):
             extensions["reason_phrase"] = response.reason.encode("utf-8", "surrogateescape")
         return httpx.Response(
             response.status, headers=response.raw_headers,
-            stream=AiohttpResponseStream(response), extensions=extensions,
+            stream=InstanceStream(response), extensions=extensions,
         )  # fmt: skip
+
+
+class InstanceStream(AiohttpResponseStream):
+    """An instance's answer read from aiohttp, every error of the read an httpx one
+    (`instance_errors`)."""
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        with instance_errors():
+            async for chunk in self._aiohttp_response.content.iter_chunked(self.CHUNK_SIZE):
+                yield chunk
+
+    async def aclose(self) -> None:
+        with instance_errors():
+            await self._aiohttp_response.__aexit__(None, None, None)
 
 
 def client_timeout(timeout: httpx.Timeout, *, read: bool = True) -> aiohttp.ClientTimeout:
