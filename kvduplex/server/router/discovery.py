@@ -12,7 +12,9 @@ instances it found there before::
              else it is refused (logged once) and asked again next round
     leaves   c: no new work (`BackendPool.remove`); its sessions move at their next
              turn (the rendezvous rank of a named session skips it; a recognised one
-             goes where a new one would); its calls in flight end as they would have
+             goes where a new one would); its calls in flight end as they would have,
+             and it is probed until they have (one gone silent is marked down, which
+             ends them); if it comes back meanwhile, it rejoins as the same backend
 
 An address that does not answer its /health (or whose /health fails in any way) is
 asked again next round. A name that does not exist or has no address (NXDOMAIN, no
@@ -214,14 +216,17 @@ class Discovery:
                 )  # fmt: skip
             s.refused.add(url)
             return
-        b = Backend(url)
+        leaving = s.pool.try_leaving(url)
+        b = leaving or Backend(url)
         note_health(b, resp)
         s.pool.add(b)
         s.members.add(url)
         s.refused.discard(url)
         logger.warning(
-            "%s instance %s joined from DNS %s (engine %s)", s.role.value, url, s.name, b.engine_id
-        )
+            "%s instance %s %s from DNS %s (engine %s)",
+            s.role.value, url, "joined" if leaving is None else "rejoined (calls in flight)",
+            s.name, b.engine_id,
+        )  # fmt: skip
 
 
 async def run_discovery(discovery: Discovery, interval_s: float) -> None:

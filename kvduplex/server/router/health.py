@@ -112,9 +112,10 @@ def note_health(b: Backend, resp: httpx.Response) -> None:
 
 
 async def probe_all(client: httpx.AsyncClient, policy: RoutingPolicy, timeout_s: float) -> None:
-    """One round: every instance of both roles at once. A probe that raises (a watcher
+    """One round: every instance of both roles at once, those that left DNS with calls
+    still in flight included (`BackendPool.to_probe`). A probe that raises (a watcher
     that broke its contract) is logged with its instance; the others end as they would."""
-    probed = [(pool, b) for pool in (policy.prefill, policy.decode) for b in pool.backends]
+    probed = [(pool, b) for pool in (policy.prefill, policy.decode) for b in pool.to_probe()]
     results = await asyncio.gather(
         *(probe(client, policy, pool, b, timeout_s) for pool, b in probed),
         return_exceptions=True,
