@@ -230,5 +230,5 @@ def test_a_round_that_fails_unexpectedly_is_logged_and_the_next_one_runs(
 
     with caplog.at_level(logging.ERROR, logger="kvduplex.server.router.discovery"):
         asyncio.run(asyncio.wait_for(until_added(), timeout=10))
-    assert "DNS discovery round failed" in caplog.text
+    assert f"decode DNS {DECODE_NAME}: the round failed" in caplog.text
     assert [b.url for b in state.policy.decode.backends] == ["http://10.0.1.1:8001"]

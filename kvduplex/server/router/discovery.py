@@ -12,11 +12,15 @@ instances it found there before::
              else it is refused (logged once) and asked again next round
     leaves   c: no new work (`BackendPool.remove`); its sessions move at their next
              turn (the rendezvous rank of a named session skips it; a recognised one
-             goes where a new one would); its calls in flight end as they would have
+             goes where a new one would); its calls in flight end as they would have,
+             and it is probed until they have (one gone silent is marked down, which
+             ends them); if it comes back meanwhile, it rejoins as the same backend
 
-An address that does not answer its /health is asked again next round. A name that
-does not exist or has no address (NXDOMAIN, no answer) has no instances; a DNS
-failure (timeout, no server answered) keeps the instances as they were, logged.
+An address that does not answer its /health (or whose /health fails in any way) is
+asked again next round. A name that does not exist or has no address (NXDOMAIN, no
+answer) has no instances; a DNS failure (timeout, no server answered), or any error
+while a name's instances are updated, keeps them as they were, logged; rounds go on
+until cancelled.
 Instances given by URL (``--prefill``, ``--decode``) are never removed, and an
 address that is one of them is not added twice.
 
@@ -150,8 +154,18 @@ class Discovery:
         return cls(sets, resolve, client, config.health_timeout_s)
 
     async def run_round(self) -> None:
-        """Resolve every name once and update its pool."""
-        await asyncio.gather(*(self._refresh(s) for s in self.sets))
+        """Resolve every name once and update its pool. A name whose update fails
+        unexpectedly is logged and keeps its instances as they were (as on a DNS failure);
+        the others are updated, and the round counts."""
+        results = await asyncio.gather(
+            *(self._refresh(s) for s in self.sets), return_exceptions=True
+        )
+        for s, result in zip(self.sets, results, strict=True):
+            if isinstance(result, Exception):
+                logger.error(
+                    "%s DNS %s: the round failed; its %d instances stay as they were",
+                    s.role.value, s.name, len(s.members), exc_info=result,
+                )  # fmt: skip
         self.num_rounds += 1
 
     async def _refresh(self, s: DnsSet) -> None:
@@ -181,6 +195,12 @@ class Discovery:
         except (httpx.HTTPError, ValueError) as exc:
             logger.info("%s DNS %s: %s not added yet: /health %r", s.role.value, s.name, url, exc)
             return
+        except Exception as exc:  # not the transport's: still an address not added yet
+            logger.warning(
+                "%s DNS %s: %s not added yet: /health %r",
+                s.role.value, s.name, url, exc, exc_info=True,
+            )  # fmt: skip
+            return
         if body is None:
             logger.info(
                 "%s DNS %s: %s not added yet: /health HTTP %d",
@@ -196,14 +216,17 @@ class Discovery:
                 )  # fmt: skip
             s.refused.add(url)
             return
-        b = Backend(url)
+        leaving = s.pool.try_leaving(url)
+        b = leaving or Backend(url)
         note_health(b, resp)
         s.pool.add(b)
         s.members.add(url)
         s.refused.discard(url)
         logger.warning(
-            "%s instance %s joined from DNS %s (engine %s)", s.role.value, url, s.name, b.engine_id
-        )
+            "%s instance %s %s from DNS %s (engine %s)",
+            s.role.value, url, "joined" if leaving is None else "rejoined (calls in flight)",
+            s.name, b.engine_id,
+        )  # fmt: skip
 
 
 async def run_discovery(discovery: Discovery, interval_s: float) -> None:

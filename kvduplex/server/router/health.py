@@ -5,7 +5,8 @@ shutdown. Each round probes every prefill and decode instance at once, each
 probe bounded by ``--health-timeout-s``, and tells the policy how each ended
 (`BackendPool.note_probe`): a 200 makes an instance healthy again (unless a
 call failed after the probe began); anything else (refused, a timeout, a
-non-200) counts as a failure, and ``--health-failures`` of them in a row make
+non-200, an answer that is not HTTP, any error the probe raises) counts as a
+failure, logged with the instance, and ``--health-failures`` of them in a row make
 it unhealthy, which abandons the calls in flight to it (`calls.py`). An instance
 that answers 503 ``{"status": "draining"}`` (it got SIGTERM, `kvduplex.server.drain`)
 gets no new work at once, but its calls in flight go on (``mark_failed(...,
@@ -17,7 +18,8 @@ names to its peers in each request (``decode_engine_id`` to P, ``engine_id``
 and ``return_engine_id`` to D): a peer already connected to that engine uses
 the connection as it is, one connected to another (the instance restarted)
 handshakes afresh, and neither asks the address first. Rounds start every
-``--health-interval-s``, the first at once.
+``--health-interval-s``, the first at once; a round that fails unexpectedly is
+logged and the next one runs at its time (the prober ends only when cancelled).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ async def probe(
 ) -> None:
     """Probe `b` once and note the result in `pool`; logs a change of health."""
     started_at = policy.clock()
-    was_healthy = b.is_healthy
+    was_healthy, is_unexpected = b.is_healthy, False
     try:
         resp = await client.get(b.url + "/ready", timeout=timeout_s)
         if resp.status_code == 404:
@@ -55,13 +57,15 @@ async def probe(
         elif is_draining(resp):
             _note_draining(pool, b, policy.clock())
             return
-    except httpx.HTTPError as exc:
+    except Exception as exc:  # any failure, not only the transport's, is a failed probe
         is_ok, why = False, repr(exc)
+        is_unexpected = not isinstance(exc, httpx.HTTPError)
     pool.note_probe(b, is_ok, started_at, policy.clock())
     if not is_ok and b.is_healthy:
-        logger.info(
+        logger.log(
+            logging.WARNING if is_unexpected else logging.INFO,
             "instance %s: /health %s (%d of %d failures in a row)",
-            b.url, why, b.num_failed_probes, pool.health_failures,
+            b.url, why, b.num_failed_probes, pool.health_failures, exc_info=is_unexpected,
         )  # fmt: skip
     if b.is_healthy != was_healthy:
         if b.is_healthy:
@@ -108,14 +112,17 @@ def note_health(b: Backend, resp: httpx.Response) -> None:
 
 
 async def probe_all(client: httpx.AsyncClient, policy: RoutingPolicy, timeout_s: float) -> None:
-    """One round: every instance of both roles, at once."""
-    await asyncio.gather(
-        *(
-            probe(client, policy, pool, b, timeout_s)
-            for pool in (policy.prefill, policy.decode)
-            for b in pool.backends
-        )
+    """One round: every instance of both roles at once, those that left DNS with calls
+    still in flight included (`BackendPool.to_probe`). A probe that raises (a watcher
+    that broke its contract) is logged with its instance; the others end as they would."""
+    probed = [(pool, b) for pool in (policy.prefill, policy.decode) for b in pool.to_probe()]
+    results = await asyncio.gather(
+        *(probe(client, policy, pool, b, timeout_s) for pool, b in probed),
+        return_exceptions=True,
     )
+    for (_, b), result in zip(probed, results, strict=True):
+        if isinstance(result, Exception):
+            logger.error("instance %s: its probe failed", b.url, exc_info=result)
 
 
 async def run_prober(
@@ -126,11 +133,15 @@ async def run_prober(
     on_round: Callable[[], None] | None = None,
 ) -> None:
     """Probe rounds every `interval_s` (the first at once) until cancelled; `on_round`
-    is called after each."""
+    is called after each. A round that fails unexpectedly is logged (without its
+    `on_round`), and the next one runs at its time: the prober ends only when cancelled."""
     loop = asyncio.get_running_loop()
     while True:
         started = loop.time()
-        await probe_all(client, policy, timeout_s)
-        if on_round is not None:
-            on_round()
+        try:
+            await probe_all(client, policy, timeout_s)
+            if on_round is not None:
+                on_round()
+        except Exception:
+            logger.exception("health probe round failed; the next one runs as planned")
         await asyncio.sleep(max(0.0, interval_s - (loop.time() - started)))

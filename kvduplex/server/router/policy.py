@@ -28,7 +28,11 @@ system prompt shared by every conversation would send them all to one place.
 
 Members. The pools start with the configured URLs; discovery (`discovery`) adds
 and removes instances as DNS answers change (`BackendPool.add`, `remove`). One
-removed gets no new work; its calls in flight end as they would have.
+removed gets no new work; its calls in flight end as they would have: it leaves
+the pool but stays among those probed until nothing is in flight to it or watches
+it (`to_probe`), so one that goes silent with streams open is marked down as any
+instance is, and they end. One that comes back while its calls still run rejoins
+as the same `Backend` (`try_leaving`), its load and health as they were.
 
 Health. An instance is unhealthy from a failed call (unreachable, or its
 connection failed) or from `health_failures` failed probes of its /health in
@@ -144,6 +148,11 @@ def _url(b: Backend) -> str:
     return b.url
 
 
+def _is_busy(b: Backend) -> bool:
+    """Whether a call is in flight to `b` or something watches it."""
+    return b.in_flight > 0 or bool(b.watchers)
+
+
 class BackendPool:
     """The instances of one role, their load and the round-robin cursor that breaks ties."""
 
@@ -153,28 +162,53 @@ class BackendPool:
         self.health_failures = health_failures
         self._index = {b.url: i for i, b in enumerate(self.backends)}
         self._cursor = 0
+        self._leaving: dict[str, Backend] = {}
+        """Instances removed with calls still in flight, by URL: never routed to, still
+        probed (`to_probe`) until nothing is in flight to them or watches them."""
 
     def by_url(self, url: str | None) -> Backend | None:
         return None if url is None or url not in self._index else self.backends[self._index[url]]
 
     def add(self, backend: Backend) -> None:
-        """`backend` joins the pool (an instance discovered); its URL must be new to it."""
+        """`backend` joins the pool (an instance discovered); its URL must be new to it.
+        An instance that left with calls still in flight comes back as the same backend
+        (`try_leaving`), so that its calls stay watched."""
         if backend.url in self._index:
             raise ValueError(f"{backend.url} is already an instance of this pool")
+        if self._leaving.get(backend.url, backend) is not backend:
+            raise ValueError(f"{backend.url} left with calls in flight: add back its backend")
+        self._leaving.pop(backend.url, None)
         self._index[backend.url] = len(self.backends)
         self.backends.append(backend)
 
     def remove(self, url: str) -> Backend | None:
         """The instance at `url` leaves the pool (it left DNS): no new work for it, its
         sessions go elsewhere at their next turn; its calls in flight end as they would
-        have (their routes hold it). The backend removed, or None if it was not there."""
+        have (their routes hold it), and it is probed until they have (`to_probe`), so
+        that a silent one is still marked down. The backend removed, or None if it was
+        not there."""
         b = self.by_url(url)
         if b is None:
             return None
         self.backends.remove(b)
         self._index = {x.url: i for i, x in enumerate(self.backends)}
         self._cursor = self._cursor % len(self.backends) if self.backends else 0
+        if _is_busy(b):
+            self._leaving[url] = b
         return b
+
+    def try_leaving(self, url: str) -> Backend | None:
+        """The instance at `url` that was removed and still has calls in flight (or
+        watchers), or None."""
+        return self._leaving.get(url)
+
+    def to_probe(self) -> list[Backend]:
+        """What the health prober probes: the pool's instances, then those removed that
+        still have calls in flight or watchers (never routed to: probed only so that one
+        gone silent is marked down and its calls abandoned). A removed one with neither
+        is forgotten here."""
+        self._leaving = {url: b for url, b in self._leaving.items() if _is_busy(b)}
+        return [*self.backends, *self._leaving.values()]
 
     def _recent(self, b: Backend, now: float) -> float:
         return b.recent * 0.5 ** (max(0.0, now - b.recent_at) / self.half_life_s)
