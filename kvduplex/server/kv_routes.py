@@ -145,7 +145,7 @@ def make_prefill_router(state: InstanceState, transport: Transport, lease_s: flo
             raise APIError(500, f"xid {body.xid}: finished without held blocks")
         leases.start(body.xid)
         return JSONResponse(
-            {"xid": body.xid, "engine_id": transport.engine_id, "lease_s": lease_s, **info}
+            {"xid": body.xid, "engine_id": transport.engine_id, "lease_s": leases.lease_s, **info}
         )
 
     @router.post("/internal/release")
