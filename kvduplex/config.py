@@ -180,7 +180,9 @@ class TransferConfig:
     prompt itself (and prefill for decode's registration); heartbeats restart it. Also the
     deadline of a pull READ, shortened to end 0.5 s before prefill's lease does."""
     pull_lease_s: float = 30.0
-    """How long prefill keeps a finished request's blocks for decode to read."""
+    """How long prefill keeps a finished request's blocks for decode to read, as told to
+    decode; prefill holds them 2 s longer (`kvduplex.kvflow.lease.TRANSIT_GRACE_S`) since
+    decode counts it from its own arrival."""
     transfer_timeout_s: float = 10.0
     """Deadline of each WRITE of a push (prefill) or a return (decode), never past the
     receiver's wait; a failed WRITE fails the transfer and decode computes the prompt. The

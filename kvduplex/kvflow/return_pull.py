@@ -28,6 +28,7 @@ from kvduplex.engine.connector import EngineHandle
 from kvduplex.engine.request import FinishReason
 from kvduplex.engine.request import Request
 from kvduplex.kvflow.half import ReadRunner
+from kvduplex.kvflow.lease import TRANSIT_GRACE_S
 from kvduplex.kvflow.machines.read import Outcome
 from kvduplex.kvflow.metrics import KVFlowMetrics
 from kvduplex.transport.base import Transport
@@ -53,7 +54,8 @@ class TurnRetainer:
     oldest are let go first), since the sessions are named by clients. A turn
     `describe`d for a READ is pinned (our own references on its blocks) for
     ``pin_s``, so that its blocks cannot be reused under the READ even if the
-    session's next turn or the lease lets the turn go meanwhile.
+    session's next turn or the lease lets the turn go meanwhile. Prefill counts
+    ``pin_s`` from its own arrival, so the pin is kept `TRANSIT_GRACE_S` longer.
     """
 
     def __init__(
@@ -112,8 +114,8 @@ class TurnRetainer:
     def describe(self, session_id: str) -> dict[str, Any] | None:
         """The retained turn's full blocks, their keys and tokens; None if none is held.
 
-        Engine thread. Pins the blocks described for ``pin_s``: a READ of them
-        cannot find them reused.
+        Engine thread. Pins the blocks described for ``pin_s`` (the time it tells;
+        held `TRANSIT_GRACE_S` longer): a READ of them cannot find them reused.
         """
         with self._lock:
             entry = self._by_session.get(session_id)
@@ -127,7 +129,7 @@ class TurnRetainer:
         pinned = list(req.block_ids[:n])
         self.engine.acquire_blocks(pinned)
         with self._lock:
-            self._pins.append((time.monotonic() + self.pin_s, pinned))
+            self._pins.append((time.monotonic() + self.pin_s + TRANSIT_GRACE_S, pinned))
         return {
             "pin_s": self.pin_s,
             "block_ids": list(req.block_ids[:n]),

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import Future
 from dataclasses import asdict
 from typing import Annotated
 from typing import Any
@@ -144,7 +145,7 @@ def make_prefill_router(state: InstanceState, transport: Transport, lease_s: flo
             raise APIError(500, f"xid {body.xid}: finished without held blocks")
         leases.start(body.xid)
         return JSONResponse(
-            {"xid": body.xid, "engine_id": transport.engine_id, "lease_s": lease_s, **info}
+            {"xid": body.xid, "engine_id": transport.engine_id, "lease_s": leases.lease_s, **info}
         )
 
     @router.post("/internal/release")
@@ -217,12 +218,15 @@ class PushPrefill:
 
     async def _read_retained(self, xid: str, src: RetainedTurn, arrived: float) -> int:
         """``--return-mode pull``: READ the decode's retained blocks this cache lacks,
-        ending while decode still pins them (else not at all)."""
-        deadline_s = None
+        ending while decode still pins them (else not at all).
+
+        The READ's deadline counts from its post, so it gets what is left, at the post,
+        of the pin counted from this request's arrival: the handshake and the wait for
+        the engine thread (behind a prefill step) come out of it."""
+        ends_at = None
         if src.pin_left_s is not None:
-            deadline_s = src.pin_left_s - (time.monotonic() - arrived) - READ_PIN_MARGIN_S
-            if deadline_s <= 0:
-                logger.info("xid=%s: decode's pin on the retained turn ran out; not read", xid)
+            ends_at = arrived + src.pin_left_s - READ_PIN_MARGIN_S
+            if _pin_left_s(xid, ends_at) is None:
                 return 0
         try:
             peer = await asyncio.to_thread(self.directory.get_peer, src.decode_url, src.engine_id)
@@ -236,12 +240,31 @@ class PushPrefill:
                 f"has {peer.layout.num_blocks} blocks", param="pull_from",
             )  # fmt: skip
         reader = self.flows.reader
-        done = await self.engine.run_in_engine(
-            lambda _e: reader.start(
+
+        def post(_e: object) -> Future[int]:  # engine thread
+            deadline_s = None
+            if ends_at is not None:
+                deadline_s = _pin_left_s(xid, ends_at)
+                if deadline_s is None:
+                    skipped: Future[int] = Future()
+                    skipped.set_result(0)
+                    return skipped
+            return reader.start(
                 peer, f"{xid}-read", src.block_ids, src.keys, src.token_ids, deadline_s
             )
-        )
+
+        done = await self.engine.run_in_engine(post)
         return await asyncio.wrap_future(done)
+
+
+def _pin_left_s(xid: str, ends_at: float) -> float | None:
+    """Seconds left until a retained-turn READ must end (``ends_at``, monotonic); None,
+    logged, if none are."""
+    left = ends_at - time.monotonic()
+    if left <= 0:
+        logger.info("xid=%s: decode's pin on the retained turn ran out; not read", xid)
+        return None
+    return left
 
 
 def make_push_prefill_router(

@@ -128,6 +128,10 @@ class PeerDirectory:
         self._lock = threading.Lock()
         self._peers: dict[str, PeerHandle] = {}
         self._checked_at: dict[str, float] = {}  # url -> when its engine id was last seen
+        self._replaced: set[str] = set()
+        """Engine ids another engine took the URL of: their processes no longer listen
+        there, so they are gone (`is_gone`); one id a restart, never pruned: a
+        receiver may ask about a replaced sender for as long as its quarantine lasts."""
 
     @staticmethod
     def _key(url: str) -> str:
@@ -180,18 +184,21 @@ class PeerDirectory:
         with self._lock:
             self._checked_at[key] = time.monotonic()
             cached = self._peers.get(key)
-            if cached is not None and not self.transport.is_connected(cached.engine_id):
-                del self._peers[key]
-                cached = None
-            if cached is not None and cached.engine_id == info.engine_id:
-                return cached
-            if cached is not None:
+            if cached is not None and cached.engine_id != info.engine_id:
                 logger.info(
                     "peer at %s restarted: engine %s -> %s; re-handshaking",
                     key, cached.engine_id, info.engine_id,
                 )  # fmt: skip
-                self.transport.disconnect(cached)
+                self._replaced.add(cached.engine_id)
+                if self.transport.is_connected(cached.engine_id):
+                    self.transport.disconnect(cached)
                 del self._peers[key]
+                cached = None
+            if cached is not None and not self.transport.is_connected(cached.engine_id):
+                del self._peers[key]
+                cached = None
+            if cached is not None:
+                return cached
             peer = self.transport.connect(info)
             self._peers[key] = peer
         return peer
@@ -220,8 +227,17 @@ class PeerDirectory:
 
     def is_gone(self, engine_id: str) -> bool:
         """Whether the process of the engine with this id is known to be gone: its address
-        refuses connections, or another engine answers there (blocking). A peer that
-        does not answer (stalled, partitioned) is not known to be gone."""
+        refuses connections, or another engine answers there (blocking), now or when
+        this directory last handshook there. A peer that does not answer (stalled,
+        partitioned) is not known to be gone.
+
+        Each process draws a fresh engine id, so another one at the URL is another
+        process bound to its port: the old one was killed, or stopped listening on
+        its way out (`kvduplex.server.drain`: its server stops once it owes nothing
+        or its drain deadline passed, then it closes its transport and exits)."""
+        with self._lock:
+            if engine_id in self._replaced:
+                return True
         url = self.url_of(engine_id)
         if url is None:
             return False

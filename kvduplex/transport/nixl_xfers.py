@@ -146,13 +146,27 @@ class XferTable:
                     self._complete(h, TransferState.FAILED, f"post failed: {exc}", FailureKind.POST)
 
     def check_all(self) -> int:
-        """Check every transfer in flight once; returns how many were checked."""
+        """Check every transfer in flight once; returns how many were checked.
+
+        NIXL reads a released handle's freed memory, so each one is asked about under
+        ``_lock`` and only while still in flight: `fail` takes a transfer out under
+        it before releasing the handle. One uncontended lock a transfer keeps the
+        poll cheap, and posts and `fail` wait for one check at most."""
         with self._lock:
-            items = list(self._inflight.values())
+            items = list(self._inflight.items())
         now = time.monotonic()
-        for job, xfer in items:
-            self._check(job, xfer, now)
-        return len(items)
+        num_checked = 0
+        for key, entry in items:
+            with self._lock:
+                if self._inflight.get(key) is not entry:
+                    continue  # fail() took it
+                try:
+                    status, reason = self._agent.check(entry[1]), "NIXL reported ERR"
+                except Exception as exc:
+                    status, reason = "ERR", f"{type(exc).__name__}: {exc}"
+            num_checked += 1
+            self._check(*entry, status, reason, now)
+        return num_checked
 
     def fail(self, peer_id: str | None, reason: str, failure: FailureKind) -> int:
         """Fail the queued and in-flight transfers of ``peer_id`` (None: all); returns how many."""
@@ -233,12 +247,9 @@ class XferTable:
             self._inflight[id(h)] = (job, xfer)
         self._wake()
 
-    def _check(self, job: Job, xfer: Any, now: float) -> None:
+    def _check(self, job: Job, xfer: Any, status: str, reason: str, now: float) -> None:
+        """Act on NIXL's ``status`` of a transfer in flight (``reason``: why, if ERR)."""
         h = job.handle
-        try:
-            status, reason = self._agent.check(xfer), "NIXL reported ERR"
-        except Exception as exc:
-            status, reason = "ERR", f"{type(exc).__name__}: {exc}"
         if status == "PROC":
             if now >= h.expires_at and not h.done():
                 with self._lock:

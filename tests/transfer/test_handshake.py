@@ -161,6 +161,31 @@ def test_a_named_engine_id_spares_the_check_and_a_new_one_reconnects() -> None:
     assert new.engine_id == second.engine_id and directory.peers() == {URL: new}
 
 
+@pytest.mark.parametrize("told", [True, False], ids=["told-by-name", "after-teardown"])
+def test_an_engine_replaced_at_its_url_is_gone(told: bool) -> None:
+    """Once the directory found another engine at a peer's URL (told its engine id, or
+    connecting afresh after a flow tore the endpoint down), the old engine is gone:
+    a receiver holding blocks it may still have written into lets them go."""
+    fabric = InProcessFabric()
+    local = endpoint(fabric)
+    first = endpoint(fabric)
+    sb = Switchboard()
+    sb.serve(first)
+    directory = PeerDirectory(local, client=TestClient(sb))
+    peer = directory.get_peer(URL)
+    first.close()
+    second = endpoint(fabric)
+    sb.serve(second)
+    if told:
+        directory.get_peer(URL, engine_id=second.engine_id)
+    else:
+        local.disconnect(peer)
+        directory.get_peer(URL)
+    assert directory.url_of(first.engine_id) is None
+    assert directory.is_gone(first.engine_id)
+    assert directory.reconnect(first.engine_id) is None
+
+
 def test_fetch_handshake_sends_the_secret_and_says_when_it_is_refused() -> None:
     app = FastAPI()
     seen: list[str | None] = []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -114,6 +115,10 @@ class ScriptedAgent:
         self.status: dict[int, str] = {}
         self.refuse_release: set[int] = set()
         self.released: list[int] = []
+        self.checked_after_release: list[int] = []
+        """NIXL would read a freed handle for each of these."""
+        self.on_check: Callable[[], None] | None = None
+        """Runs inside the next check (another thread's turn mid-poll)."""
         self._next = 0
 
     def post(self, *args: Any, **kwargs: Any) -> tuple[int, str]:
@@ -122,6 +127,11 @@ class ScriptedAgent:
         return self._next, "PROC"
 
     def check(self, xfer: int) -> str:
+        if xfer in self.released:
+            self.checked_after_release.append(xfer)
+        if self.on_check is not None:
+            hook, self.on_check = self.on_check, None
+            hook()
         return self.status[xfer]
 
     def try_release(self, xfer: int, what: str | None) -> bool:
@@ -204,3 +214,44 @@ def test_nixl_table_settles_unreleased_transfers_when_the_peer_is_torn_down() ->
     assert not other.done()
 
 
+class ObservedLock:
+    """A lock that tells when a thread has to wait for it."""
+
+    def __init__(self, contended: threading.Event) -> None:
+        self._lock = threading.Lock()
+        self._contended = contended
+
+    def __enter__(self) -> None:
+        if not self._lock.acquire(blocking=False):
+            self._contended.set()
+            self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+def test_nixl_table_never_checks_a_handle_that_a_concurrent_fail_released() -> None:
+    """A disconnect fails a peer's transfers on its own thread while the progress
+    thread polls them: NIXL is never asked about a handle once it was released."""
+    t = Table()
+    first, second = t.submit("a", deadline_s=30), t.submit("b", deadline_s=30)
+    fail_ran_or_waits = threading.Event()
+    t.table._lock = ObservedLock(fail_ran_or_waits)  # type: ignore[assignment]
+
+    def disconnect() -> None:
+        t.table.fail("d", "peer disconnected", FailureKind.DISCONNECTED)
+        fail_ran_or_waits.set()
+
+    failing = threading.Thread(target=disconnect)
+
+    def fail_mid_poll() -> None:
+        failing.start()
+        assert fail_ran_or_waits.wait(10)
+
+    t.agent.on_check = fail_mid_poll  # while the poll checks the first transfer
+    t.table.check_all()
+    failing.join(10)
+    assert first.state is TransferState.FAILED and second.state is TransferState.FAILED
+    assert sorted(t.agent.released) == [1, 2]
+    assert t.agent.checked_after_release == []
+    assert not t.table.busy

@@ -8,11 +8,15 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from kvduplex.engine.async_engine import AsyncEngine
 from kvduplex.engine.sampling import SamplingParams
 from kvduplex.kvflow.messages import KVFailed
 from kvduplex.model.loader import LoadedModel
+from kvduplex.transport import handshake
 from kvduplex.transport.base import Post
+from kvduplex.transport.handshake import PeerDirectory
 from kvduplex.transport.messages import MessageCodec
 from tests.unit.flow_pair import PROMPT
 from tests.unit.flow_pair import Pair
@@ -222,3 +226,38 @@ def test_quarantine_of_a_gone_sender_is_released(tiny: LoadedModel) -> None:
         assert asyncio.run(run()) == _reference(tiny)
         _wait_for(lambda: s.df.receiver.stats.num_teardowns == 1, "D to give the blocks up")
         assert s.df.receiver.stats.num_quarantine_asks == 0
+
+
+def test_quarantine_of_a_sender_restarted_at_its_url_is_released(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """P dies without confirming and restarts at the same URL; D's directory adopts the
+    new engine there (the next request names it) before D asks about the old one
+    again. The old engine is gone all the same: its quarantined blocks go back."""
+    url = "http://p"
+    with Pair(tiny, wait_s=0.4, transfer_timeout_s=30, quarantine_s=0.3) as s:
+        answering = {"info": s.tp.local_metadata()}  # what answers a handshake at the URL
+        monkeypatch.setattr(handshake, "fetch_handshake", lambda *_a, **_k: answering["info"])
+        directory = PeerDirectory(s.td)
+        assert directory.get_peer(url).engine_id == s.tp.engine_id
+        s.df.receiver.peer_gone = directory.is_gone  # as the instance wires them
+        s.df.receiver.reconnect = directory.reconnect
+        s.tp.hang_next()  # P's WRITE never ends before D gives up
+        for _ in range(100):  # P, about to die, never confirms
+            s.tp.drop_next_notif(_is_failed)
+
+        async def run() -> list[int]:
+            p = asyncio.create_task(s.prefill("xr"))
+            d_out = await s.decode("xr")
+            await p
+            return d_out
+
+        assert asyncio.run(run()) == _reference(tiny)
+        assert s.df.receiver.is_waiting("xr"), "quarantined while P lives"
+        restarted = s.fabric.endpoint(s.p.kv_pool, s.p.layout)
+        answering["info"] = restarted.local_metadata()
+        s.tp.close()
+        assert directory.get_peer(url, restarted.engine_id).engine_id == restarted.engine_id
+        _wait_for(lambda: not s.df.receiver.is_waiting("xr"), "D to give the blocks up")
+        assert s.df.receiver.stats.num_teardowns == 1
+        _wait_for(lambda: s.in_use(s.ad) == 0, "D's pool to empty")
