@@ -49,6 +49,7 @@ from kvduplex.engine.sampler import RequestGenerators
 from kvduplex.engine.sampler import apply_token_bitmask
 from kvduplex.engine.sampler import compute_logprobs
 from kvduplex.engine.sampler import sample
+from kvduplex.engine.sampler import stop_bans
 from kvduplex.engine.sampling import SamplingParams
 from kvduplex.engine.sampling import TokenLogprobs
 from kvduplex.engine.scheduler import Scheduler
@@ -136,6 +137,8 @@ class LLMEngine:
         self._penalties = PenaltyCounts(model_cfg.vocab_size)
         self._penalised: set[str] = set()
         """Live requests with penalties (none: a step skips them at no cost)."""
+        self._with_min_tokens: set[str] = set()
+        """Live requests with ``min_tokens`` (none: a step skips the stop bans at no cost)."""
         self._logprobs: dict[str, dict[int, TokenLogprobs]] = {}
         """Per live request asking for logprobs: by output position, those computed here."""
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -176,6 +179,8 @@ class LLMEngine:
         self.scheduler.add_request(req)
         if params.has_penalties:
             self._penalised.add(request_id)
+        if params.min_tokens > 0:
+            self._with_min_tokens.add(request_id)
         if params.logprobs is not None:
             self._logprobs[request_id] = {}
         self._detok[request_id] = IncrementalDetokenizer(self.loaded.tokenizer, params.stop)
@@ -300,7 +305,8 @@ class LLMEngine:
             for req, p in zip(sampling, params, strict=True)
         ]
         penalties = self._penalties.penalties(sampling) if self._penalised else None
-        tokens = sample(logits, params, gens, penalties)
+        bans = stop_bans(sampling) if self._with_min_tokens else None
+        tokens = sample(logits, params, gens, penalties, bans)
         if self._test_script is not None:
             tokens = [self._scripted_token(r, t) for r, t in zip(sampling, tokens, strict=True)]
         if self._logprobs:
@@ -402,6 +408,7 @@ class LLMEngine:
         self._generators.drop(request_id)
         self._penalties.drop(request_id)
         self._penalised.discard(request_id)
+        self._with_min_tokens.discard(request_id)
         self._logprobs.pop(request_id, None)
 
     # ------------------------------------------------------------------- stats

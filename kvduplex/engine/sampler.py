@@ -3,14 +3,21 @@
 One step's rows go through these stages, each batched over the rows it concerns
 (never a Python loop over the vocabulary)::
 
-    logits ─► penalties (rows with any) ─► [token mask] ─► greedy rows: argmax
-                                                       └► sampled rows: temperature
-                                                          ─► min_p ─► top_k ─► top_p ─► draw
+    logits ─► penalties (rows with any) ─► stop bans (rows short of min_tokens)
+           ─► greedy rows: argmax
+           └► sampled rows: temperature ─► min_p ─► top_k ─► top_p ─► draw
 
-A batch of greedy rows without penalties takes one argmax over the logits as
-they are and nothing else. A per-row token mask (e.g. a grammar's allowed
-tokens) belongs where the diagram shows it: after the penalties, before both
-the argmax and the draw.
+A batch of greedy rows without penalties or bans takes one argmax over the
+logits as they are and nothing else. A grammar's token mask (structured output)
+is applied by the engine to the logits before they get here
+(`apply_token_bitmask`); the stop bans compose with it: a row the two would
+leave without any token keeps the grammar's choice (a complete grammar ends the
+output, as `kvduplex.engine.structured` says).
+
+Stop bans are vLLM's ``min_tokens``: while a request has fewer than
+``min_tokens`` output tokens, its ``stop_token_ids`` and (unless ``ignore_eos``)
+the model's EOS ids are masked to -inf, so the answer holds at least that many
+real tokens (`StopBans`, `stop_bans`).
 
 Each request with a seed owns a `torch.Generator`, so its tokens depend only on
 its own seed and logits, never on which other requests shared the batch.
@@ -19,7 +26,7 @@ Penalties need, per request, how often each token appears in its output and
 which tokens its prompt holds: `PenaltyCounts` keeps both and counts only the
 output tokens appended since the step before. Logprobs (`compute_logprobs`)
 describe the model's raw distribution, the log-softmax of its logits before any
-penalty, temperature or filter (vLLM's default).
+penalty, ban, temperature or filter (vLLM's default).
 """
 
 from __future__ import annotations
@@ -174,6 +181,50 @@ def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
     return logits - p.presence[:, None] * (p.output_counts > 0).float()
 
 
+# ----------------------------------------------------------------- stop bans
+
+
+@dataclass
+class StopBans:
+    """The rows of one step's batch still short of their ``min_tokens``, and the ids
+    each may not take yet."""
+
+    rows: list[int]
+    """Row indices in the batch (ascending)."""
+    token_ids: list[tuple[int, ...]]
+    """Per row: its stop_token_ids and, unless it ignores EOS, the model's EOS ids."""
+
+
+def stop_bans(requests: Sequence[TokenHistory]) -> StopBans | None:
+    """The stop bans of a batch whose rows are `requests` (None if no row has any): a row
+    whose output holds fewer than ``min_tokens`` tokens may not take a token that would
+    end it (vLLM's MinTokensLogitsProcessor)."""
+    rows: list[int] = []
+    token_ids: list[tuple[int, ...]] = []
+    for i, req in enumerate(requests):
+        sp = req.sampling_params
+        if len(req.output_token_ids) < sp.min_tokens and (ids := sp.all_stop_token_ids):
+            rows.append(i)
+            token_ids.append(ids)
+    return StopBans(rows, token_ids) if rows else None
+
+
+def apply_stop_bans(logits: torch.Tensor, token_ids: list[tuple[int, ...]]) -> torch.Tensor:
+    """`logits` (one row per banned request, float32) with each row's `token_ids` at -inf;
+    a row this would leave without a finite logit (a grammar that allows only EOS) is
+    kept as it was."""
+    row_idx = [j for j, ids in enumerate(token_ids) for _ in ids]
+    tok_idx = [t for ids in token_ids for t in ids]
+    vocab = logits.shape[-1]
+    keep = [k for k, t in enumerate(tok_idx) if 0 <= t < vocab]
+    banned = logits.clone()
+    banned[[row_idx[k] for k in keep], [tok_idx[k] for k in keep]] = float("-inf")
+    is_empty = ~torch.isfinite(banned).any(dim=-1)  # (m,)
+    if bool(is_empty.any()):
+        banned[is_empty] = logits[is_empty]
+    return banned
+
+
 # ------------------------------------------------------------------- filters
 
 
@@ -259,36 +310,41 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     penalties: Penalties | None = None,
+    bans: StopBans | None = None,
 ) -> list[int]:
     """Pick one token per row: greedy rows by the first maximum, the others by seeded sampling.
 
     All rows are picked greedily in one reduction over the logits as they are
-    (no float32 copy of a large vocabulary). Rows that sample or carry penalties
-    are then upcast together; penalised rows get their `penalties` (greedy ones
-    take the argmax of the result); sampled rows are scaled and filtered together,
-    then drawn one by one, each with its own request's generator (None is fine for
-    a greedy row).
+    (no float32 copy of a large vocabulary). Rows that sample, carry penalties or
+    have stop bans are then upcast together; penalised rows get their `penalties`,
+    banned rows their `bans` (greedy ones take the argmax of the result); sampled
+    rows are scaled and filtered together, then drawn one by one, each with its own
+    request's generator (None is fine for a greedy row). `logits` are not written.
     """
     assert logits.shape[0] == len(params) == len(generators)
     tokens: list[int] = logits.max(dim=-1).indices.tolist()
     penalised = penalties.rows if penalties is not None else []
+    banned = bans.rows if bans is not None else []
     sampled = [i for i, p in enumerate(params) if not p.is_greedy]
-    if not sampled and not penalised:
+    if not sampled and not penalised and not banned:
         return tokens
-    work = sorted(set(sampled) | set(penalised))  # rows processed below, in batch order
+    work = sorted(set(sampled) | set(penalised) | set(banned))  # in batch order
     pos = {i: j for j, i in enumerate(work)}
     rows = logits[work].float().cpu()  # (len(work), vocab)
     if penalties is not None:
         at = [pos[i] for i in penalised]
         rows[at] = apply_penalties(rows[at], penalties)
-    # A per-row token mask (structured output) applies here, to `rows`.
-    greedy_penalised = [i for i in penalised if params[i].is_greedy]
-    if greedy_penalised:
-        picked = rows[[pos[i] for i in greedy_penalised]].max(dim=-1).indices.tolist()
-        for i, tok in zip(greedy_penalised, picked, strict=True):
+    if bans is not None:
+        at = [pos[i] for i in banned]
+        rows[at] = apply_stop_bans(rows[at], bans.token_ids)
+    greedy_worked = [i for i in work if params[i].is_greedy]
+    if greedy_worked:
+        picked = rows[[pos[i] for i in greedy_worked]].max(dim=-1).indices.tolist()
+        for i, tok in zip(greedy_worked, picked, strict=True):
             tokens[i] = tok
     if not sampled:
         return tokens
+    worked = rows  # penalised and banned, before temperature and filters
     rows = rows[[pos[i] for i in sampled]]
     temps = torch.tensor([params[i].temperature for i in sampled], dtype=torch.float32)
     rows = _filter_min_p(rows / temps[:, None], [params[i].min_p for i in sampled])
@@ -301,7 +357,7 @@ def sample(
             # NaN logits (e.g. an overflow in the model): one request degrades to
             # greedy over the finite logits instead of the engine loop dying.
             logger.warning("row %d: logits are not finite; taking the argmax of the finite ones", i)
-            row = logits[i].float().cpu()
+            row = worked[pos[i]]
             tokens[i] = int(torch.argmax(torch.nan_to_num(row, nan=float("-inf"))).item())
             continue
         gen = generators[i]

@@ -66,7 +66,8 @@ class SamplingParams:
     ignore_eos: bool = False
     """Keep generating past the end-of-sequence token."""
     min_tokens: int = 0
-    """Stop conditions are ignored before this many tokens."""
+    """Tokens to generate before EOS or `stop_token_ids` can be: the sampler masks them
+    until the output holds this many."""
     extra_eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
     """EOS ids of the model, set by the engine."""
 
@@ -100,6 +101,14 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW_TEMPERATURE
+
+    @property
+    def all_stop_token_ids(self) -> tuple[int, ...]:
+        """The ids that end the output once ``min_tokens`` are out: `stop_token_ids` and,
+        unless `ignore_eos`, the model's EOS ids. Before that, the sampler masks them."""
+        if self.ignore_eos:
+            return self.stop_token_ids
+        return self.stop_token_ids + self.extra_eos_token_ids
 
     @property
     def has_penalties(self) -> bool:

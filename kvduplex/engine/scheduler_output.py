@@ -234,7 +234,8 @@ def check_stop(req: Request, max_num_tokens: int) -> FinishReason | None:
 
     Order: a structured output's grammar that has terminated; stop_token_ids (sets
     ``req.stop_reason``) and EOS (unless ignore_eos), both only once ``min_tokens`` are
-    out; then max_tokens; then
+    out (before, the sampler masks them; a grammar that allows nothing else brings
+    them); then max_tokens; then
     the pool's capacity (the next step could not hold the KV even alone).
     """
     sp = req.sampling_params

@@ -19,8 +19,16 @@ Which requests are parsed (``--tool-call-parser``, ``--reasoning-parser``,
 
 Without any parser the answer is left as it is (`output_parser` returns None).
 With one, an empty content is ``null``, and ``finish_reason`` ``stop`` becomes
-``tool_calls`` when the answer called tools (``length`` stays: the call may be
+``tool_calls`` when the answer holds a whole call (``length`` stays: the call may be
 cut short).
+
+A call cut short (the answer ended inside its JSON object): by ``max_tokens``,
+it stays a call with the text it has, answer and stream alike (``length`` says
+it is partial). By a stop string or EOS, a whole answer returns the call's
+text as content, markup included, as vLLM does with a call that does not parse;
+a stream has sent the call's deltas before the cut, so it ends the call with the
+rest of its text, as for ``length``. Either way ``finish_reason`` stays ``stop``
+unless a whole call came before it.
 """
 
 from __future__ import annotations
@@ -199,22 +207,35 @@ class ChatOutputParser:
         return delta, finish_reason
 
     def finish(self, finish_reason: str | None) -> tuple[DeltaMessage, str | None]:
-        """What was still held back, and the answer's finish reason (see the module
-        docstring)."""
+        """A stream's end: what was still held back, and the answer's finish reason (see
+        the module docstring; a call cut short stays a call: its deltas went out)."""
+        return self._finish(finish_reason, keeps_cut_call=True)
+
+    def _finish(
+        self, finish_reason: str | None, keeps_cut_call: bool
+    ) -> tuple[DeltaMessage, str | None]:
         reasoning, content = self._think.finish() if self._think else ("", "")
-        delta = self._delta(reasoning, content, is_final=True)
-        if self._tools is not None and self._tools.num_calls > 0 and finish_reason == "stop":
-            finish_reason = "tool_calls"
+        delta = self._delta(reasoning, content, is_final=True, keeps_cut_call=keeps_cut_call)
+        tools = self._tools
+        if tools is not None and finish_reason == "stop":
+            num_whole_calls = tools.num_calls - (1 if tools.is_call_cut else 0)
+            if num_whole_calls > 0:
+                finish_reason = "tool_calls"
         return delta, finish_reason
 
     def parse(self, text: str, finish_reason: str | None) -> ParsedMessage:
-        """A whole answer at once (the same as feeding it in any pieces)."""
+        """A whole answer at once: the same as feeding it in any pieces, but for a call
+        cut short by a stop string or EOS, whose text is content (module docstring)."""
         first = self.feed(text)
-        last, reason = self.finish(finish_reason)
+        last, reason = self._finish(finish_reason, keeps_cut_call=finish_reason == "length")
         content = first.content + last.content
         reasoning = first.reasoning_content + last.reasoning_content
+        # `first` announced a call that `last` made content: its index is not counted.
+        num_calls = self._tools.num_calls if self._tools is not None else 0
         calls: dict[int, ToolCall] = {}
         for c in [*first.tool_calls, *last.tool_calls]:
+            if c.index >= num_calls:
+                continue
             if c.id is not None:
                 calls[c.index] = ToolCall(c.id, c.name or "", c.arguments)
             else:
@@ -224,7 +245,9 @@ class ChatOutputParser:
             self.has_reasoning_parser,
         )  # fmt: skip
 
-    def _delta(self, reasoning: str, content: str, is_final: bool) -> DeltaMessage:
+    def _delta(
+        self, reasoning: str, content: str, is_final: bool, keeps_cut_call: bool = True
+    ) -> DeltaMessage:
         out = DeltaMessage(reasoning_content=reasoning)
         if self._tools is None:
             out.content = content
@@ -234,7 +257,7 @@ class ChatOutputParser:
             out.content += parsed.content
             out.add_calls(parsed.calls)
         if is_final:
-            parsed = self._tools.finish()
+            parsed = self._tools.finish(keeps_cut_call)
             out.content += parsed.content
             out.add_calls(parsed.calls)
         return out

@@ -12,7 +12,8 @@
 One parser per answer, torch-free (the router runs it too): `feed` takes the
 answer's text as it arrives, `finish` ends it; each returns the content and the
 call deltas that became final. A whole answer is `feed` + `finish` once, so a
-stream, however it is cut, adds up to exactly the non-streamed result.
+stream, however it is cut, adds up to exactly the non-streamed result, but for
+a call cut short (below).
 
 Design note: how a call streams. A call is announced (index, id, name) once
 its object's head ``{"name": "...", "arguments":`` has arrived; from then on
@@ -27,6 +28,14 @@ markup (``<tool_c``) is held back, never streamed as content, until the next
 text shows what it is. Content is the text outside the calls, but for the
 whitespace it ends with when the answer called tools (so an answer that only
 called tools has none: ``None``); whitespace waits for the next text to say.
+
+A call cut short: the answer ended inside an announced call's object (its text
+is not whole JSON: ``max_tokens``, a stop string, EOS). A stream has sent the
+call's announcement and arguments already, so `finish` sends the rest of its
+text as arguments and the call stands (`is_call_cut`). A whole answer has sent
+nothing: `finish(keeps_cut_call=False)` makes the call's text content, markup
+included, as vLLM answers a call that does not parse (the caller keeps it for
+``max_tokens``, whose ``length`` already says the answer is partial).
 """
 
 from __future__ import annotations
@@ -97,11 +106,16 @@ class ToolCallParser(Protocol):
     """One answer's tool-call parser (see the module docstring)."""
 
     num_calls: int
-    """Calls announced so far."""
+    """Calls announced so far (a call cut short and kept included)."""
+    is_call_cut: bool
+    """`finish` kept a call cut short (the last one): its arguments are not whole JSON."""
 
     def feed(self, text: str) -> Parsed: ...
 
-    def finish(self) -> Parsed: ...
+    def finish(self, keeps_cut_call: bool = True) -> Parsed:
+        """The end of the answer; a call cut short stays a call, or (`keeps_cut_call`
+        False: none of it was sent) becomes content and is not counted."""
+        ...
 
 
 IdFactory = Callable[[], str]
@@ -181,6 +195,14 @@ class _CallObject:
         return [ToolCallDelta(self.index, self._new_id(), name, arguments)]
 
 
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    return True
+
+
 def _json_string(body: str) -> str | None:
     try:
         value = json.loads(f'"{body}"')
@@ -243,6 +265,7 @@ class HermesToolParser:
 
     def __init__(self, new_id: IdFactory = new_tool_call_id) -> None:
         self.num_calls = 0
+        self.is_call_cut = False
         self._new_id = new_id
         self._buf = ""  # text not yet released; inside a block, the whole block so far
         self._call: _CallObject | None = None
@@ -271,10 +294,16 @@ class HermesToolParser:
             self._close(self._buf[:end], self.END, out)
             self._buf = self._buf[end + len(self.END) :]
 
-    def finish(self) -> Parsed:
+    def finish(self, keeps_cut_call: bool = True) -> Parsed:
         out = Parsed()
         if self._call is not None:  # a block the answer never closed
-            self._close(self._buf, "", out)
+            is_cut = self._call.is_announced and not _is_json(self._buf)
+            if is_cut and not keeps_cut_call:
+                self._call = None
+                out.content += self._content.push(self.START + self._buf)
+            else:
+                self._close(self._buf, "", out)
+                self.is_call_cut = is_cut
         else:
             out.content += self._content.push(self._buf)
         self._buf = ""
@@ -309,6 +338,7 @@ class Llama3JsonToolParser:
 
     def __init__(self, new_id: IdFactory = new_tool_call_id) -> None:
         self.num_calls = 0
+        self.is_call_cut = False
         self._new_id = new_id
         self._buf = ""
         self._stage = _Stage.DECIDING
@@ -355,10 +385,16 @@ class Llama3JsonToolParser:
         self._buf = ""
         return out
 
-    def finish(self) -> Parsed:
+    def finish(self, keeps_cut_call: bool = True) -> Parsed:
         out = Parsed()
         if self._call is not None:  # an object the answer never completed
-            self._close(self._buf, out)
+            is_cut = self._call.is_announced  # `feed` found no whole JSON value
+            if is_cut and not keeps_cut_call:
+                self._call = None
+                out.content += self._content.push(self._buf)
+            else:
+                self._close(self._buf, out)
+                self.is_call_cut = is_cut
         else:
             out.content += self._content.push(self._buf)
         self._buf = ""

@@ -75,6 +75,11 @@ class PrefillRequest(BaseModel):
     repetition_penalty: float = 1.0
     """The request's own penalties: repetition acts on the first token (over the prompt);
     presence and frequency, over an output still empty, only travel on."""
+    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default=[], max_length=256)
+    ignore_eos: bool = False
+    """The request's own: with min_tokens >= 1 the first token may be neither one of its
+    stop_token_ids nor (unless ignore_eos) EOS."""
     seed: int | None = None
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     """The request asks for logprobs, with this many alternatives: the first token's are
@@ -313,9 +318,20 @@ async def _grammar(state: InstanceState, body: PrefillRequest) -> RequestGrammar
 
 
 def _first_token_params(body: PrefillRequest) -> SamplingParams:
+    """The first token's sampling: the request's own parameters, for one token.
+
+    The prefill ends after its one token whatever it is (``max_tokens=1``). Under the
+    request's ``min_tokens`` the sampler masks, for this token, the request's stop ids
+    and (unless it ignores EOS) EOS, as a single instance would; without it nothing is
+    masked, and an EOS or a stop id ends the prefill as any other token (``ignore_eos``,
+    no stop ids: its end is "length").
+    """
+    is_banned = body.min_tokens >= 1
     return SamplingParams(
         max_tokens=1, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
         min_p=body.min_p, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-        seed=body.seed, ignore_eos=True, logprobs=body.logprobs,
+        seed=body.seed, logprobs=body.logprobs, min_tokens=int(is_banned),
+        ignore_eos=body.ignore_eos or not is_banned,
+        stop_token_ids=tuple(body.stop_token_ids) if is_banned else (),
     )  # fmt: skip

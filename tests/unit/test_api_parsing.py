@@ -137,6 +137,24 @@ def test_stream_adds_up_to_the_whole_answer(client: TestClient) -> None:
     assert chunks[-1]["usage"]["completion_tokens"] == len(SCRIPT) + 1
 
 
+def test_a_call_cut_by_a_stop_string_is_content_and_ends_in_stop(client: TestClient) -> None:
+    """stop ["Paris"] cuts the call inside its arguments: the answer is its text, markup
+    included, with finish_reason "stop" (vLLM's answer to a call that does not parse);
+    a stream has announced the call before the cut, and ends it as for max_tokens."""
+    cut = 'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "'
+    r = client.post("/v1/chat/completions", json=_chat(stop=["Paris"]))
+    assert r.status_code == 200, r.text
+    [choice] = r.json()["choices"]
+    assert choice["finish_reason"] == "stop"
+    assert choice["message"]["content"] == cut and "tool_calls" not in choice["message"]
+    chunks, streamed = _streamed(client, _chat(stop=["Paris"]))
+    [call] = streamed["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "'}
+    assert streamed["content"] == "Let me check."
+    reasons = [c["finish_reason"] for k in chunks for c in k["choices"] if c["finish_reason"]]
+    assert reasons == ["stop"]
+
+
 def test_tool_choice_none_is_not_parsed(client: TestClient) -> None:
     r = client.post("/v1/chat/completions", json=_chat(tool_choice="none"))
     message = r.json()["choices"][0]["message"]

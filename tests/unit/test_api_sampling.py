@@ -148,6 +148,20 @@ def test_penalties_and_min_p_reach_the_engine(client: TestClient) -> None:
     assert _ok(client, "/v1/completions", hot)["choices"][0]["token_ids"] != plain
 
 
+def test_min_tokens_answers_with_that_many_real_tokens(client: TestClient) -> None:
+    """The tiny preset's greedy answer to this prompt is EOS at once: min_tokens masks
+    EOS until 4 tokens are out, as vLLM's, instead of counting EOS tokens."""
+    eos = set(ByteTokenizer().eos_token_ids)
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi there"}],
+            "max_tokens": 6, "temperature": 0, "return_token_ids": True}  # fmt: skip
+    plain = _ok(client, "/v1/chat/completions", chat)["choices"][0]
+    assert plain["token_ids"][0] in eos and plain["message"]["content"] == ""
+    choice = _ok(client, "/v1/chat/completions", {**chat, "min_tokens": 4})["choices"][0]
+    real = [t for t in choice["token_ids"] if t not in eos]
+    assert len(real) >= 4 and choice["token_ids"][:4] == real[:4]
+    assert len(choice["message"]["content"]) >= 4
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_unknown_fields_are_refused_by_name(client: TestClient, path: str) -> None:
     body = CHAT if path.endswith("chat/completions") else COMPLETION

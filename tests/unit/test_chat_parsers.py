@@ -113,17 +113,19 @@ def cuts(text: str, rng: random.Random) -> list[str]:
     return out
 
 
-def check_consistent(make: object, text: str, trials: int = 40) -> ParsedMessage:
+def check_consistent(
+    make: object, text: str, trials: int = 40, finish_reason: str = "stop"
+) -> ParsedMessage:
     """The whole answer's message; every streamed cutting adds up to it."""
     assert callable(make)
-    whole = make().parse(text, "stop")
+    whole = make().parse(text, finish_reason)
     want = whole.to_json()
     has_reasoning = whole.has_reasoning_parser
-    per_char = stream(make(), list(text))
+    per_char = stream(make(), list(text), finish_reason)
     assert per_char.message(has_reasoning) == want and per_char.finish_reason == whole.finish_reason
     rng = random.Random(len(text))
     for _ in range(trials):
-        got = stream(make(), cuts(text, rng))
+        got = stream(make(), cuts(text, rng), finish_reason)
         assert got.message(has_reasoning) == want, text
         assert got.finish_reason == whole.finish_reason
     return whole
@@ -215,10 +217,67 @@ def test_deeply_nested_output_is_content_not_a_crash(tool: str) -> None:
 
 def test_hermes_call_cut_by_max_tokens_keeps_its_text() -> None:
     text = '<tool_call>\n{"name": "f", "arguments": {"path": "/tm'
-    msg = check_consistent(lambda: _parser("hermes"), text)
+    msg = check_consistent(lambda: _parser("hermes"), text, finish_reason="length")
     [call] = msg.tool_calls
     assert call.arguments == '{"path": "/tm'
-    assert _parser("hermes").parse(text, "length").finish_reason == "length"
+    assert msg.finish_reason == "length" and msg.content is None
+
+
+CUT_CALLS = [
+    ("hermes", 'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "', '{"city": "'),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Par', '{"city": "Par'),
+]
+"""(parser, an answer a stop string or EOS cut inside its call, the call's arguments so far)"""
+
+
+@pytest.mark.parametrize(("tool", "text", "args"), CUT_CALLS)
+def test_call_cut_by_a_stop_is_content_in_a_whole_answer(tool: str, text: str, args: str) -> None:
+    """As vLLM: a call that does not parse leaves the answer's text as content, and the
+    finish reason the engine gave ("stop": a stop string or EOS)."""
+    msg = _parser(tool).parse(text, "stop")
+    assert msg.tool_calls == [] and msg.finish_reason == "stop"
+    assert msg.content == text
+    # max_tokens keeps the call: "length" says it is partial.
+    cut = _parser(tool).parse(text, "length")
+    assert [(c.name, c.arguments) for c in cut.tool_calls] == [("get_weather", args)]
+    assert cut.finish_reason == "length"
+
+
+@pytest.mark.parametrize(("tool", "text", "args"), CUT_CALLS)
+def test_call_cut_by_a_stop_in_a_stream_ends_as_for_max_tokens(
+    tool: str, text: str, args: str
+) -> None:
+    """A stream sent the call's deltas before the cut: they stand, the rest of its text
+    follows as for ``length``, and the finish reason stays "stop", never "tool_calls"."""
+    want = _parser(tool).parse(text, "length").to_json()
+    rng = random.Random(7)
+    for pieces in [list(text), *(cuts(text, rng) for _ in range(20))]:
+        got = stream(_parser(tool), pieces, "stop")
+        assert got.message(has_reasoning_parser=False) == want
+        assert got.finish_reason == "stop"
+        [call] = (got.calls or {}).values()
+        assert call["args"] == args
+
+
+def test_a_whole_call_before_a_cut_one_stays_a_call() -> None:
+    whole = _call("get_weather", {"city": "Oslo"})
+    text = whole + '\n<tool_call>\n{"name": "clock", "arguments": {"tz'
+    msg = _parser("hermes").parse(text, "stop")
+    assert [c.name for c in msg.tool_calls] == ["get_weather"]
+    assert msg.content == text[len(whole) :] and msg.finish_reason == "tool_calls"
+    streamed = stream(_parser("hermes"), list(text), "stop")
+    assert streamed.finish_reason == "tool_calls" and len(streamed.calls or {}) == 2
+
+
+@pytest.mark.parametrize("tool", ["hermes", "llama3_json"])
+def test_a_stop_string_at_the_end_markup_leaves_a_whole_call(tool: str) -> None:
+    """stop: ["</tool_call>"] (or EOS right after the object): the object is whole JSON,
+    so the call stands and the answer ends in "tool_calls"."""
+    obj = json.dumps({"name": "get_weather", "parameters": {"city": "Paris"}})
+    text = f"<tool_call>\n{obj}\n" if tool == "hermes" else obj
+    msg = check_consistent(lambda: _parser(tool), text)
+    [call] = msg.tool_calls
+    assert json.loads(call.arguments) == {"city": "Paris"} and msg.finish_reason == "tool_calls"
 
 
 # --------------------------------------------------------------------------- llama3_json
@@ -397,11 +456,18 @@ def test_any_text_streams_to_its_whole_result(
     parts: list[str], tool: str, reasoning: str, seed: int
 ) -> None:
     """Whatever the model writes, a stream cut anywhere adds up to the whole answer's
-    message, and nothing raises."""
+    message, and nothing raises. A whole answer that a stop cut inside a call (content)
+    differs from the stream (the call's deltas went out), which ends as for length."""
     if not tool and not reasoning:
         tool = "hermes"
     text = "".join(parts)
     whole = _parser(tool, reasoning).parse(text, "stop")
+    kept = _parser(tool, reasoning).parse(text, "length")
     got = stream(_parser(tool, reasoning), cuts(text, random.Random(seed)))
-    assert got.message(whole.has_reasoning_parser) == whole.to_json()
+    assert got.message(whole.has_reasoning_parser) == kept.to_json()
     assert got.finish_reason == whole.finish_reason
+    if len(whole.tool_calls) == len(kept.tool_calls):  # no call cut short
+        assert whole.to_json() == kept.to_json()
+    else:  # the last call was cut short: its text is content
+        assert len(whole.tool_calls) == len(kept.tool_calls) - 1
+        assert (whole.content or "").rstrip().endswith(kept.tool_calls[-1].arguments.rstrip())

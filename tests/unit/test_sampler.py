@@ -7,6 +7,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from kvduplex.engine.sampler import PenaltyCounts
 from kvduplex.engine.sampler import apply_penalties
 from kvduplex.engine.sampler import compute_logprobs
 from kvduplex.engine.sampler import sample
+from kvduplex.engine.sampler import stop_bans
 from kvduplex.engine.sampling import SamplingParams
 
 PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
@@ -274,6 +276,69 @@ def test_greedy_batch_without_penalties_does_only_the_argmax(
     logits = torch.randn(16, 500, generator=torch.Generator().manual_seed(4))
     params = [SamplingParams(temperature=0.0, min_p=0.5, top_k=3)] * 16
     assert sample(logits, params, [None] * 16, None) == logits.argmax(-1).tolist()
+
+
+# ------------------------------------------------------------------ min_tokens
+
+EOS = (3,)
+
+
+def _short(min_tokens: int, num_out: int, **kw: Any) -> _History:
+    """A request with `num_out` output tokens and the given `min_tokens` (EOS id 3)."""
+    p = SamplingParams(max_tokens=8, min_tokens=min_tokens, extra_eos_token_ids=EOS, **kw)
+    return _History("r", [1], [0] * num_out, p)
+
+
+def test_stop_bans_name_eos_and_stop_ids_until_min_tokens_are_out() -> None:
+    histories = [
+        _short(0, 0),  # no min_tokens
+        _short(2, 1, stop_token_ids=(5, 6)),  # short: EOS and its stop ids
+        _short(2, 2, stop_token_ids=(5,)),  # min_tokens reached
+        _short(4, 0, ignore_eos=True, stop_token_ids=(6,)),  # EOS may come, not its stop id
+        _short(4, 0, ignore_eos=True),  # nothing to ban
+    ]
+    bans = stop_bans(histories)
+    assert bans is not None
+    assert bans.rows == [1, 3] and bans.token_ids == [(5, 6, 3), (6,)]
+    assert stop_bans([histories[0], histories[2], histories[4]]) is None
+
+
+def test_banned_ids_are_never_taken_greedy_or_sampled() -> None:
+    # Token 3 (EOS) is the most likely by far, token 2 next: a banned greedy row takes 2,
+    # banned sampled rows never draw 3 (nor the stop id 1); the rest are unchanged.
+    logits = torch.tensor([[0.0, 1.0, 2.0, 9.0]] * 4)
+    histories = [
+        _short(1, 0, temperature=0.0),
+        _short(1, 0, temperature=1.0, stop_token_ids=(1,)),
+        _short(1, 1, temperature=0.0),  # min_tokens out: EOS is fine
+        _short(1, 0, temperature=0.0, ignore_eos=True),  # ignores EOS: not banned
+    ]
+    params = [h.sampling_params for h in histories]
+    before = logits.clone()
+    for seed in range(50):
+        gens = [None, torch.Generator().manual_seed(seed), None, None]
+        tokens = sample(logits, params, gens, None, stop_bans(histories))
+        assert tokens[0] == 2 and tokens[1] in (0, 2) and tokens[2:] == [3, 3], seed
+    assert torch.equal(logits, before), "the bans wrote the logits (logprobs read them raw)"
+
+
+def test_a_ban_that_leaves_no_token_keeps_the_grammars_choice() -> None:
+    # A complete grammar allows only EOS: a row short of min_tokens still ends.
+    only_eos = torch.full((2, 5), float("-inf"))
+    only_eos[:, 3] = 0.0
+    histories = [_short(4, 0, temperature=0.0), _short(4, 0, temperature=1.0, seed=1)]
+    params = [h.sampling_params for h in histories]
+    gens = [None, torch.Generator().manual_seed(1)]
+    assert sample(only_eos, params, gens, None, stop_bans(histories)) == [3, 3]
+
+
+def test_bans_compose_with_penalties() -> None:
+    # Penalties first (token 2 is in the output: 2.0 - 1.5), then the ban of EOS 3: token 1.
+    logits = torch.tensor([[0.0, 1.0, 2.0, 9.0]])
+    h = _History("r", [0], [2], SamplingParams(
+        temperature=0.0, min_tokens=2, presence_penalty=1.5, extra_eos_token_ids=EOS))  # fmt: skip
+    penalties = PenaltyCounts(4).penalties([h])
+    assert sample(logits, [h.sampling_params], [None], penalties, stop_bans([h])) == [1]
 
 
 # ------------------------------------------------------------------- logprobs

@@ -16,6 +16,8 @@ from kvduplex.engine.runner import SeqInput
 from kvduplex.engine.sampling import SamplingParams
 from kvduplex.model.loader import LoadedModel
 from kvduplex.model.tokenizer import ByteTokenizer
+from kvduplex.server.kv_routes import PrefillRequest
+from kvduplex.server.kv_routes import _first_token_params
 from tests.unit.test_engine import assert_no_leak
 from tests.unit.test_engine import make_engine
 from tests.unit.test_engine import random_prompts
@@ -161,3 +163,56 @@ def test_logprobs_are_the_models_raw_log_softmax(
 def test_greedy_requests_without_penalties_keep_no_sampling_state(engine: LLMEngine) -> None:
     run(engine, random_prompts(4, seed=13), greedy())
     assert len(engine._penalties) == 0 and not engine._logprobs and not engine._penalised
+
+
+def _chat_prompt(tiny: LoadedModel) -> list[int]:  # noqa: F811
+    """A chat prompt whose greedy answer on the tiny preset is EOS at once."""
+    return tiny.tokenizer.encode_chat([{"role": "user", "content": "hi there"}], True)
+
+
+def test_min_tokens_masks_eos_and_stop_ids_until_they_are_out(
+    engine: LLMEngine,
+    ref: LLMEngine,
+    tiny: LoadedModel,  # noqa: F811
+) -> None:
+    prompt, eos = _chat_prompt(tiny), engine.eos_token_ids
+    plain, _ = run(engine, [prompt], SamplingParams(max_tokens=6, temperature=0.0))
+    assert plain == [[eos[0]]]
+    stop = SamplingParams(max_tokens=6, temperature=0.0, min_tokens=4, stop_token_ids=(10,))
+    (got,), finals = run(engine, [prompt], stop)
+    # The reference: each of the first 4 tokens is the argmax with EOS and the stop id masked.
+    want: list[int] = []
+    for _ in range(4):
+        row = reference_logits(ref, prompt + want)
+        row[[*eos, 10]] = float("-inf")
+        want.append(int(row.argmax()))
+    assert got[:4] == want and not set(want) & {*eos, 10}
+    assert finals[0].finish_reason == ("stop" if len(got) < 6 else "length")
+    # ignore_eos: EOS is no stop, so min_tokens does not mask it (as vLLM).
+    (kept,), _ = run(engine, [prompt], SamplingParams(max_tokens=3, temperature=0.0,
+                                                      min_tokens=3, ignore_eos=True))  # fmt: skip
+    assert kept == [eos[0]] * 3
+    assert not engine._with_min_tokens, "a finished request stayed in the min_tokens set"
+    assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.01])  # sampled: EOS has p > 0.99
+def test_a_prefills_first_token_respects_min_tokens(
+    engine: LLMEngine,
+    tiny: LoadedModel,  # noqa: F811
+    temperature: float,
+) -> None:
+    """What a prefill instance samples for the router (push and pull): EOS first only when
+    the request allows it."""
+    prompt, eos = _chat_prompt(tiny), engine.eos_token_ids
+
+    def first(**fields: object) -> int:
+        fixed = {"xid": "x", "prompt_token_ids": prompt, "temperature": temperature, "seed": 0}
+        body = PrefillRequest.model_validate({**fixed, **fields})
+        (ids,), finals = run(engine, [prompt], _first_token_params(body))
+        assert len(ids) == 1 and finals[0].finish_reason == "length"
+        return ids[0]
+
+    assert first() in eos and first(min_tokens=3, ignore_eos=True) in eos
+    assert first(min_tokens=3, stop_token_ids=[10]) not in (*eos, 10)
+    assert_no_leak(engine)

@@ -189,16 +189,19 @@ def tiny() -> LoadedModel:
     return load_model(ModelLoadConfig(model="tiny", seed=0))
 
 
+@pytest.mark.parametrize("ignore_eos", [True, False])
 def test_engine_ends_a_complete_grammar_even_under_ignore_eos_and_min_tokens(
-    tiny: LoadedModel,
+    tiny: LoadedModel, ignore_eos: bool
 ) -> None:
+    """Without ignore_eos, min_tokens masks EOS; the complete grammar allows nothing else,
+    and the grammar wins (the answer ends, whole)."""
     cfg = EngineConfig(
         model=ModelLoadConfig(model="tiny"), cache=CacheConfig(block_size=4, num_blocks=256)
     )
     engine = LLMEngine(cfg, loaded=tiny)
     grammars = GrammarCompiler(tiny.tokenizer, tiny.config.vocab_size)
     schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}
-    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True, min_tokens=50)
+    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=ignore_eos, min_tokens=50)
     req = Request(
         "r", tiny.tokenizer.encode("x"), params, grammar=grammars.grammar(_spec(schema), "r")
     )
