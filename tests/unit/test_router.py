@@ -193,7 +193,8 @@ def test_instances_get_the_prompt_ids_the_body_and_the_session(mode: Mode) -> No
 def test_prefill_samples_the_first_token_with_the_requests_penalties(mode: Mode) -> None:
     fake = FakeInstances()
     sampling = {"temperature": 0.7, "seed": 5, "min_p": 0.1, "repetition_penalty": 1.4,
-                "presence_penalty": 0.5, "frequency_penalty": -0.5, "top_k": 9, "top_p": 0.8}  # fmt: skip
+                "presence_penalty": 0.5, "frequency_penalty": -0.5, "top_k": 9, "top_p": 0.8,
+                "min_tokens": 2, "stop_token_ids": [7], "ignore_eos": True}  # fmt: skip
     with _router(fake, mode) as router:
         r = router.post("/v1/completions", json={"model": "tiny", "prompt": "hi", **sampling})
         assert r.status_code == 200, r.text

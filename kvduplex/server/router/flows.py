@@ -137,14 +137,17 @@ def _outcome(status: int) -> Outcome:
 
 def _prefill_body(fwd: Forward, xid: str, seed: int | None) -> dict[str, Any]:
     """P samples the first token with the request's own parameters (D's, on a fallback),
-    and under its grammar (structured output) when it has one; it computes the token's
-    logprobs when the request asks for them (D never sees the logits they come from)."""
+    and under its grammar (structured output) when it has one (with ``min_tokens`` it
+    is neither EOS nor a stop id); it computes the token's logprobs when the request
+    asks for them (D never sees the logits they come from)."""
     req = fwd.request
     body = {
         "xid": xid, "prompt_token_ids": fwd.ids, "temperature": req.temperature,
         "top_p": req.top_p, "top_k": req.top_k, "min_p": req.min_p,
         "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
         "repetition_penalty": req.repetition_penalty, "seed": seed,
+        "min_tokens": req.min_tokens, "stop_token_ids": req.stop_token_ids or [],
+        "ignore_eos": req.ignore_eos,
         "session_id": fwd.route.session_id, "logprobs": req.num_logprobs(),
     }  # fmt: skip
     spec = structured.grammar_spec_of(req)
