@@ -136,11 +136,14 @@ class ToolCallStream:
 
     `push` returns this text's tool-call deltas in OpenAI's streamed form
     (``{"index", "id", "type", "function": {"name", "arguments"}}`` for a call's first
-    delta, ``{"index", "function": {"arguments"}}`` after); `calls` the calls so far.
+    delta, ``{"index", "function": {"arguments"}}`` after); `calls` the calls so far;
+    `is_complete` whether the answer so far is whole (the grammar ends an answer only
+    there: a stop string can cut one short).
     """
 
     def __init__(self, forced: ForcedToolCalls) -> None:
         self.forced = forced
+        self._text: list[str] = []
         self._calls: list[_Call] = []
         self._depth = 0
         self._in_string = False
@@ -166,8 +169,18 @@ class ToolCallStream:
             for c in self._calls
         ]
 
+    def is_complete(self) -> bool:
+        """The answer so far is a whole JSON value (its calls, or the named call's
+        arguments)."""
+        try:
+            json.loads("".join(self._text))
+        except ValueError:
+            return False
+        return True
+
     def push(self, text: str) -> list[dict[str, Any]]:
         """Read `text` (the next piece of the answer); the tool-call deltas it completes."""
+        self._text.append(text)
         out: dict[int, dict[str, Any]] = {}
         if self.forced.mode is ToolChoiceMode.NAMED:
             call = self._calls[0]
@@ -254,20 +267,23 @@ def tool_call_message(
     """The assistant message and finish_reason of a whole (non-streamed) forced answer.
 
     A complete answer becomes ``tool_calls`` (content null); an answer cut short
-    (``length``, ``abort``) stays text content, as vLLM returns it.
+    (``length``, ``abort``, or ``stop`` at a stop string) stays text content.
     """
-    if finish_reason != "stop":
-        return {"role": "assistant", "content": text}, finish_reason
     stream = ToolCallStream(forced)
     stream.push(text)
+    if finish_reason != "stop" or not stream.is_complete():
+        return {"role": "assistant", "content": text}, finish_reason
     message = {"role": "assistant", "content": None, "tool_calls": stream.calls}
-    return message, finish_reason_of(forced, finish_reason)
+    return message, finish_reason_of(forced, finish_reason, stream)
 
 
-def finish_reason_of(forced: ForcedToolCalls, finish_reason: str | None) -> str | None:
+def finish_reason_of(
+    forced: ForcedToolCalls, finish_reason: str | None, stream: ToolCallStream
+) -> str | None:
     """The finish_reason a forced answer reports: a complete required-mode answer ends
-    with ``tool_calls``; the rest as the engine said."""
-    if finish_reason == "stop" and forced.mode is ToolChoiceMode.REQUIRED:
+    with ``tool_calls``; the rest (one a stop string cut short included) as the engine
+    said. `stream` has read the whole answer."""
+    if finish_reason == "stop" and forced.mode is ToolChoiceMode.REQUIRED and stream.is_complete():
         return "tool_calls"
     return finish_reason
 

@@ -532,8 +532,9 @@ async def _sse(
             if logprobs is not None and not chat:
                 text_offset += sum(len(t) for t in logprobs["tokens"])
             if calls is not None:
-                reason = structured.finish_reason_of(calls.forced, out.finish_reason)
-                choice = structured.stream_choice(calls.push(out.new_text), reason, first)
+                deltas = calls.push(out.new_text)
+                reason = structured.finish_reason_of(calls.forced, out.finish_reason, calls)
+                choice = structured.stream_choice(deltas, reason, first)
                 choice["logprobs"] = logprobs
                 if head.return_token_ids:
                     choice["token_ids"] = out.new_token_ids

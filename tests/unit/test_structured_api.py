@@ -193,6 +193,28 @@ def test_tool_calls_cut_by_max_tokens_stay_text_with_length(client: TestClient) 
     assert answer["message"]["content"] == '[{"name":"ge' and "tool_calls" not in answer["message"]
 
 
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+def test_tool_calls_cut_by_a_stop_string_stay_text_with_stop(
+    client: TestClient, tool_choice: Any
+) -> None:
+    """The grammar ends an answer only once its calls are whole; a stop string can cut
+    one short: that answer is text, finishing "stop" (never "tool_calls" with arguments
+    that do not parse), whole or streamed."""
+    fields = {"temperature": 0, "tools": TOOLS, "tool_choice": tool_choice,
+              "parallel_tool_calls": False}  # fmt: skip
+    full = _chat(client, "weather?", **fields)["choices"][0]["message"]["tool_calls"]
+    arguments = full[0]["function"]["arguments"]
+    stop = arguments[len(arguments) // 2 :]  # cuts the first call's arguments in two
+    answer = _chat(client, "weather?", stop=[stop], **fields)["choices"][0]
+    assert answer["finish_reason"] == "stop"
+    assert "tool_calls" not in answer["message"]
+    assert arguments[: len(arguments) // 2] in answer["message"]["content"]
+    chunks = _stream(client, "weather?", stop=[stop], **fields)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
 def _check_calls(calls: list[dict[str, Any]]) -> None:
     assert calls
     for call in calls:
