@@ -40,9 +40,13 @@ class IncrementalDetokenizer:
     One instance per request, fed the request's growing list of output ids.
     """
 
-    def __init__(self, tokenizer: Decoder, stop: tuple[str, ...] = ()) -> None:
+    def __init__(self, tokenizer: Decoder, stop: tuple[str, ...] = (), min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
+        self.min_tokens = min_tokens
+        """Stop strings are looked for once more output ids than this are out (vLLM's
+        ``min_tokens``): one that ends within the first ids' text is passed over."""
+        self._stops_from = 0  # offset in the output text where a stop string may end, past
         self.num_released = 0
         """Characters of the output text already handed out."""
         self.stopped_by: str | None = None
@@ -80,10 +84,16 @@ class IncrementalDetokenizer:
         else:
             text = self._text + pending  # not committed: the window decodes it again next time
         base = self._text_start  # `text` is the output text from `base` on
-        if self.stop:
+        if self.stop and self._num_ids <= self.min_tokens:
+            self._stops_from = base + len(text)
+        elif self.stop:
             # a stop string starting earlier would lie in released text: found back then
             search_from = max(0, self.num_released - self._max_stop_len - base)
-            hits = [(pos, s) for s in self.stop if (pos := text.find(s, search_from)) != -1]
+            ends_past = self._stops_from - base
+            hits = [
+                (pos, s) for s in self.stop
+                if (pos := text.find(s, max(search_from, ends_past - len(s) + 1))) != -1
+            ]  # fmt: skip
             if hits:
                 pos, s = min(hits)
                 text = text[:pos]

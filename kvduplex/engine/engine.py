@@ -183,7 +183,9 @@ class LLMEngine:
             self._with_min_tokens.add(request_id)
         if params.logprobs is not None:
             self._logprobs[request_id] = {}
-        self._detok[request_id] = IncrementalDetokenizer(self.loaded.tokenizer, params.stop)
+        self._detok[request_id] = IncrementalDetokenizer(
+            self.loaded.tokenizer, params.stop, params.min_tokens
+        )
         self._num_emitted[request_id] = 0
         return req
 

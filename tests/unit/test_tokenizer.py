@@ -282,6 +282,18 @@ def test_detokenizer_releases_a_split_character_whole_and_stops_inside_multibyte
     assert detok.update(ids, is_final=True) == ""
 
 
+def test_detokenizer_looks_for_stop_strings_only_past_min_tokens() -> None:
+    """As vLLM's: no stop string ends an output of at most `min_tokens` ids; one that
+    lies in their text is passed over, a later one stops it."""
+    tok = ByteTokenizer()
+    ids = tok.encode("ab.cd.ef", add_special_tokens=False)
+    for min_tokens, text in ((0, "ab"), (3, "ab.cd"), (6, "ab.cd.ef")):
+        detok = IncrementalDetokenizer(tok, stop=(".",), min_tokens=min_tokens)
+        released = [detok.update(ids[:n], is_final=n == len(ids)) for n in range(1, len(ids) + 1)]
+        assert "".join(released) == text, min_tokens
+        assert detok.stopped_by == ("." if text != "ab.cd.ef" else None)
+
+
 def test_detokenizer_matches_full_decode_with_hf_byte_level_bpe(tmp_path: Path) -> None:
     write_hf_tokenizer(tmp_path)
     tok = HFTokenizer(tmp_path)
