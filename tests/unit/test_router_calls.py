@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
 
+from kvduplex.config import RouterConfig
+from kvduplex.model.tokenizer import ByteTokenizer
+from kvduplex.server.router import flows
 from kvduplex.server.router.calls import InstanceDown
 from kvduplex.server.router.calls import until_unhealthy
 from kvduplex.server.router.policy import BackendPool
+from kvduplex.server.router.state import RouterState
 
 
 def _pool() -> BackendPool:
@@ -95,3 +100,41 @@ def test_a_call_to_an_instance_already_down_never_starts() -> None:
         assert not started.is_set()
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (b"not json", None),
+        (b"[1, 2]", None),
+        (b'{"block_ids": [3], "pin_s": 4.0}', {"block_ids": [3], "pin_left_s": 4.0}),
+    ],
+)
+def test_a_retained_turn_that_d_answers_unreadably_is_none(
+    content: bytes, expected: dict[str, object] | None
+) -> None:
+    """``--return-mode pull``: D's answer about a session's retained turn is read when it is
+    a JSON object; anything else means no retained turn (P computes the turn over its own
+    cache), never a 500."""
+    d_url = "http://d0"
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        assert request.url.path == "/internal/kv/retained"
+        return httpx.Response(200, content=content)
+
+    async def run() -> dict[str, object] | None:
+        config = RouterConfig(prefill=("http://p0",), decode=(d_url,))
+        state = RouterState.create(config, ByteTokenizer(), transport=httpx.MockTransport(handle))
+        d = state.policy.decode.by_url(d_url)
+        assert d is not None
+        try:
+            return await flows._retained(state, d, "s")
+        finally:
+            await state.client.aclose()
+            await state.probe_client.aclose()
+
+    got = asyncio.run(run())
+    if expected is None:
+        assert got is None
+    else:
+        assert got == {"decode_url": d_url, **expected}

@@ -247,7 +247,13 @@ async def _retained(state: RouterState, d: Backend, session_id: str) -> dict[str
         return None
     if resp.status_code != 200:
         return None
-    info: dict[str, Any] = resp.json()
+    try:
+        info = resp.json()
+    except ValueError:
+        info = None
+    if not isinstance(info, dict):  # not D's answer: P computes the turn over its cache
+        logger.warning("session %s: %s answered its retained turn unreadably", session_id, d.url)
+        return None
     # D's pin counts from its answer; this goes on to P at once, as a duration.
     pin_s = info.pop("pin_s", None)
     out = {"decode_url": d.url, **info}
