@@ -27,6 +27,7 @@ from typing import Any
 from typing import Literal
 
 from fastapi import APIRouter
+from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from pydantic import Field
@@ -134,7 +135,7 @@ def make_prefill_router(state: InstanceState, transport: Transport, lease_s: flo
     engine = state.engine
 
     @router.post("/internal/prefill")
-    async def prefill(body: PrefillRequest) -> JSONResponse:
+    async def prefill(body: PrefillRequest, raw: HTTPRequest) -> JSONResponse:
         grammar = await _grammar(state, body)
         try:
             held = Request(
@@ -149,6 +150,9 @@ def make_prefill_router(state: InstanceState, transport: Transport, lease_s: flo
         if info is None:
             raise APIError(500, f"xid {body.xid}: finished without held blocks")
         leases.start(body.xid)
+        if await raw.is_disconnected():  # the router left (its client did): no READ will come
+            logger.info("xid=%s: the caller left before the answer; lease released", body.xid)
+            await leases.release(body.xid)
         return JSONResponse(
             {"xid": body.xid, "engine_id": transport.engine_id, "lease_s": leases.lease_s, **info}
         )

@@ -82,6 +82,23 @@ def _router(
 # ------------------------------------------------- decode unreachable
 
 
+def test_a_push_routed_again_notes_prefills_answer_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """P answers both prefills of a push whose first decode was unreachable: the answer's
+    hit is noted by the flow that served it, not by the abandoned one too."""
+    from kvduplex.server.router import flows
+
+    noted: list[int] = []
+    monkeypatch.setattr(flows, "note_answer_hit", lambda state, fwd, n: noted.append(n))
+    fake = FailingInstances(unreachable={D})
+    client, _ = _router(fake, decode=(D, D1), mode=TransferMode.PUSH)
+    with client:
+        r = client.post("/v1/completions", json=BODY, headers={"x-session-id": "s"})
+        assert r.status_code == 200, r.text
+        assert _metric(client, "kvduplex_router_rerouted_total") == 1
+    assert len(fake.bodies(P + "/internal/push/prefill")) == 2
+    assert len(noted) == 1
+
+
 @pytest.mark.parametrize("mode", [TransferMode.PUSH, TransferMode.PULL])
 def test_unreachable_decode_is_routed_around_then_503_when_none_is_left(
     mode: TransferMode,

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import random
 import uuid
@@ -408,6 +409,29 @@ _CANCELS: set[asyncio.Task[None]] = set()
 """D's cancels after a failed prefill, sent from a callback: held until they end."""
 
 
+def _on_prefill_failed(
+    state: RouterState, d: Backend, xid: str, task: asyncio.Task[dict[str, Any] | None]
+) -> None:
+    """P failed: D is told to compute the prompt itself (a callback, not a task awaiting
+    P: no more turns of the loop), as soon as P fails, before D's head if need be (a
+    whole answer's head comes at its end); a cancel that reaches D before the request is
+    kept there for it."""
+    if task.cancelled() or task.exception() is not None or task.result() is not None:
+        return
+    cancel = asyncio.ensure_future(_cancel(state, d, xid, "prefill failed"))
+    _CANCELS.add(cancel)
+    cancel.add_done_callback(_CANCELS.discard)
+
+
+def _on_prefill_answer(
+    state: RouterState, fwd: Forward, task: asyncio.Task[dict[str, Any] | None]
+) -> None:
+    """P answered: its hit noted (added once D took the request: a flow routed again to
+    another decode instance notes its own)."""
+    if not task.cancelled() and task.exception() is None and (ans := task.result()):
+        note_answer_hit(state, fwd, int(ans.get("num_cached_tokens", 0)))
+
+
 async def serve_push(state: RouterState, fwd: Forward) -> Response:
     p = fwd.route.prefill
     d = fwd.route.decode
@@ -442,22 +466,7 @@ async def serve_push(state: RouterState, fwd: Forward) -> Response:
             p_req["pull_from"] = await _retained(state, d, fwd.route.session_id)
     prefill = asyncio.create_task(_post_prefill(state, fwd, "/internal/push/prefill", p_req))
 
-    def on_prefill(task: asyncio.Task[dict[str, Any] | None]) -> None:
-        """P answered: its hit noted, or D told to compute the prompt itself (a callback,
-        not a task awaiting P: the first token waits on no more turns of the loop). D is
-        told as soon as P fails, before its head if need be (a whole answer's head comes
-        at its end): a cancel that reaches D before the request is kept there for it."""
-        if task.cancelled() or task.exception() is not None:
-            return
-        ans = task.result()
-        if ans is not None:
-            note_answer_hit(state, fwd, int(ans.get("num_cached_tokens", 0)))
-            return
-        cancel = asyncio.ensure_future(_cancel(state, d, xid, "prefill failed"))
-        _CANCELS.add(cancel)
-        cancel.add_done_callback(_CANCELS.discard)
-
-    prefill.add_done_callback(on_prefill)
+    prefill.add_done_callback(functools.partial(_on_prefill_failed, state, d, xid))
     await asyncio.sleep(0)  # P's call goes out first: the first token waits on P's answer
     try:
         upstream = await _open_decode(
@@ -466,6 +475,7 @@ async def serve_push(state: RouterState, fwd: Forward) -> Response:
     except DecodeUnreachable:
         await _cancel(state, p, xid, "decode unreachable")
         raise
+    prefill.add_done_callback(functools.partial(_on_prefill_answer, state, fwd))
     if isinstance(upstream, Response) or upstream.status_code != 200:
         await _cancel(state, p, xid, "decode refused the request")
         if isinstance(upstream, Response):
