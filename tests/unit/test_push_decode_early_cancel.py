@@ -1,0 +1,123 @@
+"""`PushDecode.cancel` for a push decode has not heard of yet (the router cancels a push
+as soon as prefill fails, which can be before decode got the request): the cancel is kept
+for the request still to come, which then computes its prompt here without waiting for
+KV; kept for a wait at most, and `MAX_EARLY_CANCELS` of them at most.
+
+A real `KVReceiver` (no transport: nothing here sends) under a fake engine handle, and a
+clock of the test's own in place of `time.monotonic`."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from kvduplex.engine.scheduler_output import KVReceiveFailed
+from kvduplex.engine.scheduler_output import RemoteKVAllocation
+from kvduplex.kvflow import push_decode
+from kvduplex.kvflow.push_decode import PushDecode
+from kvduplex.kvflow.push_decode import PushSpec
+from kvduplex.kvflow.receiver import KVReceiver
+
+WAIT_S = 10.0
+BLOCK_SIZE = 4
+
+
+class _Clock:
+    """`time.monotonic` as `push_decode` reads it, moved by the test."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
+    clock = _Clock()
+    monkeypatch.setattr(push_decode, "time", clock)
+    return clock
+
+
+@pytest.fixture
+def push() -> PushDecode:
+    engine: Any = SimpleNamespace(block_size=BLOCK_SIZE, is_healthy=False)  # no heartbeats
+    receiver = KVReceiver(None, engine, wait_s=WAIT_S, quarantine_s=WAIT_S)  # type: ignore[arg-type]
+    return PushDecode(receiver, engine)
+
+
+def _spec(xid: str) -> PushSpec:
+    return PushSpec(xid, peer=SimpleNamespace(engine_id="p"), prefill_url="http://p0")  # type: ignore[arg-type]
+
+
+def _admit(push: PushDecode, xid: str) -> None:
+    """Admission of the request for `xid`: blocks for its whole 8-token prompt."""
+    push.start(RemoteKVAllocation("req-" + xid, xid, (0, 1), 0, 2 * BLOCK_SIZE))
+
+
+def test_a_cancel_before_the_request_makes_it_compute_its_prompt_here(
+    push: PushDecode, clock: _Clock
+) -> None:
+    """1. The router's cancel comes first: unknown (False), and kept; 2. the request comes:
+    no spec is kept for it; 3. at admission it computes its prompt here (its blocks are
+    fresh: nothing to discard). Another xid is untouched by the cancel."""
+    assert push.cancel("x1", "prefill failed") is False  # 1.
+    push.register(_spec("x2"))
+    assert push.owns("x2") and push.num_specs() == 1, "another xid registers as always"
+    push.register(_spec("x1"))  # 2.
+    assert not push.owns("x1") and push.num_specs() == 1
+    _admit(push, "x1")  # 3.
+    assert push.take_finished() == [KVReceiveFailed("req-x1", discard_blocks=False)]
+    assert not push.receiver.is_waiting("x1"), "no registration with prefill"
+
+
+def test_an_early_cancel_is_used_once(push: PushDecode, clock: _Clock) -> None:
+    """The kept cancel goes with the request it was for: a later request that uses the
+    same xid (a retry) waits for its KV as any does."""
+    push.cancel("x1", "prefill failed")
+    push.register(_spec("x1"))
+    assert not push.owns("x1")
+    push.register(_spec("x1"))
+    assert push.owns("x1")
+
+
+def test_a_cancel_of_a_registered_request_is_not_kept(push: PushDecode, clock: _Clock) -> None:
+    """A cancel of a request decode has (not admitted yet) ends its spec (True): nothing
+    is kept for a request to come."""
+    push.register(_spec("x1"))
+    assert push.cancel("x1", "prefill failed") is True
+    assert not push.owns("x1")
+    push.register(_spec("x1"))
+    assert push.owns("x1")
+
+
+def test_an_early_cancel_is_dropped_by_the_tick_after_a_wait(
+    push: PushDecode, clock: _Clock
+) -> None:
+    """Kept for a wait (`wait_s`) from when it came: the pump's tick drops it then, and a
+    request that comes after that waits for its KV as any does."""
+    push.cancel("old", "prefill failed")
+    clock.now += 5.0
+    push.cancel("new", "prefill failed")
+    push._tick(clock.now + WAIT_S - 5.0 - 0.001)  # "old" just short of a wait: both kept
+    push._tick(clock.now + WAIT_S - 5.0)  # "old" a wait old: dropped; "new" kept
+    push.register(_spec("old"))
+    push.register(_spec("new"))
+    assert push.owns("old"), "a dropped cancel holds no request"
+    assert not push.owns("new"), "a cancel younger than a wait is kept"
+
+
+def test_at_most_max_early_cancels_are_kept(
+    push: PushDecode, clock: _Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past `MAX_EARLY_CANCELS`, the oldest cancel goes first."""
+    monkeypatch.setattr(push_decode, "MAX_EARLY_CANCELS", 2)
+    for xid in ("x1", "x2", "x3"):
+        clock.now += 1.0
+        assert push.cancel(xid, "prefill failed") is False
+    for xid in ("x1", "x2", "x3"):
+        push.register(_spec(xid))
+    assert push.owns("x1"), "the oldest was dropped"
+    assert not push.owns("x2") and not push.owns("x3")
