@@ -93,6 +93,7 @@ class PushDecode:
         self._specs: dict[str, PushSpec] = {}
         self._spec_waiting_at: dict[str, float] = {}  # xid -> last KVWaiting to its prefill
         self._early_cancels: dict[str, float] = {}  # xid -> when, for a request still to come
+        self._cancelled: set[str] = set()  # not admitted yet: prefill failed, compute locally
         self._finished: list[KVTransferResult] = []  # engine thread
 
     def attach(self, pump: NotificationPump) -> None:
@@ -102,11 +103,13 @@ class PushDecode:
         """From any thread, before the request is added. Raises ValueError for an xid
         another request waits on."""
         with self._lock:
-            if spec.xid in self._specs or self.receiver.is_waiting(spec.xid):
+            in_use = spec.xid in self._specs or spec.xid in self._cancelled
+            if in_use or self.receiver.is_waiting(spec.xid):
                 raise ValueError(f"xid {spec.xid!r} is in use by another request")
             if self._early_cancels.pop(spec.xid, None) is not None:
                 # No spec: the request prefills its prompt here when admitted (`start`).
                 logger.info("xid=%s: cancelled before it came; computing locally", spec.xid)
+                self._cancelled.add(spec.xid)
                 return
             self._specs[spec.xid] = spec
             self._spec_waiting_at[spec.xid] = time.monotonic()
@@ -135,6 +138,11 @@ class PushDecode:
         with self._lock:
             spec = self._specs.pop(xid, None)
             self._spec_waiting_at.pop(xid, None)
+            cancelled = xid in self._cancelled
+            self._cancelled.discard(xid)
+        if cancelled:
+            self._fall_back(rid, "cancelled", discard_blocks=False)
+            return
         if spec is None:
             logger.warning("request %s: no push spec for %s; computing locally", rid, xid)
             self._finished.append(KVReceiveFailed(rid, discard_blocks=False))
@@ -160,8 +168,9 @@ class PushDecode:
         with self._lock:
             spec = self._specs.pop(xid, None)
             self._spec_waiting_at.pop(xid, None)
-        if spec is not None:  # not admitted yet: it computes locally when admitted
-            return True
+            if spec is not None:  # not admitted yet: it computes locally when admitted
+                self._cancelled.add(xid)
+                return True
         if self.receiver.cancel(xid, reason):
             return True
         with self._lock:
@@ -178,6 +187,9 @@ class PushDecode:
         with self._lock:
             spec = self._specs.pop(xid, None)
             self._spec_waiting_at.pop(xid, None)
+            if xid in self._cancelled:  # its prefill failed: nothing to tell
+                self._cancelled.discard(xid)
+                return
         if spec is not None:
             logger.info("xid=%s: decode request aborted before admission", xid)
             self.receiver.tell(spec.peer, KVCancel(xid, "the decode request was aborted"))

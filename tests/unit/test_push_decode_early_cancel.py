@@ -71,24 +71,33 @@ def test_a_cancel_before_the_request_makes_it_compute_its_prompt_here(
     _admit(push, "x1")  # 3.
     assert push.take_finished() == [KVReceiveFailed("req-x1", discard_blocks=False)]
     assert not push.receiver.is_waiting("x1"), "no registration with prefill"
+    assert push.stats.num_fallbacks == 1, "counted as the fallback it is"
 
 
 def test_an_early_cancel_is_used_once(push: PushDecode, clock: _Clock) -> None:
-    """The kept cancel goes with the request it was for: a later request that uses the
-    same xid (a retry) waits for its KV as any does."""
+    """The kept cancel goes with the request it was for: while that request queues, its
+    xid is in use; once it was admitted, a later request that uses the same xid (a
+    retry) waits for its KV as any does."""
     push.cancel("x1", "prefill failed")
     push.register(_spec("x1"))
     assert not push.owns("x1")
+    with pytest.raises(ValueError, match="in use"):
+        push.register(_spec("x1"))
+    _admit(push, "x1")
     push.register(_spec("x1"))
     assert push.owns("x1")
 
 
 def test_a_cancel_of_a_registered_request_is_not_kept(push: PushDecode, clock: _Clock) -> None:
-    """A cancel of a request decode has (not admitted yet) ends its spec (True): nothing
-    is kept for a request to come."""
+    """A cancel of a request decode has (not admitted yet) ends its spec (True): that
+    request computes its prompt here when admitted (a fallback), and nothing is kept for
+    a request to come."""
     push.register(_spec("x1"))
     assert push.cancel("x1", "prefill failed") is True
     assert not push.owns("x1")
+    _admit(push, "x1")
+    assert push.take_finished() == [KVReceiveFailed("req-x1", discard_blocks=False)]
+    assert push.stats.num_fallbacks == 1
     push.register(_spec("x1"))
     assert push.owns("x1")
 
