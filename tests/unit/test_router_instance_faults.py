@@ -349,7 +349,8 @@ def test_a_decode_refusal_reaches_the_client_with_its_body(status: int, stream: 
 def test_a_whole_answer_cut_mid_body_is_a_502() -> None:
     """D sends a whole answer's head and part of its body, then its connection closes (D
     died while sending it): the client gets a 502 with the OpenAI error (code
-    ``decode_failed``), not a 200 with part of a body."""
+    ``decode_failed``), not a 200 with part of a body; the body cut short is a read
+    error."""
 
     async def head_then_cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await _read_request(reader)
@@ -368,7 +369,7 @@ def test_a_whole_answer_cut_mid_body_is_a_502() -> None:
             assert resp.headers["content-type"] == "application/json"
             error = resp.json()["error"]
             assert (error["type"], error["code"]) == ("server_error", "decode_failed")
-            assert f"decode at {d_url} failed mid-answer" in error["message"]
+            assert f"decode at {d_url} failed mid-answer: ReadError" in error["message"]
             errors = state.registry.get_sample_value("kvduplex_router_stream_errors_total")
             assert errors == 1
             assert _all_idle(state)
