@@ -93,7 +93,7 @@ class PushDecode:
         self._specs: dict[str, PushSpec] = {}
         self._spec_waiting_at: dict[str, float] = {}  # xid -> last KVWaiting to its prefill
         self._early_cancels: dict[str, float] = {}  # xid -> when, for a request still to come
-        self._cancelled: set[str] = set()  # not admitted yet: prefill failed, compute locally
+        self._cancelled: set[str] = set()  # specs whose prefill failed: compute locally
         self._finished: list[KVTransferResult] = []  # engine thread
 
     def attach(self, pump: NotificationPump) -> None:
@@ -103,15 +103,13 @@ class PushDecode:
         """From any thread, before the request is added. Raises ValueError for an xid
         another request waits on."""
         with self._lock:
-            in_use = spec.xid in self._specs or spec.xid in self._cancelled
-            if in_use or self.receiver.is_waiting(spec.xid):
+            if spec.xid in self._specs or self.receiver.is_waiting(spec.xid):
                 raise ValueError(f"xid {spec.xid!r} is in use by another request")
+            self._specs[spec.xid] = spec
             if self._early_cancels.pop(spec.xid, None) is not None:
-                # No spec: the request prefills its prompt here when admitted (`start`).
+                # Kept, cancelled: the request prefills its prompt here when admitted.
                 logger.info("xid=%s: cancelled before it came; computing locally", spec.xid)
                 self._cancelled.add(spec.xid)
-                return
-            self._specs[spec.xid] = spec
             self._spec_waiting_at[spec.xid] = time.monotonic()
 
     def num_specs(self) -> int:
@@ -140,7 +138,7 @@ class PushDecode:
             self._spec_waiting_at.pop(xid, None)
             cancelled = xid in self._cancelled
             self._cancelled.discard(xid)
-        if cancelled:
+        if cancelled:  # P failed: no registration
             self._fall_back(rid, "cancelled", discard_blocks=False)
             return
         if spec is None:
@@ -166,9 +164,7 @@ class PushDecode:
         """Stop waiting for `xid` (the router: prefill failed); False if unknown (kept for
         a request still to come: see the module docstring) or over."""
         with self._lock:
-            spec = self._specs.pop(xid, None)
-            self._spec_waiting_at.pop(xid, None)
-            if spec is not None:  # not admitted yet: it computes locally when admitted
+            if xid in self._specs:  # not admitted yet: it computes locally when admitted
                 self._cancelled.add(xid)
                 return True
         if self.receiver.cancel(xid, reason):
@@ -233,19 +229,21 @@ class PushDecode:
         self._finished.append(KVReceiveFailed(rid, discard_blocks=discard_blocks))
 
     def _drop_orphan_specs(self, specs: list[PushSpec]) -> None:
-        """Forget specs whose request left before admission (aborted), so that their
-        heartbeats stop; prefill's own wait for the registration then ends the job."""
+        """Forget specs whose request left before admission (aborted, or never added), so
+        that their heartbeats stop; prefill's own wait for the registration then ends the
+        job."""
         gone = [s.xid for s in specs if s.request_id and self.engine.get_request(s.request_id) is None]
         with self._lock:
             for xid in gone:
                 if self._specs.pop(xid, None) is not None:
                     logger.info("xid=%s: decode request gone before admission", xid)
                 self._spec_waiting_at.pop(xid, None)
+                self._cancelled.discard(xid)
 
     # ---- pump thread ----
 
     def _tick(self, now: float) -> None:
-        beats: list[PushSpec] = []
+        beats: list[PushSpec] = []  # specs due a heartbeat, and a check that they still queue
         with self._lock:
             while self._early_cancels:  # in the order they came
                 xid, at = next(iter(self._early_cancels.items()))
@@ -257,11 +255,12 @@ class PushDecode:
                     if now - at >= self.wait_s / HEARTBEATS_PER_WAIT:
                         self._spec_waiting_at[xid] = now
                         beats.append(self._specs[xid])
-                self.stats.num_waiting_sent += len(beats)
+            waiting = [spec for spec in beats if spec.xid not in self._cancelled]
+            self.stats.num_waiting_sent += len(waiting)
         if not beats:
             return
         self.engine.call(partial(self._drop_orphan_specs, beats))
-        for spec in beats:
+        for spec in waiting:  # a cancelled spec's prefill failed: nothing to keep open
             try:
                 self.receiver.transport.send_notif(
                     spec.peer, self.codec.encode(KVWaiting(spec.xid)), spec.xid

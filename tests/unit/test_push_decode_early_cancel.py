@@ -8,17 +8,26 @@ clock of the test's own in place of `time.monotonic`."""
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from kvduplex.engine.request import RemoteKVSpec
+from kvduplex.engine.request import Request
 from kvduplex.engine.scheduler_output import KVReceiveFailed
 from kvduplex.engine.scheduler_output import RemoteKVAllocation
 from kvduplex.kvflow import push_decode
 from kvduplex.kvflow.push_decode import PushDecode
 from kvduplex.kvflow.push_decode import PushSpec
 from kvduplex.kvflow.receiver import KVReceiver
+from kvduplex.model.loader import LoadedModel
+from tests.unit.flow_pair import GREEDY
+from tests.unit.flow_pair import PROMPT
+from tests.unit.flow_pair import Pair
+from tests.unit.flow_pair import _reference
+from tests.unit.flow_pair import tiny as tiny  # the module-scoped model fixture
 
 WAIT_S = 10.0
 BLOCK_SIZE = 4
@@ -57,6 +66,11 @@ def _admit(push: PushDecode, xid: str) -> None:
     push.start(RemoteKVAllocation("req-" + xid, xid, (0, 1), 0, 2 * BLOCK_SIZE))
 
 
+def _is_cancelled(push: PushDecode, xid: str) -> bool:
+    """`xid`'s request, registered, will compute its prompt here when admitted."""
+    return push.owns(xid) and xid in push._cancelled
+
+
 def test_a_cancel_before_the_request_makes_it_compute_its_prompt_here(
     push: PushDecode, clock: _Clock
 ) -> None:
@@ -67,7 +81,7 @@ def test_a_cancel_before_the_request_makes_it_compute_its_prompt_here(
     push.register(_spec("x2"))
     assert push.owns("x2") and push.num_specs() == 1, "another xid registers as always"
     push.register(_spec("x1"))  # 2.
-    assert not push.owns("x1") and push.num_specs() == 1
+    assert push.owns("x1") and push.num_specs() == 2, "kept (cancelled) until admission"
     _admit(push, "x1")  # 3.
     assert push.take_finished() == [KVReceiveFailed("req-x1", discard_blocks=False)]
     assert not push.receiver.is_waiting("x1"), "no registration with prefill"
@@ -80,12 +94,12 @@ def test_an_early_cancel_is_used_once(push: PushDecode, clock: _Clock) -> None:
     retry) waits for its KV as any does."""
     push.cancel("x1", "prefill failed")
     push.register(_spec("x1"))
-    assert not push.owns("x1")
     with pytest.raises(ValueError, match="in use"):
         push.register(_spec("x1"))
     _admit(push, "x1")
+    assert not push.owns("x1") and push.num_specs() == 0
     push.register(_spec("x1"))
-    assert push.owns("x1")
+    assert push.owns("x1") and not _is_cancelled(push, "x1"), "this one waits for its KV"
 
 
 def test_a_cancel_of_a_registered_request_is_not_kept(push: PushDecode, clock: _Clock) -> None:
@@ -94,12 +108,12 @@ def test_a_cancel_of_a_registered_request_is_not_kept(push: PushDecode, clock: _
     a request to come."""
     push.register(_spec("x1"))
     assert push.cancel("x1", "prefill failed") is True
-    assert not push.owns("x1")
+    assert push.owns("x1"), "kept (cancelled) until admission"
     _admit(push, "x1")
     assert push.take_finished() == [KVReceiveFailed("req-x1", discard_blocks=False)]
     assert push.stats.num_fallbacks == 1
     push.register(_spec("x1"))
-    assert push.owns("x1")
+    assert push.owns("x1") and not _is_cancelled(push, "x1")
 
 
 def test_an_early_cancel_is_dropped_by_the_tick_after_a_wait(
@@ -114,8 +128,8 @@ def test_an_early_cancel_is_dropped_by_the_tick_after_a_wait(
     push._tick(clock.now + WAIT_S - 5.0)  # "old" a wait old: dropped; "new" kept
     push.register(_spec("old"))
     push.register(_spec("new"))
-    assert push.owns("old"), "a dropped cancel holds no request"
-    assert not push.owns("new"), "a cancel younger than a wait is kept"
+    assert not _is_cancelled(push, "old"), "a dropped cancel holds no request"
+    assert _is_cancelled(push, "new"), "a cancel younger than a wait is kept"
 
 
 def test_at_most_max_early_cancels_are_kept(
@@ -128,5 +142,30 @@ def test_at_most_max_early_cancels_are_kept(
         assert push.cancel(xid, "prefill failed") is False
     for xid in ("x1", "x2", "x3"):
         push.register(_spec(xid))
-    assert push.owns("x1"), "the oldest was dropped"
-    assert not push.owns("x2") and not push.owns("x3")
+    assert not _is_cancelled(push, "x1"), "the oldest was dropped"
+    assert _is_cancelled(push, "x2") and _is_cancelled(push, "x3")
+
+
+def test_a_cancelled_push_is_admitted_as_a_push_and_leaves_nothing(tiny: LoadedModel) -> None:
+    """Through a real decode engine and its connector: a push cancelled before its request
+    came, and one cancelled while its request queued, are admitted by the push flow (not
+    taken for a pull), decode the exact answer over their own prefill, count as
+    fallbacks and leave no table entry behind."""
+    with Pair(tiny) as s:
+        assert s.push.cancel("early", "prefill failed") is False
+        assert asyncio.run(s.decode("early")) == _reference(tiny)
+
+        async def cancelled_while_queued() -> list[int]:
+            s.push.register(PushSpec("late", s.p_peer, "http://p", "d-late"))
+            assert s.push.cancel("late", "prefill failed") is True
+            out: list[int] = []
+            request = Request("d-late", PROMPT, GREEDY, remote_kv=RemoteKVSpec("late"))
+            async for o in s.ad.generate(request):
+                out.extend(o.new_token_ids)
+            return out
+
+        assert asyncio.run(cancelled_while_queued()) == _reference(tiny)
+        assert s.push.stats.num_fallbacks == 2
+        tables = s.ad.call(lambda _e: s.df.tables()).result(5)
+        assert tables["push_specs"] == 0 and tables["receive_waits"] == 0
+        s.assert_clean()
