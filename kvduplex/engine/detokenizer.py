@@ -85,7 +85,7 @@ class IncrementalDetokenizer:
             text = self._text + pending  # not committed: the window decodes it again next time
         base = self._text_start  # `text` is the output text from `base` on
         if self.stop and self._num_ids <= self.min_tokens:
-            self._stops_from = base + len(text)
+            self._stops_from = base + len(self._text)  # what is whole: a split character is new
         elif self.stop:
             # a stop string starting earlier would lie in released text: found back then
             search_from = max(0, self.num_released - self._max_stop_len - base)

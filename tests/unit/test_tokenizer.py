@@ -292,6 +292,11 @@ def test_detokenizer_looks_for_stop_strings_only_past_min_tokens() -> None:
         released = [detok.update(ids[:n], is_final=n == len(ids)) for n in range(1, len(ids) + 1)]
         assert "".join(released) == text, min_tokens
         assert detok.stopped_by == ("." if text != "ab.cd.ef" else None)
+    # A character that the first min_tokens ids leave split is new text once whole.
+    ids = tok.encode("éx", add_special_tokens=False)  # é: two byte tokens
+    detok = IncrementalDetokenizer(tok, stop=("é",), min_tokens=1)
+    released = [detok.update(ids[:n], is_final=n == len(ids)) for n in range(1, len(ids) + 1)]
+    assert "".join(released) == "" and detok.stopped_by == "é"
 
 
 def test_detokenizer_matches_full_decode_with_hf_byte_level_bpe(tmp_path: Path) -> None:
