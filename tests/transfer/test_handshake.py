@@ -74,13 +74,22 @@ def test_fetch_handshake_errors_say_why() -> None:
         fetch_handshake("http://127.0.0.1:9", timeout=0.5)  # discard port: refused
 
 
-def test_directory_reconnects_after_restart_at_the_same_url() -> None:
+def _directory_of_one_peer(
+    recheck_s: float | None = None,
+) -> tuple[InProcessFabric, InProcessTransport, InProcessTransport, Switchboard, PeerDirectory]:
+    """A fabric, a local endpoint, a peer endpoint served at `URL` by a switchboard, and
+    the local endpoint's directory (`recheck_s` if given) that reaches it."""
     fabric = InProcessFabric()
     local = endpoint(fabric)
     first = endpoint(fabric)
     sb = Switchboard()
     sb.serve(first)
-    directory = PeerDirectory(local, client=TestClient(sb))
+    directory = PeerDirectory(local, client=TestClient(sb), recheck_s=recheck_s)
+    return fabric, local, first, sb, directory
+
+
+def test_directory_reconnects_after_restart_at_the_same_url() -> None:
+    fabric, local, first, sb, directory = _directory_of_one_peer()
 
     peer = directory.get_peer(URL)
     assert peer.engine_id == first.engine_id
@@ -118,12 +127,7 @@ def test_directory_refuses_incompatible_peer() -> None:
 def test_directory_rechecks_a_cached_peer_after_recheck_s() -> None:
     """Nobody tells the directory of the restart: its periodic check finds the new engine,
     and transfers still addressed to the old one fail instead of reaching the new one."""
-    fabric = InProcessFabric()
-    local = endpoint(fabric)
-    first = endpoint(fabric)
-    sb = Switchboard()
-    sb.serve(first)
-    directory = PeerDirectory(local, client=TestClient(sb), recheck_s=3600.0)
+    fabric, local, first, sb, directory = _directory_of_one_peer(recheck_s=3600.0)
     old = directory.get_peer(URL)
     assert directory.get_peer(URL) is old  # checked just now: no new handshake
     first.close()
@@ -146,12 +150,7 @@ def test_a_named_engine_id_spares_the_check_and_a_new_one_reconnects() -> None:
     """Told which engine is at the address (the router names it), the directory uses its
     connection without asking the address, however long ago it last checked; told another
     engine, it handshakes afresh."""
-    fabric = InProcessFabric()
-    local = endpoint(fabric)
-    first = endpoint(fabric)
-    sb = Switchboard()
-    sb.serve(first)
-    directory = PeerDirectory(local, client=TestClient(sb), recheck_s=0.0)  # always due
+    fabric, _, first, sb, directory = _directory_of_one_peer(recheck_s=0.0)  # always due
     old = directory.get_peer(URL, first.engine_id)
     sb.app = FastAPI()  # any handshake from here on would fail (404)
     assert directory.get_peer(URL, first.engine_id) is old
@@ -166,12 +165,7 @@ def test_an_engine_replaced_at_its_url_is_gone(told: bool) -> None:
     """Once the directory found another engine at a peer's URL (told its engine id, or
     connecting afresh after a flow tore the endpoint down), the old engine is gone:
     a receiver holding blocks it may still have written into lets them go."""
-    fabric = InProcessFabric()
-    local = endpoint(fabric)
-    first = endpoint(fabric)
-    sb = Switchboard()
-    sb.serve(first)
-    directory = PeerDirectory(local, client=TestClient(sb))
+    fabric, local, first, sb, directory = _directory_of_one_peer()
     peer = directory.get_peer(URL)
     first.close()
     second = endpoint(fabric)

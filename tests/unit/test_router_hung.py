@@ -75,13 +75,32 @@ class HangingInstances(FakeInstances):
         return await super().handle(request)
 
 
-class _DecodeStream(httpx.AsyncByteStream):
-    """D's answer on an open connection. Closing the response ends a read that waits with
-    `httpx.ReadError`, as closing a socket does (see `test_a_silent_decode_over_a_socket`)."""
+class OpenStream(httpx.AsyncByteStream):
+    """A body on an open connection. Closing the response ends a read that waits
+    (`_until`) with `httpx.ReadError`, as closing a socket does (see
+    `test_a_silent_decode_over_a_socket`)."""
+
+    def __init__(self) -> None:
+        self.closed = asyncio.Event()
+
+    async def _until(self, event: asyncio.Event) -> None:
+        waits = {asyncio.ensure_future(event.wait()), asyncio.ensure_future(self.closed.wait())}
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for w in waits:
+            w.cancel()
+        if self.closed.is_set():
+            raise httpx.ReadError("connection closed")
+
+    async def aclose(self) -> None:
+        self.closed.set()
+
+
+class _DecodeStream(OpenStream):
+    """D's answer on an open connection (`OpenStream`)."""
 
     def __init__(self, fake: HangingInstances) -> None:
+        super().__init__()
         self.fake = fake
-        self.closed = asyncio.Event()
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         if self.fake.waits_for_kv:
@@ -95,17 +114,6 @@ class _DecodeStream(httpx.AsyncByteStream):
             choice = {"index": 0, "text": chr(tok), "token_ids": [tok], "finish_reason": finish}
             yield f"data: {_chunk(choice)}\n\n".encode()
         yield b"data: [DONE]\n\n"
-
-    async def _until(self, event: asyncio.Event) -> None:
-        waits = {asyncio.ensure_future(event.wait()), asyncio.ensure_future(self.closed.wait())}
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        for w in waits:
-            w.cancel()
-        if self.closed.is_set():
-            raise httpx.ReadError("connection closed")
-
-    async def aclose(self) -> None:
-        self.closed.set()
 
 
 def _state(

@@ -27,6 +27,7 @@ from kvduplex.server.router.policy import Outcome
 from kvduplex.server.router.state import RouterState
 from tests.unit.test_router_discovery import DECODE_NAME
 from tests.unit.test_router_discovery import FakeDns
+from tests.unit.test_router_hung import OpenStream
 
 D = "http://10.0.1.1:8001"
 ANSWER_IDS = [65, 66, 67]
@@ -55,13 +56,12 @@ class Decode:
         return httpx.Response(200, headers=headers, stream=_Stream(self))
 
 
-class _Stream(httpx.AsyncByteStream):
-    """D's answer on an open connection; closing it ends a read that waits with
-    `httpx.ReadError`, as closing a socket does."""
+class _Stream(OpenStream):
+    """D's answer on an open connection (`OpenStream`)."""
 
     def __init__(self, d: Decode) -> None:
+        super().__init__()
         self.d = d
-        self.closed = asyncio.Event()
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         for i, tok in enumerate(ANSWER_IDS):
@@ -72,17 +72,6 @@ class _Stream(httpx.AsyncByteStream):
             choice = {"index": 0, "text": chr(tok), "token_ids": [tok], "finish_reason": finish}
             yield f"data: {json.dumps({'id': 'cmpl-d', 'choices': [choice]})}\n\n".encode()
         yield b"data: [DONE]\n\n"
-
-    async def _until(self, event: asyncio.Event) -> None:
-        waits = {asyncio.ensure_future(event.wait()), asyncio.ensure_future(self.closed.wait())}
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        for w in waits:
-            w.cancel()
-        if self.closed.is_set():
-            raise httpx.ReadError("connection closed")
-
-    async def aclose(self) -> None:
-        self.closed.set()
 
 
 class Router:
