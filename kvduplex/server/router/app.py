@@ -97,6 +97,7 @@ from kvduplex.server.router.flows import serve_short_append
 from kvduplex.server.router.health import run_prober
 from kvduplex.server.router.policy import NoHealthyInstance
 from kvduplex.server.router.policy import Outcome
+from kvduplex.server.router.relay import ClientWatch
 from kvduplex.server.router.relay import OuterSend
 from kvduplex.server.router.state import RouterState
 
@@ -167,27 +168,16 @@ async def _unless_client_leaves(call: Coroutine[Any, Any, Response], receive: Re
     """`call`'s response, unless the client leaves first: `call` is then cancelled (its
     calls to the instances are closed, and the instances abort the request) and
     `ClientDisconnect` raised. For a whole answer, which D sends only once it has
-    generated all of it; no server cancels a request's task when its client leaves."""
-    task = asyncio.current_task()
-    assert task is not None
-    left = False
-
-    async def listen() -> None:
-        nonlocal left
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        left = True
-        task.cancel()
-
-    listener = asyncio.ensure_future(listen())
+    generated all of it."""
+    watch = ClientWatch(receive)
     try:
         return await call
     except asyncio.CancelledError:
-        if left and task.uncancel() == 0:  # only the client's leaving: not a cancel from above
+        if watch.took_cancel():
             raise ClientDisconnect() from None
         raise
     finally:
-        listener.cancel()
+        watch.stop()
 
 
 async def build_prompt(

@@ -136,35 +136,50 @@ class _RelayedResponse(StreamingResponse):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        left = False
-
-        async def listen() -> None:
-            """Cancel the request's task if the client leaves (cancelled itself first
-            when the stream ends: a response that completed reads as a disconnect)."""
-            nonlocal left
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            left = True
-            task.cancel()
-
         spec = scope.get("asgi", {}).get("spec_version", "2.0")
-        # From ASGI 2.4 on, `send` raises OSError once the client has left: no listener.
-        listener = None if _version(spec) >= (2, 4) else asyncio.ensure_future(listen())
+        # From ASGI 2.4 on, `send` raises OSError once the client has left: no watch.
+        watch = None if _version(spec) >= (2, 4) else ClientWatch(receive)
         try:
             await self._stream(send, scope.get(OUTER_SEND_KEY, send))
         except OSError:
             raise ClientDisconnect() from None
         except asyncio.CancelledError:
-            if not left or task.uncancel() > 0:  # a cancel other than the client's leaving
+            if watch is None or not watch.took_cancel():
                 raise
         finally:
-            if listener is not None:
-                listener.cancel()  # before any await: a completed response never cancels
+            if watch is not None:
+                watch.stop()  # before any await: a completed response never cancels
             with anyio.CancelScope(shield=True):
                 await self._body.aclose()  # runs the body's `finally` if it began
                 await self._cleanup()  # else this closes upstream
+
+
+class ClientWatch:
+    """Cancels the task that made it, once, when the client leaves (its `receive` says
+    ``http.disconnect``): no server cancels a request's task when its client leaves.
+    `stop` it when the task is done with the client (a response that completed reads as
+    a disconnect)."""
+
+    def __init__(self, receive: Receive) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._task = task
+        self._left = False
+        self._listener = asyncio.ensure_future(self._listen(receive))
+
+    async def _listen(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self._left = True
+        self._task.cancel()
+
+    def took_cancel(self) -> bool:
+        """The task's cancel was this watch's and no other (it is withdrawn then): the
+        client left."""
+        return self._left and self._task.uncancel() == 0
+
+    def stop(self) -> None:
+        self._listener.cancel()
 
 
 @functools.cache
