@@ -66,6 +66,7 @@ from kvduplex.openai.errors import REQUEST_ID_HEADER
 from kvduplex.openai.protocol import error_body
 from kvduplex.server.router.calls import InstanceDown
 from kvduplex.server.router.calls import instance_errors
+from kvduplex.server.router.wire import WireStream
 
 logger = logging.getLogger(__name__)
 
@@ -300,6 +301,8 @@ def body_parts(upstream: httpx.Response) -> AsyncIterator[bytes]:
     if upstream.is_stream_consumed:
         return _parts(upstream.content)
     stream = upstream.stream
+    if isinstance(stream, WireStream) and "content-encoding" not in upstream.headers:
+        return _wire_parts(stream)
     if isinstance(stream, AiohttpResponseStream) and "content-encoding" not in upstream.headers:
         return _aiohttp_parts(stream._aiohttp_response.content)
     return upstream.aiter_bytes()
@@ -307,6 +310,11 @@ def body_parts(upstream: httpx.Response) -> AsyncIterator[bytes]:
 
 async def _parts(content: bytes) -> AsyncIterator[bytes]:
     yield content
+
+
+async def _wire_parts(stream: WireStream) -> AsyncIterator[bytes]:
+    while (part := await stream.next_part()) is not None:
+        yield part
 
 
 async def _aiohttp_parts(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:

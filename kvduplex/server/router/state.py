@@ -30,6 +30,8 @@ from kvduplex.server.router.discovery import Discovery
 from kvduplex.server.router.discovery import Resolve
 from kvduplex.server.router.metrics import RouterMetrics
 from kvduplex.server.router.policy import RoutingPolicy
+from kvduplex.server.router.wire import WirePool
+from kvduplex.server.router.wire import is_wire_url
 from kvduplex.transport.trust import secret_headers
 
 
@@ -235,6 +237,14 @@ class InstanceCalls:
         self.timeout = client_timeout(timeout)
         self.stream_timeout = client_timeout(timeout, read=False)
         self._urls: dict[str, httpx.URL] = {}
+        self.wire: WirePool | None = None
+        if isinstance(transport, InstanceTransport):
+            self.wire = WirePool(self.headers, timeout)
+
+    def close(self) -> None:
+        """Close the idle connections (the app's lifespan, at its end)."""
+        if self.wire is not None:
+            self.wire.close()
 
     async def post(
         self, url: str, body: dict[str, Any], headers: dict[str, str] | None = None,
@@ -246,6 +256,8 @@ class InstanceCalls:
         them. Over `InstanceTransport` the response has no `httpx.Request` (its
         ``request``, ``url`` and ``raise_for_status`` are not for these calls)."""
         content = json.dumps(body).encode()
+        if self.wire is not None and is_wire_url(url):
+            return await self.wire.post(url, content, headers, stream=stream)
         all_headers = {**self.headers, **headers} if headers else self.headers
         if isinstance(self.transport, InstanceTransport):
             timeout = self.stream_timeout if stream else self.timeout

@@ -1,0 +1,343 @@
+"""The router's HTTP/1.1 client for its calls to the instances on a request's path.
+
+Each routed request makes two calls before its first token (P's prefill, D's
+stream) and reads one part per token of D's stream; under load the router's
+core waits for nothing else. aiohttp spent ~100 us of that core a call (a
+request and a response object, a timer, the body written from a task of its
+own before Python 3.12) and five Python calls a part (its stream reader's
+feed, chunk marks and flow control); an asyncio protocol around httptools's
+parser (uvicorn's, llhttp's C) spends about a third of that. This is that
+protocol and a keep-alive pool, for what the router sends: a POST of a JSON
+body to an instance over plain HTTP (a ``https`` URL goes through aiohttp,
+`state.InstanceTransport`), its answer returned as an `httpx.Response` whose
+body is read as it arrives (`WireStream`).
+
+Errors are httpx's, as the router tells them apart (`state.InstanceTransport`):
+a connection that could not be made is `httpx.ConnectError` (or
+`httpx.ConnectTimeout`): the instance never saw the request; one closed or
+answered with what is not HTTP once the request was written is
+`httpx.RemoteProtocolError`; a whole answer later than its deadline is
+`httpx.ReadTimeout`. A call cancelled (the caller's own, or
+`calls.until_unhealthy`'s) closes its connection; a stream closed before its
+end (`WireStream.aclose`) closes it and ends a read in flight with
+`httpx.ReadError`. A connection goes back to the pool only once its answer
+was read to the end and the instance keeps it open, and is reused for at
+most `ROUTER_POOL_IDLE_S`, well within the instances' keep-alive, so that an
+instance never closes one as the router writes a call on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import AsyncIterator
+from typing import cast
+from urllib.parse import urlsplit
+
+import httptools
+import httpx
+
+from kvduplex.config import ROUTER_POOL_IDLE_S
+
+HIGH_WATER_BYTES = 1 << 20
+"""An answer's bytes read and not yet taken past which its connection stops reading."""
+
+
+class _Connection(asyncio.Protocol):
+    """One connection to an instance and the answer being read on it (one at a time).
+
+    httptools calls back into it as it parses (`on_header`, ...); the caller waits on
+    `head`, then takes the body's parts (`next_part`)."""
+
+    def __init__(self, pool: WirePool, key: tuple[str, int]) -> None:
+        self.pool, self.key = pool, key
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.is_closed = False
+        self.idle_since = 0.0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.head: asyncio.Future[None] | None = None
+        self.parts: collections.deque[bytes] = collections.deque()
+        self.num_buffered = 0
+        self.is_paused = False
+        self.waiter: asyncio.Future[None] | None = None
+        self.is_done = False
+        self.error: httpx.HTTPError | None = None
+        self.keeps_alive = False
+        self.until_close = False
+        """The body has no length and is not chunked: the connection's close ends it."""
+
+    # asyncio's callbacks
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
+
+    def data_received(self, data: bytes) -> None:
+        if self.head is None:  # an idle connection: nothing should come
+            self._fail(httpx.RemoteProtocolError("the instance sent data no call asked for"))
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(httpx.RemoteProtocolError(f"the instance's answer is not HTTP: {exc}"))
+
+    def eof_received(self) -> bool:
+        return False  # close
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.is_closed = True
+        self.pool.forget(self)
+        if self.head is not None and not self.is_done:
+            if self.head.done() and self.until_close and exc is None:
+                self.is_done = True  # the close is the body's end
+            elif self.error is None:
+                why = f": {exc!r}" if exc is not None else ""
+                self.error = httpx.RemoteProtocolError(f"the instance closed the connection{why}")
+        self._wake()
+
+    # httptools's callbacks
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        assert self.head is not None
+        framed = any(n.lower() in (b"content-length", b"transfer-encoding") for n, _ in self.headers)
+        self.until_close = not framed
+        self.keeps_alive = self.parser.should_keep_alive()
+        if not self.head.done():
+            self.head.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        self.parts.append(body)
+        self.num_buffered += len(body)
+        if self.num_buffered > HIGH_WATER_BYTES and not self.is_paused and self.transport:
+            self.is_paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self.is_done = True
+        self._wake()
+
+    # the caller's side
+
+    def send(self, request: bytes) -> None:
+        """Write one request; its answer's head is then `head`."""
+        assert self.transport is not None and self.head is None
+        self.head = asyncio.get_running_loop().create_future()
+        self.transport.write(request)
+
+    async def next_part(self) -> bytes | None:
+        """The body's next part as it arrives; None at its end."""
+        while True:
+            if self.parts:
+                part = self.parts.popleft()
+                self.num_buffered -= len(part)
+                if self.is_paused and self.num_buffered <= HIGH_WATER_BYTES and self.transport:
+                    self.is_paused = False
+                    self.transport.resume_reading()
+                return part
+            if self.error is not None:
+                raise self.error
+            if self.is_done:
+                return None
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+
+    def release(self) -> None:
+        """The caller is done with the answer: the connection goes back to the pool if the
+        answer was read to its end and the instance keeps the connection, else closes."""
+        is_reusable = self.is_done and self.error is None and not self.is_closed
+        if is_reusable and not self.until_close and self.keeps_alive:
+            self.headers, self.head, self.is_done = [], None, False
+            self.pool.put_back(self)
+            return
+        self.close(httpx.ReadError("the answer was closed before its end"))
+
+    def close(self, error: httpx.HTTPError) -> None:
+        """Close the connection; a read in flight ends with `error`."""
+        if self.error is None and not self.is_done:
+            self.error = error
+        if self.transport is not None:
+            self.transport.close()
+        self.is_closed = True
+        self.pool.forget(self)
+        self._wake()
+
+    def _fail(self, error: httpx.HTTPError) -> None:
+        self.error = self.error or error
+        if self.head is not None and not self.head.done():
+            self.head.set_exception(error)
+            self.head.exception()  # retrieved: a caller that left does not log it
+        self.close(error)
+
+    def _wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+        if self.head is not None and not self.head.done() and self.error is not None:
+            self.head.set_exception(self.error)
+            self.head.exception()
+
+
+class WireStream(httpx.AsyncByteStream):
+    """An answer's body as it arrives on its connection (`httpx.Response.stream`);
+    `aclose` gives the connection back (an answer read to its end) or closes it."""
+
+    def __init__(self, conn: _Connection) -> None:
+        self._conn: _Connection | None = conn
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        while (part := await self.next_part()) is not None:
+            yield part
+
+    async def next_part(self) -> bytes | None:
+        """The next part, None at the end (or `httpx.ReadError` once closed)."""
+        if self._conn is None:
+            raise httpx.ReadError("the answer was closed")
+        return await self._conn.next_part()
+
+    async def aclose(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.release()
+
+
+class WirePool:
+    """Kept-alive connections to the instances, by host and port, and the calls on them.
+    No cap: every request in flight holds one to its P and one to its D."""
+
+    def __init__(self, headers: dict[str, str], timeout: httpx.Timeout) -> None:
+        """`headers`: sent on every call (checked once: no line breaks); `timeout`: its
+        connect and read deadlines (read: a whole answer's)."""
+        self._headers = _header_lines(headers)
+        self._connect_timeout_s = timeout.connect
+        self._read_timeout_s = timeout.read
+        self._idle: dict[tuple[str, int], list[_Connection]] = {}
+        self._targets: dict[str, tuple[tuple[str, int], bytes]] = {}
+
+    async def post(
+        self, url: str, content: bytes, headers: dict[str, str] | None = None,
+        *, stream: bool = False,
+    ) -> httpx.Response:  # fmt: skip
+        """POST `content` (JSON) to `url` (``http://``): the answer read whole within the
+        read deadline, or (`stream`) once its head came, with no deadline (a stream's read
+        ends when its instance is marked unhealthy, `calls.py`), its body to be read
+        (`WireStream`) and closed by the caller."""
+        key, head = self._target(url)
+        conn = self._take(key) or await self._connect(key)
+        extra = _header_lines(headers) if headers else b""
+        conn.send(b"%s%s%scontent-length: %d\r\n\r\n%s" % (
+            head, self._headers, extra, len(content), content,
+        ))  # fmt: skip
+        assert conn.head is not None
+        try:
+            if stream:
+                await conn.head
+            else:
+                async with asyncio.timeout(self._read_timeout_s):
+                    await conn.head
+                    body = b"".join([part async for part in _parts(conn)])
+        except TimeoutError:
+            conn.close(httpx.ReadTimeout("no answer in time"))
+            raise httpx.ReadTimeout(f"{url} did not answer in {self._read_timeout_s} s") from None
+        except BaseException:
+            conn.close(httpx.ReadError("the call was cancelled"))
+            raise
+        status = conn.parser.get_status_code()
+        extensions = {"http_version": b"HTTP/1.1"}
+        if stream:
+            return httpx.Response(
+                status, headers=conn.headers, stream=WireStream(conn), extensions=extensions
+            )
+        response = httpx.Response(
+            status, headers=conn.headers, content=body, extensions=extensions
+        )
+        conn.release()
+        return response
+
+    def put_back(self, conn: _Connection) -> None:
+        conn.idle_since = time.monotonic()
+        self._idle.setdefault(conn.key, []).append(conn)
+
+    def forget(self, conn: _Connection) -> None:
+        idle = self._idle.get(conn.key)
+        if idle and conn in idle:
+            idle.remove(conn)
+
+    def close(self) -> None:
+        """Close every idle connection (those in use close as their callers end)."""
+        for idle in list(self._idle.values()):
+            for conn in list(idle):
+                conn.close(httpx.ReadError("the router's client closed"))
+        self._idle.clear()
+
+    def _take(self, key: tuple[str, int]) -> _Connection | None:
+        """The most recently used idle connection to `key` that is still good, if any."""
+        idle = self._idle.get(key)
+        now = time.monotonic()
+        while idle:
+            conn = idle.pop()
+            if not conn.is_closed and now - conn.idle_since < ROUTER_POOL_IDLE_S:
+                return conn
+            conn.close(httpx.ReadError("idle too long"))
+        return None
+
+    async def _connect(self, key: tuple[str, int]) -> _Connection:
+        loop = asyncio.get_running_loop()
+        conn = _Connection(self, key)
+        try:
+            async with asyncio.timeout(self._connect_timeout_s):
+                await loop.create_connection(lambda: conn, *key)
+        except TimeoutError:
+            raise httpx.ConnectTimeout(f"connecting to {key[0]}:{key[1]} timed out") from None
+        except OSError as exc:
+            raise httpx.ConnectError(f"connecting to {key[0]}:{key[1]} failed: {exc}") from exc
+        return conn
+
+    def _target(self, url: str) -> tuple[tuple[str, int], bytes]:
+        """`url`'s host and port, and its request line and Host header (parsed once)."""
+        target = self._targets.get(url)
+        if target is None:
+            if len(self._targets) >= 4096:  # instances come and go: keep the table bounded
+                self._targets.clear()
+            parts = urlsplit(url)
+            if parts.scheme != "http" or parts.hostname is None:
+                raise ValueError(f"not a plain http URL: {url}")
+            port = parts.port or 80
+            path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+            host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+            _check_field(path, host)
+            if " " in path:
+                raise ValueError(f"a space in the URL's path: {url}")
+            line = f"POST {path} HTTP/1.1\r\nhost: {host}:{port}\r\n"
+            target = self._targets[url] = ((parts.hostname, port), line.encode("ascii"))
+        return target
+
+
+async def _parts(conn: _Connection) -> AsyncIterator[bytes]:
+    while (part := await conn.next_part()) is not None:
+        yield part
+
+
+def is_wire_url(url: str) -> bool:
+    """Whether `WirePool` calls `url` (plain http)."""
+    return url.startswith("http://")
+
+
+def _header_lines(headers: dict[str, str]) -> bytes:
+    for item in headers.items():
+        _check_field(*item)
+    return "".join(f"{name}: {value}\r\n" for name, value in headers.items()).encode("latin-1")
+
+
+def _check_field(*fields: str) -> None:
+    """A header's name and value, a URL's host and path: none may hold a line break or a
+    NUL (which would add a header, or a request, of its own)."""
+    for text in fields:
+        if "\r" in text or "\n" in text or "\0" in text:
+            raise ValueError(f"a header or URL holds a line break: {text!r}")
