@@ -3,9 +3,11 @@
 The stub instance of `bench_router_capacity.py` (`router_stub.py`) (its P answering ``POST
 /internal/push/prefill`` with a small JSON body) runs in a child process pinned to one
 core; this process, pinned to the other, POSTs to it one call at a time and times each
-call to its parsed answer: over raw asyncio streams (one kept-alive connection, the
-floor), aiohttp, httpx over aiohttp (`state.InstanceTransport`, the router's client) and
-httpx over httpcore. ``--gap-ms`` idles between calls, as paced traffic does (caches go
+call to its parsed answer, and the CPU time of this process a call: over raw asyncio
+streams (one kept-alive connection, the floor), the router's flows' client
+(`state.InstanceCalls` over `wire.WirePool`), aiohttp, httpx over aiohttp
+(`state.InstanceTransport`, the router's client for its other calls) and httpx over
+httpcore. ``--gap-ms`` idles between calls, as paced traffic does (caches go
 cold between calls); 0 calls back to back.
 
     PYTHONPATH=. python benchmarks/bench_http_clients.py [--gap-ms 10] [--calls 200]
@@ -27,6 +29,7 @@ import httpx
 
 from benchmarks.router_stub import Stub
 from kvduplex.server.cluster import free_port
+from kvduplex.server.router.state import InstanceCalls
 from kvduplex.server.router.state import InstanceTransport
 from kvduplex.server.router.state import instance_session
 
@@ -79,6 +82,11 @@ async def main(args: argparse.Namespace) -> None:
             async with session.post(url, data=payload, headers=headers) as resp:
                 await resp.json()
 
+        calls = InstanceCalls(InstanceTransport(client=instance_session), {}, timeout)
+
+        async def via_calls() -> None:
+            (await calls.post(url, BODY)).json()
+
         async def via(client: httpx.AsyncClient) -> None:
             (await client.post(url, content=payload, headers=JSON)).json()
 
@@ -96,28 +104,35 @@ async def main(args: argparse.Namespace) -> None:
             resp.json()
 
         clients: list[tuple[str, Callable[[], Awaitable[None]]]] = [
-            ("raw asyncio streams (floor)", via_raw), ("aiohttp", via_aiohttp),
+            ("raw asyncio streams (floor)", via_raw),
+            ("the router's flows' client (wire)", via_calls), ("aiohttp", via_aiohttp),
             ("httpx over aiohttp (the router's)", lambda: via(routers)),
             ("the router's transport called directly", via_transport),
             ("httpx over httpcore", lambda: via(plain)),
         ]  # fmt: skip
-        print(f"| client | call p50 ms | call p90 ms |  (gap {args.gap_ms} ms, {args.calls} calls)")
-        print("|---|---|---|")
+        print(f"| client | call p50 ms | call p90 ms | CPU a call us |  (gap {args.gap_ms} ms, "
+              f"{args.calls} calls)")  # fmt: skip
+        print("|---|---|---|---|")
         for name, call in clients:
             for _ in range(20):  # warm-up
                 await call()
             times = []
+            cpu = 0.0
             for _ in range(args.calls):
-                t0 = time.perf_counter()
+                c0, t0 = time.process_time(), time.perf_counter()
                 await call()
                 times.append(time.perf_counter() - t0)
+                cpu += time.process_time() - c0
                 await asyncio.sleep(args.gap_ms / 1e3)
             p90 = statistics.quantiles(times, n=10)[-1]
-            print(f"| {name} | {statistics.median(times) * 1e3:.3f} | {p90 * 1e3:.3f} |", flush=True)
+            cpu_us = cpu / args.calls * 1e6
+            print(f"| {name} | {statistics.median(times) * 1e3:.3f} | {p90 * 1e3:.3f} "
+                  f"| {cpu_us:.0f} |", flush=True)  # fmt: skip
         writer.close()
         await session.close()
         await routers.aclose()
         await transport.aclose()
+        calls.close()
         await plain.aclose()
     finally:
         os.kill(pid, 9)

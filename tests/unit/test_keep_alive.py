@@ -14,6 +14,7 @@ import pytest
 
 import kvduplex.server.router.app as router_app
 import kvduplex.server.router.state as router_state
+import kvduplex.server.router.wire as wire
 from kvduplex.config import ROUTER_POOL_IDLE_S
 from kvduplex.config import ServerConfig
 from kvduplex.server.cli import parse_args
@@ -89,7 +90,8 @@ def test_the_router_reuses_an_idle_connection_only_within_its_pool_idle(
     """Over the router's own client: calls close together share a connection; a call after
     longer than the pool's idle time opens another (the instance, which keeps it 5 s here,
     has not closed it yet: the router let it go first)."""
-    monkeypatch.setattr(router_state, "ROUTER_POOL_IDLE_S", 0.2)
+    monkeypatch.setattr(router_state, "ROUTER_POOL_IDLE_S", 0.2)  # aiohttp's pool
+    monkeypatch.setattr(wire, "ROUTER_POOL_IDLE_S", 0.2)  # the flows' calls' pool
 
     async def main() -> list[tuple[str, int]]:
         peers, port = _Peers(), free_port()
@@ -103,6 +105,7 @@ def test_the_router_reuses_an_idle_connection_only_within_its_pool_idle(
                     resp = await calls.post(f"http://127.0.0.1:{port}/v1/x", {"n": 1})
                     assert resp.status_code == 200 and resp.json() == {}
             finally:
+                calls.close()
                 await transport.aclose()
                 server.should_exit = True
                 await serving

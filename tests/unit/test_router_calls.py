@@ -130,8 +130,7 @@ def test_a_retained_turn_that_d_answers_unreadably_is_none(
         try:
             return await flows._retained(state, d, "s")
         finally:
-            await state.client.aclose()
-            await state.probe_client.aclose()
+            await state.aclose()
 
     got = asyncio.run(run())
     if expected is None:

@@ -189,7 +189,7 @@ def test_a_hung_prefill_call_fails_once_probes_mark_it_and_decode_computes(
             assert d_body["kv_transfer_params"]["mode"] == "push"
         else:
             assert d_body["kv_transfer_params"]["mode"] == "local", "D computes the prompt"
-        await state.client.aclose()
+        await state.aclose()
 
     asyncio.run(run())
 
@@ -226,7 +226,7 @@ def test_a_decode_stream_gone_silent_ends_with_an_error_once_probes_mark_it(
         assert _stream_errors(state) == 1
         assert d.in_flight == 0 and not d.is_healthy
         assert all(p.in_flight == 0 for p in state.policy.prefill.backends)
-        await state.client.aclose()
+        await state.aclose()
 
     asyncio.run(run())
 
@@ -251,7 +251,7 @@ def test_a_decode_that_never_answers_is_a_502_once_probes_mark_it() -> None:
         assert [c["reason"] for c in cancels] == ["decode refused the request"]
         backends = (*state.policy.prefill.backends, *state.policy.decode.backends)
         assert all(b.in_flight == 0 for b in backends)
-        await state.client.aclose()
+        await state.aclose()
 
     asyncio.run(run())
 
@@ -328,7 +328,6 @@ def test_a_silent_decode_over_a_socket_ends_the_stream_and_is_let_go(mode: str) 
             assert _tokens(events[:-2]) == [65, 65]
             await _bounded(instance.router_closed.wait())
             assert state.policy.decode.backends[0].in_flight == 0
-            await state.client.aclose()
-            await state.probe_client.aclose()
+            await state.aclose()
 
     asyncio.run(run())

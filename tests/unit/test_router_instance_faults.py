@@ -1,5 +1,5 @@
 """The router over instances that answer badly, on real sockets and through its real
-client (httpx over aiohttp): a port that does not speak HTTP, a refusal whose body the
+client (`wire.WirePool` for the flows' calls, httpx over aiohttp for the others): a port that does not speak HTTP, a refusal whose body the
 client must get, a whole answer cut mid-body; and what the router tells the instances
 when one side fails (push: D told at once that P failed; pull: P's lease released when D
 refuses), and when a client leaves a whole answer before it comes (under uvicorn).
@@ -127,8 +127,7 @@ async def _router(
             yield client, state
     finally:
         await _bounded(asyncio.gather(*flows._CANCELS, return_exceptions=True))
-        await state.client.aclose()
-        await state.probe_client.aclose()
+        await state.aclose()
         state.prompts.shutdown(wait=False)
 
 
@@ -197,9 +196,10 @@ def test_instance_errors_make_an_answer_that_is_not_http_a_protocol_error() -> N
 
 
 def test_a_port_that_does_not_speak_http_is_a_protocol_error_for_every_call() -> None:
-    """Over the router's transport: a probe (`handle_async_request`) and the flows' POSTs
-    (`InstanceTransport.post`, whole or streamed) to a port that answers something other
-    than HTTP fail with `httpx.RemoteProtocolError`, not aiohttp's own error."""
+    """A probe (`InstanceTransport.handle_async_request`, over aiohttp) and the flows'
+    POSTs (`InstanceCalls.post`, whole or streamed, over `wire.WirePool`) to a port that
+    answers something other than HTTP fail with `httpx.RemoteProtocolError`, not aiohttp's
+    own error."""
 
     async def run() -> None:
         transport = InstanceTransport(client=instance_session)
@@ -212,17 +212,16 @@ def test_a_port_that_does_not_speak_http_is_a_protocol_error_for_every_call() ->
                     with pytest.raises(httpx.RemoteProtocolError):
                         await calls.post(url + "/internal/push/prefill", {}, stream=stream)
         finally:
+            calls.close()
             await transport.aclose()
 
     asyncio.run(run())
 
 
-@pytest.mark.parametrize("how", ["handle_async_request", "post", "body_parts"])
-def test_a_body_read_that_fails_with_aiohttps_own_error_fails_with_httpxs(how: str) -> None:
+def test_a_body_read_that_fails_with_aiohttps_own_error_fails_with_httpxs() -> None:
     """An answer whose body's read fails with an error httpx-aiohttp does not map (as
     aiohttp's parser fails a head that is not HTTP): `InstanceTransport`'s answers, read
-    as httpx reads them (a client's call, `handle_async_request`, and the flows' POST,
-    `post`) and as the relay reads them (`relay.body_parts`), fail with
+    as httpx reads them (the probes' and `/v1/models`' client), fail with
     `httpx.RemoteProtocolError`."""
     router_left = asyncio.Event()
 
@@ -236,24 +235,59 @@ def test_a_body_read_that_fails_with_aiohttps_own_error_fails_with_httpxs(how: s
 
     async def run() -> None:
         transport = InstanceTransport(client=instance_session)
-        calls = InstanceCalls(transport, {}, httpx.Timeout(BOUND_S))
         try:
             async with _socket_server(head_then_hold) as url:
-                if how == "handle_async_request":
-                    request = httpx.Request("POST", url + "/v1/completions", json={})
-                    resp = await transport.handle_async_request(request)
-                else:
-                    resp = await calls.post(url + "/v1/completions", {}, stream=True)
+                request = httpx.Request("POST", url + "/v1/completions", json={})
+                resp = await transport.handle_async_request(request)
                 assert resp.status_code == 200 and isinstance(resp.stream, AiohttpResponseStream)
                 # The read fails with an aiohttp error that httpx-aiohttp does not map.
                 resp.stream._aiohttp_response.content.set_exception(_response_error())
-                parts = body_parts(resp) if how == "body_parts" else resp.aiter_bytes()
                 with pytest.raises(httpx.RemoteProtocolError):
-                    async for _ in parts:
+                    async for _ in resp.aiter_bytes():
                         pass
                 await resp.aclose()
                 await _bounded(router_left.wait())
         finally:
+            await transport.aclose()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("how", ["aiter_bytes", "body_parts"])
+def test_a_stream_whose_chunk_is_not_http_fails_its_read(how: str) -> None:
+    """D's stream sends one event, then a chunk header that is not HTTP: the flows' stream
+    (`InstanceCalls.post`), read as httpx reads it and as the relay does
+    (`relay.body_parts`), gives the event, then fails with `httpx.RemoteProtocolError`
+    (it does not wait for more), and its connection is closed."""
+    router_left = asyncio.Event()
+
+    async def event_then_garbage(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        await _read_request(reader)
+        writer.write(CHUNKED_HEAD + b"7\r\ndata: 1\r\nzz-not-a-size\r\n")
+        await writer.drain()
+        await reader.read()  # until the router lets go of the connection
+        router_left.set()
+        writer.close()
+
+    async def run() -> None:
+        transport = InstanceTransport(client=instance_session)
+        calls = InstanceCalls(transport, {}, httpx.Timeout(BOUND_S))
+        try:
+            async with _socket_server(event_then_garbage) as url:
+                resp = await calls.post(url + "/v1/completions", {}, stream=True)
+                assert resp.status_code == 200
+                parts = body_parts(resp) if how == "body_parts" else resp.aiter_bytes()
+                got = b""
+                with pytest.raises(httpx.RemoteProtocolError):
+                    async for part in parts:
+                        got += part
+                assert got == b"data: 1"
+                await _bounded(router_left.wait())
+                await resp.aclose()
+        finally:
+            calls.close()
             await transport.aclose()
 
     asyncio.run(run())
@@ -369,7 +403,8 @@ def test_a_whole_answer_cut_mid_body_is_a_502() -> None:
             assert resp.headers["content-type"] == "application/json"
             error = resp.json()["error"]
             assert (error["type"], error["code"]) == ("server_error", "decode_failed")
-            assert f"decode at {d_url} failed mid-answer: ReadError" in error["message"]
+            message = f"decode at {d_url} failed mid-answer: RemoteProtocolError"
+            assert message in error["message"]
             errors = state.registry.get_sample_value("kvduplex_router_stream_errors_total")
             assert errors == 1
             assert _all_idle(state)

@@ -149,7 +149,7 @@ def test_a_silent_instance_that_left_dns_is_probed_until_its_stream_ends() -> No
         assert _tokens(events[:-2]) == ANSWER_IDS[:1]
         assert backend.is_down and backend.in_flight == 0 and not backend.watchers
         assert router.probed() == []  # 4.
-        await router.state.client.aclose()
+        await router.state.aclose()
 
     asyncio.run(run())
 
@@ -172,7 +172,7 @@ def test_an_instance_that_left_dns_finishes_its_stream() -> None:
         assert resp.status_code == 200 and events[-1] == "[DONE]"
         assert not [e for e in events if "error" in e] and _tokens(events) == ANSWER_IDS
         assert backend.in_flight == 0 and router.probed() == []
-        await router.state.client.aclose()
+        await router.state.aclose()
 
     asyncio.run(run())
 
@@ -195,7 +195,7 @@ def test_an_instance_back_in_dns_while_leaving_rejoins_as_the_same_backend() -> 
         resp = await asyncio.wait_for(answer, BOUND_S)
         assert json.loads(_events(resp)[-2])["error"]["code"] == "decode_failed"
         assert backend.in_flight == 0 and router.probed() == [D], "still an instance"
-        await router.state.client.aclose()
+        await router.state.aclose()
 
     asyncio.run(run())
 

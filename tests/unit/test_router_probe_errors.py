@@ -197,8 +197,7 @@ def test_an_instance_that_does_not_speak_http_is_marked_down_over_a_socket() -> 
             assert p.is_down and not p.is_healthy and d.is_healthy
         finally:
             prober.cancel()
-            await state.client.aclose()
-            await state.probe_client.aclose()
+            await state.aclose()
             bad.close()
             good.close()
 

@@ -369,9 +369,7 @@ def create_router_app(state: RouterState) -> FastAPI:
             yield
         finally:
             await _stop_background(tasks)
-            state.calls.close()
-            await state.client.aclose()
-            await state.probe_client.aclose()
+            await state.aclose()
             state.prompts.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="kvduplex-router", lifespan=lifespan)

@@ -13,7 +13,7 @@ answered is a 502, a decode stream ends with an error event.
 How a call is abandoned. A call still waiting for its response (the head of a
 stream, or a whole body) runs in its caller's task, which `until_unhealthy`
 cancels once when the instance is marked unhealthy, as `asyncio.timeout` does
-at a deadline: aiohttp then closes the connection, and the cancel becomes
+at a deadline: the call's connection is then closed, and the cancel becomes
 `InstanceDown`. No task of its own: a call's start and end cost no turn of the
 event loop each, which under load is what a request's first token waits on. A
 stream being read is abandoned by closing its response instead

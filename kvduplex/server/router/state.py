@@ -52,8 +52,8 @@ class RouterState:
     pool walks all its connections on every request and release (quadratically in its
     keep-alive check), which at 64 streams took a third of the router's CPU."""
     calls: InstanceCalls
-    """The flows' POSTs to the instances (prefill, decode's stream, cancels): `client`'s
-    transport, headers and timeout, without `httpx.AsyncClient`'s layers."""
+    """The flows' POSTs to the instances (prefill, decode's stream, cancels): over the
+    router's own pool (`wire.WirePool`), with `client`'s headers and timeouts."""
     probe_client: httpx.AsyncClient
     """The health probes' client, with their own timeout, over `client`'s transport and so
     its pool, which has no cap: a busy router never makes a probe wait for a connection,
@@ -70,6 +70,12 @@ class RouterState:
     """The drain on SIGTERM (`kvduplex.server.drain`): requests in flight, whether it drains."""
     discovery: Discovery | None = None
     """Instances by DNS (``--prefill-dns``, ``--decode-dns``); None: URLs only."""
+
+    async def aclose(self) -> None:
+        """Close the clients to the instances (their idle connections)."""
+        self.calls.close()
+        await self.client.aclose()
+        await self.probe_client.aclose()
 
     def note_probe_round(self) -> None:
         self.num_probe_rounds += 1
@@ -214,16 +220,16 @@ def instance_session() -> aiohttp.ClientSession:
 
 
 class InstanceCalls:
-    """POSTs of JSON to the instances, sent to the transport directly: httpx's `Response`
-    (the relay reads the response as it would any, and errors are httpx's), without
-    `httpx.AsyncClient`'s layers (URL merging and parsing, auth and redirect handling,
-    cookies, default headers), which cost the router ~0.4 ms of its core per call
+    """POSTs of JSON to the instances, answered as httpx's `Response` (the relay reads the
+    response as it would any, and errors are httpx's), without `httpx.AsyncClient`'s
+    layers (URL merging and parsing, auth and redirect handling, cookies, default
+    headers), which cost the router ~0.4 ms of its core per call
     (`benchmarks/bench_http_clients.py`), two calls on each request's first token's path.
-    Over the router's own transport (`InstanceTransport.post`) no `httpx.Request` is made
-    either: its headers and body are checked and copied once more for aiohttp, which
-    under load cost the router ~0.3 ms of its core per request (`bench_router_capacity.py
-    --ladder`: the client floor against the stack floor). Any other transport (a test's)
-    gets an `httpx.Request`, each URL parsed once."""
+    Over the router's own transport a plain http URL goes to `wire.WirePool` (a third of
+    aiohttp's CPU a call and a part: `bench_http_clients.py`, `bench_router_capacity.py
+    --compare`), any other (https) to aiohttp (`InstanceTransport.post`), neither making
+    an `httpx.Request`; any other transport (a test's) gets an `httpx.Request`, each URL
+    parsed once."""
 
     def __init__(
         self, transport: httpx.AsyncBaseTransport, headers: dict[str, str], timeout: httpx.Timeout

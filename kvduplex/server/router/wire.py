@@ -103,7 +103,9 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         assert self.head is not None
-        framed = any(n.lower() in (b"content-length", b"transfer-encoding") for n, _ in self.headers)
+        framed = any(
+            n.lower() in (b"content-length", b"transfer-encoding") for n, _ in self.headers
+        )
         self.until_close = not framed
         self.keeps_alive = self.parser.should_keep_alive()
         if not self.head.done():
@@ -218,6 +220,8 @@ class WirePool:
         self._connect_timeout_s = timeout.connect
         self._read_timeout_s = timeout.read
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
+        """Idle connections by host and port, the least recently used first."""
+        self._swept_at = time.monotonic()
         self._targets: dict[str, tuple[tuple[str, int], bytes]] = {}
 
     async def post(
@@ -229,8 +233,8 @@ class WirePool:
         ends when its instance is marked unhealthy, `calls.py`), its body to be read
         (`WireStream`) and closed by the caller."""
         key, head = self._target(url)
-        conn = self._take(key) or await self._connect(key)
         extra = _header_lines(headers) if headers else b""
+        conn = self._take(key) or await self._connect(key)
         conn.send(b"%s%s%scontent-length: %d\r\n\r\n%s" % (
             head, self._headers, extra, len(content), content,
         ))  # fmt: skip
@@ -254,15 +258,24 @@ class WirePool:
             return httpx.Response(
                 status, headers=conn.headers, stream=WireStream(conn), extensions=extensions
             )
-        response = httpx.Response(
-            status, headers=conn.headers, content=body, extensions=extensions
-        )
+        response = httpx.Response(status, headers=conn.headers, content=body, extensions=extensions)
         conn.release()
         return response
 
     def put_back(self, conn: _Connection) -> None:
-        conn.idle_since = time.monotonic()
+        conn.idle_since = now = time.monotonic()
         self._idle.setdefault(conn.key, []).append(conn)
+        if now - self._swept_at >= ROUTER_POOL_IDLE_S:
+            self._sweep(now)
+
+    def _sweep(self, now: float) -> None:
+        """Close the connections idle too long, to instances called no more included."""
+        self._swept_at = now
+        for key, idle in list(self._idle.items()):
+            while idle and now - idle[0].idle_since >= ROUTER_POOL_IDLE_S:
+                idle.pop(0).close(httpx.ReadError("idle too long"))
+            if not idle:
+                del self._idle[key]
 
     def forget(self, conn: _Connection) -> None:
         idle = self._idle.get(conn.key)
