@@ -10,14 +10,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import threading
 from collections.abc import AsyncIterator
 from collections.abc import Awaitable
+from collections.abc import Callable
 from dataclasses import dataclass
 from dataclasses import field
 from typing import TypeVar
 
 import httpx
 import pytest
+import uvloop
 
 from kvduplex.server.router import wire
 from kvduplex.server.router.wire import WirePool
@@ -88,11 +91,22 @@ async def _serving(server: Server) -> AsyncIterator[Server]:
         yield server
 
 
-def _run(test: Awaitable[None]) -> None:
-    asyncio.run(_bounded(test))
+Runner = Callable[[Awaitable[None]], None]
 
 
-def test_answers_framed_each_way_are_read_whole_and_the_connection_reused() -> None:
+@pytest.fixture(params=["asyncio", "uvloop"])
+def runner(request: pytest.FixtureRequest) -> Runner:
+    """Runs a test's coroutine on asyncio's own loop and on uvloop's (the router's)."""
+    factory = uvloop.new_event_loop if request.param == "uvloop" else None
+
+    def run(test: Awaitable[None]) -> None:
+        with asyncio.Runner(loop_factory=factory) as loop_runner:
+            loop_runner.run(_bounded(test))
+
+    return run
+
+
+def test_answers_framed_each_way_are_read_whole_and_the_connection_reused(runner: Runner) -> None:
     """A whole answer (content-length), a chunked stream and a big body read whole; one
     connection carries all three calls, each request as the instances read it."""
     big = b"x" * (3 * wire.HIGH_WATER_BYTES)  # past the high-water mark: read paused, resumed
@@ -121,10 +135,10 @@ def test_answers_framed_each_way_are_read_whole_and_the_connection_reused() -> N
         assert b"\r\nx-secret: s\r\n" in head and b"\r\ncontent-length: 12" in head
         assert f"\r\nhost: {server.url.removeprefix('http://')}\r\n".encode() in head
 
-    _run(run())
+    runner(run())
 
 
-def test_a_stream_left_mid_body_closes_its_connection() -> None:
+def test_a_stream_left_mid_body_closes_its_connection(runner: Runner) -> None:
     """An answer closed before its end (a client that left, an instance marked unhealthy)
     closes its connection, never returned to the pool with a body still coming: the next
     call opens another and gets its own answer."""
@@ -144,10 +158,10 @@ def test_a_stream_left_mid_body_closes_its_connection() -> None:
                 pool.close()
         assert [len(c) for c in server.connections] == [1, 1]
 
-    _run(run())
+    runner(run())
 
 
-def test_a_cancelled_call_closes_its_connection() -> None:
+def test_a_cancelled_call_closes_its_connection(runner: Runner) -> None:
     """A call cancelled while it waits for its answer (the caller's cancel, or the one
     `calls.until_unhealthy` brings) closes its connection: the instance sees the router
     leave (and aborts the request), and no later call reads that answer."""
@@ -182,7 +196,7 @@ def test_a_cancelled_call_closes_its_connection() -> None:
             finally:
                 pool.close()
 
-    _run(run())
+    runner(run())
 
 
 @pytest.mark.parametrize(
@@ -195,7 +209,7 @@ def test_a_cancelled_call_closes_its_connection() -> None:
     ids=["closed", "cut_mid_body", "not_http"],
 )
 def test_an_answer_that_fails_is_an_httpx_error(
-    answer: bytes | None, error: type[Exception]
+    answer: bytes | None, error: type[Exception], runner: Runner
 ) -> None:
     """The instance closes the connection before it answers, or mid-body, or answers
     what is not HTTP: the whole call fails with `httpx.RemoteProtocolError` (the request
@@ -210,10 +224,10 @@ def test_an_answer_that_fails_is_an_httpx_error(
             finally:
                 pool.close()
 
-    _run(run())
+    runner(run())
 
 
-def test_a_refused_connection_is_a_connect_error() -> None:
+def test_a_refused_connection_is_a_connect_error(runner: Runner) -> None:
     """Nothing listens: `httpx.ConnectError`, the error the flows take for an instance
     that never saw the request (and route it again)."""
     with socket.socket() as sock:
@@ -225,10 +239,10 @@ def test_a_refused_connection_is_a_connect_error() -> None:
             with pytest.raises(httpx.ConnectError):
                 await pool.post(f"http://127.0.0.1:{port}/v1/completions", b"{}")
 
-        _run(run())
+        runner(run())
 
 
-def test_a_whole_answer_later_than_its_deadline_is_a_read_timeout() -> None:
+def test_a_whole_answer_later_than_its_deadline_is_a_read_timeout(runner: Runner) -> None:
     """A whole answer's call has a deadline (its read timeout): past it, `httpx.ReadTimeout`
     and the connection closed. A stream has none: its instance marked unhealthy ends it."""
     closed = asyncio.Event()
@@ -248,11 +262,13 @@ def test_a_whole_answer_later_than_its_deadline_is_a_read_timeout() -> None:
                 await pool.post(url + "/internal/push/prefill", b"{}")
             await _bounded(closed.wait())
 
-    _run(run())
+    runner(run())
 
 
 @pytest.mark.parametrize("extra", [b"connection: close\r\n", b""], ids=["close", "until_close"])
-def test_an_answer_the_instance_ends_by_closing_is_read_and_not_reused(extra: bytes) -> None:
+def test_an_answer_the_instance_ends_by_closing_is_read_and_not_reused(
+    extra: bytes, runner: Runner
+) -> None:
     """An answer that says ``connection: close``, or one with no length that ends when the
     connection does: read whole, and the next call opens a connection of its own."""
 
@@ -272,11 +288,11 @@ def test_an_answer_the_instance_ends_by_closing_is_read_and_not_reused(extra: by
                 pool.close()
         assert len(server.connections) == 2
 
-    _run(run())
+    runner(run())
 
 
 def test_an_idle_connection_past_the_pool_idle_time_is_not_reused(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, runner: Runner
 ) -> None:
     """A connection idle for `ROUTER_POOL_IDLE_S` or more is closed, not reused (the
     instance, which keeps one open longer, would close it as a call is written on it)."""
@@ -292,20 +308,173 @@ def test_an_idle_connection_past_the_pool_idle_time_is_not_reused(
                 pool.close()
         assert [len(c) for c in server.connections] == [1, 1]
 
-    _run(run())
+    runner(run())
 
 
-def test_headers_and_urls_cannot_add_lines_of_their_own() -> None:
-    """A header or URL with a line break (a config's secret, say) is refused before
-    anything is sent; so is a URL that is not plain http."""
+def test_headers_and_urls_cannot_add_lines_of_their_own(runner: Runner) -> None:
+    """A common header with a line break (a config's secret, say) is refused when the pool
+    is made; a call's own header or URL that cannot be sent as it is (a line break, not
+    ASCII, not plain http) is `httpx.LocalProtocolError`, and nothing is sent."""
     with pytest.raises(ValueError, match="line break"):
         WirePool({"x-secret": "s\r\nx-admin: 1"}, TIMEOUT)
 
     async def run() -> None:
-        pool = WirePool({}, TIMEOUT)
-        with pytest.raises(ValueError, match="line break"):
-            await pool.post("http://127.0.0.1:1/v1/completions", b"{}", {"x": "a\nb"})
-        with pytest.raises(ValueError, match="plain http"):
-            await pool.post("https://127.0.0.1:1/v1/completions", b"{}")
+        async with _serving(Server([])) as server:
+            pool = WirePool({}, TIMEOUT)
+            bad = [
+                (server.url + "/v1/completions", {"x": "a\nb"}),
+                (server.url + "/v1/completions\r\nx-admin: 1", None),
+                (server.url + "/v1/compl\u00e9tions", None),
+                ("https" + server.url.removeprefix("http") + "/v1/completions", None),
+            ]
+            for url, headers in bad:
+                with pytest.raises(httpx.LocalProtocolError):
+                    await pool.post(url, b"{}", headers)
+            pool.close()
+        assert server.connections == []
 
-    _run(run())
+    runner(run())
+
+
+def test_a_calls_own_headers_take_the_place_of_the_common_ones(runner: Runner) -> None:
+    """A header given with a call is sent in place of the common one of its name (any
+    case), never beside it."""
+
+    async def run() -> None:
+        async with _serving(Server([_whole(b"{}")])) as server:
+            pool = WirePool({"Content-Type": "application/json", "x-a": "1"}, TIMEOUT)
+            try:
+                await pool.post(server.url + "/x", b"{}", {"content-type": "text/plain"})
+            finally:
+                pool.close()
+        ((request,),) = server.connections
+        head = request.partition(b"\r\n\r\n")[0].lower()
+        assert head.count(b"content-type:") == 1 and b"content-type: text/plain" in head
+        assert b"x-a: 1" in head
+
+    runner(run())
+
+
+@pytest.mark.parametrize("num_bytes", [16, 2 * wire.HIGH_WATER_BYTES], ids=["small", "paused"])
+def test_an_answer_closed_with_parts_unread_is_never_read_by_the_next_call(
+    num_bytes: int, runner: Runner
+) -> None:
+    """D's whole stream came (its end included) but the relay closed it after its first
+    part (a client that left, a first token that diverged): the rest, buffered, must not
+    reach the next call. The connection is closed (also when so much was left that its
+    reading was paused), and the next call gets only its own answer."""
+
+    async def run() -> None:
+        rest = b"r" * num_bytes
+        answers: list[bytes | None] = [_chunked(b"data: A-1\n\n", rest), _whole(b'{"b": 2}')]
+        async with _serving(Server(answers)) as server:
+            pool = WirePool({}, TIMEOUT)
+            try:
+                resp = await pool.post(server.url + "/v1/completions", b"{}", stream=True)
+                stream = resp.stream
+                assert isinstance(stream, wire.WireStream)
+                assert await stream.next_part() == b"data: A-1\n\n"
+                conn = stream._conn
+                assert conn is not None
+                while not (conn.is_done or conn.is_paused):  # all of it read, or all it takes
+                    await asyncio.sleep(0)
+                await resp.aclose()
+                resp = await pool.post(server.url + "/internal/push/prefill", b"{}")
+                assert resp.content == b'{"b": 2}'
+            finally:
+                pool.close()
+        assert [len(c) for c in server.connections] == [1, 1]
+
+    runner(run())
+
+
+def test_bytes_after_an_answer_leave_it_whole_and_the_connection_unused(runner: Runner) -> None:
+    """The instance sends more after a whole answer (the start of another, junk): the
+    answer is read as it was, and its connection is closed, not reused mid-message."""
+
+    async def run() -> None:
+        after = _whole(b'{"a": 1}') + b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\nINJECTED!"
+        async with _serving(Server([after, _whole(b'{"b": 2}')])) as server:
+            pool = WirePool({}, TIMEOUT)
+            try:
+                resp = await pool.post(server.url + "/x", b"{}")
+                assert (resp.content, resp.headers["content-length"]) == (b'{"a": 1}', "8")
+                assert (await pool.post(server.url + "/x", b"{}")).json() == {"b": 2}
+            finally:
+                pool.close()
+        assert [len(c) for c in server.connections] == [1, 1]
+
+    runner(run())
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [b"HTTP/1.1 103 Early Hints\r\nlink: </x>\r\n\r\n" + _whole(b'{"a": 1}'),
+     b"HTTP/1.1 100 Continue\r\n\r\n" + _whole(b'{"a": 1}'),
+     b"HTTP/1.1 204 No Content\r\n\r\n"],
+    ids=["103", "100", "204"],
+)  # fmt: skip
+def test_interim_and_empty_answers_are_read_as_http_says(answer: bytes, runner: Runner) -> None:
+    """An interim answer (1xx) is not the answer: the one after it is, with its own
+    headers only; a 204 has no body by definition. Either way the connection is reused."""
+
+    async def run() -> None:
+        async with _serving(Server([answer, _whole(b'{"b": 2}')])) as server:
+            pool = WirePool({}, TIMEOUT)
+            try:
+                resp = await pool.post(server.url + "/x", b"{}", stream=True)
+                body = b"".join([part async for part in resp.aiter_bytes()])
+                await resp.aclose()
+                if b" 204 " in answer:
+                    assert (resp.status_code, body) == (204, b"")
+                else:
+                    assert (resp.status_code, body) == (200, b'{"a": 1}')
+                    assert "link" not in resp.headers
+                assert (await pool.post(server.url + "/x", b"{}")).json() == {"b": 2}
+            finally:
+                pool.close()
+        assert [len(c) for c in server.connections] == [2]
+
+    runner(run())
+
+
+def test_an_idle_connection_the_instance_closed_is_not_used_for_a_call(runner: Runner) -> None:
+    """The instance closes an idle connection (a shutdown, a restart) and the router's
+    loop has not read that yet: the next call goes on a new connection and is answered,
+    never written on the closed one (where it would fail as if the instance had seen it).
+    The instance is a thread here, so that the loop stays blocked while it closes."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    closed = threading.Event()
+    seen: list[bytes] = []
+
+    def serve() -> None:
+        for _ in range(2):
+            conn, _ = listener.accept()
+            with conn:
+                data = b""
+                while not data.endswith(b"{}"):
+                    data += conn.recv(65536)
+                seen.append(data.split(b"\r\n")[0])
+                conn.sendall(_whole(b'{"n": %d}' % len(seen)))
+                if len(seen) == 1:
+                    conn.shutdown(socket.SHUT_WR)  # the FIN is out before the event is set
+            closed.set()
+
+    async def run() -> None:
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}/x"
+        pool = WirePool({}, TIMEOUT)
+        try:
+            assert (await pool.post(url, b"{}")).json() == {"n": 1}
+            assert closed.wait(BOUND_S)  # blocks the loop: it reads nothing meanwhile
+            assert (await pool.post(url, b"{}")).json() == {"n": 2}
+        finally:
+            pool.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        runner(run())
+    finally:
+        listener.close()
+        thread.join(BOUND_S)
+    assert seen == [b"POST /x HTTP/1.1"] * 2

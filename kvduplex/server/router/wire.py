@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import select
 import time
 from collections.abc import AsyncIterator
 from typing import cast
@@ -48,20 +49,30 @@ class _Connection(asyncio.Protocol):
     """One connection to an instance and the answer being read on it (one at a time).
 
     httptools calls back into it as it parses (`on_header`, ...); the caller waits on
-    `head`, then takes the body's parts (`next_part`)."""
+    `head`, then takes the body's parts (`next_part`). Reused (`release`) only once its
+    answer was read to the end, nothing of it left unread and nothing after it."""
 
     def __init__(self, pool: WirePool, key: tuple[str, int]) -> None:
         self.pool, self.key = pool, key
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.is_closed = False
+        """The transport is closed or closing: never used again."""
+        self.is_spoiled = False
+        """Something came after the answer: the connection is not reused."""
         self.idle_since = 0.0
-        self.headers: list[tuple[bytes, bytes]] = []
+        self.is_paused = False
+        self._reset()
+
+    def _reset(self) -> None:
+        """No answer in progress: what each answer's reading keeps, afresh."""
         self.head: asyncio.Future[None] | None = None
+        self.has_head = False
+        self.headers: list[tuple[bytes, bytes]] = []
         self.parts: collections.deque[bytes] = collections.deque()
         self.num_buffered = 0
-        self.is_paused = False
         self.waiter: asyncio.Future[None] | None = None
+        self.is_interim = False
         self.is_done = False
         self.error: httpx.HTTPError | None = None
         self.keeps_alive = False
@@ -77,19 +88,25 @@ class _Connection(asyncio.Protocol):
         if self.head is None:  # an idle connection: nothing should come
             self._fail(httpx.RemoteProtocolError("the instance sent data no call asked for"))
             return
+        if self.is_done:  # after the answer: the answer stands, the connection goes
+            self._spoil()
+            return
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self._fail(httpx.RemoteProtocolError(f"the instance's answer is not HTTP: {exc}"))
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            if self.is_done:  # `on_message_begin`: another message after the answer
+                self._spoil()
+            else:
+                self._fail(httpx.RemoteProtocolError(f"the instance's answer is not HTTP: {exc}"))
 
     def eof_received(self) -> bool:
+        self._note_closing()
         return False  # close
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.is_closed = True
-        self.pool.forget(self)
+        self._note_closing()
         if self.head is not None and not self.is_done:
-            if self.head.done() and self.until_close and exc is None:
+            if self.has_head and self.until_close and exc is None:
                 self.is_done = True  # the close is the body's end
             elif self.error is None:
                 why = f": {exc!r}" if exc is not None else ""
@@ -98,15 +115,26 @@ class _Connection(asyncio.Protocol):
 
     # httptools's callbacks
 
+    def on_message_begin(self) -> None:
+        if self.is_done:
+            raise _AfterTheAnswer  # stops the parser: see `data_received`
+
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name, value))
+        if not self.has_head:  # not a chunked body's trailers
+            self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         assert self.head is not None
-        framed = any(
-            n.lower() in (b"content-length", b"transfer-encoding") for n, _ in self.headers
-        )
-        self.until_close = not framed
+        status = self.parser.get_status_code()
+        if 100 <= status < 200:  # an interim answer (103 Early Hints, say): the next is it
+            self.headers, self.is_interim = [], True
+            return
+        self.has_head = True
+        self.until_close = status not in (204, 304) and not any(
+            n.lower() == b"content-length"
+            or (n.lower() == b"transfer-encoding" and v.lower().endswith(b"chunked"))
+            for n, v in self.headers
+        )  # fmt: skip
         self.keeps_alive = self.parser.should_keep_alive()
         if not self.head.done():
             self.head.set_result(None)
@@ -120,6 +148,9 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self.is_interim:
+            self.is_interim = False
+            return
         self.is_done = True
         self._wake()
 
@@ -141,25 +172,32 @@ class _Connection(asyncio.Protocol):
                     self.is_paused = False
                     self.transport.resume_reading()
                 return part
-            if self.error is not None:
-                raise self.error
             if self.is_done:
                 return None
+            if self.error is not None:
+                raise self.error
             self.waiter = asyncio.get_running_loop().create_future()
             try:
                 await self.waiter
             finally:
                 self.waiter = None
 
+    def is_reusable(self) -> bool:
+        """The answer was read to its end, nothing left of it or after it, and the
+        instance keeps the connection open."""
+        return (
+            self.is_done and not self.parts and not self.is_paused and not self.is_spoiled
+            and not self.is_closed and not self.until_close and self.keeps_alive
+        )  # fmt: skip
+
     def release(self) -> None:
-        """The caller is done with the answer: the connection goes back to the pool if the
-        answer was read to its end and the instance keeps the connection, else closes."""
-        is_reusable = self.is_done and self.error is None and not self.is_closed
-        if is_reusable and not self.until_close and self.keeps_alive:
-            self.headers, self.head, self.is_done = [], None, False
+        """The caller is done with the answer: the connection goes back to the pool if it
+        `is_reusable`, else closes (a read in flight then ends with `httpx.ReadError`)."""
+        if self.is_reusable():
+            self._reset()
             self.pool.put_back(self)
-            return
-        self.close(httpx.ReadError("the answer was closed before its end"))
+        else:
+            self.close(httpx.ReadError("the answer was closed before its end"))
 
     def close(self, error: httpx.HTTPError) -> None:
         """Close the connection; a read in flight ends with `error`."""
@@ -167,9 +205,19 @@ class _Connection(asyncio.Protocol):
             self.error = error
         if self.transport is not None:
             self.transport.close()
+        self._note_closing()
+        self._wake()
+
+    def _note_closing(self) -> None:
         self.is_closed = True
         self.pool.forget(self)
-        self._wake()
+
+    def _spoil(self) -> None:
+        """Bytes came after the answer: it stands as read, the connection is closed."""
+        self.is_spoiled = True
+        if self.transport is not None:
+            self.transport.close()
+        self._note_closing()
 
     def _fail(self, error: httpx.HTTPError) -> None:
         self.error = self.error or error
@@ -184,6 +232,10 @@ class _Connection(asyncio.Protocol):
         if self.head is not None and not self.head.done() and self.error is not None:
             self.head.set_exception(self.error)
             self.head.exception()
+
+
+class _AfterTheAnswer(Exception):
+    """A message began on a connection after its answer ended (not asked for)."""
 
 
 class WireStream(httpx.AsyncByteStream):
@@ -214,9 +266,11 @@ class WirePool:
     No cap: every request in flight holds one to its P and one to its D."""
 
     def __init__(self, headers: dict[str, str], timeout: httpx.Timeout) -> None:
-        """`headers`: sent on every call (checked once: no line breaks); `timeout`: its
-        connect and read deadlines (read: a whole answer's)."""
-        self._headers = _header_lines(headers)
+        """`headers`: sent on every call (checked once: `ValueError` if one holds a line
+        break); `timeout`: its connect and read deadlines (read: a whole answer's)."""
+        self._base_headers = {name.lower(): value for name, value in headers.items()}
+        self._headers = _header_lines(self._base_headers)
+        self._is_closed = False
         self._connect_timeout_s = timeout.connect
         self._read_timeout_s = timeout.read
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
@@ -231,13 +285,19 @@ class WirePool:
         """POST `content` (JSON) to `url` (``http://``): the answer read whole within the
         read deadline, or (`stream`) once its head came, with no deadline (a stream's read
         ends when its instance is marked unhealthy, `calls.py`), its body to be read
-        (`WireStream`) and closed by the caller."""
-        key, head = self._target(url)
-        extra = _header_lines(headers) if headers else b""
+        (`WireStream`) and closed by the caller. `headers` are sent in place of the common
+        ones of the same names. A URL or header that cannot be sent as it is (a line
+        break, not ASCII) is `httpx.LocalProtocolError`, and nothing is sent."""
+        try:
+            key, head = self._target(url)
+            lines = self._headers
+            if headers:
+                extra = {name.lower(): value for name, value in headers.items()}
+                lines = _header_lines({**self._base_headers, **extra})
+        except ValueError as exc:
+            raise httpx.LocalProtocolError(str(exc)) from None
         conn = self._take(key) or await self._connect(key)
-        conn.send(b"%s%s%scontent-length: %d\r\n\r\n%s" % (
-            head, self._headers, extra, len(content), content,
-        ))  # fmt: skip
+        conn.send(b"%s%scontent-length: %d\r\n\r\n%s" % (head, lines, len(content), content))
         assert conn.head is not None
         try:
             if stream:
@@ -263,6 +323,9 @@ class WirePool:
         return response
 
     def put_back(self, conn: _Connection) -> None:
+        if self._is_closed:  # a stream that ended after the pool closed
+            conn.close(httpx.ReadError("the router's client closed"))
+            return
         conn.idle_since = now = time.monotonic()
         self._idle.setdefault(conn.key, []).append(conn)
         if now - self._swept_at >= ROUTER_POOL_IDLE_S:
@@ -284,20 +347,29 @@ class WirePool:
 
     def close(self) -> None:
         """Close every idle connection (those in use close as their callers end)."""
+        self._is_closed = True
         for idle in list(self._idle.values()):
             for conn in list(idle):
                 conn.close(httpx.ReadError("the router's client closed"))
         self._idle.clear()
 
     def _take(self, key: tuple[str, int]) -> _Connection | None:
-        """The most recently used idle connection to `key` that is still good, if any."""
+        """The most recently used idle connection to `key` that is still good, if any: not
+        idle too long, and not closed by the instance, even if the event loop has not read
+        that yet (an idle connection with anything to read has only its end to read, as
+        urllib3 checks its own: the call would fail as it is written, as if the instance
+        had seen it, and be answered 502, not sent to another instance)."""
         idle = self._idle.get(key)
         now = time.monotonic()
         while idle:
             conn = idle.pop()
-            if not conn.is_closed and now - conn.idle_since < ROUTER_POOL_IDLE_S:
-                return conn
-            conn.close(httpx.ReadError("idle too long"))
+            if now - conn.idle_since < ROUTER_POOL_IDLE_S and not conn.is_closed:
+                transport = conn.transport
+                if transport is not None and not transport.is_closing():
+                    sock = transport.get_extra_info("socket")
+                    if sock is None or not select.select([sock], [], [], 0)[0]:
+                        return conn
+            conn.close(httpx.ReadError("idle too long, or closed by the instance"))
         return None
 
     async def _connect(self, key: tuple[str, int]) -> _Connection:
@@ -328,6 +400,8 @@ class WirePool:
             if " " in path:
                 raise ValueError(f"a space in the URL's path: {url}")
             line = f"POST {path} HTTP/1.1\r\nhost: {host}:{port}\r\n"
+            if not line.isascii():
+                raise ValueError(f"not an ASCII URL: {url!r}")
             target = self._targets[url] = ((parts.hostname, port), line.encode("ascii"))
         return target
 
