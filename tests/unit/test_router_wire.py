@@ -359,8 +359,8 @@ def test_a_calls_own_headers_take_the_place_of_the_common_ones(runner: Runner) -
 def test_an_answer_closed_with_parts_unread_is_never_read_by_the_next_call(
     num_bytes: int, runner: Runner
 ) -> None:
-    """D's whole stream came (its end included) but the relay closed it after its first
-    part (a client that left, a first token that diverged): the rest, buffered, must not
+    """D's whole stream came (its end included) but the relay closed it before reading it
+    all (a client that left, a first token that diverged): what is buffered must not
     reach the next call. The connection is closed (also when so much was left that its
     reading was paused), and the next call gets only its own answer."""
 
@@ -373,7 +373,6 @@ def test_an_answer_closed_with_parts_unread_is_never_read_by_the_next_call(
                 resp = await pool.post(server.url + "/v1/completions", b"{}", stream=True)
                 stream = resp.stream
                 assert isinstance(stream, wire.WireStream)
-                assert await stream.next_part() == b"data: A-1\n\n"
                 conn = stream._conn
                 assert conn is not None
                 while not (conn.is_done or conn.is_paused):  # all of it read, or all it takes

@@ -163,12 +163,16 @@ class _Connection(asyncio.Protocol):
         self.transport.write(request)
 
     async def next_part(self) -> bytes | None:
-        """The body's next part as it arrives; None at its end."""
+        """What came of the body since the last part, once there is some (all of it
+        joined, as aiohttp's `readany`: a burst of events is relayed in one write); None
+        at its end."""
         while True:
             if self.parts:
-                part = self.parts.popleft()
-                self.num_buffered -= len(part)
-                if self.is_paused and self.num_buffered <= HIGH_WATER_BYTES and self.transport:
+                parts = self.parts
+                part = parts.popleft() if len(parts) == 1 else b"".join(parts)
+                parts.clear()
+                self.num_buffered = 0
+                if self.is_paused and self.transport:
                     self.is_paused = False
                     self.transport.resume_reading()
                 return part
