@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
+import os
+import resource
 import socket
 import threading
 from collections.abc import AsyncIterator
@@ -477,3 +480,19 @@ def test_an_idle_connection_the_instance_closed_is_not_used_for_a_call(runner: R
         listener.close()
         thread.join(BOUND_S)
     assert seen == [b"POST /x HTTP/1.1"] * 2
+
+
+def test_an_idle_connections_end_is_seen_whatever_its_file_number() -> None:
+    """The check for input on an idle connection works for any file number, past
+    select's 1,024 too (a router with a thousand streams has that many sockets)."""
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[0] < 1200:
+        pytest.skip("the open-files limit is under 1,200 here")
+    ours, theirs = socket.socketpair()
+    high = fcntl.fcntl(ours.fileno(), fcntl.F_DUPFD, 1100)
+    try:
+        assert not wire._has_input(high)
+        theirs.close()  # the end is there to read
+        assert wire._has_input(high)
+    finally:
+        os.close(high)
+        ours.close()

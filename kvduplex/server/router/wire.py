@@ -371,7 +371,7 @@ class WirePool:
                 transport = conn.transport
                 if transport is not None and not transport.is_closing():
                     sock = transport.get_extra_info("socket")
-                    if sock is None or not select.select([sock], [], [], 0)[0]:
+                    if sock is None or not _has_input(sock.fileno()):
                         return conn
             conn.close(httpx.ReadError("idle too long, or closed by the instance"))
         return None
@@ -413,6 +413,13 @@ class WirePool:
 async def _parts(conn: _Connection) -> AsyncIterator[bytes]:
     while (part := await conn.next_part()) is not None:
         yield part
+
+
+def _has_input(fd: int) -> bool:
+    """Whether `fd` has anything to read now (poll, not select: any fd number)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def is_wire_url(url: str) -> bool:
