@@ -496,3 +496,152 @@ def test_an_idle_connections_end_is_seen_whatever_its_file_number() -> None:
     finally:
         os.close(high)
         ours.close()
+
+
+@pytest.mark.parametrize("framing", ["chunked", "until_close"])
+def test_a_read_in_flight_on_a_stream_closed_from_another_task_fails(
+    framing: str, runner: Runner
+) -> None:
+    """The relay closes D's stream from a task of its own when D is marked unhealthy
+    (`relay.relay`): the read in flight ends with `httpx.ReadError`, never as if the
+    answer had ended, whether D's body is chunked or ends with its connection."""
+
+    async def run() -> None:
+        if framing == "chunked":
+            first = _chunked(b"data: 1\n\n")[: -len(b"0\r\n\r\n")]
+        else:
+            first = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\ndata: 1\n\n"
+        gate = asyncio.Event()
+
+        async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(first)
+            await gate.wait()
+            writer.close()
+
+        listening = await asyncio.start_server(hold, "127.0.0.1", 0)
+        async with listening:
+            url = f"http://127.0.0.1:{listening.sockets[0].getsockname()[1]}/v1/completions"
+            pool = WirePool({}, TIMEOUT)
+            try:
+                resp = await pool.post(url, b"{}", stream=True)
+                stream = resp.stream
+                assert isinstance(stream, wire.WireStream)
+                assert await stream.next_part() == b"data: 1\n\n"
+                conn = stream._conn
+                assert conn is not None
+                read = asyncio.ensure_future(stream.next_part())
+                while conn.waiter is None:  # the read waits for D's next part
+                    await asyncio.sleep(0)
+                await asyncio.ensure_future(resp.aclose())  # as `relay`'s abandon does
+                with pytest.raises(httpx.ReadError):
+                    await read
+            finally:
+                gate.set()
+                pool.close()
+
+    runner(run())
+
+
+def test_a_stream_closed_while_its_last_read_wakes_is_not_pooled(
+    monkeypatch: pytest.MonkeyPatch, runner: Runner
+) -> None:
+    """D's stream is closed from another task (`relay`'s abandon) in the loop turn in which
+    its end arrives, after the end woke the read in flight and before that read ran: the
+    connection is closed, not pooled under the read (which would wait on it for good, or
+    read the next call's answer); the read sees the end, and the next call its answer."""
+    hooks: list[Callable[[], None]] = []
+    data_received = wire._Connection.data_received
+
+    def first_the_hooks(self: wire._Connection, data: bytes) -> None:
+        while hooks:
+            hooks.pop()()
+        data_received(self, data)
+
+    # On the class: uvloop binds a protocol's data_received when the connection is made.
+    monkeypatch.setattr(wire._Connection, "data_received", first_the_hooks)
+
+    async def run() -> None:
+        end = asyncio.Event()
+        stream_head = _chunked(b"data: 1\n\n")[: -len(b"0\r\n\r\n")]
+
+        num_connections = 0
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal num_connections
+            num_connections += 1
+            with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+                await reader.readuntil(b"\r\n\r\n")
+                if num_connections == 1:  # D's stream, its end once `end` is set
+                    writer.write(stream_head)
+                    await end.wait()
+                    writer.write(b"0\r\n\r\n")
+                    await reader.readuntil(b"\r\n\r\n")  # a next call, if it came here
+                writer.write(_whole(b'{"b": 2}'))
+                await writer.drain()
+
+        listening = await asyncio.start_server(serve, "127.0.0.1", 0)
+        async with listening:
+            url = f"http://127.0.0.1:{listening.sockets[0].getsockname()[1]}/x"
+            pool = WirePool({}, TIMEOUT)
+            try:
+                resp = await pool.post(url, b"{}", stream=True)
+                stream = resp.stream
+                assert isinstance(stream, wire.WireStream)
+                assert await stream.next_part() == b"data: 1\n\n"
+                read = asyncio.ensure_future(stream.next_part())
+                conn = stream._conn
+                assert conn is not None
+                while conn.waiter is None:
+                    await asyncio.sleep(0)
+                closing: list[asyncio.Future[None]] = []
+                hooks.append(lambda: closing.append(asyncio.ensure_future(resp.aclose())))
+                end.set()  # the end arrives; the close was scheduled just before it
+                assert await read is None  # the answer did end
+                await closing[0]
+                assert conn.is_closed, "pooled under a read in flight"
+                assert (await pool.post(url, b"{}")).json() == {"b": 2}
+                assert num_connections == 2
+            finally:
+                pool.close()
+
+    runner(run())
+
+
+def test_a_host_name_that_cannot_be_resolved_as_written_is_a_connect_error(
+    runner: Runner,
+) -> None:
+    """A host name IDNA refuses (an empty label) fails as a connection does, not with an
+    error the flows do not handle."""
+
+    async def run() -> None:
+        pool = WirePool({}, TIMEOUT)
+        with pytest.raises(httpx.ConnectError):
+            await pool.post("http://a..b:8000/v1/completions", b"{}")
+
+    runner(run())
+
+
+def test_a_stream_dropped_unclosed_closes_its_connection(runner: Runner) -> None:
+    """A stream its caller dropped without closing it (a cancel between the call and the
+    relay) closes its connection once collected: the instance sees the router leave."""
+
+    async def run() -> None:
+        closed = asyncio.Event()
+
+        async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(_chunked(b"data: 1\n\n")[: -len(b"0\r\n\r\n")])
+            await reader.read()  # until the router closes
+            closed.set()
+
+        listening = await asyncio.start_server(hold, "127.0.0.1", 0)
+        async with listening:
+            url = f"http://127.0.0.1:{listening.sockets[0].getsockname()[1]}/x"
+            pool = WirePool({}, TIMEOUT)
+            resp = await pool.post(url, b"{}", stream=True)
+            del resp  # dropped: collected at once (no cycle holds it)
+            await _bounded(closed.wait())
+            pool.close()
+
+    runner(run())

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import select
 import time
 from collections.abc import AsyncIterator
@@ -61,6 +62,7 @@ class _Connection(asyncio.Protocol):
         self.is_spoiled = False
         """Something came after the answer: the connection is not reused."""
         self.idle_since = 0.0
+        self.is_pooled = False
         self.is_paused = False
         self._reset()
 
@@ -106,8 +108,8 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._note_closing()
         if self.head is not None and not self.is_done:
-            if self.has_head and self.until_close and exc is None:
-                self.is_done = True  # the close is the body's end
+            if self.error is None and self.has_head and self.until_close and exc is None:
+                self.is_done = True  # the instance's close is the body's end (not ours)
             elif self.error is None:
                 why = f": {exc!r}" if exc is not None else ""
                 self.error = httpx.RemoteProtocolError(f"the instance closed the connection{why}")
@@ -197,7 +199,7 @@ class _Connection(asyncio.Protocol):
     def release(self) -> None:
         """The caller is done with the answer: the connection goes back to the pool if it
         `is_reusable`, else closes (a read in flight then ends with `httpx.ReadError`)."""
-        if self.is_reusable():
+        if self.is_reusable() and self.waiter is None:  # no read in flight, nor its wake-up
             self._reset()
             self.pool.put_back(self)
         else:
@@ -249,6 +251,13 @@ class WireStream(httpx.AsyncByteStream):
     def __init__(self, conn: _Connection) -> None:
         self._conn: _Connection | None = conn
 
+    def __del__(self) -> None:
+        """A stream dropped unclosed (a caller cancelled before it closed it) closes its
+        connection, as aiohttp's response does, rather than holding it open for good."""
+        if self._conn is not None and not self._conn.is_closed:
+            with contextlib.suppress(RuntimeError):  # the event loop is closed already
+                self._conn.close(httpx.ReadError("the answer was dropped unclosed"))
+
     async def __aiter__(self) -> AsyncIterator[bytes]:
         while (part := await self.next_part()) is not None:
             yield part
@@ -277,7 +286,7 @@ class WirePool:
         self._is_closed = False
         self._connect_timeout_s = timeout.connect
         self._read_timeout_s = timeout.read
-        self._idle: dict[tuple[str, int], list[_Connection]] = {}
+        self._idle: dict[tuple[str, int], collections.deque[_Connection]] = {}
         """Idle connections by host and port, the least recently used first."""
         self._swept_at = time.monotonic()
         self._targets: dict[str, tuple[tuple[str, int], bytes]] = {}
@@ -331,7 +340,8 @@ class WirePool:
             conn.close(httpx.ReadError("the router's client closed"))
             return
         conn.idle_since = now = time.monotonic()
-        self._idle.setdefault(conn.key, []).append(conn)
+        conn.is_pooled = True
+        self._idle.setdefault(conn.key, collections.deque()).append(conn)
         if now - self._swept_at >= ROUTER_POOL_IDLE_S:
             self._sweep(now)
 
@@ -340,14 +350,20 @@ class WirePool:
         self._swept_at = now
         for key, idle in list(self._idle.items()):
             while idle and now - idle[0].idle_since >= ROUTER_POOL_IDLE_S:
-                idle.pop(0).close(httpx.ReadError("idle too long"))
+                self._unpool(idle.popleft()).close(httpx.ReadError("idle too long"))
             if not idle:
                 del self._idle[key]
 
     def forget(self, conn: _Connection) -> None:
-        idle = self._idle.get(conn.key)
-        if idle and conn in idle:
-            idle.remove(conn)
+        """`conn` closed: out of the pool if it was idle there."""
+        if conn.is_pooled:
+            self._unpool(conn)
+            self._idle[conn.key].remove(conn)
+
+    @staticmethod
+    def _unpool(conn: _Connection) -> _Connection:
+        conn.is_pooled = False
+        return conn
 
     def close(self) -> None:
         """Close every idle connection (those in use close as their callers end)."""
@@ -366,7 +382,7 @@ class WirePool:
         idle = self._idle.get(key)
         now = time.monotonic()
         while idle:
-            conn = idle.pop()
+            conn = self._unpool(idle.pop())
             if now - conn.idle_since < ROUTER_POOL_IDLE_S and not conn.is_closed:
                 transport = conn.transport
                 if transport is not None and not transport.is_closing():
@@ -384,7 +400,7 @@ class WirePool:
                 await loop.create_connection(lambda: conn, *key)
         except TimeoutError:
             raise httpx.ConnectTimeout(f"connecting to {key[0]}:{key[1]} timed out") from None
-        except OSError as exc:
+        except (OSError, UnicodeError) as exc:  # UnicodeError: a host name IDNA refuses
             raise httpx.ConnectError(f"connecting to {key[0]}:{key[1]} failed: {exc}") from exc
         return conn
 
@@ -397,7 +413,7 @@ class WirePool:
             parts = urlsplit(url)
             if parts.scheme != "http" or parts.hostname is None:
                 raise ValueError(f"not a plain http URL: {url}")
-            port = parts.port or 80
+            port = 80 if parts.port is None else parts.port
             path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
             host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
             _check_field(path, host)
