@@ -111,6 +111,23 @@ async def _read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
     return head, await reader.readexactly(length[0]) if length else b""
 
 
+def _answer_then_hold(
+    answer: bytes, router_left: asyncio.Event
+) -> Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]:
+    """A raw server's handler: reads one request, writes `answer`, then holds the
+    connection until the router lets go of it (and sets `router_left`)."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(answer)
+        await writer.drain()
+        await reader.read()  # until the router lets go of the connection
+        router_left.set()
+        writer.close()
+
+    return serve
+
+
 @contextlib.asynccontextmanager
 async def _router(
     config: RouterConfig, transport: httpx.AsyncBaseTransport | None = None
@@ -224,14 +241,7 @@ def test_a_body_read_that_fails_with_aiohttps_own_error_fails_with_httpxs() -> N
     as httpx reads them (the probes' and `/v1/models`' client), fail with
     `httpx.RemoteProtocolError`."""
     router_left = asyncio.Event()
-
-    async def head_then_hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await _read_request(reader)
-        writer.write(CHUNKED_HEAD)
-        await writer.drain()
-        await reader.read()  # until the router lets go of the connection
-        router_left.set()
-        writer.close()
+    head_then_hold = _answer_then_hold(CHUNKED_HEAD, router_left)
 
     async def run() -> None:
         transport = InstanceTransport(client=instance_session)
@@ -260,16 +270,9 @@ def test_a_stream_whose_chunk_is_not_http_fails_its_read(how: str) -> None:
     (`relay.body_parts`), gives the event, then fails with `httpx.RemoteProtocolError`
     (it does not wait for more), and its connection is closed."""
     router_left = asyncio.Event()
-
-    async def event_then_garbage(
-        reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        await _read_request(reader)
-        writer.write(CHUNKED_HEAD + b"7\r\ndata: 1\r\nzz-not-a-size\r\n")
-        await writer.drain()
-        await reader.read()  # until the router lets go of the connection
-        router_left.set()
-        writer.close()
+    event_then_garbage = _answer_then_hold(
+        CHUNKED_HEAD + b"7\r\ndata: 1\r\nzz-not-a-size\r\n", router_left
+    )
 
     async def run() -> None:
         transport = InstanceTransport(client=instance_session)

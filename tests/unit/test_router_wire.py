@@ -27,6 +27,7 @@ import uvloop
 
 from kvduplex.server.router import wire
 from kvduplex.server.router.wire import WirePool
+from tests.unit.test_router_instance_faults import _socket_server as _raw_server
 
 T = TypeVar("T")
 
@@ -88,9 +89,8 @@ class Server:
 
 @contextlib.asynccontextmanager
 async def _serving(server: Server) -> AsyncIterator[Server]:
-    listening = await asyncio.start_server(server.handle, "127.0.0.1", 0)
-    async with listening:
-        server.url = f"http://127.0.0.1:{listening.sockets[0].getsockname()[1]}"
+    async with _raw_server(server.handle) as url:
+        server.url = url
         yield server
 
 
@@ -180,9 +180,8 @@ def test_a_cancelled_call_closes_its_connection(runner: Runner) -> None:
             closed.set()
             writer.close()
 
-        listening = await asyncio.start_server(hold, "127.0.0.1", 0)
-        async with listening:
-            url = f"http://127.0.0.1:{listening.sockets[0].getsockname()[1]}"
+        async with _raw_server(hold) as base:
+            url = base
             pool = WirePool({}, TIMEOUT)
             try:
                 for stream in (False, True):
@@ -257,9 +256,8 @@ def test_a_whole_answer_later_than_its_deadline_is_a_read_timeout(runner: Runner
         writer.close()
 
     async def run() -> None:
-        listening = await asyncio.start_server(never, "127.0.0.1", 0)
-        async with listening:
-            url = f"http://127.0.0.1:{listening.sockets[0].getsockname()[1]}"
+        async with _raw_server(never) as base:
+            url = base
             pool = WirePool({}, httpx.Timeout(0.05, connect=BOUND_S))
             with pytest.raises(httpx.ReadTimeout):
                 await pool.post(url + "/internal/push/prefill", b"{}")
@@ -498,6 +496,23 @@ def test_an_idle_connections_end_is_seen_whatever_its_file_number() -> None:
         ours.close()
 
 
+async def _a_read_waiting(
+    pool: WirePool, url: str
+) -> tuple[httpx.Response, wire._Connection, asyncio.Future[bytes | None]]:
+    """D's stream opened, its first part (``data: 1``) read, and a read of the next one in
+    flight, waiting for D."""
+    resp = await pool.post(url, b"{}", stream=True)
+    stream = resp.stream
+    assert isinstance(stream, wire.WireStream)
+    assert await stream.next_part() == b"data: 1\n\n"
+    conn = stream._conn
+    assert conn is not None
+    read = asyncio.ensure_future(stream.next_part())
+    while conn.waiter is None:  # the read waits for D's next part
+        await asyncio.sleep(0)
+    return resp, conn, read
+
+
 @pytest.mark.parametrize("framing", ["chunked", "until_close"])
 def test_a_read_in_flight_on_a_stream_closed_from_another_task_fails(
     framing: str, runner: Runner
@@ -519,20 +534,11 @@ def test_a_read_in_flight_on_a_stream_closed_from_another_task_fails(
             await gate.wait()
             writer.close()
 
-        listening = await asyncio.start_server(hold, "127.0.0.1", 0)
-        async with listening:
-            url = f"http://127.0.0.1:{listening.sockets[0].getsockname()[1]}/v1/completions"
+        async with _raw_server(hold) as base:
+            url = base + "/v1/completions"
             pool = WirePool({}, TIMEOUT)
             try:
-                resp = await pool.post(url, b"{}", stream=True)
-                stream = resp.stream
-                assert isinstance(stream, wire.WireStream)
-                assert await stream.next_part() == b"data: 1\n\n"
-                conn = stream._conn
-                assert conn is not None
-                read = asyncio.ensure_future(stream.next_part())
-                while conn.waiter is None:  # the read waits for D's next part
-                    await asyncio.sleep(0)
+                resp, _, read = await _a_read_waiting(pool, url)
                 await asyncio.ensure_future(resp.aclose())  # as `relay`'s abandon does
                 with pytest.raises(httpx.ReadError):
                     await read
@@ -580,20 +586,11 @@ def test_a_stream_closed_while_its_last_read_wakes_is_not_pooled(
                 writer.write(_whole(b'{"b": 2}'))
                 await writer.drain()
 
-        listening = await asyncio.start_server(serve, "127.0.0.1", 0)
-        async with listening:
-            url = f"http://127.0.0.1:{listening.sockets[0].getsockname()[1]}/x"
+        async with _raw_server(serve) as base:
+            url = base + "/x"
             pool = WirePool({}, TIMEOUT)
             try:
-                resp = await pool.post(url, b"{}", stream=True)
-                stream = resp.stream
-                assert isinstance(stream, wire.WireStream)
-                assert await stream.next_part() == b"data: 1\n\n"
-                read = asyncio.ensure_future(stream.next_part())
-                conn = stream._conn
-                assert conn is not None
-                while conn.waiter is None:
-                    await asyncio.sleep(0)
+                resp, conn, read = await _a_read_waiting(pool, url)
                 closing: list[asyncio.Future[None]] = []
                 hooks.append(lambda: closing.append(asyncio.ensure_future(resp.aclose())))
                 end.set()  # the end arrives; the close was scheduled just before it
@@ -635,9 +632,8 @@ def test_a_stream_dropped_unclosed_closes_its_connection(runner: Runner) -> None
             await reader.read()  # until the router closes
             closed.set()
 
-        listening = await asyncio.start_server(hold, "127.0.0.1", 0)
-        async with listening:
-            url = f"http://127.0.0.1:{listening.sockets[0].getsockname()[1]}/x"
+        async with _raw_server(hold) as base:
+            url = base + "/x"
             pool = WirePool({}, TIMEOUT)
             resp = await pool.post(url, b"{}", stream=True)
             del resp  # dropped: collected at once (no cycle holds it)
