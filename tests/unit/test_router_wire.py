@@ -26,6 +26,7 @@ import pytest
 import uvloop
 
 from kvduplex.server.router import wire
+from kvduplex.server.router import wire_protocol
 from kvduplex.server.router.wire import WirePool
 from tests.unit.test_router_instance_faults import _socket_server as _raw_server
 
@@ -112,7 +113,7 @@ def runner(request: pytest.FixtureRequest) -> Runner:
 def test_answers_framed_each_way_are_read_whole_and_the_connection_reused(runner: Runner) -> None:
     """A whole answer (content-length), a chunked stream and a big body read whole; one
     connection carries all three calls, each request as the instances read it."""
-    big = b"x" * (3 * wire.HIGH_WATER_BYTES)  # past the high-water mark: read paused, resumed
+    big = b"x" * (3 * wire_protocol.HIGH_WATER_BYTES)  # past the high-water mark: paused
 
     async def run() -> None:
         answers: list[bytes | None] = [_whole(b'{"a": 1}'), _chunked(b"data: 1\n\n", b"data: 2\n\n"),
@@ -356,7 +357,9 @@ def test_a_calls_own_headers_take_the_place_of_the_common_ones(runner: Runner) -
     runner(run())
 
 
-@pytest.mark.parametrize("num_bytes", [16, 2 * wire.HIGH_WATER_BYTES], ids=["small", "paused"])
+@pytest.mark.parametrize(
+    "num_bytes", [16, 2 * wire_protocol.HIGH_WATER_BYTES], ids=["small", "paused"]
+)
 def test_an_answer_closed_with_parts_unread_is_never_read_by_the_next_call(
     num_bytes: int, runner: Runner
 ) -> None:
@@ -498,7 +501,7 @@ def test_an_idle_connections_end_is_seen_whatever_its_file_number() -> None:
 
 async def _a_read_waiting(
     pool: WirePool, url: str
-) -> tuple[httpx.Response, wire._Connection, asyncio.Future[bytes | None]]:
+) -> tuple[httpx.Response, wire_protocol.Connection, asyncio.Future[bytes | None]]:
     """D's stream opened, its first part (``data: 1``) read, and a read of the next one in
     flight, waiting for D."""
     resp = await pool.post(url, b"{}", stream=True)
@@ -557,15 +560,15 @@ def test_a_stream_closed_while_its_last_read_wakes_is_not_pooled(
     connection is closed, not pooled under the read (which would wait on it for good, or
     read the next call's answer); the read sees the end, and the next call its answer."""
     hooks: list[Callable[[], None]] = []
-    data_received = wire._Connection.data_received
+    data_received = wire_protocol.Connection.data_received
 
-    def first_the_hooks(self: wire._Connection, data: bytes) -> None:
+    def first_the_hooks(self: wire_protocol.Connection, data: bytes) -> None:
         while hooks:
             hooks.pop()()
         data_received(self, data)
 
     # On the class: uvloop binds a protocol's data_received when the connection is made.
-    monkeypatch.setattr(wire._Connection, "data_received", first_the_hooks)
+    monkeypatch.setattr(wire_protocol.Connection, "data_received", first_the_hooks)
 
     async def run() -> None:
         end = asyncio.Event()
