@@ -2,12 +2,13 @@
 
 Each routed request makes two calls before its first token (P's prefill, D's
 stream) and reads one part per token of D's stream; under load the router's
-core waits for nothing else. Through aiohttp, as the router called it, a call
-cost 170-320 us of that core (a request and a response object, a timer, the
-body written from a task of its own before Python 3.12) and a part five Python
-calls or more (its stream reader's feed, chunk marks, flow control); over an
-asyncio protocol around httptools's parser (uvicorn's, llhttp's C:
-`wire_protocol.Connection`) a call costs about half that and a part two calls
+core waits for nothing else. Through aiohttp alone a call cost 110-240 us of
+that core (a request and a response object, a timer, the body written from a
+task of its own before Python 3.12; the router wrapped httpx's response around
+it) and a part five Python calls or more (its stream reader's feed, chunk
+marks, flow control); over an asyncio protocol around httptools's parser
+(uvicorn's, llhttp's C: `wire_protocol.Connection`) a call, httpx's response
+included, costs about two thirds of that and a part two calls
 (`benchmarks/bench_http_clients.py`). This is that protocol's keep-alive pool,
 for what the router sends: a POST of a JSON body to an instance over plain HTTP
 (a ``https`` URL goes through aiohttp, `state.InstanceTransport`), its answer
