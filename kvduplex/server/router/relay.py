@@ -302,7 +302,7 @@ def body_parts(upstream: httpx.Response) -> AsyncIterator[bytes]:
         return _parts(upstream.content)
     stream = upstream.stream
     if isinstance(stream, WireStream) and "content-encoding" not in upstream.headers:
-        return _wire_parts(stream)
+        return aiter(stream)  # its own parts, as they come
     if isinstance(stream, AiohttpResponseStream) and "content-encoding" not in upstream.headers:
         return _aiohttp_parts(stream._aiohttp_response.content)
     return upstream.aiter_bytes()
@@ -310,11 +310,6 @@ def body_parts(upstream: httpx.Response) -> AsyncIterator[bytes]:
 
 async def _parts(content: bytes) -> AsyncIterator[bytes]:
     yield content
-
-
-async def _wire_parts(stream: WireStream) -> AsyncIterator[bytes]:
-    while (part := await stream.next_part()) is not None:
-        yield part
 
 
 async def _aiohttp_parts(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:

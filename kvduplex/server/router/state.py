@@ -225,8 +225,8 @@ class InstanceCalls:
     layers (URL merging and parsing, auth and redirect handling, cookies, default
     headers), which cost the router ~0.4 ms of its core per call
     (`benchmarks/bench_http_clients.py`), two calls on each request's first token's path.
-    Over the router's own transport a plain http URL goes to `wire.WirePool` (a third of
-    aiohttp's CPU a call and a part: `bench_http_clients.py`, `bench_router_capacity.py
+    Over the router's own transport a plain http URL goes to `wire.WirePool` (two thirds of
+    aiohttp's CPU a call, two Python calls a part where aiohttp made five: `bench_http_clients.py`, `bench_router_capacity.py
     --compare`), any other (https) to aiohttp (`InstanceTransport.post`), neither making
     an `httpx.Request`; any other transport (a test's) gets an `httpx.Request`, each URL
     parsed once."""

@@ -90,6 +90,8 @@ class WirePool:
         """Idle connections by host and port, the least recently used first."""
         self._swept_at = time.monotonic()
         self._targets: dict[str, tuple[tuple[str, int], bytes]] = {}
+        self._lines: dict[tuple[tuple[str, str], ...], bytes] = {}
+        """The header lines of each set of a call's own headers (a chat's: one), made once."""
 
     async def post(
         self, url: str, content: bytes, headers: dict[str, str] | None = None,
@@ -103,10 +105,7 @@ class WirePool:
         break, not ASCII) is `httpx.LocalProtocolError`, and nothing is sent."""
         try:
             key, head = self._target(url)
-            lines = self._headers
-            if headers:
-                extra = {name.lower(): value for name, value in headers.items()}
-                lines = _header_lines({**self._base_headers, **extra})
+            lines = self._lines_with(headers) if headers else self._headers
         except ValueError as exc:
             raise httpx.LocalProtocolError(str(exc)) from None
         conn = self._take(key) or await self._connect(key)
@@ -134,6 +133,17 @@ class WirePool:
         response = httpx.Response(status, headers=conn.headers, content=body, extensions=extensions)
         conn.release()
         return response
+
+    def _lines_with(self, headers: dict[str, str]) -> bytes:
+        """The header lines with `headers` in place of the common ones of their names."""
+        key = tuple(headers.items())
+        lines = self._lines.get(key)
+        if lines is None:
+            if len(self._lines) >= 64:  # the router's calls use one or two sets
+                self._lines.clear()
+            extra = {name.lower(): value for name, value in headers.items()}
+            lines = self._lines[key] = _header_lines({**self._base_headers, **extra})
+        return lines
 
     def put_back(self, conn: Connection) -> None:
         if self._is_closed:  # a stream that ended after the pool closed
