@@ -23,7 +23,6 @@ from fastapi import FastAPI
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from starlette.datastructures import Headers
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
@@ -85,13 +84,25 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request", param
 
 
+def _client_request_id(scope: Scope) -> str | None:
+    """The request's ``X-Request-ID``, as `Headers.get` reads it (the first; ASGI header
+    names are lowercase), without making a `Headers` for every request."""
+    for key, value in scope["headers"]:
+        if key == _REQUEST_ID_KEY:
+            return str(value.decode("latin-1"))
+    return None
+
+
+_REQUEST_ID_KEY = REQUEST_ID_HEADER.encode("latin-1")
+
+
 def request_id_of(scope: Scope) -> str:
     """How a log line names a request: the instance's own id once it has one (set as
     ``request.state.request_id`` by the route), else the client's X-Request-ID, else "-"."""
     own = (scope.get("state") or {}).get("request_id")
     if own:
         return str(own)
-    return Headers(scope=scope).get(REQUEST_ID_HEADER) or "-"
+    return _client_request_id(scope) or "-"
 
 
 def internal_error(scope: Scope, exc: BaseException) -> JSONResponse:
@@ -149,7 +160,7 @@ class RequestIdEcho:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        client_id = Headers(scope=scope).get(REQUEST_ID_HEADER) if scope["type"] == "http" else None
+        client_id = _client_request_id(scope) if scope["type"] == "http" else None
         if client_id is None:
             await self.app(scope, receive, send)
             return

@@ -4,6 +4,7 @@ port, as a prefill instance answers the reference routers; the floors relay whol
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import math
@@ -196,3 +197,18 @@ def test_the_timeline_notes_every_request_of_a_run() -> None:
     stages = timeline.stages_ms("direct.")
     assert stages["to_d"] >= 0 and stages["d_first_to_client"] >= 0
     assert math.isnan(stages["to_p"])  # straight to D: no P
+
+
+def test_the_path_benchmark_times_each_stage_of_a_routed_request() -> None:
+    """`bench_router_path.py` runs this checkout's router against the stub, in a process
+    of its own: each stage's p50, warm and cold, in order (P's call before D's, both
+    before the first part)."""
+    from benchmarks.bench_router_path import STAGES
+    from benchmarks.bench_router_path import run_checkout
+    from benchmarks.router_procs import REPO
+
+    args = argparse.Namespace(requests=5, warmup=5, evict_mb=1, cpu=0)
+    result = run_checkout(REPO, args)
+    for mode in ("warm", "cold"):
+        times = [result[mode][stage] for stage in STAGES]
+        assert 0 < times[0] < times[1] < times[2], (mode, times)

@@ -136,7 +136,7 @@ def test_instance_calls_post_json_with_the_routers_headers_over_real_sockets() -
             if b"/stream" in head.split(b"\r\n")[0]:
                 writer.write(_STREAM_HEAD + _ONE_EVENT + b"0\r\n\r\n")
             else:
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 12\r\n\r\n{\"ok\": true}")
+                writer.write(b'HTTP/1.1 200 OK\r\ncontent-length: 12\r\n\r\n{"ok": true}')
             await writer.drain()
         writer.close()
 
@@ -193,5 +193,63 @@ def test_instance_calls_tell_connection_errors_apart_as_the_transport_does() -> 
             await transport.aclose()
             server.close()
             await server.wait_closed()
+
+    asyncio.run(run())
+
+
+def test_instance_calls_whole_answers_read_the_same_over_the_wire_and_over_httpx() -> None:
+    """`InstanceCalls.post_whole` (P's answer, cancels, releases): over the router's own
+    client (`WirePool`, no `httpx.Response` made) and over any other transport (a test's,
+    through httpx), the same status, body, JSON, text and headers as `post` reads; over
+    the wire, each call on the one kept-alive connection."""
+    from kvduplex.server.router.state import InstanceCalls
+
+    body = b'{"xid": "x", "first_token": 65}'
+    answer_bytes = (
+        b"HTTP/1.1 409 Conflict\r\ncontent-type: application/json\r\nx-request-id: r1\r\n"
+    )
+    answer_bytes += b"content-length: %d\r\n\r\n%s" % (len(body), body)
+    connections: list[asyncio.StreamWriter] = []
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(writer)
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:
+                break
+            await reader.readexactly(
+                int(head.lower().split(b"content-length: ")[1].split(b"\r")[0])
+            )
+            writer.write(answer_bytes)
+            await writer.drain()
+        writer.close()
+
+    def mock(request: httpx.Request) -> httpx.Response:
+        headers = {"content-type": "application/json", "x-request-id": "r1"}
+        return httpx.Response(409, headers=headers, content=body)
+
+    async def run() -> None:
+        server = await asyncio.start_server(answer, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/internal/push/prefill"
+        wire_transport = InstanceTransport(client=instance_session)
+        over_wire = InstanceCalls(wire_transport, {}, httpx.Timeout(5.0))
+        over_httpx = InstanceCalls(httpx.MockTransport(mock), {}, httpx.Timeout(5.0))
+        try:
+            assert over_wire.wire is not None and over_httpx.wire is None
+            for calls in (over_wire, over_httpx):
+                whole = await calls.post_whole(url, {"xid": "x"})
+                response = await calls.post(url, {"xid": "x"})
+                assert whole.status_code == response.status_code == 409
+                assert whole.content == response.content == body
+                assert whole.json() == response.json() == {"xid": "x", "first_token": 65}
+                assert whole.text == response.text
+                assert httpx.Headers(whole.headers)["x-request-id"] == "r1"
+        finally:
+            await wire_transport.aclose()
+            over_wire.close()
+            server.close()
+            await server.wait_closed()
+        assert len(connections) == 1  # both calls on one connection, given back after each
 
     asyncio.run(run())

@@ -47,7 +47,7 @@ import contextlib
 import functools
 import logging
 import random
-import uuid
+import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -215,7 +215,7 @@ async def _post_prefill(
     outcome = Outcome.REFUSED  # until the call ends one way or the other
     try:
         resp = await until_unhealthy(
-            p, state.calls.post(p.url + path, req)
+            p, state.calls.post_whole(p.url + path, req)
         )
         outcome = _outcome(resp.status_code)
         if resp.status_code != 200:
@@ -241,7 +241,7 @@ async def _retained(state: RouterState, d: Backend, session_id: str) -> dict[str
     url = d.url + "/internal/kv/retained"
     try:
         resp = await until_unhealthy(
-            d, state.calls.post(url, {"session_id": session_id})
+            d, state.calls.post_whole(url, {"session_id": session_id})
         )
     except httpx.HTTPError as exc:
         logger.info("session %s: retained turn at %s unavailable: %s", session_id, d.url, exc)
@@ -267,13 +267,13 @@ async def _cancel(state: RouterState, b: Backend, xid: str, reason: str) -> None
     body = {"xid": xid, "reason": reason}
     with contextlib.suppress(httpx.HTTPError):
         url = b.url + "/internal/push/cancel"
-        await until_unhealthy(b, state.calls.post(url, body))
+        await until_unhealthy(b, state.calls.post_whole(url, body))
 
 
 async def _release(state: RouterState, b: Backend, xid: str) -> None:
     with contextlib.suppress(httpx.HTTPError):
         url = b.url + "/internal/release"
-        await until_unhealthy(b, state.calls.post(url, {"xid": xid}))
+        await until_unhealthy(b, state.calls.post_whole(url, {"xid": xid}))
 
 
 async def _open_decode(
@@ -379,7 +379,7 @@ async def serve_decode_only(state: RouterState, fwd: Forward) -> Response:
 async def serve_pull(state: RouterState, fwd: Forward) -> Response:
     p = fwd.route.prefill
     assert p is not None
-    xid = f"pull-{uuid.uuid4().hex}"
+    xid = f"pull-{secrets.token_hex(16)}"
     ans = await _post_prefill(
         state, fwd, "/internal/prefill", _prefill_body(fwd, xid, fwd.request.seed)
     )
@@ -436,7 +436,7 @@ async def serve_push(state: RouterState, fwd: Forward) -> Response:
     p = fwd.route.prefill
     d = fwd.route.decode
     assert p is not None
-    xid = f"push-{uuid.uuid4().hex}"
+    xid = f"push-{secrets.token_hex(16)}"
     body, seed = fwd.body, fwd.request.seed
     if fwd.request.temperature != 0 and seed is None:
         # P samples the first token, D the rest (or all, if it falls back): one seed
@@ -487,7 +487,7 @@ async def serve_push(state: RouterState, fwd: Forward) -> Response:
     # P's token goes out under the id of D's answer, which D's X-Request-ID header names
     # (no X-Request-ID is sent to D, so the header is D's own id, not an echo).
     prefix = "chatcmpl" if fwd.is_chat else "cmpl"
-    rid = upstream.headers.get(REQUEST_ID_HEADER) or f"{prefix}-{uuid.uuid4().hex}"
+    rid = upstream.headers.get(REQUEST_ID_HEADER) or f"{prefix}-{secrets.token_hex(16)}"
     head = render.ResponseHead(
         request_id=rid, model=fwd.request.model or state.config.model, is_chat=fwd.is_chat,
         return_token_ids=fwd.request.return_token_ids,

@@ -54,8 +54,8 @@ failed.
 from __future__ import annotations
 
 import enum
+import secrets
 import time
-import uuid
 from collections.abc import Callable
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -374,7 +374,7 @@ class RoutingPolicy:
         elif session is not None:
             session_id = session.session_id
         else:
-            session_id = f"s-{uuid.uuid4().hex}"
+            session_id = f"s-{secrets.token_hex(16)}"
         if session_key is not None:
             prefill = self._try_rendezvous(self.prefill, session_key, now)
             decode = self._try_rendezvous(self.decode, session_key, now)

@@ -30,6 +30,7 @@ from kvduplex.server.router.discovery import Discovery
 from kvduplex.server.router.discovery import Resolve
 from kvduplex.server.router.metrics import RouterMetrics
 from kvduplex.server.router.policy import RoutingPolicy
+from kvduplex.server.router.wire import WholeAnswer
 from kvduplex.server.router.wire import WirePool
 from kvduplex.server.router.wire import is_wire_url
 from kvduplex.transport.trust import secret_headers
@@ -264,6 +265,22 @@ class InstanceCalls:
         content = json.dumps(body).encode()
         if self.wire is not None and is_wire_url(url):
             return await self.wire.post(url, content, headers, stream=stream)
+        return await self._post_content(url, content, headers, stream)
+
+    async def post_whole(
+        self, url: str, body: dict[str, Any], headers: dict[str, str] | None = None
+    ) -> WholeAnswer:
+        """`post`'s whole answer, its status and body only: over `WirePool` no
+        `httpx.Response` is made (see `WholeAnswer`)."""
+        content = json.dumps(body).encode()
+        if self.wire is not None and is_wire_url(url):
+            return await self.wire.post_whole(url, content, headers)
+        response = await self._post_content(url, content, headers, stream=False)
+        return WholeAnswer(response.status_code, response.content, response.headers.raw)
+
+    async def _post_content(
+        self, url: str, content: bytes, headers: dict[str, str] | None, stream: bool
+    ) -> httpx.Response:
         all_headers = {**self.headers, **headers} if headers else self.headers
         if isinstance(self.transport, InstanceTransport):
             timeout = self.stream_timeout if stream else self.timeout

@@ -33,15 +33,42 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import json
 import select
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from dataclasses import field
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
 
 from kvduplex.config import ROUTER_POOL_IDLE_S
 from kvduplex.server.router.wire_protocol import Connection
+
+
+@dataclass(frozen=True, slots=True)
+class WholeAnswer:
+    """An instance's whole answer to a call, as the router reads one: its status and body.
+    No `httpx.Response` is made of it: reading P's answer into one, whose content goes
+    through httpx's byte streams, decoders and context managers, cost four times the
+    `json.loads` of that answer, on every request's path to its first token (more with
+    the caches cold, as they are between a request's steps under load)."""
+
+    status_code: int
+    content: bytes
+    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+
+    def json(self) -> Any:
+        return json.loads(self.content)
+
+    @property
+    def text(self) -> str:
+        return self.content.decode("utf-8", "replace")
+
+
+_EXTENSIONS = {"http_version": b"HTTP/1.1"}
 
 
 class WireStream(httpx.AsyncByteStream):
@@ -98,41 +125,61 @@ class WirePool:
         *, stream: bool = False,
     ) -> httpx.Response:  # fmt: skip
         """POST `content` (JSON) to `url` (``http://``): the answer read whole within the
-        read deadline, or (`stream`) once its head came, with no deadline (a stream's read
-        ends when its instance is marked unhealthy, `calls.py`), its body to be read
-        (`WireStream`) and closed by the caller. `headers` are sent in place of the common
-        ones of the same names. A URL or header that cannot be sent as it is (a line
-        break, not ASCII) is `httpx.LocalProtocolError`, and nothing is sent."""
+        read deadline (`post_whole`'s, as an `httpx.Response`), or (`stream`) once its head
+        came, with no deadline (a stream's read ends when its instance is marked unhealthy,
+        `calls.py`), its body to be read (`WireStream`) and closed by the caller. `headers`
+        are sent in place of the common ones of the same names. A URL or header that
+        cannot be sent as it is (a line break, not ASCII) is `httpx.LocalProtocolError`,
+        and nothing is sent."""
+        if not stream:
+            whole = await self.post_whole(url, content, headers)
+            return httpx.Response(
+                whole.status_code, headers=whole.headers, content=whole.content,
+                extensions=_EXTENSIONS,
+            )  # fmt: skip
+        conn, head = await self._send(url, content, headers)
         try:
-            key, head = self._target(url)
-            lines = self._lines_with(headers) if headers else self._headers
-        except ValueError as exc:
-            raise httpx.LocalProtocolError(str(exc)) from None
-        conn = self._take(key) or await self._connect(key)
-        conn.send(b"%s%scontent-length: %d\r\n\r\n%s" % (head, lines, len(content), content))
-        assert conn.head is not None
+            await head
+        except BaseException:
+            conn.close(httpx.ReadError("the call was cancelled"))
+            raise
+        status = conn.parser.get_status_code()
+        return httpx.Response(
+            status, headers=conn.headers, stream=WireStream(conn), extensions=_EXTENSIONS
+        )
+
+    async def post_whole(
+        self, url: str, content: bytes, headers: dict[str, str] | None = None
+    ) -> WholeAnswer:
+        """`post`'s whole answer as it was read, with no `httpx.Response` made of it."""
+        conn, head = await self._send(url, content, headers)
         try:
-            if stream:
-                await conn.head
-            else:
-                async with asyncio.timeout(self._read_timeout_s):
-                    await conn.head
-                    body = b"".join([part async for part in _parts(conn)])
+            async with asyncio.timeout(self._read_timeout_s):
+                await head
+                body = b"".join([part async for part in _parts(conn)])
         except TimeoutError:
             conn.close(httpx.ReadTimeout("no answer in time"))
             raise httpx.ReadTimeout(f"{url} did not answer in {self._read_timeout_s} s") from None
         except BaseException:
             conn.close(httpx.ReadError("the call was cancelled"))
             raise
-        status = conn.parser.get_status_code()
-        extensions = {"http_version": b"HTTP/1.1"}
-        if stream:
-            return httpx.Response(
-                status, headers=conn.headers, stream=WireStream(conn), extensions=extensions
-            )
-        response = httpx.Response(status, headers=conn.headers, content=body, extensions=extensions)
+        whole = WholeAnswer(conn.parser.get_status_code(), body, conn.headers)
         conn.release()
-        return response
+        return whole
+
+    async def _send(
+        self, url: str, content: bytes, headers: dict[str, str] | None
+    ) -> tuple[Connection, asyncio.Future[None]]:
+        """A connection to `url`'s instance (an idle one, or a new one) with the call
+        written on it, and the head of its answer to come."""
+        try:
+            key, head = self._target(url)
+            lines = self._lines_with(headers) if headers else self._headers
+        except ValueError as exc:
+            raise httpx.LocalProtocolError(str(exc)) from None
+        conn = self._take(key) or await self._connect(key)
+        request = b"%s%scontent-length: %d\r\n\r\n%s" % (head, lines, len(content), content)
+        return conn, conn.send(request)
 
     def _lines_with(self, headers: dict[str, str]) -> bytes:
         """The header lines with `headers` in place of the common ones of their names."""

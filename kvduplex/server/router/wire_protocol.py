@@ -145,11 +145,12 @@ class Connection(asyncio.Protocol):
 
     # the caller's side
 
-    def send(self, request: bytes) -> None:
-        """Write one request; its answer's head is then `head`."""
+    def send(self, request: bytes) -> asyncio.Future[None]:
+        """Write one request; its answer's head is then `head` (returned)."""
         assert self.transport is not None and self.head is None
-        self.head = asyncio.get_running_loop().create_future()
+        head = self.head = asyncio.get_running_loop().create_future()
         self.transport.write(request)
+        return head
 
     async def next_part(self) -> bytes | None:
         """What came of the body since the last part, once there is some (all of it
