@@ -84,16 +84,17 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request", param
 
 
+_REQUEST_ID_KEY = REQUEST_ID_HEADER.encode("latin-1")
+
+
 def _client_request_id(scope: Scope) -> str | None:
     """The request's ``X-Request-ID``, as `Headers.get` reads it (the first; ASGI header
     names are lowercase), without making a `Headers` for every request."""
     for key, value in scope["headers"]:
         if key == _REQUEST_ID_KEY:
-            return str(value.decode("latin-1"))
+            value_text: str = value.decode("latin-1")
+            return value_text
     return None
-
-
-_REQUEST_ID_KEY = REQUEST_ID_HEADER.encode("latin-1")
 
 
 def request_id_of(scope: Scope) -> str:

@@ -202,6 +202,49 @@ def test_a_cancelled_call_closes_its_connection(runner: Runner) -> None:
     runner(run())
 
 
+def test_a_whole_answer_cancelled_part_read_closes_its_connection(runner: Runner) -> None:
+    """`post_whole` cancelled with its answer part sent (`until_unhealthy`'s cancel, say)
+    closes its connection, and the next call opens another rather than read the rest."""
+
+    async def run() -> None:
+        sent = asyncio.Event()
+        closed = asyncio.Event()
+        num_connections = 0
+
+        async def part(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal num_connections
+            num_connections += 1
+            head = await reader.readuntil(b"\r\n\r\n")
+            await reader.readexactly(int(head.split(b"content-length: ")[1].split(b"\r")[0]))
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n{}")
+            await writer.drain()
+            sent.set()
+            await reader.read()  # until the router closes
+            closed.set()
+            writer.close()
+
+        async with _raw_server(part) as url:
+            pool = WirePool({}, TIMEOUT)
+            try:
+                call = asyncio.ensure_future(pool.post_whole(url + "/internal/release", b"{}"))
+                await _bounded(sent.wait())
+                call.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await call
+                await _bounded(closed.wait())
+                sent.clear()
+                call = asyncio.ensure_future(pool.post_whole(url + "/internal/release", b"{}"))
+                await _bounded(sent.wait())
+                call.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await call
+            finally:
+                pool.close()
+        assert num_connections == 2
+
+    runner(run())
+
+
 @pytest.mark.parametrize(
     "answer,error",
     [

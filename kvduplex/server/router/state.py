@@ -222,7 +222,8 @@ def instance_session() -> aiohttp.ClientSession:
 
 class InstanceCalls:
     """POSTs of JSON to the instances, answered as httpx's `Response` (the relay reads the
-    response as it would any, and errors are httpx's), without `httpx.AsyncClient`'s
+    response as it would any, and errors are httpx's), or read whole as a
+    `wire.WholeAnswer` (`post_whole`), without `httpx.AsyncClient`'s
     layers (URL merging and parsing, auth and redirect handling, cookies, default
     headers), which cost the router ~0.4 ms of its core per call
     (`benchmarks/bench_http_clients.py`), two calls on each request's first token's path.

@@ -12,7 +12,8 @@ included, costs about two thirds of that and a part two calls
 (`benchmarks/bench_http_clients.py`). This is that protocol's keep-alive pool,
 for what the router sends: a POST of a JSON body to an instance over plain HTTP
 (a ``https`` URL goes through aiohttp, `state.InstanceTransport`), its answer
-returned as an `httpx.Response` whose body is read as it arrives (`WireStream`).
+returned as an `httpx.Response` whose body is read as it arrives (`WireStream`), or,
+read whole, as a `WholeAnswer`.
 
 Errors are httpx's, as the router tells them apart (`state.InstanceTransport`):
 a connection that could not be made is `httpx.ConnectError` (or
@@ -54,11 +55,14 @@ class WholeAnswer:
     No `httpx.Response` is made of it: reading P's answer into one, whose content goes
     through httpx's byte streams, decoders and context managers, cost four times the
     `json.loads` of that answer, on every request's path to its first token (more with
-    the caches cold, as they are between a request's steps under load)."""
+    the caches cold, as they are between a request's steps under load). The body is as it
+    came: no content coding is undone (the router asks for none, and instances send
+    none), and `text` reads it as UTF-8, as JSON is."""
 
     status_code: int
     content: bytes
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    """As they came (the connection starts a new list for its next answer)."""
 
     def json(self) -> Any:
         return json.loads(self.content)
@@ -66,9 +70,6 @@ class WholeAnswer:
     @property
     def text(self) -> str:
         return self.content.decode("utf-8", "replace")
-
-
-_EXTENSIONS = {"http_version": b"HTTP/1.1"}
 
 
 class WireStream(httpx.AsyncByteStream):
@@ -135,7 +136,7 @@ class WirePool:
             whole = await self.post_whole(url, content, headers)
             return httpx.Response(
                 whole.status_code, headers=whole.headers, content=whole.content,
-                extensions=_EXTENSIONS,
+                extensions={"http_version": b"HTTP/1.1"},
             )  # fmt: skip
         conn, head = await self._send(url, content, headers)
         try:
@@ -145,8 +146,9 @@ class WirePool:
             raise
         status = conn.parser.get_status_code()
         return httpx.Response(
-            status, headers=conn.headers, stream=WireStream(conn), extensions=_EXTENSIONS
-        )
+            status, headers=conn.headers, stream=WireStream(conn),
+            extensions={"http_version": b"HTTP/1.1"},
+        )  # fmt: skip
 
     async def post_whole(
         self, url: str, content: bytes, headers: dict[str, str] | None = None
@@ -173,12 +175,12 @@ class WirePool:
         """A connection to `url`'s instance (an idle one, or a new one) with the call
         written on it, and the head of its answer to come."""
         try:
-            key, head = self._target(url)
+            key, start = self._target(url)
             lines = self._lines_with(headers) if headers else self._headers
         except ValueError as exc:
             raise httpx.LocalProtocolError(str(exc)) from None
         conn = self._take(key) or await self._connect(key)
-        request = b"%s%scontent-length: %d\r\n\r\n%s" % (head, lines, len(content), content)
+        request = b"%s%scontent-length: %d\r\n\r\n%s" % (start, lines, len(content), content)
         return conn, conn.send(request)
 
     def _lines_with(self, headers: dict[str, str]) -> bytes:
