@@ -115,6 +115,16 @@ def test_closing_a_response_ends_a_read_in_flight_and_the_connection() -> None:
     asyncio.run(run())
 
 
+async def _read_request(reader: asyncio.StreamReader) -> bytes | None:
+    """The next request on a connection, head and body (None: the client closed it)."""
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except asyncio.IncompleteReadError:
+        return None
+    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+    return head + await reader.readexactly(length)
+
+
 def test_instance_calls_post_json_with_the_routers_headers_over_real_sockets() -> None:
     """`InstanceCalls` (the flows' POSTs, sent to the transport directly): the body as JSON
     with the router's headers and the call's own, a whole answer read and its connection
@@ -126,14 +136,9 @@ def test_instance_calls_post_json_with_the_routers_headers_over_real_sockets() -
 
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         connections.append(writer)
-        while True:
-            try:
-                head = await reader.readuntil(b"\r\n\r\n")
-            except asyncio.IncompleteReadError:
-                break
-            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
-            requests.append(head + await reader.readexactly(length))
-            if b"/stream" in head.split(b"\r\n")[0]:
+        while (request := await _read_request(reader)) is not None:
+            requests.append(request)
+            if b"/stream" in request.split(b"\r\n")[0]:
                 writer.write(_STREAM_HEAD + _ONE_EVENT + b"0\r\n\r\n")
             else:
                 writer.write(b'HTTP/1.1 200 OK\r\ncontent-length: 12\r\n\r\n{"ok": true}')
@@ -213,14 +218,7 @@ def test_instance_calls_whole_answers_read_the_same_over_the_wire_and_over_httpx
 
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         connections.append(writer)
-        while True:
-            try:
-                head = await reader.readuntil(b"\r\n\r\n")
-            except asyncio.IncompleteReadError:
-                break
-            await reader.readexactly(
-                int(head.lower().split(b"content-length: ")[1].split(b"\r")[0])
-            )
+        while await _read_request(reader) is not None:
             writer.write(answer_bytes)
             await writer.drain()
         writer.close()
