@@ -13,7 +13,12 @@ from the app's call to P's call written, to D's call written, and to the first p
 * warm: back to back;
 * cold: after walking ``--evict-mb`` MB of Python objects, which leaves little of the
   path in the CPU's caches, as under load, when the other streams' events run between
-  a request's steps.
+  a request's steps;
+
+and the router's CPU a request (this process's, user and system) over ``--paced``
+requests whose D sends its events ``--pace-ms`` apart, each a part of its own, as under
+the capacity benchmark's paced load: the request's path and its 16 events, each a wake
+of the event loop.
 
 Under load the path runs between those two: how much each change saves of it, cold and
 warm, is what it saves of the router's share of a TTFT. ``--compare DIR ...`` runs
@@ -30,12 +35,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +51,8 @@ from benchmarks.router_procs import REPO
 SCRIPT = str(Path(__file__).resolve())
 STAGES = ("p_sent", "d_sent", "first_part")
 """The times noted for each request, from the app's call."""
+CPU = "cpu_per_request"
+"""The paced phase's figure (us)."""
 _BODY = json.dumps(
     {"model": "tiny", "prompt": "hello router", "max_tokens": 16, "stream": True,
      "temperature": 0}
@@ -51,11 +60,12 @@ _BODY = json.dumps(
 """What the capacity benchmark's load client sends (`router_load.run_streams`)."""
 
 
-async def _serve_stub(p_port: int, d_port: int) -> None:
+async def _serve_stub(p_port: int, d_port: int, paced_port: int, pace_ms: float) -> None:
     from benchmarks.router_stub import Stub
 
-    stub = Stub()
-    for serve, port in ((stub.serve_prefill, p_port), (stub.serve, d_port)):
+    stub, paced = Stub(), Stub(interval_s=pace_ms / 1000)
+    for serve, port in ((stub.serve_prefill, p_port), (stub.serve, d_port),
+                        (paced.serve, paced_port)):  # fmt: skip
         await asyncio.start_server(serve, "127.0.0.1", port, backlog=256)
     print("ready", flush=True)
     await asyncio.Event().wait()
@@ -119,28 +129,17 @@ async def _one(app: Any, sends: _Sends) -> dict[str, float]:
     return {stage: (t - start) * 1e6 for stage, t in zip(STAGES, times, strict=True)}
 
 
-async def _measure(args: argparse.Namespace, p_port: int, d_port: int) -> dict[str, Any]:
-    from kvduplex.config import RouterConfig
+async def _measure(args: argparse.Namespace, ports: list[int]) -> dict[str, Any]:
     from kvduplex.model.source import load_tokenizer
-    from kvduplex.server.router.app import create_router_app
-    from kvduplex.server.router.app import settle_heap
-    from kvduplex.server.router.state import RouterState
 
+    p_port, d_port, paced_port = ports
+    tokenizer = load_tokenizer("tiny")
     sends = _Sends()
-    config = RouterConfig(
-        prefill=(f"http://127.0.0.1:{p_port}",), decode=(f"http://127.0.0.1:{d_port}",),
-        model="tiny", health_interval_s=1.0,
-    )  # fmt: skip
-    state = RouterState.create(config, load_tokenizer("tiny"))
-    app = create_router_app(state)
     objects = list(range(args.evict_mb * (1 << 20) // 36))  # an int and its list slot
-    async with app.router.lifespan_context(app):
-        while state.unready_reason() is not None:  # the first probe round
-            await asyncio.sleep(0.05)
-        settle_heap()
+    out: dict[str, Any] = {}
+    async with _router(p_port, d_port, tokenizer) as app:
         for _ in range(args.warmup):
             await _one(app, sends)
-        out: dict[str, Any] = {}
         for mode in ("warm", "cold"):
             runs = []
             for _ in range(args.requests):
@@ -148,7 +147,35 @@ async def _measure(args: argparse.Namespace, p_port: int, d_port: int) -> dict[s
                     sum(objects)  # walks every object: the path's lines leave the caches
                 runs.append(await _one(app, sends))
             out[mode] = {s: statistics.median(r[s] for r in runs) for s in STAGES}
+    async with _router(p_port, paced_port, tokenizer) as app:
+        for _ in range(min(args.warmup, args.paced)):
+            await _one(app, sends)
+        start = time.process_time()
+        for _ in range(args.paced):
+            await _one(app, sends)
+        out[CPU] = (time.process_time() - start) / args.paced * 1e6
     return out
+
+
+@contextlib.asynccontextmanager
+async def _router(p_port: int, d_port: int, tokenizer: Any) -> AsyncIterator[Any]:
+    """A router's app over P and D, its first probe round done, the heap settled."""
+    from kvduplex.config import RouterConfig
+    from kvduplex.server.router.app import create_router_app
+    from kvduplex.server.router.app import settle_heap
+    from kvduplex.server.router.state import RouterState
+
+    config = RouterConfig(
+        prefill=(f"http://127.0.0.1:{p_port}",), decode=(f"http://127.0.0.1:{d_port}",),
+        model="tiny", health_interval_s=1.0,
+    )  # fmt: skip
+    state = RouterState.create(config, tokenizer)
+    app = create_router_app(state)
+    async with app.router.lifespan_context(app):
+        while state.unready_reason() is not None:  # the first probe round
+            await asyncio.sleep(0.05)
+        settle_heap()
+        yield app
 
 
 def child(args: argparse.Namespace) -> None:
@@ -156,10 +183,10 @@ def child(args: argparse.Namespace) -> None:
     from kvduplex.server.cluster import free_port
 
     cpus = sorted(os.sched_getaffinity(0))
-    p_port, d_port = free_port(), free_port()
+    ports = [free_port() for _ in range(3)]
     stub_cpus = {cpus[-1]} if len(cpus) > 1 else set(cpus)
     stub = subprocess.Popen(
-        [sys.executable, SCRIPT, "--stub", str(p_port), str(d_port)],
+        [sys.executable, SCRIPT, "--stub", *map(str, ports), "--pace-ms", str(args.pace_ms)],
         stdout=subprocess.PIPE, preexec_fn=lambda: os.sched_setaffinity(0, stub_cpus),
     )  # fmt: skip
     try:
@@ -167,7 +194,7 @@ def child(args: argparse.Namespace) -> None:
         os.sched_setaffinity(0, {args.cpu if args.cpu in cpus else cpus[0]})
         import uvloop
 
-        print(json.dumps(uvloop.run(_measure(args, p_port, d_port))), flush=True)
+        print(json.dumps(uvloop.run(_measure(args, ports))), flush=True)
     finally:
         stub.kill()
         stub.wait()
@@ -177,7 +204,8 @@ def run_checkout(repo: Path, args: argparse.Namespace) -> dict[str, Any]:
     """One round of checkout `repo`'s router, in a process of its own."""
     cmd = [sys.executable, SCRIPT, "--child", "--requests", str(args.requests),
            "--warmup", str(args.warmup), "--evict-mb", str(args.evict_mb),
-           "--cpu", str(args.cpu)]  # fmt: skip
+           "--cpu", str(args.cpu), "--paced", str(args.paced),
+           "--pace-ms", str(args.pace_ms)]  # fmt: skip
     path = os.pathsep.join([str(repo), str(REPO)])  # the checkout's kvduplex, these benchmarks
     env = {**os.environ, "PYTHONPATH": path}
     out = subprocess.run(cmd, env=env, cwd=repo, capture_output=True, check=True, timeout=600)
@@ -190,11 +218,13 @@ def table(results: dict[str, Any]) -> str:
 
     rows = []
     for name, rounds in results["checkouts"].items():
+        cpu = statistics.median(r[CPU] for r in rounds)
         for mode in ("warm", "cold"):
             cells = [statistics.median(r[mode][s] for r in rounds) for s in STAGES]
-            rows.append([name, mode, *(f"{c:.0f} us" for c in cells)])
+            rows.append([name, mode, *(f"{c:.0f} us" for c in cells),
+                         f"{cpu:.0f} us" if mode == "warm" else ""])  # fmt: skip
     return md_table(["router", "caches", "P's call written", "D's call written",
-                     "first part sent"], rows)  # fmt: skip
+                     "first part sent", "CPU a paced request"], rows)  # fmt: skip
 
 
 def main() -> None:
@@ -204,15 +234,17 @@ def main() -> None:
     parser.add_argument("--evict-mb", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cpu", type=int, default=0)
+    parser.add_argument("--paced", type=int, default=300, help="paced requests per round")
+    parser.add_argument("--pace-ms", type=float, default=1.0, help="between D's events")
     parser.add_argument("--compare", nargs="+", default=[], metavar="DIR")
     parser.add_argument("--name", default="router_path", help="results/NAME.json and .md")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--stub", nargs=2, type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--stub", nargs=3, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.stub:
         import uvloop
 
-        uvloop.run(_serve_stub(*args.stub))
+        uvloop.run(_serve_stub(*args.stub, args.pace_ms))
         return
     if args.child:
         child(args)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry
+from prometheus_client import Counter
 from prometheus_client.core import GaugeHistogramMetricFamily
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -43,6 +44,7 @@ class RouterMetrics:
             "Requests routed, by flow: push, pull, or decode (no prefill instance).",
             ["mode"],
         )
+        self._requests_by_mode: dict[str, Counter] = {}
         self.sessions = m.gauge("sessions", "Sessions the router remembers.")
         self.sessions.set_function(lambda: len(policy.sessions))
         registry.register(InstanceHealth(policy))
@@ -87,6 +89,14 @@ class RouterMetrics:
             "Push streams ended with an error because decode's first token was not prefill's, "
             "already sent (decode fell back and sampled another).",
         )
+
+    def note_request(self, mode: str) -> None:
+        """One request routed by `mode`'s flow (its counter's child kept: `labels` builds
+        the key each time)."""
+        child = self._requests_by_mode.get(mode)
+        if child is None:
+            child = self._requests_by_mode[mode] = self.requests.labels(mode=mode)
+        child.inc()
 
     def note_answer_hit(self, num_hit: int, num_returnable: int) -> None:
         self.answer_tokens.labels(outcome="hit").inc(num_hit)

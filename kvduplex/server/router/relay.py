@@ -116,9 +116,10 @@ class _RelayedResponse(StreamingResponse):
 
     async def _stream(self, send: Send, outer_send: Send) -> None:
         """The head and first part through `send` (the middlewares that look at a
-        response's start see it), the rest through `outer_send`. A whole answer (one that
-        says how it failed: `failure`) is read before its head, so that one cut short is
-        answered 502 with that error, never 200 with part of a body."""
+        response's start see it), the rest through `outer_send`, from a task of its own
+        (`_send_rest`). A whole answer (one that says how it failed: `failure`) is read
+        before its head, so that one cut short is answered 502 with that error, never 200
+        with part of a body."""
         if self._failure is not None:
             body = b"".join([part async for part in self._body])
             status, headers = self.status_code, self.raw_headers
@@ -131,10 +132,21 @@ class _RelayedResponse(StreamingResponse):
             return
         await send({"type": "http.response.start", "status": self.status_code,
                     "headers": self.raw_headers})  # fmt: skip
-        async for part in self.body_iterator:
-            await send({"type": "http.response.body", "body": part, "more_body": True})
+        first = await anext(self._body, None)
+        if first is not None:
+            await send({"type": "http.response.body", "body": first, "more_body": True})
+            await asyncio.ensure_future(self._send_rest(outer_send))
             send = outer_send
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _send_rest(self, send: Send) -> None:
+        """The parts after the first, in a task of its own, which the request's task
+        awaits (a cancel of the request's task cancels it). Each part wakes this task
+        alone: the request's task would resume every frame it awaits in, the server's
+        and each middleware's (about a dozen), a part. (Its first step waits a turn of
+        the event loop; the first part, the one a TTFT waits for, is sent before.)"""
+        async for part in self._body:
+            await send({"type": "http.response.body", "body": part, "more_body": True})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         spec = scope.get("asgi", {}).get("spec_version", "2.0")
@@ -223,13 +235,14 @@ def relay(
     unwatch = watch(abandon) if watch is not None else _no_watch
 
     async def close(failed: bool = False) -> None:
+        """Called shielded (the body's task may be cancelled): by the body's `finally`,
+        and as the response's cleanup."""
         nonlocal closed
         if not closed:
             closed = True
             unwatch()
             on_close(failed)
-            with anyio.CancelScope(shield=True):  # the body's task may be cancelled
-                await upstream.aclose()
+            await upstream.aclose()
 
     async def body() -> AsyncGenerator[bytes, None]:
         failed = False
@@ -255,7 +268,7 @@ def relay(
         finally:
             with anyio.CancelScope(shield=True):
                 await aclose_parts(source_parts)  # stops their readers before upstream closes
-            await close(failed)
+                await close(failed)
 
     headers = {"content-type": content_type}
     if REQUEST_ID_HEADER in upstream.headers:  # the answer's id (a client's own is echoed)
