@@ -15,10 +15,17 @@ from the app's call to P's call written, to D's call written, and to the first p
   path in the CPU's caches, as under load, when the other streams' events run between
   a request's steps;
 
-and the router's CPU a request (this process's, user and system) over ``--paced``
-requests whose D sends its events ``--pace-ms`` apart, each a part of its own, as under
-the capacity benchmark's paced load: the request's path and its 16 events, each a wake
-of the event loop.
+the same stages' p50 with ``--streams`` requests at a time (D's events 20 ms apart, as
+the capacity benchmark paces them), in-process, with no HTTP server or client around
+them; and the router's CPU a request (this process's, user and system) over ``--paced``
+requests whose D sends its events ``--pace-ms`` apart, each a part of its own: the
+request's path and its 16 events, each a wake of the event loop.
+
+Times move with the machine: a change of a few percent hides in them. ``--instructions``
+also counts the instructions the router's process runs for a paced request (user space,
+valgrind's cachegrind: the difference between runs of ``INSTRUCTION_RUNS`` requests, its
+own startup cancelled out), which moves by under 0.1% from run to run: it tells a change
+of 1% apart (about 2 minutes a checkout; needs ``valgrind``).
 
 Under load the path runs between those two: how much each change saves of it, cold and
 warm, is what it saves of the router's share of a TTFT. ``--compare DIR ...`` runs
@@ -27,6 +34,8 @@ own, its checkout first on the path).
 
     PYTHONPATH=. python benchmarks/bench_router_path.py                 # about a minute
     PYTHONPATH=. python benchmarks/bench_router_path.py --compare /tmp/kvd-base
+    PYTHONPATH=. python benchmarks/bench_router_path.py --instructions --rounds 1 \
+        --compare /tmp/kvd-base
 
 Writes results/router_path.json and .md.
 """
@@ -36,8 +45,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import contextvars
 import json
 import os
+import random
+import re
 import statistics
 import subprocess
 import sys
@@ -53,6 +65,13 @@ STAGES = ("p_sent", "d_sent", "first_part")
 """The times noted for each request, from the app's call."""
 CPU = "cpu_per_request"
 """The paced phase's figure (us)."""
+LOADED = "loaded"
+"""The loaded phase's stages (us)."""
+LOAD_PACE_MS = 20.0
+"""Between D's events in the loaded phase (and the counted one)."""
+INSTRUCTION_RUNS = (10, 30)
+"""Paced requests in the two counted runs (after `INSTRUCTION_WARMUP`)."""
+INSTRUCTION_WARMUP = 20
 _BODY = json.dumps(
     {"model": "tiny", "prompt": "hello router", "max_tokens": 16, "stream": True,
      "temperature": 0}
@@ -60,12 +79,15 @@ _BODY = json.dumps(
 """What the capacity benchmark's load client sends (`router_load.run_streams`)."""
 
 
-async def _serve_stub(p_port: int, d_port: int, paced_port: int, pace_ms: float) -> None:
+async def _serve_stub(
+    p_port: int, d_port: int, paced_port: int, load_port: int, pace_ms: float
+) -> None:
     from benchmarks.router_stub import Stub
 
     stub, paced = Stub(), Stub(interval_s=pace_ms / 1000)
+    load = Stub(interval_s=LOAD_PACE_MS / 1000)
     for serve, port in ((stub.serve_prefill, p_port), (stub.serve, d_port),
-                        (paced.serve, paced_port)):  # fmt: skip
+                        (paced.serve, paced_port), (load.serve, load_port)):  # fmt: skip
         await asyncio.start_server(serve, "127.0.0.1", port, backlog=256)
     print("ready", flush=True)
     await asyncio.Event().wait()
@@ -83,24 +105,27 @@ def _scope() -> dict[str, Any]:
     }  # fmt: skip
 
 
-class _Sends:
-    """When each call of the router's client to an instance was written
-    (`wire_protocol.Connection.send`, wrapped)."""
-
-    def __init__(self) -> None:
-        from kvduplex.server.router import wire_protocol
-
-        self.times: list[float] = []
-        send = wire_protocol.Connection.send
-
-        def noted(conn: Any, request: bytes) -> Any:
-            self.times.append(time.perf_counter())
-            return send(conn, request)
-
-        wire_protocol.Connection.send = noted  # type: ignore[method-assign]
+_SENT: contextvars.ContextVar[list[float]] = contextvars.ContextVar("sent")
+"""When each call of the router's client to an instance was written, for the request
+whose context this is (the flows' tasks for it copy it)."""
 
 
-async def _one(app: Any, sends: _Sends) -> dict[str, float]:
+def _note_sends() -> None:
+    """`wire_protocol.Connection.send`, wrapped: each call's time noted in `_SENT`."""
+    from kvduplex.server.router import wire_protocol
+
+    send = wire_protocol.Connection.send
+
+    def noted(conn: Any, request: bytes) -> Any:
+        sent = _SENT.get(None)
+        if sent is not None:
+            sent.append(time.perf_counter())
+        return send(conn, request)
+
+    wire_protocol.Connection.send = noted  # type: ignore[method-assign]
+
+
+async def _one(app: Any) -> dict[str, float]:
     """One streamed request through `app`, read to its end: its stages' times (us)."""
     done = asyncio.Event()
     first: list[float] = []
@@ -121,10 +146,11 @@ async def _one(app: Any, sends: _Sends) -> dict[str, float]:
             if not message.get("more_body"):
                 done.set()
 
-    sends.times.clear()
+    sent: list[float] = []
+    _SENT.set(sent)
     start = time.perf_counter()
     await app(_scope(), receive, send)
-    p_sent, d_sent = sends.times[:2]
+    p_sent, d_sent = sent[:2]
     times = (p_sent, d_sent, first[0])
     return {stage: (t - start) * 1e6 for stage, t in zip(STAGES, times, strict=True)}
 
@@ -132,29 +158,54 @@ async def _one(app: Any, sends: _Sends) -> dict[str, float]:
 async def _measure(args: argparse.Namespace, ports: list[int]) -> dict[str, Any]:
     from kvduplex.model.source import load_tokenizer
 
-    p_port, d_port, paced_port = ports
+    p_port, d_port, paced_port, load_port = ports
     tokenizer = load_tokenizer("tiny")
-    sends = _Sends()
+    _note_sends()
     objects = list(range(args.evict_mb * (1 << 20) // 36))  # an int and its list slot
     out: dict[str, Any] = {}
     async with _router(p_port, d_port, tokenizer) as app:
         for _ in range(args.warmup):
-            await _one(app, sends)
+            await _one(app)
         for mode in ("warm", "cold"):
             runs = []
             for _ in range(args.requests):
                 if mode == "cold":
                     sum(objects)  # walks every object: the path's lines leave the caches
-                runs.append(await _one(app, sends))
+                runs.append(await _one(app))
             out[mode] = {s: statistics.median(r[s] for r in runs) for s in STAGES}
     async with _router(p_port, paced_port, tokenizer) as app:
         for _ in range(min(args.warmup, args.paced)):
-            await _one(app, sends)
+            await _one(app)
         start = time.process_time()
         for _ in range(args.paced):
-            await _one(app, sends)
+            await _one(app)
         out[CPU] = (time.process_time() - start) / args.paced * 1e6
+    if args.loaded_s > 0:
+        async with _router(p_port, load_port, tokenizer) as app:
+            out[LOADED] = await _loaded(app, args)
     return out
+
+
+async def _loaded(app: Any, args: argparse.Namespace) -> dict[str, float]:
+    """``--streams`` requests at a time, each stream's next sent when its answer ended
+    (D's events `LOAD_PACE_MS` apart, as `bench_router_capacity.py`'s TTFT phase paces
+    them), each stream started after a random pause of up to one answer: each stage's p50
+    over the requests sent after the first second."""
+    rng = random.Random(0)
+    start = time.perf_counter()
+    warm_until, stop = start + 1.0, start + 1.0 + args.loaded_s
+    runs: list[dict[str, float]] = []
+
+    async def stream(pause_s: float) -> None:
+        await asyncio.sleep(pause_s)
+        while (sent_at := time.perf_counter()) < stop:
+            run = await _one(app)
+            if sent_at >= warm_until:
+                runs.append(run)
+
+    answer_s = LOAD_PACE_MS / 1000 * 16
+    await asyncio.gather(*(stream(rng.uniform(0, answer_s)) for _ in range(args.streams)))
+    return {s: statistics.median(r[s] for r in runs) for s in STAGES}
 
 
 @contextlib.asynccontextmanager
@@ -183,7 +234,7 @@ def child(args: argparse.Namespace) -> None:
     from kvduplex.server.cluster import free_port
 
     cpus = sorted(os.sched_getaffinity(0))
-    ports = [free_port() for _ in range(3)]
+    ports = [free_port() for _ in range(4)]
     stub_cpus = {cpus[-1]} if len(cpus) > 1 else set(cpus)
     stub = subprocess.Popen(
         [sys.executable, SCRIPT, "--stub", *map(str, ports), "--pace-ms", str(args.pace_ms)],
@@ -200,12 +251,51 @@ def child(args: argparse.Namespace) -> None:
         stub.wait()
 
 
+async def _count(n: int, p_port: int, d_port: int) -> None:
+    """`n` paced requests after the warm-up (the process counted by cachegrind)."""
+    from kvduplex.model.source import load_tokenizer
+
+    _note_sends()
+    async with _router(p_port, d_port, load_tokenizer("tiny")) as app:
+        for _ in range(INSTRUCTION_WARMUP + n):
+            await _one(app)
+
+
+def instructions_per_request(repo: Path) -> float:
+    """The instructions checkout `repo`'s router process runs for one paced request: the
+    difference between two counted runs (`INSTRUCTION_RUNS`), over the requests between."""
+    from kvduplex.server.cluster import free_port
+
+    ports = [free_port() for _ in range(4)]
+    stub = subprocess.Popen([sys.executable, SCRIPT, "--stub", *map(str, ports)],
+                            stdout=subprocess.PIPE)  # fmt: skip
+    path = os.pathsep.join([str(repo), str(REPO)])
+    env = {**os.environ, "PYTHONPATH": path, "PYTHONHASHSEED": "0"}
+    counts = []
+    try:
+        assert stub.stdout is not None and stub.stdout.readline().strip() == b"ready"
+        for n in INSTRUCTION_RUNS:
+            cmd = ["valgrind", "--tool=cachegrind", "--cache-sim=no",
+                   "--cachegrind-out-file=/dev/null", sys.executable, SCRIPT, "--count",
+                   str(n), str(ports[0]), str(ports[3])]  # fmt: skip
+            out = subprocess.run(cmd, env=env, cwd=repo, capture_output=True, text=True,
+                                 check=True, timeout=900)  # fmt: skip
+            found = re.search(r"I\s+refs:\s+([\d,]+)", out.stderr)
+            assert found is not None, out.stderr[-2000:]
+            counts.append(int(found.group(1).replace(",", "")))
+    finally:
+        stub.kill()
+        stub.wait()
+    return (counts[1] - counts[0]) / (INSTRUCTION_RUNS[1] - INSTRUCTION_RUNS[0])
+
+
 def run_checkout(repo: Path, args: argparse.Namespace) -> dict[str, Any]:
     """One round of checkout `repo`'s router, in a process of its own."""
     cmd = [sys.executable, SCRIPT, "--child", "--requests", str(args.requests),
            "--warmup", str(args.warmup), "--evict-mb", str(args.evict_mb),
            "--cpu", str(args.cpu), "--paced", str(args.paced),
-           "--pace-ms", str(args.pace_ms)]  # fmt: skip
+           "--pace-ms", str(args.pace_ms), "--loaded-s", str(args.loaded_s),
+           "--streams", str(args.streams)]  # fmt: skip
     path = os.pathsep.join([str(repo), str(REPO)])  # the checkout's kvduplex, these benchmarks
     env = {**os.environ, "PYTHONPATH": path}
     out = subprocess.run(cmd, env=env, cwd=repo, capture_output=True, check=True, timeout=600)
@@ -219,12 +309,19 @@ def table(results: dict[str, Any]) -> str:
     rows = []
     for name, rounds in results["checkouts"].items():
         cpu = statistics.median(r[CPU] for r in rounds)
-        for mode in ("warm", "cold"):
+        modes = ["warm", "cold"] + ([LOADED] if LOADED in rounds[0] else [])
+        for mode in modes:
             cells = [statistics.median(r[mode][s] for r in rounds) for s in STAGES]
-            rows.append([name, mode, *(f"{c:.0f} us" for c in cells),
+            label = f"{results['setup']['streams']} streams" if mode == LOADED else mode
+            rows.append([name, label, *(f"{c:.0f} us" for c in cells),
                          f"{cpu:.0f} us" if mode == "warm" else ""])  # fmt: skip
-    return md_table(["router", "caches", "P's call written", "D's call written",
+    text = md_table(["router", "caches / load", "P's call written", "D's call written",
                      "first part sent", "CPU a paced request"], rows)  # fmt: skip
+    counted = results.get("instructions")
+    if counted:
+        lines = [f"| {name} | {n:,.0f} |" for name, n in counted.items()]
+        text += "\n\n| router | instructions a paced request |\n|---|---|\n" + "\n".join(lines)
+    return text
 
 
 def main() -> None:
@@ -239,12 +336,23 @@ def main() -> None:
     parser.add_argument("--compare", nargs="+", default=[], metavar="DIR")
     parser.add_argument("--name", default="router_path", help="results/NAME.json and .md")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--stub", nargs=3, type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--loaded-s", type=float, default=4.0,
+                        help="seconds of the loaded phase (0: none)")  # fmt: skip
+    parser.add_argument("--streams", type=int, default=64, help="in the loaded phase")
+    parser.add_argument("--instructions", action="store_true",
+                        help="also count each router's instructions a paced request")  # fmt: skip
+    parser.add_argument("--stub", nargs=4, type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--count", nargs=3, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.stub:
         import uvloop
 
         uvloop.run(_serve_stub(*args.stub, args.pace_ms))
+        return
+    if args.count:
+        import uvloop
+
+        uvloop.run(_count(*args.count))
         return
     if args.child:
         child(args)
@@ -258,6 +366,11 @@ def main() -> None:
         for name, repo in checkouts.items():
             results["checkouts"][name].append(run_checkout(repo.resolve(), args))
             print(name, json.dumps(results["checkouts"][name][-1]), flush=True)
+    if args.instructions:
+        results["instructions"] = {}
+        for name, repo in checkouts.items():
+            results["instructions"][name] = instructions_per_request(repo.resolve())
+            print(name, f"{results['instructions'][name]:,.0f} instructions", flush=True)
     from benchmarks.common import write_results
 
     text = table(results)

@@ -202,15 +202,19 @@ def test_the_timeline_notes_every_request_of_a_run() -> None:
 def test_the_path_benchmark_times_a_routed_requests_stages_and_a_paced_ones_cpu() -> None:
     """`bench_router_path.py` runs this checkout's router against the stub, in a process
     of its own: each stage's p50, warm and cold, in order (P's call before D's, both
-    before the first part), and the CPU of a request whose D paces its events."""
+    before the first part), under load too, and the CPU of a request whose D paces its
+    events."""
     from benchmarks.bench_router_path import CPU
+    from benchmarks.bench_router_path import LOADED
     from benchmarks.bench_router_path import STAGES
     from benchmarks.bench_router_path import run_checkout
     from benchmarks.router_procs import REPO
 
-    args = argparse.Namespace(requests=5, warmup=5, evict_mb=1, cpu=0, paced=3, pace_ms=1.0)
+    args = argparse.Namespace(
+        requests=5, warmup=5, evict_mb=1, cpu=0, paced=3, pace_ms=1.0, loaded_s=0.5, streams=4
+    )
     result = run_checkout(REPO, args)
-    for mode in ("warm", "cold"):
+    for mode in ("warm", "cold", LOADED):
         times = [result[mode][stage] for stage in STAGES]
         assert 0 < times[0] < times[1] < times[2], (mode, times)
     assert result[CPU] > 0  # the paced requests' CPU, each
