@@ -48,7 +48,6 @@ from dataclasses import field
 from typing import Any
 
 import aiohttp
-import anyio
 import httpx
 from fastapi.responses import StreamingResponse
 from httpx_aiohttp.transport import AiohttpResponseStream
@@ -100,8 +99,12 @@ class _RelayedResponse(StreamingResponse):
     tasks and a cancel scope more per response, and the first part a turn of the event
     loop later.) A stream cut short leaves the body generator suspended: its `finally`
     would run only when the garbage collector gets to it, and the upstream connection
-    would wait in CLOSE-WAIT, out of the pool, until then. So the body is closed here,
-    shielded.
+    would wait in CLOSE-WAIT, out of the pool, until then. So the body is closed here.
+
+    No cleanup here is shielded: a request's tasks are cancelled once, natively (the
+    client left: `ClientWatch`; its instance was marked unhealthy: `calls.until_unhealthy`),
+    and the cleanup runs after that cancel. (An anyio shield would not stop a native
+    cancel, and no anyio cancel scope encloses these tasks.)
     """
 
     def __init__(
@@ -162,9 +165,8 @@ class _RelayedResponse(StreamingResponse):
         finally:
             if watch is not None:
                 watch.stop()  # before any await: a completed response never cancels
-            with anyio.CancelScope(shield=True):
-                await self._body.aclose()  # runs the body's `finally` if it began
-                await self._cleanup()  # else this closes upstream
+            await self._body.aclose()  # runs the body's `finally` if it began
+            await self._cleanup()  # else this closes upstream
 
 
 class ClientWatch:
@@ -235,8 +237,8 @@ def relay(
     unwatch = watch(abandon) if watch is not None else _no_watch
 
     async def close(failed: bool = False) -> None:
-        """Called shielded (the body's task may be cancelled): by the body's `finally`,
-        and as the response's cleanup."""
+        """Called by the body's `finally`, and as the response's cleanup (after a cancel,
+        if any: see `_RelayedResponse`)."""
         nonlocal closed
         if not closed:
             closed = True
@@ -266,9 +268,8 @@ def relay(
                 nonlocal failure
                 failure = error
         finally:
-            with anyio.CancelScope(shield=True):
-                await aclose_parts(source_parts)  # stops their readers before upstream closes
-                await close(failed)
+            await aclose_parts(source_parts)  # stops their readers before upstream closes
+            await close(failed)
 
     headers = {"content-type": content_type}
     if REQUEST_ID_HEADER in upstream.headers:  # the answer's id (a client's own is echoed)
@@ -414,13 +415,12 @@ async def push_stream(
         while part is not None:  # the rest of D's stream passes as it is
             yield part
             part = await anext(parts, None)
-    finally:
-        with anyio.CancelScope(shield=True):  # see `relay`'s close
-            if not first_part.done():
-                await upstream.aclose()  # ends the read (a no-op if it already ended)
-            with contextlib.suppress(BaseException):
-                await asyncio.shield(first_part)
-            await aclose_parts(parts)
+    finally:  # after a cancel, if any (see `_RelayedResponse`)
+        if not first_part.done():
+            await upstream.aclose()  # ends the read (a no-op if it already ended)
+        with contextlib.suppress(BaseException):
+            await asyncio.shield(first_part)
+        await aclose_parts(parts)
 
 
 def first_events(sent: SentToken | None) -> Generator[tuple[bytes, Splice], bytes, None]:

@@ -47,7 +47,6 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from collections.abc import Sequence
 from dataclasses import dataclass
-from dataclasses import replace
 from typing import Any
 
 from kvduplex.openai.transcript import AnswerBook
@@ -167,6 +166,18 @@ class Session:
         return len(ids) > end and hash(tuple(ids[:end])) == self.answer_digest
 
 
+def _updated(session: Session, **changes: Any) -> Session:
+    """`dataclasses.replace(session, **changes)`, as a copy of its fields: `replace` walks
+    every field and runs the frozen `__init__` again, the largest piece of Python in a
+    routed request (two a turn). A `Session` has no `__post_init__`, init-only or
+    derived field that a copy would skip."""
+    assert changes.keys() <= session.__dict__.keys(), changes.keys() - session.__dict__.keys()
+    new = object.__new__(Session)
+    new.__dict__.update(session.__dict__)
+    new.__dict__.update(changes)
+    return new
+
+
 class SessionTable:
     """Sessions by id, bounded in number and age; see the module docstring."""
 
@@ -243,7 +254,7 @@ class SessionTable:
         """The current turn of `session_id` went to these instances instead (a retry)."""
         session = self._sessions.get(session_id)
         if session is not None:
-            self._sessions[session_id] = replace(
+            self._sessions[session_id] = _updated(
                 session, prefill_url=prefill_url, decode_url=decode_url
             )
 
@@ -272,20 +283,20 @@ class SessionTable:
             update["answer_digest"] = hash((*prompt_ids, *answer_ids[:-1]))
             if message is not None:
                 self.answers.add(AnswerRecord(tuple(answer_ids), message), now, owner=session_id)
-        self._sessions[session_id] = replace(session, **update)
+        self._sessions[session_id] = _updated(session, **update)
 
     def note_return_limit(self, session_id: str, limit: int | None) -> None:
         """`session_id`'s latest turn is returned up to `limit` tokens (None: whole)."""
         session = self._sessions.get(session_id)
         if session is not None:
-            self._sessions[session_id] = replace(session, return_limit=limit)
+            self._sessions[session_id] = _updated(session, return_limit=limit)
 
     def note_answer_hit(self, session_id: str, num_hit: int, num_returnable: int) -> None:
         """At `session_id`'s latest turn, prefill had `num_hit` of the `num_returnable`
         tokens of the previous (returned) answer cached."""
         session = self._sessions.get(session_id)
         if session is not None:
-            self._sessions[session_id] = replace(
+            self._sessions[session_id] = _updated(
                 session,
                 num_answer_tokens_hit=session.num_answer_tokens_hit + num_hit,
                 num_answer_tokens_returnable=session.num_answer_tokens_returnable + num_returnable,

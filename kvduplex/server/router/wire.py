@@ -158,7 +158,7 @@ class WirePool:
         try:
             async with asyncio.timeout(self._read_timeout_s):
                 await head
-                body = b"".join([part async for part in _parts(conn)])
+                body = await _read_to_end(conn)
         except TimeoutError:
             conn.close(httpx.ReadTimeout("no answer in time"))
             raise httpx.ReadTimeout(f"{url} did not answer in {self._read_timeout_s} s") from None
@@ -285,9 +285,13 @@ class WirePool:
         return target
 
 
-async def _parts(conn: Connection) -> AsyncIterator[bytes]:
+async def _read_to_end(conn: Connection) -> bytes:
+    """The answer's body, whole (a loop, not an async generator: the event loop keeps a
+    weak reference to each generator made)."""
+    parts = []
     while (part := await conn.next_part()) is not None:
-        yield part
+        parts.append(part)
+    return b"".join(parts)
 
 
 def _has_input(fd: int) -> bool:
