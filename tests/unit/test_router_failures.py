@@ -189,17 +189,19 @@ def test_decode_dying_mid_stream_ends_the_stream_with_an_error_event(mode: Trans
     assert state.policy.decode.backends[0].in_flight == 0
 
 
-@pytest.mark.parametrize("sends_before_leaving", [0, 1, 2])
+@pytest.mark.parametrize("sends_before_leaving", [0, 1, 2, 3])
 def test_a_relay_closes_ds_stream_once_however_its_client_leaves(sends_before_leaving: int) -> None:
     """The client's connection fails before the response began (0), after its head (1),
-    or after the first event (2): Starlette stops iterating the body, and the response
-    still closes D's stream and reports the route done, once."""
+    after the first event (2: the next is sent from the task that sends the rest) or after
+    the second (3): the response stops iterating the body, and still closes D's stream and
+    reports the route done, once."""
     closed: list[bool] = []
     stream = _SlowToClose()
 
     async def parts() -> AsyncIterator[bytes]:
+        yield b"data: {}\n\n"
+        yield b"data: {}\n\n"
         yield b"data: [DONE]\n\n"
-        yield b""
 
     upstream = httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=stream)
     response = relay(upstream, parts(), closed.append, "decode at http://d")
@@ -222,18 +224,74 @@ def test_a_relay_closes_ds_stream_once_however_its_client_leaves(sends_before_le
     anyio.run(serve)
     assert closed == [False]
     assert stream.closed
+    assert len(sent) == sends_before_leaving
+
+
+def test_a_second_cancel_during_a_relays_cleanup_still_reports_the_route_done() -> None:
+    """The client leaves while the task that sends the rest waits in `send` (its
+    `ClientWatch` cancels the request), and the server's graceful shutdown runs out while
+    the cleanup closes the body's parts (uvicorn cancels the request again): the route is
+    still reported done, once, and D's stream let go of."""
+    closed: list[bool] = []
+    stream = _SlowToClose()
+    upstream = httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=stream)
+    parts_closing = asyncio.Event()
+
+    async def parts() -> AsyncIterator[bytes]:
+        try:
+            yield b"data: {}\n\n"
+            yield b"data: {}\n\n"
+            await asyncio.Event().wait()  # D has more to send
+            yield b""
+        finally:  # its reader stops: an await
+            parts_closing.set()
+            await asyncio.sleep(0)
+
+    async def run() -> None:
+        response = relay(upstream, parts(), closed.append, "decode at http://d")
+        second_part, left = asyncio.Event(), asyncio.Event()
+        sent: list[dict[str, Any]] = []
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+            if len(sent) == 3:  # the second part: the client's socket is full
+                second_part.set()
+                await asyncio.Event().wait()
+
+        async def receive() -> dict[str, Any]:
+            if not left.is_set():
+                await left.wait()
+            return {"type": "http.disconnect"}
+
+        scope = {"type": "http", "asgi": {"spec_version": "2.3"}}
+        task = asyncio.create_task(response(scope, receive, send))  # type: ignore[arg-type]
+        await second_part.wait()
+        left.set()  # the watch cancels the request's task
+        await parts_closing.wait()
+        task.cancel()  # the shutdown's cancel, while the parts close
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    asyncio.run(run())
+    assert closed == [False]
+    assert stream.released
 
 
 class _SlowToClose(httpx.AsyncByteStream):
-    """D's stream as the router holds it: closing it awaits (the connection's release)."""
+    """D's stream as the router holds it: closing it lets go of the connection, then
+    awaits (`closing` set meanwhile)."""
 
     def __init__(self) -> None:
         self.closed = False
+        self.released = False
+        self.closing = asyncio.Event()
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         yield b""
 
     async def aclose(self) -> None:
+        self.released = True
+        self.closing.set()
         await anyio.sleep(0)
         self.closed = True
 

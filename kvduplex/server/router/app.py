@@ -117,11 +117,12 @@ MAX_SESSION_KEY_LEN = 512
 
 
 @dataclass(frozen=True)
-class Incoming:
+class ClientRequest:
     """What a request to route brings besides its validated model."""
 
     body: dict[str, Any]
-    """Its JSON body, as the client sent it."""
+    """Its JSON body, as the client sent it (the router's to forward: the flow takes
+    out what is the router's to set)."""
     num_body_bytes: int
     session_header: str | None
     """Its ``X-Session-Id``."""
@@ -129,7 +130,7 @@ class Incoming:
     """Its `receive`, which says when the client leaves."""
 
     @classmethod
-    def of(cls, scope: Scope, receive: Receive, body: bytes, body_json: Any) -> Incoming:
+    def of(cls, scope: Scope, receive: Receive, body: bytes, body_json: Any) -> ClientRequest:
         session = None
         for key, value in scope["headers"]:  # as `Headers.get` reads it, without a `Headers`
             if key == _SESSION_KEY:
@@ -138,9 +139,9 @@ class Incoming:
         return cls(dict(body_json), len(body), session, receive)
 
 
-def session_key(incoming: Incoming, request: OpenAIRequest) -> str | None:
+def session_key(client: ClientRequest, request: OpenAIRequest) -> str | None:
     """The client's name for its session: X-Session-Id, else prompt_cache_key, else session_id."""
-    key = incoming.session_header or request.prompt_cache_key or request.session_id
+    key = client.session_header or request.prompt_cache_key or request.session_id
     if key is not None and len(key) > MAX_SESSION_KEY_LEN:
         raise APIError(
             400,
@@ -151,14 +152,14 @@ def session_key(incoming: Incoming, request: OpenAIRequest) -> str | None:
 
 
 async def route_request(
-    state: RouterState, incoming: Incoming, request: OpenAIRequest, path: str
+    state: RouterState, client: ClientRequest, request: OpenAIRequest, path: str
 ) -> Response:
     """Build the prompt, choose the instances and run the configured flow."""
-    ids = await build_prompt(state, request, incoming.num_body_bytes)
+    ids = await build_prompt(state, request, client.num_body_bytes)
     _check_size(state, request, len(ids))
     parser = _chat_parser(state, request, ids)
-    key = session_key(incoming, request)
-    body = incoming.body  # validated above; forwarded as the client sent it
+    key = session_key(client, request)
+    body = client.body  # validated above; forwarded as the client sent it
     body.pop("kv_transfer_params", None)  # the router's to set, never the client's
     try:
         route = state.policy.route(ids, key)
@@ -169,7 +170,7 @@ async def route_request(
     fwd = Forward(path=path, request=request, body=body, ids=ids, route=route, parser=parser)
     if request.stream:  # its relayed response notices a client that leaves (`relay.py`)
         return await _serve(state, fwd)
-    return await _unless_client_leaves(_serve(state, fwd), incoming.receive)
+    return await _unless_client_leaves(_serve(state, fwd), client.receive)
 
 
 async def _serve(state: RouterState, fwd: Forward) -> Response:
@@ -356,17 +357,19 @@ class HotRoutes:
             await self.app(scope, receive, send)
             return
         body = await _read_body(receive)  # whole: `BodyCap`, outside, read it (or refused it)
+        body_json = None
         try:
             body_json = json.loads(body)
             request = route.validate_python(body_json)
         except Exception:  # not JSON, invalid, nested too deeply: FastAPI's to answer
             request = None
         if request is None:  # outside the handler: the failed parse is not kept alive
+            body_json = None
             await self.app(scope, replay_body(body, receive), send)
             return
-        incoming = Incoming.of(scope, receive, body, body_json)
+        client = ClientRequest.of(scope, receive, body, body_json)
         try:
-            response = await route_request(self.state, incoming, request, scope["path"])
+            response = await route_request(self.state, client, request, scope["path"])
         except APIError as exc:  # as the app's handler answers it
             response = exc.response()
         await response(scope, receive, send)
@@ -464,17 +467,17 @@ def create_router_app(state: RouterState) -> FastAPI:
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, raw: Request) -> Response:
-        return await route_request(state, await _incoming(raw), body, "/v1/completions")
+        return await route_request(state, await _client_request(raw), body, "/v1/completions")
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
-        return await route_request(state, await _incoming(raw), body, "/v1/chat/completions")
+        return await route_request(state, await _client_request(raw), body, "/v1/chat/completions")
 
     return app
 
 
-async def _incoming(raw: Request) -> Incoming:
-    return Incoming.of(raw.scope, raw.receive, await raw.body(), await raw.json())
+async def _client_request(raw: Request) -> ClientRequest:
+    return ClientRequest.of(raw.scope, raw.receive, await raw.body(), await raw.json())
 
 
 def _dns_note(target: str, config: RouterConfig) -> str:

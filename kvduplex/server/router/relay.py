@@ -92,19 +92,22 @@ class OuterSend:
 class _RelayedResponse(StreamingResponse):
     """A streaming response that runs `cleanup` however it ends.
 
-    The body is sent from the request's own task, and a task of its own waits for the
-    client to leave (uvicorn's `send` says nothing once it has): then it cancels the
-    request's task, once. (Starlette's own response, under a server that speaks ASGI
-    below 2.4 as uvicorn's httptools does, runs the two in an anyio task group: two
-    tasks and a cancel scope more per response, and the first part a turn of the event
-    loop later.) A stream cut short leaves the body generator suspended: its `finally`
-    would run only when the garbage collector gets to it, and the upstream connection
-    would wait in CLOSE-WAIT, out of the pool, until then. So the body is closed here.
+    The head and first part are sent from the request's own task, the rest from a task
+    that it awaits (`_send_rest`), and a task of its own waits for the client to leave
+    (uvicorn's `send` says nothing once it has): then it cancels the request's task
+    (which cancels the one it awaits), once. (Starlette's own response, under a server
+    that speaks ASGI below 2.4 as uvicorn's httptools does, runs the two in an anyio task
+    group: two tasks and a cancel scope more per response, and the first part a turn of
+    the event loop later.) A stream cut short leaves the body generator suspended: its
+    `finally` would run only when the garbage collector gets to it, and the upstream
+    connection would wait in CLOSE-WAIT, out of the pool, until then. So the body is
+    closed here.
 
-    No cleanup here is shielded: a request's tasks are cancelled once, natively (the
-    client left: `ClientWatch`; its instance was marked unhealthy: `calls.until_unhealthy`),
-    and the cleanup runs after that cancel. (An anyio shield would not stop a native
-    cancel, and no anyio cancel scope encloses these tasks.)
+    The cleanup is not shielded: the cancels are native (the client left: `ClientWatch`;
+    the server's graceful shutdown ran out: uvicorn cancels what is left), and an anyio
+    shield does not stop those. What must happen happens before any await that a cancel
+    could interrupt: the route is reported done and the upstream connection let go of
+    (`relay`'s close, run in a `finally` however the body's own close ends).
     """
 
     def __init__(
@@ -147,7 +150,10 @@ class _RelayedResponse(StreamingResponse):
         awaits (a cancel of the request's task cancels it). Each part wakes this task
         alone: the request's task would resume every frame it awaits in, the server's
         and each middleware's (about a dozen), a part. (Its first step waits a turn of
-        the event loop; the first part, the one a TTFT waits for, is sent before.)"""
+        the event loop; the first part, the one a TTFT waits for, is sent before.) The
+        body's generators move to this task after their first part: none of them holds
+        what is bound to a task (a timeout, a cancel scope, a context variable's token)
+        across a yield."""
         async for part in self._body:
             await send({"type": "http.response.body", "body": part, "more_body": True})
 
@@ -165,8 +171,10 @@ class _RelayedResponse(StreamingResponse):
         finally:
             if watch is not None:
                 watch.stop()  # before any await: a completed response never cancels
-            await self._body.aclose()  # runs the body's `finally` if it began
-            await self._cleanup()  # else this closes upstream
+            try:
+                await self._body.aclose()  # runs the body's `finally` if it began
+            finally:
+                await self._cleanup()  # else this closes upstream
 
 
 class ClientWatch:
@@ -237,8 +245,9 @@ def relay(
     unwatch = watch(abandon) if watch is not None else _no_watch
 
     async def close(failed: bool = False) -> None:
-        """Called by the body's `finally`, and as the response's cleanup (after a cancel,
-        if any: see `_RelayedResponse`)."""
+        """Called by the body's `finally`, and as the response's cleanup: the route is
+        reported done and D's stream let go of before the first await (see
+        `_RelayedResponse`)."""
         nonlocal closed
         if not closed:
             closed = True
@@ -268,8 +277,10 @@ def relay(
                 nonlocal failure
                 failure = error
         finally:
-            await aclose_parts(source_parts)  # stops their readers before upstream closes
-            await close(failed)
+            try:
+                await aclose_parts(source_parts)  # stops their readers before upstream closes
+            finally:
+                await close(failed)
 
     headers = {"content-type": content_type}
     if REQUEST_ID_HEADER in upstream.headers:  # the answer's id (a client's own is echoed)
@@ -415,7 +426,7 @@ async def push_stream(
         while part is not None:  # the rest of D's stream passes as it is
             yield part
             part = await anext(parts, None)
-    finally:  # after a cancel, if any (see `_RelayedResponse`)
+    finally:  # `relay`'s close closes D's response too, if this is cut short
         if not first_part.done():
             await upstream.aclose()  # ends the read (a no-op if it already ended)
         with contextlib.suppress(BaseException):

@@ -171,7 +171,8 @@ def _updated(session: Session, **changes: Any) -> Session:
     every field and runs the frozen `__init__` again, the largest piece of Python in a
     routed request (two a turn). A `Session` has no `__post_init__`, init-only or
     derived field that a copy would skip."""
-    assert changes.keys() <= session.__dict__.keys(), changes.keys() - session.__dict__.keys()
+    if not changes.keys() <= session.__dict__.keys():
+        raise TypeError(f"not fields of a Session: {changes.keys() - session.__dict__.keys()}")
     new = object.__new__(Session)
     new.__dict__.update(session.__dict__)
     new.__dict__.update(changes)
