@@ -198,7 +198,7 @@ async def _loaded(app: Any, args: argparse.Namespace) -> dict[str, float]:
 
     async def stream(pause_s: float) -> None:
         await asyncio.sleep(pause_s)
-        while (sent_at := time.perf_counter()) < stop:
+        while (sent_at := time.perf_counter()) < stop or not runs:  # at least one counted
             run = await _one(app)
             if sent_at >= warm_until:
                 runs.append(run)
