@@ -42,9 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import md_table
 from benchmarks.common import pin
 from benchmarks.common import write_results
+from kvduplex.common.kv_layout import KVCacheLayout
 from kvduplex.engine import runner_inputs
 from kvduplex.engine.block_table import BlockTables
-from kvduplex.engine.kv_cache import KVCacheLayout
 from kvduplex.engine.runner_inputs import InputBuilder
 from kvduplex.engine.runner_inputs import SeqInput
 from kvduplex.model.attention import AttentionContext

@@ -74,10 +74,10 @@ class ForeignLoad:
 
 
 def make_engine(model: str, seed: int, threads: int, max_seqs: int, kv_mb: int) -> Any:
-    from kvduplex.config import CacheConfig
-    from kvduplex.config import EngineConfig
-    from kvduplex.config import ModelLoadConfig
-    from kvduplex.config import SchedulerConfig
+    from kvduplex.common.config import CacheConfig
+    from kvduplex.common.config import EngineConfig
+    from kvduplex.common.config import ModelLoadConfig
+    from kvduplex.common.config import SchedulerConfig
     from kvduplex.engine.engine import LLMEngine
 
     cfg = EngineConfig(
@@ -143,8 +143,8 @@ def timed_steps(engine: Any, variants: Variants, name: str, num: int) -> list[fl
 def run_context(
     engine: Any, variants: Variants, context: int, levels: list[int], args: argparse.Namespace
 ) -> list[dict[str, Any]]:
+    from kvduplex.common.sampling import SamplingParams
     from kvduplex.engine.request import Request
-    from kvduplex.engine.sampling import SamplingParams
 
     rng = random.Random(args.seed + context)
     vocab = engine.loaded.config.vocab_size
@@ -250,7 +250,7 @@ def main() -> None:
 
     from benchmarks.common import pin
     from benchmarks.common import write_results
-    from kvduplex.model.source import model_config
+    from kvduplex.common.model_source import model_config
 
     pinned = pin({int(c) for c in args.cpus.split(",")}, args.threads)
     torch.manual_seed(args.seed)

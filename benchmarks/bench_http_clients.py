@@ -28,10 +28,10 @@ import aiohttp
 import httpx
 
 from benchmarks.router_stub import Stub
-from kvduplex.server.cluster import free_port
-from kvduplex.server.router.state import InstanceCalls
-from kvduplex.server.router.state import InstanceTransport
-from kvduplex.server.router.state import instance_session
+from kvduplex.cluster import free_port
+from kvduplex.router.state import InstanceCalls
+from kvduplex.router.state import InstanceTransport
+from kvduplex.router.state import instance_session
 
 BODY = {"xid": "x", "prompt_token_ids": list(range(64))}
 JSON = {"content-type": "application/json"}

@@ -5,14 +5,14 @@ decode joins, a prefill drains and a router is killed. Needs root.
     sudo .venv/bin/python benchmarks/bench_multihost.py                 # 150 s of load
     sudo .venv/bin/python benchmarks/bench_multihost.py --duration-s 60 --sessions 4
 
-Hosts (`kvduplex.bench.multihost`): a bridge in the root namespace and one
+Hosts (`benchmarks.multihost`): a bridge in the root namespace and one
 namespace per process; the routers resolve ``prefill.kvd.test`` and
 ``decode.kvd.test`` at a DNS server on the bridge's address; the instances move
 KV with UCX over TCP on their host's interface. Push mode with the duplex return,
 the ``tiny`` preset; a colocated reference in the root namespace. No process is
 pinned: every figure here is a count, not a time.
 
-Load (`kvduplex.bench.multihost_load`): `--sessions` clients, each running
+Load (`benchmarks.multihost_load`): `--sessions` clients, each running
 seeded agentic sessions of `--turns` turns back to back; a session's turns
 alternate the two routers; a turn refused or cut off by a router is sent once
 more to the other.
@@ -27,7 +27,7 @@ Timeline (seconds from the start of the load; defaults at 25%, 45%, 65%):
 * `--kill-at-s`: router-1 gets SIGKILL, once a turn is in flight on it (waiting up to
   10 s for one).
 
-Afterwards (`kvduplex.bench.multihost_report`): every completed turn against the
+Afterwards (`benchmarks.multihost_report`): every completed turn against the
 reference (token ids), failures by whether they were in flight on the killed router,
 duplex hits of turns >= 2 by whether the previous turn went through the other router,
 blocks in use on every instance still up, and the turns decode-2 answered. Writes
@@ -53,25 +53,25 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import write_results
-from kvduplex.bench.multihost import Fleet
-from kvduplex.bench.multihost import FleetConfig
-from kvduplex.bench.multihost import Host
-from kvduplex.bench.multihost import HostRole
-from kvduplex.bench.multihost_load import LoadConfig
-from kvduplex.bench.multihost_load import LoadState
-from kvduplex.bench.multihost_load import TurnRecord
-from kvduplex.bench.multihost_load import check_exact
-from kvduplex.bench.multihost_load import run_load
-from kvduplex.bench.multihost_report import Labels
-from kvduplex.bench.multihost_report import Membership
-from kvduplex.bench.multihost_report import Observed
-from kvduplex.bench.multihost_report import Timeline
-from kvduplex.bench.multihost_report import duplex_hits
-from kvduplex.bench.multihost_report import failures
-from kvduplex.bench.multihost_report import format_report
-from kvduplex.bench.multihost_report import served_by_decode
-from kvduplex.server.netns import netns_unavailable_reason
-from kvduplex.server.report import scrape
+from benchmarks.multihost import Fleet
+from benchmarks.multihost import FleetConfig
+from benchmarks.multihost import Host
+from benchmarks.multihost import HostRole
+from benchmarks.multihost_load import LoadConfig
+from benchmarks.multihost_load import LoadState
+from benchmarks.multihost_load import TurnRecord
+from benchmarks.multihost_load import check_exact
+from benchmarks.multihost_load import run_load
+from benchmarks.multihost_report import Labels
+from benchmarks.multihost_report import Membership
+from benchmarks.multihost_report import Observed
+from benchmarks.multihost_report import Timeline
+from benchmarks.multihost_report import duplex_hits
+from benchmarks.multihost_report import failures
+from benchmarks.multihost_report import format_report
+from benchmarks.multihost_report import served_by_decode
+from kvduplex.bench.netns import netns_unavailable_reason
+from kvduplex.bench.report import scrape
 
 KILLED_ROUTER = 1
 JOINED, DRAINED = "decode-2", "prefill-1"

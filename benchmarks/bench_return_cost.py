@@ -57,7 +57,7 @@ from kvduplex.bench.kvmetrics import Instance
 from kvduplex.bench.kvmetrics import kv_moved
 from kvduplex.bench.kvmetrics import settle
 from kvduplex.bench.kvmetrics import snapshot
-from kvduplex.server.cluster import LocalCluster
+from kvduplex.cluster import LocalCluster
 
 PUSH, DUPLEX, COLOCATED = "push", "push+duplex", "colocated"
 IDS = (3, 250)

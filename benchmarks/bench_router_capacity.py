@@ -2,7 +2,7 @@
 
 A stub plays the instances (one asyncio HTTP/1.1 server, keep-alive, two ports: P and
 D) and answers what the router asks in push mode, as the instances would (the bodies are
-built with `kvduplex.openai.render`): ``/ready`` and ``/health`` with ``max_model_len``
+built with `kvduplex.common.openai.render`): ``/ready`` and ``/health`` with ``max_model_len``
 and an engine id; ``POST /internal/push/prefill`` at once with the first token;
 ``POST /v1/completions`` on D as a stream of one SSE event per token, each its own HTTP
 chunk, the first naming its token id (``mark_first_token``: the router drops it, P's copy
@@ -77,7 +77,7 @@ from benchmarks.router_procs import wait_ready
 from benchmarks.router_stub import Stub
 from benchmarks.timeline import STAGES
 from benchmarks.timeline import Timeline
-from kvduplex.server.cluster import free_port
+from kvduplex.cluster import free_port
 
 
 def _p50_ms(values: list[float]) -> float:

@@ -112,7 +112,7 @@ whose context this is (the flows' tasks for it copy it)."""
 
 def _note_sends() -> None:
     """`wire_protocol.Connection.send`, wrapped: each call's time noted in `_SENT`."""
-    from kvduplex.server.router import wire_protocol
+    from kvduplex.router import wire_protocol
 
     send = wire_protocol.Connection.send
 
@@ -156,7 +156,7 @@ async def _one(app: Any) -> dict[str, float]:
 
 
 async def _measure(args: argparse.Namespace, ports: list[int]) -> dict[str, Any]:
-    from kvduplex.model.source import load_tokenizer
+    from kvduplex.common.model_source import load_tokenizer
 
     p_port, d_port, paced_port, load_port = ports
     tokenizer = load_tokenizer("tiny")
@@ -211,10 +211,10 @@ async def _loaded(app: Any, args: argparse.Namespace) -> dict[str, float]:
 @contextlib.asynccontextmanager
 async def _router(p_port: int, d_port: int, tokenizer: Any) -> AsyncIterator[Any]:
     """A router's app over P and D, its first probe round done, the heap settled."""
-    from kvduplex.config import RouterConfig
-    from kvduplex.server.router.app import create_router_app
-    from kvduplex.server.router.app import settle_heap
-    from kvduplex.server.router.state import RouterState
+    from kvduplex.common.config import RouterConfig
+    from kvduplex.router.app import create_router_app
+    from kvduplex.router.app import settle_heap
+    from kvduplex.router.state import RouterState
 
     config = RouterConfig(
         prefill=(f"http://127.0.0.1:{p_port}",), decode=(f"http://127.0.0.1:{d_port}",),
@@ -231,7 +231,7 @@ async def _router(p_port: int, d_port: int, tokenizer: Any) -> AsyncIterator[Any
 
 def child(args: argparse.Namespace) -> None:
     """Measure this checkout's router (the stub in a process of its own); print JSON."""
-    from kvduplex.server.cluster import free_port
+    from kvduplex.cluster import free_port
 
     cpus = sorted(os.sched_getaffinity(0))
     ports = [free_port() for _ in range(4)]
@@ -253,7 +253,7 @@ def child(args: argparse.Namespace) -> None:
 
 async def _count(n: int, p_port: int, d_port: int) -> None:
     """`n` paced requests after the warm-up (the process counted by cachegrind)."""
-    from kvduplex.model.source import load_tokenizer
+    from kvduplex.common.model_source import load_tokenizer
 
     _note_sends()
     async with _router(p_port, d_port, load_tokenizer("tiny")) as app:
@@ -264,7 +264,7 @@ async def _count(n: int, p_port: int, d_port: int) -> None:
 def instructions_per_request(repo: Path) -> float:
     """The instructions checkout `repo`'s router process runs for one paced request: the
     difference between two counted runs (`INSTRUCTION_RUNS`), over the requests between."""
-    from kvduplex.server.cluster import free_port
+    from kvduplex.cluster import free_port
 
     ports = [free_port() for _ in range(4)]
     stub = subprocess.Popen([sys.executable, SCRIPT, "--stub", *map(str, ports)],

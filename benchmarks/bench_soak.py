@@ -6,7 +6,7 @@ push router with duplex return over one P and one D, and each process's memory o
     .venv/bin/python benchmarks/bench_soak.py --minutes 60 --sessions 32 --model small
 
 Sessions, seeds and checks are those of tests/integration/test_soak.py
-(`kvduplex.bench.soak`). The first `--warmup-s` seconds are load like the rest
+(`benchmarks.soak`). The first `--warmup-s` seconds are load like the rest
 but are left out of latencies and of memory growth. Afterwards both pools must
 be clean (integrity check, no block in use, nothing running). Writes
 results/soak-<model>.json (summary, every RSS sample, pool stats), .md and .png
@@ -31,15 +31,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import RESULTS
 from benchmarks.common import write_results
-from kvduplex.bench.soak import ProcessSampler
-from kvduplex.bench.soak import SoakConfig
-from kvduplex.bench.soak import SoakSummary
-from kvduplex.bench.soak import format_summary
-from kvduplex.bench.soak import run_sessions
-from kvduplex.bench.soak import summarize
-from kvduplex.server.cluster import LocalCluster
-from kvduplex.server.cluster import Process
-from kvduplex.server.cluster import free_port
+from benchmarks.soak import ProcessSampler
+from benchmarks.soak import SoakConfig
+from benchmarks.soak import SoakSummary
+from benchmarks.soak import format_summary
+from benchmarks.soak import run_sessions
+from benchmarks.soak import summarize
+from kvduplex.cluster import LocalCluster
+from kvduplex.cluster import Process
+from kvduplex.cluster import free_port
 
 
 def parse_args() -> argparse.Namespace:

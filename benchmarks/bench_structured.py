@@ -39,20 +39,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import md_table
 from benchmarks.common import pin
 from benchmarks.common import write_results
-from kvduplex.config import CacheConfig
-from kvduplex.config import EngineConfig
-from kvduplex.config import ModelLoadConfig
-from kvduplex.config import SchedulerConfig
+from kvduplex.common.config import CacheConfig
+from kvduplex.common.config import EngineConfig
+from kvduplex.common.config import ModelLoadConfig
+from kvduplex.common.config import SchedulerConfig
+from kvduplex.common.sampling import GrammarKind
+from kvduplex.common.sampling import GrammarSpec
+from kvduplex.common.sampling import SamplingParams
+from kvduplex.common.tokenizer import HFTokenizer
+from kvduplex.common.tokenizer import Tokenizer
 from kvduplex.engine.engine import LLMEngine
 from kvduplex.engine.request import Request
-from kvduplex.engine.sampling import GrammarKind
-from kvduplex.engine.sampling import GrammarSpec
-from kvduplex.engine.sampling import SamplingParams
 from kvduplex.engine.structured import GrammarCompiler
 from kvduplex.model.loader import LoadedModel
 from kvduplex.model.loader import load_model
-from kvduplex.model.tokenizer import HFTokenizer
-from kvduplex.model.tokenizer import Tokenizer
 
 CALL = {
     "type": "object",

@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvduplex.openai.prompt import prompt_token_ids
-from kvduplex.openai.transcript import AnswerBook
-from kvduplex.openai.transcript import AnswerRecord
+from kvduplex.common.openai.prompt import prompt_token_ids
+from kvduplex.common.openai.transcript import AnswerBook
+from kvduplex.common.openai.transcript import AnswerRecord
 from tests.unit.test_transcript import CALLS_CHATML
 from tests.unit.test_transcript import _bpe
 from tests.unit.test_transcript import _chat

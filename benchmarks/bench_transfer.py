@@ -49,10 +49,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import md_table
 from benchmarks.common import write_results
+from kvduplex.common.kv_layout import KVCacheLayout
+from kvduplex.common.presets import preset_config
 from kvduplex.engine.block_pool import BlockPool
-from kvduplex.engine.kv_cache import KVCacheLayout
 from kvduplex.engine.kv_cache import allocate_kv_pool
-from kvduplex.model.presets import preset_config
 from kvduplex.transport.messages import decode_handshake
 from kvduplex.transport.messages import encode_handshake
 from kvduplex.transport.metrics import TransferMetrics

@@ -53,9 +53,9 @@ from benchmarks.common import write_results
 from benchmarks.llama_folder import LLAMA_50M
 from benchmarks.llama_folder import build_llama_folder
 from kvduplex.bench.client import percentile
-from kvduplex.server.cluster import LocalCluster
-from kvduplex.server.cluster import Process
-from kvduplex.server.cluster import free_port
+from kvduplex.cluster import LocalCluster
+from kvduplex.cluster import Process
+from kvduplex.cluster import free_port
 
 SERVED_NAME = "llama-50m"
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")

@@ -68,8 +68,8 @@ from benchmarks.common import write_results
 from benchmarks.llama_folder import LLAMA_50M
 from benchmarks.llama_folder import build_llama_folder
 from kvduplex.bench.client import percentile
-from kvduplex.server.cluster import LocalCluster
-from kvduplex.server.cluster import Process
+from kvduplex.cluster import LocalCluster
+from kvduplex.cluster import Process
 
 KVDUPLEX, VLLM = "kvduplex", "vllm"
 MAX_NUM_BATCHED_TOKENS = 2048

@@ -60,15 +60,15 @@ from kvduplex.bench.agentic_modes import start_deployment
 from kvduplex.bench.kvmetrics import Instance
 from kvduplex.bench.kvmetrics import kv_moved
 from kvduplex.bench.kvmetrics import settle
+from kvduplex.bench.report import metric_sum
+from kvduplex.bench.report import scrape
 from kvduplex.bench.workload import Shape
 from kvduplex.bench.workload import WorkloadConfig
 from kvduplex.bench.workload import plan_sessions
 from kvduplex.bench.workload import shape_named
-from kvduplex.server.cluster import LocalCluster
-from kvduplex.server.cluster import Process
-from kvduplex.server.cluster import free_port
-from kvduplex.server.report import metric_sum
-from kvduplex.server.report import scrape
+from kvduplex.cluster import LocalCluster
+from kvduplex.cluster import Process
+from kvduplex.cluster import free_port
 
 VLLM_PD = "vllm-pd"
 PULL_CONNECTOR = '{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_buffer_device":"cpu"}'

@@ -163,10 +163,10 @@ def make_engine(
 ) -> Any:
     """An engine on CPU (`decode_attention` empty: the checkout's default; ``copy``: the
     runner's copy path, switched after the engine is built)."""
-    from kvduplex.config import CacheConfig
-    from kvduplex.config import EngineConfig
-    from kvduplex.config import ModelLoadConfig
-    from kvduplex.config import SchedulerConfig
+    from kvduplex.common.config import CacheConfig
+    from kvduplex.common.config import EngineConfig
+    from kvduplex.common.config import ModelLoadConfig
+    from kvduplex.common.config import SchedulerConfig
     from kvduplex.engine.engine import LLMEngine
 
     switch = decode_attention == "copy"
@@ -187,8 +187,8 @@ def make_engine(
 
 def start_batch(engine: Any, batch: int, context: int, max_tokens: int, seed: int, tag: str) -> None:
     """Add `batch` greedy requests and step until every one of them decodes."""
+    from kvduplex.common.sampling import SamplingParams
     from kvduplex.engine.request import Request
-    from kvduplex.engine.sampling import SamplingParams
 
     rng = random.Random(seed)
     vocab = engine.loaded.config.vocab_size

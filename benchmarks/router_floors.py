@@ -21,19 +21,19 @@ from fastapi import Request
 from fastapi import Response
 
 from benchmarks.router_stub import read_request
-from kvduplex.config import ROUTER_POOL_IDLE_S
-from kvduplex.openai.errors import install_error_handlers
-from kvduplex.openai.protocol import CompletionRequest
-from kvduplex.server.auth import APIKeyGuard
-from kvduplex.server.drain import DrainGuard
-from kvduplex.server.drain import DrainState
-from kvduplex.server.guard import BodyCap
-from kvduplex.server.router.relay import OuterSend
-from kvduplex.server.router.relay import body_parts
-from kvduplex.server.router.relay import relay
-from kvduplex.server.router.state import InstanceCalls
-from kvduplex.server.router.state import InstanceTransport
-from kvduplex.server.router.state import instance_session
+from kvduplex.common.auth import APIKeyGuard
+from kvduplex.common.config import ROUTER_POOL_IDLE_S
+from kvduplex.common.drain import DrainGuard
+from kvduplex.common.drain import DrainState
+from kvduplex.common.guard import BodyCap
+from kvduplex.common.openai.errors import install_error_handlers
+from kvduplex.common.openai.protocol import CompletionRequest
+from kvduplex.router.relay import OuterSend
+from kvduplex.router.relay import body_parts
+from kvduplex.router.relay import relay
+from kvduplex.router.state import InstanceCalls
+from kvduplex.router.state import InstanceTransport
+from kvduplex.router.state import instance_session
 
 FLAGS = ("--floor-relay", "--stack-floor", "--client-floor", "--app-floor")
 """The floors, as `main` takes them (``--ladder``'s rungs last)."""

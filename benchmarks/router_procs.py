@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvduplex.server.cluster import free_port
+from kvduplex.cluster import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 FLOORS = Path(__file__).with_name("router_floors.py")

@@ -1,6 +1,6 @@
 """The stub instances of `bench_router_capacity.py`: P and D on one asyncio HTTP/1.1
 server (keep-alive, two ports), answering what the router asks in push mode as the
-instances would (bodies built with `kvduplex.openai.render`), and what the reference
+instances would (bodies built with `kvduplex.common.openai.render`), and what the reference
 routers ask of a prefill instance; the raw HTTP/1.1 they and the floors read and write."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from dataclasses import field
 from typing import Any
 
 from benchmarks.timeline import Timeline
-from kvduplex.openai import render
-from kvduplex.openai.transcript import ANSWER_IDS_FIELD
+from kvduplex.common.openai import render
+from kvduplex.common.openai.transcript import ANSWER_IDS_FIELD
 
 FIRST_TOKEN = 65
 """The stub's every token ("A"): P's first token and D's copy of it match."""

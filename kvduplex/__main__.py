@@ -1,4 +1,4 @@
-from kvduplex.server.cli import main
+from kvduplex.cli.main import main
 
 if __name__ == "__main__":
     main()

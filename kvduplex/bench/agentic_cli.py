@@ -46,9 +46,9 @@ from kvduplex.bench.results import write_results
 from kvduplex.bench.workload import WorkloadConfig
 from kvduplex.bench.workload import plan_sessions
 from kvduplex.bench.workload import shape_named
-from kvduplex.config import CacheConfig
-from kvduplex.model.presets import PRESETS
-from kvduplex.server.cluster import LocalCluster
+from kvduplex.cluster import LocalCluster
+from kvduplex.common.config import CacheConfig
+from kvduplex.common.presets import PRESETS
 
 
 def _echo(line: str) -> None:

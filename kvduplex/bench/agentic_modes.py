@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from dataclasses import field
 
 from kvduplex.bench.kvmetrics import Instance
-from kvduplex.server.cluster import LocalCluster
-from kvduplex.server.cluster import free_port
+from kvduplex.cluster import LocalCluster
+from kvduplex.cluster import free_port
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ def router_args(spec: ModeSpec, known: set[str]) -> tuple[str, ...] | str:
 
 def kv_bytes_per_token(model: str) -> int:
     """KV bytes one token takes in a preset's cache (float32, the CPU dtype)."""
-    from kvduplex.model.presets import PRESETS
+    from kvduplex.common.presets import PRESETS
 
     cfg = PRESETS.get(model)
     if cfg is None:

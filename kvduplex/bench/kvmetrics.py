@@ -29,10 +29,10 @@ from typing import Any
 
 import httpx
 
-from kvduplex.config import Environment
-from kvduplex.server.report import metric_sum
-from kvduplex.server.report import scrape
-from kvduplex.transport.trust import secret_headers
+from kvduplex.bench.report import metric_sum
+from kvduplex.bench.report import scrape
+from kvduplex.common.config import Environment
+from kvduplex.common.trust import secret_headers
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 

@@ -52,12 +52,12 @@ import numpy as np
 
 from kvduplex.bench.client import RequestResult
 from kvduplex.bench.client import stream_request
+from kvduplex.bench.report import metric_sum
+from kvduplex.bench.report import scrape
 from kvduplex.bench.tables import cell
 from kvduplex.bench.tables import markdown_table
-from kvduplex.server.cluster import LocalCluster
-from kvduplex.server.cluster import free_port
-from kvduplex.server.report import metric_sum
-from kvduplex.server.report import scrape
+from kvduplex.cluster import LocalCluster
+from kvduplex.cluster import free_port
 
 MODES = ("colocated", "pull", "push")
 
@@ -138,8 +138,8 @@ def _start(cluster: LocalCluster, opts: Options, stack: ExitStack) -> tuple[dict
     d_env: dict[str, str] = {}
     netns = None
     if opts.netns:
-        from kvduplex.server.netns import NetnsHost
-        from kvduplex.server.netns import netns_unavailable_reason
+        from kvduplex.bench.netns import NetnsHost
+        from kvduplex.bench.netns import netns_unavailable_reason
 
         reason = netns_unavailable_reason()
         if reason is not None:

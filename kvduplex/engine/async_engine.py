@@ -45,11 +45,11 @@ from dataclasses import dataclass
 from typing import Any
 from typing import TypeVar
 
+from kvduplex.common.limits import RequestRejected
 from kvduplex.engine.engine import LLMEngine
 from kvduplex.engine.engine import RequestOutput
 from kvduplex.engine.metrics import EngineMetrics
 from kvduplex.engine.request import Request
-from kvduplex.engine.request import RequestRejected
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -28,18 +28,20 @@ from dataclasses import dataclass
 
 import torch
 
-from kvduplex.config import EngineConfig
+from kvduplex.common.config import EngineConfig
+from kvduplex.common.detokenizer import IncrementalDetokenizer
+from kvduplex.common.kv_layout import KVCacheLayout
+from kvduplex.common.limits import RequestRejected
+from kvduplex.common.limits import check_request_size
+from kvduplex.common.sampling import SamplingParams
+from kvduplex.common.sampling import TokenLogprobs
 from kvduplex.engine.block_pool import BlockPool
 from kvduplex.engine.connector import KVConnector
-from kvduplex.engine.detokenizer import IncrementalDetokenizer
-from kvduplex.engine.kv_cache import KVCacheLayout
 from kvduplex.engine.kv_cache import allocate_kv_pool
 from kvduplex.engine.kv_manager import KVCacheManager
 from kvduplex.engine.request import FinishReason
 from kvduplex.engine.request import Request
-from kvduplex.engine.request import RequestRejected
 from kvduplex.engine.request import RequestStatus
-from kvduplex.engine.request import check_request_size
 from kvduplex.engine.runner import ModelRunner
 from kvduplex.engine.runner import SeqInput
 from kvduplex.engine.runner import kv_layout_for
@@ -50,8 +52,6 @@ from kvduplex.engine.sampler import apply_token_bitmask
 from kvduplex.engine.sampler import compute_logprobs
 from kvduplex.engine.sampler import sample
 from kvduplex.engine.sampler import stop_bans
-from kvduplex.engine.sampling import SamplingParams
-from kvduplex.engine.sampling import TokenLogprobs
 from kvduplex.engine.scheduler import Scheduler
 from kvduplex.engine.scheduler import SchedulerOutput
 from kvduplex.engine.scheduler_output import KVConnectorMetadata

@@ -28,10 +28,10 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvduplex.common.kv_layout import num_blocks_for_tokens
 from kvduplex.engine.block_pool import BlockHash
 from kvduplex.engine.block_pool import BlockPool
 from kvduplex.engine.block_pool import compute_block_hashes
-from kvduplex.engine.kv_cache import num_blocks_for_tokens
 from kvduplex.engine.request import Request
 
 logger = logging.getLogger(__name__)

@@ -23,16 +23,17 @@ from collections.abc import Iterable
 
 import torch
 
-from kvduplex.config import DecodeAttention
+from kvduplex.common.config import DecodeAttention
+from kvduplex.common.kv_layout import KVCacheLayout
+from kvduplex.common.model_config import DecoderConfig
 from kvduplex.engine.block_table import BlockTables
-from kvduplex.engine.kv_cache import KVCacheLayout
 from kvduplex.engine.runner_inputs import GROUP_COST_TOKENS
 from kvduplex.engine.runner_inputs import InputBuilder
 from kvduplex.engine.runner_inputs import SeqInput
 from kvduplex.engine.runner_inputs import group_by_length
 from kvduplex.model import cpu_decode
-from kvduplex.model.config import DecoderConfig
 from kvduplex.model.decoder import DecoderForCausalLM
+from kvduplex.model.dtypes import dtype_from_name
 from kvduplex.model.flex_decode import FlexDecode
 
 logger = logging.getLogger(__name__)
@@ -94,10 +95,10 @@ class ModelRunner:
         expected = kv_layout_for(config, layout.block_size, layout.num_blocks, layout.dtype)
         if expected != layout:
             raise ValueError(f"KV layout does not fit the model: {expected.incompatibility(layout)}")
-        if tuple(kv_pool.shape) != layout.shape or kv_pool.dtype != layout.torch_dtype:
+        if tuple(kv_pool.shape) != layout.shape or kv_pool.dtype != dtype_from_name(layout.dtype):
             raise ValueError(
                 f"KV pool is {tuple(kv_pool.shape)} {kv_pool.dtype}, layout wants "
-                f"{layout.shape} {layout.torch_dtype}"
+                f"{layout.shape} {dtype_from_name(layout.dtype)}"
             )
         param = next(model.parameters())
         if param.dtype != kv_pool.dtype:

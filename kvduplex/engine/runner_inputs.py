@@ -33,14 +33,15 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from kvduplex.common.kv_layout import KVCacheLayout
 from kvduplex.engine.block_table import BlockTables
-from kvduplex.engine.kv_cache import KVCacheLayout
 from kvduplex.model.attention import AttentionContext
 from kvduplex.model.attention import DecodeGroup
 from kvduplex.model.attention import PoolRuns
 from kvduplex.model.attention import PrefillSpan
 from kvduplex.model.cpu_decode import KernelDecodes
 from kvduplex.model.cpu_decode import PagedDecodeKernel
+from kvduplex.model.dtypes import dtype_from_name
 from kvduplex.model.flex_decode import FlexDecode
 from kvduplex.model.paged_decode import GatheredRows
 from kvduplex.model.paged_decode import PagedDecodes
@@ -96,7 +97,7 @@ class InputBuilder:
         self.device = device
         self._pin = device.type == "cuda"
         self._max_ranges = IN_PLACE_MAX_RANGES if device.type == "cpu" else 1
-        self._kv_dtype = layout.torch_dtype
+        self._kv_dtype = dtype_from_name(layout.dtype)
         self._per_block = 2 * layout.block_size * layout.num_kv_heads * layout.head_dim
         self._kv_shape = (layout.block_size, layout.num_kv_heads, layout.head_dim)
         self._stage = torch.empty((3, 0), dtype=torch.int64)  # ids, positions, slots

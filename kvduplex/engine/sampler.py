@@ -40,8 +40,8 @@ from typing import Protocol
 
 import torch
 
-from kvduplex.engine.sampling import SamplingParams
-from kvduplex.engine.sampling import TokenLogprobs
+from kvduplex.common.sampling import SamplingParams
+from kvduplex.common.sampling import TokenLogprobs
 
 logger = logging.getLogger(__name__)
 

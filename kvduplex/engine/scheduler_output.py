@@ -23,9 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from dataclasses import field
 
+from kvduplex.common.sampling import TokenLogprobs
 from kvduplex.engine.request import FinishReason
 from kvduplex.engine.request import Request
-from kvduplex.engine.sampling import TokenLogprobs
 
 
 @dataclass

@@ -50,11 +50,11 @@ from typing import Any
 
 import torch
 
-from kvduplex.engine.sampling import GrammarKind
-from kvduplex.engine.sampling import GrammarSpec
-from kvduplex.model.tokenizer import ByteTokenizer
-from kvduplex.model.tokenizer import HFTokenizer
-from kvduplex.model.tokenizer import Tokenizer
+from kvduplex.common.sampling import GrammarKind
+from kvduplex.common.sampling import GrammarSpec
+from kvduplex.common.tokenizer import ByteTokenizer
+from kvduplex.common.tokenizer import HFTokenizer
+from kvduplex.common.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from kvduplex.engine.async_engine import AsyncEngine
-from kvduplex.engine.connector import EngineHandle
 from kvduplex.engine.connector import KVConnector
+from kvduplex.engine.handle import EngineHandle
 from kvduplex.engine.request import FinishReason
 from kvduplex.engine.request import Request
 from kvduplex.engine.scheduler_output import KVConnectorMetadata

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import ClassVar
 
-from kvduplex.engine.connector import EngineHandle
+from kvduplex.engine.handle import EngineHandle
 from kvduplex.kvflow.machines.actions import AcquireBlocks
 from kvduplex.kvflow.machines.actions import ReleaseBlocks
 from kvduplex.kvflow.machines.actions import TearDown

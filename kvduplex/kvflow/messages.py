@@ -17,7 +17,7 @@ receives)::
 
 from __future__ import annotations
 
-from kvduplex.engine.sampling import TokenLogprobs
+from kvduplex.common.sampling import TokenLogprobs
 from kvduplex.transport.messages import ControlMessage
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from kvduplex.metrics import MetricFactory
+from kvduplex.common.metrics import MetricFactory
 
 
 class KVFlowMetrics:

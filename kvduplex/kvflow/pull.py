@@ -27,8 +27,9 @@ from typing import Any
 
 import httpx
 
-from kvduplex.engine.connector import EngineHandle
-from kvduplex.engine.kv_cache import num_blocks_for_tokens
+from kvduplex.common.kv_layout import num_blocks_for_tokens
+from kvduplex.common.trust import secret_headers
+from kvduplex.engine.handle import EngineHandle
 from kvduplex.engine.scheduler_output import KVReceived
 from kvduplex.engine.scheduler_output import KVReceiveFailed
 from kvduplex.engine.scheduler_output import KVTransferResult
@@ -40,7 +41,6 @@ from kvduplex.transport.base import Transport
 from kvduplex.transport.notify import NotificationPump
 from kvduplex.transport.protocol import PeerHandle
 from kvduplex.transport.protocol import TransferHandle
-from kvduplex.transport.trust import secret_headers
 
 if TYPE_CHECKING:
     from kvduplex.engine.engine import LLMEngine

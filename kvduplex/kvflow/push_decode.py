@@ -28,8 +28,8 @@ import time
 from dataclasses import dataclass
 from functools import partial
 
-from kvduplex.engine.connector import EngineHandle
-from kvduplex.engine.kv_cache import num_blocks_for_tokens
+from kvduplex.common.kv_layout import num_blocks_for_tokens
+from kvduplex.engine.handle import EngineHandle
 from kvduplex.engine.scheduler_output import KVFirstToken
 from kvduplex.engine.scheduler_output import KVReceived
 from kvduplex.engine.scheduler_output import KVReceiveFailed

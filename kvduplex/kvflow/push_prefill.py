@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from dataclasses import field
 
-from kvduplex.engine.kv_cache import num_blocks_for_tokens
+from kvduplex.common.kv_layout import num_blocks_for_tokens
 from kvduplex.engine.request import FinishReason
 from kvduplex.engine.request import Request
 from kvduplex.engine.scheduler_output import KVConnectorMetadata

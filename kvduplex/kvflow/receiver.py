@@ -40,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 
-from kvduplex.engine.connector import EngineHandle
+from kvduplex.engine.handle import EngineHandle
 from kvduplex.kvflow.half import FlowHalf
 from kvduplex.kvflow.machines.actions import AcquireBlocks
 from kvduplex.kvflow.machines.actions import Log

@@ -43,7 +43,7 @@ from functools import partial
 
 from kvduplex.engine.block_pool import BlockHash
 from kvduplex.engine.block_pool import compute_block_hashes
-from kvduplex.engine.connector import EngineHandle
+from kvduplex.engine.handle import EngineHandle
 from kvduplex.engine.request import FinishReason
 from kvduplex.engine.request import Request
 from kvduplex.kvflow.messages import KVDecline

@@ -62,7 +62,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 
-from kvduplex.engine.connector import EngineHandle
+from kvduplex.engine.handle import EngineHandle
 from kvduplex.engine.scheduler_output import KVSendCancelled
 from kvduplex.engine.scheduler_output import KVSendEnded
 from kvduplex.engine.scheduler_output import KVTransferResult

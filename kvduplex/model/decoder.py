@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvduplex.common.model_config import DecoderConfig
 from kvduplex.model.attention import AttentionContext
 from kvduplex.model.attention import paged_attention
 from kvduplex.model.attention import write_kv
-from kvduplex.model.config import DecoderConfig
 from kvduplex.model.rope import RotaryEmbedding
 from kvduplex.model.rope import apply_rotary
 

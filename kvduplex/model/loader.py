@@ -24,20 +24,20 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kvduplex.config import ModelLoadConfig
-from kvduplex.engine.kv_cache import dtype_from_name
-from kvduplex.model.config import DecoderConfig
+from kvduplex.common.config import ModelLoadConfig
+from kvduplex.common.model_config import DecoderConfig
+from kvduplex.common.model_source import load_tokenizer
+from kvduplex.common.model_source import model_config
+from kvduplex.common.model_source import model_folder
+from kvduplex.common.presets import PRESETS
+from kvduplex.common.tokenizer import Tokenizer
 from kvduplex.model.decoder import DecoderForCausalLM
 from kvduplex.model.decoder import Linear
 from kvduplex.model.decoder import can_pack_for_onednn
 from kvduplex.model.decoder import fused_shard_rows
 from kvduplex.model.decoder import hf_weight_target
 from kvduplex.model.decoder import pack_for_onednn
-from kvduplex.model.presets import PRESETS
-from kvduplex.model.source import load_tokenizer
-from kvduplex.model.source import model_config
-from kvduplex.model.source import model_folder
-from kvduplex.model.tokenizer import Tokenizer
+from kvduplex.model.dtypes import dtype_from_name
 
 logger = logging.getLogger(__name__)
 

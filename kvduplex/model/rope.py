@@ -17,7 +17,7 @@ import math
 import torch
 from torch import nn
 
-from kvduplex.model.config import DecoderConfig
+from kvduplex.common.model_config import DecoderConfig
 
 
 def inverse_frequencies(config: DecoderConfig) -> torch.Tensor:

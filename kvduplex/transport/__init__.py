@@ -3,7 +3,7 @@ implementations, the handshake, typed control messages and metrics.
 
 This package's ``__all__`` is the public surface; the submodules do not restate it.
 Its names are imported on first use (the submodules need torch), so that a torch-free
-process (the router) can import a submodule such as `kvduplex.transport.trust` alone.
+process (the router) can import a submodule such as `kvduplex.common.trust` alone.
 
 Import `kvduplex.transport.nixl` only where NIXL is installed.
 """

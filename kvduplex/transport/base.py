@@ -44,8 +44,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvduplex.engine.kv_cache import KVCacheLayout
-from kvduplex.engine.kv_cache import KVKind
+from kvduplex.common.kv_layout import KVCacheLayout
+from kvduplex.common.kv_layout import KVKind
 from kvduplex.transport.messages import HANDSHAKE_VERSION
 from kvduplex.transport.messages import HandshakeInfo
 from kvduplex.transport.messages import NotifRefusal

@@ -4,7 +4,7 @@ Each instance serves ``GET /internal/kv/handshake`` (the router built by
 `make_handshake_router`, mounted by the instance server). A peer fetches it
 with `fetch_handshake` and passes it to `Transport.connect`. The answer lets
 its holder read and write the whole KV pool, so an instance with a cluster
-secret serves it only to callers that send the secret (`kvduplex.server.guard`);
+secret serves it only to callers that send the secret (`kvduplex.common.guard`);
 `fetch_handshake` and `PeerDirectory` send it when given one.
 
 `PeerDirectory` caches one `PeerHandle` per base URL. A restarted instance has
@@ -35,13 +35,13 @@ import msgspec
 from fastapi import APIRouter
 from fastapi import Response
 
+from kvduplex.common.trust import secret_headers
 from kvduplex.transport.base import Transport
 from kvduplex.transport.messages import HandshakeInfo
 from kvduplex.transport.messages import decode_handshake
 from kvduplex.transport.messages import encode_handshake
 from kvduplex.transport.protocol import PeerHandle
 from kvduplex.transport.protocol import PeerUnavailableError
-from kvduplex.transport.trust import secret_headers
 
 logger = logging.getLogger(__name__)
 
@@ -233,7 +233,7 @@ class PeerDirectory:
 
         Each process draws a fresh engine id, so another one at the URL is another
         process bound to its port: the old one was killed, or stopped listening on
-        its way out (`kvduplex.server.drain`: its server stops once it owes nothing
+        its way out (`kvduplex.common.drain`: its server stops once it owes nothing
         or its drain deadline passed, then it closes its transport and exits)."""
         with self._lock:
             if engine_id in self._replaced:

@@ -26,7 +26,7 @@ from typing import Any
 
 import msgspec
 
-from kvduplex.engine.kv_cache import KVCacheLayout
+from kvduplex.common.kv_layout import KVCacheLayout
 
 HANDSHAKE_VERSION = 1
 """Bumped when `HandshakeInfo` or the envelope changes incompatibly."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 from prometheus_client import REGISTRY
 from prometheus_client import CollectorRegistry
 
-from kvduplex.metrics import MetricFactory
+from kvduplex.common.metrics import MetricFactory
 from kvduplex.transport.messages import NotifRefusal
 from kvduplex.transport.protocol import FailureKind
 from kvduplex.transport.protocol import TransferHandle

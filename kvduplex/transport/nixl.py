@@ -65,8 +65,8 @@ from typing import Any
 import msgspec
 import torch
 
-from kvduplex.engine.kv_cache import KVCacheLayout
-from kvduplex.engine.kv_cache import pool_base_address
+from kvduplex.common.kv_layout import KVCacheLayout
+from kvduplex.model.dtypes import dtype_from_name
 from kvduplex.transport.base import Incoming
 from kvduplex.transport.base import Post
 from kvduplex.transport.base import Transport
@@ -144,7 +144,7 @@ class NixlTransport(Transport):
         off to ``deep_idle_poll_interval_s`` (see the module docstring).
         """
         super().__init__(layout, engine_id or uuid.uuid4().hex, default_deadline_s, metrics)
-        if tuple(pool.shape) != layout.shape or pool.dtype != layout.torch_dtype:
+        if tuple(pool.shape) != layout.shape or pool.dtype != dtype_from_name(layout.dtype):
             raise ValueError(
                 f"pool of shape {tuple(pool.shape)} and dtype {pool.dtype} does not match "
                 f"layout {layout.shape} {layout.dtype}; allocate it with allocate_kv_pool(layout)"
@@ -163,7 +163,7 @@ class NixlTransport(Transport):
         self.hint_min_bytes = hint_min_bytes
         mem_type = "DRAM" if pool.device.type == "cpu" else "VRAM"
         device_id = 0 if pool.device.type == "cpu" else int(pool.device.index or 0)
-        base = pool_base_address(pool)
+        base = int(pool.data_ptr())
         num_regions = layout.num_layers * 2 * layout.num_blocks
 
         self._peers: dict[str, _Peer] = {}

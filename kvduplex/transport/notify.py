@@ -15,7 +15,7 @@ more, and an idle instance wakes once a second instead of twenty times::
     activity ─┬─ tick_s ticks ... hot_s ... ─┬─ idle_tick_s ticks ...
 
 Test-only hook: ``drop_types`` (set from ``KVDUPLEX_TEST_DROP_MESSAGES``,
-see `kvduplex.config.Environment`) names message types (``kv_register``,
+see `kvduplex.common.config.Environment`) names message types (``kv_register``,
 ``kv_offer``, ``kv_done``, ...) the pump drops on arrival, as if the network
 had lost them, so that fault tests can make a registration, an offer or a
 notification go unanswered. Never set it in production.

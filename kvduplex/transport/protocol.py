@@ -46,8 +46,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvduplex.engine.kv_cache import KVCacheLayout
-from kvduplex.engine.kv_cache import KVKind
+from kvduplex.common.kv_layout import KVCacheLayout
+from kvduplex.common.kv_layout import KVKind
 
 logger = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from kvduplex.engine.kv_cache import KVCacheLayout
-from kvduplex.engine.kv_cache import KVKind
+from kvduplex.common.kv_layout import KVCacheLayout
+from kvduplex.common.kv_layout import KVKind
 from kvduplex.transport.protocol import ALL_KINDS
 from kvduplex.transport.protocol import Region
 

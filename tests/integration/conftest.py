@@ -13,12 +13,12 @@ import pytest
 from httpx_sse import connect_sse
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvduplex.server.cluster import LocalCluster
-from kvduplex.server.cluster import Process
-from kvduplex.server.cluster import free_port
-from kvduplex.server.netns import NetnsHost
-from kvduplex.server.netns import netns_unavailable_reason
-from kvduplex.transport.trust import secret_headers
+from kvduplex.bench.netns import NetnsHost
+from kvduplex.bench.netns import netns_unavailable_reason
+from kvduplex.cluster import LocalCluster
+from kvduplex.cluster import Process
+from kvduplex.cluster import free_port
+from kvduplex.common.trust import secret_headers
 
 
 @pytest.fixture(scope="module")

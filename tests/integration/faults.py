@@ -30,9 +30,9 @@ from typing import Any
 import httpx
 import pytest
 
-from kvduplex.server.cluster import LocalCluster
-from kvduplex.server.cluster import Process
-from kvduplex.server.cluster import free_port
+from kvduplex.cluster import LocalCluster
+from kvduplex.cluster import Process
+from kvduplex.cluster import free_port
 from tests.integration.conftest import kv_stats
 from tests.integration.conftest import metric
 from tests.integration.conftest import wait_until

@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvduplex.server.cluster import LocalCluster
+from kvduplex.cluster import LocalCluster
 from tests.integration.faults import Outcome
 from tests.integration.faults import Victim
 from tests.integration.faults import blocks_left

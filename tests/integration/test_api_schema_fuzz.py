@@ -31,8 +31,8 @@ from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
 
-from kvduplex.server.cluster import LocalCluster
-from kvduplex.server.cluster import Process
+from kvduplex.cluster import LocalCluster
+from kvduplex.cluster import Process
 from tests.integration.conftest import assert_pool_clean
 from tests.integration.conftest import start_duplex_rig
 from tests.skips import skip_module_without_nixl

@@ -13,9 +13,9 @@ import pytest
 
 from kvduplex.bench.conversation import AGENT_SERVER_FLAGS
 from kvduplex.bench.conversation import TOOL_NAME
-from kvduplex.server.cluster import LocalCluster
-from kvduplex.server.cluster import Process
-from kvduplex.server.cluster import free_port
+from kvduplex.cluster import LocalCluster
+from kvduplex.cluster import Process
+from kvduplex.cluster import free_port
 
 pytestmark = pytest.mark.integration
 

@@ -15,9 +15,9 @@ import sys
 import httpx
 import pytest
 
+from kvduplex.cluster import LocalCluster
+from kvduplex.cluster import free_port
 from kvduplex.model.cpu_decode import load_kernel
-from kvduplex.server.cluster import LocalCluster
-from kvduplex.server.cluster import free_port
 
 pytestmark = pytest.mark.integration
 

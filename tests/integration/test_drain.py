@@ -16,10 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvduplex.server.cluster import LocalCluster
-from kvduplex.server.cluster import Process
-from kvduplex.server.cluster import free_port
-from kvduplex.server.router import rendezvous
+from kvduplex.cluster import LocalCluster
+from kvduplex.cluster import Process
+from kvduplex.cluster import free_port
+from kvduplex.router import rendezvous
 from tests.integration.conftest import assert_pool_clean
 from tests.integration.conftest import kv_stats
 from tests.integration.conftest import metric

@@ -23,9 +23,9 @@ import pytest
 
 from kvduplex.bench.conversation import TOOL_NAME
 from kvduplex.bench.conversation import tool_definitions
-from kvduplex.server.cluster import LocalCluster
-from kvduplex.server.cluster import Process
-from kvduplex.server.cluster import free_port
+from kvduplex.cluster import LocalCluster
+from kvduplex.cluster import Process
+from kvduplex.cluster import free_port
 from tests.integration.conftest import assert_pool_clean
 from tests.integration.conftest import wait_until
 from tests.skips import skip_module_without_nixl

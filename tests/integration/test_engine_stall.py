@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvduplex.server.cluster import LocalCluster
+from kvduplex.cluster import LocalCluster
 from tests.integration.conftest import metric
 from tests.integration.faults import DEADLINE_S
 from tests.integration.faults import P_FLAGS

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvduplex.server.cluster import LocalCluster
+from kvduplex.cluster import LocalCluster
 from tests.integration.faults import REQUEST_BOUND_S
 from tests.integration.faults import Outcome
 from tests.integration.faults import Rig

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from kvduplex.server.cluster import Process
-from kvduplex.server.cluster import free_port
-from kvduplex.server.netns import NetnsHost
+from kvduplex.bench.netns import NetnsHost
+from kvduplex.cluster import Process
+from kvduplex.cluster import free_port
 from tests.integration.conftest import kv_stats
 from tests.integration.conftest import p_across_link
 from tests.integration.faults import D_FLAGS

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvduplex.server.cluster import LocalCluster
+from kvduplex.cluster import LocalCluster
 from tests.integration.conftest import kv_stats
 from tests.integration.faults import REQUEST_BOUND_S
 from tests.integration.faults import Outcome

@@ -1,7 +1,7 @@
 """Hosts in network namespaces on one bridge, found by DNS: a session alternating two routers.
 
 Two prefill and two decode instances and two routers each run on a host of their
-own (`kvduplex.bench.multihost.Fleet`: a namespace per process on a bridge); the
+own (`benchmarks.multihost.Fleet`: a namespace per process on a bridge); the
 routers resolve the instances' DNS names at a DNS server on the bridge's address;
 prefill and decode move KV with UCX over TCP on their host's interface. A
 colocated reference runs in ours. The turns of a session alternate the routers:
@@ -23,12 +23,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvduplex.bench.multihost import Fleet
-from kvduplex.bench.multihost import FleetConfig
-from kvduplex.bench.multihost import Host
-from kvduplex.bench.multihost import HostRole
-from kvduplex.server.netns import netns_unavailable_reason
-from kvduplex.server.router import rendezvous
+from benchmarks.multihost import Fleet
+from benchmarks.multihost import FleetConfig
+from benchmarks.multihost import Host
+from benchmarks.multihost import HostRole
+from kvduplex.bench.netns import netns_unavailable_reason
+from kvduplex.router import rendezvous
 from tests.integration.conftest import assert_pool_clean
 from tests.integration.conftest import complete_turn
 from tests.integration.conftest import wait_until

@@ -16,9 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvduplex.server.cluster import LocalCluster
-from kvduplex.server.cluster import free_port
-from kvduplex.server.netns import NetnsHost
+from kvduplex.bench.netns import NetnsHost
+from kvduplex.cluster import LocalCluster
+from kvduplex.cluster import free_port
 from tests.integration.conftest import assert_pool_clean
 from tests.integration.conftest import p_across_link
 from tests.skips import skip_module_without_nixl

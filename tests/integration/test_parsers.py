@@ -19,8 +19,8 @@ import httpx
 import pytest
 from httpx_sse import connect_sse
 
-from kvduplex.server.cluster import LocalCluster
-from kvduplex.server.cluster import free_port
+from kvduplex.cluster import LocalCluster
+from kvduplex.cluster import free_port
 from tests.integration.conftest import assert_pool_clean
 from tests.skips import skip_module_without_nixl
 

@@ -8,8 +8,8 @@ from typing import Any
 import httpx
 import pytest
 
-from kvduplex.server.cluster import LocalCluster
-from kvduplex.server.cluster import free_port
+from kvduplex.cluster import LocalCluster
+from kvduplex.cluster import free_port
 from tests.integration.conftest import Deployment
 from tests.integration.conftest import assert_pool_clean
 from tests.integration.conftest import start_deployment

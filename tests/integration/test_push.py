@@ -16,9 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from kvduplex.server.cluster import LocalCluster
-from kvduplex.server.cluster import Process
-from kvduplex.server.cluster import free_port
+from kvduplex.cluster import LocalCluster
+from kvduplex.cluster import Process
+from kvduplex.cluster import free_port
 from tests.integration.conftest import Deployment
 from tests.integration.conftest import assert_pool_clean
 from tests.integration.conftest import kv_stats

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from kvduplex.server.cluster import LocalCluster
+from kvduplex.cluster import LocalCluster
 from tests.integration.conftest import Deployment
 from tests.integration.conftest import assert_pool_clean
 from tests.integration.conftest import start_deployment

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from kvduplex.server.cluster import LocalCluster
-from kvduplex.server.cluster import Process
-from kvduplex.server.cluster import free_port
+from kvduplex.cluster import LocalCluster
+from kvduplex.cluster import Process
+from kvduplex.cluster import free_port
 from tests.integration.conftest import kv_stats
 from tests.integration.faults import D_FLAGS
 from tests.integration.faults import HEALTH_INTERVAL_S

@@ -26,15 +26,15 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from kvduplex.server.cluster import LocalCluster
-from kvduplex.server.cluster import free_port
-from kvduplex.server.router import rendezvous
-from kvduplex.server.static_dns import StaticDns
+from kvduplex.cluster import LocalCluster
+from kvduplex.cluster import free_port
+from kvduplex.router import rendezvous
 from tests.integration.conftest import assert_pool_clean
 from tests.integration.conftest import complete_turn
 from tests.integration.conftest import metric
 from tests.integration.conftest import wait_until
 from tests.skips import skip_module_without_nixl
+from tests.support.static_dns import StaticDns
 
 pytestmark = pytest.mark.integration
 

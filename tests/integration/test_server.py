@@ -11,11 +11,11 @@ import pytest
 from httpx_sse import connect_sse
 from openai.types import Completion
 
-from kvduplex.server.cluster import LocalCluster
-from kvduplex.server.cluster import Process
-from kvduplex.server.cluster import free_port
-from kvduplex.server.report import metric_sum
-from kvduplex.server.report import scrape
+from kvduplex.bench.report import metric_sum
+from kvduplex.bench.report import scrape
+from kvduplex.cluster import LocalCluster
+from kvduplex.cluster import Process
+from kvduplex.cluster import free_port
 from tests.integration.conftest import assert_pool_clean
 from tests.integration.conftest import kv_stats
 from tests.integration.conftest import wait_until

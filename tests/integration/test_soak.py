@@ -10,13 +10,13 @@ import asyncio
 
 import pytest
 
-from kvduplex.bench.soak import ProcessSampler
-from kvduplex.bench.soak import SoakConfig
-from kvduplex.bench.soak import format_summary
-from kvduplex.bench.soak import run_sessions
-from kvduplex.bench.soak import summarize
-from kvduplex.server.cluster import LocalCluster
-from kvduplex.server.cluster import Process
+from benchmarks.soak import ProcessSampler
+from benchmarks.soak import SoakConfig
+from benchmarks.soak import format_summary
+from benchmarks.soak import run_sessions
+from benchmarks.soak import summarize
+from kvduplex.cluster import LocalCluster
+from kvduplex.cluster import Process
 from tests.integration.conftest import assert_pool_clean
 from tests.integration.conftest import kv_stats
 from tests.integration.conftest import start_duplex_rig

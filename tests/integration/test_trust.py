@@ -19,15 +19,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvduplex.config import ModelLoadConfig
+from kvduplex.cluster import LocalCluster
+from kvduplex.cluster import free_port
+from kvduplex.common.config import ModelLoadConfig
+from kvduplex.common.trust import SECRET_HEADER
+from kvduplex.common.trust import secret_headers
 from kvduplex.engine.block_pool import compute_block_hashes
 from kvduplex.kvflow.messages import KVOffer
 from kvduplex.model.loader import load_model
-from kvduplex.server.cluster import LocalCluster
-from kvduplex.server.cluster import free_port
 from kvduplex.transport.messages import MessageCodec
-from kvduplex.transport.trust import SECRET_HEADER
-from kvduplex.transport.trust import secret_headers
 from tests.integration.conftest import Deployment
 from tests.integration.conftest import assert_pool_clean
 from tests.integration.conftest import kv_stats

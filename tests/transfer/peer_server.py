@@ -37,7 +37,7 @@ from fastapi import FastAPI
 from fastapi import Request
 from fastapi import Response
 
-from kvduplex.engine.kv_cache import KVCacheLayout
+from kvduplex.common.kv_layout import KVCacheLayout
 from kvduplex.engine.kv_cache import allocate_kv_pool
 from kvduplex.transport.handshake import make_handshake_router
 from kvduplex.transport.messages import Envelope

@@ -13,8 +13,8 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from kvduplex.engine.kv_cache import KVCacheLayout
-from kvduplex.engine.kv_cache import KVKind
+from kvduplex.common.kv_layout import KVCacheLayout
+from kvduplex.common.kv_layout import KVKind
 from kvduplex.engine.kv_cache import allocate_kv_pool
 from kvduplex.kvflow.messages import KVDone
 from kvduplex.transport import IncompatibleLayoutError
@@ -25,13 +25,13 @@ from kvduplex.transport import TransferHandle
 from kvduplex.transport import TransferState
 from kvduplex.transport import Transport
 from kvduplex.transport import block_region_indices
-from kvduplex.transport.fake import InProcessFabric
-from kvduplex.transport.fake import InProcessTransport
 from kvduplex.transport.metrics import TransferMetrics
 from kvduplex.transport.protocol import FailureKind
 from kvduplex.transport.protocol import PeerHandle
 from kvduplex.transport.protocol import PeerUnavailableError
 from kvduplex.transport.protocol import TransferOp
+from tests.support.fake_transport import InProcessFabric
+from tests.support.fake_transport import InProcessTransport
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -11,13 +11,12 @@ from fastapi import Request
 from fastapi import Response
 from fastapi.testclient import TestClient
 
-from kvduplex.engine.kv_cache import KVCacheLayout
+from kvduplex.common.kv_layout import KVCacheLayout
+from kvduplex.common.trust import SECRET_HEADER
 from kvduplex.engine.kv_cache import allocate_kv_pool
 from kvduplex.transport import IncompatibleLayoutError
 from kvduplex.transport import PeerUnavailableError
 from kvduplex.transport import TransferState
-from kvduplex.transport.fake import InProcessFabric
-from kvduplex.transport.fake import InProcessTransport
 from kvduplex.transport.handshake import HANDSHAKE_PATH
 from kvduplex.transport.handshake import PeerDirectory
 from kvduplex.transport.handshake import fetch_handshake
@@ -25,7 +24,8 @@ from kvduplex.transport.handshake import make_handshake_router
 from kvduplex.transport.messages import decode_handshake
 from kvduplex.transport.metrics import TransferMetrics
 from kvduplex.transport.protocol import TransferOp
-from kvduplex.transport.trust import SECRET_HEADER
+from tests.support.fake_transport import InProcessFabric
+from tests.support.fake_transport import InProcessTransport
 
 pytestmark = pytest.mark.timeout(30)
 

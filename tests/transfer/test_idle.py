@@ -7,15 +7,15 @@ import time
 
 import pytest
 
-from kvduplex.engine.kv_cache import KVCacheLayout
+from kvduplex.common.kv_layout import KVCacheLayout
 from kvduplex.engine.kv_cache import allocate_kv_pool
 from kvduplex.kvflow.messages import KVDone
 from kvduplex.transport import ControlMessage
 from kvduplex.transport import MessageCodec
-from kvduplex.transport.fake import InProcessFabric
 from kvduplex.transport.metrics import TransferMetrics
 from kvduplex.transport.notify import NotificationPump
 from tests.skips import nixl_installed
+from tests.support.fake_transport import InProcessFabric
 
 pytestmark = pytest.mark.timeout(60)
 

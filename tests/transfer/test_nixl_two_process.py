@@ -23,8 +23,8 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from kvduplex.engine.kv_cache import KVCacheLayout
-from kvduplex.engine.kv_cache import KVKind
+from kvduplex.common.kv_layout import KVCacheLayout
+from kvduplex.common.kv_layout import KVKind
 from kvduplex.engine.kv_cache import allocate_kv_pool
 from kvduplex.kvflow.messages import KVDone
 from kvduplex.transport import FailureKind

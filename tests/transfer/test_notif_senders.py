@@ -11,14 +11,14 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from kvduplex.engine.kv_cache import KVCacheLayout
+from kvduplex.common.kv_layout import KVCacheLayout
 from kvduplex.engine.kv_cache import allocate_kv_pool
-from kvduplex.transport.fake import InProcessFabric
-from kvduplex.transport.fake import InProcessTransport
 from kvduplex.transport.metrics import TransferMetrics
 from kvduplex.transport.protocol import Notification
 from kvduplex.transport.protocol import TransferOp
 from kvduplex.transport.protocol import TransferState
+from tests.support.fake_transport import InProcessFabric
+from tests.support.fake_transport import InProcessTransport
 
 pytestmark = pytest.mark.timeout(30)
 

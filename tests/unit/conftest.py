@@ -6,12 +6,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvduplex.config import CacheConfig
-from kvduplex.config import EngineConfig
-from kvduplex.config import ModelLoadConfig
-from kvduplex.config import ServerConfig
-from kvduplex.server.instance import Instance
-from kvduplex.server.instance import build_instance
+from kvduplex.common.config import CacheConfig
+from kvduplex.common.config import EngineConfig
+from kvduplex.common.config import ModelLoadConfig
+from kvduplex.common.config import ServerConfig
+from kvduplex.instance.server import Instance
+from kvduplex.instance.server import build_instance
 
 
 def tiny_instance() -> Instance:

@@ -8,16 +8,16 @@ from collections.abc import Callable
 
 import pytest
 
-from kvduplex.config import CacheConfig
-from kvduplex.config import EngineConfig
-from kvduplex.config import ModelLoadConfig
-from kvduplex.config import SchedulerConfig
+from kvduplex.common.config import CacheConfig
+from kvduplex.common.config import EngineConfig
+from kvduplex.common.config import ModelLoadConfig
+from kvduplex.common.config import SchedulerConfig
+from kvduplex.common.sampling import SamplingParams
 from kvduplex.engine.async_engine import AsyncEngine
 from kvduplex.engine.engine import LLMEngine
 from kvduplex.engine.request import RemoteKVSpec
 from kvduplex.engine.request import Request
 from kvduplex.engine.request import RequestStatus
-from kvduplex.engine.sampling import SamplingParams
 from kvduplex.kvflow.connectors import FlowTiming
 from kvduplex.kvflow.connectors import decode_flows
 from kvduplex.kvflow.connectors import prefill_flows
@@ -25,10 +25,10 @@ from kvduplex.kvflow.push_decode import PushSpec
 from kvduplex.model.loader import LoadedModel
 from kvduplex.model.loader import load_model
 from kvduplex.transport.base import Post
-from kvduplex.transport.fake import InProcessFabric
-from kvduplex.transport.fake import InProcessTransport
 from kvduplex.transport.notify import NotificationPump
 from kvduplex.transport.protocol import TransferOp
+from tests.support.fake_transport import InProcessFabric
+from tests.support.fake_transport import InProcessTransport
 
 BS = 4
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

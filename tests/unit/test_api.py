@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 from fastapi.testclient import TestClient
 
-from kvduplex.server.instance import Instance
+from kvduplex.instance.server import Instance
 from tests.unit.conftest import tiny_instance
 
 

@@ -13,19 +13,19 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from kvduplex.config import RouterConfig
-from kvduplex.model.tokenizer import ByteTokenizer
-from kvduplex.openai.prompt import PromptError
-from kvduplex.openai.prompt import prompt_token_ids
-from kvduplex.openai.protocol import MAX_NESTING_DEPTH
-from kvduplex.openai.protocol import ChatCompletionRequest
-from kvduplex.openai.protocol import ChatMessage
-from kvduplex.openai.protocol import ChatTool
-from kvduplex.openai.protocol import FunctionDefinition
-from kvduplex.server.api import Generation
-from kvduplex.server.instance import Instance
-from kvduplex.server.router.app import create_router_app
-from kvduplex.server.router.state import RouterState
+from kvduplex.common.config import RouterConfig
+from kvduplex.common.openai.prompt import PromptError
+from kvduplex.common.openai.prompt import prompt_token_ids
+from kvduplex.common.openai.protocol import MAX_NESTING_DEPTH
+from kvduplex.common.openai.protocol import ChatCompletionRequest
+from kvduplex.common.openai.protocol import ChatMessage
+from kvduplex.common.openai.protocol import ChatTool
+from kvduplex.common.openai.protocol import FunctionDefinition
+from kvduplex.common.tokenizer import ByteTokenizer
+from kvduplex.instance.api import Generation
+from kvduplex.instance.server import Instance
+from kvduplex.router.app import create_router_app
+from kvduplex.router.state import RouterState
 from tests.unit.test_router import D
 from tests.unit.test_router import FakeInstances
 from tests.unit.test_router import P
@@ -76,7 +76,7 @@ def test_an_unexpected_exception_on_an_instance_is_a_500_in_openai_json(
 
     instance.state.prepare = fail
     try:
-        with caplog.at_level(logging.ERROR, logger="kvduplex.openai.errors"):
+        with caplog.at_level(logging.ERROR, logger="kvduplex.common.openai.errors"):
             r = direct.post("/v1/completions", json={"model": "tiny", "prompt": "hi"})
     finally:
         instance.state.prepare = None
@@ -102,7 +102,7 @@ def test_an_unexpected_exception_on_the_router_is_a_500_in_openai_json(
 
     monkeypatch.setattr(state.policy, "route", fail)
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
-    with caplog.at_level(logging.ERROR, logger="kvduplex.openai.errors"):
+    with caplog.at_level(logging.ERROR, logger="kvduplex.common.openai.errors"):
         r = client.post("/v1/completions", json=body, headers={"x-request-id": "req-7"})
     error = _check_error(r, 500, "server_error")
     assert "req-7" in error["message"] and "secret" not in r.text and "Traceback" not in r.text

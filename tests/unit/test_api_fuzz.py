@@ -27,7 +27,7 @@ from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
 
-from kvduplex.server.instance import Instance
+from kvduplex.instance.server import Instance
 
 REQUEST_TIMEOUT_S = 30.0
 """A request that takes longer than this counts as a hang (valid ones generate <= 8 tokens)."""

@@ -1,4 +1,4 @@
-"""The API key of the /v1 routes (`kvduplex.server.auth`), on the router in process over
+"""The API key of the /v1 routes (`kvduplex.common.auth`), on the router in process over
 fake instances (httpx MockTransport) and on a bare app."""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ import httpx
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from kvduplex.config import RouterConfig
-from kvduplex.model.tokenizer import ByteTokenizer
-from kvduplex.server.auth import APIKeyGuard
-from kvduplex.server.auth import resolve_api_key
-from kvduplex.server.router.app import create_router_app
-from kvduplex.server.router.state import RouterState
+from kvduplex.common.auth import APIKeyGuard
+from kvduplex.common.auth import resolve_api_key
+from kvduplex.common.config import RouterConfig
+from kvduplex.common.tokenizer import ByteTokenizer
+from kvduplex.router.app import create_router_app
+from kvduplex.router.state import RouterState
 from tests.unit.test_router import D
 from tests.unit.test_router import FakeInstances
 from tests.unit.test_router import P

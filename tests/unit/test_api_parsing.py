@@ -15,15 +15,15 @@ from collections.abc import Iterator
 import pytest
 from fastapi.testclient import TestClient
 
-from kvduplex.config import CacheConfig
-from kvduplex.config import EngineConfig
-from kvduplex.config import ModelLoadConfig
-from kvduplex.config import ParsingConfig
-from kvduplex.config import ServerConfig
-from kvduplex.openai.chat_output import AUTO_TOOL_CHOICE_ERROR
-from kvduplex.openai.chat_output import RAW_OUTPUT_HEADER
-from kvduplex.server.instance import Instance
-from kvduplex.server.instance import build_instance
+from kvduplex.common.config import CacheConfig
+from kvduplex.common.config import EngineConfig
+from kvduplex.common.config import ModelLoadConfig
+from kvduplex.common.config import ParsingConfig
+from kvduplex.common.config import ServerConfig
+from kvduplex.common.openai.chat_output import AUTO_TOOL_CHOICE_ERROR
+from kvduplex.common.openai.chat_output import RAW_OUTPUT_HEADER
+from kvduplex.instance.server import Instance
+from kvduplex.instance.server import build_instance
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}

@@ -15,9 +15,9 @@ import httpx
 import pytest
 import uvicorn
 
+from kvduplex.cluster import free_port
 from kvduplex.engine.engine import LLMEngine
-from kvduplex.server.cluster import free_port
-from kvduplex.server.instance import Instance
+from kvduplex.instance.server import Instance
 
 TIMEOUT_S = 60.0
 BODY = {"model": "tiny", "prompt": "hello there", "temperature": 0.0, "return_token_ids": True}

@@ -14,12 +14,12 @@ import pytest
 from fastapi.testclient import TestClient
 from httpx_sse import connect_sse
 
-from kvduplex.engine.sampling import JSON_LOGPROB_FLOOR
-from kvduplex.engine.sampling import TokenLogprobs
-from kvduplex.model.tokenizer import ByteTokenizer
-from kvduplex.openai import render
-from kvduplex.openai.protocol import IGNORED_FIELDS
-from kvduplex.server.instance import Instance
+from kvduplex.common.openai import render
+from kvduplex.common.openai.protocol import IGNORED_FIELDS
+from kvduplex.common.sampling import JSON_LOGPROB_FLOOR
+from kvduplex.common.sampling import TokenLogprobs
+from kvduplex.common.tokenizer import ByteTokenizer
+from kvduplex.instance.server import Instance
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
 COMPLETION = {"model": "tiny", "prompt": "hello hello", "max_tokens": 5, "ignore_eos": True}

@@ -17,23 +17,23 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from kvduplex.config import CacheConfig
-from kvduplex.config import EngineConfig
-from kvduplex.config import Environment
-from kvduplex.config import ModelLoadConfig
-from kvduplex.config import SchedulerConfig
-from kvduplex.config import ServerConfig
+from kvduplex.common.config import CacheConfig
+from kvduplex.common.config import EngineConfig
+from kvduplex.common.config import Environment
+from kvduplex.common.config import ModelLoadConfig
+from kvduplex.common.config import SchedulerConfig
+from kvduplex.common.config import ServerConfig
+from kvduplex.common.sampling import SamplingParams
 from kvduplex.engine.async_engine import IDLE_WAIT_S
 from kvduplex.engine.async_engine import AsyncEngine
 from kvduplex.engine.async_engine import EngineDeadError
 from kvduplex.engine.engine import LLMEngine
 from kvduplex.engine.engine import RequestOutput
 from kvduplex.engine.request import Request
-from kvduplex.engine.sampling import SamplingParams
+from kvduplex.instance.server import Instance
+from kvduplex.instance.server import build_instance
 from kvduplex.model.loader import LoadedModel
 from kvduplex.model.loader import load_model
-from kvduplex.server.instance import Instance
-from kvduplex.server.instance import build_instance
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 

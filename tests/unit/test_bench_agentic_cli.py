@@ -10,8 +10,8 @@ from kvduplex.bench.agentic_cli import workload_configs
 from kvduplex.bench.conversation import PromptForm
 from kvduplex.bench.workload import REASONING
 from kvduplex.bench.workload import WorkloadConfig
-from kvduplex.server.cli import bench_workload_of
-from kvduplex.server.cli import build_parser
+from kvduplex.cli.main import bench_workload_of
+from kvduplex.cli.main import build_parser
 
 
 def test_the_workload_flag_picks_the_bench_flags() -> None:

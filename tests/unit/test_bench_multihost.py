@@ -8,19 +8,19 @@ import asyncio
 
 import httpx
 
+from benchmarks.multihost_load import Attempt
+from benchmarks.multihost_load import TurnRecord
+from benchmarks.multihost_report import Labels
+from benchmarks.multihost_report import Membership
+from benchmarks.multihost_report import Observed
+from benchmarks.multihost_report import Timeline
+from benchmarks.multihost_report import duplex_hits
+from benchmarks.multihost_report import failures
+from benchmarks.multihost_report import format_report
+from benchmarks.multihost_report import rendezvous_choice
 from kvduplex.bench.client import KVUsage
 from kvduplex.bench.client import RequestResult
 from kvduplex.bench.client import stream_request
-from kvduplex.bench.multihost_load import Attempt
-from kvduplex.bench.multihost_load import TurnRecord
-from kvduplex.bench.multihost_report import Labels
-from kvduplex.bench.multihost_report import Membership
-from kvduplex.bench.multihost_report import Observed
-from kvduplex.bench.multihost_report import Timeline
-from kvduplex.bench.multihost_report import duplex_hits
-from kvduplex.bench.multihost_report import failures
-from kvduplex.bench.multihost_report import format_report
-from kvduplex.bench.multihost_report import rendezvous_choice
 
 BS = 4
 P0, P1 = "http://10.0.0.2:8000", "http://10.0.0.3:8000"

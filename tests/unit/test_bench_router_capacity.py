@@ -22,9 +22,9 @@ from benchmarks.router_procs import wait_listening
 from benchmarks.router_stub import FIRST_TOKEN
 from benchmarks.router_stub import Stub
 from benchmarks.timeline import Timeline
-from kvduplex.server.router.relay import SentToken
-from kvduplex.server.router.relay import Splice
-from kvduplex.server.router.relay import first_events
+from kvduplex.router.relay import SentToken
+from kvduplex.router.relay import Splice
+from kvduplex.router.relay import first_events
 
 
 def test_the_stub_streams_what_the_router_splices() -> None:

@@ -15,19 +15,19 @@ from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
 
-from kvduplex.config import ParsingConfig
-from kvduplex.openai.chat_output import ChatOutputParser
-from kvduplex.openai.chat_output import ParsedMessage
-from kvduplex.openai.chat_output import check_tool_choice
-from kvduplex.openai.chat_output import output_parser
-from kvduplex.openai.protocol import ChatCompletionRequest
-from kvduplex.openai.reasoning import ThinkParser
-from kvduplex.openai.reasoning import starts_in_reasoning
-from kvduplex.server.cli import build_parser
-from kvduplex.server.cli import parsing_flags
-from kvduplex.server.cli import router_config
-from kvduplex.server.cli import server_config
-from kvduplex.server.flags import dataclass_from_args
+from kvduplex.cli.flags import dataclass_from_args
+from kvduplex.cli.main import build_parser
+from kvduplex.cli.main import parsing_flags
+from kvduplex.cli.main import router_config
+from kvduplex.cli.main import server_config
+from kvduplex.common.config import ParsingConfig
+from kvduplex.common.openai.chat_output import ChatOutputParser
+from kvduplex.common.openai.chat_output import ParsedMessage
+from kvduplex.common.openai.chat_output import check_tool_choice
+from kvduplex.common.openai.chat_output import output_parser
+from kvduplex.common.openai.protocol import ChatCompletionRequest
+from kvduplex.common.openai.reasoning import ThinkParser
+from kvduplex.common.openai.reasoning import starts_in_reasoning
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
@@ -430,7 +430,7 @@ def test_serve_and_router_take_vllm_flag_names() -> None:
 
 def test_parsers_do_not_import_torch() -> None:
     code = (
-        "import sys; import kvduplex.openai.chat_output; "
+        "import sys; import kvduplex.common.openai.chat_output; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

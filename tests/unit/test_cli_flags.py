@@ -6,14 +6,14 @@ import argparse
 
 import pytest
 
-from kvduplex.config import CacheConfig
-from kvduplex.config import Role
-from kvduplex.config import SchedulerConfig
-from kvduplex.config import ServerConfig
-from kvduplex.config import TransferConfig
-from kvduplex.server.cli import build_parser
-from kvduplex.server.flags import add_dataclass_flags
-from kvduplex.server.flags import dataclass_from_args
+from kvduplex.cli.flags import add_dataclass_flags
+from kvduplex.cli.flags import dataclass_from_args
+from kvduplex.cli.main import build_parser
+from kvduplex.common.config import CacheConfig
+from kvduplex.common.config import Role
+from kvduplex.common.config import SchedulerConfig
+from kvduplex.common.config import ServerConfig
+from kvduplex.common.config import TransferConfig
 
 
 def test_boolean_fields_are_on_off_switches() -> None:

@@ -13,10 +13,11 @@ from collections.abc import Callable
 
 import pytest
 
-from kvduplex.config import CacheConfig
-from kvduplex.config import EngineConfig
-from kvduplex.config import ModelLoadConfig
-from kvduplex.config import SchedulerConfig
+from kvduplex.common.config import CacheConfig
+from kvduplex.common.config import EngineConfig
+from kvduplex.common.config import ModelLoadConfig
+from kvduplex.common.config import SchedulerConfig
+from kvduplex.common.sampling import SamplingParams
 from kvduplex.engine.connector import KVConnector
 from kvduplex.engine.engine import LLMEngine
 from kvduplex.engine.engine import RequestOutput
@@ -24,7 +25,6 @@ from kvduplex.engine.request import FinishReason
 from kvduplex.engine.request import RemoteKVSpec
 from kvduplex.engine.request import Request
 from kvduplex.engine.request import RequestStatus
-from kvduplex.engine.sampling import SamplingParams
 from kvduplex.engine.scheduler_output import KVConnectorMetadata
 from kvduplex.engine.scheduler_output import KVFirstToken
 from kvduplex.engine.scheduler_output import KVReceived

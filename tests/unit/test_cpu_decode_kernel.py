@@ -12,22 +12,22 @@ import random
 import pytest
 import torch
 
-from kvduplex.config import EngineConfig
-from kvduplex.config import ModelLoadConfig
+from kvduplex.cli.main import _engine_config
+from kvduplex.cli.main import build_parser
+from kvduplex.common.config import EngineConfig
+from kvduplex.common.config import ModelLoadConfig
+from kvduplex.common.presets import preset_config
+from kvduplex.common.sampling import SamplingParams
 from kvduplex.engine.engine import LLMEngine
 from kvduplex.engine.kv_cache import allocate_kv_pool
 from kvduplex.engine.request import Request
 from kvduplex.engine.runner import ModelRunner
 from kvduplex.engine.runner import kv_layout_for
 from kvduplex.engine.runner_inputs import SeqInput
-from kvduplex.engine.sampling import SamplingParams
 from kvduplex.model import cpu_decode
 from kvduplex.model.cpu_decode import KernelDecodes
 from kvduplex.model.decoder import DecoderForCausalLM
 from kvduplex.model.loader import init_random_weights
-from kvduplex.model.presets import preset_config
-from kvduplex.server.cli import _engine_config
-from kvduplex.server.cli import build_parser
 
 pytestmark = pytest.mark.skipif(
     cpu_decode.load_kernel(32, 2) is None, reason="the CPU decode kernel cannot be built here"

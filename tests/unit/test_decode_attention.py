@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from kvduplex.common.kv_layout import KVCacheLayout
 from kvduplex.engine import runner_inputs
 from kvduplex.engine.block_table import BlockTables
-from kvduplex.engine.kv_cache import KVCacheLayout
 from kvduplex.engine.runner_inputs import IN_PLACE_MAX_RANGES
 from kvduplex.engine.runner_inputs import InputBuilder
 from kvduplex.engine.runner_inputs import SeqInput

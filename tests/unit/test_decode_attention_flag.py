@@ -12,23 +12,23 @@ from typing import Any
 import pytest
 import torch
 
-from kvduplex.config import DecodeAttention
-from kvduplex.config import EngineConfig
-from kvduplex.config import ModelLoadConfig
+from kvduplex.cli.main import _engine_config
+from kvduplex.cli.main import build_parser
+from kvduplex.common.config import DecodeAttention
+from kvduplex.common.config import EngineConfig
+from kvduplex.common.config import ModelLoadConfig
+from kvduplex.common.presets import preset_config
+from kvduplex.common.sampling import SamplingParams
 from kvduplex.engine import runner_inputs
 from kvduplex.engine.engine import LLMEngine
 from kvduplex.engine.kv_cache import allocate_kv_pool
 from kvduplex.engine.request import Request
 from kvduplex.engine.runner import ModelRunner
 from kvduplex.engine.runner import kv_layout_for
-from kvduplex.engine.sampling import SamplingParams
 from kvduplex.model import attention
 from kvduplex.model.decoder import DecoderForCausalLM
 from kvduplex.model.loader import LoadedModel
 from kvduplex.model.loader import load_model
-from kvduplex.model.presets import preset_config
-from kvduplex.server.cli import _engine_config
-from kvduplex.server.cli import build_parser
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 

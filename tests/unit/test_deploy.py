@@ -27,23 +27,23 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from kvduplex.config import API_KEY_VAR
-from kvduplex.config import CacheConfig
-from kvduplex.config import ModelLoadConfig
-from kvduplex.config import ParsingConfig
-from kvduplex.config import RouterConfig
-from kvduplex.config import SchedulerConfig
-from kvduplex.config import ServerConfig
-from kvduplex.config import TransferConfig
-from kvduplex.config import host_and_port
+from kvduplex.cli.main import build_parser
+from kvduplex.common.config import API_KEY_VAR
+from kvduplex.common.config import CacheConfig
+from kvduplex.common.config import ModelLoadConfig
+from kvduplex.common.config import ParsingConfig
+from kvduplex.common.config import RouterConfig
+from kvduplex.common.config import SchedulerConfig
+from kvduplex.common.config import ServerConfig
+from kvduplex.common.config import TransferConfig
+from kvduplex.common.config import host_and_port
+from kvduplex.common.tokenizer import ByteTokenizer
 from kvduplex.engine.metrics import EngineMetrics
 from kvduplex.kvflow.metrics import KVFlowMetrics
-from kvduplex.model.tokenizer import ByteTokenizer
-from kvduplex.server.cli import build_parser
-from kvduplex.server.router.app import create_router_app
-from kvduplex.server.router.metrics import RouterMetrics
-from kvduplex.server.router.policy import RoutingPolicy
-from kvduplex.server.router.state import RouterState
+from kvduplex.router.app import create_router_app
+from kvduplex.router.metrics import RouterMetrics
+from kvduplex.router.policy import RoutingPolicy
+from kvduplex.router.state import RouterState
 from kvduplex.transport.metrics import TransferMetrics
 from tests.unit.conftest import tiny_instance
 

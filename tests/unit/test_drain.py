@@ -1,5 +1,5 @@
 """Readiness and drain, in process: an instance's /ready and what it refuses while
-draining (`kvduplex.server.drain`); the router's probes of /ready, a draining instance
+draining (`kvduplex.common.drain`); the router's probes of /ready, a draining instance
 taken out of rotation with its calls going on, and the router's own /ready.
 (tests/integration/test_drain.py sends the signal to real processes.)"""
 
@@ -14,19 +14,19 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from kvduplex.config import RouterConfig
-from kvduplex.model.tokenizer import ByteTokenizer
-from kvduplex.server.drain import DrainGuard
-from kvduplex.server.drain import DrainState
-from kvduplex.server.drain import draining_response
-from kvduplex.server.drain import owed_work
-from kvduplex.server.drain import wait_drained
-from kvduplex.server.instance import Instance
-from kvduplex.server.router.app import create_router_app
-from kvduplex.server.router.health import probe_all
-from kvduplex.server.router.health import run_prober
-from kvduplex.server.router.policy import Outcome
-from kvduplex.server.router.state import RouterState
+from kvduplex.common.config import RouterConfig
+from kvduplex.common.drain import DrainGuard
+from kvduplex.common.drain import DrainState
+from kvduplex.common.drain import draining_response
+from kvduplex.common.drain import owed_work
+from kvduplex.common.drain import wait_drained
+from kvduplex.common.tokenizer import ByteTokenizer
+from kvduplex.instance.server import Instance
+from kvduplex.router.app import create_router_app
+from kvduplex.router.health import probe_all
+from kvduplex.router.health import run_prober
+from kvduplex.router.policy import Outcome
+from kvduplex.router.state import RouterState
 
 BODY = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
 

@@ -7,15 +7,15 @@ import random
 
 import pytest
 
-from kvduplex.config import CacheConfig
-from kvduplex.config import EngineConfig
-from kvduplex.config import ModelLoadConfig
-from kvduplex.config import SchedulerConfig
+from kvduplex.common.config import CacheConfig
+from kvduplex.common.config import EngineConfig
+from kvduplex.common.config import ModelLoadConfig
+from kvduplex.common.config import SchedulerConfig
+from kvduplex.common.limits import RequestRejected
+from kvduplex.common.sampling import SamplingParams
 from kvduplex.engine.engine import LLMEngine
 from kvduplex.engine.engine import RequestOutput
 from kvduplex.engine.request import Request
-from kvduplex.engine.request import RequestRejected
-from kvduplex.engine.sampling import SamplingParams
 from kvduplex.model.loader import LoadedModel
 from kvduplex.model.loader import load_model
 

@@ -20,17 +20,17 @@ from dataclasses import field
 
 import pytest
 
+from kvduplex.common.sampling import SamplingParams
 from kvduplex.engine.request import RemoteKVSpec
 from kvduplex.engine.request import Request
-from kvduplex.engine.sampling import SamplingParams
 from kvduplex.kvflow.pull import PullSpec
 from kvduplex.kvflow.pull import block_ids_of
 from kvduplex.kvflow.push_decode import PushSpec
 from kvduplex.kvflow.return_pull import RetainSpec
 from kvduplex.kvflow.returns import ReturnSpec
 from kvduplex.model.loader import LoadedModel
-from kvduplex.transport.fake import NotifChaos
 from kvduplex.transport.protocol import TransferOp
+from tests.support.fake_transport import NotifChaos
 from tests.unit.flow_pair import FIRST
 from tests.unit.flow_pair import Pair
 from tests.unit.flow_pair import _engine

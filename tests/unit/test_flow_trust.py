@@ -11,9 +11,9 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
+from kvduplex.common.limits import RequestRejected
 from kvduplex.engine.block_pool import compute_block_hashes
 from kvduplex.engine.request import Request
-from kvduplex.engine.request import RequestRejected
 from kvduplex.kvflow.lease import LeaseTable
 from kvduplex.kvflow.messages import KVDone
 from kvduplex.kvflow.messages import KVOffer

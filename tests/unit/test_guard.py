@@ -12,19 +12,19 @@ from fastapi import FastAPI
 from fastapi import Request
 from fastapi.testclient import TestClient
 
-from kvduplex.config import CacheConfig
-from kvduplex.config import EngineConfig
-from kvduplex.config import Environment
-from kvduplex.config import ModelLoadConfig
-from kvduplex.config import ServerConfig
-from kvduplex.server.guard import InternalGuard
-from kvduplex.server.guard import load_cluster_secret
-from kvduplex.server.guard import new_cluster_secret
-from kvduplex.server.instance import Instance
-from kvduplex.server.instance import build_instance
-from kvduplex.transport.trust import SECRET_HEADER
-from kvduplex.transport.trust import secret_headers
-from kvduplex.transport.trust import secret_matches
+from kvduplex.common.config import CacheConfig
+from kvduplex.common.config import EngineConfig
+from kvduplex.common.config import Environment
+from kvduplex.common.config import ModelLoadConfig
+from kvduplex.common.config import ServerConfig
+from kvduplex.common.guard import InternalGuard
+from kvduplex.common.guard import load_cluster_secret
+from kvduplex.common.guard import new_cluster_secret
+from kvduplex.common.trust import SECRET_HEADER
+from kvduplex.common.trust import secret_headers
+from kvduplex.common.trust import secret_matches
+from kvduplex.instance.server import Instance
+from kvduplex.instance.server import build_instance
 
 SECRET = "s3cret-" + "x" * 20
 CAP = 1024

@@ -18,18 +18,18 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from kvduplex.config import CacheConfig
-from kvduplex.config import EngineConfig
-from kvduplex.config import ModelLoadConfig
-from kvduplex.config import RouterConfig
-from kvduplex.config import ServerConfig
+from kvduplex.common.config import CacheConfig
+from kvduplex.common.config import EngineConfig
+from kvduplex.common.config import ModelLoadConfig
+from kvduplex.common.config import RouterConfig
+from kvduplex.common.config import ServerConfig
+from kvduplex.common.tokenizer import ByteTokenizer
 from kvduplex.engine.request import Request as EngineRequest
-from kvduplex.model.tokenizer import ByteTokenizer
-from kvduplex.server.instance import Instance
-from kvduplex.server.instance import build_instance
-from kvduplex.server.router.app import create_router_app
-from kvduplex.server.router.health import probe_all
-from kvduplex.server.router.state import RouterState
+from kvduplex.instance.server import Instance
+from kvduplex.instance.server import build_instance
+from kvduplex.router.app import create_router_app
+from kvduplex.router.health import probe_all
+from kvduplex.router.state import RouterState
 
 CAP_MB = 1
 CAP = CAP_MB << 20

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvduplex.server.cli import main
+from kvduplex.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -89,7 +89,7 @@ def test_prefill_and_decode_without_nixl_exit_2_and_say_so(
     role: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr("kvduplex.transport.nixl_agent.nixl_available", lambda: False)
-    monkeypatch.setattr("kvduplex.server.instance.serve", lambda *a: pytest.fail("served"))
+    monkeypatch.setattr("kvduplex.instance.server.serve", lambda *a: pytest.fail("served"))
     with pytest.raises(SystemExit) as info:
         main(["serve", "--role", role])
     assert info.value.code == 2
@@ -101,10 +101,10 @@ def test_colocated_instances_and_the_router_do_not_import_nixl() -> None:
     code = (
         "import sys\n"
         "sys.modules['nixl'] = sys.modules['nixl_cu12'] = None  # not importable\n"
-        "from kvduplex.server.cli import require_transport\n"
-        "from kvduplex.config import Role\n"
+        "from kvduplex.cli.main import require_transport\n"
+        "from kvduplex.common.config import Role\n"
         "require_transport(Role.BOTH)\n"
-        "import kvduplex.server.router.app, kvduplex.server.instance\n"
+        "import kvduplex.router.app, kvduplex.instance.server\n"
         "from kvduplex.transport.nixl_agent import nixl_available\n"
         "assert not nixl_available()\n"
     )

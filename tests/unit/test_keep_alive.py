@@ -12,21 +12,21 @@ from typing import Any
 import httpx
 import pytest
 
-import kvduplex.server.router.app as router_app
-import kvduplex.server.router.state as router_state
-import kvduplex.server.router.wire as wire
-from kvduplex.config import ROUTER_POOL_IDLE_S
-from kvduplex.config import ServerConfig
-from kvduplex.server.cli import parse_args
-from kvduplex.server.cli import router_config
-from kvduplex.server.cluster import free_port
-from kvduplex.server.drain import DrainGuard
-from kvduplex.server.drain import DrainingServer
-from kvduplex.server.drain import DrainState
-from kvduplex.server.drain import uvicorn_config
-from kvduplex.server.router.state import InstanceCalls
-from kvduplex.server.router.state import InstanceTransport
-from kvduplex.server.router.state import instance_session
+import kvduplex.router.app as router_app
+import kvduplex.router.state as router_state
+import kvduplex.router.wire as wire
+from kvduplex.cli.main import parse_args
+from kvduplex.cli.main import router_config
+from kvduplex.cluster import free_port
+from kvduplex.common.config import ROUTER_POOL_IDLE_S
+from kvduplex.common.config import ServerConfig
+from kvduplex.common.drain import DrainGuard
+from kvduplex.common.drain import DrainingServer
+from kvduplex.common.drain import DrainState
+from kvduplex.common.drain import uvicorn_config
+from kvduplex.router.state import InstanceCalls
+from kvduplex.router.state import InstanceTransport
+from kvduplex.router.state import instance_session
 
 TIMEOUT_S = 30.0
 

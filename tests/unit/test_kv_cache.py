@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from kvduplex.engine.kv_cache import KVCacheLayout
+from kvduplex.common.kv_layout import KVCacheLayout
+from kvduplex.common.kv_layout import num_blocks_for_tokens
 from kvduplex.engine.kv_cache import allocate_kv_pool
-from kvduplex.engine.kv_cache import num_blocks_for_tokens
 from kvduplex.engine.kv_cache import pool_base_address
 
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from kvduplex.common.sampling import SamplingParams
 from kvduplex.engine.block_pool import BlockPool
 from kvduplex.engine.block_pool import compute_block_hashes
 from kvduplex.engine.kv_manager import KVCacheManager
 from kvduplex.engine.request import Request
-from kvduplex.engine.sampling import SamplingParams
 
 BS = 4
 IDENTITY = b"m"

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
+from kvduplex.common.sampling import SamplingParams
 from kvduplex.engine.async_engine import AsyncEngine
-from kvduplex.engine.sampling import SamplingParams
 from kvduplex.kvflow.messages import KVFailed
 from kvduplex.model.loader import LoadedModel
 from kvduplex.transport import handshake

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from kvduplex.model.config import DecoderConfig
+from kvduplex.common.model_config import DecoderConfig
 from kvduplex.model.rope import inverse_frequencies
 
 BASE: dict[str, Any] = {

@@ -10,17 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvduplex.config import ModelLoadConfig
+from kvduplex.common.config import ModelLoadConfig
+from kvduplex.common.presets import PRESETS
+from kvduplex.common.tokenizer import ByteTokenizer
 from kvduplex.model.decoder import DecoderForCausalLM
 from kvduplex.model.loader import count_parameters
 from kvduplex.model.loader import load_model
 from kvduplex.model.loader import resolve_dtype
-from kvduplex.model.presets import PRESETS
-from kvduplex.model.tokenizer import ByteTokenizer
 
 CHECKSUM = (
     "import torch, hashlib;"
-    "from kvduplex.config import ModelLoadConfig;"
+    "from kvduplex.common.config import ModelLoadConfig;"
     "from kvduplex.model.loader import load_model;"
     "m = load_model(ModelLoadConfig(model='tiny', seed=7)).model;"
     "h = hashlib.sha256();"

@@ -1,4 +1,4 @@
-"""Prompt ids of OpenAI requests (kvduplex.openai.prompt): messages with tools and tool
+"""Prompt ids of OpenAI requests (kvduplex.common.openai.prompt): messages with tools and tool
 calls through the byte tokenizer's template and through a Hugging Face template."""
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from kvduplex.model.source import load_tokenizer
-from kvduplex.model.tokenizer import ByteTokenizer
-from kvduplex.model.tokenizer import HFTokenizer
-from kvduplex.openai.prompt import PromptError
-from kvduplex.openai.prompt import prompt_token_ids
-from kvduplex.openai.prompt import template_messages
-from kvduplex.openai.protocol import ChatCompletionRequest
-from kvduplex.openai.protocol import CompletionRequest
+from kvduplex.common.model_source import load_tokenizer
+from kvduplex.common.openai.prompt import PromptError
+from kvduplex.common.openai.prompt import prompt_token_ids
+from kvduplex.common.openai.prompt import template_messages
+from kvduplex.common.openai.protocol import ChatCompletionRequest
+from kvduplex.common.openai.protocol import CompletionRequest
+from kvduplex.common.tokenizer import ByteTokenizer
+from kvduplex.common.tokenizer import HFTokenizer
 from tests.unit.test_tokenizer import write_hf_tokenizer
 
 WEATHER = {

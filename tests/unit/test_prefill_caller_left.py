@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from fastapi import FastAPI
 
-from kvduplex.server.instance import Instance
-from kvduplex.server.kv_routes import make_prefill_router
+from kvduplex.instance.kv_routes import make_prefill_router
+from kvduplex.instance.server import Instance
 
 
 def _scope(path: str) -> dict[str, Any]:

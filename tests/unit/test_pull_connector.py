@@ -4,21 +4,21 @@ from __future__ import annotations
 
 import asyncio
 
-from kvduplex.config import CacheConfig
-from kvduplex.config import EngineConfig
+from kvduplex.common.config import CacheConfig
+from kvduplex.common.config import EngineConfig
+from kvduplex.common.sampling import SamplingParams
 from kvduplex.engine.async_engine import AsyncEngine
 from kvduplex.engine.engine import LLMEngine
 from kvduplex.engine.engine import RequestOutput
 from kvduplex.engine.request import RemoteKVSpec
 from kvduplex.engine.request import Request
-from kvduplex.engine.sampling import SamplingParams
 from kvduplex.kvflow.connectors import FlowTiming
 from kvduplex.kvflow.connectors import decode_flows
 from kvduplex.kvflow.pull import PullSpec
 from kvduplex.model.loader import LoadedModel
-from kvduplex.transport.fake import InProcessFabric
-from kvduplex.transport.fake import InProcessTransport
 from kvduplex.transport.notify import NotificationPump
+from tests.support.fake_transport import InProcessFabric
+from tests.support.fake_transport import InProcessTransport
 from tests.unit.flow_pair import BS
 from tests.unit.flow_pair import GREEDY
 from tests.unit.flow_pair import PROMPT

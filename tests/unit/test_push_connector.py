@@ -15,9 +15,9 @@ from collections.abc import Callable
 
 import pytest
 
+from kvduplex.common.sampling import SamplingParams
 from kvduplex.engine.request import RemoteKVSpec
 from kvduplex.engine.request import Request
-from kvduplex.engine.sampling import SamplingParams
 from kvduplex.kvflow.messages import KVCancel
 from kvduplex.kvflow.messages import KVRegister
 from kvduplex.kvflow.push_decode import PushSpec

@@ -12,11 +12,11 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from kvduplex.instance import kv_routes
 
-from kvduplex.server import kv_routes
-from kvduplex.server.kv_routes import READ_PIN_MARGIN_S
-from kvduplex.server.kv_routes import PushPrefill
-from kvduplex.server.kv_routes import RetainedTurn
+from kvduplex.instance.kv_routes import READ_PIN_MARGIN_S
+from kvduplex.instance.kv_routes import PushPrefill
+from kvduplex.instance.kv_routes import RetainedTurn
 
 HANDSHAKE_S = 1.0
 ENGINE_BUSY_S = 1.5

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import asyncio
 
+from kvduplex.common.sampling import SamplingParams
 from kvduplex.engine.block_pool import compute_block_hashes
 from kvduplex.engine.request import Request
-from kvduplex.engine.sampling import SamplingParams
 from kvduplex.kvflow.messages import KVOffer
 from kvduplex.kvflow.return_pull import RetainSpec
 from kvduplex.model.loader import LoadedModel

@@ -7,10 +7,10 @@ import asyncio
 import threading
 import time
 
+from kvduplex.common.sampling import SamplingParams
 from kvduplex.engine.block_pool import compute_block_hashes
 from kvduplex.engine.request import RemoteKVSpec
 from kvduplex.engine.request import Request
-from kvduplex.engine.sampling import SamplingParams
 from kvduplex.kvflow.messages import KVOffer
 from kvduplex.kvflow.push_decode import PushSpec
 from kvduplex.kvflow.return_pull import RetainSpec

@@ -17,21 +17,21 @@ from fastapi.testclient import TestClient
 from httpx_sse import connect_sse
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvduplex.config import ReturnMode
-from kvduplex.config import RouterConfig
-from kvduplex.config import TransferMode as Mode
-from kvduplex.model.tokenizer import ByteTokenizer
-from kvduplex.openai.render import FIRST_TOKEN_IDS_FIELD
-from kvduplex.server.cli import _UP_ROUTER_SKIP
-from kvduplex.server.cli import build_parser
-from kvduplex.server.flags import dataclass_from_args
-from kvduplex.server.flags import flags_of
-from kvduplex.server.instance import Instance
-from kvduplex.server.router.app import create_router_app
-from kvduplex.server.router.relay import SentToken
-from kvduplex.server.router.relay import Splice
-from kvduplex.server.router.relay import splice_first_token
-from kvduplex.server.router.state import RouterState
+from kvduplex.cli.flags import dataclass_from_args
+from kvduplex.cli.flags import flags_of
+from kvduplex.cli.main import _UP_ROUTER_SKIP
+from kvduplex.cli.main import build_parser
+from kvduplex.common.config import ReturnMode
+from kvduplex.common.config import RouterConfig
+from kvduplex.common.config import TransferMode as Mode
+from kvduplex.common.openai.render import FIRST_TOKEN_IDS_FIELD
+from kvduplex.common.tokenizer import ByteTokenizer
+from kvduplex.instance.server import Instance
+from kvduplex.router.app import create_router_app
+from kvduplex.router.relay import SentToken
+from kvduplex.router.relay import Splice
+from kvduplex.router.relay import splice_first_token
+from kvduplex.router.state import RouterState
 
 P, D = "http://p0", "http://d0"
 D_ANSWER_ID = "cmpl-d0answer"

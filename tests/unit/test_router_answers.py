@@ -11,17 +11,17 @@ from collections.abc import AsyncIterator
 from prometheus_client import CollectorRegistry
 from prometheus_client import generate_latest
 
-from kvduplex.openai.chat_output import ChatOutputParser
-from kvduplex.openai.reasoning import ThinkParser
-from kvduplex.openai.reasoning import starts_in_reasoning
-from kvduplex.openai.transcript import ANSWER_IDS_FIELD
-from kvduplex.openai.transcript import message_key
-from kvduplex.server.router.answers import RelayedAnswer
-from kvduplex.server.router.answers import return_limit
-from kvduplex.server.router.answers import tap_answer
-from kvduplex.server.router.metrics import RouterMetrics
-from kvduplex.server.router.policy import RoutingPolicy
-from kvduplex.server.router.sessions import SessionTable
+from kvduplex.common.openai.chat_output import ChatOutputParser
+from kvduplex.common.openai.reasoning import ThinkParser
+from kvduplex.common.openai.reasoning import starts_in_reasoning
+from kvduplex.common.openai.transcript import ANSWER_IDS_FIELD
+from kvduplex.common.openai.transcript import message_key
+from kvduplex.router.answers import RelayedAnswer
+from kvduplex.router.answers import return_limit
+from kvduplex.router.answers import tap_answer
+from kvduplex.router.metrics import RouterMetrics
+from kvduplex.router.policy import RoutingPolicy
+from kvduplex.router.sessions import SessionTable
 
 
 async def _parts(*parts: bytes) -> AsyncIterator[bytes]:
@@ -176,10 +176,10 @@ def test_policy_routes_carry_the_reuse_and_the_metrics_count_hits() -> None:
 def test_the_sessions_view_lists_answer_hits_and_needs_the_api_key() -> None:
     from fastapi.testclient import TestClient
 
-    from kvduplex.config import RouterConfig
-    from kvduplex.model.tokenizer import ByteTokenizer
-    from kvduplex.server.router.app import create_router_app
-    from kvduplex.server.router.state import RouterState
+    from kvduplex.common.config import RouterConfig
+    from kvduplex.common.tokenizer import ByteTokenizer
+    from kvduplex.router.app import create_router_app
+    from kvduplex.router.state import RouterState
 
     state = RouterState.create(RouterConfig(decode=("http://d",), api_key="k"), ByteTokenizer())
     state.policy.route([1, 2, 3], "mine")

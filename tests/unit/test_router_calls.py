@@ -12,13 +12,13 @@ import asyncio
 import httpx
 import pytest
 
-from kvduplex.config import RouterConfig
-from kvduplex.model.tokenizer import ByteTokenizer
-from kvduplex.server.router import flows
-from kvduplex.server.router.calls import InstanceDown
-from kvduplex.server.router.calls import until_unhealthy
-from kvduplex.server.router.policy import BackendPool
-from kvduplex.server.router.state import RouterState
+from kvduplex.common.config import RouterConfig
+from kvduplex.common.tokenizer import ByteTokenizer
+from kvduplex.router import flows
+from kvduplex.router.calls import InstanceDown
+from kvduplex.router.calls import until_unhealthy
+from kvduplex.router.policy import BackendPool
+from kvduplex.router.state import RouterState
 
 
 def _pool() -> BackendPool:

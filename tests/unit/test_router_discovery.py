@@ -13,15 +13,15 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from kvduplex.config import RouterConfig
-from kvduplex.model.tokenizer import ByteTokenizer
-from kvduplex.server.router.app import create_router_app
-from kvduplex.server.router.discovery import DnsResolver
-from kvduplex.server.router.discovery import ResolveFailed
-from kvduplex.server.router.discovery import instance_url
-from kvduplex.server.router.discovery import run_discovery
-from kvduplex.server.router.state import RouterState
-from kvduplex.server.static_dns import StaticDns
+from kvduplex.common.config import RouterConfig
+from kvduplex.common.tokenizer import ByteTokenizer
+from kvduplex.router.app import create_router_app
+from kvduplex.router.discovery import DnsResolver
+from kvduplex.router.discovery import ResolveFailed
+from kvduplex.router.discovery import instance_url
+from kvduplex.router.discovery import run_discovery
+from kvduplex.router.state import RouterState
+from tests.support.static_dns import StaticDns
 from tests.unit.test_router import _metric
 
 PREFILL_NAME, DECODE_NAME = "prefill.kv.svc", "decode.kv.svc"
@@ -101,7 +101,7 @@ def test_instances_join_leave_and_are_refused_by_role(caplog: pytest.LogCaptureF
     assert state.unready_reason() == "the instances have not been probed yet"
     state.note_probe_round()
     assert state.unready_reason() == "the instances' DNS names have not been resolved yet"
-    with caplog.at_level(logging.WARNING, logger="kvduplex.server.router.discovery"):
+    with caplog.at_level(logging.WARNING, logger="kvduplex.router.discovery"):
         _round(state)  # 1.
         _round(state)
     assert _urls(state) == (
@@ -228,7 +228,7 @@ def test_a_round_that_fails_unexpectedly_is_logged_and_the_next_one_runs(
             await asyncio.sleep(0.01)
         rounds.cancel()
 
-    with caplog.at_level(logging.ERROR, logger="kvduplex.server.router.discovery"):
+    with caplog.at_level(logging.ERROR, logger="kvduplex.router.discovery"):
         asyncio.run(asyncio.wait_for(until_added(), timeout=10))
     assert f"decode DNS {DECODE_NAME}: the round failed" in caplog.text
     assert [b.url for b in state.policy.decode.backends] == ["http://10.0.1.1:8001"]

@@ -10,12 +10,12 @@ from typing import Any
 import httpx
 from fastapi.testclient import TestClient
 
-from kvduplex.config import ReturnMode
-from kvduplex.config import RouterConfig
-from kvduplex.model.tokenizer import ByteTokenizer
-from kvduplex.server.router.app import create_router_app
-from kvduplex.server.router.health import probe_all
-from kvduplex.server.router.state import RouterState
+from kvduplex.common.config import ReturnMode
+from kvduplex.common.config import RouterConfig
+from kvduplex.common.tokenizer import ByteTokenizer
+from kvduplex.router.app import create_router_app
+from kvduplex.router.health import probe_all
+from kvduplex.router.state import RouterState
 
 P, D = "http://p0", "http://d0"
 

@@ -18,16 +18,16 @@ import pytest
 from fastapi.testclient import TestClient
 from httpx_sse import connect_sse
 
-from kvduplex.config import RouterConfig
-from kvduplex.config import TransferMode
-from kvduplex.model.tokenizer import ByteTokenizer
-from kvduplex.openai import render
-from kvduplex.server.router.app import create_router_app
-from kvduplex.server.router.relay import OUTER_SEND_KEY
-from kvduplex.server.router.relay import FirstToken
-from kvduplex.server.router.relay import push_stream
-from kvduplex.server.router.relay import relay
-from kvduplex.server.router.state import RouterState
+from kvduplex.common.config import RouterConfig
+from kvduplex.common.config import TransferMode
+from kvduplex.common.openai import render
+from kvduplex.common.tokenizer import ByteTokenizer
+from kvduplex.router.app import create_router_app
+from kvduplex.router.relay import OUTER_SEND_KEY
+from kvduplex.router.relay import FirstToken
+from kvduplex.router.relay import push_stream
+from kvduplex.router.relay import relay
+from kvduplex.router.state import RouterState
 from tests.unit.test_router import D
 from tests.unit.test_router import FakeInstances
 from tests.unit.test_router import P
@@ -85,7 +85,7 @@ def _router(
 def test_a_push_routed_again_notes_prefills_answer_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """P answers both prefills of a push whose first decode was unreachable: the answer's
     hit is noted by the flow that served it, not by the abandoned one too."""
-    from kvduplex.server.router import flows
+    from kvduplex.router import flows
 
     noted: list[int] = []
     monkeypatch.setattr(flows, "note_answer_hit", lambda state, fwd, n: noted.append(n))
@@ -143,7 +143,7 @@ def test_probes_take_an_instance_back() -> None:
 
 
 async def _probe_all(state: RouterState) -> None:
-    from kvduplex.server.router.health import probe_all
+    from kvduplex.router.health import probe_all
 
     await probe_all(state.probe_client, state.policy, 1.0)
 

@@ -17,8 +17,8 @@ from starlette.types import Receive
 from starlette.types import Scope
 from starlette.types import Send
 
-from kvduplex.server.router import app as app_module
-from kvduplex.server.router.app import _is_plain
+from kvduplex.router import app as app_module
+from kvduplex.router.app import _is_plain
 from tests.unit.test_router import BAD
 from tests.unit.test_router import FakeInstances
 from tests.unit.test_router import _router

@@ -22,12 +22,12 @@ from typing import TypeVar
 import httpx
 import pytest
 
-from kvduplex.config import RouterConfig
-from kvduplex.config import TransferMode
-from kvduplex.model.tokenizer import ByteTokenizer
-from kvduplex.server.router.app import create_router_app
-from kvduplex.server.router.health import probe_all
-from kvduplex.server.router.state import RouterState
+from kvduplex.common.config import RouterConfig
+from kvduplex.common.config import TransferMode
+from kvduplex.common.tokenizer import ByteTokenizer
+from kvduplex.router.app import create_router_app
+from kvduplex.router.health import probe_all
+from kvduplex.router.state import RouterState
 from tests.unit.test_router import D
 from tests.unit.test_router import FakeInstances
 from tests.unit.test_router import P

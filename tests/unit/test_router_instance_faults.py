@@ -31,17 +31,17 @@ from multidict import CIMultiDict
 from multidict import CIMultiDictProxy
 from yarl import URL
 
-from kvduplex.config import RouterConfig
-from kvduplex.config import TransferMode
-from kvduplex.model.tokenizer import ByteTokenizer
-from kvduplex.server.router import app as router_app
-from kvduplex.server.router import flows
-from kvduplex.server.router.app import create_router_app
-from kvduplex.server.router.relay import body_parts
-from kvduplex.server.router.state import InstanceCalls
-from kvduplex.server.router.state import InstanceTransport
-from kvduplex.server.router.state import RouterState
-from kvduplex.server.router.state import instance_session
+from kvduplex.common.config import RouterConfig
+from kvduplex.common.config import TransferMode
+from kvduplex.common.tokenizer import ByteTokenizer
+from kvduplex.router import app as router_app
+from kvduplex.router import flows
+from kvduplex.router.app import create_router_app
+from kvduplex.router.relay import body_parts
+from kvduplex.router.state import InstanceCalls
+from kvduplex.router.state import InstanceTransport
+from kvduplex.router.state import RouterState
+from kvduplex.router.state import instance_session
 from tests.unit.test_router import D
 from tests.unit.test_router import FakeInstances
 from tests.unit.test_router import P
@@ -190,7 +190,7 @@ MAPPED = [
 def test_instance_errors_leave_httpx_aiohttps_mapping_as_it_is(
     exc: Exception, mapped: type[httpx.HTTPError]
 ) -> None:
-    from kvduplex.server.router.calls import instance_errors  # new with the fix
+    from kvduplex.router.calls import instance_errors  # new with the fix
 
     for context in (map_aiohttp_exceptions, instance_errors):
         with pytest.raises(httpx.HTTPError) as raised, context():
@@ -202,7 +202,7 @@ def test_instance_errors_make_an_answer_that_is_not_http_a_protocol_error() -> N
     """aiohttp's error for an answer that is not HTTP, which httpx-aiohttp leaves as it
     is, becomes `httpx.RemoteProtocolError` (every caller of an instance handles httpx's
     errors); an error that is not aiohttp's passes as it is."""
-    from kvduplex.server.router.calls import instance_errors  # new with the fix
+    from kvduplex.router.calls import instance_errors  # new with the fix
 
     exc = _response_error()
     with pytest.raises(httpx.RemoteProtocolError) as raised, instance_errors():

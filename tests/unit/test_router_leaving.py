@@ -17,14 +17,14 @@ from typing import Any
 import httpx
 import pytest
 
-from kvduplex.config import RouterConfig
-from kvduplex.model.tokenizer import ByteTokenizer
-from kvduplex.server.router.app import create_router_app
-from kvduplex.server.router.health import probe_all
-from kvduplex.server.router.policy import Backend
-from kvduplex.server.router.policy import BackendPool
-from kvduplex.server.router.policy import Outcome
-from kvduplex.server.router.state import RouterState
+from kvduplex.common.config import RouterConfig
+from kvduplex.common.tokenizer import ByteTokenizer
+from kvduplex.router.app import create_router_app
+from kvduplex.router.health import probe_all
+from kvduplex.router.policy import Backend
+from kvduplex.router.policy import BackendPool
+from kvduplex.router.policy import Outcome
+from kvduplex.router.state import RouterState
 from tests.unit.test_router_discovery import DECODE_NAME
 from tests.unit.test_router_discovery import FakeDns
 from tests.unit.test_router_hung import OpenStream

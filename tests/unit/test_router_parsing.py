@@ -18,15 +18,15 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from kvduplex.config import ParsingConfig
-from kvduplex.config import RouterConfig
-from kvduplex.config import TransferMode as Mode
-from kvduplex.model.tokenizer import ByteTokenizer
-from kvduplex.openai.chat_output import AUTO_TOOL_CHOICE_ERROR
-from kvduplex.openai.chat_output import RAW_OUTPUT_HEADER
-from kvduplex.openai.render import FIRST_TOKEN_IDS_FIELD
-from kvduplex.server.router.app import create_router_app
-from kvduplex.server.router.state import RouterState
+from kvduplex.common.config import ParsingConfig
+from kvduplex.common.config import RouterConfig
+from kvduplex.common.config import TransferMode as Mode
+from kvduplex.common.openai.chat_output import AUTO_TOOL_CHOICE_ERROR
+from kvduplex.common.openai.chat_output import RAW_OUTPUT_HEADER
+from kvduplex.common.openai.render import FIRST_TOKEN_IDS_FIELD
+from kvduplex.common.tokenizer import ByteTokenizer
+from kvduplex.router.app import create_router_app
+from kvduplex.router.state import RouterState
 
 P, D = "http://p0", "http://d0"
 ARGS = {"q": "kv cache", "k": 3}

@@ -6,12 +6,12 @@ from collections import Counter
 
 import pytest
 
-from kvduplex.server.router.policy import NoHealthyInstance
-from kvduplex.server.router.policy import Outcome
-from kvduplex.server.router.policy import Route
-from kvduplex.server.router.policy import RoutingPolicy
-from kvduplex.server.router.sessions import PrefixIndex
-from kvduplex.server.router.sessions import SessionTable
+from kvduplex.router.policy import NoHealthyInstance
+from kvduplex.router.policy import Outcome
+from kvduplex.router.policy import Route
+from kvduplex.router.policy import RoutingPolicy
+from kvduplex.router.sessions import PrefixIndex
+from kvduplex.router.sessions import SessionTable
 
 
 class Clock:

@@ -16,12 +16,12 @@ from typing import Any
 import httpx
 import pytest
 
-from kvduplex.config import RouterConfig
-from kvduplex.model.tokenizer import ByteTokenizer
-from kvduplex.server.router.discovery import run_discovery
-from kvduplex.server.router.health import probe_all
-from kvduplex.server.router.health import run_prober
-from kvduplex.server.router.state import RouterState
+from kvduplex.common.config import RouterConfig
+from kvduplex.common.tokenizer import ByteTokenizer
+from kvduplex.router.discovery import run_discovery
+from kvduplex.router.health import probe_all
+from kvduplex.router.health import run_prober
+from kvduplex.router.state import RouterState
 from tests.unit.test_router_discovery import DECODE_NAME
 from tests.unit.test_router_discovery import FakeDns
 
@@ -73,7 +73,7 @@ def test_a_probe_that_raises_something_else_is_a_failed_probe(
     told: list[str] = []
     d1.watch(lambda: told.append("d1"))
     fleet.broken.add(D1)
-    with caplog.at_level(logging.INFO, logger="kvduplex.server.router.health"):
+    with caplog.at_level(logging.INFO, logger="kvduplex.router.health"):
         _probe(state)  # 1.
     assert d1.is_healthy and d1.num_failed_probes == 1 and told == []
     (logged,) = [r for r in caplog.records if D1 in r.getMessage()]
@@ -102,7 +102,7 @@ def test_a_probe_whose_watcher_raises_is_logged_and_the_round_ends(
 
     d1.watch(raises)
     fleet.broken.add(D1)
-    with caplog.at_level(logging.ERROR, logger="kvduplex.server.router.health"):
+    with caplog.at_level(logging.ERROR, logger="kvduplex.router.health"):
         _probe(state)
     assert d1.is_down and [b.url for b in state.policy.decode.healthy()] == [D2]
     assert any(
@@ -136,7 +136,7 @@ def test_the_prober_goes_on_after_a_round_that_fails(caplog: pytest.LogCaptureFi
         prober.cancel()
         return is_running
 
-    with caplog.at_level(logging.ERROR, logger="kvduplex.server.router.health"):
+    with caplog.at_level(logging.ERROR, logger="kvduplex.router.health"):
         assert asyncio.run(run()), "the prober ended"
     assert rounds[:3] == [3, 6, 9]
     assert "health probe round failed" in caplog.text
@@ -218,7 +218,7 @@ def test_an_admission_check_that_raises_is_asked_again_next_round(
     )
     discovery = state.discovery
     assert discovery is not None
-    with caplog.at_level(logging.WARNING, logger="kvduplex.server.router.discovery"):
+    with caplog.at_level(logging.WARNING, logger="kvduplex.router.discovery"):
         asyncio.run(discovery.run_round())  # 1.
     assert discovery.num_rounds == 1 and state.policy.decode.backends == []
     assert any(D1 in r.getMessage() and "not added yet" in r.getMessage() for r in caplog.records)
@@ -261,7 +261,7 @@ def test_discovery_goes_on_after_rounds_that_fail(caplog: pytest.LogCaptureFixtu
         finally:
             rounds.cancel()
 
-    with caplog.at_level(logging.ERROR, logger="kvduplex.server.router.discovery"):
+    with caplog.at_level(logging.ERROR, logger="kvduplex.router.discovery"):
         asyncio.run(run())
     assert "resolver broke" in caplog.text and DECODE_NAME in caplog.text
     assert rounds_done[:3] == [0, 1, 2], "the round that failed counts"

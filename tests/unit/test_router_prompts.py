@@ -21,13 +21,13 @@ from typing import Any
 import httpx
 from fastapi.testclient import TestClient
 
-from kvduplex.config import RouterConfig
-from kvduplex.model.tokenizer import ByteTokenizer
-from kvduplex.model.tokenizer import Messages
-from kvduplex.model.tokenizer import Tools
-from kvduplex.server.router.app import INLINE_PROMPT_BYTES
-from kvduplex.server.router.app import create_router_app
-from kvduplex.server.router.state import RouterState
+from kvduplex.common.config import RouterConfig
+from kvduplex.common.tokenizer import ByteTokenizer
+from kvduplex.common.tokenizer import Messages
+from kvduplex.common.tokenizer import Tools
+from kvduplex.router.app import INLINE_PROMPT_BYTES
+from kvduplex.router.app import create_router_app
+from kvduplex.router.state import RouterState
 from tests.unit.test_router import D
 from tests.unit.test_router import FakeInstances
 from tests.unit.test_router import P
@@ -37,12 +37,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 _IMPORTS = """
 import json, sys
-import kvduplex.server.router
-import kvduplex.server.router.app
-from kvduplex.server.cli import main, parse_args, router_config
-from kvduplex.server.router.app import create_router_app, serve_router
-from kvduplex.server.router.state import RouterState
-from kvduplex.model.source import load_tokenizer, model_config
+import kvduplex.router
+import kvduplex.router.app
+from kvduplex.cli.main import main, parse_args, router_config
+from kvduplex.router.app import create_router_app, serve_router
+from kvduplex.router.state import RouterState
+from kvduplex.common.model_source import load_tokenizer, model_config
 
 config = router_config(parse_args(["router", "--decode", "http://127.0.0.1:9", "--model", "tiny"]))
 create_router_app(RouterState.create(config, load_tokenizer(config.model)))
@@ -69,7 +69,7 @@ def test_the_router_and_its_command_line_import_no_torch(tmp_path: Path) -> None
     )  # fmt: skip
     seen = json.loads(out.stdout)
     assert seen["loaded"] == []
-    assert "kvduplex.server.router.app" in seen["kvduplex"]
+    assert "kvduplex.router.app" in seen["kvduplex"]
     torch_code = ("kvduplex.engine.engine", "kvduplex.model.loader", "kvduplex.model.decoder",
                   "kvduplex.engine.kv_cache", "kvduplex.transport.base", "kvduplex.bench")  # fmt: skip
     assert not [m for m in seen["kvduplex"] if m.startswith(torch_code)]
@@ -170,7 +170,7 @@ def test_settle_heap_freezes_the_start_up_heap_and_collects_the_young_less_often
     """In a process of its own (it changes the process's collector)."""
     code = (
         "import gc, json\n"
-        "from kvduplex.server.router.app import GC_YOUNG_THRESHOLD, settle_heap\n"
+        "from kvduplex.router.app import GC_YOUNG_THRESHOLD, settle_heap\n"
         "before = gc.get_threshold()\n"
         "settle_heap()\n"
         "print(json.dumps([gc.get_freeze_count(), before, gc.get_threshold(), GC_YOUNG_THRESHOLD]))"

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from collections import Counter
 
-from kvduplex.server.router import rendezvous
-from kvduplex.server.router.policy import Backend
-from kvduplex.server.router.policy import Outcome
-from kvduplex.server.router.policy import Route
-from kvduplex.server.router.policy import RoutingPolicy
+from kvduplex.router import rendezvous
+from kvduplex.router.policy import Backend
+from kvduplex.router.policy import Outcome
+from kvduplex.router.policy import Route
+from kvduplex.router.policy import RoutingPolicy
 
 P = [f"http://10.0.0.{i}:8000" for i in range(1, 5)]
 D = [f"http://10.0.1.{i}:8000" for i in range(1, 4)]

@@ -8,9 +8,9 @@ import asyncio
 import httpx
 import pytest
 
-from kvduplex.server.cluster import free_port
-from kvduplex.server.router.state import InstanceTransport
-from kvduplex.server.router.state import instance_session
+from kvduplex.cluster import free_port
+from kvduplex.router.state import InstanceTransport
+from kvduplex.router.state import instance_session
 
 _STREAM_HEAD = (
     b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
@@ -129,7 +129,7 @@ def test_instance_calls_post_json_with_the_routers_headers_over_real_sockets() -
     """`InstanceCalls` (the flows' POSTs, sent to the transport directly): the body as JSON
     with the router's headers and the call's own, a whole answer read and its connection
     given back for the next call, a streamed one left for its reader."""
-    from kvduplex.server.router.state import InstanceCalls
+    from kvduplex.router.state import InstanceCalls
 
     requests: list[bytes] = []
     connections: list[asyncio.StreamWriter] = []
@@ -175,7 +175,7 @@ def test_instance_calls_tell_connection_errors_apart_as_the_transport_does() -> 
     """`InstanceCalls.post` over the router's transport (no `httpx.Request`): a refused
     connection is a connect error (the request is routed again), a connection closed
     after the request is not."""
-    from kvduplex.server.router.state import InstanceCalls
+    from kvduplex.router.state import InstanceCalls
 
     async def close_after_request(
         reader: asyncio.StreamReader, writer: asyncio.StreamWriter
@@ -207,7 +207,7 @@ def test_instance_calls_whole_answers_read_the_same_over_the_wire_and_over_httpx
     client (`WirePool`, no `httpx.Response` made) and over any other transport (a test's,
     through httpx), the same status, body, JSON, text and headers as `post` reads; over
     the wire, each call on the one kept-alive connection."""
-    from kvduplex.server.router.state import InstanceCalls
+    from kvduplex.router.state import InstanceCalls
 
     body = b'{"xid": "x", "first_token": 65}'
     answer_bytes = (

@@ -25,9 +25,9 @@ import httpx
 import pytest
 import uvloop
 
-from kvduplex.server.router import wire
-from kvduplex.server.router import wire_protocol
-from kvduplex.server.router.wire import WirePool
+from kvduplex.router import wire
+from kvduplex.router import wire_protocol
+from kvduplex.router.wire import WirePool
 from tests.unit.test_router_instance_faults import _socket_server as _raw_server
 
 T = TypeVar("T")

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvduplex.config import ModelLoadConfig
+from kvduplex.common.config import ModelLoadConfig
+from kvduplex.common.kv_layout import KVCacheLayout
+from kvduplex.common.presets import preset_config
 from kvduplex.engine import runner_inputs
-from kvduplex.engine.kv_cache import KVCacheLayout
 from kvduplex.engine.kv_cache import allocate_kv_pool
 from kvduplex.engine.runner import GROUP_COST_TOKENS
 from kvduplex.engine.runner import ModelRunner
@@ -17,7 +18,6 @@ from kvduplex.engine.runner import kv_layout_for
 from kvduplex.engine.runner import num_blocks_for_memory
 from kvduplex.model.loader import LoadedModel
 from kvduplex.model.loader import load_model
-from kvduplex.model.presets import preset_config
 
 BS = 4
 NUM_BLOCKS = 32

@@ -12,13 +12,13 @@ from typing import Any
 import pytest
 import torch
 
+from kvduplex.common.sampling import SamplingParams
 from kvduplex.engine import sampler
 from kvduplex.engine.sampler import PenaltyCounts
 from kvduplex.engine.sampler import apply_penalties
 from kvduplex.engine.sampler import compute_logprobs
 from kvduplex.engine.sampler import sample
 from kvduplex.engine.sampler import stop_bans
-from kvduplex.engine.sampling import SamplingParams
 
 PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
 LOGITS = PROBS.log()

@@ -10,14 +10,14 @@ import math
 import pytest
 import torch
 
+from kvduplex.common.sampling import SamplingParams
+from kvduplex.common.tokenizer import ByteTokenizer
 from kvduplex.engine.engine import LLMEngine
 from kvduplex.engine.request import Request
 from kvduplex.engine.runner import SeqInput
-from kvduplex.engine.sampling import SamplingParams
+from kvduplex.instance.kv_routes import PrefillRequest
+from kvduplex.instance.kv_routes import _first_token_params
 from kvduplex.model.loader import LoadedModel
-from kvduplex.model.tokenizer import ByteTokenizer
-from kvduplex.server.kv_routes import PrefillRequest
-from kvduplex.server.kv_routes import _first_token_params
 from tests.unit.test_engine import assert_no_leak
 from tests.unit.test_engine import make_engine
 from tests.unit.test_engine import random_prompts

@@ -15,14 +15,14 @@ from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
 
-from kvduplex.config import SchedulerConfig
+from kvduplex.common.config import SchedulerConfig
+from kvduplex.common.sampling import SamplingParams
 from kvduplex.engine.block_pool import BlockPool
 from kvduplex.engine.kv_manager import KVCacheManager
 from kvduplex.engine.request import FinishReason
 from kvduplex.engine.request import RemoteKVSpec
 from kvduplex.engine.request import Request
 from kvduplex.engine.request import RequestStatus
-from kvduplex.engine.sampling import SamplingParams
 from kvduplex.engine.scheduler import Scheduler
 from kvduplex.engine.scheduler import SchedulerOutput
 

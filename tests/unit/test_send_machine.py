@@ -26,7 +26,7 @@ from hypothesis.stateful import invariant
 from hypothesis.stateful import precondition
 from hypothesis.stateful import rule
 
-from kvduplex.engine.kv_cache import num_blocks_for_tokens
+from kvduplex.common.kv_layout import num_blocks_for_tokens
 from kvduplex.kvflow.machines.actions import AcquireBlocks
 from kvduplex.kvflow.machines.actions import ReleaseBlocks
 from kvduplex.kvflow.machines.actions import TearDown

@@ -1,4 +1,4 @@
-"""Layered settings (`kvduplex.server.settings`): flag > KVDUPLEX_* > --config file >
+"""Layered settings (`kvduplex.cli.settings`): flag > KVDUPLEX_* > --config file >
 default, for serve, router and up; errors name the key and its source; the logged
 effective config has its secrets redacted."""
 
@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from kvduplex.config import ReturnMode
-from kvduplex.config import Role
-from kvduplex.config import TransferMode
-from kvduplex.server.cli import main
-from kvduplex.server.cli import parse_args
-from kvduplex.server.cli import router_config
-from kvduplex.server.cli import server_config
-from kvduplex.server.settings import REDACTED
-from kvduplex.server.settings import ConfigError
+from kvduplex.cli.main import main
+from kvduplex.cli.main import parse_args
+from kvduplex.cli.main import router_config
+from kvduplex.cli.main import server_config
+from kvduplex.cli.settings import REDACTED
+from kvduplex.cli.settings import ConfigError
+from kvduplex.common.config import ReturnMode
+from kvduplex.common.config import Role
+from kvduplex.common.config import TransferMode
 
 
 @pytest.fixture(autouse=True)
@@ -213,7 +213,7 @@ def test_effective_config_redacts_secrets(
     monkeypatch.delenv("KVDUPLEX_API_KEY")
     assert parse_args(["serve"]).effective_config["api_key"] == ""  # none set: shown empty
     cfg = write(tmp_path, "r.yaml", "decode: [http://d:1]\napi_key: sk-file-key\n")
-    monkeypatch.setattr("kvduplex.server.router.app.serve_router", lambda config: None)
+    monkeypatch.setattr("kvduplex.router.app.serve_router", lambda config: None)
     with caplog.at_level(logging.INFO, logger="kvduplex"):
         main(["router", "--config", cfg])
     lines = [r.getMessage() for r in caplog.records if "effective config" in r.getMessage()]
@@ -224,9 +224,9 @@ def test_effective_config_redacts_secrets(
 def test_the_router_sends_the_secret_of_its_secret_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kvduplex.model.tokenizer import ByteTokenizer
-    from kvduplex.server.router.state import RouterState
-    from kvduplex.transport.trust import SECRET_HEADER
+    from kvduplex.common.tokenizer import ByteTokenizer
+    from kvduplex.common.trust import SECRET_HEADER
+    from kvduplex.router.state import RouterState
 
     secret = tmp_path / "cluster-secret"
     secret.write_text("s" * 32 + "\n")

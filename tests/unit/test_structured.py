@@ -11,28 +11,28 @@ import jsonschema_rs
 import pytest
 import torch
 
-from kvduplex.config import CacheConfig
-from kvduplex.config import EngineConfig
-from kvduplex.config import ModelLoadConfig
+from kvduplex.common.config import CacheConfig
+from kvduplex.common.config import EngineConfig
+from kvduplex.common.config import ModelLoadConfig
+from kvduplex.common.openai.structured import ForcedToolCalls
+from kvduplex.common.openai.structured import ToolCallStream
+from kvduplex.common.openai.structured import ToolChoiceMode
+from kvduplex.common.sampling import GrammarKind
+from kvduplex.common.sampling import GrammarSpec
+from kvduplex.common.sampling import SamplingParams
+from kvduplex.common.tokenizer import ByteTokenizer
+from kvduplex.common.tokenizer import HFTokenizer
+from kvduplex.common.tokenizer import Tokenizer
 from kvduplex.engine.engine import LLMEngine
 from kvduplex.engine.request import Request
 from kvduplex.engine.sampler import apply_token_bitmask
 from kvduplex.engine.sampler import sample
-from kvduplex.engine.sampling import GrammarKind
-from kvduplex.engine.sampling import GrammarSpec
-from kvduplex.engine.sampling import SamplingParams
 from kvduplex.engine.scheduler_output import check_stop
 from kvduplex.engine.structured import GrammarCompiler
 from kvduplex.engine.structured import StructuredOutputError
 from kvduplex.engine.structured import fill_bitmask
 from kvduplex.model.loader import LoadedModel
 from kvduplex.model.loader import load_model
-from kvduplex.model.tokenizer import ByteTokenizer
-from kvduplex.model.tokenizer import HFTokenizer
-from kvduplex.model.tokenizer import Tokenizer
-from kvduplex.openai.structured import ForcedToolCalls
-from kvduplex.openai.structured import ToolCallStream
-from kvduplex.openai.structured import ToolChoiceMode
 from tests.unit.test_tokenizer import write_hf_tokenizer
 
 ITEM = {

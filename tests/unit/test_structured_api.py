@@ -16,7 +16,7 @@ import jsonschema_rs
 import pytest
 from fastapi.testclient import TestClient
 
-from kvduplex.server.instance import Instance
+from kvduplex.instance.server import Instance
 
 PET = {
     "type": "object",

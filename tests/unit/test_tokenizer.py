@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from kvduplex.engine.detokenizer import IncrementalDetokenizer
-from kvduplex.model.tokenizer import ByteTokenizer
-from kvduplex.model.tokenizer import HFTokenizer
-from kvduplex.model.tokenizer import IncrementalDecoder
-from kvduplex.model.tokenizer import Tokenizer
-from kvduplex.model.tokenizer import unknown_id_text
+from kvduplex.common.detokenizer import IncrementalDetokenizer
+from kvduplex.common.tokenizer import ByteTokenizer
+from kvduplex.common.tokenizer import HFTokenizer
+from kvduplex.common.tokenizer import IncrementalDecoder
+from kvduplex.common.tokenizer import Tokenizer
+from kvduplex.common.tokenizer import unknown_id_text
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"

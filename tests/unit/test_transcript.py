@@ -1,5 +1,5 @@
 """Generated answers sent back in chat history keep their generated ids
-(kvduplex.openai.transcript, through openai.prompt), with a byte-level BPE built here and
+(kvduplex.common.openai.transcript, through openai.prompt), with a byte-level BPE built here and
 ChatML- and Llama-3-style templates."""
 
 from __future__ import annotations
@@ -11,17 +11,17 @@ from typing import Any
 
 import pytest
 
-from kvduplex.model.tokenizer import ByteTokenizer
-from kvduplex.model.tokenizer import HFTokenizer
-from kvduplex.openai.prompt import answer_placements
-from kvduplex.openai.prompt import prompt_token_ids
-from kvduplex.openai.prompt import template_messages
-from kvduplex.openai.protocol import ChatCompletionRequest
-from kvduplex.openai.transcript import AnswerBook
-from kvduplex.openai.transcript import AnswerRecord
-from kvduplex.openai.transcript import MessageAccumulator
-from kvduplex.openai.transcript import message_key
-from kvduplex.openai.transcript import splice_chat_ids
+from kvduplex.common.openai.prompt import answer_placements
+from kvduplex.common.openai.prompt import prompt_token_ids
+from kvduplex.common.openai.prompt import template_messages
+from kvduplex.common.openai.protocol import ChatCompletionRequest
+from kvduplex.common.openai.transcript import AnswerBook
+from kvduplex.common.openai.transcript import AnswerRecord
+from kvduplex.common.openai.transcript import MessageAccumulator
+from kvduplex.common.openai.transcript import message_key
+from kvduplex.common.openai.transcript import splice_chat_ids
+from kvduplex.common.tokenizer import ByteTokenizer
+from kvduplex.common.tokenizer import HFTokenizer
 
 CHATML = (
     "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"

@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from dataclasses import field
 
-from kvduplex.engine.sampling import TokenLogprobs
+from kvduplex.common.sampling import TokenLogprobs
 from kvduplex.kvflow.machines.actions import AcquireBlocks
 from kvduplex.kvflow.machines.actions import Log
 from kvduplex.kvflow.machines.actions import ReleaseBlocks

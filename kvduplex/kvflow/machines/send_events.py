@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from kvduplex.engine.sampling import TokenLogprobs
+from kvduplex.common.sampling import TokenLogprobs
 from kvduplex.kvflow.machines.actions import AcquireBlocks
 from kvduplex.kvflow.machines.actions import Log
 from kvduplex.kvflow.machines.actions import ReleaseBlocks

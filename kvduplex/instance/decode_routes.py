@@ -1,0 +1,240 @@
+"""Internal routes and the request hook of a decode instance.
+
+The ``prepare`` hook reads ``kv_transfer_params`` from an OpenAI body before
+the request reaches the engine (with a cluster secret configured, only from a
+caller that sends it: the params name peers to handshake with, and so to send
+the secret to, and where this turn's KV goes): it registers the push or pull of the prompt's
+KV (mode ``local``: decode computes the prompt over its own cache, a short
+append), and the duplex return of the finished turn (``return_to``, or
+``return_mode: pull`` to keep it for the next turn's READ).
+
+Routes: ``POST /internal/push/cancel`` stops waiting for a push (the router:
+prefill failed); ``POST /internal/kv/retained`` describes a session's retained
+turn; ``GET /internal/kv/{pull,push,return}/stats`` count what moved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import asdict
+from typing import Annotated
+from typing import Any
+from typing import Literal
+
+from fastapi import APIRouter
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from pydantic import Field
+from pydantic import model_validator
+
+from kvduplex.common.trust import SECRET_HEADER
+from kvduplex.common.trust import secret_matches
+from kvduplex.engine.request import RemoteKVSpec
+from kvduplex.instance.api import APIError
+from kvduplex.instance.api import Generation
+from kvduplex.instance.api import InstanceState
+from kvduplex.instance.kv_routes import MAX_XID_CHARS
+from kvduplex.instance.kv_routes import CancelRequest
+from kvduplex.instance.kv_routes import not_found
+from kvduplex.kvflow.connectors import DecodeFlows
+from kvduplex.kvflow.pull import PullSpec
+from kvduplex.kvflow.push_decode import PushSpec
+from kvduplex.kvflow.return_pull import RetainSpec
+from kvduplex.kvflow.returns import ReturnSpec
+from kvduplex.transport.handshake import PeerDirectory
+
+logger = logging.getLogger(__name__)
+
+
+class KVTransferParams(BaseModel):
+    mode: Literal["pull", "push", "local"]
+    """push/pull: the prompt's KV comes from ``prefill_url``; local: decode computes
+    the prompt itself (a short append over its cached history)."""
+    xid: str = Field(default="", max_length=MAX_XID_CHARS)
+    prefill_url: str = ""
+    block_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
+    """Pull: prefill's held blocks."""
+    num_tokens: int = Field(default=0, ge=0)
+    """Pull: tokens in them."""
+    engine_id: str | None = None
+    """``prefill_url``'s KV engine id, if the caller knows it: a connection to that engine
+    is used as it is, one to another engine is replaced (None: the address is asked,
+    at most every ``--peer-recheck-s``)."""
+    lease_s: float | None = Field(default=None, ge=0)
+    """Seconds prefill keeps the blocks from its answer on (None: unknown)."""
+    num_cached_tokens: int = Field(default=0, ge=0)
+    """Pull: prompt tokens prefill served from its prefix cache."""
+    session_id: str | None = None
+    return_mode: Literal["push", "pull"] = "push"
+    """push: offer the finished turn to ``return_to`` (duplex); pull: keep it held for
+    the next turn's prefill to READ (vLLM-style, for comparison)."""
+    return_to: str | None = None
+    """Duplex return: the prefill instance that receives this turn's blocks when it ends."""
+    return_engine_id: str | None = None
+    """``return_to``'s KV engine id, if the caller knows it (as ``engine_id``)."""
+    return_from_block: int | None = Field(default=None, ge=0)
+    """First block to return (None: the first that is not wholly prompt)."""
+    return_max_tokens: int | None = Field(default=None, ge=0)
+    """The return covers at most this many of the turn's tokens (its prompt, then its
+    answer), in whole blocks (None: every full block decode computed). The router limits
+    it to what the next prompt will hold (an answer's reasoning that the client strips)."""
+    mark_first_token: bool = False
+    """A streamed answer names the ids of its first chunk with tokens (the router splices
+    prefill's first token in by id; see `Generation.mark_first_token`)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> KVTransferParams:
+        if self.mode != "local" and (not self.xid or not self.prefill_url):
+            raise ValueError(f"mode {self.mode} needs xid and prefill_url")
+        if self.return_to is not None and not self.session_id:
+            raise ValueError("return_to needs a session_id")
+        return self
+
+
+class RetainedRequest(BaseModel):
+    session_id: str = Field(min_length=1)
+
+
+class DecodePreparer:
+    """`InstanceState.prepare` of a decode instance: what a request's KV params ask for."""
+
+    def __init__(
+        self, flows: DecodeFlows, directory: PeerDirectory, secret: str | None = None
+    ) -> None:
+        self.flows = flows
+        self.directory = directory
+        self.secret = secret
+
+    async def __call__(self, raw: Request, gen: Generation) -> None:
+        arrived = time.monotonic()
+        body: Any = await raw.json()
+        params = body.get("kv_transfer_params") if isinstance(body, dict) else None
+        if not params:
+            return
+        if self.secret is not None and not secret_matches(
+            raw.headers.get(SECRET_HEADER), self.secret
+        ):
+            raise APIError(
+                401, f"kv_transfer_params need the cluster secret in the {SECRET_HEADER} header",
+                code="invalid_cluster_secret", param="kv_transfer_params",
+            )  # fmt: skip
+        try:
+            kv = KVTransferParams.model_validate(params)
+        except ValueError as exc:
+            raise APIError(400, f"kv_transfer_params: {exc}", param="kv_transfer_params") from None
+        gen.mark_first_token = kv.mark_first_token
+        if kv.session_id:
+            await self._prepare_return(kv, gen)
+        if kv.mode == "local":
+            return
+        try:
+            peer = await asyncio.to_thread(self.directory.get_peer, kv.prefill_url, kv.engine_id)
+        except Exception as exc:  # no peer: compute the prompt here
+            logger.warning(
+                "xid=%s: no connection to %s (%s); computing locally", kv.xid, kv.prefill_url, exc
+            )
+            return
+        bad = [b for b in kv.block_ids if b >= peer.layout.num_blocks]
+        if bad:
+            raise APIError(
+                400, f"kv_transfer_params.block_ids: block {bad[0]} is out of range; "
+                f"{kv.prefill_url} has {peer.layout.num_blocks} blocks",
+                param="kv_transfer_params",
+            )  # fmt: skip
+        try:
+            if kv.mode == "push":
+                spec = PushSpec(kv.xid, peer, kv.prefill_url, gen.request.request_id)
+                self.flows.push.register(spec)
+            else:
+                lease_ends_at = None if kv.lease_s is None else arrived + kv.lease_s
+                self.flows.pull.register(
+                    PullSpec(
+                        kv.xid, peer, kv.prefill_url, kv.block_ids, kv.num_tokens,
+                        lease_ends_at, kv.num_cached_tokens, gen.request.request_id,
+                    )
+                )  # fmt: skip
+        except ValueError as exc:  # a duplicate xid
+            raise APIError(409, str(exc), param="kv_transfer_params") from None
+        gen.request.remote_kv = RemoteKVSpec(kv.xid, source_engine_id=peer.engine_id)
+
+    async def _prepare_return(self, kv: KVTransferParams, gen: Generation) -> None:
+        assert kv.session_id is not None
+        if kv.return_mode == "pull":
+            gen.request.connector_meta = RetainSpec(kv.session_id)
+            gen.request.hold_blocks_on_finish = True
+            return
+        if kv.return_to is None:
+            return
+        try:
+            peer = await asyncio.to_thread(
+                self.directory.get_peer, kv.return_to, kv.return_engine_id
+            )
+        except Exception as exc:  # no return this turn: the next one recomputes
+            logger.warning("session %s: no connection to %s (%s)", kv.session_id, kv.return_to, exc)
+            return
+        gen.request.connector_meta = ReturnSpec(
+            kv.session_id, peer, kv.return_from_block, kv.return_max_tokens
+        )
+        gen.request.hold_blocks_on_finish = True
+
+
+def make_decode_hooks(
+    state: InstanceState, flows: DecodeFlows, directory: PeerDirectory, secret: str | None = None
+) -> APIRouter:
+    """Set `state.prepare` for pulls, pushes and returns; return the decode-side routes."""
+    state.prepare = DecodePreparer(flows, directory, secret)
+    router = APIRouter()
+
+    @router.get("/internal/kv/pull/stats")
+    async def pull_stats() -> JSONResponse:
+        return JSONResponse(asdict(flows.pull.stats))
+
+    @router.get("/internal/kv/push/stats")
+    async def push_stats() -> JSONResponse:
+        waits = flows.receiver.stats
+        return JSONResponse(
+            {
+                **asdict(flows.push.stats),
+                "num_alive_received": waits.num_alive_received,
+                "num_late": waits.num_late,
+                "num_teardowns": waits.num_teardowns,
+                "num_quarantine_asks": waits.num_quarantine_asks,
+            }
+        )
+
+    @router.get("/internal/kv/return/stats")
+    async def return_stats() -> JSONResponse:
+        return JSONResponse(
+            {**asdict(flows.offerer.stats), "num_retained": flows.retainer.num_retained()}
+        )
+
+    @router.get("/internal/kv/return/records")
+    async def return_records() -> JSONResponse:
+        """The recent returns by request id: blocks offered and sent, bytes, outcome."""
+        return JSONResponse(flows.offerer.records())
+
+    @router.get("/internal/kv/flows")
+    async def flow_tables() -> JSONResponse:
+        """Each flow table's size, read on the engine thread (0 when nothing moves)."""
+        return JSONResponse(await state.engine.run_in_engine(lambda _e: flows.tables()))
+
+    @router.post("/internal/kv/retained")
+    async def retained(body: RetainedRequest) -> JSONResponse:
+        info = await state.engine.run_in_engine(lambda _e: flows.retainer.describe(body.session_id))
+        if info is None:
+            return not_found(body.session_id)
+        return JSONResponse({"engine_id": flows.sender.transport.engine_id, **info})
+
+    @router.post("/internal/push/cancel")
+    async def push_cancel(body: CancelRequest) -> JSONResponse:
+        found = await state.engine.run_in_engine(
+            lambda _e: flows.push.cancel(body.xid, body.reason)
+        )
+        if not found:
+            return not_found(body.xid)
+        return JSONResponse({"xid": body.xid, "cancelled": True})
+
+    return router

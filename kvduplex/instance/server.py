@@ -1,0 +1,185 @@
+"""One serving instance: engine + engine thread + HTTP app, run under uvicorn."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from dataclasses import field
+from functools import partial
+
+from fastapi import APIRouter
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
+
+from kvduplex.common.auth import APIKeyGuard
+from kvduplex.common.auth import resolve_api_key
+from kvduplex.common.config import EngineConfig
+from kvduplex.common.config import Environment
+from kvduplex.common.config import Role
+from kvduplex.common.config import ServerConfig
+from kvduplex.common.drain import DrainingServer
+from kvduplex.common.drain import DrainState
+from kvduplex.common.drain import exit_code
+from kvduplex.common.drain import uvicorn_config
+from kvduplex.common.guard import InternalGuard
+from kvduplex.common.guard import load_cluster_secret
+from kvduplex.engine.async_engine import AsyncEngine
+from kvduplex.engine.engine import LLMEngine
+from kvduplex.engine.metrics import EngineMetrics
+from kvduplex.instance.api import InstanceState
+from kvduplex.instance.api import create_app
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Instance:
+    engine: LLMEngine
+    async_engine: AsyncEngine
+    app: FastAPI
+    state: InstanceState
+    closers: list[Callable[[], None]] = field(default_factory=list)
+    """Run in order at shutdown, after the engine thread stopped."""
+
+    def shutdown(self) -> None:
+        self.async_engine.shutdown()
+        for close in self.closers:
+            close()
+
+
+def build_instance(
+    engine_config: EngineConfig, server_config: ServerConfig, env: Environment | None = None
+) -> Instance:
+    """Load the model, allocate the KV pool, start the engine thread, build the app.
+
+    `env` (default: the process's environment) gives the cluster secret unless
+    ``server_config.cluster_secret_file`` does; with one, every ``/internal/*``
+    route needs it and every internal call to a peer sends it. The API key
+    (``server_config.api_key``, else the environment's) guards the ``/v1/*`` routes.
+    """
+    env = env if env is not None else Environment.read()
+    secret = load_cluster_secret(server_config.cluster_secret_file, env.cluster_secret)
+    engine = LLMEngine(engine_config)
+    engine.warmup()
+    if env.test_scripted_output is not None:
+        engine.script_output_for_tests(env.test_scripted_output)
+    registry = CollectorRegistry()
+    async_engine = AsyncEngine(
+        engine, EngineMetrics(registry), test_stall_file=env.test_stall_engine_file
+    )
+    names = [engine_config.model.served_model_name or engine_config.model.model]
+    state = InstanceState(
+        engine=async_engine,
+        served_model_names=names,
+        registry=registry,
+        role=server_config.role.value,
+        parsing=server_config.parsing,
+        drain=DrainState(timeout_s=server_config.drain_timeout_s),
+    )
+    instance = Instance(engine=engine, async_engine=async_engine, app=FastAPI(), state=state)
+    routers = _role_routers(instance, engine_config, server_config.role, secret, env)
+    instance.app = create_app(state, routers)
+    instance.app.add_middleware(
+        InternalGuard, secret=secret, max_body_bytes=server_config.internal_max_body_mb << 20,
+        public_max_body_bytes=server_config.max_body_mb << 20,
+    )  # fmt: skip
+    instance.app.add_middleware(
+        APIKeyGuard, api_key=resolve_api_key(server_config.api_key, env.api_key)
+    )
+    if secret is None and server_config.role is not Role.BOTH:
+        logger.warning(
+            "no cluster secret: anyone who reaches this port can use its internal KV routes "
+            "(set KVDUPLEX_CLUSTER_SECRET or --cluster-secret-file on every instance and router)"
+        )
+    async_engine.start()
+    return instance
+
+
+def _role_routers(
+    instance: Instance, config: EngineConfig, role: Role, secret: str | None, env: Environment
+) -> list[APIRouter]:
+    """The transport, connector and internal KV routes of a prefill or decode instance.
+
+    Each role runs one `KVSender` and one `KVReceiver`: prefill sends pushes and
+    receives returns, decode receives pushes and sends returns.
+    """
+    if role is Role.BOTH:
+        return []
+    from kvduplex.instance.decode_routes import make_decode_hooks
+    from kvduplex.instance.kv_routes import make_prefill_router
+    from kvduplex.instance.kv_routes import make_push_prefill_router
+    from kvduplex.kvflow.connectors import FlowTiming
+    from kvduplex.kvflow.connectors import decode_flows
+    from kvduplex.kvflow.connectors import prefill_flows
+    from kvduplex.kvflow.metrics import KVFlowMetrics
+    from kvduplex.kvflow.pull import http_release
+    from kvduplex.transport.handshake import PeerDirectory
+    from kvduplex.transport.handshake import make_handshake_router
+    from kvduplex.transport.metrics import TransferMetrics
+    from kvduplex.transport.nixl import NixlTransport
+    from kvduplex.transport.notify import NotificationPump
+
+    engine, state = instance.engine, instance.state
+    cfg = config.transfer
+    transport = NixlTransport(
+        engine.kv_pool, engine.layout, default_deadline_s=cfg.transfer_timeout_s,
+        metrics=TransferMetrics(state.registry),
+    )  # fmt: skip
+    state.engine_id = transport.engine_id
+    metrics = KVFlowMetrics(state.registry)
+    directory = PeerDirectory(transport, secret=secret, recheck_s=cfg.peer_recheck_s)
+    pump = NotificationPump(transport, drop_types=env.test_drop_messages)
+    # Quarantine: a sender settles a failed WRITE within one transfer deadline after it
+    # failed (tearing its endpoint down if it must), and a WRITE fails at most one
+    # deadline after it was posted: two deadlines and a second cover both.
+    timing = FlowTiming(
+        cfg.kv_wait_timeout_s, cfg.transfer_timeout_s, 2 * cfg.transfer_timeout_s + 1,
+        cfg.retain_lease_s,
+    )  # fmt: skip
+    routers = [make_handshake_router(transport)]
+    if role is Role.PREFILL:
+        p = prefill_flows(
+            transport, instance.async_engine, pump, timing, directory.peer_by_engine, metrics,
+            reconnect=directory.reconnect, peer_gone=directory.is_gone,
+        )  # fmt: skip
+        routers.append(make_prefill_router(state, transport, cfg.pull_lease_s))
+        routers.append(make_push_prefill_router(state, p, directory))
+        state.drain.owed_checks.append(lambda _e: p.tables())
+        instance.closers.append(p.sender.close)
+    else:
+        d = decode_flows(
+            transport, instance.async_engine, pump, timing, directory.peer_by_engine, metrics,
+            release=partial(http_release, secret=secret), reconnect=directory.reconnect,
+            peer_gone=directory.is_gone,
+        )  # fmt: skip
+        routers.append(make_decode_hooks(state, d, directory, secret))
+        state.drain.owed_checks.append(lambda _e: d.tables())
+        instance.closers += [d.pull.close, d.sender.close]
+    pump.start()
+    instance.closers += [pump.close, transport.close]
+    return routers
+
+
+def serve(
+    engine_config: EngineConfig, server_config: ServerConfig, env: Environment | None = None
+) -> int:
+    """Serve until a signal, draining first (`kvduplex.common.drain`); the exit code."""
+    instance = build_instance(engine_config, server_config, env)
+    logger.info(
+        "serving %s as %s on http://%s:%d",
+        instance.state.served_model_names[0],
+        server_config.role.value,
+        server_config.host,
+        server_config.port,
+    )
+    config = uvicorn_config(
+        instance.app, server_config.host, server_config.port, server_config.keep_alive_s
+    )
+    server = DrainingServer(config, instance.state.drain, instance.async_engine)
+    try:
+        server.run()
+    finally:
+        instance.shutdown()
+    logger.info("stopped")
+    return exit_code(server)

@@ -1,0 +1,496 @@
+"""The router's flows: how one routed request reaches its prefill (P) and decode (D).
+
+* **push** (default): ``POST /internal/push/prefill`` on P and the OpenAI
+  request with ``kv_transfer_params: {mode: push, xid, prefill_url,
+  session_id}`` on D, at the same time. P streams the prompt's KV into D's
+  blocks layer by layer and answers with its first token as soon as it is
+  sampled; a streaming client gets that token at once, then D's tokens (D's
+  own copy of the first token is dropped, matched by token id: see
+  `relay.push_stream`). If P fails, D is told to stop
+  waiting and computes the prompt itself; if D refuses the request, P is told
+  to stop.
+* **pull** (baseline): ``POST /internal/prefill`` on P, then the request with
+  ``kv_transfer_params: {mode: pull, ...}`` on D, which READs P's blocks; D's
+  answer is relayed unchanged. If P fails, D computes the prompt itself.
+* **decode** (no prefill instance): the request goes to D unchanged.
+
+Either way the client never sees a transfer fault, only a slower answer.
+P's bodies carry ``session_id`` too; instances may ignore it.
+
+D always gets ``kv_transfer_params`` (mode ``local`` where no prefill takes
+part): ``report_answer`` (D ends the answer with its generated ids, which
+`relay.tap_answer` takes out and the session table records) and, for chat,
+``prompt_token_ids`` (the ids the router built, answers sent back spliced: D
+computes exactly what P was given). With ``--return-mode push`` the turn is
+returned to P (``return_to``) while the session's client sends its answers back
+as returned (`sessions` module docstring), up to what the next prompt will hold
+(``return_max_tokens``: `answers.return_limit`); at the next turn P's cached-token
+count says how much of the returned answer it still held (the answer hit,
+`note_answer_hit`).
+
+A D that cannot be reached (the connection was refused or timed out: D never
+saw the request), or that the router marked unhealthy before the request was
+sent, raises `DecodeUnreachable` once P's part is undone (push: cancelled;
+pull: its lease released), so the app can route the request again; any other
+failure before D's answer begins is a 502.
+
+Every call to an instance is abandoned once the router marks the instance
+unhealthy (`calls.until_unhealthy`, and `relay` for D's stream): a P that
+hangs or is partitioned fails its prefill then (D computes the prompt), a D
+that does the same ends its answer with an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import random
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi.responses import JSONResponse
+from fastapi.responses import Response
+
+from kvduplex.common.config import ReturnMode
+from kvduplex.common.openai import render
+from kvduplex.common.openai import structured
+from kvduplex.common.openai.chat_output import RAW_OUTPUT_HEADER
+from kvduplex.common.openai.chat_output import ChatOutputParser
+from kvduplex.common.openai.errors import REQUEST_ID_HEADER
+from kvduplex.common.openai.protocol import OpenAIRequest
+from kvduplex.common.openai.protocol import error_body
+from kvduplex.router.answers import RelayedAnswer
+from kvduplex.router.answers import return_limit
+from kvduplex.router.answers import tap_answer
+from kvduplex.router.calls import InstanceDown
+from kvduplex.router.calls import until_unhealthy
+from kvduplex.router.parsing import parse_body
+from kvduplex.router.parsing import parse_stream
+from kvduplex.router.policy import Backend
+from kvduplex.router.policy import Outcome
+from kvduplex.router.policy import Route
+from kvduplex.router.relay import FirstToken
+from kvduplex.router.relay import body_parts
+from kvduplex.router.relay import push_stream
+from kvduplex.router.relay import relay
+from kvduplex.router.state import RouterState
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Forward:
+    """One validated request on its way to the instances."""
+
+    path: str
+    """/v1/completions or /v1/chat/completions."""
+    request: OpenAIRequest
+    """The validated body."""
+    body: dict[str, Any]
+    """The body as the client sent it (less any kv_transfer_params): what D gets."""
+    ids: list[int]
+    """The prompt's token ids, as the instances compute them."""
+    route: Route
+    parser: ChatOutputParser | None = None
+    """A chat answer's tool-call and reasoning parser, by the router's flags (decode is
+    asked for raw text: see `parsing.py`); None: relayed as it is."""
+
+    @property
+    def is_chat(self) -> bool:
+        return self.path.endswith("/chat/completions")
+
+
+class InstanceDraining(httpx.TransportError):
+    """The instance refused new work: it is draining (shutting down)."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(f"{url} is draining")
+
+
+async def is_draining_answer(resp: httpx.Response) -> bool:
+    """Whether a 503 answer is an instance's "draining" refusal (its body is then read
+    and the response closed)."""
+    await resp.aread()
+    await resp.aclose()
+    try:
+        err = resp.json().get("error")
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(err, dict) and err.get("code") == "draining"
+
+
+class DecodeUnreachable(Exception):
+    """The route's decode instance could not be reached; it never saw the request."""
+
+    def __init__(self, url: str, exc: httpx.HTTPError) -> None:
+        super().__init__(f"decode at {url} failed: {exc!r}")
+        self.url = url
+
+
+def _outcome(status: int) -> Outcome:
+    return Outcome.OK if status < 400 else Outcome.REFUSED if status < 500 else Outcome.ERROR
+
+
+def _prefill_body(fwd: Forward, xid: str, seed: int | None) -> dict[str, Any]:
+    """P samples the first token with the request's own parameters (D's, on a fallback),
+    and under its grammar (structured output) when it has one (with ``min_tokens`` it
+    is neither EOS nor a stop id); it computes the token's logprobs when the request
+    asks for them (D never sees the logits they come from)."""
+    req = fwd.request
+    body = {
+        "xid": xid, "prompt_token_ids": fwd.ids, "temperature": req.temperature,
+        "top_p": req.top_p, "top_k": req.top_k, "min_p": req.min_p,
+        "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
+        "repetition_penalty": req.repetition_penalty, "seed": seed,
+        "min_tokens": req.min_tokens, "stop_token_ids": req.stop_token_ids or [],
+        "ignore_eos": req.ignore_eos,
+        "session_id": fwd.route.session_id, "logprobs": req.num_logprobs(),
+    }  # fmt: skip
+    spec = structured.grammar_spec_of(req)
+    if spec is not None:
+        body["grammar"] = spec.to_dict()
+    return body
+
+
+def _decode_params(fwd: Forward, params: dict[str, Any]) -> dict[str, Any]:
+    """D's ``kv_transfer_params``: `params`, and what every request asks of D (see the
+    module docstring)."""
+    out = {**params, "report_answer": True}
+    if fwd.is_chat:
+        out["prompt_token_ids"] = fwd.ids
+    return out
+
+
+def _return_to(state: RouterState, fwd: Forward, p: Backend) -> dict[str, Any]:
+    """The duplex return's params, if this turn is returned to `p` (else none): limited to
+    what the next prompt will hold (`answers.return_limit`)."""
+    if state.config.return_mode is not ReturnMode.PUSH:
+        return {}
+    if not fwd.route.is_returning:
+        state.metrics.returns_skipped.inc()
+        return {}
+    params: dict[str, Any] = {"return_to": p.url, "return_engine_id": p.engine_id}
+    may_reason = fwd.parser is not None and fwd.parser.may_start_with_reasoning
+    limit = return_limit(may_reason, fwd.route.sends_reasoning, len(fwd.ids))
+    state.policy.sessions.note_return_limit(fwd.route.session_id, limit)
+    if limit is not None:
+        params["return_max_tokens"] = limit
+    return params
+
+
+def note_answer_hit(state: RouterState, fwd: Forward, num_cached_tokens: int) -> None:
+    """P had `num_cached_tokens` of this prompt cached: of the previous answer, returned to
+    it, count the tokens it could have cached (the answer but its last token, up to the
+    last full block) and those it had."""
+    prev, p = fwd.route.previous, fwd.route.prefill
+    if prev is None or p is None or not fwd.route.reuses_answer or prev.answer_end is None:
+        return
+    if not prev.is_returning or prev.prefill_url != p.url:
+        return
+    start, end = prev.num_prompt_tokens, prev.answer_end
+    if prev.return_limit is not None:
+        end = min(end, prev.return_limit)
+    if p.block_size:
+        end = end // p.block_size * p.block_size
+    num_returnable = end - start
+    if num_returnable <= 0:
+        return
+    num_hit = min(max(num_cached_tokens - start, 0), num_returnable)
+    state.policy.sessions.note_answer_hit(fwd.route.session_id, num_hit, num_returnable)
+    state.metrics.note_answer_hit(num_hit, num_returnable)
+
+
+async def _post_prefill(
+    state: RouterState, fwd: Forward, path: str, req: dict[str, Any]
+) -> dict[str, Any] | None:
+    """POST to the route's P; its JSON answer, or None (logged) if it failed, or P was
+    marked unhealthy before it answered."""
+    p = fwd.route.prefill
+    assert p is not None
+    outcome = Outcome.REFUSED  # until the call ends one way or the other
+    try:
+        resp = await until_unhealthy(
+            p, state.calls.post_whole(p.url + path, req)
+        )
+        outcome = _outcome(resp.status_code)
+        if resp.status_code != 200:
+            logger.warning(
+                "xid=%s: prefill at %s answered %d: %s",
+                req["xid"], p.url, resp.status_code, resp.text[:200],
+            )  # fmt: skip
+            return None
+        ans: dict[str, Any] = resp.json()
+        return ans
+    except (httpx.HTTPError, ValueError) as exc:  # unreachable, or an answer that is not JSON
+        outcome = Outcome.FAILED
+        logger.warning(
+            "xid=%s: prefill at %s failed: %s; decode computes the prompt", req["xid"], p.url, exc
+        )
+        return None
+    finally:
+        state.policy.prefill_done(fwd.route, outcome)
+
+
+async def _retained(state: RouterState, d: Backend, session_id: str) -> dict[str, Any] | None:
+    """``--return-mode pull``: the session's last turn that D retained, for P to READ."""
+    url = d.url + "/internal/kv/retained"
+    try:
+        resp = await until_unhealthy(
+            d, state.calls.post_whole(url, {"session_id": session_id})
+        )
+    except httpx.HTTPError as exc:
+        logger.info("session %s: retained turn at %s unavailable: %s", session_id, d.url, exc)
+        return None
+    if resp.status_code != 200:
+        return None
+    try:
+        info = resp.json()
+    except ValueError:
+        info = None
+    if not isinstance(info, dict):  # not D's answer: P computes the turn over its cache
+        logger.warning("session %s: %s answered its retained turn unreadably", session_id, d.url)
+        return None
+    # D's pin counts from its answer; this goes on to P at once, as a duration.
+    pin_s = info.pop("pin_s", None)
+    out = {"decode_url": d.url, **info}
+    if isinstance(pin_s, int | float):
+        out["pin_left_s"] = max(0.0, float(pin_s))
+    return out
+
+
+async def _cancel(state: RouterState, b: Backend, xid: str, reason: str) -> None:
+    body = {"xid": xid, "reason": reason}
+    with contextlib.suppress(httpx.HTTPError):
+        url = b.url + "/internal/push/cancel"
+        await until_unhealthy(b, state.calls.post_whole(url, body))
+
+
+async def _release(state: RouterState, b: Backend, xid: str) -> None:
+    with contextlib.suppress(httpx.HTTPError):
+        url = b.url + "/internal/release"
+        await until_unhealthy(b, state.calls.post_whole(url, {"xid": xid}))
+
+
+async def _open_decode(
+    state: RouterState, fwd: Forward, body: dict[str, Any], headers: dict[str, str]
+) -> httpx.Response | Response:
+    """D's streaming response, or a 502 if D failed (or was marked unhealthy) before
+    answering; raises `DecodeUnreachable` if D could not be reached at all, or was marked
+    unhealthy before the request was sent."""
+    d = fwd.route.decode
+    if not d.is_healthy:
+        state.policy.decode_done(fwd.route, Outcome.REFUSED)
+        raise DecodeUnreachable(d.url, InstanceDown(d.url))
+    if fwd.is_chat:  # the router parses chat answers (`parsing.py`), never decode
+        headers = {**headers, RAW_OUTPUT_HEADER: "1"}
+    try:
+        resp = await until_unhealthy(
+            d, state.calls.post(d.url + fwd.path, body, headers, stream=True)
+        )
+        if resp.status_code == 503 and await is_draining_answer(resp):
+            # D got SIGTERM after the route was chosen, before a probe saw it: no new work
+            # for it, and this request goes to another decode instance.
+            state.policy.decode.mark_failed(d, state.policy.clock(), is_down=False)
+            state.policy.decode_done(fwd.route, Outcome.REFUSED)
+            raise DecodeUnreachable(d.url, InstanceDraining(d.url))
+        return resp
+    except httpx.HTTPError as exc:
+        state.policy.decode_done(fwd.route, Outcome.FAILED)
+        if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+            raise DecodeUnreachable(d.url, exc) from exc
+        logger.warning("decode at %s failed before answering: %r", d.url, exc)
+        message = f"decode at {d.url} failed: {exc!r}"
+        return JSONResponse(error_body(message, "server_error", code="decode_failed"), 502)
+
+
+def _relay_decode(
+    state: RouterState, fwd: Forward, upstream: httpx.Response, parts: AsyncIterator[bytes]
+) -> Response:
+    outcome = _outcome(upstream.status_code)
+    if fwd.parser is not None and upstream.status_code == 200:
+        parse = parse_stream if fwd.request.stream else parse_body
+        parts = parse(parts, fwd.parser)
+    if upstream.status_code == 200:
+        # The session's next turn: how much of it decode holds (a short append?), whether
+        # it sends this answer back as returned, and the answer's ids to splice if so.
+        sessions, sid = state.policy.sessions, fwd.route.session_id
+
+        def on_answer(answer: RelayedAnswer) -> None:
+            sessions.note_answer(
+                sid, fwd.ids, answer.num_tokens, answer.token_ids, answer.message,
+                state.policy.clock(),
+            )  # fmt: skip
+
+        # After parsing: the message is recorded as the client receives it.
+        parts = tap_answer(parts, bool(fwd.request.stream), fwd.is_chat, on_answer)
+
+    def close(failed: bool) -> None:
+        if failed:
+            state.metrics.stream_errors.inc()
+        state.policy.decode_done(fwd.route, Outcome.FAILED if failed else outcome)
+
+    d = fwd.route.decode
+    tapped = upstream.status_code == 200  # `tap_answer` relays whole events only
+    return relay(upstream, parts, close, f"decode at {d.url}", d.watch, in_whole_events=tapped)
+
+
+def is_short_append(state: RouterState, fwd: Forward) -> bool:
+    """A turn whose part decode has not cached is at most ``--short-append-tokens`` long:
+    decode prefills it over its cached history, prefill is skipped (and gets the turn back
+    by the duplex return). Decode holds the previous prompt and its answer (but for the
+    answer's last token, which has no KV yet)."""
+    prev, limit = fwd.route.previous, state.config.short_append_tokens
+    if limit <= 0 or prev is None or prev.num_answer_tokens is None:
+        return False
+    if prev.decode_url != fwd.route.decode.url or fwd.route.prefill is None:
+        return False
+    num_new = len(fwd.ids) - (prev.num_prompt_tokens + prev.num_answer_tokens - 1)
+    return 0 < num_new <= limit
+
+
+async def serve_short_append(state: RouterState, fwd: Forward) -> Response:
+    """Decode alone computes the turn over its cached history, then returns it to prefill
+    (a short append)."""
+    p = fwd.route.prefill
+    assert p is not None
+    state.policy.prefill_done(fwd.route, Outcome.OK)  # not called: nothing to say of it
+    params: dict[str, Any] = {"mode": "local", "session_id": fwd.route.session_id}
+    params.update(_return_to(state, fwd, p))
+    body = {**fwd.body, "kv_transfer_params": _decode_params(fwd, params)}
+    upstream = await _open_decode(state, fwd, body, {})
+    if isinstance(upstream, Response):
+        return upstream
+    return _relay_decode(state, fwd, upstream, body_parts(upstream))
+
+
+async def serve_decode_only(state: RouterState, fwd: Forward) -> Response:
+    body = {**fwd.body, "kv_transfer_params": _decode_params(fwd, {"mode": "local"})}
+    upstream = await _open_decode(state, fwd, body, {})
+    if isinstance(upstream, Response):
+        return upstream
+    return _relay_decode(state, fwd, upstream, body_parts(upstream))
+
+
+async def serve_pull(state: RouterState, fwd: Forward) -> Response:
+    p = fwd.route.prefill
+    assert p is not None
+    xid = f"pull-{secrets.token_hex(16)}"
+    ans = await _post_prefill(
+        state, fwd, "/internal/prefill", _prefill_body(fwd, xid, fwd.request.seed)
+    )
+    body = {**fwd.body, "kv_transfer_params": _decode_params(fwd, {"mode": "local"})}
+    if ans is not None:
+        params = {
+            "mode": "pull", "xid": xid, "prefill_url": p.url, "engine_id": ans.get("engine_id"),
+            "block_ids": ans["block_ids"], "num_tokens": ans["num_tokens"],
+            "lease_s": ans.get("lease_s"), "num_cached_tokens": ans.get("num_cached_tokens", 0),
+            "session_id": fwd.route.session_id,
+        }  # fmt: skip
+        body = {**body, "kv_transfer_params": _decode_params(fwd, params)}
+    try:
+        upstream = await _open_decode(state, fwd, body, {})
+    except DecodeUnreachable:
+        if ans is not None:  # P's blocks are leased for a READ that will not come
+            await _release(state, p, xid)
+        raise
+    if isinstance(upstream, Response):
+        return upstream  # D may have read, or be reading: the lease runs out on its own
+    if ans is not None and 400 <= upstream.status_code < 500:
+        await _release(state, p, xid)  # D refused the request before it read anything
+    return _relay_decode(state, fwd, upstream, body_parts(upstream))
+
+
+_CANCELS: set[asyncio.Task[None]] = set()
+"""D's cancels after a failed prefill, sent from a callback: held until they end."""
+
+
+def _on_prefill_failed(
+    state: RouterState, d: Backend, xid: str, task: asyncio.Task[dict[str, Any] | None]
+) -> None:
+    """P failed: D is told to compute the prompt itself (a callback, not a task awaiting
+    P: no more turns of the loop), as soon as P fails, before D's head if need be (a
+    whole answer's head comes at its end); a cancel that reaches D before the request is
+    kept there for it."""
+    if task.cancelled() or task.exception() is not None or task.result() is not None:
+        return
+    cancel = asyncio.ensure_future(_cancel(state, d, xid, "prefill failed"))
+    _CANCELS.add(cancel)
+    cancel.add_done_callback(_CANCELS.discard)
+
+
+def _on_prefill_answer(
+    state: RouterState, fwd: Forward, task: asyncio.Task[dict[str, Any] | None]
+) -> None:
+    """P answered: its hit noted (added once D took the request: a flow routed again to
+    another decode instance notes its own)."""
+    if not task.cancelled() and task.exception() is None and (ans := task.result()):
+        note_answer_hit(state, fwd, int(ans.get("num_cached_tokens", 0)))
+
+
+async def serve_push(state: RouterState, fwd: Forward) -> Response:
+    p = fwd.route.prefill
+    d = fwd.route.decode
+    assert p is not None
+    xid = f"push-{secrets.token_hex(16)}"
+    body, seed = fwd.body, fwd.request.seed
+    if fwd.request.temperature != 0 and seed is None:
+        # P samples the first token, D the rest (or all, if it falls back): one seed
+        # keeps a fallback's first token equal to the one already streamed.
+        seed = random.getrandbits(31)
+        body = {**body, "seed": seed}
+    # The engine ids the probes last saw: each side uses its connection to the other as it
+    # is, or handshakes afresh if the engine changed, without asking its address first.
+    p_req = {**_prefill_body(fwd, xid, seed), "decode_url": d.url, "decode_engine_id": d.engine_id}
+    params: dict[str, Any] = {
+        "mode": "push", "xid": xid, "prefill_url": p.url, "engine_id": p.engine_id,
+        "session_id": fwd.route.session_id,
+    }  # fmt: skip
+    # Forced tool calls stream as tool-call deltas that only D renders: not spliced either.
+    is_spliced = (
+        bool(fwd.request.stream)
+        and not fwd.request.stop
+        and structured.forced_tool_calls(fwd.request) is None
+    )  # see below
+    if is_spliced:  # D names its first token's id: P's is spliced in by id, not by text
+        params["mark_first_token"] = True
+    mode = state.config.return_mode
+    params.update(_return_to(state, fwd, p))
+    if mode is ReturnMode.PULL:
+        params["return_mode"] = "pull"
+        if fwd.route.is_session_hit:
+            p_req["pull_from"] = await _retained(state, d, fwd.route.session_id)
+    prefill = asyncio.create_task(_post_prefill(state, fwd, "/internal/push/prefill", p_req))
+
+    prefill.add_done_callback(functools.partial(_on_prefill_failed, state, d, xid))
+    await asyncio.sleep(0)  # P's call goes out first: the first token waits on P's answer
+    try:
+        upstream = await _open_decode(
+            state, fwd, {**body, "kv_transfer_params": _decode_params(fwd, params)}, {}
+        )
+    except DecodeUnreachable:
+        await _cancel(state, p, xid, "decode unreachable")
+        raise
+    prefill.add_done_callback(functools.partial(_on_prefill_answer, state, fwd))
+    if isinstance(upstream, Response) or upstream.status_code != 200:
+        await _cancel(state, p, xid, "decode refused the request")
+        if isinstance(upstream, Response):
+            return upstream
+        return _relay_decode(state, fwd, upstream, body_parts(upstream))
+    if not is_spliced:
+        # Stop strings act on text: only D, which sees the whole answer, can apply them.
+        return _relay_decode(state, fwd, upstream, body_parts(upstream))
+    # P's token goes out under the id of D's answer, which D's X-Request-ID header names
+    # (no X-Request-ID is sent to D, so the header is D's own id, not an echo).
+    prefix = "chatcmpl" if fwd.is_chat else "cmpl"
+    rid = upstream.headers.get(REQUEST_ID_HEADER) or f"{prefix}-{secrets.token_hex(16)}"
+    head = render.ResponseHead(
+        request_id=rid, model=fwd.request.model or state.config.model, is_chat=fwd.is_chat,
+        return_token_ids=fwd.request.return_token_ids,
+    )  # fmt: skip
+    first = FirstToken(head, state.tokenizer, xid, state.metrics.first_token_diverged.inc)
+    return _relay_decode(state, fwd, upstream, push_stream(upstream, prefill, first))

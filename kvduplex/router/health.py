@@ -1,0 +1,147 @@
+"""The router's health prober: GET /ready on every instance, every few seconds.
+
+The router's app starts `run_prober` in its lifespan and cancels it at
+shutdown. Each round probes every prefill and decode instance at once, each
+probe bounded by ``--health-timeout-s``, and tells the policy how each ended
+(`BackendPool.note_probe`): a 200 makes an instance healthy again (unless a
+call failed after the probe began); anything else (refused, a timeout, a
+non-200, an answer that is not HTTP, any error the probe raises) counts as a
+failure, logged with the instance, and ``--health-failures`` of them in a row make
+it unhealthy, which abandons the calls in flight to it (`calls.py`). An instance
+that answers 503 ``{"status": "draining"}`` (it got SIGTERM, `kvduplex.common.drain`)
+gets no new work at once, but its calls in flight go on (``mark_failed(...,
+is_down=False)``); it is back in rotation when a probe finds it ready again. An
+instance without /ready (404: an older build) is probed at /health instead. A 200
+also tells the instance's ``max_model_len``, which the router checks requests
+against before it dispatches them, and its KV engine id, which the router
+names to its peers in each request (``decode_engine_id`` to P, ``engine_id``
+and ``return_engine_id`` to D): a peer already connected to that engine uses
+the connection as it is, one connected to another (the instance restarted)
+handshakes afresh, and neither asks the address first. Rounds start every
+``--health-interval-s``, the first at once; a round that fails unexpectedly is
+logged and the next one runs at its time (the prober ends only when cancelled).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import httpx
+
+from kvduplex.router.policy import Backend
+from kvduplex.router.policy import BackendPool
+from kvduplex.router.policy import RoutingPolicy
+
+logger = logging.getLogger(__name__)
+
+
+async def probe(
+    client: httpx.AsyncClient,
+    policy: RoutingPolicy,
+    pool: BackendPool,
+    b: Backend,
+    timeout_s: float,
+) -> None:
+    """Probe `b` once and note the result in `pool`; logs a change of health."""
+    started_at = policy.clock()
+    was_healthy, is_unexpected = b.is_healthy, False
+    try:
+        resp = await client.get(b.url + "/ready", timeout=timeout_s)
+        if resp.status_code == 404:
+            resp = await client.get(b.url + "/health", timeout=timeout_s)
+        is_ok, why = resp.status_code == 200, f"HTTP {resp.status_code}"
+        if is_ok:
+            note_health(b, resp)
+        elif is_draining(resp):
+            _note_draining(pool, b, policy.clock())
+            return
+    except Exception as exc:  # any failure, not only the transport's, is a failed probe
+        is_ok, why = False, repr(exc)
+        is_unexpected = not isinstance(exc, httpx.HTTPError)
+    pool.note_probe(b, is_ok, started_at, policy.clock())
+    if not is_ok and b.is_healthy:
+        logger.log(
+            logging.WARNING if is_unexpected else logging.INFO,
+            "instance %s: /health %s (%d of %d failures in a row)",
+            b.url, why, b.num_failed_probes, pool.health_failures, exc_info=is_unexpected,
+        )  # fmt: skip
+    if b.is_healthy != was_healthy:
+        if b.is_healthy:
+            logger.warning("instance %s is healthy again", b.url)
+        else:
+            logger.warning("instance %s is unhealthy: /health %s", b.url, why)
+
+
+def is_draining(resp: httpx.Response) -> bool:
+    """Whether a probe's answer says the instance drains (503 ``status: draining``)."""
+    if resp.status_code != 503:
+        return False
+    try:
+        body = resp.json()
+    except ValueError:
+        return False
+    return isinstance(body, dict) and body.get("status") == "draining"
+
+
+def _note_draining(pool: BackendPool, b: Backend, now: float) -> None:
+    """No new work for `b`; its calls in flight go on (they finish as it drains)."""
+    if b.is_healthy:
+        logger.warning("instance %s is draining: no new work for it", b.url)
+    pool.mark_failed(b, now, is_down=False)
+    b.num_failed_probes = 0
+
+
+def note_health(b: Backend, resp: httpx.Response) -> None:
+    """Keep what a good probe's body says: ``max_model_len``, ``engine_id``, ``block_size``."""
+    try:
+        body = resp.json()
+        length, engine_id = body.get("max_model_len"), body.get("engine_id")
+        block_size = body.get("block_size")
+        if isinstance(block_size, int) and block_size > 0:
+            b.block_size = block_size
+    except (ValueError, AttributeError):
+        return
+    if isinstance(length, int) and length > 0:
+        b.max_model_len = length
+    if isinstance(engine_id, str) and engine_id != b.engine_id:
+        if b.engine_id is not None:
+            logger.warning("instance %s has a new KV engine id (restarted): %s", b.url, engine_id)
+        b.engine_id = engine_id
+
+
+async def probe_all(client: httpx.AsyncClient, policy: RoutingPolicy, timeout_s: float) -> None:
+    """One round: every instance of both roles at once, those that left DNS with calls
+    still in flight included (`BackendPool.to_probe`). A probe that raises (a watcher
+    that broke its contract) is logged with its instance; the others end as they would."""
+    probed = [(pool, b) for pool in (policy.prefill, policy.decode) for b in pool.to_probe()]
+    results = await asyncio.gather(
+        *(probe(client, policy, pool, b, timeout_s) for pool, b in probed),
+        return_exceptions=True,
+    )
+    for (_, b), result in zip(probed, results, strict=True):
+        if isinstance(result, Exception):
+            logger.error("instance %s: its probe failed", b.url, exc_info=result)
+
+
+async def run_prober(
+    client: httpx.AsyncClient,
+    policy: RoutingPolicy,
+    interval_s: float,
+    timeout_s: float,
+    on_round: Callable[[], None] | None = None,
+) -> None:
+    """Probe rounds every `interval_s` (the first at once) until cancelled; `on_round`
+    is called after each. A round that fails unexpectedly is logged (without its
+    `on_round`), and the next one runs at its time: the prober ends only when cancelled."""
+    loop = asyncio.get_running_loop()
+    while True:
+        started = loop.time()
+        try:
+            await probe_all(client, policy, timeout_s)
+            if on_round is not None:
+                on_round()
+        except Exception:
+            logger.exception("health probe round failed; the next one runs as planned")
+        await asyncio.sleep(max(0.0, interval_s - (loop.time() - started)))

@@ -1,0 +1,1 @@
+"""Helpers that tests (and benchmarks) use: an in-process transport and a test DNS server."""
