@@ -31,9 +31,11 @@ from kvduplex.engine.engine import LLMEngine
 from kvduplex.engine.engine import RequestOutput
 from kvduplex.engine.request import Request
 from kvduplex.instance.server import Instance
+from kvduplex.instance.server import InstanceParts
 from kvduplex.instance.server import build_instance
 from kvduplex.model.loader import LoadedModel
 from kvduplex.model.loader import load_model
+from tests.support.faults import StallWhileFileExists
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
@@ -230,7 +232,8 @@ def test_health_turns_503_while_the_loop_is_stalled_and_200_once_it_goes_on(
         model=ModelLoadConfig(model="tiny"), cache=CacheConfig(kv_cache_mb=16),
         scheduler=SchedulerConfig(engine_stall_timeout_s=0.5),
     )  # fmt: skip
-    inst = build_instance(cfg, ServerConfig(port=0), Environment(test_stall_engine_file=str(stall)))
+    stalls = InstanceParts(loop_gate=StallWhileFileExists(stall))
+    inst = build_instance(cfg, ServerConfig(port=0), Environment(), stalls)
     engine = inst.async_engine
     try:
         http = TestClient(inst.app)
