@@ -334,10 +334,12 @@ def start_reference(cluster: LocalCluster) -> str:
 
 def start_rig(
     cluster: LocalCluster, reference: str, tag: str,
-    p_faults: Faults = Faults(), d_faults: Faults = Faults(),
+    p_faults: Faults | None = None, d_faults: Faults | None = None,
     p_flags: list[str] = P_FLAGS,
 ) -> Rig:  # fmt: skip
     """P and D (each with its own faults, e.g. a message to drop) and a router."""
+    p_faults = p_faults if p_faults is not None else Faults()
+    d_faults = d_faults if d_faults is not None else Faults()
     p = start_instance(cluster, f"prefill-{tag}", [*SERVE, *p_flags], free_port(), p_faults)
     d = start_instance(cluster, f"decode-{tag}", [*SERVE, *D_FLAGS], free_port(), d_faults)
     cluster.wait_healthy(timeout_s=120)

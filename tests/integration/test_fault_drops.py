@@ -85,8 +85,7 @@ def dropping(
     faults = Faults(drop_messages=frozenset({drop.message}))
     rig = start_rig(
         cluster, reference, f"drop-{drop.message}-{drop.at}",
-        p_faults=faults if drop.at == "P" else Faults(),
-        d_faults=faults if drop.at == "D" else Faults(),
+        p_faults=faults if drop.at == "P" else None, d_faults=faults if drop.at == "D" else None,
     )  # fmt: skip
     try:
         yield drop, rig

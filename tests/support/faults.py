@@ -122,10 +122,10 @@ class Faults:
     scripted_output: str | None = None
     """The text its engine writes, whatever the model would."""
 
-    def __bool__(self) -> bool:
-        return bool(self.drop_messages) or self.stall_file is not None or (
-            self.scripted_output is not None
-        )
+    @property
+    def is_empty(self) -> bool:
+        """No fault: the instance runs as ``kvduplex serve``'s does."""
+        return not self.drop_messages and self.stall_file is None and self.scripted_output is None
 
     def parts(self, model: str) -> InstanceParts:
         """The instance parts that inject these faults into an instance of `model`.
@@ -141,14 +141,15 @@ class Faults:
         )
 
     def flags(self) -> list[str]:
-        """These faults as the launcher's flags (`parse` reads them back)."""
+        """These faults as the launcher's flags (`from_args` reads them back); ``--flag=value``,
+        so that a value may start with a dash."""
         out: list[str] = []
         if self.drop_messages:
-            out += ["--drop-messages", ",".join(sorted(self.drop_messages))]
+            out.append(f"--drop-messages={','.join(sorted(self.drop_messages))}")
         if self.stall_file is not None:
-            out += ["--stall-file", str(self.stall_file)]
+            out.append(f"--stall-file={self.stall_file}")
         if self.scripted_output is not None:
-            out += ["--scripted-output", self.scripted_output]
+            out.append(f"--scripted-output={self.scripted_output}")
         return out
 
     @staticmethod
@@ -190,7 +191,7 @@ def start_instance(
     """`cluster.start` an instance (`args`: ``serve`` and its flags). With `faults`, through
     the test launcher, which serves as ``kvduplex serve`` does with those faults in; without,
     ``kvduplex`` itself."""
-    if not faults:
+    if faults is None or faults.is_empty:
         return cluster.start(name, args, port, env=env)
     path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
     launcher_env = {**(env or {}), "PYTHONPATH": path}  # the launcher is in this repository

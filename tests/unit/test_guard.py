@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from fastapi import Request
 from fastapi.testclient import TestClient
 
+import kvduplex
 from kvduplex.common.config import CacheConfig
 from kvduplex.common.config import EngineConfig
 from kvduplex.common.config import Environment
@@ -182,6 +183,13 @@ def test_environment_reads_the_secret_and_no_fault(monkeypatch: pytest.MonkeyPat
     assert env == Environment(cluster_secret=SECRET)
     monkeypatch.setenv("KVDUPLEX_CLUSTER_SECRET", "")
     assert Environment.read() == Environment()
+
+
+def test_the_package_reads_no_test_variable() -> None:
+    """Faults and test behaviour reach an instance as objects passed at construction
+    (`InstanceParts`), never through the environment."""
+    package = Path(kvduplex.__file__).parent
+    assert [p for p in package.rglob("*.py") if "KVDUPLEX_TEST" in p.read_text()] == []
 
 
 @pytest.fixture(scope="module")
