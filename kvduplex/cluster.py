@@ -89,8 +89,9 @@ class LocalCluster:
         netns: str | None = None,
         host: str = "127.0.0.1",
         env: dict[str, str] | None = None,
+        module: str = "kvduplex",
     ) -> Process:
-        """Run ``python -m kvduplex <args> --host <host> --port <port>`` in the background.
+        """Run ``python -m <module> <args> --host <host> --port <port>`` in the background.
 
         `host` is the address the process listens on and is reached at
         (`Process.url`); a ``--host`` in `args` is overridden by it. `cpus` pins
@@ -100,10 +101,12 @@ class LocalCluster:
         variables for this process only, over the cluster's `env`. The process
         leads its own session, so `stop_process`/`kill_process` end its whole
         process group, in a namespace too (``ip netns exec`` execs the command).
+        `module` (default: kvduplex's command line) is the module run; another one must
+        accept `args` followed by ``--host`` and ``--port``, and stop on SIGTERM.
         """
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{name}.log"
-        cmd = [sys.executable, "-m", "kvduplex", *args, "--host", host, "--port", str(port)]
+        cmd = [sys.executable, "-m", module, *args, "--host", host, "--port", str(port)]
         if cpus:
             cmd = ["taskset", "-c", ",".join(map(str, cpus)), *cmd]
         if netns is not None:

@@ -477,29 +477,11 @@ class Environment:
     api_key: str | None = field(default=None, repr=False)
     """KVDUPLEX_API_KEY: the key clients send on /v1/* routes (``--api-key`` takes
     precedence)."""
-    test_drop_messages: frozenset[str] = frozenset()
-    """KVDUPLEX_TEST_DROP_MESSAGES, for fault tests only: comma-separated control message
-    types (``kv_register``, ``kv_offer``, ``kv_done``, ...) that this instance's
-    notification pump drops on arrival, as if the network lost them."""
-    test_stall_engine_file: str | None = None
-    """KVDUPLEX_TEST_STALL_ENGINE_FILE, for fault tests only: a path; while a file exists
-    there, this instance's engine loop stops at the start of its next iteration, as if a
-    step were wedged (it goes on once the file is removed)."""
-
-    test_scripted_output: str | None = None
-    """KVDUPLEX_TEST_SCRIPTED_OUTPUT, for tests only: a text; this instance's engine
-    samples its tokens (the text encoded, then end of sequence) in place of the model's
-    at each output position, so a test controls what the model writes (tool calls,
-    reasoning) while everything downstream of the sampler runs as it does in service."""
 
     @classmethod
     def read(cls) -> Environment:
-        drop = os.environ.get("KVDUPLEX_TEST_DROP_MESSAGES", "")
         return cls(
-            test_stall_engine_file=os.environ.get("KVDUPLEX_TEST_STALL_ENGINE_FILE") or None,
-            test_scripted_output=os.environ.get("KVDUPLEX_TEST_SCRIPTED_OUTPUT") or None,
             log_level=os.environ.get("KVDUPLEX_LOG_LEVEL"),
             cluster_secret=os.environ.get(CLUSTER_SECRET_VAR) or None,
             api_key=os.environ.get(API_KEY_VAR) or None,
-            test_drop_messages=frozenset(t.strip() for t in drop.split(",") if t.strip()),
         )

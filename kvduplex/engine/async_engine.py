@@ -5,7 +5,7 @@ notification pump reach the engine only through typed commands in one inbox
 (`_Add`, `_Abort`, `_Call`); the engine thread owns the engine. One iteration
 of its loop::
 
-    drain the inbox → step (while there is work) → its outputs to their streams
+    gate (if any) → drain the inbox → step (while there is work) → outputs to their streams
     no work, or a step that did nothing → wait for the wake event (set with every
                                           command), at most IDLE_WAIT_S
 
@@ -34,7 +34,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import os
 import queue
 import threading
 import time
@@ -56,8 +55,14 @@ T = TypeVar("T")
 
 IDLE_WAIT_S = 1.0
 """Longest wait for the wake event; a safety net, since every command sets it."""
-TEST_STALL_POLL_S = 0.05
-"""How often a loop stalled by the test hook looks whether the stall ended."""
+
+LoopGate = Callable[[threading.Event], None]
+"""``gate(stopping)``: called on the engine thread at the start of every loop iteration,
+before the inbox is drained; the loop goes on when it returns. While it runs the engine
+makes no progress: a gate that blocks holds the loop as a wedged step would (the stall
+clock runs, `problem` reports it past the limit). `stopping` is set once `shutdown` began;
+a gate that blocks returns soon after it is set. An exception it raises ends the loop as
+any crash does."""
 
 
 class EngineDeadError(RuntimeError):
@@ -126,10 +131,10 @@ class AsyncEngine:
         metrics: EngineMetrics | None = None,
         *,
         stall_timeout_s: float | None = None,
-        test_stall_file: str | None = None,
+        gate: LoopGate | None = None,
     ) -> None:
         """`stall_timeout_s`: see ``SchedulerConfig.engine_stall_timeout_s`` (the default).
-        `test_stall_file`: fault tests only; the loop stalls while a file exists there."""
+        `gate`: see `LoopGate` (default: none, each iteration starts at once)."""
         self.core = engine
         """The engine this front runs: touch its state only on the engine thread (`call`);
         its constant facts (model, limits) may be read from any thread."""
@@ -139,7 +144,7 @@ class AsyncEngine:
             if stall_timeout_s is None
             else stall_timeout_s
         )
-        self._test_stall_file = test_stall_file
+        self._gate = gate
         self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -307,7 +312,8 @@ class AsyncEngine:
             while not self._stop.is_set():
                 self._iteration_started_at = time.monotonic()
                 self.num_iterations += 1
-                self._test_stall()
+                if self._gate is not None:
+                    self._gate(self._stop)
                 self._drain_inbox()
                 if not self.core.has_unfinished():
                     self._wait_for_work()
@@ -328,16 +334,6 @@ class AsyncEngine:
         self._iteration_started_at = time.monotonic()
         self._is_waiting = False
         self._wake.clear()  # commands sent before this are drained next; later ones set it
-
-    def _test_stall(self) -> None:
-        """Fault tests: a wedged step, for as long as the stall file exists."""
-        path = self._test_stall_file
-        if path is None or not os.path.exists(path):
-            return
-        logger.warning("engine loop stalled by the test hook (%s)", path)
-        while os.path.exists(path) and not self._stop.is_set():
-            time.sleep(TEST_STALL_POLL_S)  # the stall itself: polls the file
-        logger.warning("engine loop resumed (%s removed)", path)
 
     def _die(self, error: EngineDeadError) -> None:
         """The loop ended: fail every stream and every queued call; later ones fail at once."""

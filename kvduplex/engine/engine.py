@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -91,6 +92,14 @@ class RequestOutput:
     logits no instance reported)."""
 
 
+SampleHook = Callable[[list[Request], list[int]], list[int]]
+"""``hook(requests, sampled)``: the tokens `requests` take at this step, given those the
+sampler drew for them (same order, same length). Called on the engine thread after each
+sampling; what it returns goes on as the drawn tokens would (logprobs, stop checks,
+detokenizing), and a first token that came with remote KV replaces it as it would a drawn
+one. It must be quick and must not touch engine state."""
+
+
 _FINISH_NAMES = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
@@ -101,8 +110,17 @@ _FINISH_NAMES = {
 class LLMEngine:
     """One model, one paged KV pool, one scheduler."""
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        loaded: LoadedModel | None = None,
+        *,
+        sample_hook: SampleHook | None = None,
+    ) -> None:
+        """`loaded`: the model (default: loaded from ``config.model``). `sample_hook`: see
+        `SampleHook` (default: none, the sampled tokens stand)."""
         self.config = config
+        self.sample_hook = sample_hook
         self.loaded = loaded if loaded is not None else load_model(config.model)
         model_cfg = self.loaded.config
         dtype_name = str(self.loaded.dtype).removeprefix("torch.")
@@ -142,7 +160,6 @@ class LLMEngine:
         self._logprobs: dict[str, dict[int, TokenLogprobs]] = {}
         """Per live request asking for logprobs: by output position, those computed here."""
         self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._test_script: tuple[int, ...] | None = None  # see `script_output_for_tests`
         self._num_emitted: dict[str, int] = {}
         self._pending: list[RequestOutput] = []  # made between steps (aborts), not yet returned
         self.last_step_did_work = False
@@ -309,24 +326,12 @@ class LLMEngine:
         penalties = self._penalties.penalties(sampling) if self._penalised else None
         bans = stop_bans(sampling) if self._with_min_tokens else None
         tokens = sample(logits, params, gens, penalties, bans)
-        if self._test_script is not None:
-            tokens = [self._scripted_token(r, t) for r, t in zip(sampling, tokens, strict=True)]
+        if self.sample_hook is not None:
+            tokens = self.sample_hook(sampling, tokens)
+            assert len(tokens) == len(sampling), "a sample hook returns one token per request"
         if self._logprobs:
             self._note_logprobs(logits, sampling, tokens)
         return {req.request_id: tok for req, tok in zip(sampling, tokens, strict=True)}
-
-    def script_output_for_tests(self, text: str) -> None:
-        """Tests only (``KVDUPLEX_TEST_SCRIPTED_OUTPUT``): every request's output position i
-        takes token i of `text` (then end of sequence) in place of the sampled one, so that
-        a test knows what the model writes; all else (stop checks, detokenizing, the
-        transfer of a first token) runs as in service."""
-        script = self.loaded.tokenizer.encode(text, add_special_tokens=False)
-        self._test_script = (*script, self.eos_token_ids[0])
-
-    def _scripted_token(self, req: Request, sampled: int) -> int:
-        assert self._test_script is not None
-        i = req.num_output_tokens
-        return self._test_script[i] if i < len(self._test_script) else sampled
 
     def _note_logprobs(
         self,

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from dataclasses import field
 from functools import partial
+from typing import TYPE_CHECKING
 
 from fastapi import APIRouter
 from fastapi import FastAPI
@@ -25,12 +26,32 @@ from kvduplex.common.drain import uvicorn_config
 from kvduplex.common.guard import InternalGuard
 from kvduplex.common.guard import load_cluster_secret
 from kvduplex.engine.async_engine import AsyncEngine
+from kvduplex.engine.async_engine import LoopGate
 from kvduplex.engine.engine import LLMEngine
+from kvduplex.engine.engine import SampleHook
 from kvduplex.engine.metrics import EngineMetrics
 from kvduplex.instance.api import InstanceState
 from kvduplex.instance.api import create_app
 
+if TYPE_CHECKING:
+    from kvduplex.transport.notify import MessageFilter
+
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class InstanceParts:
+    """Parts that whoever builds an instance (`build_instance`, `serve`) may pass in place
+    of the defaults; each None is the default, which does nothing. ``kvduplex serve``
+    passes none."""
+
+    sample_hook: SampleHook | None = None
+    """Given to the engine (`LLMEngine`): may replace the tokens each step sampled."""
+    loop_gate: LoopGate | None = None
+    """Given to the engine thread (`AsyncEngine`): called at the start of each iteration."""
+    message_filter: MessageFilter | None = None
+    """Given to the notification pump of a prefill or decode instance: may drop arriving
+    control messages."""
 
 
 @dataclass
@@ -49,7 +70,10 @@ class Instance:
 
 
 def build_instance(
-    engine_config: EngineConfig, server_config: ServerConfig, env: Environment | None = None
+    engine_config: EngineConfig,
+    server_config: ServerConfig,
+    env: Environment | None = None,
+    parts: InstanceParts | None = None,
 ) -> Instance:
     """Load the model, allocate the KV pool, start the engine thread, build the app.
 
@@ -57,17 +81,15 @@ def build_instance(
     ``server_config.cluster_secret_file`` does; with one, every ``/internal/*``
     route needs it and every internal call to a peer sends it. The API key
     (``server_config.api_key``, else the environment's) guards the ``/v1/*`` routes.
+    `parts` (default: none) go to the engine, its thread and the notification pump.
     """
     env = env if env is not None else Environment.read()
+    parts = parts if parts is not None else InstanceParts()
     secret = load_cluster_secret(server_config.cluster_secret_file, env.cluster_secret)
-    engine = LLMEngine(engine_config)
+    engine = LLMEngine(engine_config, sample_hook=parts.sample_hook)
     engine.warmup()
-    if env.test_scripted_output is not None:
-        engine.script_output_for_tests(env.test_scripted_output)
     registry = CollectorRegistry()
-    async_engine = AsyncEngine(
-        engine, EngineMetrics(registry), test_stall_file=env.test_stall_engine_file
-    )
+    async_engine = AsyncEngine(engine, EngineMetrics(registry), gate=parts.loop_gate)
     names = [engine_config.model.served_model_name or engine_config.model.model]
     state = InstanceState(
         engine=async_engine,
@@ -78,7 +100,9 @@ def build_instance(
         drain=DrainState(timeout_s=server_config.drain_timeout_s),
     )
     instance = Instance(engine=engine, async_engine=async_engine, app=FastAPI(), state=state)
-    routers = _role_routers(instance, engine_config, server_config.role, secret, env)
+    routers = _role_routers(
+        instance, engine_config, server_config.role, secret, parts.message_filter
+    )
     instance.app = create_app(state, routers)
     instance.app.add_middleware(
         InternalGuard, secret=secret, max_body_bytes=server_config.internal_max_body_mb << 20,
@@ -97,7 +121,11 @@ def build_instance(
 
 
 def _role_routers(
-    instance: Instance, config: EngineConfig, role: Role, secret: str | None, env: Environment
+    instance: Instance,
+    config: EngineConfig,
+    role: Role,
+    secret: str | None,
+    message_filter: MessageFilter | None,
 ) -> list[APIRouter]:
     """The transport, connector and internal KV routes of a prefill or decode instance.
 
@@ -129,7 +157,7 @@ def _role_routers(
     state.engine_id = transport.engine_id
     metrics = KVFlowMetrics(state.registry)
     directory = PeerDirectory(transport, secret=secret, recheck_s=cfg.peer_recheck_s)
-    pump = NotificationPump(transport, drop_types=env.test_drop_messages)
+    pump = NotificationPump(transport, accept=message_filter)
     # Quarantine: a sender settles a failed WRITE within one transfer deadline after it
     # failed (tearing its endpoint down if it must), and a WRITE fails at most one
     # deadline after it was posted: two deadlines and a second cover both.
@@ -162,10 +190,14 @@ def _role_routers(
 
 
 def serve(
-    engine_config: EngineConfig, server_config: ServerConfig, env: Environment | None = None
+    engine_config: EngineConfig,
+    server_config: ServerConfig,
+    env: Environment | None = None,
+    parts: InstanceParts | None = None,
 ) -> int:
-    """Serve until a signal, draining first (`kvduplex.common.drain`); the exit code."""
-    instance = build_instance(engine_config, server_config, env)
+    """Serve until a signal, draining first (`kvduplex.common.drain`); the exit code.
+    `env` and `parts` as in `build_instance`."""
+    instance = build_instance(engine_config, server_config, env, parts)
     logger.info(
         "serving %s as %s on http://%s:%d",
         instance.state.served_model_names[0],

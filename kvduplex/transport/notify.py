@@ -14,11 +14,9 @@ more, and an idle instance wakes once a second instead of twenty times::
 
     activity ─┬─ tick_s ticks ... hot_s ... ─┬─ idle_tick_s ticks ...
 
-Test-only hook: ``drop_types`` (set from ``KVDUPLEX_TEST_DROP_MESSAGES``,
-see `kvduplex.common.config.Environment`) names message types (``kv_register``,
-``kv_offer``, ``kv_done``, ...) the pump drops on arrival, as if the network
-had lost them, so that fault tests can make a registration, an offer or a
-notification go unanswered. Never set it in production.
+An optional `MessageFilter`, passed at construction, sees every decoded
+message before its handler and may drop it (fault tests drop a message type
+this way, as if the network had lost it); the default dispatches everything.
 """
 
 from __future__ import annotations
@@ -41,6 +39,10 @@ Handler = Callable[[ControlMessage, str], None]
 Tick = Callable[[float], None]
 """``tick(now)``: called with `time.monotonic()` every ``tick_s`` while the transport is
 active, at least every ``idle_tick_s`` otherwise."""
+MessageFilter = Callable[[ControlMessage, str], bool]
+"""``accept(message, sender_engine_id)``: called on the pump thread with each message
+that decoded, before its handler; True dispatches it, False drops it as if it never
+arrived (counted in `NotificationPump.num_dropped`). It must be quick and must not raise."""
 
 
 def message_type_of(cls: type[ControlMessage]) -> str:
@@ -61,9 +63,10 @@ class NotificationPump:
         tick_s: float = 0.05,
         idle_tick_s: float | None = None,
         hot_s: float = 15.0,
-        drop_types: frozenset[str] = frozenset(),
+        accept: MessageFilter | None = None,
     ) -> None:
-        """`idle_tick_s` None: ``max(tick_s, 1.0)``. ValueError for non-positive periods."""
+        """`idle_tick_s` None: ``max(tick_s, 1.0)``. ValueError for non-positive periods.
+        `accept`: see `MessageFilter` (default: none, every message is dispatched)."""
         idle = max(tick_s, 1.0) if idle_tick_s is None else idle_tick_s
         if tick_s <= 0 or idle < tick_s or hot_s < 0:
             raise ValueError("need 0 < tick_s <= idle_tick_s and hot_s >= 0")
@@ -73,9 +76,9 @@ class NotificationPump:
         self.hot_s = hot_s
         self.num_wakeups = 0
         """Times the pump woke (for tests and idle measurements)."""
-        self.drop_types = drop_types
-        """Message type tags dropped on arrival (fault tests only)."""
+        self.accept = accept
         self.num_dropped = 0
+        """Messages `accept` dropped."""
         self._handlers: dict[type[ControlMessage], Handler] = {}
         self._ticks: list[Tick] = []
         self._codec: MessageCodec | None = None
@@ -90,12 +93,8 @@ class NotificationPump:
         self._ticks.append(tick)
 
     def start(self) -> None:
-        """Start the pump thread. Raises ValueError for a ``drop_types`` tag no message has."""
+        """Start the pump thread; register handlers and ticks before."""
         self._codec = MessageCodec()
-        unknown = self.drop_types - {message_type_of(t) for t in self._codec.types}
-        if unknown:
-            known = sorted(message_type_of(t) for t in self._codec.types)
-            raise ValueError(f"KVDUPLEX_TEST_DROP_MESSAGES names {sorted(unknown)}; known: {known}")
         self._thread.start()
 
     def close(self) -> None:
@@ -138,9 +137,9 @@ class NotificationPump:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             logger.warning("dropping a malformed notification from %s: %s", sender, exc)
             return
-        if self.drop_types and message_type(msg) in self.drop_types:
+        if self.accept is not None and not self.accept(msg, sender):
             self.num_dropped += 1
-            logger.warning("test hook: dropping %s from %s (xid=%s)", message_type(msg), sender, msg.xid)
+            logger.debug("filter dropped %s from %s (xid=%s)", message_type(msg), sender, msg.xid)
             return
         handler = self._handlers.get(type(msg))
         if handler is None:

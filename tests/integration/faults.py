@@ -36,6 +36,8 @@ from kvduplex.cluster import free_port
 from tests.integration.conftest import kv_stats
 from tests.integration.conftest import metric
 from tests.integration.conftest import wait_until
+from tests.support.faults import Faults
+from tests.support.faults import start_instance
 
 BS = 8
 DEADLINE_S = 2.0
@@ -284,8 +286,8 @@ class Rig:
     p: Process
     d: Process
     router: Process
-    p_env: dict[str, str]
-    d_env: dict[str, str]
+    p_faults: Faults
+    d_faults: Faults
     p_flags: list[str]
 
     @property
@@ -304,8 +306,8 @@ class Rig:
         old = self.proc(role)
         self.cluster.stop_process(old)
         port = int(old.url.rsplit(":", 1)[1])
-        flags, env = (self.p_flags, self.p_env) if role == "P" else (D_FLAGS, self.d_env)
-        new = self.cluster.start(old.name, [*SERVE, *flags], port, env=env)
+        flags, faults = (self.p_flags, self.p_faults) if role == "P" else (D_FLAGS, self.d_faults)
+        new = start_instance(self.cluster, old.name, [*SERVE, *flags], port, faults)
         self.cluster.wait_healthy(timeout_s=120)
         if role == "P":
             self.p = new
@@ -332,19 +334,20 @@ def start_reference(cluster: LocalCluster) -> str:
 
 def start_rig(
     cluster: LocalCluster, reference: str, tag: str,
-    p_env: dict[str, str] | None = None, d_env: dict[str, str] | None = None,
+    p_faults: Faults | None = None, d_faults: Faults | None = None,
     p_flags: list[str] = P_FLAGS,
 ) -> Rig:  # fmt: skip
-    """P and D (each with its own extra environment, e.g. a message to drop) and a router."""
-    p_env, d_env = p_env or {}, d_env or {}
-    p = cluster.start(f"prefill-{tag}", [*SERVE, *p_flags], free_port(), env=p_env)
-    d = cluster.start(f"decode-{tag}", [*SERVE, *D_FLAGS], free_port(), env=d_env)
+    """P and D (each with its own faults, e.g. a message to drop) and a router."""
+    p_faults = p_faults if p_faults is not None else Faults()
+    d_faults = d_faults if d_faults is not None else Faults()
+    p = start_instance(cluster, f"prefill-{tag}", [*SERVE, *p_flags], free_port(), p_faults)
+    d = start_instance(cluster, f"decode-{tag}", [*SERVE, *D_FLAGS], free_port(), d_faults)
     cluster.wait_healthy(timeout_s=120)
     args = ["router", "--mode", "push", "--model", "tiny", "--prefill", p.url, "--decode", d.url]
     args += ["--health-interval-s", str(HEALTH_INTERVAL_S), "--return-mode", "none"]
     router = cluster.start(f"router-{tag}", args, free_port())
     cluster.wait_healthy(timeout_s=60)
-    return Rig(cluster, reference, p, d, router, p_env, d_env, list(p_flags))
+    return Rig(cluster, reference, p, d, router, p_faults, d_faults, list(p_flags))
 
 
 def duplex_turn(rig: Rig, history: list[int], session: str, max_tokens: int) -> Victim:

@@ -1,8 +1,8 @@
 """A prefill instance whose engine loop is wedged, on real processes.
 
-P's engine loop is stalled by the test-only hook ``KVDUPLEX_TEST_STALL_ENGINE_FILE``
-(while the file exists, the loop stops at the start of its next iteration, as in a
-step that never ends), with ``--engine-stall-timeout-s 1``. P's process, HTTP server
+P's engine loop is stalled by a fault (`tests.support.faults.StallWhileFileExists`,
+the loop gate of an instance started by the test launcher: while the file exists, the
+loop stops at the start of its next iteration, as in a step that never ends), with ``--engine-stall-timeout-s 1``. P's process, HTTP server
 and notification pump stay up, so only health that means progress tells the wedge:
 P's /health answers 503 and its KV heartbeats stop, so D's wait for a push in flight
 ends (2 s here) and D computes the prompt itself, and the router sends new requests
@@ -37,6 +37,7 @@ from tests.integration.faults import stats
 from tests.integration.faults import wait_router_sees
 from tests.integration.faults import write_bytes
 from tests.skips import skip_module_without_nixl
+from tests.support.faults import Faults
 
 pytestmark = pytest.mark.integration
 
@@ -55,7 +56,7 @@ def stall_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def rig(cluster: LocalCluster, reference: str, stall_file: Path) -> Iterator[Rig]:
     r = start_rig(
         cluster, reference, "stall",
-        p_env={"KVDUPLEX_TEST_STALL_ENGINE_FILE": str(stall_file)},
+        p_faults=Faults(stall_file=stall_file),
         p_flags=[*P_FLAGS, "--engine-stall-timeout-s", str(STALL_LIMIT_S)],
     )  # fmt: skip
     yield r

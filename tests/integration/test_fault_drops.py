@@ -1,8 +1,9 @@
 """Control messages that never arrive, on real processes.
 
 Each case starts P and D with one message type dropped on arrival at one of
-them (``KVDUPLEX_TEST_DROP_MESSAGES``, a test-only hook in the notification
-pump), as if the network had lost every such message: a registration, a
+them (`tests.support.faults.DropMessages`, the filter of the notification pump
+of an instance started by the test launcher), as if the network had lost every
+such message: a registration, a
 KVDone, heartbeats, a return offer. The waits' deadlines (2 s here) end every
 one: each answer still matches the colocated instance, a return is simply not
 cached, and both pools end consistent and empty of request blocks.
@@ -31,6 +32,7 @@ from tests.integration.faults import reference_tokens
 from tests.integration.faults import start_rig
 from tests.integration.faults import stats
 from tests.skips import skip_module_without_nixl
+from tests.support.faults import Faults
 
 pytestmark = pytest.mark.integration
 
@@ -80,10 +82,10 @@ def dropping(
     request: pytest.FixtureRequest, cluster: LocalCluster, reference: str
 ) -> Iterator[tuple[Drop, Rig]]:
     drop: Drop = request.param
-    env = {"KVDUPLEX_TEST_DROP_MESSAGES": drop.message}
+    faults = Faults(drop_messages=frozenset({drop.message}))
     rig = start_rig(
         cluster, reference, f"drop-{drop.message}-{drop.at}",
-        p_env=env if drop.at == "P" else None, d_env=env if drop.at == "D" else None,
+        p_faults=faults if drop.at == "P" else None, d_faults=faults if drop.at == "D" else None,
     )  # fmt: skip
     try:
         yield drop, rig

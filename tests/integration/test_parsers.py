@@ -1,8 +1,9 @@
 """Tool calls and reasoning through a push router, against a colocated instance.
 
 P and D (and the colocated reference) write a scripted answer
-(``KVDUPLEX_TEST_SCRIPTED_OUTPUT``: the sampler's tokens replaced by the
-script's, all else as in service) that opens with ``<think>``, reasons, and
+(`tests.support.faults.ScriptedOutput`, the sample hook of instances started by
+the test launcher: the sampler's tokens replaced by the script's, all else as in
+service) that opens with ``<think>``, reasons, and
 calls a tool. The router parses with ``--tool-call-parser hermes
 --reasoning-parser deepseek_r1 --enable-auto-tool-choice``, the reference with
 the same flags; P and D have none (the router asks D for raw text). Prefill's
@@ -23,6 +24,8 @@ from kvduplex.cluster import LocalCluster
 from kvduplex.cluster import free_port
 from tests.integration.conftest import assert_pool_clean
 from tests.skips import skip_module_without_nixl
+from tests.support.faults import Faults
+from tests.support.faults import start_instance
 
 pytestmark = pytest.mark.integration
 
@@ -57,10 +60,12 @@ BODY = {
 
 @pytest.fixture(scope="module")
 def urls(cluster: LocalCluster) -> dict[str, str]:
-    env = {"KVDUPLEX_TEST_SCRIPTED_OUTPUT": SCRIPT}
-    p = cluster.start("prefill", [*SERVE, "--role", "prefill"], free_port(), env=env)
-    d = cluster.start("decode", [*SERVE, "--role", "decode"], free_port(), env=env)
-    ref = cluster.start("reference", [*SERVE, "--role", "both", *PARSERS], free_port(), env=env)
+    script = Faults(scripted_output=SCRIPT)
+    p = start_instance(cluster, "prefill", [*SERVE, "--role", "prefill"], free_port(), script)
+    d = start_instance(cluster, "decode", [*SERVE, "--role", "decode"], free_port(), script)
+    ref = start_instance(
+        cluster, "reference", [*SERVE, "--role", "both", *PARSERS], free_port(), script
+    )
     cluster.wait_healthy(timeout_s=180)
     args = ["router", "--mode", "push", "--model", "tiny", "--prefill", p.url, "--decode", d.url]
     router = cluster.start("router", [*args, *PARSERS], free_port())

@@ -1,10 +1,9 @@
 """Tool calls and reasoning parsed out of an instance's chat answers, in process.
 
 The tiny model's random weights never write ``<tool_call>``, so the engine is
-given a script (`LLMEngine.script_output_for_tests`, what
-``KVDUPLEX_TEST_SCRIPTED_OUTPUT`` sets): its sampler's tokens are replaced by
-the script's, and everything after the sampler (stop checks, detokenizing,
-the API's parsing and rendering) runs as in service.
+given a script (`tests.support.faults.ScriptedOutput`, its sample hook): its
+sampler's tokens are replaced by the script's, and everything after the sampler
+(stop checks, detokenizing, the API's parsing and rendering) runs as in service.
 """
 
 from __future__ import annotations
@@ -23,7 +22,9 @@ from kvduplex.common.config import ServerConfig
 from kvduplex.common.openai.chat_output import AUTO_TOOL_CHOICE_ERROR
 from kvduplex.common.openai.chat_output import RAW_OUTPUT_HEADER
 from kvduplex.instance.server import Instance
+from kvduplex.instance.server import InstanceParts
 from kvduplex.instance.server import build_instance
+from tests.support.faults import ScriptedOutput
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
@@ -39,9 +40,8 @@ deepseek_r1 starts inside the think block (R1 writes no opening tag)."""
 
 def _instance(parsing: ParsingConfig) -> Instance:
     cfg = EngineConfig(model=ModelLoadConfig(model="tiny"), cache=CacheConfig(kv_cache_mb=16))
-    inst = build_instance(cfg, ServerConfig(port=0, parsing=parsing))
-    inst.engine.script_output_for_tests(SCRIPT)
-    return inst
+    script = InstanceParts(sample_hook=ScriptedOutput.of_text(SCRIPT, "tiny"))
+    return build_instance(cfg, ServerConfig(port=0, parsing=parsing), parts=script)
 
 
 @pytest.fixture(scope="module")

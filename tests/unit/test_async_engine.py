@@ -31,9 +31,11 @@ from kvduplex.engine.engine import LLMEngine
 from kvduplex.engine.engine import RequestOutput
 from kvduplex.engine.request import Request
 from kvduplex.instance.server import Instance
+from kvduplex.instance.server import InstanceParts
 from kvduplex.instance.server import build_instance
 from kvduplex.model.loader import LoadedModel
 from kvduplex.model.loader import load_model
+from tests.support.faults import StallWhileFileExists
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
@@ -172,6 +174,40 @@ def test_shutdown_fails_queued_and_later_calls(tiny: LoadedModel) -> None:
     assert isinstance(a.call(lambda e: 1).exception(0), EngineDeadError)
 
 
+def test_the_gate_holds_each_iteration_and_lets_go_at_shutdown(tiny: LoadedModel) -> None:
+    """`LoopGate`'s contract: called before the inbox is drained, so a call waits while it
+    blocks; its `stopping` event is set by `shutdown`, which then ends at once."""
+    hold = threading.Event()
+    holding = threading.Event()
+
+    def gate(stopping: threading.Event) -> None:
+        while hold.is_set():
+            holding.set()
+            if stopping.wait(0.01):
+                return
+
+    hold.set()
+    core = LLMEngine(EngineConfig(cache=CacheConfig(num_blocks=16)), loaded=tiny)
+    a = AsyncEngine(core, gate=gate)
+    a.start()
+    try:
+        wait_until(holding.is_set, "the gate to hold the loop")
+        held = a.call(lambda e: 1)
+        time.sleep(0.2)  # the gate holds the loop: the call waits
+        assert not held.done()
+        hold.clear()
+        assert held.result(5) == 1
+        holding.clear()
+        hold.set()  # the next iteration holds until shutdown sets `stopping`
+        a.call(lambda e: 2)  # wakes the loop
+        wait_until(holding.is_set, "the gate to hold the loop again")
+        started = time.monotonic()
+    finally:
+        a.shutdown()
+    assert time.monotonic() - started < 2.0
+    assert not a.is_running
+
+
 @pytest.fixture
 def instance() -> Iterator[Instance]:
     cfg = EngineConfig(model=ModelLoadConfig(model="tiny"), cache=CacheConfig(kv_cache_mb=16))
@@ -230,7 +266,8 @@ def test_health_turns_503_while_the_loop_is_stalled_and_200_once_it_goes_on(
         model=ModelLoadConfig(model="tiny"), cache=CacheConfig(kv_cache_mb=16),
         scheduler=SchedulerConfig(engine_stall_timeout_s=0.5),
     )  # fmt: skip
-    inst = build_instance(cfg, ServerConfig(port=0), Environment(test_stall_engine_file=str(stall)))
+    stalls = InstanceParts(loop_gate=StallWhileFileExists(stall))
+    inst = build_instance(cfg, ServerConfig(port=0), Environment(), stalls)
     engine = inst.async_engine
     try:
         http = TestClient(inst.app)

@@ -23,6 +23,7 @@ from kvduplex.model.loader import LoadedModel
 from kvduplex.transport.messages import ControlMessage
 from kvduplex.transport.messages import MessageCodec
 from kvduplex.transport.notify import NotificationPump
+from tests.support.faults import DropMessages
 from tests.unit.flow_pair import BS
 from tests.unit.flow_pair import FIRST
 from tests.unit.flow_pair import PROMPT
@@ -173,7 +174,7 @@ def test_transfer_ids_waited_on_are_not_taken_twice(tiny: LoadedModel) -> None:
 def test_pump_drops_the_named_message_types_only(tiny: LoadedModel) -> None:
     with Pair(tiny) as s:
         got: list[str] = []
-        pump = NotificationPump(s.tp, 0.01, drop_types=frozenset({"kv_register"}))
+        pump = NotificationPump(s.tp, 0.01, accept=DropMessages(frozenset({"kv_register"})))
 
         def record(msg: ControlMessage, _sender: str) -> None:
             got.append(msg.xid)
@@ -190,4 +191,4 @@ def test_pump_drops_the_named_message_types_only(tiny: LoadedModel) -> None:
         assert pump.num_dropped == 1
         pump.close()
         with pytest.raises(ValueError, match="kv_registr"):
-            NotificationPump(s.tp, drop_types=frozenset({"kv_registr"})).start()
+            DropMessages(frozenset({"kv_registr"}))

@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from fastapi import Request
 from fastapi.testclient import TestClient
 
+import kvduplex
 from kvduplex.common.config import CacheConfig
 from kvduplex.common.config import EngineConfig
 from kvduplex.common.config import Environment
@@ -174,15 +175,21 @@ def test_secret_sources(tmp_path: Path) -> None:
         load_cluster_secret(str(tmp_path / "missing"), None)
 
 
-def test_environment_reads_the_secret_and_drop_list(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_environment_reads_the_secret_and_no_fault(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVDUPLEX_CLUSTER_SECRET", SECRET)
-    monkeypatch.setenv("KVDUPLEX_TEST_DROP_MESSAGES", "kv_register, kv_offer,")
+    monkeypatch.setenv("KVDUPLEX_TEST_DROP_MESSAGES", "kv_register, kv_offer,")  # no longer read
     env = Environment.read()
     assert env.cluster_secret == SECRET and SECRET not in repr(env)
-    assert env.test_drop_messages == frozenset({"kv_register", "kv_offer"})
+    assert env == Environment(cluster_secret=SECRET)
     monkeypatch.setenv("KVDUPLEX_CLUSTER_SECRET", "")
-    monkeypatch.delenv("KVDUPLEX_TEST_DROP_MESSAGES")
     assert Environment.read() == Environment()
+
+
+def test_the_package_reads_no_test_variable() -> None:
+    """Faults and test behaviour reach an instance as objects passed at construction
+    (`InstanceParts`), never through the environment."""
+    package = Path(kvduplex.__file__).parent
+    assert [p for p in package.rglob("*.py") if "KVDUPLEX_TEST" in p.read_text()] == []
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 
     for name in list(os.environ):
-        if name.startswith("KVDUPLEX_") and not name.startswith("KVDUPLEX_TEST_"):
+        if name.startswith("KVDUPLEX_"):
             monkeypatch.delenv(name)
 
 

@@ -1,0 +1,58 @@
+"""Serve one instance with faults: ``python -m tests.support.faulty_instance [FAULTS] serve ...``.
+
+For tests only. After the fault flags (`Faults.add_flags`: ``--drop-messages``,
+``--stall-file``, ``--scripted-output``) comes a ``kvduplex serve`` command line,
+parsed, logged and served as `kvduplex.cli.main.main` does it (the same settings
+layers, effective-config line, NIXL check, draining and exit codes), with the
+faults passed to `serve` as its `InstanceParts`. `tests.support.faults.start_instance`
+starts it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvduplex.cli.main import _engine_config
+from kvduplex.cli.main import _log_effective_config
+from kvduplex.cli.main import _setup_logging
+from kvduplex.cli.main import parse_args
+from kvduplex.cli.main import require_transport
+from kvduplex.cli.main import server_config
+from kvduplex.common.config import Environment
+from kvduplex.instance.server import serve
+from tests.support.faults import Faults
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.support.faulty_instance", description=__doc__, allow_abbrev=False
+    )
+    Faults.add_flags(parser)
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="serve and its flags")
+    ours = parser.parse_args(argv)
+    if not ours.command or ours.command[0] != "serve":
+        parser.error("the fault flags are followed by a kvduplex serve command line")
+    try:
+        args = parse_args(ours.command)
+        faults = Faults.from_args(ours)
+    except ValueError as exc:
+        print(f"faulty_instance: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    _setup_logging(getattr(args, "log_level", "info"))
+    _log_effective_config(args)
+    try:
+        require_transport(server_config(args).role)
+        engine_config = _engine_config(args)
+        parts = faults.parts(engine_config.model.model)
+        code = serve(engine_config, server_config(args), Environment.read(), parts)
+    except ValueError as exc:  # config errors, as kvduplex's: no traceback
+        print(f"faulty_instance: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    if code:
+        sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
