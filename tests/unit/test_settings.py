@@ -1,4 +1,4 @@
-"""Layered settings (`kvduplex.cli.settings`): flag > KVDUPLEX_* > --config file >
+"""Layered settings (`kvduplex.common.settings`): flag > KVDUPLEX_* > --config file >
 default, for serve, router and up; errors name the key and its source; the logged
 effective config has its secrets redacted."""
 
@@ -11,13 +11,15 @@ import pytest
 
 from kvduplex.cli.main import main
 from kvduplex.cli.main import parse_args
-from kvduplex.cli.main import router_config
-from kvduplex.cli.main import server_config
-from kvduplex.cli.settings import REDACTED
-from kvduplex.cli.settings import ConfigError
+from kvduplex.cli.settings import RouterSettings
+from kvduplex.cli.settings import ServeSettings
 from kvduplex.common.config import ReturnMode
 from kvduplex.common.config import Role
 from kvduplex.common.config import TransferMode
+from kvduplex.common.settings import REDACTED
+from kvduplex.common.settings import ConfigError
+from kvduplex.instance.config import ServerConfig
+from kvduplex.router.config import RouterConfig
 
 
 @pytest.fixture(autouse=True)
@@ -28,6 +30,16 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in list(os.environ):
         if name.startswith("KVDUPLEX_") and not name.startswith("KVDUPLEX_TEST_"):
             monkeypatch.delenv(name)
+
+
+def router_config(settings: object) -> RouterConfig:
+    assert isinstance(settings, RouterSettings)
+    return settings.router_config()
+
+
+def server_config(settings: object) -> ServerConfig:
+    assert isinstance(settings, ServeSettings)
+    return settings.server_config()
 
 
 def write(tmp_path: Path, name: str, text: str) -> str:
