@@ -188,6 +188,17 @@ def test_args_are_flags_the_commands_take(overlay: str) -> None:
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
+def test_pods_get_no_service_links(overlay: str) -> None:
+    """A Service named kvduplex would inject KVDUPLEX_PORT=tcp://IP:PORT (and the like)
+    into every pod of its namespace: no pod takes service links."""
+    docs = rendered(overlay)
+    pods = [d["spec"]["template"]["spec"] for d in docs if "template" in d.get("spec", {})]
+    assert len(pods) == 3
+    for pod in pods:
+        assert pod["enableServiceLinks"] is False
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_ports_probes_and_scrape_target_agree(
     overlay: str, router_routes: set[str], instance_routes: set[str]
 ) -> None:
