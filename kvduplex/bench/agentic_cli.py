@@ -95,10 +95,10 @@ class AgenticBenchSettings(ProcessSettings):
     """Seed of the workload."""
     quick: bool = False
     """Smoke run: tiny preset, 2 sessions x 3 turns, short lengths, no think time."""
-    no_progress: bool = False
-    """No progress bar."""
-    no_warmup: bool = False
-    """Skip the warm-up session per mode."""
+    progress: bool = True
+    """A progress bar (--no-progress: none)."""
+    warmup: bool = True
+    """A warm-up session per mode (--no-warmup: skip it)."""
     url: str = ""
     """Run against this OpenAI-compatible endpoint."""
     model: str = ""
@@ -116,8 +116,8 @@ class AgenticBenchSettings(ProcessSettings):
     """Per instance; 0 sizes it from the workload."""
     budget_min: float = 45.0
     """Scale the local run down to fit this many minutes (estimate)."""
-    no_fit: bool = False
-    """Run the lengths as given."""
+    fit: bool = True
+    """Scale the local run to --budget-min (--no-fit: run the lengths as given)."""
     log_dir: str = ""
     """Process logs (empty: a temp dir)."""
     results_dir: str = "results"
@@ -163,7 +163,7 @@ def _fit_local(args: AgenticBenchSettings, model: str, num_modes: int,
     cost = COSTS.get(model)
     if cost is None:
         return configs
-    if not (args.no_fit or args.quick):
+    if args.fit and not args.quick:
         configs, est, scaled = fit_to_budget(
             configs, num_modes, args.repetitions, cost, args.budget_min * 60
         )
@@ -208,8 +208,8 @@ def _run_local(args: AgenticBenchSettings, model: str, modes: list[ModeSpec],
             _require_tools(endpoints[0].url, model)
         runs = run_interleaved(
             endpoints, configs, model=model, repetitions=args.repetitions,
-            form=args.form, chat_plain=args.chat_plain, warmup=not args.no_warmup,
-            progress=not args.no_progress, echo=_echo,
+            form=args.form, chat_plain=args.chat_plain, warmup=args.warmup,
+            progress=args.progress, echo=_echo,
         )  # fmt: skip
     return runs, {e.mode: e.disaggregated for e in endpoints}
 
@@ -260,7 +260,7 @@ def _run_url(args: AgenticBenchSettings, configs: list[WorkloadConfig], notes: l
     runs = run_interleaved(
         [Endpoint(args.label, url, disaggregated, instances)], configs, model=model,
         repetitions=args.repetitions, form=args.form, chat_plain=args.chat_plain,
-        warmup=not args.no_warmup, progress=not args.no_progress, echo=_echo,
+        warmup=args.warmup, progress=args.progress, echo=_echo,
     )  # fmt: skip
     return runs, {args.label: disaggregated}
 

@@ -202,20 +202,32 @@ def _choices(annotation: Any) -> list[str] | None:
     return None
 
 
+def _readable(dest: str, field: FieldInfo, kwargs: dict[str, Any]) -> None:
+    """`kwargs` of a field's flag as argparse shows it: an enum's or a literal's values as
+    its choices, a list's items named after it, an empty default as ``empty``."""
+    choices = _choices(field.annotation)
+    if choices is not None:
+        kwargs["choices"] = choices
+        kwargs["metavar"] = "{" + ",".join(choices) + "}"
+        if isinstance(field.default, enum.Enum):
+            name, value = field.default.name, field.default.value
+            kwargs["help"] = kwargs["help"].replace(f"(default: {name})", f"(default: {value})")
+    elif str(kwargs.get("metavar", "")).startswith("tuple["):
+        kwargs["metavar"] = dest.upper()
+    if isinstance(kwargs.get("help"), str):
+        kwargs["help"] = kwargs["help"].replace("(default: )", "(default: empty)")
+
+
 def settings_parser(cls: type[ProcessSettings]) -> CliSettingsSource[Any]:
     """The command line of `cls` (pydantic-settings' CLI source; ``root_parser`` is its
     argparse parser): one flag per field, kebab-case, booleans as ``--x``/``--no-x``,
     enums and literals as choices of their values."""
 
     def add_argument(parser: Any, *names: str, **kwargs: Any) -> Any:
-        field = cls.model_fields.get(kwargs.get("dest", ""))
-        choices = _choices(field.annotation) if field is not None else None
-        if field is not None and choices is not None:
-            kwargs["choices"] = choices
-            kwargs["metavar"] = "{" + ",".join(choices) + "}"
-            if isinstance(field.default, enum.Enum):
-                name, value = field.default.name, field.default.value
-                kwargs["help"] = kwargs["help"].replace(f"(default: {name})", f"(default: {value})")
+        dest = kwargs.get("dest", "")
+        field = cls.model_fields.get(dest)
+        if field is not None:
+            _readable(dest, field, kwargs)
         return parser.add_argument(*names, **kwargs)
 
     return CliSettingsSource(
