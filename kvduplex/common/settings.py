@@ -260,6 +260,8 @@ def load_settings(cls: type[_Settings], argv: Sequence[str]) -> _Settings:
         raise ConfigError(_describe(exc, cls, given, path)) from None
     except ConfigError:
         raise
+    except SettingsError as exc:
+        raise ConfigError(str(exc)) from None
     except (ValueError, yaml.YAMLError) as exc:  # a file that does not parse
         raise ConfigError(f"--config {path}: {exc}") from None
     except (TypeError, AttributeError):  # a file that parses, but not into one mapping
