@@ -29,6 +29,7 @@ start, secrets redacted.
 
 from __future__ import annotations
 
+import difflib
 import enum
 import json
 import os
@@ -40,6 +41,7 @@ from typing import Any
 from typing import ClassVar
 from typing import Literal
 from typing import TypeVar
+from typing import cast
 from typing import get_args
 from typing import get_origin
 
@@ -104,13 +106,15 @@ _Section = TypeVar("_Section", bound=pydantic.BaseModel)
 
 
 class _DeclaredEnvSource(EnvSettingsSource):
-    """The environment, for the fields of a `ProcessSettings` that it may set."""
+    """The environment of a `ProcessSettings`, read under the names it declares
+    (`ProcessSettings.env_names`) and no other."""
 
     def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
-        excluded: frozenset[str] = getattr(self.settings_cls, "env_excluded", frozenset())
-        if field_name in excluded:
+        name = cast("type[ProcessSettings]", self.settings_cls).env_names().get(field_name)
+        if name is None:
             return None, field_name, False
-        return super().get_field_value(field, field_name)
+        value = self.env_vars.get(name if self.case_sensitive else name.lower())
+        return value, field_name, self.field_is_complex(field)
 
 
 def _file_source(settings_cls: type[BaseSettings], path: Path) -> PydanticBaseSettingsSource:
@@ -169,7 +173,7 @@ class ProcessSettings(BaseSettings):
     @classmethod
     def env_names(cls) -> dict[str, str]:
         """Field name → the environment variable that sets it, for every field the
-        environment may set."""
+        environment may set: the only names these settings read."""
         return {
             name: ENV_PREFIX + name.upper()
             for name in cls.model_fields
@@ -296,7 +300,12 @@ def _describe(
         key = ".".join(str(part) for part in err["loc"])
         message = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
-            problems.append(f"unknown key {key!r} in --config {path}")
+            close = difflib.get_close_matches(key, cls.model_fields, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            problems.append(
+                f"unknown key {key!r} in --config {path} ({hint}kvduplex {cls.command} --help "
+                "lists the settings; a key is a flag's name with _ for -)"
+            )
         elif not err["loc"]:  # a check across fields: its message names them
             problems.append(message)
         else:
