@@ -37,7 +37,6 @@ COMMANDS = {
     "bench": "benchmarks on local instances or an endpoint: single-turn serving (colocated / "
     "pull / push TTFT, TPOT) or multi-turn agentic sessions (--workload agentic)",
 }
-BENCH_WORKLOADS = ("serving", "agentic")
 
 
 def _setup_logging(level: str) -> None:
@@ -216,14 +215,13 @@ def bench_workload_of(argv: list[str]) -> str | None:
 
 
 def _cmd_bench(args: ProcessSettings) -> None:
-    if getattr(args, "workload", "serving") == "agentic":
-        from kvduplex.bench.agentic_cli import main as agentic_main
+    from kvduplex.bench import agentic_cli
+    from kvduplex.bench import serving
 
-        agentic_main(args)  # type: ignore[arg-type]
-        return
-    from kvduplex.bench.serving import main as bench_main
-
-    bench_main(args)  # type: ignore[arg-type]
+    if isinstance(args, agentic_cli.AgenticBenchSettings):
+        agentic_cli.main(args)
+    elif isinstance(args, serving.ServingBenchSettings):
+        serving.main(args)
 
 
 def settings_class(argv: list[str]) -> type[ProcessSettings]:
@@ -246,7 +244,7 @@ def settings_class(argv: list[str]) -> type[ProcessSettings]:
 
 def usage() -> str:
     """``kvduplex --help``: the commands."""
-    lines = [f"usage: kvduplex {{{','.join(COMMANDS)}}} ...", "", __doc__.splitlines()[0], ""]
+    lines = [f"usage: kvduplex {{{','.join(COMMANDS)}}} ...", "", "commands:"]
     lines += [f"  {name:8} {text}" for name, text in COMMANDS.items()]
     lines += ["", "Each command's flags: kvduplex COMMAND --help"]
     return "\n".join(lines)
