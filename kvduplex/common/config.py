@@ -101,7 +101,8 @@ CACHE_DIR_VAR = "KVDUPLEX_CACHE_DIR"
 
 @dataclass(frozen=True)
 class Environment:
-    """The few environment variables kvduplex reads."""
+    """The few environment variables kvduplex reads outside the settings models (all in
+    `ENVIRONMENT_VARIABLES`)."""
 
     log_level: str | None = None
     """KVDUPLEX_LOG_LEVEL: overrides --log-level."""
