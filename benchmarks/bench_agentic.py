@@ -11,26 +11,24 @@ results/agentic-<model>.json, .md and .png (see `kvduplex.bench.agentic_cli`).
 
 from __future__ import annotations
 
-import argparse
 import signal
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvduplex.bench.agentic_cli import add_arguments
+from kvduplex.bench.agentic_cli import AgenticBenchSettings
 from kvduplex.bench.agentic_cli import main
+from kvduplex.common.settings import load_settings
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def cli() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the cluster
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    parser.set_defaults(results_dir=str(REPO / "results"))
     try:
-        main(parser.parse_args())
+        # results/ of the repository unless --results-dir names another (the later flag wins)
+        main(load_settings(AgenticBenchSettings, ["--results-dir", str(REPO / "results"), *sys.argv[1:]]))
     except ValueError as exc:  # a flag to change: say which, no traceback
         print(f"bench_agentic: error: {exc}", file=sys.stderr)
         sys.exit(2)

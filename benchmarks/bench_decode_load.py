@@ -74,10 +74,10 @@ class ForeignLoad:
 
 
 def make_engine(model: str, seed: int, threads: int, max_seqs: int, kv_mb: int) -> Any:
-    from kvduplex.common.config import CacheConfig
-    from kvduplex.common.config import EngineConfig
-    from kvduplex.common.config import ModelLoadConfig
-    from kvduplex.common.config import SchedulerConfig
+    from kvduplex.common.engine_config import CacheConfig
+    from kvduplex.common.engine_config import EngineConfig
+    from kvduplex.common.engine_config import ModelLoadConfig
+    from kvduplex.common.engine_config import SchedulerConfig
     from kvduplex.engine.engine import LLMEngine
 
     cfg = EngineConfig(

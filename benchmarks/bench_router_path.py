@@ -211,9 +211,9 @@ async def _loaded(app: Any, args: argparse.Namespace) -> dict[str, float]:
 @contextlib.asynccontextmanager
 async def _router(p_port: int, d_port: int, tokenizer: Any) -> AsyncIterator[Any]:
     """A router's app over P and D, its first probe round done, the heap settled."""
-    from kvduplex.common.config import RouterConfig
     from kvduplex.router.app import create_router_app
     from kvduplex.router.app import settle_heap
+    from kvduplex.router.config import RouterConfig
     from kvduplex.router.state import RouterState
 
     config = RouterConfig(

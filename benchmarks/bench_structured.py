@@ -39,10 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import md_table
 from benchmarks.common import pin
 from benchmarks.common import write_results
-from kvduplex.common.config import CacheConfig
-from kvduplex.common.config import EngineConfig
-from kvduplex.common.config import ModelLoadConfig
-from kvduplex.common.config import SchedulerConfig
+from kvduplex.common.engine_config import CacheConfig
+from kvduplex.common.engine_config import EngineConfig
+from kvduplex.common.engine_config import ModelLoadConfig
+from kvduplex.common.engine_config import SchedulerConfig
 from kvduplex.common.sampling import GrammarKind
 from kvduplex.common.sampling import GrammarSpec
 from kvduplex.common.sampling import SamplingParams

@@ -43,10 +43,10 @@ def main() -> None:
 
     os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")} & os.sched_getaffinity(0) or os.sched_getaffinity(0))
     torch.set_num_threads(args.threads)
-    from kvduplex.common.config import CacheConfig
-    from kvduplex.common.config import EngineConfig
-    from kvduplex.common.config import ModelLoadConfig
-    from kvduplex.common.config import SchedulerConfig
+    from kvduplex.common.engine_config import CacheConfig
+    from kvduplex.common.engine_config import EngineConfig
+    from kvduplex.common.engine_config import ModelLoadConfig
+    from kvduplex.common.engine_config import SchedulerConfig
     from kvduplex.common.sampling import SamplingParams
     from kvduplex.engine.engine import LLMEngine
     from kvduplex.engine.request import Request

@@ -163,10 +163,10 @@ def make_engine(
 ) -> Any:
     """An engine on CPU (`decode_attention` empty: the checkout's default; ``copy``: the
     runner's copy path, switched after the engine is built)."""
-    from kvduplex.common.config import CacheConfig
-    from kvduplex.common.config import EngineConfig
-    from kvduplex.common.config import ModelLoadConfig
-    from kvduplex.common.config import SchedulerConfig
+    from kvduplex.common.engine_config import CacheConfig
+    from kvduplex.common.engine_config import EngineConfig
+    from kvduplex.common.engine_config import ModelLoadConfig
+    from kvduplex.common.engine_config import SchedulerConfig
     from kvduplex.engine.engine import LLMEngine
 
     switch = decode_attention == "copy"

@@ -14,12 +14,13 @@ plan, KV counters, command line, commit, machine), .md and .png.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+from typing import ClassVar
+from typing import Literal
 
 from kvduplex.bench import agentic_floors as floors
 from kvduplex.bench import agentic_report as report
@@ -47,57 +48,87 @@ from kvduplex.bench.workload import WorkloadConfig
 from kvduplex.bench.workload import plan_sessions
 from kvduplex.bench.workload import shape_named
 from kvduplex.cluster import LocalCluster
-from kvduplex.common.config import CacheConfig
+from kvduplex.common.engine_config import CacheConfig
 from kvduplex.common.presets import PRESETS
+from kvduplex.common.settings import ProcessSettings
+from kvduplex.common.settings import StrList
+
+_WORKLOAD = WorkloadConfig()
 
 
 def _echo(line: str) -> None:
     print(line, flush=True)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = WorkloadConfig()
-    g = parser.add_argument_group("agentic workload")
-    g.add_argument("--shapes", default="agentic,reasoning", help="agentic, reasoning, or both")
-    g.add_argument("--sessions", type=int, default=d.num_sessions, help="concurrent sessions")
-    g.add_argument("--turns", type=int, default=d.num_turns, help="turns per session")
-    g.add_argument("--system-tokens", type=int, default=d.system_tokens, help="shared system prompt")
-    g.add_argument("--think-min", type=float, default=d.think_time_s[0], help="seconds")
-    g.add_argument("--think-max", type=float, default=d.think_time_s[1], help="seconds")
-    g.add_argument("--length-scale", type=float, default=1.0, help="scales inputs and answers")
-    g.add_argument("--form", default="tokens", choices=[f.value for f in PromptForm],
-                   help="token-id prompts (/v1/completions), chat messages, or an agent's chat "
-                   "(forced tool calls sent back as received, free answers sent back without "
-                   "their reasoning; the local modes' servers run --reasoning-parser deepseek_r1)")  # fmt: skip
-    g.add_argument("--chat-plain", action="store_true",
-                   help="chat without tools (assistant text, user messages)")  # fmt: skip
-    g.add_argument("--repetitions", type=int, default=1, help="runs of the workload per mode")
-    g.add_argument("--seed", type=int, default=d.seed)
-    g.add_argument("--quick", action="store_true",
-                   help="smoke run: tiny preset, 2 sessions x 3 turns, short lengths, no think time")  # fmt: skip
-    g.add_argument("--no-progress", action="store_true", help="no progress bar")
-    g.add_argument("--no-warmup", action="store_true", help="skip the warm-up session per mode")
-    g = parser.add_argument_group("endpoint (--url) or local modes")
-    g.add_argument("--url", default="", help="run against this OpenAI-compatible endpoint")
-    g.add_argument("--model", default="",
-                   help="preset of the local modes (default small); with --url the served model "
-                        "(default: the first of /v1/models)")  # fmt: skip
-    g.add_argument("--label", default="endpoint", help="the endpoint's name in the report (--url)")
-    g.add_argument("--endpoint-kind", default="auto", choices=["auto", "disaggregated", "colocated"],
-                   help="auto: disaggregated if /health says role router")  # fmt: skip
-    g.add_argument("--metrics-url", action="append", default=[],
-                   help="an instance whose /metrics count KV bytes (repeat; --url)")  # fmt: skip
-    g.add_argument("--modes", default=",".join(MODE_NAMES), help="local modes to run")
-    g.add_argument("--kv-cache-mb", type=int, default=0, help="per instance; 0 sizes it from the workload")
-    g.add_argument("--budget-min", type=float, default=45.0,
-                   help="scale the local run down to fit this many minutes (estimate)")  # fmt: skip
-    g.add_argument("--no-fit", action="store_true", help="run the lengths as given")
-    g.add_argument("--log-dir", default="", help="process logs (default: a temp dir)")
-    g.add_argument("--results-dir", default="results")
-    g.add_argument("--name", default="", help="results/<name>.json (default agentic-<model|label>)")
+class AgenticBenchSettings(ProcessSettings):
+    """Multi-turn agentic benchmark: sessions of turns with think time between them, over
+    every KV mode on local instances, or against one OpenAI-compatible endpoint (--url)."""
+
+    command: ClassVar[str] = "bench"
+    env_excluded: ClassVar[frozenset[str]] = ProcessSettings.env_excluded | {"workload"}
+
+    workload: Literal["serving", "agentic"] = "agentic"
+    """serving (single-turn) or agentic (multi-turn sessions); each takes its own flags."""
+    shapes: str = "agentic,reasoning"
+    """agentic, reasoning, or both."""
+    sessions: int = _WORKLOAD.num_sessions
+    """Concurrent sessions."""
+    turns: int = _WORKLOAD.num_turns
+    """Turns per session."""
+    system_tokens: int = _WORKLOAD.system_tokens
+    """Shared system prompt, in tokens."""
+    think_min: float = _WORKLOAD.think_time_s[0]
+    """Shortest think time before a turn, in seconds."""
+    think_max: float = _WORKLOAD.think_time_s[1]
+    """Longest think time before a turn, in seconds."""
+    length_scale: float = 1.0
+    """Scales inputs and answers."""
+    form: PromptForm = PromptForm.TOKENS
+    """Token-id prompts (/v1/completions), chat messages, or an agent's chat (forced tool
+    calls sent back as received, free answers sent back without their reasoning; the
+    local modes' servers run --reasoning-parser deepseek_r1)."""
+    chat_plain: bool = False
+    """Chat without tools (assistant text, user messages)."""
+    repetitions: int = 1
+    """Runs of the workload per mode."""
+    seed: int = _WORKLOAD.seed
+    """Seed of the workload."""
+    quick: bool = False
+    """Smoke run: tiny preset, 2 sessions x 3 turns, short lengths, no think time."""
+    progress: bool = True
+    """A progress bar (--no-progress: none)."""
+    warmup: bool = True
+    """A warm-up session per mode (--no-warmup: skip it)."""
+    url: str = ""
+    """Run against this OpenAI-compatible endpoint."""
+    model: str = ""
+    """Preset of the local modes (default small); with --url the served model (default:
+    the first of /v1/models)."""
+    label: str = "endpoint"
+    """The endpoint's name in the report (--url)."""
+    endpoint_kind: Literal["auto", "disaggregated", "colocated"] = "auto"
+    """auto: disaggregated if /health says role router."""
+    metrics_url: StrList = ()
+    """Instances whose /metrics count KV bytes (commas, or the flag repeated; --url)."""
+    modes: str = ",".join(MODE_NAMES)
+    """Local modes to run."""
+    kv_cache_mb: int = 0
+    """Per instance; 0 sizes it from the workload."""
+    budget_min: float = 45.0
+    """Scale the local run down to fit this many minutes (estimate)."""
+    fit: bool = True
+    """Scale the local run to --budget-min (--no-fit: run the lengths as given)."""
+    log_dir: str = ""
+    """Process logs (empty: a temp dir)."""
+    results_dir: str = "results"
+    """Where results/<name>.json, .md and .png go."""
+    name: str = ""
+    """results/<name>.json (default agentic-<model|label>)."""
+    log_level: str = "warning"
+    """Python log level."""
 
 
-def workload_configs(args: argparse.Namespace) -> list[WorkloadConfig]:
+def workload_configs(args: AgenticBenchSettings) -> list[WorkloadConfig]:
     """One config per shape, from the flags (``--quick`` overrides them)."""
     sessions, turns, system = args.sessions, args.turns, args.system_tokens
     think, scale = (args.think_min, args.think_max), args.length_scale
@@ -126,13 +157,13 @@ def max_session_tokens(config: WorkloadConfig) -> int:
     return max(_session_tokens(config))
 
 
-def _fit_local(args: argparse.Namespace, model: str, num_modes: int,
+def _fit_local(args: AgenticBenchSettings, model: str, num_modes: int,
                configs: list[WorkloadConfig], notes: list[str]) -> list[WorkloadConfig]:  # fmt: skip
     """`configs` scaled to ``--budget-min`` (unless ``--no-fit``/``--quick``); notes say how."""
     cost = COSTS.get(model)
     if cost is None:
         return configs
-    if not (args.no_fit or args.quick):
+    if args.fit and not args.quick:
         configs, est, scaled = fit_to_budget(
             configs, num_modes, args.repetitions, cost, args.budget_min * 60
         )
@@ -143,7 +174,7 @@ def _fit_local(args: argparse.Namespace, model: str, num_modes: int,
     return configs
 
 
-def _run_local(args: argparse.Namespace, model: str, modes: list[ModeSpec],
+def _run_local(args: AgenticBenchSettings, model: str, modes: list[ModeSpec],
                configs: list[WorkloadConfig], notes: list[str],
                meta: dict[str, Any]) -> tuple[Runs, dict[str, bool]]:  # fmt: skip
     """Start the local deployment, run `modes` interleaved, stop it; (runs, disaggregated per mode)."""
@@ -155,7 +186,7 @@ def _run_local(args: argparse.Namespace, model: str, modes: list[ModeSpec],
         _echo(n)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvduplex-agentic-"))
     with LocalCluster(log_dir=log_dir, env={"OMP_NUM_THREADS": "1"}) as cluster:
-        parsing = AGENT_SERVER_FLAGS if args.form == PromptForm.AGENT.value else ()
+        parsing = AGENT_SERVER_FLAGS if args.form is PromptForm.AGENT else ()
         dep = start_deployment(
             cluster, modes, model=model, kv_cache_mb=kv_mb, echo=_echo, parsing_flags=parsing
         )
@@ -172,13 +203,13 @@ def _run_local(args: argparse.Namespace, model: str, modes: list[ModeSpec],
         meta.update(model=model, kv_cache_mb=kv_mb, skipped=dep.skipped, log_dir=str(log_dir),
                     fronts=dep.fronts)  # fmt: skip
         models = asyncio.run(served_models(endpoints[0].url))
-        _check_context(configs, models, model, PromptForm(args.form))
+        _check_context(configs, models, model, args.form)
         if _sends_tools(args):
             _require_tools(endpoints[0].url, model)
         runs = run_interleaved(
             endpoints, configs, model=model, repetitions=args.repetitions,
-            form=PromptForm(args.form), chat_plain=args.chat_plain, warmup=not args.no_warmup,
-            progress=not args.no_progress, echo=_echo,
+            form=args.form, chat_plain=args.chat_plain, warmup=args.warmup,
+            progress=args.progress, echo=_echo,
         )  # fmt: skip
     return runs, {e.mode: e.disaggregated for e in endpoints}
 
@@ -200,8 +231,8 @@ def _check_context(
         )
 
 
-def _sends_tools(args: argparse.Namespace) -> bool:
-    return args.form == PromptForm.AGENT.value or (args.form == "chat" and not args.chat_plain)
+def _sends_tools(args: AgenticBenchSettings) -> bool:
+    return args.form is PromptForm.AGENT or (args.form is PromptForm.CHAT and not args.chat_plain)
 
 
 def _require_tools(url: str, model: str) -> None:
@@ -210,12 +241,12 @@ def _require_tools(url: str, model: str) -> None:
         raise ValueError(f"{url} refuses chat requests with tools ({refusal}); rerun with --chat-plain")
 
 
-def _run_url(args: argparse.Namespace, configs: list[WorkloadConfig], notes: list[str],
+def _run_url(args: AgenticBenchSettings, configs: list[WorkloadConfig], notes: list[str],
              meta: dict[str, Any]) -> tuple[Runs, dict[str, bool]]:  # fmt: skip
     url = args.url.rstrip("/")
     models = asyncio.run(served_models(url))
     model = args.model or str(models[0]["id"])
-    _check_context(configs, models, model, PromptForm(args.form))
+    _check_context(configs, models, model, args.form)
     if args.endpoint_kind == "auto":
         disaggregated = instance_role(url) == "router"
     else:
@@ -228,8 +259,8 @@ def _run_url(args: argparse.Namespace, configs: list[WorkloadConfig], notes: lis
         _require_tools(url, model)
     runs = run_interleaved(
         [Endpoint(args.label, url, disaggregated, instances)], configs, model=model,
-        repetitions=args.repetitions, form=PromptForm(args.form), chat_plain=args.chat_plain,
-        warmup=not args.no_warmup, progress=not args.no_progress, echo=_echo,
+        repetitions=args.repetitions, form=args.form, chat_plain=args.chat_plain,
+        warmup=args.warmup, progress=args.progress, echo=_echo,
     )  # fmt: skip
     return runs, {args.label: disaggregated}
 
@@ -240,7 +271,7 @@ def _record(r: Any) -> dict[str, Any]:
     return d
 
 
-def main(args: argparse.Namespace) -> dict[str, Any]:
+def main(args: AgenticBenchSettings) -> dict[str, Any]:
     """Run the benchmark the flags describe; write and print its report."""
     prov = provenance()
     configs = workload_configs(args)
@@ -270,7 +301,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     name += "-quick" if args.quick and not args.name else ""
     result = {
         "provenance": prov,
-        "options": {k: v for k, v in vars(args).items() if k != "func"},
+        "options": args.model_dump(mode="json"),
         "workloads": [asdict(c) for c in configs],
         "plans": {c.shape.name: [asdict(p) for p in plan_sessions(c)] for c in configs},
         "notes": notes, "meta": meta, "disaggregated": disagg,
@@ -292,7 +323,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def _workload_note(configs: list[WorkloadConfig], args: argparse.Namespace) -> str:
+def _workload_note(configs: list[WorkloadConfig], args: AgenticBenchSettings) -> str:
     c = configs[0]
     shapes = "; ".join(
         f"{x.shape.name}: inputs {x.shape.input_tokens[0]}-{x.shape.input_tokens[1]}, "
@@ -301,7 +332,7 @@ def _workload_note(configs: list[WorkloadConfig], args: argparse.Namespace) -> s
     )
     return (
         f"{c.num_sessions} sessions x {c.num_turns} turns, system prompt {c.system_tokens} tokens, "
-        f"think {c.think_time_s[0]:g}-{c.think_time_s[1]:g} s, {args.form} form"
+        f"think {c.think_time_s[0]:g}-{c.think_time_s[1]:g} s, {args.form.value} form"
         f"{' (plain chat)' if args.chat_plain else ''}, seed {c.seed}, "
         f"{args.repetitions} repetition(s); {shapes}"
     )

@@ -34,7 +34,6 @@ over TCP on the link).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -46,6 +45,8 @@ from dataclasses import dataclass
 from dataclasses import field
 from pathlib import Path
 from typing import Any
+from typing import ClassVar
+from typing import Literal
 
 import httpx
 import numpy as np
@@ -58,6 +59,9 @@ from kvduplex.bench.tables import cell
 from kvduplex.bench.tables import markdown_table
 from kvduplex.cluster import LocalCluster
 from kvduplex.cluster import free_port
+from kvduplex.common.settings import IntList
+from kvduplex.common.settings import ProcessSettings
+from kvduplex.common.settings import StrList
 
 MODES = ("colocated", "pull", "push")
 
@@ -83,22 +87,56 @@ class Cell:
         return float(np.percentile(self.handoff_s, q)) if self.handoff_s else None
 
 
-@dataclass
-class Options:
+class ServingBenchSettings(ProcessSettings):
+    """Single-turn serving benchmark: colocated, pull and push side by side on local
+    instances (TTFT, TPOT, the PD handoff)."""
+
+    command: ClassVar[str] = "bench"
+    env_excluded: ClassVar[frozenset[str]] = ProcessSettings.env_excluded | {"workload"}
+
+    workload: Literal["serving", "agentic"] = "serving"
+    """serving (single-turn) or agentic (multi-turn sessions); each takes its own flags:
+    kvduplex bench --workload agentic --help."""
     model: str = "small"
-    prompt_lens: tuple[int, ...] = (512, 2048)
+    """Preset (small, kv-heavy, tiny)."""
+    prompt_lens: IntList = (512, 2048)
+    """Prompt lengths, in tokens."""
     max_tokens: int = 64
+    """Output tokens per request."""
     rounds: int = 3
     """Low load: requests per (mode, prompt length). Queue load: bursts."""
     queue_rounds: int = 1
+    """Bursts per mode."""
     concurrency: int = 4
-    loads: tuple[str, ...] = ("low", "queue")
-    modes: tuple[str, ...] = MODES
+    """Requests per burst."""
+    loads: StrList = ("low", "queue")
+    """low, queue."""
+    modes: StrList = MODES
+    """colocated, pull, push."""
     kv_cache_mb: int = 2048
+    """KV pool per instance, in MiB."""
     netns: bool = False
+    """P in a network namespace over veth."""
     link_gbit: float = 10.0
+    """tc rate of the veth."""
     seed: int = 0
+    """Seed of the prompts."""
     log_dir: str = ""
+    """Process logs (empty: a temp dir)."""
+    quick: bool = False
+    """A smoke run on tiny."""
+    out: str = ""
+    """Write JSON here (empty: print only)."""
+    log_level: str = "warning"
+    """Python log level."""
+
+    def options(self) -> ServingBenchSettings:
+        """What runs: the modes in their order, ``--quick``'s overrides applied."""
+        update: dict[str, Any] = {"modes": tuple(m for m in MODES if m in self.modes)}
+        if self.quick:
+            update.update(model="tiny", prompt_lens=(64, 256), max_tokens=8, rounds=2,
+                          concurrency=3, kv_cache_mb=256)  # fmt: skip
+        return self.model_copy(update=update)
 
 
 def _prompt(rng: random.Random, n: int) -> list[int]:
@@ -126,7 +164,7 @@ async def _engine_ttft(url: str) -> tuple[float, float]:
     return metric_sum(samples, _TTFT + "_sum"), metric_sum(samples, _TTFT + "_count")
 
 
-def _start(cluster: LocalCluster, opts: Options, stack: ExitStack) -> tuple[dict[str, str], str, str, str]:
+def _start(cluster: LocalCluster, opts: ServingBenchSettings, stack: ExitStack) -> tuple[dict[str, str], str, str, str]:
     """Start the instances and routers; returns (front door per mode, P, D, how pinned)."""
     serve = ["serve", "--model", opts.model, "--num-threads", "1", "--kv-cache-mb", str(opts.kv_cache_mb)]
     serve += ["--log-level", "warning", "--kv-wait-timeout-s", "120", "--transfer-timeout-s", "120"]
@@ -175,7 +213,7 @@ def _start(cluster: LocalCluster, opts: Options, stack: ExitStack) -> tuple[dict
     return fronts, p.url, d.url, pinned
 
 
-async def _run(opts: Options, fronts: dict[str, str], computes: dict[str, str]) -> list[Cell]:
+async def _run(opts: ServingBenchSettings, fronts: dict[str, str], computes: dict[str, str]) -> list[Cell]:
     """`computes[mode]`: the instance that computes that mode's prompts (colocated, or P)."""
     rng = random.Random(opts.seed)
     cells: dict[tuple[str, int, str], Cell] = {}
@@ -314,7 +352,7 @@ def _kv_figures(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]
     }
 
 
-def run(opts: Options) -> dict[str, Any]:
+def run(opts: ServingBenchSettings) -> dict[str, Any]:
     log_dir = Path(opts.log_dir or tempfile.mkdtemp(prefix="kvduplex-bench-"))
     with ExitStack() as stack:
         cluster = stack.enter_context(LocalCluster(log_dir=log_dir, env={"OMP_NUM_THREADS": "1"}))
@@ -328,7 +366,7 @@ def run(opts: Options) -> dict[str, Any]:
     kv = _kv_figures(before, after)
     table = format_tables(rows, ratios, kv)
     return {
-        "options": asdict(opts), "pinned": pinned, "rows": rows, "ratios": ratios, "kv": kv,
+        "options": opts.model_dump(mode="json"), "pinned": pinned, "rows": rows, "ratios": ratios, "kv": kv,
         "table": table,
         "raw": [
             {"mode": c.mode, "prompt_len": c.prompt_len, "load": c.load,
@@ -339,42 +377,9 @@ def run(opts: Options) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = Options()
-    parser.add_argument("--model", default=d.model, help="preset (small, kv-heavy, tiny)")
-    parser.add_argument("--prompt-lens", default=",".join(map(str, d.prompt_lens)))
-    parser.add_argument("--max-tokens", type=int, default=d.max_tokens)
-    parser.add_argument("--rounds", type=int, default=d.rounds, help="low-load requests per mode")
-    parser.add_argument("--queue-rounds", type=int, default=d.queue_rounds, help="bursts per mode")
-    parser.add_argument("--concurrency", type=int, default=d.concurrency, help="requests per burst")
-    parser.add_argument("--loads", default=",".join(d.loads), help="low,queue")
-    parser.add_argument("--modes", default=",".join(d.modes), help="colocated,pull,push")
-    parser.add_argument("--kv-cache-mb", type=int, default=d.kv_cache_mb)
-    parser.add_argument("--netns", action="store_true", help="P in a network namespace over veth")
-    parser.add_argument("--link-gbit", type=float, default=d.link_gbit, help="tc rate of the veth")
-    parser.add_argument("--seed", type=int, default=d.seed)
-    parser.add_argument("--log-dir", default="")
-    parser.add_argument("--quick", action="store_true", help="a smoke run on tiny")
-    parser.add_argument("--out", default="", help="write JSON here (default: print only)")
-
-
-def options_from(args: argparse.Namespace) -> Options:
-    opts = Options(
-        model=args.model, prompt_lens=tuple(int(x) for x in args.prompt_lens.split(",")),
-        max_tokens=args.max_tokens, rounds=args.rounds, queue_rounds=args.queue_rounds,
-        concurrency=args.concurrency, loads=tuple(args.loads.split(",")),
-        modes=tuple(m for m in MODES if m in args.modes.split(",")),
-        kv_cache_mb=args.kv_cache_mb, netns=args.netns, link_gbit=args.link_gbit,
-        seed=args.seed, log_dir=args.log_dir,
-    )  # fmt: skip
-    if args.quick:
-        opts.model, opts.prompt_lens, opts.max_tokens = "tiny", (64, 256), 8
-        opts.rounds, opts.concurrency, opts.kv_cache_mb = 2, 3, 256
-    return opts
-
-
-def main(args: argparse.Namespace) -> dict[str, Any]:
-    result = run(options_from(args))
+def main(args: ServingBenchSettings) -> dict[str, Any]:
+    """Run the benchmark the settings describe; print its tables, write JSON to ``--out``."""
+    result = run(args.options())
     print(result["table"], flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))

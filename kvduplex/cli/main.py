@@ -1,8 +1,12 @@
-"""`kvduplex` command line: serve, router, up, bench."""
+"""`kvduplex` command line: serve, router, up, bench.
+
+Each command's flags, environment variables and config file come from its settings
+model (`kvduplex.cli.settings`, the benchmarks' in `kvduplex.bench`), read by
+`kvduplex.common.settings.load_settings`.
+"""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
@@ -12,76 +16,35 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvduplex.cli.flags import add_dataclass_flags
-from kvduplex.cli.flags import dataclass_from_args
-from kvduplex.cli.flags import flags_of
-from kvduplex.cli.settings import effective_config
-from kvduplex.cli.settings import layered
+from kvduplex.cli.settings import RouterSettings
+from kvduplex.cli.settings import ServeSettings
+from kvduplex.cli.settings import UpSettings
+from kvduplex.cli.settings import parsing_flags
 from kvduplex.common.config import API_KEY_VAR
 from kvduplex.common.config import CLUSTER_SECRET_VAR
-from kvduplex.common.config import CacheConfig
-from kvduplex.common.config import EngineConfig
 from kvduplex.common.config import Environment
-from kvduplex.common.config import ModelLoadConfig
-from kvduplex.common.config import ParsingConfig
 from kvduplex.common.config import ReturnMode
 from kvduplex.common.config import Role
-from kvduplex.common.config import RouterConfig
-from kvduplex.common.config import SchedulerConfig
-from kvduplex.common.config import ServerConfig
-from kvduplex.common.config import TransferConfig
+from kvduplex.common.settings import ProcessSettings
+from kvduplex.common.settings import load_settings
 
 logger = logging.getLogger("kvduplex")
 
-_ENGINE_SECTIONS = (ModelLoadConfig, CacheConfig, SchedulerConfig, TransferConfig)
-_UP_ROUTER_SKIP = (
-    "prefill", "decode", "mode", "model", "host", "port", "log_level", "api_key",
-    "cluster_secret_file", "drain_timeout_s", "prefill_dns", "decode_dns", "dns_interval_s",
-    "dns_server",
-)  # fmt: skip
-"""Router flags that `kvduplex up` sets itself (its local demo cluster has no API key);
-it passes the others through."""
+COMMANDS = {
+    "serve": "serve one instance (OpenAI API)",
+    "router": "route OpenAI requests to prefill and decode instances",
+    "up": "start prefill, decode and a router locally on a built-in model; run a session",
+    "bench": "benchmarks on local instances or an endpoint: single-turn serving (colocated / "
+    "pull / push TTFT, TPOT) or multi-turn agentic sessions (--workload agentic)",
+}
 
 
-def _setup_logging(level: str) -> None:
+def setup_logging(level: str) -> None:
     env = Environment.read()
     logging.basicConfig(
         level=(env.log_level or level).upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-
-
-def _engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=dataclass_from_args(ModelLoadConfig, args),
-        cache=dataclass_from_args(CacheConfig, args),
-        scheduler=dataclass_from_args(SchedulerConfig, args),
-        transfer=dataclass_from_args(TransferConfig, args),
-    )
-
-
-def server_config(args: argparse.Namespace) -> ServerConfig:
-    """``kvduplex serve``'s server flags, its parsing flags included."""
-    return dataclass_from_args(ServerConfig, args, parsing=dataclass_from_args(ParsingConfig, args))
-
-
-def router_config(args: argparse.Namespace) -> RouterConfig:
-    """``kvduplex router``'s flags."""
-    prefill, decode = tuple(args.prefill), tuple(args.decode)
-    parsing = dataclass_from_args(ParsingConfig, args)
-    return dataclass_from_args(RouterConfig, args, prefill=prefill, decode=decode, parsing=parsing)
-
-
-def parsing_flags(parsing: ParsingConfig) -> list[str]:
-    """`parsing` as the flags of a child ``serve`` or ``router``."""
-    out: list[str] = []
-    if parsing.tool_call_parser:
-        out += ["--tool-call-parser", parsing.tool_call_parser]
-    if parsing.reasoning_parser:
-        out += ["--reasoning-parser", parsing.reasoning_parser]
-    if parsing.enable_auto_tool_choice:
-        out.append("--enable-auto-tool-choice")
-    return out
 
 
 def require_transport(role: Role) -> None:
@@ -99,24 +62,25 @@ def require_transport(role: Role) -> None:
         )
 
 
-def _cmd_serve(args: argparse.Namespace) -> None:
+def _cmd_serve(args: ServeSettings) -> None:
     from kvduplex.instance.server import serve
 
-    require_transport(server_config(args).role)
-    code = serve(_engine_config(args), server_config(args), Environment.read())
+    server = args.server_config()
+    require_transport(server.role)
+    code = serve(args.engine_config(), server, Environment.read())
     if code:
         sys.exit(code)
 
 
-def _cmd_router(args: argparse.Namespace) -> None:
+def _cmd_router(args: RouterSettings) -> None:
     from kvduplex.router.app import serve_router
 
-    code = serve_router(router_config(args))
+    code = serve_router(args.router_config())
     if code:
         sys.exit(code)
 
 
-def _cmd_up(args: argparse.Namespace) -> None:
+def _cmd_up(args: UpSettings) -> None:
     from kvduplex.cluster import LocalCluster
     from kvduplex.cluster import free_port
     from kvduplex.common.guard import new_cluster_secret
@@ -132,7 +96,7 @@ def _cmd_up(args: argparse.Namespace) -> None:
             serve_args += ["--dtype", args.dtype]
         front_port = args.port or free_port()
         instances: dict[str, str] = {}
-        parsing = parsing_flags(dataclass_from_args(ParsingConfig, args))
+        parsing = parsing_flags(args.parsing)
         if args.mode == "colocated":
             proc = cluster.start("instance", [*serve_args, "--role", "both", *parsing], front_port)
             front = proc.url
@@ -146,10 +110,10 @@ def _cmd_up(args: argparse.Namespace) -> None:
         if args.mode != "colocated":
             router_args = ["router", "--mode", args.mode, "--model", args.model]
             router_args += ["--prefill", instances["prefill"], "--decode", instances["decode"]]
-            router_args += flags_of(RouterConfig, args, skip=_UP_ROUTER_SKIP)
+            router_args += args.router_flags()
             router_args += parsing  # the router parses routed answers
             front = cluster.start("router", router_args, front_port).url
-            return_mode = ReturnMode(args.return_mode)
+            return_mode = args.return_mode
             routers[_router_name(args.mode, return_mode)] = front
             if args.mode == "push" and args.demo_turns > 0:
                 # The demo runs through push with and without the duplex return, over the
@@ -189,7 +153,7 @@ push prompt already hits the previous prompt on prefill."""
 
 
 def _demo(
-    args: argparse.Namespace, front: str, routers: dict[str, str], instances: dict[str, str]
+    args: UpSettings, front: str, routers: dict[str, str], instances: dict[str, str]
 ) -> bool:
     """Run the demo session through each router (or the colocated instance) and print
     per-turn figures side by side, with what moved each way, and push+duplex / push TTFT
@@ -235,173 +199,105 @@ def _demo(
     return True
 
 
-def build_parser(bench_workload: str | None = "serving") -> argparse.ArgumentParser:
-    """The whole command line; `bench_workload` picks which workload's flags ``bench`` takes
-    (None: none, for another command, which then imports no benchmark code)."""
-    parser = argparse.ArgumentParser(prog="kvduplex", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    serve = sub.add_parser("serve", help="serve one instance (OpenAI API)")
-    for section in _ENGINE_SECTIONS:
-        add_dataclass_flags(serve, section)
-    add_dataclass_flags(serve, ServerConfig)
-    add_dataclass_flags(serve, ParsingConfig)
-    _add_config_flag(serve)
-    serve.set_defaults(func=_cmd_serve)
-
-    router = sub.add_parser("router", help="route OpenAI requests to prefill and decode instances")
-    router.add_argument("--prefill", nargs="*", default=[], help="prefill instance URLs")
-    router.add_argument(
-        "--decode", nargs="+", default=[], help="decode instance URLs (at least one)"
-    )
-    add_dataclass_flags(router, RouterConfig)
-    add_dataclass_flags(router, ParsingConfig)
-    _add_config_flag(router)
-    router.set_defaults(func=_cmd_router)
-
-    up = sub.add_parser(
-        "up", help="start prefill, decode and a router locally on a built-in model; run a session"
-    )
-    up.add_argument(
-        "--mode", default="push", choices=["push", "pull", "colocated"],
-        help="push (layer-wise, default), pull, or one colocated instance",
-    )  # fmt: skip
-    up.add_argument("--model", default="small", help="preset or local HF folder (default: small)")
-    up.add_argument("--dtype", default="", help="model dtype (default: auto)")
-    up.add_argument("--port", type=int, default=0, help="front-door port (default: a free one)")
-    up.add_argument(
-        "--demo-turns", type=int, default=6, help="turns of the demo session; 0 skips it"
-    )
-    up.add_argument("--demo-max-tokens", type=int, default=64, help="tokens per answer")
-    up.add_argument(
-        "--demo-first-turn-tokens", type=int, default=1200,
-        help="the first turn's prompt, in tokens of the built-in byte tokenizer",
-    )  # fmt: skip
-    up.add_argument(
-        "--demo-turn-tokens", type=int, default=120, help="each later turn's new input, in tokens"
-    )
-    up.add_argument(
-        "--demo-think-s", type=float, default=1.0,
-        help="the client's pause before each later turn (the duplex return lands in it)",
-    )  # fmt: skip
-    up.add_argument("--seed", type=int, default=0, help="seed of the demo session")
-    up.add_argument("--keep-serving", action="store_true", help="keep serving after the demo")
-    up.add_argument("--start-timeout", type=float, default=300.0, help="seconds to wait for health")
-    up.add_argument("--log-dir", default="", help="where process logs go (default: a temp dir)")
-    up.add_argument("--log-level", default="warning")
-    add_dataclass_flags(up, RouterConfig, skip=_UP_ROUTER_SKIP)
-    add_dataclass_flags(up, ParsingConfig)
-    _add_config_flag(up)
-    up.set_defaults(func=_cmd_up)
-
-    bench = sub.add_parser(
-        "bench",
-        help="benchmarks on local instances or an endpoint: single-turn serving (colocated / "
-        "pull / push TTFT, TPOT) or multi-turn agentic sessions",
-    )
-    bench.add_argument(
-        "--workload", default="serving", choices=BENCH_WORKLOADS,
-        help="serving (single-turn) or agentic (multi-turn sessions); each takes its own "
-        "flags: kvduplex bench --workload agentic --help",
-    )  # fmt: skip
-    if bench_workload == "agentic":
-        from kvduplex.bench.agentic_cli import add_arguments as add_agentic_arguments
-
-        add_agentic_arguments(bench)
-    elif bench_workload is not None:
-        from kvduplex.bench.serving import add_arguments
-
-        add_arguments(bench)
-    bench.add_argument("--log-level", default="warning")
-    bench.set_defaults(func=_cmd_bench)
-    return parser
-
-
-BENCH_WORKLOADS = ["serving", "agentic"]
-
-
-def _add_config_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--config", default="", metavar="FILE",
-        help="a YAML (.yaml, .yml) or TOML (.toml) file of settings, one key per flag "
-        "(kv_cache_mb: 1024). Every flag is also the environment variable "
-        "KVDUPLEX_<FLAG_NAME> (KVDUPLEX_KV_CACHE_MB=1024). A flag given here wins over "
-        "the variable, which wins over the file",
-    )  # fmt: skip
-
-
 def bench_workload_of(argv: list[str]) -> str | None:
-    """The ``--workload`` of a ``bench`` command line (its flags depend on it); None for
-    another command (``serve``, ``router``, ``up``: they import no benchmark code)."""
-    if not argv or argv[0] in ("-h", "--help"):
-        return "serving"
-    if argv[0] != "bench":
+    """The ``--workload`` of a ``bench`` command line (its flags depend on it; default
+    serving); None for another command (``serve``, ``router``, ``up``: they import no
+    benchmark code)."""
+    if not argv or argv[0] != "bench":
         return None
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--workload", default="serving", choices=BENCH_WORKLOADS)
-    known, _ = pre.parse_known_args(argv[1:])
-    return str(known.workload)
+    args = argv[1:]
+    for i, arg in enumerate(args):
+        if arg == "--workload" and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith("--workload="):
+            return arg.split("=", 1)[1]
+    return "serving"
 
 
-def _cmd_bench(args: argparse.Namespace) -> None:
-    if args.workload == "agentic":
-        from kvduplex.bench.agentic_cli import main as agentic_main
+def _cmd_bench(args: ProcessSettings) -> None:
+    from kvduplex.bench import agentic_cli
+    from kvduplex.bench import serving
 
-        agentic_main(args)
-        return
-    from kvduplex.bench.serving import main as bench_main
-
-    bench_main(args)
-
-
-LAYERED_COMMANDS = ("serve", "router", "up")
-"""Commands whose settings also come from ``KVDUPLEX_*`` and ``--config`` (`settings.py`)."""
+    if isinstance(args, agentic_cli.AgenticBenchSettings):
+        agentic_cli.main(args)
+    elif isinstance(args, serving.ServingBenchSettings):
+        serving.main(args)
 
 
-def command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
-    """The sub-parser of `command` in `build_parser`'s parser."""
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            sub: argparse.ArgumentParser = action.choices[command]
-            return sub
-    raise KeyError(command)
+def settings_class(argv: list[str]) -> type[ProcessSettings]:
+    """The settings model of the command `argv` names (``bench``: of its workload)."""
+    command = argv[0]
+    if command == "serve":
+        return ServeSettings
+    if command == "router":
+        return RouterSettings
+    if command == "up":
+        return UpSettings
+    if bench_workload_of(argv) == "agentic":
+        from kvduplex.bench.agentic_cli import AgenticBenchSettings
+
+        return AgenticBenchSettings
+    from kvduplex.bench.serving import ServingBenchSettings
+
+    return ServingBenchSettings
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    """`argv` parsed, with the settings of `LAYERED_COMMANDS` layered: flag > environment
-    > ``--config`` file > default. Raises `ConfigError` (a ValueError) for a bad setting."""
-    parser = build_parser(bench_workload_of(argv))
-    args = parser.parse_args(argv)
-    if args.command in LAYERED_COMMANDS:
-        sub = command_parser(parser, args.command)
-        args = layered(sub, args, argv[1:])
-        args.effective_config = effective_config(args, sub)
-    return args
+def usage() -> str:
+    """``kvduplex --help``: the commands."""
+    lines = [f"usage: kvduplex {{{','.join(COMMANDS)}}} ...", "", "commands:"]
+    lines += [f"  {name:8} {text}" for name, text in COMMANDS.items()]
+    lines += ["", "Each command's flags: kvduplex COMMAND --help"]
+    return "\n".join(lines)
 
 
-def _log_effective_config(args: argparse.Namespace) -> None:
+def parse_args(argv: list[str]) -> ProcessSettings:
+    """The settings of the command `argv` names, flag > environment > ``--config`` file
+    > default. Raises `ConfigError` (a ValueError) for a bad setting; ``--help`` and a
+    malformed command line exit (0 and 2)."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage(), file=sys.stdout if argv else sys.stderr)
+        sys.exit(0 if argv else 2)
+    if argv[0] not in COMMANDS:
+        print(f"{usage()}\nkvduplex: error: unknown command {argv[0]!r}", file=sys.stderr)
+        sys.exit(2)
+    return load_settings(settings_class(argv), argv[1:])
+
+
+def log_effective_config(settings: ProcessSettings) -> None:
     """One line with every setting, secrets redacted: at INFO, or at the configured level
     when that is higher (so that it always shows), WARNING at most."""
     level = min(max(logging.INFO, logger.getEffectiveLevel()), logging.WARNING)
-    text = json.dumps(args.effective_config, sort_keys=True, default=str)
-    logger.log(level, "%s effective config: %s", args.command, text)
+    text = json.dumps(settings.effective_config, sort_keys=True, default=str)
+    logger.log(level, "%s effective config: %s", settings.command, text)
+
+
+def _run(settings: ProcessSettings) -> None:
+    match settings:
+        case ServeSettings():
+            _cmd_serve(settings)
+        case RouterSettings():
+            _cmd_router(settings)
+        case UpSettings():
+            _cmd_up(settings)
+        case _:
+            _cmd_bench(settings)
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        args = parse_args(argv)
+        settings = parse_args(argv)
     except ValueError as exc:  # config errors: say what to change, no traceback
         print(f"kvduplex: error: {exc}", file=sys.stderr)
         sys.exit(2)
-    if args.command in ("up", "bench"):
+    if settings.command in ("up", "bench"):
         # SIGTERM unwinds like Ctrl-C, so the local cluster stops what it started.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    _setup_logging(getattr(args, "log_level", "info"))
-    if args.command in LAYERED_COMMANDS:
-        _log_effective_config(args)
+    setup_logging(str(getattr(settings, "log_level", "info")))
+    if settings.command != "bench":
+        log_effective_config(settings)
     try:
-        args.func(args)
+        _run(settings)
     except ValueError as exc:  # config errors: say what to change, no traceback
         print(f"kvduplex: error: {exc}", file=sys.stderr)
         sys.exit(2)

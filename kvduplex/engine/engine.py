@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvduplex.common.config import EngineConfig
 from kvduplex.common.detokenizer import IncrementalDetokenizer
+from kvduplex.common.engine_config import EngineConfig
 from kvduplex.common.kv_layout import KVCacheLayout
 from kvduplex.common.limits import RequestRejected
 from kvduplex.common.limits import check_request_size

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 
 import torch
 
-from kvduplex.common.config import DecodeAttention
+from kvduplex.common.engine_config import DecodeAttention
 from kvduplex.common.kv_layout import KVCacheLayout
 from kvduplex.common.model_config import DecoderConfig
 from kvduplex.engine.block_table import BlockTables

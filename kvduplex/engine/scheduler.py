@@ -38,7 +38,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from dataclasses import field
 
-from kvduplex.common.config import SchedulerConfig
+from kvduplex.common.engine_config import SchedulerConfig
 from kvduplex.engine.kv_manager import KVCacheManager
 from kvduplex.engine.request import FinishReason
 from kvduplex.engine.request import Request

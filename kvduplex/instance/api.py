@@ -53,7 +53,6 @@ from starlette.types import Receive
 from starlette.types import Scope
 from starlette.types import Send
 
-from kvduplex.common.config import ParsingConfig
 from kvduplex.common.drain import DrainGuard
 from kvduplex.common.drain import DrainState
 from kvduplex.common.limits import RequestRejected
@@ -67,6 +66,7 @@ from kvduplex.common.openai.chat_output import prompt_tail
 from kvduplex.common.openai.errors import REQUEST_ID_HEADER
 from kvduplex.common.openai.errors import APIError
 from kvduplex.common.openai.errors import install_error_handlers
+from kvduplex.common.openai.parsing_config import ParsingConfig
 from kvduplex.common.openai.prompt import PromptError
 from kvduplex.common.openai.prompt import prompt_token_ids
 from kvduplex.common.openai.protocol import ChatCompletionRequest

@@ -15,14 +15,13 @@ from prometheus_client import CollectorRegistry
 
 from kvduplex.common.auth import APIKeyGuard
 from kvduplex.common.auth import resolve_api_key
-from kvduplex.common.config import EngineConfig
 from kvduplex.common.config import Environment
 from kvduplex.common.config import Role
-from kvduplex.common.config import ServerConfig
 from kvduplex.common.drain import DrainingServer
 from kvduplex.common.drain import DrainState
 from kvduplex.common.drain import exit_code
 from kvduplex.common.drain import uvicorn_config
+from kvduplex.common.engine_config import EngineConfig
 from kvduplex.common.guard import InternalGuard
 from kvduplex.common.guard import load_cluster_secret
 from kvduplex.engine.async_engine import AsyncEngine
@@ -32,6 +31,7 @@ from kvduplex.engine.engine import SampleHook
 from kvduplex.engine.metrics import EngineMetrics
 from kvduplex.instance.api import InstanceState
 from kvduplex.instance.api import create_app
+from kvduplex.instance.config import ServerConfig
 
 if TYPE_CHECKING:
     from kvduplex.transport.notify import MessageFilter

@@ -39,6 +39,8 @@ from pathlib import Path
 
 import torch
 
+from kvduplex.common.config import CACHE_DIR_VAR
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode_cpu.c"
@@ -202,7 +204,7 @@ def _build(head_dim: int, group: int) -> Path:
     flags = (*FLAGS, *(X86_FLAGS if x86 else ()), f"-DKVD_HEAD_DIM={head_dim}", f"-DKVD_GROUP={group}")
     parts = [source, *(c.encode() for c in compiler), *(f.encode() for f in flags), _cpu_id()]
     key = hashlib.sha256(b"\0".join(parts))
-    cache = Path(os.environ.get("KVDUPLEX_CACHE_DIR") or Path.home() / ".cache" / "kvduplex") / "kernels"
+    cache = Path(os.environ.get(CACHE_DIR_VAR) or Path.home() / ".cache" / "kvduplex") / "kernels"
     target = cache / f"paged_decode_cpu-{head_dim}-{group}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kvduplex.common.config import ModelLoadConfig
+from kvduplex.common.engine_config import ModelLoadConfig
 from kvduplex.common.model_config import DecoderConfig
 from kvduplex.common.model_source import load_tokenizer
 from kvduplex.common.model_source import model_config

@@ -64,7 +64,6 @@ from starlette.types import Send
 
 from kvduplex.common.auth import APIKeyGuard
 from kvduplex.common.auth import bearer_matches
-from kvduplex.common.config import RouterConfig
 from kvduplex.common.config import TransferMode
 from kvduplex.common.drain import DrainGuard
 from kvduplex.common.drain import DrainingServer
@@ -88,6 +87,7 @@ from kvduplex.common.openai.protocol import ChatCompletionRequest
 from kvduplex.common.openai.protocol import CompletionRequest
 from kvduplex.common.openai.protocol import OpenAIRequest
 from kvduplex.router.calls import until_unhealthy
+from kvduplex.router.config import RouterConfig
 from kvduplex.router.discovery import run_discovery
 from kvduplex.router.flows import DecodeUnreachable
 from kvduplex.router.flows import Forward

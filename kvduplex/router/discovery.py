@@ -46,8 +46,8 @@ import dns.resolver
 import httpx
 
 from kvduplex.common.config import Role
-from kvduplex.common.config import RouterConfig
 from kvduplex.common.config import host_and_port
+from kvduplex.router.config import RouterConfig
 from kvduplex.router.health import note_health
 from kvduplex.router.policy import Backend
 from kvduplex.router.policy import BackendPool

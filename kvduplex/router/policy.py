@@ -61,8 +61,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from dataclasses import field
 
-from kvduplex.common.config import RouterConfig
 from kvduplex.router import rendezvous
+from kvduplex.router.config import RouterConfig
 from kvduplex.router.sessions import Session
 from kvduplex.router.sessions import SessionTable
 

@@ -21,12 +21,12 @@ from kvduplex.common.auth import api_key_headers
 from kvduplex.common.auth import resolve_api_key
 from kvduplex.common.config import ROUTER_POOL_IDLE_S
 from kvduplex.common.config import Environment
-from kvduplex.common.config import RouterConfig
 from kvduplex.common.drain import DrainState
 from kvduplex.common.guard import load_cluster_secret
 from kvduplex.common.tokenizer import Tokenizer
 from kvduplex.common.trust import secret_headers
 from kvduplex.router.calls import instance_errors
+from kvduplex.router.config import RouterConfig
 from kvduplex.router.discovery import Discovery
 from kvduplex.router.discovery import Resolve
 from kvduplex.router.metrics import RouterMetrics

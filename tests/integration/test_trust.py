@@ -21,7 +21,7 @@ import pytest
 
 from kvduplex.cluster import LocalCluster
 from kvduplex.cluster import free_port
-from kvduplex.common.config import ModelLoadConfig
+from kvduplex.common.engine_config import ModelLoadConfig
 from kvduplex.common.trust import SECRET_HEADER
 from kvduplex.common.trust import secret_headers
 from kvduplex.engine.block_pool import compute_block_hashes

@@ -13,12 +13,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvduplex.cli.main import _engine_config
-from kvduplex.cli.main import _log_effective_config
-from kvduplex.cli.main import _setup_logging
+from kvduplex.cli.main import log_effective_config
 from kvduplex.cli.main import parse_args
 from kvduplex.cli.main import require_transport
-from kvduplex.cli.main import server_config
+from kvduplex.cli.main import setup_logging
+from kvduplex.cli.settings import ServeSettings
 from kvduplex.common.config import Environment
 from kvduplex.instance.server import serve
 from tests.support.faults import Faults
@@ -36,17 +35,19 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("the fault flags are followed by a kvduplex serve command line")
     try:
         args = parse_args(ours.command)
+        assert isinstance(args, ServeSettings)
         faults = Faults.from_args(ours)
     except ValueError as exc:
         print(f"faulty_instance: error: {exc}", file=sys.stderr)
         sys.exit(2)
-    _setup_logging(getattr(args, "log_level", "info"))
-    _log_effective_config(args)
+    setup_logging(str(args.log_level))
+    log_effective_config(args)
     try:
-        require_transport(server_config(args).role)
-        engine_config = _engine_config(args)
+        server = args.server_config()
+        require_transport(server.role)
+        engine_config = args.engine_config()
         parts = faults.parts(engine_config.model.model)
-        code = serve(engine_config, server_config(args), Environment.read(), parts)
+        code = serve(engine_config, server, Environment.read(), parts)
     except ValueError as exc:  # config errors, as kvduplex's: no traceback
         print(f"faulty_instance: error: {exc}", file=sys.stderr)
         sys.exit(2)

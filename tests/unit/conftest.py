@@ -6,10 +6,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvduplex.common.config import CacheConfig
-from kvduplex.common.config import EngineConfig
-from kvduplex.common.config import ModelLoadConfig
-from kvduplex.common.config import ServerConfig
+from kvduplex.common.engine_config import CacheConfig
+from kvduplex.common.engine_config import EngineConfig
+from kvduplex.common.engine_config import ModelLoadConfig
+from kvduplex.instance.config import ServerConfig
 from kvduplex.instance.server import Instance
 from kvduplex.instance.server import build_instance
 

@@ -13,7 +13,6 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from kvduplex.common.config import RouterConfig
 from kvduplex.common.openai.prompt import PromptError
 from kvduplex.common.openai.prompt import prompt_token_ids
 from kvduplex.common.openai.protocol import MAX_NESTING_DEPTH
@@ -25,6 +24,7 @@ from kvduplex.common.tokenizer import ByteTokenizer
 from kvduplex.instance.api import Generation
 from kvduplex.instance.server import Instance
 from kvduplex.router.app import create_router_app
+from kvduplex.router.config import RouterConfig
 from kvduplex.router.state import RouterState
 from tests.unit.test_router import D
 from tests.unit.test_router import FakeInstances

@@ -9,9 +9,9 @@ from fastapi.testclient import TestClient
 
 from kvduplex.common.auth import APIKeyGuard
 from kvduplex.common.auth import resolve_api_key
-from kvduplex.common.config import RouterConfig
 from kvduplex.common.tokenizer import ByteTokenizer
 from kvduplex.router.app import create_router_app
+from kvduplex.router.config import RouterConfig
 from kvduplex.router.state import RouterState
 from tests.unit.test_router import D
 from tests.unit.test_router import FakeInstances

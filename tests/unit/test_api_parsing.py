@@ -14,13 +14,13 @@ from collections.abc import Iterator
 import pytest
 from fastapi.testclient import TestClient
 
-from kvduplex.common.config import CacheConfig
-from kvduplex.common.config import EngineConfig
-from kvduplex.common.config import ModelLoadConfig
-from kvduplex.common.config import ParsingConfig
-from kvduplex.common.config import ServerConfig
+from kvduplex.common.engine_config import CacheConfig
+from kvduplex.common.engine_config import EngineConfig
+from kvduplex.common.engine_config import ModelLoadConfig
 from kvduplex.common.openai.chat_output import AUTO_TOOL_CHOICE_ERROR
 from kvduplex.common.openai.chat_output import RAW_OUTPUT_HEADER
+from kvduplex.common.openai.parsing_config import ParsingConfig
+from kvduplex.instance.config import ServerConfig
 from kvduplex.instance.server import Instance
 from kvduplex.instance.server import InstanceParts
 from kvduplex.instance.server import build_instance
@@ -41,12 +41,12 @@ deepseek_r1 starts inside the think block (R1 writes no opening tag)."""
 def _instance(parsing: ParsingConfig) -> Instance:
     cfg = EngineConfig(model=ModelLoadConfig(model="tiny"), cache=CacheConfig(kv_cache_mb=16))
     script = InstanceParts(sample_hook=ScriptedOutput.of_text(SCRIPT, "tiny"))
-    return build_instance(cfg, ServerConfig(port=0, parsing=parsing), parts=script)
+    return build_instance(cfg, ServerConfig(port=0, **parsing.model_dump()), parts=script)
 
 
 @pytest.fixture(scope="module")
 def parsing_instance() -> Iterator[Instance]:
-    inst = _instance(ParsingConfig("hermes", "deepseek_r1", enable_auto_tool_choice=True))
+    inst = _instance(ParsingConfig(tool_call_parser="hermes", reasoning_parser="deepseek_r1", enable_auto_tool_choice=True))
     try:
         yield inst
     finally:

@@ -17,12 +17,11 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from kvduplex.common.config import CacheConfig
-from kvduplex.common.config import EngineConfig
 from kvduplex.common.config import Environment
-from kvduplex.common.config import ModelLoadConfig
-from kvduplex.common.config import SchedulerConfig
-from kvduplex.common.config import ServerConfig
+from kvduplex.common.engine_config import CacheConfig
+from kvduplex.common.engine_config import EngineConfig
+from kvduplex.common.engine_config import ModelLoadConfig
+from kvduplex.common.engine_config import SchedulerConfig
 from kvduplex.common.sampling import SamplingParams
 from kvduplex.engine.async_engine import IDLE_WAIT_S
 from kvduplex.engine.async_engine import AsyncEngine
@@ -30,6 +29,7 @@ from kvduplex.engine.async_engine import EngineDeadError
 from kvduplex.engine.engine import LLMEngine
 from kvduplex.engine.engine import RequestOutput
 from kvduplex.engine.request import Request
+from kvduplex.instance.config import ServerConfig
 from kvduplex.instance.server import Instance
 from kvduplex.instance.server import InstanceParts
 from kvduplex.instance.server import build_instance

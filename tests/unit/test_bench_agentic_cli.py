@@ -11,7 +11,7 @@ from kvduplex.bench.conversation import PromptForm
 from kvduplex.bench.workload import REASONING
 from kvduplex.bench.workload import WorkloadConfig
 from kvduplex.cli.main import bench_workload_of
-from kvduplex.cli.main import build_parser
+from kvduplex.cli.main import parse_args
 
 
 def test_the_workload_flag_picks_the_bench_flags() -> None:
@@ -19,20 +19,19 @@ def test_the_workload_flag_picks_the_bench_flags() -> None:
     assert bench_workload_of(argv) == "agentic"
     assert bench_workload_of(["bench", "--rounds", "2"]) == "serving"
     assert bench_workload_of(["serve", "--workload", "agentic"]) is None  # no bench flags
-    args = build_parser(bench_workload_of(argv)).parse_args(argv)
+    args = parse_args(argv)
     assert (args.workload, args.url, args.sessions) == ("agentic", "http://h:1", 3)
-    serving = build_parser().parse_args(["bench", "--rounds", "2"])
+    serving = parse_args(["bench", "--rounds", "2"])
     assert (serving.workload, serving.rounds) == ("serving", 2)
 
 
 def test_configs_from_flags_and_quick() -> None:
-    parser = build_parser("agentic")
-    args = parser.parse_args(["bench", "--workload", "agentic", "--shapes", "reasoning",
+    args = parse_args(["bench", "--workload", "agentic", "--shapes", "reasoning",
                               "--turns", "5", "--length-scale", "0.5", "--seed", "4"])  # fmt: skip
     (config,) = workload_configs(args)
     assert (config.shape.name, config.num_turns, config.num_sessions, config.seed) == ("reasoning", 5, 6, 4)
     assert config.shape.answer_tokens == (200, 400) and config.system_tokens == 1000
-    quick = workload_configs(parser.parse_args(["bench", "--workload", "agentic", "--quick"]))
+    quick = workload_configs(parse_args(["bench", "--workload", "agentic", "--quick"]))
     assert [c.shape.name for c in quick] == ["agentic", "reasoning"]
     assert all((c.num_sessions, c.num_turns, c.think_time_s) == (2, 3, (0.0, 0.0)) for c in quick)
     assert all(c.shape.answer_tokens[1] <= 80 and c.system_tokens <= 128 for c in quick)

@@ -15,16 +15,13 @@ from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
 
-from kvduplex.cli.flags import dataclass_from_args
-from kvduplex.cli.main import build_parser
-from kvduplex.cli.main import parsing_flags
-from kvduplex.cli.main import router_config
-from kvduplex.cli.main import server_config
-from kvduplex.common.config import ParsingConfig
+from kvduplex.cli.main import parse_args
+from kvduplex.cli.settings import parsing_flags
 from kvduplex.common.openai.chat_output import ChatOutputParser
 from kvduplex.common.openai.chat_output import ParsedMessage
 from kvduplex.common.openai.chat_output import check_tool_choice
 from kvduplex.common.openai.chat_output import output_parser
+from kvduplex.common.openai.parsing_config import ParsingConfig
 from kvduplex.common.openai.protocol import ChatCompletionRequest
 from kvduplex.common.openai.reasoning import ThinkParser
 from kvduplex.common.openai.reasoning import starts_in_reasoning
@@ -47,7 +44,7 @@ def _request(**fields: object) -> ChatCompletionRequest:
 def _parser(
     tool: str = "", reasoning: str = "", tail: str = "", **fields: object
 ) -> ChatOutputParser:
-    flags = ParsingConfig(tool, reasoning, enable_auto_tool_choice=bool(tool))
+    flags = ParsingConfig(tool_call_parser=tool, reasoning_parser=reasoning, enable_auto_tool_choice=bool(tool))
     counter = _ids()
     parser = output_parser(_request(**fields), flags, tail, new_id=lambda: f"call_{next(counter)}")
     assert parser is not None
@@ -386,11 +383,11 @@ def test_think_parser_streams_reasoning_as_it_comes() -> None:
 
 
 def test_which_requests_are_parsed() -> None:
-    flags = ParsingConfig("hermes", "", enable_auto_tool_choice=True)
+    flags = ParsingConfig(tool_call_parser="hermes", enable_auto_tool_choice=True)
     assert output_parser(_request(), flags, "") is not None
     assert output_parser(_request(tool_choice="none"), flags, "") is None
     assert output_parser(_request(tools=None), flags, "") is None
-    no_auto = ParsingConfig("hermes", "")
+    no_auto = ParsingConfig(tool_call_parser="hermes")
     assert output_parser(_request(), no_auto, "") is None
     assert output_parser(_request(), ParsingConfig(), "") is None
     with pytest.raises(ValueError, match="enable-auto-tool-choice"):
@@ -416,16 +413,18 @@ def test_serve_and_router_take_vllm_flag_names() -> None:
         "qwen3",
         "--enable-auto-tool-choice",
     ]
-    serve = server_config(build_parser().parse_args(["serve", *flags]))
-    assert serve.parsing == ParsingConfig("hermes", "qwen3", enable_auto_tool_choice=True)
-    router = router_config(build_parser().parse_args(["router", "--decode", "http://d", *flags]))
+    serve = parse_args(["serve", *flags]).server_config()
+    assert serve.parsing == ParsingConfig(
+        tool_call_parser="hermes", reasoning_parser="qwen3", enable_auto_tool_choice=True
+    )
+    router = parse_args(["router", "--decode", "http://d", *flags]).router_config()
     assert router.parsing == serve.parsing
-    assert server_config(build_parser().parse_args(["serve"])).parsing == ParsingConfig()
+    assert parse_args(["serve"]).server_config().parsing == ParsingConfig()
     with pytest.raises(ValueError, match="needs --tool-call-parser"):
-        server_config(build_parser().parse_args(["serve", "--enable-auto-tool-choice"]))
+        parse_args(["serve", "--enable-auto-tool-choice"])
     # `kvduplex up` hands them on to the router (or the colocated instance) it starts.
-    up = build_parser().parse_args(["up", *flags])
-    assert parsing_flags(dataclass_from_args(ParsingConfig, up)) == flags
+    up = parse_args(["up", *flags])
+    assert parsing_flags(up.parsing) == flags
 
 
 def test_parsers_do_not_import_torch() -> None:

@@ -13,10 +13,10 @@ from collections.abc import Callable
 
 import pytest
 
-from kvduplex.common.config import CacheConfig
-from kvduplex.common.config import EngineConfig
-from kvduplex.common.config import ModelLoadConfig
-from kvduplex.common.config import SchedulerConfig
+from kvduplex.common.engine_config import CacheConfig
+from kvduplex.common.engine_config import EngineConfig
+from kvduplex.common.engine_config import ModelLoadConfig
+from kvduplex.common.engine_config import SchedulerConfig
 from kvduplex.common.sampling import SamplingParams
 from kvduplex.engine.connector import KVConnector
 from kvduplex.engine.engine import LLMEngine

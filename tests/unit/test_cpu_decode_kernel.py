@@ -12,10 +12,9 @@ import random
 import pytest
 import torch
 
-from kvduplex.cli.main import _engine_config
-from kvduplex.cli.main import build_parser
-from kvduplex.common.config import EngineConfig
-from kvduplex.common.config import ModelLoadConfig
+from kvduplex.cli.main import parse_args
+from kvduplex.common.engine_config import EngineConfig
+from kvduplex.common.engine_config import ModelLoadConfig
 from kvduplex.common.presets import preset_config
 from kvduplex.common.sampling import SamplingParams
 from kvduplex.engine.engine import LLMEngine
@@ -109,7 +108,7 @@ def test_the_kernel_refuses_what_it_cannot_read() -> None:
 
 def _config(flag: str) -> EngineConfig:
     argv = ["serve", "--model", "tiny", "--seed", "5", "--num-blocks", "96", "--decode-attention", flag]
-    return _engine_config(build_parser().parse_args([*argv, "--max-num-batched-tokens", "512"]))
+    return parse_args([*argv, "--max-num-batched-tokens", "512"]).engine_config()
 
 
 def test_kernel_and_paged_engines_pick_the_same_tokens() -> None:

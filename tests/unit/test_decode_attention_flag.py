@@ -12,11 +12,10 @@ from typing import Any
 import pytest
 import torch
 
-from kvduplex.cli.main import _engine_config
-from kvduplex.cli.main import build_parser
-from kvduplex.common.config import DecodeAttention
-from kvduplex.common.config import EngineConfig
-from kvduplex.common.config import ModelLoadConfig
+from kvduplex.cli.main import parse_args
+from kvduplex.common.engine_config import DecodeAttention
+from kvduplex.common.engine_config import EngineConfig
+from kvduplex.common.engine_config import ModelLoadConfig
 from kvduplex.common.presets import preset_config
 from kvduplex.common.sampling import SamplingParams
 from kvduplex.engine import runner_inputs
@@ -42,7 +41,7 @@ def _serve_config(*flags: str) -> EngineConfig:
     """The engine config ``kvduplex serve`` builds from `flags` (16-token blocks, small pool)."""
     argv = ["serve", "--model", "tiny", "--seed", "5", "--num-blocks", "96", *flags]
     argv += ["--max-num-batched-tokens", "512"]
-    return _engine_config(build_parser().parse_args(argv))
+    return parse_args(argv).engine_config()
 
 
 def _count_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
@@ -82,9 +81,8 @@ def _generate(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
 def test_the_flag_parses_to_the_config_and_defaults_to_auto(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    parser = build_parser()
     with pytest.raises(SystemExit):
-        parser.parse_args(["serve", "--help"])
+        parse_args(["serve", "--help"])
     assert "--decode-attention {auto,paged,copy,flex,kernel}" in capsys.readouterr().out
     assert _serve_config().model.decode_attention is DecodeAttention.AUTO
     for name in ("auto", "paged", "copy", "flex", "kernel"):
@@ -92,7 +90,7 @@ def test_the_flag_parses_to_the_config_and_defaults_to_auto(
             name
         )
     with pytest.raises(SystemExit):
-        parser.parse_args(["serve", "--decode-attention", "in-place"])
+        parse_args(["serve", "--decode-attention", "in-place"])
     # the engine config's old name of the default still reads as it
     assert ModelLoadConfig(decode_attention="sdpa").decode_attention is DecodeAttention.AUTO  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="auto, paged, copy, flex, kernel"):

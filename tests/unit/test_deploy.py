@@ -12,8 +12,6 @@ queries is one the code defines.
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import json
 import re
 import shutil
@@ -26,21 +24,24 @@ import httpx
 import pytest
 import yaml
 from prometheus_client import CollectorRegistry
+from pydantic import BaseModel
 
-from kvduplex.cli.main import build_parser
+from kvduplex.cli.settings import RouterSettings
+from kvduplex.cli.settings import ServeSettings
 from kvduplex.common.config import API_KEY_VAR
-from kvduplex.common.config import CacheConfig
-from kvduplex.common.config import ModelLoadConfig
-from kvduplex.common.config import ParsingConfig
-from kvduplex.common.config import RouterConfig
-from kvduplex.common.config import SchedulerConfig
-from kvduplex.common.config import ServerConfig
-from kvduplex.common.config import TransferConfig
 from kvduplex.common.config import host_and_port
+from kvduplex.common.engine_config import CacheConfig
+from kvduplex.common.engine_config import ModelLoadConfig
+from kvduplex.common.engine_config import SchedulerConfig
+from kvduplex.common.engine_config import TransferConfig
+from kvduplex.common.openai.parsing_config import ParsingConfig
+from kvduplex.common.settings import settings_parser
 from kvduplex.common.tokenizer import ByteTokenizer
 from kvduplex.engine.metrics import EngineMetrics
+from kvduplex.instance.config import ServerConfig
 from kvduplex.kvflow.metrics import KVFlowMetrics
 from kvduplex.router.app import create_router_app
+from kvduplex.router.config import RouterConfig
 from kvduplex.router.metrics import RouterMetrics
 from kvduplex.router.policy import RoutingPolicy
 from kvduplex.router.state import RouterState
@@ -110,9 +111,9 @@ def the(values: dict[str, list[str]], flag: str) -> str:
 
 
 def subcommand_flags(command: str) -> set[str]:
-    parser = build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return {s for a in sub.choices[command]._actions for s in a.option_strings}
+    settings = {"serve": ServeSettings, "router": RouterSettings}[command]
+    parser = settings_parser(settings).root_parser
+    return {s for a in parser._actions for s in a.option_strings}
 
 
 @pytest.fixture(scope="module")
@@ -187,6 +188,17 @@ def test_args_are_flags_the_commands_take(overlay: str) -> None:
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
+def test_pods_get_no_service_links(overlay: str) -> None:
+    """A Service named kvduplex would inject KVDUPLEX_PORT=tcp://IP:PORT (and the like)
+    into every pod of its namespace: no pod takes service links."""
+    docs = rendered(overlay)
+    pods = [d["spec"]["template"]["spec"] for d in docs if "template" in d.get("spec", {})]
+    assert len(pods) == 3
+    for pod in pods:
+        assert pod["enableServiceLinks"] is False
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_ports_probes_and_scrape_target_agree(
     overlay: str, router_routes: set[str], instance_routes: set[str]
 ) -> None:
@@ -226,8 +238,8 @@ def test_grace_period_covers_prestop_and_drain(overlay: str) -> None:
         assert grace_s >= pre_stop_s + drain_s + GRACE_MARGIN_S, component
 
 
-def _config_keys(sections: tuple[type, ...]) -> set[str]:
-    return {f.name for s in sections for f in dataclasses.fields(s)}
+def _config_keys(sections: tuple[type[BaseModel], ...]) -> set[str]:
+    return {name for s in sections for name in s.model_fields}
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

@@ -14,7 +14,6 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from kvduplex.common.config import RouterConfig
 from kvduplex.common.drain import DrainGuard
 from kvduplex.common.drain import DrainState
 from kvduplex.common.drain import draining_response
@@ -23,6 +22,7 @@ from kvduplex.common.drain import wait_drained
 from kvduplex.common.tokenizer import ByteTokenizer
 from kvduplex.instance.server import Instance
 from kvduplex.router.app import create_router_app
+from kvduplex.router.config import RouterConfig
 from kvduplex.router.health import probe_all
 from kvduplex.router.health import run_prober
 from kvduplex.router.policy import Outcome

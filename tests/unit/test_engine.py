@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from kvduplex.common.config import CacheConfig
-from kvduplex.common.config import EngineConfig
-from kvduplex.common.config import ModelLoadConfig
-from kvduplex.common.config import SchedulerConfig
+from kvduplex.common.engine_config import CacheConfig
+from kvduplex.common.engine_config import EngineConfig
+from kvduplex.common.engine_config import ModelLoadConfig
+from kvduplex.common.engine_config import SchedulerConfig
 from kvduplex.common.limits import RequestRejected
 from kvduplex.common.sampling import SamplingParams
 from kvduplex.engine.engine import LLMEngine

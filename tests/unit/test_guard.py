@@ -13,17 +13,17 @@ from fastapi import Request
 from fastapi.testclient import TestClient
 
 import kvduplex
-from kvduplex.common.config import CacheConfig
-from kvduplex.common.config import EngineConfig
 from kvduplex.common.config import Environment
-from kvduplex.common.config import ModelLoadConfig
-from kvduplex.common.config import ServerConfig
+from kvduplex.common.engine_config import CacheConfig
+from kvduplex.common.engine_config import EngineConfig
+from kvduplex.common.engine_config import ModelLoadConfig
 from kvduplex.common.guard import InternalGuard
 from kvduplex.common.guard import load_cluster_secret
 from kvduplex.common.guard import new_cluster_secret
 from kvduplex.common.trust import SECRET_HEADER
 from kvduplex.common.trust import secret_headers
 from kvduplex.common.trust import secret_matches
+from kvduplex.instance.config import ServerConfig
 from kvduplex.instance.server import Instance
 from kvduplex.instance.server import build_instance
 

@@ -18,16 +18,16 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from kvduplex.common.config import CacheConfig
-from kvduplex.common.config import EngineConfig
-from kvduplex.common.config import ModelLoadConfig
-from kvduplex.common.config import RouterConfig
-from kvduplex.common.config import ServerConfig
+from kvduplex.common.engine_config import CacheConfig
+from kvduplex.common.engine_config import EngineConfig
+from kvduplex.common.engine_config import ModelLoadConfig
 from kvduplex.common.tokenizer import ByteTokenizer
 from kvduplex.engine.request import Request as EngineRequest
+from kvduplex.instance.config import ServerConfig
 from kvduplex.instance.server import Instance
 from kvduplex.instance.server import build_instance
 from kvduplex.router.app import create_router_app
+from kvduplex.router.config import RouterConfig
 from kvduplex.router.health import probe_all
 from kvduplex.router.state import RouterState
 

@@ -16,14 +16,13 @@ import kvduplex.router.app as router_app
 import kvduplex.router.state as router_state
 import kvduplex.router.wire as wire
 from kvduplex.cli.main import parse_args
-from kvduplex.cli.main import router_config
 from kvduplex.cluster import free_port
 from kvduplex.common.config import ROUTER_POOL_IDLE_S
-from kvduplex.common.config import ServerConfig
 from kvduplex.common.drain import DrainGuard
 from kvduplex.common.drain import DrainingServer
 from kvduplex.common.drain import DrainState
 from kvduplex.common.drain import uvicorn_config
+from kvduplex.instance.config import ServerConfig
 from kvduplex.router.state import InstanceCalls
 from kvduplex.router.state import InstanceTransport
 from kvduplex.router.state import instance_session
@@ -36,7 +35,7 @@ def test_an_instance_keeps_an_idle_connection_longer_than_the_router_reuses_it()
     with pytest.raises(ValueError, match="keep_alive_s must be > 60"):
         ServerConfig(keep_alive_s=ROUTER_POOL_IDLE_S)
     with pytest.raises(ValueError, match="keep_alive_s must be > 0"):
-        router_config(parse_args(["router", "--decode", "http://d:1", "--keep-alive-s", "0"]))
+        parse_args(["router", "--decode", "http://d:1", "--keep-alive-s", "0"]).router_config()
 
 
 def test_the_routers_keep_alive_flag_reaches_its_server(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -50,7 +49,7 @@ def test_the_routers_keep_alive_flag_reaches_its_server(monkeypatch: pytest.Monk
     monkeypatch.setattr(router_app, "settle_heap", lambda: None)  # no gc.freeze in the tests
     args = parse_args(["router", "--model", "tiny", "--decode", "http://127.0.0.1:9",
                        "--keep-alive-s", "90"])  # fmt: skip
-    assert router_app.serve_router(router_config(args)) == 0
+    assert router_app.serve_router(args.router_config()) == 0
     (server,) = served
     assert server.config.timeout_keep_alive == 90
 

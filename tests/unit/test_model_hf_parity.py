@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvduplex.common.config import ModelLoadConfig
+from kvduplex.common.engine_config import ModelLoadConfig
 from kvduplex.engine.kv_cache import allocate_kv_pool
 from kvduplex.engine.runner import ModelRunner
 from kvduplex.engine.runner import SeqInput

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvduplex.common.config import ModelLoadConfig
+from kvduplex.common.engine_config import ModelLoadConfig
 from kvduplex.common.presets import PRESETS
 from kvduplex.common.tokenizer import ByteTokenizer
 from kvduplex.model.decoder import DecoderForCausalLM
@@ -20,7 +20,7 @@ from kvduplex.model.loader import resolve_dtype
 
 CHECKSUM = (
     "import torch, hashlib;"
-    "from kvduplex.common.config import ModelLoadConfig;"
+    "from kvduplex.common.engine_config import ModelLoadConfig;"
     "from kvduplex.model.loader import load_model;"
     "m = load_model(ModelLoadConfig(model='tiny', seed=7)).model;"
     "h = hashlib.sha256();"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from kvduplex.common.config import CacheConfig
-from kvduplex.common.config import EngineConfig
+from kvduplex.common.engine_config import CacheConfig
+from kvduplex.common.engine_config import EngineConfig
 from kvduplex.common.sampling import SamplingParams
 from kvduplex.engine.async_engine import AsyncEngine
 from kvduplex.engine.engine import LLMEngine

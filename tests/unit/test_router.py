@@ -17,17 +17,14 @@ from fastapi.testclient import TestClient
 from httpx_sse import connect_sse
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvduplex.cli.flags import dataclass_from_args
-from kvduplex.cli.flags import flags_of
-from kvduplex.cli.main import _UP_ROUTER_SKIP
-from kvduplex.cli.main import build_parser
+from kvduplex.cli.main import parse_args
 from kvduplex.common.config import ReturnMode
-from kvduplex.common.config import RouterConfig
 from kvduplex.common.config import TransferMode as Mode
 from kvduplex.common.openai.render import FIRST_TOKEN_IDS_FIELD
 from kvduplex.common.tokenizer import ByteTokenizer
 from kvduplex.instance.server import Instance
 from kvduplex.router.app import create_router_app
+from kvduplex.router.config import RouterConfig
 from kvduplex.router.relay import SentToken
 from kvduplex.router.relay import Splice
 from kvduplex.router.relay import splice_first_token
@@ -352,19 +349,18 @@ def test_router_flags_come_from_router_config_and_up_passes_them_on() -> None:
             "--session-ttl-s", "30", "--max-sessions", "5", "--return-mode", "push",
             "--short-append-tokens", "16", "--health-interval-s", "0.5", "--health-failures", "3",
             "--api-key", "sk-xyzzy"]  # fmt: skip
-    args = build_parser().parse_args(argv)
-    cfg = dataclass_from_args(RouterConfig, args, prefill=tuple(args.prefill), decode=tuple(args.decode))
+    cfg = parse_args(argv).router_config()
     assert (cfg.prefill, cfg.decode, cfg.mode) == (("http://p",), ("http://d",), Mode.PULL)
     assert (cfg.session_ttl_s, cfg.max_sessions) == (30.0, 5)
     assert (cfg.return_mode, cfg.short_append_tokens) == (ReturnMode.PUSH, 16)
     assert (cfg.health_interval_s, cfg.health_failures) == (0.5, 3)
     assert cfg.api_key == "sk-xyzzy" and "xyzzy" not in repr(cfg)
-    up = build_parser().parse_args(["up", "--return-mode", "pull", "--max-sessions", "9"])
-    passed = flags_of(RouterConfig, up, skip=_UP_ROUTER_SKIP)
+    up = parse_args(["up", "--return-mode", "pull", "--max-sessions", "9"])
+    passed = up.router_flags()
     assert passed[passed.index("--return-mode") + 1] == "pull"
     assert passed[passed.index("--max-sessions") + 1] == "9" and "--mode" not in passed
     assert "--api-key" not in passed, "the local demo cluster has no API key"
-    again = build_parser().parse_args(["router", "--decode", "http://d", *passed])
+    again = parse_args(["router", "--decode", "http://d", *passed])
     assert again.return_mode is ReturnMode.PULL and again.max_sessions == 9
     for bad, message in [
         ({"decode": ()}, "at least one --decode"),

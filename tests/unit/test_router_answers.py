@@ -176,9 +176,9 @@ def test_policy_routes_carry_the_reuse_and_the_metrics_count_hits() -> None:
 def test_the_sessions_view_lists_answer_hits_and_needs_the_api_key() -> None:
     from fastapi.testclient import TestClient
 
-    from kvduplex.common.config import RouterConfig
     from kvduplex.common.tokenizer import ByteTokenizer
     from kvduplex.router.app import create_router_app
+    from kvduplex.router.config import RouterConfig
     from kvduplex.router.state import RouterState
 
     state = RouterState.create(RouterConfig(decode=("http://d",), api_key="k"), ByteTokenizer())

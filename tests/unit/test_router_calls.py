@@ -12,11 +12,11 @@ import asyncio
 import httpx
 import pytest
 
-from kvduplex.common.config import RouterConfig
 from kvduplex.common.tokenizer import ByteTokenizer
 from kvduplex.router import flows
 from kvduplex.router.calls import InstanceDown
 from kvduplex.router.calls import until_unhealthy
+from kvduplex.router.config import RouterConfig
 from kvduplex.router.policy import BackendPool
 from kvduplex.router.state import RouterState
 

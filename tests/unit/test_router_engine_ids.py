@@ -11,9 +11,9 @@ import httpx
 from fastapi.testclient import TestClient
 
 from kvduplex.common.config import ReturnMode
-from kvduplex.common.config import RouterConfig
 from kvduplex.common.tokenizer import ByteTokenizer
 from kvduplex.router.app import create_router_app
+from kvduplex.router.config import RouterConfig
 from kvduplex.router.health import probe_all
 from kvduplex.router.state import RouterState
 

@@ -18,11 +18,11 @@ import pytest
 from fastapi.testclient import TestClient
 from httpx_sse import connect_sse
 
-from kvduplex.common.config import RouterConfig
 from kvduplex.common.config import TransferMode
 from kvduplex.common.openai import render
 from kvduplex.common.tokenizer import ByteTokenizer
 from kvduplex.router.app import create_router_app
+from kvduplex.router.config import RouterConfig
 from kvduplex.router.relay import OUTER_SEND_KEY
 from kvduplex.router.relay import FirstToken
 from kvduplex.router.relay import push_stream

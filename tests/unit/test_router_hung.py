@@ -22,10 +22,10 @@ from typing import TypeVar
 import httpx
 import pytest
 
-from kvduplex.common.config import RouterConfig
 from kvduplex.common.config import TransferMode
 from kvduplex.common.tokenizer import ByteTokenizer
 from kvduplex.router.app import create_router_app
+from kvduplex.router.config import RouterConfig
 from kvduplex.router.health import probe_all
 from kvduplex.router.state import RouterState
 from tests.unit.test_router import D

@@ -31,12 +31,12 @@ from multidict import CIMultiDict
 from multidict import CIMultiDictProxy
 from yarl import URL
 
-from kvduplex.common.config import RouterConfig
 from kvduplex.common.config import TransferMode
 from kvduplex.common.tokenizer import ByteTokenizer
 from kvduplex.router import app as router_app
 from kvduplex.router import flows
 from kvduplex.router.app import create_router_app
+from kvduplex.router.config import RouterConfig
 from kvduplex.router.relay import body_parts
 from kvduplex.router.state import InstanceCalls
 from kvduplex.router.state import InstanceTransport

@@ -17,9 +17,9 @@ from typing import Any
 import httpx
 import pytest
 
-from kvduplex.common.config import RouterConfig
 from kvduplex.common.tokenizer import ByteTokenizer
 from kvduplex.router.app import create_router_app
+from kvduplex.router.config import RouterConfig
 from kvduplex.router.health import probe_all
 from kvduplex.router.policy import Backend
 from kvduplex.router.policy import BackendPool

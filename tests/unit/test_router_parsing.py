@@ -18,14 +18,14 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from kvduplex.common.config import ParsingConfig
-from kvduplex.common.config import RouterConfig
 from kvduplex.common.config import TransferMode as Mode
 from kvduplex.common.openai.chat_output import AUTO_TOOL_CHOICE_ERROR
 from kvduplex.common.openai.chat_output import RAW_OUTPUT_HEADER
+from kvduplex.common.openai.parsing_config import ParsingConfig
 from kvduplex.common.openai.render import FIRST_TOKEN_IDS_FIELD
 from kvduplex.common.tokenizer import ByteTokenizer
 from kvduplex.router.app import create_router_app
+from kvduplex.router.config import RouterConfig
 from kvduplex.router.state import RouterState
 
 P, D = "http://p0", "http://d0"
@@ -84,12 +84,12 @@ class FakePD:
 
 
 def _router(fake: FakePD, parsing: ParsingConfig, mode: Mode = Mode.PUSH) -> TestClient:
-    config = RouterConfig(prefill=(P,), decode=(D,), mode=mode, parsing=parsing)
+    config = RouterConfig(prefill=(P,), decode=(D,), mode=mode, **parsing.model_dump())
     state = RouterState.create(config, ByteTokenizer(), transport=httpx.MockTransport(fake.handle))
     return TestClient(create_router_app(state))
 
 
-PARSING = ParsingConfig("hermes", "qwen3", enable_auto_tool_choice=True)
+PARSING = ParsingConfig(tool_call_parser="hermes", reasoning_parser="qwen3", enable_auto_tool_choice=True)
 BODY = {"messages": [{"role": "user", "content": "find kv"}], "tools": TOOLS, "max_tokens": 99}
 
 

@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
-from kvduplex.common.config import RouterConfig
 from kvduplex.common.tokenizer import ByteTokenizer
+from kvduplex.router.config import RouterConfig
 from kvduplex.router.discovery import run_discovery
 from kvduplex.router.health import probe_all
 from kvduplex.router.health import run_prober

@@ -21,12 +21,12 @@ from typing import Any
 import httpx
 from fastapi.testclient import TestClient
 
-from kvduplex.common.config import RouterConfig
 from kvduplex.common.tokenizer import ByteTokenizer
 from kvduplex.common.tokenizer import Messages
 from kvduplex.common.tokenizer import Tools
 from kvduplex.router.app import INLINE_PROMPT_BYTES
 from kvduplex.router.app import create_router_app
+from kvduplex.router.config import RouterConfig
 from kvduplex.router.state import RouterState
 from tests.unit.test_router import D
 from tests.unit.test_router import FakeInstances
@@ -39,12 +39,12 @@ _IMPORTS = """
 import json, sys
 import kvduplex.router
 import kvduplex.router.app
-from kvduplex.cli.main import main, parse_args, router_config
+from kvduplex.cli.main import main, parse_args
 from kvduplex.router.app import create_router_app, serve_router
 from kvduplex.router.state import RouterState
 from kvduplex.common.model_source import load_tokenizer, model_config
 
-config = router_config(parse_args(["router", "--decode", "http://127.0.0.1:9", "--model", "tiny"]))
+config = parse_args(["router", "--decode", "http://127.0.0.1:9", "--model", "tiny"]).router_config()
 create_router_app(RouterState.create(config, load_tokenizer(config.model)))
 tok = load_tokenizer(sys.argv[1])
 ids = tok.encode_chat([{"role": "user", "content": "hello world"}])

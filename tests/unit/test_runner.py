@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvduplex.common.config import ModelLoadConfig
+from kvduplex.common.engine_config import ModelLoadConfig
 from kvduplex.common.kv_layout import KVCacheLayout
 from kvduplex.common.presets import preset_config
 from kvduplex.engine import runner_inputs

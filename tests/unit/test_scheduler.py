@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
 
-from kvduplex.common.config import SchedulerConfig
+from kvduplex.common.engine_config import SchedulerConfig
 from kvduplex.common.sampling import SamplingParams
 from kvduplex.engine.block_pool import BlockPool
 from kvduplex.engine.kv_manager import KVCacheManager

@@ -1,23 +1,33 @@
-"""Layered settings (`kvduplex.cli.settings`): flag > KVDUPLEX_* > --config file >
+"""Layered settings (`kvduplex.common.settings`): flag > KVDUPLEX_* > --config file >
 default, for serve, router and up; errors name the key and its source; the logged
 effective config has its secrets redacted."""
 
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from kvduplex.bench.agentic_cli import AgenticBenchSettings
+from kvduplex.bench.serving import ServingBenchSettings
 from kvduplex.cli.main import main
 from kvduplex.cli.main import parse_args
-from kvduplex.cli.main import router_config
-from kvduplex.cli.main import server_config
-from kvduplex.cli.settings import REDACTED
-from kvduplex.cli.settings import ConfigError
+from kvduplex.cli.settings import RouterSettings
+from kvduplex.cli.settings import ServeSettings
+from kvduplex.cli.settings import UpSettings
+from kvduplex.common.config import ENV_PREFIX
+from kvduplex.common.config import ENVIRONMENT_VARIABLES
 from kvduplex.common.config import ReturnMode
 from kvduplex.common.config import Role
 from kvduplex.common.config import TransferMode
+from kvduplex.common.settings import REDACTED
+from kvduplex.common.settings import SERVICE_LINK
+from kvduplex.common.settings import ConfigError
+from kvduplex.instance.config import ServerConfig
+from kvduplex.router.config import RouterConfig
 
 
 @pytest.fixture(autouse=True)
@@ -28,6 +38,16 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in list(os.environ):
         if name.startswith("KVDUPLEX_"):
             monkeypatch.delenv(name)
+
+
+def router_config(settings: object) -> RouterConfig:
+    assert isinstance(settings, RouterSettings)
+    return settings.router_config()
+
+
+def server_config(settings: object) -> ServerConfig:
+    assert isinstance(settings, ServeSettings)
+    return settings.server_config()
 
 
 def write(tmp_path: Path, name: str, text: str) -> str:
@@ -252,3 +272,75 @@ def test_router_prompt_threads_from_each_layer(
     assert router_config(parse_args([*decode, "--prompt-threads", "8"])).prompt_threads == 8
     with pytest.raises(ValueError, match="prompt_threads must be >= 1"):
         router_config(parse_args([*decode, "--prompt-threads", "0"]))
+
+
+# --- the environment: declared names only, none a Kubernetes service link can produce ---
+
+SETTINGS_MODELS = (ServeSettings, RouterSettings, UpSettings, ServingBenchSettings,
+                   AgenticBenchSettings)  # fmt: skip
+SERVICE_LINK_ENV = {
+    "KVDUPLEX_PORT": "tcp://10.96.0.12:8000",
+    "KVDUPLEX_SERVICE_HOST": "10.96.0.12",
+    "KVDUPLEX_SERVICE_PORT": "8000",
+    "KVDUPLEX_SERVICE_PORT_HTTP": "8000",
+    "KVDUPLEX_PORT_8000_TCP": "tcp://10.96.0.12:8000",
+    "KVDUPLEX_PORT_8000_TCP_PROTO": "tcp",
+    "KVDUPLEX_PORT_8000_TCP_PORT": "8000",
+    "KVDUPLEX_PORT_8000_TCP_ADDR": "10.96.0.12",
+}
+"""What a Service named ``kvduplex`` with a port named ``http`` injects into every pod."""
+
+
+def test_the_service_link_pattern_matches_what_kubernetes_injects() -> None:
+    for name in SERVICE_LINK_ENV:
+        assert SERVICE_LINK.fullmatch(name), name
+    for service in ("kvduplex-decode-headless", "a", "kvduplex-router-0"):
+        svc = service.upper().replace("-", "_")
+        for suffix in ("_SERVICE_HOST", "_SERVICE_PORT", "_SERVICE_PORT_METRICS", "_PORT",
+                       "_PORT_53_UDP", "_PORT_8000_SCTP_ADDR"):  # fmt: skip
+            assert SERVICE_LINK.fullmatch(svc + suffix), svc + suffix
+    assert not SERVICE_LINK.fullmatch("KVDUPLEX_KV_CACHE_MB")
+    assert not SERVICE_LINK.fullmatch("KVDUPLEX_PORT_NUMBER")
+
+
+def test_no_environment_name_read_is_one_a_service_link_can_produce() -> None:
+    names = {name for model in SETTINGS_MODELS for name in model.env_names().values()}
+    names |= set(ENVIRONMENT_VARIABLES)
+    assert {"KVDUPLEX_CLUSTER_SECRET", "KVDUPLEX_API_KEY", "KVDUPLEX_LOG_LEVEL"} <= names
+    assert "KVDUPLEX_KV_CACHE_MB" in names and "KVDUPLEX_DECODE" in names
+    assert all(name.startswith(ENV_PREFIX) for name in names)
+    produced = sorted(name for name in names if SERVICE_LINK.fullmatch(name))
+    assert not produced, f"a Kubernetes service link can set {produced}"
+
+
+def test_service_link_variables_are_not_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in SERVICE_LINK_ENV.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("KVDUPLEX_API_KEY", "sk-from-env")
+    monkeypatch.setenv("KVDUPLEX_LOG_LEVEL", "debug")
+    serve = parse_args(["serve"])
+    assert serve.port == 8000 and serve.api_key == "sk-from-env"
+    router = parse_args(["router", "--decode", "http://d:1"])
+    assert router.port == 8000 and router.log_level == "debug"
+    assert parse_args(["up"]).port == 0
+    # --port still comes from the flag and the file
+    assert parse_args(["serve", "--port", "9000"]).port == 9000
+    cfg = write(tmp_path, "c.yaml", "port: 9001\n")
+    assert parse_args(["serve", "--config", cfg]).port == 9001
+
+
+def test_an_undeclared_variable_is_not_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVDUPLEX_KV_CACHE_GB", "1")  # no such setting: ignored
+    monkeypatch.setenv("KVDUPLEX_SESSION_TTL_S", "5")  # the router's, not an instance's
+    assert parse_args(["serve"]).kv_cache_mb == 512
+
+
+def test_the_engine_config_imports_no_openai_parser() -> None:
+    code = (
+        "import sys; import kvduplex.common.engine_config, kvduplex.engine.scheduler;"
+        "loaded = [m for m in sys.modules if m.startswith('kvduplex.common.openai')];"
+        "assert not loaded, loaded"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

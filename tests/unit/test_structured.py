@@ -11,9 +11,9 @@ import jsonschema_rs
 import pytest
 import torch
 
-from kvduplex.common.config import CacheConfig
-from kvduplex.common.config import EngineConfig
-from kvduplex.common.config import ModelLoadConfig
+from kvduplex.common.engine_config import CacheConfig
+from kvduplex.common.engine_config import EngineConfig
+from kvduplex.common.engine_config import ModelLoadConfig
 from kvduplex.common.openai.structured import ForcedToolCalls
 from kvduplex.common.openai.structured import ToolCallStream
 from kvduplex.common.openai.structured import ToolChoiceMode

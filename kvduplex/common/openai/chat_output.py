@@ -39,7 +39,7 @@ from dataclasses import field
 from typing import Any
 from typing import Protocol
 
-from kvduplex.common.config import ParsingConfig
+from kvduplex.common.openai.parsing_config import ParsingConfig
 from kvduplex.common.openai.protocol import ChatCompletionRequest
 from kvduplex.common.openai.reasoning import ThinkParser
 from kvduplex.common.openai.reasoning import starts_in_reasoning

@@ -1,0 +1,231 @@
+"""The engine's configuration: which model, the paged KV cache, the scheduler and KV
+transfers (`EngineConfig`, one frozen section per concern).
+
+Only the instance runs an engine, but the model loader and the KV layout read these
+too, so they sit in the torch-free common part. Nothing here knows the OpenAI API:
+the parsers' config is `kvduplex.common.openai.parsing_config`. The flags,
+environment variables and config-file keys of ``kvduplex serve`` are these fields
+(`kvduplex.cli.settings.ServeSettings`); each field's docstring is its ``--help``.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from pydantic import Field
+from pydantic import ValidationInfo
+from pydantic import field_validator
+from pydantic import model_validator
+
+from kvduplex.common.config import ConfigSection
+
+
+class DecodeAttention(enum.StrEnum):
+    """How a step's decodes attend over the paged KV pool (``--decode-attention``)."""
+
+    AUTO = enum.auto()
+    """``kernel`` where it applies and torch runs one thread; else ``paged`` for models
+    without sliding-window layers, ``copy`` for the others."""
+    PAGED = enum.auto()
+    """Every decode reads the pool in place where its blocks form long ranges; the rest of
+    each sequence is copied; partials merged by log-sum-exp."""
+    COPY = enum.auto()
+    """Each decode's blocks copied into a scratch buffer, grouped by length, one SDPA per
+    group (a lone decode over a few ranges read in place)."""
+    FLEX = enum.auto()
+    """One compiled FlexAttention call reading the pool in place (compiles at start-up)."""
+    KERNEL = enum.auto()
+    """CPU, float32: a C kernel, built at first use, reads every decode's blocks in place
+    through its block table, split over torch's threads (`model/cpu_decode.py`)."""
+
+    @classmethod
+    def parse(cls, value: str) -> DecodeAttention:
+        """`value` as a member; ``sdpa``, the name ``auto`` had before, reads as ``auto``."""
+        if value == "sdpa":
+            return cls.AUTO
+        try:
+            return cls(value)
+        except ValueError:
+            choices = ", ".join(m.value for m in cls)
+            raise ValueError(f"decode_attention must be one of {choices}, got {value!r}") from None
+
+
+def _at_least(name: str, value: int | float, low: int | float, note: str = "") -> None:
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}{note}, got {value}")
+
+
+def _positive(name: str, value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+
+
+class CacheConfig(ConfigSection):
+    """The paged KV cache."""
+
+    block_size: int = 16
+    """Tokens per KV block."""
+    num_blocks: int = 0
+    """Blocks in the pool; 0 sizes the pool from kv_cache_mb."""
+    kv_cache_mb: int = 512
+    """KV pool size in MiB when num_blocks is 0."""
+    enable_prefix_caching: bool = True
+    """Reuse full blocks whose token prefix was seen before."""
+
+    @field_validator("block_size")
+    @classmethod
+    def _check_block_size(cls, value: int) -> int:
+        if not 1 <= value <= 1024:
+            raise ValueError(f"block_size must be in [1, 1024], got {value}")
+        return value
+
+    @field_validator("num_blocks")
+    @classmethod
+    def _check_num_blocks(cls, value: int) -> int:
+        _at_least("num_blocks", value, 0, " (0 = size from kv_cache_mb)")
+        return value
+
+    @model_validator(mode="after")
+    def _check_pool_size(self) -> CacheConfig:
+        if self.num_blocks == 0 and self.kv_cache_mb < 1:
+            raise ValueError("set num_blocks >= 1 or kv_cache_mb >= 1")
+        return self
+
+
+class SchedulerConfig(ConfigSection):
+    """Continuous batching, chunked prefill and the engine loop's health."""
+
+    max_num_seqs: int = 64
+    """Most requests running at once."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one engine step (prefill chunks plus decodes)."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts across steps so decodes keep flowing."""
+    long_prefill_token_threshold: int = 0
+    """Largest prefill chunk of one request per step; 0 means the whole budget."""
+    engine_stall_timeout_s: float = 8.0
+    """Seconds the engine loop may spend in one iteration (a step, or a call run between
+    steps) while it has work before the instance calls itself unhealthy: /health answers
+    503 and KV heartbeats stop, so decode stops waiting for this instance's pushes and the
+    router sends new requests elsewhere; healthy again once the iteration ends. An idle
+    loop (waiting for work) is healthy. One step computes at most max_num_batched_tokens,
+    so keep this above the longest such step (a whole 2,048-token prefill of the small
+    preset takes about 5 s on 2 CPU cores; a GPU step takes well under 1 s), and below
+    --kv-wait-timeout-s, so that a wedged prefill instance costs decode at most the sum."""
+
+    @field_validator("max_num_seqs", "max_num_batched_tokens")
+    @classmethod
+    def _check_at_least_one(cls, value: int, info: ValidationInfo) -> int:
+        _at_least(str(info.field_name), value, 1)
+        return value
+
+    @field_validator("long_prefill_token_threshold")
+    @classmethod
+    def _check_threshold(cls, value: int) -> int:
+        _at_least("long_prefill_token_threshold", value, 0)
+        return value
+
+    @field_validator("engine_stall_timeout_s")
+    @classmethod
+    def _check_stall(cls, value: float) -> float:
+        _positive("engine_stall_timeout_s", value)
+        return value
+
+
+class ModelLoadConfig(ConfigSection):
+    """Which model to serve and how."""
+
+    model: str = "tiny"
+    """A built-in preset name (tiny, small, kv-heavy) or a local Hugging Face folder."""
+    dtype: str = "auto"
+    """float32, bfloat16 or auto (float32 on CPU, bfloat16 on CUDA)."""
+    device: str = "auto"
+    """cpu, cuda, cuda:N or auto."""
+    seed: int = 0
+    """Seed of a preset's random weights."""
+    served_model_name: str = ""
+    """Name clients use in requests; defaults to the model argument."""
+    num_threads: int = 0
+    """torch intra-op threads; 0 keeps torch's default."""
+    decode_attention: DecodeAttention = DecodeAttention.AUTO
+    """Decode attention: auto (kernel on CPU with one torch thread where it builds; else
+    paged, or copy for models with sliding-window layers), kernel (a compiled CPU kernel
+    walking each block table), paged (read the KV pool in place where blocks run), copy
+    (blocks copied per length group, then SDPA) or flex (compiled FlexAttention in place;
+    compiles at start-up)."""
+    cpu_packed_weights: bool = True
+    """On CPU, also keep every float32 linear weight packed for oneDNN and use it for
+    matmuls of 2 to 64 rows (decode batches); a single row (MKL's gemv) and longer inputs
+    (prefill chunks) use the plain weight. Doubles the memory of the linear weights; off
+    keeps one copy."""
+
+    @field_validator("dtype")
+    @classmethod
+    def _check_dtype(cls, value: str) -> str:
+        if value not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {value!r}")
+        return value
+
+    @field_validator("decode_attention", mode="before")
+    @classmethod
+    def _parse_decode_attention(cls, value: Any) -> Any:
+        return DecodeAttention.parse(value) if isinstance(value, str) else value
+
+    @field_validator("num_threads")
+    @classmethod
+    def _check_threads(cls, value: int) -> int:
+        _at_least("num_threads", value, 0)
+        return value
+
+
+class TransferConfig(ConfigSection):
+    """KV transfer between instances."""
+
+    kv_wait_timeout_s: float = 10.0
+    """How long decode waits for pushed KV without word from prefill before computing the
+    prompt itself (and prefill for decode's registration); heartbeats restart it. Also the
+    deadline of a pull READ, shortened to end 0.5 s before prefill's lease does."""
+    pull_lease_s: float = 30.0
+    """How long prefill keeps a finished request's blocks for decode to read, as told to
+    decode; prefill holds them 2 s longer (`kvduplex.kvflow.lease.TRANSIT_GRACE_S`) since
+    decode counts it from its own arrival."""
+    transfer_timeout_s: float = 10.0
+    """Deadline of each WRITE of a push (prefill) or a return (decode), never past the
+    receiver's wait; a failed WRITE fails the transfer and decode computes the prompt. The
+    deadline ends the wait, not the WRITE: its blocks stay referenced until it cannot land
+    (NIXL released it; a sender tears the endpoint down if that takes another deadline).
+    A receiver that gave up keeps its blocks until the sender confirms, asking it again
+    every twice this plus 1 s, or until the sender's process is known to be gone. Pull
+    READs use kv_wait_timeout_s instead."""
+    retain_lease_s: float = 60.0
+    """Decode, ``--return-mode pull`` only: how long a session's last turn stays held
+    for prefill to read at the next turn."""
+    peer_recheck_s: float = 1.0
+    """For a request that names no engine id for its peer (the router names them, from
+    each instance's /health): how long a connection to a peer is used before the engine id
+    at its URL is checked again (one HTTP GET, at the next request that needs the peer); a
+    peer restarted at the same address is handshaken afresh at its first use after this. A
+    peer that does not answer the check within 0.5 s is kept (the transfers' deadlines
+    cover it)."""
+
+    @field_validator("peer_recheck_s")
+    @classmethod
+    def _check_recheck(cls, value: float) -> float:
+        _at_least("peer_recheck_s", value, 0)
+        return value
+
+    @field_validator("kv_wait_timeout_s", "pull_lease_s", "transfer_timeout_s", "retain_lease_s")
+    @classmethod
+    def _check_positive(cls, value: float, info: ValidationInfo) -> float:
+        _positive(str(info.field_name), value)
+        return value
+
+
+class EngineConfig(ConfigSection):
+    """Everything one instance's engine needs."""
+
+    model: ModelLoadConfig = Field(default_factory=ModelLoadConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    transfer: TransferConfig = Field(default_factory=TransferConfig)
