@@ -65,9 +65,9 @@ class AgenticBenchSettings(ProcessSettings):
     every KV mode on local instances, or against one OpenAI-compatible endpoint (--url)."""
 
     command: ClassVar[str] = "bench"
-    env_excluded: ClassVar[frozenset[str]] = ProcessSettings.env_excluded | {"workload"}
+    reads_environment: ClassVar[bool] = False
 
-    workload: Literal["serving", "agentic"] = "agentic"
+    workload: Literal["agentic"] = "agentic"
     """serving (single-turn) or agentic (multi-turn sessions); each takes its own flags."""
     shapes: str = "agentic,reasoning"
     """agentic, reasoning, or both."""

@@ -92,9 +92,9 @@ class ServingBenchSettings(ProcessSettings):
     instances (TTFT, TPOT, the PD handoff)."""
 
     command: ClassVar[str] = "bench"
-    env_excluded: ClassVar[frozenset[str]] = ProcessSettings.env_excluded | {"workload"}
+    reads_environment: ClassVar[bool] = False
 
-    workload: Literal["serving", "agentic"] = "serving"
+    workload: Literal["serving"] = "serving"
     """serving (single-turn) or agentic (multi-turn sessions); each takes its own flags:
     kvduplex bench --workload agentic --help."""
     model: str = "small"

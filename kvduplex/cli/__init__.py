@@ -1,3 +1,3 @@
 """The ``kvduplex`` command: `main` parses it and starts a process (`serve`, `router`,
-`up`, `bench`); `flags` and `settings` turn its flags, environment and config file
-into settings."""
+`up`, `bench`); `settings` holds each command's settings model (flags, environment
+and config file, `kvduplex.common.settings`)."""

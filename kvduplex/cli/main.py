@@ -10,11 +10,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvduplex.cli.settings import RouterSettings
 from kvduplex.cli.settings import ServeSettings
@@ -28,7 +30,13 @@ from kvduplex.common.config import Role
 from kvduplex.common.settings import ProcessSettings
 from kvduplex.common.settings import load_settings
 
+if TYPE_CHECKING:
+    from kvduplex.instance.server import InstanceParts
+
 logger = logging.getLogger("kvduplex")
+
+PORT_LINK_VAR = "KVDUPLEX_PORT"
+"""What a Kubernetes Service named ``kvduplex`` injects (``tcp://IP:PORT``): never read."""
 
 COMMANDS = {
     "serve": "serve one instance (OpenAI API)",
@@ -62,12 +70,15 @@ def require_transport(role: Role) -> None:
         )
 
 
-def _cmd_serve(args: ServeSettings) -> None:
+def run_serve(args: ServeSettings, parts: InstanceParts | None = None) -> None:
+    """``kvduplex serve``: check the transport, build and serve the instance (with `parts`,
+    its seams; none in service), exit with the server's code. ValueError for a config
+    error."""
     from kvduplex.instance.server import serve
 
     server = args.server_config()
     require_transport(server.role)
-    code = serve(args.engine_config(), server, Environment.read())
+    code = serve(args.engine_config(), server, Environment.read(), parts)
     if code:
         sys.exit(code)
 
@@ -222,6 +233,8 @@ def _cmd_bench(args: ProcessSettings) -> None:
         agentic_cli.main(args)
     elif isinstance(args, serving.ServingBenchSettings):
         serving.main(args)
+    else:
+        raise AssertionError(f"no benchmark for {type(args).__name__}")
 
 
 def settings_class(argv: list[str]) -> type[ProcessSettings]:
@@ -274,7 +287,7 @@ def log_effective_config(settings: ProcessSettings) -> None:
 def _run(settings: ProcessSettings) -> None:
     match settings:
         case ServeSettings():
-            _cmd_serve(settings)
+            run_serve(settings)
         case RouterSettings():
             _cmd_router(settings)
         case UpSettings():
@@ -296,6 +309,11 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(str(getattr(settings, "log_level", "info")))
     if settings.command != "bench":
         log_effective_config(settings)
+    if os.environ.get(PORT_LINK_VAR, "").isdigit() and settings.command != "bench":
+        logger.warning(
+            "%s is set but not read (a Kubernetes service link sets it): give --port or "
+            "port in --config", PORT_LINK_VAR,
+        )  # fmt: skip
     try:
         _run(settings)
     except ValueError as exc:  # config errors: say what to change, no traceback

@@ -65,18 +65,18 @@ class _SchedulerCounts(Protocol):
     def num_held(self) -> int: ...
 
 
-class LLMEngine(Protocol):
+class DrainEngine(Protocol):
     """What a drain reads of an instance's engine (on the engine thread)."""
 
     @property
     def scheduler(self) -> _SchedulerCounts: ...
 
 
-class AsyncEngine(Protocol):
+class DrainLoop(Protocol):
     """What a drain asks of an instance's engine loop (`kvduplex.engine.async_engine`)."""
 
     def dead_reason(self) -> str | None: ...
-    async def run_in_engine(self, fn: Callable[[LLMEngine], T]) -> T: ...
+    async def run_in_engine(self, fn: Callable[[DrainEngine], T]) -> T: ...
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class DrainState:
     is_draining: bool = False
     num_in_flight: int = 0
     """HTTP requests being served, probes and scrapes aside."""
-    owed_checks: list[Callable[[LLMEngine], dict[str, int]]] = field(default_factory=list)
+    owed_checks: list[Callable[[DrainEngine], dict[str, int]]] = field(default_factory=list)
     """What the roles still owe peers, read on the engine thread: sizes of tables."""
 
 
@@ -154,7 +154,7 @@ def _closing(send: Send) -> Send:
     return send_closing
 
 
-def owed_work(engine: LLMEngine, drain: DrainState) -> dict[str, int]:
+def owed_work(engine: DrainEngine, drain: DrainState) -> dict[str, int]:
     """What the instance still owes, by kind (engine thread); empty when nothing is."""
     sched = engine.scheduler
     owed = {"engine_running": sched.num_running, "engine_waiting": sched.num_waiting}
@@ -166,7 +166,7 @@ def owed_work(engine: LLMEngine, drain: DrainState) -> dict[str, int]:
     return {k: v for k, v in owed.items() if v > 0}
 
 
-async def wait_drained(engine: AsyncEngine | None, drain: DrainState) -> bool:
+async def wait_drained(engine: DrainLoop | None, drain: DrainState) -> bool:
     """Poll until nothing is owed (True) or ``drain.timeout_s`` passed (False, logged).
     Without an `engine` (the router) only HTTP requests in flight are owed."""
     loop = asyncio.get_running_loop()
@@ -216,7 +216,7 @@ class DrainingServer(uvicorn.Server):
     no `engine`) before it stops, and a second one exits the process at once."""
 
     def __init__(
-        self, config: uvicorn.Config, drain: DrainState, engine: AsyncEngine | None = None
+        self, config: uvicorn.Config, drain: DrainState, engine: DrainLoop | None = None
     ) -> None:
         super().__init__(config)
         self.engine = engine

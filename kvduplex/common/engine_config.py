@@ -110,8 +110,8 @@ class SchedulerConfig(ConfigSection):
     503 and KV heartbeats stop, so decode stops waiting for this instance's pushes and the
     router sends new requests elsewhere; healthy again once the iteration ends. An idle
     loop (waiting for work) is healthy. One step computes at most max_num_batched_tokens,
-    so keep this above the longest such step (a whole 2,048-token prefill of the small
-    preset takes about 5 s on 2 CPU cores; a GPU step takes well under 1 s), and below
+    so keep this above the longest such step (on CPU, a whole step's prefill takes seconds;
+    a GPU step well under one), and below
     --kv-wait-timeout-s, so that a wedged prefill instance costs decode at most the sum."""
 
     @field_validator("max_num_seqs", "max_num_batched_tokens")

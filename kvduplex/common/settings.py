@@ -133,7 +133,7 @@ class ProcessSettings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX,
         env_ignore_empty=True,
-        case_sensitive=False,
+        case_sensitive=True,
         extra="forbid",
         frozen=True,
         use_attribute_docstrings=True,
@@ -143,12 +143,15 @@ class ProcessSettings(BaseSettings):
     """The ``kvduplex`` command these are the settings of."""
     env_excluded: ClassVar[frozenset[str]] = frozenset({"config", "port"})
     """Fields the environment never sets: the flag and the config file still do."""
+    reads_environment: ClassVar[bool] = True
+    """False for a command that reads no variable (the benchmarks: what they measure is
+    what their command line says, whatever a shell exported for `serve`)."""
     secret_fields: ClassVar[frozenset[str]] = frozenset({"api_key"})
     """Fields whose values are never logged or echoed in an error."""
 
     config: str = ""
     """A YAML (.yaml, .yml) or TOML (.toml) file of settings, one key per flag
-    (kv_cache_mb: 1024). Every flag but --config and --port is also the environment
+    (kv_cache_mb: 1024). Every flag but --config, --port and bench's is also the environment
     variable KVDUPLEX_<FLAG_NAME> (KVDUPLEX_KV_CACHE_MB=1024). A flag given here wins
     over the variable, which wins over the file."""
 
@@ -174,6 +177,8 @@ class ProcessSettings(BaseSettings):
     def env_names(cls) -> dict[str, str]:
         """Field name → the environment variable that sets it, for every field the
         environment may set: the only names these settings read."""
+        if not cls.reads_environment:
+            return {}
         return {
             name: ENV_PREFIX + name.upper()
             for name in cls.model_fields
@@ -232,6 +237,8 @@ def settings_parser(cls: type[ProcessSettings]) -> CliSettingsSource[Any]:
         field = cls.model_fields.get(dest)
         if field is not None:
             _readable(dest, field, kwargs)
+        if kwargs.get("nargs") in ("*", "+") and "action" not in kwargs:
+            kwargs["action"] = "extend"  # the flag repeated adds its values
         return parser.add_argument(*names, **kwargs)
 
     return CliSettingsSource(

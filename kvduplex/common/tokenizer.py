@@ -237,7 +237,6 @@ class HFTokenizer(Tokenizer):
         eos.extend(_generation_eos(folder))
         self.eos_token_ids = tuple(dict.fromkeys(eos))
         self._templates = ChatTemplates(read_chat_templates(folder, config), specials)
-        self._hf_tokenizer: Any = None
 
     def _id_of(self, token: object) -> int | None:
         if not isinstance(token, str):
@@ -246,16 +245,9 @@ class HFTokenizer(Tokenizer):
         return None if token_id is None else int(token_id)
 
     @property
-    def hf_tokenizer(self) -> Any:
-        """The folder's transformers tokenizer (loaded on first use; transformers imports
-        torch): what xgrammar builds a grammar's vocabulary from, on an instance."""
-        if self._hf_tokenizer is None:
-            from transformers import AutoTokenizer
-
-            self._hf_tokenizer = AutoTokenizer.from_pretrained(
-                str(self._folder), local_files_only=True
-            )
-        return self._hf_tokenizer
+    def folder(self) -> Path:
+        """The Hugging Face folder this tokenizer was read from."""
+        return self._folder
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)

@@ -182,8 +182,11 @@ def tokenizer_info(tokenizer: Tokenizer, vocab_size: int) -> Any:
             vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stop
         )
     if isinstance(tokenizer, HFTokenizer):
+        from transformers import AutoTokenizer
+
+        hf_tokenizer = AutoTokenizer.from_pretrained(str(tokenizer.folder), local_files_only=True)
         return xgr.TokenizerInfo.from_huggingface(
-            tokenizer.hf_tokenizer, vocab_size=vocab_size, stop_token_ids=stop
+            hf_tokenizer, vocab_size=vocab_size, stop_token_ids=stop
         )
     raise ValueError(f"structured output does not support {type(tokenizer).__name__}")
 

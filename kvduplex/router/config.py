@@ -60,9 +60,8 @@ class RouterTuning(ConfigSection):
     """Push mode: a session's turn whose part decode has not cached (its new input) is at
     most this many tokens goes to decode alone, which prefills it over its cached history
     (0: off). With ``return_mode`` push, decode then returns the turn to prefill. Off by
-    default: in the agentic benchmark (six sessions decoding, 40-160-token appends) decode's
-    prefill raised TTFT 1.36x and TPOT 1.06x over prefill's (docs/benchmarks.md); it pays where the
-    prefill instances are the bottleneck."""
+    default: decode's prefill then competes with its decodes (docs/benchmarks.md measures
+    it); it pays where the prefill instances are the bottleneck."""
     max_body_mb: int = 8
     """Largest request body accepted, in MiB (larger: HTTP 413, before it is parsed). A
     prompt that fits a 128k-token context is well under 8 MiB of JSON."""

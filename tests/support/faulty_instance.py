@@ -3,8 +3,8 @@
 For tests only. After the fault flags (`Faults.add_flags`: ``--drop-messages``,
 ``--stall-file``, ``--scripted-output``) comes a ``kvduplex serve`` command line,
 parsed, logged and served as `kvduplex.cli.main.main` does it (the same settings
-layers, effective-config line, NIXL check, draining and exit codes), with the
-faults passed to `serve` as its `InstanceParts`. `tests.support.faults.start_instance`
+layers, effective-config line, NIXL check, draining and exit codes: `run_serve`), with
+the faults passed as its `InstanceParts`. `tests.support.faults.start_instance`
 starts it.
 """
 
@@ -15,11 +15,9 @@ import sys
 
 from kvduplex.cli.main import log_effective_config
 from kvduplex.cli.main import parse_args
-from kvduplex.cli.main import require_transport
+from kvduplex.cli.main import run_serve
 from kvduplex.cli.main import setup_logging
 from kvduplex.cli.settings import ServeSettings
-from kvduplex.common.config import Environment
-from kvduplex.instance.server import serve
 from tests.support.faults import Faults
 
 
@@ -43,16 +41,10 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(str(args.log_level))
     log_effective_config(args)
     try:
-        server = args.server_config()
-        require_transport(server.role)
-        engine_config = args.engine_config()
-        parts = faults.parts(engine_config.model.model)
-        code = serve(engine_config, server, Environment.read(), parts)
+        run_serve(args, faults.parts(args.engine_config().model.model))
     except ValueError as exc:  # config errors, as kvduplex's: no traceback
         print(f"faulty_instance: error: {exc}", file=sys.stderr)
         sys.exit(2)
-    if code:
-        sys.exit(code)
 
 
 if __name__ == "__main__":

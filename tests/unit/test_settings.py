@@ -26,6 +26,7 @@ from kvduplex.common.config import TransferMode
 from kvduplex.common.settings import REDACTED
 from kvduplex.common.settings import SERVICE_LINK
 from kvduplex.common.settings import ConfigError
+from kvduplex.common.settings import ProcessSettings
 from kvduplex.instance.config import ServerConfig
 from kvduplex.router.config import RouterConfig
 
@@ -278,6 +279,17 @@ def test_router_prompt_threads_from_each_layer(
 
 SETTINGS_MODELS = (ServeSettings, RouterSettings, UpSettings, ServingBenchSettings,
                    AgenticBenchSettings)  # fmt: skip
+
+
+def _all_settings_models() -> set[type[ProcessSettings]]:
+    found: set[type[ProcessSettings]] = set()
+    todo = list(ProcessSettings.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        if cls.__module__.startswith("kvduplex."):
+            found.add(cls)
+        todo.extend(cls.__subclasses__())
+    return found
 SERVICE_LINK_ENV = {
     "KVDUPLEX_PORT": "tcp://10.96.0.12:8000",
     "KVDUPLEX_SERVICE_HOST": "10.96.0.12",
@@ -304,7 +316,8 @@ def test_the_service_link_pattern_matches_what_kubernetes_injects() -> None:
 
 
 def test_no_environment_name_read_is_one_a_service_link_can_produce() -> None:
-    names = {name for model in SETTINGS_MODELS for name in model.env_names().values()}
+    assert set(SETTINGS_MODELS) <= _all_settings_models()
+    names = {name for model in _all_settings_models() for name in model.env_names().values()}
     names |= set(ENVIRONMENT_VARIABLES)
     assert {"KVDUPLEX_CLUSTER_SECRET", "KVDUPLEX_API_KEY", "KVDUPLEX_LOG_LEVEL"} <= names
     assert "KVDUPLEX_KV_CACHE_MB" in names and "KVDUPLEX_DECODE" in names
@@ -344,3 +357,33 @@ def test_the_engine_config_imports_no_openai_parser() -> None:
         "assert not loaded, loaded"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_a_list_flag_repeated_adds_its_values() -> None:
+    args = parse_args(["router", "--model", "tiny", "--decode", "http://a:1", "http://c:1",
+                       "--decode", "http://b:1"])  # fmt: skip
+    assert isinstance(args, RouterSettings)
+    assert args.decode == ("http://a:1", "http://c:1", "http://b:1")
+
+
+def test_the_benchmarks_read_no_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVDUPLEX_KV_CACHE_MB", "1024")
+    monkeypatch.setenv("KVDUPLEX_MODEL", "/models/elsewhere")
+    args = parse_args(["bench", "--workload", "agentic"])
+    assert isinstance(args, AgenticBenchSettings)
+    assert (args.kv_cache_mb, args.model) == (0, "")
+    assert ServingBenchSettings.env_names() == {} == AgenticBenchSettings.env_names()
+
+
+def test_a_workload_from_anywhere_but_its_flag_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "bench.yaml"
+    path.write_text("workload: agentic\n")
+    with pytest.raises(ConfigError, match="workload"):
+        parse_args(["bench", "--config", str(path)])
+
+
+def test_a_port_in_the_environment_is_not_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVDUPLEX_PORT", "9000")
+    args = parse_args(["serve", "--model", "tiny"])
+    assert isinstance(args, ServeSettings)
+    assert args.port != 9000
