@@ -13,8 +13,8 @@ from typing import ClassVar
 from typing import Literal
 
 from pydantic import Field
-from pydantic import field_validator
 
+from kvduplex.common.config import Port
 from kvduplex.common.engine_config import CacheConfig
 from kvduplex.common.engine_config import EngineConfig
 from kvduplex.common.engine_config import ModelLoadConfig
@@ -76,7 +76,7 @@ class UpSettings(RouterTuning, ParsingConfig, ProcessSettings):
     """A preset or local Hugging Face folder."""
     dtype: str = ""
     """Model dtype (empty: auto)."""
-    port: int = 0
+    port: Port = 0
     """Front-door port (0: a free one)."""
     demo_turns: int = 6
     """Turns of the demo session; 0 skips it."""
@@ -98,13 +98,6 @@ class UpSettings(RouterTuning, ParsingConfig, ProcessSettings):
     """Where process logs go (empty: a temp dir)."""
     log_level: str = "warning"
     """Python log level."""
-
-    @field_validator("port")
-    @classmethod
-    def _check_port(cls, value: int) -> int:
-        if not 0 <= value <= 65535:
-            raise ValueError(f"port must be in [0, 65535] (0: a free one), got {value}")
-        return value
 
     def router_flags(self) -> list[str]:
         """The router tuning fields as flags of ``kvduplex router``."""

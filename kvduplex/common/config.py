@@ -19,11 +19,31 @@ import enum
 import os
 from dataclasses import dataclass
 from dataclasses import field
+from typing import Annotated
 from typing import ClassVar
 from urllib.parse import urlsplit
 
 import pydantic
+from pydantic import AfterValidator
 from pydantic_settings import SettingsConfigDict
+
+
+def _port_in_range(value: int) -> int:
+    if not 0 <= value <= 65535:
+        raise ValueError(f"port must be in [0, 65535] (0: a free one), got {value}")
+    return value
+
+
+def _drain_not_negative(value: float) -> float:
+    if value < 0:
+        raise ValueError(f"drain_timeout_s must be >= 0, got {value}")
+    return value
+
+
+Port = Annotated[int, AfterValidator(_port_in_range)]
+"""A TCP port a server listens on (0: a free one)."""
+DrainTimeout = Annotated[float, AfterValidator(_drain_not_negative)]
+"""Seconds a server drains for on SIGTERM (``--drain-timeout-s``)."""
 
 
 class ConfigSection(pydantic.BaseModel):

@@ -13,6 +13,8 @@ from pydantic import ValidationInfo
 from pydantic import field_validator
 
 from kvduplex.common.config import ROUTER_POOL_IDLE_S
+from kvduplex.common.config import DrainTimeout
+from kvduplex.common.config import Port
 from kvduplex.common.config import Role
 from kvduplex.common.openai.parsing_config import ParsingConfig
 
@@ -24,7 +26,7 @@ class ServerConfig(ParsingConfig):
 
     host: str = "127.0.0.1"
     """Address to listen on."""
-    port: int = 8000
+    port: Port = 8000
     """Port to listen on; 0 picks a free one."""
     role: Role = Role.BOTH
     """prefill, decode or both."""
@@ -43,7 +45,7 @@ class ServerConfig(ParsingConfig):
     api_key: str = Field(default="", repr=False)
     """Key clients must send on every /v1/* route (header Authorization: Bearer KEY); empty:
     KVDUPLEX_API_KEY, or no key (open). /health and /metrics stay open."""
-    drain_timeout_s: float = 60.0
+    drain_timeout_s: DrainTimeout = 60.0
     """At SIGTERM the instance drains: /ready answers 503, new requests are refused (503,
     code draining), and the work in flight finishes, the KV pushes and returns it owes
     included; then it exits 0. After this many seconds it exits anyway (1, logged). A
@@ -53,20 +55,6 @@ class ServerConfig(ParsingConfig):
     client keeps one idle for reuse (the router: 60 s), so that the client closes it first
     (a request sent just as the server closes the connection fails, and a POST is not
     sent again)."""
-
-    @field_validator("port")
-    @classmethod
-    def _check_port(cls, value: int) -> int:
-        if not 0 <= value <= 65535:
-            raise ValueError(f"port must be in [0, 65535], got {value}")
-        return value
-
-    @field_validator("drain_timeout_s")
-    @classmethod
-    def _check_drain(cls, value: float) -> float:
-        if value < 0:
-            raise ValueError(f"drain_timeout_s must be >= 0, got {value}")
-        return value
 
     @field_validator("keep_alive_s")
     @classmethod

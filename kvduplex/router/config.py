@@ -17,6 +17,8 @@ from pydantic import field_validator
 from pydantic import model_validator
 
 from kvduplex.common.config import ConfigSection
+from kvduplex.common.config import DrainTimeout
+from kvduplex.common.config import Port
 from kvduplex.common.config import ReturnMode
 from kvduplex.common.config import TransferMode
 from kvduplex.common.config import host_and_port
@@ -131,7 +133,7 @@ class RouterConfig(RouterTuning, ParsingConfig):
     """A preset or local Hugging Face folder: its tokenizer and chat template."""
     host: str = "127.0.0.1"
     """Address to listen on."""
-    port: int = 8000
+    port: Port = 8000
     """Port to listen on."""
     api_key: str = Field(default="", repr=False)
     """Key clients must send on every /v1/* route (header Authorization: Bearer KEY); empty:
@@ -142,7 +144,7 @@ class RouterConfig(RouterTuning, ParsingConfig):
     cluster_secret_file: str = ""
     """File holding the cluster's shared secret, which the router sends to the instances
     (they need it on their internal routes); empty: KVDUPLEX_CLUSTER_SECRET, or none."""
-    drain_timeout_s: float = 60.0
+    drain_timeout_s: DrainTimeout = 60.0
     """At SIGTERM the router drains: /ready answers 503, new requests are refused (503,
     code draining), and the requests in flight finish; then it exits 0. After this many
     seconds it exits anyway (1, logged). A second SIGTERM or SIGINT exits at once."""
@@ -178,20 +180,6 @@ class RouterConfig(RouterTuning, ParsingConfig):
     def _check_dns_interval(cls, value: float) -> float:
         if not value > 0:
             raise ValueError(f"dns_interval_s must be > 0, got {value}")
-        return value
-
-    @field_validator("port")
-    @classmethod
-    def _check_port(cls, value: int) -> int:
-        if not 0 <= value <= 65535:
-            raise ValueError(f"port must be in [0, 65535], got {value}")
-        return value
-
-    @field_validator("drain_timeout_s")
-    @classmethod
-    def _check_drain(cls, value: float) -> float:
-        if value < 0:
-            raise ValueError(f"drain_timeout_s must be >= 0, got {value}")
         return value
 
     @model_validator(mode="after")

@@ -18,20 +18,10 @@ import pytest
 from kvduplex.cluster import LocalCluster
 from kvduplex.cluster import Process
 from kvduplex.cluster import free_port
+from tests.support.service_links import SERVICE_LINK_ENV
 
 pytestmark = pytest.mark.integration
 
-SERVICE_LINKS = {
-    "KVDUPLEX_PORT": "tcp://10.96.0.12:8000",
-    "KVDUPLEX_SERVICE_HOST": "10.96.0.12",
-    "KVDUPLEX_SERVICE_PORT": "8000",
-    "KVDUPLEX_SERVICE_PORT_HTTP": "8000",
-    "KVDUPLEX_PORT_8000_TCP": "tcp://10.96.0.12:8000",
-    "KVDUPLEX_PORT_8000_TCP_PROTO": "tcp",
-    "KVDUPLEX_PORT_8000_TCP_PORT": "8000",
-    "KVDUPLEX_PORT_8000_TCP_ADDR": "10.96.0.12",
-}
-"""What a Service named kvduplex, with one port named http, injects into every pod."""
 
 BODY = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 4, "temperature": 0.0,
         "ignore_eos": True}  # fmt: skip
@@ -58,7 +48,7 @@ def start_configured(cluster: LocalCluster, name: str, args: list[str]) -> Proce
 def test_serve_and_router_start_and_answer_beside_a_service_named_kvduplex(
     tmp_path: Path,
 ) -> None:
-    env = {"OMP_NUM_THREADS": "1", **SERVICE_LINKS}
+    env = {"OMP_NUM_THREADS": "1", **SERVICE_LINK_ENV}
     with LocalCluster(log_dir=tmp_path, env=env) as cluster:
         serve = ["serve", "--model", "tiny", "--role", "both", "--num-blocks", "64"]
         instance = start_configured(cluster, "instance", serve)

@@ -29,6 +29,7 @@ from kvduplex.common.settings import ConfigError
 from kvduplex.common.settings import ProcessSettings
 from kvduplex.instance.config import ServerConfig
 from kvduplex.router.config import RouterConfig
+from tests.support.service_links import SERVICE_LINK_ENV
 
 
 @pytest.fixture(autouse=True)
@@ -290,17 +291,7 @@ def _all_settings_models() -> set[type[ProcessSettings]]:
             found.add(cls)
         todo.extend(cls.__subclasses__())
     return found
-SERVICE_LINK_ENV = {
-    "KVDUPLEX_PORT": "tcp://10.96.0.12:8000",
-    "KVDUPLEX_SERVICE_HOST": "10.96.0.12",
-    "KVDUPLEX_SERVICE_PORT": "8000",
-    "KVDUPLEX_SERVICE_PORT_HTTP": "8000",
-    "KVDUPLEX_PORT_8000_TCP": "tcp://10.96.0.12:8000",
-    "KVDUPLEX_PORT_8000_TCP_PROTO": "tcp",
-    "KVDUPLEX_PORT_8000_TCP_PORT": "8000",
-    "KVDUPLEX_PORT_8000_TCP_ADDR": "10.96.0.12",
-}
-"""What a Service named ``kvduplex`` with a port named ``http`` injects into every pod."""
+
 
 
 def test_the_service_link_pattern_matches_what_kubernetes_injects() -> None:
