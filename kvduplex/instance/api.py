@@ -55,6 +55,7 @@ from starlette.types import Send
 
 from kvduplex.common.drain import DrainGuard
 from kvduplex.common.drain import DrainState
+from kvduplex.common.fingerprint import ModelFingerprint
 from kvduplex.common.limits import RequestRejected
 from kvduplex.common.openai import render
 from kvduplex.common.openai import structured
@@ -129,6 +130,8 @@ class InstanceState:
     engine_id: str | None = None
     """The KV transport's engine id (prefill and decode instances): new at every start,
     reported by /health so that the router can name it to the instance's peers."""
+    fingerprint: ModelFingerprint | None = None
+    """What this instance serves (`kvduplex.common.fingerprint`), shown by /health."""
     answers: AnswerBook = field(default_factory=AnswerBook)
     """The chat answers this instance generated, for prompts that send them back."""
     created: int = field(default_factory=lambda: int(time.time()))
@@ -172,6 +175,8 @@ class InstanceState:
             "status": "ok", "role": self.role, "max_model_len": self.max_model_len,
             "block_size": self.engine.core.config.cache.block_size,
         }  # fmt: skip
+        if self.fingerprint is not None:
+            body["fingerprint"] = self.fingerprint.to_json()
         if self.engine_id is not None:
             body["engine_id"] = self.engine_id
         return body

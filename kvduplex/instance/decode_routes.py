@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Annotated
 from typing import Any
@@ -45,6 +46,7 @@ from kvduplex.kvflow.push_decode import PushSpec
 from kvduplex.kvflow.return_pull import RetainSpec
 from kvduplex.kvflow.returns import ReturnSpec
 from kvduplex.transport.handshake import PeerDirectory
+from kvduplex.transport.protocol import IncompatibleLayoutError
 
 logger = logging.getLogger(__name__)
 
@@ -102,10 +104,16 @@ class DecodePreparer:
     """`InstanceState.prepare` of a decode instance: what a request's KV params ask for."""
 
     def __init__(
-        self, flows: DecodeFlows, directory: PeerDirectory, secret: str | None = None
+        self,
+        flows: DecodeFlows,
+        directory: PeerDirectory,
+        release: Callable[[str, str], None],
+        secret: str | None = None,
     ) -> None:
+        """``release(prefill_url, xid)`` ends a pull's lease on prefill (over HTTP)."""
         self.flows = flows
         self.directory = directory
+        self.release = release
         self.secret = secret
 
     async def __call__(self, raw: Request, gen: Generation) -> None:
@@ -136,6 +144,9 @@ class DecodePreparer:
             logger.warning(
                 "xid=%s: no connection to %s (%s); computing locally", kv.xid, kv.prefill_url, exc
             )
+            if kv.mode == "pull" and isinstance(exc, IncompatibleLayoutError):
+                # Prefill answered, but serves another model: nothing will read its lease.
+                await asyncio.to_thread(self.release, kv.prefill_url, kv.xid)
             return
         bad = [b for b in kv.block_ids if b >= peer.layout.num_blocks]
         if bad:
@@ -182,10 +193,15 @@ class DecodePreparer:
 
 
 def make_decode_hooks(
-    state: InstanceState, flows: DecodeFlows, directory: PeerDirectory, secret: str | None = None
+    state: InstanceState,
+    flows: DecodeFlows,
+    directory: PeerDirectory,
+    release: Callable[[str, str], None],
+    secret: str | None = None,
 ) -> APIRouter:
-    """Set `state.prepare` for pulls, pushes and returns; return the decode-side routes."""
-    state.prepare = DecodePreparer(flows, directory, secret)
+    """Set `state.prepare` for pulls, pushes and returns (`release` ends a pull's lease on
+    prefill, see `DecodePreparer`); return the decode-side routes."""
+    state.prepare = DecodePreparer(flows, directory, release, secret)
     router = APIRouter()
 
     @router.get("/internal/kv/pull/stats")
