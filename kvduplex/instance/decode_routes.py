@@ -1,9 +1,10 @@
 """Internal routes and the request hook of a decode instance.
 
 The ``prepare`` hook reads ``kv_transfer_params`` from an OpenAI body before
-the request reaches the engine (with a cluster secret configured, only from a
-caller that sends it: the params name peers to handshake with, and so to send
-the secret to, and where this turn's KV goes): it registers the push or pull of the prompt's
+the request reaches the engine (with a cluster secret configured, the OpenAI
+routes took them only from a caller that sends it, `api._check_kv_params`: the
+params name peers to handshake with, and so to send the secret to, and where
+this turn's KV goes): it registers the push or pull of the prompt's
 KV (mode ``local``: decode computes the prompt over its own cache, a short
 append), and the duplex return of the finished turn (``return_to``, or
 ``return_mode: pull`` to keep it for the next turn's READ).
@@ -31,8 +32,6 @@ from pydantic import BaseModel
 from pydantic import Field
 from pydantic import model_validator
 
-from kvduplex.common.trust import SECRET_HEADER
-from kvduplex.common.trust import secret_matches
 from kvduplex.engine.request import RemoteKVSpec
 from kvduplex.instance.api import APIError
 from kvduplex.instance.api import Generation
@@ -108,13 +107,11 @@ class DecodePreparer:
         flows: DecodeFlows,
         directory: PeerDirectory,
         release: Callable[[str, str], None],
-        secret: str | None = None,
     ) -> None:
         """``release(prefill_url, xid)`` ends a pull's lease on prefill (over HTTP)."""
         self.flows = flows
         self.directory = directory
         self.release = release
-        self.secret = secret
 
     async def __call__(self, raw: Request, gen: Generation) -> None:
         arrived = time.monotonic()
@@ -122,13 +119,6 @@ class DecodePreparer:
         params = body.get("kv_transfer_params") if isinstance(body, dict) else None
         if not params:
             return
-        if self.secret is not None and not secret_matches(
-            raw.headers.get(SECRET_HEADER), self.secret
-        ):
-            raise APIError(
-                401, f"kv_transfer_params need the cluster secret in the {SECRET_HEADER} header",
-                code="invalid_cluster_secret", param="kv_transfer_params",
-            )  # fmt: skip
         try:
             kv = KVTransferParams.model_validate(params)
         except ValueError as exc:
@@ -197,11 +187,10 @@ def make_decode_hooks(
     flows: DecodeFlows,
     directory: PeerDirectory,
     release: Callable[[str, str], None],
-    secret: str | None = None,
 ) -> APIRouter:
     """Set `state.prepare` for pulls, pushes and returns (`release` ends a pull's lease on
     prefill, see `DecodePreparer`); return the decode-side routes."""
-    state.prepare = DecodePreparer(flows, directory, release, secret)
+    state.prepare = DecodePreparer(flows, directory, release)
     router = APIRouter()
 
     @router.get("/internal/kv/pull/stats")

@@ -81,7 +81,8 @@ def build_instance(
 
     `env` (default: the process's environment) gives the cluster secret unless
     ``server_config.cluster_secret_file`` does; with one, every ``/internal/*``
-    route needs it and every internal call to a peer sends it. The model fingerprint
+    route needs it, every internal call to a peer sends it, and ``kv_transfer_params``
+    and the engine id in /health are for callers that send it. The model fingerprint
     (`engine_fingerprint`) goes into the KV handshake and /health. The API key
     (``server_config.api_key``, else the environment's) guards the ``/v1/*`` routes.
     `parts` (default: none) go to the engine, its thread and the notification pump.
@@ -102,6 +103,7 @@ def build_instance(
         role=server_config.role.value,
         parsing=server_config.parsing,
         drain=DrainState(timeout_s=server_config.drain_timeout_s),
+        cluster_secret=secret,
         fingerprint=fingerprint,
     )
     instance = Instance(engine=engine, async_engine=async_engine, app=FastAPI(), state=state)
@@ -194,7 +196,7 @@ def _role_routers(
             transport, instance.async_engine, pump, timing, directory.peer_by_engine, metrics,
             release=release, reconnect=directory.reconnect, peer_gone=directory.is_gone,
         )  # fmt: skip
-        routers.append(make_decode_hooks(state, d, directory, release, secret))
+        routers.append(make_decode_hooks(state, d, directory, release))
         state.drain.owed_checks.append(lambda _e: d.tables())
         instance.closers += [d.pull.close, d.sender.close]
     pump.start()
