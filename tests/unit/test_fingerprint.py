@@ -187,3 +187,56 @@ def test_large_files_are_sampled_and_still_told_apart(
     assert first == safetensors_digest([tmp_path / "a.safetensors"])
     assert first != safetensors_digest([tmp_path / "b.safetensors"])
 
+
+
+def write_hf_llama(folder: Path, tokenizer_vocab: int = 300, seed: int = 0) -> None:
+    """A tiny Llama saved by transformers (random weights from `seed`, vocabulary of 300)
+    with a byte-level BPE tokenizer of `tokenizer_vocab` ids (at most 300)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(folder)
+    write_hf_tokenizer(folder, vocab_size=tokenizer_vocab)
+
+
+def _header(path: Path) -> bytes:
+    data = path.read_bytes()
+    return data[: 8 + int.from_bytes(data[:8], "little")]
+
+
+def _loaded_fingerprint(folder: Path) -> ModelFingerprint:
+    loaded = load_model(ModelLoadConfig(model=str(folder), dtype="float32", device="cpu"))
+    return model_fingerprint(str(folder), loaded.config, loaded.weights, "float32", LAYOUT)
+
+
+def test_folders_loaded_are_told_apart_by_weights_and_by_tokenizer(tmp_path: Path) -> None:
+    """Through the loader: a copy of a folder is the same model; the same files with one
+    weight changed differ in the weights only; another tokenizer in the tokenizer only."""
+    write_hf_llama(tmp_path / "a")
+    shutil.copytree(tmp_path / "a", tmp_path / "copy")
+    shutil.copytree(tmp_path / "a", tmp_path / "retuned")
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    original = tmp_path / "a" / "model.safetensors"
+    with safe_open(str(original), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        metadata = f.metadata()
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] * 1.01
+    retuned = tmp_path / "retuned" / "model.safetensors"
+    save_file(tensors, str(retuned), metadata=metadata)
+    assert _header(retuned) == _header(original)  # names, shapes, offsets: only data differs
+    shutil.copytree(tmp_path / "a", tmp_path / "other-tok")
+    write_hf_tokenizer(tmp_path / "other-tok", vocab_size=290)
+    a = _loaded_fingerprint(tmp_path / "a")
+    assert a.weights.startswith("safetensors:")
+    assert _loaded_fingerprint(tmp_path / "copy") == a
+    assert [d.split(":")[0] for d in a.differences(_loaded_fingerprint(tmp_path / "retuned"))] == [
+        "weights"
+    ]
+    assert [
+        d.split(":")[0] for d in a.differences(_loaded_fingerprint(tmp_path / "other-tok"))
+    ] == ["tokenizer"]
