@@ -35,6 +35,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+from typing import BinaryIO
 
 import msgspec
 
@@ -165,7 +166,8 @@ def _windows(start: int, end: int) -> list[tuple[int, int]]:
     return [(start + i * step, SAMPLE_BYTES) for i in range(NUM_SAMPLES)]
 
 
-def _hash_range(h: Any, f: Any, length: int, chunk: int = 1 << 20) -> None:
+def _hash_range(h: Any, f: BinaryIO, length: int, chunk: int = 1 << 20) -> None:
+    """Feed `h` (a hashlib object) the next `length` bytes of `f` (fewer at its end)."""
     while length > 0:
         data = f.read(min(chunk, length))
         if not data:
