@@ -58,7 +58,8 @@ def new_cluster_secret() -> str:
 def load_cluster_secret(path: str, from_env: str | None) -> str | None:
     """The cluster secret: the file at `path` if given, else `from_env`, else None.
 
-    Raises ValueError saying what to fix (unreadable or empty file, too short).
+    Raises ValueError saying what to fix (unreadable or empty file, too short, or
+    characters that cannot travel in an HTTP header: anything but printable ASCII).
     """
     secret = from_env
     where = "KVDUPLEX_CLUSTER_SECRET"
@@ -71,6 +72,12 @@ def load_cluster_secret(path: str, from_env: str | None) -> str | None:
     if secret is None:
         return None
     secret = secret.strip()
+    if not (secret.isascii() and secret.isprintable()):
+        raise ValueError(
+            f"the cluster secret from {where} has characters other than printable ASCII, "
+            "which an HTTP header cannot carry; use letters, digits and punctuation only "
+            "(e.g. the output of `openssl rand -hex 32`)"
+        )
     if len(secret) < MIN_SECRET_CHARS:
         raise ValueError(
             f"the cluster secret from {where} has {len(secret)} characters; use at least "

@@ -22,6 +22,13 @@ those ids in its prompt (`kvduplex.common.openai.transcript`). A router passes t
 built in ``kv_transfer_params.prompt_token_ids`` (used as they are) and asks with
 ``report_answer`` for the answer's ids at the end of the answer
 (`transcript.ANSWER_IDS_FIELD`).
+
+Trust: on an instance with a cluster secret, a request that carries
+``kv_transfer_params`` (any role) needs the secret in its header, else 401
+(``code: invalid_cluster_secret``): the params name the prompt's ids as they are
+and, on decode, peers and where KV goes. /health and /ready name the KV engine id
+only to callers that send the secret; what the instance serves (its model
+fingerprint) they show to all.
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ from starlette.types import Send
 
 from kvduplex.common.drain import DrainGuard
 from kvduplex.common.drain import DrainState
+from kvduplex.common.fingerprint import ModelFingerprint
 from kvduplex.common.limits import RequestRejected
 from kvduplex.common.openai import render
 from kvduplex.common.openai import structured
@@ -78,6 +86,8 @@ from kvduplex.common.openai.transcript import AnswerRecord
 from kvduplex.common.openai.transcript import MessageAccumulator
 from kvduplex.common.sampling import GrammarSpec
 from kvduplex.common.sampling import TokenLogprobs
+from kvduplex.common.trust import SECRET_HEADER
+from kvduplex.common.trust import secret_matches
 from kvduplex.engine.async_engine import AsyncEngine
 from kvduplex.engine.async_engine import EngineDeadError
 from kvduplex.engine.engine import RequestOutput
@@ -128,7 +138,12 @@ class InstanceState:
     """Role hook run before a generation is submitted (e.g. set `remote_kv`)."""
     engine_id: str | None = None
     """The KV transport's engine id (prefill and decode instances): new at every start,
-    reported by /health so that the router can name it to the instance's peers."""
+    reported by /health to callers that send the cluster secret (a router names it to
+    the instance's peers)."""
+    cluster_secret: str | None = None
+    """The cluster secret (None: none, and every caller counts as a cluster member)."""
+    fingerprint: ModelFingerprint | None = None
+    """What this instance serves (`kvduplex.common.fingerprint`), shown by /health."""
     answers: AnswerBook = field(default_factory=AnswerBook)
     """The chat answers this instance generated, for prompts that send them back."""
     created: int = field(default_factory=lambda: int(time.time()))
@@ -166,13 +181,24 @@ class InstanceState:
     def max_model_len(self) -> int:
         return self.engine.core.max_model_len
 
-    def health(self) -> dict[str, Any]:
-        """/health's body while the engine is healthy."""
+    def is_member(self, raw: Request) -> bool:
+        """Whether the caller proved the cluster secret (its header; exactly one copy),
+        or this instance has none."""
+        if self.cluster_secret is None:
+            return True
+        given = raw.headers.getlist(SECRET_HEADER)
+        return len(given) == 1 and secret_matches(given[0], self.cluster_secret)
+
+    def health(self, is_member: bool) -> dict[str, Any]:
+        """/health's body while the engine is healthy; the KV engine id only for a caller
+        that `is_member` (it names the instance to its peers' transports)."""
         body: dict[str, Any] = {
             "status": "ok", "role": self.role, "max_model_len": self.max_model_len,
             "block_size": self.engine.core.config.cache.block_size,
         }  # fmt: skip
-        if self.engine_id is not None:
+        if self.fingerprint is not None:
+            body["fingerprint"] = self.fingerprint.to_json()
+        if self.engine_id is not None and is_member:
             body["engine_id"] = self.engine_id
         return body
 
@@ -225,6 +251,7 @@ def create_app(state: InstanceState, extra_routers: Sequence[APIRouter] = ()) ->
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         _check_model(state, body.model)
+        _check_kv_params(state, raw, body)
         ids = _prompt_ids(state, body)
         gen = _make_generation(state, raw, body, ids, body.max_tokens, "cmpl")
         return await _serve(state, raw, gen, chat=False)
@@ -232,6 +259,7 @@ def create_app(state: InstanceState, extra_routers: Sequence[APIRouter] = ()) ->
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         _check_model(state, body.model)
+        _check_kv_params(state, raw, body)
         ids = _routed_prompt_ids(body) or _prompt_ids(state, body)
         max_tokens = body.requested_max_tokens()
         if max_tokens is None:
@@ -256,17 +284,17 @@ def _add_health(app: FastAPI, state: InstanceState) -> None:
         return engine_dead_response(str(exc))
 
     @app.get("/health")
-    async def health() -> JSONResponse:
+    async def health(raw: Request) -> JSONResponse:
         """200 while the engine loop runs and makes progress; 503 with the reason when it
         ended or is stalled past its limit (``--engine-stall-timeout-s``)."""
         problem = state.engine.problem()
         if problem is None:
-            return JSONResponse(state.health())
+            return JSONResponse(state.health(state.is_member(raw)))
         body = {"status": "unavailable", "role": state.role, "reason": problem}
         return JSONResponse(body, status_code=503)
 
     @app.get("/ready")
-    async def ready() -> JSONResponse:
+    async def ready(raw: Request) -> JSONResponse:
         """Readiness: 200 (/health's body, ``status: ready``) while the engine is healthy
         and the instance takes new work; 503 ``draining`` after SIGTERM, or
         ``unavailable`` with the reason when the engine is not healthy."""
@@ -278,7 +306,7 @@ def _add_health(app: FastAPI, state: InstanceState) -> None:
             reason = "shutting down: finishing the work in flight"
             body = {"status": "draining", "role": state.role, "reason": reason}
             return JSONResponse(body, status_code=503)
-        return JSONResponse({**state.health(), "status": "ready"})
+        return JSONResponse({**state.health(state.is_member(raw)), "status": "ready"})
 
 
 def engine_dead_response(reason: str) -> JSONResponse:
@@ -311,11 +339,23 @@ def _prompt_ids(state: InstanceState, body: OpenAIRequest) -> list[int]:
         raise APIError(400, exc.message, param=exc.param) from None
 
 
+def _check_kv_params(state: InstanceState, raw: Request, body: OpenAIRequest) -> None:
+    """APIError 401 for ``kv_transfer_params`` from a caller that did not prove the
+    cluster secret (`InstanceState.is_member`), whatever the role: they set the prompt's
+    ids as they are, ask for the answer's ids, and on decode name peers to handshake
+    with and where the turn's KV goes."""
+    if body.kv_transfer_params and not state.is_member(raw):
+        raise APIError(
+            401, f"kv_transfer_params need the cluster secret in the {SECRET_HEADER} header",
+            code="invalid_cluster_secret", param="kv_transfer_params",
+        )  # fmt: skip
+
+
 def _routed_prompt_ids(body: ChatCompletionRequest) -> list[int] | None:
     """The ids a router built for this chat prompt (``kv_transfer_params.prompt_token_ids``),
     if it sent them: prefill computes those, so decode must too. Checked like any prompt's
-    ids (`_make_generation`); a decode instance with a cluster secret takes
-    ``kv_transfer_params`` only from a caller that sends it."""
+    ids (`_make_generation`); an instance with a cluster secret takes
+    ``kv_transfer_params`` only from a caller that sends it (`_check_kv_params`)."""
     ids = (body.kv_transfer_params or {}).get("prompt_token_ids")
     if ids is None:
         return None

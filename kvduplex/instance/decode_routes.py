@@ -1,9 +1,10 @@
 """Internal routes and the request hook of a decode instance.
 
 The ``prepare`` hook reads ``kv_transfer_params`` from an OpenAI body before
-the request reaches the engine (with a cluster secret configured, only from a
-caller that sends it: the params name peers to handshake with, and so to send
-the secret to, and where this turn's KV goes): it registers the push or pull of the prompt's
+the request reaches the engine (with a cluster secret configured, the OpenAI
+routes took them only from a caller that sends it, `api._check_kv_params`: the
+params name peers to handshake with, and so to send the secret to, and where
+this turn's KV goes): it registers the push or pull of the prompt's
 KV (mode ``local``: decode computes the prompt over its own cache, a short
 append), and the duplex return of the finished turn (``return_to``, or
 ``return_mode: pull`` to keep it for the next turn's READ).
@@ -18,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Annotated
 from typing import Any
@@ -30,8 +32,6 @@ from pydantic import BaseModel
 from pydantic import Field
 from pydantic import model_validator
 
-from kvduplex.common.trust import SECRET_HEADER
-from kvduplex.common.trust import secret_matches
 from kvduplex.engine.request import RemoteKVSpec
 from kvduplex.instance.api import APIError
 from kvduplex.instance.api import Generation
@@ -45,6 +45,7 @@ from kvduplex.kvflow.push_decode import PushSpec
 from kvduplex.kvflow.return_pull import RetainSpec
 from kvduplex.kvflow.returns import ReturnSpec
 from kvduplex.transport.handshake import PeerDirectory
+from kvduplex.transport.protocol import IncompatibleLayoutError
 
 logger = logging.getLogger(__name__)
 
@@ -102,11 +103,15 @@ class DecodePreparer:
     """`InstanceState.prepare` of a decode instance: what a request's KV params ask for."""
 
     def __init__(
-        self, flows: DecodeFlows, directory: PeerDirectory, secret: str | None = None
+        self,
+        flows: DecodeFlows,
+        directory: PeerDirectory,
+        release: Callable[[str, str], None],
     ) -> None:
+        """``release(prefill_url, xid)`` ends a pull's lease on prefill (over HTTP)."""
         self.flows = flows
         self.directory = directory
-        self.secret = secret
+        self.release = release
 
     async def __call__(self, raw: Request, gen: Generation) -> None:
         arrived = time.monotonic()
@@ -114,13 +119,6 @@ class DecodePreparer:
         params = body.get("kv_transfer_params") if isinstance(body, dict) else None
         if not params:
             return
-        if self.secret is not None and not secret_matches(
-            raw.headers.get(SECRET_HEADER), self.secret
-        ):
-            raise APIError(
-                401, f"kv_transfer_params need the cluster secret in the {SECRET_HEADER} header",
-                code="invalid_cluster_secret", param="kv_transfer_params",
-            )  # fmt: skip
         try:
             kv = KVTransferParams.model_validate(params)
         except ValueError as exc:
@@ -136,6 +134,9 @@ class DecodePreparer:
             logger.warning(
                 "xid=%s: no connection to %s (%s); computing locally", kv.xid, kv.prefill_url, exc
             )
+            if kv.mode == "pull" and isinstance(exc, IncompatibleLayoutError):
+                # Prefill answered, but serves another model: nothing will read its lease.
+                await asyncio.to_thread(self.release, kv.prefill_url, kv.xid)
             return
         bad = [b for b in kv.block_ids if b >= peer.layout.num_blocks]
         if bad:
@@ -182,10 +183,14 @@ class DecodePreparer:
 
 
 def make_decode_hooks(
-    state: InstanceState, flows: DecodeFlows, directory: PeerDirectory, secret: str | None = None
+    state: InstanceState,
+    flows: DecodeFlows,
+    directory: PeerDirectory,
+    release: Callable[[str, str], None],
 ) -> APIRouter:
-    """Set `state.prepare` for pulls, pushes and returns; return the decode-side routes."""
-    state.prepare = DecodePreparer(flows, directory, secret)
+    """Set `state.prepare` for pulls, pushes and returns (`release` ends a pull's lease on
+    prefill, see `DecodePreparer`); return the decode-side routes."""
+    state.prepare = DecodePreparer(flows, directory, release)
     router = APIRouter()
 
     @router.get("/internal/kv/pull/stats")

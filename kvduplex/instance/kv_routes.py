@@ -47,6 +47,7 @@ from kvduplex.kvflow.lease import LeaseTable
 from kvduplex.kvflow.pull import block_ids_of
 from kvduplex.transport.base import Transport
 from kvduplex.transport.handshake import PeerDirectory
+from kvduplex.transport.protocol import IncompatibleLayoutError
 
 logger = logging.getLogger(__name__)
 
@@ -183,6 +184,11 @@ class PushPrefill:
             peer = await asyncio.to_thread(
                 self.directory.get_peer, body.decode_url, body.decode_engine_id
             )
+        except IncompatibleLayoutError as exc:  # serves another model, or another layout
+            raise APIError(
+                502, f"decode at {body.decode_url} cannot take this instance's KV: {exc}",
+                code="incompatible_peer",
+            ) from None
         except Exception as exc:
             raise APIError(502, f"cannot reach decode at {body.decode_url}: {exc}") from None
         grammar = await _grammar(self.state, body)

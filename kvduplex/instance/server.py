@@ -22,6 +22,8 @@ from kvduplex.common.drain import DrainState
 from kvduplex.common.drain import exit_code
 from kvduplex.common.drain import uvicorn_config
 from kvduplex.common.engine_config import EngineConfig
+from kvduplex.common.fingerprint import ModelFingerprint
+from kvduplex.common.fingerprint import model_fingerprint
 from kvduplex.common.guard import InternalGuard
 from kvduplex.common.guard import load_cluster_secret
 from kvduplex.engine.async_engine import AsyncEngine
@@ -79,7 +81,9 @@ def build_instance(
 
     `env` (default: the process's environment) gives the cluster secret unless
     ``server_config.cluster_secret_file`` does; with one, every ``/internal/*``
-    route needs it and every internal call to a peer sends it. The API key
+    route needs it, every internal call to a peer sends it, and ``kv_transfer_params``
+    and the engine id in /health are for callers that send it. The model fingerprint
+    (`engine_fingerprint`) goes into the KV handshake and /health. The API key
     (``server_config.api_key``, else the environment's) guards the ``/v1/*`` routes.
     `parts` (default: none) go to the engine, its thread and the notification pump.
     """
@@ -88,6 +92,7 @@ def build_instance(
     secret = load_cluster_secret(server_config.cluster_secret_file, env.cluster_secret)
     engine = LLMEngine(engine_config, sample_hook=parts.sample_hook)
     engine.warmup()
+    fingerprint = engine_fingerprint(engine, engine_config)
     registry = CollectorRegistry()
     async_engine = AsyncEngine(engine, EngineMetrics(registry), gate=parts.loop_gate)
     names = [engine_config.model.served_model_name or engine_config.model.model]
@@ -98,6 +103,8 @@ def build_instance(
         role=server_config.role.value,
         parsing=server_config.parsing,
         drain=DrainState(timeout_s=server_config.drain_timeout_s),
+        cluster_secret=secret,
+        fingerprint=fingerprint,
     )
     instance = Instance(engine=engine, async_engine=async_engine, app=FastAPI(), state=state)
     routers = _role_routers(
@@ -118,6 +125,14 @@ def build_instance(
         )
     async_engine.start()
     return instance
+
+
+def engine_fingerprint(engine: LLMEngine, config: EngineConfig) -> ModelFingerprint:
+    """What `engine` serves (`kvduplex.common.fingerprint`): computed once per instance,
+    sent in its KV handshake and shown by its /health."""
+    loaded = engine.loaded
+    dtype = str(loaded.dtype).removeprefix("torch.")
+    return model_fingerprint(config.model.model, loaded.config, loaded.weights, dtype, engine.layout)
 
 
 def _role_routers(
@@ -152,7 +167,7 @@ def _role_routers(
     cfg = config.transfer
     transport = NixlTransport(
         engine.kv_pool, engine.layout, default_deadline_s=cfg.transfer_timeout_s,
-        metrics=TransferMetrics(state.registry),
+        metrics=TransferMetrics(state.registry), fingerprint=state.fingerprint,
     )  # fmt: skip
     state.engine_id = transport.engine_id
     metrics = KVFlowMetrics(state.registry)
@@ -176,12 +191,12 @@ def _role_routers(
         state.drain.owed_checks.append(lambda _e: p.tables())
         instance.closers.append(p.sender.close)
     else:
+        release = partial(http_release, secret=secret)
         d = decode_flows(
             transport, instance.async_engine, pump, timing, directory.peer_by_engine, metrics,
-            release=partial(http_release, secret=secret), reconnect=directory.reconnect,
-            peer_gone=directory.is_gone,
+            release=release, reconnect=directory.reconnect, peer_gone=directory.is_gone,
         )  # fmt: skip
-        routers.append(make_decode_hooks(state, d, directory, secret))
+        routers.append(make_decode_hooks(state, d, directory, release))
         state.drain.owed_checks.append(lambda _e: d.tables())
         instance.closers += [d.pull.close, d.sender.close]
     pump.start()

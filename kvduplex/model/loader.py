@@ -25,6 +25,8 @@ import torch
 from torch import nn
 
 from kvduplex.common.engine_config import ModelLoadConfig
+from kvduplex.common.fingerprint import preset_weights
+from kvduplex.common.fingerprint import safetensors_digest
 from kvduplex.common.model_config import DecoderConfig
 from kvduplex.common.model_source import load_tokenizer
 from kvduplex.common.model_source import model_config
@@ -63,6 +65,9 @@ class LoadedModel:
     """The name clients use (served_model_name, else the model argument)."""
     identity: bytes
     """32-byte digest of what determines the KV (see the module docstring)."""
+    weights: str
+    """The weights' identity in the instance's fingerprint (`kvduplex.common.fingerprint`):
+    a preset's name and seed, or a digest of the folder's safetensors files."""
     dtype: torch.dtype
     """Parameter and KV dtype."""
     device: torch.device
@@ -103,11 +108,13 @@ def load_model(cfg: ModelLoadConfig) -> LoadedModel:
         model = _empty_model(config, dtype, device)
         init_random_weights(model, cfg.seed)
         source = f"preset:{cfg.model}:seed={cfg.seed}"
+        weights = preset_weights(cfg.model, cfg.seed)
     else:
         files = weight_files(model_folder(cfg.model))
         model = _empty_model(config, dtype, device)
         load_safetensors(model, files)
         source = "files:" + ",".join(f"{f.name}={f.stat().st_size}" for f in files)
+        weights = safetensors_digest(files)
     tokenizer = load_tokenizer(cfg.model)
     model.eval()
     if device.type == "cpu":
@@ -117,7 +124,7 @@ def load_model(cfg: ModelLoadConfig) -> LoadedModel:
         "loaded model %s (%s, %d layers, %s on %s)", name, config.architecture,
         config.num_layers, str(dtype).removeprefix("torch."), device,
     )
-    return LoadedModel(model, config, tokenizer, name, identity, dtype, device)
+    return LoadedModel(model, config, tokenizer, name, identity, weights, dtype, device)
 
 
 def _prepare_cpu_weights(model: DecoderForCausalLM, packed: bool) -> None:

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from kvduplex.transport.protocol import ALL_KINDS
     from kvduplex.transport.protocol import FailureKind
     from kvduplex.transport.protocol import IncompatibleLayoutError
+    from kvduplex.transport.protocol import IncompatibleModelError
     from kvduplex.transport.protocol import Notification
     from kvduplex.transport.protocol import PeerHandle
     from kvduplex.transport.protocol import PeerUnavailableError
@@ -42,6 +43,7 @@ _MODULE_OF = {
     "ALL_KINDS": "kvduplex.transport.protocol",
     "FailureKind": "kvduplex.transport.protocol",
     "IncompatibleLayoutError": "kvduplex.transport.protocol",
+    "IncompatibleModelError": "kvduplex.transport.protocol",
     "Notification": "kvduplex.transport.protocol",
     "PeerHandle": "kvduplex.transport.protocol",
     "PeerUnavailableError": "kvduplex.transport.protocol",
@@ -71,6 +73,7 @@ __all__ = [
     "FailureKind",
     "HandshakeInfo",
     "IncompatibleLayoutError",
+    "IncompatibleModelError",
     "MessageCodec",
     "Notification",
     "PeerHandle",

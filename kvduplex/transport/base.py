@@ -44,6 +44,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvduplex.common.fingerprint import ModelFingerprint
 from kvduplex.common.kv_layout import KVCacheLayout
 from kvduplex.common.kv_layout import KVKind
 from kvduplex.transport.messages import HANDSHAKE_VERSION
@@ -53,6 +54,7 @@ from kvduplex.transport.metrics import TransferMetrics
 from kvduplex.transport.protocol import ALL_KINDS
 from kvduplex.transport.protocol import FailureKind
 from kvduplex.transport.protocol import IncompatibleLayoutError
+from kvduplex.transport.protocol import IncompatibleModelError
 from kvduplex.transport.protocol import Notification
 from kvduplex.transport.protocol import PeerHandle
 from kvduplex.transport.protocol import Region
@@ -68,11 +70,18 @@ logger = logging.getLogger(__name__)
 
 
 def check_compatible(
-    layout: KVCacheLayout, engine_id: str, info: HandshakeInfo, expected_transport: str
+    layout: KVCacheLayout,
+    engine_id: str,
+    info: HandshakeInfo,
+    expected_transport: str,
+    fingerprint: ModelFingerprint | None = None,
 ) -> KVCacheLayout:
-    """The peer's layout if ``info`` describes a pool we can exchange blocks with.
+    """The peer's layout if ``info`` describes a pool we can exchange blocks with, of an
+    instance that serves what we serve (``fingerprint``: ours; None for a transport
+    built without a model, which pairs only with another such).
 
-    Raises IncompatibleLayoutError saying what differs and what to change.
+    Raises IncompatibleModelError naming each fingerprint field that differs,
+    IncompatibleLayoutError saying what else differs and what to change.
     """
     who = f"peer {info.engine_id} ({info.transport})"
     if info.version != HANDSHAKE_VERSION:
@@ -86,6 +95,7 @@ def check_compatible(
         )
     if info.engine_id == engine_id:
         raise IncompatibleLayoutError(f"{who} is this instance itself; connect to another instance")
+    _check_fingerprint(who, fingerprint, info.fingerprint)
     try:
         peer_layout = info.layout.to_layout()
     except ValueError as exc:
@@ -97,6 +107,26 @@ def check_compatible(
             "with the same model, dtype and block size"
         )
     return peer_layout
+
+
+def _check_fingerprint(
+    who: str, ours: ModelFingerprint | None, theirs: ModelFingerprint | None
+) -> None:
+    """Raises IncompatibleModelError unless both fingerprints are equal (or both absent)."""
+    if ours is None and theirs is None:
+        return
+    if ours is None or theirs is None:
+        missing = "this instance has" if ours is None else f"{who} sent"
+        raise IncompatibleModelError(
+            f"{who} cannot exchange KV with this instance: {missing} no model fingerprint"
+        )
+    diffs = ours.differences(theirs)
+    if diffs:
+        raise IncompatibleModelError(
+            f"{who} serves another model, so no KV moves between them ({'; '.join(diffs)}); "
+            "start both instances with the same model, weights (preset seed), tokenizer, "
+            "chat template, dtype and block size"
+        )
 
 
 @dataclass(frozen=True)
@@ -146,7 +176,10 @@ class Transport(abc.ABC):
         engine_id: str,
         default_deadline_s: float,
         metrics: TransferMetrics | None,
+        fingerprint: ModelFingerprint | None = None,
     ) -> None:
+        """``fingerprint``: what this instance serves, sent in its handshake and compared
+        with each peer's at `connect` (`check_compatible`)."""
         if default_deadline_s <= 0:
             raise ValueError(f"default_deadline_s must be > 0, got {default_deadline_s}")
         if layout.num_layers * 2 * layout.num_blocks >= 2**31:
@@ -155,6 +188,7 @@ class Transport(abc.ABC):
         self._block_bytes = layout.block_bytes
         self._indexers: dict[KVCacheLayout, RegionIndexer] = {layout: RegionIndexer(layout)}
         self._engine_id = engine_id
+        self._fingerprint = fingerprint
         self.default_deadline_s = default_deadline_s
         self.metrics = metrics if metrics is not None else TransferMetrics.default()
         self._last_activity = time.monotonic()
@@ -177,6 +211,11 @@ class Transport(abc.ABC):
         return self._layout
 
     @property
+    def fingerprint(self) -> ModelFingerprint | None:
+        """What this instance serves (None: a transport built without a model)."""
+        return self._fingerprint
+
+    @property
     def engine_id(self) -> str:
         """Chosen at start; a restarted instance has a new one."""
         return self._engine_id
@@ -197,8 +236,9 @@ class Transport(abc.ABC):
     def connect(self, info: HandshakeInfo) -> PeerHandle:
         """Load a peer and prepare its descriptors once; idempotent per engine id.
 
-        Raises IncompatibleLayoutError if the layouts cannot exchange blocks,
-        TransferError if the transport refuses the peer.
+        Raises IncompatibleModelError if the peer serves something else (its
+        fingerprint differs), IncompatibleLayoutError if the layouts cannot exchange
+        blocks, TransferError if the transport refuses the peer.
         """
 
     @abc.abstractmethod

@@ -4,7 +4,8 @@ Two families:
 
 * `HandshakeInfo` (JSON over HTTP, ``GET /internal/kv/handshake``): what a peer
   needs to reach this instance's KV pool: engine id, NIXL agent name and
-  metadata, memory description and pool layout.
+  metadata, memory description and pool layout, and what the instance serves
+  (its `ModelFingerprint`).
 * `ControlMessage` (msgpack, carried in NIXL notifications): a tagged union of
   small control messages. Later flows (push, pull, duplex) extend it by
   subclassing `ControlMessage` with their own ``tag``; `MessageCodec` decodes
@@ -26,9 +27,10 @@ from typing import Any
 
 import msgspec
 
+from kvduplex.common.fingerprint import ModelFingerprint
 from kvduplex.common.kv_layout import KVCacheLayout
 
-HANDSHAKE_VERSION = 1
+HANDSHAKE_VERSION = 2
 """Bumped when `HandshakeInfo` or the envelope changes incompatibly."""
 
 
@@ -72,6 +74,9 @@ class HandshakeInfo(msgspec.Struct, frozen=True):
     transport: str = "nixl"
     """Which transport implementation produced this (nixl, inprocess)."""
     version: int = HANDSHAKE_VERSION
+    fingerprint: ModelFingerprint | None = None
+    """What the instance serves; None from a transport built without a model (transfer
+    tests and benchmarks), which pairs only with another such."""
 
 
 def encode_handshake(info: HandshakeInfo) -> bytes:

@@ -65,6 +65,7 @@ from typing import Any
 import msgspec
 import torch
 
+from kvduplex.common.fingerprint import ModelFingerprint
 from kvduplex.common.kv_layout import KVCacheLayout
 from kvduplex.model.dtypes import dtype_from_name
 from kvduplex.transport.base import Incoming
@@ -133,6 +134,7 @@ class NixlTransport(Transport):
         deep_idle_poll_interval_s: float = 50e-3,
         hint_min_bytes: int = 1 << 20,
         inline_post_max_bytes: int = 256 << 10,
+        fingerprint: ModelFingerprint | None = None,
     ) -> None:
         """Register ``pool`` (whose shape and dtype must match ``layout``) with a new agent.
 
@@ -141,9 +143,12 @@ class NixlTransport(Transport):
         poll fast while it runs; ``inline_post_max_bytes`` the size up to
         which the caller's thread posts; ``warm_s`` how long after the last
         activity polling stays at ``idle_poll_interval_s`` at most before backing
-        off to ``deep_idle_poll_interval_s`` (see the module docstring).
+        off to ``deep_idle_poll_interval_s`` (see the module docstring);
+        ``fingerprint`` what the instance serves (see `Transport`).
         """
-        super().__init__(layout, engine_id or uuid.uuid4().hex, default_deadline_s, metrics)
+        super().__init__(
+            layout, engine_id or uuid.uuid4().hex, default_deadline_s, metrics, fingerprint
+        )
         if tuple(pool.shape) != layout.shape or pool.dtype != dtype_from_name(layout.dtype):
             raise ValueError(
                 f"pool of shape {tuple(pool.shape)} and dtype {pool.dtype} does not match "
@@ -189,6 +194,7 @@ class NixlTransport(Transport):
             mem_type=mem_type,
             device_id=device_id,
             transport="nixl",
+            fingerprint=fingerprint,
         )
         self._progress = _Progress(last_active=time.monotonic(), idle_wait=poll_interval_s)
         self._thread = threading.Thread(
@@ -206,7 +212,9 @@ class NixlTransport(Transport):
         return self._metadata
 
     def connect(self, info: HandshakeInfo) -> PeerHandle:
-        peer_layout = check_compatible(self._layout, self.engine_id, info, "nixl")
+        peer_layout = check_compatible(
+            self._layout, self.engine_id, info, "nixl", self.fingerprint
+        )
         with self._conn_lock:  # a connect never interleaves with a disconnect
             return self._connect(info, peer_layout)
 

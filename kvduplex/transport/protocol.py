@@ -115,6 +115,11 @@ class IncompatibleLayoutError(TransferError):
     """A peer's pool cannot exchange blocks with ours; the message says what differs."""
 
 
+class IncompatibleModelError(IncompatibleLayoutError):
+    """A peer serves something else (its `ModelFingerprint` differs from ours): its KV
+    would be wrong here and ours there. The message names each field that differs."""
+
+
 class PeerUnavailableError(TransferError):
     """A peer could not be reached (handshake, notification)."""
 

@@ -313,7 +313,7 @@ def test_offer_from_an_agent_that_never_handshook_is_refused(sec: Deployment, tm
             return _get(sec.prefill, "/internal/kv/return/stats")
 
         before, cached = stats(), kv_stats(sec.prefill, SECRET)["num_cached"]
-        d_engine = httpx.get(sec.decode + "/health", timeout=10).json()["engine_id"]
+        d_engine = httpx.get(sec.decode + "/health", headers=AUTH, timeout=10).json()["engine_id"]
         refused = "kvduplex_kv_notifications_refused_total"
         num_refused = metric(sec.prefill, refused, reason="unknown_agent")
         payload = base64.b64encode(MessageCodec().encode(offer)).decode()

@@ -39,6 +39,7 @@ from typing import TypeVar
 
 import torch
 
+from kvduplex.common.fingerprint import ModelFingerprint
 from kvduplex.common.kv_layout import KVCacheLayout
 from kvduplex.model.dtypes import dtype_from_name
 from kvduplex.transport.base import Incoming
@@ -75,9 +76,13 @@ class InProcessFabric:
         engine_id: str | None = None,
         default_deadline_s: float = 10.0,
         metrics: TransferMetrics | None = None,
+        fingerprint: ModelFingerprint | None = None,
     ) -> InProcessTransport:
-        """A new endpoint over ``pool`` (shape and dtype must match ``layout``)."""
-        ep = InProcessTransport(self, pool, layout, engine_id, default_deadline_s, metrics)
+        """A new endpoint over ``pool`` (shape and dtype must match ``layout``), serving
+        what ``fingerprint`` says (None: no model, as a transfer test's)."""
+        ep = InProcessTransport(
+            self, pool, layout, engine_id, default_deadline_s, metrics, fingerprint
+        )
         with self._lock:
             self._endpoints[ep.engine_id] = ep
         return ep
@@ -175,8 +180,11 @@ class InProcessTransport(Transport):
         engine_id: str | None,
         default_deadline_s: float,
         metrics: TransferMetrics | None,
+        fingerprint: ModelFingerprint | None = None,
     ) -> None:
-        super().__init__(layout, engine_id or uuid.uuid4().hex, default_deadline_s, metrics)
+        super().__init__(
+            layout, engine_id or uuid.uuid4().hex, default_deadline_s, metrics, fingerprint
+        )
         if tuple(pool.shape) != layout.shape or pool.dtype != dtype_from_name(layout.dtype):
             raise ValueError(
                 f"pool {tuple(pool.shape)} {pool.dtype} does not match layout {layout}"
@@ -262,11 +270,12 @@ class InProcessTransport(Transport):
             layout=LayoutInfo.from_layout(self._layout),
             base_address=int(self._pool.data_ptr()),
             transport="inprocess",
+            fingerprint=self.fingerprint,
         )
 
     def connect(self, info: HandshakeInfo) -> PeerHandle:
         peer_layout = check_compatible(
-            self._layout, self.engine_id, info, expected_transport="inprocess"
+            self._layout, self.engine_id, info, "inprocess", self.fingerprint
         )
         if self._fabric.lookup(info.engine_id) is None:
             raise TransferError(f"no in-process endpoint {info.engine_id} on this fabric")

@@ -91,6 +91,10 @@ def build_app(transport: NixlTransport, pool: torch.Tensor) -> FastAPI:
     @app.post("/test/connect")
     async def connect(req: Request) -> dict[str, Any]:
         info = decode_handshake(await req.body())
+        # This peer serves no model: it claims whatever the instance it connects to
+        # serves (as anyone holding that instance's handshake could), so that only the
+        # checks after the handshake's stand between it and the instance.
+        transport._fingerprint = info.fingerprint
         peers[info.engine_id] = transport.connect(info)
         return {"engine_id": info.engine_id}
 

@@ -4,6 +4,7 @@ lives in api.py, guarded from instance.py)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -173,6 +174,22 @@ def test_secret_sources(tmp_path: Path) -> None:
         load_cluster_secret("", "tiny")
     with pytest.raises(ValueError, match="cannot read the cluster secret"):
         load_cluster_secret(str(tmp_path / "missing"), None)
+
+
+def test_a_non_ascii_secret_is_refused_at_start(tmp_path: Path) -> None:
+    """An HTTP header carries printable ASCII only: a secret with anything else would fail
+    every internal call later, so it is refused where it is read."""
+    for bad in ("geheimnis-für-den-cluster", "no-break\u00a0space-in-the-secret", "tab\tinside-the-secret"):
+        with pytest.raises(ValueError, match="printable ASCII"):
+            load_cluster_secret("", bad)
+    f = tmp_path / "secret"
+    f.write_text("ключ-кластера-достаточно-длинный\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=re.escape(f"--cluster-secret-file {f}") + r".*printable ASCII"):
+        load_cluster_secret(str(f), None)
+    with pytest.raises(ValueError, match=r"KVDUPLEX_CLUSTER_SECRET.*printable ASCII"):
+        build_instance(
+            EngineConfig(), ServerConfig(port=0), Environment(cluster_secret="ü" * 20)
+        )
 
 
 def test_environment_reads_the_secret_and_no_fault(monkeypatch: pytest.MonkeyPatch) -> None:
