@@ -242,7 +242,7 @@ class ParsingConfig:
 
 ROUTER_POOL_IDLE_S = 60.0
 """The longest the router keeps an idle connection to an instance for its next call
-(`router.state.instance_session`); an instance keeps one open longer (--keep-alive-s)."""
+(`router.wire.WirePool`); an instance keeps one open longer (--keep-alive-s)."""
 
 
 @dataclass(frozen=True)
