@@ -118,10 +118,9 @@ logger = logging.getLogger(__name__)
 
 INLINE_PROMPT_BYTES = 1024
 """A request body up to this size has its prompt built on the event loop: a short
-template and tokenizer run (~0.3 ms for 600 bytes with a byte-level BPE tokenizer and a
-ChatML template on this project's test machine; 0.01 ms with the byte tokenizer) cost
-less than a thread's hand-off, which under load waits for the loop to let go of the GIL
-(up to `sys.getswitchinterval()`, 5 ms)."""
+template and tokenizer run cost less than a thread's hand-off, which under load waits for
+the loop to let go of the GIL (up to `sys.getswitchinterval()`). Measured in
+docs/benchmarks.md ("One router stack")."""
 SESSION_HEADER = "x-session-id"
 _SESSION_KEY = SESSION_HEADER.encode("latin-1")
 MAX_SESSION_KEY_LEN = 512
@@ -599,12 +598,10 @@ GC_YOUNG_THRESHOLD = 10_000
 def settle_heap() -> None:
     """Before serving: what the process holds for its life (modules, the tokenizer, the
     app) is collected once and frozen out of the garbage collector's scans, and the young
-    generation collected less often than by default (vLLM's engine core freezes its
-    heap after start-up too). Over a router's start, 1 s of warm-up and 6 s at 64 paced
-    streams (`benchmarks/bench_router_capacity.py`'s stub), the collector ran 377 ms,
-    two full collections of 50 and 78 ms among them, every stream stalled meanwhile;
-    with this, 114 ms, 42 of them the collection here. Not in the app: a test process's
-    heap is its own."""
+    generation collected less often than by default (as vLLM's engine core freezes its
+    heap after start-up): a full collection stalls every stream the router relays. What
+    it saves is measured in docs/benchmarks.md ("One router stack"). Not in the app: a
+    test process's heap is its own."""
     gc.collect()
     gc.freeze()
     _, *older = gc.get_threshold()
