@@ -47,7 +47,7 @@ class RouterState:
     """To the instances (`client.InstanceClient`): the flows' calls send the cluster secret
     and the API key; the health probes (``--health-timeout-s``) send neither."""
     prompts: ThreadPoolExecutor
-    """Where prompts are built (``--prompt-threads``; `app.build_prompt`): rendering and
+    """Where prompts are built (``--prompt-threads``; `routing.build_prompt`): rendering and
     tokenizing hold a thread for milliseconds (a long conversation: tens), which the
     event loop does not wait on. Shut down with the app."""
     api_key: str | None = None

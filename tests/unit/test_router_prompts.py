@@ -25,8 +25,8 @@ from kvduplex.common.config import RouterConfig
 from kvduplex.common.tokenizer import ByteTokenizer
 from kvduplex.common.tokenizer import Messages
 from kvduplex.common.tokenizer import Tools
-from kvduplex.router.app import INLINE_PROMPT_BYTES
 from kvduplex.router.app import create_router_app
+from kvduplex.router.routing import INLINE_PROMPT_BYTES
 from kvduplex.router.state import RouterState
 from tests.support.fake_instances import mock_instances
 from tests.unit.test_router import D
