@@ -4,10 +4,8 @@ The stub instance of `bench_router_capacity.py` (`router_stub.py`) (its P answer
 /internal/push/prefill`` with a small JSON body) runs in a child process pinned to one
 core; this process, pinned to the other, POSTs to it one call at a time and times each
 call to its parsed answer, and the CPU time of this process a call: over raw asyncio
-streams (one kept-alive connection, the floor), the router's flows' client
-(`state.InstanceCalls` over `wire.WirePool`), aiohttp, httpx over aiohttp
-(`state.InstanceTransport`, the router's client for its other calls) and httpx over
-httpcore. ``--gap-ms`` idles between calls, as paced traffic does (caches go
+streams (one kept-alive connection, the floor), the router's client (`wire.WirePool`),
+aiohttp, and httpx over httpcore. ``--gap-ms`` idles between calls, as paced traffic does (caches go
 cold between calls); 0 calls back to back.
 
     PYTHONPATH=. python benchmarks/bench_http_clients.py [--gap-ms 10] [--calls 200]
@@ -29,9 +27,8 @@ import httpx
 
 from benchmarks.router_stub import Stub
 from kvduplex.cluster import free_port
-from kvduplex.router.state import InstanceCalls
-from kvduplex.router.state import InstanceTransport
-from kvduplex.router.state import instance_session
+from kvduplex.router.state import json_body
+from kvduplex.router.wire import WirePool
 
 BODY = {"xid": "x", "prompt_token_ids": list(range(64))}
 JSON = {"content-type": "application/json"}
@@ -67,7 +64,6 @@ async def main(args: argparse.Namespace) -> None:
             b"\r\ncontent-length: %d\r\n\r\n%s" % (len(payload), payload)
         )
         timeout = httpx.Timeout(600.0, connect=5.0)
-        routers = httpx.AsyncClient(timeout=timeout, transport=InstanceTransport(client=instance_session))
         plain = httpx.AsyncClient(timeout=timeout)
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
 
@@ -82,32 +78,17 @@ async def main(args: argparse.Namespace) -> None:
             async with session.post(url, data=payload, headers=headers) as resp:
                 await resp.json()
 
-        calls = InstanceCalls(InstanceTransport(client=instance_session), {}, timeout)
+        pool = WirePool({}, 5.0, 600.0)
 
-        async def via_calls() -> None:
-            (await calls.post(url, BODY)).json()
+        async def via_wire() -> None:
+            (await pool.post_whole(url, json_body(BODY))).json()
 
         async def via(client: httpx.AsyncClient) -> None:
             (await client.post(url, content=payload, headers=JSON)).json()
 
-        transport = InstanceTransport(client=instance_session)
-        parsed = httpx.URL(url)
-        extensions = {"timeout": timeout.as_dict()}
-
-        async def via_transport() -> None:
-            request = httpx.Request(
-                "POST", parsed, content=payload, extensions=extensions,
-                headers={"content-type": "application/json"},
-            )  # fmt: skip
-            resp = await transport.handle_async_request(request)
-            await resp.aread()
-            resp.json()
-
         clients: list[tuple[str, Callable[[], Awaitable[None]]]] = [
             ("raw asyncio streams (floor)", via_raw),
-            ("the router's flows' client (wire)", via_calls), ("aiohttp", via_aiohttp),
-            ("httpx over aiohttp (the router's)", lambda: via(routers)),
-            ("the router's transport called directly", via_transport),
+            ("the router's client (wire)", via_wire), ("aiohttp", via_aiohttp),
             ("httpx over httpcore", lambda: via(plain)),
         ]  # fmt: skip
         print(f"| client | call p50 ms | call p90 ms | CPU a call us |  (gap {args.gap_ms} ms, "
@@ -130,9 +111,7 @@ async def main(args: argparse.Namespace) -> None:
                   f"| {cpu_us:.0f} |", flush=True)  # fmt: skip
         writer.close()
         await session.close()
-        await routers.aclose()
-        await transport.aclose()
-        calls.close()
+        pool.close()
         await plain.aclose()
     finally:
         os.kill(pid, 9)

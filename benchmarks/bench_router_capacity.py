@@ -24,13 +24,15 @@ next request when its answer ends):
   of up to one answer so that requests do not come in bursts. Added TTFT = router p50 -
   direct p50. Two floors, pinned as the router, run the same streams after it, each
   calling P and D as the push router does and piping D's stream back unparsed: the
-  stack floor (`StackFloor`: the router's own server and client, uvicorn and aiohttp,
-  with nothing of the router in them), what any relay on this stack adds here; and the
+  stack floor (`StackFloor`: uvicorn and aiohttp, the router's server and its client
+  until `wire.py`, with nothing of the router in them), what any relay on this stack
+  adds here; and the
   floor relay (`FloorRelay`: raw asyncio), what any Python relay adds here. The CPU
   per request of each is reported beside its TTFT. ``--ladder`` adds the rungs between
-  the stack floor and the router: the router's client to the instances (`ClientFloor`:
-  httpx's models over aiohttp), and that inside the router's app (`app_floor`: FastAPI,
-  its middlewares and error handlers, the router's relayed response): what each layer
+  the stack floor and the router: uvicorn with the router's client to the instances
+  (`ClientFloor`: `wire.WirePool`), and that inside the router's guards (`app_floor`:
+  the body validated as the router's route does, the router's relayed response): what
+  each layer
   adds, the router's own work being what is left above the app floor. ``--reference
   sglang vllm`` runs two compiled P/D routers (`REFERENCES`, Rust) beside the router, in
   a venv of their own (``--reference-python``): on P's port the stub answers their
@@ -301,7 +303,7 @@ def main() -> None:
     parser.add_argument(
         "--ladder", action="store_true",
         help="also run the stack floor with the router's client (client floor), and that "
-        "inside the router's FastAPI app and middlewares (app floor): what each layer adds",
+        "inside the router's guards, validating and relaying as it does (app floor): what each layer adds",
     )  # fmt: skip
     parser.add_argument("--router-cpu", type=int, default=0)
     parser.add_argument("--load-cpu", type=int, default=1)

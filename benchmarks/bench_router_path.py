@@ -222,11 +222,28 @@ async def _router(p_port: int, d_port: int, tokenizer: Any) -> AsyncIterator[Any
     )  # fmt: skip
     state = RouterState.create(config, tokenizer)
     app = create_router_app(state)
-    async with app.router.lifespan_context(app):
+    async with _lifespan(app):
         while state.unready_reason() is not None:  # the first probe round
             await asyncio.sleep(0.05)
         settle_heap()
         yield app
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app: Any) -> AsyncIterator[None]:
+    """`app`'s ASGI lifespan: started on entry, shut down on exit."""
+    to_app: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    from_app: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    scope = {"type": "lifespan", "asgi": {"version": "3.0", "spec_version": "2.0"}, "state": {}}
+    task = asyncio.ensure_future(app(scope, to_app.get, from_app.put))
+    await to_app.put({"type": "lifespan.startup"})
+    await from_app.get()
+    try:
+        yield
+    finally:
+        await to_app.put({"type": "lifespan.shutdown"})
+        await from_app.get()
+        await task
 
 
 def child(args: argparse.Namespace) -> None:

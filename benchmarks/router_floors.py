@@ -1,24 +1,21 @@
 """The floors of `bench_router_capacity.py`: relays that call P and D as the push router
 does and pipe D's stream back, with less of the router in each (raw asyncio; uvicorn and
-aiohttp; with the router's client; inside the router's app), run as processes of their
+aiohttp; uvicorn with the router's client; that inside the router's guards, validating
+and relaying as the router does), run as processes of their
 own: ``python benchmarks/router_floors.py --floor-relay|--stack-floor|--client-floor|
 --app-floor PORT P_PORT D_PORT``."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import aiohttp
-import httpx
 import uvicorn
-from fastapi import FastAPI
-from fastapi import Request
-from fastapi import Response
+from pydantic import TypeAdapter
 
 from benchmarks.router_stub import read_request
 from kvduplex.common.auth import APIKeyGuard
@@ -26,14 +23,14 @@ from kvduplex.common.config import ROUTER_POOL_IDLE_S
 from kvduplex.common.drain import DrainGuard
 from kvduplex.common.drain import DrainState
 from kvduplex.common.guard import BodyCap
-from kvduplex.common.openai.errors import install_error_handlers
 from kvduplex.common.openai.protocol import CompletionRequest
-from kvduplex.router.relay import OuterSend
-from kvduplex.router.relay import body_parts
+from kvduplex.router.app import _parse_body
+from kvduplex.router.app import _read_body
+from kvduplex.router.client import StreamedAnswer
 from kvduplex.router.relay import relay
-from kvduplex.router.state import InstanceCalls
-from kvduplex.router.state import InstanceTransport
-from kvduplex.router.state import instance_session
+from kvduplex.router.state import CONNECT_TIMEOUT_S
+from kvduplex.router.state import READ_TIMEOUT_S
+from kvduplex.router.wire import WirePool
 
 FLAGS = ("--floor-relay", "--stack-floor", "--client-floor", "--app-floor")
 """The floors, as `main` takes them (``--ladder``'s rungs last)."""
@@ -87,10 +84,11 @@ class FloorRelay:
 class StackFloor:
     """The router's own server and client stack with nothing of the router in it: one
     ASGI callable under uvicorn (uvloop, httptools, as `kvduplex router` runs), calling P
-    and D with aiohttp's client (one pooled session, as `state.InstanceTransport`'s) in the
+    and D with aiohttp's client (one pooled session, as the router's client was until
+    `wire.py`) in the
     push router's order (P's call started first, in a task; D's stream opened; P's answer
     awaited) and sending D's parts on as aiohttp reads them, unparsed. No routing, JSON,
-    tokenizing, middleware or FastAPI. What it adds is the floor under any relay built on
+    tokenizing, middleware or framework. What it adds is the floor under any relay built on
     this stack on this machine, as `FloorRelay`'s is under any Python relay."""
 
     def __init__(self, p_port: int, d_port: int) -> None:
@@ -132,11 +130,10 @@ _JSON_HEADERS = {"content-type": "application/json"}
 
 
 class ClientFloor(StackFloor):
-    """`StackFloor` with the router's own client to the instances (`state.InstanceCalls`
-    over `state.InstanceTransport`: httpx's requests and responses over aiohttp; D's
-    stream read by `relay.body_parts`). The first rung of ``--ladder``."""
+    """`StackFloor` with the router's own client to the instances (`wire.WirePool`; D's
+    stream read as the relay reads it). The first rung of ``--ladder``."""
 
-    calls: InstanceCalls | None = None
+    pool: WirePool | None = None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["method"] == "GET":
@@ -146,53 +143,54 @@ class ClientFloor(StackFloor):
             message = await receive()
             body += message.get("body", b"")
             more = message.get("more_body", False)
-        d = await self.open(json.loads(body), scope["path"])
-        head = [(b"content-type", d.headers["content-type"].encode())]
+        d = await self.open(body, scope["path"])
+        head = [(b"content-type", (d.header(b"content-type") or "").encode())]
         await send({"type": "http.response.start", "status": d.status_code, "headers": head})
         try:
-            async for part in body_parts(d):
+            async for part in d:
                 await send({"type": "http.response.body", "body": part, "more_body": True})
         finally:
             await d.aclose()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    async def open(self, request: dict[str, Any], path: str) -> httpx.Response:
+    async def open(self, request: bytes, path: str) -> StreamedAnswer:
         """P called and D's stream opened as `StackFloor` does, through the router's client;
-        D's response once P answered."""
-        if self.calls is None:  # its aiohttp session is made in the server's event loop
-            transport = InstanceTransport(client=instance_session)
-            self.calls = InstanceCalls(transport, {}, httpx.Timeout(600.0, connect=5.0))
-        prefill = asyncio.ensure_future(self.calls.post(self.p_url, {"xid": "floor"}))
+        D's answer once P answered."""
+        if self.pool is None:
+            self.pool = WirePool({}, CONNECT_TIMEOUT_S, READ_TIMEOUT_S)
+        prefill = asyncio.ensure_future(self.pool.post_whole(self.p_url, b'{"xid": "floor"}'))
         await asyncio.sleep(0)  # P's call goes out first
-        d = await self.calls.post(self.d_url + path, request, stream=True)
+        d = await self.pool.post_stream(self.d_url + path, request)
         (await prefill).json()
         return d
 
 
-def app_floor(p_port: int, d_port: int) -> FastAPI:
-    """`ClientFloor`'s relay inside the router's app: FastAPI with the router's error
-    handlers and middlewares (as `router.app.create_router_app` adds them), the body
-    validated as the router's route validates it, the answer sent by the router's
-    `relay.relay`. The second rung of ``--ladder``: what is left between it and the
-    router is the router's own work (prompt, routing, sessions, splice, answer tap)."""
-    client = ClientFloor(p_port, d_port)
-    app = FastAPI()
-    install_error_handlers(app)
-    app.add_middleware(DrainGuard, drain=DrainState())
-    app.add_middleware(BodyCap, max_body_bytes=1 << 20)
-    app.add_middleware(APIKeyGuard, api_key=None)
-    app.add_middleware(OuterSend)
+class AppFloor:
+    """`ClientFloor`'s relay inside the router's guards (as `router.app.create_router_app`
+    wraps its app), the body read, parsed and validated as the router's route does, the
+    answer sent by the router's `relay.relay`. The second rung of ``--ladder``: what is
+    left between it and the router is the router's own work (prompt, routing, sessions,
+    splice, answer tap)."""
 
-    @app.get("/ready")
-    async def ready() -> dict[str, str]:
-        return {"status": "ready"}
+    def __init__(self, p_port: int, d_port: int) -> None:
+        self.client = ClientFloor(p_port, d_port)
+        self.adapter = TypeAdapter(CompletionRequest)
 
-    @app.post("/v1/completions", response_model=None)
-    async def completions(body: CompletionRequest, raw: Request) -> Response:
-        d = await client.open(dict(await raw.json()), "/v1/completions")
-        return relay(d, body_parts(d), lambda failed: None, "decode")
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] == "GET":
+            return await self.client(scope, receive, send)
+        body = await _read_body(receive)
+        self.adapter.validate_python(_parse_body(scope, body), from_attributes=True)
+        d = await self.client.open(body, "/v1/completions")
+        await relay(d, aiter(d), lambda failed: None, "decode")(scope, receive, send)
 
-    return app
+
+def app_floor(p_port: int, d_port: int) -> Any:
+    """An `AppFloor` inside the router's guards."""
+    app: Any = AppFloor(p_port, d_port)
+    app = DrainGuard(app, drain=DrainState())
+    app = BodyCap(app, max_body_bytes=1 << 20)
+    return APIKeyGuard(app, api_key=None)
 
 
 def serve_stack_floor(port: int, p_port: int, d_port: int, rung: str = "stack") -> None:

@@ -83,7 +83,7 @@ class ReturnMode(enum.StrEnum):
 
 ROUTER_POOL_IDLE_S = 60.0
 """The longest the router keeps an idle connection to an instance for its next call
-(`router.state.instance_session`); an instance keeps one open longer (--keep-alive-s)."""
+(`router.wire.WirePool`); an instance keeps one open longer (--keep-alive-s)."""
 
 
 def host_and_port(text: str, what: str, default_port: int | None = None) -> tuple[str, int]:

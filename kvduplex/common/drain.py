@@ -201,8 +201,8 @@ def uvicorn_config(
 
     Why keep-alive is long: the client of a connection must be the one to close it when it
     is idle. A request written on a connection just as its server closes it fails on the
-    wire, and neither aiohttp nor httpx sends a POST again (aiohttp resends only
-    idempotent methods), so a router's call to decode would end in a 502. The router
+    wire, and the router's client never sends a POST again, so a router's call to decode
+    would end in a 502. The router
     reuses an idle connection for at most `config.ROUTER_POOL_IDLE_S` (60 s), under the
     75 s an instance keeps it by default."""
     return uvicorn.Config(

@@ -73,7 +73,6 @@ from kvduplex.common.openai.chat_output import output_parser
 from kvduplex.common.openai.chat_output import prompt_tail
 from kvduplex.common.openai.errors import REQUEST_ID_HEADER
 from kvduplex.common.openai.errors import APIError
-from kvduplex.common.openai.errors import install_error_handlers
 from kvduplex.common.openai.parsing_config import ParsingConfig
 from kvduplex.common.openai.prompt import PromptError
 from kvduplex.common.openai.prompt import prompt_token_ids
@@ -95,6 +94,7 @@ from kvduplex.engine.request import Request as EngineRequest
 from kvduplex.engine.structured import GrammarCompiler
 from kvduplex.engine.structured import RequestGrammar
 from kvduplex.engine.structured import StructuredOutputError
+from kvduplex.instance.errors import install_error_handlers
 
 logger = logging.getLogger(__name__)
 

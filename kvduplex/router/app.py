@@ -1,38 +1,24 @@
 """The router's HTTP app: the OpenAI front door of a disaggregated deployment.
 
-Each request is validated with the instances' own models and its prompt built
-into token ids with the model's own tokenizer and chat template
-(`kvduplex.common.openai`), so a bad request is refused here in the words an instance
-would use. Prompts are built in a small pool of threads (``--prompt-threads``),
-off the event loop, which keeps health probes and relayed streams moving
-however long a conversation's template takes; a request of at most
-`INLINE_PROMPT_BYTES` is built on the loop, where its template and tokenizer
-take less than the hand-off to a thread and back would. The router never imports torch:
-its tokenizer is `kvduplex.common.model_source.load_tokenizer`'s. The policy then picks P and D (sessions, load), and one of the
-flows (`flows.py`) forwards the body as the client sent it.
-
-A POST to /v1/completions or /v1/chat/completions whose JSON body validates is
-routed by `HotRoutes`, the innermost middleware, past FastAPI's request handling;
-every other request, a body refused included, is FastAPI's to answer.
+The app is plain ASGI (`RouterApp`): a path picks its handler from a table, and
+every answer, a relayed stream's parts included, goes to the server's `send` as it
+is. Around it three guards that wrap nothing of a response (`APIKeyGuard`,
+`BodyCap`, `DrainGuard`). A POST to an OpenAI route is read, parsed and validated
+as an instance's route does it, then served by `routing.route_request`. Its refusals
+are the instances' (the same pydantic models, the same OpenAI error JSON; a
+client's X-Request-ID echoed), and its ``/openapi.json`` describes its routes
+(`openapi.py`).
 
 Routes: /v1/completions, /v1/chat/completions, /v1/models (a decode
 instance's), /health (liveness), /ready (readiness: a healthy decode instance, and
 a healthy prefill one when any is configured; 503 ``draining`` after SIGTERM, when
 new requests get 503 ``draining`` and those in flight finish), /metrics
 (``kvduplex_router_*``), /sessions (the most recent sessions: turns, whether they
-are returned, answer hits). With an API key, the /v1 routes need it
+are returned, answer hits), /openapi.json. With an API key, the /v1 routes need it
 (`kvduplex.common.auth`).
 
-A chat prompt is built with the session table's answer book: an answer the
-router relayed that comes back unchanged keeps the ids decode generated
-(`kvduplex.common.openai.transcript`).
-
-Failures: the app's lifespan runs the health prober (`health.py`). Without a
-healthy decode instance a request is refused at once (503,
-``no_healthy_instance``). A request whose decode instance could not be reached
-is routed once more, to another healthy one (`RoutingPolicy.try_reroute`).
-Calls in flight to an instance that is marked unhealthy are abandoned
-(`calls.py`).
+The app's lifespan runs the health prober (`health.py`) and, with DNS names, the
+discovery (`discovery.py`), and closes the client to the instances at its end.
 """
 
 from __future__ import annotations
@@ -42,21 +28,18 @@ import contextlib
 import gc
 import json
 import logging
-from collections.abc import AsyncIterator
-from collections.abc import Coroutine
-from dataclasses import dataclass
-from dataclasses import replace
+from collections.abc import Awaitable
+from collections.abc import Callable
 from typing import Any
+from urllib.parse import parse_qsl
 
-import httpx
-from fastapi import FastAPI
-from fastapi import Request
-from fastapi.responses import JSONResponse
-from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client import generate_latest
 from pydantic import TypeAdapter
+from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
+from starlette.responses import JSONResponse
+from starlette.responses import Response
 from starlette.types import ASGIApp
 from starlette.types import Receive
 from starlette.types import Scope
@@ -64,232 +47,48 @@ from starlette.types import Send
 
 from kvduplex.common.auth import APIKeyGuard
 from kvduplex.common.auth import bearer_matches
-from kvduplex.common.config import TransferMode
 from kvduplex.common.drain import DrainGuard
 from kvduplex.common.drain import DrainingServer
 from kvduplex.common.drain import exit_code
 from kvduplex.common.drain import uvicorn_config
 from kvduplex.common.guard import BodyCap
-from kvduplex.common.guard import replay_body
-from kvduplex.common.limits import RequestRejected
-from kvduplex.common.limits import check_request_size
 from kvduplex.common.model_source import load_tokenizer
-from kvduplex.common.openai.chat_output import ChatOutputParser
-from kvduplex.common.openai.chat_output import check_tool_choice
-from kvduplex.common.openai.chat_output import output_parser
-from kvduplex.common.openai.chat_output import prompt_tail
+from kvduplex.common.openai.errors import REQUEST_ID_HEADER
 from kvduplex.common.openai.errors import APIError
-from kvduplex.common.openai.errors import install_error_handlers
-from kvduplex.common.openai.prompt import PromptError
-from kvduplex.common.openai.prompt import build_prompt_ids
-from kvduplex.common.openai.prompt import placed_answers
+from kvduplex.common.openai.errors import ErrorResponse
+from kvduplex.common.openai.errors import body_parse_error
+from kvduplex.common.openai.errors import client_request_id
+from kvduplex.common.openai.errors import internal_error
+from kvduplex.common.openai.errors import validation_message
 from kvduplex.common.openai.protocol import ChatCompletionRequest
 from kvduplex.common.openai.protocol import CompletionRequest
 from kvduplex.common.openai.protocol import OpenAIRequest
+from kvduplex.common.openai.protocol import error_body
 from kvduplex.router.calls import until_unhealthy
+from kvduplex.router.client import CallError
 from kvduplex.router.config import RouterConfig
 from kvduplex.router.discovery import run_discovery
-from kvduplex.router.flows import DecodeUnreachable
-from kvduplex.router.flows import Forward
-from kvduplex.router.flows import is_short_append
-from kvduplex.router.flows import serve_decode_only
-from kvduplex.router.flows import serve_pull
-from kvduplex.router.flows import serve_push
-from kvduplex.router.flows import serve_short_append
+from kvduplex.router.flows import Answer
 from kvduplex.router.health import run_prober
+from kvduplex.router.openapi import openapi_json
 from kvduplex.router.policy import NoHealthyInstance
-from kvduplex.router.policy import Outcome
-from kvduplex.router.relay import ClientWatch
-from kvduplex.router.relay import OuterSend
+from kvduplex.router.routing import ClientRequest
+from kvduplex.router.routing import route_request
+from kvduplex.router.routing import unavailable
+from kvduplex.router.state import READ_TIMEOUT_S
 from kvduplex.router.state import RouterState
 
 logger = logging.getLogger(__name__)
 
-INLINE_PROMPT_BYTES = 1024
-"""A request body up to this size has its prompt built on the event loop: a short
-template and tokenizer run (~0.3 ms for 600 bytes with a byte-level BPE tokenizer and a
-ChatML template on this project's test machine; 0.01 ms with the byte tokenizer) cost
-less than a thread's hand-off, which under load waits for the loop to let go of the GIL
-(up to `sys.getswitchinterval()`, 5 ms)."""
-SESSION_HEADER = "x-session-id"
-_SESSION_KEY = SESSION_HEADER.encode("latin-1")
-MAX_SESSION_KEY_LEN = 512
-
-
-@dataclass(frozen=True)
-class ClientRequest:
-    """What a request to route brings besides its validated model."""
-
-    body: dict[str, Any]
-    """Its JSON body, as the client sent it (the router's to forward: the flow takes
-    out what is the router's to set)."""
-    num_body_bytes: int
-    session_header: str | None
-    """Its ``X-Session-Id``."""
-    receive: Receive
-    """Its `receive`, which says when the client leaves."""
-
-    @classmethod
-    def of(cls, scope: Scope, receive: Receive, body: bytes, body_json: Any) -> ClientRequest:
-        session = None
-        for key, value in scope["headers"]:  # as `Headers.get` reads it, without a `Headers`
-            if key == _SESSION_KEY:
-                session = value.decode("latin-1")
-                break
-        return cls(dict(body_json), len(body), session, receive)
-
-
-def session_key(client: ClientRequest, request: OpenAIRequest) -> str | None:
-    """The client's name for its session: X-Session-Id, else prompt_cache_key, else session_id."""
-    key = client.session_header or request.prompt_cache_key or request.session_id
-    if key is not None and len(key) > MAX_SESSION_KEY_LEN:
-        raise APIError(
-            400,
-            f"X-Session-Id must be at most {MAX_SESSION_KEY_LEN} characters",
-            param="x-session-id",
-        )
-    return key or None
-
-
-async def route_request(
-    state: RouterState, client: ClientRequest, request: OpenAIRequest, path: str
-) -> Response:
-    """Build the prompt, choose the instances and run the configured flow."""
-    ids = await build_prompt(state, request, client.num_body_bytes)
-    _check_size(state, request, len(ids))
-    parser = _chat_parser(state, request, ids)
-    key = session_key(client, request)
-    body = client.body  # validated above; forwarded as the client sent it
-    body.pop("kv_transfer_params", None)  # the router's to set, never the client's
-    try:
-        route = state.policy.route(ids, key)
-    except NoHealthyInstance as exc:
-        raise _unavailable(state, exc) from None
-    metrics = state.metrics
-    (metrics.session_hits if route.is_session_hit else metrics.session_misses).inc()
-    fwd = Forward(path=path, request=request, body=body, ids=ids, route=route, parser=parser)
-    if request.stream:  # its relayed response notices a client that leaves (`relay.py`)
-        return await _serve(state, fwd)
-    return await _unless_client_leaves(_serve(state, fwd), client.receive)
-
-
-async def _serve(state: RouterState, fwd: Forward) -> Response:
-    """The flow for `fwd`, and once more on another decode instance if D was unreachable."""
-    route = fwd.route
-    try:
-        return await _run_flow(state, fwd)
-    except DecodeUnreachable as exc:
-        logger.warning("session %s: %s; routing the request again", route.session_id, exc)
-    rerouted = state.policy.try_reroute(route)
-    if rerouted is None:
-        raise _unavailable(state, NoHealthyInstance("decode"))
-    state.metrics.rerouted.inc()
-    try:
-        return await _run_flow(state, replace(fwd, route=rerouted))
-    except DecodeUnreachable as exc:
-        raise APIError(502, str(exc), code="decode_failed") from None
-
-
-async def _unless_client_leaves(call: Coroutine[Any, Any, Response], receive: Receive) -> Response:
-    """`call`'s response, unless the client leaves first: `call` is then cancelled (its
-    calls to the instances are closed, and the instances abort the request) and
-    `ClientDisconnect` raised. For a whole answer, which D sends only once it has
-    generated all of it."""
-    watch = ClientWatch(receive)
-    try:
-        return await call
-    except asyncio.CancelledError:
-        if watch.took_cancel():
-            raise ClientDisconnect() from None
-        raise
-    finally:
-        watch.stop()
-
-
-async def build_prompt(
-    state: RouterState, request: OpenAIRequest, num_body_bytes: int
-) -> list[int]:
-    """The prompt's ids as the instances compute them (400 if there is none to build).
-    The answers sent back are looked up here, on the event loop that updates the session
-    table; the template and the tokenizer run in `RouterState.prompts`, or here for a
-    body of at most `INLINE_PROMPT_BYTES`."""
-    answers = state.policy.sessions.answers
-    try:
-        placements = placed_answers(request, answers, state.policy.clock())
-        if num_body_bytes <= INLINE_PROMPT_BYTES:
-            return build_prompt_ids(request, state.tokenizer, placements, answers.heads)
-        return await asyncio.get_running_loop().run_in_executor(
-            state.prompts, build_prompt_ids, request, state.tokenizer, placements, answers.heads
-        )
-    except PromptError as exc:
-        raise APIError(400, exc.message, param=exc.param) from None
-
-
-def _chat_parser(
-    state: RouterState, request: OpenAIRequest, ids: list[int]
-) -> ChatOutputParser | None:
-    """A chat answer's parser by the router's flags (400 for a tool_choice they cannot
-    serve); the router, not decode, parses routed answers (see `parsing.py`)."""
-    if not isinstance(request, ChatCompletionRequest):
-        return None
-    try:
-        check_tool_choice(request, state.config.parsing)
-    except ValueError as exc:
-        raise APIError(400, str(exc), param="tool_choice") from None
-    return output_parser(request, state.config.parsing, prompt_tail(state.tokenizer, ids))
-
-
-def _check_size(state: RouterState, request: OpenAIRequest, num_prompt_tokens: int) -> None:
-    """400 for a request no instance can serve, before P or D sees it (as D would answer)."""
-    limit = state.policy.max_model_len()
-    if limit is None:  # no probe has answered yet: D checks
-        return
-    if isinstance(request, ChatCompletionRequest):
-        max_tokens = request.requested_max_tokens()
-    else:
-        max_tokens = request.max_tokens
-    try:
-        check_request_size(limit, num_prompt_tokens, 1 if max_tokens is None else max_tokens)
-    except RequestRejected as exc:
-        raise APIError(400, str(exc), param="max_tokens") from None
-
-
-def _unavailable(state: RouterState, exc: NoHealthyInstance) -> APIError:
-    state.metrics.unavailable.inc()
-    return APIError(
-        503, f"{exc}: every one failed its last call or health probe; retry later",
-        code="no_healthy_instance",
-    )  # fmt: skip
-
-
-async def _run_flow(state: RouterState, fwd: Forward) -> Response:
-    """The flow for `fwd`'s route and the request; releases the route if no relay took it."""
-    route, metrics = fwd.route, state.metrics
-    if route.prefill is None:
-        mode, flow = "decode", serve_decode_only
-    elif state.config.mode is TransferMode.PUSH and is_short_append(state, fwd):
-        mode, flow = "short_append", serve_short_append
-    elif state.config.mode is TransferMode.PUSH:
-        mode, flow = "push", serve_push
-    else:
-        mode, flow = "pull", serve_pull
-    metrics.note_request(mode)
-    try:
-        return await flow(state, fwd)
-    except BaseException:  # no relay took the route over: release what it holds
-        state.policy.prefill_done(route, Outcome.REFUSED)
-        state.policy.decode_done(route, Outcome.REFUSED)
-        raise
-
-
-def _sessions(state: RouterState, raw: Request, limit: int) -> JSONResponse:
-    """GET /sessions: the `limit` most recently used sessions, most recent first: turns,
-    whether their turns are returned to prefill, and their answer hits. It names
-    clients' sessions: with an API key, it needs the key too."""
+def _sessions(state: RouterState, scope: Scope) -> JSONResponse:
+    """GET /sessions: the ``limit`` (query; 100) most recently used sessions, most recent
+    first: turns, whether their turns are returned to prefill, and their answer hits. It
+    names clients' sessions: with an API key, it needs the key too."""
     if state.api_key is not None and not bearer_matches(
-        [v.encode("latin-1") for v in raw.headers.getlist("authorization")], state.api_key
+        [v for k, v in scope["headers"] if k == b"authorization"], state.api_key
     ):  # fmt: skip
         raise APIError(401, "GET /sessions needs the API key", code="invalid_api_key")
+    limit = _query_int(scope, "limit", 100)
     recent = state.policy.sessions.sessions()[::-1][: max(0, limit)]
     return JSONResponse({
         "num_sessions": len(state.policy.sessions),
@@ -306,11 +105,29 @@ def _sessions(state: RouterState, raw: Request, limit: int) -> JSONResponse:
     })  # fmt: skip
 
 
+_INT = TypeAdapter(int)
+
+
+def _query_int(scope: Scope, name: str, default: int) -> int:
+    """The query parameter `name` as an integer (its last value), else `default`; 400 as
+    the instances word a field that is not one."""
+    query = scope.get("query_string", b"").decode("latin-1")
+    values = [value for key, value in parse_qsl(query, keep_blank_values=True) if key == name]
+    if not values:
+        return default
+    try:
+        return _INT.validate_python(values[-1])
+    except ValidationError as exc:
+        errors = [{**err, "loc": ("query", name)} for err in exc.errors()]
+        message, param = validation_message(errors)
+        raise APIError(400, message, param=param) from None
+
+
 def _start_background(state: RouterState) -> list[asyncio.Task[None]]:
     """The lifespan's tasks: the health prober and, with DNS names, the discovery."""
     config = state.config
     prober = run_prober(
-        state.probe_client, state.policy, config.health_interval_s, config.health_timeout_s,
+        state.client, state.policy, config.health_interval_s, config.health_timeout_s,
         on_round=state.note_probe_round,
     )  # fmt: skip
     tasks = [asyncio.create_task(prober)]
@@ -327,57 +144,188 @@ async def _stop_background(tasks: list[asyncio.Task[None]]) -> None:
             await task
 
 
-class HotRoutes:
-    """Pure ASGI, the innermost of the router's middlewares: a POST to /v1/completions or
-    /v1/chat/completions with a JSON body that validates is routed here at once, past
-    Starlette's router and FastAPI's request handling, the largest layer of the router's
-    CPU per request under load (`benchmarks/bench_router_capacity.py --ladder`). Anything
-    else, a body that does not parse or validate included, goes on to FastAPI with its
-    body as it came: its routes answer as they always do (their validation errors, the
-    OpenAPI schema). What runs for the route is the routes' own (`route_request`), and the
-    middlewares outside this one (API key, body cap, drain, X-Request-ID, the catch-all
-    500) wrap both. Served here: only what FastAPI's route would take as the same JSON
-    and validate into the same request (a content type of ``application/json``, no
-    ``root_path``), and not while FastAPI's own OpenTelemetry observes the request (its
-    spans name the route FastAPI matched)."""
+Handler = Callable[[Scope, Receive], Awaitable[Answer]]
 
-    def __init__(self, app: ASGIApp, state: RouterState) -> None:
-        self.app = app
+
+class RouterApp:
+    """The router's ASGI app: its lifespan (the health prober and the DNS discovery,
+    then the client's close) and its routes, each a handler by method and path. A
+    handler's `APIError` is answered as OpenAI error JSON, any other exception as a 500
+    that names the request (`internal_error`); a client's X-Request-ID is echoed on
+    every answer. An exception once an answer's head was sent ends the connection."""
+
+    def __init__(self, state: RouterState) -> None:
         self.state = state
-        self.routes: dict[str, TypeAdapter[OpenAIRequest]] = {
+        self.posts: dict[str, TypeAdapter[OpenAIRequest]] = {
             "/v1/completions": TypeAdapter(CompletionRequest),
             "/v1/chat/completions": TypeAdapter(ChatCompletionRequest),
         }
+        self.gets: dict[str, Handler] = {
+            "/health": self._health, "/ready": self._ready, "/metrics": self._metrics,
+            "/sessions": self._sessions, "/v1/models": self._models,
+            "/openapi.json": self._openapi,
+        }  # fmt: skip
+
+    def paths(self) -> set[str]:
+        """The paths it serves."""
+        return {*self.posts, *self.gets}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        route = None
-        if scope["type"] == "http" and scope["method"] == "POST" and _is_plain(scope):
-            route = self.routes.get(scope["path"])
-        if route is None:
-            await self.app(scope, receive, send)
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
             return
-        body = await _read_body(receive)  # whole: `BodyCap`, outside, read it (or refused it)
-        body_json = None
-        try:
-            body_json = json.loads(body)
-            request = route.validate_python(body_json)
-        except Exception:  # not JSON, invalid, nested too deeply: FastAPI's to answer
-            request = None
-        if request is None:  # outside the handler: the failed parse is not kept alive
-            body_json = None
-            await self.app(scope, replay_body(body, receive), send)
+        if scope["type"] != "http":  # a websocket: none is served
+            await send({"type": "websocket.close", "code": 1000})
             return
-        client = ClientRequest.of(scope, receive, body, body_json)
         try:
-            response = await route_request(self.state, client, request, scope["path"])
-        except APIError as exc:  # as the app's handler answers it
+            response = await self._answer(scope, receive)
+        except APIError as exc:
             response = exc.response()
-        await response(scope, receive, send)
+        except ClientDisconnect:  # the client left before its answer began
+            return
+        except Exception as exc:
+            response = internal_error(scope, exc)
+        rid = client_request_id(scope)
+        if rid is not None:
+            _set_header(response, _REQUEST_ID_KEY, rid)
+        try:
+            await response(scope, receive, send)
+        except ClientDisconnect:
+            if getattr(response, "has_started", True):
+                raise
+        except Exception as exc:
+            if getattr(response, "has_started", True):
+                raise
+            fallback = internal_error(scope, exc)
+            if rid is not None:
+                _set_header(fallback, _REQUEST_ID_KEY, rid)
+            await fallback(scope, receive, send)
+
+    async def _answer(self, scope: Scope, receive: Receive) -> Answer:
+        path, method = _route_path(scope), scope["method"]
+        route = self.posts.get(path)
+        if route is not None:
+            if method != "POST":
+                raise _HTTPError(405, "Method Not Allowed", allow="POST")
+            return await self._route(scope, receive, route, path)
+        handler = self.gets.get(path)
+        if handler is None:
+            raise _HTTPError(404, "Not Found")
+        if method != "GET":
+            raise _HTTPError(405, "Method Not Allowed", allow="GET")
+        return await handler(scope, receive)
+
+    async def _route(
+        self, scope: Scope, receive: Receive, adapter: TypeAdapter[OpenAIRequest], path: str
+    ) -> Answer:
+        """A POST to one of the OpenAI routes: its body read, parsed and validated as an
+        instance's FastAPI route does, then routed (`route_request`)."""
+        body = await _read_body(receive)
+        body_json = _parse_body(scope, body)
+        try:
+            request = adapter.validate_python(body_json, from_attributes=True)
+        except ValidationError as exc:
+            message, param = validation_message(exc.errors())
+            raise APIError(400, message, param=param) from None
+        client = ClientRequest.of(scope, receive, body, body_json)
+        return await route_request(self.state, client, request, path)
+
+    async def _health(self, scope: Scope, receive: Receive) -> Answer:
+        """The router is up; and each instance as its probes last saw it."""
+        policy = self.state.policy
+        instances = [
+            {"url": b.url, "role": role, "healthy": b.is_healthy, "engine_id": b.engine_id}
+            for role, pool in (("prefill", policy.prefill), ("decode", policy.decode))
+            for b in pool.backends
+        ]  # fmt: skip
+        return JSONResponse({"status": "ok", "role": "router", "instances": instances})
+
+    async def _ready(self, scope: Scope, receive: Receive) -> Answer:
+        """200 when the router can serve: a healthy decode instance and, with prefill
+        instances configured, a healthy prefill one (after the first probe round); else
+        503 with why."""
+        state = self.state
+        reason = state.unready_reason()
+        if reason is None:
+            return JSONResponse({"status": "ready", "role": "router"})
+        status = "draining" if state.drain.is_draining else "unavailable"
+        return JSONResponse({"status": status, "role": "router", "reason": reason}, 503)
+
+    async def _metrics(self, scope: Scope, receive: Receive) -> Answer:
+        return Response(generate_latest(self.state.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def _sessions(self, scope: Scope, receive: Receive) -> Answer:
+        return _sessions(self.state, scope)
+
+    async def _models(self, scope: Scope, receive: Receive) -> Answer:
+        """A healthy decode instance's /v1/models, as it answered."""
+        state = self.state
+        pool = state.policy.decode
+        up = pool.healthy()
+        if not up:
+            raise unavailable(state, NoHealthyInstance("decode"))
+        d = up[0]
+        try:
+            call = state.client.get(d.url + "/v1/models", READ_TIMEOUT_S, credentials=True)
+            resp = await until_unhealthy(d, call)
+        except CallError as exc:
+            pool.mark_failed(d, state.policy.clock())
+            message = f"decode at {d.url} failed: {exc!r}"
+            raise APIError(502, message, code="decode_failed") from None
+        return Response(resp.content, resp.status_code, media_type="application/json")
+
+    async def _openapi(self, scope: Scope, receive: Receive) -> Answer:
+        return Response(openapi_json(), media_type="application/json")
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        """Start the background tasks, then, at shutdown, stop them and close the client."""
+        state = self.state
+        await receive()  # lifespan.startup
+        tasks = _start_background(state)
+        await send({"type": "lifespan.startup.complete"})
+        await receive()  # lifespan.shutdown
+        try:
+            await _stop_background(tasks)
+            await state.aclose()
+        finally:
+            state.prompts.shutdown(wait=False, cancel_futures=True)
+        await send({"type": "lifespan.shutdown.complete"})
+
+
+_REQUEST_ID_KEY = REQUEST_ID_HEADER.encode("latin-1")
+
+
+class _HTTPError(APIError):
+    """A request no route takes (404, 405), worded as the instances word it."""
+
+    def __init__(self, status: int, message: str, allow: str | None = None) -> None:
+        super().__init__(status, message)
+        self.allow = allow
+
+    def response(self) -> JSONResponse:
+        headers = None if self.allow is None else {"allow": self.allow}
+        return ErrorResponse(error_body(self.message), status_code=self.status, headers=headers)
+
+
+def _set_header(response: Answer, name: bytes, value: str) -> None:
+    """`name` set to `value` on `response`'s head, in place of any before."""
+    headers = response.raw_headers
+    headers[:] = [(k, v) for k, v in headers if k != name]
+    headers.append((name, value.encode("latin-1")))
+
+
+def _route_path(scope: Scope) -> str:
+    """The request's path below the app's ``root_path``, as Starlette's routes match it."""
+    path: str = scope["path"]
+    root = scope.get("root_path")
+    if root and path.startswith(root):
+        return path[len(root) :] or "/"
+    return path
 
 
 async def _read_body(receive: Receive) -> bytes:
-    """The request's whole body, as `Request.body` reads it (`ClientDisconnect` if the
-    client left before it was all sent)."""
+    """The request's whole body (`ClientDisconnect` if the client left before it was all
+    sent)."""
     parts = []
     while True:
         message = await receive()
@@ -388,96 +336,39 @@ async def _read_body(receive: Receive) -> bytes:
             return b"".join(parts)
 
 
-def _is_plain(scope: Scope) -> bool:
-    """The request says its body is JSON (``application/json``, parameters aside), and
-    neither a ``root_path`` nor FastAPI's OpenTelemetry bears on how it is routed."""
-    if scope.get("root_path") or scope.get("fastapi.telemetry") is not None:
-        return False
+def _parse_body(scope: Scope, body: bytes) -> Any:
+    """A request's body as an instance's route takes it: JSON if its content type says so
+    (``application/json`` or ``application/*+json``), else its bytes (which fail
+    validation); 400 if it is empty or is not JSON."""
+    if not body:
+        raise APIError(400, "body: Field required", param="body")
+    if not _says_json(scope):
+        return body
+    try:
+        return json.loads(body)
+    except json.JSONDecodeError:
+        raise APIError(400, "the request body is not valid JSON") from None
+    except Exception as exc:  # nested too deeply, a number too long to convert
+        raise APIError(400, body_parse_error(exc)) from None
+
+
+def _says_json(scope: Scope) -> bool:
+    """The request's content type is ``application/json`` or ``application/*+json``."""
     for key, value in scope["headers"]:
         if key == b"content-type":
-            return value.partition(b";")[0].strip().lower() == b"application/json"
+            kind = value.partition(b";")[0].strip().lower()
+            main, _, sub = kind.partition(b"/")
+            return main == b"application" and (sub == b"json" or sub.endswith(b"+json"))
     return False
 
 
-def create_router_app(state: RouterState) -> FastAPI:
-    """The router's app; its lifespan runs the health prober (and the DNS discovery) and
-    closes the clients."""
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        tasks = _start_background(state)
-        try:
-            yield
-        finally:
-            await _stop_background(tasks)
-            await state.aclose()
-            state.prompts.shutdown(wait=False, cancel_futures=True)
-
-    app = FastAPI(title="kvduplex-router", lifespan=lifespan)
-    app.add_middleware(HotRoutes, state=state)  # added first: the innermost
-    install_error_handlers(app)
-    app.add_middleware(DrainGuard, drain=state.drain)
-    app.add_middleware(BodyCap, max_body_bytes=state.config.max_body_mb << 20)
-    app.add_middleware(APIKeyGuard, api_key=state.api_key)
-    app.add_middleware(OuterSend)  # added last: the outermost of these
-
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        """The router is up; and each instance as its probes last saw it."""
-        instances = [
-            {"url": b.url, "role": role, "healthy": b.is_healthy, "engine_id": b.engine_id}
-            for role, pool in (("prefill", state.policy.prefill), ("decode", state.policy.decode))
-            for b in pool.backends
-        ]  # fmt: skip
-        return JSONResponse({"status": "ok", "role": "router", "instances": instances})
-
-    @app.get("/ready")
-    async def ready() -> JSONResponse:
-        """200 when the router can serve: a healthy decode instance and, with prefill
-        instances configured, a healthy prefill one (after the first probe round);
-        else 503 with why."""
-        reason = state.unready_reason()
-        if reason is None:
-            return JSONResponse({"status": "ready", "role": "router"})
-        status = "draining" if state.drain.is_draining else "unavailable"
-        return JSONResponse({"status": status, "role": "router", "reason": reason}, 503)
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/sessions")
-    async def sessions(raw: Request, limit: int = 100) -> JSONResponse:
-        return _sessions(state, raw, limit)
-
-    @app.get("/v1/models")
-    async def models() -> Response:
-        pool = state.policy.decode
-        up = pool.healthy()
-        if not up:
-            raise _unavailable(state, NoHealthyInstance("decode"))
-        d = up[0]
-        try:
-            resp = await until_unhealthy(d, state.client.get(d.url + "/v1/models"))
-        except httpx.HTTPError as exc:
-            pool.mark_failed(d, state.policy.clock())
-            message = f"decode at {d.url} failed: {exc!r}"
-            raise APIError(502, message, code="decode_failed") from None
-        return Response(resp.content, resp.status_code, media_type="application/json")
-
-    @app.post("/v1/completions", response_model=None)
-    async def completions(body: CompletionRequest, raw: Request) -> Response:
-        return await route_request(state, await _client_request(raw), body, "/v1/completions")
-
-    @app.post("/v1/chat/completions", response_model=None)
-    async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
-        return await route_request(state, await _client_request(raw), body, "/v1/chat/completions")
-
-    return app
-
-
-async def _client_request(raw: Request) -> ClientRequest:
-    return ClientRequest.of(raw.scope, raw.receive, await raw.body(), await raw.json())
+def create_router_app(state: RouterState) -> ASGIApp:
+    """The router's app (`RouterApp`) inside its guards: the API key, the body cap, the
+    drain (outermost first)."""
+    app: ASGIApp = RouterApp(state)
+    app = DrainGuard(app, drain=state.drain)
+    app = BodyCap(app, max_body_bytes=state.config.max_body_mb << 20)
+    return APIKeyGuard(app, api_key=state.api_key)
 
 
 def _dns_note(target: str, config: RouterConfig) -> str:
@@ -495,12 +386,10 @@ GC_YOUNG_THRESHOLD = 10_000
 def settle_heap() -> None:
     """Before serving: what the process holds for its life (modules, the tokenizer, the
     app) is collected once and frozen out of the garbage collector's scans, and the young
-    generation collected less often than by default (vLLM's engine core freezes its
-    heap after start-up too). Over a router's start, 1 s of warm-up and 6 s at 64 paced
-    streams (`benchmarks/bench_router_capacity.py`'s stub), the collector ran 377 ms,
-    two full collections of 50 and 78 ms among them, every stream stalled meanwhile;
-    with this, 114 ms, 42 of them the collection here. Not in the app: a test process's
-    heap is its own."""
+    generation collected less often than by default (as vLLM's engine core freezes its
+    heap after start-up): a full collection stalls every stream the router relays. What
+    it saves is measured in docs/benchmarks.md ("One router stack"). Not in the app: a
+    test process's heap is its own."""
     gc.collect()
     gc.freeze()
     _, *older = gc.get_threshold()

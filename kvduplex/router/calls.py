@@ -1,12 +1,12 @@
 """Calls to an instance that end once the router marks the instance unhealthy.
 
-The router's HTTP client waits up to 600 s for a read, so without this a call
-to a partitioned or hung instance would hold its client's request for that
-long after the router stopped sending the instance work. Each call watches
+A call's read waits up to 600 s (a stream's, for ever), so without this a
+call to a partitioned or hung instance would hold its client's request for
+that long after the router stopped sending the instance work. Each call watches
 its instance while in flight (`Backend.watch`); when the instance is presumed
 down (a failed connection, or ``--health-failures`` failed probes in a row;
-never a 5xx answer) the call is abandoned and raises `InstanceDown`, an
-`httpx.TransportError`, so that it ends as a call whose connection failed
+never a 5xx answer) the call is abandoned and raises `InstanceDown`, a
+`client.CallError`, so that it ends as a call whose connection failed
 ends: a prefill fails (decode computes the prompt), a decode that has not
 answered is a 502, a decode stream ends with an error event.
 
@@ -17,47 +17,29 @@ at a deadline: the call's connection is then closed, and the cancel becomes
 `InstanceDown`. No task of its own: a call's start and end cost no turn of the
 event loop each, which under load is what a request's first token waits on. A
 stream being read is abandoned by closing its response instead
-(`relay.relay`), which ends the read with an `httpx` transport error.
+(`relay.relay`), which ends the read with `client.ReadError`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Coroutine
-from collections.abc import Iterator
 from typing import Any
 from typing import TypeVar
 
-import aiohttp
-import httpx
-from httpx_aiohttp.transport import map_aiohttp_exceptions
-
+from kvduplex.router.client import CallError
 from kvduplex.router.policy import Backend
 
 T = TypeVar("T")
 
 
-class InstanceDown(httpx.TransportError):
+class InstanceDown(CallError):
     """The instance was marked unhealthy while a call to it was in flight (or before it
     began): the call was abandoned."""
 
     def __init__(self, what: str) -> None:
         """`what`: the instance, as a log line names it (its URL, or "decode at URL")."""
         super().__init__(f"{what} was marked unhealthy (failed health probes or a failed call)")
-
-
-@contextlib.contextmanager
-def instance_errors() -> Iterator[None]:
-    """aiohttp's errors as httpx's, as httpx-aiohttp maps them, and those it leaves as
-    they are (an answer that is not HTTP: a TLS port, a port another process took) as
-    `httpx.RemoteProtocolError`: every caller of an instance handles httpx's errors, and
-    one that escaped would end a request with a 500, or the health prober."""
-    try:
-        with map_aiohttp_exceptions():
-            yield
-    except aiohttp.ClientError as exc:
-        raise httpx.RemoteProtocolError(f"{type(exc).__name__}: {exc}") from exc
 
 
 async def until_unhealthy(b: Backend, call: Coroutine[Any, Any, T]) -> T:

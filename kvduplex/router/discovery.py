@@ -43,10 +43,11 @@ from dataclasses import field
 import dns.asyncresolver
 import dns.exception
 import dns.resolver
-import httpx
 
 from kvduplex.common.config import Role
 from kvduplex.common.config import host_and_port
+from kvduplex.router.client import CallError
+from kvduplex.router.client import InstanceClient
 from kvduplex.router.config import RouterConfig
 from kvduplex.router.health import note_health
 from kvduplex.router.policy import Backend
@@ -122,8 +123,8 @@ class Discovery:
 
     sets: list[DnsSet]
     resolve: Resolve
-    client: httpx.AsyncClient
-    """For the /health of addresses that appear (the router's probe client)."""
+    client: InstanceClient
+    """For the /health of addresses that appear (asked without credentials)."""
     timeout_s: float
     """Deadline of one such /health."""
     num_rounds: int = 0
@@ -134,11 +135,13 @@ class Discovery:
         cls,
         config: RouterConfig,
         policy: RoutingPolicy,
-        client: httpx.AsyncClient,
+        client: InstanceClient,
+        timeout_s: float,
         resolve: Resolve | None = None,
     ) -> Discovery | None:
         """Discovery of ``--prefill-dns`` and ``--decode-dns``; None if neither is given.
-        `resolve` replaces DNS (tests)."""
+        `timeout_s`: the deadline of a new address's /health; `resolve` replaces DNS
+        (tests)."""
         sets = []
         for role, pool, target in (
             (Role.PREFILL, policy.prefill, config.prefill_dns),
@@ -151,7 +154,7 @@ class Discovery:
             return None
         if resolve is None:
             resolve = DnsResolver(config.dns_server, timeout_s=config.health_timeout_s)
-        return cls(sets, resolve, client, config.health_timeout_s)
+        return cls(sets, resolve, client, timeout_s)
 
     async def run_round(self) -> None:
         """Resolve every name once and update its pool. A name whose update fails
@@ -190,9 +193,9 @@ class Discovery:
     async def _try_admit(self, s: DnsSet, url: str) -> None:
         """Add the instance at `url` to `s`'s pool if its /health answers with `s`'s role."""
         try:
-            resp = await self.client.get(url + "/health", timeout=self.timeout_s)
+            resp = await self.client.get(url + "/health", self.timeout_s)
             body = resp.json() if resp.status_code == 200 else None
-        except (httpx.HTTPError, ValueError) as exc:
+        except (CallError, ValueError) as exc:
             logger.info("%s DNS %s: %s not added yet: /health %r", s.role.value, s.name, url, exc)
             return
         except Exception as exc:  # not the transport's: still an address not added yet

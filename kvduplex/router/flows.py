@@ -52,9 +52,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
-from fastapi.responses import JSONResponse
-from fastapi.responses import Response
+from starlette.responses import JSONResponse
+from starlette.responses import Response
 
 from kvduplex.common.config import ReturnMode
 from kvduplex.common.openai import render
@@ -69,16 +68,23 @@ from kvduplex.router.answers import return_limit
 from kvduplex.router.answers import tap_answer
 from kvduplex.router.calls import InstanceDown
 from kvduplex.router.calls import until_unhealthy
+from kvduplex.router.client import CallError
+from kvduplex.router.client import ConnectError
+from kvduplex.router.client import StreamedAnswer
 from kvduplex.router.parsing import parse_body
 from kvduplex.router.parsing import parse_stream
 from kvduplex.router.policy import Backend
 from kvduplex.router.policy import Outcome
 from kvduplex.router.policy import Route
 from kvduplex.router.relay import FirstToken
-from kvduplex.router.relay import body_parts
+from kvduplex.router.relay import RelayedResponse
 from kvduplex.router.relay import push_stream
 from kvduplex.router.relay import relay
 from kvduplex.router.state import RouterState
+from kvduplex.router.state import json_body
+
+Answer = Response | RelayedResponse
+"""What a flow answers the client with: a response of the router's own, or a relayed one."""
 
 logger = logging.getLogger(__name__)
 
@@ -105,18 +111,17 @@ class Forward:
         return self.path.endswith("/chat/completions")
 
 
-class InstanceDraining(httpx.TransportError):
+class InstanceDraining(CallError):
     """The instance refused new work: it is draining (shutting down)."""
 
     def __init__(self, url: str) -> None:
         super().__init__(f"{url} is draining")
 
 
-async def is_draining_answer(resp: httpx.Response) -> bool:
+async def is_draining_answer(resp: StreamedAnswer) -> bool:
     """Whether a 503 answer is an instance's "draining" refusal (its body is then read
-    and the response closed)."""
-    await resp.aread()
-    await resp.aclose()
+    and the answer closed)."""
+    await resp.read()
     try:
         err = resp.json().get("error")
     except (ValueError, AttributeError):
@@ -127,7 +132,7 @@ async def is_draining_answer(resp: httpx.Response) -> bool:
 class DecodeUnreachable(Exception):
     """The route's decode instance could not be reached; it never saw the request."""
 
-    def __init__(self, url: str, exc: httpx.HTTPError) -> None:
+    def __init__(self, url: str, exc: CallError) -> None:
         super().__init__(f"decode at {url} failed: {exc!r}")
         self.url = url
 
@@ -215,7 +220,7 @@ async def _post_prefill(
     outcome = Outcome.REFUSED  # until the call ends one way or the other
     try:
         resp = await until_unhealthy(
-            p, state.calls.post_whole(p.url + path, req)
+            p, state.client.post_whole(p.url + path, json_body(req))
         )
         outcome = _outcome(resp.status_code)
         if resp.status_code != 200:
@@ -226,7 +231,7 @@ async def _post_prefill(
             return None
         ans: dict[str, Any] = resp.json()
         return ans
-    except (httpx.HTTPError, ValueError) as exc:  # unreachable, or an answer that is not JSON
+    except (CallError, ValueError) as exc:  # unreachable, or an answer that is not JSON
         outcome = Outcome.FAILED
         logger.warning(
             "xid=%s: prefill at %s failed: %s; decode computes the prompt", req["xid"], p.url, exc
@@ -241,9 +246,9 @@ async def _retained(state: RouterState, d: Backend, session_id: str) -> dict[str
     url = d.url + "/internal/kv/retained"
     try:
         resp = await until_unhealthy(
-            d, state.calls.post_whole(url, {"session_id": session_id})
+            d, state.client.post_whole(url, json_body({"session_id": session_id}))
         )
-    except httpx.HTTPError as exc:
+    except CallError as exc:
         logger.info("session %s: retained turn at %s unavailable: %s", session_id, d.url, exc)
         return None
     if resp.status_code != 200:
@@ -265,21 +270,21 @@ async def _retained(state: RouterState, d: Backend, session_id: str) -> dict[str
 
 async def _cancel(state: RouterState, b: Backend, xid: str, reason: str) -> None:
     body = {"xid": xid, "reason": reason}
-    with contextlib.suppress(httpx.HTTPError):
+    with contextlib.suppress(CallError):
         url = b.url + "/internal/push/cancel"
-        await until_unhealthy(b, state.calls.post_whole(url, body))
+        await until_unhealthy(b, state.client.post_whole(url, json_body(body)))
 
 
 async def _release(state: RouterState, b: Backend, xid: str) -> None:
-    with contextlib.suppress(httpx.HTTPError):
+    with contextlib.suppress(CallError):
         url = b.url + "/internal/release"
-        await until_unhealthy(b, state.calls.post_whole(url, {"xid": xid}))
+        await until_unhealthy(b, state.client.post_whole(url, json_body({"xid": xid})))
 
 
 async def _open_decode(
     state: RouterState, fwd: Forward, body: dict[str, Any], headers: dict[str, str]
-) -> httpx.Response | Response:
-    """D's streaming response, or a 502 if D failed (or was marked unhealthy) before
+) -> StreamedAnswer | Response:
+    """D's streaming answer, or a 502 if D failed (or was marked unhealthy) before
     answering; raises `DecodeUnreachable` if D could not be reached at all, or was marked
     unhealthy before the request was sent."""
     d = fwd.route.decode
@@ -290,7 +295,7 @@ async def _open_decode(
         headers = {**headers, RAW_OUTPUT_HEADER: "1"}
     try:
         resp = await until_unhealthy(
-            d, state.calls.post(d.url + fwd.path, body, headers, stream=True)
+            d, state.client.post_stream(d.url + fwd.path, json_body(body), headers)
         )
         if resp.status_code == 503 and await is_draining_answer(resp):
             # D got SIGTERM after the route was chosen, before a probe saw it: no new work
@@ -299,9 +304,9 @@ async def _open_decode(
             state.policy.decode_done(fwd.route, Outcome.REFUSED)
             raise DecodeUnreachable(d.url, InstanceDraining(d.url))
         return resp
-    except httpx.HTTPError as exc:
+    except CallError as exc:
         state.policy.decode_done(fwd.route, Outcome.FAILED)
-        if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+        if isinstance(exc, ConnectError):
             raise DecodeUnreachable(d.url, exc) from exc
         logger.warning("decode at %s failed before answering: %r", d.url, exc)
         message = f"decode at {d.url} failed: {exc!r}"
@@ -309,8 +314,8 @@ async def _open_decode(
 
 
 def _relay_decode(
-    state: RouterState, fwd: Forward, upstream: httpx.Response, parts: AsyncIterator[bytes]
-) -> Response:
+    state: RouterState, fwd: Forward, upstream: StreamedAnswer, parts: AsyncIterator[bytes]
+) -> RelayedResponse:
     outcome = _outcome(upstream.status_code)
     if fwd.parser is not None and upstream.status_code == 200:
         parse = parse_stream if fwd.request.stream else parse_body
@@ -353,7 +358,7 @@ def is_short_append(state: RouterState, fwd: Forward) -> bool:
     return 0 < num_new <= limit
 
 
-async def serve_short_append(state: RouterState, fwd: Forward) -> Response:
+async def serve_short_append(state: RouterState, fwd: Forward) -> Answer:
     """Decode alone computes the turn over its cached history, then returns it to prefill
     (a short append)."""
     p = fwd.route.prefill
@@ -365,18 +370,18 @@ async def serve_short_append(state: RouterState, fwd: Forward) -> Response:
     upstream = await _open_decode(state, fwd, body, {})
     if isinstance(upstream, Response):
         return upstream
-    return _relay_decode(state, fwd, upstream, body_parts(upstream))
+    return _relay_decode(state, fwd, upstream, aiter(upstream))
 
 
-async def serve_decode_only(state: RouterState, fwd: Forward) -> Response:
+async def serve_decode_only(state: RouterState, fwd: Forward) -> Answer:
     body = {**fwd.body, "kv_transfer_params": _decode_params(fwd, {"mode": "local"})}
     upstream = await _open_decode(state, fwd, body, {})
     if isinstance(upstream, Response):
         return upstream
-    return _relay_decode(state, fwd, upstream, body_parts(upstream))
+    return _relay_decode(state, fwd, upstream, aiter(upstream))
 
 
-async def serve_pull(state: RouterState, fwd: Forward) -> Response:
+async def serve_pull(state: RouterState, fwd: Forward) -> Answer:
     p = fwd.route.prefill
     assert p is not None
     xid = f"pull-{secrets.token_hex(16)}"
@@ -402,7 +407,7 @@ async def serve_pull(state: RouterState, fwd: Forward) -> Response:
         return upstream  # D may have read, or be reading: the lease runs out on its own
     if ans is not None and 400 <= upstream.status_code < 500:
         await _release(state, p, xid)  # D refused the request before it read anything
-    return _relay_decode(state, fwd, upstream, body_parts(upstream))
+    return _relay_decode(state, fwd, upstream, aiter(upstream))
 
 
 _CANCELS: set[asyncio.Task[None]] = set()
@@ -432,7 +437,7 @@ def _on_prefill_answer(
         note_answer_hit(state, fwd, int(ans.get("num_cached_tokens", 0)))
 
 
-async def serve_push(state: RouterState, fwd: Forward) -> Response:
+async def serve_push(state: RouterState, fwd: Forward) -> Answer:
     p = fwd.route.prefill
     d = fwd.route.decode
     assert p is not None
@@ -480,14 +485,14 @@ async def serve_push(state: RouterState, fwd: Forward) -> Response:
         await _cancel(state, p, xid, "decode refused the request")
         if isinstance(upstream, Response):
             return upstream
-        return _relay_decode(state, fwd, upstream, body_parts(upstream))
+        return _relay_decode(state, fwd, upstream, aiter(upstream))
     if not is_spliced:
         # Stop strings act on text: only D, which sees the whole answer, can apply them.
-        return _relay_decode(state, fwd, upstream, body_parts(upstream))
+        return _relay_decode(state, fwd, upstream, aiter(upstream))
     # P's token goes out under the id of D's answer, which D's X-Request-ID header names
     # (no X-Request-ID is sent to D, so the header is D's own id, not an echo).
     prefix = "chatcmpl" if fwd.is_chat else "cmpl"
-    rid = upstream.headers.get(REQUEST_ID_HEADER) or f"{prefix}-{secrets.token_hex(16)}"
+    rid = upstream.header(REQUEST_ID_HEADER.encode()) or f"{prefix}-{secrets.token_hex(16)}"
     head = render.ResponseHead(
         request_id=rid, model=fwd.request.model or state.config.model, is_chat=fwd.is_chat,
         return_token_ids=fwd.request.return_token_ids,

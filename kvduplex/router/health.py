@@ -28,8 +28,9 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-import httpx
-
+from kvduplex.router.client import CallError
+from kvduplex.router.client import InstanceClient
+from kvduplex.router.client import WholeAnswer
 from kvduplex.router.policy import Backend
 from kvduplex.router.policy import BackendPool
 from kvduplex.router.policy import RoutingPolicy
@@ -38,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 
 async def probe(
-    client: httpx.AsyncClient,
+    client: InstanceClient,
     policy: RoutingPolicy,
     pool: BackendPool,
     b: Backend,
@@ -48,9 +49,9 @@ async def probe(
     started_at = policy.clock()
     was_healthy, is_unexpected = b.is_healthy, False
     try:
-        resp = await client.get(b.url + "/ready", timeout=timeout_s)
+        resp = await client.get(b.url + "/ready", timeout_s)
         if resp.status_code == 404:
-            resp = await client.get(b.url + "/health", timeout=timeout_s)
+            resp = await client.get(b.url + "/health", timeout_s)
         is_ok, why = resp.status_code == 200, f"HTTP {resp.status_code}"
         if is_ok:
             note_health(b, resp)
@@ -59,7 +60,7 @@ async def probe(
             return
     except Exception as exc:  # any failure, not only the transport's, is a failed probe
         is_ok, why = False, repr(exc)
-        is_unexpected = not isinstance(exc, httpx.HTTPError)
+        is_unexpected = not isinstance(exc, CallError)
     pool.note_probe(b, is_ok, started_at, policy.clock())
     if not is_ok and b.is_healthy:
         logger.log(
@@ -74,7 +75,7 @@ async def probe(
             logger.warning("instance %s is unhealthy: /health %s", b.url, why)
 
 
-def is_draining(resp: httpx.Response) -> bool:
+def is_draining(resp: WholeAnswer) -> bool:
     """Whether a probe's answer says the instance drains (503 ``status: draining``)."""
     if resp.status_code != 503:
         return False
@@ -93,7 +94,7 @@ def _note_draining(pool: BackendPool, b: Backend, now: float) -> None:
     b.num_failed_probes = 0
 
 
-def note_health(b: Backend, resp: httpx.Response) -> None:
+def note_health(b: Backend, resp: WholeAnswer) -> None:
     """Keep what a good probe's body says: ``max_model_len``, ``engine_id``, ``block_size``."""
     try:
         body = resp.json()
@@ -111,7 +112,7 @@ def note_health(b: Backend, resp: httpx.Response) -> None:
         b.engine_id = engine_id
 
 
-async def probe_all(client: httpx.AsyncClient, policy: RoutingPolicy, timeout_s: float) -> None:
+async def probe_all(client: InstanceClient, policy: RoutingPolicy, timeout_s: float) -> None:
     """One round: every instance of both roles at once, those that left DNS with calls
     still in flight included (`BackendPool.to_probe`). A probe that raises (a watcher
     that broke its contract) is logged with its instance; the others end as they would."""
@@ -126,7 +127,7 @@ async def probe_all(client: httpx.AsyncClient, policy: RoutingPolicy, timeout_s:
 
 
 async def run_prober(
-    client: httpx.AsyncClient,
+    client: InstanceClient,
     policy: RoutingPolicy,
     interval_s: float,
     timeout_s: float,

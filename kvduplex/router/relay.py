@@ -47,12 +47,7 @@ from dataclasses import dataclass
 from dataclasses import field
 from typing import Any
 
-import aiohttp
-import httpx
-from fastapi.responses import StreamingResponse
-from httpx_aiohttp.transport import AiohttpResponseStream
 from starlette.requests import ClientDisconnect
-from starlette.types import ASGIApp
 from starlette.types import Receive
 from starlette.types import Scope
 from starlette.types import Send
@@ -64,97 +59,79 @@ from kvduplex.common.openai.protocol import error_body
 from kvduplex.common.sampling import TokenLogprobs
 from kvduplex.common.tokenizer import Tokenizer
 from kvduplex.router.calls import InstanceDown
-from kvduplex.router.calls import instance_errors
-from kvduplex.router.wire import WireStream
+from kvduplex.router.client import CallError
+from kvduplex.router.client import StreamedAnswer
 
 logger = logging.getLogger(__name__)
 
 
-OUTER_SEND_KEY = "kvduplex.outer_send"
-"""Where `OuterSend` keeps the `send` it was given, in the request's scope."""
-
-
-class OuterSend:
-    """Pure ASGI, the app's outermost middleware: keeps the `send` it is given in the
-    scope, for `_RelayedResponse` to send a stream's parts after its first through (each
-    inner middleware wraps `send` in a coroutine of its own, ~5 of them a relayed part;
-    those that act on a response act on its start)."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            scope[OUTER_SEND_KEY] = send
-        await self.app(scope, receive, send)
-
-
-class _RelayedResponse(StreamingResponse):
-    """A streaming response that runs `cleanup` however it ends.
+class RelayedResponse:
+    """An ASGI response that relays a body from an instance and runs `cleanup` however it
+    ends.
 
     The head and first part are sent from the request's own task, the rest from a task
     that it awaits (`_send_rest`), and a task of its own waits for the client to leave
     (uvicorn's `send` says nothing once it has): then it cancels the request's task
-    (which cancels the one it awaits), once. (Starlette's own response, under a server
-    that speaks ASGI below 2.4 as uvicorn's httptools does, runs the two in an anyio task
-    group: two tasks and a cancel scope more per response, and the first part a turn of
-    the event loop later.) A stream cut short leaves the body generator suspended: its
-    `finally` would run only when the garbage collector gets to it, and the upstream
-    connection would wait in CLOSE-WAIT, out of the pool, until then. So the body is
-    closed here.
+    (which cancels the one it awaits), once. A stream cut short leaves the body generator
+    suspended: its `finally` would run only when the garbage collector gets to it, and
+    the upstream connection would wait in CLOSE-WAIT, out of the pool, until then. So
+    the body is closed here.
 
     The cleanup is not shielded: the cancels are native (the client left: `ClientWatch`;
-    the server's graceful shutdown ran out: uvicorn cancels what is left), and an anyio
-    shield does not stop those. What must happen happens before any await that a cancel
-    could interrupt: the route is reported done and the upstream connection let go of
+    the server's graceful shutdown ran out: uvicorn cancels what is left), and a shield
+    would not stop those. What must happen happens before any await that a cancel could
+    interrupt: the route is reported done and the upstream connection let go of
     (`relay`'s close, run in a `finally` however the body's own close ends).
     """
 
     def __init__(
         self, body: AsyncGenerator[bytes, None], cleanup: Callable[[], Awaitable[None]],
-        status_code: int, headers: dict[str, str],
+        status_code: int, headers: list[tuple[bytes, bytes]],
         failure: Callable[[], dict[str, Any] | None] | None = None,
     ) -> None:  # fmt: skip
-        super().__init__(body, status_code=status_code, headers=headers)
-        self._body = body
+        self.status_code = status_code
+        self.raw_headers = headers
+        """The head's headers; the app adds to them before it sends the response."""
+        self.has_started = False
+        """Whether the head was sent (an error after it ends the connection)."""
+        self.body_iterator = body
+        """The body's parts, as relayed."""
         self._cleanup = cleanup
         self._failure = failure
 
-    async def _stream(self, send: Send, outer_send: Send) -> None:
-        """The head and first part through `send` (the middlewares that look at a
-        response's start see it), the rest through `outer_send`, from a task of its own
-        (`_send_rest`). A whole answer (one that says how it failed: `failure`) is read
-        before its head, so that one cut short is answered 502 with that error, never 200
-        with part of a body."""
+    async def _stream(self, send: Send) -> None:
+        """The head and first part, then the rest from a task of its own (`_send_rest`).
+        A whole answer (one that says how it failed: `failure`) is read before its head,
+        so that one cut short is answered 502 with that error, never 200 with part of a
+        body."""
         if self._failure is not None:
-            body = b"".join([part async for part in self._body])
+            body = b"".join([part async for part in self.body_iterator])
             status, headers = self.status_code, self.raw_headers
             error = self._failure()
             if error is not None:
                 status, headers = 502, [(b"content-type", b"application/json")]
                 body = json.dumps(error).encode()
+            self.has_started = True
             await send({"type": "http.response.start", "status": status, "headers": headers})
             await send({"type": "http.response.body", "body": body, "more_body": False})
             return
+        self.has_started = True
         await send({"type": "http.response.start", "status": self.status_code,
                     "headers": self.raw_headers})  # fmt: skip
-        first = await anext(self._body, None)
+        first = await anext(self.body_iterator, None)
         if first is not None:
             await send({"type": "http.response.body", "body": first, "more_body": True})
-            await asyncio.ensure_future(self._send_rest(outer_send))
-            send = outer_send
+            await asyncio.ensure_future(self._send_rest(send))
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _send_rest(self, send: Send) -> None:
         """The parts after the first, in a task of its own, which the request's task
         awaits (a cancel of the request's task cancels it). Each part wakes this task
-        alone: the request's task would resume every frame it awaits in, the server's
-        and each middleware's (about a dozen), a part. (Its first step waits a turn of
-        the event loop; the first part, the one a TTFT waits for, is sent before.) The
-        body's generators move to this task after their first part: none of them holds
-        what is bound to a task (a timeout, a cancel scope, a context variable's token)
-        across a yield."""
-        async for part in self._body:
+        alone, not every frame the request's task awaits in (the server's, the
+        middlewares'). The body's generators move to this task after their first part:
+        none of them holds what is bound to a task (a timeout, a context variable's
+        token) across a yield."""
+        async for part in self.body_iterator:
             await send({"type": "http.response.body", "body": part, "more_body": True})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -162,7 +139,7 @@ class _RelayedResponse(StreamingResponse):
         # From ASGI 2.4 on, `send` raises OSError once the client has left: no watch.
         watch = None if _version(spec) >= (2, 4) else ClientWatch(receive)
         try:
-            await self._stream(send, scope.get(OUTER_SEND_KEY, send))
+            await self._stream(send)
         except OSError:
             raise ClientDisconnect() from None
         except asyncio.CancelledError:
@@ -172,7 +149,7 @@ class _RelayedResponse(StreamingResponse):
             if watch is not None:
                 watch.stop()  # before any await: a completed response never cancels
             try:
-                await self._body.aclose()  # runs the body's `finally` if it began
+                await self.body_iterator.aclose()  # runs the body's `finally` if it began
             finally:
                 await self._cleanup()  # else this closes upstream
 
@@ -211,21 +188,21 @@ def _version(spec: str) -> tuple[int, ...]:
 
 
 def relay(
-    upstream: httpx.Response,
+    upstream: StreamedAnswer,
     parts: AsyncIterator[bytes],
     on_close: Callable[[bool], None],
     source: str,
     watch: Callable[[Callable[[], None]], Callable[[], None]] | None = None,
     *,
     in_whole_events: bool = False,
-) -> StreamingResponse:
+) -> RelayedResponse:
     """Stream `parts` with `upstream`'s status and content type; close it and call
     ``on_close(failed)`` once, when the stream ends or the client leaves (`failed`:
     `source`'s connection failed mid-answer, or `source` was marked unhealthy; a stream
     then ends with an error event). `watch` is `source`'s `Backend.watch`: when it calls
     back, `upstream` is closed and the answer abandoned. `in_whole_events`: `parts` come
     in whole SSE events already (`answers.tap_answer`'s), not regrouped again."""
-    content_type = upstream.headers.get("content-type", "application/json")
+    content_type = upstream.header(b"content-type") or "application/json"
     is_sse = content_type.startswith("text/event-stream")
     closed = False
     abandoned: InstanceDown | None = None
@@ -264,7 +241,7 @@ def relay(
                     raise abandoned
                 yield part
         except Exception as exc:
-            if abandoned is None and not isinstance(exc, httpx.HTTPError):
+            if abandoned is None and not isinstance(exc, CallError):
                 raise
             exc = abandoned or exc  # a closed response's read ends with its own error
             failed = True
@@ -282,11 +259,15 @@ def relay(
             finally:
                 await close(failed)
 
-    headers = {"content-type": content_type}
-    if REQUEST_ID_HEADER in upstream.headers:  # the answer's id (a client's own is echoed)
-        headers[REQUEST_ID_HEADER] = upstream.headers[REQUEST_ID_HEADER]
+    headers = [(b"content-type", content_type.encode("latin-1"))]
+    answer_id = upstream.header(_REQUEST_ID_KEY)
+    if answer_id is not None:  # the answer's id (a client's own is echoed)
+        headers.append((_REQUEST_ID_KEY, answer_id.encode("latin-1")))
     whole = None if is_sse else lambda: failure
-    return _RelayedResponse(body(), close, upstream.status_code, headers, whole)
+    return RelayedResponse(body(), close, upstream.status_code, headers, whole)
+
+
+_REQUEST_ID_KEY = REQUEST_ID_HEADER.encode("latin-1")
 
 
 def _no_watch() -> None:
@@ -317,32 +298,6 @@ async def aclose_parts(parts: AsyncIterator[bytes]) -> None:
         await aclose()
 
 
-def body_parts(upstream: httpx.Response) -> AsyncIterator[bytes]:
-    """`upstream`'s body as it arrives: from aiohttp's stream directly when it came over
-    aiohttp, without httpx's iterators around it (three generators and a decoder a part),
-    else through httpx; a compressed body (instances send none) through httpx, which
-    decodes it (only the content type is relayed); a body read already (a 503's, read to
-    tell a drain from another refusal) as it was read. Errors are httpx's either way."""
-    if upstream.is_stream_consumed:
-        return _parts(upstream.content)
-    stream = upstream.stream
-    if isinstance(stream, WireStream) and "content-encoding" not in upstream.headers:
-        return aiter(stream)  # its own parts, as they come
-    if isinstance(stream, AiohttpResponseStream) and "content-encoding" not in upstream.headers:
-        return _aiohttp_parts(stream._aiohttp_response.content)
-    return upstream.aiter_bytes()
-
-
-async def _parts(content: bytes) -> AsyncIterator[bytes]:
-    yield content
-
-
-async def _aiohttp_parts(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
-    with instance_errors():  # as the router's own stream maps them (`state.InstanceStream`)
-        async for part in content.iter_any():
-            yield part
-
-
 @dataclass(frozen=True)
 class FirstToken:
     """What the router needs to write P's first token as the answer's first chunk."""
@@ -369,7 +324,7 @@ class FirstToken:
 
 
 async def push_stream(
-    upstream: httpx.Response,
+    upstream: StreamedAnswer,
     prefill: asyncio.Task[dict[str, Any] | None],
     first: FirstToken,
 ) -> AsyncIterator[bytes]:
@@ -387,7 +342,7 @@ async def push_stream(
     are relayed as they arrive, unparsed (regrouped in whole events after: the
     answer's tap, else `relay`).
     """
-    parts = body_parts(upstream)
+    parts = aiter(upstream)
     first_part = asyncio.ensure_future(anext(parts, None))
     try:
         if not prefill.done():

@@ -1,32 +1,21 @@
-"""The router's HTTP/1.1 client for its calls to the instances on a request's path.
+"""The router's HTTP/1.1 client to the instances (`client.InstanceClient` over the network).
 
-Each routed request makes two calls before its first token (P's prefill, D's
-stream) and reads one part per token of D's stream; under load the router's
-core waits for nothing else. Through aiohttp alone a call cost 110-240 us of
-that core (a request and a response object, a timer, the body written from a
-task of its own before Python 3.12; the router wrapped httpx's response around
-it) and a part five Python calls or more (its stream reader's feed, chunk
-marks, flow control); over an asyncio protocol around httptools's parser
-(uvicorn's, llhttp's C: `wire_protocol.Connection`) a call, httpx's response
-included, costs about two thirds of that and a part two calls
-(`benchmarks/bench_http_clients.py`). This is that protocol's keep-alive pool,
-for what the router sends: a POST of a JSON body to an instance over plain HTTP
-(a ``https`` URL goes through aiohttp, `state.InstanceTransport`), its answer
-returned as an `httpx.Response` whose body is read as it arrives (`WireStream`), or,
-read whole, as a `WholeAnswer`.
+`WirePool` keeps connections alive by host and port and makes the router's calls on
+them: a POST of a JSON body (P's prefill, D's answer, cancels, releases) or a GET (the
+health probes, ``/v1/models``), over plain HTTP or TLS (``https`` URLs). Each connection
+is an asyncio protocol around httptools's response parser (`wire_protocol.Connection`):
+a part of a body is handed to its reader as it comes, with no stream reader between.
 
-Errors are httpx's, as the router tells them apart (`state.InstanceTransport`):
-a connection that could not be made is `httpx.ConnectError` (or
-`httpx.ConnectTimeout`): the instance never saw the request; one closed or
-answered with what is not HTTP once the request was written is
-`httpx.RemoteProtocolError`; a whole answer later than its deadline is
-`httpx.ReadTimeout`. A call cancelled (the caller's own, or
-`calls.until_unhealthy`'s) closes its connection; a stream closed before its
-end (`WireStream.aclose`) closes it and ends a read in flight with
-`httpx.ReadError`. A connection goes back to the pool only once its answer
-was read to the end and the instance keeps it open, and is reused for at
-most `ROUTER_POOL_IDLE_S`, well within the instances' keep-alive, so that an
-instance never closes one as the router writes a call on it.
+Errors are `client.CallError`s: a connection that could not be made is `ConnectError`
+(or `ConnectTimeout`): the instance never saw the request; one closed or answered with
+what is not HTTP once the request was written is `RemoteProtocolError`; a whole answer
+later than its deadline is `ReadTimeout`. A call cancelled (the caller's own, or
+`calls.until_unhealthy`'s) closes its connection; a streamed answer closed before its
+end (`StreamedAnswer.aclose`) closes it and ends a read in flight with `ReadError`. A
+connection goes back to the pool only once its answer was read to the end and the
+instance keeps it open, and is reused for at most `ROUTER_POOL_IDLE_S`, well within the
+instances' keep-alive, so that an instance never closes one as the router writes a call
+on it.
 """
 
 from __future__ import annotations
@@ -34,66 +23,45 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import json
 import select
+import ssl
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from dataclasses import field
-from typing import Any
 from urllib.parse import urlsplit
 
-import httpx
-
 from kvduplex.common.config import ROUTER_POOL_IDLE_S
+from kvduplex.router.client import ConnectError
+from kvduplex.router.client import ConnectTimeout
+from kvduplex.router.client import LocalProtocolError
+from kvduplex.router.client import ReadError
+from kvduplex.router.client import ReadTimeout
+from kvduplex.router.client import StreamedAnswer
+from kvduplex.router.client import WholeAnswer
 from kvduplex.router.wire_protocol import Connection
 
-
-@dataclass(frozen=True, slots=True)
-class WholeAnswer:
-    """An instance's whole answer to a call, as the router reads one: its status and body.
-    No `httpx.Response` is made of it: reading P's answer into one, whose content goes
-    through httpx's byte streams, decoders and context managers, cost four times the
-    `json.loads` of that answer, on every request's path to its first token (more with
-    the caches cold, as they are between a request's steps under load). The body is as it
-    came: no content coding is undone (the router asks for none, and instances send
-    none), and `text` reads it as UTF-8, as JSON is."""
-
-    status_code: int
-    content: bytes
-    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
-    """As they came (the connection starts a new list for its next answer)."""
-
-    def json(self) -> Any:
-        return json.loads(self.content)
-
-    @property
-    def text(self) -> str:
-        return self.content.decode("utf-8", "replace")
+Key = tuple[str, int, bool]
+"""Where a connection goes: host, port, and whether it speaks TLS."""
 
 
-class WireStream(httpx.AsyncByteStream):
-    """An answer's body as it arrives on its connection (`httpx.Response.stream`);
-    `aclose` gives the connection back (an answer read to its end) or closes it."""
+class WireBody:
+    """An answer's body as it arrives on its connection (`client.Body`); `aclose` gives
+    the connection back (an answer read to its end) or closes it."""
+
+    __slots__ = ("_conn",)
 
     def __init__(self, conn: Connection) -> None:
         self._conn: Connection | None = conn
 
     def __del__(self) -> None:
-        """A stream dropped unclosed (a caller cancelled before it closed it) closes its
-        connection, as aiohttp's response does, rather than holding it open for good."""
+        """A body dropped unclosed (a caller cancelled before it closed it) closes its
+        connection rather than holding it open for good."""
         if self._conn is not None and not self._conn.is_closed:
             with contextlib.suppress(RuntimeError):  # the event loop is closed already
-                self._conn.close(httpx.ReadError("the answer was dropped unclosed"))
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        while (part := await self.next_part()) is not None:
-            yield part
+                self._conn.close(ReadError("the answer was dropped unclosed"))
 
     async def next_part(self) -> bytes | None:
-        """The next part, None at the end (or `httpx.ReadError` once closed)."""
         if self._conn is None:
-            raise httpx.ReadError("the answer was closed")
+            raise ReadError("the answer was closed")
         return await self._conn.next_part()
 
     async def aclose(self) -> None:
@@ -103,100 +71,112 @@ class WireStream(httpx.AsyncByteStream):
 
 
 class WirePool:
-    """Kept-alive connections to the instances, by host and port, and the calls on them.
-    No cap: every request in flight holds one to its P and one to its D."""
+    """Kept-alive connections to the instances, by host and port, and the calls on them
+    (`client.InstanceClient`). No cap: every request in flight holds one to its P and
+    one to its D."""
 
-    def __init__(self, headers: dict[str, str], timeout: httpx.Timeout) -> None:
-        """`headers`: sent on every call (checked once: `ValueError` if one holds a line
-        break); `timeout`: its connect and read deadlines (read: a whole answer's)."""
-        self._base_headers = {name.lower(): value for name, value in headers.items()}
+    def __init__(
+        self, headers: dict[str, str], connect_timeout_s: float, read_timeout_s: float
+    ) -> None:
+        """`headers`: the credentials sent on every POST and on a GET that asks for them
+        (checked once: `ValueError` if one holds a line break); the connect deadline, and
+        the read deadline of a POST's whole answer."""
+        self._base_headers = {"content-type": "application/json"}
+        self._base_headers.update({name.lower(): value for name, value in headers.items()})
         self._headers = _header_lines(self._base_headers)
+        self._credentials = _header_lines({n.lower(): v for n, v in headers.items()})
         self._is_closed = False
-        self._connect_timeout_s = timeout.connect
-        self._read_timeout_s = timeout.read
-        self._idle: dict[tuple[str, int], collections.deque[Connection]] = {}
-        """Idle connections by host and port, the least recently used first."""
+        self._connect_timeout_s = connect_timeout_s
+        self._read_timeout_s = read_timeout_s
+        self._tls: ssl.SSLContext | None = None
+        self._idle: dict[Key, collections.deque[Connection]] = {}
+        """Idle connections by where they go, the least recently used first."""
         self._swept_at = time.monotonic()
-        self._targets: dict[str, tuple[tuple[str, int], bytes]] = {}
+        self._targets: dict[tuple[bytes, str], tuple[Key, bytes]] = {}
         self._lines: dict[tuple[tuple[str, str], ...], bytes] = {}
         """The header lines of each set of a call's own headers (a chat's: one), made once."""
 
-    async def post(
-        self, url: str, content: bytes, headers: dict[str, str] | None = None,
-        *, stream: bool = False,
-    ) -> httpx.Response:  # fmt: skip
-        """POST `content` (JSON) to `url` (``http://``): the answer read whole within the
-        read deadline (`post_whole`'s, as an `httpx.Response`), or (`stream`) once its head
-        came, with no deadline (a stream's read ends when its instance is marked unhealthy,
-        `calls.py`), its body to be read (`WireStream`) and closed by the caller. `headers`
-        are sent in place of the common ones of the same names. A URL or header that
-        cannot be sent as it is (a line break, not ASCII) is `httpx.LocalProtocolError`,
-        and nothing is sent."""
-        if not stream:
-            whole = await self.post_whole(url, content, headers)
-            return httpx.Response(
-                whole.status_code, headers=whole.headers, content=whole.content,
-                extensions={"http_version": b"HTTP/1.1"},
-            )  # fmt: skip
-        conn, head = await self._send(url, content, headers)
+    async def post_stream(
+        self, url: str, content: bytes, headers: dict[str, str] | None = None
+    ) -> StreamedAnswer:
+        """See `client.InstanceClient.post_stream`. A URL or header that cannot be sent as
+        it is (a line break, not ASCII) is `LocalProtocolError`, and nothing is sent."""
+        conn, head = await self._send(b"POST", url, self._post_lines(headers), content)
         try:
             await head
         except BaseException:
-            conn.close(httpx.ReadError("the call was cancelled"))
+            conn.close(ReadError("the call was cancelled"))
             raise
-        status = conn.parser.get_status_code()
-        return httpx.Response(
-            status, headers=conn.headers, stream=WireStream(conn),
-            extensions={"http_version": b"HTTP/1.1"},
-        )  # fmt: skip
+        return StreamedAnswer(conn.parser.get_status_code(), conn.headers, WireBody(conn))
 
     async def post_whole(
         self, url: str, content: bytes, headers: dict[str, str] | None = None
     ) -> WholeAnswer:
-        """`post`'s whole answer as it was read, with no `httpx.Response` made of it."""
-        conn, head = await self._send(url, content, headers)
+        """See `client.InstanceClient.post_whole`."""
+        return await self._whole(
+            b"POST", url, self._post_lines(headers), content, self._read_timeout_s
+        )
+
+    async def get(self, url: str, timeout_s: float, *, credentials: bool = False) -> WholeAnswer:
+        """See `client.InstanceClient.get`."""
+        lines = self._credentials if credentials else b""
+        async with _deadline(url, timeout_s):
+            return await self._whole(b"GET", url, lines, None, None)
+
+    async def _whole(
+        self, method: bytes, url: str, lines: bytes, content: bytes | None,
+        timeout_s: float | None,
+    ) -> WholeAnswer:  # fmt: skip
+        conn, head = await self._send(method, url, lines, content)
         try:
-            async with asyncio.timeout(self._read_timeout_s):
+            async with _deadline(url, timeout_s):
                 await head
                 body = await _read_to_end(conn)
-        except TimeoutError:
-            conn.close(httpx.ReadTimeout("no answer in time"))
-            raise httpx.ReadTimeout(f"{url} did not answer in {self._read_timeout_s} s") from None
-        except BaseException:
-            conn.close(httpx.ReadError("the call was cancelled"))
+        except BaseException as exc:
+            why = "no answer in time" if isinstance(exc, ReadTimeout) else "the call was cancelled"
+            conn.close(ReadError(why))
             raise
         whole = WholeAnswer(conn.parser.get_status_code(), body, conn.headers)
         conn.release()
         return whole
 
-    async def _send(
-        self, url: str, content: bytes, headers: dict[str, str] | None
-    ) -> tuple[Connection, asyncio.Future[None]]:
-        """A connection to `url`'s instance (an idle one, or a new one) with the call
-        written on it, and the head of its answer to come."""
-        try:
-            key, start = self._target(url)
-            lines = self._lines_with(headers) if headers else self._headers
-        except ValueError as exc:
-            raise httpx.LocalProtocolError(str(exc)) from None
-        conn = self._take(key) or await self._connect(key)
-        request = b"%s%scontent-length: %d\r\n\r\n%s" % (start, lines, len(content), content)
-        return conn, conn.send(request)
-
-    def _lines_with(self, headers: dict[str, str]) -> bytes:
-        """The header lines with `headers` in place of the common ones of their names."""
+    def _post_lines(self, headers: dict[str, str] | None) -> bytes:
+        """A POST's header lines: the common ones, `headers` in place of those of their
+        names."""
+        if not headers:
+            return self._headers
         key = tuple(headers.items())
         lines = self._lines.get(key)
         if lines is None:
             if len(self._lines) >= 64:  # the router's calls use one or two sets
                 self._lines.clear()
             extra = {name.lower(): value for name, value in headers.items()}
-            lines = self._lines[key] = _header_lines({**self._base_headers, **extra})
+            try:
+                lines = _header_lines({**self._base_headers, **extra})
+            except ValueError as exc:
+                raise LocalProtocolError(str(exc)) from None
+            self._lines[key] = lines
         return lines
+
+    async def _send(
+        self, method: bytes, url: str, lines: bytes, content: bytes | None
+    ) -> tuple[Connection, asyncio.Future[None]]:
+        """A connection to `url`'s instance (an idle one, or a new one) with the call
+        written on it, and the head of its answer to come."""
+        try:
+            key, start = self._target(method, url)
+        except ValueError as exc:
+            raise LocalProtocolError(str(exc)) from None
+        conn = self._take(key) or await self._connect(key)
+        if content is None:
+            request = b"%s%s\r\n" % (start, lines)
+        else:
+            request = b"%s%scontent-length: %d\r\n\r\n%s" % (start, lines, len(content), content)
+        return conn, conn.send(request)
 
     def put_back(self, conn: Connection) -> None:
         if self._is_closed:  # a stream that ended after the pool closed
-            conn.close(httpx.ReadError("the router's client closed"))
+            conn.close(ReadError("the router's client closed"))
             return
         conn.idle_since = now = time.monotonic()
         conn.is_pooled = True
@@ -209,7 +189,7 @@ class WirePool:
         self._swept_at = now
         for key, idle in list(self._idle.items()):
             while idle and now - idle[0].idle_since >= ROUTER_POOL_IDLE_S:
-                self._unpool(idle.popleft()).close(httpx.ReadError("idle too long"))
+                self._unpool(idle.popleft()).close(ReadError("idle too long"))
             if not idle:
                 del self._idle[key]
 
@@ -229,10 +209,10 @@ class WirePool:
         self._is_closed = True
         for idle in list(self._idle.values()):
             for conn in list(idle):
-                conn.close(httpx.ReadError("the router's client closed"))
+                conn.close(ReadError("the router's client closed"))
         self._idle.clear()
 
-    def _take(self, key: tuple[str, int]) -> Connection | None:
+    def _take(self, key: Key) -> Connection | None:
         """The most recently used idle connection to `key` that is still good, if any: not
         idle too long, and not closed by the instance, even if the event loop has not read
         that yet (an idle connection with anything to read has only its end to read, as
@@ -248,41 +228,58 @@ class WirePool:
                     sock = transport.get_extra_info("socket")
                     if sock is None or not _has_input(sock.fileno()):
                         return conn
-            conn.close(httpx.ReadError("idle too long, or closed by the instance"))
+            conn.close(ReadError("idle too long, or closed by the instance"))
         return None
 
-    async def _connect(self, key: tuple[str, int]) -> Connection:
+    async def _connect(self, key: Key) -> Connection:
         loop = asyncio.get_running_loop()
         conn = Connection(self, key)
+        host, port, is_tls = key
+        if is_tls and self._tls is None:
+            self._tls = ssl.create_default_context()
         try:
             async with asyncio.timeout(self._connect_timeout_s):
-                await loop.create_connection(lambda: conn, *key)
+                await loop.create_connection(
+                    lambda: conn, host, port, ssl=self._tls if is_tls else None
+                )
         except TimeoutError:
-            raise httpx.ConnectTimeout(f"connecting to {key[0]}:{key[1]} timed out") from None
+            raise ConnectTimeout(f"connecting to {host}:{port} timed out") from None
         except (OSError, UnicodeError) as exc:  # UnicodeError: a host name IDNA refuses
-            raise httpx.ConnectError(f"connecting to {key[0]}:{key[1]} failed: {exc}") from exc
+            raise ConnectError(f"connecting to {host}:{port} failed: {exc}") from exc
         return conn
 
-    def _target(self, url: str) -> tuple[tuple[str, int], bytes]:
-        """`url`'s host and port, and its request line and Host header (parsed once)."""
-        target = self._targets.get(url)
+    def _target(self, method: bytes, url: str) -> tuple[Key, bytes]:
+        """Where `url` goes, and its request line and Host header (parsed once)."""
+        target = self._targets.get((method, url))
         if target is None:
             if len(self._targets) >= 4096:  # instances come and go: keep the table bounded
                 self._targets.clear()
             parts = urlsplit(url)
-            if parts.scheme != "http" or parts.hostname is None:
-                raise ValueError(f"not a plain http URL: {url}")
-            port = 80 if parts.port is None else parts.port
+            if parts.scheme not in ("http", "https") or parts.hostname is None:
+                raise ValueError(f"not an http or https URL: {url}")
+            is_tls = parts.scheme == "https"
+            port = parts.port if parts.port is not None else 443 if is_tls else 80
             path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
             host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
             _check_field(path, host)
             if " " in path:
                 raise ValueError(f"a space in the URL's path: {url}")
-            line = f"POST {path} HTTP/1.1\r\nhost: {host}:{port}\r\n"
+            line = f"{method.decode()} {path} HTTP/1.1\r\nhost: {host}:{port}\r\n"
             if not line.isascii():
                 raise ValueError(f"not an ASCII URL: {url!r}")
-            target = self._targets[url] = ((parts.hostname, port), line.encode("ascii"))
+            target = ((parts.hostname, port, is_tls), line.encode("ascii"))
+            self._targets[(method, url)] = target
         return target
+
+
+@contextlib.asynccontextmanager
+async def _deadline(url: str, timeout_s: float | None) -> AsyncIterator[None]:
+    """`ReadTimeout` (a `ConnectTimeout` stays one) once `timeout_s` has passed."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            yield
+    except TimeoutError:
+        raise ReadTimeout(f"{url} did not answer in {timeout_s} s") from None
 
 
 async def _read_to_end(conn: Connection) -> bytes:
@@ -301,11 +298,6 @@ def _has_input(fd: int) -> bool:
     return bool(poller.poll(0))
 
 
-def is_wire_url(url: str) -> bool:
-    """Whether `WirePool` calls `url` (plain http)."""
-    return url.startswith("http://")
-
-
 def _header_lines(headers: dict[str, str]) -> bytes:
     for item in headers.items():
         _check_field(*item)
@@ -318,3 +310,4 @@ def _check_field(*fields: str) -> None:
     for text in fields:
         if "\r" in text or "\n" in text or "\0" in text:
             raise ValueError(f"a header or URL holds a line break: {text!r}")
+

@@ -5,9 +5,9 @@ event loop calls `data_received`, httptools calls back as it parses (`on_header`
 `on_body`, ...), and the caller waits on `head`, then takes the body's parts
 (`next_part`). It carries one answer at a time and goes back to its pool (`Pool`) only
 when that answer was read to its end, nothing of it left unread and nothing after it
-(`is_reusable`). Errors are httpx's: a connection closed, or an answer that is not
-HTTP, is `httpx.RemoteProtocolError`; a read in flight on a connection the caller
-closed is `httpx.ReadError`.
+(`is_reusable`). A connection closed, or an answer that is not HTTP, is
+`RemoteProtocolError`; a read in flight on a connection the caller closed is
+`ReadError` (`kvduplex.router.client`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,10 @@ from typing import Protocol
 from typing import cast
 
 import httptools
-import httpx
+
+from kvduplex.router.client import CallError
+from kvduplex.router.client import ReadError
+from kvduplex.router.client import RemoteProtocolError
 
 
 class Pool(Protocol):
@@ -40,7 +43,7 @@ class Connection(asyncio.Protocol):
     `head`, then takes the body's parts (`next_part`). Reused (`release`) only once its
     answer was read to the end, nothing of it left unread and nothing after it."""
 
-    def __init__(self, pool: Pool, key: tuple[str, int]) -> None:
+    def __init__(self, pool: Pool, key: tuple[str, int, bool]) -> None:
         self.pool, self.key = pool, key
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
@@ -63,7 +66,7 @@ class Connection(asyncio.Protocol):
         self.waiter: asyncio.Future[None] | None = None
         self.is_interim = False
         self.is_done = False
-        self.error: httpx.HTTPError | None = None
+        self.error: CallError | None = None
         self.keeps_alive = False
         self.until_close = False
         """The body has no length and is not chunked: the connection's close ends it."""
@@ -75,7 +78,7 @@ class Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self.head is None:  # an idle connection: nothing should come
-            self._fail(httpx.RemoteProtocolError("the instance sent data no call asked for"))
+            self._fail(RemoteProtocolError("the instance sent data no call asked for"))
             return
         if self.is_done:  # after the answer: the answer stands, the connection goes
             self._spoil()
@@ -86,7 +89,7 @@ class Connection(asyncio.Protocol):
             if self.is_done:  # `on_message_begin`: another message after the answer
                 self._spoil()
             else:
-                self._fail(httpx.RemoteProtocolError(f"the instance's answer is not HTTP: {exc}"))
+                self._fail(RemoteProtocolError(f"the instance's answer is not HTTP: {exc}"))
 
     def eof_received(self) -> bool:
         self._note_closing()
@@ -99,7 +102,7 @@ class Connection(asyncio.Protocol):
                 self.is_done = True  # the instance's close is the body's end (not ours)
             elif self.error is None:
                 why = f": {exc!r}" if exc is not None else ""
-                self.error = httpx.RemoteProtocolError(f"the instance closed the connection{why}")
+                self.error = RemoteProtocolError(f"the instance closed the connection{why}")
         self._wake()
 
     # httptools's callbacks
@@ -154,7 +157,7 @@ class Connection(asyncio.Protocol):
 
     async def next_part(self) -> bytes | None:
         """What came of the body since the last part, once there is some (all of it
-        joined, as aiohttp's `readany`: a burst of events is relayed in one write); None
+        joined: a burst of events is relayed in one write); None
         at its end."""
         while True:
             if self.parts:
@@ -186,14 +189,14 @@ class Connection(asyncio.Protocol):
 
     def release(self) -> None:
         """The caller is done with the answer: the connection goes back to the pool if it
-        `is_reusable`, else closes (a read in flight then ends with `httpx.ReadError`)."""
+        `is_reusable`, else closes (a read in flight then ends with `ReadError`)."""
         if self.is_reusable() and self.waiter is None:  # no read in flight, nor its wake-up
             self._reset()
             self.pool.put_back(self)
         else:
-            self.close(httpx.ReadError("the answer was closed before its end"))
+            self.close(ReadError("the answer was closed before its end"))
 
-    def close(self, error: httpx.HTTPError) -> None:
+    def close(self, error: CallError) -> None:
         """Close the connection; a read in flight ends with `error`."""
         if self.error is None and not self.is_done:
             self.error = error
@@ -213,7 +216,7 @@ class Connection(asyncio.Protocol):
             self.transport.close()
         self._note_closing()
 
-    def _fail(self, error: httpx.HTTPError) -> None:
+    def _fail(self, error: CallError) -> None:
         self.error = self.error or error
         if self.head is not None and not self.head.done():
             self.head.set_exception(error)

@@ -9,7 +9,6 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import pytest
 from fastapi.testclient import TestClient
 
@@ -26,6 +25,7 @@ from kvduplex.instance.server import Instance
 from kvduplex.router.app import create_router_app
 from kvduplex.router.config import RouterConfig
 from kvduplex.router.state import RouterState
+from tests.support.fake_instances import mock_instances
 from tests.unit.test_router import D
 from tests.unit.test_router import FakeInstances
 from tests.unit.test_router import P
@@ -51,7 +51,7 @@ def routed() -> Iterator[TestClient]:
 def router_state() -> Iterator[tuple[TestClient, RouterState]]:
     fake = FakeInstances()
     config = RouterConfig(prefill=(P,), decode=(D,))
-    state = RouterState.create(config, ByteTokenizer(), transport=httpx.MockTransport(fake.handle))
+    state = RouterState.create(config, ByteTokenizer(), make_client=mock_instances(fake.handle))
     with TestClient(create_router_app(state)) as c:
         yield c, state
 

@@ -1,9 +1,8 @@
 """The API key of the /v1 routes (`kvduplex.common.auth`), on the router in process over
-fake instances (httpx MockTransport) and on a bare app."""
+fake instances (`tests.support.fake_instances`) and on a bare app."""
 
 from __future__ import annotations
 
-import httpx
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
@@ -13,6 +12,7 @@ from kvduplex.common.tokenizer import ByteTokenizer
 from kvduplex.router.app import create_router_app
 from kvduplex.router.config import RouterConfig
 from kvduplex.router.state import RouterState
+from tests.support.fake_instances import mock_instances
 from tests.unit.test_router import D
 from tests.unit.test_router import FakeInstances
 from tests.unit.test_router import P
@@ -24,7 +24,7 @@ BODY = {"model": "tiny", "prompt": "hi", "max_tokens": 3, "temperature": 0.0}
 def test_v1_routes_need_the_api_key_health_and_metrics_do_not() -> None:
     fake = FakeInstances()
     config = RouterConfig(prefill=(P,), decode=(D,), api_key=KEY)
-    state = RouterState.create(config, ByteTokenizer(), transport=httpx.MockTransport(fake.handle))
+    state = RouterState.create(config, ByteTokenizer(), make_client=mock_instances(fake.handle))
     with TestClient(create_router_app(state)) as client:
         for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": KEY}):
             r = client.post("/v1/completions", json=BODY, headers=headers)

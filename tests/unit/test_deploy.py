@@ -40,12 +40,13 @@ from kvduplex.common.tokenizer import ByteTokenizer
 from kvduplex.engine.metrics import EngineMetrics
 from kvduplex.instance.config import ServerConfig
 from kvduplex.kvflow.metrics import KVFlowMetrics
-from kvduplex.router.app import create_router_app
+from kvduplex.router.app import RouterApp
 from kvduplex.router.config import RouterConfig
 from kvduplex.router.metrics import RouterMetrics
 from kvduplex.router.policy import RoutingPolicy
 from kvduplex.router.state import RouterState
 from kvduplex.transport.metrics import TransferMetrics
+from tests.support.fake_instances import mock_instances
 from tests.unit.conftest import tiny_instance
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -119,9 +120,10 @@ def subcommand_flags(command: str) -> set[str]:
 @pytest.fixture(scope="module")
 def router_routes() -> set[str]:
     config = RouterConfig(prefill=("http://p:8000",), decode=("http://d:8000",))
-    transport = httpx.MockTransport(lambda _: httpx.Response(503))
-    state = RouterState.create(config, ByteTokenizer(), transport=transport)
-    return {getattr(r, "path", "") for r in create_router_app(state).routes}
+    state = RouterState.create(
+        config, ByteTokenizer(), make_client=mock_instances(lambda _: httpx.Response(503))
+    )
+    return RouterApp(state).paths()
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ from kvduplex.router.health import probe_all
 from kvduplex.router.health import run_prober
 from kvduplex.router.policy import Outcome
 from kvduplex.router.state import RouterState
+from tests.support.fake_instances import mock_instances
 
 BODY = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
 
@@ -132,11 +133,11 @@ class Probed:
 
 def _router(fake: Probed) -> RouterState:
     config = RouterConfig(prefill=(P,), decode=(D1, D2))
-    return RouterState.create(config, ByteTokenizer(), transport=httpx.MockTransport(fake.handle))
+    return RouterState.create(config, ByteTokenizer(), make_client=mock_instances(fake.handle))
 
 
 def _probe(state: RouterState) -> None:
-    asyncio.run(probe_all(state.probe_client, state.policy, timeout_s=1.0))
+    asyncio.run(probe_all(state.client, state.policy, timeout_s=1.0))
     state.note_probe_round()
 
 
@@ -201,7 +202,7 @@ def test_the_prober_reports_each_round() -> None:
     async def run() -> None:
         done = asyncio.Event()
         task = asyncio.create_task(
-            run_prober(state.probe_client, state.policy, 10.0, 1.0, on_round=done.set)
+            run_prober(state.client, state.policy, 10.0, 1.0, on_round=done.set)
         )
         await asyncio.wait_for(done.wait(), 10)
         task.cancel()
@@ -278,7 +279,7 @@ def test_another_503_from_decode_reaches_the_client_as_it_was() -> None:
         return fake.handle(request)
 
     config = RouterConfig(prefill=(P,), decode=(D1, D2))
-    state = RouterState.create(config, ByteTokenizer(), transport=httpx.MockTransport(dead))
+    state = RouterState.create(config, ByteTokenizer(), make_client=mock_instances(dead))
     _probe(state)
     client = TestClient(create_router_app(state))
     for stream in (False, True):

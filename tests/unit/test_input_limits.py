@@ -30,6 +30,7 @@ from kvduplex.router.app import create_router_app
 from kvduplex.router.config import RouterConfig
 from kvduplex.router.health import probe_all
 from kvduplex.router.state import RouterState
+from tests.support.fake_instances import mock_instances
 
 CAP_MB = 1
 CAP = CAP_MB << 20
@@ -82,9 +83,9 @@ class FakeInstances:
 def _router(fake: FakeInstances, *, probed: bool = False) -> TestClient:
     """`probed`: the health probes have answered (so the router knows the context length)."""
     config = RouterConfig(prefill=(P,), decode=(D,), max_body_mb=CAP_MB)
-    state = RouterState.create(config, ByteTokenizer(), transport=httpx.MockTransport(fake.handle))
+    state = RouterState.create(config, ByteTokenizer(), make_client=mock_instances(fake.handle))
     if probed:
-        asyncio.run(probe_all(state.probe_client, state.policy, timeout_s=1.0))
+        asyncio.run(probe_all(state.client, state.policy, timeout_s=1.0))
         assert state.policy.max_model_len() == CONTEXT
     return TestClient(create_router_app(state))
 

@@ -9,11 +9,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import httpx
 import pytest
 
 import kvduplex.router.app as router_app
-import kvduplex.router.state as router_state
 import kvduplex.router.wire as wire
 from kvduplex.cli.main import parse_args
 from kvduplex.cluster import free_port
@@ -23,9 +21,7 @@ from kvduplex.common.drain import DrainingServer
 from kvduplex.common.drain import DrainState
 from kvduplex.common.drain import uvicorn_config
 from kvduplex.instance.config import ServerConfig
-from kvduplex.router.state import InstanceCalls
-from kvduplex.router.state import InstanceTransport
-from kvduplex.router.state import instance_session
+from kvduplex.router.wire import WirePool
 
 TIMEOUT_S = 30.0
 
@@ -89,23 +85,20 @@ def test_the_router_reuses_an_idle_connection_only_within_its_pool_idle(
     """Over the router's own client: calls close together share a connection; a call after
     longer than the pool's idle time opens another (the instance, which keeps it 5 s here,
     has not closed it yet: the router let it go first)."""
-    monkeypatch.setattr(router_state, "ROUTER_POOL_IDLE_S", 0.2)  # aiohttp's pool
-    monkeypatch.setattr(wire, "ROUTER_POOL_IDLE_S", 0.2)  # the flows' calls' pool
+    monkeypatch.setattr(wire, "ROUTER_POOL_IDLE_S", 0.2)
 
     async def main() -> list[tuple[str, int]]:
         peers, port = _Peers(), free_port()
-        transport = InstanceTransport(client=instance_session)
-        calls = InstanceCalls(transport, {}, httpx.Timeout(TIMEOUT_S))
+        pool = WirePool({}, TIMEOUT_S, TIMEOUT_S)
         async with asyncio.timeout(TIMEOUT_S):
             server, serving = await _serving(peers, port)
             try:
                 for idle_s in (0.0, 0.0, 0.5):
                     await asyncio.sleep(idle_s)  # the idle time under test
-                    resp = await calls.post(f"http://127.0.0.1:{port}/v1/x", {"n": 1})
+                    resp = await pool.post_whole(f"http://127.0.0.1:{port}/v1/x", b'{"n": 1}')
                     assert resp.status_code == 200 and resp.json() == {}
             finally:
-                calls.close()
-                await transport.aclose()
+                pool.close()
                 server.should_exit = True
                 await serving
         return peers.clients

@@ -1,4 +1,4 @@
-"""The router in process, over fake instances (httpx MockTransport): what it refuses
+"""The router in process, over fake instances (`tests.support.fake_instances`): what it refuses
 itself, what it sends each instance, its metrics, and the first-token relay of push."""
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from kvduplex.router.relay import SentToken
 from kvduplex.router.relay import Splice
 from kvduplex.router.relay import splice_first_token
 from kvduplex.router.state import RouterState
+from tests.support.fake_instances import mock_instances
 
 P, D = "http://p0", "http://d0"
 D_ANSWER_ID = "cmpl-d0answer"
@@ -96,7 +97,7 @@ class FakeInstances:
 
 def _router(fake: FakeInstances, mode: Mode = Mode.PUSH) -> TestClient:
     config = RouterConfig(prefill=(P,), decode=(D,), mode=mode)
-    state = RouterState.create(config, ByteTokenizer(), transport=httpx.MockTransport(fake.handle))
+    state = RouterState.create(config, ByteTokenizer(), make_client=mock_instances(fake.handle))
     return TestClient(create_router_app(state))
 
 

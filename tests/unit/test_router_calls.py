@@ -19,6 +19,7 @@ from kvduplex.router.calls import until_unhealthy
 from kvduplex.router.config import RouterConfig
 from kvduplex.router.policy import BackendPool
 from kvduplex.router.state import RouterState
+from tests.support.fake_instances import mock_instances
 
 
 def _pool() -> BackendPool:
@@ -124,7 +125,7 @@ def test_a_retained_turn_that_d_answers_unreadably_is_none(
 
     async def run() -> dict[str, object] | None:
         config = RouterConfig(prefill=("http://p0",), decode=(d_url,))
-        state = RouterState.create(config, ByteTokenizer(), transport=httpx.MockTransport(handle))
+        state = RouterState.create(config, ByteTokenizer(), make_client=mock_instances(handle))
         d = state.policy.decode.by_url(d_url)
         assert d is not None
         try:

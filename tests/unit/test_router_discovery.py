@@ -1,4 +1,4 @@
-"""Instances discovered by DNS, over fake instances (httpx MockTransport) and an injected
+"""Instances discovered by DNS, over fake instances (`tests.support.fake_instances`) and an injected
 resolver whose answers change: joins, leaves, refusals by role, DNS failures; and the
 DNS resolver itself against a small DNS server."""
 
@@ -21,6 +21,7 @@ from kvduplex.router.discovery import ResolveFailed
 from kvduplex.router.discovery import instance_url
 from kvduplex.router.discovery import run_discovery
 from kvduplex.router.state import RouterState
+from tests.support.fake_instances import mock_instances
 from tests.support.static_dns import StaticDns
 from tests.unit.test_router import _metric
 
@@ -69,8 +70,9 @@ def _state(fleet: Fleet, dns: FakeDns, **config: Any) -> RouterState:
         prefill_dns=f"{PREFILL_NAME}:8000", decode_dns=f"{DECODE_NAME}:8001",
         health_interval_s=60.0, dns_interval_s=60.0, **config,
     )  # fmt: skip
-    transport = httpx.MockTransport(fleet.handle)
-    return RouterState.create(cfg, ByteTokenizer(), transport=transport, resolve=dns)
+    return RouterState.create(
+        cfg, ByteTokenizer(), make_client=mock_instances(fleet.handle), resolve=dns
+    )
 
 
 def _round(state: RouterState) -> None:
@@ -217,7 +219,7 @@ def test_a_round_that_fails_unexpectedly_is_logged_and_the_next_one_runs(
 
     cfg = RouterConfig(decode_dns=f"{DECODE_NAME}:8001", dns_interval_s=0.01)
     state = RouterState.create(
-        cfg, ByteTokenizer(), transport=httpx.MockTransport(fleet.handle), resolve=resolve
+        cfg, ByteTokenizer(), make_client=mock_instances(fleet.handle), resolve=resolve
     )
     assert state.discovery is not None
     discovery = state.discovery

@@ -16,6 +16,7 @@ from kvduplex.router.app import create_router_app
 from kvduplex.router.config import RouterConfig
 from kvduplex.router.health import probe_all
 from kvduplex.router.state import RouterState
+from tests.support.fake_instances import mock_instances
 
 P, D = "http://p0", "http://d0"
 
@@ -41,13 +42,13 @@ class Instances:
 
 
 def _probe(state: RouterState) -> None:
-    asyncio.run(probe_all(state.probe_client, state.policy, timeout_s=1.0))
+    asyncio.run(probe_all(state.client, state.policy, timeout_s=1.0))
 
 
 def test_push_requests_name_both_engines_and_a_restart_is_picked_up_by_the_next_probe() -> None:
     fake = Instances()
     config = RouterConfig(prefill=(P,), decode=(D,), return_mode=ReturnMode.PUSH)
-    state = RouterState.create(config, ByteTokenizer(), transport=httpx.MockTransport(fake.handle))
+    state = RouterState.create(config, ByteTokenizer(), make_client=mock_instances(fake.handle))
     _probe(state)
     client = TestClient(create_router_app(state))
     req = {"model": "m", "prompt": [1, 2, 3, 4], "max_tokens": 2, "prompt_cache_key": "s1"}

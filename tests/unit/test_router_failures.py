@@ -1,4 +1,4 @@
-"""The router in process over failing fake instances (httpx MockTransport): a decode
+"""The router in process over failing fake instances (`tests.support.fake_instances`): a decode
 instance that cannot be reached (routed around, then 503, and taken back by a probe),
 and one that dies mid-answer (the stream ends with an error event)."""
 
@@ -22,12 +22,14 @@ from kvduplex.common.config import TransferMode
 from kvduplex.common.openai import render
 from kvduplex.common.tokenizer import ByteTokenizer
 from kvduplex.router.app import create_router_app
+from kvduplex.router.client import StreamedAnswer
 from kvduplex.router.config import RouterConfig
-from kvduplex.router.relay import OUTER_SEND_KEY
 from kvduplex.router.relay import FirstToken
 from kvduplex.router.relay import push_stream
 from kvduplex.router.relay import relay
 from kvduplex.router.state import RouterState
+from kvduplex.router.wire import WirePool
+from tests.support.fake_instances import mock_instances
 from tests.unit.test_router import D
 from tests.unit.test_router import FakeInstances
 from tests.unit.test_router import P
@@ -75,7 +77,7 @@ def _router(
     fake: FakeInstances, decode: tuple[str, ...] = (D,), **config: Any
 ) -> tuple[TestClient, RouterState]:
     cfg = RouterConfig(prefill=(P,), decode=decode, health_interval_s=60.0, **config)
-    state = RouterState.create(cfg, ByteTokenizer(), transport=httpx.MockTransport(fake.handle))
+    state = RouterState.create(cfg, ByteTokenizer(), make_client=mock_instances(fake.handle))
     return TestClient(create_router_app(state)), state
 
 
@@ -145,7 +147,7 @@ def test_probes_take_an_instance_back() -> None:
 async def _probe_all(state: RouterState) -> None:
     from kvduplex.router.health import probe_all
 
-    await probe_all(state.probe_client, state.policy, 1.0)
+    await probe_all(state.client, state.policy, 1.0)
 
 
 # ------------------------------------------------- one request's 5xx
@@ -203,7 +205,7 @@ def test_a_relay_closes_ds_stream_once_however_its_client_leaves(sends_before_le
         yield b"data: {}\n\n"
         yield b"data: [DONE]\n\n"
 
-    upstream = httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=stream)
+    upstream = StreamedAnswer(200, SSE_HEAD, stream)
     response = relay(upstream, parts(), closed.append, "decode at http://d")
     sent: list[dict[str, Any]] = []
 
@@ -234,7 +236,7 @@ def test_a_second_cancel_during_a_relays_cleanup_still_reports_the_route_done() 
     still reported done, once, and D's stream let go of."""
     closed: list[bool] = []
     stream = _SlowToClose()
-    upstream = httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=stream)
+    upstream = StreamedAnswer(200, SSE_HEAD, stream)
     parts_closing = asyncio.Event()
 
     async def parts() -> AsyncIterator[bytes]:
@@ -277,17 +279,20 @@ def test_a_second_cancel_during_a_relays_cleanup_still_reports_the_route_done() 
     assert stream.released
 
 
-class _SlowToClose(httpx.AsyncByteStream):
-    """D's stream as the router holds it: closing it lets go of the connection, then
-    awaits (`closing` set meanwhile)."""
+SSE_HEAD = [(b"content-type", b"text/event-stream")]
+
+
+class _SlowToClose:
+    """D's stream as the router holds it (`client.Body`): closing it lets go of the
+    connection, then awaits (`closing` set meanwhile)."""
 
     def __init__(self) -> None:
         self.closed = False
         self.released = False
         self.closing = asyncio.Event()
 
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        yield b""
+    async def next_part(self) -> bytes | None:
+        return None
 
     async def aclose(self) -> None:
         self.released = True
@@ -310,7 +315,7 @@ def test_a_client_leaving_mid_stream_still_closes_ds_stream() -> None:
         await more.wait()  # D has not ended its stream yet
         yield b""
 
-    upstream = httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=stream)
+    upstream = StreamedAnswer(200, SSE_HEAD, stream)
 
     async def client_leaves() -> None:
         response = relay(upstream, parts(), closed.append, "decode at http://d")
@@ -373,11 +378,9 @@ def test_a_client_leaving_after_done_lets_go_of_ds_connection(p_answers_first: b
             lambda r, w: _decode_that_holds_its_stream(r, w, router_closed), "127.0.0.1", 0
         )
         port = server.sockets[0].getsockname()[1]
-        async with server, httpx.AsyncClient() as client:
-            upstream = await client.send(
-                client.build_request("POST", f"http://127.0.0.1:{port}/v1/completions"),
-                stream=True,
-            )
+        client = WirePool({}, 5.0, 600.0)
+        async with server:
+            upstream = await client.post_stream(f"http://127.0.0.1:{port}/v1/completions", b"")
             prefill: asyncio.Future[dict[str, Any] | None] = asyncio.Future()
             prefill.set_result({"first_token": 65} if p_answers_first else None)
             head = render.ResponseHead(request_id="cmpl-x", model="tiny", is_chat=False)
@@ -392,11 +395,11 @@ def test_a_client_leaving_after_done_lets_go_of_ds_connection(p_answers_first: b
     assert any(b"[DONE]" in m.get("body", b"") for m in sent)
 
 
-def test_a_relayed_streams_parts_after_its_first_go_to_the_outer_send() -> None:
-    """The head and the first part pass through the middlewares' `send` (those that act
-    on a response act on its start); the parts after it through the one `OuterSend` kept.
-    The listener never ends the stream of a client that stays."""
-    upstream = httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=_SlowToClose())
+def test_a_relayed_streams_head_and_parts_go_to_the_servers_send_in_order() -> None:
+    """The head, the first part and the parts after it (sent from a task of their own)
+    all go to the one `send` the server gave, in order. The listener never ends the
+    stream of a client that stays."""
+    upstream = StreamedAnswer(200, SSE_HEAD, _SlowToClose())
 
     async def parts() -> AsyncIterator[bytes]:
         for event in (b"data: 1\n\n", b"data: 2\n\n", b"data: [DONE]\n\n"):
@@ -404,24 +407,20 @@ def test_a_relayed_streams_parts_after_its_first_go_to_the_outer_send() -> None:
 
     closed: list[bool] = []
     response = relay(upstream, parts(), closed.append, "decode at http://d")
-    inner: list[dict[str, Any]] = []
-    outer: list[dict[str, Any]] = []
+    sent: list[dict[str, Any]] = []
 
-    async def inner_send(message: dict[str, Any]) -> None:
-        inner.append(message)
-
-    async def outer_send(message: dict[str, Any]) -> None:
-        outer.append(message)
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
 
     async def receive() -> dict[str, Any]:
         await asyncio.Event().wait()  # the client stays
         raise AssertionError("unreachable")
 
-    scope = {"type": "http", "asgi": {"spec_version": "2.3"}, OUTER_SEND_KEY: outer_send}
-    asyncio.run(response(scope, receive, inner_send))  # type: ignore[arg-type]
-    assert [m["type"] for m in inner] == ["http.response.start", "http.response.body"]
-    assert inner[1]["body"] == b"data: 1\n\n"
-    assert [(m["body"], m["more_body"]) for m in outer] == [
-        (b"data: 2\n\n", True), (b"data: [DONE]\n\n", True), (b"", False),
+    scope = {"type": "http", "asgi": {"spec_version": "2.3"}}
+    asyncio.run(response(scope, receive, send))  # type: ignore[arg-type]
+    assert sent[0]["type"] == "http.response.start"
+    assert [(m["body"], m["more_body"]) for m in sent[1:]] == [
+        (b"data: 1\n\n", True), (b"data: 2\n\n", True), (b"data: [DONE]\n\n", True),
+        (b"", False),
     ]  # fmt: skip
     assert closed == [False]

@@ -28,6 +28,7 @@ from kvduplex.router.app import create_router_app
 from kvduplex.router.config import RouterConfig
 from kvduplex.router.health import probe_all
 from kvduplex.router.state import RouterState
+from tests.support.fake_instances import mock_instances
 from tests.unit.test_router import D
 from tests.unit.test_router import FakeInstances
 from tests.unit.test_router import P
@@ -117,13 +118,14 @@ class _DecodeStream(OpenStream):
 
 
 def _state(
-    transport: httpx.AsyncBaseTransport | None,
+    transport: httpx.MockTransport | None,
     prefill: tuple[str, ...] = (P,),
     decode: tuple[str, ...] = (D,),
     **config: Any,
 ) -> RouterState:
     cfg = RouterConfig(prefill=prefill, decode=decode, **config)
-    return RouterState.create(cfg, ByteTokenizer(), transport=transport)
+    make_client = None if transport is None else mock_instances(transport.handler)
+    return RouterState.create(cfg, ByteTokenizer(), make_client=make_client)
 
 
 async def _serve(state: RouterState, body: dict[str, Any]) -> httpx.Response:
@@ -134,7 +136,7 @@ async def _serve(state: RouterState, body: dict[str, Any]) -> httpx.Response:
 
 
 async def _probe(state: RouterState, timeout_s: float = 1.0) -> None:
-    await probe_all(state.probe_client, state.policy, timeout_s)
+    await probe_all(state.client, state.policy, timeout_s)
 
 
 async def _bounded(aw: Awaitable[T]) -> T:

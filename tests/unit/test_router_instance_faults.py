@@ -1,5 +1,5 @@
 """The router over instances that answer badly, on real sockets and through its real
-client (`wire.WirePool` for the flows' calls, httpx over aiohttp for the others): a port that does not speak HTTP, a refusal whose body the
+client (`wire.WirePool`): a port that does not speak HTTP, a refusal whose body the
 client must get, a whole answer cut mid-body; and what the router tells the instances
 when one side fails (push: D told at once that P failed; pull: P's lease released when D
 refuses), and when a client leaves a whole answer before it comes (under uvicorn).
@@ -20,28 +20,20 @@ from collections.abc import Coroutine
 from typing import Any
 from typing import TypeVar
 
-import aiohttp
 import httpx
 import pytest
 import uvicorn
 from aiohttp import web
-from httpx_aiohttp.transport import AiohttpResponseStream
-from httpx_aiohttp.transport import map_aiohttp_exceptions
-from multidict import CIMultiDict
-from multidict import CIMultiDictProxy
-from yarl import URL
 
 from kvduplex.common.config import TransferMode
 from kvduplex.common.tokenizer import ByteTokenizer
-from kvduplex.router import app as router_app
+from kvduplex.router import client as rc
 from kvduplex.router import flows
 from kvduplex.router.app import create_router_app
 from kvduplex.router.config import RouterConfig
-from kvduplex.router.relay import body_parts
-from kvduplex.router.state import InstanceCalls
-from kvduplex.router.state import InstanceTransport
 from kvduplex.router.state import RouterState
-from kvduplex.router.state import instance_session
+from kvduplex.router.wire import WirePool
+from tests.support.fake_instances import mock_instances
 from tests.unit.test_router import D
 from tests.unit.test_router import FakeInstances
 from tests.unit.test_router import P
@@ -130,12 +122,13 @@ def _answer_then_hold(
 
 @contextlib.asynccontextmanager
 async def _router(
-    config: RouterConfig, transport: httpx.AsyncBaseTransport | None = None
+    config: RouterConfig, transport: httpx.MockTransport | None = None
 ) -> AsyncIterator[tuple[httpx.AsyncClient, RouterState]]:
-    """The router's app in process (no lifespan: no prober) over `transport` (None: its
-    own, httpx over aiohttp); its clients closed at the end, once D's cancels sent from a
-    callback have ended."""
-    state = RouterState.create(config, ByteTokenizer(), transport=transport)
+    """The router's app in process (no lifespan: no prober) over fake instances served by
+    `transport`'s handler (None: the network, through the router's own client); its
+    client closed at the end, once D's cancels sent from a callback have ended."""
+    make_client = None if transport is None else mock_instances(transport.handler)
+    state = RouterState.create(config, ByteTokenizer(), make_client=make_client)
     app = httpx.ASGITransport(app=create_router_app(state), raise_app_exceptions=False)
     try:
         async with httpx.AsyncClient(
@@ -169,129 +162,54 @@ def _all_idle(state: RouterState) -> bool:
 # ------------------------------------------------- an answer that is not HTTP
 
 
-def _response_error() -> aiohttp.ClientResponseError:
-    """What aiohttp raises for an answer whose head is not HTTP."""
-    url = URL("http://127.0.0.1:1/ready")
-    info = aiohttp.RequestInfo(url, "GET", CIMultiDictProxy(CIMultiDict()), url)
-    return aiohttp.ClientResponseError(info, (), status=400, message="Bad status line")
-
-
-MAPPED = [
-    (aiohttp.ConnectionTimeoutError("slow to connect"), httpx.ConnectTimeout),
-    (aiohttp.ServerDisconnectedError(), httpx.ConnectTimeout),
-    (aiohttp.ClientOSError(104, "reset"), httpx.ConnectTimeout),
-    (aiohttp.ClientPayloadError("cut"), httpx.ReadError),
-    (aiohttp.SocketTimeoutError("slow"), httpx.ReadTimeout),
-]
-"""aiohttp's errors that httpx-aiohttp maps, and what it maps them to."""
-
-
-@pytest.mark.parametrize("exc,mapped", MAPPED, ids=[type(e).__name__ for e, _ in MAPPED])
-def test_instance_errors_leave_httpx_aiohttps_mapping_as_it_is(
-    exc: Exception, mapped: type[httpx.HTTPError]
-) -> None:
-    from kvduplex.router.calls import instance_errors  # new with the fix
-
-    for context in (map_aiohttp_exceptions, instance_errors):
-        with pytest.raises(httpx.HTTPError) as raised, context():
-            raise exc
-        assert type(raised.value) is mapped and raised.value.__cause__ is exc
-
-
-def test_instance_errors_make_an_answer_that_is_not_http_a_protocol_error() -> None:
-    """aiohttp's error for an answer that is not HTTP, which httpx-aiohttp leaves as it
-    is, becomes `httpx.RemoteProtocolError` (every caller of an instance handles httpx's
-    errors); an error that is not aiohttp's passes as it is."""
-    from kvduplex.router.calls import instance_errors  # new with the fix
-
-    exc = _response_error()
-    with pytest.raises(httpx.RemoteProtocolError) as raised, instance_errors():
-        raise exc
-    assert raised.value.__cause__ is exc and "Bad status line" in str(raised.value)
-    with pytest.raises(KeyError), instance_errors():
-        raise KeyError("not an instance's")
-
-
 def test_a_port_that_does_not_speak_http_is_a_protocol_error_for_every_call() -> None:
-    """A probe (`InstanceTransport.handle_async_request`, over aiohttp) and the flows'
-    POSTs (`InstanceCalls.post`, whole or streamed, over `wire.WirePool`) to a port that
-    answers something other than HTTP fail with `httpx.RemoteProtocolError`, not aiohttp's
-    own error."""
+    """A probe (`WirePool.get`) and the flows' POSTs (whole or streamed) to a port that
+    answers something other than HTTP fail with `client.RemoteProtocolError`."""
 
     async def run() -> None:
-        transport = InstanceTransport(client=instance_session)
-        calls = InstanceCalls(transport, {}, httpx.Timeout(BOUND_S))
+        pool = WirePool({}, BOUND_S, BOUND_S)
         try:
             async with _socket_server(_not_http) as url:
-                with pytest.raises(httpx.RemoteProtocolError):  # as the prober calls
-                    await transport.handle_async_request(httpx.Request("GET", url + "/ready"))
-                for stream in (False, True):
-                    with pytest.raises(httpx.RemoteProtocolError):
-                        await calls.post(url + "/internal/push/prefill", {}, stream=stream)
+                with pytest.raises(rc.RemoteProtocolError):  # as the prober calls
+                    await pool.get(url + "/ready", BOUND_S)
+                with pytest.raises(rc.RemoteProtocolError):
+                    await pool.post_whole(url + "/internal/push/prefill", b"{}")
+                with pytest.raises(rc.RemoteProtocolError):
+                    await pool.post_stream(url + "/internal/push/prefill", b"{}")
         finally:
-            calls.close()
-            await transport.aclose()
+            pool.close()
 
     asyncio.run(run())
 
 
-def test_a_body_read_that_fails_with_aiohttps_own_error_fails_with_httpxs() -> None:
-    """An answer whose body's read fails with an error httpx-aiohttp does not map (as
-    aiohttp's parser fails a head that is not HTTP): `InstanceTransport`'s answers, read
-    as httpx reads them (the probes' and `/v1/models`' client), fail with
-    `httpx.RemoteProtocolError`."""
-    router_left = asyncio.Event()
-    head_then_hold = _answer_then_hold(CHUNKED_HEAD, router_left)
-
-    async def run() -> None:
-        transport = InstanceTransport(client=instance_session)
-        try:
-            async with _socket_server(head_then_hold) as url:
-                request = httpx.Request("POST", url + "/v1/completions", json={})
-                resp = await transport.handle_async_request(request)
-                assert resp.status_code == 200 and isinstance(resp.stream, AiohttpResponseStream)
-                # The read fails with an aiohttp error that httpx-aiohttp does not map.
-                resp.stream._aiohttp_response.content.set_exception(_response_error())
-                with pytest.raises(httpx.RemoteProtocolError):
-                    async for _ in resp.aiter_bytes():
-                        pass
-                await resp.aclose()
-                await _bounded(router_left.wait())
-        finally:
-            await transport.aclose()
-
-    asyncio.run(run())
-
-
-@pytest.mark.parametrize("how", ["aiter_bytes", "body_parts"])
+@pytest.mark.parametrize("how", ["parts", "read"])
 def test_a_stream_whose_chunk_is_not_http_fails_its_read(how: str) -> None:
     """D's stream sends one event, then a chunk header that is not HTTP: the flows' stream
-    (`InstanceCalls.post`), read as httpx reads it and as the relay does
-    (`relay.body_parts`), gives the event, then fails with `httpx.RemoteProtocolError`
-    (it does not wait for more), and its connection is closed."""
+    (`WirePool.post_stream`), read part by part as the relay reads it, gives the event,
+    then fails with `client.RemoteProtocolError` (it does not wait for more); read whole,
+    it fails alike; either way its connection is closed."""
     router_left = asyncio.Event()
     event_then_garbage = _answer_then_hold(
         CHUNKED_HEAD + b"7\r\ndata: 1\r\nzz-not-a-size\r\n", router_left
     )
 
     async def run() -> None:
-        transport = InstanceTransport(client=instance_session)
-        calls = InstanceCalls(transport, {}, httpx.Timeout(BOUND_S))
+        pool = WirePool({}, BOUND_S, BOUND_S)
         try:
             async with _socket_server(event_then_garbage) as url:
-                resp = await calls.post(url + "/v1/completions", {}, stream=True)
+                resp = await pool.post_stream(url + "/v1/completions", b"{}")
                 assert resp.status_code == 200
-                parts = body_parts(resp) if how == "body_parts" else resp.aiter_bytes()
                 got = b""
-                with pytest.raises(httpx.RemoteProtocolError):
-                    async for part in parts:
+                with pytest.raises(rc.RemoteProtocolError):
+                    if how == "read":
+                        await resp.read()
+                    async for part in resp:
                         got += part
-                assert got == b"data: 1"
+                assert got == (b"" if how == "read" else b"data: 1")
                 await _bounded(router_left.wait())
                 await resp.aclose()
         finally:
-            calls.close()
-            await transport.aclose()
+            pool.close()
 
     asyncio.run(run())
 
@@ -595,19 +513,14 @@ async def _post_raw(port: int, body: dict[str, Any]) -> asyncio.StreamWriter:
     return writer
 
 
-@pytest.mark.parametrize("hot", [True, False], ids=["hot_route", "fastapi_route"])
 @pytest.mark.parametrize("mode", [TransferMode.PUSH, TransferMode.PULL])
 def test_a_client_leaving_a_whole_answer_closes_the_routers_call_to_decode(
-    mode: TransferMode, hot: bool, caplog: pytest.LogCaptureFixture,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
+    mode: TransferMode, caplog: pytest.LogCaptureFixture
+) -> None:
     """Under uvicorn (httptools): 1. a client that stays gets D's whole answer; 2. a client
     that leaves before D's whole answer came: the router closes its call to D (D's
     handler is cancelled, as an instance then aborts the request) instead of waiting for
-    an answer nobody will read; no error is logged. Through `HotRoutes`, and through
-    FastAPI's route (which serves what `HotRoutes` passes on)."""
-    if not hot:
-        monkeypatch.setattr(router_app, "_is_plain", lambda scope: False)
+    an answer nobody will read; no error is logged."""
     d_started = asyncio.Event()
     d_cancelled = asyncio.Event()
     release = asyncio.Event()  # D's answer, for a failing run's end only

@@ -25,6 +25,7 @@ from kvduplex.router.policy import Backend
 from kvduplex.router.policy import BackendPool
 from kvduplex.router.policy import Outcome
 from kvduplex.router.state import RouterState
+from tests.support.fake_instances import mock_instances
 from tests.unit.test_router_discovery import DECODE_NAME
 from tests.unit.test_router_discovery import FakeDns
 from tests.unit.test_router_hung import OpenStream
@@ -83,8 +84,9 @@ class Router:
         self.dns.answers[DECODE_NAME] = {"10.0.1.1"}
         cfg = RouterConfig(decode_dns=f"{DECODE_NAME}:8001", health_interval_s=60.0,
                            dns_interval_s=60.0)  # fmt: skip
-        transport = httpx.MockTransport(d.handle)
-        self.state = RouterState.create(cfg, ByteTokenizer(), transport=transport, resolve=self.dns)
+        self.state = RouterState.create(
+            cfg, ByteTokenizer(), make_client=mock_instances(d.handle), resolve=self.dns
+        )
         self.app = httpx.ASGITransport(app=create_router_app(self.state))
 
     async def resolve(self, *addresses: str) -> None:
@@ -94,7 +96,7 @@ class Router:
         await self.state.discovery.run_round()
 
     async def probe(self) -> None:
-        await probe_all(self.state.probe_client, self.state.policy, 1.0)
+        await probe_all(self.state.client, self.state.policy, 1.0)
 
     async def post(self, body: dict[str, Any]) -> httpx.Response:
         async with httpx.AsyncClient(transport=self.app, base_url="http://router") as client:

@@ -1,6 +1,6 @@
 """The router parses routed chat answers (its own flags), prefill's first token included.
 
-Fake instances (httpx MockTransport): P answers the push prefill with the
+Fake instances (`tests.support.fake_instances`): P answers the push prefill with the
 answer's first token, D streams the model's raw text one token per chunk (D's
 copy of the first token in a chunk of its own, which names its id, as an
 instance does when the router asks), or the whole raw answer.
@@ -27,6 +27,7 @@ from kvduplex.common.tokenizer import ByteTokenizer
 from kvduplex.router.app import create_router_app
 from kvduplex.router.config import RouterConfig
 from kvduplex.router.state import RouterState
+from tests.support.fake_instances import mock_instances
 
 P, D = "http://p0", "http://d0"
 ARGS = {"q": "kv cache", "k": 3}
@@ -85,7 +86,7 @@ class FakePD:
 
 def _router(fake: FakePD, parsing: ParsingConfig, mode: Mode = Mode.PUSH) -> TestClient:
     config = RouterConfig(prefill=(P,), decode=(D,), mode=mode, **parsing.model_dump())
-    state = RouterState.create(config, ByteTokenizer(), transport=httpx.MockTransport(fake.handle))
+    state = RouterState.create(config, ByteTokenizer(), make_client=mock_instances(fake.handle))
     return TestClient(create_router_app(state))
 
 

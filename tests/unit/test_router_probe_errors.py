@@ -22,6 +22,7 @@ from kvduplex.router.discovery import run_discovery
 from kvduplex.router.health import probe_all
 from kvduplex.router.health import run_prober
 from kvduplex.router.state import RouterState
+from tests.support.fake_instances import mock_instances
 from tests.unit.test_router_discovery import DECODE_NAME
 from tests.unit.test_router_discovery import FakeDns
 
@@ -31,8 +32,8 @@ BOUND_S = 10.0
 
 
 class NotHttp(Exception):
-    """What a transport may raise that is not an httpx error (aiohttp's
-    ``ClientResponseError`` for an answer that is not HTTP)."""
+    """What a client may raise that is not one of its call errors (a bug, a library's
+    own error that escaped its mapping)."""
 
 
 class Fleet:
@@ -53,11 +54,11 @@ class Fleet:
 
 def _state(fleet: Fleet, **config: Any) -> RouterState:
     cfg = RouterConfig(prefill=(P,), decode=(D1, D2), health_interval_s=60.0, **config)
-    return RouterState.create(cfg, ByteTokenizer(), transport=httpx.MockTransport(fleet.handle))
+    return RouterState.create(cfg, ByteTokenizer(), make_client=mock_instances(fleet.handle))
 
 
 def _probe(state: RouterState) -> None:
-    asyncio.run(probe_all(state.probe_client, state.policy, timeout_s=1.0))
+    asyncio.run(probe_all(state.client, state.policy, timeout_s=1.0))
 
 
 def test_a_probe_that_raises_something_else_is_a_failed_probe(
@@ -129,7 +130,7 @@ def test_the_prober_goes_on_after_a_round_that_fails(caplog: pytest.LogCaptureFi
 
     async def run() -> bool:
         prober = asyncio.create_task(
-            run_prober(state.probe_client, state.policy, 0.0, 1.0, on_round=on_round)
+            run_prober(state.client, state.policy, 0.0, 1.0, on_round=on_round)
         )
         await asyncio.wait_for(third.wait(), BOUND_S)
         is_running = not prober.done()
@@ -165,7 +166,7 @@ async def _ready(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> 
 
 
 def test_an_instance_that_does_not_speak_http_is_marked_down_over_a_socket() -> None:
-    """The router's own transport (aiohttp) against a port that answers something that is
+    """The router's own client (`wire.WirePool`) against a port that answers something that is
     not HTTP: its probes fail round after round, it is marked down, and the prober goes
     on probing the others (a decode instance marked down by a call is taken back)."""
 
@@ -188,7 +189,7 @@ def test_an_instance_that_does_not_speak_http_is_marked_down_over_a_socket() -> 
                 taken_back.set()
 
         prober = asyncio.create_task(
-            run_prober(state.probe_client, state.policy, 0.0, BOUND_S, on_round=on_round)
+            run_prober(state.client, state.policy, 0.0, BOUND_S, on_round=on_round)
         )
         try:
             await asyncio.wait_for(taken_back.wait(), BOUND_S)
@@ -214,7 +215,7 @@ def test_an_admission_check_that_raises_is_asked_again_next_round(
     fleet.broken.add(D1)
     cfg = RouterConfig(decode_dns=f"{DECODE_NAME}:8001", dns_interval_s=60.0)
     state = RouterState.create(
-        cfg, ByteTokenizer(), transport=httpx.MockTransport(fleet.handle), resolve=dns
+        cfg, ByteTokenizer(), make_client=mock_instances(fleet.handle), resolve=dns
     )
     discovery = state.discovery
     assert discovery is not None
@@ -249,7 +250,7 @@ def test_discovery_goes_on_after_rounds_that_fail(caplog: pytest.LogCaptureFixtu
 
     cfg = RouterConfig(decode_dns=f"{DECODE_NAME}:8001", dns_interval_s=60.0)
     state = RouterState.create(
-        cfg, ByteTokenizer(), transport=httpx.MockTransport(fleet.handle), resolve=resolve
+        cfg, ByteTokenizer(), make_client=mock_instances(fleet.handle), resolve=resolve
     )
     discovery = state.discovery
     assert discovery is not None

@@ -24,10 +24,11 @@ from fastapi.testclient import TestClient
 from kvduplex.common.tokenizer import ByteTokenizer
 from kvduplex.common.tokenizer import Messages
 from kvduplex.common.tokenizer import Tools
-from kvduplex.router.app import INLINE_PROMPT_BYTES
 from kvduplex.router.app import create_router_app
 from kvduplex.router.config import RouterConfig
+from kvduplex.router.routing import INLINE_PROMPT_BYTES
 from kvduplex.router.state import RouterState
+from tests.support.fake_instances import mock_instances
 from tests.unit.test_router import D
 from tests.unit.test_router import FakeInstances
 from tests.unit.test_router import P
@@ -127,7 +128,7 @@ def test_health_and_probes_go_on_while_every_prompt_thread_renders() -> None:
     tok = GatedTemplate()
     probes = CountedProbes(FakeInstances())
     config = RouterConfig(prefill=(P,), decode=(D,), prompt_threads=2, health_interval_s=0.05)
-    state = RouterState.create(config, tok, transport=httpx.MockTransport(probes.handle))
+    state = RouterState.create(config, tok, make_client=mock_instances(probes.handle))
     content = "hi " * (INLINE_PROMPT_BYTES // 3)  # a body over the size built on the loop
     body: dict[str, Any] = {"messages": [{"role": "user", "content": content}], "max_tokens": 2}
     num_requests = 5  # more than the pool: the rest wait for a thread, not the loop
@@ -156,7 +157,7 @@ def test_a_short_prompt_is_built_on_the_event_loop_and_a_long_one_in_the_pool() 
     tok = GatedTemplate()
     tok.gate.set()  # no waiting: only where each prompt is rendered
     config = RouterConfig(prefill=(P,), decode=(D,), prompt_threads=2, health_interval_s=0.05)
-    state = RouterState.create(config, tok, transport=httpx.MockTransport(FakeInstances().handle))
+    state = RouterState.create(config, tok, make_client=mock_instances(FakeInstances().handle))
     short = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     long = {"messages": [{"role": "user", "content": "hi " * INLINE_PROMPT_BYTES}], "max_tokens": 2}
     with TestClient(create_router_app(state)) as client:

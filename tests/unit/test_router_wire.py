@@ -1,7 +1,7 @@
 """The router's client for its calls to the instances (`wire.WirePool`), on real sockets:
 answers framed each way HTTP/1.1 frames them, connections kept alive and reused only
 when the answer was read to its end, closed when a call is cancelled or an answer is
-left mid-body, and every fault an httpx error of the kind the flows tell apart.
+left mid-body, and every fault an error of the kind the flows tell apart (`client.py`).
 
 Each server listens on 127.0.0.1 on a port the kernel picks, and is stopped by its test."""
 
@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from dataclasses import field
 from typing import TypeVar
 
-import httpx
 import pytest
 import uvloop
 
+from kvduplex.router import client as rc
 from kvduplex.router import wire
 from kvduplex.router import wire_protocol
 from kvduplex.router.wire import WirePool
@@ -34,7 +34,6 @@ T = TypeVar("T")
 
 BOUND_S = 10.0
 """A bound for a failing run only: what never comes would be waited for here."""
-TIMEOUT = httpx.Timeout(BOUND_S, connect=BOUND_S)
 
 
 async def _bounded(aw: Awaitable[T]) -> T:
@@ -119,16 +118,16 @@ def test_answers_framed_each_way_are_read_whole_and_the_connection_reused(runner
         answers: list[bytes | None] = [_whole(b'{"a": 1}'), _chunked(b"data: 1\n\n", b"data: 2\n\n"),
                                        _whole(big)]  # fmt: skip
         async with _serving(Server(answers)) as server:
-            pool = WirePool({"x-secret": "s"}, TIMEOUT)
+            pool = WirePool({"x-secret": "s"}, BOUND_S, BOUND_S)
             try:
-                resp = await pool.post(server.url + "/internal/push/prefill", b'{"xid": "1"}')
+                resp = await pool.post_whole(server.url + "/internal/push/prefill", b'{"xid": "1"}')
                 assert (resp.status_code, resp.json()) == (200, {"a": 1})
-                resp = await pool.post(server.url + "/v1/completions", b"{}", stream=True)
-                assert resp.headers["content-type"] == "text/event-stream"
-                parts = [part async for part in resp.aiter_bytes()]
+                resp = await pool.post_stream(server.url + "/v1/completions", b"{}")
+                assert resp.header(b"content-type") == "text/event-stream"
+                parts = [part async for part in resp]
                 assert b"".join(parts) == b"data: 1\n\ndata: 2\n\n"
                 await resp.aclose()
-                resp = await pool.post(server.url + "/v1/completions", b"{}")
+                resp = await pool.post_whole(server.url + "/v1/completions", b"{}")
                 assert resp.content == big
             finally:
                 pool.close()
@@ -150,13 +149,13 @@ def test_a_stream_left_mid_body_closes_its_connection(runner: Runner) -> None:
     async def run() -> None:
         stream_head = _chunked(b"data: 1\n\n")[: -len(b"0\r\n\r\n")]  # no end: more to come
         async with _serving(Server([stream_head, _whole(b"{}")])) as server:
-            pool = WirePool({}, TIMEOUT)
+            pool = WirePool({}, BOUND_S, BOUND_S)
             try:
-                resp = await pool.post(server.url + "/v1/completions", b"{}", stream=True)
-                assert await resp.stream.next_part() == b"data: 1\n\n"  # type: ignore[attr-defined]
+                resp = await pool.post_stream(server.url + "/v1/completions", b"{}")
+                assert await resp._body.next_part() == b"data: 1\n\n"
                 await resp.aclose()
                 assert await _bounded(server.closed.get()) == 0
-                resp = await pool.post(server.url + "/internal/push/prefill", b"{}")
+                resp = await pool.post_whole(server.url + "/internal/push/prefill", b"{}")
                 assert resp.json() == {}
             finally:
                 pool.close()
@@ -183,13 +182,13 @@ def test_a_cancelled_call_closes_its_connection(runner: Runner) -> None:
 
         async with _raw_server(hold) as base:
             url = base
-            pool = WirePool({}, TIMEOUT)
+            pool = WirePool({}, BOUND_S, BOUND_S)
             try:
                 for stream in (False, True):
                     gate.clear()
                     closed.clear()
                     call = asyncio.ensure_future(
-                        pool.post(url + "/v1/completions", b"{}", stream=stream)
+                        (pool.post_stream if stream else pool.post_whole)(url + "/v1/completions", b"{}")
                     )
                     await _bounded(gate.wait())
                     call.cancel()
@@ -224,7 +223,7 @@ def test_a_whole_answer_cancelled_part_read_closes_its_connection(runner: Runner
             writer.close()
 
         async with _raw_server(part) as url:
-            pool = WirePool({}, TIMEOUT)
+            pool = WirePool({}, BOUND_S, BOUND_S)
             try:
                 call = asyncio.ensure_future(pool.post_whole(url + "/internal/release", b"{}"))
                 await _bounded(sent.wait())
@@ -248,25 +247,25 @@ def test_a_whole_answer_cancelled_part_read_closes_its_connection(runner: Runner
 @pytest.mark.parametrize(
     "answer,error",
     [
-        (None, httpx.RemoteProtocolError),  # closed before any answer
-        (b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n{}", httpx.RemoteProtocolError),  # cut
-        (b"SSH-2.0-OpenSSH_9.6\r\n", httpx.RemoteProtocolError),  # not HTTP
+        (None, rc.RemoteProtocolError),  # closed before any answer
+        (b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n{}", rc.RemoteProtocolError),  # cut
+        (b"SSH-2.0-OpenSSH_9.6\r\n", rc.RemoteProtocolError),  # not HTTP
     ],
     ids=["closed", "cut_mid_body", "not_http"],
 )
-def test_an_answer_that_fails_is_an_httpx_error(
+def test_an_answer_that_fails_is_a_remote_protocol_error(
     answer: bytes | None, error: type[Exception], runner: Runner
 ) -> None:
     """The instance closes the connection before it answers, or mid-body, or answers
-    what is not HTTP: the whole call fails with `httpx.RemoteProtocolError` (the request
+    what is not HTTP: the whole call fails with `rc.RemoteProtocolError` (the request
     was sent: not an error the flows route again)."""
 
     async def run() -> None:
         async with _serving(Server([answer], closes_after_answer=True)) as server:
-            pool = WirePool({}, TIMEOUT)
+            pool = WirePool({}, BOUND_S, BOUND_S)
             try:
                 with pytest.raises(error):
-                    await pool.post(server.url + "/internal/push/prefill", b"{}")
+                    await pool.post_whole(server.url + "/internal/push/prefill", b"{}")
             finally:
                 pool.close()
 
@@ -274,22 +273,22 @@ def test_an_answer_that_fails_is_an_httpx_error(
 
 
 def test_a_refused_connection_is_a_connect_error(runner: Runner) -> None:
-    """Nothing listens: `httpx.ConnectError`, the error the flows take for an instance
+    """Nothing listens: `rc.ConnectError`, the error the flows take for an instance
     that never saw the request (and route it again)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]  # bound, not listening: connections are refused
 
         async def run() -> None:
-            pool = WirePool({}, TIMEOUT)
-            with pytest.raises(httpx.ConnectError):
-                await pool.post(f"http://127.0.0.1:{port}/v1/completions", b"{}")
+            pool = WirePool({}, BOUND_S, BOUND_S)
+            with pytest.raises(rc.ConnectError):
+                await pool.post_whole(f"http://127.0.0.1:{port}/v1/completions", b"{}")
 
         runner(run())
 
 
 def test_a_whole_answer_later_than_its_deadline_is_a_read_timeout(runner: Runner) -> None:
-    """A whole answer's call has a deadline (its read timeout): past it, `httpx.ReadTimeout`
+    """A whole answer's call has a deadline (its read timeout): past it, `rc.ReadTimeout`
     and the connection closed. A stream has none: its instance marked unhealthy ends it."""
     closed = asyncio.Event()
 
@@ -302,9 +301,9 @@ def test_a_whole_answer_later_than_its_deadline_is_a_read_timeout(runner: Runner
     async def run() -> None:
         async with _raw_server(never) as base:
             url = base
-            pool = WirePool({}, httpx.Timeout(0.05, connect=BOUND_S))
-            with pytest.raises(httpx.ReadTimeout):
-                await pool.post(url + "/internal/push/prefill", b"{}")
+            pool = WirePool({}, BOUND_S, 0.05)
+            with pytest.raises(rc.ReadTimeout):
+                await pool.post_whole(url + "/internal/push/prefill", b"{}")
             await _bounded(closed.wait())
 
     runner(run())
@@ -324,10 +323,10 @@ def test_an_answer_the_instance_ends_by_closing_is_read_and_not_reused(
             first = b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n{"n": 1}'
         server = Server([first, _whole(b'{"n": 2}')], closes_after_answer=True)
         async with _serving(server):
-            pool = WirePool({}, TIMEOUT)
+            pool = WirePool({}, BOUND_S, BOUND_S)
             try:
                 for n in (1, 2):
-                    resp = await pool.post(server.url + "/internal/push/prefill", b"{}")
+                    resp = await pool.post_whole(server.url + "/internal/push/prefill", b"{}")
                     assert resp.json() == {"n": n}
             finally:
                 pool.close()
@@ -345,10 +344,10 @@ def test_an_idle_connection_past_the_pool_idle_time_is_not_reused(
 
     async def run() -> None:
         async with _serving(Server([_whole(b"{}"), _whole(b"{}")])) as server:
-            pool = WirePool({}, TIMEOUT)
+            pool = WirePool({}, BOUND_S, BOUND_S)
             try:
                 for _ in range(2):
-                    assert (await pool.post(server.url + "/x", b"{}")).json() == {}
+                    assert (await pool.post_whole(server.url + "/x", b"{}")).json() == {}
             finally:
                 pool.close()
         assert [len(c) for c in server.connections] == [1, 1]
@@ -359,22 +358,22 @@ def test_an_idle_connection_past_the_pool_idle_time_is_not_reused(
 def test_headers_and_urls_cannot_add_lines_of_their_own(runner: Runner) -> None:
     """A common header with a line break (a config's secret, say) is refused when the pool
     is made; a call's own header or URL that cannot be sent as it is (a line break, not
-    ASCII, not plain http) is `httpx.LocalProtocolError`, and nothing is sent."""
+    ASCII, neither http nor https) is `client.LocalProtocolError`, and nothing is sent."""
     with pytest.raises(ValueError, match="line break"):
-        WirePool({"x-secret": "s\r\nx-admin: 1"}, TIMEOUT)
+        WirePool({"x-secret": "s\r\nx-admin: 1"}, BOUND_S, BOUND_S)
 
     async def run() -> None:
         async with _serving(Server([])) as server:
-            pool = WirePool({}, TIMEOUT)
+            pool = WirePool({}, BOUND_S, BOUND_S)
             bad = [
                 (server.url + "/v1/completions", {"x": "a\nb"}),
                 (server.url + "/v1/completions\r\nx-admin: 1", None),
                 (server.url + "/v1/compl\u00e9tions", None),
-                ("https" + server.url.removeprefix("http") + "/v1/completions", None),
+                ("ftp" + server.url.removeprefix("http") + "/v1/completions", None),
             ]
             for url, headers in bad:
-                with pytest.raises(httpx.LocalProtocolError):
-                    await pool.post(url, b"{}", headers)
+                with pytest.raises(rc.LocalProtocolError):
+                    await pool.post_whole(url, b"{}", headers)
             pool.close()
         assert server.connections == []
 
@@ -387,9 +386,9 @@ def test_a_calls_own_headers_take_the_place_of_the_common_ones(runner: Runner) -
 
     async def run() -> None:
         async with _serving(Server([_whole(b"{}")])) as server:
-            pool = WirePool({"Content-Type": "application/json", "x-a": "1"}, TIMEOUT)
+            pool = WirePool({"Content-Type": "application/json", "x-a": "1"}, BOUND_S, BOUND_S)
             try:
-                await pool.post(server.url + "/x", b"{}", {"content-type": "text/plain"})
+                await pool.post_whole(server.url + "/x", b"{}", {"content-type": "text/plain"})
             finally:
                 pool.close()
         ((request,),) = server.connections
@@ -415,17 +414,17 @@ def test_an_answer_closed_with_parts_unread_is_never_read_by_the_next_call(
         rest = b"r" * num_bytes
         answers: list[bytes | None] = [_chunked(b"data: A-1\n\n", rest), _whole(b'{"b": 2}')]
         async with _serving(Server(answers)) as server:
-            pool = WirePool({}, TIMEOUT)
+            pool = WirePool({}, BOUND_S, BOUND_S)
             try:
-                resp = await pool.post(server.url + "/v1/completions", b"{}", stream=True)
-                stream = resp.stream
-                assert isinstance(stream, wire.WireStream)
+                resp = await pool.post_stream(server.url + "/v1/completions", b"{}")
+                stream = resp._body
+                assert isinstance(stream, wire.WireBody)
                 conn = stream._conn
                 assert conn is not None
                 while not (conn.is_done or conn.is_paused):  # all of it read, or all it takes
                     await asyncio.sleep(0)
                 await resp.aclose()
-                resp = await pool.post(server.url + "/internal/push/prefill", b"{}")
+                resp = await pool.post_whole(server.url + "/internal/push/prefill", b"{}")
                 assert resp.content == b'{"b": 2}'
             finally:
                 pool.close()
@@ -441,11 +440,11 @@ def test_bytes_after_an_answer_leave_it_whole_and_the_connection_unused(runner: 
     async def run() -> None:
         after = _whole(b'{"a": 1}') + b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\nINJECTED!"
         async with _serving(Server([after, _whole(b'{"b": 2}')])) as server:
-            pool = WirePool({}, TIMEOUT)
+            pool = WirePool({}, BOUND_S, BOUND_S)
             try:
-                resp = await pool.post(server.url + "/x", b"{}")
-                assert (resp.content, resp.headers["content-length"]) == (b'{"a": 1}', "8")
-                assert (await pool.post(server.url + "/x", b"{}")).json() == {"b": 2}
+                resp = await pool.post_whole(server.url + "/x", b"{}")
+                assert (resp.content, resp.header(b"content-length")) == (b'{"a": 1}', "8")
+                assert (await pool.post_whole(server.url + "/x", b"{}")).json() == {"b": 2}
             finally:
                 pool.close()
         assert [len(c) for c in server.connections] == [1, 1]
@@ -466,17 +465,17 @@ def test_interim_and_empty_answers_are_read_as_http_says(answer: bytes, runner: 
 
     async def run() -> None:
         async with _serving(Server([answer, _whole(b'{"b": 2}')])) as server:
-            pool = WirePool({}, TIMEOUT)
+            pool = WirePool({}, BOUND_S, BOUND_S)
             try:
-                resp = await pool.post(server.url + "/x", b"{}", stream=True)
-                body = b"".join([part async for part in resp.aiter_bytes()])
+                resp = await pool.post_stream(server.url + "/x", b"{}")
+                body = b"".join([part async for part in resp])
                 await resp.aclose()
                 if b" 204 " in answer:
                     assert (resp.status_code, body) == (204, b"")
                 else:
                     assert (resp.status_code, body) == (200, b'{"a": 1}')
-                    assert "link" not in resp.headers
-                assert (await pool.post(server.url + "/x", b"{}")).json() == {"b": 2}
+                    assert resp.header(b"link") is None
+                assert (await pool.post_whole(server.url + "/x", b"{}")).json() == {"b": 2}
             finally:
                 pool.close()
         assert [len(c) for c in server.connections] == [2]
@@ -508,11 +507,11 @@ def test_an_idle_connection_the_instance_closed_is_not_used_for_a_call(runner: R
 
     async def run() -> None:
         url = f"http://127.0.0.1:{listener.getsockname()[1]}/x"
-        pool = WirePool({}, TIMEOUT)
+        pool = WirePool({}, BOUND_S, BOUND_S)
         try:
-            assert (await pool.post(url, b"{}")).json() == {"n": 1}
+            assert (await pool.post_whole(url, b"{}")).json() == {"n": 1}
             assert closed.wait(BOUND_S)  # blocks the loop: it reads nothing meanwhile
-            assert (await pool.post(url, b"{}")).json() == {"n": 2}
+            assert (await pool.post_whole(url, b"{}")).json() == {"n": 2}
         finally:
             pool.close()
 
@@ -544,12 +543,12 @@ def test_an_idle_connections_end_is_seen_whatever_its_file_number() -> None:
 
 async def _a_read_waiting(
     pool: WirePool, url: str
-) -> tuple[httpx.Response, wire_protocol.Connection, asyncio.Future[bytes | None]]:
+) -> tuple[rc.StreamedAnswer, wire_protocol.Connection, asyncio.Future[bytes | None]]:
     """D's stream opened, its first part (``data: 1``) read, and a read of the next one in
     flight, waiting for D."""
-    resp = await pool.post(url, b"{}", stream=True)
-    stream = resp.stream
-    assert isinstance(stream, wire.WireStream)
+    resp = await pool.post_stream(url, b"{}")
+    stream = resp._body
+    assert isinstance(stream, wire.WireBody)
     assert await stream.next_part() == b"data: 1\n\n"
     conn = stream._conn
     assert conn is not None
@@ -564,7 +563,7 @@ def test_a_read_in_flight_on_a_stream_closed_from_another_task_fails(
     framing: str, runner: Runner
 ) -> None:
     """The relay closes D's stream from a task of its own when D is marked unhealthy
-    (`relay.relay`): the read in flight ends with `httpx.ReadError`, never as if the
+    (`relay.relay`): the read in flight ends with `rc.ReadError`, never as if the
     answer had ended, whether D's body is chunked or ends with its connection."""
 
     async def run() -> None:
@@ -582,11 +581,11 @@ def test_a_read_in_flight_on_a_stream_closed_from_another_task_fails(
 
         async with _raw_server(hold) as base:
             url = base + "/v1/completions"
-            pool = WirePool({}, TIMEOUT)
+            pool = WirePool({}, BOUND_S, BOUND_S)
             try:
                 resp, _, read = await _a_read_waiting(pool, url)
                 await asyncio.ensure_future(resp.aclose())  # as `relay`'s abandon does
-                with pytest.raises(httpx.ReadError):
+                with pytest.raises(rc.ReadError):
                     await read
             finally:
                 gate.set()
@@ -634,7 +633,7 @@ def test_a_stream_closed_while_its_last_read_wakes_is_not_pooled(
 
         async with _raw_server(serve) as base:
             url = base + "/x"
-            pool = WirePool({}, TIMEOUT)
+            pool = WirePool({}, BOUND_S, BOUND_S)
             try:
                 resp, conn, read = await _a_read_waiting(pool, url)
                 closing: list[asyncio.Future[None]] = []
@@ -643,7 +642,7 @@ def test_a_stream_closed_while_its_last_read_wakes_is_not_pooled(
                 assert await read is None  # the answer did end
                 await closing[0]
                 assert conn.is_closed, "pooled under a read in flight"
-                assert (await pool.post(url, b"{}")).json() == {"b": 2}
+                assert (await pool.post_whole(url, b"{}")).json() == {"b": 2}
                 assert num_connections == 2
             finally:
                 pool.close()
@@ -658,9 +657,9 @@ def test_a_host_name_that_cannot_be_resolved_as_written_is_a_connect_error(
     error the flows do not handle."""
 
     async def run() -> None:
-        pool = WirePool({}, TIMEOUT)
-        with pytest.raises(httpx.ConnectError):
-            await pool.post("http://a..b:8000/v1/completions", b"{}")
+        pool = WirePool({}, BOUND_S, BOUND_S)
+        with pytest.raises(rc.ConnectError):
+            await pool.post_whole("http://a..b:8000/v1/completions", b"{}")
 
     runner(run())
 
@@ -680,8 +679,8 @@ def test_a_stream_dropped_unclosed_closes_its_connection(runner: Runner) -> None
 
         async with _raw_server(hold) as base:
             url = base + "/x"
-            pool = WirePool({}, TIMEOUT)
-            resp = await pool.post(url, b"{}", stream=True)
+            pool = WirePool({}, BOUND_S, BOUND_S)
+            resp = await pool.post_stream(url, b"{}")
             del resp  # dropped: collected at once (no cycle holds it)
             await _bounded(closed.wait())
             pool.close()

@@ -249,13 +249,15 @@ def test_the_router_sends_the_secret_of_its_secret_file(
     from kvduplex.common.tokenizer import ByteTokenizer
     from kvduplex.common.trust import SECRET_HEADER
     from kvduplex.router.state import RouterState
+    from tests.support.fake_instances import mock_instances
 
     secret = tmp_path / "cluster-secret"
     secret.write_text("s" * 32 + "\n")
     monkeypatch.setenv("KVDUPLEX_CLUSTER_SECRET", "e" * 32)  # the file wins
     args = ["router", "--decode", "http://d:1", "--cluster-secret-file", str(secret)]
-    state = RouterState.create(router_config(parse_args(args)), ByteTokenizer())
-    assert state.client.headers[SECRET_HEADER] == "s" * 32
+    fake = mock_instances(lambda _: None)  # type: ignore[arg-type,return-value]
+    state = RouterState.create(router_config(parse_args(args)), ByteTokenizer(), make_client=fake)
+    assert state.client.credentials[SECRET_HEADER] == "s" * 32  # type: ignore[attr-defined]
     monkeypatch.delenv("KVDUPLEX_CLUSTER_SECRET")
     secret.write_text("short")
     with pytest.raises(ValueError, match="at least"):

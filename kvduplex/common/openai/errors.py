@@ -1,15 +1,15 @@
 """Refusals and failures as OpenAI error JSON, the same on an instance and on the router.
 
-`install_error_handlers` makes a FastAPI app answer every validation failure,
-`APIError` and framework error (unparsable body, unknown route) with
-``{"error": {"message", "type", "param", "code"}}``, and every unexpected
-exception with that JSON too: a 500 whose message names the request, never a
-traceback (the traceback is logged, with the request id). Error bodies are
-ASCII JSON (non-ASCII escaped), so a message that quotes a client's input
-always encodes.
+Every validation failure, `APIError` and framework error (unparsable body, unknown
+route) is answered with ``{"error": {"message", "type", "param", "code"}}``, and
+every unexpected exception with that JSON too: a 500 whose message names the
+request, never a traceback (the traceback is logged, with the request id;
+`internal_error`). Error bodies are ASCII JSON (non-ASCII escaped), so a message
+that quotes a client's input always encodes. An instance's FastAPI app installs
+these as its handlers (`kvduplex.instance.errors`); the router answers them itself.
 
-It also echoes a client's ``X-Request-ID`` header on every response
-(`RequestIdEcho`). The header is only echoed: an instance's engine request ids
+A client's ``X-Request-ID`` header is echoed on every response (`RequestIdEcho`
+on an instance). The header is only echoed: an instance's engine request ids
 are always its own (see `kvduplex.instance.api`).
 """
 
@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
+from collections.abc import Sequence
 from typing import Any
 
-from fastapi import FastAPI
-from fastapi import Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from starlette.datastructures import MutableHeaders
-from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp
 from starlette.types import Message
 from starlette.types import Receive
@@ -67,11 +65,12 @@ class APIError(Exception):
         )
 
 
-def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    """The message and the first offending field of a body that failed validation."""
+def validation_message(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None]:
+    """The message and the first offending field of a body that failed validation, from
+    its errors as pydantic lists them (their locations with or without ``body`` first)."""
     parts = []
     param = None
-    for err in exc.errors():
+    for err in errors:
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         if err.get("type") == "json_invalid":
             return "the request body is not valid JSON", None
@@ -87,7 +86,7 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 _REQUEST_ID_KEY = REQUEST_ID_HEADER.encode("latin-1")
 
 
-def _client_request_id(scope: Scope) -> str | None:
+def client_request_id(scope: Scope) -> str | None:
     """The request's ``X-Request-ID``, as `Headers.get` reads it (the first; ASGI header
     names are lowercase), without making a `Headers` for every request."""
     for key, value in scope["headers"]:
@@ -103,7 +102,7 @@ def request_id_of(scope: Scope) -> str:
     own = (scope.get("state") or {}).get("request_id")
     if own:
         return str(own)
-    return _client_request_id(scope) or "-"
+    return client_request_id(scope) or "-"
 
 
 def internal_error(scope: Scope, exc: BaseException) -> JSONResponse:
@@ -161,7 +160,7 @@ class RequestIdEcho:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        client_id = _client_request_id(scope) if scope["type"] == "http" else None
+        client_id = client_request_id(scope) if scope["type"] == "http" else None
         if client_id is None:
             await self.app(scope, receive, send)
             return
@@ -174,40 +173,15 @@ class RequestIdEcho:
         await self.app(scope, receive, send_echoing)
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    """Answer validation failures, `APIError`, framework errors and unexpected exceptions
-    with OpenAI error JSON; echo X-Request-ID (middlewares added later wrap these two)."""
-    app.add_middleware(CatchAll)
-    app.add_middleware(RequestIdEcho)
+BODY_PARSE_FAILED = "There was an error parsing the body"
 
-    @app.exception_handler(RequestValidationError)
-    async def _on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = validation_message(exc)
-        return ErrorResponse(error_body(message, param=param), status_code=400)
 
-    @app.exception_handler(APIError)
-    async def _on_api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
-
-    @app.exception_handler(HTTPException)
-    async def _on_http_error(_: Request, exc: HTTPException) -> JSONResponse:
-        """FastAPI's own errors (a body it cannot parse, e.g. nested too deeply or with
-        a number too long to convert; unknown route; wrong method) as OpenAI JSON."""
-        message = str(exc.detail)
-        if isinstance(exc.__cause__, RecursionError):  # JSON nested past the parser's reach
-            message = (
-                f"the request body nests too deeply to parse; a request may nest at most "
-                f"{MAX_NESTING_DEPTH} levels of lists and objects"
-            )
-        elif exc.__cause__ is not None:
-            message = f"{message}: {exc.__cause__}"
-        err_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return ErrorResponse(
-            error_body(message, err_type), status_code=exc.status_code, headers=exc.headers
+def body_parse_error(exc: Exception, detail: str = BODY_PARSE_FAILED) -> str:
+    """What to tell a client whose JSON body could not be parsed for `exc` (not a
+    `json.JSONDecodeError`: nested too deeply, a number too long to convert)."""
+    if isinstance(exc, RecursionError):  # JSON nested past the parser's reach
+        return (
+            f"the request body nests too deeply to parse; a request may nest at most "
+            f"{MAX_NESTING_DEPTH} levels of lists and objects"
         )
-
-    @app.exception_handler(Exception)
-    async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
-        """What escapes the middlewares outside `CatchAll` (Starlette re-raises it after
-        this answer, for the server's log)."""
-        return internal_error(request.scope, exc)
+    return f"{detail}: {exc}"
