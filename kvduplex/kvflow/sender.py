@@ -512,13 +512,24 @@ class KVSender(FlowHalf):
 
     def _on_cancel_notif(self, msg: ControlMessage, sender: str) -> None:
         assert isinstance(msg, KVCancel)
-        logger.info("xid=%s: receiver %s cancelled: %s", msg.xid, sender, msg.reason)
         job = self._jobs.get(msg.xid)
         if job is not None:  # no WRITE is posted from now on (the engine call comes later)
             self._feed(job, CancelHeard(msg.reason, sender))
-        self.engine.call(
-            lambda: self.cancel(msg.xid, f"cancelled by the receiver: {msg.reason}", sender)
-        )
+        self.engine.call(partial(self._cancel_by_receiver, msg, sender))
+
+    def _cancel_by_receiver(self, msg: KVCancel, sender: str) -> None:
+        """Engine thread: a KVCancel from ``sender`` (the agent that delivered it). Only
+        the transfer's receiver (the job's peer, or the engine that registered for it
+        before the job began) may cancel it; anyone else's is ignored."""
+        job = self._jobs.get(msg.xid)
+        early = self._early.get(msg.xid)
+        receiver = job.peer.engine_id if job is not None else early[0].sender if early else None
+        if receiver is not None and receiver != sender:
+            logger.warning("xid=%s: KVCancel from %s ignored: the transfer's receiver is %s",
+                           msg.xid, sender, receiver)  # fmt: skip
+            return
+        logger.info("xid=%s: receiver %s cancelled: %s", msg.xid, sender, msg.reason)
+        self.cancel(msg.xid, f"cancelled by the receiver: {msg.reason}", sender)
 
     def _on_waiting_notif(self, msg: ControlMessage, sender: str) -> None:
         """The receiver still means to register ``xid``: keep waiting for it."""
@@ -552,9 +563,13 @@ class KVSender(FlowHalf):
             self._feed(job, Expire(time.monotonic()))
 
     def _drop_early(self, xid: str) -> None:
-        """A registration for a job that never came: refused (nothing will be written)."""
+        """A registration for a job that never came: refused (nothing will be written),
+        and its xid remembered a while, so that a delayed copy of it is refused too and
+        a job starting late under it does not write into blocks its receiver reused."""
         with self._lock:
             early = self._early.pop(xid, None)
+            if early is not None:
+                self._cancelled[xid] = time.monotonic() + 2 * self.registration_wait_s
         if early is not None:
             # It was acknowledged: refuse it now, or its receiver waits out its deadline.
             sender = early[0].sender
