@@ -40,6 +40,7 @@ from kvduplex.instance.kv_routes import MAX_XID_CHARS
 from kvduplex.instance.kv_routes import CancelRequest
 from kvduplex.instance.kv_routes import not_found
 from kvduplex.kvflow.connectors import DecodeFlows
+from kvduplex.kvflow.inbox import EngineGoneError
 from kvduplex.kvflow.pull import PullSpec
 from kvduplex.kvflow.push_decode import PushSpec
 from kvduplex.kvflow.return_pull import RetainSpec
@@ -147,17 +148,19 @@ class DecodePreparer:
         try:
             if kv.mode == "push":
                 spec = PushSpec(kv.xid, peer, kv.prefill_url, gen.request.request_id)
-                self.flows.push.register(spec)
+                await asyncio.wrap_future(self.flows.push.submit(spec))
             else:
                 lease_ends_at = None if kv.lease_s is None else arrived + kv.lease_s
-                self.flows.pull.register(
+                await asyncio.wrap_future(self.flows.pull.submit(
                     PullSpec(
                         kv.xid, peer, kv.prefill_url, kv.block_ids, kv.num_tokens,
                         lease_ends_at, kv.num_cached_tokens, gen.request.request_id,
                     )
-                )  # fmt: skip
+                ))  # fmt: skip
         except ValueError as exc:  # a duplicate xid
             raise APIError(409, str(exc), param="kv_transfer_params") from None
+        except EngineGoneError as exc:
+            raise APIError(503, str(exc), code="engine_dead") from None
         gen.request.remote_kv = RemoteKVSpec(kv.xid, source_engine_id=peer.engine_id)
 
     async def _prepare_return(self, kv: KVTransferParams, gen: Generation) -> None:

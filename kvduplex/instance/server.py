@@ -146,7 +146,7 @@ def _role_routers(
         routers.append(make_prefill_router(state, transport, cfg.pull_lease_s))
         routers.append(make_push_prefill_router(state, p, directory))
         state.drain.owed_checks.append(lambda _e: p.tables())
-        instance.closers.append(p.sender.close)
+        instance.closers += [p.sender.close, p.io.close]
     else:
         d = decode_flows(
             transport, instance.async_engine, pump, timing, directory.peer_by_engine, metrics,

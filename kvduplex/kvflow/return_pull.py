@@ -16,7 +16,6 @@ READ sits on the next turn's critical path.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -27,12 +26,13 @@ from kvduplex.engine.block_pool import compute_block_hashes
 from kvduplex.engine.handle import EngineHandle
 from kvduplex.engine.request import FinishReason
 from kvduplex.engine.request import Request
+from kvduplex.kvflow.flow_io import FlowIO
 from kvduplex.kvflow.half import ReadRunner
+from kvduplex.kvflow.inbox import FlowInbox
 from kvduplex.kvflow.lease import TRANSIT_GRACE_S
 from kvduplex.kvflow.machines.read import Outcome
 from kvduplex.kvflow.metrics import KVFlowMetrics
 from kvduplex.transport.base import Transport
-from kvduplex.transport.notify import NotificationPump
 from kvduplex.transport.protocol import PeerHandle
 from kvduplex.transport.protocol import TransferHandle
 
@@ -60,22 +60,18 @@ class TurnRetainer:
 
     def __init__(
         self, engine: EngineHandle, lease_s: float, max_blocks: int | None = None,
-        pin_s: float = 10.0,
+        pin_s: float = 10.0, inbox: FlowInbox | None = None,
     ) -> None:  # fmt: skip
+        """Engine thread only; ``inbox`` ticks it (expiring leases and pins)."""
         self.engine = engine
         self.lease_s = lease_s
         self.max_blocks = max_blocks if max_blocks is not None else max(1, engine.num_blocks // 4)
         self.pin_s = pin_s
-        self._lock = threading.Lock()
         # session -> (request id, expiry, blocks held); oldest first
         self._by_session: dict[str, tuple[str, float, int]] = {}
         self._pins: list[tuple[float, list[int]]] = []  # (until, blocks) for READs under way
-        self._expiring = False
-
-    def attach(self, pump: NotificationPump) -> None:
-        pump.every_tick(self._tick)
-
-    # ---- engine thread ----
+        if inbox is not None:
+            inbox.every_tick(self._tick)
 
     def on_finished(self, finished: list[Request]) -> None:
         for req in finished:
@@ -84,14 +80,13 @@ class TurnRetainer:
             if req.finish_reason is FinishReason.ABORT:
                 continue
             session = req.connector_meta.session_id
-            with self._lock:
-                previous = self._by_session.pop(session, None)
-                self._by_session[session] = (
-                    req.request_id,
-                    time.monotonic() + self.lease_s,
-                    len(req.block_ids),
-                )
-                evicted = self._over_budget()
+            previous = self._by_session.pop(session, None)
+            self._by_session[session] = (
+                req.request_id,
+                time.monotonic() + self.lease_s,
+                len(req.block_ids),
+            )
+            evicted = self._over_budget()
             if previous is not None:
                 self.engine.release_held(previous[0])
             for rid in evicted:
@@ -101,7 +96,7 @@ class TurnRetainer:
 
     def _over_budget(self) -> list[str]:
         """Pop the oldest retained turns until the rest fit in ``max_blocks`` (the newest
-        one always stays); caller holds the lock."""
+        one always stays)."""
         total = sum(n for _, _, n in self._by_session.values())
         gone: list[str] = []
         while total > self.max_blocks and len(self._by_session) > 1:
@@ -117,8 +112,7 @@ class TurnRetainer:
         Engine thread. Pins the blocks described for ``pin_s`` (the time it tells;
         held `TRANSIT_GRACE_S` longer): a READ of them cannot find them reused.
         """
-        with self._lock:
-            entry = self._by_session.get(session_id)
+        entry = self._by_session.get(session_id)
         if entry is None:
             return None
         req = self.engine.get_request(entry[0])
@@ -128,8 +122,7 @@ class TurnRetainer:
         n = min(req.num_computed_tokens // bs, len(req.block_ids), len(req.block_hashes))
         pinned = list(req.block_ids[:n])
         self.engine.acquire_blocks(pinned)
-        with self._lock:
-            self._pins.append((time.monotonic() + self.pin_s + TRANSIT_GRACE_S, pinned))
+        self._pins.append((time.monotonic() + self.pin_s + TRANSIT_GRACE_S, pinned))
         return {
             "pin_s": self.pin_s,
             "block_ids": list(req.block_ids[:n]),
@@ -139,38 +132,27 @@ class TurnRetainer:
 
     def _expire(self) -> None:
         now = time.monotonic()
-        with self._lock:
-            self._expiring = False
-            gone = [s for s, (_, until, _) in self._by_session.items() if now > until]
-            rids = [self._by_session.pop(s)[0] for s in gone]
-            unpinned = [blocks for until, blocks in self._pins if now > until]
-            self._pins = [(u, b) for u, b in self._pins if now <= u]
+        gone = [s for s, (_, until, _) in self._by_session.items() if now > until]
+        rids = [self._by_session.pop(s)[0] for s in gone]
+        unpinned = [blocks for until, blocks in self._pins if now > until]
+        self._pins = [(u, b) for u, b in self._pins if now <= u]
         for rid in rids:
             self.engine.release_held(rid)
         for blocks in unpinned:
             self.engine.release_blocks(blocks)
 
     def num_retained(self) -> int:
-        with self._lock:
-            return len(self._by_session)
+        return len(self._by_session)
 
     def num_pinned(self) -> int:
         """Described turns whose blocks are still pinned for a READ."""
-        with self._lock:
-            return len(self._pins)
-
-    # ---- pump thread ----
+        return len(self._pins)
 
     def _tick(self, now: float) -> None:
-        with self._lock:
-            due = not self._expiring and (
-                any(now > u for _, u, _ in self._by_session.values())
-                or any(now > u for u, _ in self._pins)
-            )
-            if due:
-                self._expiring = True
-        if due:
-            self.engine.call(self._expire)
+        if any(now > u for _, u, _ in self._by_session.values()) or any(
+            now > u for u, _ in self._pins
+        ):
+            self._expire()
 
 
 class RetainedReader:
@@ -180,11 +162,15 @@ class RetainedReader:
         self,
         transport: Transport,
         engine: EngineHandle,
+        inbox: FlowInbox,
+        io: FlowIO,
         deadline_s: float,
         metrics: KVFlowMetrics | None = None,
     ) -> None:
         self.transport = transport
         self.engine = engine
+        self.inbox = inbox
+        self.io = io
         self.deadline_s = deadline_s
         self.metrics = metrics
         self.num_read_blocks = 0
@@ -217,8 +203,8 @@ class RetainedReader:
             self._finish(xid, o, handle, local, missing, done)
 
         runner = ReadRunner(
-            self.transport, self.engine, peer, xid, local, remote_blocks[num_have:], read_s,
-            self.deadline_s, on_outcome,
+            self.transport, self.engine, self.inbox, self.io, peer, xid, local,
+            remote_blocks[num_have:], read_s, self.deadline_s, on_outcome,
         )  # fmt: skip
         runner.start(acquire=False)  # the allocation is our reference, until settled
         return done

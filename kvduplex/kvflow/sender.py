@@ -56,6 +56,7 @@ thread.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -66,7 +67,9 @@ from kvduplex.engine.handle import EngineHandle
 from kvduplex.engine.scheduler_output import KVSendCancelled
 from kvduplex.engine.scheduler_output import KVSendEnded
 from kvduplex.engine.scheduler_output import KVTransferResult
+from kvduplex.kvflow.flow_io import FlowIO
 from kvduplex.kvflow.half import FlowHalf
+from kvduplex.kvflow.inbox import FlowInbox
 from kvduplex.kvflow.machines.actions import AcquireBlocks
 from kvduplex.kvflow.machines.actions import Log
 from kvduplex.kvflow.machines.actions import ReleaseBlocks
@@ -110,6 +113,7 @@ from kvduplex.kvflow.metrics import KVFlowMetrics
 from kvduplex.transport.base import Transport
 from kvduplex.transport.messages import ControlMessage
 from kvduplex.transport.notify import Handler
+from kvduplex.transport.notify import NotificationPump
 from kvduplex.transport.protocol import PeerHandle
 from kvduplex.transport.protocol import TransferHandle
 from kvduplex.transport.protocol import TransferOp
@@ -162,6 +166,8 @@ class KVSender(FlowHalf):
         self,
         transport: Transport,
         engine: EngineHandle,
+        inbox: FlowInbox,
+        io: FlowIO,
         registration_wait_s: float,
         deadline_s: float,
         metrics: KVFlowMetrics | None = None,
@@ -170,7 +176,8 @@ class KVSender(FlowHalf):
     ) -> None:
         """``peer_of(engine_id)`` finds a connected peer (to answer registrations of
         jobs that no longer exist)."""
-        super().__init__(transport, engine)
+        super().__init__(transport, engine, inbox, io)
+        self._lock = threading.Lock()
         self.block_size = engine.block_size
         self.peer_of = peer_of
         self.reconnect = reconnect
@@ -190,6 +197,12 @@ class KVSender(FlowHalf):
 
     def _init_flow_state(self) -> None:
         """Subclasses set up the state of their own kind of job here."""
+
+    def attach(self, pump: NotificationPump) -> None:
+        """Route this half's messages and ticks from `pump`; call once, before it starts."""
+        for msg_type, handler in self._notif_handlers().items():
+            pump.on(msg_type, handler)
+        pump.every_tick(self._tick)
 
     def _notif_handlers(self) -> dict[type[ControlMessage], Handler]:
         return {

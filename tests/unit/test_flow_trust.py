@@ -144,9 +144,9 @@ def test_push_prefill_under_another_requests_id_is_refused(tiny: LoadedModel) ->
 
 def test_transfer_ids_waited_on_are_not_taken_twice(tiny: LoadedModel) -> None:
     with Pair(tiny) as s:
-        s.push.register(PushSpec("x1", s.p_peer, "http://p", "d-x1"))
+        s.push.submit(PushSpec("x1", s.p_peer, "http://p", "d-x1")).result(5)
         with pytest.raises(ValueError, match="in use"):
-            s.push.register(PushSpec("x1", s.p_peer, "http://p", "d-other"))
+            s.push.submit(PushSpec("x1", s.p_peer, "http://p", "d-other")).result(5)
         assert s.push.cancel("x1", "test")
         receiver = s.df.receiver
 

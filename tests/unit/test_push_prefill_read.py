@@ -12,8 +12,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from kvduplex.instance import kv_routes
 
+from kvduplex.instance import kv_routes
 from kvduplex.instance.kv_routes import READ_PIN_MARGIN_S
 from kvduplex.instance.kv_routes import PushPrefill
 from kvduplex.instance.kv_routes import RetainedTurn

@@ -31,7 +31,7 @@ async def _turn(
     s: Pair, xid: str, prompt: list[int], session: str = "s1", params: SamplingParams = ANSWER
 ) -> list[int]:
     """One push turn whose finished blocks D returns to P."""
-    s.push.register(PushSpec(xid, s.p_peer, "http://p", f"d-{xid}"))
+    await asyncio.wrap_future(s.push.submit(PushSpec(xid, s.p_peer, "http://p", f"d-{xid}")))
     out: list[int] = []
     d = s.ad.generate(Request(
         f"d-{xid}", prompt, params, remote_kv=RemoteKVSpec(xid), hold_blocks_on_finish=True,
@@ -195,7 +195,7 @@ def test_retained_turn_is_read_by_prefill(tiny: LoadedModel) -> None:
     with Pair(tiny) as s:
 
         async def turn() -> list[int]:
-            s.push.register(PushSpec("r1", s.p_peer, "http://p", "d-r1"))
+            await asyncio.wrap_future(s.push.submit(PushSpec("r1", s.p_peer, "http://p", "d-r1")))
             out: list[int] = []
             d = s.ad.generate(Request(
                 "d-r1", PROMPT, ANSWER, remote_kv=RemoteKVSpec("r1"), hold_blocks_on_finish=True,
