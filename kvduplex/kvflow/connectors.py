@@ -67,16 +67,7 @@ class PrefillConnector(KVConnector):
 
     def layer_hook(self, meta: KVConnectorMetadata | None) -> Callable[[int], None] | None:
         assert isinstance(meta, PushPlan)
-        push = self.sender.layer_hook(meta)
-        if push is None:  # nothing streams: no hook (on CUDA each one synchronises)
-            return None
-        drain = self.inbox.drain
-
-        def on_layer_done(layer: int) -> None:
-            drain()
-            push(layer)
-
-        return on_layer_done
+        return self.sender.layer_hook(meta)  # drains the inbox after each layer
 
     def wait_for_save(self, meta: KVConnectorMetadata | None) -> None:
         assert isinstance(meta, PushPlan)
@@ -220,7 +211,6 @@ def _halves(
     receiver = KVReceiver(
         transport, handle, inbox, io, timing.wait_s, timing.quarantine_s, peer_gone, reconnect
     )
-    sender.attach(pump)
     return sender, receiver
 
 

@@ -21,7 +21,6 @@ from kvduplex.kvflow.messages import KVCancel
 from kvduplex.kvflow.messages import KVRegister
 from kvduplex.kvflow.push_decode import PushSpec
 from kvduplex.kvflow.push_prefill import PushPlan
-from kvduplex.kvflow.sender import Registration
 from kvduplex.model.loader import LoadedModel
 from kvduplex.transport.messages import ControlMessage
 from tests.unit.flow_pair import FIRST
@@ -172,7 +171,7 @@ def test_registration_mid_forward_writes_finished_layers_then_streams(tiny: Load
                 if layer == 0 and held:  # the registration lands while layer 1 is computed
                     msg, sender = held.pop()
                     assert isinstance(msg, KVRegister)
-                    s.sender._regs.append(Registration(msg, sender, time.monotonic()))
+                    s.pf.inbox.heard(msg, sender)  # as the pump does
                 if hook is not None:
                     hook(layer)
 
