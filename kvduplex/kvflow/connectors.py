@@ -132,13 +132,15 @@ class DecodeConnector(KVConnector):
             self.pull.start(alloc)
 
     def get_finished(self) -> list[KVTransferResult]:
+        self.returns.offer_finished()
         self.inbox.drain()
         return self.push.take_finished() + self.pull.take_finished()
 
     def has_pending_work(self) -> bool:
         return (
-            self.inbox.has_events or self.pull.has_pending_work() or self.push.has_pending_work()
-        )
+            self.inbox.has_events or self.returns.has_pending_work()
+            or self.pull.has_pending_work() or self.push.has_pending_work()
+        )  # fmt: skip
 
 
 @dataclass
@@ -199,7 +201,7 @@ def _inbox_and_io(
 def _halves(
     transport: Transport, handle: EngineHandle, inbox: FlowInbox, io: FlowIO,
     timing: FlowTiming, metrics: KVFlowMetrics | None,
-    peer_of: Callable[[str], PeerHandle | None], pump: NotificationPump, kind: type[S],
+    peer_of: Callable[[str], PeerHandle | None], kind: type[S],
     reconnect: Callable[[str], PeerHandle | None] | None = None,
     peer_gone: Callable[[str], bool] | None = None,
 ) -> tuple[S, KVReceiver]:  # fmt: skip
@@ -220,14 +222,15 @@ def prefill_flows(
     reconnect: Callable[[str], PeerHandle | None] | None = None,
     peer_gone: Callable[[str], bool] | None = None,
 ) -> PrefillFlows:  # fmt: skip
-    """Build prefill's flows on `pump` and install its connector into the engine.
+    """Build prefill's flows, have `pump` put what they take into their inbox, and
+    install their connector into the engine.
 
     ``reconnect(engine_id)`` connects afresh to a peer whose endpoint was torn down;
     ``peer_gone(engine_id)``: see `KVReceiver`."""
     handle = EngineHandle(engine)
     inbox, io = _inbox_and_io(transport, engine, peer_of, reconnect)
     sender, receiver = _halves(
-        transport, handle, inbox, io, timing, metrics, peer_of, pump, PushSender, reconnect,
+        transport, handle, inbox, io, timing, metrics, peer_of, PushSender, reconnect,
         peer_gone,
     )  # fmt: skip
     # Returns run in the background: one offer, and all accepted offers together, may
@@ -237,7 +240,6 @@ def prefill_flows(
         receiver, handle, peer_of, metrics, max_blocks_per_offer=quarter,
         max_blocks_in_flight=quarter,
     )  # fmt: skip
-    acceptor.attach(pump)
     reader = RetainedReader(transport, handle, inbox, io, timing.transfer_timeout_s, metrics)
     flows = PrefillFlows(
         sender, receiver, acceptor, reader, PrefillConnector(sender, inbox), inbox, io
@@ -254,7 +256,8 @@ def decode_flows(
     reconnect: Callable[[str], PeerHandle | None] | None = None,
     peer_gone: Callable[[str], bool] | None = None,
 ) -> DecodeFlows:  # fmt: skip
-    """Build decode's flows on `pump` and install its connector into the engine.
+    """Build decode's flows, have `pump` put what they take into their inbox, and
+    install their connector into the engine.
 
     ``release(prefill_url, xid)`` ends a pull's lease (default: over HTTP);
     ``reconnect(engine_id)`` connects afresh to a peer whose endpoint was torn down;
@@ -263,7 +266,7 @@ def decode_flows(
     handle = EngineHandle(engine)
     inbox, io = _inbox_and_io(transport, engine, peer_of, reconnect)
     sender, receiver = _halves(
-        transport, handle, inbox, io, timing, metrics, peer_of, pump, KVSender, reconnect,
+        transport, handle, inbox, io, timing, metrics, peer_of, KVSender, reconnect,
         peer_gone,
     )  # fmt: skip
     push = PushDecode(receiver, handle, metrics)
@@ -271,7 +274,6 @@ def decode_flows(
         transport, handle, inbox, io, timing.wait_s, release=release, metrics=metrics
     )
     offerer = ReturnOfferer(sender, handle, metrics)
-    offerer.attach(pump)
     retainer = TurnRetainer(
         handle, timing.retain_lease_s, pin_s=2 * timing.transfer_timeout_s, inbox=inbox
     )

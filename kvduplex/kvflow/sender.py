@@ -317,10 +317,15 @@ class KVSender(FlowHalf):
         if early is not None:
             self._register(early[0])
 
-    def decline(self, xid: str, reason: str) -> bool:
-        """The receiver takes nothing of job `xid` (an offer declined): end it quietly."""
+    def decline(self, xid: str, reason: str, by: str | None = None) -> bool:
+        """The receiver takes nothing of job `xid` (an offer declined): end it quietly.
+        ``by``: the engine whose KVDecline says so; only the job's peer may."""
         job = self._jobs.get(xid)
         if job is None or job.reg is not None:
+            return False
+        if by is not None and by != job.peer.engine_id:
+            logger.warning("xid=%s: KVDecline from %s ignored: the offer went to %s",
+                           xid, by, job.peer.engine_id)  # fmt: skip
             return False
         self._feed(job, Declined(reason))
         return True
