@@ -56,7 +56,6 @@ from kvduplex.kvflow.machines.receive import AskSender
 from kvduplex.kvflow.machines.receive import Begin
 from kvduplex.kvflow.machines.receive import Cancel
 from kvduplex.kvflow.machines.receive import Count
-from kvduplex.kvflow.machines.receive import Expire
 from kvduplex.kvflow.machines.receive import FlowDone
 from kvduplex.kvflow.machines.receive import FlowFailed
 from kvduplex.kvflow.machines.receive import FlowFirstToken
@@ -65,7 +64,6 @@ from kvduplex.kvflow.machines.receive import NotSent
 from kvduplex.kvflow.machines.receive import ReceiveAction
 from kvduplex.kvflow.machines.receive import ReceiveEvent
 from kvduplex.kvflow.machines.receive import ReceiveMachine
-from kvduplex.kvflow.machines.receive import ScheduleExpire
 from kvduplex.kvflow.machines.receive import SenderEnded
 from kvduplex.kvflow.machines.receive import SenderGone
 from kvduplex.kvflow.machines.receive import Tick
@@ -170,6 +168,7 @@ class KVReceiver(FlowHalf):
         machine = ReceiveMachine(
             xid, peer, tuple(blocks), msg, self.wait_s, self.quarantine_s, deadline=now + self.wait_s,
             reg_sent_at=now, wants_first_token=on_first_token is not None,
+            can_ask=self.peer_gone is not None,
         )  # fmt: skip
         wait = _Wait(machine, on_done, on_failed, on_first_token)
         if xid in self._waits:
@@ -211,8 +210,6 @@ class KVReceiver(FlowHalf):
                 self.tell(m.peer, a.msg)
             case FlowFirstToken() | FlowDone() | FlowFailed():
                 self._call_flow(wait, a)
-            case ScheduleExpire():
-                self._feed(wait, Expire(time.monotonic(), can_ask=self.peer_gone is not None))
             case AskSender():
                 assert self.peer_gone is not None, "asked only when it can ask"
                 self.io.submit(CheckSender(m.xid, m.peer, self, self.peer_gone, self.reconnect))

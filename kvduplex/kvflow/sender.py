@@ -84,15 +84,12 @@ from kvduplex.kvflow.machines.send import Chunk
 from kvduplex.kvflow.machines.send import Count
 from kvduplex.kvflow.machines.send import Declined
 from kvduplex.kvflow.machines.send import Ended
-from kvduplex.kvflow.machines.send import Expire
-from kvduplex.kvflow.machines.send import Forgotten
 from kvduplex.kvflow.machines.send import HeldSource
 from kvduplex.kvflow.machines.send import PostWrite
 from kvduplex.kvflow.machines.send import PrefillProgress
 from kvduplex.kvflow.machines.send import Refuse
 from kvduplex.kvflow.machines.send import Registered
 from kvduplex.kvflow.machines.send import ReleasePrefill
-from kvduplex.kvflow.machines.send import ScheduleExpire
 from kvduplex.kvflow.machines.send import SendAction
 from kvduplex.kvflow.machines.send import SendEvent
 from kvduplex.kvflow.machines.send import SendMachine
@@ -243,8 +240,6 @@ class KVSender(FlowHalf):
                 self.engine.release_blocks(list(a.block_ids))
             case TearDown():
                 self.io.submit(TearDownEndpoint(job.peer, a.why, job.xid))
-            case ScheduleExpire():
-                self._feed(job, Expire(time.monotonic()))
             case AbortPrefill() | ReleasePrefill() | Tombstone() | Count() | Log():
                 self._note(job, a)
             case Ended():
@@ -428,10 +423,9 @@ class KVSender(FlowHalf):
             logger.warning("xid=%s: WRITE to %s failed: %s", job.xid, job.peer.engine_id, reason)
 
     def _forget(self, job: SendMachine) -> None:
-        """Drop an ended job and what its source kept."""
+        """Drop an ended job (its source's release was among its last actions)."""
         if self._jobs.get(job.xid) is job:
             del self._jobs[job.xid]
-        self._run(job, job.handle(Forgotten()))
         for fn in job.on_end:
             fn(job)
 
