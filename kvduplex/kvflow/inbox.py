@@ -139,14 +139,14 @@ class FlowInbox:
 
     def __init__(
         self, wake: Callable[[], None] = lambda: None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] | None = None,
         is_alive: Callable[[], bool] = lambda: True,
     ) -> None:  # fmt: skip
-        """``wake()`` wakes the engine loop; ``clock`` gives monotonic seconds (a fake one
-        in tests); ``is_alive()``: whether the engine thread still drains (a request to
-        a dead engine fails at once)."""
+        """``wake()`` wakes the engine loop; ``clock`` gives monotonic seconds (default:
+        this module's ``time.monotonic``); ``is_alive()``: whether the engine thread
+        still drains (a request to a dead engine fails at once)."""
         self.wake = wake
-        self.clock = clock
+        self.clock = clock if clock is not None else time.monotonic
         self.is_alive = is_alive
         self._events: queue.SimpleQueue[FlowEvent] = queue.SimpleQueue()
         self._handlers: dict[type[ControlMessage], Handler] = {}
@@ -214,6 +214,11 @@ class FlowInbox:
         return not self._events.empty() or (
             bool(self._timers) and self._timers[0].at <= self.clock()
         )
+
+    @property
+    def num_timers(self) -> int:
+        """Timers not fired yet (engine thread; introspection)."""
+        return len(self._timers)
 
     # ---- engine thread ----
 

@@ -66,7 +66,8 @@ class PullSpec:
     """Prompt tokens prefill served from its prefix cache."""
     request_id: str | None = None
     """Decode's request for it: a spec whose request never reached the engine is dropped."""
-    registered_at: float = field(default_factory=time.monotonic)
+    registered_at: float = field(default_factory=lambda: time.monotonic())
+    """When decode registered it (this module's clock, read at that moment)."""
 
 
 # A READ must be able to finish this long before prefill's lease ends.
