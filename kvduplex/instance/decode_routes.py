@@ -42,6 +42,7 @@ from kvduplex.instance.kv_routes import not_found
 from kvduplex.kvflow.connectors import DecodeFlows
 from kvduplex.kvflow.inbox import EngineGoneError
 from kvduplex.kvflow.pull import PullSpec
+from kvduplex.kvflow.push import PushDecodeSide
 from kvduplex.kvflow.push_decode import PushSpec
 from kvduplex.kvflow.return_pull import RetainSpec
 from kvduplex.kvflow.returns import ReturnSpec
@@ -103,12 +104,14 @@ class DecodePreparer:
     """`InstanceState.prepare` of a decode instance: what a request's KV params ask for."""
 
     def __init__(
-        self, flows: DecodeFlows, directory: PeerDirectory, secret: str | None = None
-    ) -> None:
+        self, flows: DecodeFlows, push: PushDecodeSide, directory: PeerDirectory,
+        secret: str | None = None,
+    ) -> None:  # fmt: skip
+        """``push``: the push flow's decode half."""
         self.flows = flows
         self.directory = directory
         self.secret = secret
-
+        self.push = push
     async def __call__(self, raw: Request, gen: Generation) -> None:
         arrived = time.monotonic()
         body: Any = await raw.json()
@@ -148,7 +151,7 @@ class DecodePreparer:
         try:
             if kv.mode == "push":
                 spec = PushSpec(kv.xid, peer, kv.prefill_url, gen.request.request_id)
-                await asyncio.wrap_future(self.flows.push.submit(spec))
+                await self.push.register(spec)
             else:
                 lease_ends_at = None if kv.lease_s is None else arrived + kv.lease_s
                 await asyncio.wrap_future(self.flows.pull.submit(
@@ -188,7 +191,8 @@ def make_decode_hooks(
     state: InstanceState, flows: DecodeFlows, directory: PeerDirectory, secret: str | None = None
 ) -> APIRouter:
     """Set `state.prepare` for pulls, pushes and returns; return the decode-side routes."""
-    state.prepare = DecodePreparer(flows, directory, secret)
+    push = PushDecodeSide(state.engine, flows.push)
+    state.prepare = DecodePreparer(flows, push, directory, secret)
     router = APIRouter()
 
     @router.get("/internal/kv/pull/stats")
@@ -233,10 +237,7 @@ def make_decode_hooks(
 
     @router.post("/internal/push/cancel")
     async def push_cancel(body: CancelRequest) -> JSONResponse:
-        found = await state.engine.run_in_engine(
-            lambda _e: flows.push.cancel(body.xid, body.reason)
-        )
-        if not found:
+        if not await push.cancel(body.xid, body.reason):
             return not_found(body.xid)
         return JSONResponse({"xid": body.xid, "cancelled": True})
 

@@ -15,14 +15,19 @@ READ sits on the next turn's critical path.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
+from kvduplex.engine.async_engine import AsyncEngine
 from kvduplex.engine.block_pool import BlockHash
 from kvduplex.engine.block_pool import compute_block_hashes
+from kvduplex.engine.engine import LLMEngine
 from kvduplex.engine.handle import EngineHandle
 from kvduplex.engine.request import FinishReason
 from kvduplex.engine.request import Request
@@ -37,6 +42,9 @@ from kvduplex.transport.protocol import PeerHandle
 from kvduplex.transport.protocol import TransferHandle
 
 logger = logging.getLogger(__name__)
+
+READ_PIN_MARGIN_S = 0.5
+"""A READ of a retained turn ends this long before decode's pin does."""
 
 
 @dataclass
@@ -228,4 +236,89 @@ class RetainedReader:
         done.set_result(n)
 
 
-__all__ = ["RetainSpec", "RetainedReader", "TurnRetainer"]
+@dataclass(frozen=True)
+class RetainedTurnRef:
+    """A decode's retained turn, as its ``/internal/kv/retained`` described it."""
+
+    decode_url: str
+    engine_id: str | None
+    block_ids: list[int]
+    keys: list[str]
+    token_ids: list[int]
+    pin_left_s: float | None
+    """How long decode still pins the blocks, from when the router sent this on."""
+
+
+class RetainedReadSide:
+    """Prefill's half of the retained-turn return: before a push prefill, READ the
+    decode's retained blocks this prefix cache lacks, ending while decode still pins
+    them (else not at all)."""
+
+    def __init__(
+        self, engine: AsyncEngine, reader: RetainedReader,
+        get_peer: Callable[[str, str | None], PeerHandle],
+    ) -> None:  # fmt: skip
+        """``get_peer(url, engine_id)``: connect to the decode instance (blocking)."""
+        self.engine = engine
+        self.reader = reader
+        self.get_peer = get_peer
+
+    async def read(self, xid: str, turn: RetainedTurnRef, arrived: float) -> int:
+        """The blocks read and cached (0: nothing missing, decode unreachable, the pin ran
+        out, or the READ failed). ``arrived``: when this request arrived (monotonic).
+
+        The READ's deadline counts from its post, so it gets what is left, at the post,
+        of the pin counted from the request's arrival: the handshake and the wait for
+        the engine thread (behind a prefill step) come out of it. Raises ValueError for
+        block ids outside decode's pool."""
+        ends_at = None
+        if turn.pin_left_s is not None:
+            ends_at = arrived + turn.pin_left_s - READ_PIN_MARGIN_S
+            if _pin_left_s(xid, ends_at) is None:
+                return 0
+        try:
+            peer = await asyncio.to_thread(self.get_peer, turn.decode_url, turn.engine_id)
+        except Exception as exc:
+            logger.warning("xid=%s: retained turn at %s unreachable: %s", xid, turn.decode_url, exc)
+            return 0
+        bad = [b for b in turn.block_ids if b >= peer.layout.num_blocks]
+        if bad:
+            raise ValueError(
+                f"block {bad[0]} is out of range; {turn.decode_url} has "
+                f"{peer.layout.num_blocks} blocks"
+            )
+        post = partial(self._post, peer, xid, turn, ends_at)
+        done: Future[int] = await self.engine.run_in_engine(post)
+        return await asyncio.wrap_future(done)
+
+    def _post(
+        self, peer: PeerHandle, xid: str, turn: RetainedTurnRef, ends_at: float | None,
+        _engine: LLMEngine,
+    ) -> Future[int]:  # fmt: skip
+        """Engine thread: post the READ with what is left of the pin now."""
+        deadline_s = None
+        if ends_at is not None:
+            deadline_s = _pin_left_s(xid, ends_at)
+            if deadline_s is None:
+                skipped: Future[int] = Future()
+                skipped.set_result(0)
+                return skipped
+        return self.reader.start(
+            peer, f"{xid}-read", turn.block_ids, turn.keys, turn.token_ids, deadline_s
+        )
+
+
+def _pin_left_s(xid: str, ends_at: float) -> float | None:
+    """Seconds left until a retained-turn READ must end (``ends_at``, monotonic); None,
+    logged, if none are."""
+    left = ends_at - time.monotonic()
+    if left <= 0:
+        logger.info("xid=%s: decode's pin on the retained turn ran out; not read", xid)
+        return None
+    return left
+
+
+__all__ = [
+    "READ_PIN_MARGIN_S", "RetainSpec", "RetainedReadSide", "RetainedReader", "RetainedTurnRef",
+    "TurnRetainer",
+]  # fmt: skip

@@ -271,7 +271,7 @@ class ReceiveMachine:
 
     def _not_sent(self, event: NotSent) -> list[ReceiveAction]:
         self._move(ReceivePhase.ENDED)
-        return [Forget(), ReleaseBlocks(self.blocks)]
+        return [ReleaseBlocks(self.blocks), Forget()]
 
     def _sender_ended(self, event: SenderEnded) -> list[ReceiveAction]:
         msg = event.msg
@@ -282,7 +282,7 @@ class ReceiveMachine:
             return [Log(logging.WARNING, text)]
         fell_back = self.fell_back
         self._move(ReceivePhase.ENDED)
-        out: list[ReceiveAction] = [Forget(), ReleaseBlocks(self.blocks)]
+        out: list[ReceiveAction] = [ReleaseBlocks(self.blocks)]
         if (
             self.wants_first_token
             and msg.first_token is not None
@@ -290,14 +290,16 @@ class ReceiveMachine:
         ):
             out.append(FlowFirstToken(msg.first_token))
         if fell_back:
-            return [*out, Count("num_late")]
-        if isinstance(msg, KVDone):
+            out.append(Count("num_late"))
+        elif isinstance(msg, KVDone):
             received = [Count("num_received"), Count("num_received_blocks", len(self.blocks))]
-            return [*out, *received, FlowDone(msg)]
-        return [
-            *out, Count("num_failed"), Log(logging.WARNING, f"the sender gave up ({msg.reason})"),
-            FlowFailed(WaitFailure.SENDER_FAILED, msg.reason),
-        ]  # fmt: skip
+            out += [*received, FlowDone(msg)]
+        else:
+            out += [
+                Count("num_failed"), Log(logging.WARNING, f"the sender gave up ({msg.reason})"),
+                FlowFailed(WaitFailure.SENDER_FAILED, msg.reason),
+            ]  # fmt: skip
+        return [*out, Forget()]  # the wait goes last: whoever sees it gone sees it all done
 
     def _cancel(self, event: Cancel) -> list[ReceiveAction]:
         if self.ended or self.fell_back:
@@ -369,8 +371,8 @@ class ReceiveMachine:
         self._move(ReceivePhase.ENDED)
         text = f"{event.why} ({self.peer.engine_id}); releasing quarantined blocks"
         return [
-            Forget(), Log(logging.WARNING, text), Count("num_teardowns"),
-            TearDown(event.why), ReleaseBlocks(self.blocks),
+            Log(logging.WARNING, text), Count("num_teardowns"), TearDown(event.why),
+            ReleaseBlocks(self.blocks), Forget(),
         ]  # fmt: skip
 
 
