@@ -42,6 +42,7 @@ from kvduplex.instance.kv_routes import not_found
 from kvduplex.kvflow.connectors import DecodeFlows
 from kvduplex.kvflow.inbox import EngineGoneError
 from kvduplex.kvflow.pull import PullSpec
+from kvduplex.kvflow.pull_flow import PullDecodeSide
 from kvduplex.kvflow.push import PushDecodeSide
 from kvduplex.kvflow.push_decode import PushSpec
 from kvduplex.kvflow.return_pull import RetainSpec
@@ -104,11 +105,12 @@ class DecodePreparer:
     """`InstanceState.prepare` of a decode instance: what a request's KV params ask for."""
 
     def __init__(
-        self, flows: DecodeFlows, push: PushDecodeSide, directory: PeerDirectory,
-        secret: str | None = None,
+        self, flows: DecodeFlows, push: PushDecodeSide, pull: PullDecodeSide,
+        directory: PeerDirectory, secret: str | None = None,
     ) -> None:  # fmt: skip
-        """``push``: the push flow's decode half."""
+        """``push``, ``pull``: the push and pull flows' decode halves."""
         self.flows = flows
+        self.pull = pull
         self.directory = directory
         self.secret = secret
         self.push = push
@@ -154,11 +156,9 @@ class DecodePreparer:
                 await self.push.register(spec)
             else:
                 lease_ends_at = None if kv.lease_s is None else arrived + kv.lease_s
-                await asyncio.wrap_future(self.flows.pull.submit(
-                    PullSpec(
-                        kv.xid, peer, kv.prefill_url, kv.block_ids, kv.num_tokens,
-                        lease_ends_at, kv.num_cached_tokens, gen.request.request_id,
-                    )
+                await self.pull.register(PullSpec(
+                    kv.xid, peer, kv.prefill_url, kv.block_ids, kv.num_tokens,
+                    lease_ends_at, kv.num_cached_tokens, gen.request.request_id,
                 ))  # fmt: skip
         except ValueError as exc:  # a duplicate xid
             raise APIError(409, str(exc), param="kv_transfer_params") from None
@@ -192,7 +192,7 @@ def make_decode_hooks(
 ) -> APIRouter:
     """Set `state.prepare` for pulls, pushes and returns; return the decode-side routes."""
     push = PushDecodeSide(state.engine, flows.push)
-    state.prepare = DecodePreparer(flows, push, directory, secret)
+    state.prepare = DecodePreparer(flows, push, PullDecodeSide(flows.pull), directory, secret)
     router = APIRouter()
 
     @router.get("/internal/kv/pull/stats")

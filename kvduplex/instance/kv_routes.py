@@ -36,13 +36,15 @@ from kvduplex.common.openai.protocol import error_body
 from kvduplex.common.sampling import MAX_LOGPROBS
 from kvduplex.common.sampling import GrammarSpec
 from kvduplex.common.sampling import SamplingParams
+from kvduplex.engine.handle import EngineHandle
 from kvduplex.engine.request import Request
 from kvduplex.engine.structured import RequestGrammar
 from kvduplex.instance.api import APIError
 from kvduplex.instance.api import InstanceState
 from kvduplex.kvflow.connectors import PrefillFlows
+from kvduplex.kvflow.inbox import FlowInbox
 from kvduplex.kvflow.lease import LeaseTable
-from kvduplex.kvflow.pull import block_ids_of
+from kvduplex.kvflow.pull_flow import PullPrefillSide
 from kvduplex.kvflow.push import NoFirstToken
 from kvduplex.kvflow.push import PushCancelled
 from kvduplex.kvflow.push import PushPrefillSide
@@ -127,11 +129,15 @@ def not_found(xid: str) -> JSONResponse:
     )
 
 
-def make_prefill_router(state: InstanceState, transport: Transport, lease_s: float) -> APIRouter:
+def make_prefill_router(
+    state: InstanceState, transport: Transport, lease_s: float, inbox: FlowInbox | None = None
+) -> APIRouter:
+    """The pull flow's prefill routes; ``inbox``: the prefill flows' inbox, which ticks
+    the leases (expiry)."""
     router = APIRouter()
-    leases = LeaseTable(state.engine, lease_s)
+    leases = LeaseTable(EngineHandle(state.engine), lease_s, inbox)
     state.drain.owed_checks.append(lambda _e: {"pull_leases": len(leases)})
-    engine = state.engine
+    pull = PullPrefillSide(state.engine, leases)
 
     @router.post("/internal/prefill")
     async def prefill(body: PrefillRequest, raw: HTTPRequest) -> JSONResponse:
@@ -141,24 +147,21 @@ def make_prefill_router(state: InstanceState, transport: Transport, lease_s: flo
                 body.xid, body.prompt_token_ids, _first_token_params(body),
                 hold_blocks_on_finish=True, grammar=grammar,
             )  # fmt: skip
-            async for _ in engine.generate(held):
-                pass
+            info = await pull.prefill(held)
         except (RequestRejected, ValueError) as exc:
             raise APIError(400, str(exc)) from None
-        info = await engine.run_in_engine(lambda e: block_ids_of(e, body.xid))
         if info is None:
             raise APIError(500, f"xid {body.xid}: finished without held blocks")
-        leases.start(body.xid)
         if await raw.is_disconnected():  # the router left (its client did): no READ will come
             logger.info("xid=%s: the caller left before the answer; lease released", body.xid)
-            await leases.release(body.xid)
+            await pull.release(body.xid)
         return JSONResponse(
             {"xid": body.xid, "engine_id": transport.engine_id, "lease_s": leases.lease_s, **info}
         )
 
     @router.post("/internal/release")
     async def release(body: ReleaseRequest) -> JSONResponse:
-        if not await leases.release(body.xid):
+        if not await pull.release(body.xid):
             return not_found(body.xid)
         return JSONResponse({"xid": body.xid, "released": True})
 

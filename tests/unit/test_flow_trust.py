@@ -13,6 +13,7 @@ from prometheus_client import REGISTRY
 
 from kvduplex.common.limits import RequestRejected
 from kvduplex.engine.block_pool import compute_block_hashes
+from kvduplex.engine.handle import EngineHandle
 from kvduplex.engine.request import Request
 from kvduplex.kvflow.lease import LeaseTable
 from kvduplex.kvflow.messages import KVDone
@@ -132,13 +133,13 @@ def test_push_prefill_under_another_requests_id_is_refused(tiny: LoadedModel) ->
             asyncio.run(again())
         assert s.in_use(s.ap) == in_use, "the held request lost its blocks"
 
-        async def release() -> tuple[bool, bool]:
-            leases = LeaseTable(s.ap, lease_s=30.0)
-            foreign = await leases.release("lease-1")  # held, but not under a lease
+        def release(_e: object) -> tuple[bool, bool]:  # engine thread
+            leases = LeaseTable(EngineHandle(s.ap), lease_s=30.0)
+            foreign = leases.release("lease-1")  # held, but not under a lease
             leases.start("lease-1")
-            return foreign, await leases.release("lease-1")
+            return foreign, leases.release("lease-1")
 
-        assert asyncio.run(release()) == (False, True)
+        assert s.ap.call(release).result(5) == (False, True)
         s.assert_clean()
 
 
