@@ -45,6 +45,7 @@ from kvduplex.kvflow.pull import PullSpec
 from kvduplex.kvflow.pull_flow import PullDecodeSide
 from kvduplex.kvflow.push import PushDecodeSide
 from kvduplex.kvflow.push_decode import PushSpec
+from kvduplex.kvflow.return_pull import RetainedTurnSide
 from kvduplex.kvflow.return_pull import RetainSpec
 from kvduplex.kvflow.returns import ReturnSpec
 from kvduplex.transport.handshake import PeerDirectory
@@ -228,9 +229,11 @@ def make_decode_hooks(
         """Each flow table's size, read on the engine thread (0 when nothing moves)."""
         return JSONResponse(await state.engine.run_in_engine(lambda _e: flows.tables()))
 
+    retained_turns = RetainedTurnSide(state.engine, flows.retainer)
+
     @router.post("/internal/kv/retained")
     async def retained(body: RetainedRequest) -> JSONResponse:
-        info = await state.engine.run_in_engine(lambda _e: flows.retainer.describe(body.session_id))
+        info = await retained_turns.describe(body.session_id)
         if info is None:
             return not_found(body.session_id)
         return JSONResponse({"engine_id": flows.sender.transport.engine_id, **info})

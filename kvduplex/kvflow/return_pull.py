@@ -11,6 +11,10 @@ cache lacks and then prefills::
 
 Unlike the duplex return, decode pins the turn's blocks between turns, and the
 READ sits on the next turn's critical path.
+
+Its two halves side by side, what the routes call: `RetainedTurnSide` (decode:
+describe and pin a retained turn) and `RetainedReadSide` (prefill: READ it within
+decode's pin).
 """
 
 from __future__ import annotations
@@ -249,6 +253,26 @@ class RetainedTurnRef:
     """How long decode still pins the blocks, from when the router sent this on."""
 
 
+class RetainedTurnSide:
+    """Decode's half of the retained-turn return: describe a session's retained turn for
+    the next turn's prefill to READ (pinning its blocks)."""
+
+    def __init__(self, engine: AsyncEngine, retainer: TurnRetainer) -> None:
+        self.engine = engine
+        self.retainer = retainer
+
+    async def describe(self, session_id: str) -> dict[str, Any] | None:
+        """`TurnRetainer.describe` on the engine thread; None if no turn is retained."""
+        result: dict[str, Any] | None = await self.engine.run_in_engine(
+            partial(_describe, self.retainer, session_id)
+        )
+        return result
+
+
+def _describe(retainer: TurnRetainer, session_id: str, _engine: LLMEngine) -> dict[str, Any] | None:
+    return retainer.describe(session_id)
+
+
 class RetainedReadSide:
     """Prefill's half of the retained-turn return: before a push prefill, READ the
     decode's retained blocks this prefix cache lacks, ending while decode still pins
@@ -320,5 +344,5 @@ def _pin_left_s(xid: str, ends_at: float) -> float | None:
 
 __all__ = [
     "READ_PIN_MARGIN_S", "RetainSpec", "RetainedReadSide", "RetainedReader", "RetainedTurnRef",
-    "TurnRetainer",
+    "RetainedTurnSide", "TurnRetainer",
 ]  # fmt: skip
