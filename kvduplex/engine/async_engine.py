@@ -153,6 +153,7 @@ class AsyncEngine:
         loop ended, so `_die` fails every one."""
         self._streams: dict[str, _Stream] = {}
         self._dead: EngineDeadError | None = None
+        self._death_listeners: list[Callable[[EngineDeadError], None]] = []
         self._thread = threading.Thread(target=self._run, name="kvduplex-engine", daemon=True)
         self._iteration_started_at = time.monotonic()
         self._is_waiting = False
@@ -267,6 +268,21 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
+    def wake(self) -> None:
+        """Have the loop look for work now (any thread): e.g. a KV flow event queued for
+        the connector, which reports it as pending work."""
+        self._wake.set()
+
+    def on_death(self, listener: Callable[[EngineDeadError], None]) -> None:
+        """Call ``listener(error)`` once the loop ended (on the dying thread); at once if
+        it ended already."""
+        with self._lock:
+            dead = self._dead
+            if dead is None:
+                self._death_listeners.append(listener)
+        if dead is not None:
+            listener(dead)
+
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; unknown ids are ignored."""
         self._send(_Abort(request_id))
@@ -342,6 +358,7 @@ class AsyncEngine:
                 return
             self._dead = error
             streams = list(self._streams.values())
+            listeners, self._death_listeners = self._death_listeners, []
         for stream in streams:
             _deliver(stream, error)
         num_calls = 0
@@ -353,6 +370,11 @@ class AsyncEngine:
             if isinstance(item, _Call) and item.future.set_running_or_notify_cancel():
                 item.future.set_exception(error)
                 num_calls += 1
+        for listener in listeners:
+            try:
+                listener(error)
+            except Exception:
+                logger.exception("engine death listener %r failed", listener)
         level = logging.WARNING if streams or num_calls else logging.INFO
         logger.log(
             level, "%s: failed %d streams and %d queued calls", error, len(streams), num_calls

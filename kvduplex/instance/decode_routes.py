@@ -40,8 +40,12 @@ from kvduplex.instance.kv_routes import MAX_XID_CHARS
 from kvduplex.instance.kv_routes import CancelRequest
 from kvduplex.instance.kv_routes import not_found
 from kvduplex.kvflow.connectors import DecodeFlows
+from kvduplex.kvflow.inbox import EngineGoneError
 from kvduplex.kvflow.pull import PullSpec
+from kvduplex.kvflow.pull_flow import PullDecodeSide
+from kvduplex.kvflow.push import PushDecodeSide
 from kvduplex.kvflow.push_decode import PushSpec
+from kvduplex.kvflow.return_pull import RetainedTurnSide
 from kvduplex.kvflow.return_pull import RetainSpec
 from kvduplex.kvflow.returns import ReturnSpec
 from kvduplex.transport.handshake import PeerDirectory
@@ -103,15 +107,16 @@ class DecodePreparer:
     """`InstanceState.prepare` of a decode instance: what a request's KV params ask for."""
 
     def __init__(
-        self,
-        flows: DecodeFlows,
-        directory: PeerDirectory,
-        release: Callable[[str, str], None],
-    ) -> None:
-        """``release(prefill_url, xid)`` ends a pull's lease on prefill (over HTTP)."""
+        self, flows: DecodeFlows, push: PushDecodeSide, pull: PullDecodeSide,
+        directory: PeerDirectory, release: Callable[[str, str], None],
+    ) -> None:  # fmt: skip
+        """``push``, ``pull``: the push and pull flows' decode halves; ``release(prefill_url,
+        xid)`` ends a pull's lease on prefill (over HTTP)."""
         self.flows = flows
+        self.pull = pull
         self.directory = directory
         self.release = release
+        self.push = push
 
     async def __call__(self, raw: Request, gen: Generation) -> None:
         arrived = time.monotonic()
@@ -148,17 +153,17 @@ class DecodePreparer:
         try:
             if kv.mode == "push":
                 spec = PushSpec(kv.xid, peer, kv.prefill_url, gen.request.request_id)
-                self.flows.push.register(spec)
+                await self.push.register(spec)
             else:
                 lease_ends_at = None if kv.lease_s is None else arrived + kv.lease_s
-                self.flows.pull.register(
-                    PullSpec(
-                        kv.xid, peer, kv.prefill_url, kv.block_ids, kv.num_tokens,
-                        lease_ends_at, kv.num_cached_tokens, gen.request.request_id,
-                    )
-                )  # fmt: skip
+                await self.pull.register(PullSpec(
+                    kv.xid, peer, kv.prefill_url, kv.block_ids, kv.num_tokens,
+                    lease_ends_at, kv.num_cached_tokens, gen.request.request_id,
+                ))  # fmt: skip
         except ValueError as exc:  # a duplicate xid
             raise APIError(409, str(exc), param="kv_transfer_params") from None
+        except EngineGoneError as exc:
+            raise APIError(503, str(exc), code="engine_dead") from None
         gen.request.remote_kv = RemoteKVSpec(kv.xid, source_engine_id=peer.engine_id)
 
     async def _prepare_return(self, kv: KVTransferParams, gen: Generation) -> None:
@@ -190,7 +195,8 @@ def make_decode_hooks(
 ) -> APIRouter:
     """Set `state.prepare` for pulls, pushes and returns (`release` ends a pull's lease on
     prefill, see `DecodePreparer`); return the decode-side routes."""
-    state.prepare = DecodePreparer(flows, directory, release)
+    push = PushDecodeSide(state.engine, flows.push)
+    state.prepare = DecodePreparer(flows, push, PullDecodeSide(flows.pull), directory, release)
     router = APIRouter()
 
     @router.get("/internal/kv/pull/stats")
@@ -226,19 +232,18 @@ def make_decode_hooks(
         """Each flow table's size, read on the engine thread (0 when nothing moves)."""
         return JSONResponse(await state.engine.run_in_engine(lambda _e: flows.tables()))
 
+    retained_turns = RetainedTurnSide(state.engine, flows.retainer)
+
     @router.post("/internal/kv/retained")
     async def retained(body: RetainedRequest) -> JSONResponse:
-        info = await state.engine.run_in_engine(lambda _e: flows.retainer.describe(body.session_id))
+        info = await retained_turns.describe(body.session_id)
         if info is None:
             return not_found(body.session_id)
         return JSONResponse({"engine_id": flows.sender.transport.engine_id, **info})
 
     @router.post("/internal/push/cancel")
     async def push_cancel(body: CancelRequest) -> JSONResponse:
-        found = await state.engine.run_in_engine(
-            lambda _e: flows.push.cancel(body.xid, body.reason)
-        )
-        if not found:
+        if not await push.cancel(body.xid, body.reason):
             return not_found(body.xid)
         return JSONResponse({"xid": body.xid, "cancelled": True})
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from concurrent.futures import Future
 from dataclasses import asdict
 from typing import Annotated
 from typing import Any
@@ -37,14 +36,20 @@ from kvduplex.common.openai.protocol import error_body
 from kvduplex.common.sampling import MAX_LOGPROBS
 from kvduplex.common.sampling import GrammarSpec
 from kvduplex.common.sampling import SamplingParams
-from kvduplex.common.sampling import TokenLogprobs
+from kvduplex.engine.handle import EngineHandle
 from kvduplex.engine.request import Request
 from kvduplex.engine.structured import RequestGrammar
 from kvduplex.instance.api import APIError
 from kvduplex.instance.api import InstanceState
 from kvduplex.kvflow.connectors import PrefillFlows
+from kvduplex.kvflow.inbox import FlowInbox
 from kvduplex.kvflow.lease import LeaseTable
-from kvduplex.kvflow.pull import block_ids_of
+from kvduplex.kvflow.pull_flow import PullPrefillSide
+from kvduplex.kvflow.push import NoFirstToken
+from kvduplex.kvflow.push import PushCancelled
+from kvduplex.kvflow.push import PushPrefillSide
+from kvduplex.kvflow.return_pull import RetainedReadSide
+from kvduplex.kvflow.return_pull import RetainedTurnRef
 from kvduplex.transport.base import Transport
 from kvduplex.transport.handshake import PeerDirectory
 from kvduplex.transport.protocol import IncompatibleLayoutError
@@ -90,10 +95,6 @@ class PrefillRequest(BaseModel):
     """The first token is sampled under this grammar (the request's structured output)."""
 
 
-READ_PIN_MARGIN_S = 0.5
-"""A READ of a retained turn ends this long before decode's pin does."""
-
-
 class ReleaseRequest(BaseModel):
     xid: str = Field(min_length=1, max_length=MAX_XID_CHARS)
 
@@ -129,11 +130,15 @@ def not_found(xid: str) -> JSONResponse:
     )
 
 
-def make_prefill_router(state: InstanceState, transport: Transport, lease_s: float) -> APIRouter:
+def make_prefill_router(
+    state: InstanceState, transport: Transport, lease_s: float, inbox: FlowInbox | None = None
+) -> APIRouter:
+    """The pull flow's prefill routes; ``inbox``: the prefill flows' inbox, which ticks
+    the leases (expiry)."""
     router = APIRouter()
-    leases = LeaseTable(state.engine, lease_s)
+    leases = LeaseTable(EngineHandle(state.engine), lease_s, inbox)
     state.drain.owed_checks.append(lambda _e: {"pull_leases": len(leases)})
-    engine = state.engine
+    pull = PullPrefillSide(state.engine, leases)
 
     @router.post("/internal/prefill")
     async def prefill(body: PrefillRequest, raw: HTTPRequest) -> JSONResponse:
@@ -143,24 +148,21 @@ def make_prefill_router(state: InstanceState, transport: Transport, lease_s: flo
                 body.xid, body.prompt_token_ids, _first_token_params(body),
                 hold_blocks_on_finish=True, grammar=grammar,
             )  # fmt: skip
-            async for _ in engine.generate(held):
-                pass
+            info = await pull.prefill(held)
         except (RequestRejected, ValueError) as exc:
             raise APIError(400, str(exc)) from None
-        info = await engine.run_in_engine(lambda e: block_ids_of(e, body.xid))
         if info is None:
             raise APIError(500, f"xid {body.xid}: finished without held blocks")
-        leases.start(body.xid)
         if await raw.is_disconnected():  # the router left (its client did): no READ will come
             logger.info("xid=%s: the caller left before the answer; lease released", body.xid)
-            await leases.release(body.xid)
+            await pull.release(body.xid)
         return JSONResponse(
             {"xid": body.xid, "engine_id": transport.engine_id, "lease_s": leases.lease_s, **info}
         )
 
     @router.post("/internal/release")
     async def release(body: ReleaseRequest) -> JSONResponse:
-        if not await leases.release(body.xid):
+        if not await pull.release(body.xid):
             return not_found(body.xid)
         return JSONResponse({"xid": body.xid, "released": True})
 
@@ -168,18 +170,18 @@ def make_prefill_router(state: InstanceState, transport: Transport, lease_s: flo
 
 
 class PushPrefill:
-    """``POST /internal/push/prefill``: prefill a prompt while `PushSender` streams its KV
-    into the decode instance named in the body; answer with the first token."""
+    """``POST /internal/push/prefill``: parse, then the push flow's prefill half
+    (`kvduplex.kvflow.push.PushPrefillSide`), after the retained turn's READ when the
+    body names one (`kvduplex.kvflow.return_pull.RetainedReadSide`)."""
 
     def __init__(self, state: InstanceState, flows: PrefillFlows, directory: PeerDirectory) -> None:
         self.state = state
-        self.engine = state.engine
-        self.flows = flows
         self.directory = directory
+        self.push = PushPrefillSide(state.engine, flows.sender)
+        self.retained = RetainedReadSide(state.engine, flows.reader, directory.get_peer)
 
     async def __call__(self, body: PushPrefillRequest) -> JSONResponse:
         arrived = time.monotonic()
-        xid, sender = body.xid, self.flows.sender
         try:
             peer = await asyncio.to_thread(
                 self.directory.get_peer, body.decode_url, body.decode_engine_id
@@ -193,93 +195,35 @@ class PushPrefill:
             raise APIError(502, f"cannot reach decode at {body.decode_url}: {exc}") from None
         grammar = await _grammar(self.state, body)
         if body.pull_from is not None:
-            await self._read_retained(xid, body.pull_from, arrived)
-        expected = False
-
-        def admit() -> None:  # engine thread: no cancel can come between expect and add
-            nonlocal expected
-            sender.expect(xid, peer, len(body.prompt_token_ids))
-            expected = True
-
-        last, ids, text = None, [], []
-        logprobs: list[TokenLogprobs | None] = []
+            src = body.pull_from
+            turn = RetainedTurnRef(
+                src.decode_url, src.engine_id, src.block_ids, src.keys, src.token_ids,
+                src.pin_left_s,
+            )  # fmt: skip
+            try:
+                await self.retained.read(body.xid, turn, arrived)
+            except ValueError as exc:
+                raise APIError(400, f"pull_from.block_ids: {exc}", param="pull_from") from None
         try:
             held = Request(
-                xid, body.prompt_token_ids, _first_token_params(body), hold_blocks_on_finish=True,
-                grammar=grammar,
+                body.xid, body.prompt_token_ids, _first_token_params(body),
+                hold_blocks_on_finish=True, grammar=grammar,
             )  # fmt: skip
-            async for out in self.engine.generate(held, on_admit=admit):
-                last = out
-                ids.extend(out.new_token_ids)
-                text.append(out.new_text)
-                logprobs.extend(out.new_logprobs or ())
+            first = await self.push.prefill(held, peer)
         except (RequestRejected, ValueError) as exc:
             raise APIError(400, str(exc)) from None
-        finally:
-            if expected and (last is None or not last.finished):  # the router left, engine failed
-                self.engine.call(lambda _e: sender.cancel(xid, "prefill did not finish"))
-        if last is not None and last.finish_reason == "abort":
-            raise APIError(409, f"xid {xid}: the push was cancelled (by decode, or its deadline)")
-        if last is None or not ids:
-            raise APIError(500, f"xid {xid}: prefill finished without a token")
+        except PushCancelled as exc:
+            raise APIError(409, str(exc)) from None
+        except NoFirstToken as exc:
+            raise APIError(500, str(exc)) from None
         answer: dict[str, Any] = {
-            "xid": xid, "engine_id": sender.transport.engine_id, "first_token": ids[0],
-            "text": "".join(text), "num_tokens": last.num_prompt_tokens,
-            "num_cached_tokens": last.num_cached_tokens,
+            "xid": first.xid, "engine_id": self.push.sender.transport.engine_id,
+            "first_token": first.first_token, "text": first.text,
+            "num_tokens": first.num_tokens, "num_cached_tokens": first.num_cached_tokens,
         }  # fmt: skip
-        if logprobs and logprobs[0] is not None:
-            answer["first_token_logprobs"] = logprobs[0].to_json()
+        if first.first_token_logprobs is not None:
+            answer["first_token_logprobs"] = first.first_token_logprobs.to_json()
         return JSONResponse(answer)
-
-    async def _read_retained(self, xid: str, src: RetainedTurn, arrived: float) -> int:
-        """``--return-mode pull``: READ the decode's retained blocks this cache lacks,
-        ending while decode still pins them (else not at all).
-
-        The READ's deadline counts from its post, so it gets what is left, at the post,
-        of the pin counted from this request's arrival: the handshake and the wait for
-        the engine thread (behind a prefill step) come out of it."""
-        ends_at = None
-        if src.pin_left_s is not None:
-            ends_at = arrived + src.pin_left_s - READ_PIN_MARGIN_S
-            if _pin_left_s(xid, ends_at) is None:
-                return 0
-        try:
-            peer = await asyncio.to_thread(self.directory.get_peer, src.decode_url, src.engine_id)
-        except Exception as exc:
-            logger.warning("xid=%s: retained turn at %s unreachable: %s", xid, src.decode_url, exc)
-            return 0
-        bad = [b for b in src.block_ids if b >= peer.layout.num_blocks]
-        if bad:
-            raise APIError(
-                400, f"pull_from.block_ids: block {bad[0]} is out of range; {src.decode_url} "
-                f"has {peer.layout.num_blocks} blocks", param="pull_from",
-            )  # fmt: skip
-        reader = self.flows.reader
-
-        def post(_e: object) -> Future[int]:  # engine thread
-            deadline_s = None
-            if ends_at is not None:
-                deadline_s = _pin_left_s(xid, ends_at)
-                if deadline_s is None:
-                    skipped: Future[int] = Future()
-                    skipped.set_result(0)
-                    return skipped
-            return reader.start(
-                peer, f"{xid}-read", src.block_ids, src.keys, src.token_ids, deadline_s
-            )
-
-        done = await self.engine.run_in_engine(post)
-        return await asyncio.wrap_future(done)
-
-
-def _pin_left_s(xid: str, ends_at: float) -> float | None:
-    """Seconds left until a retained-turn READ must end (``ends_at``, monotonic); None,
-    logged, if none are."""
-    left = ends_at - time.monotonic()
-    if left <= 0:
-        logger.info("xid=%s: decode's pin on the retained turn ran out; not read", xid)
-        return None
-    return left
 
 
 def make_push_prefill_router(
@@ -288,14 +232,12 @@ def make_push_prefill_router(
     router = APIRouter()
     engine = state.engine
     sender, acceptor = flows.sender, flows.acceptor
-    router.add_api_route(
-        "/internal/push/prefill", PushPrefill(state, flows, directory), methods=["POST"]
-    )
+    prefill = PushPrefill(state, flows, directory)
+    router.add_api_route("/internal/push/prefill", prefill, methods=["POST"])
 
     @router.post("/internal/push/cancel")
     async def push_cancel(body: CancelRequest) -> JSONResponse:
-        found = await engine.run_in_engine(lambda _e: sender.cancel(body.xid, body.reason))
-        if not found:
+        if not await prefill.push.cancel(body.xid, body.reason):
             return not_found(body.xid)
         return JSONResponse({"xid": body.xid, "cancelled": True})
 

@@ -186,10 +186,10 @@ def _role_routers(
             transport, instance.async_engine, pump, timing, directory.peer_by_engine, metrics,
             reconnect=directory.reconnect, peer_gone=directory.is_gone,
         )  # fmt: skip
-        routers.append(make_prefill_router(state, transport, cfg.pull_lease_s))
+        routers.append(make_prefill_router(state, transport, cfg.pull_lease_s, p.inbox))
         routers.append(make_push_prefill_router(state, p, directory))
         state.drain.owed_checks.append(lambda _e: p.tables())
-        instance.closers.append(p.sender.close)
+        instance.closers += [p.sender.close, p.io.close]
     else:
         release = partial(http_release, secret=secret)
         d = decode_flows(

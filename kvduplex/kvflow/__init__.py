@@ -8,4 +8,7 @@
 * `push_decode` (decode's side of push), `returns` (the duplex return on both
   sides), `pull` and `lease` (the pull baseline), `connectors` (each role's
   engine connector).
+* `inbox` (one per instance: other threads put typed events, the engine thread
+  drains them; no flow state is touched elsewhere) and `flow_io` (one thread
+  for messages and calls that may block).
 """

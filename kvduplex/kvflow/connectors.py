@@ -5,6 +5,11 @@
 * decode: pushed and pulled requests waiting for their prompt's KV (by the
   flow their ``kv_transfer_params`` named), and the duplex return of finished
   session turns.
+
+Both drain the instance's flow inbox (`kvduplex.kvflow.inbox`) in
+`get_finished`, before each step, and report pending work while it holds
+events; prefill also drains it after each layer of a forward that streams a
+push, so that a registration arriving mid-forward is written at once.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from kvduplex.engine.scheduler_output import KVConnectorMetadata
 from kvduplex.engine.scheduler_output import KVTransferResult
 from kvduplex.engine.scheduler_output import RemoteKVAllocation
 from kvduplex.engine.scheduler_output import SchedulerOutput
+from kvduplex.kvflow.flow_io import FlowIO
+from kvduplex.kvflow.inbox import FlowInbox
 from kvduplex.kvflow.metrics import KVFlowMetrics
 from kvduplex.kvflow.pull import PullConnector
 from kvduplex.kvflow.push_decode import PushDecode
@@ -43,8 +50,9 @@ S = TypeVar("S", bound=KVSender)
 class PrefillConnector(KVConnector):
     """Prefill's connector: the push sender's step hooks."""
 
-    def __init__(self, sender: PushSender) -> None:
+    def __init__(self, sender: PushSender, inbox: FlowInbox) -> None:
         self.sender = sender
+        self.inbox = inbox
 
     def build_connector_meta(self, out: SchedulerOutput) -> PushPlan:
         return self.sender.build_connector_meta(out)
@@ -59,17 +67,18 @@ class PrefillConnector(KVConnector):
 
     def layer_hook(self, meta: KVConnectorMetadata | None) -> Callable[[int], None] | None:
         assert isinstance(meta, PushPlan)
-        return self.sender.layer_hook(meta)
+        return self.sender.layer_hook(meta)  # drains the inbox after each layer
 
     def wait_for_save(self, meta: KVConnectorMetadata | None) -> None:
         assert isinstance(meta, PushPlan)
         self.sender.wait_for_save(meta)
 
     def get_finished(self) -> list[KVTransferResult]:
+        self.inbox.drain()
         return self.sender.take_finished()
 
     def has_pending_work(self) -> bool:
-        return self.sender.has_pending_work()
+        return self.inbox.has_events or self.sender.has_pending_work()
 
 
 @dataclass
@@ -85,8 +94,10 @@ class DecodeConnector(KVConnector):
     """Decode's connector: pushed and pulled prompts, and the return of finished turns."""
 
     def __init__(
-        self, pull: PullConnector, push: PushDecode, returns: ReturnOfferer, retainer: TurnRetainer
-    ) -> None:
+        self, pull: PullConnector, push: PushDecode, returns: ReturnOfferer,
+        retainer: TurnRetainer, inbox: FlowInbox,
+    ) -> None:  # fmt: skip
+        self.inbox = inbox
         self.pull = pull
         self.push = push
         self.returns = returns
@@ -121,10 +132,15 @@ class DecodeConnector(KVConnector):
             self.pull.start(alloc)
 
     def get_finished(self) -> list[KVTransferResult]:
+        self.returns.offer_finished()
+        self.inbox.drain()
         return self.push.take_finished() + self.pull.take_finished()
 
     def has_pending_work(self) -> bool:
-        return self.pull.has_pending_work() or self.push.has_pending_work()
+        return (
+            self.inbox.has_events or self.returns.has_pending_work()
+            or self.pull.has_pending_work() or self.push.has_pending_work()
+        )  # fmt: skip
 
 
 @dataclass
@@ -136,6 +152,8 @@ class PrefillFlows:
     acceptor: ReturnAcceptor
     reader: RetainedReader
     connector: PrefillConnector
+    inbox: FlowInbox
+    io: FlowIO
 
     def tables(self) -> dict[str, int]:
         """Every flow table's size (`tombstones` aside, all 0 on an idle instance)."""
@@ -153,6 +171,8 @@ class DecodeFlows:
     offerer: ReturnOfferer
     retainer: TurnRetainer
     connector: DecodeConnector
+    inbox: FlowInbox
+    io: FlowIO
 
     def tables(self) -> dict[str, int]:
         """Every flow table's size (`tombstones` aside, all 0 on an idle instance but
@@ -168,21 +188,31 @@ class DecodeFlows:
         }
 
 
+def _inbox_and_io(
+    transport: Transport, engine: AsyncEngine, peer_of: Callable[[str], PeerHandle | None],
+    reconnect: Callable[[str], PeerHandle | None] | None,
+) -> tuple[FlowInbox, FlowIO]:  # fmt: skip
+    """The instance's flow inbox (drained by ``engine``'s thread) and flow I/O thread."""
+    inbox = FlowInbox(wake=engine.wake, is_alive=lambda: engine.is_running)
+    engine.on_death(inbox.fail_pending)
+    return inbox, FlowIO(transport, inbox, peer_of, reconnect)
+
+
 def _halves(
-    transport: Transport, handle: EngineHandle, timing: FlowTiming, metrics: KVFlowMetrics | None,
-    peer_of: Callable[[str], PeerHandle | None], pump: NotificationPump, kind: type[S],
+    transport: Transport, handle: EngineHandle, inbox: FlowInbox, io: FlowIO,
+    timing: FlowTiming, metrics: KVFlowMetrics | None,
+    peer_of: Callable[[str], PeerHandle | None], kind: type[S],
     reconnect: Callable[[str], PeerHandle | None] | None = None,
     peer_gone: Callable[[str], bool] | None = None,
 ) -> tuple[S, KVReceiver]:  # fmt: skip
     sender = kind(
-        transport, handle, registration_wait_s=timing.wait_s, deadline_s=timing.transfer_timeout_s,
-        metrics=metrics, peer_of=peer_of, reconnect=reconnect,
+        transport, handle, inbox, io, registration_wait_s=timing.wait_s,
+        deadline_s=timing.transfer_timeout_s, metrics=metrics, peer_of=peer_of,
+        reconnect=reconnect,
     )  # fmt: skip
     receiver = KVReceiver(
-        transport, handle, timing.wait_s, timing.quarantine_s, peer_gone, reconnect
+        transport, handle, inbox, io, timing.wait_s, timing.quarantine_s, peer_gone, reconnect
     )
-    sender.attach(pump)
-    receiver.attach(pump)
     return sender, receiver
 
 
@@ -192,14 +222,17 @@ def prefill_flows(
     reconnect: Callable[[str], PeerHandle | None] | None = None,
     peer_gone: Callable[[str], bool] | None = None,
 ) -> PrefillFlows:  # fmt: skip
-    """Build prefill's flows on `pump` and install its connector into the engine.
+    """Build prefill's flows, have `pump` put what they take into their inbox, and
+    install their connector into the engine.
 
     ``reconnect(engine_id)`` connects afresh to a peer whose endpoint was torn down;
     ``peer_gone(engine_id)``: see `KVReceiver`."""
     handle = EngineHandle(engine)
+    inbox, io = _inbox_and_io(transport, engine, peer_of, reconnect)
     sender, receiver = _halves(
-        transport, handle, timing, metrics, peer_of, pump, PushSender, reconnect, peer_gone
-    )
+        transport, handle, inbox, io, timing, metrics, peer_of, PushSender, reconnect,
+        peer_gone,
+    )  # fmt: skip
     # Returns run in the background: one offer, and all accepted offers together, may
     # take at most a quarter of the pool (they may evict cached blocks).
     quarter = max(1, handle.num_blocks // 4)
@@ -207,9 +240,11 @@ def prefill_flows(
         receiver, handle, peer_of, metrics, max_blocks_per_offer=quarter,
         max_blocks_in_flight=quarter,
     )  # fmt: skip
-    acceptor.attach(pump)
-    reader = RetainedReader(transport, handle, timing.transfer_timeout_s, metrics)
-    flows = PrefillFlows(sender, receiver, acceptor, reader, PrefillConnector(sender))
+    reader = RetainedReader(transport, handle, inbox, io, timing.transfer_timeout_s, metrics)
+    flows = PrefillFlows(
+        sender, receiver, acceptor, reader, PrefillConnector(sender, inbox), inbox, io
+    )
+    inbox.attach(pump)
     engine.core.connector = flows.connector
     return flows
 
@@ -221,28 +256,32 @@ def decode_flows(
     reconnect: Callable[[str], PeerHandle | None] | None = None,
     peer_gone: Callable[[str], bool] | None = None,
 ) -> DecodeFlows:  # fmt: skip
-    """Build decode's flows on `pump` and install its connector into the engine.
+    """Build decode's flows, have `pump` put what they take into their inbox, and
+    install their connector into the engine.
 
     ``release(prefill_url, xid)`` ends a pull's lease (default: over HTTP);
     ``reconnect(engine_id)`` connects afresh to a peer whose endpoint was torn down;
     ``peer_gone(engine_id)``: see `KVReceiver`.
     """
     handle = EngineHandle(engine)
+    inbox, io = _inbox_and_io(transport, engine, peer_of, reconnect)
     sender, receiver = _halves(
-        transport, handle, timing, metrics, peer_of, pump, KVSender, reconnect, peer_gone
-    )
+        transport, handle, inbox, io, timing, metrics, peer_of, KVSender, reconnect,
+        peer_gone,
+    )  # fmt: skip
     push = PushDecode(receiver, handle, metrics)
-    push.attach(pump)
-    pull = PullConnector(transport, handle, timing.wait_s, release=release, metrics=metrics)
-    pull.attach(pump)
+    pull = PullConnector(
+        transport, handle, inbox, io, timing.wait_s, release=release, metrics=metrics
+    )
     offerer = ReturnOfferer(sender, handle, metrics)
-    offerer.attach(pump)
-    retainer = TurnRetainer(handle, timing.retain_lease_s, pin_s=2 * timing.transfer_timeout_s)
-    retainer.attach(pump)
+    retainer = TurnRetainer(
+        handle, timing.retain_lease_s, pin_s=2 * timing.transfer_timeout_s, inbox=inbox
+    )
     flows = DecodeFlows(
         sender, receiver, push, pull, offerer, retainer,
-        DecodeConnector(pull, push, offerer, retainer),
+        DecodeConnector(pull, push, offerer, retainer, inbox), inbox, io,
     )  # fmt: skip
+    inbox.attach(pump)
     engine.core.connector = flows.connector
     return flows
 

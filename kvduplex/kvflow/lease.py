@@ -9,14 +9,19 @@ longer::
     P starts the lease ─► answers ─► router ─► D arrives
     P holds:  |────────────── lease_s ──────────────|── TRANSIT_GRACE_S ──|
     D READs:        (transit) |──────── lease_s - margin ────────|
+
+The table lives on the engine thread, like every flow's state: the flow inbox
+ticks it (expiry), and the pull facade (`kvduplex.kvflow.pull_flow`) starts
+and releases leases there.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
+import time
 
-from kvduplex.engine.async_engine import AsyncEngine
+from kvduplex.engine.handle import EngineHandle
+from kvduplex.kvflow.inbox import FlowInbox
 
 logger = logging.getLogger(__name__)
 
@@ -31,38 +36,39 @@ lease decode never released, and every pin (pins end only with their time)."""
 
 
 class LeaseTable:
-    """Prefill's leases on held blocks, keyed by xid. Use from the event loop."""
+    """Prefill's leases on held blocks, keyed by xid (engine thread)."""
 
-    def __init__(self, engine: AsyncEngine, lease_s: float) -> None:
+    def __init__(
+        self, engine: EngineHandle, lease_s: float, inbox: FlowInbox | None = None
+    ) -> None:
         """``lease_s``: the lease told to decode; the blocks are held `TRANSIT_GRACE_S`
-        longer unless released."""
+        longer unless released. ``inbox`` ticks the table (expiry)."""
         self.engine = engine
         self.lease_s = lease_s
         self.hold_s = lease_s + TRANSIT_GRACE_S
-        self._timers: dict[str, asyncio.TimerHandle] = {}
+        self._ends: dict[str, float] = {}  # xid -> when its blocks are let go
+        if inbox is not None:
+            inbox.every_tick(self._tick)
 
     def start(self, xid: str) -> None:
         """Start the lease before telling decode about it."""
-        loop = asyncio.get_running_loop()
-        self._timers[xid] = loop.call_later(self.hold_s, self._expire, xid)
+        self._ends[xid] = time.monotonic() + self.hold_s
 
-    def _expire(self, xid: str) -> None:
-        if self._timers.pop(xid, None) is not None:
-            logger.warning("xid=%s: pull lease expired after %.1f s; releasing", xid, self.hold_s)
-            self.engine.call(lambda e: e.scheduler.release_held(xid))
-
-    async def release(self, xid: str) -> bool:
+    def release(self, xid: str) -> bool:
         """Release now; False if no lease is held under `xid` (also when `xid` names a
         request held for another reason, e.g. a push in flight: not ours to release)."""
-        timer = self._timers.pop(xid, None)
-        if timer is None:
+        if self._ends.pop(xid, None) is None:
             return False
-        timer.cancel()
-        released = await self.engine.run_in_engine(lambda e: e.scheduler.release_held(xid))
-        return bool(released)
+        return self.engine.release_held(xid)
+
+    def _tick(self, now: float) -> None:
+        for xid in [x for x, end in self._ends.items() if now > end]:
+            del self._ends[xid]
+            logger.warning("xid=%s: pull lease expired after %.1f s; releasing", xid, self.hold_s)
+            self.engine.release_held(xid)
 
     def __len__(self) -> int:
-        return len(self._timers)
+        return len(self._ends)
 
 
 __all__ = ["TRANSIT_GRACE_S", "LeaseTable"]

@@ -5,23 +5,22 @@ blocks (held by the scheduler) until decode releases them or the lease expires.
 
 Decode side: `PullConnector` (part of decode's connector) posts one NIXL READ per request
 once the scheduler allocated its blocks, for the blocks the local prefix
-cache lacks. Its done callback runs on the transport's progress thread and
-only enqueues a call into the engine thread, which records the outcome
-(`KVReceived` / `KVReceiveFailed`) for the engine's next step to apply
-(`take_finished`). Release requests to prefill go over HTTP from a small
-worker pool, never from the engine thread.
+cache lacks. Everything runs on the engine thread: the READ's end comes
+back through the flow inbox, and the outcome (`KVReceived` /
+`KVReceiveFailed`) is recorded for the engine's next step to apply
+(`take_finished`). Specs are registered through the inbox too (`register`
+from a route). Release requests to prefill go over HTTP from the flow I/O
+thread, never from the engine thread.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from dataclasses import field
-from functools import partial
 from typing import TYPE_CHECKING
 from typing import Any
 
@@ -34,11 +33,13 @@ from kvduplex.engine.scheduler_output import KVReceived
 from kvduplex.engine.scheduler_output import KVReceiveFailed
 from kvduplex.engine.scheduler_output import KVTransferResult
 from kvduplex.engine.scheduler_output import RemoteKVAllocation
+from kvduplex.kvflow.flow_io import FlowIO
+from kvduplex.kvflow.flow_io import ReleaseLease
 from kvduplex.kvflow.half import ReadRunner
+from kvduplex.kvflow.inbox import FlowInbox
 from kvduplex.kvflow.machines.read import Outcome
 from kvduplex.kvflow.metrics import KVFlowMetrics
 from kvduplex.transport.base import Transport
-from kvduplex.transport.notify import NotificationPump
 from kvduplex.transport.protocol import PeerHandle
 from kvduplex.transport.protocol import TransferHandle
 
@@ -65,7 +66,8 @@ class PullSpec:
     """Prompt tokens prefill served from its prefix cache."""
     request_id: str | None = None
     """Decode's request for it: a spec whose request never reached the engine is dropped."""
-    registered_at: float = field(default_factory=time.monotonic)
+    registered_at: float = field(default_factory=lambda: time.monotonic())
+    """When decode registered it (this module's clock, read at that moment)."""
 
 
 # A READ must be able to finish this long before prefill's lease ends.
@@ -82,12 +84,17 @@ class PullStats:
 
 
 class PullConnector:
-    """Decode's connector for the pull flow; `register` a spec before adding the request."""
+    """Decode's connector for the pull flow: engine thread only, but for `submit`.
+
+    A spec is registered before its request is added (`submit` from a route).
+    """
 
     def __init__(
         self,
         transport: Transport,
         engine: EngineHandle,
+        inbox: FlowInbox,
+        io: FlowIO,
         deadline_s: float,
         release: Callable[[str, str], None] | None = None,
         metrics: KVFlowMetrics | None = None,
@@ -95,26 +102,30 @@ class PullConnector:
         self.transport = transport
         self.metrics = metrics
         self.engine = engine
+        self.inbox = inbox
+        self.io = io
         self.block_size = engine.block_size
         self.deadline_s = deadline_s
         self.stats = PullStats()
         self._release = release or http_release
-        self._lock = threading.Lock()
         self._specs: dict[str, PullSpec] = {}
         self._in_flight: dict[str, TransferHandle] = {}  # request id -> read
-        self._finished: list[KVTransferResult] = []  # engine thread
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-release")
+        self._finished: list[KVTransferResult] = []
+        inbox.every_tick(self._tick)
+
+    def submit(self, spec: PullSpec) -> Future[None]:
+        """Any thread: `register` on the engine thread; the future has its error."""
+        return self.inbox.register(spec, self)
 
     def register(self, spec: PullSpec) -> None:
-        """Before the request is added. Raises ValueError for an xid another request waits on."""
-        with self._lock:
-            if spec.xid in self._specs:
-                raise ValueError(f"xid {spec.xid!r} is in use by another request")
-            self._specs[spec.xid] = spec
+        """Engine thread, before the request is added. Raises ValueError for an xid
+        another request waits on."""
+        if spec.xid in self._specs:
+            raise ValueError(f"xid {spec.xid!r} is in use by another request")
+        self._specs[spec.xid] = spec
 
     def forget(self, xid: str) -> PullSpec | None:
-        with self._lock:
-            return self._specs.pop(xid, None)
+        return self._specs.pop(xid, None)
 
     def has_pending_work(self) -> bool:
         """READs in flight, or outcomes the engine has not taken yet."""
@@ -126,24 +137,15 @@ class PullConnector:
         return finished
 
     def num_specs(self) -> int:
-        with self._lock:
-            return len(self._specs)
+        return len(self._specs)
 
     def num_in_flight(self) -> int:
         return len(self._in_flight)
 
-    def attach(self, pump: NotificationPump) -> None:
-        pump.every_tick(self._tick)
-
     def _tick(self, now: float) -> None:
-        """Pump thread: have the engine drop specs whose request never arrived."""
-        with self._lock:
-            old = [s for s in self._specs.values() if now - s.registered_at > self.deadline_s]
-        if old:
-            self.engine.call(partial(self._drop_orphans, old))
-
-    def _drop_orphans(self, specs: list[PullSpec]) -> None:
-        for spec in specs:
+        """Drop specs whose request never arrived."""
+        old = [s for s in self._specs.values() if now - s.registered_at > self.deadline_s]
+        for spec in old:
             if spec.request_id is not None and self.engine.get_request(spec.request_id) is None:
                 self.on_aborted(spec.xid)
 
@@ -154,7 +156,7 @@ class PullConnector:
         spec = self.forget(xid)
         if spec is not None:
             logger.info("xid=%s: decode request aborted before its READ", xid)
-            self._pool.submit(self._release, spec.prefill_url, spec.xid)
+            self.io.submit(ReleaseLease(self._release, spec.prefill_url, spec.xid))
 
     # ---- engine thread ----
 
@@ -208,8 +210,8 @@ class PullConnector:
             self._on_read_done(rid, spec, o.ok, len(local), o.discard)
 
         runner = ReadRunner(
-            self.transport, self.engine, spec.peer, spec.xid, list(local), list(remote),
-            deadline_s, self.deadline_s, on_outcome,
+            self.transport, self.engine, self.inbox, self.io, spec.peer, spec.xid, list(local),
+            list(remote), deadline_s, self.deadline_s, on_outcome,
         )  # fmt: skip
         handle = runner.start()
         if handle is not None:
@@ -242,10 +244,10 @@ class PullConnector:
                 self.metrics.received_tokens.inc(req.num_prompt_tokens - req.num_cached_tokens)
         else:
             self._finished.append(KVReceiveFailed(rid, discard_blocks=discard_blocks))
-        self._pool.submit(self._release, spec.prefill_url, spec.xid)
+        self.io.submit(ReleaseLease(self._release, spec.prefill_url, spec.xid))
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False)
+        self.io.close()
 
 
 def http_release(prefill_url: str, xid: str, secret: str | None = None) -> None:

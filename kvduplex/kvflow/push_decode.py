@@ -23,8 +23,8 @@ request, when it comes, prefills its prompt here without waiting for KV.
 from __future__ import annotations
 
 import logging
-import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
 
@@ -42,8 +42,6 @@ from kvduplex.kvflow.metrics import KVFlowMetrics
 from kvduplex.kvflow.receiver import KVReceiver
 from kvduplex.kvflow.receiver import WaitFailure
 from kvduplex.kvflow.sender import HEARTBEATS_PER_WAIT
-from kvduplex.transport.messages import MessageCodec
-from kvduplex.transport.notify import NotificationPump
 from kvduplex.transport.protocol import PeerHandle
 
 logger = logging.getLogger(__name__)
@@ -74,7 +72,9 @@ class PushDecodeStats:
 
 
 class PushDecode:
-    """Pushed requests on decode: specs until admission, then a `KVReceiver` wait."""
+    """Pushed requests on decode: specs until admission, then a `KVReceiver` wait.
+
+    Engine thread only, but for `submit` (a route registers a spec through the inbox)."""
 
     def __init__(
         self,
@@ -88,37 +88,34 @@ class PushDecode:
         self.wait_s = receiver.wait_s
         self.metrics = metrics
         self.stats = PushDecodeStats()
-        self.codec = MessageCodec()
-        self._lock = threading.Lock()
         self._specs: dict[str, PushSpec] = {}
         self._spec_waiting_at: dict[str, float] = {}  # xid -> last KVWaiting to its prefill
         self._early_cancels: dict[str, float] = {}  # xid -> when, for a request still to come
         self._cancelled: set[str] = set()  # specs whose prefill failed: compute locally
-        self._finished: list[KVTransferResult] = []  # engine thread
+        self._finished: list[KVTransferResult] = []
+        receiver.inbox.every_tick(self._tick)
 
-    def attach(self, pump: NotificationPump) -> None:
-        pump.every_tick(self._tick)
+    def submit(self, spec: PushSpec) -> Future[None]:
+        """Any thread: `register` on the engine thread; the future has its error."""
+        return self.receiver.inbox.register(spec, self)
 
     def register(self, spec: PushSpec) -> None:
-        """From any thread, before the request is added. Raises ValueError for an xid
+        """Engine thread, before the request is added. Raises ValueError for an xid
         another request waits on."""
-        with self._lock:
-            if spec.xid in self._specs or self.receiver.is_waiting(spec.xid):
-                raise ValueError(f"xid {spec.xid!r} is in use by another request")
-            self._specs[spec.xid] = spec
-            if self._early_cancels.pop(spec.xid, None) is not None:
-                # Kept, cancelled: the request prefills its prompt here when admitted.
-                logger.info("xid=%s: cancelled before it came; computing locally", spec.xid)
-                self._cancelled.add(spec.xid)
-            self._spec_waiting_at[spec.xid] = time.monotonic()
+        if spec.xid in self._specs or self.receiver.is_waiting(spec.xid):
+            raise ValueError(f"xid {spec.xid!r} is in use by another request")
+        self._specs[spec.xid] = spec
+        if self._early_cancels.pop(spec.xid, None) is not None:
+            # Kept, cancelled: the request prefills its prompt here when admitted.
+            logger.info("xid=%s: cancelled before it came; computing locally", spec.xid)
+            self._cancelled.add(spec.xid)
+        self._spec_waiting_at[spec.xid] = time.monotonic()
 
     def num_specs(self) -> int:
-        with self._lock:
-            return len(self._specs)
+        return len(self._specs)
 
     def owns(self, xid: str) -> bool:
-        with self._lock:
-            return xid in self._specs
+        return xid in self._specs
 
     # ---- engine thread ----
 
@@ -133,11 +130,10 @@ class PushDecode:
     def start(self, alloc: RemoteKVAllocation) -> None:
         """The request was admitted with blocks for its whole prompt: register them."""
         xid, rid = alloc.transfer_id, alloc.request_id
-        with self._lock:
-            spec = self._specs.pop(xid, None)
-            self._spec_waiting_at.pop(xid, None)
-            cancelled = xid in self._cancelled
-            self._cancelled.discard(xid)
+        spec = self._specs.pop(xid, None)
+        self._spec_waiting_at.pop(xid, None)
+        cancelled = xid in self._cancelled
+        self._cancelled.discard(xid)
         if cancelled:  # P failed: no registration
             self._fall_back(rid, "cancelled", discard_blocks=False)
             return
@@ -163,16 +159,14 @@ class PushDecode:
     def cancel(self, xid: str, reason: str) -> bool:
         """Stop waiting for `xid` (the router: prefill failed); False if unknown (kept for
         a request still to come: see the module docstring) or over."""
-        with self._lock:
-            if xid in self._specs:  # not admitted yet: it computes locally when admitted
-                self._cancelled.add(xid)
-                return True
+        if xid in self._specs:  # not admitted yet: it computes locally when admitted
+            self._cancelled.add(xid)
+            return True
         if self.receiver.cancel(xid, reason):
             return True
-        with self._lock:
-            if len(self._early_cancels) >= MAX_EARLY_CANCELS:
-                del self._early_cancels[next(iter(self._early_cancels))]
-            self._early_cancels[xid] = time.monotonic()
+        if len(self._early_cancels) >= MAX_EARLY_CANCELS:
+            del self._early_cancels[next(iter(self._early_cancels))]
+        self._early_cancels[xid] = time.monotonic()
         return False
 
     def on_aborted(self, xid: str) -> None:
@@ -180,12 +174,11 @@ class PushDecode:
         spec goes and prefill is told to stop (KVCancel); after, the wait is cancelled
         (prefill is told the same; the registered blocks stay quarantined until it
         confirms that nothing can land)."""
-        with self._lock:
-            spec = self._specs.pop(xid, None)
-            self._spec_waiting_at.pop(xid, None)
-            if xid in self._cancelled:  # its prefill failed: nothing to tell
-                self._cancelled.discard(xid)
-                return
+        spec = self._specs.pop(xid, None)
+        self._spec_waiting_at.pop(xid, None)
+        if xid in self._cancelled:  # its prefill failed: nothing to tell
+            self._cancelled.discard(xid)
+            return
         if spec is not None:
             logger.info("xid=%s: decode request aborted before admission", xid)
             self.receiver.tell(spec.peer, KVCancel(xid, "the decode request was aborted"))
@@ -233,40 +226,33 @@ class PushDecode:
         that their heartbeats stop; prefill's own wait for the registration then ends the
         job."""
         gone = [s.xid for s in specs if s.request_id and self.engine.get_request(s.request_id) is None]
-        with self._lock:
-            for xid in gone:
-                if self._specs.pop(xid, None) is not None:
-                    logger.info("xid=%s: decode request gone before admission", xid)
-                self._spec_waiting_at.pop(xid, None)
-                self._cancelled.discard(xid)
-
-    # ---- pump thread ----
+        for xid in gone:
+            if self._specs.pop(xid, None) is not None:
+                logger.info("xid=%s: decode request gone before admission", xid)
+            self._spec_waiting_at.pop(xid, None)
+            self._cancelled.discard(xid)
 
     def _tick(self, now: float) -> None:
+        while self._early_cancels:  # in the order they came
+            xid, at = next(iter(self._early_cancels.items()))
+            if now - at < self.wait_s:
+                break
+            del self._early_cancels[xid]
+        if not self.engine.is_healthy:
+            return
         beats: list[PushSpec] = []  # specs due a heartbeat, and a check that they still queue
-        with self._lock:
-            while self._early_cancels:  # in the order they came
-                xid, at = next(iter(self._early_cancels.items()))
-                if now - at < self.wait_s:
-                    break
-                del self._early_cancels[xid]
-            if self.engine.is_healthy:
-                for xid, at in self._spec_waiting_at.items():
-                    if now - at >= self.wait_s / HEARTBEATS_PER_WAIT:
-                        self._spec_waiting_at[xid] = now
-                        beats.append(self._specs[xid])
-            waiting = [spec for spec in beats if spec.xid not in self._cancelled]
-            self.stats.num_waiting_sent += len(waiting)
+        for xid, at in self._spec_waiting_at.items():
+            if now - at >= self.wait_s / HEARTBEATS_PER_WAIT:
+                self._spec_waiting_at[xid] = now
+                beats.append(self._specs[xid])
         if not beats:
             return
-        self.engine.call(partial(self._drop_orphan_specs, beats))
+        waiting = [spec for spec in beats if spec.xid not in self._cancelled]
+        self.stats.num_waiting_sent += len(waiting)
+        self._drop_orphan_specs(beats)
         for spec in waiting:  # a cancelled spec's prefill failed: nothing to keep open
-            try:
-                self.receiver.transport.send_notif(
-                    spec.peer, self.codec.encode(KVWaiting(spec.xid)), spec.xid
-                )
-            except Exception as exc:
-                logger.info("xid=%s: cannot tell %s: %s", spec.xid, spec.prefill_url, exc)
+            if spec.xid in self._specs:
+                self.receiver.tell(spec.peer, KVWaiting(spec.xid))
 
 
 __all__ = ["PushDecode", "PushDecodeStats", "PushSpec"]

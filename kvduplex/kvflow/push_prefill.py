@@ -110,13 +110,16 @@ class PushSender(KVSender):
             self.transport.set_compute_busy(True)
 
     def layer_hook(self, plan: PushPlan) -> Callable[[int], None] | None:
-        """Worker side: after each layer, every planned job posts that layer's WRITEs."""
+        """Worker side: after each layer, the flow inbox is drained (a registration that
+        arrived meanwhile writes the finished layers at once), then every planned job
+        posts that layer's WRITEs."""
         if not plan.xids:
             return None
         jobs = [self._step_jobs[xid] for xid in plan.xids if xid in self._step_jobs]
 
         def on_layer_done(layer: int) -> None:
-            self._drain_registrations(layer)
+            self._layer = layer  # a registration drained now writes layers 0..layer at once
+            self.inbox.drain()
             now = time.monotonic()
             for job in jobs:
                 if job.chunk is not None:
@@ -126,6 +129,7 @@ class PushSender(KVSender):
 
     def wait_for_save(self, plan: PushPlan) -> None:
         """Worker side, after the forward: every planned job's chunk ends."""
+        self._layer = None
         self.transport.set_compute_busy(False)
         for job in self._step_jobs.values():
             self._feed(job, StepEnded())

@@ -26,9 +26,9 @@ so while the receiver still references them.
 
 Each wait is a pure state machine,
 `kvduplex.kvflow.machines.receive.ReceiveMachine`; this class is its adapter.
-Threads: waits are created and ended on the engine thread; the pump feeds
-heartbeats and acknowledgements under ``_lock`` (which guards ``_waits``) and
-queues engine calls for the rest.
+Threads: everything runs on the engine thread (messages and ticks come through
+the flow inbox); messages go out from the flow I/O thread, which also asks a
+quarantined wait's sender again.
 """
 
 from __future__ import annotations
@@ -36,12 +36,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
+from typing import assert_never
 
 from kvduplex.engine.handle import EngineHandle
+from kvduplex.kvflow.flow_io import CheckSender
+from kvduplex.kvflow.flow_io import FlowIO
 from kvduplex.kvflow.half import FlowHalf
+from kvduplex.kvflow.inbox import FlowInbox
 from kvduplex.kvflow.machines.actions import AcquireBlocks
 from kvduplex.kvflow.machines.actions import Log
 from kvduplex.kvflow.machines.actions import ReleaseBlocks
@@ -54,7 +56,6 @@ from kvduplex.kvflow.machines.receive import AskSender
 from kvduplex.kvflow.machines.receive import Begin
 from kvduplex.kvflow.machines.receive import Cancel
 from kvduplex.kvflow.machines.receive import Count
-from kvduplex.kvflow.machines.receive import Expire
 from kvduplex.kvflow.machines.receive import FlowDone
 from kvduplex.kvflow.machines.receive import FlowFailed
 from kvduplex.kvflow.machines.receive import FlowFirstToken
@@ -63,20 +64,17 @@ from kvduplex.kvflow.machines.receive import NotSent
 from kvduplex.kvflow.machines.receive import ReceiveAction
 from kvduplex.kvflow.machines.receive import ReceiveEvent
 from kvduplex.kvflow.machines.receive import ReceiveMachine
-from kvduplex.kvflow.machines.receive import ScheduleExpire
 from kvduplex.kvflow.machines.receive import SenderEnded
 from kvduplex.kvflow.machines.receive import SenderGone
 from kvduplex.kvflow.machines.receive import Tick
 from kvduplex.kvflow.machines.receive import WaitFailure
 from kvduplex.kvflow.messages import KVAlive
-from kvduplex.kvflow.messages import KVCancel
 from kvduplex.kvflow.messages import KVDone
 from kvduplex.kvflow.messages import KVFailed
 from kvduplex.kvflow.messages import KVRegister
 from kvduplex.kvflow.messages import KVRegistered
 from kvduplex.transport.base import Transport
 from kvduplex.transport.messages import ControlMessage
-from kvduplex.transport.notify import Handler
 from kvduplex.transport.protocol import PeerHandle
 
 logger = logging.getLogger(__name__)
@@ -121,33 +119,29 @@ class KVReceiver(FlowHalf):
     """Waits for senders to fill registered blocks, with deadlines and quarantine."""
 
     def __init__(
-        self, transport: Transport, engine: EngineHandle, wait_s: float, quarantine_s: float,
-        peer_gone: Callable[[str], bool] | None = None,
+        self, transport: Transport, engine: EngineHandle, inbox: FlowInbox, io: FlowIO,
+        wait_s: float, quarantine_s: float, peer_gone: Callable[[str], bool] | None = None,
         reconnect: Callable[[str], PeerHandle | None] | None = None,
     ) -> None:  # fmt: skip
         """``peer_gone(engine_id)``: whether a sender's process is known to be gone (its
-        address refuses connections or another engine answers there; blocking). With
-        it, quarantined blocks whose sender never confirmed are held, and the sender
-        asked again every ``quarantine_s``, until it confirms or is gone: our own
-        teardown does not stop a peer's one-sided WRITEs. Without it, they go back
-        after one ``quarantine_s`` and a teardown (in-process tests).
-        ``reconnect(engine_id)``: connect afresh to ask a sender whose endpoint is gone."""
-        super().__init__(transport, engine)
+        address refuses connections or another engine answers there; blocking, asked
+        on the flow I/O thread, which also connects afresh to ask a sender whose
+        endpoint is gone). With it, quarantined blocks whose sender never confirmed
+        are held, and the sender asked again every ``quarantine_s``, until it confirms
+        or is gone: our own teardown does not stop a peer's one-sided WRITEs. Without
+        it, they go back after one ``quarantine_s`` and a teardown (in-process tests)."""
+        super().__init__(transport, engine, inbox, io)
         self.wait_s = wait_s
         self.quarantine_s = quarantine_s
         self.peer_gone = peer_gone
         self.reconnect = reconnect
         self.stats = KVReceiverStats()
         self._waits: dict[str, _Wait] = {}
-        self._asker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-recv-ask")
-
-    def _notif_handlers(self) -> dict[type[ControlMessage], Handler]:
-        return {
-            KVDone: self._on_end_notif,
-            KVFailed: self._on_end_notif,
-            KVAlive: self._on_alive_notif,
-            KVRegistered: self._on_registered_notif,
-        }
+        inbox.on(KVDone, self._on_end_notif)
+        inbox.on(KVFailed, self._on_end_notif)
+        inbox.on(KVAlive, self._on_alive_notif)
+        inbox.on(KVRegistered, self._on_registered_notif)
+        inbox.every_tick(self._tick)
 
     # ---- engine thread ----
 
@@ -174,13 +168,13 @@ class KVReceiver(FlowHalf):
         machine = ReceiveMachine(
             xid, peer, tuple(blocks), msg, self.wait_s, self.quarantine_s, deadline=now + self.wait_s,
             reg_sent_at=now, wants_first_token=on_first_token is not None,
+            can_ask=self.peer_gone is not None,
         )  # fmt: skip
         wait = _Wait(machine, on_done, on_failed, on_first_token)
-        with self._lock:
-            if xid in self._waits:
-                logger.warning("xid=%s: already waited on; not registering again", xid)
-                return False
-            self._waits[xid] = wait
+        if xid in self._waits:
+            logger.warning("xid=%s: already waited on; not registering again", xid)
+            return False
+        self._waits[xid] = wait
         self._feed(wait, Begin())
         try:
             self.transport.send_notif(peer, self.codec.encode(msg), xid)
@@ -192,8 +186,7 @@ class KVReceiver(FlowHalf):
 
     def cancel(self, xid: str, reason: str) -> bool:
         """Stop waiting for `xid` now (its flow falls back); False if unknown or over."""
-        with self._lock:
-            wait = self._waits.get(xid)
+        wait = self._waits.get(xid)
         if wait is None or wait.machine.fell_back:
             return False
         self._feed(wait, Cancel(reason, time.monotonic()))
@@ -202,14 +195,8 @@ class KVReceiver(FlowHalf):
     # ---- running machines ----
 
     def _feed(self, wait: _Wait, event: ReceiveEvent) -> None:
-        """Apply ``event`` under the lock, then carry the actions out. Block references
-        and the flow's callbacks only come from engine-thread events."""
-        with self._lock:
-            actions = wait.machine.handle(event)
-            forget = any(isinstance(a, Forget) for a in actions)
-            if forget and self._waits.get(wait.machine.xid) is wait:
-                del self._waits[wait.machine.xid]
-        for a in actions:
+        """Apply ``event``, then carry the actions out, in order."""
+        for a in wait.machine.handle(event):
             self._do(wait, a)
 
     def _do(self, wait: _Wait, a: ReceiveAction) -> None:
@@ -220,13 +207,12 @@ class KVReceiver(FlowHalf):
             case ReleaseBlocks():
                 self.engine.release_blocks(list(a.block_ids))
             case Tell():
-                self._tell(m.peer, a.msg)
+                self.tell(m.peer, a.msg)
             case FlowFirstToken() | FlowDone() | FlowFailed():
                 self._call_flow(wait, a)
-            case ScheduleExpire():
-                self.engine.call(partial(self._feed_expire, wait))
             case AskSender():
-                self._asker.submit(self._ask_sender, wait)
+                assert self.peer_gone is not None, "asked only when it can ask"
+                self.io.submit(CheckSender(m.xid, m.peer, self, self.peer_gone, self.reconnect))
             case TearDown():
                 self.transport.disconnect(m.peer)
             case Count():
@@ -234,7 +220,10 @@ class KVReceiver(FlowHalf):
             case Log():
                 logger.log(a.level, "xid=%s: %s", m.xid, a.text)
             case Forget():
-                pass  # done under the lock
+                if self._waits.get(m.xid) is wait:
+                    del self._waits[m.xid]
+            case _:
+                assert_never(a)
 
     def _call_flow(self, wait: _Wait, a: FlowFirstToken | FlowDone | FlowFailed) -> None:
         """Engine thread: the flow hears how its wait went."""
@@ -245,76 +234,51 @@ class KVReceiver(FlowHalf):
         elif wait.on_first_token is not None:
             wait.on_first_token(a.token)
 
-    def _feed_expire(self, wait: _Wait) -> None:
-        """Engine thread: a deadline or a quarantine ran out."""
-        self._feed(wait, Expire(time.monotonic(), can_ask=self.peer_gone is not None))
-
     def _on_end(self, msg: KVDone | KVFailed, sender: str) -> None:
-        """Engine thread: the sender is done with ``msg.xid``: no WRITE can land any more."""
-        with self._lock:
-            wait = self._waits.get(msg.xid)
+        """The sender is done with ``msg.xid``: no WRITE can land any more."""
+        wait = self._waits.get(msg.xid)
         if wait is None:
             logger.info("xid=%s: message from %s for no pending transfer", msg.xid, sender)
             return
         self._feed(wait, SenderEnded(msg, sender))
 
-    def _ask_sender(self, wait: _Wait) -> None:
-        """Asker thread: is the sender gone? else ask it to confirm (KVCancel again)."""
-        assert self.peer_gone is not None
-        m = wait.machine
-        engine_id = m.peer.engine_id
-        try:
-            gone = self.peer_gone(engine_id)
-        except Exception:
-            logger.exception("xid=%s: cannot tell whether %s is gone", m.xid, engine_id)
-            gone = False
-        if gone:
-            self.engine.call(partial(self._feed, wait, SenderGone("the sender is gone")))
+    def on_sender_checked(self, xid: str, gone: bool, now: float) -> None:
+        """The flow I/O thread's answer to `AskSender`: the sender is gone, or was asked
+        again to confirm."""
+        wait = self._waits.get(xid)
+        if wait is None:
             return
-        peer = m.peer
-        if not self.transport.is_connected(engine_id) and self.reconnect is not None:
-            peer = self.reconnect(engine_id) or peer
-        logger.warning("xid=%s: quarantined blocks unconfirmed; asking %s again", m.xid,
-                       engine_id)  # fmt: skip
-        self._tell(peer, KVCancel(m.xid, "still waiting for confirmation"))
-        self.engine.call(lambda: self._feed(wait, Asked(time.monotonic())))
+        self._feed(wait, SenderGone("the sender is gone") if gone else Asked(now))
 
-    # ---- pump thread ----
+    # ---- inbox (engine thread) ----
 
-    def _on_end_notif(self, msg: ControlMessage, sender: str) -> None:
+    def _on_end_notif(self, msg: ControlMessage, sender: str, received_at: float) -> None:
         assert isinstance(msg, KVDone | KVFailed)
-        self.engine.call(lambda: self._on_end(msg, sender))
+        self._on_end(msg, sender)
 
-    def _on_alive_notif(self, msg: ControlMessage, sender: str) -> None:
-        """The sender still holds ``xid``: restart the wait (nothing to do in the engine)."""
+    def _on_alive_notif(self, msg: ControlMessage, sender: str, received_at: float) -> None:
+        """The sender still holds ``xid``: restart the wait."""
         assert isinstance(msg, KVAlive)
-        with self._lock:
-            wait = self._waits.get(msg.xid)
+        wait = self._waits.get(msg.xid)
         if wait is not None:
-            self._feed(wait, Alive(sender, msg.sent_at, time.monotonic()))
+            self._feed(wait, Alive(sender, msg.sent_at, received_at))
 
-    def _on_registered_notif(self, msg: ControlMessage, sender: str) -> None:
+    def _on_registered_notif(self, msg: ControlMessage, sender: str, received_at: float) -> None:
         """The sender holds our registration of ``xid``: stop re-sending it."""
-        with self._lock:
-            wait = self._waits.get(msg.xid)
+        wait = self._waits.get(msg.xid)
         if wait is not None:
             self._feed(wait, Acknowledged(sender))
 
     def _tick(self, now: float) -> None:
-        with self._lock:
-            todo = [(w, w.machine.handle(Tick(now))) for w in self._waits.values()]
-        for wait, actions in todo:
-            for a in actions:
-                self._do(wait, a)
+        for wait in list(self._waits.values()):
+            self._feed(wait, Tick(now))
 
     def is_waiting(self, xid: str) -> bool:
         """Whether a wait (or its quarantine) holds `xid`."""
-        with self._lock:
-            return xid in self._waits
+        return xid in self._waits
 
     def num_waiting(self) -> int:
-        with self._lock:
-            return len(self._waits)
+        return len(self._waits)
 
 
 __all__ = ["KVReceiver", "KVReceiverStats", "OnDone", "OnFailed", "WaitFailure"]

@@ -11,32 +11,44 @@ cache lacks and then prefills::
 
 Unlike the duplex return, decode pins the turn's blocks between turns, and the
 READ sits on the next turn's critical path.
+
+Its two halves side by side, what the routes call: `RetainedTurnSide` (decode:
+describe and pin a retained turn) and `RetainedReadSide` (prefill: READ it within
+decode's pin).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
+from kvduplex.engine.async_engine import AsyncEngine
 from kvduplex.engine.block_pool import BlockHash
 from kvduplex.engine.block_pool import compute_block_hashes
+from kvduplex.engine.engine import LLMEngine
 from kvduplex.engine.handle import EngineHandle
 from kvduplex.engine.request import FinishReason
 from kvduplex.engine.request import Request
+from kvduplex.kvflow.flow_io import FlowIO
 from kvduplex.kvflow.half import ReadRunner
+from kvduplex.kvflow.inbox import FlowInbox
 from kvduplex.kvflow.lease import TRANSIT_GRACE_S
 from kvduplex.kvflow.machines.read import Outcome
 from kvduplex.kvflow.metrics import KVFlowMetrics
 from kvduplex.transport.base import Transport
-from kvduplex.transport.notify import NotificationPump
 from kvduplex.transport.protocol import PeerHandle
 from kvduplex.transport.protocol import TransferHandle
 
 logger = logging.getLogger(__name__)
+
+READ_PIN_MARGIN_S = 0.5
+"""A READ of a retained turn ends this long before decode's pin does."""
 
 
 @dataclass
@@ -60,22 +72,18 @@ class TurnRetainer:
 
     def __init__(
         self, engine: EngineHandle, lease_s: float, max_blocks: int | None = None,
-        pin_s: float = 10.0,
+        pin_s: float = 10.0, inbox: FlowInbox | None = None,
     ) -> None:  # fmt: skip
+        """Engine thread only; ``inbox`` ticks it (expiring leases and pins)."""
         self.engine = engine
         self.lease_s = lease_s
         self.max_blocks = max_blocks if max_blocks is not None else max(1, engine.num_blocks // 4)
         self.pin_s = pin_s
-        self._lock = threading.Lock()
         # session -> (request id, expiry, blocks held); oldest first
         self._by_session: dict[str, tuple[str, float, int]] = {}
         self._pins: list[tuple[float, list[int]]] = []  # (until, blocks) for READs under way
-        self._expiring = False
-
-    def attach(self, pump: NotificationPump) -> None:
-        pump.every_tick(self._tick)
-
-    # ---- engine thread ----
+        if inbox is not None:
+            inbox.every_tick(self._tick)
 
     def on_finished(self, finished: list[Request]) -> None:
         for req in finished:
@@ -84,14 +92,13 @@ class TurnRetainer:
             if req.finish_reason is FinishReason.ABORT:
                 continue
             session = req.connector_meta.session_id
-            with self._lock:
-                previous = self._by_session.pop(session, None)
-                self._by_session[session] = (
-                    req.request_id,
-                    time.monotonic() + self.lease_s,
-                    len(req.block_ids),
-                )
-                evicted = self._over_budget()
+            previous = self._by_session.pop(session, None)
+            self._by_session[session] = (
+                req.request_id,
+                time.monotonic() + self.lease_s,
+                len(req.block_ids),
+            )
+            evicted = self._over_budget()
             if previous is not None:
                 self.engine.release_held(previous[0])
             for rid in evicted:
@@ -101,7 +108,7 @@ class TurnRetainer:
 
     def _over_budget(self) -> list[str]:
         """Pop the oldest retained turns until the rest fit in ``max_blocks`` (the newest
-        one always stays); caller holds the lock."""
+        one always stays)."""
         total = sum(n for _, _, n in self._by_session.values())
         gone: list[str] = []
         while total > self.max_blocks and len(self._by_session) > 1:
@@ -117,8 +124,7 @@ class TurnRetainer:
         Engine thread. Pins the blocks described for ``pin_s`` (the time it tells;
         held `TRANSIT_GRACE_S` longer): a READ of them cannot find them reused.
         """
-        with self._lock:
-            entry = self._by_session.get(session_id)
+        entry = self._by_session.get(session_id)
         if entry is None:
             return None
         req = self.engine.get_request(entry[0])
@@ -128,8 +134,7 @@ class TurnRetainer:
         n = min(req.num_computed_tokens // bs, len(req.block_ids), len(req.block_hashes))
         pinned = list(req.block_ids[:n])
         self.engine.acquire_blocks(pinned)
-        with self._lock:
-            self._pins.append((time.monotonic() + self.pin_s + TRANSIT_GRACE_S, pinned))
+        self._pins.append((time.monotonic() + self.pin_s + TRANSIT_GRACE_S, pinned))
         return {
             "pin_s": self.pin_s,
             "block_ids": list(req.block_ids[:n]),
@@ -139,38 +144,27 @@ class TurnRetainer:
 
     def _expire(self) -> None:
         now = time.monotonic()
-        with self._lock:
-            self._expiring = False
-            gone = [s for s, (_, until, _) in self._by_session.items() if now > until]
-            rids = [self._by_session.pop(s)[0] for s in gone]
-            unpinned = [blocks for until, blocks in self._pins if now > until]
-            self._pins = [(u, b) for u, b in self._pins if now <= u]
+        gone = [s for s, (_, until, _) in self._by_session.items() if now > until]
+        rids = [self._by_session.pop(s)[0] for s in gone]
+        unpinned = [blocks for until, blocks in self._pins if now > until]
+        self._pins = [(u, b) for u, b in self._pins if now <= u]
         for rid in rids:
             self.engine.release_held(rid)
         for blocks in unpinned:
             self.engine.release_blocks(blocks)
 
     def num_retained(self) -> int:
-        with self._lock:
-            return len(self._by_session)
+        return len(self._by_session)
 
     def num_pinned(self) -> int:
         """Described turns whose blocks are still pinned for a READ."""
-        with self._lock:
-            return len(self._pins)
-
-    # ---- pump thread ----
+        return len(self._pins)
 
     def _tick(self, now: float) -> None:
-        with self._lock:
-            due = not self._expiring and (
-                any(now > u for _, u, _ in self._by_session.values())
-                or any(now > u for u, _ in self._pins)
-            )
-            if due:
-                self._expiring = True
-        if due:
-            self.engine.call(self._expire)
+        if any(now > u for _, u, _ in self._by_session.values()) or any(
+            now > u for u, _ in self._pins
+        ):
+            self._expire()
 
 
 class RetainedReader:
@@ -180,11 +174,15 @@ class RetainedReader:
         self,
         transport: Transport,
         engine: EngineHandle,
+        inbox: FlowInbox,
+        io: FlowIO,
         deadline_s: float,
         metrics: KVFlowMetrics | None = None,
     ) -> None:
         self.transport = transport
         self.engine = engine
+        self.inbox = inbox
+        self.io = io
         self.deadline_s = deadline_s
         self.metrics = metrics
         self.num_read_blocks = 0
@@ -217,8 +215,8 @@ class RetainedReader:
             self._finish(xid, o, handle, local, missing, done)
 
         runner = ReadRunner(
-            self.transport, self.engine, peer, xid, local, remote_blocks[num_have:], read_s,
-            self.deadline_s, on_outcome,
+            self.transport, self.engine, self.inbox, self.io, peer, xid, local,
+            remote_blocks[num_have:], read_s, self.deadline_s, on_outcome,
         )  # fmt: skip
         runner.start(acquire=False)  # the allocation is our reference, until settled
         return done
@@ -242,4 +240,109 @@ class RetainedReader:
         done.set_result(n)
 
 
-__all__ = ["RetainSpec", "RetainedReader", "TurnRetainer"]
+@dataclass(frozen=True)
+class RetainedTurnRef:
+    """A decode's retained turn, as its ``/internal/kv/retained`` described it."""
+
+    decode_url: str
+    engine_id: str | None
+    block_ids: list[int]
+    keys: list[str]
+    token_ids: list[int]
+    pin_left_s: float | None
+    """How long decode still pins the blocks, from when the router sent this on."""
+
+
+class RetainedTurnSide:
+    """Decode's half of the retained-turn return: describe a session's retained turn for
+    the next turn's prefill to READ (pinning its blocks)."""
+
+    def __init__(self, engine: AsyncEngine, retainer: TurnRetainer) -> None:
+        self.engine = engine
+        self.retainer = retainer
+
+    async def describe(self, session_id: str) -> dict[str, Any] | None:
+        """`TurnRetainer.describe` on the engine thread; None if no turn is retained."""
+        result: dict[str, Any] | None = await self.engine.run_in_engine(
+            partial(_describe, self.retainer, session_id)
+        )
+        return result
+
+
+def _describe(retainer: TurnRetainer, session_id: str, _engine: LLMEngine) -> dict[str, Any] | None:
+    return retainer.describe(session_id)
+
+
+class RetainedReadSide:
+    """Prefill's half of the retained-turn return: before a push prefill, READ the
+    decode's retained blocks this prefix cache lacks, ending while decode still pins
+    them (else not at all)."""
+
+    def __init__(
+        self, engine: AsyncEngine, reader: RetainedReader,
+        get_peer: Callable[[str, str | None], PeerHandle],
+    ) -> None:  # fmt: skip
+        """``get_peer(url, engine_id)``: connect to the decode instance (blocking)."""
+        self.engine = engine
+        self.reader = reader
+        self.get_peer = get_peer
+
+    async def read(self, xid: str, turn: RetainedTurnRef, arrived: float) -> int:
+        """The blocks read and cached (0: nothing missing, decode unreachable, the pin ran
+        out, or the READ failed). ``arrived``: when this request arrived (monotonic).
+
+        The READ's deadline counts from its post, so it gets what is left, at the post,
+        of the pin counted from the request's arrival: the handshake and the wait for
+        the engine thread (behind a prefill step) come out of it. Raises ValueError for
+        block ids outside decode's pool."""
+        ends_at = None
+        if turn.pin_left_s is not None:
+            ends_at = arrived + turn.pin_left_s - READ_PIN_MARGIN_S
+            if _pin_left_s(xid, ends_at) is None:
+                return 0
+        try:
+            peer = await asyncio.to_thread(self.get_peer, turn.decode_url, turn.engine_id)
+        except Exception as exc:
+            logger.warning("xid=%s: retained turn at %s unreachable: %s", xid, turn.decode_url, exc)
+            return 0
+        bad = [b for b in turn.block_ids if b >= peer.layout.num_blocks]
+        if bad:
+            raise ValueError(
+                f"block {bad[0]} is out of range; {turn.decode_url} has "
+                f"{peer.layout.num_blocks} blocks"
+            )
+        post = partial(self._post, peer, xid, turn, ends_at)
+        done: Future[int] = await self.engine.run_in_engine(post)
+        return await asyncio.wrap_future(done)
+
+    def _post(
+        self, peer: PeerHandle, xid: str, turn: RetainedTurnRef, ends_at: float | None,
+        _engine: LLMEngine,
+    ) -> Future[int]:  # fmt: skip
+        """Engine thread: post the READ with what is left of the pin now."""
+        deadline_s = None
+        if ends_at is not None:
+            deadline_s = _pin_left_s(xid, ends_at)
+            if deadline_s is None:
+                skipped: Future[int] = Future()
+                skipped.set_result(0)
+                return skipped
+        return self.reader.start(
+            peer, f"{xid}-read", turn.block_ids, turn.keys, turn.token_ids, deadline_s
+        )
+
+
+def _pin_left_s(xid: str, ends_at: float) -> float | None:
+    """Seconds left until a retained-turn READ must end (``ends_at``, monotonic); None,
+    logged, if none are."""
+    left = ends_at - time.monotonic()
+    if left <= 0:
+        logger.info("xid=%s: decode's pin on the retained turn ran out; not read", xid)
+        return None
+    return left
+
+
+__all__ = [
+    "READ_PIN_MARGIN_S", "RetainSpec", "RetainedReadSide", "RetainedReader", "RetainedTurnRef",
+    "RetainedTurnSide", "TurnRetainer",
+]  # fmt: skip

@@ -3,7 +3,7 @@
 It is the push flow reversed, built from the same `KVSender` (on decode) and
 `KVReceiver` (on prefill)::
 
-    D: turn finished (blocks held) ── next engine call, after the answer went out
+    D: turn finished (blocks held) ── next step, after the answer went out
     D: KVOffer{session, keys, token ids, parent key} ──────────────► P
                          P: recompute the keys from the tokens (else decline);
                             keep the leading blocks it has, allocate the rest
@@ -33,7 +33,6 @@ offered block it lacks, so what it has is never sent again.
 from __future__ import annotations
 
 import logging
-import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
@@ -56,7 +55,6 @@ from kvduplex.kvflow.sender import KVSender
 from kvduplex.kvflow.sender import SendJob
 from kvduplex.transport.messages import ControlMessage
 from kvduplex.transport.messages import MessageCodec
-from kvduplex.transport.notify import NotificationPump
 from kvduplex.transport.protocol import PeerHandle
 
 logger = logging.getLogger(__name__)
@@ -105,7 +103,9 @@ class ReturnRecord:
 
 
 class ReturnOfferer:
-    """Decode's side: offer each finished session turn, WRITE what prefill lacks."""
+    """Decode's side: offer each finished session turn, WRITE what prefill lacks.
+
+    Engine thread only (`records` may be read from anywhere)."""
 
     MAX_RECORDS = 4096
     """Recent returns kept by request id (`records`); the oldest are dropped."""
@@ -120,34 +120,39 @@ class ReturnOfferer:
         self.stats = ReturnStats()
         self.codec = MessageCodec()
         self._records: OrderedDict[str, ReturnRecord] = OrderedDict()
-        self._records_lock = threading.Lock()
-        """`_offer` records on the engine thread, `_on_end` on the pump's."""
-
-    def attach(self, pump: NotificationPump) -> None:
-        pump.on(KVDecline, self._on_decline_notif)
+        self._to_offer: list[tuple[Request, ReturnSpec]] = []
+        """Turns that finished in the last step, offered at the next (`offer_finished`)."""
+        sender.inbox.on(KVDecline, self._on_decline_notif)
 
     def records(self) -> dict[str, dict[str, int | str]]:
-        """The recent returns by request id (any thread)."""
-        with self._records_lock:
-            return {rid: asdict(rec) for rid, rec in self._records.items()}
+        """The recent returns by request id (any thread: a snapshot of the table, which
+        only the engine thread changes)."""
+        return {rid: asdict(rec) for rid, rec in list(self._records.items())}
 
     def _record(self, rid: str, rec: ReturnRecord) -> None:
-        with self._records_lock:
-            self._records[rid] = rec
-            while len(self._records) > self.MAX_RECORDS:
-                self._records.popitem(last=False)
-
-    # ---- engine thread ----
+        self._records[rid] = rec
+        while len(self._records) > self.MAX_RECORDS:
+            self._records.popitem(last=False)
 
     def on_finished(self, finished: list[Request]) -> None:
-        """After a step: offer the finished turns once their answers went out.
+        """A step finished these requests: their turns are offered at the next step
+        (`offer_finished`), once their answers went out.
 
         An aborted request is never held, so it is never offered.
         """
         for req in finished:
             if isinstance(req.connector_meta, ReturnSpec):
-                # The engine dispatches this step's outputs before it runs calls.
-                self.engine.call(partial(self._offer, req, req.connector_meta))
+                self._to_offer.append((req, req.connector_meta))
+
+    def has_pending_work(self) -> bool:
+        return bool(self._to_offer)
+
+    def offer_finished(self) -> None:
+        """Before a step: offer the turns that finished in the last one (the engine
+        dispatched that step's outputs in between)."""
+        to_offer, self._to_offer = self._to_offer, []
+        for req, spec in to_offer:
+            self._offer(req, spec)
 
     def _offer(self, req: Request, spec: ReturnSpec) -> None:
         rid = req.request_id
@@ -202,8 +207,7 @@ class ReturnOfferer:
             num_sent = job.num_blocks - (job.reg.first_block if job.reg else 0)
             self.stats.num_sent_blocks += num_sent
             self.stats.num_sent_bytes += job.num_bytes
-            with self._records_lock:
-                rec.num_sent_blocks, rec.num_sent_bytes = num_sent, job.num_bytes
+            rec.num_sent_blocks, rec.num_sent_bytes = num_sent, job.num_bytes
             outcome = "done"
             if self.metrics is not None:
                 self.metrics.return_blocks.labels("sent").inc(num_sent)
@@ -214,19 +218,18 @@ class ReturnOfferer:
         else:
             self.stats.num_failed += 1
             outcome = "failed"
-        with self._records_lock:
-            rec.outcome = outcome
+        rec.outcome = outcome
         if self.metrics is not None:
             self.metrics.returns.labels(outcome).inc()
 
-    def _on_decline_notif(self, msg: ControlMessage, sender: str) -> None:
+    def _on_decline_notif(self, msg: ControlMessage, sender: str, received_at: float) -> None:
         assert isinstance(msg, KVDecline)
         logger.debug("xid=%s: %s declined the return: %s", msg.xid, sender, msg.reason)
-        self.engine.call(lambda: self.sender.decline(msg.xid, f"declined: {msg.reason}"))
+        self.sender.decline(msg.xid, f"declined: {msg.reason}", by=sender)
 
 
 class ReturnAcceptor:
-    """Prefill's side: take the blocks of an offer its prefix cache lacks."""
+    """Prefill's side: take the blocks of an offer its prefix cache lacks (engine thread)."""
 
     def __init__(
         self,
@@ -250,16 +253,11 @@ class ReturnAcceptor:
         self.num_blocks_in_flight = 0
         """Blocks accepted offers hold (engine thread)."""
         self.stats = ReturnStats()
-        self.codec = MessageCodec()
+        receiver.inbox.on(KVOffer, self._on_offer_notif)
 
-    def attach(self, pump: NotificationPump) -> None:
-        pump.on(KVOffer, self._on_offer_notif)
-
-    def _on_offer_notif(self, msg: ControlMessage, sender: str) -> None:
+    def _on_offer_notif(self, msg: ControlMessage, sender: str, received_at: float) -> None:
         assert isinstance(msg, KVOffer)
-        self.engine.call(lambda: self.accept(msg, sender))
-
-    # ---- engine thread ----
+        self.accept(msg, sender)
 
     def accept(self, msg: KVOffer, sender: str) -> None:
         """Answer an offer: register destination blocks, or decline (and say why).
@@ -321,12 +319,7 @@ class ReturnAcceptor:
 
     def _decline(self, peer: PeerHandle, xid: str, reason: str, num_held: int = 0) -> None:
         self._count_refusal(reason)
-        try:
-            self.receiver.transport.send_notif(
-                peer, self.codec.encode(KVDecline(xid, reason, num_held)), xid
-            )
-        except Exception as exc:
-            logger.info("xid=%s: cannot decline to %s: %s", xid, peer.engine_id, exc)
+        self.receiver.tell(peer, KVDecline(xid, reason, num_held))
 
     def _count_refusal(self, reason: str) -> None:
         self.stats.num_refused += 1

@@ -46,11 +46,10 @@ Failure rules:
 The state of each job and these rules are a pure state machine,
 `kvduplex.kvflow.machines.send.SendMachine` (push and return are one machine
 with a source); this class is its adapter: it feeds each job's machine the
-events the engine thread, the transport's completion callbacks and the
-notification pump report (under ``_lock``, which also guards ``_jobs`` and
-the registrations for no job yet), and carries the actions out after it,
-outside the lock. Jobs are created, registered and forgotten on the engine
-thread.
+events of the engine's steps and those that arrive through the flow inbox
+(messages, ticks, WRITEs that ended or settled), and carries the actions out
+after it. Everything runs on the engine thread; messages go out from the
+flow I/O thread.
 """
 
 from __future__ import annotations
@@ -58,15 +57,19 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
+from typing import assert_never
 
 from kvduplex.engine.handle import EngineHandle
 from kvduplex.engine.scheduler_output import KVSendCancelled
 from kvduplex.engine.scheduler_output import KVSendEnded
 from kvduplex.engine.scheduler_output import KVTransferResult
+from kvduplex.kvflow.flow_io import FlowIO
+from kvduplex.kvflow.flow_io import Notify
+from kvduplex.kvflow.flow_io import NotifyEngine
+from kvduplex.kvflow.flow_io import TearDownEndpoint
 from kvduplex.kvflow.half import FlowHalf
+from kvduplex.kvflow.inbox import FlowInbox
 from kvduplex.kvflow.machines.actions import AcquireBlocks
 from kvduplex.kvflow.machines.actions import Log
 from kvduplex.kvflow.machines.actions import ReleaseBlocks
@@ -76,21 +79,17 @@ from kvduplex.kvflow.machines.send import HEARTBEATS_PER_WAIT
 from kvduplex.kvflow.machines.send import AbortPrefill
 from kvduplex.kvflow.machines.send import AliveAck
 from kvduplex.kvflow.machines.send import Begin
-from kvduplex.kvflow.machines.send import CancelHeard
 from kvduplex.kvflow.machines.send import Cancelled
 from kvduplex.kvflow.machines.send import Chunk
 from kvduplex.kvflow.machines.send import Count
 from kvduplex.kvflow.machines.send import Declined
 from kvduplex.kvflow.machines.send import Ended
-from kvduplex.kvflow.machines.send import Expire
-from kvduplex.kvflow.machines.send import Forgotten
 from kvduplex.kvflow.machines.send import HeldSource
 from kvduplex.kvflow.machines.send import PostWrite
 from kvduplex.kvflow.machines.send import PrefillProgress
 from kvduplex.kvflow.machines.send import Refuse
 from kvduplex.kvflow.machines.send import Registered
 from kvduplex.kvflow.machines.send import ReleasePrefill
-from kvduplex.kvflow.machines.send import ScheduleExpire
 from kvduplex.kvflow.machines.send import SendAction
 from kvduplex.kvflow.machines.send import SendEvent
 from kvduplex.kvflow.machines.send import SendMachine
@@ -109,7 +108,6 @@ from kvduplex.kvflow.messages import KVWaiting
 from kvduplex.kvflow.metrics import KVFlowMetrics
 from kvduplex.transport.base import Transport
 from kvduplex.transport.messages import ControlMessage
-from kvduplex.transport.notify import Handler
 from kvduplex.transport.protocol import PeerHandle
 from kvduplex.transport.protocol import TransferHandle
 from kvduplex.transport.protocol import TransferOp
@@ -162,6 +160,8 @@ class KVSender(FlowHalf):
         self,
         transport: Transport,
         engine: EngineHandle,
+        inbox: FlowInbox,
+        io: FlowIO,
         registration_wait_s: float,
         deadline_s: float,
         metrics: KVFlowMetrics | None = None,
@@ -170,12 +170,12 @@ class KVSender(FlowHalf):
     ) -> None:
         """``peer_of(engine_id)`` finds a connected peer (to answer registrations of
         jobs that no longer exist)."""
-        super().__init__(transport, engine)
+        super().__init__(transport, engine, inbox, io)
         self.block_size = engine.block_size
         self.peer_of = peer_of
         self.reconnect = reconnect
         """``reconnect(engine_id)``: connect afresh to a peer whose endpoint was torn down
-        (blocking; only on the notify thread), so that its KVFailed still reaches it."""
+        (blocking; the flow I/O thread's), so that its KVFailed still reaches it."""
         self.registration_wait_s = registration_wait_s
         self.deadline_s = deadline_s
         self.metrics = metrics
@@ -183,21 +183,19 @@ class KVSender(FlowHalf):
         self._jobs: dict[str, SendMachine] = {}
         self._early: dict[str, tuple[Registration, float]] = {}  # xid -> (reg, kept until)
         self._cancelled: dict[str, float] = {}  # xid -> until when it is refused
-        self._regs: list[Registration] = []  # received, not applied yet
         self._finished: list[KVTransferResult] = []  # prefills' sends that ended
-        self._notify = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-send-notify")
+        self._layer: int | None = None
+        """The last layer a running forward computed (None between steps): a registration
+        drained mid-forward writes the layers up to it at once."""
+        inbox.on(KVRegister, self._on_register_notif)
+        inbox.on(KVCancel, self._on_cancel_notif)
+        inbox.on(KVWaiting, self._on_waiting_notif)
+        inbox.on(KVAliveAck, self._on_alive_ack_notif)
+        inbox.every_tick(self._tick)
         self._init_flow_state()
 
     def _init_flow_state(self) -> None:
         """Subclasses set up the state of their own kind of job here."""
-
-    def _notif_handlers(self) -> dict[type[ControlMessage], Handler]:
-        return {
-            KVRegister: self._on_register_notif,
-            KVCancel: self._on_cancel_notif,
-            KVWaiting: self._on_waiting_notif,
-            KVAliveAck: self._on_alive_ack_notif,
-        }
 
     # ---- running machines ----
 
@@ -212,76 +210,73 @@ class KVSender(FlowHalf):
         )  # fmt: skip
 
     def _feed(self, job: SendMachine, event: SendEvent) -> None:
-        """Any thread: apply ``event`` to ``job`` under the lock, then carry its actions out."""
-        with self._lock:
-            actions = job.handle(event)
-        self._run(job, actions)
+        """Apply ``event`` to ``job``, then carry its actions out."""
+        self._run(job, job.handle(event))
 
     def _run(self, job: SendMachine, actions: list[SendAction]) -> None:
-        """Carry out a machine's actions, in order, outside the lock."""
+        """Carry out a machine's actions, in order; an ended job is forgotten after them."""
+        ended = False
         for a in actions:
-            do: Callable[[SendMachine, SendAction], None] = getattr(self, _DO[type(a)])
-            do(job, a)
+            if isinstance(a, Ended):
+                self._account(job, time.monotonic())
+                ended = True
+            else:
+                self._do(job, a)
+        if ended:
+            self._forget(job)
 
-    def _do_post(self, job: SendMachine, a: PostWrite) -> None:
-        self._post(job, a)
+    def _do(self, job: SendMachine, a: SendAction) -> None:
+        match a:
+            case PostWrite():
+                self._post(job, a)
+            case Tell():
+                self._tell(job.peer, a.msg)
+            case Refuse():
+                own = a.engine_id == job.peer.engine_id
+                self._refuse(job.peer if own else self._peer_of(a.engine_id), job.xid, a.problem)
+            case AcquireBlocks():
+                self.engine.acquire_blocks(list(a.block_ids))
+            case ReleaseBlocks():
+                self.engine.release_blocks(list(a.block_ids))
+            case TearDown():
+                self.io.submit(TearDownEndpoint(job.peer, a.why, job.xid))
+            case AbortPrefill() | ReleasePrefill() | Tombstone() | Count() | Log():
+                self._note(job, a)
+            case Ended():
+                pass  # `_run` forgets the job once the rest is carried out
+            case _:
+                assert_never(a)
 
-    def _do_tell(self, job: SendMachine, a: Tell) -> None:
-        self._notify.submit(self._tell, job.peer, a.msg)
-
-    def _do_refuse(self, job: SendMachine, a: Refuse) -> None:
-        own = a.engine_id == job.peer.engine_id
-        self._refuse(job.peer if own else self._peer_of(a.engine_id), job.xid, a.problem)
-
-    def _do_acquire(self, job: SendMachine, a: AcquireBlocks) -> None:
-        self.engine.acquire_blocks(list(a.block_ids))
-
-    def _do_release(self, job: SendMachine, a: ReleaseBlocks) -> None:
-        self.engine.call(partial(self.engine.release_blocks, list(a.block_ids)))
-
-    def _do_tear_down(self, job: SendMachine, a: TearDown) -> None:
-        logger.warning("xid=%s: %s; tearing the endpoint with %s down",
-                       job.xid, a.why, job.peer.engine_id)  # fmt: skip
-        self.transport.disconnect(job.peer)
-
-    def _do_abort_prefill(self, job: SendMachine, a: AbortPrefill) -> None:
-        with self._lock:
-            self._finished.append(KVSendCancelled(job.xid))
-
-    def _do_release_prefill(self, job: SendMachine, a: ReleasePrefill) -> None:
-        # Also ends a prefill that failed before it finished (a WRITE failed, the
-        # receiver gave up): nobody would release its blocks, and its KV goes nowhere.
-        with self._lock:
-            self._finished.append(KVSendEnded(job.xid))
-
-    def _do_tombstone(self, job: SendMachine, a: Tombstone) -> None:
-        with self._lock:
-            self._cancelled[job.xid] = time.monotonic() + 2 * self.registration_wait_s
-
-    def _do_schedule_expire(self, job: SendMachine, a: ScheduleExpire) -> None:
-        self.engine.call(partial(self._expire, job.xid))
-
-    def _do_end(self, job: SendMachine, a: Ended) -> None:
-        self._account(job, time.monotonic())
-        self.engine.call(partial(self._forget, job))
-
-    def _do_count(self, job: SendMachine, a: Count) -> None:
-        setattr(self.stats, a.name, getattr(self.stats, a.name) + 1)
-
-    def _do_log(self, job: SendMachine, a: Log) -> None:
-        logger.log(a.level, "xid=%s: %s", job.xid, a.text)
+    def _note(
+        self, job: SendMachine, a: AbortPrefill | ReleasePrefill | Tombstone | Count | Log
+    ) -> None:
+        """The actions that only record something."""
+        match a:
+            case AbortPrefill():
+                self._finished.append(KVSendCancelled(job.xid))
+            case ReleasePrefill():
+                # Also ends a prefill that failed before it finished (a WRITE failed, the
+                # receiver gave up): nobody would release its blocks otherwise.
+                self._finished.append(KVSendEnded(job.xid))
+            case Tombstone():
+                self._cancelled[job.xid] = time.monotonic() + 2 * self.registration_wait_s
+            case Count():
+                setattr(self.stats, a.name, getattr(self.stats, a.name) + 1)
+            case Log():
+                logger.log(a.level, "xid=%s: %s", job.xid, a.text)
+            case _:
+                assert_never(a)
 
     def take_finished(self) -> list[KVTransferResult]:
-        """Engine thread: what ended prefills' sends since the last call, for the step
-        to apply (a held prefill's blocks are freed, a failed one stops)."""
-        with self._lock:
-            finished, self._finished = self._finished, []
+        """What ended prefills' sends since the last call, for the step to apply (a held
+        prefill's blocks are freed, a failed one stops)."""
+        finished, self._finished = self._finished, []
         return finished
 
     def has_pending_work(self) -> bool:
         return bool(self._finished)
 
-    # ---- engine thread: jobs ----
+    # ---- jobs ----
 
     def offer(
         self,
@@ -308,20 +303,24 @@ class KVSender(FlowHalf):
         return job
 
     def _add(self, job: SendJob) -> None:
-        with self._lock:
-            if job.xid in self._jobs:
-                raise ValueError(f"a transfer with xid {job.xid!r} is already in progress")
-            if job.xid in self._cancelled:
-                raise ValueError(f"the transfer {job.xid!r} was cancelled by its receiver")
-            self._jobs[job.xid] = job
-            early = self._early.pop(job.xid, None)
+        if job.xid in self._jobs:
+            raise ValueError(f"a transfer with xid {job.xid!r} is already in progress")
+        if job.xid in self._cancelled:
+            raise ValueError(f"the transfer {job.xid!r} was cancelled by its receiver")
+        self._jobs[job.xid] = job
+        early = self._early.pop(job.xid, None)
         if early is not None:
             self._register(early[0])
 
-    def decline(self, xid: str, reason: str) -> bool:
-        """The receiver takes nothing of job `xid` (an offer declined): end it quietly."""
+    def decline(self, xid: str, reason: str, by: str | None = None) -> bool:
+        """The receiver takes nothing of job `xid` (an offer declined): end it quietly.
+        ``by``: the engine whose KVDecline says so; only the job's peer may."""
         job = self._jobs.get(xid)
         if job is None or job.reg is not None:
+            return False
+        if by is not None and by != job.peer.engine_id:
+            logger.warning("xid=%s: KVDecline from %s ignored: the offer went to %s",
+                           xid, by, job.peer.engine_id)  # fmt: skip
             return False
         self._feed(job, Declined(reason))
         return True
@@ -338,9 +337,8 @@ class KVSender(FlowHalf):
         job = self._jobs.get(xid)
         early = None
         if job is None or job.reg is None:
-            with self._lock:
-                self._cancelled[xid] = time.monotonic() + 2 * self.registration_wait_s
-                early = self._early.pop(xid, None)
+            self._cancelled[xid] = time.monotonic() + 2 * self.registration_wait_s
+            early = self._early.pop(xid, None)
         if job is None:
             # Nothing was or will be written for it: whoever asked, or registered (and
             # was acknowledged), hears so at once.
@@ -348,9 +346,7 @@ class KVSender(FlowHalf):
             if early is not None:
                 told.add(early[0].sender)
             for engine_id in told:
-                self._notify.submit(
-                    self._tell_engine, engine_id, KVFailed(xid, "no such transfer in progress")
-                )
+                self.io.submit(NotifyEngine(engine_id, KVFailed(xid, "no such transfer in progress")))
             return False
         self._feed(job, Cancelled(reason, receiver))
         return True
@@ -377,38 +373,15 @@ class KVSender(FlowHalf):
         if xid in self._cancelled:
             self._refuse(peer, xid, "cancelled")
             return
-        with self._lock:
-            self._early[xid] = (reg, time.monotonic() + self.registration_wait_s)
+        self._early[xid] = (reg, time.monotonic() + self.registration_wait_s)
         if peer is not None:
-            self._notify.submit(self._tell, peer, KVRegistered(xid))
+            self._tell(peer, KVRegistered(xid))
 
     def _tell(self, peer: PeerHandle, msg: ControlMessage) -> None:
-        """Notify thread: send `msg`; to a peer whose endpoint a teardown removed, connect
-        afresh first (a KVFailed must reach its receiver, or its blocks stay quarantined)."""
-        try:
-            self.transport.send_notif(peer, self.codec.encode(msg), msg.xid)
-            return
-        except Exception as exc:
-            problem: Exception = exc
-        fresh = self.reconnect(peer.engine_id) if self.reconnect is not None else None
-        if fresh is not None:
-            try:
-                self.transport.send_notif(fresh, self.codec.encode(msg), msg.xid)
-                return
-            except Exception as exc:
-                problem = exc
-        logger.log(self.TELL_FAILURE_LEVEL, "xid=%s: cannot tell %s: %s",
-                   msg.xid, peer.engine_id, problem)  # fmt: skip
-
-    def _tell_engine(self, engine_id: str, msg: ControlMessage) -> None:
-        """Notify thread: `_tell` the peer with this engine id, connecting if need be."""
-        peer = self._peer_of(engine_id)
-        if peer is None and self.reconnect is not None:
-            peer = self.reconnect(engine_id)
-        if peer is None:
-            logger.info("xid=%s: cannot tell %s: not connected", msg.xid, engine_id)
-            return
-        self._tell(peer, msg)
+        """Send `msg` from the flow I/O thread; to a peer whose endpoint a teardown removed,
+        it connects afresh first (a KVFailed must reach its receiver, or its blocks stay
+        quarantined)."""
+        self.io.submit(Notify(peer, msg, reconnect=True, failure_level=self.TELL_FAILURE_LEVEL))
 
     def _peer_of(self, engine_id: str) -> PeerHandle | None:
         return self.peer_of(engine_id) if self.peer_of is not None else None
@@ -421,16 +394,9 @@ class KVSender(FlowHalf):
             xid, peer.engine_id if peer else "an unknown peer", problem,
         )  # fmt: skip
         if peer is not None:
-            self._notify.submit(self._tell, peer, KVFailed(xid, f"registration refused: {problem}"))
+            self._tell(peer, KVFailed(xid, f"registration refused: {problem}"))
 
-    def _drain_registrations(self, layer: int | None = None) -> None:
-        """Apply registrations the pump received (between steps, or between two layers)."""
-        with self._lock:
-            regs, self._regs = self._regs, []
-        for reg in regs:
-            self._register(reg, layer)
-
-    # ---- posting and completion (any thread after posting) ----
+    # ---- posting and completion ----
 
     def _post(self, job: SendMachine, a: PostWrite) -> None:
         try:
@@ -443,15 +409,7 @@ class KVSender(FlowHalf):
             self._on_write_done(job, a.write_id, None, f"post failed: {exc}")
             self._feed(job, WriteSettled(a.write_id, False, 0, time.monotonic()))
             return
-        handle.add_done_callback(lambda h: self._on_write_done(job, a.write_id, h, h.reason))
-        handle.add_settled_callback(
-            lambda h: self._feed(
-                job,
-                WriteSettled(
-                    a.write_id, h.state is TransferState.DONE, h.num_bytes, time.monotonic()
-                ),
-            )
-        )
+        self.inbox.watch(handle, _WriteWatch(self, job, a.write_id))
 
     def _on_write_done(
         self, job: SendMachine, write_id: int, handle: TransferHandle | None, reason: str | None
@@ -465,16 +423,9 @@ class KVSender(FlowHalf):
             logger.warning("xid=%s: WRITE to %s failed: %s", job.xid, job.peer.engine_id, reason)
 
     def _forget(self, job: SendMachine) -> None:
-        """Engine thread: drop an ended job and what its source kept."""
-        with self._lock:
-            if self._jobs.get(job.xid) is job:
-                del self._jobs[job.xid]
-            actions = job.handle(Forgotten())
-        for a in actions:  # on the engine thread already: blocks go back at once
-            if isinstance(a, ReleaseBlocks):
-                self.engine.release_blocks(list(a.block_ids))
-            else:
-                self._run(job, [a])
+        """Drop an ended job (its source's release was among its last actions)."""
+        if self._jobs.get(job.xid) is job:
+            del self._jobs[job.xid]
         for fn in job.on_end:
             fn(job)
 
@@ -501,94 +452,95 @@ class KVSender(FlowHalf):
             job.num_bytes, transfer_s * 1e3, exposed_s * 1e3,
         )  # fmt: skip
 
-    # ---- notification pump ----
+    # ---- inbox (engine thread) ----
 
-    def _on_register_notif(self, msg: ControlMessage, sender: str) -> None:
-        """Queue it; the next layer of a running forward applies it, or the engine call does."""
+    def _on_register_notif(self, msg: ControlMessage, sender: str, received_at: float) -> None:
+        """Between steps, or between two layers of a running forward (``_layer``)."""
         assert isinstance(msg, KVRegister)
-        with self._lock:
-            self._regs.append(Registration(msg, sender, time.monotonic()))
-        self.engine.call(self._drain_registrations)
+        self._register(Registration(msg, sender, received_at), self._layer)
 
-    def _on_cancel_notif(self, msg: ControlMessage, sender: str) -> None:
+    def _on_cancel_notif(self, msg: ControlMessage, sender: str, received_at: float) -> None:
+        """A KVCancel from ``sender`` (the agent that delivered it). Only the transfer's
+        receiver (the job's peer, or the engine that registered for it before the job
+        began) may cancel it; anyone else's is ignored."""
         assert isinstance(msg, KVCancel)
-        logger.info("xid=%s: receiver %s cancelled: %s", msg.xid, sender, msg.reason)
         job = self._jobs.get(msg.xid)
-        if job is not None:  # no WRITE is posted from now on (the engine call comes later)
-            self._feed(job, CancelHeard(msg.reason, sender))
-        self.engine.call(
-            lambda: self.cancel(msg.xid, f"cancelled by the receiver: {msg.reason}", sender)
-        )
+        early = self._early.get(msg.xid)
+        receiver = job.peer.engine_id if job is not None else early[0].sender if early else None
+        if receiver is not None and receiver != sender:
+            logger.warning("xid=%s: KVCancel from %s ignored: the transfer's receiver is %s",
+                           msg.xid, sender, receiver)  # fmt: skip
+            return
+        logger.info("xid=%s: receiver %s cancelled: %s", msg.xid, sender, msg.reason)
+        self.cancel(msg.xid, f"cancelled by the receiver: {msg.reason}", sender)
 
-    def _on_waiting_notif(self, msg: ControlMessage, sender: str) -> None:
+    def _on_waiting_notif(self, msg: ControlMessage, sender: str, received_at: float) -> None:
         """The receiver still means to register ``xid``: keep waiting for it."""
         job = self._jobs.get(msg.xid)
         if job is not None:
-            self._feed(job, Waiting(sender, self.registration_wait_s, time.monotonic()))
+            self._feed(job, Waiting(sender, self.registration_wait_s, received_at))
 
-    def _on_alive_ack_notif(self, msg: ControlMessage, sender: str) -> None:
+    def _on_alive_ack_notif(self, msg: ControlMessage, sender: str, received_at: float) -> None:
         """The receiver restarted its wait when our heartbeat sent at ``sent_at`` arrived:
         our deadline may move on (``sent_at`` is our own clock echoed back)."""
         assert isinstance(msg, KVAliveAck)
         job = self._jobs.get(msg.xid)
         if job is not None:
-            self._feed(job, AliveAck(sender, msg.sent_at, time.monotonic()))
+            self._feed(job, AliveAck(sender, msg.sent_at, received_at))
 
     def _tick(self, now: float) -> None:
         healthy = self.engine.is_healthy
-        with self._lock:
-            todo = [(j, j.handle(Tick(now, healthy))) for j in list(self._jobs.values())]
-            stale = [xid for xid, (_, until) in self._early.items() if now > until]
-            for xid in [x for x, until in self._cancelled.items() if now > until]:
-                del self._cancelled[xid]
-        for job, actions in todo:
-            self._run(job, actions)
-        for xid in stale:
-            self.engine.call(partial(self._drop_early, xid))
-
-    def _expire(self, xid: str) -> None:
-        job = self._jobs.get(xid)
-        if job is not None:
-            self._feed(job, Expire(time.monotonic()))
+        for job in list(self._jobs.values()):
+            self._feed(job, Tick(now, healthy))
+        for xid in [x for x, (_, until) in self._early.items() if now > until]:
+            self._drop_early(xid)
+        for xid in [x for x, until in self._cancelled.items() if now > until]:
+            del self._cancelled[xid]
 
     def _drop_early(self, xid: str) -> None:
-        """A registration for a job that never came: refused (nothing will be written)."""
-        with self._lock:
-            early = self._early.pop(xid, None)
-        if early is not None:
-            # It was acknowledged: refuse it now, or its receiver waits out its deadline.
-            sender = early[0].sender
-            logger.warning("xid=%s: registration from %s but no such transfer", xid, sender)
-            self._notify.submit(
-                self._tell_engine, sender, KVFailed(xid, "registration refused: no such transfer")
-            )
+        """A registration for a job that never came: refused (nothing will be written),
+        and its xid remembered a while, so that a delayed copy of it is refused too and
+        a job starting late under it does not write into blocks its receiver reused."""
+        early = self._early.pop(xid, None)
+        if early is None:
+            return
+        self._cancelled[xid] = time.monotonic() + 2 * self.registration_wait_s
+        # It was acknowledged: refuse it now, or its receiver waits out its deadline.
+        sender = early[0].sender
+        logger.warning("xid=%s: registration from %s but no such transfer", xid, sender)
+        self.io.submit(NotifyEngine(sender, KVFailed(xid, "registration refused: no such transfer")))
 
     def num_jobs(self) -> int:
-        with self._lock:
-            return len(self._jobs)
+        return len(self._jobs)
 
     def tables(self) -> dict[str, int]:
         """Sizes of the sender's tables (introspection): jobs, their WRITEs that may still
         land, registrations for no job yet, and cancelled xids remembered for a while."""
-        with self._lock:
-            return {
-                "send_jobs": len(self._jobs),
-                "send_writes_unsettled": sum(j.in_flight for j in self._jobs.values()),
-                "send_early_registrations": len(self._early) + len(self._regs),
-                "send_cancelled_tombstones": len(self._cancelled),
-            }
+        return {
+            "send_jobs": len(self._jobs),
+            "send_writes_unsettled": sum(j.in_flight for j in list(self._jobs.values())),
+            "send_early_registrations": len(self._early),
+            "send_cancelled_tombstones": len(self._cancelled),
+        }
 
     def close(self) -> None:
-        self._notify.shutdown(wait=False)
+        self.io.close()
 
 
-_DO: dict[type, str] = {
-    PostWrite: "_do_post", Tell: "_do_tell", Refuse: "_do_refuse", AcquireBlocks: "_do_acquire",
-    ReleaseBlocks: "_do_release", TearDown: "_do_tear_down", AbortPrefill: "_do_abort_prefill",
-    ReleasePrefill: "_do_release_prefill", Tombstone: "_do_tombstone",
-    ScheduleExpire: "_do_schedule_expire", Ended: "_do_end", Count: "_do_count", Log: "_do_log",
-}  # fmt: skip
-"""The `KVSender` method that carries out each kind of send action."""
+@dataclass(frozen=True)
+class _WriteWatch:
+    """Hears, through the inbox, how one WRITE of a job ended and when it settled."""
+
+    sender: KVSender
+    job: SendMachine
+    write_id: int
+
+    def on_transfer_ended(self, h: TransferHandle) -> None:
+        self.sender._on_write_done(self.job, self.write_id, h, h.reason)
+
+    def on_transfer_settled(self, h: TransferHandle) -> None:
+        ok = h.state is TransferState.DONE
+        self.sender._feed(self.job, WriteSettled(self.write_id, ok, h.num_bytes, time.monotonic()))
 
 
 __all__ = [

@@ -172,6 +172,9 @@ class NixlTransport(Transport):
         num_regions = layout.num_layers * 2 * layout.num_blocks
 
         self._peers: dict[str, _Peer] = {}
+        self._not_torn_down: dict[str, _Peer] = {}
+        """Disconnected peers whose endpoint NIXL refused to remove: transfers of ours to
+        them may still land, so they settle only once a later teardown succeeds."""
         self._wake = threading.Event()
         self._conn_lock = threading.RLock()
         """Held across a whole connect or disconnect: one never interleaves with the other."""
@@ -251,8 +254,16 @@ class NixlTransport(Transport):
             num = self._xfers.fail(peer.engine_id, "peer disconnected", FailureKind.DISCONNECTED)
             if p is not None:
                 self._peer_disconnected(p.handle)
-                self._agent.try_remove_peer(p.handle.agent_name, p.dlist)
                 logger.info("disconnected from peer %s (%d transfers failed)", peer.engine_id, num)
+            refused = self._not_torn_down.pop(peer.engine_id, None)
+            p = p or refused  # else try again a teardown NIXL refused before
+            if p is not None and not self._agent.try_remove_peer(p.handle.agent_name, p.dlist):
+                # The endpoint may still be up: what was posted to it may still land, so
+                # its blocks stay referenced until a later disconnect removes it.
+                self._not_torn_down[peer.engine_id] = p
+                logger.warning("endpoint to %s not torn down: its transfers stay unsettled "
+                               "until a later disconnect removes it", peer.engine_id)  # fmt: skip
+                return
             # The endpoint is gone: a transfer of ours to it cannot land any more.
             self._xfers.settle_peer(peer.engine_id, "peer endpoint torn down")
 
@@ -308,8 +319,9 @@ class NixlTransport(Transport):
         self._xfers.fail(None, "transport closed", FailureKind.DISCONNECTED)
         self._xfers.retry_releases(final=True)
         with self._lock:
-            peers = list(self._peers.values())
+            peers = list(self._peers.values()) + list(self._not_torn_down.values())
             self._peers.clear()
+            self._not_torn_down.clear()
         for p in peers:
             self._agent.try_remove_peer(p.handle.agent_name, p.dlist)
         self._xfers.settle_peer(None, "transport closed")

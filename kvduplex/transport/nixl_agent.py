@@ -87,10 +87,15 @@ class NixlAgent:
             name = self._agent.add_remote_agent(metadata)
         return name.decode() if isinstance(name, bytes) else str(name)
 
-    def try_remove_peer(self, agent_name: str, dlist: Any) -> None:
+    def try_remove_peer(self, agent_name: str, dlist: Any) -> bool:
+        """Release the peer's descriptors and remove its agent; False if NIXL refused
+        either (the endpoint may still be up: transfers to it may still land)."""
         with self._lock:
-            self._try(dlist.release, f"release descriptors of {agent_name}")
-            self._try(lambda: self._agent.remove_remote_agent(agent_name), f"remove {agent_name}")
+            released = self._try(dlist.release, f"release descriptors of {agent_name}")
+            removed = self._try(
+                lambda: self._agent.remove_remote_agent(agent_name), f"remove {agent_name}"
+            )
+        return released and removed
 
     def post(
         self,

@@ -17,6 +17,10 @@ injection for tests of the flows built on top::
     p.drop_next_notif(match)     # next notification (matching) is lost on the way
     d.chaos = NotifChaos(seed, p_drop=.03, p_dup=.03, p_reorder=.03)   # a lossy fabric
 
+Deadlines and late landings run on threading timers, or, on a fabric built with
+`ManualTimers`, only when the test moves that clock (`ManualTimers.advance_to`):
+no thread at all, for tests stepped in one thread.
+
 Each endpoint is its own agent (``inprocess-<engine id>``): a notification
 reaches its target as delivered by the sending endpoint's agent, with the
 envelope's claimed sender beside it, and the target's `Transport` checks the
@@ -27,6 +31,8 @@ the transfers in flight to it, like a dead peer.
 from __future__ import annotations
 
 import enum
+import heapq
+import itertools
 import logging
 import random
 import threading
@@ -34,7 +40,9 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from dataclasses import field
 from typing import Any
+from typing import Protocol
 from typing import TypeVar
 
 import torch
@@ -61,12 +69,70 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+class Timer(Protocol):
+    def cancel(self) -> None: ...
+
+
+@dataclass(order=True)
+class _ManualTimer:
+    at: float
+    seq: int
+    fn: Callable[..., None] = field(compare=False)
+    args: tuple[Any, ...] = field(compare=False)
+    cancelled: bool = field(default=False, compare=False)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class ManualTimers:
+    """The fabric's timers on a clock the test moves (one thread, no sleeps)."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+        self._due: list[_ManualTimer] = []
+        self._seq = itertools.count()
+
+    def start(self, delay_s: float, fn: Callable[..., None], args: tuple[Any, ...]) -> Timer:
+        timer = _ManualTimer(self.now + delay_s, next(self._seq), fn, args)
+        heapq.heappush(self._due, timer)
+        return timer
+
+    @property
+    def num_pending(self) -> int:
+        """Timers not fired (nor cancelled) yet."""
+        return sum(1 for t in self._due if not t.cancelled)
+
+    def advance_to(self, now: float) -> int:
+        """Move the clock to ``now``, firing every timer due by then, in time order (those
+        they start included); how many fired."""
+        fired = 0
+        while self._due and self._due[0].at <= now:
+            timer = heapq.heappop(self._due)
+            self.now = max(self.now, timer.at)
+            if not timer.cancelled:
+                fired += 1
+                timer.fn(*timer.args)
+        self.now = max(self.now, now)
+        return fired
+
+
 class InProcessFabric:
     """Connects `InProcessTransport` endpoints of one process by engine id."""
 
-    def __init__(self) -> None:
+    def __init__(self, timers: ManualTimers | None = None) -> None:
+        """``timers``: run deadlines and late landings on that clock (else on threads)."""
         self._lock = threading.Lock()
         self._endpoints: dict[str, InProcessTransport] = {}
+        self.timers = timers
+
+    def start_timer(self, delay_s: float, fn: Callable[..., None], *args: Any) -> Timer:
+        if self.timers is not None:
+            return self.timers.start(delay_s, fn, args)
+        timer = threading.Timer(delay_s, fn, args=args)
+        timer.daemon = True
+        timer.start()
+        return timer
 
     def endpoint(
         self,
@@ -124,7 +190,7 @@ class _Late:
     post: Post
     target: InProcessTransport
     corrupt: bool
-    timer: threading.Timer | None = None
+    timer: Timer | None = None
     expired: bool = False
 
 
@@ -194,7 +260,7 @@ class InProcessTransport(Transport):
         self._regions = pool.view(layout.num_layers * 2 * layout.num_blocks, -1)  # (regions, elems)
         self._peers: dict[str, PeerHandle] = {}
         self._faults: deque[_Fault] = deque()
-        self._hung: dict[int, tuple[TransferHandle, threading.Timer]] = {}
+        self._hung: dict[int, tuple[TransferHandle, Timer]] = {}
         self._late: dict[int, _Late] = {}
         self._forged: deque[str] = deque()
         self._drops: deque[Callable[[bytes], bool]] = deque()
@@ -340,21 +406,17 @@ class InProcessTransport(Transport):
             self._complete(handle, TransferState.FAILED, "peer is gone", FailureKind.PEER)
             return
         if fault is not None and fault.kind is _FaultKind.HANG:
-            timer = threading.Timer(handle.deadline_s, self._expire, args=(handle,))
-            timer.daemon = True
             with self._lock:
+                timer = self._fabric.start_timer(handle.deadline_s, self._expire, handle)
                 self._hung[id(handle)] = (handle, timer)
-            timer.start()
             return
         if fault is not None:  # LATE
             late = _Late(post, target, fault.corrupt)
-            late.timer = threading.Timer(
-                handle.deadline_s, self._expire_late, args=(late, fault.late_s)
-            )
-            late.timer.daemon = True
             with self._lock:
                 self._late[id(handle)] = late
-            late.timer.start()
+                late.timer = self._fabric.start_timer(
+                    handle.deadline_s, self._expire_late, late, fault.late_s
+                )
             return
         self._copy(post, target)
         self._complete(handle, TransferState.DONE)
@@ -402,9 +464,7 @@ class InProcessTransport(Transport):
                 return  # torn down before its deadline
             late.expired = True
             if late_s is not None:
-                late.timer = threading.Timer(late_s, self._land_late, args=(late,))
-                late.timer.daemon = True
-                late.timer.start()
+                late.timer = self._fabric.start_timer(late_s, self._land_late, late)
         reason = f"deadline exceeded after {handle.deadline_s:g} s"
         self._complete(handle, TransferState.FAILED, reason, FailureKind.DEADLINE,
                        may_still_land=True)  # fmt: skip
@@ -465,4 +525,4 @@ class InProcessTransport(Transport):
             self._complete(h, TransferState.FAILED, reason, failure)
 
 
-__all__ = ["InProcessFabric", "InProcessTransport", "NotifChaos"]
+__all__ = ["InProcessFabric", "InProcessTransport", "ManualTimers", "NotifChaos"]

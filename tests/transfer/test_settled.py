@@ -255,3 +255,74 @@ def test_nixl_table_never_checks_a_handle_that_a_concurrent_fail_released() -> N
     assert sorted(t.agent.released) == [1, 2]
     assert t.agent.checked_after_release == []
     assert not t.table.busy
+
+
+# ---- the NIXL transport's teardown, over a scripted agent ----
+
+
+class TeardownAgent(ScriptedAgent):
+    """Stands in for `NixlAgent` inside a `NixlTransport`: removing a peer can fail."""
+
+    def __init__(self, name: str, backend_params: object = None) -> None:
+        super().__init__()
+        self.name = name
+        self.remove_fails = False
+        self.removed: list[str] = []
+
+    def register(self, *args: Any) -> None:
+        pass
+
+    def prep_dlist(self, *args: Any) -> object:
+        return object()
+
+    def metadata(self) -> bytes:
+        return b"md"
+
+    def add_peer(self, metadata: bytes) -> str:
+        return metadata.decode()
+
+    def try_remove_peer(self, agent_name: str, dlist: Any) -> bool:
+        if self.remove_fails:
+            return False  # NIXL raised; the agent logged it and went on
+        self.removed.append(agent_name)
+        return True
+
+    def new_notifs(self) -> dict[str, list[bytes]]:
+        return {}
+
+    def try_close(self, local_dlist: Any) -> None:
+        pass
+
+
+def test_a_failed_endpoint_teardown_does_not_settle_a_cancelled_transfer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A transfer cancelled while active may still be on the wire until its peer's
+    endpoint is really gone: a removal NIXL refused settles nothing; a later
+    teardown that succeeds does."""
+    from kvduplex.common.kv_layout import KVCacheLayout
+    from kvduplex.engine.kv_cache import allocate_kv_pool
+    from kvduplex.transport import nixl as nixl_transport
+    from kvduplex.transport.messages import HandshakeInfo
+    from kvduplex.transport.messages import LayoutInfo
+
+    monkeypatch.setattr(nixl_transport, "NixlAgent", TeardownAgent)
+    layout = KVCacheLayout(num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2, head_dim=8)
+    t = nixl_transport.NixlTransport(allocate_kv_pool(layout), layout, engine_id="p")
+    agent: TeardownAgent = t._agent  # type: ignore[assignment]
+    try:
+        info = HandshakeInfo("d", "agent-d", b"agent-d", LayoutInfo.from_layout(layout), 0)
+        peer = t.connect(info)
+        h = t.transfer(TransferOp.WRITE, peer, "x1", [1], [2], deadline_s=30)
+        settled = threading.Event()
+        h.add_settled_callback(lambda _: settled.set())
+        agent.remove_fails = True
+        t.disconnect(peer)  # fails the WRITE (released while active: cancelled)
+        assert h.state is TransferState.FAILED and h.may_still_land
+        assert not h.settled and not settled.is_set(), "the endpoint is still there"
+        agent.remove_fails = False
+        t.disconnect(peer)  # the teardown is tried again, and now succeeds
+        assert agent.removed == ["agent-d"]
+        assert h.settled and settled.is_set() and not h.may_still_land
+    finally:
+        t.close()

@@ -3,6 +3,7 @@ instances wire them, joined by the in-process transport. Shared by the flow test
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 
@@ -96,6 +97,26 @@ def landing_problems(engine: AsyncEngine, post: Post) -> list[str]:
     return engine.call(check).result(10)
 
 
+class Starved:
+    """Every free or cached block of an engine, taken: its engine thread runs (ticks,
+    messages), but admits nothing until `end` gives them back (a busy instance)."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        def take(e: LLMEngine) -> list[int]:
+            st = e.block_pool.stats()
+            blocks = e.kv_manager.try_allocate_blocks(st.num_free + st.num_cached)
+            assert blocks is not None
+            return blocks
+
+        self.engine = engine
+        self.blocks: list[int] | None = engine.call(take).result(5)
+
+    def end(self) -> None:
+        blocks, self.blocks = self.blocks, None
+        if blocks is not None:
+            self.engine.call(lambda e: e.kv_manager.release_blocks(blocks)).result(5)
+
+
 class Pair:
     """P and D engines joined by an in-process fabric; ``with Pair(tiny) as s`` closes them."""
 
@@ -141,7 +162,7 @@ class Pair:
     async def decode(
         self, xid: str, prompt: list[int] = PROMPT, params: SamplingParams = GREEDY
     ) -> list[int]:
-        self.push.register(PushSpec(xid, self.p_peer, "http://p", f"d-{xid}"))
+        await asyncio.wrap_future(self.push.submit(PushSpec(xid, self.p_peer, "http://p", f"d-{xid}")))
         out: list[int] = []
         async for o in self.ad.generate(Request(f"d-{xid}", prompt, params, remote_kv=RemoteKVSpec(xid))):
             out.extend(o.new_token_ids)
@@ -168,3 +189,5 @@ class Pair:
         self.ad.shutdown()
         self.sender.close()
         self.df.sender.close()
+        self.pf.io.close()
+        self.df.io.close()

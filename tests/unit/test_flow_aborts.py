@@ -58,7 +58,7 @@ def test_decode_aborted_before_admission_tells_prefill(tiny: LoadedModel) -> Non
     """D's request is queued behind a long one when its client leaves: its spec goes,
     and P, told at once, never computes the prompt."""
     with Pair(tiny) as s:
-        s.push.register(PushSpec("xb", s.p_peer, "http://p", "d-xb"))
+        s.push.submit(PushSpec("xb", s.p_peer, "http://p", "d-xb")).result(5)
         s.ad.call(lambda _e: s.df.push.on_aborted("xb")).result(5)
         assert s.push.num_specs() == 0
         _wait_for(lambda: s.sender.tables()["send_cancelled_tombstones"] == 1, "P to hear it")
@@ -92,7 +92,7 @@ def test_prefill_aborted_mid_prefill_lets_decode_compute_at_once(tiny: LoadedMod
 
 def test_a_request_that_never_reached_the_engine_drops_its_push_spec(tiny: LoadedModel) -> None:
     with Pair(tiny) as s:
-        s.push.register(PushSpec("xd", s.p_peer, "http://p", "d-xd"))
+        s.push.submit(PushSpec("xd", s.p_peer, "http://p", "d-xd")).result(5)
         req = Request("d-xd", PROMPT, GREEDY, remote_kv=RemoteKVSpec("xd"))
         s.ad.call(lambda e: e.drop_unadded(req)).result(5)
         assert s.push.num_specs() == 0
@@ -104,7 +104,7 @@ def test_pull_spec_of_an_aborted_request_releases_prefills_lease(tiny: LoadedMod
     try:
         spec = s.prefill("xe")
         spec.request_id = "xe"
-        s.conn.register(spec)
+        s.conn.submit(spec).result(5)
         req = Request("xe", PROMPT, GREEDY, remote_kv=RemoteKVSpec("xe"))
         s.ad.call(lambda e: e.drop_unadded(req)).result(5)
         assert s.conn.num_specs() == 0
@@ -118,7 +118,7 @@ def test_pull_spec_whose_request_never_arrives_is_swept(tiny: LoadedModel) -> No
     try:
         spec = s.prefill("xf")
         spec.request_id = "xf"
-        s.conn.register(spec)
+        s.conn.submit(spec).result(5)
         s.pump.start()
         _wait_for(lambda: s.conn.num_specs() == 0, "the orphan spec to go")
         _wait_for(lambda: s.released == [("http://p", "xf")], "the lease's release")

@@ -174,7 +174,7 @@ class Storm:
         elif session.mode == "push+retained":
             meta = RetainSpec(session.sid)
             await self._read_retained(session, xid)
-        s.push.register(PushSpec(xid, s.p_peer, "http://p", f"d-{xid}"))
+        s.push.submit(PushSpec(xid, s.p_peer, "http://p", f"d-{xid}")).result(5)
         req = Request(
             f"d-{xid}", prompt, ANSWER, remote_kv=RemoteKVSpec(xid),
             hold_blocks_on_finish=meta is not None, connector_meta=meta,
@@ -202,10 +202,10 @@ class Storm:
             pass
         held = await asyncio.wrap_future(s.ap.call(lambda e: block_ids_of(e, xid)))
         assert held is not None
-        s.df.pull.register(PullSpec(
+        await asyncio.wrap_future(s.df.pull.submit(PullSpec(
             xid, s.p_peer, "http://p", held["block_ids"], held["num_tokens"],
             num_cached_tokens=held["num_cached_tokens"], request_id=f"d-{xid}",
-        ))  # fmt: skip
+        )))  # fmt: skip
         req = Request(f"d-{xid}", prompt, ANSWER, remote_kv=RemoteKVSpec(xid))
         return await self._collect(req, leave_after)
 

@@ -13,6 +13,7 @@ from prometheus_client import REGISTRY
 
 from kvduplex.common.limits import RequestRejected
 from kvduplex.engine.block_pool import compute_block_hashes
+from kvduplex.engine.handle import EngineHandle
 from kvduplex.engine.request import Request
 from kvduplex.kvflow.lease import LeaseTable
 from kvduplex.kvflow.messages import KVDone
@@ -133,21 +134,21 @@ def test_push_prefill_under_another_requests_id_is_refused(tiny: LoadedModel) ->
             asyncio.run(again())
         assert s.in_use(s.ap) == in_use, "the held request lost its blocks"
 
-        async def release() -> tuple[bool, bool]:
-            leases = LeaseTable(s.ap, lease_s=30.0)
-            foreign = await leases.release("lease-1")  # held, but not under a lease
+        def release(_e: object) -> tuple[bool, bool]:  # engine thread
+            leases = LeaseTable(EngineHandle(s.ap), lease_s=30.0)
+            foreign = leases.release("lease-1")  # held, but not under a lease
             leases.start("lease-1")
-            return foreign, await leases.release("lease-1")
+            return foreign, leases.release("lease-1")
 
-        assert asyncio.run(release()) == (False, True)
+        assert s.ap.call(release).result(5) == (False, True)
         s.assert_clean()
 
 
 def test_transfer_ids_waited_on_are_not_taken_twice(tiny: LoadedModel) -> None:
     with Pair(tiny) as s:
-        s.push.register(PushSpec("x1", s.p_peer, "http://p", "d-x1"))
+        s.push.submit(PushSpec("x1", s.p_peer, "http://p", "d-x1")).result(5)
         with pytest.raises(ValueError, match="in use"):
-            s.push.register(PushSpec("x1", s.p_peer, "http://p", "d-other"))
+            s.push.submit(PushSpec("x1", s.p_peer, "http://p", "d-other")).result(5)
         assert s.push.cancel("x1", "test")
         receiver = s.df.receiver
 

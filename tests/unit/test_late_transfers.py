@@ -113,7 +113,7 @@ def test_a_pull_read_that_lands_after_its_deadline_never_reaches_the_answer(
     s = PullSetup(tiny, deadline_s=0.3)
     try:
         spec = s.prefill("xr")
-        s.conn.register(spec)
+        s.conn.submit(spec).result(5)
         s.td.land_late_next(None, corrupt=True)
         out = asyncio.run(s.decode("xr"))
         assert out == _reference(tiny, PROMPT)
@@ -155,7 +155,7 @@ def test_a_pull_read_that_never_settles_gets_its_endpoint_torn_down(tiny: Loaded
     s = PullSetup(tiny, deadline_s=0.3)
     try:
         spec = s.prefill("xn")
-        s.conn.register(spec)
+        s.conn.submit(spec).result(5)
         s.td.land_late_next(None)  # NIXL never lets go of it
         assert asyncio.run(s.decode("xn")) == _reference(tiny, PROMPT)
         _wait_for(lambda: not s.td.is_connected(s.tp.engine_id), "D to tear the endpoint down")

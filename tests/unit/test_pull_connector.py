@@ -89,7 +89,7 @@ def test_pull_reads_prefill_blocks_and_matches_local(tiny: LoadedModel) -> None:
     s = Setup(tiny)
     try:
         expected = _run(_engine(tiny), "ref", GREEDY)
-        s.conn.register(s.prefill("x1"))
+        s.conn.submit(s.prefill("x1")).result(5)
         assert asyncio.run(s.decode("x1")) == expected
         assert s.conn.stats.num_pulled_blocks == 5 and s.conn.stats.num_failed == 0
         assert s.released == [("http://p", "x1")]
@@ -103,7 +103,7 @@ def test_failed_read_falls_back_to_local_prefill(tiny: LoadedModel) -> None:
     s = Setup(tiny)
     try:
         expected = _run(_engine(tiny), "ref", GREEDY)
-        s.conn.register(s.prefill("x2"))
+        s.conn.submit(s.prefill("x2")).result(5)
         s.td.fail_next("boom")
         assert asyncio.run(s.decode("x2")) == expected
         assert s.conn.stats.num_failed == 1 and s.conn.stats.num_pulled_blocks == 0
@@ -115,7 +115,7 @@ def test_failed_read_falls_back_to_local_prefill(tiny: LoadedModel) -> None:
 def test_abort_during_read_keeps_targets_until_it_ends(tiny: LoadedModel) -> None:
     s = Setup(tiny, deadline_s=60)  # the READ ends when the test disconnects, not at a deadline
     try:
-        s.conn.register(s.prefill("x3"))
+        s.conn.submit(s.prefill("x3")).result(5)
         s.td.hang_next()
 
         def read_in_flight() -> bool:
@@ -150,7 +150,7 @@ def test_cached_tokens_are_prefills_prefix_hits(tiny: LoadedModel) -> None:
         _run(s.p, "warm", SamplingParams(max_tokens=1, temperature=0.0))  # P caches PROMPT's blocks
         spec = s.prefill("x3")
         assert spec.num_cached_tokens == 16  # 4 full blocks of 4; the partial one is computed
-        s.conn.register(spec)
+        s.conn.submit(spec).result(5)
         _, last = asyncio.run(s.decode_outputs("x3"))
         assert last.num_cached_tokens == 16 and last.num_local_cached_tokens == 0
     finally:

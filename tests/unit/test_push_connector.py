@@ -9,7 +9,6 @@ P writes layer by layer into D's registered blocks.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Callable
 
@@ -22,13 +21,13 @@ from kvduplex.kvflow.messages import KVCancel
 from kvduplex.kvflow.messages import KVRegister
 from kvduplex.kvflow.push_decode import PushSpec
 from kvduplex.kvflow.push_prefill import PushPlan
-from kvduplex.kvflow.sender import Registration
 from kvduplex.model.loader import LoadedModel
 from kvduplex.transport.messages import ControlMessage
 from tests.unit.flow_pair import FIRST
 from tests.unit.flow_pair import GREEDY
 from tests.unit.flow_pair import PROMPT
 from tests.unit.flow_pair import Pair
+from tests.unit.flow_pair import Starved
 from tests.unit.flow_pair import _reference
 from tests.unit.flow_pair import _wait_for
 from tests.unit.flow_pair import tiny as tiny  # the module-scoped model fixture
@@ -172,7 +171,7 @@ def test_registration_mid_forward_writes_finished_layers_then_streams(tiny: Load
                 if layer == 0 and held:  # the registration lands while layer 1 is computed
                     msg, sender = held.pop()
                     assert isinstance(msg, KVRegister)
-                    s.sender._regs.append(Registration(msg, sender, time.monotonic()))
+                    s.pf.inbox.heard(msg, sender)  # as the pump does
                 if hook is not None:
                     hook(layer)
 
@@ -212,23 +211,24 @@ def test_prefill_queued_longer_than_the_wait_keeps_decode_waiting(tiny: LoadedMo
     """P holds the registered job but its engine is busy elsewhere for over D's wait:
     its heartbeats restart D's wait, and D gets the pushed KV instead of recomputing."""
     s = Pair(tiny, wait_s=0.3)
-    gate = threading.Event()
+    gate: Starved | None = None
     try:
 
-        def admit_then_stall() -> None:
+        def admit() -> None:
             s.sender.expect("q", s.d_peer, len(PROMPT))  # applies the early registration
-            gate.wait(30)  # P's engine thread is busy: no step runs meanwhile
 
         async def run() -> list[int]:
+            nonlocal gate
             d = asyncio.ensure_future(s.decode("q"))
             await asyncio.to_thread(_wait_for, lambda: "q" in s.sender._early, "registration")
+            gate = Starved(s.ap)  # P's engine is busy: its prefill is not scheduled meanwhile
             p = asyncio.ensure_future(_collect(s.ap.generate(
-                Request("q", PROMPT, FIRST, hold_blocks_on_finish=True), on_admit=admit_then_stall)))  # fmt: skip
+                Request("q", PROMPT, FIRST, hold_blocks_on_finish=True), on_admit=admit)))  # fmt: skip
             # Four heartbeats at 0.1 s intervals: D's original 0.3 s wait is over.
             await asyncio.to_thread(
                 _wait_for, lambda: s.df.receiver.stats.num_alive_received >= 4, "heartbeats"
             )
-            gate.set()
+            gate.end()
             await p
             return await d
 
@@ -237,7 +237,8 @@ def test_prefill_queued_longer_than_the_wait_keeps_decode_waiting(tiny: LoadedMo
         assert s.sender.stats.num_alive_sent >= 4 and s.sender.stats.num_done == 1
         s.assert_clean()
     finally:
-        gate.set()
+        if gate is not None:
+            gate.end()
         s.close()
 
 
@@ -245,9 +246,8 @@ def test_decode_queued_longer_than_the_wait_keeps_prefill_holding(tiny: LoadedMo
     """D's request waits for admission for over P's wait for the registration: D's
     heartbeats keep P holding the computed KV, then P pushes it."""
     s = Pair(tiny, wait_s=0.3)
-    gate = threading.Event()
+    gate = Starved(s.ad)  # D's engine is busy: nothing is admitted
     try:
-        s.ad.call(lambda _e: gate.wait(30))  # D's engine thread is busy: nothing is admitted
 
         async def run() -> list[int]:
             d = asyncio.ensure_future(s.decode("dq"))
@@ -256,22 +256,21 @@ def test_decode_queued_longer_than_the_wait_keeps_prefill_holding(tiny: LoadedMo
                 _wait_for, lambda: s.sender.stats.num_waiting_received >= 4, "heartbeats"
             )
             assert s.in_use(s.ap) == 5  # still held for the push
-            gate.set()
+            gate.end()
             return await d
 
         assert asyncio.run(run()) == _reference(tiny)
         assert s.push.stats.num_fallbacks == 0 and s.sender.stats.num_failed == 0
         s.assert_clean()
     finally:
-        gate.set()
+        gate.end()
         s.close()
 
 
 def test_decode_request_gone_before_admission_stops_its_heartbeats(tiny: LoadedModel) -> None:
     s = Pair(tiny, wait_s=0.3)
-    gate = threading.Event()
+    gate = Starved(s.ad)
     try:
-        s.ad.call(lambda _e: gate.wait(30))
 
         async def leave_before_admission() -> None:
             task = asyncio.ensure_future(s.decode("orphan"))
@@ -280,12 +279,12 @@ def test_decode_request_gone_before_admission_stops_its_heartbeats(tiny: LoadedM
             await asyncio.gather(task, return_exceptions=True)
 
         asyncio.run(leave_before_admission())
-        gate.set()
+        gate.end()
         _wait_for(lambda: not s.push.owns("orphan"), "the orphaned spec to be dropped")
         assert not s.push._spec_waiting_at  # nothing left to send heartbeats for
         s.assert_clean()
     finally:
-        gate.set()
+        gate.end()
         s.close()
 
 
@@ -301,7 +300,7 @@ def test_cached_tokens_are_prefills_prefix_hits(tiny: LoadedModel) -> None:
         asyncio.run(_collect(s.ap.generate(Request("warm", PROMPT, FIRST))))  # P caches PROMPT's blocks
 
         async def both() -> object:
-            s.push.register(PushSpec("c1", s.p_peer, "http://p", "d-c1"))
+            await asyncio.wrap_future(s.push.submit(PushSpec("c1", s.p_peer, "http://p", "d-c1")))
             last = None
             d = s.ad.generate(Request("d-c1", PROMPT, GREEDY, remote_kv=RemoteKVSpec("c1")))
             p = asyncio.ensure_future(s.prefill("c1"))
@@ -319,27 +318,31 @@ def test_unanswered_heartbeats_do_not_extend_prefills_deadline(tiny: LoadedModel
     """D gave up (and its KVCancel is lost): it does not acknowledge P's heartbeats,
     so P's deadline stays D's, and P writes nothing into the blocks D let go of."""
     s = Pair(tiny, wait_s=0.3)
-    gate = threading.Event()
+    gate: Starved | None = None
     s.pumps[0].on(KVCancel, lambda _msg, _sender: None)  # the cancel never arrives
     try:
 
-        def admit_then_stall() -> None:
+        def admit() -> None:
             s.sender.expect("u", s.d_peer, len(PROMPT))
-            gate.wait(30)
 
         async def run() -> list[int]:
+            nonlocal gate
             d = asyncio.ensure_future(s.decode("u"))
             await asyncio.to_thread(_wait_for, lambda: "u" in s.sender._early, "registration")
+            gate = Starved(s.ap)  # P's engine is busy: its prefill is not scheduled meanwhile
             p = asyncio.ensure_future(_collect(s.ap.generate(
-                Request("u", PROMPT, FIRST, hold_blocks_on_finish=True), on_admit=admit_then_stall)))  # fmt: skip
+                Request("u", PROMPT, FIRST, hold_blocks_on_finish=True), on_admit=admit)))  # fmt: skip
             await asyncio.to_thread(_wait_for, lambda: s.df.receiver.stats.num_alive_received >= 1, "a beat")
+            job = s.sender._jobs["u"]
             assert s.ad.call(lambda _e: s.push.cancel("u", "test")).result(5)
             sent = s.sender.stats.num_alive_sent
+            # Unanswered beats, until P's own deadline (D's) ends the job.
             await asyncio.to_thread(
-                _wait_for, lambda: s.sender.stats.num_alive_sent >= sent + 3, "unanswered beats"
-            )
-            assert s.sender._jobs["u"].expires_at < time.monotonic()
-            gate.set()
+                _wait_for, lambda: s.sender.stats.num_alive_sent >= sent + 3 or job.ended,
+                "unanswered beats",
+            )  # fmt: skip
+            assert job.expires_at < time.monotonic()
+            gate.end()
             await p
             return await d
 
@@ -348,5 +351,6 @@ def test_unanswered_heartbeats_do_not_extend_prefills_deadline(tiny: LoadedModel
         assert s.push.stats.num_fallbacks == 1
         s.assert_clean()
     finally:
-        gate.set()
+        if gate is not None:
+            gate.end()
         s.close()

@@ -19,6 +19,7 @@ from kvduplex.engine.request import Request
 from kvduplex.engine.scheduler_output import KVReceiveFailed
 from kvduplex.engine.scheduler_output import RemoteKVAllocation
 from kvduplex.kvflow import push_decode
+from kvduplex.kvflow.inbox import FlowInbox
 from kvduplex.kvflow.push_decode import PushDecode
 from kvduplex.kvflow.push_decode import PushSpec
 from kvduplex.kvflow.receiver import KVReceiver
@@ -53,7 +54,8 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
 @pytest.fixture
 def push() -> PushDecode:
     engine: Any = SimpleNamespace(block_size=BLOCK_SIZE, is_healthy=False)  # no heartbeats
-    receiver = KVReceiver(None, engine, wait_s=WAIT_S, quarantine_s=WAIT_S)  # type: ignore[arg-type]
+    inbox = FlowInbox()
+    receiver = KVReceiver(None, engine, inbox, None, wait_s=WAIT_S, quarantine_s=WAIT_S)  # type: ignore[arg-type]
     return PushDecode(receiver, engine)
 
 

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from kvduplex.instance import kv_routes
-from kvduplex.instance.kv_routes import READ_PIN_MARGIN_S
-from kvduplex.instance.kv_routes import PushPrefill
-from kvduplex.instance.kv_routes import RetainedTurn
+from kvduplex.kvflow import return_pull
+from kvduplex.kvflow.return_pull import READ_PIN_MARGIN_S
+from kvduplex.kvflow.return_pull import RetainedReadSide
+from kvduplex.kvflow.return_pull import RetainedTurnRef
 
 HANDSHAKE_S = 1.0
 ENGINE_BUSY_S = 1.5
@@ -24,7 +24,7 @@ ENGINE_BUSY_S = 1.5
 
 
 class Clock:
-    """Stands in for ``time`` in `kv_routes`: moves only when told."""
+    """Stands in for ``time`` in `return_pull`: moves only when told."""
 
     def __init__(self) -> None:
         self.now = 100.0
@@ -48,7 +48,7 @@ class Reader:
         return done
 
 
-def _push_prefill(clock: Clock, reader: Reader) -> PushPrefill:
+def _retained_read(clock: Clock, reader: Reader) -> RetainedReadSide:
     peer = SimpleNamespace(layout=SimpleNamespace(num_blocks=64), engine_id="d")
 
     def get_peer(_url: str, _engine_id: str | None) -> Any:
@@ -60,9 +60,7 @@ def _push_prefill(clock: Clock, reader: Reader) -> PushPrefill:
             clock.now += ENGINE_BUSY_S
             return fn(None)
 
-    state = SimpleNamespace(engine=Engine())
-    flows = SimpleNamespace(reader=reader)
-    return PushPrefill(state, flows, SimpleNamespace(get_peer=get_peer))  # type: ignore[arg-type]
+    return RetainedReadSide(Engine(), reader, get_peer)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("pin_left_s", [5.0, 3.0, 2.0, 0.4])
@@ -70,13 +68,14 @@ def test_a_retained_turn_read_ends_before_decodes_pin(
     monkeypatch: pytest.MonkeyPatch, pin_left_s: float
 ) -> None:
     clock = Clock()
-    monkeypatch.setattr(kv_routes, "time", clock)
+    monkeypatch.setattr(return_pull, "time", clock)
     reader = Reader(clock)
-    src = RetainedTurn(
-        decode_url="http://d", block_ids=[1], keys=["00"], token_ids=[1], pin_left_s=pin_left_s
-    )
+    src = RetainedTurnRef(
+        decode_url="http://d", engine_id=None, block_ids=[1], keys=["00"], token_ids=[1],
+        pin_left_s=pin_left_s,
+    )  # fmt: skip
     arrived = clock.now
-    num_read = asyncio.run(_push_prefill(clock, reader)._read_retained("x", src, arrived))
+    num_read = asyncio.run(_retained_read(clock, reader).read("x", src, arrived))
     pin_ends = arrived + pin_left_s
     left_at_post = pin_left_s - HANDSHAKE_S - ENGINE_BUSY_S - READ_PIN_MARGIN_S
     if left_at_post <= 0:

@@ -37,7 +37,6 @@ from kvduplex.kvflow.machines.receive import Asked
 from kvduplex.kvflow.machines.receive import AskSender
 from kvduplex.kvflow.machines.receive import Begin
 from kvduplex.kvflow.machines.receive import Cancel
-from kvduplex.kvflow.machines.receive import Expire
 from kvduplex.kvflow.machines.receive import FlowDone
 from kvduplex.kvflow.machines.receive import FlowFailed
 from kvduplex.kvflow.machines.receive import Forget
@@ -46,7 +45,6 @@ from kvduplex.kvflow.machines.receive import ReceiveAction
 from kvduplex.kvflow.machines.receive import ReceiveEvent
 from kvduplex.kvflow.machines.receive import ReceiveMachine
 from kvduplex.kvflow.machines.receive import ReceivePhase
-from kvduplex.kvflow.machines.receive import ScheduleExpire
 from kvduplex.kvflow.machines.receive import SenderEnded
 from kvduplex.kvflow.machines.receive import SenderGone
 from kvduplex.kvflow.machines.receive import Tick
@@ -75,11 +73,13 @@ class ReceiveMachineTest(RuleBasedStateMachine):
         self.outcomes: list[FlowDone | FlowFailed] = []
         self.cancels_sent = 0
         self.forgotten = False
-        self.expire_due = False
         self.asking = False
 
-    @initialize(num_blocks=st.integers(1, 4), sent=st.sampled_from([True, True, False]))
-    def begin(self, num_blocks: int, sent: bool) -> None:
+    @initialize(
+        num_blocks=st.integers(1, 4), sent=st.sampled_from([True, True, False]),
+        can_ask=st.booleans(),
+    )  # fmt: skip
+    def begin(self, num_blocks: int, sent: bool, can_ask: bool) -> None:
         blocks = [10 + i for i in range(num_blocks)]
         self.blocks = blocks
         self.sent = sent
@@ -88,7 +88,7 @@ class ReceiveMachineTest(RuleBasedStateMachine):
         peer = PeerHandle(PEER, "agent-" + PEER, None)  # type: ignore[arg-type]
         self.m = ReceiveMachine(
             "x", peer, tuple(blocks), reg, WAIT_S, QUARANTINE_S, deadline=self.now + WAIT_S,
-            reg_sent_at=self.now, wants_first_token=True,
+            reg_sent_at=self.now, wants_first_token=True, can_ask=can_ask,
         )  # fmt: skip
         self.feed(Begin())
         if not sent:  # nothing reached the sender: it can never write
@@ -125,10 +125,8 @@ class ReceiveMachineTest(RuleBasedStateMachine):
         elif isinstance(a, Forget):
             assert not self.forgotten
             self.forgotten = True
-        elif isinstance(a, ScheduleExpire):
-            assert not self.expire_due
-            self.expire_due = True
         elif isinstance(a, AskSender):
+            assert not self.asking, "asked again before the answer"
             self.asking = True
         elif isinstance(a, TearDown):
             self.sender_may_write = False  # its endpoint is gone (the sender's process too)
@@ -166,12 +164,6 @@ class ReceiveMachineTest(RuleBasedStateMachine):
     def tick(self, dt: float) -> None:
         self.now += dt
         self.feed(Tick(self.now))
-
-    @precondition(lambda self: self.expire_due)
-    @rule(can_ask=st.booleans())
-    def expire(self, can_ask: bool) -> None:
-        self.expire_due = False
-        self.feed(Expire(self.now, can_ask))
 
     @precondition(lambda self: self.asking)
     @rule(gone=st.booleans())

@@ -31,7 +31,7 @@ async def _turn(
     s: Pair, xid: str, prompt: list[int], session: str = "s1", params: SamplingParams = ANSWER
 ) -> list[int]:
     """One push turn whose finished blocks D returns to P."""
-    s.push.register(PushSpec(xid, s.p_peer, "http://p", f"d-{xid}"))
+    await asyncio.wrap_future(s.push.submit(PushSpec(xid, s.p_peer, "http://p", f"d-{xid}")))
     out: list[int] = []
     d = s.ad.generate(Request(
         f"d-{xid}", prompt, params, remote_kv=RemoteKVSpec(xid), hold_blocks_on_finish=True,
@@ -152,20 +152,29 @@ def test_offer_without_room_is_declined(tiny: LoadedModel) -> None:
 
 
 def test_jobs_ending_on_the_engine_thread_while_the_pump_ticks(tiny: LoadedModel) -> None:
-    """Jobs are added and forgotten on the engine thread while the pump thread's tick
-    walks them: every walk sees a consistent table (no "changed size during iteration")."""
+    """Jobs are added and forgotten on the engine thread while the pump thread ticks:
+    every walk of the sender's tick sees a consistent table (no "changed size during
+    iteration")."""
     s = Pair(tiny)
     sender = s.df.sender
     errors: list[BaseException] = []
     stop = threading.Event()
+    ticks = s.df.inbox._ticks
+    sender_tick = ticks[ticks.index(sender._tick)]
 
-    def tick() -> None:
+    def checked_tick(now: float) -> None:
+        try:
+            sender_tick(now)
+        except BaseException as exc:
+            errors.append(exc)
+            raise
+
+    ticks[ticks.index(sender._tick)] = checked_tick
+
+    def tick() -> None:  # as the pump does
         while not stop.is_set():
-            try:
-                sender._tick(time.monotonic())
-            except BaseException as exc:
-                errors.append(exc)
-                return
+            s.df.inbox.tick(time.monotonic())
+            time.sleep(0.001)
 
     try:
         blocks = s.ad.call(lambda e: e.kv_manager.try_allocate_blocks(2)).result(5)
@@ -195,7 +204,7 @@ def test_retained_turn_is_read_by_prefill(tiny: LoadedModel) -> None:
     with Pair(tiny) as s:
 
         async def turn() -> list[int]:
-            s.push.register(PushSpec("r1", s.p_peer, "http://p", "d-r1"))
+            await asyncio.wrap_future(s.push.submit(PushSpec("r1", s.p_peer, "http://p", "d-r1")))
             out: list[int] = []
             d = s.ad.generate(Request(
                 "d-r1", PROMPT, ANSWER, remote_kv=RemoteKVSpec("r1"), hold_blocks_on_finish=True,

@@ -2,7 +2,7 @@
 
 Whatever order registrations (right, wrong, late, duplicate), the prefill's
 steps and layers, WRITE ends and settlings, cancels, declines, aborts,
-heartbeat answers, ticks and expiries come in:
+heartbeat answers and ticks (and the deadlines they pass) come in:
 
 * every source block of a WRITE that is not settled is referenced by the
   machine (no block can go to a new owner while a WRITE out of it may land);
@@ -33,13 +33,10 @@ from kvduplex.kvflow.machines.actions import TearDown
 from kvduplex.kvflow.machines.actions import Tell
 from kvduplex.kvflow.machines.send import AliveAck
 from kvduplex.kvflow.machines.send import Begin
-from kvduplex.kvflow.machines.send import CancelHeard
 from kvduplex.kvflow.machines.send import Cancelled
 from kvduplex.kvflow.machines.send import Declined
 from kvduplex.kvflow.machines.send import Ended
-from kvduplex.kvflow.machines.send import Expire
 from kvduplex.kvflow.machines.send import FirstToken
-from kvduplex.kvflow.machines.send import Forgotten
 from kvduplex.kvflow.machines.send import HeldSource
 from kvduplex.kvflow.machines.send import LayerDone
 from kvduplex.kvflow.machines.send import PostWrite
@@ -48,7 +45,6 @@ from kvduplex.kvflow.machines.send import PrefillProgress
 from kvduplex.kvflow.machines.send import PrefillSource
 from kvduplex.kvflow.machines.send import Registered
 from kvduplex.kvflow.machines.send import ReleasePrefill
-from kvduplex.kvflow.machines.send import ScheduleExpire
 from kvduplex.kvflow.machines.send import SendAction
 from kvduplex.kvflow.machines.send import SendEvent
 from kvduplex.kvflow.machines.send import SendMachine
@@ -88,7 +84,7 @@ class SendMachineTest(RuleBasedStateMachine):
         self.end_msgs: list[KVDone | KVFailed] = []
         self.num_ended = 0
         self.forgotten = False
-        self.expire_due = False
+        """The adapter forgets the transfer right after the actions that ended it."""
         self.teardowns = 0
         # the prefill (push)
         self.num_computed = 0
@@ -143,9 +139,7 @@ class SendMachineTest(RuleBasedStateMachine):
         elif isinstance(a, Ended):
             self.num_ended += 1
             assert not self.writes, "ended while WRITEs may land"
-        elif isinstance(a, ScheduleExpire):
-            assert not self.expire_due
-            self.expire_due = True
+            self.forgotten = True
         elif isinstance(a, TearDown):
             assert self.ever_may_land and self.writes, "teardown with no failed WRITE unsettled"
             self.teardowns += 1
@@ -269,7 +263,7 @@ class SendMachineTest(RuleBasedStateMachine):
 
     @precondition(lambda self: not self.forgotten)
     @rule(
-        what=st.sampled_from(["cancel", "cancel_by_peer", "cancel_by_other", "heard", "declined",
+        what=st.sampled_from(["cancel", "cancel_by_peer", "cancel_by_other", "declined",
                               "prefill_aborted"])
     )  # fmt: skip
     def interrupt(self, what: str) -> None:
@@ -277,8 +271,6 @@ class SendMachineTest(RuleBasedStateMachine):
         if what.startswith("cancel"):
             by = {"cancel": None, "cancel_by_peer": PEER, "cancel_by_other": OTHER}[what]
             self.feed(Cancelled("cancelled", by))
-        elif what == "heard":
-            self.feed(CancelHeard("cancelled", PEER))
         elif what == "declined" and not self.push:
             self.feed(Declined("has_all"))
         elif what == "prefill_aborted" and self.push:
@@ -295,18 +287,6 @@ class SendMachineTest(RuleBasedStateMachine):
         self.now += dt
         if not self.forgotten:
             self.feed(Tick(self.now, healthy))
-
-    @precondition(lambda self: self.expire_due and not self.forgotten)
-    @rule()
-    def expire(self) -> None:
-        self.expire_due = False
-        self.feed(Expire(self.now))
-
-    @precondition(lambda self: self.num_ended == 1 and not self.forgotten)
-    @rule()
-    def forget(self) -> None:
-        self.forgotten = True
-        self.feed(Forgotten())
 
     # ---- invariants ----
 
@@ -343,9 +323,6 @@ class SendMachineTest(RuleBasedStateMachine):
         if not self.num_ended and not self.forgotten:
             self.feed(Cancelled("closed"))
         assert self.num_ended == 1, "the transfer never ended"
-        if not self.forgotten:
-            self.forgotten = True
-            self.feed(Forgotten())
         held = {b: n for b, n in self.refs.items() if n}
         assert not held, f"references never dropped: {held}"
 

@@ -4,65 +4,52 @@ router, so a READ it starts within its window never finds the blocks reused."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable
 from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from kvduplex.kvflow import lease
 from kvduplex.kvflow import return_pull
+from kvduplex.kvflow.inbox import FlowInbox
 from kvduplex.kvflow.lease import TRANSIT_GRACE_S
 from kvduplex.kvflow.lease import LeaseTable
 from kvduplex.kvflow.return_pull import RetainSpec
 from kvduplex.kvflow.return_pull import TurnRetainer
 
 
-class ManualClockLoop(asyncio.SelectorEventLoop):
-    """An event loop whose clock, and so its timers, move only when told."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.now = 1000.0
-
-    def time(self) -> float:
-        return self.now
-
-    def advance_to(self, now: float) -> None:
-        """Move the clock and run what fell due."""
-        self.now = now
-        self.run_until_complete(asyncio.sleep(0))
-
-
 class PrefillEngine:
-    """The engine calls a lease makes: which held requests it let go."""
+    """The engine handle a lease uses: which held requests it let go."""
 
     def __init__(self) -> None:
         self.released: list[str] = []
-        self.scheduler = SimpleNamespace(release_held=self.released.append)
 
-    def call(self, fn: Callable[[Any], Any]) -> None:
-        fn(self)
+    def release_held(self, request_id: str) -> bool:
+        self.released.append(request_id)
+        return True
 
 
-def test_a_pull_lease_holds_the_blocks_past_the_lease_it_tells() -> None:
-    loop = ManualClockLoop()
-    try:
-        engine = PrefillEngine()
-        leases = LeaseTable(engine, lease_s=30.0)  # type: ignore[arg-type]
+def test_a_pull_lease_holds_the_blocks_past_the_lease_it_tells(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = Clock()
+    monkeypatch.setattr(lease, "time", clock)
+    engine = PrefillEngine()
+    inbox = FlowInbox()
+    leases = LeaseTable(engine, lease_s=30.0, inbox=inbox)  # type: ignore[arg-type]
+    leases.start("x")
+    started = clock.now
 
-        async def start() -> None:
-            leases.start("x")
+    def advance_to(now: float) -> None:  # the flow inbox's tick, on the engine thread
+        clock.now = now
+        inbox.tick(now)
+        inbox.drain()
 
-        started = loop.now
-        loop.run_until_complete(start())
-        loop.advance_to(started + leases.lease_s + 0.1)  # D, arrived late, may still READ
-        assert engine.released == [] and len(leases) == 1
-        loop.advance_to(started + leases.lease_s + TRANSIT_GRACE_S + 0.1)
-        assert engine.released == ["x"] and len(leases) == 0
-    finally:
-        loop.close()
+    advance_to(started + leases.lease_s + 0.1)  # D, arrived late, may still READ
+    assert engine.released == [] and len(leases) == 1
+    advance_to(started + leases.lease_s + TRANSIT_GRACE_S + 0.1)
+    assert engine.released == ["x"] and len(leases) == 0
 
 
 class Clock:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import assert_never
 
 from kvduplex.kvflow.machines.actions import AcquireBlocks
 from kvduplex.kvflow.machines.actions import ReleaseBlocks
@@ -35,6 +36,19 @@ class ReadPhase(enum.Enum):
     MAY_LAND = "may_land"
     """Failed, and its data may still land in the targets (they stay referenced)."""
     SETTLED = "settled"
+
+
+TRANSITIONS: dict[ReadPhase, frozenset[ReadPhase]] = {
+    ReadPhase.NEW: frozenset({ReadPhase.PENDING}),
+    ReadPhase.PENDING: frozenset(
+        {ReadPhase.DONE, ReadPhase.FAILED, ReadPhase.MAY_LAND, ReadPhase.SETTLED}
+    ),
+    ReadPhase.DONE: frozenset({ReadPhase.SETTLED}),
+    ReadPhase.FAILED: frozenset({ReadPhase.SETTLED}),
+    ReadPhase.MAY_LAND: frozenset({ReadPhase.SETTLED}),
+    ReadPhase.SETTLED: frozenset(),
+}
+"""The phases each phase may move to (`ReadMachine._move` checks every move)."""
 
 
 @dataclass(frozen=True)
@@ -108,41 +122,49 @@ class ReadMachine:
     phase: ReadPhase = ReadPhase.NEW
     torn_down: bool = False
 
+    def _move(self, to: ReadPhase) -> None:
+        assert to in TRANSITIONS[self.phase], f"{self.phase} -> {to}"
+        self.phase = to
+
     def handle(self, event: ReadEvent) -> list[ReadAction]:
         """Apply ``event``; the actions to carry out, in order."""
-        if isinstance(event, Begin):
-            assert self.phase is ReadPhase.NEW
-            self.phase = ReadPhase.PENDING
-            return [AcquireBlocks(self.targets), PostRead()] if event.acquire else [PostRead()]
-        if isinstance(event, PostFailed):
-            assert self.phase is ReadPhase.PENDING
-            self.phase = ReadPhase.SETTLED
-            return [Outcome(False, False, event.reason), ReleaseBlocks(self.targets)]
-        if isinstance(event, Ended):
-            if self.phase is not ReadPhase.PENDING:
+        match event:
+            case Begin(acquire):
+                self._move(ReadPhase.PENDING)
+                return [AcquireBlocks(self.targets), PostRead()] if acquire else [PostRead()]
+            case PostFailed(reason):
+                self._move(ReadPhase.SETTLED)
+                return [Outcome(False, False, reason), ReleaseBlocks(self.targets)]
+            case Ended():
+                return self._ended(event)
+            case Settled():
+                if self.phase in (ReadPhase.NEW, ReadPhase.SETTLED):
+                    return []
+                assert self.phase is not ReadPhase.PENDING, "settled before final"
+                self._move(ReadPhase.SETTLED)
+                return [ReleaseBlocks(self.targets)]
+            case Overdue(settled):
+                if self.phase is ReadPhase.MAY_LAND and not settled and not self.torn_down:
+                    self.torn_down = True
+                    return [TearDown(f"a failed READ is still unsettled after {self.after_s:g} s")]
                 return []
-            if event.ok:
-                self.phase = ReadPhase.DONE
-                return [Outcome(True, False)]
-            if not event.may_still_land:
-                self.phase = ReadPhase.FAILED
-                return [Outcome(False, False, event.reason)]
-            self.phase = ReadPhase.MAY_LAND
-            return [Outcome(False, True, event.reason), ArmCheck(self.after_s)]
-        if isinstance(event, Settled):
-            if self.phase in (ReadPhase.NEW, ReadPhase.SETTLED):
-                return []
-            assert self.phase is not ReadPhase.PENDING, "settled before final"
-            self.phase = ReadPhase.SETTLED
-            return [ReleaseBlocks(self.targets)]
-        # Overdue
-        if self.phase is ReadPhase.MAY_LAND and not event.settled and not self.torn_down:
-            self.torn_down = True
-            return [TearDown(f"a failed READ is still unsettled after {self.after_s:g} s")]
-        return []
+            case _:
+                assert_never(event)
+
+    def _ended(self, event: Ended) -> list[ReadAction]:
+        if self.phase is not ReadPhase.PENDING:
+            return []
+        if event.ok:
+            self._move(ReadPhase.DONE)
+            return [Outcome(True, False)]
+        if not event.may_still_land:
+            self._move(ReadPhase.FAILED)
+            return [Outcome(False, False, event.reason)]
+        self._move(ReadPhase.MAY_LAND)
+        return [Outcome(False, True, event.reason), ArmCheck(self.after_s)]
 
 
 __all__ = [
-    "ArmCheck", "Begin", "Ended", "Outcome", "Overdue", "PostFailed", "PostRead", "ReadAction",
+    "TRANSITIONS", "ArmCheck", "Begin", "Ended", "Outcome", "Overdue", "PostFailed", "PostRead", "ReadAction",
     "ReadEvent", "ReadMachine", "ReadPhase", "Settled",
 ]  # fmt: skip

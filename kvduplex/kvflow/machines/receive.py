@@ -1,15 +1,19 @@
 """The receiving machine: one registration of blocks this instance waits on.
 
-States (``phase``) and what moves them::
+States (``phase``, moved only along `TRANSITIONS`) and what moves them::
 
              KVDone / KVFailed (from the sender)
     WAITING ────────────────────────────────────────────────► ENDED
-       │ deadline (no word for wait_s) / Cancel                  ▲
+       │ a tick past the deadline (no word for wait_s) / Cancel   ▲
        ▼                                                         │ KVDone / KVFailed
     QUARANTINED ── every quarantine_s: ask the sender again ─────┤ (late: the sender
        (the flow fell back; our references stay:                 │  confirms nothing
         a late WRITE may still land)                             │  can land any more)
        └── the sender's process is gone (or no way to ask) ──────┘ TearDown, then ENDED
+
+Asking the sender again is I/O (is its process gone? a handshake to reach it):
+`AskSender` goes to the flow I/O thread, whose answer comes back as `Asked` or
+`SenderGone`; the wait is not asked again meanwhile.
 
 While WAITING the registration is sent again every third of the wait until
 the sender acknowledges it (KVRegistered or a KVAlive); each KVAlive restarts
@@ -26,9 +30,9 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
+from typing import assert_never
 
 import msgspec
 
@@ -65,6 +69,14 @@ class ReceivePhase(enum.Enum):
     QUARANTINED = "quarantined"
     """The flow fell back; the blocks stay referenced until the sender confirms."""
     ENDED = "ended"
+
+
+TRANSITIONS: dict[ReceivePhase, frozenset[ReceivePhase]] = {
+    ReceivePhase.WAITING: frozenset({ReceivePhase.QUARANTINED, ReceivePhase.ENDED}),
+    ReceivePhase.QUARANTINED: frozenset({ReceivePhase.ENDED}),
+    ReceivePhase.ENDED: frozenset(),
+}
+"""The phases each phase may move to (`ReceiveMachine._move` checks every move)."""
 
 
 # ---- events ----
@@ -118,15 +130,6 @@ class Tick:
 
 
 @dataclass(frozen=True)
-class Expire:
-    """The engine thread's turn after `ScheduleExpire` (``can_ask``: whether we can tell
-    that the sender's process is gone, so a quarantine asks it again instead of ending)."""
-
-    now: float
-    can_ask: bool
-
-
-@dataclass(frozen=True)
 class Asked:
     """The sender was asked again (KVCancel) to confirm: quarantine on."""
 
@@ -141,8 +144,7 @@ class SenderGone:
 
 
 ReceiveEvent = (
-    Begin | NotSent | SenderEnded | Cancel | Alive | Acknowledged | Tick | Expire | Asked
-    | SenderGone
+    Begin | NotSent | SenderEnded | Cancel | Alive | Acknowledged | Tick | Asked | SenderGone
 )  # fmt: skip
 
 
@@ -177,13 +179,8 @@ class Forget:
 
 
 @dataclass(frozen=True)
-class ScheduleExpire:
-    """Feed `Expire` from the engine thread (one at a time)."""
-
-
-@dataclass(frozen=True)
 class AskSender:
-    """Off the engine thread: is the sender gone (then `SenderGone`)? else ask it again
+    """On the flow I/O thread: is the sender gone (then `SenderGone`)? else ask it again
     (KVCancel) and feed `Asked`."""
 
 
@@ -201,7 +198,7 @@ class Count:
 
 ReceiveAction = (
     AcquireBlocks | ReleaseBlocks | Tell | TearDown | Log | FlowDone | FlowFailed
-    | FlowFirstToken | Forget | ScheduleExpire | AskSender | Count
+    | FlowFirstToken | Forget | AskSender | Count
 )  # fmt: skip
 
 
@@ -221,31 +218,60 @@ class ReceiveMachine:
     reg_sent_at: float
     wants_first_token: bool = False
     """The flow continues from the sender's first token when it ends without the KV."""
+    can_ask: bool = False
+    """We can tell whether the sender's process is gone: a quarantine past its time asks
+    the sender again instead of ending."""
     is_registered: bool = False
     """The sender acknowledged the registration (KVRegistered or a KVAlive)."""
-    fell_back: bool = False
-    ended: bool = False
+    phase: ReceivePhase = ReceivePhase.WAITING
+    was_quarantined: bool = False
+    """Ended after a quarantine (an end message then counts as late)."""
     quarantine_until: float = 0.0
-    expiring: bool = False
-    """`ScheduleExpire` (or `AskSender`) is under way."""
+    asking: bool = False
+    """`AskSender` is under way (its answer not in yet)."""
 
     @property
-    def phase(self) -> ReceivePhase:
-        if self.ended:
-            return ReceivePhase.ENDED
-        return ReceivePhase.QUARANTINED if self.fell_back else ReceivePhase.WAITING
+    def fell_back(self) -> bool:
+        """The flow fell back (quarantine, or ended after it)."""
+        return self.phase is ReceivePhase.QUARANTINED or self.was_quarantined
+
+    @property
+    def ended(self) -> bool:
+        return self.phase is ReceivePhase.ENDED
+
+    def _move(self, to: ReceivePhase) -> None:
+        assert to in TRANSITIONS[self.phase], f"xid={self.xid}: {self.phase} -> {to}"
+        if self.phase is ReceivePhase.QUARANTINED:
+            self.was_quarantined = True
+        self.phase = to
 
     def handle(self, event: ReceiveEvent) -> list[ReceiveAction]:
         """Apply ``event``; the actions to carry out, in order."""
-        on_event: Callable[[ReceiveEvent], list[ReceiveAction]] = getattr(self, _ON[type(event)])
-        return on_event(event)
-
-    def _begin(self, event: Begin) -> list[ReceiveAction]:
-        return [AcquireBlocks(self.blocks)]
+        match event:
+            case Begin():
+                return [AcquireBlocks(self.blocks)]
+            case NotSent():
+                return self._not_sent(event)
+            case SenderEnded():
+                return self._sender_ended(event)
+            case Cancel():
+                return self._cancel(event)
+            case Alive():
+                return self._alive(event)
+            case Acknowledged():
+                return self._acknowledged(event)
+            case Tick():
+                return self._tick(event)
+            case Asked():
+                return self._asked(event)
+            case SenderGone():
+                return self._sender_gone(event)
+            case _:
+                assert_never(event)
 
     def _not_sent(self, event: NotSent) -> list[ReceiveAction]:
-        self.ended = True
-        return [Forget(), ReleaseBlocks(self.blocks)]
+        self._move(ReceivePhase.ENDED)
+        return [ReleaseBlocks(self.blocks), Forget()]
 
     def _sender_ended(self, event: SenderEnded) -> list[ReceiveAction]:
         msg = event.msg
@@ -254,23 +280,26 @@ class ReceiveMachine:
         if event.sender != self.peer.engine_id:
             text = f"message from {event.sender}, expected {self.peer.engine_id}; ignored"
             return [Log(logging.WARNING, text)]
-        self.ended = True
-        out: list[ReceiveAction] = [Forget(), ReleaseBlocks(self.blocks)]
+        fell_back = self.fell_back
+        self._move(ReceivePhase.ENDED)
+        out: list[ReceiveAction] = [ReleaseBlocks(self.blocks)]
         if (
             self.wants_first_token
             and msg.first_token is not None
-            and (self.fell_back or isinstance(msg, KVFailed))
+            and (fell_back or isinstance(msg, KVFailed))
         ):
             out.append(FlowFirstToken(msg.first_token))
-        if self.fell_back:
-            return [*out, Count("num_late")]
-        if isinstance(msg, KVDone):
+        if fell_back:
+            out.append(Count("num_late"))
+        elif isinstance(msg, KVDone):
             received = [Count("num_received"), Count("num_received_blocks", len(self.blocks))]
-            return [*out, *received, FlowDone(msg)]
-        return [
-            *out, Count("num_failed"), Log(logging.WARNING, f"the sender gave up ({msg.reason})"),
-            FlowFailed(WaitFailure.SENDER_FAILED, msg.reason),
-        ]  # fmt: skip
+            out += [*received, FlowDone(msg)]
+        else:
+            out += [
+                Count("num_failed"), Log(logging.WARNING, f"the sender gave up ({msg.reason})"),
+                FlowFailed(WaitFailure.SENDER_FAILED, msg.reason),
+            ]  # fmt: skip
+        return [*out, Forget()]  # the wait goes last: whoever sees it gone sees it all done
 
     def _cancel(self, event: Cancel) -> list[ReceiveAction]:
         if self.ended or self.fell_back:
@@ -279,7 +308,7 @@ class ReceiveMachine:
 
     def _give_up(self, reason: str, cause: WaitFailure, now: float) -> list[ReceiveAction]:
         """Stop waiting: the flow falls back; the registered blocks stay ours (quarantine)."""
-        self.fell_back = True
+        self._move(ReceivePhase.QUARANTINED)
         self.quarantine_until = now + self.quarantine_s
         return [
             Count("num_failed"), Log(logging.WARNING, f"{reason}; falling back"),
@@ -303,9 +332,8 @@ class ReceiveMachine:
         if self.ended:
             return []
         limit = self.quarantine_until if self.fell_back else self.deadline
-        if now > limit and not self.expiring:
-            self.expiring = True
-            return [ScheduleExpire()]
+        if now > limit and not self.asking:
+            return self._expire(now)
         if (
             not self.fell_back and not self.is_registered
             and now - self.reg_sent_at >= self.wait_s / HEARTBEATS_PER_WAIT
@@ -319,49 +347,38 @@ class ReceiveMachine:
             ]
         return []
 
-    def _expire(self, event: Expire) -> list[ReceiveAction]:
-        self.expiring = False
-        if self.ended:
-            return []
+    def _expire(self, now: float) -> list[ReceiveAction]:
+        """The deadline (or the quarantine's time) passed."""
         if not self.fell_back:
-            if event.now > self.deadline:
-                reason = f"no word from the sender for {self.wait_s:g} s"
-                return self._give_up(reason, WaitFailure.DEADLINE, event.now)
-            return []
-        if not event.can_ask:
+            reason = f"no word from the sender for {self.wait_s:g} s"
+            return self._give_up(reason, WaitFailure.DEADLINE, now)
+        if not self.can_ask:
             return self._sender_gone(SenderGone("no word from the sender"))
-        # Only the sender can say that nothing of its can land: ask it again (off the
-        # engine thread: it may need a handshake), unless its process is gone.
-        self.expiring = True  # until the answer to the asking
+        # Only the sender can say that nothing of its can land: ask it again (on the I/O
+        # thread: it may need a handshake), unless its process is gone.
+        self.asking = True  # until the answer to the asking
         return [AskSender()]
 
     def _asked(self, event: Asked) -> list[ReceiveAction]:
         self.quarantine_until = event.now + self.quarantine_s
-        self.expiring = False
+        self.asking = False
         return [Count("num_quarantine_asks")] if not self.ended else []
 
     def _sender_gone(self, event: SenderGone) -> list[ReceiveAction]:
+        self.asking = False
         if self.ended:
             return []  # confirmed meanwhile
-        self.ended = True
+        self._move(ReceivePhase.ENDED)
         text = f"{event.why} ({self.peer.engine_id}); releasing quarantined blocks"
         return [
-            Forget(), Log(logging.WARNING, text), Count("num_teardowns"),
-            TearDown(event.why), ReleaseBlocks(self.blocks),
+            Log(logging.WARNING, text), Count("num_teardowns"), TearDown(event.why),
+            ReleaseBlocks(self.blocks), Forget(),
         ]  # fmt: skip
 
 
-_ON: dict[type, str] = {
-    Begin: "_begin", NotSent: "_not_sent", SenderEnded: "_sender_ended", Cancel: "_cancel",
-    Alive: "_alive", Acknowledged: "_acknowledged", Tick: "_tick", Expire: "_expire",
-    Asked: "_asked", SenderGone: "_sender_gone",
-}  # fmt: skip
-"""The `ReceiveMachine` method that applies each kind of event."""
-
-
 __all__ = [
-    "Acknowledged", "Alive", "AskSender", "Asked", "Begin", "Cancel", "Count", "Expire",
+    "TRANSITIONS", "Acknowledged", "Alive", "AskSender", "Asked", "Begin", "Cancel", "Count",
     "FlowDone", "FlowFailed", "FlowFirstToken", "Forget", "NotSent", "ReceiveAction",
-    "ReceiveEvent", "ReceiveMachine", "ReceivePhase", "ScheduleExpire", "SenderEnded",
-    "SenderGone", "Tick", "WaitFailure",
+    "ReceiveEvent", "ReceiveMachine", "ReceivePhase", "SenderEnded", "SenderGone", "Tick",
+    "WaitFailure",
 ]  # fmt: skip

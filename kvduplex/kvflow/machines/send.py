@@ -10,14 +10,14 @@ Push and return are one machine; what differs is its *source*:
   the end of the transfer and WRITTEN all at once when the registration
   arrives.
 
-States (``phase``) and what moves them::
+States (``phase``, moved only along `TRANSITIONS`) and what moves them::
 
                  Registered (ok)                   every WRITE settled, all sent
     WAITING ───────────────────────► REGISTERED ──────────────────────────► DONE
        │                                 │  (push: and the first token)
-       │ Cancelled / Declined / Expired  │ WRITE failed / Cancelled / Expired /
-       │ / registration refused          │ PrefillAborted / deadline at a post
-       ▼                                 ▼
+       │ Cancelled / Declined / a tick   │ WRITE failed / Cancelled / a tick past
+       │ past the deadline / refused     │ the deadline / PrefillAborted / a post
+       ▼                                 ▼ past the deadline
     FAILED ◄─── last WRITE settled ─── FAILING (no WRITE posted any more; the
                                                 ones posted *may still land*)
 
@@ -25,8 +25,8 @@ Actions out: `PostWrite`, `Tell` (KVRegistered, KVAlive, and KVDone/KVFailed
 once the transfer ended), `Refuse` (a registration nothing will be written
 into), `AcquireBlocks`/`ReleaseBlocks` (source references: a chunk's from
 its planning until its last WRITE is settled), `TearDown` (a failed WRITE
-still unsettled ``deadline_s`` later), `AbortPrefill`, `Ended`, and, once the
-adapter forgot the transfer (`Forgotten`), the source's own release.
+still unsettled ``deadline_s`` later), `AbortPrefill`, and `Ended` followed by
+the source's own release (`ReleaseBlocks` of a held source, `ReleasePrefill`).
 
 The invariant (tested with hypothesis): every source block of a WRITE that is
 not settled is referenced by the machine, and the end message (which lets
@@ -41,6 +41,7 @@ from collections.abc import Callable
 from collections.abc import Sequence
 from dataclasses import dataclass
 from dataclasses import field
+from typing import assert_never
 
 from kvduplex.common.sampling import TokenLogprobs
 from kvduplex.kvflow.machines.actions import AcquireBlocks
@@ -51,14 +52,11 @@ from kvduplex.kvflow.machines.actions import Tell
 from kvduplex.kvflow.machines.send_events import AbortPrefill
 from kvduplex.kvflow.machines.send_events import AliveAck
 from kvduplex.kvflow.machines.send_events import Begin
-from kvduplex.kvflow.machines.send_events import CancelHeard
 from kvduplex.kvflow.machines.send_events import Cancelled
 from kvduplex.kvflow.machines.send_events import Count
 from kvduplex.kvflow.machines.send_events import Declined
 from kvduplex.kvflow.machines.send_events import Ended
-from kvduplex.kvflow.machines.send_events import Expire
 from kvduplex.kvflow.machines.send_events import FirstToken
-from kvduplex.kvflow.machines.send_events import Forgotten
 from kvduplex.kvflow.machines.send_events import HeldSource
 from kvduplex.kvflow.machines.send_events import LayerDone
 from kvduplex.kvflow.machines.send_events import PostWrite
@@ -68,7 +66,6 @@ from kvduplex.kvflow.machines.send_events import PrefillSource
 from kvduplex.kvflow.machines.send_events import Refuse
 from kvduplex.kvflow.machines.send_events import Registered
 from kvduplex.kvflow.machines.send_events import ReleasePrefill
-from kvduplex.kvflow.machines.send_events import ScheduleExpire
 from kvduplex.kvflow.machines.send_events import SendAction
 from kvduplex.kvflow.machines.send_events import SendEvent
 from kvduplex.kvflow.machines.send_events import Source
@@ -100,6 +97,16 @@ class SendPhase(enum.Enum):
     DONE = "done"
     FAILED = "failed"
     """Failed, and nothing of the transfer can land any more."""
+
+
+TRANSITIONS: dict[SendPhase, frozenset[SendPhase]] = {
+    SendPhase.WAITING: frozenset({SendPhase.REGISTERED, SendPhase.FAILING}),
+    SendPhase.REGISTERED: frozenset({SendPhase.DONE, SendPhase.FAILING}),
+    SendPhase.FAILING: frozenset({SendPhase.FAILED}),
+    SendPhase.DONE: frozenset(),
+    SendPhase.FAILED: frozenset(),
+}
+"""The phases each phase may move to (`SendMachine._move` checks every move)."""
 
 
 @dataclass
@@ -139,7 +146,8 @@ class SendMachine:
     in_flight: int = 0
     """WRITEs posted and not settled."""
     error: str | None = None
-    ended: bool = False
+    """Why the transfer failed (set with the move to FAILING)."""
+    phase: SendPhase = SendPhase.WAITING
     declined: bool = False
     """The receiver took nothing (a return offer it did not need or had no room for)."""
     confirm_end: bool = False
@@ -150,8 +158,6 @@ class SendMachine:
     """Prompt tokens the prefill served from its own prefix cache."""
     num_bytes: int = 0
     alive_sent_at: float = 0.0
-    expiring: bool = False
-    """`ScheduleExpire` was asked and its `Expire` has not come yet."""
     unsettled_since: float | None = None
     """When a WRITE first failed while its data could still land."""
     torn_down: bool = False
@@ -169,19 +175,74 @@ class SendMachine:
     """The adapter's callbacks once the transfer ended (the machine never calls them)."""
 
     @property
-    def phase(self) -> SendPhase:
-        if self.ended:
-            return SendPhase.DONE if self.error is None else SendPhase.FAILED
-        if self.error is not None:
-            return SendPhase.FAILING
-        return SendPhase.WAITING if self.reg is None else SendPhase.REGISTERED
+    def ended(self) -> bool:
+        return self.phase in (SendPhase.DONE, SendPhase.FAILED)
+
+    def _move(self, to: SendPhase) -> None:
+        assert to in TRANSITIONS[self.phase], f"xid={self.xid}: {self.phase} -> {to}"
+        self.phase = to
+
+    def _set_error(self, reason: str) -> None:
+        """The transfer failed: nothing is posted from now on (FAILING)."""
+        if self.error is None and not self.ended:
+            self.error = reason
+            self._move(SendPhase.FAILING)
 
     # ---- events ----
 
     def handle(self, event: SendEvent) -> list[SendAction]:
         """Apply ``event``; the actions to carry out, in order."""
-        on_event: Callable[[SendEvent], list[SendAction]] = getattr(self, _ON[type(event)])
-        return on_event(event)
+        match event:
+            case Begin():
+                return self._begin(event)
+            case Tick():
+                return self._on_tick(event)
+            case WriteEnded():
+                return self._write_ended(event)
+            case WriteSettled():
+                return self._write_settled(event)
+            case StepPlanned() | LayerDone() | StepEnded() | FirstToken() | PrefillAborted():
+                return self._on_prefill(event)
+            case Registered() | Waiting() | AliveAck() | Cancelled() | Declined():
+                return self._on_receiver(event)
+            case _:
+                assert_never(event)
+
+    def _on_prefill(
+        self, event: StepPlanned | LayerDone | StepEnded | FirstToken | PrefillAborted
+    ) -> list[SendAction]:
+        """What the prefill (push) or its request did."""
+        match event:
+            case StepPlanned():
+                return self._step_planned(event)
+            case LayerDone():
+                return self._layer_done(event)
+            case StepEnded():
+                return self._step_ended(event)
+            case FirstToken():
+                return self._first_token(event)
+            case PrefillAborted():
+                return self._prefill_aborted(event)
+            case _:
+                assert_never(event)
+
+    def _on_receiver(
+        self, event: Registered | Waiting | AliveAck | Cancelled | Declined
+    ) -> list[SendAction]:
+        """What the receiver (or whoever cancels) said."""
+        match event:
+            case Registered():
+                return self._on_registered(event)
+            case Waiting():
+                return self._waiting(event)
+            case AliveAck():
+                return self._alive_ack(event)
+            case Cancelled():
+                return self._on_cancelled(event)
+            case Declined():
+                return self._declined(event)
+            case _:
+                assert_never(event)
 
     def _layer_done(self, event: LayerDone) -> list[SendAction]:
         if self.chunk is not None and self.chunk.from_layer <= event.layer:
@@ -206,14 +267,9 @@ class SendMachine:
 
     def _write_ended(self, event: WriteEnded) -> list[SendAction]:
         if not event.ok:
-            self.error = self.error or f"WRITE failed: {event.reason}"
+            self._set_error(f"WRITE failed: {event.reason}")
             if event.may_still_land and self.unsettled_since is None:
                 self.unsettled_since = event.now
-        return []
-
-    def _cancel_heard(self, event: CancelHeard) -> list[SendAction]:
-        if event.sender == self.peer.engine_id and self.error is None and not self.ended:
-            self.error = f"cancelled by the receiver: {event.reason}"
         return []
 
     def _declined(self, event: Declined) -> list[SendAction]:
@@ -243,11 +299,6 @@ class SendMachine:
             sent_at = min(event.sent_at, event.now)
             self.expires_at = max(self.expires_at, sent_at + self.reg.wait_s)
         return []
-
-    def _forgotten(self, event: Forgotten) -> list[SendAction]:
-        if isinstance(self.source, HeldSource):
-            return [ReleaseBlocks(self.source.block_ids)]
-        return [ReleasePrefill()]
 
     def _begin(self, event: Begin) -> list[SendAction]:
         if isinstance(self.source, HeldSource):
@@ -280,6 +331,7 @@ class SendMachine:
                 *self._fail(f"registration refused: {problem}"),
             ]
         self.reg = msg
+        self._move(SendPhase.REGISTERED)
         self.expires_at = now + left
         self.alive_sent_at = now
         self.sent = msg.first_block
@@ -410,8 +462,7 @@ class SendMachine:
     def _fail(self, reason: str, *, notify: bool = True) -> list[SendAction]:
         if self.ended:  # a late cancel does not turn a transfer that ended DONE into FAILED
             return []
-        if self.error is None:
-            self.error = reason
+        self._set_error(reason)
         return self._maybe_end(None, notify=notify)
 
     def _maybe_end(self, now: float | None, *, notify: bool = True) -> list[SendAction]:
@@ -425,7 +476,7 @@ class SendMachine:
             or (self.source.streams and self.first_token is None)
         ):
             return []
-        self.ended = True
+        self._move(SendPhase.DONE if self.error is None else SendPhase.FAILED)
         out: list[SendAction] = []
         if (self.reg is not None or self.confirm_end) and notify:
             msg: ControlMessage
@@ -438,7 +489,9 @@ class SendMachine:
                 msg = KVFailed(self.xid, self.error, self.first_token)
             out.append(Tell(msg))
         out.append(Ended(self.error is None))
-        return out
+        if isinstance(self.source, HeldSource):  # what the source holds goes last
+            return [*out, ReleaseBlocks(self.source.block_ids)]
+        return [*out, ReleasePrefill()]
 
     def _on_tick(self, event: Tick) -> list[SendAction]:
         now = event.now
@@ -461,15 +514,12 @@ class SendMachine:
         ):  # fmt: skip
             self.alive_sent_at = now
             out += [Count("num_alive_sent"), Tell(KVAlive(self.xid, now))]
-        if not self.ended and not self.expiring and now > self.expires_at:
-            self.expiring = True  # a busy engine thread gets one call, not one per tick
-            out.append(ScheduleExpire())
+        if not self.ended and now > self.expires_at:
+            out += self._expire()
         return out
 
-    def _on_expire(self, event: Expire) -> list[SendAction]:
-        self.expiring = False
-        if self.ended or event.now <= self.expires_at:
-            return []
+    def _expire(self) -> list[SendAction]:
+        """The deadline passed: a registration that never came, or the receiver's wait."""
         what = (
             "no registration from the receiver"
             if self.reg is None
@@ -485,22 +535,10 @@ class SendMachine:
         return {wid: chunk.src for wid, chunk in self.writes.items()}
 
 
-_ON: dict[type, str] = {
-    Begin: "_begin", Registered: "_on_registered", StepPlanned: "_step_planned",
-    LayerDone: "_layer_done", StepEnded: "_step_ended", FirstToken: "_first_token",
-    WriteEnded: "_write_ended", WriteSettled: "_write_settled", Cancelled: "_on_cancelled",
-    CancelHeard: "_cancel_heard", Declined: "_declined", PrefillAborted: "_prefill_aborted",
-    Waiting: "_waiting", AliveAck: "_alive_ack", Tick: "_on_tick", Expire: "_on_expire",
-    Forgotten: "_forgotten",
-}  # fmt: skip
-"""The `SendMachine` method that applies each kind of event."""
-
-
 __all__ = [
-    "HEARTBEATS_PER_WAIT", "AbortPrefill", "AliveAck", "Begin", "CancelHeard", "Cancelled",
-    "Chunk", "Count", "Declined", "Ended", "Expire", "FirstToken", "Forgotten", "HeldSource",
-    "LayerDone", "PostWrite", "PrefillAborted", "PrefillProgress", "PrefillSource", "Refuse",
-    "Registered", "ReleasePrefill", "ScheduleExpire", "SendAction", "SendEvent", "SendMachine",
-    "SendPhase", "StepEnded", "StepPlanned", "Tick", "Tombstone", "Waiting", "WriteEnded",
-    "WriteSettled",
+    "HEARTBEATS_PER_WAIT", "TRANSITIONS", "AbortPrefill", "AliveAck", "Begin", "Cancelled",
+    "Chunk", "Count", "Declined", "Ended", "FirstToken", "HeldSource", "LayerDone", "PostWrite",
+    "PrefillAborted", "PrefillProgress", "PrefillSource", "Refuse", "Registered",
+    "ReleasePrefill", "SendAction", "SendEvent", "SendMachine", "SendPhase", "StepEnded",
+    "StepPlanned", "Tick", "Tombstone", "Waiting", "WriteEnded", "WriteSettled",
 ]  # fmt: skip

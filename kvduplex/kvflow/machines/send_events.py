@@ -132,14 +132,6 @@ class Cancelled:
 
 
 @dataclass(frozen=True)
-class CancelHeard:
-    """The receiver's `KVCancel` arrived: post nothing more (`Cancelled` follows)."""
-
-    reason: str
-    sender: str
-
-
-@dataclass(frozen=True)
 class Declined:
     """Return: the receiver takes nothing (ignored once registered)."""
 
@@ -177,22 +169,9 @@ class Tick:
     healthy: bool
 
 
-@dataclass(frozen=True)
-class Expire:
-    """The engine thread's turn after `ScheduleExpire`: end the transfer if it expired."""
-
-    now: float
-
-
-@dataclass(frozen=True)
-class Forgotten:
-    """The adapter dropped the ended transfer: release what the source holds."""
-
-
 SendEvent = (
     Begin | Registered | StepPlanned | LayerDone | StepEnded | FirstToken | WriteEnded
-    | WriteSettled | Cancelled | CancelHeard | Declined | PrefillAborted | Waiting | AliveAck
-    | Tick | Expire | Forgotten
+    | WriteSettled | Cancelled | Declined | PrefillAborted | Waiting | AliveAck | Tick
 )  # fmt: skip
 
 
@@ -237,13 +216,9 @@ class Tombstone:
 
 
 @dataclass(frozen=True)
-class ScheduleExpire:
-    """Feed `Expire` from the engine thread (one at a time)."""
-
-
-@dataclass(frozen=True)
 class Ended:
-    """The transfer ended (``ok``: DONE); forget it on the engine thread (`Forgotten`)."""
+    """The transfer ended (``ok``: DONE): the adapter forgets it once the actions that
+    follow (the source's release) are carried out."""
 
     ok: bool
 
@@ -263,7 +238,7 @@ class Count:
 
 SendAction = (
     PostWrite | Tell | Refuse | AcquireBlocks | ReleaseBlocks | TearDown | AbortPrefill
-    | ReleasePrefill | Tombstone | ScheduleExpire | Ended | Count | Log
+    | ReleasePrefill | Tombstone | Ended | Count | Log
 )  # fmt: skip
 
 
@@ -271,15 +246,12 @@ __all__ = [
     "AbortPrefill",
     "AliveAck",
     "Begin",
-    "CancelHeard",
     "Cancelled",
     "Count",
     "Counter",
     "Declined",
     "Ended",
-    "Expire",
     "FirstToken",
-    "Forgotten",
     "HeldSource",
     "LayerDone",
     "PostWrite",
@@ -289,7 +261,6 @@ __all__ = [
     "Refuse",
     "Registered",
     "ReleasePrefill",
-    "ScheduleExpire",
     "SendAction",
     "SendEvent",
     "Source",

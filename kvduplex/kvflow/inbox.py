@@ -1,0 +1,297 @@
+"""The flow inbox: one per instance, drained by the engine thread.
+
+Every KV flow's state (send jobs, receive waits, specs, READs) belongs to the
+engine thread. Other threads never touch it: they put typed events here, and
+the engine thread applies them when it drains the inbox, in its connector's
+`get_finished` (before each step) and after each layer of a forward (so that a
+registration arriving mid-forward still lands at layer granularity)::
+
+    notification pump ── Heard(msg, sender) ───┐
+    pump tick ────────── TickAt(now) ──────────┤
+    transport callbacks ─ TransferEnded(h) ────┼──► queue ──► engine thread: drain()
+                          TransferSettled(h) ──┤               ├─ handler of type(msg)
+    flow I/O thread ──── SenderChecked(...) ───┤               ├─ every tick, due timers
+    HTTP routes ──────── RegisterSpec(reply) ──┘               └─ the event's target
+
+A put wakes the engine loop (the connector reports pending work while the
+queue is not empty), so an idle engine drains it at once. Timers (`after`)
+are kept by the engine thread and fire at the first drain at or after their
+time; ticks come at least every ``idle_tick_s`` of the pump.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import queue
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from dataclasses import field
+from typing import Any
+from typing import Protocol
+from typing import assert_never
+
+from kvduplex.transport.messages import ControlMessage
+from kvduplex.transport.notify import NotificationPump
+from kvduplex.transport.protocol import TransferHandle
+
+logger = logging.getLogger(__name__)
+
+class EngineGoneError(RuntimeError):
+    """The engine loop ended before it took a request."""
+
+
+Handler = Callable[[ControlMessage, str, float], None]
+"""``handler(message, sender_engine_id, received_at)``, on the engine thread."""
+Tick = Callable[[float], None]
+"""``tick(now)`` on the engine thread."""
+
+
+class TransferWatcher(Protocol):
+    """Whoever posted a transfer and hears how it ends (engine thread)."""
+
+    def on_transfer_ended(self, handle: TransferHandle) -> None: ...
+
+    def on_transfer_settled(self, handle: TransferHandle) -> None: ...
+
+
+class TimerTarget(Protocol):
+    def on_timer(self, now: float) -> None: ...
+
+
+class SenderCheckTarget(Protocol):
+    def on_sender_checked(self, xid: str, gone: bool, now: float) -> None: ...
+
+
+class SpecTable(Protocol):
+    """A flow's table of specs for requests still to come (push, pull)."""
+
+    def register(self, spec: Any) -> None:
+        """Raises ValueError for an xid another request waits on."""
+
+
+@dataclass(frozen=True)
+class Heard:
+    """A notification, with the engine id of the agent that delivered it (verified by
+    the transport) and when the pump took it (monotonic)."""
+
+    msg: ControlMessage
+    sender: str
+    received_at: float
+
+
+@dataclass(frozen=True)
+class TickAt:
+    now: float
+
+
+@dataclass(frozen=True)
+class TransferEnded:
+    """A transfer's done callback: it is final (DONE or FAILED)."""
+
+    handle: TransferHandle
+    to: TransferWatcher
+
+
+@dataclass(frozen=True)
+class TransferSettled:
+    """A transfer's settled callback: nothing of it can land any more."""
+
+    handle: TransferHandle
+    to: TransferWatcher
+
+
+@dataclass(frozen=True)
+class SenderChecked:
+    """The flow I/O thread asked whether a sender is gone (and, if not, asked it again to
+    confirm a quarantined wait)."""
+
+    xid: str
+    gone: bool
+    to: SenderCheckTarget
+
+
+@dataclass(frozen=True)
+class RegisterSpec:
+    """An HTTP route registers a spec before its request reaches the engine; ``reply``
+    gets None, or the ValueError of a duplicate xid."""
+
+    spec: Any
+    to: SpecTable
+    reply: Future[None]
+
+
+FlowEvent = Heard | TickAt | TransferEnded | TransferSettled | SenderChecked | RegisterSpec
+
+
+@dataclass(order=True)
+class _Timer:
+    at: float
+    seq: int
+    target: TimerTarget = field(compare=False)
+
+
+class FlowInbox:
+    """One instance's flow events; `put` from any thread, `drain` on the engine thread."""
+
+    def __init__(
+        self, wake: Callable[[], None] = lambda: None,
+        clock: Callable[[], float] | None = None,
+        is_alive: Callable[[], bool] = lambda: True,
+    ) -> None:  # fmt: skip
+        """``wake()`` wakes the engine loop; ``clock`` gives monotonic seconds (default:
+        this module's ``time.monotonic``); ``is_alive()``: whether the engine thread
+        still drains (a request to a dead engine fails at once)."""
+        self.wake = wake
+        self.clock = clock if clock is not None else time.monotonic
+        self.is_alive = is_alive
+        self._events: queue.SimpleQueue[FlowEvent] = queue.SimpleQueue()
+        self._handlers: dict[type[ControlMessage], Handler] = {}
+        self._ticks: list[Tick] = []
+        self._timers: list[_Timer] = []
+        self._seq = itertools.count()
+        self._pending: set[Future[None]] = set()
+        self.num_drained = 0
+
+    # ---- wiring (before the pump starts) ----
+
+    def on(self, msg_type: type[ControlMessage], handler: Handler) -> None:
+        """Apply messages of ``msg_type`` with ``handler`` on the engine thread."""
+        assert msg_type not in self._handlers, f"two handlers for {msg_type.__name__}"
+        self._handlers[msg_type] = handler
+
+    def every_tick(self, tick: Tick) -> None:
+        self._ticks.append(tick)
+
+    def attach(self, pump: NotificationPump) -> None:
+        """Have ``pump`` put what it hears and its ticks here; call after every `on`."""
+        for msg_type in self._handlers:
+            pump.on(msg_type, self.heard)
+        pump.every_tick(self.tick)
+
+    # ---- any thread ----
+
+    def put(self, event: FlowEvent) -> None:
+        self._events.put(event)
+        self.wake()
+
+    def heard(self, msg: ControlMessage, sender: str) -> None:
+        """The pump's handler of every message a flow takes."""
+        self.put(Heard(msg, sender, self.clock()))
+
+    def tick(self, now: float) -> None:
+        self.put(TickAt(now))
+
+    def watch(self, handle: TransferHandle, to: TransferWatcher) -> None:
+        """Have ``to`` hear, on the engine thread, when ``handle`` ends and settles."""
+        handle.add_done_callback(lambda h: self.put(TransferEnded(h, to)))
+        handle.add_settled_callback(lambda h: self.put(TransferSettled(h, to)))
+
+    def register(self, spec: Any, to: SpecTable) -> Future[None]:
+        """Have ``to.register(spec)`` run on the engine thread at its next drain; the
+        future has None or its error (EngineGoneError once the engine no longer drains)."""
+        reply: Future[None] = Future()
+        if not self.is_alive():
+            reply.set_exception(EngineGoneError("the engine loop has ended"))
+            return reply
+        self._pending.add(reply)
+        reply.add_done_callback(self._pending.discard)
+        self.put(RegisterSpec(spec, to, reply))
+        return reply
+
+    def fail_pending(self, error: BaseException) -> None:
+        """The engine loop ended: fail every request still queued (any thread)."""
+        for reply in list(self._pending):
+            if reply.set_running_or_notify_cancel():
+                reply.set_exception(EngineGoneError(str(error)))
+
+    @property
+    def has_events(self) -> bool:
+        """Events queued, or a timer due (the engine loop steps to drain them)."""
+        return not self._events.empty() or (
+            bool(self._timers) and self._timers[0].at <= self.clock()
+        )
+
+    @property
+    def num_timers(self) -> int:
+        """Timers not fired yet (engine thread; introspection)."""
+        return len(self._timers)
+
+    # ---- engine thread ----
+
+    def after(self, delay_s: float, target: TimerTarget) -> None:
+        """Call ``target.on_timer(now)`` at the first drain ``delay_s`` from now or later."""
+        heapq.heappush(self._timers, _Timer(self.clock() + delay_s, next(self._seq), target))
+
+    def drain(self) -> int:
+        """Apply every queued event, in order, then fire due timers; how many events."""
+        count = 0
+        while True:
+            try:
+                event = self._events.get_nowait()
+            except queue.Empty:
+                break
+            count += 1
+            try:
+                self._apply(event)
+            except Exception:
+                logger.exception("flow event %s failed", type(event).__name__)
+        if self._timers:
+            now = self.clock()
+            while self._timers and self._timers[0].at <= now:
+                timer = heapq.heappop(self._timers)
+                try:
+                    timer.target.on_timer(now)
+                except Exception:
+                    logger.exception("flow timer %r failed", timer.target)
+        self.num_drained += count
+        return count
+
+    def _apply(self, event: FlowEvent) -> None:
+        match event:
+            case Heard():
+                self._heard(event)
+            case TickAt(now):
+                self._tick(now)
+            case TransferEnded(handle, to):
+                to.on_transfer_ended(handle)
+            case TransferSettled(handle, to):
+                to.on_transfer_settled(handle)
+            case SenderChecked(xid, gone, to):
+                to.on_sender_checked(xid, gone, self.clock())
+            case RegisterSpec(spec, to, reply):
+                if not reply.set_running_or_notify_cancel():
+                    return  # failed already: the engine loop ended
+                try:
+                    to.register(spec)
+                except Exception as exc:  # a duplicate xid: the route answers 409
+                    reply.set_exception(exc)
+                else:
+                    reply.set_result(None)
+            case _:
+                assert_never(event)
+
+    def _heard(self, event: Heard) -> None:
+        msg = event.msg
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            logger.warning("xid=%s: no flow takes %s from %s",
+                           msg.xid, type(msg).__name__, event.sender)  # fmt: skip
+            return
+        handler(msg, event.sender, event.received_at)
+
+    def _tick(self, now: float) -> None:
+        for tick in self._ticks:
+            try:
+                tick(now)
+            except Exception:
+                logger.exception("flow tick %r failed", tick)
+
+
+__all__ = [
+    "EngineGoneError", "FlowEvent", "FlowInbox", "Handler", "Heard", "RegisterSpec", "SenderChecked",
+    "TickAt", "TransferEnded", "TransferSettled", "TransferWatcher",
+]  # fmt: skip
