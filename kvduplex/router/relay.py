@@ -108,8 +108,9 @@ class RelayedResponse:
             body = b"".join([part async for part in self.body_iterator])
             status, headers = self.status_code, self.raw_headers
             error = self._failure()
-            if error is not None:
-                status, headers = 502, [(b"content-type", b"application/json")]
+            if error is not None:  # the answer's own head goes, the request id stays
+                kept = [(k, v) for k, v in headers if k == _REQUEST_ID_KEY]
+                status, headers = 502, [(b"content-type", b"application/json"), *kept]
                 body = json.dumps(error).encode()
             self.has_started = True
             await send({"type": "http.response.start", "status": status, "headers": headers})

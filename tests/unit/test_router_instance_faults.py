@@ -319,9 +319,12 @@ def test_a_whole_answer_cut_mid_body_is_a_502() -> None:
             _socket_server(head_then_cut) as d_url,
             _router(_decode_only(d_url)) as (client, state),
         ):
-            resp = await client.post("/v1/completions", json=BODY)
+            resp = await client.post(
+                "/v1/completions", json=BODY, headers={"x-request-id": "client-7"}
+            )
             assert resp.status_code == 502, resp.text
             assert resp.headers["content-type"] == "application/json"
+            assert resp.headers["x-request-id"] == "client-7"  # echoed on the 502 too
             error = resp.json()["error"]
             assert (error["type"], error["code"]) == ("server_error", "decode_failed")
             message = f"decode at {d_url} failed mid-answer: RemoteProtocolError"
