@@ -195,6 +195,7 @@ def cell_summary(runs: list[Run]) -> dict[str, Any]:
         "decode_tok_s_median": statistics.median(rates) if rates else None,
         "output_tok_s_median": statistics.median(r.output_tok_s() for r in runs if r.ok()) if runs else None,
         "server_cpu_s_per_token": sum(r.server_cpu_s for r in runs) / max(sum(s.num_tokens for s in streams), 1),
+        "server_cpu_s_per_run": statistics.median(r.server_cpu_s for r in runs) if runs else None,
         "load_avg": [r.load_avg for r in runs],
     }  # fmt: skip
 
@@ -226,7 +227,8 @@ def summarize(runs: list[Run], args: argparse.Namespace) -> tuple[dict[str, Any]
                 row += [_fmt(theirs["ttft_p50_ms"], ".0f"), _fmt(theirs["tpot_p50_ms"], ".1f"),
                         _fmt(theirs["decode_tok_s_median"], ".1f"), _fmt(theirs["output_tok_s_median"], ".1f"),
                         _ratio(mine["ttft_p50_ms"], theirs["ttft_p50_ms"]),
-                        _ratio(mine["tpot_p50_ms"], theirs["tpot_p50_ms"])]  # fmt: skip
+                        _ratio(mine["tpot_p50_ms"], theirs["tpot_p50_ms"]),
+                        _ratio(mine["server_cpu_s_per_run"], theirs["server_cpu_s_per_run"])]  # fmt: skip
             loads = [x for c in cell.values() for x in c["load_avg"]]
             row += [f"{min(loads):.1f}-{max(loads):.1f}",
                     " / ".join(f"{cell[x]['runs'] - cell[x]['failed_runs']}/{cell[x]['runs']}" for x in systems)]  # fmt: skip
@@ -235,7 +237,7 @@ def summarize(runs: list[Run], args: argparse.Namespace) -> tuple[dict[str, Any]
     header = ["context", load_name, "kvduplex", "TTFT p50 ms", "TPOT p50 ms", "decode tok/s", "output tok/s"]
     if VLLM in systems:
         header += ["vLLM TTFT p50 ms", "vLLM TPOT p50 ms", "vLLM decode tok/s", "vLLM output tok/s",
-                   "TTFT kvduplex / vLLM", "TPOT kvduplex / vLLM"]  # fmt: skip
+                   "TTFT kvduplex / vLLM", "TPOT kvduplex / vLLM", "server CPU per run kvduplex / vLLM"]  # fmt: skip
     header += ["load average", "runs ok (" + " / ".join(systems) + ")"]
     what = ("N streams sent at once" if args.mode == "burst"
             else f"{args.requests} streams, Poisson arrivals at the given rate")  # fmt: skip
@@ -245,8 +247,9 @@ def summarize(runs: list[Run], args: argparse.Namespace) -> tuple[dict[str, Any]
         f"each server alone on cpu {args.core}, one thread; client on cpu {args.client_core}; "
         f"{args.rounds} run(s) per cell and system, interleaved; vLLM budget {args.vllm_budget} tokens. "
         "TTFT and TPOT p50 over all streams of a cell (TPOT: mean gap after the first token); "
-        "decode tok/s: while every stream decoded, median over runs ('-': no such window); ratios "
-        "< 1: kvduplex faster\n\n" + md_table(header, rows)
+        "decode tok/s: while every stream decoded, median over runs ('-': no such window); server "
+        "CPU: the server's process tree's CPU seconds over the run, median (the work, steadier than "
+        "wall times on a shared core); ratios < 1: kvduplex faster\n\n" + md_table(header, rows)
     )
     return summary, table
 

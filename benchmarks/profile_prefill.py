@@ -169,7 +169,7 @@ def start_servers(cluster: Any, folder: Path, args: argparse.Namespace, budget: 
     from benchmarks.bench_vs_vllm_arrivals import start
 
     ns = argparse.Namespace(
-        budgets=[budget], kvduplex_kv_mb=args.kv_mb, kvduplex_args=[], start_timeout=600.0,
+        budgets=[budget], prefill_caps=[-1], kvduplex_kv_mb=args.kv_mb, kvduplex_args=[], start_timeout=600.0,
         vllm_bin=args.vllm_bin, vllm_kv_gib=4, mode="burst", streams=[1], requests=1,
         vllm_budget=budget, contexts=args.contexts, max_tokens=1, core=int(args.cpus.split(",")[0]),
         threads=1, seed=args.seed,
