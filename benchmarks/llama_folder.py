@@ -21,8 +21,11 @@ LLAMA_50M = dict(
 """The folder's `LlamaConfig` arguments."""
 
 
-def build_llama_folder(folder: Path, seed: int = 0) -> Path:
-    """Write config.json, model.safetensors, tokenizer.json and tokenizer_config.json into `folder`."""
+def build_llama_folder(folder: Path, seed: int = 0, max_positions: int = 8192) -> Path:
+    """Write config.json, model.safetensors, tokenizer.json and tokenizer_config.json into `folder`.
+
+    `max_positions` changes only the config (the weights of a seed are the same): 16k
+    contexts need a folder built with more than the default 8,192."""
     import torch
     from tokenizers import Tokenizer
     from tokenizers import decoders
@@ -33,7 +36,7 @@ def build_llama_folder(folder: Path, seed: int = 0) -> Path:
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**LLAMA_50M))  # type: ignore[arg-type]
+    model = LlamaForCausalLM(LlamaConfig(**(LLAMA_50M | {"max_position_embeddings": max_positions})))  # type: ignore[arg-type]
     model.save_pretrained(folder, safe_serialization=True)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -104,6 +104,12 @@ class SchedulerConfig(ConfigSection):
     """Split long prompts across steps so decodes keep flowing."""
     long_prefill_token_threshold: int = 0
     """Largest prefill chunk of one request per step; 0 means the whole budget."""
+    max_prefill_tokens_with_decodes: int = 0
+    """Most prefill tokens in a step that also runs decodes (the step's budget is then the
+    decodes plus this, at most max_num_batched_tokens); 0: no cap beyond the budget. A step
+    without decodes prefills the whole budget. Smaller: the tokens of running requests keep
+    coming while a burst of new prompts prefills (lower TPOT), each of those prompts taking
+    a few more, shorter steps (slightly later first tokens)."""
     engine_stall_timeout_s: float = 8.0
     """Seconds the engine loop may spend in one iteration (a step, or a call run between
     steps) while it has work before the instance calls itself unhealthy: /health answers
@@ -120,10 +126,10 @@ class SchedulerConfig(ConfigSection):
         _at_least(str(info.field_name), value, 1)
         return value
 
-    @field_validator("long_prefill_token_threshold")
+    @field_validator("long_prefill_token_threshold", "max_prefill_tokens_with_decodes")
     @classmethod
-    def _check_threshold(cls, value: int) -> int:
-        _at_least("long_prefill_token_threshold", value, 0)
+    def _check_at_least_zero(cls, value: int, info: ValidationInfo) -> int:
+        _at_least(str(info.field_name), value, 0)
         return value
 
     @field_validator("engine_stall_timeout_s")

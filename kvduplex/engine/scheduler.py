@@ -9,7 +9,10 @@ One engine step::
 
 `schedule` fills the token budget (``max_num_batched_tokens``) in this order:
 
-1. running decodes (one token each),
+1. running decodes (one token each); with ``max_prefill_tokens_with_decodes``
+   set and decodes scheduled, the step's budget shrinks to the decodes plus
+   that many prefill tokens, so that a burst of arrivals cannot stretch the
+   steps that running requests wait on,
 2. running prefills that continue (the next chunk),
 3. admission of waiting requests, FCFS, while seats (``max_num_seqs``),
    budget and blocks last; a request with ``remote_kv`` gets blocks for its
@@ -183,6 +186,9 @@ class Scheduler:
         """Choose this step's batch and allocate its slots (see the module docstring)."""
         step = StepBuilder(self.config.max_num_batched_tokens)
         self._schedule_running(step, decodes=True)
+        cap = self.config.max_prefill_tokens_with_decodes
+        if cap > 0 and step.seqs:  # decodes run: prefill chunks share at most `cap` tokens
+            step.token_budget = min(step.token_budget, len(step.seqs) + cap)
         self._schedule_running(step, decodes=False)
         if not step.preempted_ids:
             self._admit_waiting(step)

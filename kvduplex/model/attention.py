@@ -8,9 +8,12 @@ sequences; each sequence contributes ``q_len`` new tokens at positions
 1. the new K and V are scattered into the pool at ``slot_mapping``
    (``slot = block_table[pos // block_size] * block_size + pos % block_size``);
 2. prefill sequences (``q_len > 1``) are attended one by one: a fresh prompt
-   (``start_pos == 0``) uses its own K/V with a causal mask, a continued one
-   (chunked prefill or a prefix-cache hit) gathers its context from the pool
-   through its block table and uses an offset causal mask;
+   (``start_pos == 0``) uses its own K/V with a causal mask; a continued one
+   (chunked prefill or a prefix-cache hit), on CPU, attends to its cached
+   context gathered from the pool without a mask and to its own K/V causally,
+   the two merged by log-sum-exp (`_continued_prefill`); elsewhere, or under a
+   sliding window shorter than its context, to its whole gathered context with
+   an offset causal mask;
 3. decode sequences (``q_len == 1``), by default all together as `PagedDecodes`:
    each sequence's blocks that form long ranges of consecutive ids in the pool
    (in any order) are read in place, ``layer_pool[:, b:b+m]``, masked by the
@@ -258,6 +261,11 @@ def paged_attention(
     for i, span in enumerate(ctx.prefills):
         end = span.token_start + span.q_len
         qs = q[span.token_start:end].transpose(0, 1)  # (num_heads, q_len, head_dim)
+        if span.start_pos > 0 and can_split_prefill(q, window, span):
+            o = _continued_prefill(qs, k[span.token_start:end], v[span.token_start:end], k_cache,
+                                   v_cache, span, scale)  # fmt: skip
+            out[span.token_start:end] = o[0].transpose(0, 1)
+            continue
         mask = ctx.prefill_mask(i, window, q.dtype)
         if span.start_pos == 0:
             ks = k[span.token_start:end].transpose(0, 1)  # (num_kv_heads, q_len, head_dim)
@@ -350,6 +358,53 @@ def _attend_ranges(
         weights = torch.softmax(torch.stack(lses), dim=0)[..., None]  # exp(lse_i - lse of all)
         merged = (torch.stack(outs) * weights).sum(0)
     out.index_copy_(0, token_index, merged.view(1, heads, dim))
+
+
+def can_split_prefill(q: torch.Tensor, window: int | None, span: PrefillSpan) -> bool:
+    """Whether a continued prefill takes `_continued_prefill`: on CPU (the flash kernel that
+    returns its log-sum-exp), when no sliding window hides part of the context."""
+    return q.device.type == "cpu" and (window is None or span.context_len <= window)
+
+
+def _continued_prefill(
+    qs: torch.Tensor,  # (num_heads, q_len, head_dim)
+    k_new: torch.Tensor,  # (q_len, num_kv_heads, head_dim)
+    v_new: torch.Tensor,  # (q_len, num_kv_heads, head_dim)
+    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    span: PrefillSpan,
+    scale: float,
+) -> torch.Tensor:  # (1, num_heads, q_len, head_dim)
+    """A chunk after `span.start_pos` cached tokens, as two flash SDPAs merged by log-sum-exp.
+
+    ::
+
+        keys     [ 0 ........ start_pos | start_pos ...... context_len ]
+                   cached: every query     this chunk's own K/V: causal
+                   sees all of it, no mask (the kernel skips the blocks above
+                                            the diagonal)
+
+    One SDPA over the whole context would need a ``(q_len, context_len)`` additive mask
+    (built, then read in every layer) and computes every masked block. The cached part is
+    gathered from the pool (its blocks in table order); the chunk's own K/V come as
+    computed. Attention is a sum over keys, so the two partial outputs merge exactly, up
+    to rounding, by their log-sum-exps.
+    """
+    heads, kv_heads = qs.shape[0], k_new.shape[1]
+    group = heads // kv_heads
+    num_blocks = -(-span.start_pos // k_cache.shape[1])
+    k_old = _gather(k_cache, span.block_table[:num_blocks], span.start_pos)  # (kv_heads, start_pos, dim)
+    v_old = _gather(v_cache, span.block_table[:num_blocks], span.start_pos)
+    k_own, v_own = k_new.transpose(0, 1), v_new.transpose(0, 1)  # (kv_heads, q_len, dim)
+    if group > 1:
+        k_old, v_old = k_old.repeat_interleave(group, 0), v_old.repeat_interleave(group, 0)
+        k_own, v_own = k_own.repeat_interleave(group, 0), v_own.repeat_interleave(group, 0)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    o_old, lse_old = flash(qs[None], k_old[None], v_old[None], 0.0, False, scale=scale)[:2]
+    o_own, lse_own = flash(qs[None], k_own[None], v_own[None], 0.0, True, scale=scale)[:2]
+    # (1, heads, q_len, dim) and (1, heads, q_len): weight of each part = exp(lse_part - lse_all)
+    w_old = torch.sigmoid(lse_old - lse_own)[..., None]
+    return torch.lerp(o_own, o_old, w_old.to(o_own.dtype))
 
 
 def _gather(

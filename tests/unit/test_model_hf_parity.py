@@ -176,6 +176,21 @@ def test_logits_match_at_every_position(family: Family) -> None:
     torch.testing.assert_close(torch.stack(rows), ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("chunk", [3, 8])
+def test_logits_match_after_every_chunk(family: Family, chunk: int) -> None:
+    """A prompt prefilled in chunks (each after the first attends to the cached context and
+    to itself: on CPU two SDPAs merged by log-sum-exp, or the masked path under a window)
+    gives transformers' logits at the end of every chunk."""
+    prompt = PROMPTS[0]
+    with torch.no_grad():
+        ref = family.hf(torch.tensor([prompt])).logits[0].float()  # (len, vocab)
+    runner = _runner(family.ours)
+    for start in range(0, len(prompt), chunk):
+        ids = list(prompt[start:start + chunk])
+        got = runner.execute([SeqInput(ids, start, _block_table(0), True)])[0]
+        torch.testing.assert_close(got, ref[start + len(ids) - 1], atol=1e-4, rtol=1e-4)
+
+
 def test_greedy_token_exact(family: Family) -> None:
     expected = [_hf_greedy(family.hf, list(p)) for p in PROMPTS]
     runner = _runner(family.ours)

@@ -59,6 +59,7 @@ class Harness:
         chunked: bool = True,
         threshold: int = 0,
         caching: bool = True,
+        prefill_with_decodes: int = 0,
     ) -> None:
         self.pool = BlockPool(num_blocks, enable_caching=caching)
         self.kv = KVCacheManager(self.pool, BS, b"fake-model")
@@ -68,6 +69,7 @@ class Harness:
                 max_num_batched_tokens=max_num_batched_tokens,
                 enable_chunked_prefill=chunked,
                 long_prefill_token_threshold=threshold,
+                max_prefill_tokens_with_decodes=prefill_with_decodes,
             ),
             self.kv,
         )
@@ -182,6 +184,26 @@ def test_continuous_batching_admits_while_others_decode() -> None:
     assert a.output_token_ids == reference(a.prompt_token_ids, 4)
     assert b.output_token_ids == reference(b.prompt_token_ids, 3)
     assert a.finish_reason is FinishReason.LENGTH and a.status is RequestStatus.FINISHED_LENGTH
+    h.assert_no_leaks()
+
+
+def test_prefill_tokens_are_capped_while_requests_decode() -> None:
+    h = Harness(max_num_batched_tokens=64, prefill_with_decodes=8)
+    a = h.add("a", list(range(10, 30)), params(4))
+    b = h.add("b", list(range(40, 70)), params(3))
+    # 1. Nothing decodes yet: the whole budget prefills (all of a, 44 tokens of b).
+    out, _ = h.step()
+    assert by_id(out) == {"a": (0, 20, True), "b": (0, 30, True)}
+    c = h.add("c", list(range(100, 130)), params(2))
+    # 2. a and b decode: c gets at most 8 prefill tokens in each step that decodes.
+    out, _ = h.step()
+    assert by_id(out) == {"a": (20, 1, True), "b": (30, 1, True), "c": (0, 8, False)}
+    out, _ = h.step()
+    assert by_id(out)["c"] == (8, 8, False)
+    # 3. to completion, with the tokens the model alone would produce.
+    h.run()
+    for r, n in ((a, 4), (b, 3), (c, 2)):
+        assert r.output_token_ids == reference(r.prompt_token_ids, n)
     h.assert_no_leaks()
 
 
