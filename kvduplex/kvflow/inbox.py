@@ -44,6 +44,10 @@ class EngineGoneError(RuntimeError):
     """The engine loop ended before it took a request."""
 
 
+class XidInUseError(ValueError):
+    """A spec names an xid another request waits on (the route answers 409)."""
+
+
 Handler = Callable[[ControlMessage, str, float], None]
 """``handler(message, sender_engine_id, received_at)``, on the engine thread."""
 Tick = Callable[[float], None]
@@ -70,7 +74,7 @@ class SpecTable(Protocol):
     """A flow's table of specs for requests still to come (push, pull)."""
 
     def register(self, spec: Any) -> None:
-        """Raises ValueError for an xid another request waits on."""
+        """Raises XidInUseError for an xid another request waits on."""
 
 
 @dataclass(frozen=True)
@@ -293,5 +297,5 @@ class FlowInbox:
 
 __all__ = [
     "EngineGoneError", "FlowEvent", "FlowInbox", "Handler", "Heard", "RegisterSpec", "SenderChecked",
-    "TickAt", "TransferEnded", "TransferSettled", "TransferWatcher",
+    "TickAt", "TransferEnded", "TransferSettled", "TransferWatcher", "XidInUseError",
 ]  # fmt: skip
