@@ -228,7 +228,9 @@ class AsyncEngine:
         owns ``request`` from here on: read its outputs, not its fields.
 
         `on_admit` runs in the engine thread just before the request is added,
-        with nothing else in between; a ValueError from it rejects the request.
+        with nothing else in between; a ValueError from it rejects the request. It
+        runs too for a request whose caller left before the engine took it, which is
+        then dropped as aborted (its connector undoes what `on_admit` registered).
 
         Raises RequestRejected for requests that can never be served (or whose id
         is in use), EngineDeadError if the engine loop does not run or ends meanwhile.
@@ -405,6 +407,11 @@ class AsyncEngine:
         with self._lock:
             stream = self._streams.get(add.request.request_id)
         if stream is None:  # the client left before the request reached the engine
+            if add.on_admit is not None:
+                try:  # what it registers (a remote-KV spec) is undone with the request
+                    add.on_admit()
+                except ValueError:
+                    return  # it registered nothing (another request's xid): nothing to undo
             self.core.drop_unadded(add.request)
             return
         try:

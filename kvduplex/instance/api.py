@@ -98,7 +98,7 @@ from kvduplex.instance.errors import install_error_handlers
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["APIError", "Generation", "InstanceState", "create_app"]
+__all__ = ["APIError", "AdmitRefused", "Generation", "InstanceState", "create_app"]
 
 
 @dataclass
@@ -124,6 +124,20 @@ class Generation:
     """A whole answer's logprobs as they are gathered (when the request asks for them)."""
     tool_calls: structured.ForcedToolCalls | None = None
     """tool_choice required or named: the answer is rendered as tool calls."""
+    on_admit: Callable[[], None] | None = None
+    """Runs on the engine thread just before the request is added, in the same turn
+    (`AsyncEngine.generate`): a role's `prepare` registers what the request waits for
+    (a push or pull spec) there. AdmitRefused from it refuses the request with its status
+    before any answer begins."""
+
+
+class AdmitRefused(ValueError):
+    """A `Generation.on_admit` refused the request (e.g. a duplicate xid: 409)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
 
 
 @dataclass
@@ -427,7 +441,10 @@ async def _serve(state: InstanceState, raw: Request, gen: Generation, chat: bool
         gen.request.grammar = await state.grammar(spec, gen.request.request_id, param)
     if state.prepare is not None:
         await state.prepare(raw, gen)
-    outputs = state.engine.generate(gen.request)
+    if gen.on_admit is None:
+        outputs = state.engine.generate(gen.request)
+    else:
+        outputs = await _admitted(state, gen)
     if gen.body.stream:
         include_usage = bool(gen.body.stream_options and gen.body.stream_options.include_usage)
         return StreamingResponse(
@@ -435,6 +452,57 @@ async def _serve(state: InstanceState, raw: Request, gen: Generation, chat: bool
             headers=_id_header(gen),
         )  # fmt: skip
     return await _collect(state, raw, gen, outputs, chat)
+
+
+async def _admitted(state: InstanceState, gen: Generation) -> AsyncIterator[RequestOutput]:
+    """Submit a request with an ``on_admit`` and wait until the engine thread ran it:
+    its outputs, or APIError (before any answer begins) for an AdmitRefused."""
+    assert gen.on_admit is not None
+    hook = gen.on_admit
+    loop = asyncio.get_running_loop()
+    admitted: asyncio.Future[None] = loop.create_future()
+
+    def set_admitted() -> None:
+        if not admitted.done():
+            admitted.set_result(None)
+
+    def on_admit() -> None:  # engine thread
+        hook()
+        loop.call_soon_threadsafe(set_admitted)
+
+    outputs = state.engine.generate(gen.request, on_admit=on_admit)
+    first: asyncio.Future[RequestOutput] = asyncio.ensure_future(outputs.__anext__())
+    waits: set[asyncio.Future[Any]] = {first, admitted}
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        first.cancel()
+        admitted.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        await outputs.aclose()  # type: ignore[attr-defined]
+        raise
+    admitted.cancel()
+    if first.done() and isinstance(first.exception(), AdmitRefused):
+        refused = first.exception()
+        assert isinstance(refused, AdmitRefused)
+        raise APIError(refused.status, str(refused), param=refused.param) from None
+    return _chained(first, outputs)
+
+
+async def _chained(
+    first: asyncio.Future[RequestOutput], rest: AsyncIterator[RequestOutput]
+) -> AsyncIterator[RequestOutput]:
+    try:
+        try:
+            yield await first
+        except StopAsyncIteration:
+            return
+        async for out in rest:
+            yield out
+    finally:
+        if not first.done():
+            first.cancel()
+        await rest.aclose()  # type: ignore[attr-defined]
 
 
 def _id_header(gen: Generation) -> dict[str, str]:

@@ -33,6 +33,7 @@ from pydantic import Field
 from pydantic import model_validator
 
 from kvduplex.engine.request import RemoteKVSpec
+from kvduplex.instance.api import AdmitRefused
 from kvduplex.instance.api import APIError
 from kvduplex.instance.api import Generation
 from kvduplex.instance.api import InstanceState
@@ -40,7 +41,7 @@ from kvduplex.instance.kv_routes import MAX_XID_CHARS
 from kvduplex.instance.kv_routes import CancelRequest
 from kvduplex.instance.kv_routes import not_found
 from kvduplex.kvflow.connectors import DecodeFlows
-from kvduplex.kvflow.inbox import EngineGoneError
+from kvduplex.kvflow.inbox import XidInUseError
 from kvduplex.kvflow.pull import PullSpec
 from kvduplex.kvflow.pull_flow import PullDecodeSide
 from kvduplex.kvflow.push import PushDecodeSide
@@ -150,20 +151,17 @@ class DecodePreparer:
                 f"{kv.prefill_url} has {peer.layout.num_blocks} blocks",
                 param="kv_transfer_params",
             )  # fmt: skip
-        try:
-            if kv.mode == "push":
-                spec = PushSpec(kv.xid, peer, kv.prefill_url, gen.request.request_id)
-                await self.push.register(spec)
-            else:
-                lease_ends_at = None if kv.lease_s is None else arrived + kv.lease_s
-                await self.pull.register(PullSpec(
-                    kv.xid, peer, kv.prefill_url, kv.block_ids, kv.num_tokens,
-                    lease_ends_at, kv.num_cached_tokens, gen.request.request_id,
-                ))  # fmt: skip
-        except ValueError as exc:  # a duplicate xid
-            raise APIError(409, str(exc), param="kv_transfer_params") from None
-        except EngineGoneError as exc:
-            raise APIError(503, str(exc), code="engine_dead") from None
+        # The spec is registered on the engine thread with the request's add (a duplicate
+        # xid rejects the request: 409), so that the request's first step sends KVRegister.
+        if kv.mode == "push":
+            spec = PushSpec(kv.xid, peer, kv.prefill_url, gen.request.request_id)
+            gen.on_admit = _refusing_duplicates(self.push.admit(spec))
+        else:
+            lease_ends_at = None if kv.lease_s is None else arrived + kv.lease_s
+            gen.on_admit = _refusing_duplicates(self.pull.admit(PullSpec(
+                kv.xid, peer, kv.prefill_url, kv.block_ids, kv.num_tokens,
+                lease_ends_at, kv.num_cached_tokens, gen.request.request_id,
+            )))  # fmt: skip
         gen.request.remote_kv = RemoteKVSpec(kv.xid, source_engine_id=peer.engine_id)
 
     async def _prepare_return(self, kv: KVTransferParams, gen: Generation) -> None:
@@ -185,6 +183,18 @@ class DecodePreparer:
             kv.session_id, peer, kv.return_from_block, kv.return_max_tokens
         )
         gen.request.hold_blocks_on_finish = True
+
+
+def _refusing_duplicates(register: Callable[[], None]) -> Callable[[], None]:
+    """``register`` as an ``on_admit`` whose duplicate xid refuses the request with 409."""
+
+    def on_admit() -> None:  # engine thread
+        try:
+            register()
+        except XidInUseError as exc:
+            raise AdmitRefused(409, str(exc), param="kv_transfer_params") from None
+
+    return on_admit
 
 
 def make_decode_hooks(

@@ -42,6 +42,7 @@ from kvduplex.engine.structured import RequestGrammar
 from kvduplex.instance.api import APIError
 from kvduplex.instance.api import InstanceState
 from kvduplex.kvflow.connectors import PrefillFlows
+from kvduplex.kvflow.inbox import EngineGoneError
 from kvduplex.kvflow.inbox import FlowInbox
 from kvduplex.kvflow.lease import LeaseTable
 from kvduplex.kvflow.pull_flow import PullPrefillSide
@@ -204,6 +205,8 @@ class PushPrefill:
                 await self.retained.read(body.xid, turn, arrived)
             except ValueError as exc:
                 raise APIError(400, f"pull_from.block_ids: {exc}", param="pull_from") from None
+            except EngineGoneError as exc:
+                raise APIError(503, str(exc), code="engine_dead") from None
         try:
             held = Request(
                 body.xid, body.prompt_token_ids, _first_token_params(body),

@@ -1,16 +1,20 @@
-"""The flow I/O thread: messages and calls that may block, off the engine thread.
+"""The flow I/O threads: messages and calls that may block, off the engine thread.
 
 The engine thread owns every flow's state and never waits on the network. What
-may block goes here as a typed request, one thread carries them out in order,
-and a failure is logged (or, for `CheckSender`, its answer goes back to the
-flow inbox as `SenderChecked`)::
+may block goes here as a typed request; a failure is logged (or, for
+`CheckSender`, its answer goes back to the flow inbox as `SenderChecked`).
+Two threads carry the requests out, each in order, so that no HTTP call or
+handshake to one stuck peer can hold up a notification to another::
 
-    engine thread ── Notify / NotifyEngine / CheckSender / TearDownEndpoint /
-                     ReleaseLease ──► queue ──► kv-flow-io thread ──► transport, HTTP
+    engine thread ── Notify / NotifyEngine ─────► sends ──► kv-flow-io ──► transport
+                 └── CheckSender / TearDownEndpoint /       (a send that must connect
+                     ReleaseLease ──► waits ──► kv-flow-wait  afresh goes to waits)
+                                                 ──► HTTP, handshakes, disconnect
 
 A notification to a peer whose endpoint a teardown removed connects afresh
 first (``reconnect``): a KVFailed must reach its receiver, or its blocks stay
-quarantined.
+quarantined. Its first try is on the sends thread; the connecting and the
+second try are on the waits thread, behind whatever else waits there.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 from typing import assert_never
 
 from kvduplex.kvflow.inbox import FlowInbox
@@ -87,11 +92,22 @@ class ReleaseLease:
     xid: str
 
 
+@dataclass(frozen=True)
+class _Reconnect:
+    """A send that failed (or found no connection): connect to ``engine_id`` afresh and
+    send ``msg`` once more (waits thread)."""
+
+    engine_id: str
+    msg: ControlMessage
+    level: int
+
+
 IORequest = Notify | NotifyEngine | CheckSender | TearDownEndpoint | ReleaseLease
+_Blocking = CheckSender | TearDownEndpoint | ReleaseLease | _Reconnect
 
 
 class FlowIO:
-    """One instance's flow I/O thread; `submit` from the engine thread, `close` at exit."""
+    """One instance's flow I/O threads; `submit` from the engine thread, `close` at exit."""
 
     def __init__(
         self, transport: Transport, inbox: FlowInbox, peer_of: PeerOf | None = None,
@@ -104,46 +120,71 @@ class FlowIO:
         self.peer_of = peer_of
         self.reconnect = reconnect
         self.codec = MessageCodec()
-        self._queue: queue.SimpleQueue[IORequest | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
+        self._sends: queue.SimpleQueue[Notify | NotifyEngine | None] = queue.SimpleQueue()
+        self._waits: queue.SimpleQueue[_Blocking | None] = queue.SimpleQueue()
+        self._send_thread: threading.Thread | None = None
+        self._wait_thread: threading.Thread | None = None
         self._closed = False
 
     def submit(self, request: IORequest) -> None:
         if self._closed:
             logger.info("flow I/O closed; dropping %s", type(request).__name__)
             return
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="kv-flow-io", daemon=True)
-            self._thread.start()
-        self._queue.put(request)
+        if self._send_thread is None:  # both at once, here on the engine thread
+            self._send_thread = threading.Thread(
+                target=self._run, args=(self._sends,), name="kv-flow-io", daemon=True
+            )
+            self._wait_thread = threading.Thread(
+                target=self._run, args=(self._waits,), name="kv-flow-wait", daemon=True
+            )
+            self._send_thread.start()
+            self._wait_thread.start()
+        match request:
+            case Notify() | NotifyEngine():
+                self._sends.put(request)
+            case CheckSender() | TearDownEndpoint() | ReleaseLease():
+                self._waits.put(request)
+            case _:
+                assert_never(request)
 
     def close(self) -> None:
-        """Stop the thread after what was submitted (idempotent)."""
+        """Stop the threads after what was submitted (idempotent)."""
         if self._closed:
             return
         self._closed = True
-        self._queue.put(None)
+        self._sends.put(None)
+        self._waits.put(None)
 
-    def _run(self) -> None:
-        while (request := self._queue.get()) is not None:
+    def _run(self, requests: queue.SimpleQueue[Any]) -> None:
+        while (request := requests.get()) is not None:
             try:
-                self.carry_out(request)
+                self._carry_out(request, self._waits.put)
             except Exception:
                 logger.exception("flow I/O %s failed", type(request).__name__)
 
     def carry_out(self, request: IORequest) -> None:
-        """Do ``request`` now, on the calling thread (the I/O thread, or a test)."""
+        """Do ``request`` now and wholly, on the calling thread (a test's stepper)."""
+        self._carry_out(request, self._carry_out_now)
+
+    def _carry_out_now(self, request: _Blocking) -> None:
+        self._carry_out(request, self._carry_out_now)
+
+    def _carry_out(self, request: IORequest | _Reconnect, later: Callable[[_Blocking], None]) -> None:
+        """Do ``request``; what it must connect for goes to ``later``."""
         match request:
             case Notify(peer, msg, reconnect, level):
-                self._notify(peer, msg, reconnect, level)
+                if not self._try_send(peer, msg, level if not reconnect else None):
+                    later(_Reconnect(peer.engine_id, msg, level))
             case NotifyEngine(engine_id, msg, level):
                 found = self.peer_of(engine_id) if self.peer_of is not None else None
-                if found is None and self.reconnect is not None:
-                    found = self.reconnect(engine_id)
-                if found is None:
-                    logger.info("xid=%s: cannot tell %s: not connected", msg.xid, engine_id)
+                if found is None or not self._try_send(found, msg, None):
+                    later(_Reconnect(engine_id, msg, level))
+            case _Reconnect(engine_id, msg, level):
+                fresh = self.reconnect(engine_id) if self.reconnect is not None else None
+                if fresh is None:
+                    logger.log(level, "xid=%s: cannot tell %s: not connected", msg.xid, engine_id)
                     return
-                self._notify(found, msg, True, level)
+                self._try_send(fresh, msg, level)
             case CheckSender():
                 self._check_sender(request)
             case TearDownEndpoint(peer, why, xid):
@@ -155,20 +196,15 @@ class FlowIO:
             case _:
                 assert_never(request)
 
-    def _notify(self, peer: PeerHandle, msg: ControlMessage, reconnect: bool, level: int) -> None:
+    def _try_send(self, peer: PeerHandle, msg: ControlMessage, level: int | None) -> bool:
+        """Send once; a failure is logged at ``level`` (None: not logged, retried)."""
         try:
             self.transport.send_notif(peer, self.codec.encode(msg), msg.xid)
-            return
+            return True
         except Exception as exc:
-            problem: Exception = exc
-        fresh = self.reconnect(peer.engine_id) if reconnect and self.reconnect else None
-        if fresh is not None:
-            try:
-                self.transport.send_notif(fresh, self.codec.encode(msg), msg.xid)
-                return
-            except Exception as exc:
-                problem = exc
-        logger.log(level, "xid=%s: cannot tell %s: %s", msg.xid, peer.engine_id, problem)
+            if level is not None:
+                logger.log(level, "xid=%s: cannot tell %s: %s", msg.xid, peer.engine_id, exc)
+            return False
 
     def _check_sender(self, check: CheckSender) -> None:
         xid, peer = check.xid, check.peer
@@ -183,8 +219,7 @@ class FlowIO:
                 peer = check.reconnect(engine_id) or peer
             logger.warning("xid=%s: quarantined blocks unconfirmed; asking %s again",
                            xid, engine_id)  # fmt: skip
-            self._notify(peer, KVCancel(xid, "still waiting for confirmation"), False,
-                         logging.INFO)  # fmt: skip
+            self._try_send(peer, KVCancel(xid, "still waiting for confirmation"), logging.INFO)
         self.inbox.put(SenderChecked(xid, gone, check.to))
 
 

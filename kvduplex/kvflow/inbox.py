@@ -44,6 +44,10 @@ class EngineGoneError(RuntimeError):
     """The engine loop ended before it took a request."""
 
 
+class XidInUseError(ValueError):
+    """A spec names an xid another request waits on (the route answers 409)."""
+
+
 Handler = Callable[[ControlMessage, str, float], None]
 """``handler(message, sender_engine_id, received_at)``, on the engine thread."""
 Tick = Callable[[float], None]
@@ -70,7 +74,7 @@ class SpecTable(Protocol):
     """A flow's table of specs for requests still to come (push, pull)."""
 
     def register(self, spec: Any) -> None:
-        """Raises ValueError for an xid another request waits on."""
+        """Raises XidInUseError for an xid another request waits on."""
 
 
 @dataclass(frozen=True)
@@ -153,7 +157,7 @@ class FlowInbox:
         self._ticks: list[Tick] = []
         self._timers: list[_Timer] = []
         self._seq = itertools.count()
-        self._pending: set[Future[None]] = set()
+        self._pending: set[Future[Any]] = set()
         self.num_drained = 0
 
     # ---- wiring (before the pump starts) ----
@@ -194,19 +198,28 @@ class FlowInbox:
         """Have ``to.register(spec)`` run on the engine thread at its next drain; the
         future has None or its error (EngineGoneError once the engine no longer drains)."""
         reply: Future[None] = Future()
+        if self.track(reply):
+            self.put(RegisterSpec(spec, to, reply))
+        return reply
+
+    def track(self, reply: Future[Any]) -> bool:
+        """Fail ``reply`` with EngineGoneError if the engine no longer drains, now or once
+        it ends (any thread); False if it failed at once. Checked again after it is kept:
+        an engine that died in between ran `fail_pending` before ``reply`` was there."""
         if not self.is_alive():
-            reply.set_exception(EngineGoneError("the engine loop has ended"))
-            return reply
+            _fail(reply, "the engine loop has ended")
+            return False
         self._pending.add(reply)
         reply.add_done_callback(self._pending.discard)
-        self.put(RegisterSpec(spec, to, reply))
-        return reply
+        if not self.is_alive():
+            _fail(reply, "the engine loop has ended")
+            return False
+        return True
 
     def fail_pending(self, error: BaseException) -> None:
         """The engine loop ended: fail every request still queued (any thread)."""
         for reply in list(self._pending):
-            if reply.set_running_or_notify_cancel():
-                reply.set_exception(EngineGoneError(str(error)))
+            _fail(reply, str(error))
 
     @property
     def has_events(self) -> bool:
@@ -291,7 +304,15 @@ class FlowInbox:
                 logger.exception("flow tick %r failed", tick)
 
 
+def _fail(reply: Future[Any], why: str) -> None:
+    try:
+        if reply.set_running_or_notify_cancel():
+            reply.set_exception(EngineGoneError(why))
+    except RuntimeError:
+        pass  # answered meanwhile
+
+
 __all__ = [
     "EngineGoneError", "FlowEvent", "FlowInbox", "Handler", "Heard", "RegisterSpec", "SenderChecked",
-    "TickAt", "TransferEnded", "TransferSettled", "TransferWatcher",
+    "TickAt", "TransferEnded", "TransferSettled", "TransferWatcher", "XidInUseError",
 ]  # fmt: skip

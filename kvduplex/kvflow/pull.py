@@ -37,6 +37,7 @@ from kvduplex.kvflow.flow_io import FlowIO
 from kvduplex.kvflow.flow_io import ReleaseLease
 from kvduplex.kvflow.half import ReadRunner
 from kvduplex.kvflow.inbox import FlowInbox
+from kvduplex.kvflow.inbox import XidInUseError
 from kvduplex.kvflow.machines.read import Outcome
 from kvduplex.kvflow.metrics import KVFlowMetrics
 from kvduplex.transport.base import Transport
@@ -121,7 +122,7 @@ class PullConnector:
         """Engine thread, before the request is added. Raises ValueError for an xid
         another request waits on."""
         if spec.xid in self._specs:
-            raise ValueError(f"xid {spec.xid!r} is in use by another request")
+            raise XidInUseError(f"xid {spec.xid!r} is in use by another request")
         self._specs[spec.xid] = spec
 
     def forget(self, xid: str) -> PullSpec | None:

@@ -4,7 +4,7 @@ What the internal routes call; they only parse bodies and map errors::
 
     router ──► P  POST /internal/prefill ─► PullPrefillSide.prefill(request)
                   (its first token and its held blocks, under a lease)
-    router ──► D  POST /v1/... kv_transfer_params ─► PullDecodeSide.register(spec)
+    router ──► D  POST /v1/... kv_transfer_params ─► PullDecodeSide.admit(spec)
     D ──────► P  POST /internal/release ─► PullPrefillSide.release(xid)
 
 The machinery is `lease.LeaseTable` (prefill) and `pull.PullConnector`
@@ -15,8 +15,8 @@ caller.
 
 from __future__ import annotations
 
-import asyncio
 import logging
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -69,10 +69,11 @@ class PullDecodeSide:
     def __init__(self, pull: PullConnector) -> None:
         self.pull = pull
 
-    async def register(self, spec: PullSpec) -> None:
-        """Before the request is added. Raises ValueError for an xid another request waits
-        on, `EngineGoneError` once the engine loop ended."""
-        await asyncio.wrap_future(self.pull.submit(spec))
+    def admit(self, spec: PullSpec) -> Callable[[], None]:
+        """What registers ``spec`` as the request's ``on_admit`` (`AsyncEngine.generate`):
+        on the engine thread, in the same turn as the request's add. The call raises
+        XidInUseError (which rejects the request) for an xid another request waits on."""
+        return partial(self.pull.register, spec)
 
 
 __all__ = ["PullDecodeSide", "PullPrefillSide"]

@@ -5,7 +5,7 @@ statuses::
 
     router ──► P  POST /internal/push/prefill ─► PushPrefillSide.prefill(request, peer)
                   (``pull_from``: RetainedReader.read_retained first, see return_pull)
-    router ──► D  POST /v1/... kv_transfer_params ─► PushDecodeSide.register(spec)
+    router ──► D  POST /v1/... kv_transfer_params ─► PushDecodeSide.admit(spec)
     router ──► P  POST /internal/push/cancel ─► PushPrefillSide.cancel(xid, reason)
     router ──► D  POST /internal/push/cancel ─► PushDecodeSide.cancel(xid, reason)
 
@@ -17,8 +17,8 @@ inbox request whose failure comes back to the caller.
 
 from __future__ import annotations
 
-import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -121,10 +121,12 @@ class PushDecodeSide:
         self.engine = engine
         self.push = push
 
-    async def register(self, spec: PushSpec) -> None:
-        """Before the request is added. Raises ValueError for an xid another request waits
-        on, `EngineGoneError` once the engine loop ended."""
-        await asyncio.wrap_future(self.push.submit(spec))
+    def admit(self, spec: PushSpec) -> Callable[[], None]:
+        """What registers ``spec`` as the request's ``on_admit`` (`AsyncEngine.generate`):
+        on the engine thread, in the same turn as the request's add, so that the request
+        is scheduled, and its KVRegister sent, in the very next step. The call raises
+        XidInUseError (which rejects the request) for an xid another request waits on."""
+        return partial(self.push.register, spec)
 
     async def cancel(self, xid: str, reason: str) -> bool:
         """Stop waiting for ``xid`` (prefill failed); False if unknown (kept a while for

@@ -35,6 +35,7 @@ from kvduplex.engine.scheduler_output import KVReceived
 from kvduplex.engine.scheduler_output import KVReceiveFailed
 from kvduplex.engine.scheduler_output import KVTransferResult
 from kvduplex.engine.scheduler_output import RemoteKVAllocation
+from kvduplex.kvflow.inbox import XidInUseError
 from kvduplex.kvflow.messages import KVCancel
 from kvduplex.kvflow.messages import KVDone
 from kvduplex.kvflow.messages import KVWaiting
@@ -103,7 +104,7 @@ class PushDecode:
         """Engine thread, before the request is added. Raises ValueError for an xid
         another request waits on."""
         if spec.xid in self._specs or self.receiver.is_waiting(spec.xid):
-            raise ValueError(f"xid {spec.xid!r} is in use by another request")
+            raise XidInUseError(f"xid {spec.xid!r} is in use by another request")
         self._specs[spec.xid] = spec
         if self._early_cancels.pop(spec.xid, None) is not None:
             # Kept, cancelled: the request prefills its prompt here when admitted.

@@ -42,6 +42,7 @@ from typing import assert_never
 from kvduplex.engine.handle import EngineHandle
 from kvduplex.kvflow.flow_io import CheckSender
 from kvduplex.kvflow.flow_io import FlowIO
+from kvduplex.kvflow.flow_io import TearDownEndpoint
 from kvduplex.kvflow.half import FlowHalf
 from kvduplex.kvflow.inbox import FlowInbox
 from kvduplex.kvflow.machines.actions import AcquireBlocks
@@ -213,8 +214,8 @@ class KVReceiver(FlowHalf):
             case AskSender():
                 assert self.peer_gone is not None, "asked only when it can ask"
                 self.io.submit(CheckSender(m.xid, m.peer, self, self.peer_gone, self.reconnect))
-            case TearDown():
-                self.transport.disconnect(m.peer)
+            case TearDown():  # NIXL's disconnect takes its locks: not on the engine thread
+                self.io.submit(TearDownEndpoint(m.peer, a.why, m.xid))
             case Count():
                 setattr(self.stats, a.name, getattr(self.stats, a.name) + a.n)
             case Log():

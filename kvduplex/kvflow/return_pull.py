@@ -37,6 +37,7 @@ from kvduplex.engine.request import FinishReason
 from kvduplex.engine.request import Request
 from kvduplex.kvflow.flow_io import FlowIO
 from kvduplex.kvflow.half import ReadRunner
+from kvduplex.kvflow.inbox import EngineGoneError
 from kvduplex.kvflow.inbox import FlowInbox
 from kvduplex.kvflow.lease import TRANSIT_GRACE_S
 from kvduplex.kvflow.machines.read import Outcome
@@ -192,11 +193,14 @@ class RetainedReader:
         token_ids: list[int], deadline_s: float | None = None,
     ) -> Future[int]:  # fmt: skip
         """Engine thread: post the READ of the missing blocks; the future gives the number
-        of blocks cached once it ended (0: nothing was missing, or it failed).
+        of blocks cached once it ended (0: nothing was missing, or it failed), or the error
+        of its handler, or EngineGoneError once the engine ended before it did.
 
         ``deadline_s`` (at most the reader's own): the READ must end while decode still
         pins the blocks, or it is not cached."""
         done: Future[int] = Future()
+        if not self.inbox.track(done):  # failed if the engine ends before the READ does
+            return done
         bs = self.engine.block_size
         keys = compute_block_hashes(token_ids, bs, self.engine.identity)
         if len(keys) != len(remote_blocks) or [bytes(k).hex() for k in keys] != keys_hex:
@@ -212,7 +216,12 @@ class RetainedReader:
         read_s = self.deadline_s if deadline_s is None else min(deadline_s, self.deadline_s)
 
         def on_outcome(o: Outcome, handle: TransferHandle | None) -> None:  # engine thread
-            self._finish(xid, o, handle, local, missing, done)
+            try:
+                self._finish(xid, o, handle, local, missing, done)
+            except BaseException as exc:  # the caller hears it too, not only the log
+                if not done.done():
+                    done.set_exception(exc)
+                raise
 
         runner = ReadRunner(
             self.transport, self.engine, self.inbox, self.io, peer, xid, local,
@@ -294,7 +303,7 @@ class RetainedReadSide:
         The READ's deadline counts from its post, so it gets what is left, at the post,
         of the pin counted from the request's arrival: the handshake and the wait for
         the engine thread (behind a prefill step) come out of it. Raises ValueError for
-        block ids outside decode's pool."""
+        block ids outside decode's pool, EngineGoneError once the engine ended."""
         ends_at = None
         if turn.pin_left_s is not None:
             ends_at = arrived + turn.pin_left_s - READ_PIN_MARGIN_S
@@ -313,7 +322,13 @@ class RetainedReadSide:
             )
         post = partial(self._post, peer, xid, turn, ends_at)
         done: Future[int] = await self.engine.run_in_engine(post)
-        return await asyncio.wrap_future(done)
+        try:
+            return await asyncio.wrap_future(done)
+        except EngineGoneError:
+            raise
+        except Exception:  # its handler failed: the prefill computes what it lacks
+            logger.exception("xid=%s: READ of retained blocks failed", xid)
+            return 0
 
     def _post(
         self, peer: PeerHandle, xid: str, turn: RetainedTurnRef, ends_at: float | None,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 
 from kvduplex.engine.request import RemoteKVSpec
 from kvduplex.engine.request import Request
@@ -148,3 +149,35 @@ def test_prefill_aborted_before_its_job_refuses_the_acknowledged_registration(
         assert s.push.stats.num_fallbacks == 1
         _tables_empty(s)
         s.assert_clean()
+
+
+def test_a_spec_registered_on_admit_goes_with_a_request_that_never_reached_the_engine(
+    tiny: LoadedModel,
+) -> None:
+    """Decode registers a request's spec as its ``on_admit``; a client that leaves while
+    the request is queued for the engine still has it registered and then dropped with
+    the request (a pull's lease is released at once, as before the spec moved there)."""
+    with Pair(tiny) as s:
+        gate = threading.Event()
+        s.ad.call(lambda _e: gate.wait(10))  # the engine thread is busy
+        ran: list[str] = []
+        spec = PushSpec("xq", s.p_peer, "http://p", "d-xq")
+
+        def admit() -> None:
+            s.push.register(spec)
+            ran.append(spec.xid)
+
+        async def leave() -> None:
+            req = Request("d-xq", PROMPT, GREEDY, remote_kv=RemoteKVSpec("xq"))
+            outputs = s.ad.generate(req, on_admit=admit)
+            first = asyncio.ensure_future(outputs.__anext__())
+            await asyncio.sleep(0.05)
+            first.cancel()  # the client leaves before the engine takes the request
+            await asyncio.gather(first, return_exceptions=True)
+            await outputs.aclose()  # type: ignore[attr-defined]
+
+        asyncio.run(leave())
+        gate.set()
+        _wait_for(lambda: ran == ["xq"], "the spec registered as the request is dropped")
+        assert s.ad.call(lambda _e: s.push.num_specs()).result(5) == 0
+        _tables_empty(s)

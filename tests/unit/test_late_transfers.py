@@ -6,7 +6,9 @@ every answer stays token-exact."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -226,6 +228,35 @@ def test_quarantine_of_a_gone_sender_is_released(tiny: LoadedModel) -> None:
         assert asyncio.run(run()) == _reference(tiny)
         _wait_for(lambda: s.df.receiver.stats.num_teardowns == 1, "D to give the blocks up")
         assert s.df.receiver.stats.num_quarantine_asks == 0
+
+
+def test_the_receivers_teardown_runs_off_the_engine_thread(tiny: LoadedModel) -> None:
+    """NIXL's disconnect takes its locks: D's teardown of a gone sender's endpoint goes
+    to the flow I/O thread, as the sender's and the READ's do."""
+    with Pair(tiny, wait_s=0.4, transfer_timeout_s=30, quarantine_s=0.3) as s:
+        s.df.receiver.peer_gone = lambda _engine_id: True
+        threads: list[str] = []
+        disconnect = s.td.disconnect
+
+        def recording(peer: Any) -> None:
+            threads.append(threading.current_thread().name)
+            disconnect(peer)
+
+        s.td.disconnect = recording  # type: ignore[method-assign]
+        s.tp.hang_next()
+        for _ in range(2):
+            s.tp.drop_next_notif(_is_failed)
+
+        async def run() -> list[int]:
+            p = asyncio.create_task(s.prefill("xt"))
+            d_out = await s.decode("xt")
+            await p
+            return d_out
+
+        assert asyncio.run(run()) == _reference(tiny)
+        _wait_for(lambda: s.df.receiver.stats.num_teardowns == 1, "D to give the blocks up")
+        _wait_for(lambda: bool(threads), "the endpoint torn down")
+        assert threads and all(name.startswith("kv-flow") for name in threads), threads
 
 
 def test_quarantine_of_a_sender_restarted_at_its_url_is_released(

@@ -80,7 +80,8 @@ class ReadMachineTest(RuleBasedStateMachine):
                 self.armed = True
             elif isinstance(a, TearDown):
                 assert self.may_land and self.final and not self.settled
-                self.may_land = False  # the endpoint is gone: nothing more lands
+                # NIXL may refuse the teardown: the READ may land until it settles (the
+                # machine asks again while it does not).
         return actions
 
     @precondition(lambda self: self.posted and not self.final)
@@ -121,3 +122,18 @@ ReadMachineTest.TestCase.settings = settings(
     max_examples=200, stateful_step_count=20, deadline=None
 )
 test_read_machine = ReadMachineTest.TestCase
+
+
+def test_a_refused_teardown_is_tried_again_backing_off() -> None:
+    """NIXL may refuse to remove an endpoint: while the failed READ stays unsettled, each
+    check tears it down again and re-arms itself, backing off (1 s, 2 s, ...)."""
+    m = ReadMachine((7, 8), after_s=5.0)
+    m.handle(Begin(True))
+    ended = m.handle(Ended(False, True, "deadline"))
+    assert ArmCheck(5.0) in ended
+    first = m.handle(Overdue(False))
+    assert any(isinstance(a, TearDown) for a in first) and ArmCheck(1.0) in first
+    second = m.handle(Overdue(False))  # the teardown was refused: still unsettled
+    assert any(isinstance(a, TearDown) for a in second) and ArmCheck(2.0) in second
+    assert m.handle(Settled()) == [ReleaseBlocks((7, 8))]
+    assert m.handle(Overdue(True)) == []

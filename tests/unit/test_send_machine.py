@@ -331,3 +331,33 @@ SendMachineTest.TestCase.settings = settings(
     max_examples=300, stateful_step_count=50, deadline=None
 )
 test_send_machine = SendMachineTest.TestCase
+
+
+def _teardowns(actions: list[SendAction]) -> int:
+    return sum(isinstance(a, TearDown) for a in actions)
+
+
+def test_a_refused_teardown_is_tried_again_backing_off() -> None:
+    """NIXL may refuse to remove an endpoint: while a failed WRITE stays unsettled after
+    its teardown, the machine asks for it again (after 1 s, then 2 s, ...), and stops once
+    the WRITE settles; else the job never settles and its blocks stay held."""
+    now = 100.0
+    peer = PeerHandle(PEER, "agent-" + PEER, None)  # type: ignore[arg-type]
+    m = SendMachine("x", peer, 8, 2, BLOCK_SIZE, DEADLINE_S, HeldSource((100, 101)),
+                    expires_at=now + WAIT_S)  # fmt: skip
+    m.handle(Begin(now))
+    posted = m.handle(Registered(KVRegister("x", [500, 501], 0, 8, WAIT_S, WAIT_S), PEER, now,
+                                 now, None))  # fmt: skip
+    writes = [a for a in posted if isinstance(a, PostWrite)]
+    assert writes
+    for w in writes:
+        m.handle(WriteEnded(w.write_id, False, True, "err", now))
+    now += DEADLINE_S + 0.1
+    assert _teardowns(m.handle(Tick(now, True))) == 1
+    assert _teardowns(m.handle(Tick(now + 0.5, True))) == 0
+    assert _teardowns(m.handle(Tick(now + 1.0, True))) == 1, "tried again after 1 s"
+    assert _teardowns(m.handle(Tick(now + 2.0, True))) == 0
+    assert _teardowns(m.handle(Tick(now + 3.0, True))) == 1, "then after 2 s"
+    for w in writes:
+        m.handle(WriteSettled(w.write_id, False, 0, now + 3.5))
+    assert _teardowns(m.handle(Tick(now + 60.0, True))) == 0, "settled: nothing to tear down"

@@ -33,6 +33,17 @@ class ReleaseBlocks:
     block_ids: tuple[int, ...]
 
 
+TEARDOWN_RETRY_S = 1.0
+"""After a teardown, how long a transfer may stay unsettled before the teardown is tried
+again (NIXL may refuse to remove an endpoint; nothing else would ask it again)."""
+TEARDOWN_RETRY_MAX_S = 30.0
+
+
+def teardown_retry_s(num_teardowns: int) -> float:
+    """The wait before the next try after ``num_teardowns`` (>= 1): doubling, capped."""
+    return float(min(TEARDOWN_RETRY_S * 2 ** (num_teardowns - 1), TEARDOWN_RETRY_MAX_S))
+
+
 @dataclass(frozen=True)
 class TearDown:
     """Remove the peer's endpoint: whatever of ours NIXL still holds towards it settles."""

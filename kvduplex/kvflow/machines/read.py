@@ -7,14 +7,16 @@
                                                                     ReleaseBlocks(targets)
     PENDING ── Ended(failed, cannot land) ────► FAILED: Outcome(failed) ── Settled ──► SETTLED
     PENDING ── Ended(failed, may still land) ─► MAY_LAND: Outcome(failed, discard) and
-               ArmCheck(after_s); Overdue while unsettled: TearDown; Settled ──► SETTLED
+               ArmCheck(after_s); Overdue while unsettled: TearDown and ArmCheck again
+               (backing off: NIXL may refuse a teardown); Settled ──► SETTLED
     PostFailed ──────────────────────────────► SETTLED: Outcome(failed), ReleaseBlocks
 
 Our references on the target blocks go only once nothing of the READ can
 land in them (`Settled`), never merely when it failed; the outcome says
 whether the flow must compute into fresh blocks (``discard``). A READ that
 may still land and is still unsettled ``after_s`` after it failed has its
-peer's endpoint torn down, which settles it.
+peer's endpoint torn down, which settles it; a teardown NIXL refused is asked
+for again while the READ stays unsettled.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import assert_never
 from kvduplex.kvflow.machines.actions import AcquireBlocks
 from kvduplex.kvflow.machines.actions import ReleaseBlocks
 from kvduplex.kvflow.machines.actions import TearDown
+from kvduplex.kvflow.machines.actions import teardown_retry_s
 
 
 class ReadPhase(enum.Enum):
@@ -120,7 +123,8 @@ class ReadMachine:
     targets: tuple[int, ...]
     after_s: float
     phase: ReadPhase = ReadPhase.NEW
-    torn_down: bool = False
+    num_teardowns: int = 0
+    """Teardowns asked for a failed READ that stays unsettled (tried again, backing off)."""
 
     def _move(self, to: ReadPhase) -> None:
         assert to in TRANSITIONS[self.phase], f"{self.phase} -> {to}"
@@ -144,10 +148,16 @@ class ReadMachine:
                 self._move(ReadPhase.SETTLED)
                 return [ReleaseBlocks(self.targets)]
             case Overdue(settled):
-                if self.phase is ReadPhase.MAY_LAND and not settled and not self.torn_down:
-                    self.torn_down = True
-                    return [TearDown(f"a failed READ is still unsettled after {self.after_s:g} s")]
-                return []
+                if self.phase is not ReadPhase.MAY_LAND or settled:
+                    return []
+                # Unsettled: tear the endpoint down, and again (backing off) while it stays
+                # so, since NIXL may refuse; nothing else would ask it again.
+                self.num_teardowns += 1
+                why = (f"a failed READ is still unsettled after {self.after_s:g} s"
+                       if self.num_teardowns == 1 else
+                       f"a failed READ is still unsettled after {self.num_teardowns - 1} "
+                       "teardowns; trying again")  # fmt: skip
+                return [TearDown(why), ArmCheck(teardown_retry_s(self.num_teardowns))]
             case _:
                 assert_never(event)
 

@@ -25,7 +25,8 @@ Actions out: `PostWrite`, `Tell` (KVRegistered, KVAlive, and KVDone/KVFailed
 once the transfer ended), `Refuse` (a registration nothing will be written
 into), `AcquireBlocks`/`ReleaseBlocks` (source references: a chunk's from
 its planning until its last WRITE is settled), `TearDown` (a failed WRITE
-still unsettled ``deadline_s`` later), `AbortPrefill`, and `Ended` followed by
+still unsettled ``deadline_s`` later, and again, backing off, while it stays so:
+NIXL may refuse a teardown), `AbortPrefill`, and `Ended` followed by
 the source's own release (`ReleaseBlocks` of a held source, `ReleasePrefill`).
 
 The invariant (tested with hypothesis): every source block of a WRITE that is
@@ -49,6 +50,7 @@ from kvduplex.kvflow.machines.actions import Log
 from kvduplex.kvflow.machines.actions import ReleaseBlocks
 from kvduplex.kvflow.machines.actions import TearDown
 from kvduplex.kvflow.machines.actions import Tell
+from kvduplex.kvflow.machines.actions import teardown_retry_s
 from kvduplex.kvflow.machines.send_events import AbortPrefill
 from kvduplex.kvflow.machines.send_events import AliveAck
 from kvduplex.kvflow.machines.send_events import Begin
@@ -160,7 +162,9 @@ class SendMachine:
     alive_sent_at: float = 0.0
     unsettled_since: float | None = None
     """When a WRITE first failed while its data could still land."""
-    torn_down: bool = False
+    num_teardowns: int = 0
+    """Teardowns asked for a failed WRITE that stays unsettled (tried again, backing off)."""
+    torn_down_at: float = 0.0
     compute_done_at: float | None = None
     first_post_at: float | None = None
     last_done_at: float | None = None
@@ -497,16 +501,27 @@ class SendMachine:
         now = event.now
         out: list[SendAction] = []
         if (
-            self.unsettled_since is not None and not self.torn_down and self.in_flight > 0
+            self.unsettled_since is not None and self.num_teardowns == 0 and self.in_flight > 0
             and now - self.unsettled_since > self.deadline_s
         ):  # fmt: skip
             # NIXL has not let go of a failed WRITE: tearing the endpoint down is what
             # guarantees that it cannot land; the next transfer to the peer reconnects.
-            self.torn_down = True
+            self.num_teardowns, self.torn_down_at = 1, now
             out += [
                 Count("num_teardowns"),
                 TearDown(f"a failed WRITE is still unsettled after {self.deadline_s:g} s"),
             ]
+        elif (
+            self.num_teardowns > 0 and self.in_flight > 0
+            and now - self.torn_down_at >= teardown_retry_s(self.num_teardowns)
+        ):  # fmt: skip
+            # Still unsettled: NIXL refused the teardown (or it is still under way); ask
+            # again, backing off, or the job never settles and its blocks stay held.
+            waited = now - self.torn_down_at
+            self.num_teardowns += 1
+            self.torn_down_at = now
+            out.append(TearDown(f"a failed WRITE is still unsettled {waited:g} s after "
+                                f"its endpoint's teardown; trying it again"))  # fmt: skip
         reg = self.reg
         if (
             event.healthy and reg is not None and not self.ended and self.error is None
