@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from dataclasses import field
@@ -98,8 +99,12 @@ def _complete(url: str, body: dict, session: str, stream: bool) -> tuple[list[in
     return ids, usage
 
 
-def _session(dup: Duplex, name: str, seed: int, stream: bool, turns: int = NUM_TURNS) -> list[dict]:
-    """Run one token-id session; per turn: prompt length, new tokens, usage."""
+def _session(
+    dup: Duplex, name: str, seed: int, stream: bool, turns: int = NUM_TURNS,
+    between_turns: Callable[[], None] = lambda: None,
+) -> list[dict]:  # fmt: skip
+    """Run one token-id session; per turn: prompt length, new tokens, usage.
+    `between_turns` runs after each turn's answer, before the next turn."""
     rng = random.Random(seed)
     history = _new_ids(rng, 40 + rng.randrange(30))
     log = []
@@ -113,13 +118,31 @@ def _session(dup: Duplex, name: str, seed: int, stream: bool, turns: int = NUM_T
         new = _new_ids(rng, 5 + rng.randrange(20))
         log[-1]["new"] = len(new)
         history = history + got + new
+        between_turns()
     return log
 
 
 def test_concurrent_sessions_match_colocated_and_prefill_only_new_tokens(dup: Duplex) -> None:
+    baseline = _num_offered(dup.decode.url)
+    answered = itertools.count(1)
+
+    def returned() -> None:
+        # The next turn comes after the answers' returns landed, as a client that reads its
+        # answer before it sends the next turn sees it: every turn answered so far offers
+        # its answer's blocks, and every offer has ended.
+        num_answered = next(answered)
+        wait_until(
+            lambda: _num_offered(dup.decode.url) >= baseline + num_answered
+            and _returns_settled(dup.decode.url),
+            what="the answered turns' returns",
+        )
+
     with ThreadPoolExecutor(3) as pool:
         logs = list(
-            pool.map(lambda i: _session(dup, f"s{i}", 100 + i, stream=i % 2 == 0), range(3))
+            pool.map(
+                lambda i: _session(dup, f"s{i}", 100 + i, i % 2 == 0, between_turns=returned),
+                range(3),
+            )
         )
     for log in logs:
         for prev, cur in itertools.pairwise(log):
