@@ -103,8 +103,11 @@ class UpSettings(RouterTuning, ParsingConfig, ProcessSettings):
         """The router tuning fields as flags of ``kvduplex router``."""
         out: list[str] = []
         for name in RouterTuning.model_fields:
-            value = getattr(self, name)
-            out += ["--" + name.replace("_", "-"), str(value.value if isinstance(value, enum.Enum) else value)]
+            value, flag = getattr(self, name), name.replace("_", "-")
+            if isinstance(value, bool):  # a switch: --flag / --no-flag
+                out.append(f"--{flag}" if value else f"--no-{flag}")
+                continue
+            out += ["--" + flag, str(value.value if isinstance(value, enum.Enum) else value)]
         return out
 
 

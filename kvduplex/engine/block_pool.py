@@ -118,6 +118,11 @@ class BlockPool:
         self._cached: dict[BlockHash, int] = {}
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()
+        self.num_allocated = 0
+        """Blocks handed out by `try_allocate` since start: the pool's clock. A cached block
+        released when it read t is evicted, least recently released first, after fewer than
+        `num_blocks` more allocations; the router reads this (from /health and prefill
+        answers) to tell whether a session's blocks are likely still here."""
 
     # ---- queries (no side effects) ----
 
@@ -188,6 +193,7 @@ class BlockPool:
             block_id = self._free.popleft() if self._free else self._evict_oldest()
             self._ref_counts[block_id] = 1
             block_ids.append(block_id)
+        self.num_allocated += num_blocks
         block_ids.sort()
         return block_ids
 

@@ -89,6 +89,7 @@ from kvduplex.common.trust import SECRET_HEADER
 from kvduplex.common.trust import secret_matches
 from kvduplex.engine.async_engine import AsyncEngine
 from kvduplex.engine.async_engine import EngineDeadError
+from kvduplex.engine.engine import LLMEngine
 from kvduplex.engine.engine import RequestOutput
 from kvduplex.engine.request import Request as EngineRequest
 from kvduplex.engine.structured import GrammarCompiler
@@ -209,12 +210,21 @@ class InstanceState:
         body: dict[str, Any] = {
             "status": "ok", "role": self.role, "max_model_len": self.max_model_len,
             "block_size": self.engine.core.config.cache.block_size,
+            **kv_clock(self.engine.core),
         }  # fmt: skip
         if self.fingerprint is not None:
             body["fingerprint"] = self.fingerprint.to_json()
         if self.engine_id is not None and is_member:
             body["engine_id"] = self.engine_id
         return body
+
+
+def kv_clock(core: LLMEngine) -> dict[str, int]:
+    """The pool's size and clock (`BlockPool.num_allocated`), by which the router tells
+    whether a session's blocks are likely still cached here. Read off the engine thread:
+    two ints, at most one step old, a hint and never a decision that needs them exact."""
+    pool = core.block_pool
+    return {"kv_num_blocks": pool.num_blocks, "kv_blocks_allocated": pool.num_allocated}
 
 
 def create_app(state: InstanceState, extra_routers: Sequence[APIRouter] = ()) -> FastAPI:

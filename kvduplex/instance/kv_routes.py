@@ -41,6 +41,7 @@ from kvduplex.engine.request import Request
 from kvduplex.engine.structured import RequestGrammar
 from kvduplex.instance.api import APIError
 from kvduplex.instance.api import InstanceState
+from kvduplex.instance.api import kv_clock
 from kvduplex.kvflow.connectors import PrefillFlows
 from kvduplex.kvflow.inbox import EngineGoneError
 from kvduplex.kvflow.inbox import FlowInbox
@@ -223,6 +224,7 @@ class PushPrefill:
             "xid": first.xid, "engine_id": self.push.sender.transport.engine_id,
             "first_token": first.first_token, "text": first.text,
             "num_tokens": first.num_tokens, "num_cached_tokens": first.num_cached_tokens,
+            **kv_clock(self.state.engine.core),
         }  # fmt: skip
         if first.first_token_logprobs is not None:
             answer["first_token_logprobs"] = first.first_token_logprobs.to_json()

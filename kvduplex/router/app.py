@@ -80,6 +80,7 @@ from kvduplex.router.state import RouterState
 
 logger = logging.getLogger(__name__)
 
+
 def _sessions(state: RouterState, scope: Scope) -> JSONResponse:
     """GET /sessions: the ``limit`` (query; 100) most recently used sessions, most recent
     first: turns, whether their turns are returned to prefill, and their answer hits. It

@@ -64,6 +64,21 @@ class RouterTuning(ConfigSection):
     (0: off). With ``return_mode`` push, decode then returns the turn to prefill. Off by
     default: decode's prefill then competes with its decodes (docs/benchmarks.md measures
     it); it pays where the prefill instances are the bottleneck."""
+    plan_by_residency: bool = True
+    """Push mode: each session turn takes the cheapest plan by where its history's KV
+    likely is, read from each instance's pool clock (its /health): decode computes the new
+    tokens over the history it holds when prefill's pool has turned over since the session
+    was there (--no-plan-by-residency: prefill computes every turn, as far as it lacks it,
+    unless --short-append-tokens applies)."""
+    decode_token_cost: float = 2.0
+    """With ``plan_by_residency``: what a prompt token computed on decode costs, in tokens
+    computed on prefill (decode's prefill stalls every running decode). A turn goes to
+    decode alone when its new tokens, at this cost, are fewer than what prefill lacks."""
+    return_only_if_kept: bool = True
+    """With ``return_mode`` push: return a turn only if prefill likely still holds the
+    history it extends and keeps it until the next turn, at its pool's recent turnover and
+    the session's think time (--no-return-only-if-kept: return every turn of a returning
+    session)."""
     max_body_mb: int = 8
     """Largest request body accepted, in MiB (larger: HTTP 413, before it is parsed). A
     prompt that fits a 128k-token context is well under 8 MiB of JSON."""
@@ -79,7 +94,7 @@ class RouterTuning(ConfigSection):
 
     @field_validator(
         "session_ttl_s", "load_half_life_s", "health_interval_s", "health_timeout_s",
-        "keep_alive_s",
+        "keep_alive_s", "decode_token_cost",
     )  # fmt: skip
     @classmethod
     def _check_positive(cls, value: float, info: ValidationInfo) -> float:

@@ -73,6 +73,8 @@ from kvduplex.router.client import ConnectError
 from kvduplex.router.client import StreamedAnswer
 from kvduplex.router.parsing import parse_body
 from kvduplex.router.parsing import parse_stream
+from kvduplex.router.plans import is_return_kept
+from kvduplex.router.plans import note_turn_held
 from kvduplex.router.policy import Backend
 from kvduplex.router.policy import Outcome
 from kvduplex.router.policy import Route
@@ -80,6 +82,7 @@ from kvduplex.router.relay import FirstToken
 from kvduplex.router.relay import RelayedResponse
 from kvduplex.router.relay import push_stream
 from kvduplex.router.relay import relay
+from kvduplex.router.residency import Plan
 from kvduplex.router.state import RouterState
 from kvduplex.router.state import json_body
 
@@ -171,13 +174,18 @@ def _decode_params(fwd: Forward, params: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _return_to(state: RouterState, fwd: Forward, p: Backend) -> dict[str, Any]:
+def _return_to(state: RouterState, fwd: Forward, p: Backend, plan: Plan) -> dict[str, Any]:
     """The duplex return's params, if this turn is returned to `p` (else none): limited to
     what the next prompt will hold (`answers.return_limit`)."""
     if state.config.return_mode is not ReturnMode.PUSH:
         return {}
     if not fwd.route.is_returning:
         state.metrics.returns_skipped.inc()
+        return {}
+    if state.config.return_only_if_kept and not is_return_kept(
+        fwd.route, plan, state.policy.clock()
+    ):
+        state.metrics.returns_skipped_room.inc()
         return {}
     params: dict[str, Any] = {"return_to": p.url, "return_engine_id": p.engine_id}
     may_reason = fwd.parser is not None and fwd.parser.may_start_with_reasoning
@@ -219,9 +227,7 @@ async def _post_prefill(
     assert p is not None
     outcome = Outcome.REFUSED  # until the call ends one way or the other
     try:
-        resp = await until_unhealthy(
-            p, state.client.post_whole(p.url + path, json_body(req))
-        )
+        resp = await until_unhealthy(p, state.client.post_whole(p.url + path, json_body(req)))
         outcome = _outcome(resp.status_code)
         if resp.status_code != 200:
             logger.warning(
@@ -326,10 +332,11 @@ def _relay_decode(
         sessions, sid = state.policy.sessions, fwd.route.session_id
 
         def on_answer(answer: RelayedAnswer) -> None:
+            now = state.policy.clock()
             sessions.note_answer(
-                sid, fwd.ids, answer.num_tokens, answer.token_ids, answer.message,
-                state.policy.clock(),
-            )  # fmt: skip
+                sid, fwd.ids, answer.num_tokens, answer.token_ids, answer.message, now
+            )
+            note_turn_held(sessions, fwd.route, fwd.ids, answer.num_tokens, now)
 
         # After parsing: the message is recorded as the client receives it.
         parts = tap_answer(parts, bool(fwd.request.stream), fwd.is_chat, on_answer)
@@ -344,20 +351,6 @@ def _relay_decode(
     return relay(upstream, parts, close, f"decode at {d.url}", d.watch, in_whole_events=tapped)
 
 
-def is_short_append(state: RouterState, fwd: Forward) -> bool:
-    """A turn whose part decode has not cached is at most ``--short-append-tokens`` long:
-    decode prefills it over its cached history, prefill is skipped (and gets the turn back
-    by the duplex return). Decode holds the previous prompt and its answer (but for the
-    answer's last token, which has no KV yet)."""
-    prev, limit = fwd.route.previous, state.config.short_append_tokens
-    if limit <= 0 or prev is None or prev.num_answer_tokens is None:
-        return False
-    if prev.decode_url != fwd.route.decode.url or fwd.route.prefill is None:
-        return False
-    num_new = len(fwd.ids) - (prev.num_prompt_tokens + prev.num_answer_tokens - 1)
-    return 0 < num_new <= limit
-
-
 async def serve_short_append(state: RouterState, fwd: Forward) -> Answer:
     """Decode alone computes the turn over its cached history, then returns it to prefill
     (a short append)."""
@@ -365,7 +358,7 @@ async def serve_short_append(state: RouterState, fwd: Forward) -> Answer:
     assert p is not None
     state.policy.prefill_done(fwd.route, Outcome.OK)  # not called: nothing to say of it
     params: dict[str, Any] = {"mode": "local", "session_id": fwd.route.session_id}
-    params.update(_return_to(state, fwd, p))
+    params.update(_return_to(state, fwd, p, Plan.DECODE_LOCAL))
     body = {**fwd.body, "kv_transfer_params": _decode_params(fwd, params)}
     upstream = await _open_decode(state, fwd, body, {})
     if isinstance(upstream, Response):
@@ -435,6 +428,15 @@ def _on_prefill_answer(
     another decode instance notes its own)."""
     if not task.cancelled() and task.exception() is None and (ans := task.result()):
         note_answer_hit(state, fwd, int(ans.get("num_cached_tokens", 0)))
+        p = fwd.route.prefill
+        assert p is not None
+        p.kv_clock.read(ans, state.policy.clock())
+        allocated = ans.get("kv_blocks_allocated")
+        if isinstance(allocated, int):  # P holds the prompt (released after the push)
+            state.policy.sessions.note_held(
+                fwd.route.session_id, fwd.ids, is_prefill=True,
+                stamp=p.kv_clock.stamp_of(allocated), num_tokens=len(fwd.ids),
+            )  # fmt: skip
 
 
 async def serve_push(state: RouterState, fwd: Forward) -> Answer:
@@ -464,7 +466,7 @@ async def serve_push(state: RouterState, fwd: Forward) -> Answer:
     if is_spliced:  # D names its first token's id: P's is spliced in by id, not by text
         params["mark_first_token"] = True
     mode = state.config.return_mode
-    params.update(_return_to(state, fwd, p))
+    params.update(_return_to(state, fwd, p, Plan.PUSH))
     if mode is ReturnMode.PULL:
         params["return_mode"] = "pull"
         if fwd.route.is_session_hit:

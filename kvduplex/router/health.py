@@ -54,7 +54,7 @@ async def probe(
             resp = await client.get(b.url + "/health", timeout_s)
         is_ok, why = resp.status_code == 200, f"HTTP {resp.status_code}"
         if is_ok:
-            note_health(b, resp)
+            note_health(b, resp, policy.clock())
         elif is_draining(resp):
             _note_draining(pool, b, policy.clock())
             return
@@ -94,10 +94,13 @@ def _note_draining(pool: BackendPool, b: Backend, now: float) -> None:
     b.num_failed_probes = 0
 
 
-def note_health(b: Backend, resp: WholeAnswer) -> None:
-    """Keep what a good probe's body says: ``max_model_len``, ``engine_id``, ``block_size``."""
+def note_health(b: Backend, resp: WholeAnswer, now: float | None = None) -> None:
+    """Keep what a good probe's body says: ``max_model_len``, ``engine_id``, ``block_size``,
+    and its pool's clock if read at router clock time `now`."""
     try:
         body = resp.json()
+        if now is not None:
+            b.kv_clock.read(body, now)
         length, engine_id = body.get("max_model_len"), body.get("engine_id")
         block_size = body.get("block_size")
         if isinstance(block_size, int) and block_size > 0:

@@ -76,6 +76,11 @@ class RouterMetrics:
             "Turns not returned to prefill: their session's client did not send its last "
             "answer back as returned (the return resumes when it does).",
         )
+        self.returns_skipped_room = m.counter(
+            "returns_skipped_room",
+            "Turns not returned to prefill because it would not hold them until the session's "
+            "next turn: its pool lacks the history they extend, or turns over before then.",
+        )
         self.sessions_returning = m.gauge(
             "sessions_returning", "Sessions whose turns are returned to prefill now."
         )

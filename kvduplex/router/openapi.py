@@ -63,9 +63,7 @@ def openapi_doc() -> dict[str, Any]:
             "Prometheus metrics",
             {"description": "Metrics", "content": {"text/plain": {"schema": {}}}},
         ),
-        "/sessions": _get(
-            "The most recent sessions", _json_answer("Sessions"), parameters=[limit]
-        ),
+        "/sessions": _get("The most recent sessions", _json_answer("Sessions"), parameters=[limit]),
     }
     return {
         "openapi": "3.1.0",

@@ -63,6 +63,7 @@ from dataclasses import field
 
 from kvduplex.router import rendezvous
 from kvduplex.router.config import RouterConfig
+from kvduplex.router.residency import PoolClock
 from kvduplex.router.sessions import Session
 from kvduplex.router.sessions import SessionTable
 
@@ -113,6 +114,8 @@ class Backend:
     asking the address who is there; a restart gives a new one."""
     block_size: int | None = None
     """Tokens per KV block, as its last good probe said (None: not yet known)."""
+    kv_clock: PoolClock = field(default_factory=PoolClock, repr=False, compare=False)
+    """Its pool's size and clock, as its probes and answers said (`residency`)."""
     num_failed_probes: int = 0
     """Probes failed in a row since the last good one."""
     is_down: bool = False

@@ -51,14 +51,15 @@ from kvduplex.common.openai.protocol import OpenAIRequest
 from kvduplex.router.flows import Answer
 from kvduplex.router.flows import DecodeUnreachable
 from kvduplex.router.flows import Forward
-from kvduplex.router.flows import is_short_append
 from kvduplex.router.flows import serve_decode_only
 from kvduplex.router.flows import serve_pull
 from kvduplex.router.flows import serve_push
 from kvduplex.router.flows import serve_short_append
+from kvduplex.router.plans import turn_plan
 from kvduplex.router.policy import NoHealthyInstance
 from kvduplex.router.policy import Outcome
 from kvduplex.router.relay import ClientWatch
+from kvduplex.router.residency import Plan
 from kvduplex.router.state import RouterState
 
 logger = logging.getLogger(__name__)
@@ -225,7 +226,9 @@ async def _run_flow(state: RouterState, fwd: Forward) -> Answer:
     route, metrics = fwd.route, state.metrics
     if route.prefill is None:
         mode, flow = "decode", serve_decode_only
-    elif state.config.mode is TransferMode.PUSH and is_short_append(state, fwd):
+    elif state.config.mode is TransferMode.PUSH and (
+        turn_plan(state.config, route, len(fwd.ids), state.policy.clock()) is Plan.DECODE_LOCAL
+    ):
         mode, flow = "short_append", serve_short_append
     elif state.config.mode is TransferMode.PUSH:
         mode, flow = "push", serve_push

@@ -150,6 +150,22 @@ class Session:
     """A prompt of this session held a previous answer with its reasoning."""
     return_limit: int | None = None
     """The latest turn's return covers at most this many tokens (None: all of it)."""
+    is_returned: bool = False
+    """The latest turn is returned to prefill."""
+    prefill_stamp: int | None = None
+    """`prefill_url`'s pool clock when it last took this session's KV (computed its prompt,
+    or was returned a turn), for `residency` (None: it holds none that the router knows)."""
+    prefill_tokens: int = 0
+    """Tokens of the session's history prefill took then."""
+    decode_stamp: int | None = None
+    """`decode_url`'s pool clock when it last took this session's KV (its latest answer)."""
+    decode_tokens: int = 0
+    """Tokens of the session's history decode took then."""
+    answered_at: float | None = None
+    """Clock time the latest answer ended (None: not yet)."""
+    gap_s: float | None = None
+    """Time from the previous answer's end to this turn: the client's think time (None:
+    not known)."""
 
     @property
     def answer_hit_rate(self) -> float | None:
@@ -238,6 +254,13 @@ class SessionTable:
                 returning = reuses_answer
             if old.answer_has_reasoning:
                 sends_reasoning = reuses_answer
+        held: dict[str, Any] = {}
+        if old is not None:
+            if old.prefill_url == prefill_url:
+                held.update(prefill_stamp=old.prefill_stamp, prefill_tokens=old.prefill_tokens)
+            if old.decode_url == decode_url:
+                held.update(decode_stamp=old.decode_stamp, decode_tokens=old.decode_tokens)
+            held["gap_s"] = old.gap_s if old.answered_at is None else now - old.answered_at
         session = Session(
             session_id=session_id, prefill_url=prefill_url, decode_url=decode_url, last_used=now,
             num_turns=1 if old is None else old.num_turns + 1,
@@ -245,6 +268,7 @@ class SessionTable:
             is_returning=returning, sends_reasoning=sends_reasoning,
             num_answer_tokens_hit=old.num_answer_tokens_hit if old else 0,
             num_answer_tokens_returnable=old.num_answer_tokens_returnable if old else 0,
+            **held,
         )  # fmt: skip
         self._sessions[session_id] = session
         while len(self._sessions) > self.max_sessions:
@@ -276,6 +300,7 @@ class SessionTable:
             return
         update: dict[str, Any] = {
             "num_answer_tokens": num_tokens,
+            "answered_at": now,
             "answer_has_reasoning": bool(message and message.get("reasoning_content")),
         }
         if answer_ids:
@@ -286,11 +311,27 @@ class SessionTable:
                 self.answers.add(AnswerRecord(tuple(answer_ids), message), now, owner=session_id)
         self._sessions[session_id] = _updated(session, **update)
 
+    def note_held(
+        self, session_id: str, prompt_ids: Sequence[int], *, is_prefill: bool, stamp: int,
+        num_tokens: int,
+    ) -> None:  # fmt: skip
+        """The instance of `session_id`'s turn with prompt `prompt_ids` on one side took
+        `num_tokens` of its history when its pool clock read `stamp` (ignored if a later
+        turn was recorded meanwhile)."""
+        session = self._sessions.get(session_id)
+        if session is None or session.num_prompt_tokens != len(prompt_ids):
+            return
+        if is_prefill:
+            change = {"prefill_stamp": stamp, "prefill_tokens": num_tokens}
+        else:
+            change = {"decode_stamp": stamp, "decode_tokens": num_tokens}
+        self._sessions[session_id] = _updated(session, **change)
+
     def note_return_limit(self, session_id: str, limit: int | None) -> None:
         """`session_id`'s latest turn is returned up to `limit` tokens (None: whole)."""
         session = self._sessions.get(session_id)
         if session is not None:
-            self._sessions[session_id] = _updated(session, return_limit=limit)
+            self._sessions[session_id] = _updated(session, return_limit=limit, is_returned=True)
 
     def note_answer_hit(self, session_id: str, num_hit: int, num_returnable: int) -> None:
         """At `session_id`'s latest turn, prefill had `num_hit` of the `num_returnable`

@@ -310,4 +310,3 @@ def _check_field(*fields: str) -> None:
     for text in fields:
         if "\r" in text or "\n" in text or "\0" in text:
             raise ValueError(f"a header or URL holds a line break: {text!r}")
-

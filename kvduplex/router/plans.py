@@ -1,0 +1,92 @@
+"""Each session turn's plan, and whether its return is kept: by where the session's KV
+likely is (`residency`), from what the session table noted of its previous turn."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvduplex.router.config import RouterTuning
+from kvduplex.router.policy import Backend
+from kvduplex.router.policy import Route
+from kvduplex.router.residency import Plan
+from kvduplex.router.residency import Residency
+from kvduplex.router.residency import choose_plan
+from kvduplex.router.sessions import Session
+from kvduplex.router.sessions import SessionTable
+
+
+def turn_plan(config: RouterTuning, route: Route, num_prompt_tokens: int, now: float) -> Plan:
+    """Push mode: the plan of a turn with `num_prompt_tokens` prompt tokens on `route`.
+
+    Decode computes the turn alone (`Plan.DECODE_LOCAL`) when its new part is at most
+    ``--short-append-tokens`` long, or, with ``--plan-by-residency``, when decode likely
+    holds enough more of the session's history than prefill that its part costs less
+    (`residency.choose_plan`); else prefill computes what it lacks.
+    Either way decode must hold the previous turn (prompt and answer) as far as the router
+    knows: it served it, and its answer ended."""
+    prev, p = route.previous, route.prefill
+    if p is None or prev is None or prev.num_answer_tokens is None:
+        return Plan.PUSH
+    if prev.decode_url != route.decode.url:
+        return Plan.PUSH
+    num_new = num_prompt_tokens - (prev.num_prompt_tokens + prev.num_answer_tokens - 1)
+    if 0 < num_new <= config.short_append_tokens:
+        return Plan.DECODE_LOCAL
+    if not config.plan_by_residency:
+        return Plan.PUSH
+    where = Residency(
+        prefill_tokens=_held(p, prev, route, prev.prefill_stamp, prev.prefill_tokens, now),
+        decode_tokens=_held(route.decode, prev, route, prev.decode_stamp, prev.decode_tokens, now),
+    )  # fmt: skip
+    return choose_plan(num_prompt_tokens, where, config.decode_token_cost)
+
+
+def _held(
+    b: Backend, prev: Session, route: Route, stamp: int | None, num_tokens: int, now: float
+) -> int:
+    """Tokens of this turn's prompt `b` likely holds: what it took of the session, if its
+    pool has not turned over since, and only the previous prompt of it if this prompt does
+    not hold the previous answer where it left it."""
+    if not b.kv_clock.holds(stamp, now):
+        return 0
+    if route.reuses_answer is False:
+        return min(num_tokens, prev.num_prompt_tokens)
+    return num_tokens
+
+
+def is_return_kept(route: Route, plan: Plan, now: float) -> bool:
+    """Whether returning this turn to its prefill instance likely pays: prefill holds the
+    history the returned blocks extend (it computes this prompt itself in a push; in a
+    decode-local turn, only if it still holds the previous one), and its pool will not
+    have turned over by the session's next turn, expected as far off as this one was."""
+    p, prev = route.prefill, route.previous
+    if p is None:
+        return False
+    if plan is Plan.DECODE_LOCAL and (
+        prev is None or prev.prefill_url != p.url or not p.kv_clock.holds(prev.prefill_stamp, now)
+    ):
+        return False
+    gap_s = None
+    if prev is not None:
+        gap_s = prev.gap_s if prev.answered_at is None else now - prev.answered_at
+    return p.kv_clock.keeps_for(gap_s)
+
+
+def note_turn_held(
+    sessions: SessionTable, route: Route, ids: Sequence[int], num_answer_tokens: int, now: float
+) -> None:
+    """The turn with prompt `ids` on `route` answered `num_answer_tokens` tokens: decode
+    holds its prompt and answer (but the answer's last token, which has no KV), and so
+    does prefill, about now, if the turn is returned to it."""
+    session = sessions.get(route.session_id, now)
+    if session is None or session.num_prompt_tokens != len(ids):
+        return  # a later turn was recorded meanwhile
+    end = len(ids) + num_answer_tokens - 1
+    stamp = route.decode.kv_clock.now(now)
+    sessions.note_held(route.session_id, ids, is_prefill=False, stamp=stamp, num_tokens=end)
+    if session.is_returned and route.prefill is not None:
+        limit = session.return_limit
+        sessions.note_held(
+            route.session_id, ids, is_prefill=True, stamp=route.prefill.kv_clock.now(now),
+            num_tokens=end if limit is None else min(end, limit),
+        )  # fmt: skip

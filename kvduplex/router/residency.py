@@ -1,0 +1,141 @@
+"""Where a session's KV likely lives, and the plan of its next turn.
+
+Each instance's pool is a fixed number of blocks evicted least recently released first;
+its clock is the number of blocks it has allocated since it started (``kv_blocks_allocated``
+in its /health body and in prefill's answers). A session's blocks, last touched when
+the clock read `stamp`, are gone after about ``kv_num_blocks`` more allocations: the
+router reads where the session's history still is from two numbers per instance,
+without asking anyone on the request's path::
+
+    clock  ... stamp ............................ now
+                 |<------ allocated since -------->|
+    holds:  allocated since < HOLD_FRACTION x pool blocks
+
+A turn then takes the cheapest plan:
+
+* prefill holds the history (or neither holds it): push, prefill computes what it lacks;
+* decode holds more of it than prefill: decode computes the new tokens over its cached
+  history (the short append, chosen by where the KV is) when that costs less than
+  prefill computing what it lacks, a token on decode costing ``--decode-token-cost``
+  tokens on prefill (decode's prefill stalls its running decodes).
+
+The return of a turn is worth its bytes only if prefill still holds the session's
+history (returned blocks extend its chain, they do not start one) and keeps them until
+the session's next turn: allocations over the expected gap, at prefill's recent rate,
+must stay under KEEP_FRACTION of its pool. Otherwise the return is skipped (counted).
+
+An estimate wrong either way costs time, never a token: a plan that misses recomputes.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+HOLD_FRACTION = 0.8
+"""Blocks allocated since a session's last touch, as a fraction of the pool, under which
+its blocks count as still cached (in-use blocks and the shared prefix take the rest)."""
+KEEP_FRACTION = 0.5
+"""Blocks an instance may allocate over a session's expected gap, as a fraction of its
+pool, for a return to count as kept until the next turn (margin for bursts)."""
+RATE_HALF_LIFE_S = 30.0
+"""Half-life of an instance's allocation rate (blocks per second) between clock readings."""
+
+
+class Plan(enum.Enum):
+    PUSH = "push"
+    """Prefill computes what it lacks and pushes what decode lacks."""
+    DECODE_LOCAL = "short_append"
+    """Decode computes the new tokens over the history it holds."""
+
+
+@dataclass
+class PoolClock:
+    """One instance's pool size and clock, as it last said, and its allocation rate."""
+
+    num_blocks: int | None = None
+    allocated: int = 0
+    """The router's clock: the instance's count plus `base`."""
+    base: int = 0
+    """Added to the instance's count: moved past every earlier stamp at each restart."""
+    read_at: float | None = None
+    """Router clock time of the latest reading (None: none yet)."""
+    rate: float | None = None
+    """Blocks allocated per second, decayed (None: not two readings yet)."""
+
+    def note(self, num_blocks: int, allocated: int, now: float) -> None:
+        """A reading of the instance's pool (a probe, a prefill answer): `allocated` as the
+        instance counts. A count that went back, or a new pool size, is a restarted
+        instance: its cache is gone, so the router's clock jumps a whole pool ahead (every
+        stamp before reads as turned over) and the rate starts again."""
+        reading = self.base + allocated
+        if reading < self.allocated or (self.num_blocks not in (None, num_blocks)):
+            self.base = self.allocated + max(num_blocks, self.num_blocks or 0)
+            reading = self.base + allocated
+            self.rate, self.read_at = None, None
+        elif self.read_at is not None and now > self.read_at:
+            rate = (reading - self.allocated) / (now - self.read_at)
+            keep = 0.5 ** ((now - self.read_at) / RATE_HALF_LIFE_S)
+            self.rate = rate if self.rate is None else keep * self.rate + (1 - keep) * rate
+        self.num_blocks, self.allocated, self.read_at = num_blocks, reading, now
+
+    def stamp_of(self, allocated: int) -> int:
+        """The router's clock for the instance's count `allocated` (read since its last
+        restart)."""
+        return self.base + allocated
+
+    def now(self, now: float) -> int:
+        """The clock now: the last reading plus what the rate says came since."""
+        if self.read_at is None or self.rate is None:
+            return self.allocated
+        return self.allocated + int(self.rate * max(0.0, now - self.read_at))
+
+    def holds(self, stamp: int | None, now: float) -> bool:
+        """Whether blocks last touched at `stamp` are likely still cached (unknown: yes,
+        as if the pool held everything; no stamp: no)."""
+        if stamp is None:
+            return False
+        if self.num_blocks is None:
+            return True
+        return self.now(now) - stamp < HOLD_FRACTION * self.num_blocks
+
+    def keeps_for(self, gap_s: float | None) -> bool:
+        """Whether blocks touched now are likely still cached `gap_s` seconds later
+        (unknown gap or rate: yes)."""
+        if gap_s is None or self.rate is None or self.num_blocks is None:
+            return True
+        return self.rate * gap_s < KEEP_FRACTION * self.num_blocks
+
+    def read(self, body: object, now: float) -> None:
+        """Note the pool reading in an instance's JSON answer, if it has one."""
+        if not isinstance(body, dict):
+            return
+        num_blocks, allocated = body.get("kv_num_blocks"), body.get("kv_blocks_allocated")
+        if isinstance(num_blocks, int) and isinstance(allocated, int) and num_blocks > 0:
+            self.note(num_blocks, max(0, allocated), now)
+
+
+@dataclass(frozen=True)
+class Residency:
+    """What the router estimates of one turn's history: tokens each side holds."""
+
+    prefill_tokens: int
+    decode_tokens: int
+
+
+def choose_plan(num_prompt_tokens: int, where: Residency, decode_token_cost: float) -> Plan:
+    """The cheaper plan: decode computes the new tokens only when that costs less than
+    prefill computing what it lacks, a token computed on decode costing
+    `decode_token_cost` of prefill's (decode's prefill stalls its running decodes; a tie
+    goes to prefill)."""
+    num_prefill_computes = num_prompt_tokens - where.prefill_tokens
+    num_decode_computes = num_prompt_tokens - where.decode_tokens
+    if 0 < num_decode_computes * decode_token_cost < num_prefill_computes:
+        return Plan.DECODE_LOCAL
+    return Plan.PUSH
+
+
+def blocks_of(num_tokens: int, block_size: int | None) -> int:
+    """Blocks `num_tokens` tokens take (16-token blocks if the size is not known yet)."""
+    return math.ceil(max(0, num_tokens) / (block_size or 16))
