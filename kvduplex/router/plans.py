@@ -15,7 +15,7 @@ from kvduplex.router.sessions import Session
 from kvduplex.router.sessions import SessionTable
 
 
-def turn_plan(config: RouterTuning, route: Route, num_prompt_tokens: int, now: float) -> Plan:
+def turn_plan(config: RouterTuning, route: Route, num_prompt_tokens: int) -> Plan:
     """Push mode: the plan of a turn with `num_prompt_tokens` prompt tokens on `route`.
 
     Decode computes the turn alone (`Plan.DECODE_LOCAL`) when its new part is at most
@@ -35,19 +35,17 @@ def turn_plan(config: RouterTuning, route: Route, num_prompt_tokens: int, now: f
     if not config.plan_by_residency:
         return Plan.PUSH
     where = Residency(
-        prefill_tokens=_held(p, prev, route, prev.prefill_stamp, prev.prefill_tokens, now),
-        decode_tokens=_held(route.decode, prev, route, prev.decode_stamp, prev.decode_tokens, now),
+        prefill_tokens=_held(p, prev, route, prev.prefill_stamp, prev.prefill_tokens),
+        decode_tokens=_held(route.decode, prev, route, prev.decode_stamp, prev.decode_tokens),
     )  # fmt: skip
     return choose_plan(num_prompt_tokens, where, config.decode_token_cost)
 
 
-def _held(
-    b: Backend, prev: Session, route: Route, stamp: int | None, num_tokens: int, now: float
-) -> int:
+def _held(b: Backend, prev: Session, route: Route, stamp: int | None, num_tokens: int) -> int:
     """Tokens of this turn's prompt `b` likely holds: what it took of the session, if its
     pool has not turned over since, and only the previous prompt of it if this prompt does
     not hold the previous answer where it left it."""
-    if not b.kv_clock.holds(stamp, now):
+    if not b.kv_clock.holds(stamp):
         return 0
     if route.reuses_answer is False:
         return min(num_tokens, prev.num_prompt_tokens)
@@ -63,7 +61,7 @@ def is_return_kept(route: Route, plan: Plan, now: float) -> bool:
     if p is None:
         return False
     if plan is Plan.DECODE_LOCAL and (
-        prev is None or prev.prefill_url != p.url or not p.kv_clock.holds(prev.prefill_stamp, now)
+        prev is None or prev.prefill_url != p.url or not p.kv_clock.holds(prev.prefill_stamp)
     ):
         return False
     gap_s = None
@@ -82,11 +80,11 @@ def note_turn_held(
     if session is None or session.num_prompt_tokens != len(ids):
         return  # a later turn was recorded meanwhile
     end = len(ids) + num_answer_tokens - 1
-    stamp = route.decode.kv_clock.now(now)
+    stamp = route.decode.kv_clock.allocated
     sessions.note_held(route.session_id, ids, is_prefill=False, stamp=stamp, num_tokens=end)
     if session.is_returned and route.prefill is not None:
         limit = session.return_limit
         sessions.note_held(
-            route.session_id, ids, is_prefill=True, stamp=route.prefill.kv_clock.now(now),
+            route.session_id, ids, is_prefill=True, stamp=route.prefill.kv_clock.allocated,
             num_tokens=end if limit is None else min(end, limit),
         )  # fmt: skip

@@ -7,7 +7,7 @@ the clock read `stamp`, are gone after about ``kv_num_blocks`` more allocations:
 router reads where the session's history still is from two numbers per instance,
 without asking anyone on the request's path::
 
-    clock  ... stamp ............................ now
+    clock  ... stamp ......................... latest reading
                  |<------ allocated since -------->|
     holds:  allocated since < HOLD_FRACTION x pool blocks
 
@@ -30,7 +30,6 @@ An estimate wrong either way costs time, never a token: a plan that misses recom
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass
 
 HOLD_FRACTION = 0.8
@@ -40,7 +39,9 @@ KEEP_FRACTION = 0.5
 """Blocks an instance may allocate over a session's expected gap, as a fraction of its
 pool, for a return to count as kept until the next turn (margin for bursts)."""
 RATE_HALF_LIFE_S = 30.0
-"""Half-life of an instance's allocation rate (blocks per second) between clock readings."""
+"""Half-life of an instance's allocation rate (blocks per second)."""
+RATE_WINDOW_S = 2.0
+"""Shortest span of one sample of that rate."""
 
 
 class Plan(enum.Enum):
@@ -59,8 +60,8 @@ class PoolClock:
     """The router's clock: the instance's count plus `base`."""
     base: int = 0
     """Added to the instance's count: moved past every earlier stamp at each restart."""
-    read_at: float | None = None
-    """Router clock time of the latest reading (None: none yet)."""
+    window: tuple[int, float] | None = None
+    """The clock and router time the current rate sample began (None: no reading yet)."""
     rate: float | None = None
     """Blocks allocated per second, decayed (None: not two readings yet)."""
 
@@ -68,37 +69,36 @@ class PoolClock:
         """A reading of the instance's pool (a probe, a prefill answer): `allocated` as the
         instance counts. A count that went back, or a new pool size, is a restarted
         instance: its cache is gone, so the router's clock jumps a whole pool ahead (every
-        stamp before reads as turned over) and the rate starts again."""
+        stamp before reads as turned over) and the rate starts again. The rate is sampled
+        over at least `RATE_WINDOW_S` (answers come in bursts)."""
         reading = self.base + allocated
         if reading < self.allocated or (self.num_blocks not in (None, num_blocks)):
             self.base = self.allocated + max(num_blocks, self.num_blocks or 0)
             reading = self.base + allocated
-            self.rate, self.read_at = None, None
-        elif self.read_at is not None and now > self.read_at:
-            rate = (reading - self.allocated) / (now - self.read_at)
-            keep = 0.5 ** ((now - self.read_at) / RATE_HALF_LIFE_S)
+            self.rate, self.window = None, None
+        if self.window is None:
+            self.window = (reading, now)
+        elif now - self.window[1] >= RATE_WINDOW_S:
+            elapsed = now - self.window[1]
+            rate = (reading - self.window[0]) / elapsed
+            keep = 0.5 ** (elapsed / RATE_HALF_LIFE_S)
             self.rate = rate if self.rate is None else keep * self.rate + (1 - keep) * rate
-        self.num_blocks, self.allocated, self.read_at = num_blocks, reading, now
+            self.window = (reading, now)
+        self.num_blocks, self.allocated = num_blocks, reading
 
     def stamp_of(self, allocated: int) -> int:
         """The router's clock for the instance's count `allocated` (read since its last
         restart)."""
         return self.base + allocated
 
-    def now(self, now: float) -> int:
-        """The clock now: the last reading plus what the rate says came since."""
-        if self.read_at is None or self.rate is None:
-            return self.allocated
-        return self.allocated + int(self.rate * max(0.0, now - self.read_at))
-
-    def holds(self, stamp: int | None, now: float) -> bool:
+    def holds(self, stamp: int | None) -> bool:
         """Whether blocks last touched at `stamp` are likely still cached (unknown: yes,
         as if the pool held everything; no stamp: no)."""
         if stamp is None:
             return False
         if self.num_blocks is None:
             return True
-        return self.now(now) - stamp < HOLD_FRACTION * self.num_blocks
+        return self.allocated - stamp < HOLD_FRACTION * self.num_blocks
 
     def keeps_for(self, gap_s: float | None) -> bool:
         """Whether blocks touched now are likely still cached `gap_s` seconds later
@@ -134,8 +134,3 @@ def choose_plan(num_prompt_tokens: int, where: Residency, decode_token_cost: flo
     if 0 < num_decode_computes * decode_token_cost < num_prefill_computes:
         return Plan.DECODE_LOCAL
     return Plan.PUSH
-
-
-def blocks_of(num_tokens: int, block_size: int | None) -> int:
-    """Blocks `num_tokens` tokens take (16-token blocks if the size is not known yet)."""
-    return math.ceil(max(0, num_tokens) / (block_size or 16))

@@ -227,7 +227,7 @@ async def _run_flow(state: RouterState, fwd: Forward) -> Answer:
     if route.prefill is None:
         mode, flow = "decode", serve_decode_only
     elif state.config.mode is TransferMode.PUSH and (
-        turn_plan(state.config, route, len(fwd.ids), state.policy.clock()) is Plan.DECODE_LOCAL
+        turn_plan(state.config, route, len(fwd.ids)) is Plan.DECODE_LOCAL
     ):
         mode, flow = "short_append", serve_short_append
     elif state.config.mode is TransferMode.PUSH:

@@ -321,7 +321,11 @@ class SessionTable:
         session = self._sessions.get(session_id)
         if session is None or session.num_prompt_tokens != len(prompt_ids):
             return
+        # Both notes of one turn's side (P's answer, the return at the answer's end) may
+        # come in either order: the later stamp and the longer part stand.
         if is_prefill:
+            if session.prefill_stamp is not None and session.prefill_tokens > num_tokens:
+                num_tokens, stamp = session.prefill_tokens, max(stamp, session.prefill_stamp)
             change = {"prefill_stamp": stamp, "prefill_tokens": num_tokens}
         else:
             change = {"decode_stamp": stamp, "decode_tokens": num_tokens}

@@ -30,26 +30,27 @@ class Clock:
 
 def test_a_pool_holds_blocks_until_it_allocated_most_of_itself_since() -> None:
     clock = PoolClock()
-    assert clock.holds(5, 0.0), "an instance that never said: as if it held everything"
-    assert not clock.holds(None, 0.0), "no stamp: nothing of the session there"
+    assert clock.holds(5), "an instance that never said: as if it held everything"
+    assert not clock.holds(None), "no stamp: nothing of the session there"
     clock.note(num_blocks=100, allocated=1000, now=0.0)
-    assert clock.holds(1000, 0.0) and clock.holds(921, 0.0)
-    assert not clock.holds(920, 0.0), "80 of 100 blocks allocated since: turned over"
+    assert clock.holds(1000) and clock.holds(921)
+    assert not clock.holds(920), "80 of 100 blocks allocated since: turned over"
 
 
-def test_the_rate_moves_the_clock_between_readings_and_a_restart_resets_it() -> None:
+def test_the_rate_is_sampled_over_seconds_and_a_restart_resets_it() -> None:
     clock = PoolClock()
     clock.note(num_blocks=100, allocated=0, now=0.0)
-    assert clock.rate is None and clock.keeps_for(1e6), "one reading: no rate, kept"
+    clock.note(num_blocks=100, allocated=10, now=0.05)
+    assert clock.rate is None and clock.keeps_for(1e6), "a burst of answers: no rate yet"
     clock.note(num_blocks=100, allocated=50, now=10.0)
     assert clock.rate == pytest.approx(5.0)
-    assert clock.now(14.0) == 70
     assert clock.keeps_for(9.0) and not clock.keeps_for(10.0), "50 blocks = half the pool"
-    assert not clock.holds(0, 16.0) and clock.holds(0, 15.0)
-    clock.note(num_blocks=100, allocated=3, now=20.0)  # the clock went back: a restart
-    assert clock.rate is None and clock.allocated == 50 + 100 + 3, "a whole pool ahead"
-    assert not clock.holds(50, 20.0), "a stamp from before the restart is gone"
-    assert clock.holds(clock.stamp_of(3), 20.0)
+    clock.note(num_blocks=100, allocated=60, now=10.5)
+    assert clock.rate == pytest.approx(5.0) and clock.allocated == 60
+    clock.note(num_blocks=100, allocated=3, now=20.0)  # the count went back: a restart
+    assert clock.rate is None and clock.allocated == 60 + 100 + 3, "a whole pool ahead"
+    assert not clock.holds(50), "a stamp from before the restart is gone"
+    assert clock.holds(clock.stamp_of(3))
 
 
 def test_a_reading_in_an_answer_needs_both_numbers() -> None:
@@ -107,19 +108,19 @@ def test_a_turn_goes_to_decode_once_prefills_pool_turned_over_since_the_session_
     clock, config = Clock(), RouterConfig(decode=(D,), prefill=(P,))
     policy, second = _after_one_turn(clock)
     route = policy.route(second, "s")
-    assert turn_plan(config, route, len(second), clock.now) is Plan.PUSH, "prefill holds it all"
+    assert turn_plan(config, route, len(second)) is Plan.PUSH, "prefill holds it all"
     assert is_return_kept(route, Plan.PUSH, clock.now)
 
     policy, second = _after_one_turn(clock)
     p = policy.prefill.backends[0]
     p.kv_clock.note(num_blocks=100, allocated=13 + 85, now=clock.now + 1)  # others' turns
     route = policy.route(second, "s")
-    assert turn_plan(config, route, len(second), clock.now + 1) is Plan.DECODE_LOCAL
+    assert turn_plan(config, route, len(second)) is Plan.DECODE_LOCAL
     assert not is_return_kept(route, Plan.DECODE_LOCAL, clock.now + 1), (
         "prefill lacks the history the return would extend"
     )
     off = RouterConfig(decode=(D,), prefill=(P,), plan_by_residency=False)
-    assert turn_plan(off, route, len(second), clock.now + 1) is Plan.PUSH
+    assert turn_plan(off, route, len(second)) is Plan.PUSH
 
 
 def test_a_return_is_skipped_when_prefill_turns_over_within_the_sessions_think_time() -> None:
@@ -127,10 +128,10 @@ def test_a_return_is_skipped_when_prefill_turns_over_within_the_sessions_think_t
     policy = _policy(clock)
     p = policy.prefill.backends[0]
     p.kv_clock.note(num_blocks=100, allocated=0, now=clock.now)
-    p.kv_clock.note(num_blocks=100, allocated=10, now=clock.now + 1)  # 10 blocks/s
-    clock.now += 1
+    p.kv_clock.note(num_blocks=100, allocated=30, now=clock.now + 3)  # 10 blocks/s
+    clock.now += 3
     first = list(range(1, 101))
-    _turn(policy, first, 10, p_clock=10)
+    _turn(policy, first, 10, p_clock=30)
     clock.now += 2  # the client thought 2 s: 20 blocks then, a fifth of the pool
     second = first + list(range(9)) + [7] * 30
     route = policy.route(second, "s")
@@ -162,3 +163,16 @@ def test_the_turns_stamps_follow_the_instances_that_hold_them() -> None:
     policy.route(ids + list(range(4)) + [9], "s")
     again = policy.sessions.get("s", clock.now)
     assert again is not None and again.gap_s == 3.0 and again.prefill_stamp == 7
+
+
+def test_prefills_answer_noted_after_the_return_keeps_the_returned_part() -> None:
+    clock = Clock()
+    policy = _policy(clock)
+    ids = list(range(1, 51))
+    route = policy.route(ids, "s")
+    policy.sessions.note_return_limit("s", None)
+    policy.sessions.note_answer("s", ids, 5, list(range(5)), None, clock.now)
+    note_turn_held(policy.sessions, route, ids, 5, clock.now)  # the answer ended first
+    policy.sessions.note_held("s", ids, is_prefill=True, stamp=3, num_tokens=len(ids))
+    session = policy.sessions.get("s", clock.now)
+    assert session is not None and session.prefill_tokens == 54
