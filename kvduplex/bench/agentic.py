@@ -138,8 +138,14 @@ async def run_workload(
             per_session = await asyncio.gather(
                 *(
                     _run_session(
-                        client, target, config, plan, salt=salt, repetition=repetition,
-                        t0=t0, on_done=bar,
+                        client,
+                        target,
+                        config,
+                        plan,
+                        salt=salt,
+                        repetition=repetition,
+                        t0=t0,
+                        on_done=bar,
                     )
                     for plan in plans
                 )

@@ -110,10 +110,13 @@ class AgenticBenchSettings(ProcessSettings):
     """auto: disaggregated if /health says role router."""
     metrics_url: StrList = ()
     """Instances whose /metrics count KV bytes (commas, or the flag repeated; --url)."""
-    modes: str = ",".join(MODE_NAMES)
-    """Local modes to run."""
+    modes: str = ",".join(n for n in MODE_NAMES if not n.endswith("-noplan"))
+    """Local modes to run (also push-noplan and push+duplex-noplan: the router's plans off)."""
     kv_cache_mb: int = 0
     """Per instance; 0 sizes it from the workload."""
+    prefill_kv_cache_mb: int = 0
+    """The prefill instances' pool alone (0: --kv-cache-mb): a prefill pool smaller than
+    the sessions' KV, decode's holding it all."""
     budget_min: float = 45.0
     """Scale the local run down to fit this many minutes (estimate)."""
     fit: bool = True
@@ -136,8 +139,12 @@ def workload_configs(args: AgenticBenchSettings) -> list[WorkloadConfig]:
         sessions, turns, system, think, scale = 2, 3, 128, (0.0, 0.0), 0.1
     return [
         WorkloadConfig(
-            shape=shape_named(name.strip()).scaled(scale, scale), num_sessions=sessions,
-            num_turns=turns, system_tokens=system, think_time_s=think, seed=args.seed,
+            shape=shape_named(name.strip()).scaled(scale, scale),
+            num_sessions=sessions,
+            num_turns=turns,
+            system_tokens=system,
+            think_time_s=think,
+            seed=args.seed,
         )
         for name in args.shapes.split(",")
         if name.strip()
@@ -181,14 +188,24 @@ def _run_local(args: AgenticBenchSettings, model: str, modes: list[ModeSpec],
     # every session of the largest shape at its last turn
     in_flight = max(sum(_session_tokens(c)) for c in configs)
     kv_mb = args.kv_cache_mb or kv_cache_mb_for(model, in_flight)
-    notes.append(f"model {model}, KV pool {kv_mb} MiB per instance")
+    p_kv_mb = args.prefill_kv_cache_mb or kv_mb
+    pools = (
+        f"{kv_mb} MiB per instance" if p_kv_mb == kv_mb else f"{kv_mb} MiB, prefill {p_kv_mb} MiB"
+    )
+    notes.append(f"model {model}, KV pool {pools}")
     for n in notes:
         _echo(n)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvduplex-agentic-"))
     with LocalCluster(log_dir=log_dir, env={"OMP_NUM_THREADS": "1"}) as cluster:
         parsing = AGENT_SERVER_FLAGS if args.form is PromptForm.AGENT else ()
         dep = start_deployment(
-            cluster, modes, model=model, kv_cache_mb=kv_mb, echo=_echo, parsing_flags=parsing
+            cluster,
+            modes,
+            model=model,
+            kv_cache_mb=kv_mb,
+            echo=_echo,
+            parsing_flags=parsing,
+            prefill_kv_cache_mb=p_kv_mb,
         )
         endpoints = [
             Endpoint(m.name, dep.fronts[m.name], m.disaggregated, tuple(dep.instances[m.name]))
@@ -238,7 +255,9 @@ def _sends_tools(args: AgenticBenchSettings) -> bool:
 def _require_tools(url: str, model: str) -> None:
     refusal = asyncio.run(check_tools_accepted(url, model))
     if refusal is not None:
-        raise ValueError(f"{url} refuses chat requests with tools ({refusal}); rerun with --chat-plain")
+        raise ValueError(
+            f"{url} refuses chat requests with tools ({refusal}); rerun with --chat-plain"
+        )
 
 
 def _run_url(args: AgenticBenchSettings, configs: list[WorkloadConfig], notes: list[str],
@@ -295,8 +314,9 @@ def main(args: AgenticBenchSettings) -> dict[str, Any]:
         bounds = report.block_bounds(runs.records, bytes_per_block, block_size)
     engine = floors.engine_times(runs.records, runs.runs)
     load = floors.decode_loads(runs.records)
-    table = report.markdown(turns, summ, ratio, runs.kv, notes, bounds,
-                            floors.floor_lines(engine, load))
+    table = report.markdown(
+        turns, summ, ratio, runs.kv, notes, bounds, floors.floor_lines(engine, load)
+    )
     name = args.name or "agentic-" + (args.label if args.url else meta["model"])
     name += "-quick" if args.quick and not args.name else ""
     result = {
@@ -336,4 +356,3 @@ def _workload_note(configs: list[WorkloadConfig], args: AgenticBenchSettings) ->
         f"{' (plain chat)' if args.chat_plain else ''}, seed {c.seed}, "
         f"{args.repetitions} repetition(s); {shapes}"
     )
-

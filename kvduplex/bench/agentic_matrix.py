@@ -116,7 +116,9 @@ def run_interleaved(
                     "counters": moved.per_instance, "engine_ttft_s": moved.engine_ttft_s,
                     "engine_ttft_count": moved.engine_ttft_count,
                 })  # fmt: skip
-                kv = out.kv.setdefault(f"{ep.mode} / {shape}", {"p_to_d_bytes": None, "d_to_p_bytes": None})
+                kv = out.kv.setdefault(
+                    f"{ep.mode} / {shape}", {"p_to_d_bytes": None, "d_to_p_bytes": None}
+                )
                 kv["p_to_d_bytes"] = _add(kv["p_to_d_bytes"], moved.p_to_d_bytes)
                 kv["d_to_p_bytes"] = _add(kv["d_to_p_bytes"], moved.d_to_p_bytes)
                 echo(_run_line(ep.mode, shape, rep, recs, wall))
@@ -152,13 +154,15 @@ class CostModel:
     """Starting the deployment (loading every instance)."""
 
 
-COSTS: Mapping[str, CostModel] = MappingProxyType({
-    # From the serving benchmark's runs (docs/benchmarks.md): small prefills ~3.6-4.0 ms/token and
-    # decodes at 65-85 ms/token with 1-3 streams; kv-heavy ~3.9-6 ms and 70-180 ms.
-    "small": CostModel(prefill_s_per_token=0.004, decode_s_per_token=0.10, start_s=90.0),
-    "kv-heavy": CostModel(prefill_s_per_token=0.005, decode_s_per_token=0.12, start_s=90.0),
-    "tiny": CostModel(prefill_s_per_token=0.0002, decode_s_per_token=0.005, start_s=20.0),
-})
+COSTS: Mapping[str, CostModel] = MappingProxyType(
+    {
+        # From the serving benchmark's runs (docs/benchmarks.md): small prefills ~3.6-4.0 ms/token and
+        # decodes at 65-85 ms/token with 1-3 streams; kv-heavy ~3.9-6 ms and 70-180 ms.
+        "small": CostModel(prefill_s_per_token=0.004, decode_s_per_token=0.10, start_s=90.0),
+        "kv-heavy": CostModel(prefill_s_per_token=0.005, decode_s_per_token=0.12, start_s=90.0),
+        "tiny": CostModel(prefill_s_per_token=0.0002, decode_s_per_token=0.005, start_s=20.0),
+    }
+)
 
 
 def estimate_run_s(config: WorkloadConfig, cost: CostModel) -> float:
@@ -190,7 +194,10 @@ _LADDER: tuple[tuple[float, int], ...] = (
 
 
 def fit_to_budget(
-    configs: list[WorkloadConfig], num_modes: int, repetitions: int, cost: CostModel,
+    configs: list[WorkloadConfig],
+    num_modes: int,
+    repetitions: int,
+    cost: CostModel,
     budget_s: float,
 ) -> tuple[list[WorkloadConfig], float, list[str]]:
     """The first step of the ladder whose estimate fits `budget_s`: (configs, estimate, notes).

@@ -56,7 +56,16 @@ MODES: tuple[ModeSpec, ...] = (
     ModeSpec("push", "push", default_flags=("--return-mode", "none")),
     ModeSpec("push+return-pull", "push", ("--return-mode", "pull")),
     ModeSpec("push+duplex", "push", ("--return-mode", "push")),
-    ModeSpec("push+duplex+short", "push", ("--return-mode", "push", "--short-append-tokens", "256")),
+    ModeSpec(
+        "push+duplex+short", "push", ("--return-mode", "push", "--short-append-tokens", "256")
+    ),
+    # Every turn through prefill and every returning turn returned, wherever the KV is
+    # (the router's plans off): what the plans are measured against.
+    ModeSpec("push-noplan", "push", ("--return-mode", "none", "--no-plan-by-residency")),
+    ModeSpec(
+        "push+duplex-noplan", "push",
+        ("--return-mode", "push", "--no-plan-by-residency", "--no-return-only-if-kept"),
+    ),  # fmt: skip
     ModeSpec("2p1d-push", "push", default_flags=("--return-mode", "none"), num_prefill=2),
     ModeSpec("2p1d-push+duplex", "push", ("--return-mode", "push"), num_prefill=2),
 )
@@ -132,11 +141,13 @@ def start_deployment(
     start_timeout_s: float = 600.0,
     parsing_flags: tuple[str, ...] = (),
     routers_on_p: bool = False,
+    prefill_kv_cache_mb: int | None = None,
 ) -> Deployment:
     """Start the instances and routers `modes` need; modes the router cannot serve are skipped.
     `parsing_flags` (tool-call and reasoning parsers) go to the servers that answer clients:
     the routers and the colocated instance. `routers_on_p` pins the routers to P's core
-    (else they run anywhere, D's core included)."""
+    (else they run anywhere, D's core included). `prefill_kv_cache_mb`: the prefill
+    instances' pool, if not `kv_cache_mb`."""
     serve = ["serve", "--model", model, "--num-threads", "1", "--kv-cache-mb", str(kv_cache_mb)]
     serve += ["--log-level", "warning", "--kv-wait-timeout-s", "120", "--transfer-timeout-s", "120"]
     serve += ["--pull-lease-s", "300"]
@@ -159,8 +170,11 @@ def start_deployment(
         colo = cluster.start("colocated", colo_args, free_port(), cpus=p_cpu)
         dep.fronts["colocated"] = colo.url
         dep.instances["colocated"] = [Instance(colo.url, "both")]
+    p_serve = [*serve]
+    if prefill_kv_cache_mb:
+        p_serve[p_serve.index("--kv-cache-mb") + 1] = str(prefill_kv_cache_mb)
     prefills = [
-        cluster.start(f"prefill{i}", [*serve, "--role", "prefill"], free_port(), cpus=p_cpu)
+        cluster.start(f"prefill{i}", [*p_serve, "--role", "prefill"], free_port(), cpus=p_cpu)
         for i in range(num_prefill)
     ]
     decode = None
@@ -171,7 +185,15 @@ def start_deployment(
         if not m.disaggregated or decode is None:
             continue
         ps = prefills[: m.num_prefill]
-        args = ["router", "--mode", str(m.kv_mode), "--model", model, *extra[m.name], *parsing_flags]
+        args = [
+            "router",
+            "--mode",
+            str(m.kv_mode),
+            "--model",
+            model,
+            *extra[m.name],
+            *parsing_flags,
+        ]
         args += ["--prefill", *(p.url for p in ps), "--decode", decode.url]
         router = cluster.start(
             f"router-{_file_name(m.name)}", args, free_port(), cpus=p_cpu if routers_on_p else None

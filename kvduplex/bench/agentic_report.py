@@ -135,7 +135,11 @@ def answer_hit(r: TurnRecord, index: dict[HistoryKey, TurnRecord]) -> float | No
 
 
 def stats_of(
-    mode: str, shape: str, turn: str, records: list[TurnRecord], disaggregated: bool,
+    mode: str,
+    shape: str,
+    turn: str,
+    records: list[TurnRecord],
+    disaggregated: bool,
     history: dict[HistoryKey, TurnRecord] | None = None,
 ) -> Stats:
     """`history` (see `history_index`) holds the previous turns for the history hit."""
@@ -247,14 +251,23 @@ def block_bounds(
             if prev is None or not (prev.result.ok and r.result.ok):
                 continue
             if r.result.kv is not None and r.result.kv.bytes_to_decode:
-                new = r.result.prompt_tokens - prev.result.prompt_tokens - _answer_in_history(r, prev)
+                new = (
+                    r.result.prompt_tokens - prev.result.prompt_tokens - _answer_in_history(r, prev)
+                )
                 pairs["P→D"].append(
-                    (r.result.kv.bytes_to_decode // bytes_per_block, -(-max(new, 0) // block_size) + 1)
+                    (
+                        r.result.kv.bytes_to_decode // bytes_per_block,
+                        -(-max(new, 0) // block_size) + 1,
+                    )
                 )
             if r.returned_bytes:
                 # what D computed: the answer, and the prompt's tail on a short append
-                on_d = r.result.completion_tokens + (r.result.kv.decode_computed_tokens if r.result.kv else 0)
-                pairs["D→P"].append((r.returned_bytes // bytes_per_block, -(-on_d // block_size) + 1))
+                on_d = r.result.completion_tokens + (
+                    r.result.kv.decode_computed_tokens if r.result.kv else 0
+                )
+                pairs["D→P"].append(
+                    (r.returned_bytes // bytes_per_block, -(-on_d // block_size) + 1)
+                )
         for way, got in pairs.items():
             if got:
                 excess = [moved - bound for moved, bound in got]

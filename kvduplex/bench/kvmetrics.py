@@ -45,12 +45,14 @@ RETURN_PREFIX = "kvduplex_kv_return_"
 RETURN_RECORDS = "/internal/kv/return/records"
 
 # (role, direction label) -> which way the bytes went
-_WAY: Mapping[tuple[str, str], str] = MappingProxyType({
-    ("prefill", "write"): "p_to_d",
-    ("prefill", "read"): "d_to_p",
-    ("decode", "read"): "p_to_d",
-    ("decode", "write"): "d_to_p",
-})
+_WAY: Mapping[tuple[str, str], str] = MappingProxyType(
+    {
+        ("prefill", "write"): "p_to_d",
+        ("prefill", "read"): "d_to_p",
+        ("decode", "read"): "p_to_d",
+        ("decode", "write"): "d_to_p",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,9 @@ def instance_role(url: str, timeout_s: float = 10.0) -> str:
         return ""
 
 
-def snapshot(instances: list[Instance], read: Callable[[str], Samples] = scrape) -> dict[str, Samples]:
+def snapshot(
+    instances: list[Instance], read: Callable[[str], Samples] = scrape
+) -> dict[str, Samples]:
     """Every instance's samples now (url -> samples)."""
     return {inst.url: read(inst.url) for inst in instances}
 
@@ -96,7 +100,9 @@ def _label_text(name: str, labels: tuple[tuple[str, str], ...]) -> str:
     return f"{name}{{{inner}}}" if inner else name
 
 
-def kv_moved(instances: list[Instance], before: dict[str, Samples], after: dict[str, Samples]) -> KVMoved:
+def kv_moved(
+    instances: list[Instance], before: dict[str, Samples], after: dict[str, Samples]
+) -> KVMoved:
     """Bytes P->D and D->P (None where no instance counts them) and the return counters."""
     out = KVMoved()
     for inst in instances:
@@ -117,7 +123,9 @@ def kv_moved(instances: list[Instance], before: dict[str, Samples], after: dict[
             way = _WAY.get((inst.role, direction))
             if way is None:
                 continue
-            moved = metric_sum(a, BYTES, direction=direction) - metric_sum(b, BYTES, direction=direction)
+            moved = metric_sum(a, BYTES, direction=direction) - metric_sum(
+                b, BYTES, direction=direction
+            )
             current = getattr(out, f"{way}_bytes")
             setattr(out, f"{way}_bytes", (current or 0.0) + moved)
     return out
@@ -131,7 +139,9 @@ def return_records(instances: list[Instance], timeout_s: float = 10.0) -> dict[s
         if inst.role != "decode":
             continue
         try:
-            resp = httpx.get(inst.url.rstrip("/") + RETURN_RECORDS, headers=headers, timeout=timeout_s)
+            resp = httpx.get(
+                inst.url.rstrip("/") + RETURN_RECORDS, headers=headers, timeout=timeout_s
+            )
         except httpx.HTTPError:
             continue
         if resp.status_code == 200:

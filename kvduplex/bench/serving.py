@@ -147,7 +147,13 @@ async def _burst(
     client: httpx.AsyncClient, url: str, model: str, prompts: list[list[int]], max_tokens: int
 ) -> list[RequestResult]:
     bodies = [
-        {"model": model, "prompt": p, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+        {
+            "model": model,
+            "prompt": p,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+        }
         for p in prompts
     ]
     return list(
@@ -164,9 +170,19 @@ async def _engine_ttft(url: str) -> tuple[float, float]:
     return metric_sum(samples, _TTFT + "_sum"), metric_sum(samples, _TTFT + "_count")
 
 
-def _start(cluster: LocalCluster, opts: ServingBenchSettings, stack: ExitStack) -> tuple[dict[str, str], str, str, str]:
+def _start(
+    cluster: LocalCluster, opts: ServingBenchSettings, stack: ExitStack
+) -> tuple[dict[str, str], str, str, str]:
     """Start the instances and routers; returns (front door per mode, P, D, how pinned)."""
-    serve = ["serve", "--model", opts.model, "--num-threads", "1", "--kv-cache-mb", str(opts.kv_cache_mb)]
+    serve = [
+        "serve",
+        "--model",
+        opts.model,
+        "--num-threads",
+        "1",
+        "--kv-cache-mb",
+        str(opts.kv_cache_mb),
+    ]
     serve += ["--log-level", "warning", "--kv-wait-timeout-s", "120", "--transfer-timeout-s", "120"]
     serve += ["--pull-lease-s", "300"]
     cpus = sorted(os.sched_getaffinity(0))
@@ -205,7 +221,11 @@ def _start(cluster: LocalCluster, opts: ServingBenchSettings, stack: ExitStack) 
                     "--prefill", p.url, "--decode", d.url]  # fmt: skip
             fronts[mode] = cluster.start(f"router-{mode}", args, free_port()).url
     cluster.wait_healthy(timeout_s=120)
-    link = f"; P in netns over veth shaped to {opts.link_gbit:g} Gbit/s (UCX tcp)" if opts.netns else ""
+    link = (
+        f"; P in netns over veth shaped to {opts.link_gbit:g} Gbit/s (UCX tcp)"
+        if opts.netns
+        else ""
+    )
     pinned = (
         f"colocated and P on cpu {p_cpu[0]}, D on cpu {d_cpu[0]}, 1 torch thread each; "
         f"routers and client unpinned{link}"
@@ -213,7 +233,9 @@ def _start(cluster: LocalCluster, opts: ServingBenchSettings, stack: ExitStack) 
     return fronts, p.url, d.url, pinned
 
 
-async def _run(opts: ServingBenchSettings, fronts: dict[str, str], computes: dict[str, str]) -> list[Cell]:
+async def _run(
+    opts: ServingBenchSettings, fronts: dict[str, str], computes: dict[str, str]
+) -> list[Cell]:
     """`computes[mode]`: the instance that computes that mode's prompts (colocated, or P)."""
     rng = random.Random(opts.seed)
     cells: dict[tuple[str, int, str], Cell] = {}
@@ -235,8 +257,12 @@ async def _run(opts: ServingBenchSettings, fronts: dict[str, str], computes: dic
                         prompts = [_prompt(rng, prompt_len) for _ in range(n_per)]
                         if load == "low":
                             sum0, n0 = await _engine_ttft(computes[mode])
-                        got = await _burst(client, fronts[mode], opts.model, prompts, opts.max_tokens)
-                        cell = cells.setdefault((mode, prompt_len, load), Cell(mode, prompt_len, load))
+                        got = await _burst(
+                            client, fronts[mode], opts.model, prompts, opts.max_tokens
+                        )
+                        cell = cells.setdefault(
+                            (mode, prompt_len, load), Cell(mode, prompt_len, load)
+                        )
                         cell.results.extend(got)
                         if load == "low":
                             sum1, n1 = await _engine_ttft(computes[mode])
@@ -273,9 +299,13 @@ def summarize(cells: list[Cell]) -> tuple[list[dict[str, Any]], list[dict[str, A
         colo, pull, push = (by_key.get((m, plen, load)) for m in MODES)
         entry: dict[str, Any] = {"load": load, "prompt_len": plen}
         if push is not None and colo is not None:
-            entry["push_ttft_over_colocated"] = _div(push.stat("ttft_s", 50), colo.stat("ttft_s", 50))
+            entry["push_ttft_over_colocated"] = _div(
+                push.stat("ttft_s", 50), colo.stat("ttft_s", 50)
+            )
         if push is not None and pull is not None:
-            entry["push_p90_ttft_over_pull"] = _div(push.stat("ttft_s", 90), pull.stat("ttft_s", 90))
+            entry["push_p90_ttft_over_pull"] = _div(
+                push.stat("ttft_s", 90), pull.stat("ttft_s", 90)
+            )
         if push is not None and pull is not None and colo is not None:
             base = colo.stat("ttft_s", 50)
             entry["push_overhead_over_pull"] = _div(
@@ -322,7 +352,9 @@ def _ms(v: float | None) -> float | None:
     return None if v is None else v * 1e3
 
 
-def format_tables(rows: list[dict[str, Any]], ratios: list[dict[str, Any]], kv: dict[str, Any]) -> str:
+def format_tables(
+    rows: list[dict[str, Any]], ratios: list[dict[str, Any]], kv: dict[str, Any]
+) -> str:
     cols = ["mode", "prompt_len", "load", "n", "ttft_p50_ms", "ttft_p90_ms", "pd_overhead_ms",
             "handoff_p50_ms", "pd_overhead_engine_ms", "tpot_p50_ms", "tpot_p90_ms", "e2e_p50_ms",
             "e2e_p90_ms"]  # fmt: skip
@@ -342,7 +374,8 @@ def _kv_figures(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]
     transfer = delta("p", "kvduplex_kv_push_transfer_seconds_total")
     exposed = delta("p", "kvduplex_kv_push_exposed_seconds_total")
     return {
-        "push_written_MiB": delta("p", "kvduplex_kv_transfer_bytes_total", direction="write") / 2**20,
+        "push_written_MiB": delta("p", "kvduplex_kv_transfer_bytes_total", direction="write")
+        / 2**20,
         "pull_read_MiB": delta("d", "kvduplex_kv_transfer_bytes_total", direction="read") / 2**20,
         "pushes_done": delta("p", "kvduplex_kv_pushes_total", outcome="done"),
         "push_transfer_s": transfer,

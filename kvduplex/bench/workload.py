@@ -44,9 +44,14 @@ class Shape:
     """Tokens of each answer (the request's ``max_tokens``, with ``ignore_eos``)."""
 
     def __post_init__(self) -> None:
-        for what, (lo, hi) in (("input_tokens", self.input_tokens), ("answer_tokens", self.answer_tokens)):
+        for what, (lo, hi) in (
+            ("input_tokens", self.input_tokens),
+            ("answer_tokens", self.answer_tokens),
+        ):
             if not 1 <= lo <= hi:
-                raise ValueError(f"{self.name}: {what} must be a range 1 <= lo <= hi, got {(lo, hi)}")
+                raise ValueError(
+                    f"{self.name}: {what} must be a range 1 <= lo <= hi, got {(lo, hi)}"
+                )
 
     def scaled(self, input_scale: float = 1.0, answer_scale: float = 1.0) -> Shape:
         """This shape with its ranges multiplied (rounded, at least 1 token)."""
