@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 from prometheus_client import generate_latest
 
@@ -28,6 +29,8 @@ from kvduplex.engine.kv_tier import HEADER_BYTES
 from kvduplex.engine.kv_tier_file import FileTier
 from kvduplex.engine.metrics import EngineMetrics
 from kvduplex.engine.request import Request
+from kvduplex.instance.config import ServerConfig
+from kvduplex.instance.server import build_instance
 from kvduplex.model.loader import LoadedModel
 from kvduplex.model.loader import load_model
 
@@ -82,17 +85,19 @@ class Served:
 def run_one(engine: LLMEngine, rid: str, prompt: list[int]) -> Served:
     """Serve one request alone, stepping to its end; the pool is consistent after it."""
     engine.add_request(Request(rid, prompt, GREEDY))
-    served = Served([], [], None)  # type: ignore[arg-type]
+    token_ids: list[int] = []
+    logprobs: list[TokenLogprobs | None] = []
+    final: RequestOutput | None = None
     while engine.has_unfinished():
         for out in engine.step():
-            served.token_ids.extend(out.new_token_ids)
-            served.logprobs.extend(out.new_logprobs or [])
+            token_ids.extend(out.new_token_ids)
+            logprobs.extend(out.new_logprobs or [])
             if out.finished:
-                served.final = out
-    assert served.final is not None and len(served.logprobs) == len(served.token_ids)
+                final = out
+    assert final is not None and len(logprobs) == len(token_ids)
     engine.check_integrity()
     assert engine.block_pool.stats().num_in_use == 0
-    return served
+    return Served(token_ids, logprobs, final)
 
 
 def evict_prompt(engine: LLMEngine) -> None:
@@ -255,3 +260,21 @@ def test_tier_counters_reach_the_metrics(
         "kvduplex_kv_tier_blocks_total 64.0",
     ):
         assert line + "\n" in text, line
+
+
+def test_an_instance_serves_its_tier_metrics_and_closes_it(tmp_path: Path) -> None:
+    cache = CacheConfig(
+        kv_cache_mb=4, kv_tier=KVTierKind.FILE, kv_tier_blocks=32, kv_tier_path=str(tmp_path)
+    )
+    cfg = EngineConfig(model=ModelLoadConfig(model="tiny"), cache=cache)
+    instance = build_instance(cfg, ServerConfig(port=0))
+    try:
+        link = instance.engine.kv_tier
+        assert link is not None and isinstance(link.tier, FileTier)
+        with TestClient(instance.app) as client:
+            text = client.get("/metrics").text
+        assert "kvduplex_kv_tier_blocks_total 32.0" in text
+        assert "kvduplex_kv_tier_corrupt_blocks_total 0.0" in text
+    finally:
+        instance.shutdown()
+    assert instance.engine.block_pool.on_evict is None  # closed with the instance
