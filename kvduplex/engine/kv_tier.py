@@ -68,7 +68,9 @@ class TierStats:
     num_write_failures: int = 0
     """Writes that raised (e.g. the disk is full): the entry is dropped at its load."""
     num_written_bytes: int = 0
+    """Header and payload bytes persisted by the writer."""
     num_read_bytes: int = 0
+    """Header and payload bytes of the blocks loaded back."""
 
 
 class KVTier(Protocol):
@@ -259,7 +261,7 @@ class SlotTier(abc.ABC):
 
     def _check(self, key: BlockHash, header: bytes, payload: torch.Tensor) -> str | None:
         """Why the slot read for `key` cannot be used, or None if it can."""
-        if len(header) < _HEADER.size or payload.numel() < self.payload_bytes:
+        if len(header) < _HEADER.size or payload.numel() != self.payload_bytes:
             return "cut short"
         magic, stored_key, layout_id, length, crc = _HEADER.unpack_from(header)
         if magic != _MAGIC:
