@@ -11,6 +11,7 @@ environment variables and config-file keys of ``kvduplex serve`` are these field
 from __future__ import annotations
 
 import enum
+import os
 from typing import Any
 
 from pydantic import Field
@@ -51,6 +52,17 @@ class DecodeAttention(enum.StrEnum):
             raise ValueError(f"decode_attention must be one of {choices}, got {value!r}") from None
 
 
+class KVTierKind(enum.StrEnum):
+    """Where the prefix-cache blocks the KV pool evicts are kept (``--kv-tier``)."""
+
+    NONE = enum.auto()
+    """Nowhere: an evicted block is gone, recomputed when a prompt needs it again."""
+    HOST = enum.auto()
+    """Host memory (pinned on CUDA): the tier of GPU instances."""
+    FILE = enum.auto()
+    """One preallocated file under kv_tier_path (a local SSD): the tier of CPU instances."""
+
+
 def _at_least(name: str, value: int | float, low: int | float, note: str = "") -> None:
     if value < low:
         raise ValueError(f"{name} must be >= {low}{note}, got {value}")
@@ -72,6 +84,18 @@ class CacheConfig(ConfigSection):
     """KV pool size in MiB when num_blocks is 0."""
     enable_prefix_caching: bool = True
     """Reuse full blocks whose token prefix was seen before."""
+    kv_tier: KVTierKind = KVTierKind.NONE
+    """Where prefix-cache blocks evicted from the pool go, to be loaded back (checksum
+    verified) when a prompt needs them again: none (dropped), host (host memory; GPU
+    instances) or file (one preallocated file in kv_tier_path; CPU instances)."""
+    kv_tier_gib: float = 4.0
+    """Size of the KV tier in GiB when kv_tier_blocks is 0."""
+    kv_tier_blocks: int = 0
+    """Blocks the KV tier holds; 0 sizes it from kv_tier_gib."""
+    kv_tier_path: str = ""
+    """Directory of the file tier's file, on local storage (empty: the system's temporary
+    directory). The file has no name (removed as soon as it is open), so it never outlives
+    the instance and no two instances share one; its contents do not survive a restart."""
 
     @field_validator("block_size")
     @classmethod
@@ -86,10 +110,41 @@ class CacheConfig(ConfigSection):
         _at_least("num_blocks", value, 0, " (0 = size from kv_cache_mb)")
         return value
 
+    @field_validator("kv_tier_blocks")
+    @classmethod
+    def _check_tier_blocks(cls, value: int) -> int:
+        _at_least("kv_tier_blocks", value, 0, " (0 = size from kv_tier_gib)")
+        return value
+
     @model_validator(mode="after")
     def _check_pool_size(self) -> CacheConfig:
         if self.num_blocks == 0 and self.kv_cache_mb < 1:
             raise ValueError("set num_blocks >= 1 or kv_cache_mb >= 1")
+        return self
+
+    @model_validator(mode="after")
+    def _check_tier(self) -> CacheConfig:
+        tier, path = self.kv_tier, self.kv_tier_path
+        if path and tier is not KVTierKind.FILE:
+            raise ValueError(
+                f"kv_tier_path is the file tier's directory; set kv_tier to file or leave "
+                f"kv_tier_path empty (kv_tier is {tier.value})"
+            )
+        if tier is KVTierKind.NONE:
+            return self
+        if not self.enable_prefix_caching:
+            raise ValueError(
+                f"kv_tier {tier.value} keeps prefix-cache blocks; turn enable_prefix_caching "
+                "on or set kv_tier to none"
+            )
+        if self.kv_tier_blocks == 0 and not self.kv_tier_gib > 0:
+            raise ValueError(
+                f"kv_tier_gib must be > 0 (or set kv_tier_blocks), got {self.kv_tier_gib}"
+            )
+        if path and not os.path.isdir(path):
+            raise ValueError(
+                f"kv_tier_path {path!r} is not an existing directory; create it or name another"
+            )
         return self
 
 

@@ -169,6 +169,8 @@ class AsyncEngine:
                 blocks_cached=lambda: pool.stats().num_cached,
                 blocks_total=lambda: pool.stats().total,
             )
+            if engine.kv_tier is not None:
+                metrics.bind_kv_tier(engine.kv_tier.tier, engine.layout.block_size)
 
     # --------------------------------------------------------------- lifecycle
 

@@ -13,7 +13,9 @@ Every block is in exactly one of three states::
                              └──release (ref→0, keyed)──► CACHED ──evicted by try_allocate──► IN USE
 
 `try_allocate` takes FREE blocks first and evicts CACHED ones (oldest release
-first) only when it must. Invariant: free + in use + cached = total.
+first) only when it must. Invariant: free + in use + cached = total. An evicted
+block is handed to `on_evict` (the KV tier's demotion) before anyone can
+overwrite its KV.
 
 Prefix-cache keys form a chain over FULL blocks only (a partial block is
 never cached)::
@@ -36,6 +38,7 @@ import logging
 import struct
 from collections import OrderedDict
 from collections import deque
+from collections.abc import Callable
 from collections.abc import Iterable
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -81,6 +84,11 @@ def compute_block_hashes(
     return hashes
 
 
+EvictHook = Callable[[int, BlockHash], None]
+"""``hook(block_id, key)``: a CACHED block is being evicted; its KV is intact until the
+hook returns (the pool's owner thread calls it, inside `try_allocate` or `evict`)."""
+
+
 @dataclass(frozen=True)
 class PoolStats:
     """Block counts; ``num_free + num_in_use + num_cached == total``."""
@@ -123,6 +131,9 @@ class BlockPool:
         released when it read t is evicted, least recently released first, after fewer than
         `num_blocks` more allocations; the router reads this (from /health and prefill
         answers) to tell whether a session's blocks are likely still here."""
+        self.on_evict: EvictHook | None = None
+        """Called with each CACHED block evicted, before it is handed out again (set by
+        the KV tier's link, which copies its KV down)."""
 
     # ---- queries (no side effects) ----
 
@@ -260,8 +271,13 @@ class BlockPool:
         return evicted
 
     def reset_prefix_cache(self) -> int:
-        """Drop every unreferenced cached block; return how many were dropped."""
-        num_dropped = len(self.evict(len(self._evictable)))
+        """Drop every unreferenced cached block (not handed to `on_evict`: a reset
+        forgets them); return how many were dropped."""
+        on_evict, self.on_evict = self.on_evict, None
+        try:
+            num_dropped = len(self.evict(len(self._evictable)))
+        finally:
+            self.on_evict = on_evict
         logger.info("prefix cache reset: %d cached blocks dropped", num_dropped)
         return num_dropped
 
@@ -271,6 +287,11 @@ class BlockPool:
         assert key is not None and self._cached.get(key) == block_id, (
             f"evictable block {block_id} not in the cache"
         )
+        if self.on_evict is not None:
+            try:
+                self.on_evict(block_id, key)
+            except Exception:  # the block is evicted either way; only its copy is lost
+                logger.exception("eviction hook failed for block %d", block_id)
         del self._cached[key]
         self._keys[block_id] = None
         return block_id
@@ -331,6 +352,7 @@ __all__ = [
     "BLOCK_HASH_BYTES",
     "BlockHash",
     "BlockPool",
+    "EvictHook",
     "PoolStats",
     "compute_block_hashes",
     "hash_block",

@@ -57,6 +57,7 @@ from kvduplex.engine.scheduler import Scheduler
 from kvduplex.engine.scheduler import SchedulerOutput
 from kvduplex.engine.scheduler_output import KVConnectorMetadata
 from kvduplex.engine.structured import fill_bitmask
+from kvduplex.engine.tier_link import attach_tier
 from kvduplex.model.loader import LoadedModel
 from kvduplex.model.loader import load_model
 
@@ -138,8 +139,11 @@ class LLMEngine:
             time.perf_counter() - t0,
         )  # fmt: skip
         self.block_pool = BlockPool(num_blocks, enable_caching=config.cache.enable_prefix_caching)
+        self.kv_tier = attach_tier(
+            config.cache, self.layout, self.loaded.identity, self.kv_pool, self.block_pool
+        )
         self.kv_manager = KVCacheManager(
-            self.block_pool, config.cache.block_size, identity=self.loaded.identity
+            self.block_pool, config.cache.block_size, self.loaded.identity, self.kv_tier
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self._request_finished)
         self.runner = ModelRunner(

@@ -20,6 +20,10 @@ Rules:
 
 Block hashes are computed once per full block and kept on the Request
 (`Request.block_hashes`), extended as tokens arrive: O(tokens) overall.
+
+With a KV tier below the pool (`kvduplex.engine.tier_link`), a lookup that stops
+at a key the pool lacks promotes the run of following keys the tier holds, and
+those blocks count as hits like any other.
 """
 
 from __future__ import annotations
@@ -27,12 +31,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvduplex.common.kv_layout import num_blocks_for_tokens
 from kvduplex.engine.block_pool import BlockHash
 from kvduplex.engine.block_pool import BlockPool
 from kvduplex.engine.block_pool import compute_block_hashes
 from kvduplex.engine.request import Request
+
+if TYPE_CHECKING:
+    from kvduplex.engine.tier_link import TierLink
 
 logger = logging.getLogger(__name__)
 
@@ -52,12 +60,15 @@ _NO_HIT = PrefixHit((), 0)
 class KVCacheManager:
     """Allocates and caches the blocks of requests; the scheduler's only way to memory."""
 
-    def __init__(self, pool: BlockPool, block_size: int, identity: bytes) -> None:
+    def __init__(
+        self, pool: BlockPool, block_size: int, identity: bytes, tier: TierLink | None = None
+    ) -> None:
         """`identity` (model and dtype) enters every block key; prefix caching is on
-        if ``pool.enable_caching``."""
+        if ``pool.enable_caching``. `tier`: the KV tier below the pool, if any."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.pool = pool
+        self.tier = tier
         self.block_size = block_size
         self.identity = identity
         # request id -> leading blocks of its table already in the prefix cache
@@ -95,13 +106,18 @@ class KVCacheManager:
 
         Without `allow_full_hit` at least the last token is left to compute.
         Takes no references: pass the hit to `try_allocate_slots` in the same step.
+        Blocks promoted from the KV tier are left cached and unreferenced, like the rest
+        of the hit (promoting them may evict other cached blocks).
         """
         if not self.enable_prefix_caching:
             return _NO_HIT
         self.update_block_hashes(req)
         max_tokens = req.num_tokens if allow_full_hit else req.num_tokens - 1
-        max_blocks = max_tokens // self.block_size
-        block_ids = self.pool.lookup(req.block_hashes[:max_blocks])
+        keys = req.block_hashes[: max_tokens // self.block_size]
+        block_ids = self.pool.lookup(keys)
+        tier = self.tier
+        if tier is not None and len(block_ids) < len(keys) and tier.promote(keys, block_ids):
+            block_ids = self.pool.lookup(keys)
         return PrefixHit(tuple(block_ids), len(block_ids) * self.block_size)
 
     def try_allocate_slots(

@@ -7,10 +7,16 @@ several engines in one process (tests) do not collide.
 from __future__ import annotations
 
 from collections.abc import Callable
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
 
 from kvduplex.common.metrics import MetricFactory
+from kvduplex.engine.kv_tier import KVTier
 
 _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
@@ -77,3 +83,42 @@ class EngineMetrics:
         self.blocks_in_use.set_function(blocks_in_use)
         self.blocks_cached.set_function(blocks_cached)
         self.blocks_total.set_function(blocks_total)
+
+    def bind_kv_tier(self, tier: KVTier, block_size: int) -> None:
+        """Export the KV tier's counters (read from the tier at scrape time)."""
+        self.registry.register(KVTierCollector(tier, block_size))
+
+
+class KVTierCollector(Collector):
+    """``kvduplex_kv_tier_*``: what the KV tier below the pool stored, served and lost.
+    Its counters live in the tier (`TierStats`); a scrape reads them."""
+
+    def __init__(self, tier: KVTier, block_size: int, prefix: str = "kvduplex_kv_tier_") -> None:
+        self.tier = tier
+        self.block_size = block_size
+        self.prefix = prefix
+
+    def collect(self) -> Iterator[Metric]:
+        s, p = self.tier.stats, self.prefix
+        counters = (
+            ("hit_blocks", "Blocks loaded back from the KV tier into the pool (checksum "
+             "verified) for a prompt's prefix.", s.num_loaded_blocks),
+            ("hit_tokens", "Tokens of the blocks loaded back from the KV tier (the requests "
+             "that use them count them among their prefix-cache hits).",
+             s.num_loaded_blocks * self.block_size),
+            ("stored_blocks", "Blocks evicted from the pool's prefix cache and copied into "
+             "the KV tier.", s.num_stored_blocks),
+            ("written_bytes", "Bytes written into the KV tier.", s.num_written_bytes),
+            ("read_bytes", "Bytes read back from the KV tier.", s.num_read_bytes),
+            ("corrupt_blocks", "KV tier slots that failed their check at load (dropped; "
+             "their tokens were recomputed).", s.num_corrupt_blocks),
+            ("write_failures", "Writes into the KV tier that failed (the entry is dropped).",
+             s.num_write_failures),
+            ("evicted_blocks", "Blocks dropped from the KV tier to make room.",
+             s.num_evicted_blocks),
+        )  # fmt: skip
+        for name, doc, value in counters:
+            yield CounterMetricFamily(p + name, doc, value=value)
+        tier = self.tier
+        yield GaugeMetricFamily(p + "blocks_used", "Blocks the KV tier holds.", tier.num_used)
+        yield GaugeMetricFamily(p + "blocks_total", "Blocks the KV tier can hold.", tier.num_slots)

@@ -107,6 +107,8 @@ def build_instance(
         fingerprint=fingerprint,
     )
     instance = Instance(engine=engine, async_engine=async_engine, app=FastAPI(), state=state)
+    if engine.kv_tier is not None:
+        instance.closers.append(engine.kv_tier.close)
     routers = _role_routers(
         instance, engine_config, server_config.role, secret, parts.message_filter
     )

@@ -1,0 +1,137 @@
+"""Moves blocks between the KV pool and the tier below it (`kvduplex.engine.kv_tier`).
+
+Demote: the block pool hands every CACHED block it evicts to `TierLink.demote`
+before the block can be handed out again, and its KV is copied into the tier
+under its prefix-cache key.
+
+Promote: when a prefix lookup stops at a key the pool lacks, `TierLink.promote`
+loads the run of following keys the tier holds into fresh pool blocks and
+registers them in the prefix cache, so the lookup goes on through them::
+
+    keys        k0   k1   k2 | k3   k4   k5 | k6
+    pool        b7   b2   -  |              |         lookup stops at k2
+    tier                  k2   k3   k4      |         run: k2 k3 k4 (k5 absent)
+    after       b7   b2   b5   b9   b1              promoted: cached, unreferenced
+
+The hit blocks are referenced while the run is allocated, so that allocation
+(which may evict, and so demote, other blocks) cannot evict them. A load that
+fails its check ends the run there: the rest is computed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from kvduplex.common.engine_config import CacheConfig
+from kvduplex.common.engine_config import KVTierKind
+from kvduplex.common.kv_layout import KVCacheLayout
+from kvduplex.engine.block_pool import BlockHash
+from kvduplex.engine.block_pool import BlockPool
+from kvduplex.engine.kv_tier import HostTier
+from kvduplex.engine.kv_tier import KVTier
+from kvduplex.engine.kv_tier import SlotTier
+from kvduplex.engine.kv_tier import slot_bytes
+from kvduplex.engine.kv_tier_file import FileTier
+
+logger = logging.getLogger(__name__)
+
+
+class TierLink:
+    """One pool and its tier. Engine thread only; becomes the pool's `on_evict`."""
+
+    def __init__(self, tier: KVTier, kv_pool: torch.Tensor, pool: BlockPool) -> None:
+        """`kv_pool`: the pool's memory, (num_layers, 2, num_blocks, block_size, heads, dim)."""
+        self.tier = tier
+        self.kv_pool = kv_pool
+        self.pool = pool
+        pool.on_evict = self.demote
+
+    def demote(self, block_id: int, key: BlockHash) -> None:
+        """Copy an evicted block's KV into the tier (the pool's eviction hook)."""
+        self.tier.store(key, self.kv_pool[:, :, block_id])
+
+    def promote(self, keys: Sequence[BlockHash], hit: Sequence[int]) -> int:
+        """Load the keys after the cached prefix `hit` (block ids of ``keys[:len(hit)]``)
+        that the tier holds, in order, into fresh blocks cached under them; return how
+        many were loaded. The blocks are left CACHED and unreferenced, right after `hit`
+        in the chain, like any prefix-cache hit."""
+        run: list[BlockHash] = []
+        for key in keys[len(hit) :]:
+            if not self.tier.contains(key):
+                break
+            self.tier.touch(key)  # outlives the demotions the allocation below may cause
+            run.append(key)
+        if not run:
+            return 0
+        pool = self.pool
+        pool.acquire(hit)
+        try:
+            block_ids = pool.try_allocate(min(len(run), pool.num_allocatable_blocks)) or []
+            num_loaded = 0
+            for block_id, key in zip(block_ids, run, strict=False):
+                if not self.tier.load(key, self.kv_pool[:, :, block_id]):
+                    break
+                pool.insert_cached(block_id, key)
+                num_loaded += 1
+            pool.release(reversed(block_ids))  # the loaded ones stay cached, the rest free
+        finally:
+            pool.release(reversed(hit))
+        if num_loaded:
+            logger.debug("KV tier: %d blocks promoted after a %d-block hit", num_loaded, len(hit))
+        return num_loaded
+
+    def close(self) -> None:
+        """Detach from the pool and close the tier (pending writes finish first)."""
+        self.pool.on_evict = None
+        self.tier.close()
+
+
+def build_tier(
+    config: CacheConfig, layout: KVCacheLayout, identity: bytes, device: torch.device
+) -> SlotTier | None:
+    """The tier `config` asks for (None for ``kv_tier none``), sized in whole slots.
+
+    Raises ValueError if the size holds no block, OSError if the file tier's space
+    cannot be reserved; both say which setting to change.
+    """
+    kind = config.kv_tier
+    if kind is KVTierKind.NONE:
+        return None
+    align = FileTier.ALIGN if kind is KVTierKind.FILE else HostTier.ALIGN
+    num_slots = config.kv_tier_blocks or int(config.kv_tier_gib * 2**30) // slot_bytes(
+        layout, align
+    )
+    if num_slots < 1:
+        raise ValueError(
+            f"kv_tier_gib {config.kv_tier_gib} holds no block of "
+            f"{slot_bytes(layout, align) / 2**20:.2f} MiB; raise kv_tier_gib or set "
+            "kv_tier_blocks"
+        )
+    tier: SlotTier
+    if kind is KVTierKind.FILE:
+        tier = FileTier(layout, identity, num_slots, config.kv_tier_path)
+    else:
+        tier = HostTier(layout, identity, num_slots, pin_memory=device.type == "cuda")
+    logger.info(
+        "KV tier: %s, %d blocks, %.2f GiB",
+        kind.value, num_slots, num_slots * tier.slot_bytes / 2**30,
+    )  # fmt: skip
+    return tier
+
+
+def attach_tier(
+    config: CacheConfig,
+    layout: KVCacheLayout,
+    identity: bytes,
+    kv_pool: torch.Tensor,
+    pool: BlockPool,
+) -> TierLink | None:
+    """The tier `config` asks for, linked below `pool`; None without one."""
+    tier = build_tier(config, layout, identity, kv_pool.device)
+    return None if tier is None else TierLink(tier, kv_pool, pool)
+
+
+__all__ = ["TierLink", "attach_tier", "build_tier"]
