@@ -42,6 +42,7 @@ from collections.abc import Awaitable
 from collections.abc import Callable
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 from dataclasses import dataclass
 from dataclasses import field
 from typing import Any
@@ -91,6 +92,7 @@ from kvduplex.engine.async_engine import AsyncEngine
 from kvduplex.engine.async_engine import EngineDeadError
 from kvduplex.engine.engine import LLMEngine
 from kvduplex.engine.engine import RequestOutput
+from kvduplex.engine.report import pool_report
 from kvduplex.engine.request import Request as EngineRequest
 from kvduplex.engine.structured import GrammarCompiler
 from kvduplex.engine.structured import RequestGrammar
@@ -241,23 +243,7 @@ def create_app(state: InstanceState, extra_routers: Sequence[APIRouter] = ()) ->
     @app.get("/internal/kv/stats")
     async def kv_stats() -> JSONResponse:
         """Block-pool accounting, checked in the engine thread (tests, operators)."""
-
-        def read(engine: Any) -> dict[str, Any]:
-            error = None
-            try:
-                engine.check_integrity()
-            except AssertionError as exc:
-                error = str(exc) or "integrity check failed"
-            st = engine.block_pool.stats()
-            return {
-                "num_free": st.num_free, "num_in_use": st.num_in_use,
-                "num_cached": st.num_cached, "total": st.total,
-                "integrity_ok": error is None, "integrity_error": error,
-                "num_running": engine.scheduler.num_running,
-                "num_waiting": engine.scheduler.num_waiting,
-            }
-
-        return JSONResponse(await state.engine.run_in_engine(read))
+        return JSONResponse(asdict(await state.engine.run_in_engine(pool_report)))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

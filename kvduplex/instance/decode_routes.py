@@ -6,7 +6,8 @@ routes took them only from a caller that sends it, `api._check_kv_params`: the
 params name peers to handshake with, and so to send the secret to, and where
 this turn's KV goes): it registers the push or pull of the prompt's
 KV (mode ``local``: decode computes the prompt over its own cache, a short
-append), and the duplex return of the finished turn (``return_to``, or
+append) with the push or pull flow's decode half, and has the return flow's
+decode half name where the finished turn goes (``return_to``, or
 ``return_mode: pull`` to keep it for the next turn's READ).
 
 Routes: ``POST /internal/push/cancel`` stops waiting for a push (the router:
@@ -32,6 +33,7 @@ from pydantic import BaseModel
 from pydantic import Field
 from pydantic import model_validator
 
+from kvduplex.common.config import ReturnMode
 from kvduplex.engine.request import RemoteKVSpec
 from kvduplex.instance.api import AdmitRefused
 from kvduplex.instance.api import APIError
@@ -46,9 +48,9 @@ from kvduplex.kvflow.pull import PullSpec
 from kvduplex.kvflow.pull_flow import PullDecodeSide
 from kvduplex.kvflow.push import PushDecodeSide
 from kvduplex.kvflow.push_decode import PushSpec
+from kvduplex.kvflow.return_flow import ReturnDecodeSide
+from kvduplex.kvflow.return_flow import ReturnTarget
 from kvduplex.kvflow.return_pull import RetainedTurnSide
-from kvduplex.kvflow.return_pull import RetainSpec
-from kvduplex.kvflow.returns import ReturnSpec
 from kvduplex.transport.handshake import PeerDirectory
 from kvduplex.transport.protocol import IncompatibleLayoutError
 
@@ -108,12 +110,12 @@ class DecodePreparer:
     """`InstanceState.prepare` of a decode instance: what a request's KV params ask for."""
 
     def __init__(
-        self, flows: DecodeFlows, push: PushDecodeSide, pull: PullDecodeSide,
+        self, returns: ReturnDecodeSide, push: PushDecodeSide, pull: PullDecodeSide,
         directory: PeerDirectory, release: Callable[[str, str], None],
     ) -> None:  # fmt: skip
-        """``push``, ``pull``: the push and pull flows' decode halves; ``release(prefill_url,
-        xid)`` ends a pull's lease on prefill (over HTTP)."""
-        self.flows = flows
+        """``returns``, ``push``, ``pull``: the return, push and pull flows' decode halves;
+        ``release(prefill_url, xid)`` ends a pull's lease on prefill (over HTTP)."""
+        self.returns = returns
         self.pull = pull
         self.directory = directory
         self.release = release
@@ -131,7 +133,11 @@ class DecodePreparer:
             raise APIError(400, f"kv_transfer_params: {exc}", param="kv_transfer_params") from None
         gen.mark_first_token = kv.mark_first_token
         if kv.session_id:
-            await self._prepare_return(kv, gen)
+            target = ReturnTarget(
+                kv.session_id, ReturnMode(kv.return_mode), kv.return_to, kv.return_engine_id,
+                kv.return_from_block, kv.return_max_tokens,
+            )  # fmt: skip
+            await self.returns.prepare(gen.request, target)
         if kv.mode == "local":
             return
         try:
@@ -164,26 +170,6 @@ class DecodePreparer:
             )))  # fmt: skip
         gen.request.remote_kv = RemoteKVSpec(kv.xid, source_engine_id=peer.engine_id)
 
-    async def _prepare_return(self, kv: KVTransferParams, gen: Generation) -> None:
-        assert kv.session_id is not None
-        if kv.return_mode == "pull":
-            gen.request.connector_meta = RetainSpec(kv.session_id)
-            gen.request.hold_blocks_on_finish = True
-            return
-        if kv.return_to is None:
-            return
-        try:
-            peer = await asyncio.to_thread(
-                self.directory.get_peer, kv.return_to, kv.return_engine_id
-            )
-        except Exception as exc:  # no return this turn: the next one recomputes
-            logger.warning("session %s: no connection to %s (%s)", kv.session_id, kv.return_to, exc)
-            return
-        gen.request.connector_meta = ReturnSpec(
-            kv.session_id, peer, kv.return_from_block, kv.return_max_tokens
-        )
-        gen.request.hold_blocks_on_finish = True
-
 
 def _refusing_duplicates(register: Callable[[], None]) -> Callable[[], None]:
     """``register`` as an ``on_admit`` whose duplicate xid refuses the request with 409."""
@@ -206,7 +192,8 @@ def make_decode_hooks(
     """Set `state.prepare` for pulls, pushes and returns (`release` ends a pull's lease on
     prefill, see `DecodePreparer`); return the decode-side routes."""
     push = PushDecodeSide(state.engine, flows.push)
-    state.prepare = DecodePreparer(flows, push, PullDecodeSide(flows.pull), directory, release)
+    returns = ReturnDecodeSide(flows.offerer, flows.retainer, directory.get_peer)
+    state.prepare = DecodePreparer(returns, push, PullDecodeSide(flows.pull), directory, release)
     router = APIRouter()
 
     @router.get("/internal/kv/pull/stats")
@@ -228,19 +215,17 @@ def make_decode_hooks(
 
     @router.get("/internal/kv/return/stats")
     async def return_stats() -> JSONResponse:
-        return JSONResponse(
-            {**asdict(flows.offerer.stats), "num_retained": flows.retainer.num_retained()}
-        )
+        return JSONResponse({**asdict(returns.stats()), "num_retained": returns.num_retained()})
 
     @router.get("/internal/kv/return/records")
     async def return_records() -> JSONResponse:
         """The recent returns by request id: blocks offered and sent, bytes, outcome."""
-        return JSONResponse(flows.offerer.records())
+        return JSONResponse(returns.records())
 
     @router.get("/internal/kv/flows")
     async def flow_tables() -> JSONResponse:
         """Each flow table's size, read on the engine thread (0 when nothing moves)."""
-        return JSONResponse(await state.engine.run_in_engine(lambda _e: flows.tables()))
+        return JSONResponse(await state.engine.run_in_engine(flows.read_tables))
 
     retained_turns = RetainedTurnSide(state.engine, flows.retainer)
 

@@ -9,6 +9,9 @@ Prefill:
   answers with the first token as soon as it is sampled (and its logprobs, when the
   request asks for them).
 * ``POST /internal/push/cancel`` stops a push (the router: decode refused it).
+* ``GET /internal/kv/{push,return}/stats`` count what moved (the duplex return's
+  offers, as `ReturnPrefillSide` answered them); ``GET /internal/kv/flows`` sizes
+  each flow table.
 
 With ``pull_from`` (``--return-mode pull``), the push prefill first READs
 the decode's retained turn blocks its prefix cache lacks. Decode's routes are
@@ -50,6 +53,7 @@ from kvduplex.kvflow.pull_flow import PullPrefillSide
 from kvduplex.kvflow.push import NoFirstToken
 from kvduplex.kvflow.push import PushCancelled
 from kvduplex.kvflow.push import PushPrefillSide
+from kvduplex.kvflow.return_flow import ReturnPrefillSide
 from kvduplex.kvflow.return_pull import RetainedReadSide
 from kvduplex.kvflow.return_pull import RetainedTurnRef
 from kvduplex.transport.base import Transport
@@ -236,7 +240,8 @@ def make_push_prefill_router(
 ) -> APIRouter:
     router = APIRouter()
     engine = state.engine
-    sender, acceptor = flows.sender, flows.acceptor
+    sender = flows.sender
+    returns = ReturnPrefillSide(flows.acceptor)
     prefill = PushPrefill(state, flows, directory)
     router.add_api_route("/internal/push/prefill", prefill, methods=["POST"])
 
@@ -252,12 +257,12 @@ def make_push_prefill_router(
 
     @router.get("/internal/kv/return/stats")
     async def return_stats() -> JSONResponse:
-        return JSONResponse(asdict(acceptor.stats))
+        return JSONResponse(asdict(returns.stats()))
 
     @router.get("/internal/kv/flows")
     async def flow_tables() -> JSONResponse:
         """Each flow table's size, read on the engine thread (0 when nothing moves)."""
-        return JSONResponse(await engine.run_in_engine(lambda _e: flows.tables()))
+        return JSONResponse(await engine.run_in_engine(flows.read_tables))
 
     return router
 

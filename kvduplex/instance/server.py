@@ -190,7 +190,7 @@ def _role_routers(
         )  # fmt: skip
         routers.append(make_prefill_router(state, transport, cfg.pull_lease_s, p.inbox))
         routers.append(make_push_prefill_router(state, p, directory))
-        state.drain.owed_checks.append(lambda _e: p.tables())
+        state.drain.owed_checks.append(p.read_tables)
         instance.closers += [p.sender.close, p.io.close]
     else:
         release = partial(http_release, secret=secret)
@@ -199,7 +199,7 @@ def _role_routers(
             release=release, reconnect=directory.reconnect, peer_gone=directory.is_gone,
         )  # fmt: skip
         routers.append(make_decode_hooks(state, d, directory, release))
-        state.drain.owed_checks.append(lambda _e: d.tables())
+        state.drain.owed_checks.append(d.read_tables)
         instance.closers += [d.pull.close, d.sender.close]
     pump.start()
     instance.closers += [pump.close, transport.close]

@@ -159,6 +159,11 @@ class PrefillFlows:
         """Every flow table's size (`tombstones` aside, all 0 on an idle instance)."""
         return {**self.sender.tables(), "receive_waits": self.receiver.num_waiting()}
 
+    def read_tables(self, _engine: object) -> dict[str, int]:
+        """`tables`, run by the engine thread for a caller elsewhere (``_engine``: the
+        engine that runs it; `AsyncEngine.run_in_engine`, a drain's owed checks)."""
+        return self.tables()
+
 
 @dataclass
 class DecodeFlows:
@@ -186,6 +191,11 @@ class DecodeFlows:
             "retained_turns": self.retainer.num_retained(),
             "retained_pins": self.retainer.num_pinned(),
         }
+
+    def read_tables(self, _engine: object) -> dict[str, int]:
+        """`tables`, run by the engine thread for a caller elsewhere (``_engine``: the
+        engine that runs it; `AsyncEngine.run_in_engine`, a drain's owed checks)."""
+        return self.tables()
 
 
 def _inbox_and_io(

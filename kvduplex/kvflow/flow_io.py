@@ -1,8 +1,9 @@
 """The flow I/O threads: messages and calls that may block, off the engine thread.
 
 The engine thread owns every flow's state and never waits on the network. What
-may block goes here as a typed request; a failure is logged (or, for
-`CheckSender`, its answer goes back to the flow inbox as `SenderChecked`).
+may block goes here as a typed request; a failure is logged (and, for
+`CheckSender`, its answer goes back to the flow inbox as `SenderChecked`,
+also when the check failed).
 Two threads carry the requests out, each in order, so that no HTTP call or
 handshake to one stuck peer can hold up a notification to another::
 
@@ -207,6 +208,10 @@ class FlowIO:
             return False
 
     def _check_sender(self, check: CheckSender) -> None:
+        """Answer ``check`` through the inbox, whatever fails on the way (logged): its wait
+        asks nothing more until the answer comes, so a lost answer would hold its
+        quarantined blocks until the sender itself spoke. A check that failed answers
+        "not gone": the wait asks again after its next quarantine."""
         xid, peer = check.xid, check.peer
         engine_id = peer.engine_id
         try:
@@ -214,13 +219,17 @@ class FlowIO:
         except Exception:
             logger.exception("xid=%s: cannot tell whether %s is gone", xid, engine_id)
             gone = False
-        if not gone:
-            if not self.transport.is_connected(engine_id) and check.reconnect is not None:
-                peer = check.reconnect(engine_id) or peer
-            logger.warning("xid=%s: quarantined blocks unconfirmed; asking %s again",
-                           xid, engine_id)  # fmt: skip
-            self._try_send(peer, KVCancel(xid, "still waiting for confirmation"), logging.INFO)
-        self.inbox.put(SenderChecked(xid, gone, check.to))
+        try:
+            if not gone:
+                if not self.transport.is_connected(engine_id) and check.reconnect is not None:
+                    peer = check.reconnect(engine_id) or peer
+                logger.warning("xid=%s: quarantined blocks unconfirmed; asking %s again",
+                               xid, engine_id)  # fmt: skip
+                self._try_send(peer, KVCancel(xid, "still waiting for confirmation"), logging.INFO)
+        except Exception:
+            logger.exception("xid=%s: cannot ask %s again", xid, engine_id)
+        finally:
+            self.inbox.put(SenderChecked(xid, gone, check.to))
 
 
 __all__ = [

@@ -28,6 +28,9 @@ last full block whose KV decode computed, or earlier where the request's
 ``max_tokens`` says (the router's limit: a reasoning the client will strip
 is never hit, so never sent). Prefill answers with the first
 offered block it lacks, so what it has is never sent again.
+
+The routes reach this machinery only through the flow's facade,
+`return_flow` (its decode and prefill halves side by side).
 """
 
 from __future__ import annotations

@@ -104,3 +104,20 @@ def test_a_failed_send_is_sent_again_over_a_fresh_connection() -> None:
     io = FlowIO(cast(Any, transport), FlowInbox(), reconnect=lambda _e: fresh)
     io.carry_out(Notify(_peer("p2"), KVFailed("x2", "gone"), reconnect=True))
     assert [e for e, _ in transport.sent] == ["p2-again"]
+
+
+def test_a_sender_check_that_fails_is_answered_all_the_same() -> None:
+    """A wait asks its sender nothing more until the check's answer comes: a check that
+    fails on the way (here, the reconnect) still answers, "not gone"."""
+    transport = _Transport(down={"p2"})
+    inbox = FlowInbox()
+    answers: list[tuple[str, bool]] = []
+    target = SimpleNamespace(on_sender_checked=lambda xid, gone, _now: answers.append((xid, gone)))
+
+    def reconnect(engine_id: str) -> Any:
+        raise RuntimeError(f"no route to {engine_id}")
+
+    io = FlowIO(cast(Any, transport), inbox)
+    io.carry_out(CheckSender("x2", _peer("p2"), cast(Any, target), lambda _e: False, reconnect))
+    inbox.drain()
+    assert answers == [("x2", False)]
