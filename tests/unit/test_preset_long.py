@@ -63,7 +63,7 @@ def hf(ours: LoadedModel) -> Any:
         for name, param in model.named_parameters():
             target = hf_weight_target(name, ours.config)
             assert target is not None, name
-            src = params[target[0]]
+            src: torch.Tensor = params[target[0]]
             if target[1] is not None:
                 start, end = fused_shard_rows(target[0], target[1], ours.config)
                 src = src[start:end]
