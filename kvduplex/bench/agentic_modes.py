@@ -140,6 +140,9 @@ def start_deployment(
     serve = ["serve", "--model", model, "--num-threads", "1", "--kv-cache-mb", str(kv_cache_mb)]
     serve += ["--log-level", "warning", "--kv-wait-timeout-s", "120", "--transfer-timeout-s", "120"]
     serve += ["--pull-lease-s", "300"]
+    # A CPU step that prefills a chunk deep into a long context (the coding-agent shape on
+    # `long`) takes seconds, beyond the default stall limit: keep it below the KV wait.
+    serve += ["--engine-stall-timeout-s", "60"]
     cpus = sorted(os.sched_getaffinity(0))
     p_cpu, d_cpu = [cpus[0]], [cpus[-1]]
     dep = Deployment()
