@@ -4,6 +4,8 @@
     .venv/bin/python benchmarks/bench_agentic.py --quick          # smoke run on tiny
     .venv/bin/python benchmarks/bench_agentic.py --modes colocated,push,push+duplex --shapes reasoning
     .venv/bin/python benchmarks/bench_agentic.py --url http://127.0.0.1:8000 --label other-system
+    .venv/bin/python benchmarks/bench_agentic.py --model long --shapes coding_agent --length-scale 0.1 \
+        --kv-cache-mb 128 --oversubscription 2          # sessions whose KV is 2x P's pool
 
 Also reachable as ``kvduplex bench --workload agentic``. Writes
 results/agentic-<model>.json, .md and .png (see `kvduplex.bench.agentic_cli`).

@@ -10,6 +10,8 @@ plan, KV counters, command line, commit, machine), .md and .png.
     kvduplex bench --workload agentic                        # every mode, small preset
     kvduplex bench --workload agentic --quick                # smoke run on tiny
     kvduplex bench --workload agentic --url http://127.0.0.1:8000 --shapes reasoning
+    kvduplex bench --workload agentic --model long --shapes coding_agent --length-scale 0.1 \
+        --kv-cache-mb 128 --oversubscription 2     # sessions whose KV is 2x P's pool
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ from __future__ import annotations
 import asyncio
 import tempfile
 from dataclasses import asdict
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 from typing import ClassVar
 from typing import Literal
 
+from kvduplex.bench import agentic_by_turn as by_turn
 from kvduplex.bench import agentic_floors as floors
 from kvduplex.bench import agentic_report as report
 from kvduplex.bench.agentic import check_tools_accepted
@@ -38,15 +42,24 @@ from kvduplex.bench.agentic_modes import kv_bytes_per_token
 from kvduplex.bench.agentic_modes import kv_cache_mb_for
 from kvduplex.bench.agentic_modes import modes_named
 from kvduplex.bench.agentic_modes import start_deployment
+from kvduplex.bench.agentic_sizing import endpoint_pool_tokens
+from kvduplex.bench.agentic_sizing import max_session_tokens
+from kvduplex.bench.agentic_sizing import oversubscribe
+from kvduplex.bench.agentic_sizing import pool_tokens_for_mb
+from kvduplex.bench.agentic_sizing import session_tokens
 from kvduplex.bench.conversation import AGENT_SERVER_FLAGS
 from kvduplex.bench.conversation import PromptForm
 from kvduplex.bench.kvmetrics import Instance
 from kvduplex.bench.kvmetrics import instance_role
 from kvduplex.bench.results import provenance
 from kvduplex.bench.results import write_results
+from kvduplex.bench.workload import Shape
 from kvduplex.bench.workload import WorkloadConfig
+from kvduplex.bench.workload import describe
+from kvduplex.bench.workload import max_turns
 from kvduplex.bench.workload import plan_sessions
 from kvduplex.bench.workload import shape_named
+from kvduplex.bench.workload import system_tokens_of
 from kvduplex.cluster import LocalCluster
 from kvduplex.common.engine_config import CacheConfig
 from kvduplex.common.presets import PRESETS
@@ -70,19 +83,26 @@ class AgenticBenchSettings(ProcessSettings):
     workload: Literal["agentic"] = "agentic"
     """serving (single-turn) or agentic (multi-turn sessions); each takes its own flags."""
     shapes: str = "agentic,reasoning"
-    """agentic, reasoning, or both."""
+    """agentic, reasoning, coding_agent, or several (commas)."""
     sessions: int = _WORKLOAD.num_sessions
     """Concurrent sessions."""
+    oversubscription: float = 0.0
+    """Instead of --sessions: as many sessions as make their KV (the system prompt once,
+    each session's history at its last turn) this many times what prefill's pool holds,
+    e.g. 1, 2 or 4 (0: --sessions)."""
+    pool_tokens: int = 0
+    """--oversubscription with --url: the prefill pool's size in tokens (0: read from the
+    first prefill or colocated instance of --metrics-url, else the endpoint's /metrics)."""
     turns: int = _WORKLOAD.num_turns
-    """Turns per session."""
+    """Turns per session (coding_agent draws 20-40 per session unless given)."""
     system_tokens: int = _WORKLOAD.system_tokens
-    """Shared system prompt, in tokens."""
+    """Shared system prompt, in tokens (coding_agent draws 8k-16k unless given)."""
     think_min: float = _WORKLOAD.think_time_s[0]
-    """Shortest think time before a turn, in seconds."""
+    """Shortest think time before a turn, in seconds (coding_agent: 2, unless given)."""
     think_max: float = _WORKLOAD.think_time_s[1]
-    """Longest think time before a turn, in seconds."""
+    """Longest think time before a turn, in seconds (coding_agent: 30, unless given)."""
     length_scale: float = 1.0
-    """Scales inputs and answers."""
+    """Scales inputs and answers (and a shape's own system prompt range)."""
     form: PromptForm = PromptForm.TOKENS
     """Token-id prompts (/v1/completions), chat messages, or an agent's chat (forced tool
     calls sent back as received, free answers sent back without their reasoning; the
@@ -113,7 +133,8 @@ class AgenticBenchSettings(ProcessSettings):
     modes: str = ",".join(n for n in MODE_NAMES if not n.endswith("-noplan"))
     """Local modes to run (also push-noplan and push+duplex-noplan: the router's plans off)."""
     kv_cache_mb: int = 0
-    """Per instance; 0 sizes it from the workload."""
+    """Per instance; 0 sizes it from the workload (with --oversubscription: the instances'
+    default pool)."""
     prefill_kv_cache_mb: int = 0
     """The prefill instances' pool alone (0: --kv-cache-mb): a prefill pool smaller than
     the sessions' KV, decode's holding it all."""
@@ -132,36 +153,36 @@ class AgenticBenchSettings(ProcessSettings):
 
 
 def workload_configs(args: AgenticBenchSettings) -> list[WorkloadConfig]:
-    """One config per shape, from the flags (``--quick`` overrides them)."""
+    """One config per shape, from the flags (``--quick`` overrides them). A shape's own
+    ranges (turns, think time, system prompt) give way to the flags given for them."""
     sessions, turns, system = args.sessions, args.turns, args.system_tokens
     think, scale = (args.think_min, args.think_max), args.length_scale
+    given = set(args.model_fields_set)
     if args.quick:
         sessions, turns, system, think, scale = 2, 3, 128, (0.0, 0.0), 0.1
-    return [
-        WorkloadConfig(
-            shape=shape_named(name.strip()).scaled(scale, scale),
-            num_sessions=sessions,
-            num_turns=turns,
-            system_tokens=system,
-            think_time_s=think,
-            seed=args.seed,
-        )
-        for name in args.shapes.split(",")
-        if name.strip()
-    ]
+        given |= {"turns", "system_tokens", "think_min"}
+    configs = []
+    for name in args.shapes.split(","):
+        if not name.strip():
+            continue
+        shape = _flags_over_shape(shape_named(name.strip()).scaled(scale, scale, scale), given)
+        drawn = system_tokens_of(shape, args.seed)
+        configs.append(WorkloadConfig(
+            shape=shape, num_sessions=sessions, num_turns=turns,
+            system_tokens=system if drawn is None else drawn, think_time_s=think, seed=args.seed,
+        ))  # fmt: skip
+    return configs
 
 
-def _session_tokens(config: WorkloadConfig) -> list[int]:
-    """Context each session of `config` needs at its last turn (prompt and answer)."""
-    return [
-        config.system_tokens + sum(t.input_tokens + t.answer_tokens for t in p.turns)
-        for p in plan_sessions(config)
-    ]
-
-
-def max_session_tokens(config: WorkloadConfig) -> int:
-    """Context the longest session of `config` needs at its last turn."""
-    return max(_session_tokens(config))
+def _flags_over_shape(shape: Shape, given: set[str]) -> Shape:
+    """`shape` without the ranges whose flags were given (the workload's values then hold)."""
+    if "turns" in given:
+        shape = replace(shape, turns=None)
+    if given & {"think_min", "think_max"}:
+        shape = replace(shape, think_s=None)
+    if "system_tokens" in given:
+        shape = replace(shape, system_tokens=None)
+    return shape
 
 
 def _fit_local(args: AgenticBenchSettings, model: str, num_modes: int,
@@ -182,16 +203,15 @@ def _fit_local(args: AgenticBenchSettings, model: str, num_modes: int,
 
 
 def _run_local(args: AgenticBenchSettings, model: str, modes: list[ModeSpec],
-               configs: list[WorkloadConfig], notes: list[str],
-               meta: dict[str, Any]) -> tuple[Runs, dict[str, bool]]:  # fmt: skip
-    """Start the local deployment, run `modes` interleaved, stop it; (runs, disaggregated per mode)."""
+               configs: list[WorkloadConfig], notes: list[str], meta: dict[str, Any],
+               kv_mb: int) -> tuple[Runs, dict[str, bool]]:  # fmt: skip
+    """Start the local deployment (pools of `kv_mb` MiB; 0: sized from the workload), run
+    `modes` interleaved, stop it; (runs, disaggregated per mode)."""
     # every session of the largest shape at its last turn
-    in_flight = max(sum(_session_tokens(c)) for c in configs)
-    kv_mb = args.kv_cache_mb or kv_cache_mb_for(model, in_flight)
+    in_flight = max(sum(session_tokens(c)) for c in configs)
+    kv_mb = kv_mb or kv_cache_mb_for(model, in_flight)
     p_kv_mb = args.prefill_kv_cache_mb or kv_mb
-    pools = (
-        f"{kv_mb} MiB per instance" if p_kv_mb == kv_mb else f"{kv_mb} MiB, prefill {p_kv_mb} MiB"
-    )
+    pools = f"{kv_mb} MiB per instance" if p_kv_mb == kv_mb else f"{kv_mb} MiB, prefill {p_kv_mb} MiB"
     notes.append(f"model {model}, KV pool {pools}")
     for n in notes:
         _echo(n)
@@ -199,14 +219,9 @@ def _run_local(args: AgenticBenchSettings, model: str, modes: list[ModeSpec],
     with LocalCluster(log_dir=log_dir, env={"OMP_NUM_THREADS": "1"}) as cluster:
         parsing = AGENT_SERVER_FLAGS if args.form is PromptForm.AGENT else ()
         dep = start_deployment(
-            cluster,
-            modes,
-            model=model,
-            kv_cache_mb=kv_mb,
-            echo=_echo,
-            parsing_flags=parsing,
+            cluster, modes, model=model, kv_cache_mb=kv_mb, echo=_echo, parsing_flags=parsing,
             prefill_kv_cache_mb=p_kv_mb,
-        )
+        )  # fmt: skip
         endpoints = [
             Endpoint(m.name, dep.fronts[m.name], m.disaggregated, tuple(dep.instances[m.name]))
             for m in modes
@@ -239,7 +254,7 @@ def _check_context(
     if not isinstance(limit, int):
         return
     # chat templates add a few tokens per message; the token-id form adds none
-    overhead = 16 * 2 * max(c.num_turns for c in configs) if form.is_chat else 0
+    overhead = 16 * 2 * max(max_turns(c) for c in configs) if form.is_chat else 0
     need = max(max_session_tokens(c) for c in configs) + overhead
     if need > limit:
         raise ValueError(
@@ -255,9 +270,7 @@ def _sends_tools(args: AgenticBenchSettings) -> bool:
 def _require_tools(url: str, model: str) -> None:
     refusal = asyncio.run(check_tools_accepted(url, model))
     if refusal is not None:
-        raise ValueError(
-            f"{url} refuses chat requests with tools ({refusal}); rerun with --chat-plain"
-        )
+        raise ValueError(f"{url} refuses chat requests with tools ({refusal}); rerun with --chat-plain")
 
 
 def _run_url(args: AgenticBenchSettings, configs: list[WorkloadConfig], notes: list[str],
@@ -297,12 +310,21 @@ def main(args: AgenticBenchSettings) -> dict[str, Any]:
     notes: list[str] = []
     meta: dict[str, Any] = {}
     if args.url:
+        if args.oversubscription:
+            pool = endpoint_pool_tokens(args.pool_tokens, args.url, args.metrics_url)
+            configs = oversubscribe(configs, args.oversubscription, pool, notes)
         runs, disagg = _run_url(args, configs, notes, meta)
     else:
         model = args.model or ("tiny" if args.quick else "small")
         modes = modes_named([m.strip() for m in args.modes.split(",") if m.strip()])
         configs = _fit_local(args, model, len(modes), configs, notes)
-        runs, disagg = _run_local(args, model, modes, configs, notes, meta)
+        kv_mb = args.kv_cache_mb
+        if args.oversubscription:
+            kv_mb = kv_mb or CacheConfig().kv_cache_mb
+            p_mb = args.prefill_kv_cache_mb or kv_mb  # sized against prefill's pool
+            pool = pool_tokens_for_mb(p_mb, kv_bytes_per_token(model), CacheConfig().block_size)
+            configs = oversubscribe(configs, args.oversubscription, pool, notes)
+        runs, disagg = _run_local(args, model, modes, configs, notes, meta, kv_mb)
     notes.insert(0, _workload_note(configs, args))
     turns = report.per_turn(runs.records, disagg)
     summ = report.summary(runs.records, disagg)
@@ -314,9 +336,10 @@ def main(args: AgenticBenchSettings) -> dict[str, Any]:
         bounds = report.block_bounds(runs.records, bytes_per_block, block_size)
     engine = floors.engine_times(runs.records, runs.runs)
     load = floors.decode_loads(runs.records)
-    table = report.markdown(
-        turns, summ, ratio, runs.kv, notes, bounds, floors.floor_lines(engine, load)
-    )
+    sources = by_turn.source_rows(runs.records, runs.runs)
+    sections = by_turn.source_lines(sources) + by_turn.by_turn_lines(turns)
+    table = report.markdown(turns, summ, ratio, runs.kv, notes, bounds,
+                            floors.floor_lines(engine, load), sections)
     name = args.name or "agentic-" + (args.label if args.url else meta["model"])
     name += "-quick" if args.quick and not args.name else ""
     result = {
@@ -330,6 +353,7 @@ def main(args: AgenticBenchSettings) -> dict[str, Any]:
         "block_bounds": [asdict(b) for b in bounds], "engine_times": [asdict(e) for e in engine],
         "engine_ratios": floors.engine_ratios(engine),
         "decode_loads": [asdict(x) for x in load], "load_ratios": floors.load_ratios(load),
+        "prompt_sources": [asdict(x) for x in sources],
         "records": [_record(r) for r in runs.records],
     }  # fmt: skip
     directory = Path(args.results_dir)
@@ -344,15 +368,8 @@ def main(args: AgenticBenchSettings) -> dict[str, Any]:
 
 
 def _workload_note(configs: list[WorkloadConfig], args: AgenticBenchSettings) -> str:
-    c = configs[0]
-    shapes = "; ".join(
-        f"{x.shape.name}: inputs {x.shape.input_tokens[0]}-{x.shape.input_tokens[1]}, "
-        f"answers {x.shape.answer_tokens[0]}-{x.shape.answer_tokens[1]} tokens"
-        for x in configs
-    )
     return (
-        f"{c.num_sessions} sessions x {c.num_turns} turns, system prompt {c.system_tokens} tokens, "
-        f"think {c.think_time_s[0]:g}-{c.think_time_s[1]:g} s, {args.form.value} form"
-        f"{' (plain chat)' if args.chat_plain else ''}, seed {c.seed}, "
-        f"{args.repetitions} repetition(s); {shapes}"
+        f"{args.form.value} form{' (plain chat)' if args.chat_plain else ''}, seed "
+        f"{configs[0].seed}, {args.repetitions} repetition(s); "
+        + "; ".join(describe(c) for c in configs)
     )

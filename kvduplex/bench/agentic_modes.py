@@ -63,9 +63,10 @@ MODES: tuple[ModeSpec, ...] = (
     # (the router's plans off): what the plans are measured against.
     ModeSpec("push-noplan", "push", ("--return-mode", "none", "--no-plan-by-residency")),
     ModeSpec(
-        "push+duplex-noplan", "push",
+        "push+duplex-noplan",
+        "push",
         ("--return-mode", "push", "--no-plan-by-residency", "--no-return-only-if-kept"),
-    ),  # fmt: skip
+    ),
     ModeSpec("2p1d-push", "push", default_flags=("--return-mode", "none"), num_prefill=2),
     ModeSpec("2p1d-push+duplex", "push", ("--return-mode", "push"), num_prefill=2),
 )
@@ -151,6 +152,9 @@ def start_deployment(
     serve = ["serve", "--model", model, "--num-threads", "1", "--kv-cache-mb", str(kv_cache_mb)]
     serve += ["--log-level", "warning", "--kv-wait-timeout-s", "120", "--transfer-timeout-s", "120"]
     serve += ["--pull-lease-s", "300"]
+    # A CPU step that prefills a chunk deep into a long context (the coding-agent shape on
+    # `long`) takes seconds, beyond the default stall limit: keep it below the KV wait.
+    serve += ["--engine-stall-timeout-s", "60"]
     cpus = sorted(os.sched_getaffinity(0))
     p_cpu, d_cpu = [cpus[0]], [cpus[-1]]
     dep = Deployment()

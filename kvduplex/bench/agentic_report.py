@@ -327,9 +327,11 @@ def markdown(
     notes: list[str],
     bounds: list[BlockBound] | None = None,
     floors: list[str] | None = None,
+    sections: list[str] | None = None,
 ) -> str:
     """The whole report as Markdown: notes, summary, ratios, `floors` (Markdown lines from
-    `agentic_floors.floor_lines`), KV moved, per-turn rows."""
+    `agentic_floors.floor_lines`), KV moved, `sections` (Markdown lines, e.g. from
+    `agentic_by_turn`), per-turn rows."""
     lines = [f"- {n}" for n in notes]
     lines += ["", f"Summary over turns >= {SUMMARY_MIN_TURN} (ms, tokens per request):", ""]
     lines += stats_table(summ)
@@ -343,6 +345,7 @@ def markdown(
     if bounds:
         lines += ["", "Blocks moved per turn against their bound (turns >= 1):", ""]
         lines += bounds_table(bounds)
+    lines += sections or []
     lines += ["", "Per turn index:", "", *stats_table(turns)]
     return "\n".join(lines)
 
@@ -357,7 +360,8 @@ def ratio_lines(ratio: dict[str, dict[str, float]]) -> list[str]:
 
 
 def plot_ttft(turns: list[Stats], path: Path) -> Path | None:
-    """PNG of TTFT p50 by turn index, one line per mode, one panel per shape.
+    """PNG of TTFT by turn index, one line per mode (p50 solid, p90 dashed), one panel per
+    shape.
 
     None (and no file) when matplotlib is not installed.
     """
@@ -373,15 +377,16 @@ def plot_ttft(turns: list[Stats], path: Path) -> Path | None:
     fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4), squeeze=False)
     for ax, shape in zip(axes[0], shapes, strict=True):
         for mode in dict.fromkeys(s.mode for s in turns if s.shape == shape):
-            pts = [(int(s.turn), s.ttft_p50_ms) for s in turns
+            pts = [(int(s.turn), s.ttft_p50_ms, s.ttft_p90_ms) for s in turns
                    if s.shape == shape and s.mode == mode and s.ttft_p50_ms is not None]  # fmt: skip
             if pts:
-                xs, ys = zip(*pts, strict=True)
-                ax.plot(xs, ys, marker="o", label=mode)
-        ax.set_title(f"{shape}: TTFT p50 by turn")
+                xs, p50, p90 = zip(*pts, strict=True)
+                (line,) = ax.plot(xs, p50, marker="o", label=mode)
+                ax.plot(xs, p90, linestyle="--", linewidth=0.8, color=line.get_color())
+        ax.set_title(f"{shape}: TTFT p50 (p90 dashed) by turn")
         ax.set_xlabel("turn index")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_ylabel("TTFT p50 (ms)")
+        ax.set_ylabel("TTFT (ms)")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small")
     fig.tight_layout()

@@ -7,7 +7,7 @@ the server computed, so a prefix cache (or KV returned by decode) can cover all
 of it but the new input.
 
 Chat form (``/v1/chat/completions``): system, then user / assistant / tool
-messages. In the agentic shape an answer becomes an assistant message with a
+messages. In the agentic shapes an answer becomes an assistant message with a
 ``tool_calls`` entry (content null) followed by a ``tool`` message carrying the
 next input, and the request lists the tool; ``plain`` turns those into
 assistant text and user messages for servers that refuse tools. The server
@@ -53,6 +53,9 @@ class PromptForm(enum.Enum):
 
 
 TOOL_NAME = "run_shell"
+
+TOOL_CALL_SHAPES = frozenset({"agentic", "coding_agent"})
+"""Shapes whose answers are tool calls and inputs tool results in chat form."""
 
 AGENT_SERVER_FLAGS = ("--reasoning-parser", "deepseek_r1")
 """What the agent form needs of the server (router, or colocated instance)."""
@@ -234,10 +237,11 @@ class AgentConversation(ChatConversation):
 def new_conversation(
     form: PromptForm, model: str, session: str, system: str, *, shape: str, chat_plain: bool
 ) -> Conversation:
-    """The history of one session in `form`; tools only in the agentic shape, unless plain
-    (the agent form always has them)."""
+    """The history of one session in `form`; tools only in the shapes of `TOOL_CALL_SHAPES`,
+    unless plain (the agent form always has them)."""
     if form is PromptForm.TOKENS:
         return TokenConversation(model, session, system)
     if form is PromptForm.AGENT:
         return AgentConversation(model, session, system)
-    return ChatConversation(model, session, system, use_tools=shape == "agentic" and not chat_plain)
+    use_tools = shape in TOOL_CALL_SHAPES and not chat_plain
+    return ChatConversation(model, session, system, use_tools=use_tools)

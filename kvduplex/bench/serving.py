@@ -98,7 +98,7 @@ class ServingBenchSettings(ProcessSettings):
     """serving (single-turn) or agentic (multi-turn sessions); each takes its own flags:
     kvduplex bench --workload agentic --help."""
     model: str = "small"
-    """Preset (small, kv-heavy, tiny)."""
+    """Preset (small, kv-heavy, tiny, long)."""
     prompt_lens: IntList = (512, 2048)
     """Prompt lengths, in tokens."""
     max_tokens: int = 64

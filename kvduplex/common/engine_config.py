@@ -198,7 +198,7 @@ class ModelLoadConfig(ConfigSection):
     """Which model to serve and how."""
 
     model: str = "tiny"
-    """A built-in preset name (tiny, small, kv-heavy) or a local Hugging Face folder."""
+    """A built-in preset name (tiny, small, kv-heavy, long) or a local Hugging Face folder."""
     dtype: str = "auto"
     """float32, bfloat16 or auto (float32 on CPU, bfloat16 on CUDA)."""
     device: str = "auto"

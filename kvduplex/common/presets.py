@@ -5,6 +5,9 @@ tiny       4 layers, hidden 128, 4 heads / 2 KV heads: a few MB, for tests
 small      shaped like SmolLM-135M (30 layers, hidden 576, 9 heads / 3 KV heads)
 kv-heavy   16 layers of full MHA with 16 heads x 128 but hidden 512: KV bytes
            per token are large relative to compute (transfer benchmarks)
+long       shaped like Llama-3.2-1B at half its depth and a quarter of its width
+           (8 layers, hidden 512, 8 heads / 2 KV heads of 64, llama3 RoPE scaled
+           from 8k to 128k positions): long agentic contexts on CPU
 =========  ===================================================================
 
 All use the built-in byte tokenizer, so their bos/eos ids are its special ids.
@@ -17,8 +20,14 @@ from __future__ import annotations
 from kvduplex.common.model_config import DecoderConfig
 from kvduplex.common.tokenizer import ByteTokenizer
 
+_LLAMA3_ROPE: tuple[tuple[str, float], ...] = (
+    ("factor", 32.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
+    ("original_max_position_embeddings", 8192.0),
+)  # fmt: skip
+"""Llama 3.2's RoPE scaling: trained at 8k positions, stretched 32x."""
 
-def _preset(**kwargs: int | float | bool | str) -> DecoderConfig:
+
+def _preset(**kwargs: object) -> DecoderConfig:
     return DecoderConfig(
         architecture="llama",
         bos_token_id=ByteTokenizer.BOS_ID,
@@ -41,6 +50,12 @@ PRESETS: dict[str, DecoderConfig] = {
         hidden_size=512, intermediate_size=1024, num_layers=16, num_heads=16, num_kv_heads=16,
         head_dim=128, vocab_size=32768, max_position_embeddings=8192, rope_theta=500000.0,
         rms_norm_eps=1e-5, tie_word_embeddings=True,
+    ),
+    "long": _preset(
+        hidden_size=512, intermediate_size=2048, num_layers=8, num_heads=8, num_kv_heads=2,
+        head_dim=64, vocab_size=32768, max_position_embeddings=131072, rope_theta=500000.0,
+        rope_type="llama3", rope_scaling=_LLAMA3_ROPE, rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
     ),
 }
 

@@ -1,5 +1,6 @@
 """The multi-turn agentic benchmark's quick workload against a real tiny instance (``--url``),
-in its default form, and in the agent form against one with a reasoning parser."""
+in its default form, and in the agent form against one with a reasoning parser; the
+coding-agent shape, scaled down and sized from the instance's pool."""
 
 from __future__ import annotations
 
@@ -57,6 +58,44 @@ def test_quick_workload_against_an_endpoint(instance: Process, tmp_path: Path) -
             assert all(r["result"]["completion_tokens"] == r["max_tokens"] for r in turns)
             # the warm-up session cached the shared system prompt (128 tokens, 8 blocks)
             assert all(r["result"]["cached_tokens"] >= 128 for r in turns)
+
+
+def test_coding_agent_shape_sized_to_the_instances_pool(instance: Process, tmp_path: Path) -> None:
+    """Tool outputs and answers at 1% of their size, 20-40 turns, sessions whose KV is half
+    of the instance's pool (256 blocks of 16: 4,096 tokens, read from its /metrics)."""
+    cmd = [sys.executable, "-m", "kvduplex", "bench", "--workload", "agentic",
+           "--shapes", "coding_agent", "--length-scale", "0.01", "--oversubscription", "0.5",
+           "--think-min", "0", "--think-max", "0", "--url", instance.url,
+           "--metrics-url", instance.url, "--no-progress", "--results-dir", str(tmp_path),
+           "--name", "coding"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((tmp_path / "coding.json").read_text())
+    (workload,) = result["workloads"]
+    assert workload["shape"]["turns"] == [20, 40] and 80 <= workload["system_tokens"] <= 160
+    plans = result["plans"]["coding_agent"]
+    histories = [sum(t["input_tokens"] + t["answer_tokens"] for t in p["turns"]) for p in plans]
+    kv = workload["system_tokens"] + sum(histories)
+    assert kv >= 2048 > kv - histories[-1]  # the fewest sessions holding half the pool
+    assert any("prefill pool's 4096 tokens" in n for n in result["notes"])
+
+    records = result["records"]
+    assert len(records) == sum(len(p["turns"]) for p in plans)
+    assert all(r["result"]["ok"] for r in records), [r["result"]["error"] for r in records]
+    for plan in plans:
+        assert 20 <= len(plan["turns"]) <= 40
+        turns = sorted((r for r in records if r["session"] == plan["index"]), key=lambda r: r["turn"])
+        for prev, cur in itertools.pairwise(turns):
+            grown = prev["result"]["prompt_tokens"] + prev["result"]["completion_tokens"]
+            assert cur["result"]["prompt_tokens"] == grown + cur["input_tokens"]
+    (sources,) = result["prompt_sources"]
+    assert sources["role"] == "both" and sources["requests"] == len(records)
+    tokens = sources["tokens"]
+    mean_prompt = sum(r["result"]["prompt_tokens"] for r in records) / len(records)
+    assert tokens["local_cache_hit"] > tokens["local_compute"] > 0  # the history is cached
+    assert tokens["local_cache_hit"] + tokens["local_compute"] == pytest.approx(mean_prompt, rel=0.05)
+    text = (tmp_path / "coding.md").read_text()
+    assert "By turn (coding_agent" in text and "Prompt tokens by source" in text
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
+from dataclasses import asdict
 from dataclasses import replace
 
 import pytest
@@ -169,3 +171,24 @@ def test_seeded_text_has_exactly_the_asked_length() -> None:
     for n in range(1, 400):
         text = seeded_text(rng, n)
         assert len(text) == len(text_ids(text)) == n
+
+
+def _digest(config: WorkloadConfig) -> str:
+    plans = plan_sessions(config)
+    data = {"plans": [asdict(p) for p in plans], "system": system_prompt(config),
+            "texts": [input_texts(config, p, "push-r0") for p in plans]}  # fmt: skip
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        (WorkloadConfig(shape=AGENTIC, seed=0),
+         "e616205b6820b8925d4f241910906ac1496532fd769e65cbb3014b38ef2feb66"),
+        (WorkloadConfig(shape=REASONING.scaled(0.4, 0.4), seed=7, num_sessions=3, num_turns=5),
+         "791e7913fc6a35922db628fce14f48fd55f277d79c5a5fb380e3e9a822a09f56"),
+    ],
+)  # fmt: skip
+def test_the_shapes_plans_and_texts_stay_what_they_were(config: WorkloadConfig, expected: str) -> None:
+    """Results of earlier runs compare with new ones only while a seed plans the same work."""
+    assert _digest(config) == expected
