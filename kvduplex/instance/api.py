@@ -222,11 +222,15 @@ class InstanceState:
 
 
 def kv_clock(core: LLMEngine) -> dict[str, int]:
-    """The pool's size and clock (`BlockPool.num_allocated`), by which the router tells
-    whether a session's blocks are likely still cached here. Read off the engine thread:
-    two ints, at most one step old, a hint and never a decision that needs them exact."""
+    """The cache's size and clock (`BlockPool.num_allocated`), by which the router tells
+    whether a session's blocks are likely still cached here. The size counts the KV tier's
+    blocks too: every block the pool evicts goes down to the tier, so a block stays here,
+    in the pool or the tier, for about pool + tier blocks allocated since it was last
+    used. Read off the engine thread: ints at most one step old, a hint and never a
+    decision that needs them exact."""
     pool = core.block_pool
-    return {"kv_num_blocks": pool.num_blocks, "kv_blocks_allocated": pool.num_allocated}
+    num_blocks = pool.num_blocks + (core.kv_tier.tier.num_slots if core.kv_tier else 0)
+    return {"kv_num_blocks": num_blocks, "kv_blocks_allocated": pool.num_allocated}
 
 
 def create_app(state: InstanceState, extra_routers: Sequence[APIRouter] = ()) -> FastAPI:

@@ -29,6 +29,7 @@ from kvduplex.engine.kv_tier import HEADER_BYTES
 from kvduplex.engine.kv_tier_file import FileTier
 from kvduplex.engine.metrics import EngineMetrics
 from kvduplex.engine.request import Request
+from kvduplex.instance.api import kv_clock
 from kvduplex.instance.config import ServerConfig
 from kvduplex.instance.server import build_instance
 from kvduplex.model.loader import LoadedModel
@@ -278,3 +279,18 @@ def test_an_instance_serves_its_tier_metrics_and_closes_it(tmp_path: Path) -> No
     finally:
         instance.shutdown()
     assert instance.engine.block_pool.on_evict is None  # closed with the instance
+
+
+def test_the_cache_size_the_router_reads_counts_the_tier(tiny: LoadedModel) -> None:
+    plain, tiered = make_engine(tiny, KVTierKind.NONE), make_engine(tiny, KVTierKind.HOST)
+    try:
+        assert kv_clock(plain)["kv_num_blocks"] == plain.block_pool.num_blocks
+        assert tiered.kv_tier is not None
+        want = tiered.block_pool.num_blocks + tiered.kv_tier.tier.num_slots
+        assert kv_clock(tiered)["kv_num_blocks"] == want
+        run_one(tiered, "r", list(range(1, 40)))
+        assert kv_clock(tiered)["kv_blocks_allocated"] == tiered.block_pool.num_allocated > 0
+    finally:
+        for engine in (plain, tiered):
+            if engine.kv_tier is not None:
+                engine.kv_tier.close()
