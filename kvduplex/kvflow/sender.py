@@ -70,6 +70,7 @@ from kvduplex.kvflow.flow_io import NotifyEngine
 from kvduplex.kvflow.flow_io import TearDownEndpoint
 from kvduplex.kvflow.half import FlowHalf
 from kvduplex.kvflow.inbox import FlowInbox
+from kvduplex.kvflow.inbox import Granularity
 from kvduplex.kvflow.machines.actions import AcquireBlocks
 from kvduplex.kvflow.machines.actions import Log
 from kvduplex.kvflow.machines.actions import ReleaseBlocks
@@ -187,7 +188,9 @@ class KVSender(FlowHalf):
         self._layer: int | None = None
         """The last layer a running forward computed (None between steps): a registration
         drained mid-forward writes the layers up to it at once."""
-        inbox.on(KVRegister, self._on_register_notif)
+        # A registration lands between two layers of a forward (its finished layers are
+        # written at once); the rest waits for the step's end.
+        inbox.on(KVRegister, self._on_register_notif, at=Granularity.LAYER)
         inbox.on(KVCancel, self._on_cancel_notif)
         inbox.on(KVWaiting, self._on_waiting_notif)
         inbox.on(KVAliveAck, self._on_alive_ack_notif)
@@ -409,7 +412,8 @@ class KVSender(FlowHalf):
             self._on_write_done(job, a.write_id, None, f"post failed: {exc}")
             self._feed(job, WriteSettled(a.write_id, False, 0, time.monotonic()))
             return
-        self.inbox.watch(handle, _WriteWatch(self, job, a.write_id))
+        # A WRITE's end lands between two layers too: a failed one stops the next layer's.
+        self.inbox.watch(handle, _WriteWatch(self, job, a.write_id), at=Granularity.LAYER)
 
     def _on_write_done(
         self, job: SendMachine, write_id: int, handle: TransferHandle | None, reason: str | None
