@@ -107,6 +107,9 @@ from kvduplex.kvflow.messages import KVRegister
 from kvduplex.kvflow.messages import KVRegistered
 from kvduplex.kvflow.messages import KVWaiting
 from kvduplex.kvflow.metrics import KVFlowMetrics
+from kvduplex.kvflow.send_early import EarlyRegistrations
+from kvduplex.kvflow.send_early import Registration
+from kvduplex.kvflow.send_early import Tombstones
 from kvduplex.transport.base import Transport
 from kvduplex.transport.messages import ControlMessage
 from kvduplex.transport.protocol import PeerHandle
@@ -118,15 +121,6 @@ logger = logging.getLogger(__name__)
 
 SendJob = SendMachine
 """One transfer this instance sends: its machine (the adapter keeps no other state)."""
-
-
-@dataclass(frozen=True)
-class Registration:
-    """A received `KVRegister`, with who sent it and when it arrived (monotonic)."""
-
-    msg: KVRegister
-    sender: str
-    received_at: float
 
 
 @dataclass
@@ -182,8 +176,8 @@ class KVSender(FlowHalf):
         self.metrics = metrics
         self.stats = KVSenderStats()
         self._jobs: dict[str, SendMachine] = {}
-        self._early: dict[str, tuple[Registration, float]] = {}  # xid -> (reg, kept until)
-        self._cancelled: dict[str, float] = {}  # xid -> until when it is refused
+        self._early = EarlyRegistrations()
+        self._cancelled = Tombstones()
         self._finished: list[KVTransferResult] = []  # prefills' sends that ended
         self._layer: int | None = None
         """The last layer a running forward computed (None between steps): a registration
@@ -262,7 +256,7 @@ class KVSender(FlowHalf):
                 # receiver gave up): nobody would release its blocks otherwise.
                 self._finished.append(KVSendEnded(job.xid))
             case Tombstone():
-                self._cancelled[job.xid] = time.monotonic() + 2 * self.registration_wait_s
+                self._cancelled.add(job.xid, None, self._tombstone_until())
             case Count():
                 setattr(self.stats, a.name, getattr(self.stats, a.name) + 1)
             case Log():
@@ -306,14 +300,22 @@ class KVSender(FlowHalf):
         return job
 
     def _add(self, job: SendJob) -> None:
-        if job.xid in self._jobs:
-            raise ValueError(f"a transfer with xid {job.xid!r} is already in progress")
-        if job.xid in self._cancelled:
-            raise ValueError(f"the transfer {job.xid!r} was cancelled by its receiver")
-        self._jobs[job.xid] = job
-        early = self._early.pop(job.xid, None)
-        if early is not None:
-            self._register(early[0])
+        """Start ``job``; the registrations that came before it are applied to it (its
+        machine refuses those from another engine than its receiver)."""
+        xid, receiver = job.xid, job.peer.engine_id
+        if xid in self._jobs:
+            raise ValueError(f"a transfer with xid {xid!r} is already in progress")
+        if self._cancelled.refuses(xid, receiver):
+            raise ValueError(f"the transfer {xid!r} was cancelled by its receiver")
+        if xid in self._cancelled:
+            logger.warning("xid=%s: cancelled before it began, but not by its receiver %s; "
+                           "ignored", xid, receiver)  # fmt: skip
+        self._jobs[xid] = job
+        for reg in self._early.take(xid, first=receiver):
+            self._register(reg)
+
+    def _tombstone_until(self) -> float:
+        return time.monotonic() + 2 * self.registration_wait_s
 
     def decline(self, xid: str, reason: str, by: str | None = None) -> bool:
         """The receiver takes nothing of job `xid` (an offer declined): end it quietly.
@@ -331,24 +333,25 @@ class KVSender(FlowHalf):
     def cancel(self, xid: str, reason: str, receiver: str | None = None) -> bool:
         """Stop writing `xid`; the receiver hears KVFailed once nothing can land.
 
-        ``receiver``: the engine that asked (its KVCancel); it hears KVFailed even if
-        it never registered, so that it may reuse what it reserved at once. False if
-        unknown; an unknown xid (or a job not registered yet) is remembered for a
-        while, so that a job or registration arriving after its cancellation is
-        refused.
+        ``receiver``: the engine that asked (its KVCancel; None: this instance); it
+        hears KVFailed even if it never registered, so that it may reuse what it
+        reserved at once. False if unknown; an unknown xid (or a job not registered
+        yet) is remembered for a while, so that a job or registration arriving after
+        its cancellation is refused: from ``receiver`` only, when an engine asked
+        (another engine's cancel binds neither a job to some other receiver nor that
+        receiver's registration), from anyone when this instance cancels.
         """
         job = self._jobs.get(xid)
-        early = None
+        dropped: list[Registration] = []
         if job is None or job.reg is None:
-            self._cancelled[xid] = time.monotonic() + 2 * self.registration_wait_s
-            early = self._early.pop(xid, None)
+            self._cancelled.add(xid, receiver, self._tombstone_until())
+            dropped = self._early.drop(xid, receiver)
         if job is None:
             # Nothing was or will be written for it: whoever asked, or registered (and
             # was acknowledged), hears so at once.
             told = {receiver} if receiver else set()
-            if early is not None:
-                told.add(early[0].sender)
-            for engine_id in told:
+            told.update(reg.sender for reg in dropped)
+            for engine_id in sorted(told):
                 self.io.submit(NotifyEngine(engine_id, KVFailed(xid, "no such transfer in progress")))
             return False
         self._feed(job, Cancelled(reason, receiver))
@@ -371,12 +374,14 @@ class KVSender(FlowHalf):
 
     def _register_unknown(self, reg: Registration) -> None:
         """A registration for no job (yet): keep it for the job and acknowledge it, or,
-        for an xid cancelled before it began, refuse it (nothing will be written)."""
+        for an xid its sender (or this instance) cancelled, refuse it (nothing will be
+        written). Another engine's registration of the same xid is kept beside it:
+        the job, when it begins, takes its own receiver's."""
         xid, peer = reg.msg.xid, self._peer_of(reg.sender)
-        if xid in self._cancelled:
+        if self._cancelled.refuses(xid, reg.sender):
             self._refuse(peer, xid, "cancelled")
             return
-        self._early[xid] = (reg, time.monotonic() + self.registration_wait_s)
+        self._early.keep(reg, time.monotonic() + self.registration_wait_s)
         if peer is not None:
             self._tell(peer, KVRegistered(xid))
 
@@ -464,16 +469,14 @@ class KVSender(FlowHalf):
         self._register(Registration(msg, sender, received_at), self._layer)
 
     def _on_cancel_notif(self, msg: ControlMessage, sender: str, received_at: float) -> None:
-        """A KVCancel from ``sender`` (the agent that delivered it). Only the transfer's
-        receiver (the job's peer, or the engine that registered for it before the job
-        began) may cancel it; anyone else's is ignored."""
+        """A KVCancel from ``sender`` (the agent that delivered it). Only a job's receiver
+        (its peer) may cancel it; anyone else's is ignored. Before the job began, the
+        cancel binds only ``sender``: its own registration, and a job that goes to it."""
         assert isinstance(msg, KVCancel)
         job = self._jobs.get(msg.xid)
-        early = self._early.get(msg.xid)
-        receiver = job.peer.engine_id if job is not None else early[0].sender if early else None
-        if receiver is not None and receiver != sender:
+        if job is not None and job.peer.engine_id != sender:
             logger.warning("xid=%s: KVCancel from %s ignored: the transfer's receiver is %s",
-                           msg.xid, sender, receiver)  # fmt: skip
+                           msg.xid, sender, job.peer.engine_id)  # fmt: skip
             return
         logger.info("xid=%s: receiver %s cancelled: %s", msg.xid, sender, msg.reason)
         self.cancel(msg.xid, f"cancelled by the receiver: {msg.reason}", sender)
@@ -496,21 +499,18 @@ class KVSender(FlowHalf):
         healthy = self.engine.is_healthy
         for job in list(self._jobs.values()):
             self._feed(job, Tick(now, healthy))
-        for xid in [x for x, (_, until) in self._early.items() if now > until]:
-            self._drop_early(xid)
-        for xid in [x for x, until in self._cancelled.items() if now > until]:
-            del self._cancelled[xid]
+        for reg in self._early.expire(now):
+            self._drop_early(reg)
+        self._cancelled.expire(now)
 
-    def _drop_early(self, xid: str) -> None:
+    def _drop_early(self, reg: Registration) -> None:
         """A registration for a job that never came: refused (nothing will be written),
-        and its xid remembered a while, so that a delayed copy of it is refused too and
-        a job starting late under it does not write into blocks its receiver reused."""
-        early = self._early.pop(xid, None)
-        if early is None:
-            return
-        self._cancelled[xid] = time.monotonic() + 2 * self.registration_wait_s
+        and its xid remembered a while against its sender, so that a delayed copy of it
+        is refused too and a job starting late under it towards that sender does not
+        write into blocks the sender reused."""
+        xid, sender = reg.msg.xid, reg.sender
+        self._cancelled.add(xid, sender, self._tombstone_until())
         # It was acknowledged: refuse it now, or its receiver waits out its deadline.
-        sender = early[0].sender
         logger.warning("xid=%s: registration from %s but no such transfer", xid, sender)
         self.io.submit(NotifyEngine(sender, KVFailed(xid, "registration refused: no such transfer")))
 
