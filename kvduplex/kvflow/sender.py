@@ -92,6 +92,7 @@ from kvduplex.kvflow.machines.send import Refuse
 from kvduplex.kvflow.machines.send import Registered
 from kvduplex.kvflow.machines.send import ReleasePrefill
 from kvduplex.kvflow.machines.send import SendAction
+from kvduplex.kvflow.machines.send import SendCounter
 from kvduplex.kvflow.machines.send import SendEvent
 from kvduplex.kvflow.machines.send import SendMachine
 from kvduplex.kvflow.machines.send import Source
@@ -143,6 +144,22 @@ class KVSenderStats:
     """Peer endpoints torn down because a failed WRITE would not settle."""
     num_registrations_refused: int = 0
     """Registrations answered with KVFailed (wrong engine, sizes, cancelled, ended)."""
+
+    def count(self, counter: SendCounter) -> None:
+        """Add one to the statistic a machine's `Count` names."""
+        match counter:
+            case SendCounter.LATE_REGISTRATIONS:
+                self.num_late_registrations += 1
+            case SendCounter.WRITES:
+                self.num_writes += 1
+            case SendCounter.TEARDOWNS:
+                self.num_teardowns += 1
+            case SendCounter.ALIVE_SENT:
+                self.num_alive_sent += 1
+            case SendCounter.WAITING_RECEIVED:
+                self.num_waiting_received += 1
+            case _:
+                assert_never(counter)
 
 
 class KVSender(FlowHalf):
@@ -258,7 +275,7 @@ class KVSender(FlowHalf):
             case Tombstone():
                 self._cancelled.add(job.xid, None, self._tombstone_until())
             case Count():
-                setattr(self.stats, a.name, getattr(self.stats, a.name) + 1)
+                self.stats.count(a.counter)
             case Log():
                 logger.log(a.level, "xid=%s: %s", job.xid, a.text)
             case _:

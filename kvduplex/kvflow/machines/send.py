@@ -69,6 +69,7 @@ from kvduplex.kvflow.machines.send_events import Refuse
 from kvduplex.kvflow.machines.send_events import Registered
 from kvduplex.kvflow.machines.send_events import ReleasePrefill
 from kvduplex.kvflow.machines.send_events import SendAction
+from kvduplex.kvflow.machines.send_events import SendCounter
 from kvduplex.kvflow.machines.send_events import SendEvent
 from kvduplex.kvflow.machines.send_events import Source
 from kvduplex.kvflow.machines.send_events import StepEnded
@@ -293,7 +294,7 @@ class SendMachine:
     def _waiting(self, event: Waiting) -> list[SendAction]:
         if self.reg is None and not self.ended and event.sender == self.peer.engine_id:
             self.expires_at = max(self.expires_at, event.now + event.wait_s)
-            return [Count("num_waiting_received")]
+            return [Count(SendCounter.WAITING_RECEIVED)]
         return []
 
     def _alive_ack(self, event: AliveAck) -> list[SendAction]:
@@ -401,7 +402,7 @@ class SendMachine:
         self.sent = hi
         out: list[SendAction] = []
         if self.source.streams:
-            out.append(Count("num_late_registrations"))
+            out.append(Count(SendCounter.LATE_REGISTRATIONS))
         out.append(AcquireBlocks(chunk.src))
         return out + self._post(chunk, None, now)
 
@@ -442,7 +443,7 @@ class SendMachine:
         out: list[SendAction] = []
         if event.ok:
             self.num_bytes += event.num_bytes
-            out.append(Count("num_writes"))
+            out.append(Count(SendCounter.WRITES))
         out += self._chunk_part_done(chunk)
         return out + self._maybe_end(event.now)
 
@@ -508,7 +509,7 @@ class SendMachine:
             # guarantees that it cannot land; the next transfer to the peer reconnects.
             self.num_teardowns, self.torn_down_at = 1, now
             out += [
-                Count("num_teardowns"),
+                Count(SendCounter.TEARDOWNS),
                 TearDown(f"a failed WRITE is still unsettled after {self.deadline_s:g} s"),
             ]
         elif (
@@ -528,7 +529,7 @@ class SendMachine:
             and now - self.alive_sent_at >= reg.wait_s / HEARTBEATS_PER_WAIT
         ):  # fmt: skip
             self.alive_sent_at = now
-            out += [Count("num_alive_sent"), Tell(KVAlive(self.xid, now))]
+            out += [Count(SendCounter.ALIVE_SENT), Tell(KVAlive(self.xid, now))]
         if not self.ended and now > self.expires_at:
             out += self._expire()
         return out
@@ -554,6 +555,6 @@ __all__ = [
     "HEARTBEATS_PER_WAIT", "TRANSITIONS", "AbortPrefill", "AliveAck", "Begin", "Cancelled",
     "Chunk", "Count", "Declined", "Ended", "FirstToken", "HeldSource", "LayerDone", "PostWrite",
     "PrefillAborted", "PrefillProgress", "PrefillSource", "Refuse", "Registered",
-    "ReleasePrefill", "SendAction", "SendEvent", "SendMachine", "SendPhase", "StepEnded",
+    "ReleasePrefill", "SendAction", "SendCounter", "SendEvent", "SendMachine", "SendPhase", "StepEnded",
     "StepPlanned", "Tick", "Tombstone", "Waiting", "WriteEnded", "WriteSettled",
 ]  # fmt: skip
