@@ -21,6 +21,8 @@ next layer's); the STEP ones it meets wait, in their order, for the next
 if it says so (`on(..., at=LAYER)`), a transfer's end if its watch says so
 (`watch(..., at=LAYER)`); ticks, sender checks and specs are STEP.
 
+The events and the objects that hear them are `kvduplex.kvflow.flow_events`'.
+
 A put wakes the engine loop (the connector reports pending work while the
 queue is not empty), so an idle engine drains it at once. Ticks coalesce: at
 most one is pending at a time, carrying the latest time any pump tick gave
@@ -32,7 +34,6 @@ ticks come at least every ``idle_tick_s`` of the pump.
 from __future__ import annotations
 
 import collections
-import enum
 import heapq
 import itertools
 import logging
@@ -43,22 +44,28 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from dataclasses import field
-from typing import TYPE_CHECKING
 from typing import Any
-from typing import Generic
 from typing import Protocol
-from typing import TypeVar
 from typing import assert_never
 
+from kvduplex.kvflow.flow_events import FlowEvent
+from kvduplex.kvflow.flow_events import Granularity
+from kvduplex.kvflow.flow_events import Heard
+from kvduplex.kvflow.flow_events import RegisterSpec
+from kvduplex.kvflow.flow_events import SenderChecked
+from kvduplex.kvflow.flow_events import SenderCheckTarget
+from kvduplex.kvflow.flow_events import SpecT
+from kvduplex.kvflow.flow_events import SpecTable
+from kvduplex.kvflow.flow_events import TickAt
+from kvduplex.kvflow.flow_events import TransferEnded
+from kvduplex.kvflow.flow_events import TransferSettled
+from kvduplex.kvflow.flow_events import TransferWatcher
 from kvduplex.transport.messages import ControlMessage
 from kvduplex.transport.notify import NotificationPump
 from kvduplex.transport.protocol import TransferHandle
 
-if TYPE_CHECKING:
-    from kvduplex.kvflow.pull import PullSpec
-    from kvduplex.kvflow.push_decode import PushSpec
-
 logger = logging.getLogger(__name__)
+
 
 class EngineGoneError(RuntimeError):
     """The engine loop ended before it took a request."""
@@ -68,118 +75,14 @@ class XidInUseError(ValueError):
     """A spec names an xid another request waits on (the route answers 409)."""
 
 
-class Granularity(enum.Enum):
-    """Where the engine thread applies an event."""
-
-    LAYER = "layer"
-    """Also between two layers of a forward that streams a push (`drain_layer`)."""
-    STEP = "step"
-    """Only between steps (`drain`)."""
-
-
 Handler = Callable[[ControlMessage, str, float], None]
 """``handler(message, sender_engine_id, received_at)``, on the engine thread."""
 Tick = Callable[[float], None]
 """``tick(now)`` on the engine thread."""
 
-SpecT = TypeVar("SpecT", "PullSpec", "PushSpec")
-"""A spec a route registers for a request still to come: one of the flows' own."""
-SpecT_contra = TypeVar("SpecT_contra", contravariant=True)
-
-
-class TransferWatcher(Protocol):
-    """Whoever posted a transfer and hears how it ends (engine thread)."""
-
-    def on_transfer_ended(self, handle: TransferHandle) -> None: ...
-
-    def on_transfer_settled(self, handle: TransferHandle) -> None: ...
-
 
 class TimerTarget(Protocol):
     def on_timer(self, now: float) -> None: ...
-
-
-class SenderCheckTarget(Protocol):
-    def on_sender_checked(self, xid: str, gone: bool, now: float) -> None: ...
-
-
-class SpecTable(Protocol[SpecT_contra]):
-    """A flow's table of specs for requests still to come (push, pull)."""
-
-    def register(self, spec: SpecT_contra) -> None:
-        """Raises XidInUseError for an xid another request waits on."""
-
-
-@dataclass(frozen=True)
-class Heard:
-    """A notification, with the engine id of the agent that delivered it (verified by
-    the transport) and when the pump took it (monotonic)."""
-
-    msg: ControlMessage
-    sender: str
-    received_at: float
-
-
-@dataclass(frozen=True)
-class TickAt:
-    """The pump's clock moved; the inbox keeps at most one pending (see `FlowInbox.tick`)."""
-
-    now: float
-
-
-@dataclass(frozen=True)
-class TransferEnded:
-    """A transfer's done callback: it is final (DONE or FAILED)."""
-
-    handle: TransferHandle
-    to: TransferWatcher
-    at: Granularity = Granularity.STEP
-
-
-@dataclass(frozen=True)
-class TransferSettled:
-    """A transfer's settled callback: nothing of it can land any more."""
-
-    handle: TransferHandle
-    to: TransferWatcher
-    at: Granularity = Granularity.STEP
-
-
-@dataclass(frozen=True)
-class SenderChecked:
-    """The flow I/O thread asked whether a sender is gone (and, if not, asked it again to
-    confirm a quarantined wait)."""
-
-    xid: str
-    gone: bool
-    to: SenderCheckTarget
-
-
-@dataclass(frozen=True)
-class RegisterSpec(Generic[SpecT]):
-    """An HTTP route registers a spec before its request reaches the engine; ``reply``
-    gets None, or the ValueError of a duplicate xid."""
-
-    spec: SpecT
-    to: SpecTable[SpecT]
-    reply: Future[None]
-
-    def apply(self) -> None:
-        """Engine thread: register the spec and answer the reply."""
-        if not self.reply.set_running_or_notify_cancel():
-            return  # failed already: the engine loop ended
-        try:
-            self.to.register(self.spec)
-        except Exception as exc:  # a duplicate xid: the route answers 409
-            self.reply.set_exception(exc)
-        else:
-            self.reply.set_result(None)
-
-
-FlowEvent = (
-    Heard | TickAt | TransferEnded | TransferSettled | SenderChecked
-    | RegisterSpec["PullSpec"] | RegisterSpec["PushSpec"]
-)  # fmt: skip
 
 
 @dataclass(order=True)
@@ -423,6 +326,6 @@ def _fail(reply: Future[Any], why: str) -> None:
 
 __all__ = [
     "EngineGoneError", "FlowEvent", "FlowInbox", "Granularity", "Handler", "Heard", "RegisterSpec",
-    "SenderChecked", "SpecTable", "TickAt", "TransferEnded", "TransferSettled", "TransferWatcher",
-    "XidInUseError",
+    "SenderCheckTarget", "SenderChecked", "SpecTable", "TickAt", "TimerTarget", "TransferEnded",
+    "TransferSettled", "TransferWatcher", "XidInUseError",
 ]  # fmt: skip
