@@ -21,7 +21,7 @@ next layer's); the STEP ones it meets wait, in their order, for the next
 if it says so (`on(..., at=LAYER)`), a transfer's end if its watch says so
 (`watch(..., at=LAYER)`); ticks, sender checks and specs are STEP.
 
-The events and the objects that hear them are `kvduplex.kvflow.flow_events`'.
+The events, and the objects that hear them, are in `kvduplex.kvflow.flow_events`.
 
 A put wakes the engine loop (the connector reports pending work while the
 queue is not empty), so an idle engine drains it at once. Ticks coalesce: at
