@@ -8,8 +8,9 @@
 
 Both drain the instance's flow inbox (`kvduplex.kvflow.inbox`) in
 `get_finished`, before each step, and report pending work while it holds
-events; prefill also drains it after each layer of a forward that streams a
-push, so that a registration arriving mid-forward is written at once.
+events; prefill also applies its LAYER events (registrations, WRITE ends)
+after each layer of a forward that streams a push, so that a registration
+arriving mid-forward is written at once.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ class PrefillConnector(KVConnector):
 
     def layer_hook(self, meta: KVConnectorMetadata | None) -> Callable[[int], None] | None:
         assert isinstance(meta, PushPlan)
-        return self.sender.layer_hook(meta)  # drains the inbox after each layer
+        return self.sender.layer_hook(meta)  # the inbox's LAYER events after each layer
 
     def wait_for_save(self, meta: KVConnectorMetadata | None) -> None:
         assert isinstance(meta, PushPlan)

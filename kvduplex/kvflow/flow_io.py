@@ -16,6 +16,11 @@ A notification to a peer whose endpoint a teardown removed connects afresh
 first (``reconnect``): a KVFailed must reach its receiver, or its blocks stay
 quarantined. Its first try is on the sends thread; the connecting and the
 second try are on the waits thread, behind whatever else waits there.
+
+`close` stops the sends thread after what was submitted, and the sends thread
+then stops the waits thread, so that a send it hands over to connect afresh
+while `close` runs is still carried out. A request that comes too late for a
+thread (submitted after `close`) is logged, never dropped unseen.
 """
 
 from __future__ import annotations
@@ -133,10 +138,10 @@ class FlowIO:
             return
         if self._send_thread is None:  # both at once, here on the engine thread
             self._send_thread = threading.Thread(
-                target=self._run, args=(self._sends,), name="kv-flow-io", daemon=True
+                target=self._run_sends, name="kv-flow-io", daemon=True
             )
             self._wait_thread = threading.Thread(
-                target=self._run, args=(self._waits,), name="kv-flow-wait", daemon=True
+                target=self._run_waits, name="kv-flow-wait", daemon=True
             )
             self._send_thread.start()
             self._wait_thread.start()
@@ -149,12 +154,23 @@ class FlowIO:
                 assert_never(request)
 
     def close(self) -> None:
-        """Stop the threads after what was submitted (idempotent)."""
+        """Stop the threads after what was submitted, and the sends it hands over to
+        connect afresh (idempotent; does not wait)."""
         if self._closed:
             return
         self._closed = True
-        self._sends.put(None)
-        self._waits.put(None)
+        self._sends.put(None)  # the sends thread stops the waits thread once it ends
+        if self._send_thread is None:
+            self._waits.put(None)
+
+    def _run_sends(self) -> None:
+        self._run(self._sends)
+        self._waits.put(None)  # after every send this thread handed over to reconnect
+        self._log_left(self._sends)
+
+    def _run_waits(self) -> None:
+        self._run(self._waits)
+        self._log_left(self._waits)
 
     def _run(self, requests: queue.SimpleQueue[Any]) -> None:
         while (request := requests.get()) is not None:
@@ -162,6 +178,18 @@ class FlowIO:
                 self._carry_out(request, self._waits.put)
             except Exception:
                 logger.exception("flow I/O %s failed", type(request).__name__)
+
+    @staticmethod
+    def _log_left(requests: queue.SimpleQueue[Any]) -> None:
+        """The thread ended: what was queued behind its end is not carried out."""
+        while True:
+            try:
+                request = requests.get_nowait()
+            except queue.Empty:
+                return
+            if request is not None:
+                logger.warning("flow I/O closed; dropping %s (xid=%s)",
+                               type(request).__name__, _xid_of(request))  # fmt: skip
 
     def carry_out(self, request: IORequest) -> None:
         """Do ``request`` now and wholly, on the calling thread (a test's stepper)."""
@@ -230,6 +258,16 @@ class FlowIO:
             logger.exception("xid=%s: cannot ask %s again", xid, engine_id)
         finally:
             self.inbox.put(SenderChecked(xid, gone, check.to))
+
+
+def _xid_of(request: IORequest | _Reconnect) -> str:
+    match request:
+        case Notify() | NotifyEngine() | _Reconnect():
+            return request.msg.xid
+        case CheckSender() | TearDownEndpoint() | ReleaseLease():
+            return request.xid
+        case _:
+            assert_never(request)
 
 
 __all__ = [

@@ -75,13 +75,16 @@ class ReadRunner:
     failed READ that stays unsettled come back through the flow inbox.
     ``on_outcome(outcome, handle)`` runs on the engine thread (at once if the READ
     could not be posted); our references on the targets go once the READ is settled,
-    after the outcome.
+    after the outcome, and ``on_settled()`` runs then: the peer may let its source
+    blocks go (a pull's lease), since nothing of the READ reads them any more. A READ
+    that failed at its deadline may still be reading them until then.
     """
 
     def __init__(
         self, transport: Transport, engine: EngineHandle, inbox: FlowInbox, io: FlowIO,
         peer: PeerHandle, xid: str, targets: list[int], remote: list[int], deadline_s: float,
         after_s: float, on_outcome: Callable[[Outcome, TransferHandle | None], None],
+        on_settled: Callable[[], None] | None = None,
     ) -> None:  # fmt: skip
         self.transport = transport
         self.engine = engine
@@ -92,6 +95,7 @@ class ReadRunner:
         self.remote = remote
         self.deadline_s = deadline_s
         self.on_outcome = on_outcome
+        self.on_settled = on_settled
         self.machine = ReadMachine(tuple(targets), after_s)
         self.handle: TransferHandle | None = None
 
@@ -109,8 +113,10 @@ class ReadRunner:
         match a:
             case AcquireBlocks():
                 self.engine.acquire_blocks(list(a.block_ids))
-            case ReleaseBlocks():
+            case ReleaseBlocks():  # the machine's last: nothing of the READ can land any more
                 self.engine.release_blocks(list(a.block_ids))
+                if self.on_settled is not None:
+                    self.on_settled()
             case PostRead():
                 self._post()
             case Outcome():

@@ -2,9 +2,7 @@
 
 Every KV flow's state (send jobs, receive waits, specs, READs) belongs to the
 engine thread. Other threads never touch it: they put typed events here, and
-the engine thread applies them when it drains the inbox, in its connector's
-`get_finished` (before each step) and after each layer of a forward (so that a
-registration arriving mid-forward still lands at layer granularity)::
+the engine thread applies them when it drains the inbox::
 
     notification pump ── Heard(msg, sender) ───┐
     pump tick ────────── TickAt(now) ──────────┤
@@ -13,18 +11,34 @@ registration arriving mid-forward still lands at layer granularity)::
     flow I/O thread ──── SenderChecked(...) ───┤               ├─ every tick, due timers
     HTTP routes ──────── RegisterSpec(reply) ──┘               └─ the event's target
 
+Each event has a `Granularity`. `drain` (the connector's `get_finished`,
+before each step) applies every event. `drain_layer` (prefill's layer hook,
+after each layer of a forward that streams a push) applies only the LAYER
+ones: those a push must see between two layers, a registration (written at
+once from the finished layers) and the end of a WRITE (a failed one stops the
+next layer's); the STEP ones it meets wait, in their order, for the next
+`drain`, ahead of what is queued after them. A handler's messages are LAYER
+if it says so (`on(..., at=LAYER)`), a transfer's end if its watch says so
+(`watch(..., at=LAYER)`); ticks, sender checks and specs are STEP.
+
+The events, and the objects that hear them, are in `kvduplex.kvflow.flow_events`.
+
 A put wakes the engine loop (the connector reports pending work while the
-queue is not empty), so an idle engine drains it at once. Timers (`after`)
-are kept by the engine thread and fire at the first drain at or after their
-time; ticks come at least every ``idle_tick_s`` of the pump.
+queue is not empty), so an idle engine drains it at once. Ticks coalesce: at
+most one is pending at a time, carrying the latest time any pump tick gave
+(a deadline due at any of them is due at that one). Timers (`after`) are kept
+by the engine thread and fire at the first `drain` at or after their time;
+ticks come at least every ``idle_tick_s`` of the pump.
 """
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 import logging
 import queue
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -34,11 +48,24 @@ from typing import Any
 from typing import Protocol
 from typing import assert_never
 
+from kvduplex.kvflow.flow_events import FlowEvent
+from kvduplex.kvflow.flow_events import Granularity
+from kvduplex.kvflow.flow_events import Heard
+from kvduplex.kvflow.flow_events import RegisterSpec
+from kvduplex.kvflow.flow_events import SenderChecked
+from kvduplex.kvflow.flow_events import SenderCheckTarget
+from kvduplex.kvflow.flow_events import SpecT
+from kvduplex.kvflow.flow_events import SpecTable
+from kvduplex.kvflow.flow_events import TickAt
+from kvduplex.kvflow.flow_events import TransferEnded
+from kvduplex.kvflow.flow_events import TransferSettled
+from kvduplex.kvflow.flow_events import TransferWatcher
 from kvduplex.transport.messages import ControlMessage
 from kvduplex.transport.notify import NotificationPump
 from kvduplex.transport.protocol import TransferHandle
 
 logger = logging.getLogger(__name__)
+
 
 class EngineGoneError(RuntimeError):
     """The engine loop ended before it took a request."""
@@ -54,81 +81,8 @@ Tick = Callable[[float], None]
 """``tick(now)`` on the engine thread."""
 
 
-class TransferWatcher(Protocol):
-    """Whoever posted a transfer and hears how it ends (engine thread)."""
-
-    def on_transfer_ended(self, handle: TransferHandle) -> None: ...
-
-    def on_transfer_settled(self, handle: TransferHandle) -> None: ...
-
-
 class TimerTarget(Protocol):
     def on_timer(self, now: float) -> None: ...
-
-
-class SenderCheckTarget(Protocol):
-    def on_sender_checked(self, xid: str, gone: bool, now: float) -> None: ...
-
-
-class SpecTable(Protocol):
-    """A flow's table of specs for requests still to come (push, pull)."""
-
-    def register(self, spec: Any) -> None:
-        """Raises XidInUseError for an xid another request waits on."""
-
-
-@dataclass(frozen=True)
-class Heard:
-    """A notification, with the engine id of the agent that delivered it (verified by
-    the transport) and when the pump took it (monotonic)."""
-
-    msg: ControlMessage
-    sender: str
-    received_at: float
-
-
-@dataclass(frozen=True)
-class TickAt:
-    now: float
-
-
-@dataclass(frozen=True)
-class TransferEnded:
-    """A transfer's done callback: it is final (DONE or FAILED)."""
-
-    handle: TransferHandle
-    to: TransferWatcher
-
-
-@dataclass(frozen=True)
-class TransferSettled:
-    """A transfer's settled callback: nothing of it can land any more."""
-
-    handle: TransferHandle
-    to: TransferWatcher
-
-
-@dataclass(frozen=True)
-class SenderChecked:
-    """The flow I/O thread asked whether a sender is gone (and, if not, asked it again to
-    confirm a quarantined wait)."""
-
-    xid: str
-    gone: bool
-    to: SenderCheckTarget
-
-
-@dataclass(frozen=True)
-class RegisterSpec:
-    """An HTTP route registers a spec before its request reaches the engine; ``reply``
-    gets None, or the ValueError of a duplicate xid."""
-
-    spec: Any
-    to: SpecTable
-    reply: Future[None]
-
-
-FlowEvent = Heard | TickAt | TransferEnded | TransferSettled | SenderChecked | RegisterSpec
 
 
 @dataclass(order=True)
@@ -139,7 +93,8 @@ class _Timer:
 
 
 class FlowInbox:
-    """One instance's flow events; `put` from any thread, `drain` on the engine thread."""
+    """One instance's flow events; `put` from any thread, `drain` and `drain_layer` on
+    the engine thread."""
 
     def __init__(
         self, wake: Callable[[], None] = lambda: None,
@@ -153,8 +108,14 @@ class FlowInbox:
         self.clock = clock if clock is not None else time.monotonic
         self.is_alive = is_alive
         self._events: queue.SimpleQueue[FlowEvent] = queue.SimpleQueue()
+        self._deferred: collections.deque[FlowEvent] = collections.deque()
+        """STEP events `drain_layer` took off the queue, in order (engine thread)."""
         self._handlers: dict[type[ControlMessage], Handler] = {}
+        self._at_layer: set[type[ControlMessage]] = set()
         self._ticks: list[Tick] = []
+        self._tick_lock = threading.Lock()
+        self._tick_now: float | None = None
+        """The latest time of the pending tick (None: no tick pending)."""
         self._timers: list[_Timer] = []
         self._seq = itertools.count()
         self._pending: set[Future[Any]] = set()
@@ -162,10 +123,16 @@ class FlowInbox:
 
     # ---- wiring (before the pump starts) ----
 
-    def on(self, msg_type: type[ControlMessage], handler: Handler) -> None:
-        """Apply messages of ``msg_type`` with ``handler`` on the engine thread."""
+    def on(
+        self, msg_type: type[ControlMessage], handler: Handler, *,
+        at: Granularity = Granularity.STEP,
+    ) -> None:  # fmt: skip
+        """Apply messages of ``msg_type`` with ``handler`` on the engine thread (``at``
+        LAYER: also between two layers of a forward)."""
         assert msg_type not in self._handlers, f"two handlers for {msg_type.__name__}"
         self._handlers[msg_type] = handler
+        if at is Granularity.LAYER:
+            self._at_layer.add(msg_type)
 
     def every_tick(self, tick: Tick) -> None:
         self._ticks.append(tick)
@@ -187,14 +154,25 @@ class FlowInbox:
         self.put(Heard(msg, sender, self.clock()))
 
     def tick(self, now: float) -> None:
-        self.put(TickAt(now))
+        """The clock moved to ``now``: queue a tick, unless one is pending already, which
+        then carries the later of its time and ``now`` (a busy engine that drains late
+        applies one tick, at the latest time, not one per pump tick)."""
+        with self._tick_lock:
+            pending = self._tick_now is not None
+            self._tick_now = now if self._tick_now is None else max(self._tick_now, now)
+        if not pending:
+            self.put(TickAt(now))
 
-    def watch(self, handle: TransferHandle, to: TransferWatcher) -> None:
-        """Have ``to`` hear, on the engine thread, when ``handle`` ends and settles."""
-        handle.add_done_callback(lambda h: self.put(TransferEnded(h, to)))
-        handle.add_settled_callback(lambda h: self.put(TransferSettled(h, to)))
+    def watch(
+        self, handle: TransferHandle, to: TransferWatcher, *,
+        at: Granularity = Granularity.STEP,
+    ) -> None:  # fmt: skip
+        """Have ``to`` hear, on the engine thread, when ``handle`` ends and settles (``at``
+        LAYER: also between two layers of a forward)."""
+        handle.add_done_callback(lambda h: self.put(TransferEnded(h, to, at)))
+        handle.add_settled_callback(lambda h: self.put(TransferSettled(h, to, at)))
 
-    def register(self, spec: Any, to: SpecTable) -> Future[None]:
+    def register(self, spec: SpecT, to: SpecTable[SpecT]) -> Future[None]:
         """Have ``to.register(spec)`` run on the engine thread at its next drain; the
         future has None or its error (EngineGoneError once the engine no longer drains)."""
         reply: Future[None] = Future()
@@ -223,10 +201,12 @@ class FlowInbox:
 
     @property
     def has_events(self) -> bool:
-        """Events queued, or a timer due (the engine loop steps to drain them)."""
-        return not self._events.empty() or (
-            bool(self._timers) and self._timers[0].at <= self.clock()
-        )
+        """Events queued or deferred, or a timer due (the engine loop steps to drain them;
+        engine thread)."""
+        return (
+            bool(self._deferred) or not self._events.empty()
+            or (bool(self._timers) and self._timers[0].at <= self.clock())
+        )  # fmt: skip
 
     @property
     def num_timers(self) -> int:
@@ -239,19 +219,33 @@ class FlowInbox:
         """Call ``target.on_timer(now)`` at the first drain ``delay_s`` from now or later."""
         heapq.heappush(self._timers, _Timer(self.clock() + delay_s, next(self._seq), target))
 
+    def granularity(self, event: FlowEvent) -> Granularity:
+        """Where ``event`` is applied: also between two layers (LAYER), or only between
+        steps (STEP)."""
+        match event:
+            case Heard(msg):
+                return Granularity.LAYER if type(msg) in self._at_layer else Granularity.STEP
+            case TransferEnded() | TransferSettled():
+                return event.at
+            case TickAt() | SenderChecked() | RegisterSpec():
+                return Granularity.STEP
+            case _:
+                assert_never(event)
+
     def drain(self) -> int:
-        """Apply every queued event, in order, then fire due timers; how many events."""
+        """Apply every event, in order (those `drain_layer` deferred first), then fire due
+        timers; how many events."""
         count = 0
+        while self._deferred:
+            self._apply_logged(self._deferred.popleft())
+            count += 1
         while True:
             try:
                 event = self._events.get_nowait()
             except queue.Empty:
                 break
             count += 1
-            try:
-                self._apply(event)
-            except Exception:
-                logger.exception("flow event %s failed", type(event).__name__)
+            self._apply_logged(event)
         if self._timers:
             now = self.clock()
             while self._timers and self._timers[0].at <= now:
@@ -263,27 +257,45 @@ class FlowInbox:
         self.num_drained += count
         return count
 
+    def drain_layer(self) -> int:
+        """Between two layers of a forward: apply the LAYER events queued, in order, and
+        defer the others to the next `drain`; how many events were applied."""
+        count = 0
+        while True:
+            try:
+                event = self._events.get_nowait()
+            except queue.Empty:
+                break
+            if self.granularity(event) is Granularity.LAYER:
+                count += 1
+                self._apply_logged(event)
+            else:
+                self._deferred.append(event)
+        self.num_drained += count
+        return count
+
+    def _apply_logged(self, event: FlowEvent) -> None:
+        try:
+            self._apply(event)
+        except Exception:
+            logger.exception("flow event %s failed", type(event).__name__)
+
     def _apply(self, event: FlowEvent) -> None:
         match event:
             case Heard():
                 self._heard(event)
             case TickAt(now):
-                self._tick(now)
+                with self._tick_lock:
+                    latest, self._tick_now = self._tick_now, None
+                self._tick(now if latest is None else max(now, latest))
             case TransferEnded(handle, to):
                 to.on_transfer_ended(handle)
             case TransferSettled(handle, to):
                 to.on_transfer_settled(handle)
             case SenderChecked(xid, gone, to):
                 to.on_sender_checked(xid, gone, self.clock())
-            case RegisterSpec(spec, to, reply):
-                if not reply.set_running_or_notify_cancel():
-                    return  # failed already: the engine loop ended
-                try:
-                    to.register(spec)
-                except Exception as exc:  # a duplicate xid: the route answers 409
-                    reply.set_exception(exc)
-                else:
-                    reply.set_result(None)
+            case RegisterSpec():
+                event.apply()
             case _:
                 assert_never(event)
 
@@ -313,6 +325,7 @@ def _fail(reply: Future[Any], why: str) -> None:
 
 
 __all__ = [
-    "EngineGoneError", "FlowEvent", "FlowInbox", "Handler", "Heard", "RegisterSpec", "SenderChecked",
-    "TickAt", "TransferEnded", "TransferSettled", "TransferWatcher", "XidInUseError",
+    "EngineGoneError", "FlowEvent", "FlowInbox", "Granularity", "Handler", "Heard", "RegisterSpec",
+    "SenderCheckTarget", "SenderChecked", "SpecTable", "TickAt", "TimerTarget", "TransferEnded",
+    "TransferSettled", "TransferWatcher", "XidInUseError",
 ]  # fmt: skip

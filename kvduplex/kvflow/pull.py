@@ -11,6 +11,15 @@ back through the flow inbox, and the outcome (`KVReceived` /
 (`take_finished`). Specs are registered through the inbox too (`register`
 from a route). Release requests to prefill go over HTTP from the flow I/O
 thread, never from the engine thread.
+
+Prefill's lease is released once nothing of the READ can read its blocks any
+more: at the READ's settlement, not at its outcome. A READ that failed at its
+deadline may still be reading (a deadline ends the wait, not the transfer),
+so the request computes its prompt here at once, while prefill keeps the
+source blocks until the READ settles (it lands, or its endpoint is torn down)::
+
+    READ posted ── outcome (ok, failed) ──► the request resumes or recomputes
+                └─ settled ──────────────► ReleaseLease (prefill may reuse its blocks)
 """
 
 from __future__ import annotations
@@ -129,7 +138,7 @@ class PullConnector:
         return self._specs.pop(xid, None)
 
     def has_pending_work(self) -> bool:
-        """READs in flight, or outcomes the engine has not taken yet."""
+        """READs not settled, or outcomes the engine has not taken yet."""
         return bool(self._in_flight or self._finished)
 
     def take_finished(self) -> list[KVTransferResult]:
@@ -141,6 +150,7 @@ class PullConnector:
         return len(self._specs)
 
     def num_in_flight(self) -> int:
+        """READs posted and not settled (they hold prefill's lease)."""
         return len(self._in_flight)
 
     def _tick(self, now: float) -> None:
@@ -157,7 +167,7 @@ class PullConnector:
         spec = self.forget(xid)
         if spec is not None:
             logger.info("xid=%s: decode request aborted before its READ", xid)
-            self.io.submit(ReleaseLease(self._release, spec.prefill_url, spec.xid))
+            self._release_lease(spec)
 
     # ---- engine thread ----
 
@@ -169,6 +179,13 @@ class PullConnector:
             logger.warning("request %s: no pull spec; computing the prompt locally", rid)
             self._finished.append(KVReceiveFailed(rid, discard_blocks=False))
             return
+        if not self._read(alloc, spec):  # nothing was posted: the lease can go now
+            self._release_lease(spec)
+
+    def _read(self, alloc: RemoteKVAllocation, spec: PullSpec) -> bool:
+        """Post the READ of what the request lacks; False if none was posted (the outcome
+        is recorded already)."""
+        rid = alloc.request_id
         num_blocks = num_blocks_for_tokens(alloc.num_prompt_tokens, self.block_size)
         first = alloc.num_cached_tokens // self.block_size
         if spec.num_tokens != alloc.num_prompt_tokens or len(spec.block_ids) < num_blocks:
@@ -178,7 +195,7 @@ class PullConnector:
                 alloc.num_prompt_tokens,
             )  # fmt: skip
             self._finish(rid, spec, ok=False, num_read=0)
-            return
+            return False
         local = list(alloc.block_ids[first:num_blocks])
         remote = spec.block_ids[first:num_blocks]
         self.stats.num_skipped_blocks += first
@@ -186,7 +203,7 @@ class PullConnector:
             self.metrics.remote_prefix_hit_tokens.inc(alloc.num_cached_tokens)
         if not local:
             self._finish(rid, spec, ok=True, num_read=0)
-            return
+            return False
         deadline_s = self.deadline_s
         if spec.lease_ends_at is not None:
             deadline_s = min(deadline_s, spec.lease_ends_at - time.monotonic() - LEASE_MARGIN_S)
@@ -195,7 +212,7 @@ class PullConnector:
                 "request %s: prefill's lease on %s ran out; computing locally", rid, spec.xid
             )
             self._finish(rid, spec, ok=False, num_read=0)
-            return
+            return False
 
         # Our own reference keeps the target blocks allocated while the READ can
         # still land (until it is settled), even if the request is aborted meanwhile.
@@ -208,21 +225,20 @@ class PullConnector:
                 return
             if not o.ok:
                 logger.warning("request %s: READ %s failed: %s", rid, handle.xid, o.reason)
-            self._on_read_done(rid, spec, o.ok, len(local), o.discard)
+            self._finish(rid, spec, ok=o.ok, num_read=len(local), discard_blocks=o.discard)
+
+        def on_settled() -> None:  # engine thread: nothing of the READ reads P's blocks
+            self._in_flight.pop(rid, None)
+            self._release_lease(spec)
 
         runner = ReadRunner(
             self.transport, self.engine, self.inbox, self.io, spec.peer, spec.xid, list(local),
-            list(remote), deadline_s, self.deadline_s, on_outcome,
+            list(remote), deadline_s, self.deadline_s, on_outcome, on_settled,
         )  # fmt: skip
         handle = runner.start()
-        if handle is not None:
+        if handle is not None:  # its settlement comes through the inbox, never inline
             self._in_flight[rid] = handle
-
-    def _on_read_done(
-        self, rid: str, spec: PullSpec, ok: bool, num_read: int, may_still_land: bool
-    ) -> None:
-        self._in_flight.pop(rid, None)
-        self._finish(rid, spec, ok=ok, num_read=num_read, discard_blocks=may_still_land)
+        return True
 
     def _finish(
         self, rid: str, spec: PullSpec, *, ok: bool, num_read: int, discard_blocks: bool = False
@@ -245,6 +261,8 @@ class PullConnector:
                 self.metrics.received_tokens.inc(req.num_prompt_tokens - req.num_cached_tokens)
         else:
             self._finished.append(KVReceiveFailed(rid, discard_blocks=discard_blocks))
+
+    def _release_lease(self, spec: PullSpec) -> None:
         self.io.submit(ReleaseLease(self._release, spec.prefill_url, spec.xid))
 
     def close(self) -> None:

@@ -110,16 +110,17 @@ class PushSender(KVSender):
             self.transport.set_compute_busy(True)
 
     def layer_hook(self, plan: PushPlan) -> Callable[[int], None] | None:
-        """Worker side: after each layer, the flow inbox is drained (a registration that
-        arrived meanwhile writes the finished layers at once), then every planned job
-        posts that layer's WRITEs."""
+        """Worker side: after each layer, the flow inbox's LAYER events are applied (a
+        registration that arrived meanwhile writes the finished layers at once; a WRITE
+        that failed stops its job's next ones; the rest waits for `get_finished`), then
+        every planned job posts that layer's WRITEs."""
         if not plan.xids:
             return None
         jobs = [self._step_jobs[xid] for xid in plan.xids if xid in self._step_jobs]
 
         def on_layer_done(layer: int) -> None:
             self._layer = layer  # a registration drained now writes layers 0..layer at once
-            self.inbox.drain()
+            self.inbox.drain_layer()
             now = time.monotonic()
             for job in jobs:
                 if job.chunk is not None:

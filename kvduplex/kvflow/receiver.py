@@ -63,6 +63,7 @@ from kvduplex.kvflow.machines.receive import FlowFirstToken
 from kvduplex.kvflow.machines.receive import Forget
 from kvduplex.kvflow.machines.receive import NotSent
 from kvduplex.kvflow.machines.receive import ReceiveAction
+from kvduplex.kvflow.machines.receive import ReceiveCounter
 from kvduplex.kvflow.machines.receive import ReceiveEvent
 from kvduplex.kvflow.machines.receive import ReceiveMachine
 from kvduplex.kvflow.machines.receive import SenderEnded
@@ -114,6 +115,28 @@ class KVReceiverStats:
     """Senders asked again (KVCancel) to confirm that nothing can land."""
     num_registrations_resent: int = 0
     """Registrations sent again because the sender had not acknowledged them."""
+
+    def count(self, counter: ReceiveCounter, n: int = 1) -> None:
+        """Add ``n`` to the statistic a machine's `Count` names."""
+        match counter:
+            case ReceiveCounter.RECEIVED:
+                self.num_received += n
+            case ReceiveCounter.RECEIVED_BLOCKS:
+                self.num_received_blocks += n
+            case ReceiveCounter.FAILED:
+                self.num_failed += n
+            case ReceiveCounter.LATE:
+                self.num_late += n
+            case ReceiveCounter.ALIVE_RECEIVED:
+                self.num_alive_received += n
+            case ReceiveCounter.TEARDOWNS:
+                self.num_teardowns += n
+            case ReceiveCounter.QUARANTINE_ASKS:
+                self.num_quarantine_asks += n
+            case ReceiveCounter.REGISTRATIONS_RESENT:
+                self.num_registrations_resent += n
+            case _:
+                assert_never(counter)
 
 
 class KVReceiver(FlowHalf):
@@ -217,7 +240,7 @@ class KVReceiver(FlowHalf):
             case TearDown():  # NIXL's disconnect takes its locks: not on the engine thread
                 self.io.submit(TearDownEndpoint(m.peer, a.why, m.xid))
             case Count():
-                setattr(self.stats, a.name, getattr(self.stats, a.name) + a.n)
+                self.stats.count(a.counter, a.n)
             case Log():
                 logger.log(a.level, "xid=%s: %s", m.xid, a.text)
             case Forget():

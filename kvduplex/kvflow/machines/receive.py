@@ -31,7 +31,6 @@ from __future__ import annotations
 import enum
 import logging
 from dataclasses import dataclass
-from typing import Literal
 from typing import assert_never
 
 import msgspec
@@ -184,15 +183,24 @@ class AskSender:
     (KVCancel) and feed `Asked`."""
 
 
-Counter = Literal[
-    "num_received", "num_received_blocks", "num_failed", "num_late", "num_alive_received", "num_teardowns",
-    "num_quarantine_asks", "num_registrations_resent",
-]  # fmt: skip
+class ReceiveCounter(enum.Enum):
+    """The receiver's statistics a machine counts (`KVReceiverStats.count`)."""
+
+    RECEIVED = "num_received"
+    RECEIVED_BLOCKS = "num_received_blocks"
+    FAILED = "num_failed"
+    LATE = "num_late"
+    ALIVE_RECEIVED = "num_alive_received"
+    TEARDOWNS = "num_teardowns"
+    QUARANTINE_ASKS = "num_quarantine_asks"
+    REGISTRATIONS_RESENT = "num_registrations_resent"
 
 
 @dataclass(frozen=True)
 class Count:
-    name: Counter
+    """Add ``n`` to the receiver's statistic ``counter``."""
+
+    counter: ReceiveCounter
     n: int = 1
 
 
@@ -290,13 +298,16 @@ class ReceiveMachine:
         ):
             out.append(FlowFirstToken(msg.first_token))
         if fell_back:
-            out.append(Count("num_late"))
+            out.append(Count(ReceiveCounter.LATE))
         elif isinstance(msg, KVDone):
-            received = [Count("num_received"), Count("num_received_blocks", len(self.blocks))]
+            received = [
+                Count(ReceiveCounter.RECEIVED),
+                Count(ReceiveCounter.RECEIVED_BLOCKS, len(self.blocks)),
+            ]
             out += [*received, FlowDone(msg)]
         else:
             out += [
-                Count("num_failed"), Log(logging.WARNING, f"the sender gave up ({msg.reason})"),
+                Count(ReceiveCounter.FAILED), Log(logging.WARNING, f"the sender gave up ({msg.reason})"),
                 FlowFailed(WaitFailure.SENDER_FAILED, msg.reason),
             ]  # fmt: skip
         return [*out, Forget()]  # the wait goes last: whoever sees it gone sees it all done
@@ -311,7 +322,7 @@ class ReceiveMachine:
         self._move(ReceivePhase.QUARANTINED)
         self.quarantine_until = now + self.quarantine_s
         return [
-            Count("num_failed"), Log(logging.WARNING, f"{reason}; falling back"),
+            Count(ReceiveCounter.FAILED), Log(logging.WARNING, f"{reason}; falling back"),
             Tell(KVCancel(self.xid, reason)), FlowFailed(cause, reason),
         ]  # fmt: skip
 
@@ -320,7 +331,7 @@ class ReceiveMachine:
             return []  # no answer: the sender's deadline stays where ours was
         self.deadline = max(self.deadline, event.now + self.wait_s)
         self.is_registered = True
-        return [Count("num_alive_received"), Tell(KVAliveAck(self.xid, event.sent_at))]
+        return [Count(ReceiveCounter.ALIVE_RECEIVED), Tell(KVAliveAck(self.xid, event.sent_at))]
 
     def _acknowledged(self, event: Acknowledged) -> list[ReceiveAction]:
         if event.sender == self.peer.engine_id:
@@ -341,7 +352,7 @@ class ReceiveMachine:
             self.reg_sent_at = now
             again = msgspec.structs.replace(self.reg, time_left_s=self.deadline - now)
             return [
-                Count("num_registrations_resent"),
+                Count(ReceiveCounter.REGISTRATIONS_RESENT),
                 Log(logging.INFO, "registration not acknowledged; sending it again"),
                 Tell(again),
             ]
@@ -362,7 +373,7 @@ class ReceiveMachine:
     def _asked(self, event: Asked) -> list[ReceiveAction]:
         self.quarantine_until = event.now + self.quarantine_s
         self.asking = False
-        return [Count("num_quarantine_asks")] if not self.ended else []
+        return [Count(ReceiveCounter.QUARANTINE_ASKS)] if not self.ended else []
 
     def _sender_gone(self, event: SenderGone) -> list[ReceiveAction]:
         self.asking = False
@@ -371,7 +382,7 @@ class ReceiveMachine:
         self._move(ReceivePhase.ENDED)
         text = f"{event.why} ({self.peer.engine_id}); releasing quarantined blocks"
         return [
-            Log(logging.WARNING, text), Count("num_teardowns"), TearDown(event.why),
+            Log(logging.WARNING, text), Count(ReceiveCounter.TEARDOWNS), TearDown(event.why),
             ReleaseBlocks(self.blocks), Forget(),
         ]  # fmt: skip
 
@@ -379,6 +390,6 @@ class ReceiveMachine:
 __all__ = [
     "TRANSITIONS", "Acknowledged", "Alive", "AskSender", "Asked", "Begin", "Cancel", "Count",
     "FlowDone", "FlowFailed", "FlowFirstToken", "Forget", "NotSent", "ReceiveAction",
-    "ReceiveEvent", "ReceiveMachine", "ReceivePhase", "SenderEnded", "SenderGone", "Tick",
+    "ReceiveCounter", "ReceiveEvent", "ReceiveMachine", "ReceivePhase", "SenderEnded", "SenderGone", "Tick",
     "WaitFailure",
 ]  # fmt: skip

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 from kvduplex.common.sampling import TokenLogprobs
 from kvduplex.kvflow.machines.actions import AcquireBlocks
@@ -223,17 +223,21 @@ class Ended:
     ok: bool
 
 
-Counter = Literal[
-    "num_late_registrations", "num_writes", "num_teardowns", "num_alive_sent",
-    "num_waiting_received",
-]  # fmt: skip
+class SendCounter(enum.Enum):
+    """The sender's statistics a machine counts (`KVSenderStats.count`)."""
+
+    LATE_REGISTRATIONS = "num_late_registrations"
+    WRITES = "num_writes"
+    TEARDOWNS = "num_teardowns"
+    ALIVE_SENT = "num_alive_sent"
+    WAITING_RECEIVED = "num_waiting_received"
 
 
 @dataclass(frozen=True)
 class Count:
-    """Add one to the sender's statistic ``name``."""
+    """Add one to the sender's statistic ``counter``."""
 
-    name: Counter
+    counter: SendCounter
 
 
 SendAction = (
@@ -248,7 +252,6 @@ __all__ = [
     "Begin",
     "Cancelled",
     "Count",
-    "Counter",
     "Declined",
     "Ended",
     "FirstToken",
@@ -262,6 +265,7 @@ __all__ = [
     "Registered",
     "ReleasePrefill",
     "SendAction",
+    "SendCounter",
     "SendEvent",
     "Source",
     "StepEnded",
