@@ -38,7 +38,6 @@ import heapq
 import itertools
 import logging
 import queue
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -113,9 +112,13 @@ class FlowInbox:
         self._handlers: dict[type[ControlMessage], Handler] = {}
         self._at_layer: set[type[ControlMessage]] = set()
         self._ticks: list[Tick] = []
-        self._tick_lock = threading.Lock()
-        self._tick_now: float | None = None
-        """The latest time of the pending tick (None: no tick pending)."""
+        # Ticks are coalesced without a lock: the pump's thread alone writes `_tick_latest`
+        # and `_num_ticks_put`, the engine thread alone `_num_ticks_applied` (an int or
+        # float attribute is read and written whole under the GIL).
+        self._tick_latest = 0.0
+        """The latest time the pump ticked."""
+        self._num_ticks_put = 0
+        self._num_ticks_applied = 0
         self._timers: list[_Timer] = []
         self._seq = itertools.count()
         self._pending: set[Future[Any]] = set()
@@ -157,10 +160,11 @@ class FlowInbox:
         """The clock moved to ``now``: queue a tick, unless one is pending already, which
         then carries the later of its time and ``now`` (a busy engine that drains late
         applies one tick, at the latest time, not one per pump tick)."""
-        with self._tick_lock:
-            pending = self._tick_now is not None
-            self._tick_now = now if self._tick_now is None else max(self._tick_now, now)
-        if not pending:
+        self._tick_latest = max(self._tick_latest, now)
+        if self._num_ticks_applied >= self._num_ticks_put:
+            # None pending. Had the engine thread just counted one applied, it reads the
+            # time after counting, so it applies `now` or this tick does: none is lost.
+            self._num_ticks_put += 1
             self.put(TickAt(now))
 
     def watch(
@@ -285,9 +289,8 @@ class FlowInbox:
             case Heard():
                 self._heard(event)
             case TickAt(now):
-                with self._tick_lock:
-                    latest, self._tick_now = self._tick_now, None
-                self._tick(now if latest is None else max(now, latest))
+                self._num_ticks_applied += 1  # before the time is read: see `tick`
+                self._tick(max(now, self._tick_latest))
             case TransferEnded(handle, to):
                 to.on_transfer_ended(handle)
             case TransferSettled(handle, to):
