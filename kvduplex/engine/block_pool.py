@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import struct
 from collections import OrderedDict
 from collections import deque
@@ -126,6 +127,8 @@ class BlockPool:
         self._cached: dict[BlockHash, int] = {}
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()
+        self.epoch = os.urandom(8).hex()
+        """Names this pool's life (an instance start): `num_allocated` counts from it."""
         self.num_allocated = 0
         """Blocks handed out by `try_allocate` since start: the pool's clock. A cached block
         released when it read t is evicted, least recently released first, after fewer than

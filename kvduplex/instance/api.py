@@ -221,7 +221,7 @@ class InstanceState:
         return body
 
 
-def kv_clock(core: LLMEngine) -> dict[str, int]:
+def kv_clock(core: LLMEngine) -> dict[str, int | str]:
     """The cache's size and clock (`BlockPool.num_allocated`), by which the router tells
     whether a session's blocks are likely still cached here. The size counts the KV tier's
     blocks too: every block the pool evicts goes down to the tier, so a block stays here,
@@ -230,7 +230,10 @@ def kv_clock(core: LLMEngine) -> dict[str, int]:
     decision that needs them exact."""
     pool = core.block_pool
     num_blocks = pool.num_blocks + (core.kv_tier.tier.num_slots if core.kv_tier else 0)
-    return {"kv_num_blocks": num_blocks, "kv_blocks_allocated": pool.num_allocated}
+    return {
+        "kv_num_blocks": num_blocks, "kv_blocks_allocated": pool.num_allocated,
+        "kv_epoch": pool.epoch,
+    }  # fmt: skip
 
 
 def create_app(state: InstanceState, extra_routers: Sequence[APIRouter] = ()) -> FastAPI:

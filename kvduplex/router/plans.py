@@ -55,8 +55,10 @@ def _held(b: Backend, prev: Session, route: Route, stamp: int | None, num_tokens
 def is_return_kept(route: Route, plan: Plan, now: float) -> bool:
     """Whether returning this turn to its prefill instance likely pays: prefill holds the
     history the returned blocks extend (it computes this prompt itself in a push; in a
-    decode-local turn, only if it still holds the previous one), and its pool will not
-    have turned over by the session's next turn, expected as far off as this one was."""
+    decode-local turn, only if it still holds the previous one), and will still hold it
+    at the session's next turn. The history's blocks age from when prefill last computed
+    them (a return refreshes only the answer's), so they must outlast this turn's answer
+    and the client's think time, each expected as long as the previous turn's."""
     p, prev = route.prefill, route.previous
     if p is None:
         return False
@@ -64,18 +66,19 @@ def is_return_kept(route: Route, plan: Plan, now: float) -> bool:
         prev is None or prev.prefill_url != p.url or not p.kv_clock.holds(prev.prefill_stamp)
     ):
         return False
-    gap_s = None
-    if prev is not None:
-        gap_s = prev.gap_s if prev.answered_at is None else now - prev.answered_at
-    return p.kv_clock.keeps_for(gap_s)
+    if prev is None or prev.answered_at is None:
+        return p.kv_clock.keeps_for(None if prev is None else prev.gap_s)
+    answer_s = prev.answered_at - prev.last_used
+    return p.kv_clock.keeps_for(answer_s + (now - prev.answered_at))
 
 
 def note_turn_held(
     sessions: SessionTable, route: Route, ids: Sequence[int], num_answer_tokens: int, now: float
 ) -> None:
     """The turn with prompt `ids` on `route` answered `num_answer_tokens` tokens: decode
-    holds its prompt and answer (but the answer's last token, which has no KV), and so
-    does prefill, about now, if the turn is returned to it."""
+    holds its prompt and answer (but the answer's last token, which has no KV), released
+    about now; if the turn is returned, prefill holds the answer too, after a history
+    whose stamp stays that of its last computation there."""
     session = sessions.get(route.session_id, now)
     if session is None or session.num_prompt_tokens != len(ids):
         return  # a later turn was recorded meanwhile
@@ -85,6 +88,6 @@ def note_turn_held(
     if session.is_returned and route.prefill is not None:
         limit = session.return_limit
         sessions.note_held(
-            route.session_id, ids, is_prefill=True, stamp=route.prefill.kv_clock.allocated,
+            route.session_id, ids, is_prefill=True, stamp=None,
             num_tokens=end if limit is None else min(end, limit),
         )  # fmt: skip

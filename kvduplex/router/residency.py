@@ -64,18 +64,27 @@ class PoolClock:
     """The clock and router time the current rate sample began (None: no reading yet)."""
     rate: float | None = None
     """Blocks allocated per second, decayed (None: not two readings yet)."""
+    epoch: str | None = None
+    """The instance's start its count runs from (None: not said)."""
 
-    def note(self, num_blocks: int, allocated: int, now: float) -> None:
+    def note(self, num_blocks: int, allocated: int, now: float, epoch: str | None = None) -> None:
         """A reading of the instance's pool (a probe, a prefill answer): `allocated` as the
-        instance counts. A count that went back, or a new pool size, is a restarted
-        instance: its cache is gone, so the router's clock jumps a whole pool ahead (every
-        stamp before reads as turned over) and the rate starts again. The rate is sampled
-        over at least `RATE_WINDOW_S` (answers come in bursts)."""
-        reading = self.base + allocated
-        if reading < self.allocated or (self.num_blocks not in (None, num_blocks)):
+        instance counts, since the start it names `epoch`. A new epoch (or pool size) is a
+        restarted instance: its cache is gone, so the router's clock jumps a whole pool
+        ahead (every stamp before reads as turned over) and the rate starts again. Within
+        an epoch the count only grows: a lower one is a reading that arrived late (probes
+        and answers race), ignored. The rate is sampled over at least `RATE_WINDOW_S`
+        (answers come in bursts)."""
+        is_restart = (epoch is not None and self.epoch is not None and epoch != self.epoch) or (
+            self.num_blocks is not None and num_blocks != self.num_blocks
+        )
+        if is_restart:
             self.base = self.allocated + max(num_blocks, self.num_blocks or 0)
-            reading = self.base + allocated
             self.rate, self.window = None, None
+        elif self.base + allocated < self.allocated:
+            return
+        self.epoch = epoch if epoch is not None else self.epoch
+        reading = self.base + allocated
         if self.window is None:
             self.window = (reading, now)
         elif now - self.window[1] >= RATE_WINDOW_S:
@@ -112,8 +121,9 @@ class PoolClock:
         if not isinstance(body, dict):
             return
         num_blocks, allocated = body.get("kv_num_blocks"), body.get("kv_blocks_allocated")
+        epoch = body.get("kv_epoch")
         if isinstance(num_blocks, int) and isinstance(allocated, int) and num_blocks > 0:
-            self.note(num_blocks, max(0, allocated), now)
+            self.note(num_blocks, max(0, allocated), now, epoch if isinstance(epoch, str) else None)
 
 
 @dataclass(frozen=True)

@@ -312,20 +312,24 @@ class SessionTable:
         self._sessions[session_id] = _updated(session, **update)
 
     def note_held(
-        self, session_id: str, prompt_ids: Sequence[int], *, is_prefill: bool, stamp: int,
-        num_tokens: int,
+        self, session_id: str, prompt_ids: Sequence[int], *, is_prefill: bool,
+        stamp: int | None, num_tokens: int,
     ) -> None:  # fmt: skip
         """The instance of `session_id`'s turn with prompt `prompt_ids` on one side took
-        `num_tokens` of its history when its pool clock read `stamp` (ignored if a later
-        turn was recorded meanwhile)."""
+        `num_tokens` of its history when its pool clock read `stamp` (None: tokens that
+        extend what it took at its current stamp, or will). Ignored if a later turn was
+        recorded meanwhile."""
         session = self._sessions.get(session_id)
         if session is None or session.num_prompt_tokens != len(prompt_ids):
             return
+        old_stamp = session.prefill_stamp if is_prefill else session.decode_stamp
+        old_tokens = session.prefill_tokens if is_prefill else session.decode_tokens
         # Both notes of one turn's side (P's answer, the return at the answer's end) may
-        # come in either order: the later stamp and the longer part stand.
+        # come in either order: the longer part stands (a later prompt is longer still).
+        num_tokens = max(old_tokens, num_tokens)
+        if stamp is None:
+            stamp = old_stamp
         if is_prefill:
-            if session.prefill_stamp is not None and session.prefill_tokens > num_tokens:
-                num_tokens, stamp = session.prefill_tokens, max(stamp, session.prefill_stamp)
             change = {"prefill_stamp": stamp, "prefill_tokens": num_tokens}
         else:
             change = {"decode_stamp": stamp, "decode_tokens": num_tokens}

@@ -47,8 +47,11 @@ def test_the_rate_is_sampled_over_seconds_and_a_restart_resets_it() -> None:
     assert clock.keeps_for(9.0) and not clock.keeps_for(10.0), "50 blocks = half the pool"
     clock.note(num_blocks=100, allocated=60, now=10.5)
     assert clock.rate == pytest.approx(5.0) and clock.allocated == 60
-    clock.note(num_blocks=100, allocated=3, now=20.0)  # the count went back: a restart
-    assert clock.rate is None and clock.allocated == 60 + 100 + 3, "a whole pool ahead"
+    clock.note(num_blocks=100, allocated=55, now=20.0)  # a probe that arrived late
+    assert clock.allocated == 60 and clock.rate == pytest.approx(5.0), "ignored"
+    clock.note(num_blocks=100, allocated=70, now=20.0, epoch="a")
+    clock.note(num_blocks=100, allocated=3, now=20.0, epoch="b")  # a restart
+    assert clock.rate is None and clock.allocated == 70 + 100 + 3, "a whole pool ahead"
     assert not clock.holds(50), "a stamp from before the restart is gone"
     assert clock.holds(clock.stamp_of(3))
 
@@ -176,3 +179,27 @@ def test_prefills_answer_noted_after_the_return_keeps_the_returned_part() -> Non
     policy.sessions.note_held("s", ids, is_prefill=True, stamp=3, num_tokens=len(ids))
     session = policy.sessions.get("s", clock.now)
     assert session is not None and session.prefill_tokens == 54
+
+
+def test_a_return_is_skipped_when_prefill_turns_over_while_the_answer_decodes() -> None:
+    """The history's blocks on prefill age from its prefill, not from the return: a long
+    answer at prefill's churn loses them however short the think time."""
+    clock = Clock()
+    policy = _policy(clock)
+    p = policy.prefill.backends[0]
+    p.kv_clock.note(num_blocks=100, allocated=0, now=clock.now)
+    p.kv_clock.note(num_blocks=100, allocated=30, now=clock.now + 3)  # 10 blocks/s
+    clock.now += 3
+    first = list(range(1, 101))
+    route = policy.route(first, "s")
+    policy.sessions.note_held("s", first, is_prefill=True, stamp=30, num_tokens=len(first))
+    policy.sessions.note_return_limit("s", None)
+    clock.now += 8  # the answer took 8 s: 80 blocks of churn
+    policy.sessions.note_answer("s", first, 10, list(range(10)), None, clock.now)
+    note_turn_held(policy.sessions, route, first, 10, clock.now)
+    session = policy.sessions.get("s", clock.now)
+    assert session is not None and (session.prefill_stamp, session.prefill_tokens) == (30, 109)
+    clock.now += 0.5
+    second = first + list(range(9)) + [7] * 30
+    route = policy.route(second, "s")
+    assert not is_return_kept(route, Plan.PUSH, clock.now), "8.5 s x 10 blocks/s > half"
