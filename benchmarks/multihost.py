@@ -37,8 +37,8 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.netns_lan import NetnsLan
 from kvduplex.bench.netns import LinkEnd
-from kvduplex.bench.netns import NetnsLan
 from kvduplex.cluster import LocalCluster
 from kvduplex.cluster import Process
 from kvduplex.cluster import free_port

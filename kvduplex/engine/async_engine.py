@@ -46,8 +46,8 @@ from typing import TypeVar
 
 from kvduplex.common.limits import RequestRejected
 from kvduplex.engine.engine import LLMEngine
-from kvduplex.engine.engine import RequestOutput
 from kvduplex.engine.metrics import EngineMetrics
+from kvduplex.engine.outputs import RequestOutput
 from kvduplex.engine.request import Request
 
 logger = logging.getLogger(__name__)

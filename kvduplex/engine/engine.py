@@ -14,10 +14,10 @@ without the step knowing about prefill or decode roles::
     connector.wait_for_save(meta)
     finished = scheduler.update(out, sampled) # each finish: connector.request_finished
 
-One output path: every `RequestOutput` comes from `step` (tokens sampled here,
-first tokens that came with remote KV, finishes, aborts since the last step);
-`has_unfinished` stays true while any is pending, so a loop that steps while it
-is true delivers them all.
+One output path: every `RequestOutput` (read off its request by `outputs.py`)
+comes from `step` (tokens sampled here, first tokens that came with remote KV,
+finishes, aborts since the last step); `has_unfinished` stays true while any is
+pending, so a loop that steps while it is true delivers them all.
 """
 
 from __future__ import annotations
@@ -25,11 +25,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-from kvduplex.common.detokenizer import IncrementalDetokenizer
 from kvduplex.common.engine_config import EngineConfig
 from kvduplex.common.kv_layout import KVCacheLayout
 from kvduplex.common.limits import RequestRejected
@@ -40,9 +38,10 @@ from kvduplex.engine.block_pool import BlockPool
 from kvduplex.engine.connector import KVConnector
 from kvduplex.engine.kv_cache import allocate_kv_pool
 from kvduplex.engine.kv_manager import KVCacheManager
+from kvduplex.engine.outputs import OutputTracker
+from kvduplex.engine.outputs import RequestOutput
 from kvduplex.engine.request import FinishReason
 from kvduplex.engine.request import Request
-from kvduplex.engine.request import RequestStatus
 from kvduplex.engine.runner import ModelRunner
 from kvduplex.engine.runner import SeqInput
 from kvduplex.engine.runner import kv_layout_for
@@ -64,48 +63,12 @@ from kvduplex.model.loader import load_model
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class RequestOutput:
-    """What one step produced for one request."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: str | None
-    """"stop", "length" or "abort" once finished."""
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    """Prompt tokens nobody computed for this request: the prefix-cache hits of the
-    instance that computed its prompt (this one, or the sender of its KV)."""
-    num_local_cached_tokens: int
-    """Prompt tokens served from this instance's prefix cache."""
-    num_output_tokens: int
-    num_prompt_computed_here: int = 0
-    """Prompt tokens this instance computed for the request."""
-    num_prompt_computed_remotely: int = 0
-    """Prompt tokens the instance that sent the prompt's KV computed."""
-    num_remote_kv_bytes: int = 0
-    """Bytes of prompt KV that arrived from that instance."""
-    new_logprobs: list[TokenLogprobs | None] | None = None
-    """With ``SamplingParams.logprobs``: one entry per new token (a first token sampled
-    by another instance has the logprobs that instance sent; None for a token whose
-    logits no instance reported)."""
-
-
 SampleHook = Callable[[list[Request], list[int]], list[int]]
 """``hook(requests, sampled)``: the tokens `requests` take at this step, given those the
 sampler drew for them (same order, same length). Called on the engine thread after each
 sampling; what it returns goes on as the drawn tokens would (logprobs, stop checks,
 detokenizing), and a first token that came with remote KV replaces it as it would a drawn
 one. It must be quick and must not touch engine state."""
-
-
-_FINISH_NAMES = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-}
 
 
 class LLMEngine:
@@ -163,8 +126,8 @@ class LLMEngine:
         """Live requests with ``min_tokens`` (none: a step skips the stop bans at no cost)."""
         self._logprobs: dict[str, dict[int, TokenLogprobs]] = {}
         """Per live request asking for logprobs: by output position, those computed here."""
-        self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._num_emitted: dict[str, int] = {}
+        self._outputs = OutputTracker(self.loaded.tokenizer, self.scheduler.finish_request)
+        """Each live request's detokenizer and how much of its output was handed out."""
         self._pending: list[RequestOutput] = []  # made between steps (aborts), not yet returned
         self.last_step_did_work = False
         """The last `step` computed tokens, allocated blocks for remote KV or preempted: when
@@ -204,10 +167,7 @@ class LLMEngine:
             self._with_min_tokens.add(request_id)
         if params.logprobs is not None:
             self._logprobs[request_id] = {}
-        self._detok[request_id] = IncrementalDetokenizer(
-            self.loaded.tokenizer, params.stop, params.min_tokens
-        )
-        self._num_emitted[request_id] = 0
+        self._outputs.add(request_id, params)
         return req
 
     def abort_request(self, request_id: str) -> bool:
@@ -363,59 +323,15 @@ class LLMEngine:
                 sampling[j].first_token_logprobs = lp
 
     def _make_output(self, req: Request) -> RequestOutput | None:
-        rid = req.request_id
-        detok = self._detok.get(rid)
-        if detok is None:
-            return None
-        emitted = self._num_emitted[rid]
-        new_ids = req.output_token_ids[emitted:]
-        finished = req.is_finished
-        new_text = detok.update(req.output_token_ids, is_final=finished)
-        if detok.stopped_by is not None and not finished:
-            self.scheduler.finish_request(rid, FinishReason.STOP)
-            finished = True
-        if not new_ids and not finished:
-            return None
-        self._num_emitted[rid] = len(req.output_token_ids)
-        reason = _FINISH_NAMES.get(req.status) if finished else None
-        if detok.stopped_by is not None:
-            reason = "stop"
-        output = RequestOutput(
-            request_id=rid,
-            new_token_ids=new_ids,
-            new_text=new_text,
-            finished=finished,
-            finish_reason=reason,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=(
-                req.num_cached_tokens
-                if req.num_remote_cached_tokens is None
-                else req.num_remote_cached_tokens
-            ),
-            num_local_cached_tokens=req.num_cached_tokens,
-            num_output_tokens=len(req.output_token_ids),
-            num_prompt_computed_here=req.num_prompt_computed_here,
-            num_prompt_computed_remotely=(
-                0
-                if req.num_remote_cached_tokens is None
-                else req.num_prompt_tokens - req.num_remote_cached_tokens
-            ),
-            num_remote_kv_bytes=req.num_remote_kv_bytes,
-        )
-        if req.sampling_params.logprobs is not None:
-            by_position = self._logprobs.get(rid, {})
-            output.new_logprobs = [
-                by_position.pop(i, None) for i in range(emitted, len(req.output_token_ids))
-            ]
-            if emitted == 0 and output.new_logprobs and output.new_logprobs[0] is None:
-                output.new_logprobs[0] = req.first_token_logprobs  # sampled elsewhere
-        if finished:
-            self._forget(rid)
+        """What changed for `req` since its last output (None: nothing); a finished
+        request is forgotten."""
+        output = self._outputs.next_output(req, self._logprobs.get(req.request_id, {}))
+        if output is not None and output.finished:
+            self._forget(req.request_id)
         return output
 
     def _forget(self, request_id: str) -> None:
-        self._detok.pop(request_id, None)
-        self._num_emitted.pop(request_id, None)
+        self._outputs.forget(request_id)
         self._generators.drop(request_id)
         self._penalties.drop(request_id)
         self._penalised.discard(request_id)
@@ -453,3 +369,7 @@ def _with_eos(params: SamplingParams, eos: tuple[int, ...]) -> SamplingParams:
     from dataclasses import replace
 
     return replace(params, extra_eos_token_ids=eos)
+
+
+# RequestOutput is imported from here too (the instance's API, tests).
+__all__ = ["LLMEngine", "RequestOutput", "SampleHook"]

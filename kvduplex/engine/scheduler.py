@@ -7,6 +7,13 @@ One engine step::
                                               # sampling: {request_id: token} for needs_sample
     finished = scheduler.update(out, sampled)
 
+The scheduler is composed of parts, each owning its requests (the scheduler
+owns the table of all, and their finish):
+
+    WaitingQueue     (scheduler_waiting.py)   WAITING / PREEMPTED, FCFS, and admission
+    RunningRequests  (scheduler_running.py)   RUNNING: decodes, prefill chunks, preemption
+    RemoteKVWaits    (scheduler_remote.py)    WAITING_FOR_REMOTE_KV, until the KV arrives or fails
+
 `schedule` fills the token budget (``max_num_batched_tokens``) in this order:
 
 1. running decodes (one token each); with ``max_prefill_tokens_with_decodes``
@@ -24,17 +31,13 @@ A chunk of a request (``start_pos`` = num_computed_tokens before the step)::
                    0                  start_pos     +num_new_tokens
     needs_sample = (start_pos + num_new_tokens == num_tokens)
 
-When a running request cannot get blocks, the most recently arrived running
-request is preempted (blocks freed, to the front of the waiting queue) until it
-can, or it was itself the victim. Its output tokens are kept and recomputed as
-part of its prefix on re-admission (often straight from the prefix cache).
+When a running request cannot get blocks, the latest arrivals are preempted
+(see `scheduler_running.py`); no request is admitted in a step that preempted.
 """
 
 from __future__ import annotations
 
-import bisect
 import logging
-from collections import deque
 from collections.abc import Callable
 from collections.abc import Iterable
 from collections.abc import Mapping
@@ -53,11 +56,13 @@ from kvduplex.engine.scheduler_output import KVReceiveFailed
 from kvduplex.engine.scheduler_output import KVSendCancelled
 from kvduplex.engine.scheduler_output import KVSendEnded
 from kvduplex.engine.scheduler_output import KVTransferResult
-from kvduplex.engine.scheduler_output import RemoteKVAllocation
 from kvduplex.engine.scheduler_output import ScheduledSeq
 from kvduplex.engine.scheduler_output import SchedulerOutput
 from kvduplex.engine.scheduler_output import StepBuilder
 from kvduplex.engine.scheduler_output import check_stop
+from kvduplex.engine.scheduler_remote import RemoteKVWaits
+from kvduplex.engine.scheduler_running import RunningRequests
+from kvduplex.engine.scheduler_waiting import WaitingQueue
 
 logger = logging.getLogger(__name__)
 
@@ -100,11 +105,11 @@ class Scheduler:
         self.request_finished = request_finished
         """The finish hook (the engine sets its connector's)."""
         self._requests: dict[str, Request] = {}  # every unfinished request
-        self._waiting: deque[Request] = deque()  # WAITING / PREEMPTED, FCFS
-        self._running: list[Request] = []  # RUNNING, by arrival_time
-        self._remote_waiting: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV
         self._held: dict[str, Request] = {}  # finished, blocks kept for a reader
         self.tables = BlockTableTracker()  # what the runner holds of each block table
+        self._waiting = WaitingQueue(config, kv_manager)
+        self._running = RunningRequests(config, kv_manager, self.tables, self._waiting.push_front)
+        self._remote_waiting = RemoteKVWaits(kv_manager, self.tables, self._running)
 
     # ---- queries ----
 
@@ -185,13 +190,13 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Choose this step's batch and allocate its slots (see the module docstring)."""
         step = StepBuilder(self.config.max_num_batched_tokens)
-        self._schedule_running(step, decodes=True)
+        self._running.schedule_decodes(step)
         cap = self.config.max_prefill_tokens_with_decodes
         if cap > 0 and step.seqs:  # decodes run: prefill chunks share at most `cap` tokens
             step.token_budget = min(step.token_budget, len(step.seqs) + cap)
-        self._schedule_running(step, decodes=False)
+        self._running.schedule_prefills(step)
         if not step.preempted_ids:
-            self._admit_waiting(step)
+            self._waiting.admit(step, self._running, self._remote_waiting)
         return step.build(self.tables)
 
     def update(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> list[Request]:
@@ -278,15 +283,7 @@ class Scheduler:
         Without, the last prompt token is recomputed here to get logits.
         Raises KeyError if the request is not waiting for remote KV.
         """
-        req = self._pop_remote_waiting(request_id)
-        if first_token is None:
-            self._resume_locally(req, req.num_prompt_tokens - 1)
-        else:
-            req.num_computed_tokens = req.num_prompt_tokens
-        self.kv.cache_full_blocks(req)
-        req.status = RequestStatus.RUNNING
-        self._insert_running(req)
-        logger.debug("request %s: remote KV done (first token %s)", request_id, first_token)
+        req = self._remote_waiting.kv_arrived(request_id, first_token)
         if first_token is None:
             return False
         req.append_output_token(first_token)
@@ -306,161 +303,9 @@ class Scheduler:
         written into must hold its own reference on the released blocks.
         Raises KeyError if the request is not waiting for remote KV.
         """
-        req = self._pop_remote_waiting(request_id)
-        if discard_blocks:
-            self.tables.forget(request_id)
-            self.kv.drop_tail(req, req.num_cached_tokens // self.kv.block_size)
-        self._resume_locally(req, min(req.num_cached_tokens, req.num_prompt_tokens - 1))
-        req.status = RequestStatus.RUNNING
-        self._insert_running(req)
-        logger.warning(
-            "request %s: remote KV failed (transfer %s); prefilling %d tokens locally",
-            request_id,
-            req.remote_kv.transfer_id if req.remote_kv else "?",
-            req.num_prompt_tokens - req.num_computed_tokens,
-        )
+        self._remote_waiting.kv_failed(request_id, discard_blocks=discard_blocks)
 
-    def _pop_remote_waiting(self, request_id: str) -> Request:
-        req = self._remote_waiting.pop(request_id, None)
-        if req is None:
-            raise KeyError(f"request {request_id!r} is not waiting for remote KV")
-        return req
-
-    def _resume_locally(self, req: Request, num_computed: int) -> None:
-        """Compute from `num_computed` on, never writing into an acquired prefix-hit block.
-
-        A hit may cover the whole prompt (remote KV allows it); backing off to
-        recompute the last token would then write into a shared block, so
-        that block is dropped and its tokens recomputed into a fresh one.
-        """
-        num_hit_blocks = req.num_cached_tokens // self.kv.block_size
-        if num_computed < num_hit_blocks * self.kv.block_size:
-            num_kept = num_computed // self.kv.block_size
-            self.tables.forget(req.request_id)
-            self.kv.drop_tail(req, num_kept)
-            num_computed = num_kept * self.kv.block_size
-            req.num_cached_tokens = num_computed
-        req.num_computed_tokens = num_computed
-
-    # ---- parts of schedule() ----
-
-    def _chunk_size(self, num_remaining: int, step: StepBuilder) -> int:
-        """Tokens of a request to compute this step (0: not this step)."""
-        budget = step.budget_left
-        if not self.config.enable_chunked_prefill:
-            if num_remaining <= budget:
-                return num_remaining
-            # Larger than the whole budget: it runs alone, in one piece.
-            return num_remaining if not step.seqs else 0
-        n = num_remaining
-        if self.config.long_prefill_token_threshold > 0:
-            n = min(n, self.config.long_prefill_token_threshold)
-        return min(n, budget)
-
-    def _schedule_running(self, step: StepBuilder, *, decodes: bool) -> None:
-        """Give running requests their next token (decodes) or next chunk (prefills)."""
-        for req in list(self._running):
-            if req.status is not RequestStatus.RUNNING or req.request_id in step.seqs:
-                continue  # preempted earlier in this step, or already scheduled
-            num_remaining = req.num_tokens - req.num_computed_tokens
-            assert num_remaining >= 1, f"running request {req.request_id} has nothing to compute"
-            if (num_remaining == 1) != decodes:
-                continue
-            n = self._chunk_size(num_remaining, step)
-            if n == 0:
-                continue
-            if self._allocate_or_preempt(req, n, step):
-                step.add(req, n)
-
-    def _allocate_or_preempt(self, req: Request, num_new_tokens: int, step: StepBuilder) -> bool:
-        """Allocate slots for a running request, preempting the latest arrivals as needed.
-
-        Returns False if `req` itself was preempted.
-        """
-        while self.kv.try_allocate_slots(req, num_new_tokens) is None:
-            victim = max(self._running, key=lambda r: r.arrival_time)
-            self._preempt(victim, step)
-            if victim is req:
-                return False
-        return True
-
-    def _admit_waiting(self, step: StepBuilder) -> None:
-        """Admit waiting requests in order while seats, budget and blocks last."""
-        while self._waiting:
-            if len(self._running) + len(self._remote_waiting) >= self.config.max_num_seqs:
-                return
-            req = self._waiting[0]
-            if req.remote_kv is not None and req.status is RequestStatus.WAITING:
-                if not self._admit_remote(req, step):
-                    return
-                continue
-            if step.budget_left == 0:
-                return
-            hit = self.kv.find_prefix_hit(req)
-            n = self._chunk_size(req.num_tokens - hit.num_tokens, step)
-            if n == 0 or self.kv.try_allocate_slots(req, n, hit) is None:
-                return
-            self._waiting.popleft()
-            req.num_computed_tokens = hit.num_tokens
-            if req.status is RequestStatus.WAITING:
-                req.num_cached_tokens = hit.num_tokens
-            req.status = RequestStatus.RUNNING
-            self._insert_running(req)
-            step.add(req, n)
-            logger.debug(
-                "request %s admitted: %d tokens cached, %d to compute",
-                req.request_id,
-                hit.num_tokens,
-                req.num_tokens - hit.num_tokens,
-            )
-
-    def _admit_remote(self, req: Request, step: StepBuilder) -> bool:
-        """Allocate blocks for the whole prompt and wait for the sender to fill them."""
-        assert req.remote_kv is not None
-        hit = self.kv.find_prefix_hit(req, allow_full_hit=True)
-        if self.kv.try_allocate_slots(req, req.num_prompt_tokens - hit.num_tokens, hit) is None:
-            return False
-        self._waiting.popleft()
-        req.num_computed_tokens = hit.num_tokens
-        req.num_cached_tokens = hit.num_tokens
-        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        self._remote_waiting[req.request_id] = req
-        step.remote_kv_allocated.append(
-            RemoteKVAllocation(
-                req.request_id,
-                req.remote_kv.transfer_id,
-                tuple(req.block_ids),
-                req.num_cached_tokens,
-                req.num_prompt_tokens,
-            )
-        )
-        logger.debug(
-            "request %s: %d blocks allocated for remote KV (transfer %s, %d tokens cached)",
-            req.request_id,
-            len(req.block_ids),
-            req.remote_kv.transfer_id,
-            hit.num_tokens,
-        )
-        return True
-
-    def _preempt(self, req: Request, step: StepBuilder) -> None:
-        self._running.remove(req)
-        step.drop(req)
-        self.tables.forget(req.request_id)
-        self.kv.free(req)
-        req.num_computed_tokens = 0
-        req.status = RequestStatus.PREEMPTED
-        req.num_preemptions += 1
-        self._waiting.appendleft(req)
-        step.preempted_ids.append(req.request_id)
-        logger.info(
-            "request %s preempted (out of KV blocks; %d tokens to recompute)",
-            req.request_id,
-            req.num_tokens,
-        )
-
-    def _insert_running(self, req: Request) -> None:
-        bisect.insort(self._running, req, key=lambda r: r.arrival_time)
+    # ---- finish ----
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         """Move a request to its final status and free (or hold) its blocks."""
@@ -468,7 +313,7 @@ class Scheduler:
         if status is RequestStatus.RUNNING:
             self._running.remove(req)
         elif status is RequestStatus.WAITING_FOR_REMOTE_KV:
-            del self._remote_waiting[req.request_id]
+            self._remote_waiting.remove(req)
         else:
             self._waiting.remove(req)
         del self._requests[req.request_id]

@@ -2,7 +2,7 @@
 
 Where parsing runs, and why here. In push mode the answer reaches the client
 from two places: prefill's first token, which the router writes at once (TTFT
-is prefill's), then decode's stream (`relay.push_stream`). A parser at decode
+is prefill's), then decode's stream (`splice.push_stream`). A parser at decode
 would see the first token only as decode's own copy, which the router drops,
 while the router would already have sent that token's text raw (``<think>``,
 ``<tool_call>``, or the ``{`` of a Llama call) as content. So the router,
@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from kvduplex.common.openai.chat_output import ChatOutputParser
-from kvduplex.router.relay import aclose_parts
+from kvduplex.router.sse import aclose_parts
 
 
 async def parse_stream(

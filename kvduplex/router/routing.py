@@ -58,7 +58,7 @@ from kvduplex.router.flows import serve_short_append
 from kvduplex.router.plans import turn_plan
 from kvduplex.router.policy import NoHealthyInstance
 from kvduplex.router.policy import Outcome
-from kvduplex.router.relay import ClientWatch
+from kvduplex.router.relayed_response import ClientWatch
 from kvduplex.router.residency import Plan
 from kvduplex.router.state import RouterState
 
@@ -126,7 +126,7 @@ async def route_request(
     metrics = state.metrics
     (metrics.session_hits if route.is_session_hit else metrics.session_misses).inc()
     fwd = Forward(path=path, request=request, body=body, ids=ids, route=route, parser=parser)
-    if request.stream:  # its relayed response notices a client that leaves (`relay.py`)
+    if request.stream:  # its relayed response notices a client that leaves (`RelayedResponse`)
         return await _serve(state, fwd)
     return await _unless_client_leaves(_serve(state, fwd), client.receive)
 

@@ -15,7 +15,7 @@ them (prefix, session) and hand them to the prefill instance.
 
 With an `AnswerBook` (the answers this process generated or relayed), an
 assistant message sent back as it was returned keeps the ids the model
-generated (`transcript.splice_chat_ids`); everything else is rendered as usual.
+generated (`transcript_splice.splice_chat_ids`); everything else is rendered as usual.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from kvduplex.common.openai.protocol import OpenAIRequest
 from kvduplex.common.openai.protocol import check_nesting
 from kvduplex.common.openai.protocol import check_unicode_tree
 from kvduplex.common.openai.transcript import AnswerBook
-from kvduplex.common.openai.transcript import HeadCache
-from kvduplex.common.openai.transcript import Placement
-from kvduplex.common.openai.transcript import splice_chat_ids
+from kvduplex.common.openai.transcript_heads import HeadCache
+from kvduplex.common.openai.transcript_spans import Placement
+from kvduplex.common.openai.transcript_splice import splice_chat_ids
 from kvduplex.common.tokenizer import Tokenizer
 
 
