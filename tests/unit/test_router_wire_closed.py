@@ -2,9 +2,9 @@
 on unasked, after it was made and before the call was written on it: the call fails at
 once with `rc.ClosedBeforeWrite` (a `rc.ConnectError`: the instance never saw the
 request, and the flows route a request to D again), whichever call it is, over plain
-TCP and TLS, on asyncio's loop and on uvloop's. Before, uvloop's transport raised a
-`RuntimeError` that no flow handles, and asyncio's dropped the request and left the
-call waiting for an answer that would never come.
+TCP and TLS, on asyncio's loop and on uvloop's: never a `RuntimeError` (uvloop's write on
+a closed transport), nor a call left waiting for an answer that cannot come (asyncio's
+write drops the request).
 
 The loop's delay between connecting and writing is made certain: the call's connect
 returns only once the loop has seen its connection lost. Each server listens on
