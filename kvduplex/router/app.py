@@ -64,6 +64,7 @@ from kvduplex.common.openai.protocol import ChatCompletionRequest
 from kvduplex.common.openai.protocol import CompletionRequest
 from kvduplex.common.openai.protocol import OpenAIRequest
 from kvduplex.common.openai.protocol import error_body
+from kvduplex.router.calls import failed_outcome
 from kvduplex.router.calls import until_unhealthy
 from kvduplex.router.client import CallError
 from kvduplex.router.config import RouterConfig
@@ -270,7 +271,7 @@ class RouterApp:
             call = state.client.get(d.url + "/v1/models", READ_TIMEOUT_S, credentials=True)
             resp = await until_unhealthy(d, call)
         except CallError as exc:
-            pool.mark_failed(d, state.policy.clock())
+            pool.note_failed_call(d, failed_outcome(exc), state.policy.clock())
             message = f"decode at {d.url} failed: {exc!r}"
             raise APIError(502, message, code="decode_failed") from None
         return Response(resp.content, resp.status_code, media_type="application/json")

@@ -4,8 +4,8 @@ A call's read waits up to 600 s (a stream's, for ever), so without this a
 call to a partitioned or hung instance would hold its client's request for
 that long after the router stopped sending the instance work. Each call watches
 its instance while in flight (`Backend.watch`); when the instance is presumed
-down (a failed connection, or ``--health-failures`` failed probes in a row;
-never a 5xx answer) the call is abandoned and raises `InstanceDown`, a
+down (``--health-failures`` failed probes in a row; never another call's failure,
+nor a 5xx answer) the call is abandoned and raises `InstanceDown`, a
 `client.CallError`, so that it ends as a call whose connection failed
 ends: a prefill fails (decode computes the prompt), a decode that has not
 answered is a 502, a decode stream ends with an error event.
@@ -28,7 +28,9 @@ from typing import Any
 from typing import TypeVar
 
 from kvduplex.router.client import CallError
+from kvduplex.router.client import ConnectError
 from kvduplex.router.policy import Backend
+from kvduplex.router.policy import Outcome
 
 T = TypeVar("T")
 
@@ -39,7 +41,13 @@ class InstanceDown(CallError):
 
     def __init__(self, what: str) -> None:
         """`what`: the instance, as a log line names it (its URL, or "decode at URL")."""
-        super().__init__(f"{what} was marked unhealthy (failed health probes or a failed call)")
+        super().__init__(f"{what} was marked unhealthy (failed health probes)")
+
+
+def failed_outcome(exc: Exception) -> Outcome:
+    """How a call that raised `exc` ended for its instance's health: `UNREACHABLE` if it
+    never reached it (`ConnectError`), else `FAILED` (the call's own failure)."""
+    return Outcome.UNREACHABLE if isinstance(exc, ConnectError) else Outcome.FAILED
 
 
 async def until_unhealthy(b: Backend, call: Coroutine[Any, Any, T]) -> T:

@@ -10,6 +10,8 @@ Errors are `CallError`s, told apart as the flows act on them::
 
     ConnectError        the call never reached the instance (refused, no route, DNS):
       ConnectTimeout    a request to D is then routed to another decode instance
+      ClosedBeforeWrite the connection was closed, or failed, before the call was
+                        written on it
     RemoteProtocolError the instance closed the connection, or answered what is not
                         HTTP, once the call was written
     ReadError           a read on an answer that was closed (the router's own close)
@@ -37,6 +39,11 @@ class ConnectError(CallError):
 
 class ConnectTimeout(ConnectError):
     """The connection was not made within the connect deadline."""
+
+
+class ClosedBeforeWrite(ConnectError):
+    """The instance closed the connection (or it failed) before the call was written on
+    it: nothing was sent, so the instance did not see the request."""
 
 
 class RemoteProtocolError(CallError):

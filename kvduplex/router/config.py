@@ -41,10 +41,12 @@ class RouterTuning(ConfigSection):
     """Half-life of the count of recent assignments that spreads new sessions."""
     health_interval_s: float = 2.0
     """Seconds between the router's probes of each instance's /ready (/health where an
-    instance has no /ready; a draining one gets no new work at once). A failed call
-    (unreachable, or its connection failed; not a 5xx answer) marks the instance
-    unhealthy at once, ``--health-failures`` failed probes in a row do too; it then gets
-    no new work until a probe that began after the failure succeeds."""
+    instance has no /ready; a draining one gets no new work at once). A call that could
+    not reach the instance (refused, timed out) marks it unhealthy at once,
+    ``--health-failures`` failed probes in a row do too; it then gets no new work until a
+    probe that began after the failure succeeds. A call whose connection failed once it
+    was written fails its own request only and has the instance probed at once (a 5xx
+    answer, not even that)."""
     health_timeout_s: float = 2.0
     """Deadline of one health probe; a probe past it counts as failed."""
     health_failures: int = 2

@@ -67,6 +67,7 @@ from kvduplex.router.answers import RelayedAnswer
 from kvduplex.router.answers import return_limit
 from kvduplex.router.answers import tap_answer
 from kvduplex.router.calls import InstanceDown
+from kvduplex.router.calls import failed_outcome
 from kvduplex.router.calls import until_unhealthy
 from kvduplex.router.client import CallError
 from kvduplex.router.client import ConnectError
@@ -238,7 +239,7 @@ async def _post_prefill(
         ans: dict[str, Any] = resp.json()
         return ans
     except (CallError, ValueError) as exc:  # unreachable, or an answer that is not JSON
-        outcome = Outcome.FAILED
+        outcome = failed_outcome(exc)
         logger.warning(
             "xid=%s: prefill at %s failed: %s; decode computes the prompt", req["xid"], p.url, exc
         )
@@ -311,7 +312,7 @@ async def _open_decode(
             raise DecodeUnreachable(d.url, InstanceDraining(d.url))
         return resp
     except CallError as exc:
-        state.policy.decode_done(fwd.route, Outcome.FAILED)
+        state.policy.decode_done(fwd.route, failed_outcome(exc))
         if isinstance(exc, ConnectError):
             raise DecodeUnreachable(d.url, exc) from exc
         logger.warning("decode at %s failed before answering: %r", d.url, exc)

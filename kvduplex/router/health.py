@@ -4,10 +4,13 @@ The router's app starts `run_prober` in its lifespan and cancels it at
 shutdown. Each round probes every prefill and decode instance at once, each
 probe bounded by ``--health-timeout-s``, and tells the policy how each ended
 (`BackendPool.note_probe`): a 200 makes an instance healthy again (unless a
-call failed after the probe began); anything else (refused, a timeout, a
+call could not reach it after the probe began); anything else (refused, a timeout, a
 non-200, an answer that is not HTTP, any error the probe raises) counts as a
 failure, logged with the instance, and ``--health-failures`` of them in a row make
-it unhealthy, which abandons the calls in flight to it (`calls.py`). An instance
+it unhealthy, which abandons the calls in flight to it (`calls.py`). A call whose
+connection failed has its instance probed at once, outside the rounds
+(`BackendPool.probe_soon`): that probe counts as any other, and an instance is
+probed by one probe at a time (a round skips one being probed). An instance
 that answers 503 ``{"status": "draining"}`` (it got SIGTERM, `kvduplex.common.drain`)
 gets no new work at once, but its calls in flight go on (``mark_failed(...,
 is_down=False)``); it is back in rotation when a probe finds it ready again. An
@@ -25,6 +28,7 @@ logged and the next one runs at its time (the prober ends only when cancelled).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable
 
@@ -45,7 +49,11 @@ async def probe(
     b: Backend,
     timeout_s: float,
 ) -> None:
-    """Probe `b` once and note the result in `pool`; logs a change of health."""
+    """Probe `b` once and note the result in `pool`; logs a change of health. Nothing if
+    a probe of `b` is in flight already (its result is noted as it ends)."""
+    if b.is_probing:
+        return
+    b.is_probing = True
     started_at = policy.clock()
     was_healthy, is_unexpected = b.is_healthy, False
     try:
@@ -61,6 +69,8 @@ async def probe(
     except Exception as exc:  # any failure, not only the transport's, is a failed probe
         is_ok, why = False, repr(exc)
         is_unexpected = not isinstance(exc, CallError)
+    finally:
+        b.is_probing = False
     pool.note_probe(b, is_ok, started_at, policy.clock())
     if not is_ok and b.is_healthy:
         logger.log(
@@ -138,14 +148,46 @@ async def run_prober(
 ) -> None:
     """Probe rounds every `interval_s` (the first at once) until cancelled; `on_round`
     is called after each. A round that fails unexpectedly is logged (without its
-    `on_round`), and the next one runs at its time: the prober ends only when cancelled."""
+    `on_round`), and the next one runs at its time: the prober ends only when cancelled.
+    Meanwhile an instance a call to failed is probed at once (`BackendPool.probe_soon`)."""
     loop = asyncio.get_running_loop()
-    while True:
-        started = loop.time()
-        try:
-            await probe_all(client, policy, timeout_s)
-            if on_round is not None:
-                on_round()
-        except Exception:
-            logger.exception("health probe round failed; the next one runs as planned")
-        await asyncio.sleep(max(0.0, interval_s - (loop.time() - started)))
+    soon: dict[int, asyncio.Task[None]] = {}
+    """The probes made outside the rounds, by backend (`id`): one at a time each."""
+
+    def probe_soon(pool: BackendPool, b: Backend) -> None:
+        key = id(b)
+        if not b.is_probing and key not in soon:
+            task = loop.create_task(_probe_logged(client, policy, pool, b, timeout_s))
+            soon[key] = task
+            task.add_done_callback(lambda _: soon.pop(key, None))
+
+    pools = (policy.prefill, policy.decode)
+    before = [pool.probe_soon for pool in pools]
+    for pool in pools:
+        pool.probe_soon = functools.partial(probe_soon, pool)
+    try:
+        while True:
+            started = loop.time()
+            try:
+                await probe_all(client, policy, timeout_s)
+                if on_round is not None:
+                    on_round()
+            except Exception:
+                logger.exception("health probe round failed; the next one runs as planned")
+            await asyncio.sleep(max(0.0, interval_s - (loop.time() - started)))
+    finally:
+        for pool, probe_soon_before in zip(pools, before, strict=True):
+            pool.probe_soon = probe_soon_before
+        for task in list(soon.values()):
+            task.cancel()
+
+
+async def _probe_logged(
+    client: InstanceClient, policy: RoutingPolicy, pool: BackendPool, b: Backend, timeout_s: float
+) -> None:
+    """`probe`, outside a round: one that raises (a watcher that broke its contract) is
+    logged with its instance."""
+    try:
+        await probe(client, policy, pool, b, timeout_s)
+    except Exception:
+        logger.exception("instance %s: its probe failed", b.url)

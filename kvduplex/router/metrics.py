@@ -119,8 +119,9 @@ class InstanceHealth(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
         family = GaugeMetricFamily(
             "kvduplex_router_instance_healthy",
-            "1 while the router sends new work to the instance, else 0 (a failed connection, "
-            "or failed probes in a row, until a later probe succeeds; not a 5xx answer).",
+            "1 while the router sends new work to the instance, else 0 (a call that could not "
+            "reach it, or failed probes in a row, until a later probe succeeds; not a call "
+            "whose connection failed once written, nor a 5xx answer).",
             labels=["url", "role"],
         )
         for role, pool in (("prefill", self.policy.prefill), ("decode", self.policy.decode)):

@@ -34,17 +34,23 @@ it (`to_probe`), so one that goes silent with streams open is marked down as any
 instance is, and they end. One that comes back while its calls still run rejoins
 as the same `Backend` (`try_leaving`), its load and health as they were.
 
-Health. An instance is unhealthy from a failed call (unreachable, or its
-connection failed) or from `health_failures` failed probes of its /health in
-a row (`note_probe`, from the router's prober) until a probe that began after
-the failure succeeds. A 5xx answer is about one request (a prompt that failed,
-a P that cannot reach one D): the instance answered, so it stays in rotation;
-with one decode instance, marking it would refuse every client until the next
-probe. Only healthy instances get work: without a healthy prefill instance,
-decode computes whole requests; without a healthy decode instance, `route`
-raises `NoHealthyInstance`. An instance marked unhealthy (presumed down) also
-has whatever watches it called (`Backend.watch`): the flows abandon their
-calls in flight to it there.
+Health. An instance is presumed down after `health_failures` failed probes of
+its /health in a row (`note_probe`, from the router's prober) until a probe
+that began after the failure succeeds: it gets no new work, and whatever
+watches it is called (`Backend.watch`): the flows abandon their calls in flight
+to it there. A call whose connection failed once it was written (reset, closed,
+an answer that is not HTTP) fails its own request only: one connection lost
+says little of the instance, and presuming it down would fail every other call
+to it. The instance is probed at once instead (`BackendPool.probe_soon`), and
+leaves rotation only as its probes say. A call that never reached the instance
+(the connection refused, timed out, or closed before the call was written)
+takes it out of rotation at once, until a probe that began after succeeds; its
+calls in flight go on until the probes presume it down. A 5xx answer is about
+one request (a prompt that failed, a P that cannot reach one D): the instance
+answered, so it stays in rotation; with one decode instance, marking it would
+refuse every client until the next probe. Only healthy instances get work:
+without a healthy prefill instance, decode computes whole requests; without a
+healthy decode instance, `route` raises `NoHealthyInstance`.
 
 The policy is plain Python over its own counters; the flows report back
 when each call ends (`prefill_done`, `decode_done`) and whether the instance
@@ -76,10 +82,15 @@ class Outcome(enum.Enum):
     """A 4xx, or a call abandoned: it says nothing of the instance."""
     ERROR = "error"
     """A 5xx: the instance answered but failed this call. Says nothing of its health:
-    it keeps getting work (only failed connections and failed probes take it out)."""
+    it keeps getting work (only unreachable instances and failed probes are taken out)."""
     FAILED = "failed"
-    """Unreachable, or its connection failed: presumed down. Unhealthy until a probe says
-    otherwise, and its calls in flight are abandoned."""
+    """Its connection failed once the call was written (reset, closed, an answer that is
+    not HTTP): this request failed. The instance is probed at once and stays in rotation
+    unless its probes say otherwise; its other calls go on."""
+    UNREACHABLE = "unreachable"
+    """The call never reached the instance (refused, timed out, closed before the call
+    was written): no new work until a probe that began after says otherwise; its calls in
+    flight go on until probes presume it down."""
 
 
 class NoHealthyInstance(Exception):
@@ -103,9 +114,9 @@ class Backend:
     is_healthy: bool = True
     """Whether it gets new work; assumed until the first probe or call says otherwise."""
     failed_at: float = field(default=float("-inf"))
-    """Clock time it was last marked unhealthy (a failed call, or a failed probe that made
-    `health_failures` in a row): a probe that began before it cannot make the instance
-    healthy again."""
+    """Clock time it was last marked unhealthy (a call that could not reach it, or a failed
+    probe that made `health_failures` in a row): a probe that began before it cannot make
+    the instance healthy again."""
     max_model_len: int | None = None
     """The longest request it serves, as its last good probe said (None: not yet known)."""
     engine_id: str | None = None
@@ -118,9 +129,11 @@ class Backend:
     """Its pool's size and clock, as its probes and answers said (`residency`)."""
     num_failed_probes: int = 0
     """Probes failed in a row since the last good one."""
+    is_probing: bool = field(default=False, compare=False)
+    """A probe of it is in flight (one at a time: `health.probe`)."""
     is_down: bool = False
-    """Presumed down (a failed connection, or `health_failures` failed probes): calls in
-    flight to it are abandoned, and a call that starts watching it is at once."""
+    """Presumed down (`health_failures` failed probes in a row): calls in flight to it are
+    abandoned, and a call that starts watching it is at once."""
     watchers: dict[object, Callable[[], None]] = field(
         default_factory=dict, repr=False, compare=False
     )
@@ -147,6 +160,10 @@ def _no_watch() -> None:
     pass
 
 
+def _no_probe(b: Backend) -> None:
+    pass
+
+
 def _url(b: Backend) -> str:
     return b.url
 
@@ -168,6 +185,9 @@ class BackendPool:
         self._leaving: dict[str, Backend] = {}
         """Instances removed with calls still in flight, by URL: never routed to, still
         probed (`to_probe`) until nothing is in flight to them or watches them."""
+        self.probe_soon: Callable[[Backend], None] = _no_probe
+        """Probe an instance now, a call to it having failed (`health.run_prober` sets it
+        while it runs; it must not raise or block)."""
 
     def by_url(self, url: str | None) -> Backend | None:
         return None if url is None or url not in self._index else self.backends[self._index[url]]
@@ -252,9 +272,9 @@ class BackendPool:
         return b in up and b.in_flight <= min(x.in_flight for x in up) + busy_margin
 
     def mark_failed(self, b: Backend, now: float, *, is_down: bool = True) -> None:
-        """`b` gets no new work from now. `is_down` (it is presumed down, the only way the
-        router marks an instance): everything that watches it is told (and stops
-        watching); else its other calls in flight go on."""
+        """`b` gets no new work from now. `is_down` (it is presumed down: its probes
+        failed): everything that watches it is told (and stops watching); else (it could
+        not be reached, or it drains) its calls in flight go on."""
         b.is_healthy = False
         b.failed_at = now
         if is_down:
@@ -284,8 +304,18 @@ class BackendPool:
 
     def done(self, b: Backend, outcome: Outcome, now: float) -> None:
         b.in_flight -= 1
-        if outcome is Outcome.FAILED:  # not ERROR: a 5xx is one request's failure
-            self.mark_failed(b, now)
+        if outcome is Outcome.FAILED or outcome is Outcome.UNREACHABLE:
+            self.note_failed_call(b, outcome, now)  # not ERROR: a 5xx is one request's
+
+    def note_failed_call(self, b: Backend, outcome: Outcome, now: float) -> None:
+        """A call to `b` failed as `outcome` says (`FAILED` or `UNREACHABLE`): its request
+        failed, no other. An unreachable instance gets no new work from now (its calls in
+        flight go on); one whose connection failed stays in rotation and is probed at
+        once (`probe_soon`): only failed probes presume it down."""
+        if outcome is Outcome.UNREACHABLE:
+            self.mark_failed(b, now, is_down=False)
+        elif not b.is_down:  # one presumed down already is probed in its rounds
+            self.probe_soon(b)
 
 
 @dataclass

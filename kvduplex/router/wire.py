@@ -6,9 +6,11 @@ health probes, ``/v1/models``), over plain HTTP or TLS (``https`` URLs). Each co
 is an asyncio protocol around httptools's response parser (`wire_protocol.Connection`):
 a part of a body is handed to its reader as it comes, with no stream reader between.
 
-Errors are `client.CallError`s: a connection that could not be made is `ConnectError`
-(or `ConnectTimeout`): the instance never saw the request; one closed or answered with
-what is not HTTP once the request was written is `RemoteProtocolError`; a whole answer
+Errors are `client.CallError`s, and a call raises no other: a connection that could
+not be made is `ConnectError` (or `ConnectTimeout`), one that closed or failed before
+the request was written on it `ClosedBeforeWrite` (a `ConnectError`): either way the
+instance never saw the request; one closed or answered with what is not HTTP once the
+request was written is `RemoteProtocolError`; a whole answer
 later than its deadline is `ReadTimeout`. A call cancelled (the caller's own, or
 `calls.until_unhealthy`'s) closes its connection; a streamed answer closed before its
 end (`StreamedAnswer.aclose`) closes it and ends a read in flight with `ReadError`. A
@@ -244,8 +246,9 @@ class WirePool:
                 )
         except TimeoutError:
             raise ConnectTimeout(f"connecting to {host}:{port} timed out") from None
-        except (OSError, UnicodeError) as exc:  # UnicodeError: a host name IDNA refuses
-            raise ConnectError(f"connecting to {host}:{port} failed: {exc}") from exc
+        except Exception as exc:  # OSError; UnicodeError: a host name IDNA refuses; any
+            # other the loop raises (uvloop's RuntimeError): no connection, nothing sent
+            raise ConnectError(f"connecting to {host}:{port} failed: {exc!r}") from exc
         return conn
 
     def _target(self, method: bytes, url: str) -> tuple[Key, bytes]:

@@ -5,8 +5,9 @@ event loop calls `data_received`, httptools calls back as it parses (`on_header`
 `on_body`, ...), and the caller waits on `head`, then takes the body's parts
 (`next_part`). It carries one answer at a time and goes back to its pool (`Pool`) only
 when that answer was read to its end, nothing of it left unread and nothing after it
-(`is_reusable`). A connection closed, or an answer that is not HTTP, is
-`RemoteProtocolError`; a read in flight on a connection the caller closed is
+(`is_reusable`). A connection closed before a request is written on it is
+`ClosedBeforeWrite` (nothing is sent); one closed after, or an answer that is not
+HTTP, is `RemoteProtocolError`; a read in flight on a connection the caller closed is
 `ReadError` (`kvduplex.router.client`).
 """
 
@@ -20,6 +21,7 @@ from typing import cast
 import httptools
 
 from kvduplex.router.client import CallError
+from kvduplex.router.client import ClosedBeforeWrite
 from kvduplex.router.client import ReadError
 from kvduplex.router.client import RemoteProtocolError
 
@@ -149,10 +151,26 @@ class Connection(asyncio.Protocol):
     # the caller's side
 
     def send(self, request: bytes) -> asyncio.Future[None]:
-        """Write one request; its answer's head is then `head` (returned)."""
-        assert self.transport is not None and self.head is None
+        """Write one request; its answer's head is then `head` (returned).
+
+        A connection that closed or failed before the request was written (the instance
+        closed it after it was made, or sent what no call asked for) is `ClosedBeforeWrite`
+        at once and nothing is written: on a closed transport asyncio's `write` drops the
+        request (its answer would never come) and uvloop's raises `RuntimeError`."""
+        transport = self.transport
+        assert transport is not None and self.head is None
+        if self.is_closed or self.error is not None or transport.is_closing():
+            why = f": {self.error}" if self.error is not None else ""
+            error = ClosedBeforeWrite(f"the connection closed before the call was written{why}")
+            self.close(error)
+            raise error
+        try:
+            transport.write(request)
+        except (RuntimeError, OSError) as exc:  # a transport that closed all the same
+            error = ClosedBeforeWrite(f"the call could not be written: {exc!r}")
+            self.close(error)
+            raise error from exc
         head = self.head = asyncio.get_running_loop().create_future()
-        self.transport.write(request)
         return head
 
     async def next_part(self) -> bytes | None:

@@ -111,15 +111,16 @@ def test_a_session_recognised_by_its_prompt_follows_its_move() -> None:
     assert back.prefill is moved.prefill, "the session moved: its next turn follows"
 
 
-def test_a_failed_call_routes_around_the_instance_until_a_later_probe_succeeds() -> None:
-    """1. a failed call marks P unhealthy: the session and new requests go elsewhere;
+def test_an_unreachable_instance_is_routed_around_until_a_later_probe_succeeds() -> None:
+    """1. a call that could not reach P marks it unhealthy: the session and new requests go
+    elsewhere;
     2. a probe that began before the failure cannot bring it back;
     3. a probe that began after it does, and new sessions reach it again."""
     policy, clock = _policy(2, 2)
     first = policy.route(_turn1(0), "s")
     probe_started = clock()
     clock.now += 0.1
-    policy.prefill_done(first, Outcome.FAILED)
+    policy.prefill_done(first, Outcome.UNREACHABLE)
     policy.decode_done(first, Outcome.OK)
     failed = first.prefill
     assert failed is not None and not failed.is_healthy
@@ -153,15 +154,19 @@ def test_a_failed_probe_marks_unhealthy_and_none_healthy_is_told_at_once() -> No
     assert route.prefill is None and route.decode is d1, "no healthy P: D computes alone"
 
 
-def test_probes_mark_unhealthy_after_the_threshold_and_a_failed_call_at_once() -> None:
+def test_probes_mark_unhealthy_after_the_threshold_and_a_failed_call_only_asks_for_one() -> None:
     """1. one failed probe leaves D0 healthy, and a good probe starts the count again;
     2. the second failed probe in a row marks it unhealthy and tells its watchers, once;
-    3. a failed call marks D1 at once and tells its watchers;
+    3. a call to D1 whose connection failed leaves D1 in rotation, its watchers untold,
+    and asks for a probe of it; a call that could not reach it takes it out of rotation
+    at once, its watchers (the calls in flight) still untold;
     4. a watch of an instance presumed down is told at once; an ended watch is never told;
     5. a 5xx answer leaves it healthy, in rotation, and its watchers untold."""
     policy, clock = _policy(1, 2)  # health_failures: 2, the default
     d0, d1 = policy.decode.backends
     told: list[str] = []
+    probes_asked: list[str] = []
+    policy.decode.probe_soon = lambda b: probes_asked.append(b.url)
     policy.decode.note_probe(d0, False, clock(), clock())  # 1.
     assert d0.is_healthy
     policy.decode.note_probe(d0, True, clock(), clock())
@@ -176,7 +181,16 @@ def test_probes_mark_unhealthy_after_the_threshold_and_a_failed_call_at_once() -
     assert route.decode is d1
     d1.watch(lambda: told.append("d1"))
     policy.decode_done(route, Outcome.FAILED)
-    assert not d1.is_healthy and told == ["d0", "d1"]
+    assert d1.is_healthy and not d1.is_down and told == ["d0"]
+    assert probes_asked == [d1.url]
+    route = policy.route(_turn1(0), None)
+    assert route.decode is d1, "still in rotation"
+    policy.decode_done(route, Outcome.UNREACHABLE)
+    assert not d1.is_healthy and not d1.is_down and told == ["d0"]
+    assert probes_asked == [d1.url], "back with a later probe of the rounds"
+    policy.decode.note_probe(d1, False, clock(), clock())
+    policy.decode.note_probe(d1, False, clock(), clock())
+    assert d1.is_down and told == ["d0", "d1"], "its probes presume it down"
     d0.watch(lambda: told.append("d0 again"))  # 4.
     assert told == ["d0", "d1", "d0 again"] and d0.watchers == {}
     clock.now += 1.0
@@ -195,7 +209,7 @@ def test_probes_mark_unhealthy_after_the_threshold_and_a_failed_call_at_once() -
     policy.decode_done(route, Outcome.ERROR)
     assert d0.is_healthy and not d0.is_down and told == ["d0", "d1", "d0 again"]
     assert policy.route(_turn1(2), None).decode is d0, "the only healthy decode gets the next"
-    policy.decode.mark_failed(d0, clock())  # then a failed connection: presumed down
+    policy.decode.mark_failed(d0, clock())  # then failed probes: presumed down
     assert d0.is_down and told == ["d0", "d1", "d0 again", "d0 down"]
 
 
@@ -204,7 +218,7 @@ def test_reroute_moves_the_request_and_its_session_to_a_healthy_decode() -> None
     first = policy.route(_turn1(0), "s")
     dead = first.decode
     policy.prefill_done(first, Outcome.REFUSED)
-    policy.decode_done(first, Outcome.FAILED)  # unreachable
+    policy.decode_done(first, Outcome.UNREACHABLE)
     again = policy.try_reroute(first)
     assert again is not None and again.decode is not dead and again.prefill is first.prefill
     assert (again.session_id, again.prefill_open, again.decode_open) == ("s", True, True)

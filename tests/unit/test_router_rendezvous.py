@@ -120,7 +120,7 @@ def test_a_named_sessions_reroute_goes_to_its_next_decode() -> None:
     policy = RoutingPolicy(P, D)
     route = policy.route(PROMPT, "bob")
     policy.prefill_done(route, Outcome.REFUSED)
-    policy.decode_done(route, Outcome.FAILED)  # unreachable
+    policy.decode_done(route, Outcome.UNREACHABLE)
     again = policy.try_reroute(route)
     ranked = rendezvous.rank("bob", D, lambda url: url)
     assert again is not None and again.is_named
