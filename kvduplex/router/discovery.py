@@ -26,7 +26,8 @@ while a name's instances are updated, keeps them as they were, logged; rounds go
 until cancelled.
 Instances given by URL (``--prefill``, ``--decode``) are never removed, and an
 address that is one of them is not added twice. An address that leaves the answer
-is forgotten by the admission too: if it comes back, it proves itself again.
+is forgotten by the admission too, once no call to it is in flight: if it comes
+back, it proves itself again.
 
 Resolution never blocks the event loop: `DnsResolver` asks over asyncio
 (dnspython), the system's servers (/etc/resolv.conf, its search domains
@@ -125,6 +126,8 @@ class DnsSet:
     """URLs whose /health named another role (logged once, asked again each round)."""
     answer: set[str] = field(default_factory=set)
     """URLs of the last answer."""
+    gone: set[str] = field(default_factory=set)
+    """URLs gone from the answer that the admission has not forgotten yet."""
 
 
 @dataclass
@@ -200,9 +203,7 @@ class Discovery:
             )
             return
         urls = {instance_url(address, s.port) for address in addresses}
-        if self.admission is not None:
-            for url in s.answer - urls:
-                self.admission.forget(url)
+        s.gone = (s.gone | (s.answer - urls)) - urls
         s.answer = urls
         for url in sorted(s.members - urls):
             s.pool.remove(url)
@@ -210,9 +211,20 @@ class Discovery:
             logger.warning(
                 "%s instance %s left DNS %s: no new work for it", s.role.value, url, s.name
             )
+        self._forget_gone(s)
         s.refused &= urls
         new = [url for url in sorted(urls - s.members) if s.pool.by_url(url) is None]
         await asyncio.gather(*(self._try_admit(s, url) for url in new))
+
+    def _forget_gone(self, s: DnsSet) -> None:
+        """The admission forgets the addresses gone from the answer (their proof, their
+        refusals: one that comes back proves itself again), once no call is in flight to
+        them (until then the calls that follow up on those, a cancel say, may go on)."""
+        for url in sorted(s.gone):
+            if s.pool.try_leaving(url) is None:
+                if self.admission is not None:
+                    self.admission.forget(url)
+                s.gone.discard(url)
 
     async def _try_admit(self, s: DnsSet, url: str) -> None:
         """Add the instance at `url` to `s`'s pool if its /health answers with `s`'s role and
