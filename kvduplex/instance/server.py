@@ -85,8 +85,9 @@ def build_instance(
     ``server_config.cluster_secret_file`` does; with one, every ``/internal/*``
     route needs it but the two where a caller proves it (`auth_routes`), every
     internal call to a peer sends it once the peer proved it too, and
-    ``kv_transfer_params`` and the engine id in /health are for callers that send it. The model fingerprint
-    (`engine_fingerprint`) goes into the KV handshake and /health. The API key
+    ``kv_transfer_params`` and the engine id in /health are for callers that send
+    it. The model fingerprint (`engine_fingerprint`) goes into the KV handshake and
+    /health. The API key
     (``server_config.api_key``, else the environment's) guards the ``/v1/*`` routes.
     `parts` (default: none) go to the engine, its thread and the notification pump.
     """
