@@ -121,8 +121,11 @@ class LocalCluster:
         logger.info("started %s (pid %d): %s", name, popen.pid, " ".join(cmd))
         return proc
 
-    def wait_healthy(self, timeout_s: float = 120.0, procs: list[Process] | None = None) -> None:
-        """Block until every process (or each of `procs`) answers GET /health with 200.
+    def wait_healthy(
+        self, timeout_s: float = 120.0, procs: list[Process] | None = None, path: str = "/health"
+    ) -> None:
+        """Block until every process (or each of `procs`) answers GET `path` with 200
+        (``/ready``: until it can serve, e.g. a router whose instances proved themselves).
 
         Raises RuntimeError with the log tail of a process that exited or
         stayed unhealthy past the deadline.
@@ -135,7 +138,7 @@ class LocalCluster:
                 if not proc.is_alive():
                     raise RuntimeError(f"{proc.name} exited during start-up:\n{proc.log_tail()}")
                 try:
-                    if client.get(proc.url + "/health").status_code == 200:
+                    if client.get(proc.url + path).status_code == 200:
                         pending.pop(0)
                         continue
                 except httpx.HTTPError:

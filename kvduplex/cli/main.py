@@ -133,7 +133,9 @@ def _cmd_up(args: UpSettings) -> None:
                 extra = [*router_args, "--return-mode", other.value]
                 url = cluster.start("router-" + other.value, extra, free_port()).url
                 routers[_router_name(args.mode, other)] = url
-            cluster.wait_healthy(timeout_s=args.start_timeout)
+            # Ready, not only up: a router gives its instances work once they proved
+            # the cluster secret to its first probes.
+            cluster.wait_healthy(timeout_s=args.start_timeout, path="/ready")
             print(f"prefill {instances['prefill']}, decode {instances['decode']}", flush=True)
         print(f"ready: OpenAI API at {front}/v1", flush=True)
         if args.demo_turns > 0 and not _demo(args, front, routers, instances):

@@ -11,13 +11,17 @@ memory: a handshake's metadata lets its holder WRITE anywhere in the pool over
 NIXL, and a push or a return puts KV into a prefix cache that later requests
 read. With a cluster secret configured, `InternalGuard` answers these routes
 only to callers that send it (header ``X-KVDuplex-Cluster-Secret``, compared
-in constant time); everyone else gets 401 in the OpenAI error format. Bodies
-of internal routes have their own cap, whether or not a secret is set::
+in constant time); everyone else gets 401 in the OpenAI error format. The two
+routes of the proof of the secret (`kvduplex.common.challenge.AUTH_PATHS`) are
+the exception: a caller proves the secret there without sending it, before
+anyone sends it the secret. Bodies of internal routes have their own cap,
+whether or not a secret is set::
 
     request ── path /internal/...? ── no ── body > public cap ──► 413
                     │ yes                    else ─────────────────► app
                     ▼
-          secret set and header != secret ──► 401
+          secret set, header != secret
+          and not a proof route ────────────► 401
           body > internal cap ──────────────► 413
           else ── body replayed ──────────────────────────────────► app
 
@@ -39,6 +43,7 @@ from starlette.types import Receive
 from starlette.types import Scope
 from starlette.types import Send
 
+from kvduplex.common.challenge import AUTH_PATHS
 from kvduplex.common.openai.protocol import error_body
 from kvduplex.common.trust import SECRET_HEADER
 from kvduplex.common.trust import secret_matches
@@ -172,7 +177,7 @@ class InternalGuard:
         await self.internal(scope, receive, send)
 
     def _check_secret(self, scope: Scope) -> JSONResponse | None:
-        if self.secret is None:
+        if self.secret is None or scope["path"] in AUTH_PATHS:
             return None
         given = [value for key, value in scope["headers"] if key == _HEADER_KEY]
         if len(given) == 1 and secret_matches(given[0], self.secret):

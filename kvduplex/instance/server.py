@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from kvduplex.common.auth import APIKeyGuard
 from kvduplex.common.auth import resolve_api_key
+from kvduplex.common.challenge import Responder
 from kvduplex.common.config import Environment
 from kvduplex.common.config import Role
 from kvduplex.common.drain import DrainingServer
@@ -33,6 +34,7 @@ from kvduplex.engine.engine import SampleHook
 from kvduplex.engine.metrics import EngineMetrics
 from kvduplex.instance.api import InstanceState
 from kvduplex.instance.api import create_app
+from kvduplex.instance.auth_routes import make_auth_router
 from kvduplex.instance.config import ServerConfig
 
 if TYPE_CHECKING:
@@ -81,9 +83,11 @@ def build_instance(
 
     `env` (default: the process's environment) gives the cluster secret unless
     ``server_config.cluster_secret_file`` does; with one, every ``/internal/*``
-    route needs it, every internal call to a peer sends it, and ``kv_transfer_params``
-    and the engine id in /health are for callers that send it. The model fingerprint
-    (`engine_fingerprint`) goes into the KV handshake and /health. The API key
+    route needs it but the two where a caller proves it (`auth_routes`), every
+    internal call to a peer sends it once the peer proved it too, and
+    ``kv_transfer_params`` and the engine id in /health are for callers that send
+    it. The model fingerprint (`engine_fingerprint`) goes into the KV handshake and
+    /health. The API key
     (``server_config.api_key``, else the environment's) guards the ``/v1/*`` routes.
     `parts` (default: none) go to the engine, its thread and the notification pump.
     """
@@ -112,7 +116,8 @@ def build_instance(
     routers = _role_routers(
         instance, engine_config, server_config.role, secret, parts.message_filter
     )
-    instance.app = create_app(state, routers)
+    responder = None if secret is None else Responder(secret, server_config.role.value)
+    instance.app = create_app(state, [make_auth_router(responder), *routers])
     instance.app.add_middleware(
         InternalGuard, secret=secret, max_body_bytes=server_config.internal_max_body_mb << 20,
         public_max_body_bytes=server_config.max_body_mb << 20,
@@ -164,6 +169,7 @@ def _role_routers(
     from kvduplex.transport.metrics import TransferMetrics
     from kvduplex.transport.nixl import NixlTransport
     from kvduplex.transport.notify import NotificationPump
+    from kvduplex.transport.peer_trust import PeerVerifier
 
     engine, state = instance.engine, instance.state
     cfg = config.transfer
@@ -173,7 +179,10 @@ def _role_routers(
     )  # fmt: skip
     state.engine_id = transport.engine_id
     metrics = KVFlowMetrics(state.registry)
-    directory = PeerDirectory(transport, secret=secret, recheck_s=cfg.peer_recheck_s)
+    verifier = None if secret is None else PeerVerifier(secret)
+    directory = PeerDirectory(
+        transport, secret=secret, recheck_s=cfg.peer_recheck_s, verifier=verifier
+    )
     pump = NotificationPump(transport, accept=message_filter)
     # Quarantine: a sender settles a failed WRITE within one transfer deadline after it
     # failed (tearing its endpoint down if it must), and a WRITE fails at most one
@@ -193,7 +202,9 @@ def _role_routers(
         state.drain.owed_checks.append(p.read_tables)
         instance.closers += [p.sender.close, p.io.close]
     else:
-        release = partial(http_release, secret=secret)
+        release = partial(
+            http_release, secret=secret, verify=None if verifier is None else verifier.ensure
+        )
         d = decode_flows(
             transport, instance.async_engine, pump, timing, directory.peer_by_engine, metrics,
             release=release, reconnect=directory.reconnect, peer_gone=directory.is_gone,

@@ -51,6 +51,7 @@ from kvduplex.kvflow.machines.read import Outcome
 from kvduplex.kvflow.metrics import KVFlowMetrics
 from kvduplex.transport.base import Transport
 from kvduplex.transport.protocol import PeerHandle
+from kvduplex.transport.protocol import PeerUnavailableError
 from kvduplex.transport.protocol import TransferHandle
 
 if TYPE_CHECKING:
@@ -269,9 +270,22 @@ class PullConnector:
         self.io.close()
 
 
-def http_release(prefill_url: str, xid: str, secret: str | None = None) -> None:
+def http_release(
+    prefill_url: str,
+    xid: str,
+    secret: str | None = None,
+    verify: Callable[[str], None] | None = None,
+) -> None:
     """Tell prefill to drop its lease on `xid` (best effort: the lease expires anyway),
-    sending the cluster `secret` if there is one."""
+    sending the cluster `secret` if there is one, once `verify(prefill_url)` returned
+    (`PeerVerifier.ensure`: prefill proved it holds the secret too; if it did not, nothing
+    is sent and the lease expires)."""
+    if verify is not None:
+        try:
+            verify(prefill_url)
+        except PeerUnavailableError as exc:
+            logger.warning("xid=%s: release not sent: %s", xid, exc)
+            return
     try:
         resp = httpx.post(
             prefill_url.rstrip("/") + RELEASE_PATH, json={"xid": xid}, timeout=5.0,

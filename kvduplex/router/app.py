@@ -130,7 +130,7 @@ def _start_background(state: RouterState) -> list[asyncio.Task[None]]:
     config = state.config
     prober = run_prober(
         state.client, state.policy, config.health_interval_s, config.health_timeout_s,
-        on_round=state.note_probe_round,
+        on_round=state.note_probe_round, admission=state.admission,
     )  # fmt: skip
     tasks = [asyncio.create_task(prober)]
     if state.discovery is not None:

@@ -8,8 +8,11 @@ instances it found there before::
 
     answer   {a, b, d}        instances before  {a, b, c}
     joins    d: GET http://d:PORT/health; its role must be the set's (prefill or
-             decode): then it joins the pool, with the engine id its /health names;
-             else it is refused (logged once) and asked again next round
+             decode), and with a cluster secret d must prove it holds the secret as
+             that role (`admission`, before any credential is sent to it): then it
+             joins the pool, with the engine id its /health names; else it is refused
+             (logged once, counted) and asked again next round (a failed proof: after
+             a backoff)
     leaves   c: no new work (`BackendPool.remove`); its sessions move at their next
              turn (the rendezvous rank of a named session skips it; a recognised one
              goes where a new one would); its calls in flight end as they would have,
@@ -22,12 +25,16 @@ answer) has no instances; a DNS failure (timeout, no server answered), or any er
 while a name's instances are updated, keeps them as they were, logged; rounds go on
 until cancelled.
 Instances given by URL (``--prefill``, ``--decode``) are never removed, and an
-address that is one of them is not added twice.
+address that is one of them is not added twice. An address that leaves the answer
+is forgotten by the admission too, once no call to it is in flight: if it comes
+back, it proves itself again.
 
 Resolution never blocks the event loop: `DnsResolver` asks over asyncio
 (dnspython), the system's servers (/etc/resolv.conf, its search domains
-included; /etc/hosts is not read) or ``--dns-server``. Tests inject any
-`Resolve` function.
+included for a name without a final dot; /etc/hosts is not read) or
+``--dns-server``. Give names fully qualified (``name.namespace.svc.cluster.local.``):
+a short name goes through the search domains, where another domain may answer
+first. Tests inject any `Resolve` function.
 """
 
 from __future__ import annotations
@@ -44,8 +51,10 @@ import dns.asyncresolver
 import dns.exception
 import dns.resolver
 
+from kvduplex.common.challenge import Refusal
 from kvduplex.common.config import Role
 from kvduplex.common.config import host_and_port
+from kvduplex.router.admission import Admission
 from kvduplex.router.client import CallError
 from kvduplex.router.client import InstanceClient
 from kvduplex.router.config import RouterConfig
@@ -115,6 +124,10 @@ class DnsSet:
     """URLs of the instances discovery added to the pool (and may remove)."""
     refused: set[str] = field(default_factory=set)
     """URLs whose /health named another role (logged once, asked again each round)."""
+    answer: set[str] = field(default_factory=set)
+    """URLs of the last answer."""
+    gone: set[str] = field(default_factory=set)
+    """URLs gone from the answer that the admission has not forgotten yet."""
 
 
 @dataclass
@@ -129,6 +142,8 @@ class Discovery:
     """Deadline of one such /health."""
     num_rounds: int = 0
     """Rounds done; the router is not ready before the first."""
+    admission: Admission | None = None
+    """The proofs of the cluster secret (None: none asked, and refusals not counted)."""
 
     @classmethod
     def try_from_config(
@@ -138,10 +153,11 @@ class Discovery:
         client: InstanceClient,
         timeout_s: float,
         resolve: Resolve | None = None,
+        admission: Admission | None = None,
     ) -> Discovery | None:
         """Discovery of ``--prefill-dns`` and ``--decode-dns``; None if neither is given.
         `timeout_s`: the deadline of a new address's /health; `resolve` replaces DNS
-        (tests)."""
+        (tests); `admission`: the proofs a new address must give before it joins."""
         sets = []
         for role, pool, target in (
             (Role.PREFILL, policy.prefill, config.prefill_dns),
@@ -154,7 +170,14 @@ class Discovery:
             return None
         if resolve is None:
             resolve = DnsResolver(config.dns_server, timeout_s=config.health_timeout_s)
-        return cls(sets, resolve, client, timeout_s)
+        if admission is None or not admission.is_active:
+            logger.warning(
+                "no cluster secret: every address that DNS names for %s is taken for an "
+                "instance, and sent the API key; set KVDUPLEX_CLUSTER_SECRET or "
+                "--cluster-secret-file on every instance and router",
+                " and ".join(s.name for s in sets),
+            )  # fmt: skip
+        return cls(sets, resolve, client, timeout_s, admission=admission)
 
     async def run_round(self) -> None:
         """Resolve every name once and update its pool. A name whose update fails
@@ -180,18 +203,32 @@ class Discovery:
             )
             return
         urls = {instance_url(address, s.port) for address in addresses}
+        s.gone = (s.gone | (s.answer - urls)) - urls
+        s.answer = urls
         for url in sorted(s.members - urls):
             s.pool.remove(url)
             s.members.discard(url)
             logger.warning(
                 "%s instance %s left DNS %s: no new work for it", s.role.value, url, s.name
             )
+        self._forget_gone(s)
         s.refused &= urls
         new = [url for url in sorted(urls - s.members) if s.pool.by_url(url) is None]
         await asyncio.gather(*(self._try_admit(s, url) for url in new))
 
+    def _forget_gone(self, s: DnsSet) -> None:
+        """The admission forgets the addresses gone from the answer (their proof, their
+        refusals: one that comes back proves itself again), once no call is in flight to
+        them (until then the calls that follow up on those, a cancel say, may go on)."""
+        for url in sorted(s.gone):
+            if s.pool.try_leaving(url) is None:
+                if self.admission is not None:
+                    self.admission.forget(url)
+                s.gone.discard(url)
+
     async def _try_admit(self, s: DnsSet, url: str) -> None:
-        """Add the instance at `url` to `s`'s pool if its /health answers with `s`'s role."""
+        """Add the instance at `url` to `s`'s pool if its /health answers with `s`'s role and
+        it proves the cluster secret as that role (with a secret)."""
         try:
             resp = await self.client.get(url + "/health", self.timeout_s)
             body = resp.json() if resp.status_code == 200 else None
@@ -218,7 +255,14 @@ class Discovery:
                     s.role.value, s.name, url, role, s.role.value,
                 )  # fmt: skip
             s.refused.add(url)
+            if self.admission is not None:
+                self.admission.count(s.role.value, Refusal.ROLE)
             return
+        if self.admission is not None:
+            why = await self.admission.try_admit(url, s.role.value, (s.role.value,))
+            if why is not None:
+                logger.info("%s DNS %s: %s not added: %s", s.role.value, s.name, url, why)
+                return
         leaving = s.pool.try_leaving(url)
         b = leaving or Backend(url)
         note_health(b, resp)

@@ -23,6 +23,12 @@ the connection as it is, one connected to another (the instance restarted)
 handshakes afresh, and neither asks the address first. Rounds start every
 ``--health-interval-s``, the first at once; a round that fails unexpectedly is
 logged and the next one runs at its time (the prober ends only when cancelled).
+
+With a cluster secret, a probe first has the instance prove it
+(`admission.Admission.try_admit`) when it has no proof yet (an instance given by
+URL starts without one, and gets no work before it), when it was presumed down
+(its proof is dropped: whoever answers at its address now may be another
+process), or when its proof is old; one that does not prove it fails the probe.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import functools
 import logging
 from collections.abc import Callable
 
+from kvduplex.router.admission import Admission
 from kvduplex.router.client import CallError
 from kvduplex.router.client import InstanceClient
 from kvduplex.router.client import WholeAnswer
@@ -48,15 +55,20 @@ async def probe(
     pool: BackendPool,
     b: Backend,
     timeout_s: float,
+    admission: Admission | None = None,
+    role: str = "",
 ) -> None:
-    """Probe `b` once and note the result in `pool`; logs a change of health. Nothing if
-    a probe of `b` is in flight already (its result is noted as it ends)."""
+    """Probe `b` (a `role` instance) once, after its proof when `admission` asks for one
+    (module docstring), and note the result in `pool`; logs a change of health. Nothing
+    if a probe of `b` is in flight already (its result is noted as it ends)."""
     if b.is_probing:
         return
     b.is_probing = True
     started_at = policy.clock()
     was_healthy, is_unexpected = b.is_healthy, False
     try:
+        if admission is not None and admission.is_active:
+            await _prove(admission, b, role)
         resp = await client.get(b.url + "/ready", timeout_s)
         if resp.status_code == 404:
             resp = await client.get(b.url + "/health", timeout_s)
@@ -66,6 +78,8 @@ async def probe(
         elif is_draining(resp):
             _note_draining(pool, b, policy.clock())
             return
+    except NotProven as exc:
+        is_ok, why = False, str(exc)
     except Exception as exc:  # any failure, not only the transport's, is a failed probe
         is_ok, why = False, repr(exc)
         is_unexpected = not isinstance(exc, CallError)
@@ -83,6 +97,20 @@ async def probe(
             logger.warning("instance %s is healthy again", b.url)
         else:
             logger.warning("instance %s is unhealthy: /health %s", b.url, why)
+
+
+class NotProven(Exception):
+    """The instance did not prove the cluster secret (yet): the probe fails."""
+
+
+async def _prove(admission: Admission, b: Backend, role: str) -> None:
+    """Have `b` prove the cluster secret if a proof is due (again, after it was down);
+    raises `NotProven` if it does not."""
+    if b.is_down:
+        admission.distrust(b.url)
+    unproven = await admission.try_admit(b.url, role)
+    if unproven is not None:
+        raise NotProven(unproven)
 
 
 def is_draining(resp: WholeAnswer) -> bool:
@@ -125,16 +153,22 @@ def note_health(b: Backend, resp: WholeAnswer, now: float | None = None) -> None
         b.engine_id = engine_id
 
 
-async def probe_all(client: InstanceClient, policy: RoutingPolicy, timeout_s: float) -> None:
+async def probe_all(
+    client: InstanceClient,
+    policy: RoutingPolicy,
+    timeout_s: float,
+    admission: Admission | None = None,
+) -> None:
     """One round: every instance of both roles at once, those that left DNS with calls
     still in flight included (`BackendPool.to_probe`). A probe that raises (a watcher
     that broke its contract) is logged with its instance; the others end as they would."""
-    probed = [(pool, b) for pool in (policy.prefill, policy.decode) for b in pool.to_probe()]
+    pools = ((policy.prefill, "prefill"), (policy.decode, "decode"))
+    probed = [(pool, role, b) for pool, role in pools for b in pool.to_probe()]
     results = await asyncio.gather(
-        *(probe(client, policy, pool, b, timeout_s) for pool, b in probed),
+        *(probe(client, policy, pool, b, timeout_s, admission, role) for pool, role, b in probed),
         return_exceptions=True,
     )
-    for (_, b), result in zip(probed, results, strict=True):
+    for (_, _, b), result in zip(probed, results, strict=True):
         if isinstance(result, Exception):
             logger.error("instance %s: its probe failed", b.url, exc_info=result)
 
@@ -145,49 +179,54 @@ async def run_prober(
     interval_s: float,
     timeout_s: float,
     on_round: Callable[[], None] | None = None,
+    admission: Admission | None = None,
 ) -> None:
     """Probe rounds every `interval_s` (the first at once) until cancelled; `on_round`
-    is called after each. A round that fails unexpectedly is logged (without its
-    `on_round`), and the next one runs at its time: the prober ends only when cancelled.
-    Meanwhile an instance a call to failed is probed at once (`BackendPool.probe_soon`)."""
+    is called after each; `admission`: the proofs of the cluster secret (module
+    docstring). A round that fails unexpectedly is logged (without its `on_round`), and
+    the next one runs at its time: the prober ends only when cancelled. Meanwhile an
+    instance a call to failed is probed at once (`BackendPool.probe_soon`)."""
     loop = asyncio.get_running_loop()
     soon: dict[int, asyncio.Task[None]] = {}
     """The probes made outside the rounds, by backend (`id`): one at a time each."""
 
-    def probe_soon(pool: BackendPool, b: Backend) -> None:
+    def probe_soon(pool: BackendPool, role: str, b: Backend) -> None:
         key = id(b)
         if not b.is_probing and key not in soon:
-            task = loop.create_task(_probe_logged(client, policy, pool, b, timeout_s))
+            task = loop.create_task(
+                _probe_logged(client, policy, pool, b, timeout_s, admission, role)
+            )
             soon[key] = task
             task.add_done_callback(lambda _: soon.pop(key, None))
 
-    pools = (policy.prefill, policy.decode)
-    before = [pool.probe_soon for pool in pools]
-    for pool in pools:
-        pool.probe_soon = functools.partial(probe_soon, pool)
+    pools = ((policy.prefill, "prefill"), (policy.decode, "decode"))
+    before = [pool.probe_soon for pool, _ in pools]
+    for pool, role in pools:
+        pool.probe_soon = functools.partial(probe_soon, pool, role)
     try:
         while True:
             started = loop.time()
             try:
-                await probe_all(client, policy, timeout_s)
+                await probe_all(client, policy, timeout_s, admission)
                 if on_round is not None:
                     on_round()
             except Exception:
                 logger.exception("health probe round failed; the next one runs as planned")
             await asyncio.sleep(max(0.0, interval_s - (loop.time() - started)))
     finally:
-        for pool, probe_soon_before in zip(pools, before, strict=True):
+        for (pool, _), probe_soon_before in zip(pools, before, strict=True):
             pool.probe_soon = probe_soon_before
         for task in list(soon.values()):
             task.cancel()
 
 
 async def _probe_logged(
-    client: InstanceClient, policy: RoutingPolicy, pool: BackendPool, b: Backend, timeout_s: float
-) -> None:
+    client: InstanceClient, policy: RoutingPolicy, pool: BackendPool, b: Backend,
+    timeout_s: float, admission: Admission | None, role: str,
+) -> None:  # fmt: skip
     """`probe`, outside a round: one that raises (a watcher that broke its contract) is
     logged with its instance."""
     try:
-        await probe(client, policy, pool, b, timeout_s)
+        await probe(client, policy, pool, b, timeout_s, admission, role)
     except Exception:
         logger.exception("instance %s: its probe failed", b.url)

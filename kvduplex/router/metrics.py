@@ -89,6 +89,14 @@ class RouterMetrics:
             lambda: sum(1 for s in table.sessions() if s.is_returning)
         )
         registry.register(SessionHitRates(table))
+        self.instance_refusals = m.counter(
+            "instance_refusals",
+            "Attempts to admit an address as an instance that it failed, by role and reason: "
+            "a proof of the cluster secret that failed (wrong_secret, no_secret, "
+            "no_challenge, malformed, role, address), or a /health of a DNS address naming "
+            "another role (role). Such an address is sent nothing and asked again later.",
+            ["role", "reason"],
+        )
         self.first_token_diverged = m.counter(
             "first_token_diverged",
             "Push streams ended with an error because decode's first token was not prefill's, "

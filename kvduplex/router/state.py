@@ -9,6 +9,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from dataclasses import field
+from functools import partial
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -20,6 +21,8 @@ from kvduplex.common.drain import DrainState
 from kvduplex.common.guard import load_cluster_secret
 from kvduplex.common.tokenizer import Tokenizer
 from kvduplex.common.trust import secret_headers
+from kvduplex.router.admission import Admission
+from kvduplex.router.admission import TrustedClient
 from kvduplex.router.client import InstanceClient
 from kvduplex.router.config import RouterConfig
 from kvduplex.router.discovery import Discovery
@@ -45,7 +48,8 @@ class RouterState:
     metrics: RouterMetrics
     client: InstanceClient
     """To the instances (`client.InstanceClient`): the flows' calls send the cluster secret
-    and the API key; the health probes (``--health-timeout-s``) send neither."""
+    and the API key, with a secret only to instances that proved it (`admission`); the
+    health probes (``--health-timeout-s``) send neither."""
     prompts: ThreadPoolExecutor
     """Where prompts are built (``--prompt-threads``; `routing.build_prompt`): rendering and
     tokenizing hold a thread for milliseconds (a long conversation: tens), which the
@@ -58,10 +62,15 @@ class RouterState:
     """The drain on SIGTERM (`kvduplex.common.drain`): requests in flight, whether it drains."""
     discovery: Discovery | None = None
     """Instances by DNS (``--prefill-dns``, ``--decode-dns``); None: URLs only."""
+    admission: Admission | None = None
+    """Which instances proved the cluster secret (`admission.Admission`); None: no
+    checks (a state built without `create`)."""
 
     async def aclose(self) -> None:
-        """Close the client to the instances (its idle connections)."""
+        """Close the clients to the instances (their idle connections)."""
         self.client.close()
+        if self.admission is not None and self.admission.client is not self.client:
+            self.admission.close()
 
     def note_probe_round(self) -> None:
         self.num_probe_rounds += 1
@@ -92,8 +101,10 @@ class RouterState:
         resolve: Resolve | None = None,
     ) -> RouterState:
         """`make_client` replaces the network (tests): it makes the client to the instances
-        from the headers every call with credentials sends; `clock` replaces the policy's
-        clock; `resolve` DNS (tests)."""
+        from the headers every call with credentials sends (with a cluster secret, once
+        more with none: the client of the proofs, `admission`); `clock` replaces the
+        policy's and the admission's clock; `resolve` DNS (tests). With a secret, the
+        instances given by URL get no work before the prober has their proof."""
         policy = RoutingPolicy.from_config(config, clock)
         registry = CollectorRegistry()
         env = Environment.read()
@@ -101,16 +112,27 @@ class RouterState:
         secret = load_cluster_secret(config.cluster_secret_file, env.cluster_secret)
         headers = {**secret_headers(secret), **api_key_headers(api_key)}
         if make_client is None:
-            client: InstanceClient = WirePool(headers, CONNECT_TIMEOUT_S, READ_TIMEOUT_S)
-        else:
-            client = make_client(headers)
+            make_client = partial(
+                WirePool, connect_timeout_s=CONNECT_TIMEOUT_S, read_timeout_s=READ_TIMEOUT_S
+            )
+        client = make_client(headers)
+        metrics = RouterMetrics(registry, policy)
+        admission = Admission(
+            secret, client if secret is None else make_client({}), config.health_timeout_s,
+            metrics.instance_refusals, clock,
+        )  # fmt: skip
+        if secret is not None:
+            client = TrustedClient(client, admission)
+            for b in (*policy.prefill.backends, *policy.decode.backends):
+                b.is_healthy = False  # no work before its proof (the prober asks for it)
         prompts = ThreadPoolExecutor(config.prompt_threads, thread_name_prefix="kvduplex-prompt")
         return cls(
-            config, tokenizer, policy, registry, RouterMetrics(registry, policy), client,
-            prompts, api_key, drain=DrainState(timeout_s=config.drain_timeout_s),
+            config, tokenizer, policy, registry, metrics, client, prompts, api_key,
+            drain=DrainState(timeout_s=config.drain_timeout_s),
             discovery=Discovery.try_from_config(
-                config, policy, client, config.health_timeout_s, resolve
+                config, policy, client, config.health_timeout_s, resolve, admission
             ),
+            admission=admission,
         )  # fmt: skip
 
 

@@ -5,7 +5,8 @@ Each instance serves ``GET /internal/kv/handshake`` (the router built by
 with `fetch_handshake` and passes it to `Transport.connect`. The answer lets
 its holder read and write the whole KV pool, so an instance with a cluster
 secret serves it only to callers that send the secret (`kvduplex.common.guard`);
-`fetch_handshake` and `PeerDirectory` send it when given one.
+`fetch_handshake` and `PeerDirectory` send it when given one, the directory only
+to a peer that proved it holds the secret too (`peer_trust.PeerVerifier`).
 
 `PeerDirectory` caches one `PeerHandle` per base URL. A restarted instance has
 a new engine id at the same URL; the directory notices when told (a message or
@@ -35,11 +36,13 @@ import msgspec
 from fastapi import APIRouter
 from fastapi import Response
 
+from kvduplex.common.challenge import Refused
 from kvduplex.common.trust import secret_headers
 from kvduplex.transport.base import Transport
 from kvduplex.transport.messages import HandshakeInfo
 from kvduplex.transport.messages import decode_handshake
 from kvduplex.transport.messages import encode_handshake
+from kvduplex.transport.peer_trust import PeerVerifier
 from kvduplex.transport.protocol import PeerHandle
 from kvduplex.transport.protocol import PeerUnavailableError
 
@@ -102,9 +105,9 @@ class PeerDirectory:
     """Connections by peer base URL, re-handshaking when the engine at a URL changed.
 
     Thread-safe; calls block on HTTP (run them off the event loop). The peers
-    are the engines this instance handshook with itself (sending ``secret``):
-    flows accept control messages that need trust (a return offer) only from
-    them (`peer_by_engine`).
+    are the engines this instance handshook with itself (sending ``secret``, once
+    the peer proved it: `PeerVerifier.ensure`): flows accept control messages that
+    need trust (a return offer) only from them (`peer_by_engine`).
     """
 
     def __init__(
@@ -115,16 +118,21 @@ class PeerDirectory:
         secret: str | None = None,
         recheck_s: float | None = None,
         recheck_timeout_s: float = 0.5,
+        verifier: PeerVerifier | None = None,
     ) -> None:
         """``recheck_s``: how long a cached peer is used without checking the engine id
         at its URL again (None: until told otherwise); ``recheck_timeout_s``: how long
-        such a check waits for an answer before keeping the cached peer."""
+        such a check waits for an answer before keeping the cached peer. ``verifier``:
+        the proofs of peers (None with a ``secret``: one of the directory's own)."""
         self.transport = transport
         self.timeout_s = timeout_s
         self.recheck_s = recheck_s
         self.recheck_timeout_s = recheck_timeout_s
         self._client = client
         self._secret = secret
+        if verifier is None and secret is not None:
+            verifier = PeerVerifier(secret, timeout_s, client)
+        self._verifier = verifier
         self._lock = threading.Lock()
         self._peers: dict[str, PeerHandle] = {}
         self._checked_at: dict[str, float] = {}  # url -> when its engine id was last seen
@@ -166,7 +174,7 @@ class PeerDirectory:
         deadlines handle that, as they would have without the check.
         """
         try:
-            info = fetch_handshake(key, self.recheck_timeout_s, self._client, self._secret)
+            info = self._fetch(key, self.recheck_timeout_s)
         except PeerUnavailableError as exc:
             with self._lock:
                 self._checked_at[key] = time.monotonic()
@@ -177,7 +185,20 @@ class PeerDirectory:
     def refresh(self, url: str) -> PeerHandle:
         """Fetch the handshake again; reconnect if the engine id changed. Returns the current peer."""
         key = self._key(url)
-        return self._adopt(key, fetch_handshake(key, self.timeout_s, self._client, self._secret))
+        return self._adopt(key, self._fetch(key, self.timeout_s))
+
+    def _fetch(self, key: str, timeout_s: float) -> HandshakeInfo:
+        """The handshake at `key`, fetched with the secret once the peer proved it holds
+        it too. A peer that cannot be reached is asked to prove itself again next time:
+        whoever answers there later may be another process."""
+        try:
+            if self._verifier is not None:
+                self._verifier.ensure(key, timeout_s)
+            return fetch_handshake(key, timeout_s, self._client, self._secret)
+        except PeerUnavailableError as exc:
+            if self._verifier is not None and isinstance(exc.__cause__, httpx.TransportError):
+                self._verifier.forget(key)
+            raise
 
     def _adopt(self, key: str, info: HandshakeInfo) -> PeerHandle:
         """The peer `info` describes at `key`: the cached one if its engine is the same."""
@@ -242,9 +263,13 @@ class PeerDirectory:
         if url is None:
             return False
         try:
+            if self._verifier is not None:
+                self._verifier.ensure(url)
             info = fetch_handshake(url, self.timeout_s, None, self._secret)
         except PeerUnavailableError as exc:
             cause = exc.__cause__
+            if isinstance(cause, Refused):  # whoever holds the address is no member
+                return True
             return isinstance(cause, httpx.ConnectError) and "refused" in str(cause).lower()
         return info.engine_id != engine_id
 

@@ -290,13 +290,22 @@ def test_secret_file_and_api_key_come_from_the_secret(overlay: str) -> None:
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_router_reaches_each_set_through_its_headless_service(overlay: str) -> None:
+    """By the Service's fully qualified name (in the pod's own namespace, which Kubernetes
+    puts in the args), never a short one that the resolver's search domains complete."""
     docs = rendered(overlay)
     services = by_kind(docs, "Service")
     deps = dict(deployments(docs))
-    values = flag_values(container(deps["router"])["args"])
+    router = container(deps["router"])
+    values = flag_values(router["args"])
+    (namespace,) = [e for e in router["env"] if e["name"] == "POD_NAMESPACE"]
+    assert namespace["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
     for role in ("prefill", "decode"):
         assert f"--{role}" not in values, "instances are found by DNS, not listed"
-        name, dns_port = host_and_port(the(values, f"--{role}-dns"), f"{role}_dns")
+        target = the(values, f"--{role}-dns").replace("$(POD_NAMESPACE)", "kvd-ns")
+        fqdn, dns_port = host_and_port(target, f"{role}_dns")
+        name, _, domain = fqdn.partition(".")
+        assert domain == "kvd-ns.svc.cluster.local.", "fully qualified, with its final dot"
+        assert RouterConfig(**{"decode_dns": "d:1", f"{role}_dns": target})
         service = services[name]
         assert name == f"kvduplex-{role}-headless"
         assert service["spec"]["clusterIP"] == "None"

@@ -205,6 +205,16 @@ def test_the_dns_resolver_reads_a_and_aaaa_records_and_tells_failures() -> None:
         asyncio.run(silent("decode.kv.svc"))
 
 
+def test_a_fully_qualified_name_is_asked_as_it_is() -> None:
+    """A name with its final dot (as the manifests give the Services' names) is one
+    question per record type: no search domain is tried before or after it."""
+    with StaticDns() as server:
+        server.set("decode.kv.svc.cluster.local", ["10.1.2.3"])
+        resolve = DnsResolver(server.address)
+        assert asyncio.run(resolve("decode.kv.svc.cluster.local.")) == {"10.1.2.3"}
+        assert server.num_queries == 2
+
+
 def test_a_round_that_fails_unexpectedly_is_logged_and_the_next_one_runs(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
