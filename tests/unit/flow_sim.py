@@ -13,7 +13,12 @@ nothing does::
     assert sim.outputs["d-x1"] == reference
 
 The flows are built by `prefill_flows` / `decode_flows` exactly as an instance
-builds them; only the threads around them are replaced.
+builds them; only the threads around them are replaced. Faults: the fabric's
+own (`fail_next`, `hang_next`, `land_late_next`, `drop_next_notif`,
+`forge_next_sender`, `chaos`, closing an endpoint), plus what arrives
+intercepted (`intercept`: a message lost or held back), a starved pool
+(`Starved`), a client that leaves mid-answer (`leave_after`), and a check of
+every late landing's target blocks (`late_problems`, asserted by `assert_clean`).
 """
 
 from __future__ import annotations
@@ -26,10 +31,12 @@ import pytest
 from kvduplex.common.sampling import SamplingParams
 from kvduplex.engine.async_engine import AsyncEngine
 from kvduplex.engine.engine import LLMEngine
+from kvduplex.engine.engine import RequestOutput
+from kvduplex.engine.handle import EngineHandle
 from kvduplex.engine.request import RemoteKVSpec
 from kvduplex.engine.request import Request
-from kvduplex.engine.request import RequestStatus
 from kvduplex.kvflow import inbox as inbox_module
+from kvduplex.kvflow import lease as lease_module
 from kvduplex.kvflow import pull as pull_module
 from kvduplex.kvflow import push_decode as push_decode_module
 from kvduplex.kvflow import push_prefill as push_prefill_module
@@ -42,28 +49,39 @@ from kvduplex.kvflow.connectors import PrefillFlows
 from kvduplex.kvflow.connectors import decode_flows
 from kvduplex.kvflow.connectors import prefill_flows
 from kvduplex.kvflow.flow_io import FlowIO
+from kvduplex.kvflow.flow_io import IORequest
 from kvduplex.kvflow.inbox import FlowInbox
+from kvduplex.kvflow.lease import LeaseTable
 from kvduplex.kvflow.pull import PullSpec
 from kvduplex.kvflow.push_decode import PushSpec
 from kvduplex.kvflow.returns import ReturnSpec
 from kvduplex.model.loader import LoadedModel
+from kvduplex.transport import base as transport_base_module
 from kvduplex.transport.base import Post
+from kvduplex.transport.messages import ControlMessage
 from kvduplex.transport.messages import MessageCodec
 from kvduplex.transport.notify import NotificationPump
+from kvduplex.transport.protocol import PeerHandle
 from kvduplex.transport.protocol import TransferOp
 from tests.support.fake_transport import InProcessFabric
 from tests.support.fake_transport import InProcessTransport
 from tests.support.fake_transport import ManualTimers
-from tests.unit.flow_pair import FIRST
-from tests.unit.flow_pair import GREEDY
-from tests.unit.flow_pair import PROMPT
-from tests.unit.flow_pair import _engine
+from tests.unit.flow_common import FIRST
+from tests.unit.flow_common import GREEDY
+from tests.unit.flow_common import PROMPT
+from tests.unit.flow_common import Starved
+from tests.unit.flow_common import _engine
+from tests.unit.flow_common import landing_problems
 
 CLOCKED = (
-    inbox_module, pull_module, push_decode_module, push_prefill_module, receiver_module,
-    return_pull_module, sender_module,
+    inbox_module, lease_module, pull_module, push_decode_module, push_prefill_module, receiver_module,
+    return_pull_module, sender_module, transport_base_module,
 )  # fmt: skip
-"""The flow modules that read the clock (``time.monotonic``)."""
+"""The flow modules, and the transport's (a stranger's notification held for its grace),
+that read the clock (``time.monotonic``)."""
+
+Intercept = Callable[[ControlMessage, str], None]
+"""``fn(message, sender_engine_id)``: takes an arriving message instead of the flows."""
 
 
 class Clock:
@@ -75,29 +93,23 @@ class Clock:
     def monotonic(self) -> float:
         return self.now
 
-    def perf_counter(self) -> float:
-        return self.now
-
-    def time(self) -> float:
-        return self.now
+    perf_counter = time = monotonic
 
 
 class SteppedEngine(AsyncEngine):
     """An engine front whose loop never starts: the test steps ``core`` itself (so the
-    flows' engine thread is the test's thread)."""
+    flows' engine thread is the test's thread); `Sim.step` carries out its commands."""
 
     @property
     def is_running(self) -> bool:
-        return True
+        return self._dead is None
+
+    def dead_reason(self) -> str | None:
+        return None if self._dead is None else str(self._dead)
 
     @property
     def is_healthy(self) -> bool:
-        return True
-
-
-def _synchronous(io: FlowIO) -> None:
-    """The flow I/O thread's requests, carried out at once on the test's thread."""
-    io.submit = io.carry_out  # type: ignore[method-assign]
+        return self._dead is None
 
 
 class Sim:
@@ -106,7 +118,7 @@ class Sim:
     def __init__(
         self, tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch, *, wait_s: float = 5.0,
         transfer_timeout_s: float = 5.0, quarantine_s: float = 0.5, tick_s: float = 0.05,
-        p_budget: int = 256,
+        p_budget: int = 256, lease_s: float = 30.0,
     ) -> None:  # fmt: skip
         self.clock = Clock()
         for module in CLOCKED:
@@ -115,62 +127,115 @@ class Sim:
         self.p, self.d = _engine(tiny, p_budget), _engine(tiny)
         self.timers = ManualTimers(self.clock.now)
         self.fabric = fabric = InProcessFabric(self.timers)
-        self.tp: InProcessTransport = fabric.endpoint(self.p.kv_pool, self.p.layout)
-        self.td: InProcessTransport = fabric.endpoint(self.d.kv_pool, self.d.layout)
+        self.tp: InProcessTransport = fabric.endpoint(self.p.kv_pool, self.p.layout, engine_id="p")
+        self.td: InProcessTransport = fabric.endpoint(self.d.kv_pool, self.d.layout, engine_id="d")
         self.tp.unknown_agent_grace_s = 0.0  # a stranger's notification is refused at once
         self.td.unknown_agent_grace_s = 0.0
         self.d_peer = self.tp.connect(self.td.local_metadata())  # P writes into D
         self.p_peer = self.td.connect(self.tp.local_metadata())  # D notifies P
-        timing = FlowTiming(
+        self.peers_of_p: dict[str, PeerHandle] = {self.td.engine_id: self.d_peer}
+        self.peers_of_d: dict[str, PeerHandle] = {self.tp.engine_id: self.p_peer}
+        self.timing = FlowTiming(
             wait_s=wait_s, transfer_timeout_s=transfer_timeout_s, quarantine_s=quarantine_s
         )
-        peers_of_p = {self.td.engine_id: self.d_peer}
-        peers_of_d = {self.tp.engine_id: self.p_peer}
+        self.ap, self.ad = SteppedEngine(self.p), SteppedEngine(self.d)
+        self.pumps = [NotificationPump(self.tp), NotificationPump(self.td)]
+        self.released: list[tuple[str, str]] = []
+        """``(prefill_url, xid)`` of each release decode sent (P's route ends the lease)."""
         self.pf: PrefillFlows = prefill_flows(
-            self.tp, SteppedEngine(self.p), NotificationPump(self.tp), timing, peers_of_p.get
+            self.tp, self.ap, self.pumps[0], self.timing, self.peers_of_p.get
         )
+        self.leases = LeaseTable(EngineHandle(self.ap), lease_s, self.pf.inbox)
+        """P's pull leases, as its prefill routes keep them (started by `pull_spec`)."""
         self.df: DecodeFlows = decode_flows(
-            self.td, SteppedEngine(self.d), NotificationPump(self.td), timing, peers_of_d.get,
-            release=lambda _url, xid: self.p.scheduler.release_held(xid),
+            self.td, self.ad, self.pumps[1], self.timing, self.peers_of_d.get,
+            release=self._release,
         )  # fmt: skip
-        _synchronous(self.pf.io)
-        _synchronous(self.df.io)
+        self.io_log: list[IORequest] = []
+        """Every request handed to either flow I/O thread, in order."""
+        self.in_flow_io = False
+        """The flow I/O thread's work is being done (by `_carry_out_here`)."""
+        self._carry_out_here(self.pf.io)
+        self._carry_out_here(self.df.io)
         self.codec = MessageCodec()
         self.outputs: dict[str, list[int]] = defaultdict(list)
+        self.last: dict[str, RequestOutput] = {}
         self.finish: dict[str, str | None] = {}
         self.num_steps = 0
+        self.on: LLMEngine | None = None
+        """The engine whose threads (engine, pump) run now; None: the fabric's timers."""
+        self._intercepts: dict[tuple[str, type[ControlMessage]], Intercept] = {}
+        self._leaving: dict[str, int] = {}
         self.late_problems: list[str] = []
-        self.tp.late_check = lambda post: self.late_problems.extend(
-            landing_problems(self.d if post.handle.op is TransferOp.WRITE else self.p, post)
-        )
-        self.td.late_check = lambda post: self.late_problems.extend(
-            landing_problems(self.p if post.handle.op is TransferOp.WRITE else self.d, post)
-        )
+        """What was wrong where each late transfer landed (see `landing_problems`)."""
+        self.num_late_landed = 0
+        self.tp.late_check = lambda post: self._check_landing(post, self.d, self.p)
+        self.td.late_check = lambda post: self._check_landing(post, self.p, self.d)
 
-    # ---- what the router and the routes do ----
+    def _check_landing(self, post: Post, peer: LLMEngine, own: LLMEngine) -> None:
+        """Just before a late transfer lands: its WRITE into ``peer``, its READ into ``own``."""
+        self.num_late_landed += 1
+        target = peer if post.handle.op is TransferOp.WRITE else own
+        self.late_problems.extend(landing_problems(target, post))
+
+    def _release(self, url: str, xid: str) -> None:
+        """Decode's release of a pull's lease: P's release route."""
+        self.released.append((url, xid))
+        self.leases.release(xid)
+
+    def _carry_out_here(self, io: FlowIO) -> None:
+        """The flow I/O thread's requests, carried out at once on the test's thread."""
+
+        def submit(request: IORequest) -> None:
+            self.io_log.append(request)
+            was, self.in_flow_io = self.in_flow_io, True
+            try:
+                io.carry_out(request)
+            finally:
+                self.in_flow_io = was
+
+        io.submit = submit  # type: ignore[method-assign]
+
+    # ---- what the router, the routes and the clients do ----
 
     def push(
         self, xid: str, prompt: list[int] = PROMPT, params: SamplingParams = GREEDY,
-        *, to_d: bool = True, session: str | None = None,
+        *, to_d: bool = True, session: str | None = None, meta: object = None,
+        p_params: SamplingParams = FIRST,
     ) -> None:  # fmt: skip
-        """Dispatch a push to P and (``to_d``) D, as the router does."""
-        self.push_prefill(xid, prompt)
+        """Dispatch a push to P (``p_params``: its sampling) and (``to_d``) D, as the
+        router does; ``session``, ``meta``: see `decode`."""
+        self.push_prefill(xid, prompt, p_params)
         if to_d:
-            self.push_decode(xid, prompt, params, session=session)
+            self.push_decode(xid, prompt, params, session=session, meta=meta)
 
-    def push_prefill(self, xid: str, prompt: list[int] = PROMPT) -> None:
+    def push_prefill(
+        self, xid: str, prompt: list[int] = PROMPT, params: SamplingParams = FIRST
+    ) -> None:
         """P's prefill, its job first (as the push route's admission does)."""
         self.pf.sender.expect(xid, self.d_peer, len(prompt))
-        self.p.add_request(Request(xid, prompt, FIRST, hold_blocks_on_finish=True))
+        self.p.add_request(Request(xid, prompt, params, hold_blocks_on_finish=True))
 
     def push_decode(
         self, xid: str, prompt: list[int] = PROMPT, params: SamplingParams = GREEDY,
-        *, session: str | None = None,
+        *, session: str | None = None, meta: object = None,
     ) -> None:  # fmt: skip
-        """D's request, its spec first (as the decode route does); ``session``: its
-        finished turn returns to P."""
-        self.df.push.register(PushSpec(xid, self.p_peer, "http://p", f"d-{xid}"))
-        meta = None if session is None else ReturnSpec(session, self.p_peer)
+        """D's request, its spec first (as the decode route does); see `decode`."""
+        self.df.push.register(self.push_spec(xid))
+        self.decode(xid, prompt, params, session=session, meta=meta)
+
+    def push_spec(self, xid: str) -> PushSpec:
+        return PushSpec(xid, self.p_peer, "http://p", f"d-{xid}")
+
+    def decode(
+        self, xid: str, prompt: list[int] = PROMPT, params: SamplingParams = GREEDY,
+        *, session: str | None = None, meta: object = None,
+    ) -> None:  # fmt: skip
+        """D's request ``d-<xid>`` for remote KV under ``xid`` (its spec registered apart).
+        ``session``: its finished turn returns to P; ``meta``: another ``connector_meta``
+        (either holds its blocks on finish)."""
+        if session is not None:
+            meta = ReturnSpec(session, self.p_peer)
         self.d.add_request(Request(
             f"d-{xid}", prompt, params, remote_kv=RemoteKVSpec(xid),
             hold_blocks_on_finish=meta is not None, connector_meta=meta,
@@ -181,47 +246,99 @@ class Sim:
         (call `pull_decode` when ``finished(xid)``)."""
         self.p.add_request(Request(xid, prompt, FIRST, hold_blocks_on_finish=True))
 
-    def pull_decode(self, xid: str, prompt: list[int] = PROMPT) -> None:
+    def pull_decode(
+        self, xid: str, prompt: list[int] = PROMPT, params: SamplingParams = GREEDY
+    ) -> None:
+        self.df.pull.register(self.pull_spec(xid))
+        self.d.add_request(Request(f"d-{xid}", prompt, params, remote_kv=RemoteKVSpec(xid)))
+
+    def pull_spec(self, xid: str) -> PullSpec:
+        """P's held prefill ``xid`` under a lease from now (P's answer), as the spec of D's
+        request ``d-<xid>``."""
         req = self.p.scheduler.get_request(xid)
         assert req is not None, f"{xid} is not held on P"
-        self.df.pull.register(PullSpec(
+        self.leases.start(xid)
+        return PullSpec(
             xid, self.p_peer, "http://p", list(req.block_ids), req.num_prompt_tokens,
+            lease_ends_at=self.clock.now + self.leases.lease_s,
             num_cached_tokens=req.num_cached_tokens, request_id=f"d-{xid}",
-        ))  # fmt: skip
-        self.d.add_request(Request(f"d-{xid}", prompt, GREEDY, remote_kv=RemoteKVSpec(xid)))
+        )  # fmt: skip
+
+    def leave_after(self, rid: str, num_tokens: int) -> None:
+        """``rid``'s client leaves once it has ``num_tokens`` (its request is aborted)."""
+        self._leaving[rid] = num_tokens
+
+    def reconnect(self) -> int:
+        """What each instance's peer directory does: connect afresh to a peer whose
+        endpoint a flow tore down; how many were."""
+        n = 0
+        if not self.tp.is_connected(self.td.engine_id):
+            self.d_peer = self.peers_of_p[self.td.engine_id] = self.tp.connect(self.td.local_metadata())
+            n += 1
+        if not self.td.is_connected(self.tp.engine_id):
+            self.p_peer = self.peers_of_d[self.tp.engine_id] = self.td.connect(self.tp.local_metadata())
+            n += 1
+        return n
+
+    def intercept(
+        self, to: InProcessTransport, msg_type: type[ControlMessage], fn: Intercept | None = None
+    ) -> list[tuple[ControlMessage, str]]:
+        """Messages of ``msg_type`` arriving at ``to`` go to ``fn`` instead of its flows;
+        without ``fn``, into the list returned (held back: lost unless the test hands one
+        on with ``inbox.heard``)."""
+        held: list[tuple[ControlMessage, str]] = []
+        self._intercepts[to.engine_id, msg_type] = fn or (lambda m, s: held.append((m, s)))
+        return held
 
     # ---- stepping ----
 
     def deliver(self) -> int:
         """The pumps' work: what each endpoint received, into its flows' inbox."""
         n = 0
-        for ep, inbox in ((self.tp, self.pf.inbox), (self.td, self.df.inbox)):
+        for ep, inbox, engine in ((self.tp, self.pf.inbox, self.p), (self.td, self.df.inbox, self.d)):
+            self.on = engine
             for notif in ep.poll_notifs(0.0):
-                inbox.heard(self.codec.decode(notif.payload), notif.peer_engine_id)
+                msg = self.codec.decode(notif.payload)
+                fn = self._intercepts.get((ep.engine_id, type(msg)), inbox.heard)
+                fn(msg, notif.peer_engine_id)
                 n += 1
+        self.on = None
         return n
 
     def step(self) -> bool:
         """One step of each engine that has work; whether anything moved."""
         moved = self.deliver() > 0
-        for engine in (self.p, self.d):
+        for front in (self.ap, self.ad):
+            engine = self.on = front.core
+            moved = front._drain_inbox() or moved  # its commands (calls, adds, aborts)
             if not engine.has_unfinished():
                 continue
             self.num_steps += 1
             for o in engine.step():
                 moved = True
-                self.outputs[o.request_id].extend(o.new_token_ids)
-                if o.finished:
-                    self.finish[o.request_id] = o.finish_reason
+                self._output(engine, o)
             moved = moved or engine.last_step_did_work
+        self.on = None
         return moved
+
+    def _output(self, engine: LLMEngine, o: RequestOutput) -> None:
+        rid = o.request_id
+        self.outputs[rid].extend(o.new_token_ids)
+        self.last[rid] = o
+        if o.finished:
+            self.finish[rid] = o.finish_reason
+        elif rid in self._leaving and len(self.outputs[rid]) >= self._leaving[rid]:
+            del self._leaving[rid]
+            engine.abort_request(rid)  # the client closed its stream
 
     def tick(self, dt: float | None = None) -> None:
         """Move the clock: the fabric's timers that are due fire, and the flows tick."""
         self.clock.now += self.tick_s if dt is None else dt
         self.timers.advance_to(self.clock.now)
-        for inbox in (self.pf.inbox, self.df.inbox):
+        for inbox, engine in ((self.pf.inbox, self.p), (self.df.inbox, self.d)):
+            self.on = engine
             inbox.tick(self.clock.now)
+        self.on = None
 
     def run(self, until: Callable[[], bool], max_s: float = 60.0, max_steps: int = 20000) -> None:
         """Step while anything moves, tick when nothing does, until ``until()``."""
@@ -249,14 +366,17 @@ class Sim:
             return False
         if self.p.has_unfinished() or self.d.has_unfinished():
             return False
-        for tables in (self.pf.tables(), self.df.tables()):
-            tables.pop("send_cancelled_tombstones")
-            if any(tables.values()):
-                return False
-        return True
+        return not self.busy_tables()
+
+    def busy_tables(self) -> dict[str, int]:
+        """The flow tables of P and D that are not empty (cancelled xids aside)."""
+        tables = {f"p.{k}": v for k, v in self.pf.tables().items()}
+        tables |= {f"d.{k}": v for k, v in self.df.tables().items()}
+        return {k: v for k, v in tables.items() if v and not k.endswith("tombstones")}
 
     def inboxes_pending(self) -> bool:
-        return any(i.has_events for i in (self.pf.inbox, self.df.inbox))
+        fronts = any(not front._inbox.empty() for front in (self.ap, self.ad))
+        return fronts or any(i.has_events for i in (self.pf.inbox, self.df.inbox))
 
     def finished(self, rid: str) -> bool:
         return rid in self.finish
@@ -265,7 +385,8 @@ class Sim:
         return engine.block_pool.stats().num_in_use
 
     def assert_clean(self) -> None:
-        """Both pools empty and consistent (held prefills released first)."""
+        """Both pools empty and consistent (held prefills released first), and no late
+        transfer landed in a block not reserved for it."""
         for rid in list(self.p.scheduler._held):
             self.p.scheduler.release_held(rid)
         self.settle()
@@ -277,27 +398,4 @@ class Sim:
         assert self.late_problems == []
 
 
-def landing_problems(engine: LLMEngine, post: Post) -> list[str]:
-    """Where a late transfer is about to land on ``engine``'s pool, what is wrong: a
-    target block free, in the prefix cache, or owned by a request other than one still
-    waiting for remote KV. Empty: reserved."""
-    nb = engine.layout.num_blocks
-    idx = post.remote if post.handle.op is TransferOp.WRITE else post.local
-    blocks = {int(i) % nb for i in idx}
-    xid = post.handle.xid
-    problems = []
-    for b in sorted(blocks):
-        if engine.block_pool.ref_count(b) < 1:
-            problems.append(f"{xid}: block {b} is free")
-        if engine.block_pool.key_of(b) is not None:
-            problems.append(f"{xid}: block {b} is in the prefix cache")
-    sched = engine.scheduler
-    for req in [*sched._requests.values(), *sched._held.values()]:
-        if req.status is not RequestStatus.WAITING_FOR_REMOTE_KV and (
-            shared := blocks & set(req.block_ids)
-        ):
-            problems.append(f"{xid}: blocks {sorted(shared)} belong to {req.request_id}")
-    return problems
-
-
-__all__ = ["Clock", "FlowInbox", "Sim", "SteppedEngine", "landing_problems"]
+__all__ = ["Clock", "FlowInbox", "Sim", "Starved", "SteppedEngine"]

@@ -6,7 +6,6 @@ Engine-level tests drive `LLMEngine` with a scripted connector, numbered as step
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import pickle
 from collections.abc import Callable
@@ -37,11 +36,11 @@ from kvduplex.engine.scheduler_output import SchedulerOutput
 from kvduplex.kvflow.connectors import RemoteKVLoads
 from kvduplex.kvflow.push_prefill import PushPlan
 from kvduplex.model.loader import LoadedModel
-from tests.unit.flow_pair import GREEDY
-from tests.unit.flow_pair import PROMPT
-from tests.unit.flow_pair import Pair
-from tests.unit.flow_pair import _reference
-from tests.unit.flow_pair import tiny as tiny  # the module-scoped model fixture
+from tests.unit.flow_common import GREEDY
+from tests.unit.flow_common import PROMPT
+from tests.unit.flow_common import _reference
+from tests.unit.flow_common import tiny as tiny  # the module-scoped model fixture
+from tests.unit.flow_sim import Sim
 
 PLAIN = (int, float, str, bool, bytes, type(None))
 
@@ -128,34 +127,34 @@ def drain(engine: LLMEngine) -> dict[str, list[RequestOutput]]:
 # ---- plain data ----
 
 
-def test_scheduler_output_and_worker_metadata_are_plain_data(tiny: LoadedModel) -> None:
+def test_scheduler_output_and_worker_metadata_are_plain_data(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Every step's output, and what each connector's worker side got, on both ends of a
     real push (and a remote-KV admission with a prefix hit on D): no Request inside."""
-    with Pair(tiny) as s:
-        seen: list[object] = []
-        for engine in (s.p, s.d):
-            schedule = engine.scheduler.schedule
-            hooks = engine.connector
+    s = Sim(tiny, monkeypatch)
+    seen: list[object] = []
+    for engine in (s.p, s.d):
+        schedule = engine.scheduler.schedule
+        hooks = engine.connector
 
-            def recording(schedule: Callable[[], SchedulerOutput] = schedule) -> SchedulerOutput:
-                out = schedule()
-                seen.append(out)
-                return out
+        def recording(schedule: Callable[[], SchedulerOutput] = schedule) -> SchedulerOutput:
+            out = schedule()
+            seen.append(out)
+            return out
 
-            def worker(meta: KVConnectorMetadata | None, hook=hooks.start_load_kv) -> None:  # type: ignore[no-untyped-def]
-                seen.append(meta)
-                hook(meta)
+        def worker(meta: KVConnectorMetadata | None, hook=hooks.start_load_kv) -> None:  # type: ignore[no-untyped-def]
+            seen.append(meta)
+            hook(meta)
 
-            engine.scheduler.schedule = recording  # type: ignore[method-assign]
-            hooks.start_load_kv = worker  # type: ignore[method-assign]
+        engine.scheduler.schedule = recording  # type: ignore[method-assign]
+        hooks.start_load_kv = worker  # type: ignore[method-assign]
 
-        async def both() -> list[int]:
-            d = asyncio.ensure_future(s.decode("plain"))
-            await s.prefill("plain")
-            return await d
-
-        assert asyncio.run(both()) == _reference(tiny)
-        s.assert_clean()
+    s.push_decode("plain")
+    s.push_prefill("plain")
+    s.run(lambda: s.finished("d-plain") and s.finished("plain"))
+    assert s.outputs["d-plain"] == _reference(tiny)
+    s.assert_clean()
     outs = [o for o in seen if isinstance(o, SchedulerOutput)]
     assert any(o.remote_kv_allocated for o in outs), "D allocated blocks for the pushed prompt"
     plans = [m for m in seen if isinstance(m, PushPlan)]

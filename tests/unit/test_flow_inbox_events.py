@@ -21,8 +21,8 @@ from kvduplex.kvflow.push_prefill import PushPlan
 from kvduplex.model.loader import LoadedModel
 from kvduplex.transport.messages import ControlMessage
 from kvduplex.transport.protocol import TransferHandle
-from tests.unit.flow_pair import _reference
-from tests.unit.flow_pair import tiny as tiny  # the module-scoped model fixture
+from tests.unit.flow_common import _reference
+from tests.unit.flow_common import tiny as tiny  # the module-scoped model fixture
 from tests.unit.flow_sim import Sim
 
 HANDLE = cast(TransferHandle, object())

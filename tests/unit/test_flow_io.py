@@ -20,16 +20,25 @@ from kvduplex.kvflow.messages import KVFailed
 
 
 class _Transport:
-    """Sends to ``down`` fail; every send is recorded with its time."""
+    """Sends to ``down`` fail; every send is recorded with its time, and sets the event
+    of its peer (`sent_to`)."""
 
     def __init__(self, down: set[str] | None = None) -> None:
         self.down = down or set()
         self.sent: list[tuple[str, float]] = []
+        self._lock = threading.Lock()
+        self._events: dict[str, threading.Event] = {}
+
+    def sent_to(self, engine_id: str) -> threading.Event:
+        """Set once something was sent to ``engine_id`` (any thread)."""
+        with self._lock:
+            return self._events.setdefault(engine_id, threading.Event())
 
     def send_notif(self, peer: Any, payload: bytes, xid: str) -> None:
         if peer.engine_id in self.down:
             raise ConnectionError(f"{peer.engine_id} is unreachable")
         self.sent.append((peer.engine_id, time.monotonic()))
+        self.sent_to(peer.engine_id).set()
 
     def is_connected(self, engine_id: str) -> bool:
         return engine_id not in self.down
@@ -43,12 +52,9 @@ def _peer(engine_id: str) -> Any:
 
 
 def _sent_to(transport: _Transport, engine_id: str, within_s: float = 2.0) -> bool:
-    end = time.monotonic() + within_s
-    while time.monotonic() < end:
-        if any(e == engine_id for e, _ in transport.sent):
-            return True
-        time.sleep(0.005)
-    return False
+    """Whether the flow I/O thread sent to ``engine_id`` within ``within_s`` (the other
+    peer's call still blocks meanwhile)."""
+    return transport.sent_to(engine_id).wait(within_s)
 
 
 def test_a_stuck_lease_release_does_not_delay_a_send_to_another_peer() -> None:

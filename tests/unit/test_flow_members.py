@@ -16,9 +16,9 @@ from kvduplex.kvflow.send_early import Tombstones
 from kvduplex.model.loader import LoadedModel
 from kvduplex.transport.messages import ControlMessage
 from kvduplex.transport.messages import MessageCodec
-from tests.unit.flow_pair import PROMPT
-from tests.unit.flow_pair import _reference
-from tests.unit.flow_pair import tiny as tiny  # the module-scoped model fixture
+from tests.unit.flow_common import PROMPT
+from tests.unit.flow_common import _reference
+from tests.unit.flow_common import tiny as tiny  # the module-scoped model fixture
 from tests.unit.flow_sim import Sim
 
 CODEC = MessageCodec()

@@ -11,8 +11,8 @@ import pytest
 from kvduplex.kvflow.inbox import EngineGoneError
 from kvduplex.kvflow.inbox import FlowInbox
 from kvduplex.model.loader import LoadedModel
-from tests.unit.flow_pair import Pair
-from tests.unit.flow_pair import tiny as tiny  # the module-scoped model fixture
+from tests.unit.flow_common import tiny as tiny  # the module-scoped model fixture
+from tests.unit.flow_sim import Sim
 from tests.unit.test_retained_turns import _turn
 
 
@@ -41,32 +41,38 @@ def test_a_registration_queued_as_the_engine_dies_fails() -> None:
         reply.result(0)
 
 
-def _start_read(s: Pair, xid: str) -> Future[int]:
+def _start_read(s: Sim, xid: str) -> Future[int]:
     _turn(s, f"{xid}-turn", f"{xid}-session")
-    info = s.ad.call(lambda _e: s.df.retainer.describe(f"{xid}-session")).result(5)
+    info = s.df.retainer.describe(f"{xid}-session")
     assert info is not None
-    return s.ap.call(lambda _e: s.pf.reader.start(
+    return s.pf.reader.start(
         s.d_peer, xid, info["block_ids"], info["keys"], info["token_ids"], 30.0,
-    )).result(5)  # fmt: skip
+    )  # fmt: skip
 
 
-def test_a_retained_read_fails_when_prefills_engine_dies(tiny: LoadedModel) -> None:
-    with Pair(tiny, transfer_timeout_s=30) as s:
-        s.tp.hang_next()  # the READ never ends
-        done = _start_read(s, "rd1")
-        s.ap.shutdown()
-        with pytest.raises(EngineGoneError):
-            done.result(5)
+def test_a_retained_read_fails_when_prefills_engine_dies(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s = Sim(tiny, monkeypatch, transfer_timeout_s=30)
+    s.tp.hang_next()  # the READ never ends
+    done = _start_read(s, "rd1")
+    s.step()
+    assert not done.done()
+    s.ap.shutdown()  # P's engine loop ends
+    with pytest.raises(EngineGoneError):
+        done.result(0)
 
 
 def test_a_retained_read_fails_when_its_handler_raises(
     tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    with Pair(tiny) as s:
-        def broken(*_a: object) -> None:
-            raise RuntimeError("cache_blocks broke")
+    s = Sim(tiny, monkeypatch)
 
-        monkeypatch.setattr(s.pf.reader.engine, "cache_blocks", broken)
-        done = _start_read(s, "rd2")
-        with pytest.raises(RuntimeError, match="cache_blocks broke"):
-            done.result(5)
+    def broken(*_a: object) -> None:
+        raise RuntimeError("cache_blocks broke")
+
+    monkeypatch.setattr(s.pf.reader.engine, "cache_blocks", broken)
+    done = _start_read(s, "rd2")
+    s.run(done.done)
+    with pytest.raises(RuntimeError, match="cache_blocks broke"):
+        done.result(0)

@@ -8,8 +8,8 @@ import pytest
 
 from kvduplex.model.loader import LoadedModel
 from kvduplex.transport.base import Post
-from tests.unit.flow_pair import _reference
-from tests.unit.flow_pair import tiny as tiny  # the module-scoped model fixture
+from tests.unit.flow_common import _reference
+from tests.unit.flow_common import tiny as tiny  # the module-scoped model fixture
 from tests.unit.flow_sim import Sim
 
 

@@ -8,14 +8,11 @@ clock of the test's own in place of `time.monotonic`."""
 
 from __future__ import annotations
 
-import asyncio
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from kvduplex.engine.request import RemoteKVSpec
-from kvduplex.engine.request import Request
 from kvduplex.engine.scheduler_output import KVReceiveFailed
 from kvduplex.engine.scheduler_output import RemoteKVAllocation
 from kvduplex.kvflow import push_decode
@@ -24,11 +21,9 @@ from kvduplex.kvflow.push_decode import PushDecode
 from kvduplex.kvflow.push_decode import PushSpec
 from kvduplex.kvflow.receiver import KVReceiver
 from kvduplex.model.loader import LoadedModel
-from tests.unit.flow_pair import GREEDY
-from tests.unit.flow_pair import PROMPT
-from tests.unit.flow_pair import Pair
-from tests.unit.flow_pair import _reference
-from tests.unit.flow_pair import tiny as tiny  # the module-scoped model fixture
+from tests.unit.flow_common import _reference
+from tests.unit.flow_common import tiny as tiny  # the module-scoped model fixture
+from tests.unit.flow_sim import Sim
 
 WAIT_S = 10.0
 BLOCK_SIZE = 4
@@ -148,26 +143,26 @@ def test_at_most_max_early_cancels_are_kept(
     assert _is_cancelled(push, "x2") and _is_cancelled(push, "x3")
 
 
-def test_a_cancelled_push_is_admitted_as_a_push_and_leaves_nothing(tiny: LoadedModel) -> None:
+def test_a_cancelled_push_is_admitted_as_a_push_and_leaves_nothing(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Through a real decode engine and its connector: a push cancelled before its request
     came, and one cancelled while its request queued, are admitted by the push flow (not
     taken for a pull), decode the exact answer over their own prefill, count as
     fallbacks and leave no table entry behind."""
-    with Pair(tiny) as s:
-        assert s.push.cancel("early", "prefill failed") is False
-        assert asyncio.run(s.decode("early")) == _reference(tiny)
+    s = Sim(tiny, monkeypatch)
+    push = s.df.push
+    assert push.cancel("early", "prefill failed") is False
+    s.push_decode("early")
+    s.run(lambda: s.finished("d-early"))
+    assert s.outputs["d-early"] == _reference(tiny)
 
-        async def cancelled_while_queued() -> list[int]:
-            s.push.register(PushSpec("late", s.p_peer, "http://p", "d-late"))
-            assert s.push.cancel("late", "prefill failed") is True
-            out: list[int] = []
-            request = Request("d-late", PROMPT, GREEDY, remote_kv=RemoteKVSpec("late"))
-            async for o in s.ad.generate(request):
-                out.extend(o.new_token_ids)
-            return out
-
-        assert asyncio.run(cancelled_while_queued()) == _reference(tiny)
-        assert s.push.stats.num_fallbacks == 2
-        tables = s.ad.call(lambda _e: s.df.tables()).result(5)
-        assert tables["push_specs"] == 0 and tables["receive_waits"] == 0
-        s.assert_clean()
+    push.register(s.push_spec("late"))
+    assert push.cancel("late", "prefill failed") is True
+    s.decode("late")
+    s.run(lambda: s.finished("d-late"))
+    assert s.outputs["d-late"] == _reference(tiny)
+    assert push.stats.num_fallbacks == 2
+    tables = s.df.tables()
+    assert tables["push_specs"] == 0 and tables["receive_waits"] == 0
+    s.assert_clean()
