@@ -11,12 +11,13 @@ fails is counted, removed from the store and recomputed, never used.
 
 Threads and deadlines::
 
-    engine thread ──put, queued (never waited for)──► writer thread ──► store
+    engine thread ──put, queued──────────────────────► writer thread ──► store
                   ──exists / get, waited ≤ timeout_s──► reader thread ──► store
 
 A demoted block is copied into one of a few staging buffers on the engine thread and
 put by the writer; until that put is done, the block is found and loaded from its
-buffer. A prefix lookup (`find_run`: one batched existence check) and a load wait for
+buffer. When every buffer's put is in flight, a demotion waits for the oldest one,
+``timeout_s`` at most. A prefix lookup (`find_run`: one batched existence check) and a load wait for
 the reader at most ``timeout_s``. A call that fails or outlives its deadline marks the
 store down (`StoreHealth`): for ``retry_s`` (doubling while it keeps failing) lookups
 answer none, loads miss and demoted blocks are dropped, each counted in
@@ -60,8 +61,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 STAGING_BUFFERS = 16
-"""Demoted blocks whose put may be in flight at once; past that (a slow store) a demoted
-block is dropped, not waited for."""
+"""Demoted blocks whose put may be in flight at once. Past that, a demotion waits for the
+oldest put, `StoreTier.timeout_s` at most, and is dropped if it is still in flight."""
 
 
 @dataclass
@@ -163,9 +164,13 @@ class StoreTier:
         if key in self._staged:
             return
         client = self._client
-        index = self._free_buffer()
-        if client is None or not self.health.can_try() or index is None:
-            self.stats.num_unavailable += 1  # down, or every buffer's put still in flight
+        index = None
+        if client is not None and self.health.can_try():
+            index = self._free_buffer()
+            if index is None:
+                index = self._wait_for_buffer()
+        if client is None or index is None:
+            self.stats.num_unavailable += 1  # down, or a put is late
             self._try_connect()
             return
         buffer = self._buffers[index]
@@ -309,6 +314,18 @@ class StoreTier:
             elif not staged.is_late and now - staged.since > self.timeout_s:
                 staged.is_late = True
                 self.health.failed(f"a write took longer than {self.timeout_s} s")
+
+    def _wait_for_buffer(self) -> int | None:
+        """Every staging buffer's put is in flight: wait for the oldest, `timeout_s` at
+        most (a put that takes longer marks the store down); a free buffer, if any."""
+        oldest = min(self._staged.values(), key=lambda staged: staged.since)
+        _wait(oldest.write, self.timeout_s)
+        self._reap()
+        index = self._free_buffer()
+        if index is None and not oldest.is_late:
+            oldest.is_late = True
+            self.health.failed(f"a write took longer than {self.timeout_s} s")
+        return index
 
     def _free_buffer(self) -> int | None:
         """A staging buffer no staged block uses (a block whose put ended after `_reap`

@@ -127,7 +127,10 @@ def test_a_lookup_is_one_call_and_stops_at_the_first_block_missing(
 
 def test_another_model_never_shares_an_entry(make_tier: MakeTier, store: FakeStore) -> None:
     a = make_tier()
-    other_model, other_layout = make_tier(b"other-model"), make_tier(layout=replace(LAYOUT, num_kv_heads=1))
+    other_model, other_layout = (
+        make_tier(b"other-model"),
+        make_tier(layout=replace(LAYOUT, num_kv_heads=1)),
+    )
     a.store(key(1), block(1))
     a.flush()
     out = torch.zeros_like(block(1))
@@ -139,9 +142,7 @@ def test_another_model_never_shares_an_entry(make_tier: MakeTier, store: FakeSto
     assert other_model.stats.num_corrupt_blocks == 1
 
 
-@pytest.mark.parametrize(
-    "offset", [10, 50, HEADER_BYTES + 5], ids=["key", "layout-id", "payload"]
-)
+@pytest.mark.parametrize("offset", [10, 50, HEADER_BYTES + 5], ids=["key", "layout-id", "payload"])
 def test_a_corrupt_entry_is_caught_removed_and_replaced(
     make_tier: MakeTier, store: FakeStore, offset: int
 ) -> None:
@@ -236,24 +237,36 @@ def test_a_hung_store_costs_one_deadline_then_is_left_alone_until_it_answers(
     assert b.load(key(1), out) and torch.equal(out, kv)
 
 
-def test_demoting_never_waits_for_a_slow_store(
-    make_tier: MakeTier, store: FakeStore, clock: Clock
+def test_demoting_waits_for_a_hung_store_one_deadline_at_most(
+    make_tier: MakeTier, store: FakeStore
 ) -> None:
     a = make_tier()
     store.gate.clear()
     started = time.monotonic()
-    for n in range(STAGING_BUFFERS + 3):
+    for n in range(STAGING_BUFFERS):  # one put in flight per staging buffer: no wait
         a.store(key(n), block(n))
     assert time.monotonic() - started < TIMEOUT_S
+    for n in range(STAGING_BUFFERS, STAGING_BUFFERS + 3):
+        a.store(key(n), block(n))  # the first waits for the oldest put, then all are dropped
+    assert TIMEOUT_S <= time.monotonic() - started < 3 * TIMEOUT_S
+    assert not a.health.is_up()
     assert a.stats.num_stored_blocks == STAGING_BUFFERS and a.stats.num_unavailable == 3
     out = torch.zeros_like(block(0))
     assert a.load(key(STAGING_BUFFERS - 1), out) and torch.equal(out, block(STAGING_BUFFERS - 1))
-    clock.now += 2 * TIMEOUT_S  # the first put is now late: the store is marked down
-    a.store(key(100), block(100))
-    assert not a.health.is_up() and a.stats.num_unavailable == 4
     store.gate.set()
     a.flush()
     assert len(store.entries) == STAGING_BUFFERS
+
+
+def test_a_late_put_marks_the_store_down(
+    make_tier: MakeTier, store: FakeStore, clock: Clock
+) -> None:
+    a = make_tier()
+    store.gate.clear()
+    a.store(key(1), block(1))
+    clock.now += 2 * TIMEOUT_S
+    a.store(key(2), block(2))
+    assert not a.health.is_up() and a.stats.num_unavailable == 1
 
 
 def test_joining_is_retried_until_the_store_answers(
