@@ -17,13 +17,15 @@ Threads and deadlines::
 A demoted block is copied into one of a few staging buffers on the engine thread and
 put by the writer; until that put is done, the block is found and loaded from its
 buffer. When every buffer's put is in flight, a demotion waits for the oldest one,
-``timeout_s`` at most. A prefix lookup (`find_run`: one batched existence check) and a load wait for
-the reader at most ``timeout_s``. A call that fails or outlives its deadline marks the
-store down (`StoreHealth`): for ``retry_s`` (doubling while it keeps failing) lookups
-answer none, loads miss and demoted blocks are dropped, each counted in
-`TierStats.num_unavailable`; then the store is tried again, unless a call past its
-deadline still holds the reader. A store that dies or hangs thus costs the engine one
-deadline per retry at most, and its prompts are computed.
+``timeout_s`` at most over a burst of demotions, then drops. A prefix lookup
+(`find_run`: one batched existence check) waits at most ``timeout_s``, and the loads of
+its run ``timeout_s`` in all: a slow store shortens the run, the rest is computed.
+
+A call that fails or outlives ``timeout_s`` marks the store down (`StoreHealth`): for
+``retry_s`` (doubling while it keeps failing) lookups answer none, loads miss and
+demoted blocks are dropped, each counted in `TierStats.num_unavailable`; then the store
+is tried again, unless a late call still holds the reader. A store that dies or hangs
+thus costs the engine a deadline or two per retry at most, and its prompts are computed.
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ T = TypeVar("T")
 
 STAGING_BUFFERS = 16
 """Demoted blocks whose put may be in flight at once. Past that, a demotion waits for the
-oldest put, `StoreTier.timeout_s` at most, and is dropped if it is still in flight."""
+oldest put, `StoreTier.timeout_s` at most over a burst, and is dropped if it is still in
+flight."""
 
 
 @dataclass
@@ -122,6 +125,12 @@ class StoreTier:
         self._is_closed = False
         self._stuck: Future[Any] | None = None
         """A reader call past its deadline, until it returns."""
+        self._run: set[BlockHash] = set()
+        """The keys the last lookup found in the store: their loads share a budget."""
+        self._run_loads_end = 0.0
+        """When that budget ends (`time.monotonic`)."""
+        self._num_waited_s = 0.0
+        """Seconds demotions of the current burst waited for a staging buffer."""
         self._try_connect()
 
     # ---- KVTier ----
@@ -145,6 +154,8 @@ class StoreTier:
         pass  # the store keeps its own recency
 
     def find_run(self, keys: Sequence[BlockHash]) -> int:
+        """Also starts the budget of the loads of the run: together they wait for the store
+        `timeout_s` at most."""
         self._reap()
         ask = [key for key in keys if key not in self._staged]
         held: set[BlockHash] = set()
@@ -152,6 +163,8 @@ class StoreTier:
             names = [self.store_key(key) for key in ask]
             found = self._call("a lookup", lambda client: _exist(client, names))
             held = {key for key, is_held in zip(ask, found or (), strict=False) if is_held}
+        self._run_loads_end = time.monotonic() + self.timeout_s
+        self._run = held
         num_held = 0
         for key in keys:
             if key not in self._staged and key not in held:
@@ -169,6 +182,8 @@ class StoreTier:
             index = self._free_buffer()
             if index is None:
                 index = self._wait_for_buffer()
+            else:
+                self._num_waited_s = 0.0  # the burst, if any, is over
         if client is None or index is None:
             self.stats.num_unavailable += 1  # down, or a put is late
             self._try_connect()
@@ -191,7 +206,8 @@ class StoreTier:
             self.stats.num_loaded_blocks += 1
             return True
         name = self.store_key(key)
-        data = self._call("a load", lambda client: client.get(name))
+        budget_s = self._run_loads_end - time.monotonic() if key in self._run else None
+        data = self._call("a load", lambda client: client.get(name), budget_s)
         if not data:  # unavailable, or absent (the store answers an empty value)
             return False
         if len(data) != self.entry_bytes:
@@ -257,22 +273,28 @@ class StoreTier:
         self._client = client
         self.health.succeeded("joined the store")
 
-    def _call(self, what: str, call: Callable[[StoreClient], T]) -> T | None:
-        """`call` run on the reader, waited for at most `timeout_s`; None (counted) if the
-        store is down, or the call failed or is late (the store is marked down)."""
+    def _call(
+        self, what: str, call: Callable[[StoreClient], T], budget_s: float | None = None
+    ) -> T | None:
+        """`call` run on the reader, waited for at most `timeout_s` (and `budget_s`, what
+        is left of a prefix lookup's); None, counted, if the store is down, the call
+        failed, or it is late: past `timeout_s` the store is marked down; past the budget
+        alone the call is only left to finish (no call goes out until it has)."""
         client = self._client
         if self._stuck is not None and self._stuck.done():
             self._stuck = None
-        if client is None or self._stuck is not None or not self.health.can_try():
+        wait_s = self.timeout_s if budget_s is None else min(self.timeout_s, budget_s)
+        if client is None or self._stuck is not None or wait_s <= 0 or not self.health.can_try():
             self.stats.num_unavailable += 1
             self._try_connect()
             return None
         future = self._reader.submit(lambda: call(client))
         try:
-            result = future.result(timeout=self.timeout_s)
+            result = future.result(timeout=wait_s)
         except TimeoutError:
             self._stuck = future
-            self.health.failed(f"{what} took longer than {self.timeout_s} s")
+            if wait_s >= self.timeout_s:
+                self.health.failed(f"{what} took longer than {self.timeout_s} s")
         except Exception as exc:
             self.health.failed(f"{what} failed: {exc}")
         else:
@@ -317,12 +339,18 @@ class StoreTier:
 
     def _wait_for_buffer(self) -> int | None:
         """Every staging buffer's put is in flight: wait for the oldest, `timeout_s` at
-        most (a put that takes longer marks the store down); a free buffer, if any."""
+        most over a burst of demotions (a put that takes longer marks the store down); a
+        free buffer, if any."""
         oldest = min(self._staged.values(), key=lambda staged: staged.since)
-        _wait(oldest.write, self.timeout_s)
+        wait_s = self.timeout_s - self._num_waited_s
+        if wait_s <= 0:
+            return None
+        started = time.monotonic()
+        _wait(oldest.write, wait_s)
+        self._num_waited_s += time.monotonic() - started
         self._reap()
         index = self._free_buffer()
-        if index is None and not oldest.is_late:
+        if index is None and not oldest.is_late and wait_s >= self.timeout_s:
             oldest.is_late = True
             self.health.failed(f"a write took longer than {self.timeout_s} s")
         return index

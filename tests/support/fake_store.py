@@ -9,6 +9,7 @@ instance joins the one store. Faults:
   `connect` raises.
 * ``store.gate.clear()``: every call blocks until ``store.gate.set()`` (a hung store);
   ``store.num_blocked`` says how many are waiting.
+* ``store.delay_s``: every call takes that long (a slow store).
 * `corrupt`: flip a byte of an entry's value.
 
 Not Mooncake: no leases, no eviction, no transfer engine.
@@ -17,6 +18,7 @@ Not Mooncake: no leases, no eviction, no transfer engine.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from dataclasses import field
 
@@ -33,6 +35,7 @@ class FakeStore:
     gate: threading.Event = field(default_factory=threading.Event)
     calls: list[str] = field(default_factory=list)
     """Each call's name, in order (``put``, ``upsert``, ``get``, ...)."""
+    delay_s: float = 0.0
     num_blocked: int = 0
     num_connects: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -61,6 +64,8 @@ class FakeStore:
         self.gate.wait()
         with self._lock:
             self.num_blocked -= 1
+        if self.delay_s:
+            time.sleep(self.delay_s)  # the store's latency
 
 
 @dataclass

@@ -258,6 +258,32 @@ def test_demoting_waits_for_a_hung_store_one_deadline_at_most(
     assert len(store.entries) == STAGING_BUFFERS
 
 
+def test_a_slow_store_shortens_a_run_and_a_burst_without_being_marked_down(
+    make_tier: MakeTier, store: FakeStore
+) -> None:
+    a, b = make_tier(), make_tier()
+    keys = [key(n) for n in range(6)]
+    for n, k in enumerate(keys):
+        a.store(k, block(n))
+    a.flush()
+    store.delay_s = 0.75 * TIMEOUT_S
+    assert b.find_run(keys) == len(keys)
+    started = time.monotonic()
+    out = torch.zeros_like(block(0))
+    num_loaded = 0
+    while num_loaded < len(keys) and b.load(keys[num_loaded], out):  # as a promotion does
+        num_loaded += 1
+    assert num_loaded < len(keys) and time.monotonic() - started < 2 * TIMEOUT_S
+    assert b.health.is_up() and b.stats.num_unavailable == 1
+    store.delay_s = 0.25 * TIMEOUT_S
+    started = time.monotonic()
+    for n in range(10, 10 + 3 * STAGING_BUFFERS):  # a burst of demotions
+        a.store(key(n), block(n))
+    assert time.monotonic() - started < 2 * TIMEOUT_S
+    assert a.health.is_up() and a.stats.num_unavailable > 0
+    assert a.stats.num_stored_blocks + a.stats.num_unavailable == len(keys) + 3 * STAGING_BUFFERS
+
+
 def test_a_late_put_marks_the_store_down(
     make_tier: MakeTier, store: FakeStore, clock: Clock
 ) -> None:
