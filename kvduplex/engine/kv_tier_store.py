@@ -125,6 +125,9 @@ class StoreTier:
         self._is_closed = False
         self._stuck: Future[Any] | None = None
         """A reader call past its deadline, until it returns."""
+        self._stuck_what = ""
+        self._stuck_since = 0.0
+        self._stuck_is_late = False
         self._run: set[BlockHash] = set()
         """The keys the last lookup found in the store: their loads share a budget."""
         self._run_loads_end = 0.0
@@ -281,8 +284,7 @@ class StoreTier:
         failed, or it is late: past `timeout_s` the store is marked down; past the budget
         alone the call is only left to finish (no call goes out until it has)."""
         client = self._client
-        if self._stuck is not None and self._stuck.done():
-            self._stuck = None
+        self._check_stuck()
         wait_s = self.timeout_s if budget_s is None else min(self.timeout_s, budget_s)
         if client is None or self._stuck is not None or wait_s <= 0 or not self.health.can_try():
             self.stats.num_unavailable += 1
@@ -292,9 +294,9 @@ class StoreTier:
         try:
             result = future.result(timeout=wait_s)
         except TimeoutError:
-            self._stuck = future
-            if wait_s >= self.timeout_s:
-                self.health.failed(f"{what} took longer than {self.timeout_s} s")
+            self._stuck, self._stuck_what, self._stuck_is_late = future, what, False
+            self._stuck_since = time.monotonic() - wait_s
+            self._check_stuck()
         except Exception as exc:
             self.health.failed(f"{what} failed: {exc}")
         else:
@@ -302,6 +304,18 @@ class StoreTier:
             return result
         self.stats.num_unavailable += 1
         return None
+
+    def _check_stuck(self) -> None:
+        """Forget the late reader call if it has returned; mark the store down once if it
+        has run past `timeout_s` (a call cut short by a lookup's budget may not have)."""
+        stuck = self._stuck
+        if stuck is None:
+            return
+        if stuck.done():
+            self._stuck = None
+        elif not self._stuck_is_late and time.monotonic() - self._stuck_since >= self.timeout_s:
+            self._stuck_is_late = True
+            self.health.failed(f"{self._stuck_what} took longer than {self.timeout_s} s")
 
     def _put(
         self, client: StoreClient, key: BlockHash, buffer: torch.Tensor, replace: bool

@@ -163,6 +163,8 @@ def test_a_store_that_hangs_then_dies_costs_only_recomputes(cluster: LocalCluste
     again, num_cached = complete(rig.second, hung_ids)
     assert again == hung_answer and num_cached == 0
     assert count(rig.second, "unavailable_total") >= 1
+    # Its next lookup finds that load still running past the deadline: the store is down.
+    assert complete(rig.second, dead_ids)[0] == dead_answer
     assert count(rig.second, "store_up") == 0
     # Then the store dies: both instances go on answering, demotions and lookups counted.
     cluster.kill_process(rig.store.storage)
