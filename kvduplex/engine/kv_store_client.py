@@ -12,6 +12,7 @@ and the parts that keep a failing one from costing the engine more than a deadli
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import socket
@@ -157,6 +158,20 @@ class StoreHealth:
             logger.debug("KV store: %s (next try in %.1f s)", problem, backoff)
 
 
+def exist_flags(client: StoreClient, names: list[str]) -> list[bool]:
+    """Whether the store holds each of `names` (one call); StoreError on an error code."""
+    codes = client.batch_is_exist(names)
+    if len(codes) != len(names) or any(code < 0 for code in codes):
+        raise StoreError(f"batch_is_exist answered {min(codes, default=None)}")
+    return [code == 1 for code in codes]
+
+
+def wait_at_most(future: Future[T], timeout_s: float) -> None:
+    """Wait for `future` at most `timeout_s`, whatever it ends with."""
+    with contextlib.suppress(TimeoutError):
+        future.exception(timeout=timeout_s)
+
+
 @dataclass(frozen=True)
 class MooncakeSettings:
     """Where the Mooncake store is and how this instance joins it."""
@@ -222,5 +237,7 @@ __all__ = [
     "StoreWorker",
     "address_towards",
     "connect_mooncake",
+    "exist_flags",
     "require_mooncake",
+    "wait_at_most",
 ]

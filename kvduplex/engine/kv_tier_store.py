@@ -30,7 +30,6 @@ thus costs the engine a deadline or two per retry at most, and its prompts are c
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections import OrderedDict
@@ -50,6 +49,8 @@ from kvduplex.engine.kv_store_client import StoreClient
 from kvduplex.engine.kv_store_client import StoreError
 from kvduplex.engine.kv_store_client import StoreHealth
 from kvduplex.engine.kv_store_client import StoreWorker
+from kvduplex.engine.kv_store_client import exist_flags
+from kvduplex.engine.kv_store_client import wait_at_most
 from kvduplex.engine.kv_tier import HEADER_BYTES
 from kvduplex.engine.kv_tier import HEADER_FIELDS_BYTES
 from kvduplex.engine.kv_tier import TierStats
@@ -164,7 +165,7 @@ class StoreTier:
         held: set[BlockHash] = set()
         if ask:
             names = [self.store_key(key) for key in ask]
-            found = self._call("a lookup", lambda client: _exist(client, names))
+            found = self._call("a lookup", lambda client: exist_flags(client, names))
             held = {key for key, is_held in zip(ask, found or (), strict=False) if is_held}
         self._run_loads_end = time.monotonic() + self.timeout_s
         self._run = held
@@ -232,13 +233,13 @@ class StoreTier:
     def joined(self, timeout_s: float) -> bool:
         """Wait at most `timeout_s` for the join in progress; whether the store is joined."""
         if self._connecting is not None:
-            _wait(self._connecting, timeout_s)
+            wait_at_most(self._connecting, timeout_s)
         return self._client is not None
 
     def flush(self) -> None:
         """Wait for the puts in flight, each at most `timeout_s`."""
         for staged in list(self._staged.values()):
-            _wait(staged.write, self.timeout_s)
+            wait_at_most(staged.write, self.timeout_s)
         self._reap()
 
     def close(self) -> None:
@@ -248,7 +249,7 @@ class StoreTier:
         self._is_closed = True
         client, self._client = self._client, None
         if client is not None:
-            _wait(self._reader.submit(client.close), self.timeout_s)
+            wait_at_most(self._reader.submit(client.close), self.timeout_s)
         self._reader.stop()
         self._writer.stop()
 
@@ -360,7 +361,7 @@ class StoreTier:
         if wait_s <= 0:
             return None
         started = time.monotonic()
-        _wait(oldest.write, wait_s)
+        wait_at_most(oldest.write, wait_s)
         self._num_waited_s += time.monotonic() - started
         self._reap()
         index = self._free_buffer()
@@ -389,19 +390,6 @@ class StoreTier:
         if client is not None:
             self._writer.submit(lambda: client.remove(name, True))
         return False
-
-
-def _exist(client: StoreClient, names: list[str]) -> list[bool]:
-    codes = client.batch_is_exist(names)
-    if len(codes) != len(names) or any(code < 0 for code in codes):
-        raise StoreError(f"batch_is_exist answered {min(codes, default=None)}")
-    return [code == 1 for code in codes]
-
-
-def _wait(future: Future[T], timeout_s: float) -> None:
-    """Wait for `future` at most `timeout_s`, whatever it ends with."""
-    with contextlib.suppress(TimeoutError):
-        future.exception(timeout=timeout_s)
 
 
 __all__ = ["STAGING_BUFFERS", "StoreTier"]
