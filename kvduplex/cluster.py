@@ -104,19 +104,26 @@ class LocalCluster:
         `module` (default: kvduplex's command line) is the module run; another one must
         accept `args` followed by ``--host`` and ``--port``, and stop on SIGTERM.
         """
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        log_path = self.log_dir / f"{name}.log"
         cmd = [sys.executable, "-m", module, *args, "--host", host, "--port", str(port)]
         if cpus:
             cmd = ["taskset", "-c", ",".join(map(str, cpus)), *cmd]
         if netns is not None:
             cmd = ["ip", "netns", "exec", netns, *cmd]
+        return self.start_command(name, cmd, f"http://{host}:{port}", env=env)
+
+    def start_command(
+        self, name: str, cmd: list[str], url: str, *, env: dict[str, str] | None = None
+    ) -> Process:
+        """Run `cmd` in the background as `name`, leading its own session (stopped like the
+        others); `url` is where it answers ``GET /health``."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"{name}.log"
         proc_env = {**os.environ, **self.env, **(env or {})}
         with open(log_path, "wb") as log:
             popen = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, env=proc_env, start_new_session=True
             )
-        proc = Process(name=name, url=f"http://{host}:{port}", popen=popen, log_path=log_path)
+        proc = Process(name=name, url=url, popen=popen, log_path=log_path)
         self.processes.append(proc)
         logger.info("started %s (pid %d): %s", name, popen.pid, " ".join(cmd))
         return proc
@@ -176,3 +183,49 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@dataclass
+class LocalKVStore:
+    """A Mooncake store started by `start_kv_store`: its master and one storage node."""
+
+    master: Process
+    storage: Process
+    master_address: str
+    """HOST:PORT of the master's RPC (``--kv-store-master``)."""
+    metadata_url: str
+    """The master's HTTP metadata server (``--kv-store-metadata-url``)."""
+
+    def serve_flags(self) -> list[str]:
+        """The flags that put a ``kvduplex serve`` instance's tier on this store."""
+        return [
+            "--kv-tier", "store", "--kv-store-master", self.master_address,
+            "--kv-store-metadata-url", self.metadata_url,
+        ]  # fmt: skip
+
+
+def start_kv_store(
+    cluster: LocalCluster, gib: float, host: str = "127.0.0.1", timeout_s: float = 60.0
+) -> LocalKVStore:
+    """Start a Mooncake master and a storage node holding `gib` GiB on `host`, and wait
+    until the node's memory is mounted in the store (the master lists its segment).
+    FileNotFoundError saying what to install if Mooncake is not installed."""
+    from kvduplex.common.kv_store import master_command
+    from kvduplex.common.kv_store import storage_node_command
+
+    rpc_port, metadata_port, metrics_port = free_port(host), free_port(host), free_port(host)
+    master_cmd = master_command(host, rpc_port, metadata_port, metrics_port)
+    master = cluster.start_command("kv-store-master", master_cmd, f"http://{host}:{metrics_port}")
+    cluster.wait_healthy(timeout_s, [master])
+    address, metadata_url = f"{host}:{rpc_port}", f"http://{host}:{metadata_port}/metadata"
+    node_port, node_http_port = free_port(host), free_port(host)
+    node_cmd = storage_node_command(address, metadata_url, host, node_port, node_http_port, gib)
+    storage = cluster.start_command("kv-store-node", node_cmd, f"http://{host}:{node_http_port}")
+    cluster.wait_healthy(timeout_s, [storage])
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(timeout=2.0) as client:
+        while not client.get(master.url + "/get_all_segments").text.strip():
+            if time.monotonic() > deadline or not storage.is_alive():
+                raise RuntimeError(f"the KV store's node did not join:\n{storage.log_tail()}")
+            time.sleep(0.1)  # polling a process we do not control; not test synchronisation
+    return LocalKVStore(master, storage, address, metadata_url)

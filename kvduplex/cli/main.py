@@ -27,10 +27,12 @@ from kvduplex.common.config import CLUSTER_SECRET_VAR
 from kvduplex.common.config import Environment
 from kvduplex.common.config import ReturnMode
 from kvduplex.common.config import Role
+from kvduplex.common.engine_config import KVTierKind
 from kvduplex.common.settings import ProcessSettings
 from kvduplex.common.settings import load_settings
 
 if TYPE_CHECKING:
+    from kvduplex.cluster import LocalCluster
     from kvduplex.instance.server import InstanceParts
 
 logger = logging.getLogger("kvduplex")
@@ -78,6 +80,12 @@ def run_serve(args: ServeSettings, parts: InstanceParts | None = None) -> None:
 
     server = args.server_config()
     require_transport(server.role)
+    if args.kv_tier is KVTierKind.STORE:
+        from kvduplex.common.kv_store import mooncake_import_problem
+
+        problem = mooncake_import_problem()
+        if problem is not None:
+            raise ValueError(f"--kv-tier store: {problem}")
     code = serve(args.engine_config(), server, Environment.read(), parts)
     if code:
         sys.exit(code)
@@ -105,6 +113,8 @@ def _cmd_up(args: UpSettings) -> None:
         serve_args = ["serve", "--model", args.model]
         if args.dtype:
             serve_args += ["--dtype", args.dtype]
+        if args.kv_store:
+            serve_args += _start_kv_store(cluster, args)
         front_port = args.port or free_port()
         instances: dict[str, str] = {}
         parsing = parsing_flags(args.parsing)
@@ -152,6 +162,19 @@ def _cmd_up(args: UpSettings) -> None:
         if dead:
             print(f"{', '.join(dead)} exited; stopping the rest (logs in {log_dir})", flush=True)
             sys.exit(1)
+
+
+def _start_kv_store(cluster: LocalCluster, args: UpSettings) -> list[str]:
+    """Start the local Mooncake store; the flags that put an instance's tier on it."""
+    from kvduplex.cluster import start_kv_store
+    from kvduplex.common.kv_store import mooncake_import_problem
+
+    problem = mooncake_import_problem()
+    if problem is not None:
+        raise ValueError(f"--kv-store: {problem}")
+    store = start_kv_store(cluster, args.kv_store_gib, timeout_s=args.start_timeout)
+    print(f"KV store: Mooncake master {store.master_address}, {args.kv_store_gib:g} GiB", flush=True)
+    return store.serve_flags()
 
 
 def _router_name(mode: str, return_mode: ReturnMode) -> str:

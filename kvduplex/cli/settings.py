@@ -92,6 +92,12 @@ class UpSettings(RouterTuning, ParsingConfig, ProcessSettings):
     """Seed of the demo session."""
     keep_serving: bool = False
     """Keep serving after the demo."""
+    kv_store: bool = False
+    """Also start a Mooncake store (its master and one storage node holding kv_store_gib)
+    and put every instance's KV tier on it (--kv-tier store): blocks one instance demoted,
+    another loads. Needs pip install 'kvduplex[store]'."""
+    kv_store_gib: float = Field(default=1.0, gt=0)
+    """Memory of the store's storage node, in GiB (with kv_store)."""
     start_timeout: float = 300.0
     """Seconds to wait for health."""
     log_dir: str = ""

@@ -20,6 +20,7 @@ from pydantic import field_validator
 from pydantic import model_validator
 
 from kvduplex.common.config import ConfigSection
+from kvduplex.common.config import host_and_port
 
 
 class DecodeAttention(enum.StrEnum):
@@ -61,6 +62,13 @@ class KVTierKind(enum.StrEnum):
     """Host memory (pinned on CUDA): the tier of GPU instances."""
     FILE = enum.auto()
     """One preallocated file under kv_tier_path (a local SSD): the tier of CPU instances."""
+    STORE = enum.auto()
+    """A Mooncake store that instances share (kv_store_master): a block one instance
+    demoted, another loads. Needs ``pip install 'kvduplex[store]'``."""
+
+
+STORE_METADATA_PORT = 8080
+"""Port of the metadata server a Mooncake master serves itself (its default)."""
 
 
 def _at_least(name: str, value: int | float, low: int | float, note: str = "") -> None:
@@ -87,15 +95,33 @@ class CacheConfig(ConfigSection):
     kv_tier: KVTierKind = KVTierKind.NONE
     """Where prefix-cache blocks evicted from the pool go, to be loaded back (checksum
     verified) when a prompt needs them again: none (dropped), host (host memory; GPU
-    instances) or file (one preallocated file in kv_tier_path; CPU instances)."""
+    instances), file (one preallocated file in kv_tier_path; CPU instances) or store (a
+    Mooncake store the instances share, at kv_store_master)."""
     kv_tier_gib: float = 4.0
-    """Size of the KV tier in GiB when kv_tier_blocks is 0."""
+    """Size of the KV tier in GiB when kv_tier_blocks is 0 (store tier: the share of the
+    store this instance counts on when it tells the router how long blocks stay)."""
     kv_tier_blocks: int = 0
     """Blocks the KV tier holds; 0 sizes it from kv_tier_gib."""
     kv_tier_path: str = ""
     """Directory of the file tier's file, on local storage (empty: the system's temporary
     directory). The file has no name (removed as soon as it is open), so it never outlives
     the instance and no two instances share one; its contents do not survive a restart."""
+    kv_store_master: str = ""
+    """Store tier: HOST:PORT of the Mooncake master (its RPC port)."""
+    kv_store_metadata_url: str = ""
+    """Store tier: the Mooncake metadata server, http://HOST:PORT/metadata; empty: the one
+    the master serves itself (mooncake_master --enable_http_metadata_server) on the
+    master's host, port 8080."""
+    kv_store_local_host: str = ""
+    """Store tier: this instance's address as the store's nodes reach it; empty: the
+    address of the interface that routes to the master."""
+    kv_store_timeout_s: float = 1.0
+    """Store tier: the longest the engine waits for one store call (a prefix lookup's check,
+    a block's load). Past it, or on an error, the tier answers miss (the tokens are
+    computed) and leaves the store alone for kv_store_retry_s."""
+    kv_store_retry_s: float = 1.0
+    """Store tier: how long a failing store is left alone before it is tried again; doubles
+    while it keeps failing, up to 30 s."""
 
     @field_validator("block_size")
     @classmethod
@@ -116,6 +142,20 @@ class CacheConfig(ConfigSection):
         _at_least("kv_tier_blocks", value, 0, " (0 = size from kv_tier_gib)")
         return value
 
+    @field_validator("kv_store_timeout_s", "kv_store_retry_s")
+    @classmethod
+    def _check_store_times(cls, value: float, info: ValidationInfo) -> float:
+        _positive(str(info.field_name), value)
+        return value
+
+    def store_metadata_url(self) -> str:
+        """The metadata server the store tier uses (kv_store_metadata_url, or the master's)."""
+        if self.kv_store_metadata_url:
+            return self.kv_store_metadata_url
+        host, _ = host_and_port(self.kv_store_master, "kv_store_master")
+        host = f"[{host}]" if ":" in host else host
+        return f"http://{host}:{STORE_METADATA_PORT}/metadata"
+
     @model_validator(mode="after")
     def _check_pool_size(self) -> CacheConfig:
         if self.num_blocks == 0 and self.kv_cache_mb < 1:
@@ -130,6 +170,7 @@ class CacheConfig(ConfigSection):
                 f"kv_tier_path is the file tier's directory; set kv_tier to file or leave "
                 f"kv_tier_path empty (kv_tier is {tier.value})"
             )
+        self._check_store_settings()
         if tier is KVTierKind.NONE:
             return self
         if not self.enable_prefix_caching:
@@ -146,6 +187,33 @@ class CacheConfig(ConfigSection):
                 f"kv_tier_path {path!r} is not an existing directory; create it or name another"
             )
         return self
+
+    def _check_store_settings(self) -> None:
+        named = {
+            "kv_store_master": self.kv_store_master,
+            "kv_store_metadata_url": self.kv_store_metadata_url,
+            "kv_store_local_host": self.kv_store_local_host,
+        }
+        if self.kv_tier is not KVTierKind.STORE:
+            for name, value in named.items():
+                if value:
+                    raise ValueError(
+                        f"{name} is a setting of the store tier; set kv_tier to store or "
+                        f"leave {name} empty (kv_tier is {self.kv_tier.value})"
+                    )
+            return
+        if not self.kv_store_master:
+            raise ValueError(
+                "kv_tier store needs kv_store_master: HOST:PORT of the Mooncake master's RPC "
+                "(kvduplex up --kv-store starts one)"
+            )
+        host_and_port(self.kv_store_master, "kv_store_master")
+        url = self.kv_store_metadata_url
+        if url and not (url.startswith("http://") and url.rstrip("/").endswith("/metadata")):
+            raise ValueError(
+                f"kv_store_metadata_url must be http://HOST:PORT/metadata (Mooncake's HTTP "
+                f"metadata server), got {url!r}"
+            )
 
 
 class SchedulerConfig(ConfigSection):

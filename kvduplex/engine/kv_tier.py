@@ -1,9 +1,10 @@
 """A KV tier below the pool: whole blocks that the prefix cache evicted, kept by key.
 
-Two implementations of one small protocol (`KVTier`): `HostTier` (host memory,
-pinned on CUDA: the tier of GPU instances) and `FileTier` (`kv_tier_file.py`: one
-preallocated file of fixed-size slots, the tier of CPU instances). Both hold a
-bounded number of slots, reused least recently used first. One slot holds one
+Three implementations of one small protocol (`KVTier`): `HostTier` (host memory,
+pinned on CUDA: the tier of GPU instances), `FileTier` (`kv_tier_file.py`: one
+preallocated file of fixed-size slots, the tier of CPU instances) and `StoreTier`
+(`kv_tier_store.py`: a distributed KV store that instances share). The first two
+hold a bounded number of slots, reused least recently used first. One slot holds one
 block, every layer's K and V as laid out in the pool (``pool[:, :, block]``),
 and a header written with it::
 
@@ -13,7 +14,8 @@ and a header written with it::
 The CRC-32 covers the key, the layout id, the length and the payload, so a load
 that finds a torn, truncated, overwritten or foreign slot drops the entry
 (`TierStats.num_corrupt_blocks`) and reports a miss: its tokens are recomputed,
-never read from a bad slot.
+never read from a bad slot. A store entry carries the same header (`entry_header`,
+`entry_problem`).
 
 Threads: the engine thread owns the index (key -> slot, LRU order) and copies a
 block out of the pool when it is stored (a plain, synchronous ``copy_``, also
@@ -31,6 +33,7 @@ import logging
 import struct
 import zlib
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import Future
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -71,6 +74,9 @@ class TierStats:
     """Header and payload bytes persisted by the writer."""
     num_read_bytes: int = 0
     """Header and payload bytes of the blocks loaded back."""
+    num_unavailable: int = 0
+    """Store tier only: lookups, loads and writes that answered miss or were dropped because
+    the store failed, was too slow or was being left alone after a failure."""
 
 
 class KVTier(Protocol):
@@ -98,6 +104,12 @@ class KVTier(Protocol):
 
     def touch(self, key: BlockHash) -> None:
         """Make `key` the most recently used entry (nothing if absent)."""
+        ...
+
+    def find_run(self, keys: Sequence[BlockHash]) -> int:
+        """How many of `keys`, from the first, the tier holds (each made the most recently
+        used): a prefix lookup's run to load. A miss never costs more than the tier's
+        deadline."""
         ...
 
     def store(self, key: BlockHash, block: torch.Tensor) -> None:
@@ -143,7 +155,7 @@ class SlotTier(abc.ABC):
         self.payload_bytes = layout.bytes_per_block
         self.slot_bytes = slot_bytes(layout, self.ALIGN)
         self.dtype = dtype_from_name(layout.dtype)
-        self.layout_id = _layout_id(layout, identity)
+        self.layout_id = layout_id_of(layout, identity)
         self.stats = TierStats()
         self._num_slots = num_slots
         self._index: OrderedDict[BlockHash, _Entry] = OrderedDict()  # oldest use first
@@ -190,6 +202,15 @@ class SlotTier(abc.ABC):
     def touch(self, key: BlockHash) -> None:
         if key in self._index:
             self._index.move_to_end(key)
+
+    def find_run(self, keys: Sequence[BlockHash]) -> int:
+        num_held = 0
+        for key in keys:
+            if key not in self._index:
+                break
+            self._index.move_to_end(key)
+            num_held += 1
+        return num_held
 
     def store(self, key: BlockHash, block: torch.Tensor) -> None:
         if key in self._index:
@@ -246,9 +267,7 @@ class SlotTier(abc.ABC):
     def _write(self, slot: int, key: BlockHash, payload: torch.Tensor) -> None:
         """Writer thread: checksum the staged copy and persist header and payload."""
         try:
-            data = payload.numpy().data
-            crc = zlib.crc32(data, zlib.crc32(self._covered_fields(key)))
-            header = _HEADER.pack(_MAGIC, key, self.layout_id, self.payload_bytes, crc)
+            header = entry_header(key, self.layout_id, payload.numpy().data)
             self._persist(slot, header, payload)
         except Exception:
             self.stats.num_write_failures += 1
@@ -256,23 +275,11 @@ class SlotTier(abc.ABC):
             raise
         self.stats.num_written_bytes += HEADER_BYTES + self.payload_bytes
 
-    def _covered_fields(self, key: BlockHash) -> bytes:
-        return key + self.layout_id + self.payload_bytes.to_bytes(8, "little")
-
     def _check(self, key: BlockHash, header: bytes, payload: torch.Tensor) -> str | None:
         """Why the slot read for `key` cannot be used, or None if it can."""
-        if len(header) < _HEADER.size or payload.numel() != self.payload_bytes:
+        if payload.numel() != self.payload_bytes:
             return "cut short"
-        magic, stored_key, layout_id, length, crc = _HEADER.unpack_from(header)
-        if magic != _MAGIC:
-            return "no slot header"
-        if stored_key != key:
-            return f"holds block {stored_key.hex()[:12]}"
-        if layout_id != self.layout_id or length != self.payload_bytes:
-            return "written for another model or layout"
-        if zlib.crc32(payload.numpy().data, zlib.crc32(self._covered_fields(key))) != crc:
-            return "checksum mismatch"
-        return None
+        return entry_problem(key, self.layout_id, self.payload_bytes, header, payload.numpy().data)
 
     def _corrupt(self, key: BlockHash, slot: int, problem: str) -> bool:
         self.stats.num_corrupt_blocks += 1
@@ -329,7 +336,40 @@ def slot_bytes(layout: KVCacheLayout, align: int) -> int:
     return -(-(HEADER_BYTES + layout.bytes_per_block) // align) * align
 
 
-def _layout_id(layout: KVCacheLayout, identity: bytes) -> bytes:
+def entry_header(key: BlockHash, layout_id: bytes, payload: bytes | memoryview) -> bytes:
+    """The header fields (`HEADER_FIELDS_BYTES`) of an entry holding `payload` under `key`,
+    its CRC-32 included."""
+    length = memoryview(payload).nbytes
+    crc = zlib.crc32(payload, zlib.crc32(_covered_fields(key, layout_id, length)))
+    return _HEADER.pack(_MAGIC, key, layout_id, length, crc)
+
+
+def entry_problem(
+    key: BlockHash, layout_id: bytes, payload_bytes: int, header: bytes, payload: bytes | memoryview
+) -> str | None:
+    """Why an entry read for `key` (`header`, then `payload`) cannot be used as a block of
+    `payload_bytes` bytes written with `layout_id`; None if it can."""
+    if len(header) < _HEADER.size or memoryview(payload).nbytes != payload_bytes:
+        return "cut short"
+    magic, stored_key, stored_layout_id, length, crc = _HEADER.unpack_from(header)
+    if magic != _MAGIC:
+        return "no slot header"
+    if stored_key != key:
+        return f"holds block {stored_key.hex()[:12]}"
+    if stored_layout_id != layout_id or length != payload_bytes:
+        return "written for another model or layout"
+    if zlib.crc32(payload, zlib.crc32(_covered_fields(key, layout_id, length))) != crc:
+        return "checksum mismatch"
+    return None
+
+
+def _covered_fields(key: BlockHash, layout_id: bytes, length: int) -> bytes:
+    return key + layout_id + length.to_bytes(8, "little")
+
+
+def layout_id_of(layout: KVCacheLayout, identity: bytes) -> bytes:
+    """What every entry's header names as its model and layout: `identity` (the model's,
+    as in block keys) and the layout's shapes and dtype, its block count aside."""
     fields = (layout.num_layers, layout.block_size, layout.num_kv_heads, layout.head_dim)
     h = hashlib.blake2b(digest_size=16)
     h.update(struct.pack("<I", len(identity)) + identity)
@@ -344,10 +384,14 @@ def settle(write: Future[None]) -> BaseException | None:
 
 __all__ = [
     "HEADER_BYTES",
+    "HEADER_FIELDS_BYTES",
     "HostTier",
     "KVTier",
     "SlotTier",
     "TierStats",
+    "entry_header",
+    "entry_problem",
+    "layout_id_of",
     "settle",
     "slot_bytes",
 ]

@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 
 from kvduplex.common.metrics import MetricFactory
 from kvduplex.engine.kv_tier import KVTier
+from kvduplex.engine.kv_tier_store import StoreTier
 
 _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
@@ -116,9 +117,18 @@ class KVTierCollector(Collector):
              s.num_write_failures),
             ("evicted_blocks", "Blocks dropped from the KV tier to make room.",
              s.num_evicted_blocks),
+            ("unavailable", "Store tier: lookups, loads and demotions that answered miss or "
+             "were dropped because the store failed, was too slow, or was being left alone "
+             "after a failure (their tokens are computed).", s.num_unavailable),
         )  # fmt: skip
         for name, doc, value in counters:
             yield CounterMetricFamily(p + name, doc, value=value)
         tier = self.tier
         yield GaugeMetricFamily(p + "blocks_used", "Blocks the KV tier holds.", tier.num_used)
         yield GaugeMetricFamily(p + "blocks_total", "Blocks the KV tier can hold.", tier.num_slots)
+        if isinstance(tier, StoreTier):
+            yield GaugeMetricFamily(
+                p + "store_up", "Store tier: 1 while the store answers (the last call "
+                "succeeded), 0 while it is left alone after a failure, or not yet joined.",
+                int(tier.health.is_up()),
+            )  # fmt: skip

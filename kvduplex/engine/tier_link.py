@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 
@@ -30,11 +31,14 @@ from kvduplex.common.engine_config import KVTierKind
 from kvduplex.common.kv_layout import KVCacheLayout
 from kvduplex.engine.block_pool import BlockHash
 from kvduplex.engine.block_pool import BlockPool
+from kvduplex.engine.kv_store_client import MooncakeSettings
+from kvduplex.engine.kv_store_client import connect_mooncake
+from kvduplex.engine.kv_store_client import require_mooncake
 from kvduplex.engine.kv_tier import HostTier
 from kvduplex.engine.kv_tier import KVTier
-from kvduplex.engine.kv_tier import SlotTier
 from kvduplex.engine.kv_tier import slot_bytes
 from kvduplex.engine.kv_tier_file import FileTier
+from kvduplex.engine.kv_tier_store import StoreTier
 
 logger = logging.getLogger(__name__)
 
@@ -58,12 +62,9 @@ class TierLink:
         that the tier holds, in order, into fresh blocks cached under them; return how
         many were loaded. The blocks are left CACHED and unreferenced, right after `hit`
         in the chain, like any prefix-cache hit."""
-        run: list[BlockHash] = []
-        for key in keys[len(hit) :]:
-            if not self.tier.contains(key):
-                break
-            self.tier.touch(key)  # outlives the demotions the allocation below may cause
-            run.append(key)
+        following = keys[len(hit) :]
+        # Touched by the lookup: outlives the demotions the allocation below may cause.
+        run = following[: self.tier.find_run(following)]
         if not run:
             return 0
         pool = self.pool
@@ -91,16 +92,17 @@ class TierLink:
 
 def build_tier(
     config: CacheConfig, layout: KVCacheLayout, identity: bytes, device: torch.device
-) -> SlotTier | None:
+) -> KVTier | None:
     """The tier `config` asks for (None for ``kv_tier none``), sized in whole slots.
 
-    Raises ValueError if the size holds no block, OSError if the file tier's space
-    cannot be reserved; both say which setting to change.
+    Raises ValueError if the size holds no block or the store's client is not
+    installed, OSError if the file tier's space cannot be reserved; each says what to
+    change.
     """
     kind = config.kv_tier
     if kind is KVTierKind.NONE:
         return None
-    align = FileTier.ALIGN if kind is KVTierKind.FILE else HostTier.ALIGN
+    align = {KVTierKind.FILE: FileTier.ALIGN, KVTierKind.HOST: HostTier.ALIGN}.get(kind, 1)
     num_slots = config.kv_tier_blocks or int(config.kv_tier_gib * 2**30) // slot_bytes(
         layout, align
     )
@@ -110,16 +112,40 @@ def build_tier(
             f"{slot_bytes(layout, align) / 2**20:.2f} MiB; raise kv_tier_gib or set "
             "kv_tier_blocks"
         )
-    tier: SlotTier
-    if kind is KVTierKind.FILE:
+    tier: KVTier
+    if kind is KVTierKind.STORE:
+        tier = _store_tier(config, layout, identity, num_slots)
+    elif kind is KVTierKind.FILE:
         tier = FileTier(layout, identity, num_slots, config.kv_tier_path)
     else:
         tier = HostTier(layout, identity, num_slots, pin_memory=device.type == "cuda")
     logger.info(
         "KV tier: %s, %d blocks, %.2f GiB",
-        kind.value, num_slots, num_slots * tier.slot_bytes / 2**30,
+        kind.value, num_slots, num_slots * slot_bytes(layout, align) / 2**30,
     )  # fmt: skip
     return tier
+
+
+def _store_tier(
+    config: CacheConfig, layout: KVCacheLayout, identity: bytes, num_slots: int
+) -> StoreTier:
+    """A store tier joining the Mooncake store `config` names (in the background)."""
+    require_mooncake()
+    settings = MooncakeSettings(
+        master=config.kv_store_master,
+        metadata_url=config.store_metadata_url(),
+        local_host=config.kv_store_local_host,
+        # A put or get passes through it: room for a few blocks.
+        local_buffer_bytes=max(64 * 2**20, 4 * slot_bytes(layout, 1)),
+    )
+    logger.info(
+        "KV tier: joining the Mooncake store at %s (metadata %s)",
+        settings.master, settings.metadata_url,
+    )  # fmt: skip
+    return StoreTier(
+        layout, identity, num_slots, partial(connect_mooncake, settings),
+        timeout_s=config.kv_store_timeout_s, retry_s=config.kv_store_retry_s,
+    )  # fmt: skip
 
 
 def attach_tier(

@@ -9,6 +9,7 @@ import pytest
 
 from kvduplex.cli.main import parse_args
 from kvduplex.cli.settings import ServeSettings
+from kvduplex.cli.settings import UpSettings
 from kvduplex.common.engine_config import CacheConfig
 from kvduplex.common.engine_config import KVTierKind
 from kvduplex.common.settings import ConfigError
@@ -82,3 +83,50 @@ def test_an_unknown_tier_is_refused_with_the_choices(capsys: pytest.CaptureFixtu
 def test_zero_gib_is_fine_when_blocks_size_the_tier() -> None:
     cache = CacheConfig(kv_tier=KVTierKind.HOST, kv_tier_gib=0, kv_tier_blocks=8)
     assert cache.kv_tier_blocks == 8
+
+
+def test_store_flags_reach_the_engine_config() -> None:
+    argv = ["serve", "--kv-tier", "store", "--kv-store-master", "store.example:50051"]
+    argv += ["--kv-store-timeout-s", "0.25", "--kv-store-retry-s", "2"]
+    cache = cache_of(argv)
+    assert (cache.kv_tier, cache.kv_store_master) == (KVTierKind.STORE, "store.example:50051")
+    assert (cache.kv_store_timeout_s, cache.kv_store_retry_s) == (0.25, 2.0)
+    # Without a metadata URL: the metadata server the master serves itself, on its host.
+    assert cache.store_metadata_url() == "http://store.example:8080/metadata"
+    url = "http://meta.example:9000/metadata"
+    assert cache_of([*argv, "--kv-store-metadata-url", url]).store_metadata_url() == url
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--kv-tier", "store"], "kv_tier store needs kv_store_master: HOST:PORT"),
+        (["--kv-store-master", "h:1"], "set kv_tier to store or leave kv_store_master empty"),
+        (
+            ["--kv-tier", "host", "--kv-store-local-host", "10.0.0.1"],
+            "leave kv_store_local_host empty",
+        ),
+        (
+            ["--kv-tier", "store", "--kv-store-master", "nohost"],
+            "kv_store_master must be HOST:PORT",
+        ),
+        (
+            ["--kv-tier", "store", "--kv-store-master", "h:1", "--kv-store-metadata-url", "h:2"],
+            "kv_store_metadata_url must be http://HOST:PORT/metadata",
+        ),
+        (
+            ["--kv-tier", "store", "--kv-store-master", "h:1", "--kv-store-timeout-s", "0"],
+            "kv_store_timeout_s must be > 0",
+        ),
+    ],
+)
+def test_bad_store_settings_say_what_to_change(argv: list[str], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        parse_args(["serve", *argv])
+
+
+def test_up_takes_a_store_flag() -> None:
+    settings = parse_args(["up", "--kv-store", "--kv-store-gib", "0.5"])
+    assert isinstance(settings, UpSettings)
+    assert settings.kv_store and settings.kv_store_gib == 0.5
+    assert not parse_args(["up"]).kv_store  # type: ignore[attr-defined]
