@@ -189,7 +189,9 @@ def _role_routers(
             reconnect=directory.reconnect, peer_gone=directory.is_gone,
         )  # fmt: skip
         routers.append(make_prefill_router(state, transport, cfg.pull_lease_s, p.inbox))
-        routers.append(make_push_prefill_router(state, p, directory))
+        routers.append(
+            make_push_prefill_router(state, p, directory, partial(http_release, secret=secret))
+        )
         state.drain.owed_checks.append(p.read_tables)
         instance.closers += [p.sender.close, p.io.close]
     else:
@@ -198,7 +200,7 @@ def _role_routers(
             transport, instance.async_engine, pump, timing, directory.peer_by_engine, metrics,
             release=release, reconnect=directory.reconnect, peer_gone=directory.is_gone,
         )  # fmt: skip
-        routers.append(make_decode_hooks(state, d, directory, release))
+        routers.append(make_decode_hooks(state, d, directory, release, cfg.fetch_lease_s))
         state.drain.owed_checks.append(d.read_tables)
         instance.closers += [d.pull.close, d.sender.close]
     pump.start()
