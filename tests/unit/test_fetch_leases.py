@@ -86,6 +86,42 @@ def test_prefill_reads_a_leased_history_and_computes_only_the_rest(tiny: LoadedM
         s.assert_clean()
 
 
+def test_a_read_keeps_the_cached_prefix_it_extends(tiny: LoadedModel) -> None:
+    """Prefill holds the history's first blocks, least recently used, and no free block:
+    allocating the blocks to read into evicts cached blocks, but not that prefix (the
+    blocks read would be cached after a gap no lookup gets past)."""
+    with Pair(tiny) as s:
+        answer, _ = _generate(s, True, "turn-1", PROMPT)
+        turn = PROMPT + answer + [77, 78, 79]
+        _generate(s, False, "old", PROMPT[: 2 * BS + 1])  # caches the first 2 blocks
+        _generate(s, False, "recent", [200 + i for i in range(6 * BS)])  # more recent ones
+
+        def take_free(e: LLMEngine) -> list[int]:
+            blocks = e.kv_manager.try_allocate_blocks(e.block_pool.stats().num_free)
+            assert blocks is not None
+            return blocks
+
+        held = s.ap.call(take_free).result(5)
+        leases = PrefixLeases(EngineHandle(s.ad), lease_s=5.0, inbox=s.df.inbox)
+        lease = _grant(s, leases, "fetch-1", turn)
+
+        def get_peer(_url: str, _engine_id: str | None) -> PeerHandle:
+            return s.d_peer
+
+        ref = RetainedTurnRef(
+            "http://d", None, lease.block_ids, [bytes(k).hex() for k in lease.keys],
+            turn[: lease.num_tokens], lease.lease_s,
+        )  # fmt: skip
+        side = RetainedReadSide(s.ap, s.pf.reader, get_peer)
+        assert asyncio.run(side.read("x-1", ref, time.monotonic())) == 3, "the 3 it lacked"
+        s.ad.call(lambda _e: leases.release("fetch-1")).result(5)
+        s.ap.call(lambda e: e.kv_manager.release_blocks(held)).result(5)
+        got, num_cached = _generate(s, False, "turn-2", turn)
+        assert num_cached == 5 * BS, "its 2 blocks, then the 3 read"
+        assert got == _reference(tiny, turn, GREEDY)
+        s.assert_clean()
+
+
 def test_decode_lends_only_what_it_holds_within_its_bound(tiny: LoadedModel) -> None:
     with Pair(tiny) as s:
         _generate(s, True, "turn-1", PROMPT)
