@@ -10,7 +10,7 @@
   waiting and computes the prompt itself; if D refuses the request, P is told
   to stop.
 * **push, fetch plan** (`residency.Plan.PREFILL_FETCH`): as push, but P's call first
-  asks D to lease the prompt's prefix it holds (``POST /internal/kv/fetch``, while D's
+  asks D to lease the prompt's prefix it holds (`fetch.lease_history`, while D's
   request goes out), and names those blocks in P's body (``pull_from``): P READs what
   it lacks, computes the rest and releases D's lease. If D leases nothing (or answers
   late, or fails), P computes the history.
@@ -76,6 +76,7 @@ from kvduplex.router.calls import until_unhealthy
 from kvduplex.router.client import CallError
 from kvduplex.router.client import ConnectError
 from kvduplex.router.client import StreamedAnswer
+from kvduplex.router.fetch import lease_history
 from kvduplex.router.parsing import parse_body
 from kvduplex.router.parsing import parse_stream
 from kvduplex.router.plans import is_return_kept
@@ -279,52 +280,13 @@ async def _retained(state: RouterState, d: Backend, session_id: str) -> dict[str
     return out
 
 
-async def _fetch(state: RouterState, fwd: Forward, xid: str) -> dict[str, Any] | None:
-    """The fetch plan: D leases the prompt's cached prefix for P to READ; P's ``pull_from``,
-    or None (counted: D held none of it, had no room, failed or took longer than
-    ``--fetch-timeout-s``; P then computes it). A lease whose answer came too late runs
-    out on D: P never hears of it, so no READ of it can be under way."""
-    d, sid = fwd.route.decode, fwd.route.session_id
-    lease_xid = f"{xid}-fetch"
-    body = {"xid": lease_xid, "session_id": sid, "prompt_token_ids": fwd.ids}
-    try:
-        async with asyncio.timeout(state.config.fetch_timeout_s):
-            resp = await until_unhealthy(
-                d, state.client.post_whole(d.url + "/internal/kv/fetch", json_body(body))
-            )
-    except (CallError, TimeoutError) as exc:
-        logger.info("xid=%s: fetch from %s failed (%r); prefill computes", xid, d.url, exc)
-        state.metrics.fetch_misses.inc()
-        return None
-    info: Any = None
-    if resp.status_code == 200:
-        with contextlib.suppress(ValueError):
-            info = resp.json()
-    else:
-        logger.info("xid=%s: %s lent nothing (%d): %s", xid, d.url, resp.status_code,
-                    resp.text[:200])  # fmt: skip
-    if not (
-        isinstance(info, dict) and isinstance(info.get("num_tokens"), int)
-        and isinstance(info.get("block_ids"), list) and isinstance(info.get("keys"), list)
-    ):  # fmt: skip
-        state.metrics.fetch_misses.inc()
-        return None
-    out = {
-        "decode_url": d.url, "engine_id": info.get("engine_id"), "block_ids": info["block_ids"],
-        "keys": info["keys"], "num_tokens": info["num_tokens"], "lease_xid": lease_xid,
-    }  # fmt: skip
-    lease_s = info.get("lease_s")
-    if isinstance(lease_s, int | float):  # from D's answer: it goes on to P at once
-        out["pin_left_s"] = max(0.0, float(lease_s))
-    return out
-
-
 async def _push_prefill(
     state: RouterState, fwd: Forward, p_req: dict[str, Any], fetch: bool
 ) -> dict[str, Any] | None:
     """P's push prefill call (`_post_prefill`), after D's lease of the history if `fetch`."""
     if fetch:
-        pull_from = await _fetch(state, fwd, p_req["xid"])
+        route = fwd.route
+        pull_from = await lease_history(state, route.decode, route.session_id, fwd.ids, p_req["xid"])
         if pull_from is not None:
             p_req = {**p_req, "pull_from": pull_from}
     return await _post_prefill(state, fwd, "/internal/push/prefill", p_req)
