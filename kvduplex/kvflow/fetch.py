@@ -25,6 +25,7 @@ Everything here runs on the engine thread (`PrefixLeases`, ticked by the flow in
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
 import time
@@ -47,7 +48,7 @@ class FetchRefusal(enum.Enum):
     NOT_CACHED = "not_cached"
     """No full block of the prompt (but its last token) is cached here."""
     NO_ROOM = "no_room"
-    """The blocks leased together would pass the bound (`PrefixLeases.max_blocks`)."""
+    """The blocks leased together are at the bound (`PrefixLeases.max_blocks`)."""
     XID_IN_USE = "xid_in_use"
     """A lease is held under this xid already."""
 
@@ -72,11 +73,19 @@ class PrefixLease:
     """How long they stay leased, as told to prefill."""
 
 
+def lendable_keys(token_ids: Sequence[int], block_size: int, identity: bytes) -> list[BlockHash]:
+    """The keys of a prompt's full blocks before its last token: what decode may lend
+    (prefill computes at least the last token, for its first token)."""
+    num_full = (len(token_ids) - 1) // block_size
+    return compute_block_hashes(token_ids[: num_full * block_size], block_size, identity)
+
+
 class PrefixLeases:
     """Decode's leases on cached prefixes that prefill READs, keyed by xid (engine thread).
 
     Bounded: the blocks leased together are at most ``max_blocks`` (a quarter of the pool
-    by default), since a lease keeps them from eviction however long the session is."""
+    by default), since a lease keeps them from eviction however long the session is; a
+    prefix longer than the room left is lent in part (its head)."""
 
     def __init__(
         self, engine: EngineHandle, lease_s: float, inbox: FlowInbox | None = None,
@@ -92,28 +101,27 @@ class PrefixLeases:
         if inbox is not None:
             inbox.every_tick(self._tick)
 
-    def grant(self, xid: str, token_ids: Sequence[int]) -> PrefixLease:
-        """Lease the longest cached prefix of the prompt `token_ids` in whole blocks, its
-        last token left out (prefill computes at least that one, for its first token).
-        Raises `FetchRefused` when nothing of it is cached, the lease would pass the
-        bound, or `xid` holds a lease already."""
+    def grant(self, xid: str, keys: Sequence[BlockHash]) -> PrefixLease:
+        """Lease the longest cached prefix of `keys` (a prompt's `lendable_keys`), as much
+        of it as the bound leaves room for. Raises `FetchRefused` when nothing of it is
+        cached, the bound leaves no room, or `xid` holds a lease already."""
         if xid in self._leases:
             raise FetchRefused(xid, FetchRefusal.XID_IN_USE, "a lease is held under it")
         bs = self.engine.block_size
-        num_full = (len(token_ids) - 1) // bs
-        keys = compute_block_hashes(token_ids[: num_full * bs], bs, self.engine.identity)
         block_ids = self.engine.cached_prefix(keys)
         if not block_ids:
             raise FetchRefused(xid, FetchRefusal.NOT_CACHED, "no block of the prompt is cached")
-        num_leased = sum(len(b) for _, b in self._leases.values())
-        if num_leased + len(block_ids) > self.max_blocks:
+        room = self.max_blocks - self.num_leased_blocks()
+        if room <= 0:
             raise FetchRefused(
-                xid, FetchRefusal.NO_ROOM,
-                f"{len(block_ids)} more blocks would pass the {self.max_blocks} leased at most",
-            )  # fmt: skip
+                xid, FetchRefusal.NO_ROOM, f"{self.max_blocks} blocks are leased already"
+            )
+        del block_ids[room:]  # the head of a prefix too long for the room left
         self.engine.acquire_blocks(block_ids)
         self._leases[xid] = (time.monotonic() + self.hold_s, block_ids)
-        return PrefixLease(block_ids, keys[: len(block_ids)], len(block_ids) * bs, self.lease_s)
+        return PrefixLease(
+            block_ids, list(keys[: len(block_ids)]), len(block_ids) * bs, self.lease_s
+        )
 
     def release(self, xid: str) -> bool:
         """Drop the lease now (prefill's READ ended); False if none is held under `xid`."""
@@ -144,9 +152,14 @@ class FetchDecodeSide:
         self.leases = leases
 
     async def grant(self, xid: str, token_ids: list[int]) -> PrefixLease:
-        """`PrefixLeases.grant` on the engine thread (raises `FetchRefused`)."""
+        """`PrefixLeases.grant` of the prompt `token_ids` on the engine thread, its keys
+        hashed off it (a long prompt's take a while); raises `FetchRefused`."""
+        engine = self.leases.engine
+        keys = await asyncio.to_thread(
+            lendable_keys, token_ids, engine.block_size, engine.identity
+        )
         lease: PrefixLease = await self.engine.run_in_engine(
-            partial(_grant, self.leases, xid, token_ids)
+            partial(_grant, self.leases, xid, keys)
         )
         return lease
 
@@ -155,8 +168,10 @@ class FetchDecodeSide:
         return bool(await self.engine.run_in_engine(partial(_release, self.leases, xid)))
 
 
-def _grant(leases: PrefixLeases, xid: str, token_ids: list[int], _engine: LLMEngine) -> PrefixLease:
-    return leases.grant(xid, token_ids)
+def _grant(
+    leases: PrefixLeases, xid: str, keys: list[BlockHash], _engine: LLMEngine
+) -> PrefixLease:
+    return leases.grant(xid, keys)
 
 
 def _release(leases: PrefixLeases, xid: str, _engine: LLMEngine) -> bool:
@@ -165,4 +180,5 @@ def _release(leases: PrefixLeases, xid: str, _engine: LLMEngine) -> bool:
 
 __all__ = [
     "FetchDecodeSide", "FetchRefusal", "FetchRefused", "PrefixLease", "PrefixLeases",
+    "lendable_keys",
 ]  # fmt: skip

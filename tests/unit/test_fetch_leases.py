@@ -16,6 +16,7 @@ from kvduplex.kvflow.fetch import FetchRefusal
 from kvduplex.kvflow.fetch import FetchRefused
 from kvduplex.kvflow.fetch import PrefixLease
 from kvduplex.kvflow.fetch import PrefixLeases
+from kvduplex.kvflow.fetch import lendable_keys
 from kvduplex.kvflow.return_pull import RetainedReadSide
 from kvduplex.kvflow.return_pull import RetainedTurnRef
 from kvduplex.model.loader import LoadedModel
@@ -48,7 +49,8 @@ def _refs(s: Pair, blocks: list[int]) -> list[int]:
 
 
 def _grant(s: Pair, leases: PrefixLeases, xid: str, prompt: list[int]) -> PrefixLease:
-    return s.ad.call(lambda _e: leases.grant(xid, prompt)).result(5)
+    keys = lendable_keys(prompt, BS, s.d.kv_manager.identity)
+    return s.ad.call(lambda _e: leases.grant(xid, keys)).result(5)
 
 
 def _refusal(s: Pair, leases: PrefixLeases, xid: str, prompt: list[int]) -> FetchRefusal:
@@ -133,11 +135,16 @@ def test_decode_lends_only_what_it_holds_within_its_bound(tiny: LoadedModel) -> 
         lease = _grant(s, leases, "f1", PROMPT[: 4 * BS])
         assert len(lease.block_ids) == 3, "16 tokens: 3 full blocks before the last token"
         assert _refusal(s, leases, "f1", PROMPT) is FetchRefusal.XID_IN_USE
-        assert _refusal(s, leases, "f2", PROMPT) is FetchRefusal.NO_ROOM, "3 + 4 > 6 blocks"
-        again = _grant(s, leases, "f3", PROMPT[: 3 * BS])
-        assert _refs(s, again.block_ids) == [2, 2], "two leases on the same blocks"
-        assert (len(leases), leases.num_leased_blocks()) == (2, 5)
+        part = _grant(s, leases, "f2", PROMPT)
+        assert part.block_ids == lease.block_ids, "4 blocks held, 3 more leased at most: its head"
+        assert part.num_tokens == 3 * BS
+        assert _refs(s, lease.block_ids) == [2, 2, 2], "two leases on the same blocks"
+        assert _refusal(s, leases, "f3", PROMPT) is FetchRefusal.NO_ROOM
         assert s.ad.call(lambda _e: leases.release("f1")).result(5)
+        again = _grant(s, leases, "f3", PROMPT[: 3 * BS])
+        assert (len(leases), leases.num_leased_blocks()) == (2, 5)
+        assert s.ad.call(lambda _e: leases.release("f2")).result(5)
+        assert _refs(s, again.block_ids) == [1, 1]
 
         def expire(_e: LLMEngine) -> None:  # as if the lease and its grace had passed
             leases._tick(time.monotonic() + leases.hold_s + 1)
