@@ -330,6 +330,12 @@ class TransferConfig(ConfigSection):
     retain_lease_s: float = 60.0
     """Decode, ``--return-mode pull`` only: how long a session's last turn stays held
     for prefill to read at the next turn."""
+    fetch_lease_s: float = 10.0
+    """Decode: how long it keeps the cached prefix it lent for prefill to read (the
+    router's fetch plan), as told to prefill, which releases it once its read ended;
+    decode holds it 2 s longer (`kvduplex.kvflow.lease.TRANSIT_GRACE_S`) unless released.
+    Prefill's read must end 0.5 s before the lease does, counted from its arrival, or it
+    computes the prefix itself."""
     peer_recheck_s: float = 1.0
     """For a request that names no engine id for its peer (the router names them, from
     each instance's /health): how long a connection to a peer is used before the engine id
@@ -344,7 +350,10 @@ class TransferConfig(ConfigSection):
         _at_least("peer_recheck_s", value, 0)
         return value
 
-    @field_validator("kv_wait_timeout_s", "pull_lease_s", "transfer_timeout_s", "retain_lease_s")
+    @field_validator(
+        "kv_wait_timeout_s", "pull_lease_s", "transfer_timeout_s", "retain_lease_s",
+        "fetch_lease_s",
+    )  # fmt: skip
     @classmethod
     def _check_positive(cls, value: float, info: ValidationInfo) -> float:
         _positive(str(info.field_name), value)

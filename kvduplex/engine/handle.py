@@ -62,6 +62,11 @@ class EngineHandle:
     def num_cached_prefix(self, keys: Sequence[BlockHash]) -> int:
         return self._engine.kv_manager.num_cached_prefix(keys)
 
+    def cached_prefix(self, keys: Sequence[BlockHash]) -> list[int]:
+        """Block ids of the longest cached prefix of `keys` (promoted from the KV tier if
+        need be); no references taken."""
+        return self._engine.kv_manager.cached_prefix(keys)
+
     def try_allocate_blocks(self, num_blocks: int) -> list[int] | None:
         return self._engine.kv_manager.try_allocate_blocks(num_blocks)
 

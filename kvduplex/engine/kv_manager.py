@@ -113,12 +113,20 @@ class KVCacheManager:
             return _NO_HIT
         self.update_block_hashes(req)
         max_tokens = req.num_tokens if allow_full_hit else req.num_tokens - 1
-        keys = req.block_hashes[: max_tokens // self.block_size]
+        block_ids = self.cached_prefix(req.block_hashes[: max_tokens // self.block_size])
+        return PrefixHit(tuple(block_ids), len(block_ids) * self.block_size)
+
+    def cached_prefix(self, keys: Sequence[BlockHash]) -> list[int]:
+        """Block ids of the longest cached prefix of `keys`, the run that follows it in the
+        KV tier promoted first (if there is a tier). Takes no references; empty with
+        prefix caching off."""
+        if not self.enable_prefix_caching:
+            return []
         block_ids = self.pool.lookup(keys)
         tier = self.tier
         if tier is not None and len(block_ids) < len(keys) and tier.promote(keys, block_ids):
             block_ids = self.pool.lookup(keys)
-        return PrefixHit(tuple(block_ids), len(block_ids) * self.block_size)
+        return block_ids
 
     def try_allocate_slots(
         self, req: Request, num_new_tokens: int, hit: PrefixHit | None = None

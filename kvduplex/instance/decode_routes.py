@@ -12,7 +12,10 @@ decode half name where the finished turn goes (``return_to``, or
 
 Routes: ``POST /internal/push/cancel`` stops waiting for a push (the router:
 prefill failed); ``POST /internal/kv/retained`` describes a session's retained
-turn; ``GET /internal/kv/{pull,push,return}/stats`` count what moved.
+turn; ``POST /internal/kv/fetch`` leases a prompt's cached prefix for prefill to
+READ (the router's fetch plan, `kvduplex.kvflow.fetch`) and ``POST
+/internal/release`` ends such a lease (prefill, once its READ ended);
+``GET /internal/kv/{pull,push,return}/stats`` count what moved.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from pydantic import Field
 from pydantic import model_validator
 
 from kvduplex.common.config import ReturnMode
+from kvduplex.engine.handle import EngineHandle
 from kvduplex.engine.request import RemoteKVSpec
 from kvduplex.instance.api import AdmitRefused
 from kvduplex.instance.api import APIError
@@ -41,8 +45,13 @@ from kvduplex.instance.api import Generation
 from kvduplex.instance.api import InstanceState
 from kvduplex.instance.kv_routes import MAX_XID_CHARS
 from kvduplex.instance.kv_routes import CancelRequest
+from kvduplex.instance.kv_routes import ReleaseRequest
 from kvduplex.instance.kv_routes import not_found
 from kvduplex.kvflow.connectors import DecodeFlows
+from kvduplex.kvflow.fetch import FetchDecodeSide
+from kvduplex.kvflow.fetch import FetchRefusal
+from kvduplex.kvflow.fetch import FetchRefused
+from kvduplex.kvflow.fetch import PrefixLeases
 from kvduplex.kvflow.inbox import XidInUseError
 from kvduplex.kvflow.pull import PullSpec
 from kvduplex.kvflow.pull_flow import PullDecodeSide
@@ -104,6 +113,26 @@ class KVTransferParams(BaseModel):
 
 class RetainedRequest(BaseModel):
     session_id: str = Field(min_length=1)
+
+
+MAX_TOKEN_ID = 2**31 - 1
+"""Largest token id a fetch takes (any model's vocabulary is far smaller)."""
+
+
+class FetchRequest(BaseModel):
+    """Lease the cached prefix of a prompt for prefill's READ (the router's fetch plan)."""
+
+    xid: str = Field(min_length=1, max_length=MAX_XID_CHARS)
+    """The lease's key: prefill releases it under this xid."""
+    session_id: str | None = Field(default=None, max_length=512)
+    """The session whose history this is (logged)."""
+    prompt_token_ids: list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]] = Field(min_length=1)
+    """The turn's whole prompt: its cached prefix is leased, its last token never."""
+
+
+_FETCH_STATUS = {
+    FetchRefusal.NOT_CACHED: 404, FetchRefusal.NO_ROOM: 503, FetchRefusal.XID_IN_USE: 409,
+}  # fmt: skip
 
 
 class DecodePreparer:
@@ -188,9 +217,11 @@ def make_decode_hooks(
     flows: DecodeFlows,
     directory: PeerDirectory,
     release: Callable[[str, str], None],
+    fetch_lease_s: float = 10.0,
 ) -> APIRouter:
     """Set `state.prepare` for pulls, pushes and returns (`release` ends a pull's lease on
-    prefill, see `DecodePreparer`); return the decode-side routes."""
+    prefill, see `DecodePreparer`); return the decode-side routes (``fetch_lease_s``: the
+    lease on a prefix lent to prefill, `kvduplex.kvflow.fetch`)."""
     push = PushDecodeSide(state.engine, flows.push)
     returns = ReturnDecodeSide(flows.offerer, flows.retainer, directory.get_peer)
     state.prepare = DecodePreparer(returns, push, PullDecodeSide(flows.pull), directory, release)
@@ -242,4 +273,36 @@ def make_decode_hooks(
             return not_found(body.xid)
         return JSONResponse({"xid": body.xid, "cancelled": True})
 
+    _add_fetch_routes(router, state, flows, fetch_lease_s)
     return router
+
+
+def _add_fetch_routes(
+    router: APIRouter, state: InstanceState, flows: DecodeFlows, lease_s: float
+) -> None:
+    """``POST /internal/kv/fetch`` and ``POST /internal/release``: lend a prompt's cached
+    prefix to prefill under a lease of ``lease_s``, and end one."""
+    leases = PrefixLeases(EngineHandle(state.engine), lease_s, flows.inbox)
+    state.drain.owed_checks.append(lambda _e: {"fetch_leases": len(leases)})
+    fetches = FetchDecodeSide(state.engine, leases)
+
+    @router.post("/internal/kv/fetch")
+    async def fetch(body: FetchRequest) -> JSONResponse:
+        try:
+            lease = await fetches.grant(body.xid, body.prompt_token_ids)
+        except FetchRefused as exc:
+            logger.info("session %s: no fetch: %s", body.session_id, exc)
+            status = _FETCH_STATUS[exc.reason]
+            raise APIError(status, str(exc), code=exc.reason.value) from None
+        return JSONResponse({
+            "xid": body.xid, "engine_id": flows.sender.transport.engine_id,
+            "block_ids": lease.block_ids, "keys": [bytes(k).hex() for k in lease.keys],
+            "num_tokens": lease.num_tokens, "lease_s": lease.lease_s,
+        })  # fmt: skip
+
+    @router.post("/internal/release")
+    async def release_fetch(body: ReleaseRequest) -> JSONResponse:
+        """Prefill's READ of a leased prefix ended: the lease goes now."""
+        if not await fetches.release(body.xid):
+            return not_found(body.xid)
+        return JSONResponse({"xid": body.xid, "released": True})

@@ -13,9 +13,12 @@ Prefill:
   offers, as `ReturnPrefillSide` answered them); ``GET /internal/kv/flows`` sizes
   each flow table.
 
-With ``pull_from`` (``--return-mode pull``), the push prefill first READs
-the decode's retained turn blocks its prefix cache lacks. Decode's routes are
-in `decode_routes`.
+With ``pull_from`` (``--return-mode pull``: a decode's retained turn; the router's
+fetch plan: a prompt's prefix that decode leased, `kvduplex.kvflow.fetch`), the push
+prefill first READs the blocks its prefix cache lacks, caches them, and answers how many
+tokens it read (``num_read_tokens``); a leased prefix is released on decode once the
+READ ended (``POST /internal/release`` there, from the flow I/O thread). Decode's
+routes are in `decode_routes`.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Annotated
 from typing import Any
@@ -33,6 +37,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from pydantic import Field
+from pydantic import model_validator
 
 from kvduplex.common.limits import RequestRejected
 from kvduplex.common.openai.protocol import error_body
@@ -46,9 +51,11 @@ from kvduplex.instance.api import APIError
 from kvduplex.instance.api import InstanceState
 from kvduplex.instance.api import kv_clock
 from kvduplex.kvflow.connectors import PrefillFlows
+from kvduplex.kvflow.flow_io import ReleaseLease
 from kvduplex.kvflow.inbox import EngineGoneError
 from kvduplex.kvflow.inbox import FlowInbox
 from kvduplex.kvflow.lease import LeaseTable
+from kvduplex.kvflow.pull import http_release
 from kvduplex.kvflow.pull_flow import PullPrefillSide
 from kvduplex.kvflow.push import NoFirstToken
 from kvduplex.kvflow.push import PushCancelled
@@ -106,16 +113,38 @@ class ReleaseRequest(BaseModel):
 
 
 class RetainedTurn(BaseModel):
-    """A decode's retained turn (``--return-mode pull``), as its /internal/kv/retained says."""
+    """Blocks of a decode to READ before the prefill: a retained turn (``--return-mode
+    pull``, as decode's /internal/kv/retained says) or a leased prefix of the prompt (the
+    fetch plan, as decode's /internal/kv/fetch says)."""
 
     decode_url: str = Field(min_length=1)
     engine_id: str | None = None
     block_ids: list[Annotated[int, Field(ge=0)]]
     keys: list[str]
-    token_ids: list[int]
+    token_ids: list[int] | None = None
+    """The blocks' tokens (a retained turn); None: the prompt's first ``num_tokens``."""
+    num_tokens: int | None = Field(default=None, ge=0)
+    """With no ``token_ids``: the blocks hold this many leading tokens of the prompt."""
     pin_left_s: float | None = Field(default=None, ge=0)
     """How long decode still pins the blocks, from when the router sent this on: a READ
     must end within it (less the time this request took to be served here)."""
+    lease_xid: str | None = Field(default=None, min_length=1, max_length=MAX_XID_CHARS)
+    """Decode's lease on the blocks (a fetch): released there once the READ ended."""
+
+    @model_validator(mode="after")
+    def _check_tokens(self) -> RetainedTurn:
+        if (self.token_ids is None) == (self.num_tokens is None):
+            raise ValueError("give either token_ids or num_tokens")
+        return self
+
+    def tokens(self, prompt: list[int]) -> list[int]:
+        """The blocks' tokens; ValueError if ``num_tokens`` is longer than `prompt`."""
+        if self.token_ids is not None:
+            return self.token_ids
+        assert self.num_tokens is not None
+        if self.num_tokens > len(prompt):
+            raise ValueError(f"num_tokens {self.num_tokens} is longer than the prompt")
+        return prompt[: self.num_tokens]
 
 
 class PushPrefillRequest(PrefillRequest):
@@ -177,12 +206,19 @@ def make_prefill_router(
 
 class PushPrefill:
     """``POST /internal/push/prefill``: parse, then the push flow's prefill half
-    (`kvduplex.kvflow.push.PushPrefillSide`), after the retained turn's READ when the
-    body names one (`kvduplex.kvflow.return_pull.RetainedReadSide`)."""
+    (`kvduplex.kvflow.push.PushPrefillSide`), after the READ of decode's blocks when the
+    body names them (`kvduplex.kvflow.return_pull.RetainedReadSide`)."""
 
-    def __init__(self, state: InstanceState, flows: PrefillFlows, directory: PeerDirectory) -> None:
+    def __init__(
+        self, state: InstanceState, flows: PrefillFlows, directory: PeerDirectory,
+        release: Callable[[str, str], None],
+    ) -> None:  # fmt: skip
+        """``release(decode_url, xid)``: end decode's lease on a fetched prefix (blocking;
+        run on the flow I/O thread)."""
         self.state = state
         self.directory = directory
+        self.io = flows.io
+        self.release = release
         self.push = PushPrefillSide(state.engine, flows.sender)
         self.retained = RetainedReadSide(state.engine, flows.reader, directory.get_peer)
 
@@ -193,25 +229,22 @@ class PushPrefill:
                 self.directory.get_peer, body.decode_url, body.decode_engine_id
             )
         except IncompatibleLayoutError as exc:  # serves another model, or another layout
+            self._release_lease(body.pull_from)
             raise APIError(
                 502, f"decode at {body.decode_url} cannot take this instance's KV: {exc}",
                 code="incompatible_peer",
-            ) from None
+            ) from None  # fmt: skip
         except Exception as exc:
+            self._release_lease(body.pull_from)
             raise APIError(502, f"cannot reach decode at {body.decode_url}: {exc}") from None
-        grammar = await _grammar(self.state, body)
-        if body.pull_from is not None:
-            src = body.pull_from
-            turn = RetainedTurnRef(
-                src.decode_url, src.engine_id, src.block_ids, src.keys, src.token_ids,
-                src.pin_left_s,
-            )  # fmt: skip
-            try:
-                await self.retained.read(body.xid, turn, arrived)
-            except ValueError as exc:
-                raise APIError(400, f"pull_from.block_ids: {exc}", param="pull_from") from None
-            except EngineGoneError as exc:
-                raise APIError(503, str(exc), code="engine_dead") from None
+        if body.pull_from is not None and body.grammar is not None:
+            # The grammar compiles (off the loop) while decode's blocks are read.
+            num_read_tokens, grammar = await asyncio.gather(
+                self._read(body, arrived), _grammar(self.state, body)
+            )
+        else:
+            grammar = await _grammar(self.state, body)
+            num_read_tokens = await self._read(body, arrived)
         try:
             held = Request(
                 body.xid, body.prompt_token_ids, _first_token_params(body),
@@ -232,17 +265,51 @@ class PushPrefill:
         }  # fmt: skip
         if first.first_token_logprobs is not None:
             answer["first_token_logprobs"] = first.first_token_logprobs.to_json()
+        if body.pull_from is not None:
+            answer["num_read_tokens"] = num_read_tokens
         return JSONResponse(answer)
+
+    async def _read(self, body: PushPrefillRequest, arrived: float) -> int:
+        """READ and cache the blocks of ``pull_from`` this prefix cache lacks: the tokens
+        read (0: none named, none missing, or the READ did not happen or failed; the
+        prefill computes what it lacks). A leased prefix is released on decode once the
+        READ ended, never while it may still run (a cancelled call leaves the lease to
+        expire there)."""
+        src = body.pull_from
+        if src is None:
+            return 0
+        try:
+            turn = RetainedTurnRef(
+                src.decode_url, src.engine_id, src.block_ids, src.keys,
+                src.tokens(body.prompt_token_ids), src.pin_left_s,
+            )  # fmt: skip
+            num_blocks = await self.retained.read(body.xid, turn, arrived)
+        except ValueError as exc:
+            self._release_lease(src)
+            raise APIError(400, f"pull_from: {exc}", param="pull_from") from None
+        except EngineGoneError as exc:
+            self._release_lease(src)
+            raise APIError(503, str(exc), code="engine_dead") from None
+        self._release_lease(src)
+        return num_blocks * self.retained.reader.engine.block_size
+
+    def _release_lease(self, src: RetainedTurn | None) -> None:
+        """End decode's lease on a fetched prefix (none: nothing), off this thread."""
+        if src is not None and src.lease_xid is not None:
+            self.io.submit(ReleaseLease(self.release, src.decode_url, src.lease_xid))
 
 
 def make_push_prefill_router(
-    state: InstanceState, flows: PrefillFlows, directory: PeerDirectory
-) -> APIRouter:
+    state: InstanceState, flows: PrefillFlows, directory: PeerDirectory,
+    release: Callable[[str, str], None] = http_release,
+) -> APIRouter:  # fmt: skip
+    """The push flow's prefill routes; ``release(decode_url, xid)`` ends decode's lease on
+    a fetched prefix (default: over HTTP, without the cluster secret)."""
     router = APIRouter()
     engine = state.engine
     sender = flows.sender
     returns = ReturnPrefillSide(flows.acceptor)
-    prefill = PushPrefill(state, flows, directory)
+    prefill = PushPrefill(state, flows, directory, release)
     router.add_api_route("/internal/push/prefill", prefill, methods=["POST"])
 
     @router.post("/internal/push/cancel")

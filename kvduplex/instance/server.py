@@ -192,24 +192,26 @@ def _role_routers(
         cfg.retain_lease_s,
     )  # fmt: skip
     routers = [make_handshake_router(transport)]
+    # Ends a peer's lease (pull on P, fetch on D), sending the secret only to a peer that
+    # proved it holds it too.
+    release = partial(
+        http_release, secret=secret, verify=None if verifier is None else verifier.ensure
+    )
     if role is Role.PREFILL:
         p = prefill_flows(
             transport, instance.async_engine, pump, timing, directory.peer_by_engine, metrics,
             reconnect=directory.reconnect, peer_gone=directory.is_gone,
         )  # fmt: skip
         routers.append(make_prefill_router(state, transport, cfg.pull_lease_s, p.inbox))
-        routers.append(make_push_prefill_router(state, p, directory))
+        routers.append(make_push_prefill_router(state, p, directory, release))
         state.drain.owed_checks.append(p.read_tables)
         instance.closers += [p.sender.close, p.io.close]
     else:
-        release = partial(
-            http_release, secret=secret, verify=None if verifier is None else verifier.ensure
-        )
         d = decode_flows(
             transport, instance.async_engine, pump, timing, directory.peer_by_engine, metrics,
             release=release, reconnect=directory.reconnect, peer_gone=directory.is_gone,
         )  # fmt: skip
-        routers.append(make_decode_hooks(state, d, directory, release))
+        routers.append(make_decode_hooks(state, d, directory, release, cfg.fetch_lease_s))
         state.drain.owed_checks.append(d.read_tables)
         instance.closers += [d.pull.close, d.sender.close]
     pump.start()

@@ -271,34 +271,34 @@ class PullConnector:
 
 
 def http_release(
-    prefill_url: str,
+    peer_url: str,
     xid: str,
     secret: str | None = None,
     verify: Callable[[str], None] | None = None,
 ) -> None:
-    """Tell prefill to drop its lease on `xid` (best effort: the lease expires anyway),
-    sending the cluster `secret` if there is one, once `verify(prefill_url)` returned
-    (`PeerVerifier.ensure`: prefill proved it holds the secret too; if it did not, nothing
-    is sent and the lease expires)."""
+    """Tell the peer that lent blocks (prefill for a pull, decode for a fetch) to drop its
+    lease on `xid` (best effort: the lease expires anyway), sending the cluster `secret` if
+    there is one, once `verify(peer_url)` returned (`PeerVerifier.ensure`: the peer proved
+    it holds the secret too; if it did not, nothing is sent and the lease expires)."""
     if verify is not None:
         try:
-            verify(prefill_url)
+            verify(peer_url)
         except PeerUnavailableError as exc:
             logger.warning("xid=%s: release not sent: %s", xid, exc)
             return
     try:
         resp = httpx.post(
-            prefill_url.rstrip("/") + RELEASE_PATH, json={"xid": xid}, timeout=5.0,
+            peer_url.rstrip("/") + RELEASE_PATH, json={"xid": xid}, timeout=5.0,
             headers=secret_headers(secret),
         )  # fmt: skip
         if resp.status_code != 200:  # 404: the lease ended already; 401: secrets differ
             logger.log(
                 logging.WARNING if resp.status_code == 401 else logging.INFO,
                 "xid=%s: release at %s answered %d: %s",
-                xid, prefill_url, resp.status_code, resp.text[:200],
+                xid, peer_url, resp.status_code, resp.text[:200],
             )  # fmt: skip
     except httpx.HTTPError as exc:
-        logger.warning("xid=%s: release at %s failed: %s", xid, prefill_url, exc)
+        logger.warning("xid=%s: release at %s failed: %s", xid, peer_url, exc)
 
 
 def block_ids_of(engine: LLMEngine, request_id: str) -> dict[str, Any] | None:

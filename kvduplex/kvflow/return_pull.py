@@ -207,10 +207,19 @@ class RetainedReader:
             logger.warning("xid=%s: retained blocks do not match their tokens; not read", xid)
             done.set_result(0)
             return done
-        num_have = self.engine.num_cached_prefix(keys)
+        have = self.engine.cached_prefix(keys)
+        num_have = len(have)
         missing = keys[num_have:]
-        local = self.engine.try_allocate_blocks(len(missing)) if missing else None
-        if not missing or local is None:
+        if not missing:
+            done.set_result(0)
+            return done
+        # The cached prefix the READ extends is ours until the READ ended: allocating the
+        # missing blocks, and whatever allocates meanwhile, may evict cached blocks, and
+        # the READ's blocks would be cached after a gap that no lookup gets past.
+        self.engine.acquire_blocks(have)
+        local = self.engine.try_allocate_blocks(len(missing))
+        if local is None:
+            self.engine.release_blocks(have)
             done.set_result(0)
             return done
         read_s = self.deadline_s if deadline_s is None else min(deadline_s, self.deadline_s)
@@ -222,6 +231,8 @@ class RetainedReader:
                 if not done.done():
                     done.set_exception(exc)
                 raise
+            finally:
+                self.engine.release_blocks(have)
 
         runner = ReadRunner(
             self.transport, self.engine, self.inbox, self.io, peer, xid, local,

@@ -76,6 +76,21 @@ class RouterTuning(ConfigSection):
     """With ``plan_by_residency``: what a prompt token computed on decode costs, in tokens
     computed on prefill (decode's prefill stalls every running decode). A turn goes to
     decode alone when its new tokens, at this cost, are fewer than what prefill lacks."""
+    fetch_token_cost: float = 0.1
+    """With ``plan_by_residency``: what a prompt token that prefill READs from decode's pool
+    (the fetch plan: decode holds the session's history, prefill no longer does) costs, in
+    tokens computed on prefill: its KV's bytes over the link against its compute (small
+    over RDMA; over a slow TCP link it may pass 1). At 1 or more a fetch never pays, and
+    prefill computes what it lacks."""
+    prefer_fetch: bool = True
+    """With ``plan_by_residency``: where decode holds a session's history that prefill
+    lacks, prefill fetches it whenever that costs less than computing it, rather than
+    decode computing the turn's new tokens (which stalls decode's running decodes)
+    (--no-prefer-fetch: the cheaper of the two, by --fetch-token-cost and
+    --decode-token-cost)."""
+    fetch_timeout_s: float = 1.0
+    """The fetch plan: how long the router waits for decode to lease the history before
+    prefill's call goes out without it (prefill then computes the history)."""
     return_only_if_kept: bool = True
     """With ``return_mode`` push: return a turn only if prefill likely still holds the
     history it extends and keeps it until the next turn, at its pool's recent turnover and
@@ -96,7 +111,7 @@ class RouterTuning(ConfigSection):
 
     @field_validator(
         "session_ttl_s", "load_half_life_s", "health_interval_s", "health_timeout_s",
-        "keep_alive_s", "decode_token_cost",
+        "keep_alive_s", "decode_token_cost", "fetch_token_cost", "fetch_timeout_s",
     )  # fmt: skip
     @classmethod
     def _check_positive(cls, value: float, info: ValidationInfo) -> float:

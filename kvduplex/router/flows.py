@@ -9,6 +9,11 @@
   `relay.push_stream`). If P fails, D is told to stop
   waiting and computes the prompt itself; if D refuses the request, P is told
   to stop.
+* **push, fetch plan** (`residency.Plan.PREFILL_FETCH`): as push, but P's call first
+  asks D to lease the prompt's prefix it holds (`fetch.lease_history`, while D's
+  request goes out), and names those blocks in P's body (``pull_from``): P READs what
+  it lacks, computes the rest and releases D's lease. If D leases nothing (or answers
+  late, or fails), P computes the history.
 * **pull** (baseline): ``POST /internal/prefill`` on P, then the request with
   ``kv_transfer_params: {mode: pull, ...}`` on D, which READs P's blocks; D's
   answer is relayed unchanged. If P fails, D computes the prompt itself.
@@ -72,6 +77,7 @@ from kvduplex.router.calls import until_unhealthy
 from kvduplex.router.client import CallError
 from kvduplex.router.client import ConnectError
 from kvduplex.router.client import StreamedAnswer
+from kvduplex.router.fetch import lease_history
 from kvduplex.router.parsing import parse_body
 from kvduplex.router.parsing import parse_stream
 from kvduplex.router.plans import is_return_kept
@@ -275,6 +281,18 @@ async def _retained(state: RouterState, d: Backend, session_id: str) -> dict[str
     return out
 
 
+async def _push_prefill(
+    state: RouterState, fwd: Forward, p_req: dict[str, Any], fetch: bool
+) -> dict[str, Any] | None:
+    """P's push prefill call (`_post_prefill`), after D's lease of the history if `fetch`."""
+    if fetch:
+        route = fwd.route
+        pull_from = await lease_history(state, route.decode, route.session_id, fwd.ids, p_req["xid"])
+        if pull_from is not None:
+            p_req = {**p_req, "pull_from": pull_from}
+    return await _post_prefill(state, fwd, "/internal/push/prefill", p_req)
+
+
 async def _cancel(state: RouterState, b: Backend, xid: str, reason: str) -> None:
     body = {"xid": xid, "reason": reason}
     with contextlib.suppress(CallError):
@@ -423,12 +441,18 @@ def _on_prefill_failed(
 
 
 def _on_prefill_answer(
-    state: RouterState, fwd: Forward, task: asyncio.Task[dict[str, Any] | None]
+    state: RouterState, fwd: Forward, plan: Plan, task: asyncio.Task[dict[str, Any] | None]
 ) -> None:
     """P answered: its hit noted (added once D took the request: a flow routed again to
-    another decode instance notes its own)."""
+    another decode instance notes its own), and the tokens it fetched from D counted
+    (they are not hits of a returned answer)."""
     if not task.cancelled() and task.exception() is None and (ans := task.result()):
-        note_answer_hit(state, fwd, int(ans.get("num_cached_tokens", 0)))
+        num_cached = int(ans.get("num_cached_tokens", 0))
+        if plan is Plan.PREFILL_FETCH:
+            num_read = int(ans.get("num_read_tokens", 0))
+            state.metrics.fetched_tokens.inc(num_read)
+            num_cached -= num_read
+        note_answer_hit(state, fwd, num_cached)
         p = fwd.route.prefill
         assert p is not None
         p.kv_clock.read(ans, state.policy.clock())
@@ -440,7 +464,8 @@ def _on_prefill_answer(
             )  # fmt: skip
 
 
-async def serve_push(state: RouterState, fwd: Forward) -> Answer:
+async def serve_push(state: RouterState, fwd: Forward, plan: Plan = Plan.PUSH) -> Answer:
+    """The push flow (`plan`: push, or the fetch plan); see the module docstring."""
     p = fwd.route.prefill
     d = fwd.route.decode
     assert p is not None
@@ -467,12 +492,15 @@ async def serve_push(state: RouterState, fwd: Forward) -> Answer:
     if is_spliced:  # D names its first token's id: P's is spliced in by id, not by text
         params["mark_first_token"] = True
     mode = state.config.return_mode
-    params.update(_return_to(state, fwd, p, Plan.PUSH))
+    params.update(_return_to(state, fwd, p, plan))
+    is_fetch = plan is Plan.PREFILL_FETCH
     if mode is ReturnMode.PULL:
         params["return_mode"] = "pull"
-        if fwd.route.is_session_hit:
+        if fwd.route.is_session_hit and not is_fetch:
             p_req["pull_from"] = await _retained(state, d, fwd.route.session_id)
-    prefill = asyncio.create_task(_post_prefill(state, fwd, "/internal/push/prefill", p_req))
+    # A fetch goes out in P's task: D's request goes out meanwhile, and D's registration
+    # waits on P (kept there) while P reads.
+    prefill = asyncio.create_task(_push_prefill(state, fwd, p_req, is_fetch))
 
     prefill.add_done_callback(functools.partial(_on_prefill_failed, state, d, xid))
     await asyncio.sleep(0)  # P's call goes out first: the first token waits on P's answer
@@ -483,7 +511,7 @@ async def serve_push(state: RouterState, fwd: Forward) -> Answer:
     except DecodeUnreachable:
         await _cancel(state, p, xid, "decode unreachable")
         raise
-    prefill.add_done_callback(functools.partial(_on_prefill_answer, state, fwd))
+    prefill.add_done_callback(functools.partial(_on_prefill_answer, state, fwd, plan))
     if isinstance(upstream, Response) or upstream.status_code != 200:
         await _cancel(state, p, xid, "decode refused the request")
         if isinstance(upstream, Response):

@@ -41,8 +41,20 @@ class RouterMetrics:
         self.session_misses = m.counter("session_misses", "Requests that started a session.")
         self.requests = m.counter(
             "requests",
-            "Requests routed, by flow: push, pull, or decode (no prefill instance).",
+            "Requests routed, by flow: push, fetch (push after prefill fetched the history "
+            "from decode), short_append (decode alone), pull, or decode (no prefill "
+            "instance).",
             ["mode"],
+        )
+        self.fetched_tokens = m.counter(
+            "fetched_tokens",
+            "Prompt tokens prefill read from decode's pool before its prefill (the fetch "
+            "plan), as its answers say.",
+        )
+        self.fetch_misses = m.counter(
+            "fetch_misses",
+            "Fetch plans in which decode lent nothing (it held none of the prompt, had no "
+            "room, failed or answered too late): prefill computed the history.",
         )
         self._requests_by_mode: dict[str, Counter] = {}
         self.sessions = m.gauge("sessions", "Sessions the router remembers.")

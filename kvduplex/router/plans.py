@@ -19,9 +19,11 @@ def turn_plan(config: RouterTuning, route: Route, num_prompt_tokens: int) -> Pla
     """Push mode: the plan of a turn with `num_prompt_tokens` prompt tokens on `route`.
 
     Decode computes the turn alone (`Plan.DECODE_LOCAL`) when its new part is at most
-    ``--short-append-tokens`` long, or, with ``--plan-by-residency``, when decode likely
-    holds enough more of the session's history than prefill that its part costs less
-    (`residency.choose_plan`); else prefill computes what it lacks.
+    ``--short-append-tokens`` long. Else, with ``--plan-by-residency``, where decode likely
+    holds more of the session's history than prefill, prefill fetches it from decode
+    (`Plan.PREFILL_FETCH`) or decode computes the new tokens, whichever is cheaper by
+    `residency.choose_plan` (``--fetch-token-cost``, ``--decode-token-cost``,
+    ``--prefer-fetch``); else prefill computes what it lacks (`Plan.PUSH`).
     Either way decode must hold the previous turn (prompt and answer) as far as the router
     knows: it served it, and its answer ended."""
     prev, p = route.previous, route.prefill
@@ -38,7 +40,10 @@ def turn_plan(config: RouterTuning, route: Route, num_prompt_tokens: int) -> Pla
         prefill_tokens=_held(p, prev, route, prev.prefill_stamp, prev.prefill_tokens),
         decode_tokens=_held(route.decode, prev, route, prev.decode_stamp, prev.decode_tokens),
     )  # fmt: skip
-    return choose_plan(num_prompt_tokens, where, config.decode_token_cost)
+    return choose_plan(
+        num_prompt_tokens, where, config.decode_token_cost, config.fetch_token_cost,
+        config.prefer_fetch,
+    )  # fmt: skip
 
 
 def _held(b: Backend, prev: Session, route: Route, stamp: int | None, num_tokens: int) -> int:

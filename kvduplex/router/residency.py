@@ -11,13 +11,16 @@ without asking anyone on the request's path::
                  |<------ allocated since -------->|
     holds:  allocated since < HOLD_FRACTION x pool blocks
 
-A turn then takes the cheapest plan:
+A turn then takes the cheapest plan, its cost counted in tokens computed on prefill:
 
 * prefill holds the history (or neither holds it): push, prefill computes what it lacks;
-* decode holds more of it than prefill: decode computes the new tokens over its cached
-  history (the short append, chosen by where the KV is) when that costs less than
-  prefill computing what it lacks, a token on decode costing ``--decode-token-cost``
-  tokens on prefill (decode's prefill stalls its running decodes).
+* decode holds more of it than prefill: either prefill fetches what decode holds beyond
+  its own (READs it from decode's pool, a token costing ``--fetch-token-cost``) and
+  computes the rest, or decode computes the new tokens over its cached history (the short
+  append, chosen by where the KV is), a token on decode costing ``--decode-token-cost``
+  (decode's prefill stalls its running decodes). With ``--prefer-fetch`` (the default)
+  prefill fetches whenever that costs less than computing what it lacks, which keeps
+  decode's steps free for decoding; without, the cheapest of the three plans wins.
 
 The return of a turn is worth its bytes only if prefill still holds the session's
 history (returned blocks extend its chain, they do not start one) and keeps them until
@@ -47,6 +50,9 @@ RATE_WINDOW_S = 2.0
 class Plan(enum.Enum):
     PUSH = "push"
     """Prefill computes what it lacks and pushes what decode lacks."""
+    PREFILL_FETCH = "fetch"
+    """Prefill READs the history decode holds, computes the rest and pushes what decode
+    lacks (the new tokens)."""
     DECODE_LOCAL = "short_append"
     """Decode computes the new tokens over the history it holds."""
 
@@ -134,13 +140,33 @@ class Residency:
     decode_tokens: int
 
 
-def choose_plan(num_prompt_tokens: int, where: Residency, decode_token_cost: float) -> Plan:
-    """The cheaper plan: decode computes the new tokens only when that costs less than
-    prefill computing what it lacks, a token computed on decode costing
-    `decode_token_cost` of prefill's (decode's prefill stalls its running decodes; a tie
-    goes to prefill)."""
+def choose_plan(
+    num_prompt_tokens: int, where: Residency, decode_token_cost: float,
+    fetch_token_cost: float | None = None, prefer_fetch: bool = True,
+) -> Plan:  # fmt: skip
+    """The cheapest plan, in tokens computed on prefill::
+
+        push          prompt - prefill's                 (prefill computes what it lacks)
+        fetch         (decode's - prefill's) x fetch_token_cost + (prompt - decode's)
+        decode-local  (prompt - decode's) x decode_token_cost
+
+    Fetch is a plan only where decode holds more than prefill (and `fetch_token_cost` is
+    given); decode-local only where decode has something to compute. With
+    `prefer_fetch`, fetch wins whenever it costs less than push (decode's steps stay free
+    for decoding); else the cheapest wins. A tie goes to prefill: push, then fetch."""
     num_prefill_computes = num_prompt_tokens - where.prefill_tokens
     num_decode_computes = num_prompt_tokens - where.decode_tokens
-    if 0 < num_decode_computes * decode_token_cost < num_prefill_computes:
-        return Plan.DECODE_LOCAL
-    return Plan.PUSH
+    costs: dict[Plan, float] = {Plan.PUSH: num_prefill_computes}
+    num_fetched = where.decode_tokens - where.prefill_tokens
+    if fetch_token_cost is not None and num_fetched > 0:
+        # Prefill computes at least the last token, for its first token.
+        costs[Plan.PREFILL_FETCH] = num_fetched * fetch_token_cost + max(num_decode_computes, 1)
+        if prefer_fetch and costs[Plan.PREFILL_FETCH] < num_prefill_computes:
+            return Plan.PREFILL_FETCH
+    if num_decode_computes > 0:
+        costs[Plan.DECODE_LOCAL] = num_decode_computes * decode_token_cost
+    best = Plan.PUSH
+    for plan, cost in costs.items():  # in order: push, fetch, decode-local
+        if cost < costs[best]:
+            best = plan
+    return best

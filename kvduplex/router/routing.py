@@ -25,7 +25,10 @@ flight to an instance that is marked unhealthy are abandoned (`calls.py`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+from collections.abc import Awaitable
+from collections.abc import Callable
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from dataclasses import replace
@@ -224,14 +227,15 @@ def unavailable(state: RouterState, exc: NoHealthyInstance) -> APIError:
 async def _run_flow(state: RouterState, fwd: Forward) -> Answer:
     """The flow for `fwd`'s route and the request; releases the route if no relay took it."""
     route, metrics = fwd.route, state.metrics
+    flow: Callable[[RouterState, Forward], Awaitable[Answer]]
     if route.prefill is None:
         mode, flow = "decode", serve_decode_only
-    elif state.config.mode is TransferMode.PUSH and (
-        turn_plan(state.config, route, len(fwd.ids)) is Plan.DECODE_LOCAL
-    ):
-        mode, flow = "short_append", serve_short_append
     elif state.config.mode is TransferMode.PUSH:
-        mode, flow = "push", serve_push
+        plan = turn_plan(state.config, route, len(fwd.ids))
+        if plan is Plan.DECODE_LOCAL:
+            mode, flow = "short_append", serve_short_append
+        else:  # "push" or "fetch"
+            mode, flow = plan.value, functools.partial(serve_push, plan=plan)
     else:
         mode, flow = "pull", serve_pull
     metrics.note_request(mode)

@@ -58,8 +58,9 @@ def test_a_session_whose_history_prefill_lost_is_computed_by_decode_exactly(
         "reference-plans", [*_SERVE, "--num-blocks", "400", "--role", "both"], free_port()
     )
     cluster.wait_healthy(timeout_s=180)
+    # A fetched token costing as much as a computed one: no fetch plan (test_fetch_plan).
     args = ["router", "--mode", "push", "--return-mode", "push", "--model", "tiny",
-            "--prefill", p.url, "--decode", d.url]  # fmt: skip
+            "--prefill", p.url, "--decode", d.url, "--fetch-token-cost", "1"]  # fmt: skip
     router = cluster.start("router-plans", args, free_port())
     cluster.wait_healthy(timeout_s=60)
     rng = random.Random(11)

@@ -108,7 +108,9 @@ def _after_one_turn(clock: Clock) -> tuple[RoutingPolicy, list[int]]:
 
 
 def test_a_turn_goes_to_decode_once_prefills_pool_turned_over_since_the_session_was_there() -> None:
-    clock, config = Clock(), RouterConfig(decode=(D,), prefill=(P,))
+    clock = Clock()
+    # A fetched token costing as much as a computed one: fetching never pays.
+    config = RouterConfig(decode=(D,), prefill=(P,), fetch_token_cost=1.0)
     policy, second = _after_one_turn(clock)
     route = policy.route(second, "s")
     assert turn_plan(config, route, len(second)) is Plan.PUSH, "prefill holds it all"
@@ -203,3 +205,45 @@ def test_a_return_is_skipped_when_prefill_turns_over_while_the_answer_decodes() 
     second = first + list(range(9)) + [7] * 30
     route = policy.route(second, "s")
     assert not is_return_kept(route, Plan.PUSH, clock.now), "8.5 s x 10 blocks/s > half"
+
+
+def test_prefill_fetches_what_decode_holds_when_that_costs_less_than_computing_it() -> None:
+    def plan(p_tokens: int, d_tokens: int, fetch: float | None = 0.1, prefer: bool = True) -> Plan:
+        return choose_plan(1000, Residency(p_tokens, d_tokens), 2.0, fetch, prefer)
+
+    assert plan(100, 900) is Plan.PREFILL_FETCH, "80 + 100 against 900 (and 200 on decode)"
+    assert plan(100, 900, prefer=False) is Plan.PREFILL_FETCH, "180 is the cheapest too"
+    assert plan(0, 980) is Plan.PREFILL_FETCH, "decode's steps stay free"
+    assert plan(0, 980, prefer=False) is Plan.DECODE_LOCAL, "40 on decode against 118"
+    assert plan(900, 900) is Plan.PUSH, "nothing to fetch: prefill holds what decode holds"
+    assert plan(950, 900) is Plan.PUSH
+    assert plan(100, 900, fetch=1.0) is Plan.DECODE_LOCAL, "a fetch that never pays"
+    assert plan(100, 900, fetch=None) is Plan.DECODE_LOCAL, "no fetch: the plans before it"
+    assert plan(0, 1000) is Plan.PREFILL_FETCH, "prefill computes the last token itself"
+    assert plan(0, 1000, fetch=1.0) is Plan.PUSH, "a tie goes to prefill's push"
+
+
+def test_a_turn_prefill_lost_fetches_its_history_from_decode_by_default() -> None:
+    clock = Clock()
+    policy, second = _after_one_turn(clock)
+    p = policy.prefill.backends[0]
+    p.kv_clock.note(num_blocks=100, allocated=13 + 85, now=clock.now + 1)  # others' turns
+    route = policy.route(second, "s")
+    config = RouterConfig(decode=(D,), prefill=(P,))
+    assert (config.prefer_fetch, config.fetch_token_cost) == (True, 0.1)
+    assert turn_plan(config, route, len(second)) is Plan.PREFILL_FETCH
+    assert is_return_kept(route, Plan.PREFILL_FETCH, clock.now + 1), (
+        "prefill computes the prompt over the history it fetched: the return extends it"
+    )
+    # 219 held by decode, 40 new: fetching costs 21.9 + 40, decode alone 80.
+    cheapest = RouterConfig(decode=(D,), prefill=(P,), prefer_fetch=False)
+    assert turn_plan(cheapest, route, len(second)) is Plan.PREFILL_FETCH
+    dear = RouterConfig(decode=(D,), prefill=(P,), prefer_fetch=False, fetch_token_cost=0.5)
+    assert turn_plan(dear, route, len(second)) is Plan.DECODE_LOCAL, "109.5 + 40 against 80"
+    assert turn_plan(
+        RouterConfig(decode=(D,), prefill=(P,), fetch_token_cost=0.5), route, len(second)
+    ) is Plan.PREFILL_FETCH, "preferred while it costs less than prefill computing 259"
+    off = RouterConfig(decode=(D,), prefill=(P,), plan_by_residency=False)
+    assert turn_plan(off, route, len(second)) is Plan.PUSH
+    with pytest.raises(ValueError, match="fetch_token_cost"):
+        RouterConfig(decode=(D,), prefill=(P,), fetch_token_cost=0)
