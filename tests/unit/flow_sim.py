@@ -35,6 +35,7 @@ from kvduplex.engine.engine import RequestOutput
 from kvduplex.engine.handle import EngineHandle
 from kvduplex.engine.request import RemoteKVSpec
 from kvduplex.engine.request import Request
+from kvduplex.kvflow import fetch as fetch_module
 from kvduplex.kvflow import inbox as inbox_module
 from kvduplex.kvflow import lease as lease_module
 from kvduplex.kvflow import pull as pull_module
@@ -74,7 +75,7 @@ from tests.unit.flow_common import _engine
 from tests.unit.flow_common import landing_problems
 
 CLOCKED = (
-    inbox_module, lease_module, pull_module, push_decode_module, push_prefill_module, receiver_module,
+    fetch_module, inbox_module, lease_module, pull_module, push_decode_module, push_prefill_module, receiver_module,
     return_pull_module, sender_module, transport_base_module,
 )  # fmt: skip
 """The flow modules, and the transport's (a stranger's notification held for its grace),
