@@ -76,6 +76,9 @@ class KVTransferParams(BaseModel):
     """Pull: prefill's held blocks."""
     num_tokens: int = Field(default=0, ge=0)
     """Pull: tokens in them."""
+    ids_digest: str = Field(default="", pattern=r"^([0-9a-f]{32})?$")
+    """Pull: the ids digest of the prompt prefill computed (hex, prefill's answer). A pull
+    without it, or whose digest is not the prompt's, reads nothing: decode computes."""
     engine_id: str | None = None
     """``prefill_url``'s KV engine id, if the caller knows it: a connection to that engine
     is used as it is, one to another engine is replaced (None: the address is asked,
@@ -195,7 +198,7 @@ class DecodePreparer:
             lease_ends_at = None if kv.lease_s is None else arrived + kv.lease_s
             gen.on_admit = _refusing_duplicates(self.pull.admit(PullSpec(
                 kv.xid, peer, kv.prefill_url, kv.block_ids, kv.num_tokens,
-                lease_ends_at, kv.num_cached_tokens, gen.request.request_id,
+                bytes.fromhex(kv.ids_digest), lease_ends_at, kv.num_cached_tokens, gen.request.request_id,
             )))  # fmt: skip
         gen.request.remote_kv = RemoteKVSpec(kv.xid, source_engine_id=peer.engine_id)
 

@@ -13,12 +13,34 @@ receives)::
     sender ──── KVDone / KVFailed ─────► receiver
     receiver ── KVCancel ──────────────► sender          (stopped waiting)
     sender ──── KVOffer{keys, tokens} ─► receiver        (return only: what could be sent)
+
+Every registration names the token ids it is for (`ids_digest`): the sender refuses
+one whose ids are not those of the KV it holds or computes, so that KV never lands
+under another prompt's prefix-cache keys when two prompts have the same length.
 """
 
 from __future__ import annotations
 
+import hashlib
+import sys
+from array import array
+from collections.abc import Sequence
+
 from kvduplex.common.sampling import TokenLogprobs
 from kvduplex.transport.messages import ControlMessage
+
+IDS_DIGEST_BYTES = 16
+
+
+def ids_digest(ids: Sequence[int]) -> bytes:
+    """A digest of token ids, equal on every instance for equal ids: blake2b (16 bytes)
+    over the ids as little-endian int32 (one pass over one buffer, in C). The prefix
+    cache's block keys would not do: they cover only full blocks, and a prompt rarely
+    ends on a block boundary."""
+    buf = array("i", ids)
+    if sys.byteorder == "big":
+        buf.byteswap()
+    return hashlib.blake2b(buf.tobytes(), digest_size=IDS_DIGEST_BYTES).digest()
 
 
 class KVRegister(ControlMessage, tag="kv_register", frozen=True):
@@ -36,6 +58,10 @@ class KVRegister(ControlMessage, tag="kv_register", frozen=True):
     """What was left of the receiver's current wait when it sent this (``wait_s`` the
     first time, less when re-sent). A duration, never a clock: the sender counts it
     from when it received the registration, on its own clock, and writes nothing after."""
+    ids_digest: bytes
+    """`ids_digest` of the token ids the transfer covers, as the receiver has them (push:
+    its prompt; return: the offer's tokens): the sender refuses a registration whose
+    ids are not its own."""
 
 
 class KVRegistered(ControlMessage, tag="kv_registered", frozen=True):
@@ -115,6 +141,7 @@ class KVDecline(ControlMessage, tag="kv_decline", frozen=True):
 
 
 __all__ = [
+    "IDS_DIGEST_BYTES",
     "KVAlive",
     "KVAliveAck",
     "KVCancel",
@@ -125,4 +152,5 @@ __all__ = [
     "KVRegister",
     "KVRegistered",
     "KVWaiting",
+    "ids_digest",
 ]

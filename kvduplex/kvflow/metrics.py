@@ -70,6 +70,15 @@ class KVFlowMetrics:
             ["reason"],
         )
 
+        self.prompt_mismatches = m.counter(
+            "prompt_mismatches",
+            "Transfers refused because the two sides named other token ids of one length "
+            "(ids digests differ), by flow: push and return (counted by the sender, which "
+            "refuses the registration), pull (counted by decode, which reads nothing). "
+            "The receiver computes the prompt itself.",
+            ["flow"],
+        )
+
     def on_push_sent(self, ok: bool, transfer_s: float, exposed_s: float) -> None:
         self.pushes.labels("done" if ok else "failed").inc()
         if ok:

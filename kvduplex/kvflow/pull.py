@@ -48,6 +48,7 @@ from kvduplex.kvflow.half import ReadRunner
 from kvduplex.kvflow.inbox import FlowInbox
 from kvduplex.kvflow.inbox import XidInUseError
 from kvduplex.kvflow.machines.read import Outcome
+from kvduplex.kvflow.messages import ids_digest
 from kvduplex.kvflow.metrics import KVFlowMetrics
 from kvduplex.transport.base import Transport
 from kvduplex.transport.protocol import PeerHandle
@@ -71,6 +72,9 @@ class PullSpec:
     prefill_url: str
     block_ids: list[int]
     num_tokens: int
+    ids_digest: bytes
+    """`ids_digest` of the prompt prefill computed into the blocks (its answer's): decode
+    reads nothing unless its own prompt's digest is the same."""
     lease_ends_at: float | None = None
     """Monotonic time (here) after which prefill may have reused the blocks."""
     num_cached_tokens: int = 0
@@ -92,6 +96,8 @@ class PullStats:
     num_failed: int = 0
     num_skipped_blocks: int = 0
     """Blocks not read because the local prefix cache had them."""
+    num_prompt_mismatches: int = 0
+    """Pulls refused because prefill computed other token ids than the request's prompt."""
 
 
 class PullConnector:
@@ -197,6 +203,9 @@ class PullConnector:
             )  # fmt: skip
             self._finish(rid, spec, ok=False, num_read=0)
             return False
+        if not self._is_same_prompt(rid, spec):
+            self._finish(rid, spec, ok=False, num_read=0)
+            return False
         local = list(alloc.block_ids[first:num_blocks])
         remote = spec.block_ids[first:num_blocks]
         self.stats.num_skipped_blocks += first
@@ -240,6 +249,24 @@ class PullConnector:
         if handle is not None:  # its settlement comes through the inbox, never inline
             self._in_flight[rid] = handle
         return True
+
+    def _is_same_prompt(self, rid: str, spec: PullSpec) -> bool:
+        """Whether prefill computed the request's own prompt (equal `ids_digest`); if not,
+        logged with the xid and counted: the request computes its prompt here."""
+        req = self.engine.get_request(rid)
+        if req is not None and ids_digest(req.prompt_token_ids) == spec.ids_digest:
+            return True
+        if req is not None:
+            logger.warning(
+                "xid=%s: request %s: prefill computed other token ids than its prompt's (ids "
+                "digest %s there, %s here); reading nothing, computing locally",
+                spec.xid, rid, spec.ids_digest.hex()[:16],
+                ids_digest(req.prompt_token_ids).hex()[:16],
+            )  # fmt: skip
+            if self.metrics is not None:
+                self.metrics.prompt_mismatches.labels("pull").inc()
+            self.stats.num_prompt_mismatches += 1
+        return False
 
     def _finish(
         self, rid: str, spec: PullSpec, *, ok: bool, num_read: int, discard_blocks: bool = False
@@ -302,13 +329,15 @@ def http_release(
 
 
 def block_ids_of(engine: LLMEngine, request_id: str) -> dict[str, Any] | None:
-    """A held request's blocks and first token (engine thread)."""
+    """A held request's blocks, the `ids_digest` of its prompt (hex) and its first token
+    (engine thread)."""
     req = engine.scheduler.get_request(request_id)
     if req is None:
         return None
     return {
         "block_ids": list(req.block_ids),
         "num_tokens": req.num_prompt_tokens,
+        "ids_digest": ids_digest(req.prompt_token_ids).hex(),
         "first_token": req.output_token_ids[0] if req.output_token_ids else None,
         "num_cached_tokens": req.num_cached_tokens,
     }

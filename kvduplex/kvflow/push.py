@@ -77,7 +77,7 @@ class PushPrefillSide:
 
         def admit() -> None:  # engine thread
             nonlocal expected
-            self.sender.expect(xid, peer, len(request.prompt_token_ids))
+            self.sender.expect(xid, peer, request.prompt_token_ids)
             expected = True
 
         last, ids, text = None, [], []

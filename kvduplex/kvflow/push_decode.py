@@ -142,6 +142,11 @@ class PushDecode:
             logger.warning("request %s: no push spec for %s; computing locally", rid, xid)
             self._finished.append(KVReceiveFailed(rid, discard_blocks=False))
             return
+        req = self.engine.get_request(rid)
+        if req is None:  # admitted this step: only a bug gets here
+            logger.warning("request %s: gone at its admission; not registering %s", rid, xid)
+            self._finished.append(KVReceiveFailed(rid, discard_blocks=False))
+            return
         first = alloc.num_cached_tokens // self.block_size
         num_blocks = num_blocks_for_tokens(alloc.num_prompt_tokens, self.block_size)
         blocks = list(alloc.block_ids[first:num_blocks])
@@ -149,7 +154,7 @@ class PushDecode:
         if self.metrics is not None:
             self.metrics.remote_prefix_hit_tokens.inc(alloc.num_cached_tokens)
         ok = self.receiver.expect(
-            xid, spec.peer, blocks, first, alloc.num_prompt_tokens,
+            xid, spec.peer, blocks, first, req.prompt_token_ids,
             on_done=partial(self._on_done, rid, len(blocks)),
             on_failed=partial(self._on_failed, rid),
             on_first_token=partial(self._on_first_token, rid),

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
 from dataclasses import field
 
@@ -65,17 +66,18 @@ class PushSender(KVSender):
     def _init_flow_state(self) -> None:
         self._step_jobs = {}
 
-    def expect(self, xid: str, peer: PeerHandle, num_prompt_tokens: int) -> None:
-        """Push: a prefill named `xid` is about to be added (its request id is `xid`).
+    def expect(self, xid: str, peer: PeerHandle, prompt_ids: Sequence[int]) -> None:
+        """Push: a prefill named `xid` of `prompt_ids` is about to be added (its request id
+        is `xid`); decode's registration must name the same ids.
 
         Raises ValueError for an xid in progress, one the receiver already cancelled,
         or one another request on this engine uses (its blocks are not this job's).
         """
         if self.engine.get_request(xid) is not None:
             raise ValueError(f"xid {xid!r} is in use by another request on this instance")
-        num_blocks = num_blocks_for_tokens(num_prompt_tokens, self.block_size)
+        num_blocks = num_blocks_for_tokens(len(prompt_ids), self.block_size)
         source = PrefillSource(self.transport.layout.num_layers)
-        self._add(self._new_job(xid, peer, num_prompt_tokens, num_blocks, source))
+        self._add(self._new_job(xid, peer, prompt_ids, num_blocks, source))
 
     def on_request_aborted(self, xid: str) -> None:
         """Engine thread: the prefill request `xid` was aborted (its caller left, or the

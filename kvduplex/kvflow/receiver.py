@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import assert_never
 
@@ -75,6 +76,7 @@ from kvduplex.kvflow.messages import KVDone
 from kvduplex.kvflow.messages import KVFailed
 from kvduplex.kvflow.messages import KVRegister
 from kvduplex.kvflow.messages import KVRegistered
+from kvduplex.kvflow.messages import ids_digest
 from kvduplex.transport.base import Transport
 from kvduplex.transport.messages import ControlMessage
 from kvduplex.transport.protocol import PeerHandle
@@ -175,19 +177,24 @@ class KVReceiver(FlowHalf):
         peer: PeerHandle,
         blocks: list[int],
         first_block: int,
-        num_tokens: int,
+        token_ids: Sequence[int],
         on_done: OnDone,
         on_failed: OnFailed,
         on_first_token: OnFirstToken | None = None,
     ) -> bool:
-        """Register `blocks` (for the transfer's blocks ``first_block ..``) with the sender.
+        """Register `blocks` (for the transfer's blocks ``first_block ..``) with the sender,
+        for the KV of `token_ids` (their count and `ids_digest`: the sender refuses a
+        registration for other ids).
 
         Takes our own reference on them until the sender is done. False (nothing
         kept, nothing called) if the registration could not be sent, or if another
         wait (or its quarantine) holds `xid`. Until the sender acknowledges it, the
         registration is sent again every third of the wait (`_tick`).
         """
-        msg = KVRegister(xid, blocks, first_block, num_tokens, self.wait_s, self.wait_s)
+        msg = KVRegister(
+            xid, blocks, first_block, len(token_ids), self.wait_s, self.wait_s,
+            ids_digest(token_ids),
+        )  # fmt: skip
         now = time.monotonic()
         machine = ReceiveMachine(
             xid, peer, tuple(blocks), msg, self.wait_s, self.quarantine_s, deadline=now + self.wait_s,

@@ -169,7 +169,7 @@ class ReturnOfferer:
             rec = ReturnRecord(req.num_prompt_tokens, req.num_output_tokens, len(blocks))
             self._record(rid, rec)
             self.sender.offer(
-                xid, spec.peer, blocks, len(msg.token_ids), on_end=partial(self._on_end, rec)
+                xid, spec.peer, blocks, msg.token_ids, on_end=partial(self._on_end, rec)
             )
         finally:
             self.engine.release_held(rid)
@@ -293,7 +293,7 @@ class ReturnAcceptor:
             self._decline(peer, msg.xid, "no_room", num_have)
             return
         ok = self.receiver.expect(
-            msg.xid, peer, blocks, num_have, len(msg.token_ids),
+            msg.xid, peer, blocks, num_have, msg.token_ids,
             on_done=partial(self._on_done, blocks, missing),
             on_failed=partial(self._on_failed, blocks),
         )  # fmt: skip

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import assert_never
 
@@ -45,6 +46,7 @@ from kvduplex.kvflow.machines.send import PostWrite
 from kvduplex.kvflow.machines.send import Refuse
 from kvduplex.kvflow.machines.send import ReleasePrefill
 from kvduplex.kvflow.machines.send import SendAction
+from kvduplex.kvflow.machines.send import SendCounter
 from kvduplex.kvflow.machines.send import SendEvent
 from kvduplex.kvflow.machines.send import SendMachine
 from kvduplex.kvflow.machines.send import Source
@@ -52,6 +54,7 @@ from kvduplex.kvflow.machines.send import Tombstone
 from kvduplex.kvflow.machines.send import WriteEnded
 from kvduplex.kvflow.machines.send import WriteSettled
 from kvduplex.kvflow.messages import KVFailed
+from kvduplex.kvflow.messages import ids_digest
 from kvduplex.kvflow.metrics import KVFlowMetrics
 from kvduplex.kvflow.send_early import Tombstones
 from kvduplex.kvflow.send_stats import KVSenderStats
@@ -94,11 +97,13 @@ class SendRunner(FlowHalf):
         self._finished: list[KVTransferResult] = []  # prefills' sends that ended
 
     def _new_job(
-        self, xid: str, peer: PeerHandle, num_tokens: int, num_blocks: int, source: Source,
+        self, xid: str, peer: PeerHandle, ids: Sequence[int], num_blocks: int, source: Source,
         on_end: Callable[[SendJob], None] | None = None,
     ) -> SendMachine:  # fmt: skip
+        """A job sending the KV of token `ids` (their count and digest check registrations)."""
         return SendMachine(
-            xid, peer, num_tokens, num_blocks, self.block_size, self.deadline_s, source,
+            xid, peer, len(ids), ids_digest(ids), num_blocks, self.block_size, self.deadline_s,
+            source,
             expires_at=self.clock() + self.registration_wait_s,
             on_end=[on_end] if on_end else [],
         )  # fmt: skip
@@ -156,6 +161,9 @@ class SendRunner(FlowHalf):
                 self._cancelled.add(job.xid, None, self._tombstone_until())
             case Count():
                 self.stats.count(a.counter)
+                if a.counter is SendCounter.PROMPT_MISMATCHES and self.metrics is not None:
+                    flow = "push" if job.source.streams else "return"
+                    self.metrics.prompt_mismatches.labels(flow).inc()
             case Log():
                 logger.log(a.level, "xid=%s: %s", job.xid, a.text)
             case _:

@@ -34,6 +34,8 @@ class KVSenderStats:
     """Peer endpoints torn down because a failed WRITE would not settle."""
     num_registrations_refused: int = 0
     """Registrations answered with KVFailed (wrong engine, sizes, cancelled, ended)."""
+    num_prompt_mismatches: int = 0
+    """Registrations refused because they named other token ids than the job's."""
 
     def count(self, counter: SendCounter) -> None:
         """Add one to the statistic a machine's `Count` names."""
@@ -48,6 +50,8 @@ class KVSenderStats:
                 self.num_alive_sent += 1
             case SendCounter.WAITING_RECEIVED:
                 self.num_waiting_received += 1
+            case SendCounter.PROMPT_MISMATCHES:
+                self.num_prompt_mismatches += 1
             case _:
                 assert_never(counter)
 

@@ -59,6 +59,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from collections.abc import Sequence
 
 from kvduplex.engine.handle import EngineHandle
 from kvduplex.kvflow.flow_io import FlowIO
@@ -143,16 +144,17 @@ class KVSender(SendRunner):
         xid: str,
         peer: PeerHandle,
         src_blocks: list[int],
-        num_tokens: int,
+        token_ids: Sequence[int],
         on_end: Callable[[SendJob], None] | None = None,
     ) -> SendJob:
-        """Return: send computed `src_blocks` once the peer registers destinations.
+        """Return: send computed `src_blocks`, the KV of `token_ids`, once the peer
+        registers destinations for those same ids.
 
         Takes a reference on each block until the job ends. Raises ValueError for
         an xid in progress.
         """
         job = self._new_job(
-            xid, peer, num_tokens, len(src_blocks), HeldSource(tuple(src_blocks)), on_end
+            xid, peer, token_ids, len(src_blocks), HeldSource(tuple(src_blocks)), on_end
         )
         self._run(job, job.handle(Begin(self.clock())))  # nobody else sees it yet
         try:

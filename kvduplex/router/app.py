@@ -72,6 +72,7 @@ from kvduplex.router.discovery import run_discovery
 from kvduplex.router.flows import Answer
 from kvduplex.router.health import run_prober
 from kvduplex.router.openapi import openapi_json
+from kvduplex.router.pairing import fingerprint_summary
 from kvduplex.router.policy import NoHealthyInstance
 from kvduplex.router.routing import ClientRequest
 from kvduplex.router.routing import route_request
@@ -233,14 +234,19 @@ class RouterApp:
         return await route_request(self.state, client, request, path)
 
     async def _health(self, scope: Scope, receive: Receive) -> Answer:
-        """The router is up; and each instance as its probes last saw it."""
+        """The router is up; each instance as its probes last saw it (its fingerprint's
+        digest included), and which serve the same model (`pairing.fingerprint_summary`)."""
         policy = self.state.policy
         instances = [
-            {"url": b.url, "role": role, "healthy": b.is_healthy, "engine_id": b.engine_id}
+            {"url": b.url, "role": role, "healthy": b.is_healthy, "engine_id": b.engine_id,
+             "fingerprint": b.fingerprint}
             for role, pool in (("prefill", policy.prefill), ("decode", policy.decode))
             for b in pool.backends
         ]  # fmt: skip
-        return JSONResponse({"status": "ok", "role": "router", "instances": instances})
+        return JSONResponse({
+            "status": "ok", "role": "router", "instances": instances,
+            "fingerprints": fingerprint_summary(policy),
+        })  # fmt: skip
 
     async def _ready(self, scope: Scope, receive: Receive) -> Answer:
         """200 when the router can serve: a healthy decode instance and, with prefill

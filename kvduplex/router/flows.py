@@ -405,6 +405,7 @@ async def serve_pull(state: RouterState, fwd: Forward) -> Answer:
         params = {
             "mode": "pull", "xid": xid, "prefill_url": p.url, "engine_id": ans.get("engine_id"),
             "block_ids": ans["block_ids"], "num_tokens": ans["num_tokens"],
+            "ids_digest": ans.get("ids_digest", ""),
             "lease_s": ans.get("lease_s"), "num_cached_tokens": ans.get("num_cached_tokens", 0),
             "session_id": fwd.route.session_id,
         }  # fmt: skip

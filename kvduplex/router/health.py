@@ -16,11 +16,12 @@ gets no new work at once, but its calls in flight go on (``mark_failed(...,
 is_down=False)``); it is back in rotation when a probe finds it ready again. An
 instance without /ready (404: an older build) is probed at /health instead. A 200
 also tells the instance's ``max_model_len``, which the router checks requests
-against before it dispatches them, and its KV engine id, which the router
-names to its peers in each request (``decode_engine_id`` to P, ``engine_id``
-and ``return_engine_id`` to D): a peer already connected to that engine uses
-the connection as it is, one connected to another (the instance restarted)
-handshakes afresh, and neither asks the address first. Rounds start every
+against before it dispatches them; its model fingerprint's digest, by which the
+policy pairs only P and D that serve the same model (`pairing`); and its KV engine
+id, which the router names to its peers in each request (``decode_engine_id`` to P,
+``engine_id`` and ``return_engine_id`` to D): a peer already connected to that
+engine uses the connection as it is, one connected to another (the instance
+restarted) handshakes afresh, and neither asks the address first. Rounds start every
 ``--health-interval-s``, the first at once; a round that fails unexpectedly is
 logged and the next one runs at its time (the prober ends only when cancelled).
 
@@ -134,7 +135,8 @@ def _note_draining(pool: BackendPool, b: Backend, now: float) -> None:
 
 def note_health(b: Backend, resp: WholeAnswer, now: float | None = None) -> None:
     """Keep what a good probe's body says: ``max_model_len``, ``engine_id``, ``block_size``,
-    and its pool's clock if read at router clock time `now`."""
+    its model fingerprint's digest, and its pool's clock if read at router clock time
+    `now`."""
     try:
         body = resp.json()
         if now is not None:
@@ -143,6 +145,7 @@ def note_health(b: Backend, resp: WholeAnswer, now: float | None = None) -> None
         block_size = body.get("block_size")
         if isinstance(block_size, int) and block_size > 0:
             b.block_size = block_size
+        _note_fingerprint(b, body.get("fingerprint"))
     except (ValueError, AttributeError):
         return
     if isinstance(length, int) and length > 0:
@@ -151,6 +154,21 @@ def note_health(b: Backend, resp: WholeAnswer, now: float | None = None) -> None
         if b.engine_id is not None:
             logger.warning("instance %s has a new KV engine id (restarted): %s", b.url, engine_id)
         b.engine_id = engine_id
+
+
+def _note_fingerprint(b: Backend, shown: object) -> None:
+    """Keep the digest of the fingerprint a probe showed (``fingerprint.digest``); one that
+    shows none leaves it unknown. A change is logged: the instance now pairs with others."""
+    digest = shown.get("digest") if isinstance(shown, dict) else None
+    if not isinstance(digest, str) or not digest:
+        digest = None
+    if digest != b.fingerprint:
+        if b.fingerprint is not None:
+            logger.warning(
+                "instance %s serves another model now (fingerprint %s, was %s)",
+                b.url, (digest or "none")[:16], b.fingerprint[:16],
+            )  # fmt: skip
+        b.fingerprint = digest
 
 
 async def probe_all(

@@ -21,6 +21,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvduplex.common.metrics import MetricFactory
+from kvduplex.router.pairing import ROLES
+from kvduplex.router.pairing import unpaired
 from kvduplex.router.policy import RoutingPolicy
 from kvduplex.router.sessions import SessionTable
 
@@ -60,6 +62,12 @@ class RouterMetrics:
         self.sessions = m.gauge("sessions", "Sessions the router remembers.")
         self.sessions.set_function(lambda: len(policy.sessions))
         registry.register(InstanceHealth(policy))
+        registry.register(UnpairedInstances(policy))
+        self.decode_alone_unpaired = m.counter(
+            "decode_alone_unpaired",
+            "Requests decode served alone because no healthy prefill instance serves what it "
+            "serves (model fingerprints differ), though some prefill instance was healthy.",
+        )
         self.rerouted = m.counter(
             "rerouted",
             "Requests sent to another decode instance because theirs could not be reached.",
@@ -147,6 +155,26 @@ class InstanceHealth(Collector):
         for role, pool in (("prefill", self.policy.prefill), ("decode", self.policy.decode)):
             for b in pool.backends:
                 family.add_metric([b.url, role], float(b.is_healthy))
+        yield family
+
+
+class UnpairedInstances(Collector):
+    """``kvduplex_router_unpaired_instances{role}``: healthy instances of each role that no
+    healthy instance of the other role pairs with (`pairing.unpaired`), at each scrape."""
+
+    def __init__(self, policy: RoutingPolicy) -> None:
+        self.policy = policy
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "kvduplex_router_unpaired_instances",
+            "Healthy instances that no healthy instance of the other role serves the same "
+            "model as (their fingerprints differ): an unpaired decode instance computes every "
+            "prompt itself, an unpaired prefill instance gets no work.",
+            labels=["role"],
+        )
+        for role in ROLES:
+            family.add_metric([role], float(len(unpaired(self.policy, role))))
         yield family
 
 

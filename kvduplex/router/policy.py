@@ -52,6 +52,16 @@ refuse every client until the next probe. Only healthy instances get work:
 without a healthy prefill instance, decode computes whole requests; without a
 healthy decode instance, `route` raises `NoHealthyInstance`.
 
+Pairing. A prefill and a decode instance are paired only when they serve the same
+model: equal fingerprint digests, as their probes showed them (`Backend.fingerprint`;
+an instance whose fingerprint is not known yet pairs with any, as the KV handshake
+still refuses a mismatch). Decode is chosen first, as above; prefill then among the
+instances that pair with it, by the same rules. If none does, the request goes to
+decode alone (`Route.is_unpaired`), which computes the prompt itself: slower, never
+refused. A decode instance is not chosen for its pairing: with prefill instances of
+one model and decode instances of two, the second model's decode instances serve
+their share of requests alone (`pairing` says which are unpaired).
+
 The policy is plain Python over its own counters; the flows report back
 when each call ends (`prefill_done`, `decode_done`) and whether the instance
 failed.
@@ -125,6 +135,10 @@ class Backend:
     asking the address who is there; a restart gives a new one."""
     block_size: int | None = None
     """Tokens per KV block, as its last good probe said (None: not yet known)."""
+    fingerprint: str | None = None
+    """The digest of its model fingerprint (`kvduplex.common.fingerprint`), as its last
+    good probe said (None: not yet known, or it shows none). P and D are paired only when
+    their digests are equal (`pairs_with`)."""
     kv_clock: PoolClock = field(default_factory=PoolClock, repr=False, compare=False)
     """Its pool's size and clock, as its probes and answers said (`residency`)."""
     num_failed_probes: int = 0
@@ -154,6 +168,13 @@ class Backend:
             self.watchers.pop(key, None)
 
         return unwatch
+
+
+def pairs_with(a: Backend, b: Backend) -> bool:
+    """Whether `a` and `b` may exchange KV as far as the router knows: equal fingerprint
+    digests, or either not known yet (it pairs as if it matched; the KV handshake still
+    refuses a mismatch)."""
+    return a.fingerprint is None or b.fingerprint is None or a.fingerprint == b.fingerprint
 
 
 def _no_watch() -> None:
@@ -240,13 +261,14 @@ class BackendPool:
         """Requests in flight plus recent assignments (decayed)."""
         return b.in_flight + self._recent(b, now)
 
-    def healthy(self) -> list[Backend]:
-        return [b for b in self.backends if b.is_healthy]
+    def healthy(self, peer: Backend | None = None) -> list[Backend]:
+        """The healthy instances; with `peer`, only those that pair with it (`pairs_with`)."""
+        return [b for b in self.backends if b.is_healthy and (peer is None or pairs_with(b, peer))]
 
-    def try_least_loaded(self, now: float) -> Backend | None:
-        """The healthy instance with the least load, equal loads (to 1/100) round-robin;
-        None if none is healthy."""
-        up = self.healthy()
+    def try_least_loaded(self, now: float, peer: Backend | None = None) -> Backend | None:
+        """The healthy instance (that pairs with `peer`, if given) with the least load,
+        equal loads (to 1/100) round-robin; None if none is."""
+        up = self.healthy(peer)
         if not up:
             return None
         n = len(self.backends)
@@ -256,19 +278,22 @@ class BackendPool:
         self._cursor = (self._index[best.url] + 1) % n
         return best
 
-    def try_rendezvous(self, session_id: str, busy_margin: int) -> Backend | None:
-        """The session's instance (module docstring): the first healthy instance of its
-        rendezvous rank that is not much busier than the least busy; None if none is
-        healthy."""
-        up = self.healthy()
+    def try_rendezvous(
+        self, session_id: str, busy_margin: int, peer: Backend | None = None
+    ) -> Backend | None:
+        """The session's instance (module docstring): the first healthy instance (that
+        pairs with `peer`, if given) of its rendezvous rank that is not much busier than
+        the least busy of those; None if none is healthy."""
+        up = self.healthy(peer)
         if not up:
             return None
         limit = min(b.in_flight for b in up) + busy_margin
         return next(b for b in rendezvous.rank(session_id, up, _url) if b.in_flight <= limit)
 
-    def can_keep(self, b: Backend, busy_margin: int) -> bool:
-        """Whether a session may stay on `b`: healthy, and not much busier than the least."""
-        up = self.healthy()
+    def can_keep(self, b: Backend, busy_margin: int, peer: Backend | None = None) -> bool:
+        """Whether a session may stay on `b`: healthy (and pairs with `peer`, if given), and
+        not much busier than the least of those."""
+        up = self.healthy(peer)
         return b in up and b.in_flight <= min(x.in_flight for x in up) + busy_margin
 
     def mark_failed(self, b: Backend, now: float, *, is_down: bool = True) -> None:
@@ -341,6 +366,9 @@ class Route:
     """The session's client sends answers back with their reasoning (`Session`)."""
     prefill_open: bool = True
     decode_open: bool = True
+    is_unpaired: bool = False
+    """Decode serves it alone because no healthy prefill instance serves what decode
+    serves (their fingerprints differ), not because none is healthy."""
 
 
 class RoutingPolicy:
@@ -409,12 +437,14 @@ class RoutingPolicy:
         else:
             session_id = f"s-{secrets.token_hex(16)}"
         if session_key is not None:
-            prefill = self._try_rendezvous(self.prefill, session_key, now)
             decode = self._try_rendezvous(self.decode, session_key, now)
+            assert decode is not None  # one is healthy (checked above)
+            prefill = self._try_rendezvous(self.prefill, session_key, now, decode)
         else:
-            prefill = self._try_choose(self.prefill, session.prefill_url if session else None, now)
             decode = self._try_choose(self.decode, session.decode_url if session else None, now)
-        assert decode is not None  # one is healthy (checked above)
+            assert decode is not None  # one is healthy (checked above)
+            pinned = session.prefill_url if session else None
+            prefill = self._try_choose(self.prefill, pinned, now, decode)
         reuses = session.reuses_answer(ids) if session is not None else None
         current = self.sessions.record(
             session_id, prefill.url if prefill else None, decode.url, ids, now, reuses
@@ -422,7 +452,13 @@ class RoutingPolicy:
         return Route(
             session_id, session is not None, prefill, decode, session, reuses, current.is_returning,
             is_named=session_key is not None, sends_reasoning=current.sends_reasoning,
+            is_unpaired=prefill is None and self.is_unpaired(decode),
         )  # fmt: skip
+
+    def is_unpaired(self, decode: Backend) -> bool:
+        """Whether prefill instances are healthy but none pairs with `decode` (their
+        fingerprints differ): its requests go decode-alone."""
+        return bool(self.prefill.healthy()) and not self.prefill.healthy(decode)
 
     def try_reroute(self, route: Route) -> Route | None:
         """A new route for `route`'s request after its decode instance could not be reached
@@ -434,39 +470,49 @@ class RoutingPolicy:
         if decode is None:
             return None
         prefill = route.prefill
-        if prefill is not None and prefill.is_healthy:
+        if prefill is not None and prefill.is_healthy and pairs_with(prefill, decode):
             self.prefill.assign(prefill, now)
         else:
-            prefill = self._try_choose_again(self.prefill, route, now)
+            prefill = self._try_choose_again(self.prefill, route, now, decode)
         self.sessions.move(route.session_id, prefill.url if prefill else None, decode.url)
         return Route(
             route.session_id, route.is_session_hit, prefill, decode, route.previous,
             route.reuses_answer, route.is_returning, is_named=route.is_named,
             sends_reasoning=route.sends_reasoning,
+            is_unpaired=prefill is None and self.is_unpaired(decode),
         )  # fmt: skip
 
-    def _try_choose_again(self, pool: BackendPool, route: Route, now: float) -> Backend | None:
-        """`route`'s session's choice among the healthy instances left: its rendezvous
-        choice if the client named it, else the least loaded."""
+    def _try_choose_again(
+        self, pool: BackendPool, route: Route, now: float, peer: Backend | None = None
+    ) -> Backend | None:
+        """`route`'s session's choice among the healthy instances left (that pair with
+        `peer`, if given): its rendezvous choice if the client named it, else the least
+        loaded."""
         if route.is_named:
-            return self._try_rendezvous(pool, route.session_id, now)
-        chosen = pool.try_least_loaded(now)
+            return self._try_rendezvous(pool, route.session_id, now, peer)
+        chosen = pool.try_least_loaded(now, peer)
         if chosen is not None:
             pool.assign(chosen, now)
         return chosen
 
-    def _try_rendezvous(self, pool: BackendPool, session_id: str, now: float) -> Backend | None:
-        chosen = pool.try_rendezvous(session_id, self.busy_margin)
+    def _try_rendezvous(
+        self, pool: BackendPool, session_id: str, now: float, peer: Backend | None = None
+    ) -> Backend | None:
+        chosen = pool.try_rendezvous(session_id, self.busy_margin, peer)
         if chosen is not None:
             pool.assign(chosen, now)
         return chosen
 
-    def _try_choose(self, pool: BackendPool, pinned_url: str | None, now: float) -> Backend | None:
+    def _try_choose(
+        self, pool: BackendPool, pinned_url: str | None, now: float, peer: Backend | None = None
+    ) -> Backend | None:
+        """The session's pinned instance if it may stay there (and pairs with `peer`, if
+        given), else the least loaded of those that do."""
         pinned = pool.by_url(pinned_url)
-        if pinned is not None and pool.can_keep(pinned, self.busy_margin):
+        if pinned is not None and pool.can_keep(pinned, self.busy_margin, peer):
             chosen: Backend | None = pinned
         else:
-            chosen = pool.try_least_loaded(now)
+            chosen = pool.try_least_loaded(now, peer)
         if chosen is not None:
             pool.assign(chosen, now)
         return chosen

@@ -230,6 +230,8 @@ async def _run_flow(state: RouterState, fwd: Forward) -> Answer:
     flow: Callable[[RouterState, Forward], Awaitable[Answer]]
     if route.prefill is None:
         mode, flow = "decode", serve_decode_only
+        if route.is_unpaired:
+            metrics.decode_alone_unpaired.inc()
     elif state.config.mode is TransferMode.PUSH:
         plan = turn_plan(state.config, route, len(fwd.ids))
         if plan is Plan.DECODE_LOCAL:

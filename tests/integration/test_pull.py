@@ -183,7 +183,8 @@ def test_expired_lease_is_not_read(dep: Deployment) -> None:
     ).json()
     body = _pull_body(
         prompt, xid="x-late", prefill_url=dep.prefill,
-        block_ids=ans["block_ids"], num_tokens=ans["num_tokens"], lease_s=0.01,
+        block_ids=ans["block_ids"], num_tokens=ans["num_tokens"], ids_digest=ans["ids_digest"],
+        lease_s=0.01,
     )  # fmt: skip
     _assert_falls_back(dep, prompt, body)
 

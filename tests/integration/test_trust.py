@@ -183,7 +183,8 @@ def test_push_and_pull_between_members_match_colocated(sec: Deployment) -> None:
         headers=AUTH, timeout=60,
     ).json()  # fmt: skip
     params = {"mode": "pull", "xid": "trust-pull-1", "prefill_url": sec.prefill, **{
-        k: held[k] for k in ("engine_id", "block_ids", "num_tokens", "lease_s")}}  # fmt: skip
+        k: held[k] for k in ("engine_id", "block_ids", "num_tokens", "ids_digest", "lease_s")
+    }}  # fmt: skip
     resp = httpx.post(
         sec.decode + "/v1/completions",
         json=_body(body["prompt"], kv_transfer_params=params),

@@ -53,6 +53,7 @@ from kvduplex.kvflow.flow_io import FlowIO
 from kvduplex.kvflow.flow_io import IORequest
 from kvduplex.kvflow.inbox import FlowInbox
 from kvduplex.kvflow.lease import LeaseTable
+from kvduplex.kvflow.messages import ids_digest
 from kvduplex.kvflow.pull import PullSpec
 from kvduplex.kvflow.push_decode import PushSpec
 from kvduplex.kvflow.returns import ReturnSpec
@@ -214,7 +215,7 @@ class Sim:
         self, xid: str, prompt: list[int] = PROMPT, params: SamplingParams = FIRST
     ) -> None:
         """P's prefill, its job first (as the push route's admission does)."""
-        self.pf.sender.expect(xid, self.d_peer, len(prompt))
+        self.pf.sender.expect(xid, self.d_peer, prompt)
         self.p.add_request(Request(xid, prompt, params, hold_blocks_on_finish=True))
 
     def push_decode(
@@ -261,6 +262,7 @@ class Sim:
         self.leases.start(xid)
         return PullSpec(
             xid, self.p_peer, "http://p", list(req.block_ids), req.num_prompt_tokens,
+            ids_digest(req.prompt_token_ids),
             lease_ends_at=self.clock.now + self.leases.lease_s,
             num_cached_tokens=req.num_cached_tokens, request_id=f"d-{xid}",
         )  # fmt: skip

@@ -13,6 +13,7 @@ import torch
 from kvduplex.kvflow.messages import KVCancel
 from kvduplex.kvflow.messages import KVRegister
 from kvduplex.kvflow.messages import KVWaiting
+from kvduplex.kvflow.messages import ids_digest
 from kvduplex.model.loader import LoadedModel
 from kvduplex.transport.messages import ControlMessage
 from kvduplex.transport.messages import MessageCodec
@@ -36,7 +37,7 @@ def test_a_registration_dropped_for_no_job_leaves_a_tombstone(
     come, and a job that does come late under ``ghost`` must not start."""
     s = Sim(tiny, monkeypatch, wait_s=0.3)
     sender = s.pf.sender
-    reg = KVRegister("ghost", [1, 2, 3, 4, 5], 0, len(PROMPT), 5.0, 5.0)
+    reg = KVRegister("ghost", [1, 2, 3, 4, 5], 0, len(PROMPT), 5.0, 5.0, ids_digest(PROMPT))
     _from_d(s, reg)
     s.run(lambda: sender.tables()["send_early_registrations"] == 1)  # the keeping
     s.run(lambda: sender.tables()["send_early_registrations"] == 0)  # the drop
@@ -46,7 +47,7 @@ def test_a_registration_dropped_for_no_job_leaves_a_tombstone(
     s.step()
     assert sender.tables()["send_early_registrations"] == 0
     with pytest.raises(ValueError):
-        sender.expect("ghost", s.d_peer, len(PROMPT))
+        sender.expect("ghost", s.d_peer, PROMPT)
     assert sender.num_jobs() == 0
 
 
@@ -60,7 +61,7 @@ def test_only_the_transfers_receiver_may_cancel_it(
     member = s.fabric.endpoint(torch.zeros_like(s.d.kv_pool), s.d.layout)
     s.tp.connect(member.local_metadata())  # P handshook with it: a cluster member
     to_p = member.connect(s.tp.local_metadata())
-    sender.expect("victim", s.d_peer, len(PROMPT))
+    sender.expect("victim", s.d_peer, PROMPT)
     assert sender.num_jobs() == 1
     cancel = KVCancel("victim", "not yours")
     member.send_notif(to_p, CODEC.encode(cancel), cancel.xid)

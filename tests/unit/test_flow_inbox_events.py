@@ -17,6 +17,7 @@ from kvduplex.kvflow.inbox import TransferEnded
 from kvduplex.kvflow.inbox import TransferSettled
 from kvduplex.kvflow.messages import KVCancel
 from kvduplex.kvflow.messages import KVRegister
+from kvduplex.kvflow.messages import ids_digest
 from kvduplex.kvflow.push_prefill import PushPlan
 from kvduplex.model.loader import LoadedModel
 from kvduplex.transport.messages import ControlMessage
@@ -61,7 +62,7 @@ def _inbox(log: _Log) -> FlowInbox:
 
 
 def _register(xid: str) -> KVRegister:
-    return KVRegister(xid, [1, 2], 0, 8, 5.0, 5.0)
+    return KVRegister(xid, [1, 2], 0, 8, 5.0, 5.0, ids_digest(range(8)))
 
 
 def test_the_layer_drain_applies_only_registrations_and_write_ends() -> None:

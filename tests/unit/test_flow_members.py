@@ -10,6 +10,7 @@ import torch
 
 from kvduplex.kvflow.messages import KVCancel
 from kvduplex.kvflow.messages import KVRegister
+from kvduplex.kvflow.messages import ids_digest
 from kvduplex.kvflow.send_early import EarlyRegistrations
 from kvduplex.kvflow.send_early import Registration
 from kvduplex.kvflow.send_early import Tombstones
@@ -63,9 +64,9 @@ def test_a_members_cancel_before_the_job_does_not_stop_the_push(
     assert sim.outputs["d-x1"] == _reference(tiny)
     assert sim.df.push.stats.num_received == 1 and sim.df.push.stats.num_fallbacks == 0
     refused = sim.pf.sender.stats.num_registrations_refused
-    member.tell_p(KVRegister("x2", [1, 2, 3, 4, 5], 0, len(PROMPT), 5.0, 5.0))
+    member.tell_p(KVRegister("x2", [1, 2, 3, 4, 5], 0, len(PROMPT), 5.0, 5.0, ids_digest(PROMPT)))
     member.tell_p(KVCancel("x3", "mine"))
-    member.tell_p(KVRegister("x3", [1, 2, 3, 4, 5], 0, len(PROMPT), 5.0, 5.0))
+    member.tell_p(KVRegister("x3", [1, 2, 3, 4, 5], 0, len(PROMPT), 5.0, 5.0, ids_digest(PROMPT)))
     assert sim.pf.sender.stats.num_registrations_refused == refused + 1, (
         "the member's registration of the xid it cancelled is refused"
     )
@@ -97,7 +98,7 @@ def test_a_members_registration_displaces_nobodys(
     refuses the member's."""
     sim = Sim(tiny, monkeypatch)
     member = _Member(sim)
-    forged = KVRegister("x1", [1, 2, 3, 4, 5], 0, len(PROMPT), 5.0, 5.0)
+    forged = KVRegister("x1", [1, 2, 3, 4, 5], 0, len(PROMPT), 5.0, 5.0, ids_digest(PROMPT))
     if member_first:
         member.tell_p(forged)
     _d_registers_first(sim, "x1")
@@ -114,7 +115,7 @@ def test_a_members_registration_displaces_nobodys(
 
 
 def _reg(xid: str, sender: str) -> Registration:
-    return Registration(KVRegister(xid, [1], 0, 4, 5.0, 5.0), sender, 0.0)
+    return Registration(KVRegister(xid, [1], 0, 4, 5.0, 5.0, ids_digest(range(4))), sender, 0.0)
 
 
 def test_early_registrations_are_kept_per_sender() -> None:

@@ -29,6 +29,7 @@ from kvduplex.kvflow.messages import KVCancel
 from kvduplex.kvflow.messages import KVDone
 from kvduplex.kvflow.messages import KVFailed
 from kvduplex.kvflow.messages import KVRegister
+from kvduplex.kvflow.messages import ids_digest
 from kvduplex.kvflow.return_pull import RetainSpec
 from kvduplex.model.loader import LoadedModel
 from kvduplex.transport.messages import ControlMessage
@@ -162,7 +163,7 @@ class Member:
         """One message about ``xid`` to P or D that neither should act on."""
         msgs: list[tuple[ControlMessage, bool]] = [
             (KVCancel(xid, "forged"), True),
-            (KVRegister(xid, [1, 2, 3, 4, 5], 0, len(prompt), 5.0, 5.0), True),
+            (KVRegister(xid, [1, 2, 3, 4, 5], 0, len(prompt), 5.0, 5.0, ids_digest(prompt)), True),
             (KVDone(xid, len(prompt), 7), False),
             (KVFailed(xid, "forged"), False),
         ]

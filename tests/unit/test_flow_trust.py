@@ -22,6 +22,7 @@ from kvduplex.kvflow.lease import LeaseTable
 from kvduplex.kvflow.messages import KVDone
 from kvduplex.kvflow.messages import KVOffer
 from kvduplex.kvflow.messages import KVRegister
+from kvduplex.kvflow.messages import ids_digest
 from kvduplex.model.loader import LoadedModel
 from kvduplex.transport.messages import ControlMessage
 from kvduplex.transport.messages import MessageCodec
@@ -129,7 +130,7 @@ def test_push_prefill_under_another_requests_id_is_refused(
     in_use = s.in_use(s.p)
     assert in_use > 0
     with pytest.raises(ValueError, match="in use by another request"):
-        s.pf.sender.expect("lease-1", s.d_peer, len(PROMPT))
+        s.pf.sender.expect("lease-1", s.d_peer, PROMPT)
     assert s.pf.sender.num_jobs() == 0 and s.in_use(s.p) == in_use
     # A second request under the held id: rejected, nothing aborted.
     with pytest.raises(RequestRejected, match="already in use"):
@@ -158,9 +159,9 @@ def test_transfer_ids_waited_on_are_not_taken_twice(
     receiver = s.df.receiver
     blocks = s.d.kv_manager.try_allocate_blocks(2)
     assert blocks is not None
-    ok = receiver.expect("x2", s.p_peer, blocks, 0, 2 * BS, lambda _m: None, lambda *_: None)
+    ok = receiver.expect("x2", s.p_peer, blocks, 0, list(range(2 * BS)), lambda _m: None, lambda *_: None)
     refs = s.d.block_pool.ref_count(blocks[0])
-    again = receiver.expect("x2", s.p_peer, blocks, 0, 2 * BS, lambda _m: None, lambda *_: None)
+    again = receiver.expect("x2", s.p_peer, blocks, 0, list(range(2 * BS)), lambda _m: None, lambda *_: None)
     assert s.d.block_pool.ref_count(blocks[0]) == refs, "no second reference"
     receiver.cancel("x2", "test")
     s.d.kv_manager.release_blocks(blocks)
@@ -187,7 +188,7 @@ def test_pump_drops_the_named_message_types_only(
     pump.start()
     try:
         codec = MessageCodec()
-        s.td.send_notif(s.p_peer, codec.encode(KVRegister("r", [1], 0, BS, 1.0, 1.0)), "r")
+        s.td.send_notif(s.p_peer, codec.encode(KVRegister("r", [1], 0, BS, 1.0, 1.0, ids_digest(range(BS)))), "r")
         s.td.send_notif(s.p_peer, codec.encode(KVDone("d", BS, 7, 0)), "d")
         assert arrived.wait(10), "the KVDone never came"
         assert got == ["d"]

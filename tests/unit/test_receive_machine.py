@@ -53,6 +53,7 @@ from kvduplex.kvflow.messages import KVCancel
 from kvduplex.kvflow.messages import KVDone
 from kvduplex.kvflow.messages import KVFailed
 from kvduplex.kvflow.messages import KVRegister
+from kvduplex.kvflow.messages import ids_digest
 from kvduplex.transport.protocol import PeerHandle
 
 WAIT_S = 10.0
@@ -84,7 +85,7 @@ class ReceiveMachineTest(RuleBasedStateMachine):
         self.blocks = blocks
         self.sent = sent
         self.flow_refs.update(blocks)
-        reg = KVRegister("x", blocks, 0, 4 * num_blocks, WAIT_S, WAIT_S)
+        reg = KVRegister("x", blocks, 0, 4 * num_blocks, WAIT_S, WAIT_S, ids_digest(range(4 * num_blocks)))
         peer = PeerHandle(PEER, "agent-" + PEER, None)  # type: ignore[arg-type]
         self.m = ReceiveMachine(
             "x", peer, tuple(blocks), reg, WAIT_S, QUARANTINE_S, deadline=self.now + WAIT_S,

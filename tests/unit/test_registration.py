@@ -14,6 +14,7 @@ from kvduplex.engine.request import Request
 from kvduplex.kvflow.messages import KVAliveAck
 from kvduplex.kvflow.messages import KVRegister
 from kvduplex.kvflow.messages import KVRegistered
+from kvduplex.kvflow.messages import ids_digest
 from kvduplex.model.loader import LoadedModel
 from kvduplex.transport.messages import MessageCodec
 from tests.unit.flow_common import BS
@@ -78,8 +79,8 @@ def test_a_duplicate_registration_is_acknowledged_again_and_applied_once(
     s = Sim(tiny, monkeypatch, wait_s=5.0)
     sender = s.pf.sender
     acks = s.intercept(s.td, KVRegistered)
-    sender.expect("dup", s.d_peer, len(PROMPT))
-    reg = KVRegister("dup", [1, 2, 3, 4, 5], 0, len(PROMPT), 5.0, 5.0)
+    sender.expect("dup", s.d_peer, PROMPT)
+    reg = KVRegister("dup", [1, 2, 3, 4, 5], 0, len(PROMPT), 5.0, 5.0, ids_digest(PROMPT))
     for _ in range(2):
         s.td.send_notif(s.p_peer, MessageCodec().encode(reg), "dup")
     s.run(lambda: len(acks) == 2)  # both acknowledgements
@@ -114,7 +115,7 @@ def test_a_refused_registration_makes_decode_fall_back_at_once(
     else:
         s.push_decode(xid)
         # P's job counts one block more than D's prompt: sizes differ.
-        s.pf.sender.expect(xid, s.d_peer, len(PROMPT) + BS)
+        s.pf.sender.expect(xid, s.d_peer, [*PROMPT, *range(BS)])
         s.p.add_request(Request(xid, PROMPT, FIRST, hold_blocks_on_finish=True))
         s.run(lambda: _answered(s, xid))
     assert s.outputs[f"d-{xid}"] == _reference(tiny)

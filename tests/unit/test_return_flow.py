@@ -174,13 +174,13 @@ def test_jobs_ending_while_the_sender_ticks(
     blocks = s.d.kv_manager.try_allocate_blocks(2)
     assert blocks is not None
     for i in range(2000):
-        sender.offer(f"j{i}", s.p_peer, blocks, 2 * BS)
+        sender.offer(f"j{i}", s.p_peer, blocks, list(range(2 * BS)))
         pump_tick()
         sender.decline(f"j{i}", "test")
         pump_tick()
     assert sender.num_jobs() == 0
     for i in range(200):  # never registered: the tick that ends their wait ends them all
-        sender.offer(f"k{i}", s.p_peer, blocks, 2 * BS)
+        sender.offer(f"k{i}", s.p_peer, blocks, list(range(2 * BS)))
     assert sender.num_jobs() == 200
     s.clock.now += sender.registration_wait_s + 1.0
     pump_tick()

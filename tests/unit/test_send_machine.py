@@ -58,6 +58,7 @@ from kvduplex.kvflow.machines.send import WriteSettled
 from kvduplex.kvflow.messages import KVDone
 from kvduplex.kvflow.messages import KVFailed
 from kvduplex.kvflow.messages import KVRegister
+from kvduplex.kvflow.messages import ids_digest
 from kvduplex.transport.protocol import PeerHandle
 
 BLOCK_SIZE = 4
@@ -101,7 +102,7 @@ class SendMachineTest(RuleBasedStateMachine):
         source = PrefillSource(NUM_LAYERS) if push else HeldSource(tuple(self.src))
         peer = PeerHandle(PEER, "agent-" + PEER, None)  # type: ignore[arg-type]
         self.m = SendMachine(
-            "x", peer, num_tokens, num_blocks, BLOCK_SIZE, DEADLINE_S, source,
+            "x", peer, num_tokens, ids_digest(range(num_tokens)), num_blocks, BLOCK_SIZE, DEADLINE_S, source,
             expires_at=self.now + WAIT_S,
         )  # fmt: skip
         self.feed(Begin(self.now))
@@ -153,7 +154,7 @@ class SendMachineTest(RuleBasedStateMachine):
         first = min(first_block, n)
         dst = [500 + i for i in range(first, n)]
         num_tokens = self.m.num_tokens if good_size else self.m.num_tokens + 1
-        return KVRegister("x", dst, first, num_tokens, WAIT_S, time_left)
+        return KVRegister("x", dst, first, num_tokens, WAIT_S, time_left, ids_digest(range(num_tokens)))
 
     def _progress(self, layer: int | None) -> PrefillProgress | None:
         if not self.push or not self.req_added:
@@ -343,10 +344,10 @@ def test_a_refused_teardown_is_tried_again_backing_off() -> None:
     the WRITE settles; else the job never settles and its blocks stay held."""
     now = 100.0
     peer = PeerHandle(PEER, "agent-" + PEER, None)  # type: ignore[arg-type]
-    m = SendMachine("x", peer, 8, 2, BLOCK_SIZE, DEADLINE_S, HeldSource((100, 101)),
+    m = SendMachine("x", peer, 8, ids_digest(range(8)), 2, BLOCK_SIZE, DEADLINE_S, HeldSource((100, 101)),
                     expires_at=now + WAIT_S)  # fmt: skip
     m.handle(Begin(now))
-    posted = m.handle(Registered(KVRegister("x", [500, 501], 0, 8, WAIT_S, WAIT_S), PEER, now,
+    posted = m.handle(Registered(KVRegister("x", [500, 501], 0, 8, WAIT_S, WAIT_S, ids_digest(range(8))), PEER, now,
                                  now, None))  # fmt: skip
     writes = [a for a in posted if isinstance(a, PostWrite)]
     assert writes

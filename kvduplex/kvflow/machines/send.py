@@ -222,6 +222,7 @@ class SendMachine(SendStream):
             problem = "it arrived after the receiver stopped waiting"
         if problem is not None:
             return [
+                *self._note_mismatch(msg),
                 Refuse(self.peer.engine_id, problem),
                 *self._fail(f"registration refused: {problem}"),
             ]
@@ -241,6 +242,11 @@ class SendMachine(SendStream):
         """Why our own receiver's registration cannot be served, or None."""
         if msg.num_tokens != self.num_tokens:
             return f"the receiver has {msg.num_tokens} tokens, the sender {self.num_tokens}"
+        if msg.ids_digest != self.ids_digest:
+            return (
+                f"the receiver's {msg.num_tokens} token ids are not the sender's (ids digest "
+                f"{msg.ids_digest.hex()[:16]} there, {self.ids_digest.hex()[:16]} here)"
+            )
         if not 0 <= msg.first_block <= self.num_blocks or (
             msg.first_block + len(msg.block_ids) != self.num_blocks
         ):
@@ -249,6 +255,17 @@ class SendMachine(SendStream):
                 f"of a {self.num_blocks}-block transfer"
             )
         return None
+
+    def _note_mismatch(self, msg: KVRegister) -> list[SendAction]:
+        """A registration of as many tokens as ours but other ids (another prompt under
+        this xid): counted and logged apart, since it points at a bug or a stranger, not
+        at a race. Nothing is written: the receiver computes its prompt itself."""
+        if msg.num_tokens != self.num_tokens or msg.ids_digest == self.ids_digest:
+            return []
+        return [
+            Count(SendCounter.PROMPT_MISMATCHES),
+            Log(logging.WARNING, "registration names other token ids than ours; refused"),
+        ]
 
     def _on_cancelled(self, event: Cancelled) -> list[SendAction]:
         if event.by is not None and event.by == self.peer.engine_id:

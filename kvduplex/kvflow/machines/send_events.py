@@ -231,6 +231,7 @@ class SendCounter(enum.Enum):
     TEARDOWNS = "num_teardowns"
     ALIVE_SENT = "num_alive_sent"
     WAITING_RECEIVED = "num_waiting_received"
+    PROMPT_MISMATCHES = "num_prompt_mismatches"
 
 
 @dataclass(frozen=True)

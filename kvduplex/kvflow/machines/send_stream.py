@@ -96,6 +96,8 @@ class SendStream:
     xid: str
     peer: PeerHandle
     num_tokens: int
+    ids_digest: bytes
+    """`ids_digest` of the token ids whose KV it sends: a registration must name the same."""
     num_blocks: int
     block_size: int
     deadline_s: float
