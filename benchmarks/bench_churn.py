@@ -62,7 +62,10 @@ def parse_args() -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--minutes", type=float, default=20.0, help="length of the run (default 20)")
-    ap.add_argument("--quick", action="store_true", help="2 minutes, 30 s warm-up")
+    ap.add_argument(
+        "--quick", action="store_true",
+        help="2 minutes, 30 s warm-up, churn every 20-30 s, --peer-idle-s 25",
+    )  # fmt: skip
     ap.add_argument("--warmup-s", type=float, default=120.0, help="left out of the RSS slope")
     ap.add_argument("--model", default="tiny", help="preset or local HF folder (default tiny)")
     ap.add_argument("--sessions", type=int, default=6, help="sessions at once (default 6)")
@@ -78,6 +81,7 @@ def parse_args() -> argparse.Namespace:
     args = ap.parse_args()
     if args.quick:
         args.minutes, args.warmup_s = 2.0, 30.0
+        args.churn_min_s, args.churn_max_s, args.peer_idle_s = 20.0, 30.0, 25.0
     return args
 
 
