@@ -343,6 +343,26 @@ class TransferConfig(ConfigSection):
     peer restarted at the same address is handshaken afresh at its first use after this. A
     peer that does not answer the check within 0.5 s is kept (the transfers' deadlines
     cover it)."""
+    peer_idle_s: float = 600.0
+    """How long a peer (an instance this one exchanged KV with) may go unused, with no
+    transfer with it in flight, before it is forgotten: its NIXL agent removed, its
+    prepared descriptors released, its entry dropped (0: never for idleness). A peer
+    whose address refuses the handshake, or a transfer or notification to which failed,
+    is forgotten as soon as nothing with it is in flight. A forgotten peer that comes
+    back is handshaken afresh. Bounds the memory of a long-lived instance in a cluster
+    whose pods come and go. Must outlast every flow's wait: more than kv_wait_timeout_s
+    and than twice transfer_timeout_s plus 1 s (a receiver's quarantine)."""
+
+    @model_validator(mode="after")
+    def _check_peer_idle(self) -> TransferConfig:
+        floor = max(self.kv_wait_timeout_s, 2 * self.transfer_timeout_s + 1)
+        if self.peer_idle_s < 0 or (self.peer_idle_s != 0 and self.peer_idle_s <= floor):
+            raise ValueError(
+                f"peer_idle_s must be 0 (never) or > {floor:g} s (kv_wait_timeout_s and twice "
+                f"transfer_timeout_s plus 1 s, the longest a flow waits on a peer unheard), "
+                f"got {self.peer_idle_s:g}; raise it or lower those"
+            )
+        return self
 
     @field_validator("peer_recheck_s")
     @classmethod

@@ -172,6 +172,19 @@ class InstanceState:
     `asyncio.to_thread` (peer lookups of the KV routes use those)."""
     drain: DrainState = field(default_factory=DrainState)
     """Readiness and the graceful drain on SIGTERM (`kvduplex.common.drain`)."""
+    health_checks: list[Callable[[], str | None]] = field(default_factory=list)
+    """Parts besides the engine that the instance cannot serve without (its KV
+    notification pump): each returns why it is broken, or None; /health and /ready
+    answer 503 with the first reason."""
+
+    def problem(self) -> str | None:
+        """Why the instance cannot serve (its engine's problem first), or None."""
+        problem = self.engine.problem()
+        for check in self.health_checks:
+            if problem is not None:
+                break
+            problem = check()
+        return problem
 
     @property
     def tokenizer(self) -> Any:
@@ -303,8 +316,9 @@ def _add_health(app: FastAPI, state: InstanceState) -> None:
     @app.get("/health")
     async def health(raw: Request) -> JSONResponse:
         """200 while the engine loop runs and makes progress; 503 with the reason when it
-        ended or is stalled past its limit (``--engine-stall-timeout-s``)."""
-        problem = state.engine.problem()
+        ended or is stalled past its limit (``--engine-stall-timeout-s``), or a part the
+        instance needs stopped (`InstanceState.health_checks`: its KV notification pump)."""
+        problem = state.problem()
         if problem is None:
             return JSONResponse(state.health(state.is_member(raw)))
         body = {"status": "unavailable", "role": state.role, "reason": problem}
@@ -314,8 +328,9 @@ def _add_health(app: FastAPI, state: InstanceState) -> None:
     async def ready(raw: Request) -> JSONResponse:
         """Readiness: 200 (/health's body, ``status: ready``) while the engine is healthy
         and the instance takes new work; 503 ``draining`` after SIGTERM, or
-        ``unavailable`` with the reason when the engine is not healthy."""
-        problem = state.engine.problem()
+        ``unavailable`` with the reason when the engine (or a part in
+        `InstanceState.health_checks`) is not healthy."""
+        problem = state.problem()
         if problem is not None:
             body = {"status": "unavailable", "role": state.role, "reason": problem}
             return JSONResponse(body, status_code=503)

@@ -39,6 +39,7 @@ from kvduplex.instance.config import ServerConfig
 
 if TYPE_CHECKING:
     from kvduplex.transport.notify import MessageFilter
+    from kvduplex.transport.notify import NotificationPump
 
 logger = logging.getLogger(__name__)
 
@@ -181,9 +182,12 @@ def _role_routers(
     metrics = KVFlowMetrics(state.registry)
     verifier = None if secret is None else PeerVerifier(secret)
     directory = PeerDirectory(
-        transport, secret=secret, recheck_s=cfg.peer_recheck_s, verifier=verifier
-    )
+        transport, secret=secret, recheck_s=cfg.peer_recheck_s, verifier=verifier,
+        idle_s=cfg.peer_idle_s or None,
+    )  # fmt: skip
     pump = NotificationPump(transport, accept=message_filter)
+    pump.every_tick(directory.tick)  # forgets peers that left (`PeerDirectory.sweep`)
+    watch_pump(state, pump)
     # Quarantine: a sender settles a failed WRITE within one transfer deadline after it
     # failed (tearing its endpoint down if it must), and a WRITE fails at most one
     # deadline after it was posted: two deadlines and a second cover both.
@@ -217,6 +221,12 @@ def _role_routers(
     pump.start()
     instance.closers += [pump.close, transport.close]
     return routers
+
+
+def watch_pump(state: InstanceState, pump: NotificationPump) -> None:
+    """Make /health and /ready answer 503 once ``pump`` stopped on its own: the instance
+    no longer hears its peers' KV notifications (registrations, ends of transfers)."""
+    state.health_checks.append(pump.problem)
 
 
 def serve(

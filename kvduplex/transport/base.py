@@ -51,6 +51,7 @@ from kvduplex.transport.messages import HANDSHAKE_VERSION
 from kvduplex.transport.messages import HandshakeInfo
 from kvduplex.transport.messages import NotifRefusal
 from kvduplex.transport.metrics import TransferMetrics
+from kvduplex.transport.peer_usage import PeerUsage
 from kvduplex.transport.protocol import ALL_KINDS
 from kvduplex.transport.protocol import FailureKind
 from kvduplex.transport.protocol import IncompatibleLayoutError
@@ -205,6 +206,8 @@ class Transport(abc.ABC):
         connect to it before it is refused."""
         self.max_held_notifs = 256
         """Held notifications at most; beyond, the oldest is refused."""
+        self.peer_usage = PeerUsage()
+        """Each peer's last use, unsettled transfers and failures (`PeerDirectory.sweep`)."""
 
     @property
     def layout(self) -> KVCacheLayout:
@@ -249,6 +252,12 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def is_connected(self, engine_id: str) -> bool:
         """Whether a peer with this engine id is connected (not disconnected since)."""
+
+    def num_peers(self) -> int:
+        """Peers this transport holds state for (connected ones; a backend adds those it
+        could not tear down yet)."""
+        with self._lock:
+            return len(self._agents)
 
     # -- transfers ----------------------------------------------------------------
 
@@ -369,6 +378,7 @@ class Transport(abc.ABC):
                     refused.append((inc, NotifRefusal.FORGED_SENDER))
                 else:
                     self._notifs.append(Notification(engine_id, inc.xid, inc.payload))
+                    self.peer_usage.used(engine_id)
                     accepted += 1
             if accepted:
                 self._notif_cv.notify_all()
@@ -380,6 +390,7 @@ class Transport(abc.ABC):
     def _peer_connected(self, peer: PeerHandle) -> None:
         """Backends call this once ``peer`` is connected: notifications its agent delivers
         are now the peer's; those held for that agent are checked and queued."""
+        self.peer_usage.connected(peer.engine_id)
         refused: list[tuple[Incoming, NotifRefusal]] = []
         accepted = 0
         with self._notif_cv:
@@ -406,6 +417,7 @@ class Transport(abc.ABC):
         with self._lock:
             if self._agents.get(peer.agent_name) == peer.engine_id:
                 del self._agents[peer.agent_name]
+        self.peer_usage.disconnected(peer.engine_id)
 
     def _hold(self, inc: Incoming, now: float) -> list[tuple[Incoming, NotifRefusal]]:
         """Keep a notification from an unknown agent a while (call with ``_lock`` held);
@@ -500,6 +512,7 @@ class Transport(abc.ABC):
             deadline_s=deadline,
         )
         self._touch()
+        self.peer_usage.posted(handle)  # unsettled until it settles: never torn down idly
         t0 = time.perf_counter()
         try:
             self._post(Post(peer, handle, local, remote, notif))
@@ -539,6 +552,8 @@ class Transport(abc.ABC):
             )  # fmt: skip
         else:
             self.metrics.on_failed(handle.op, failure or FailureKind.PEER)
+            if failure in (FailureKind.PEER, FailureKind.POST, None):
+                self.peer_usage.failed(handle.peer_engine_id, reason or "transfer failed")
             logger.warning(
                 "xid=%s %s to %s failed: %s%s",
                 handle.xid,

@@ -23,6 +23,16 @@ nothing meant for the old engine reaches the new one) and connects the new one::
                        │ another one              (a due check with no answer
                        ▼                           keeps the cached peer)
               disconnect(old) ─► connect(new) ───────────────────────► PeerHandle
+
+Peers that leave are forgotten (`PeerDirectory.sweep`, run by the instance's
+notification pump): one whose address refused the handshake, one a transfer or
+notification to which failed, one unused for ``idle_s``, each once no transfer
+with it is unsettled (`kvduplex.transport.peer_usage`), and one a flow already
+tore down. Forgetting disconnects it (its agent removed, its prepared descriptor
+list released) and drops its entry; a peer that comes back is handshaken afresh.
+The engine ids of the last `REMEMBERED` forgotten peers keep their URL, so that a
+flow may still reconnect to one by engine id (`reconnect`) and ask whether it is
+gone (`is_gone`).
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 
 import httpx
 import msgspec
@@ -43,12 +54,21 @@ from kvduplex.transport.messages import HandshakeInfo
 from kvduplex.transport.messages import decode_handshake
 from kvduplex.transport.messages import encode_handshake
 from kvduplex.transport.peer_trust import PeerVerifier
+from kvduplex.transport.peer_usage import ForgetReason
+from kvduplex.transport.peer_usage import remember_last
+from kvduplex.transport.peer_usage import why_forget
 from kvduplex.transport.protocol import PeerHandle
 from kvduplex.transport.protocol import PeerUnavailableError
 
 logger = logging.getLogger(__name__)
 
 HANDSHAKE_PATH = "/internal/kv/handshake"
+REMEMBERED = 1024
+"""Forgotten and replaced engine ids whose URL the directory keeps (the latest ones)."""
+
+
+class HandshakeRefused(PeerUnavailableError):
+    """The address answered the handshake with a refusal (HTTP 401: no member)."""
 
 
 def make_handshake_router(transport: Transport) -> APIRouter:
@@ -86,7 +106,7 @@ def fetch_handshake(
             f"handshake with {base_url} failed: {type(exc).__name__}: {exc}"
         ) from exc
     if resp.status_code == 401:
-        raise PeerUnavailableError(
+        raise HandshakeRefused(
             f"handshake with {base_url} refused (HTTP 401): give both instances the same "
             "cluster secret (KVDUPLEX_CLUSTER_SECRET or --cluster-secret-file)"
         )
@@ -119,11 +139,16 @@ class PeerDirectory:
         recheck_s: float | None = None,
         recheck_timeout_s: float = 0.5,
         verifier: PeerVerifier | None = None,
+        idle_s: float | None = None,
+        sweep_interval_s: float = 1.0,
     ) -> None:
         """``recheck_s``: how long a cached peer is used without checking the engine id
         at its URL again (None: until told otherwise); ``recheck_timeout_s``: how long
         such a check waits for an answer before keeping the cached peer. ``verifier``:
-        the proofs of peers (None with a ``secret``: one of the directory's own)."""
+        the proofs of peers (None with a ``secret``: one of the directory's own).
+        ``idle_s``: how long a peer with nothing in flight stays unused before `sweep`
+        forgets it (None: never for idleness); ``sweep_interval_s``: how often `tick`
+        sweeps at most."""
         self.transport = transport
         self.timeout_s = timeout_s
         self.recheck_s = recheck_s
@@ -136,10 +161,18 @@ class PeerDirectory:
         self._lock = threading.Lock()
         self._peers: dict[str, PeerHandle] = {}
         self._checked_at: dict[str, float] = {}  # url -> when its engine id was last seen
-        self._replaced: set[str] = set()
+        self.idle_s = idle_s
+        self.sweep_interval_s = sweep_interval_s
+        self._swept_at = 0.0
+        self._replaced: OrderedDict[str, None] = OrderedDict()
         """Engine ids another engine took the URL of: their processes no longer listen
-        there, so they are gone (`is_gone`); one id a restart, never pruned: a
-        receiver may ask about a replaced sender for as long as its quarantine lasts."""
+        there, so they are gone (`is_gone`); the latest `REMEMBERED` (a receiver asks
+        about a replaced sender only while its quarantine lasts)."""
+        self._refused: set[str] = set()
+        """URLs of cached peers whose handshake was refused since: `sweep` forgets them."""
+        self._forgotten: OrderedDict[str, str] = OrderedDict()
+        """Engine id -> URL of the latest `REMEMBERED` forgotten peers (`url_of`)."""
+        self.num_forgotten = 0
 
     @staticmethod
     def _key(url: str) -> str:
@@ -198,6 +231,10 @@ class PeerDirectory:
         except PeerUnavailableError as exc:
             if self._verifier is not None and isinstance(exc.__cause__, httpx.TransportError):
                 self._verifier.forget(key)
+            if is_refusal(exc):
+                with self._lock:
+                    if key in self._peers:
+                        self._refused.add(key)
             raise
 
     def _adopt(self, key: str, info: HandshakeInfo) -> PeerHandle:
@@ -210,7 +247,7 @@ class PeerDirectory:
                     "peer at %s restarted: engine %s -> %s; re-handshaking",
                     key, cached.engine_id, info.engine_id,
                 )  # fmt: skip
-                self._replaced.add(cached.engine_id)
+                remember_last(self._replaced, cached.engine_id, None, REMEMBERED)
                 if self.transport.is_connected(cached.engine_id):
                     self.transport.disconnect(cached)
                 del self._peers[key]
@@ -218,25 +255,81 @@ class PeerDirectory:
             if cached is not None and not self.transport.is_connected(cached.engine_id):
                 del self._peers[key]
                 cached = None
+            self._refused.discard(key)  # it answered
             if cached is not None:
                 return cached
             peer = self.transport.connect(info)
             self._peers[key] = peer
+        self._publish()
         return peer
 
     def forget(self, url: str) -> None:
-        """Disconnect and drop the peer at ``url`` (no-op if unknown)."""
+        """Disconnect and drop the peer at ``url`` at once, in flight or not (no-op if
+        unknown): its transfers in flight fail."""
+        key = self._key(url)
         with self._lock:
-            peer = self._peers.pop(self._key(url), None)
-            self._checked_at.pop(self._key(url), None)
+            peer = self._peers.get(key)
+            if peer is not None:
+                self._drop(key, peer)
         if peer is not None:
             self.transport.disconnect(peer)
+        self._publish()
+
+    def tick(self, now: float) -> None:
+        """`sweep`, at most every ``sweep_interval_s`` (a notification pump's tick)."""
+        if now - self._swept_at >= self.sweep_interval_s:
+            self._swept_at = now
+            self.sweep(now)
+
+    def sweep(self, now: float | None = None) -> int:
+        """Forget the peers that left (see the module docstring); returns how many.
+
+        A peer with a transfer that is not settled stays: it is forgotten at a later
+        sweep, once nothing with it can land any more."""
+        now = time.monotonic() if now is None else now
+        gone: list[tuple[str, PeerHandle, ForgetReason]] = []
+        with self._lock:
+            for key, peer in list(self._peers.items()):
+                if not self.transport.is_connected(peer.engine_id):
+                    reason: ForgetReason | None = ForgetReason.TORN_DOWN
+                else:
+                    use = self.transport.peer_usage.get(peer.engine_id)
+                    reason = why_forget(use, key in self._refused, self.idle_s, now)
+                if reason is not None:
+                    self._drop(key, peer)
+                    gone.append((key, peer, reason))
+            self._refused &= self._peers.keys()
+            for key in self._checked_at.keys() - self._peers.keys():
+                del self._checked_at[key]
+            for _, peer, _ in gone:  # under the lock, as `_adopt` does: never beside a connect
+                self.transport.disconnect(peer)
+        for key, peer, reason in gone:
+            if self._verifier is not None:
+                self._verifier.drop(key)
+            self.transport.metrics.on_peer_forgotten(reason)
+            logger.info("forgot peer %s at %s (%s)", peer.engine_id, key, reason.value)
+        self._publish()
+        return len(gone)
+
+    def _drop(self, key: str, peer: PeerHandle) -> None:
+        """Drop the entry of ``peer`` at ``key``, keeping its URL by engine id (``_lock`` held)."""
+        del self._peers[key]
+        self._checked_at.pop(key, None)
+        self._refused.discard(key)
+        remember_last(self._forgotten, peer.engine_id, key, REMEMBERED)
+        self.num_forgotten += 1
+
+    def _publish(self) -> None:
+        """The peer tables' sizes, to the transport's metrics."""
+        with self._lock:
+            num = len(self._peers)
+        self.transport.metrics.on_peers(self.transport.num_peers(), num)
 
     def reconnect(self, engine_id: str) -> PeerHandle | None:
         """The peer with this engine id, connected afresh if a flow tore its endpoint
         down (blocking: a handshake over HTTP); None if its URL is unknown, it cannot be
         reached, or another engine answers there now."""
-        url = self.url_of(engine_id)
+        url = self.url_of(engine_id, forgotten=True)
         if url is None:
             return None
         try:
@@ -259,7 +352,7 @@ class PeerDirectory:
         with self._lock:
             if engine_id in self._replaced:
                 return True
-        url = self.url_of(engine_id)
+        url = self.url_of(engine_id, forgotten=True)
         if url is None:
             return False
         try:
@@ -268,18 +361,25 @@ class PeerDirectory:
             info = fetch_handshake(url, self.timeout_s, None, self._secret)
         except PeerUnavailableError as exc:
             cause = exc.__cause__
-            if isinstance(cause, Refused):  # whoever holds the address is no member
-                return True
-            return isinstance(cause, httpx.ConnectError) and "refused" in str(cause).lower()
-        return info.engine_id != engine_id
+            gone = isinstance(cause, Refused) or (  # Refused: whoever holds it is no member
+                isinstance(cause, httpx.ConnectError) and "refused" in str(cause).lower()
+            )
+        else:
+            gone = info.engine_id != engine_id
+        if gone:
+            with self._lock:
+                cached = self._peers.get(url)
+                if cached is not None and cached.engine_id == engine_id:
+                    self._refused.add(url)  # `sweep` forgets it
+        return gone
 
-    def url_of(self, engine_id: str) -> str | None:
-        """The URL of a connected engine, or None."""
+    def url_of(self, engine_id: str, *, forgotten: bool = False) -> str | None:
+        """The URL of a connected engine (``forgotten``: or of one forgotten lately), or None."""
         with self._lock:
             for url, peer in self._peers.items():
                 if peer.engine_id == engine_id:
                     return url
-        return None
+            return self._forgotten.get(engine_id) if forgotten else None
 
     def peer_by_engine(self, engine_id: str) -> PeerHandle | None:
         """The connected peer with this engine id, or None."""
@@ -294,4 +394,13 @@ class PeerDirectory:
             return dict(self._peers)
 
 
-__all__ = ["HANDSHAKE_PATH", "PeerDirectory", "fetch_handshake", "make_handshake_router"]
+def is_refusal(exc: PeerUnavailableError) -> bool:
+    """Whether a failed handshake says that the peer left its address: nothing listens
+    there (connection refused, unreachable), or whoever does is no member."""
+    return isinstance(exc, HandshakeRefused) or isinstance(exc.__cause__, Refused | httpx.ConnectError)
+
+
+__all__ = [
+    "HANDSHAKE_PATH", "HandshakeRefused", "PeerDirectory", "fetch_handshake", "is_refusal",
+    "make_handshake_router",
+]  # fmt: skip

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from kvduplex.common.metrics import MetricFactory
 from kvduplex.transport.messages import NotifRefusal
+from kvduplex.transport.peer_usage import ForgetReason
 from kvduplex.transport.protocol import FailureKind
 from kvduplex.transport.protocol import TransferHandle
 from kvduplex.transport.protocol import TransferOp
@@ -82,6 +83,20 @@ class TransferMetrics:
             ["reason"],
         )
 
+        self.peers = m.gauge(
+            "peers",
+            "Peers held, by table: the transport's (connected, each with a loaded agent and a "
+            "prepared descriptor list) and the peer directory's (by URL).",
+            ["table"],
+        )
+        self.peers_forgotten_total = m.counter(
+            "peers_forgotten",
+            "Peers forgotten (agent removed, descriptors released, directory entry dropped), "
+            "by reason: refused (handshake refused), failed (a transfer or notification to it "
+            "failed), idle (unused past --peer-idle-s), torn_down (a flow had torn it down).",
+            ["reason"],
+        )
+
     @classmethod
     def default(cls) -> TransferMetrics:
         """The process-wide set on prometheus_client's default registry."""
@@ -107,6 +122,13 @@ class TransferMetrics:
 
     def on_notification_refused(self, reason: NotifRefusal) -> None:
         self.notifications_refused_total.labels(reason.value).inc()
+
+    def on_peers(self, num_transport: int, num_directory: int) -> None:
+        self.peers.labels("transport").set(num_transport)
+        self.peers.labels("directory").set(num_directory)
+
+    def on_peer_forgotten(self, reason: ForgetReason) -> None:
+        self.peers_forgotten_total.labels(reason.value).inc()
 
 
 _DEFAULT = TransferMetrics(REGISTRY)

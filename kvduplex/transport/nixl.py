@@ -247,6 +247,10 @@ class NixlTransport(Transport):
         with self._lock:
             return engine_id in self._peers
 
+    def num_peers(self) -> int:
+        with self._lock:
+            return len(self._peers) + len(self._not_torn_down)
+
     def disconnect(self, peer: PeerHandle) -> None:
         with self._conn_lock:
             with self._lock:
@@ -305,10 +309,12 @@ class NixlTransport(Transport):
         try:
             self._agent.send_notif(p.handle.agent_name, msg)
         except Exception as exc:
+            self.peer_usage.failed(peer.engine_id, f"notification failed: {exc}")
             raise PeerUnavailableError(
                 f"xid={xid}: notification to {peer.engine_id} failed: {exc}"
             ) from exc
         self.metrics.on_notification("sent")
+        self.peer_usage.used(peer.engine_id)
         self._touch()
         self._wake.set()
 

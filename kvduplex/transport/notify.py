@@ -14,6 +14,10 @@ more, and an idle instance wakes once a second instead of twenty times::
 
     activity ─┬─ tick_s ticks ... hot_s ... ─┬─ idle_tick_s ticks ...
 
+If the pump thread ends on its own (its transport failed under it, or an error
+nothing caught), the instance can no longer hear its peers: `problem` says so
+and why, and the instance's /health and /ready answer 503 with it.
+
 An optional `MessageFilter`, passed at construction, sees every decoded
 message before its handler and may drop it (fault tests drop a message type
 this way, as if the network had lost it); the default dispatches everything.
@@ -83,7 +87,9 @@ class NotificationPump:
         self._ticks: list[Tick] = []
         self._codec: MessageCodec | None = None
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kv-notify", daemon=True)
+        self._death: str | None = None
+        """Why the thread ended on its own, or None."""
+        self._thread = threading.Thread(target=self._run_guarded, name="kv-notify", daemon=True)
 
     def on(self, msg_type: type[ControlMessage], handler: Handler) -> None:
         """Route messages of `msg_type` to `handler`; register before `start`."""
@@ -102,6 +108,31 @@ class NotificationPump:
         if self._thread.is_alive():
             self._thread.join(timeout=2.0)
 
+    def problem(self) -> str | None:
+        """Why the pump no longer delivers notifications although nobody closed it, or
+        None (not started, running, or closed)."""
+        if self._stop.is_set() or self._thread.ident is None or self._thread.is_alive():
+            return None
+        return f"KV notification pump stopped: {self._death or 'its thread ended'}"
+
+    def wait_stopped(self, timeout: float | None = None) -> bool:
+        """Block until the pump thread ended (closed or dead) or ``timeout`` passed;
+        whether it ended."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def _run_guarded(self) -> None:
+        """`_run`, recording why it ended if nobody asked it to."""
+        try:
+            self._run()
+        except BaseException as exc:
+            self._death = f"{type(exc).__name__}: {exc}"
+            logger.exception("the KV notification pump died; this instance no longer hears "
+                             "its peers' KV notifications")  # fmt: skip
+            return
+        if not self._stop.is_set() and self._death is None:
+            self._death = "its thread ended"
+
     def _period(self, now: float) -> float:
         """Seconds between ticks now: short while the transport was recently active."""
         return self.tick_s if now - self.transport.last_activity < self.hot_s else self.idle_tick_s
@@ -114,8 +145,9 @@ class NotificationPump:
             next_tick = min(next_tick, now + self._period(now))
             try:
                 notifs = self.transport.poll_notifs(timeout=max(0.0, next_tick - now))
-            except Exception:  # transport closed under us
+            except Exception as exc:  # transport closed under us
                 logger.exception("polling notifications failed; the pump stops")
+                self._death = f"polling notifications failed: {type(exc).__name__}: {exc}"
                 return
             self.num_wakeups += 1
             for n in notifs:

@@ -93,6 +93,12 @@ class PeerVerifier:
         with self._lock:
             self._proved_at.pop(url.rstrip("/"), None)
 
+    def drop(self, url: str) -> None:
+        """Forget all about the peer at `url` (it left): its proof and its logged refusal."""
+        with self._lock:
+            self._proved_at.pop(url.rstrip("/"), None)
+            self._refused.discard(url.rstrip("/"))
+
     def _exchange(self, url: str, timeout_s: float) -> None:
         ex = Exchange(self._secret, url)
         status, body = self._post(url + CHALLENGE_PATH, ex.challenge(), timeout_s)

@@ -373,7 +373,9 @@ class InProcessTransport(Transport):
     def send_notif(self, peer: PeerHandle, payload: bytes, xid: str | None = None) -> None:
         target = self._target(peer)
         if target is None:
+            self.peer_usage.failed(peer.engine_id, "peer is gone")
             raise PeerUnavailableError(f"xid={xid}: peer {peer.engine_id} is gone")
+        self.peer_usage.used(peer.engine_id)
         self._touch()
         self._send(target, xid, payload)
 

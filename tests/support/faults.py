@@ -10,6 +10,8 @@ Each fault is an object of one of the seams an instance takes at construction:
 * `DropMessages` (a `MessageFilter`): the notification pump drops the named
   control message types (``kv_register``, ``kv_offer``, ``kv_done``, ...) on
   arrival, as if the network had lost every one.
+* `BreakPump` (a `MessageFilter`): the notification pump's thread dies on the
+  arrival of a named control message type, as on an error nothing caught there.
 * `StallWhileFileExists` (a `LoopGate`): the engine loop stops at the start of
   its next iteration while a file exists, as in a step that never ends.
 
@@ -37,6 +39,7 @@ from kvduplex.instance.server import InstanceParts
 from kvduplex.kvflow import messages as _flow_messages  # noqa: F401  (defines the flows' types)
 from kvduplex.transport.messages import ControlMessage
 from kvduplex.transport.messages import MessageCodec
+from kvduplex.transport.notify import MessageFilter
 from kvduplex.transport.notify import message_type
 from kvduplex.transport.notify import message_type_of
 
@@ -94,6 +97,31 @@ class DropMessages:
         return False
 
 
+class PumpBroken(RuntimeError):
+    """What `BreakPump` raises on the notification pump's thread."""
+
+
+@dataclass(frozen=True)
+class BreakPump:
+    """A `MessageFilter` that raises `PumpBroken` on a message of `types` (type tags),
+    killing the pump thread that called it; others pass on to `then` (None: all pass)."""
+
+    types: frozenset[str]
+    then: DropMessages | None = None
+
+    def __post_init__(self) -> None:
+        unknown = self.types - set(known_message_types())
+        if unknown:
+            raise ValueError(f"no control message has the type {sorted(unknown)}")
+
+    def __call__(self, msg: ControlMessage, sender: str) -> bool:
+        if message_type(msg) in self.types:
+            logger.warning("fault: the notification pump breaks on %s (xid=%s)",
+                           message_type(msg), msg.xid)  # fmt: skip
+            raise PumpBroken(f"fault: {message_type(msg)} from {sender} breaks the pump")
+        return self.then is None or self.then(msg, sender)
+
+
 @dataclass(frozen=True)
 class StallWhileFileExists:
     """A `LoopGate`: the loop stops while a file exists at `path` (it looks every
@@ -121,11 +149,16 @@ class Faults:
     """While a file exists here, its engine loop stops."""
     scripted_output: str | None = None
     """The text its engine writes, whatever the model would."""
+    break_pump_on: frozenset[str] = frozenset()
+    """Control message types on whose arrival its notification pump's thread dies."""
 
     @property
     def is_empty(self) -> bool:
         """No fault: the instance runs as ``kvduplex serve``'s does."""
-        return not self.drop_messages and self.stall_file is None and self.scripted_output is None
+        return (
+            not self.drop_messages and self.stall_file is None and self.scripted_output is None
+            and not self.break_pump_on
+        )  # fmt: skip
 
     def parts(self, model: str) -> InstanceParts:
         """The instance parts that inject these faults into an instance of `model`.
@@ -137,8 +170,12 @@ class Faults:
                 else ScriptedOutput.of_text(self.scripted_output, model)
             ),
             loop_gate=None if self.stall_file is None else StallWhileFileExists(self.stall_file),
-            message_filter=DropMessages(self.drop_messages) if self.drop_messages else None,
+            message_filter=self._message_filter(),
         )
+
+    def _message_filter(self) -> MessageFilter | None:
+        drop = DropMessages(self.drop_messages) if self.drop_messages else None
+        return BreakPump(self.break_pump_on, drop) if self.break_pump_on else drop
 
     def flags(self) -> list[str]:
         """These faults as the launcher's flags (`from_args` reads them back); ``--flag=value``,
@@ -150,6 +187,8 @@ class Faults:
             out.append(f"--stall-file={self.stall_file}")
         if self.scripted_output is not None:
             out.append(f"--scripted-output={self.scripted_output}")
+        if self.break_pump_on:
+            out.append(f"--break-pump-on={','.join(sorted(self.break_pump_on))}")
         return out
 
     @staticmethod
@@ -165,6 +204,10 @@ class Faults:
         parser.add_argument(
             "--scripted-output", default=None, metavar="TEXT", help="the text the engine writes"
         )
+        parser.add_argument(
+            "--break-pump-on", default="", metavar="TYPE[,TYPE...]",
+            help="control message types on whose arrival the notification pump's thread dies",
+        )  # fmt: skip
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Faults:
@@ -173,6 +216,7 @@ class Faults:
             drop_messages=frozenset(_split(args.drop_messages)),
             stall_file=None if args.stall_file is None else Path(args.stall_file),
             scripted_output=args.scripted_output,
+            break_pump_on=frozenset(_split(args.break_pump_on)),
         )
 
 

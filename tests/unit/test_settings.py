@@ -380,3 +380,12 @@ def test_a_port_in_the_environment_is_not_read(monkeypatch: pytest.MonkeyPatch) 
     args = parse_args(["serve", "--model", "tiny"])
     assert isinstance(args, ServeSettings)
     assert args.port != 9000
+
+
+def test_peer_idle_s_must_outlast_the_flows_waits() -> None:
+    assert parse_args(["serve", "--peer-idle-s", "0"]).peer_idle_s == 0  # never for idleness
+    assert parse_args(["serve", "--peer-idle-s", "45"]).engine_config().transfer.peer_idle_s == 45
+    with pytest.raises(ConfigError, match=r"peer_idle_s must be 0 \(never\) or > 21 s"):
+        parse_args(["serve", "--peer-idle-s", "20"])
+    args = ["serve", "--peer-idle-s", "20", "--transfer-timeout-s", "5", "--kv-wait-timeout-s", "5"]
+    assert parse_args(args).peer_idle_s == 20
