@@ -63,6 +63,17 @@ class KVTierKind(enum.StrEnum):
     """One preallocated file under kv_tier_path (a local SSD): the tier of CPU instances."""
 
 
+class EvictionPolicy(enum.StrEnum):
+    """Which unreferenced cached block the KV pool evicts first (``--eviction``)."""
+
+    LRU = enum.auto()
+    """The least recently released, whatever it holds."""
+    SESSION = enum.auto()
+    """By session value: blocks of requests without a session first, then those of
+    sessions idle longer than session_idle_s, then the rest (a fresh duplex return last);
+    least recently released first within each (`kvduplex.engine.eviction`)."""
+
+
 def _at_least(name: str, value: int | float, low: int | float, note: str = "") -> None:
     if value < low:
         raise ValueError(f"{name} must be >= {low}{note}, got {value}")
@@ -96,6 +107,15 @@ class CacheConfig(ConfigSection):
     """Directory of the file tier's file, on local storage (empty: the system's temporary
     directory). The file has no name (removed as soon as it is open), so it never outlives
     the instance and no two instances share one; its contents do not survive a restart."""
+    eviction: EvictionPolicy = EvictionPolicy.SESSION
+    """Which cached blocks the pool evicts first when it needs room: session (blocks of
+    requests without a session first, then those of sessions idle longer than
+    session_idle_s, then the rest, a fresh duplex return last) or lru (least recently
+    released first, whatever they hold)."""
+    session_idle_s: float = 180.0
+    """With eviction session: seconds after its last request or released block on this
+    instance when a session counts as finished (the longest expected think time
+    between turns); its cached blocks then go before those of live sessions."""
 
     @field_validator("block_size")
     @classmethod
@@ -114,6 +134,12 @@ class CacheConfig(ConfigSection):
     @classmethod
     def _check_tier_blocks(cls, value: int) -> int:
         _at_least("kv_tier_blocks", value, 0, " (0 = size from kv_tier_gib)")
+        return value
+
+    @field_validator("session_idle_s")
+    @classmethod
+    def _check_session_idle(cls, value: float) -> float:
+        _positive("session_idle_s", value)
         return value
 
     @model_validator(mode="after")
