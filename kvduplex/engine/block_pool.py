@@ -4,7 +4,7 @@ Every block is in exactly one of three states::
 
     FREE    ref 0, no key               in `_free` (FIFO)
     IN USE  ref > 0, with or without key
-    CACHED  ref 0, with key             in `_evictor` (its eviction order)
+    CACHED  ref 0, with key             in `evictor` (its eviction order)
 
     FREE ──try_allocate──► IN USE ──release (ref→0, no key)──► FREE
                              │  ▲
@@ -369,9 +369,7 @@ class BlockPool:
             )
         return problems
 
-    def _block_problems(
-        self, block_id: int, ref: int, is_free: bool, is_cached: bool
-    ) -> list[str]:
+    def _block_problems(self, block_id: int, ref: int, is_free: bool, is_cached: bool) -> list[str]:
         """One block's ref count against the free queue and the cache, and its key."""
         problems: list[str] = []
         key = self._keys[block_id]

@@ -9,6 +9,8 @@ import time
 
 from kvduplex.common.sampling import SamplingParams
 from kvduplex.engine.block_pool import compute_block_hashes
+from kvduplex.engine.engine import LLMEngine
+from kvduplex.engine.eviction import EvictionClass
 from kvduplex.engine.request import RemoteKVSpec
 from kvduplex.engine.request import Request
 from kvduplex.kvflow.messages import KVOffer
@@ -80,6 +82,25 @@ def test_return_fills_prefills_cache_and_next_turn_matches(tiny: LoadedModel) ->
         got = asyncio.run(prefill_only())
         assert got == _reference(tiny, turn2, FIRST)
         assert first[-1].num_cached_tokens == 28  # type: ignore[attr-defined]
+        s.assert_clean()
+
+
+def test_returned_blocks_are_kept_as_their_sessions_fresh_answer(tiny: LoadedModel) -> None:
+    """The blocks a return inserts into P's prefix cache are RETURNED, owned by the
+    session the offer names: P evicts them after live sessions' history."""
+    with Pair(tiny) as s:
+        answer = asyncio.run(_turn(s, "r1", PROMPT, session="s1"))
+        _wait_for(lambda: s.pf.acceptor.stats.num_received_blocks == 3, "the return")
+        keys = compute_block_hashes(PROMPT + answer, BS, s.p.kv_manager.identity)
+
+        def classes(e: LLMEngine) -> list[tuple[EvictionClass, str | None]]:
+            ev = e.block_pool.evictor
+            return [(ev.classes[b], ev.owners[b]) for b in e.block_pool.lookup(keys)]
+
+        # P's own prefill named no session here: its prompt blocks are PLAIN.
+        assert s.ap.call(classes).result(5) == [
+            *[(EvictionClass.PLAIN, None)] * 4, *[(EvictionClass.RETURNED, "s1")] * 3,
+        ]  # fmt: skip
         s.assert_clean()
 
 
