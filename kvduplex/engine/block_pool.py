@@ -13,12 +13,10 @@ Every block is in exactly one of three states::
                              └──release (ref→0, keyed)──► CACHED ──evicted by try_allocate──► IN USE
 
 `try_allocate` takes FREE blocks first and evicts CACHED ones only when it must,
-in the evictor's order (`kvduplex.engine.eviction`): with ``--eviction session``,
-blocks of requests without a session first, then those of idle sessions, then the
-rest, least recently released first within each; with ``lru``, least recently
-released first. A request's `release` tags its blocks with its class
-(`ReleaseTag`). Invariant: free + in use + cached = total. An evicted block is
-handed to `on_evict` (the KV tier's demotion) before anyone can overwrite its KV.
+in the evictor's order (`kvduplex.engine.eviction`: by session value, from the
+class a request's `release` gives its blocks, or LRU). Invariant: free + in use +
+cached = total. An evicted block is handed to `on_evict` (the KV tier's
+demotion) before anyone can overwrite its KV.
 
 Prefix-cache keys form a chain over FULL blocks only (a partial block is
 never cached)::
@@ -152,9 +150,8 @@ class BlockPool:
         self.num_allocated = 0
         """Blocks handed out by `try_allocate` since start: the pool's clock. Under LRU a
         cached block released when it read t is evicted after fewer than `num_blocks` more
-        allocations (a live session's later, by session value); the router reads this (from
-        /health and prefill answers) to tell whether a session's blocks are likely still
-        here."""
+        allocations (a live session's later, by session value); the router reads this to
+        tell whether a session's blocks are likely still here."""
         self.on_evict: EvictHook | None = None
         """Called with each CACHED block evicted, before it is handed out again (set by
         the KV tier's link, which copies its KV down)."""
@@ -223,12 +220,13 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         if num_blocks > self.num_allocatable_blocks:
             return None
-        block_ids: list[int] = []
-        for _ in range(num_blocks):
-            block_id = self._free.popleft() if self._free else self._evict_next()
+        free = self._free
+        block_ids = [free.popleft() for _ in range(min(num_blocks, len(free)))]
+        if len(block_ids) < num_blocks:
+            block_ids += self._evict(num_blocks - len(block_ids))
+        for block_id in block_ids:
             self._ref_counts[block_id] = 1
-            self.evictor.untag(block_id)
-            block_ids.append(block_id)
+        self.evictor.untag(block_ids)
         self.num_allocated += num_blocks
         block_ids.sort()
         return block_ids
@@ -248,27 +246,32 @@ class BlockPool:
             self._ref_counts[block_id] += 1
 
     def release(self, block_ids: Iterable[int], tag: ReleaseTag | None = None) -> None:
-        """Drop one reference on each block, in the order given.
-
-        `tag`: the releasing request's class and session, which the blocks take on
-        (the highest class kept); None (a transfer's reference) changes no block's
-        class. A block reaching 0 becomes CACHED (most recently released) if it has
-        a key, else FREE. Release a request's blocks tail first so that its tail is
-        evicted before its head.
-        """
-        evictor = self.evictor
-        for block_id in block_ids:
-            ref = self._ref_counts[block_id]
-            if ref <= 0:
-                raise ValueError(f"block {block_id} released more often than it was referenced")
+        """Drop one reference on each block, in the order given; a block reaching 0 becomes
+        CACHED (most recently released) if it has a key, else FREE. Release a request's
+        blocks tail first so that its tail is evicted before its head. `tag`: the releasing
+        request's class and session, which the blocks take on (the highest class kept);
+        None (a transfer's reference) changes no block's class."""
+        released: list[int] = []
+        to_cache: list[int] = []
+        try:
+            for block_id in block_ids:
+                ref = self._ref_counts[block_id]
+                if ref <= 0:
+                    msg = f"block {block_id} released more often than it was referenced"
+                    raise ValueError(msg)
+                self._ref_counts[block_id] = ref - 1
+                if tag is not None:
+                    released.append(block_id)
+                if ref == 1:
+                    if self._keys[block_id] is None:
+                        self._free.append(block_id)
+                    else:
+                        to_cache.append(block_id)
+        finally:  # what was released is consistent even when a later block was not
             if tag is not None:
-                evictor.tag(block_id, tag)
-            self._ref_counts[block_id] = ref - 1
-            if ref == 1:
-                if self._keys[block_id] is None:
-                    self._free.append(block_id)
-                else:
-                    evictor.push(block_id)
+                self.evictor.tag(released, tag)
+            if to_cache:
+                self.evictor.push(to_cache)
 
     def note_session(self, session_id: str) -> None:
         """A request of `session_id` arrived: its cached blocks count as live again."""
@@ -300,7 +303,7 @@ class BlockPool:
 
     def evict(self, num_blocks: int) -> list[int]:
         """Turn up to `num_blocks` CACHED blocks FREE, in eviction order; return their ids."""
-        evicted = [self._evict_next() for _ in range(min(num_blocks, len(self.evictor)))]
+        evicted = self._evict(min(num_blocks, len(self.evictor)))
         self._free.extend(evicted)
         return evicted
 
@@ -308,30 +311,28 @@ class BlockPool:
         """Drop every unreferenced cached block (neither handed to `on_evict` nor counted
         as evicted: a reset forgets them); return how many were dropped."""
         num_dropped = len(self.evictor)
-        for _ in range(num_dropped):
-            self._free.append(self._unkey(self.evictor.pop(count=False)))
+        self._free.extend(self._evict(num_dropped, is_reset=True))
         logger.info("prefix cache reset: %d cached blocks dropped", num_dropped)
         return num_dropped
 
-    def _evict_next(self) -> int:
-        block_id = self.evictor.pop()
-        key = self._keys[block_id]
-        assert key is not None and self._cached.get(key) == block_id, (
-            f"evictable block {block_id} not in the cache"
-        )
-        if self.on_evict is not None:
-            try:
-                self.on_evict(block_id, key)
-            except Exception:  # the block is evicted either way; only its copy is lost
-                logger.exception("eviction hook failed for block %d", block_id)
-        return self._unkey(block_id)
-
-    def _unkey(self, block_id: int) -> int:
-        key = self._keys[block_id]
-        assert key is not None
-        del self._cached[key]
-        self._keys[block_id] = None
-        return block_id
+    def _evict(self, num_blocks: int, is_reset: bool = False) -> list[int]:
+        """Take the next `num_blocks` CACHED blocks out of the cache, each handed to
+        `on_evict` first (unless `is_reset`); return them, in eviction order."""
+        victims = self.evictor.pop(num_blocks, count=not is_reset)
+        on_evict = None if is_reset else self.on_evict
+        for block_id in victims:
+            key = self._keys[block_id]
+            assert key is not None and self._cached.get(key) == block_id, (
+                f"evictable block {block_id} not in the cache"
+            )
+            if on_evict is not None:
+                try:
+                    on_evict(block_id, key)
+                except Exception:  # the block is evicted either way; only its copy is lost
+                    logger.exception("eviction hook failed for block %d", block_id)
+            del self._cached[key]
+            self._keys[block_id] = None
+        return victims
 
     # ---- integrity ----
 

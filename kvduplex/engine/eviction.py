@@ -41,7 +41,9 @@ from abc import ABC
 from abc import abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable
+from collections.abc import Iterable
 from collections.abc import Iterator
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvduplex.common.engine_config import EvictionPolicy
@@ -95,9 +97,11 @@ PLAIN_TAG = ReleaseTag(EvictionClass.PLAIN)
 class Evictor(ABC):
     """The CACHED blocks of one pool and their eviction order; the blocks' classes.
 
-    The pool calls `tag` on every release by a request (the block is referenced),
-    `push` when a block becomes CACHED, `remove` when a cached block is acquired
-    again, `pop` for a victim and `untag` when it hands a block out fresh.
+    The pool calls `tag` with the blocks a request releases (still referenced),
+    `push` with those that became CACHED, `remove` when a cached block is acquired
+    again, `pop` for victims and `untag` with the blocks it hands out fresh. Each
+    takes a whole release or allocation at once: the per-block work is a few list
+    and dict operations.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -105,52 +109,64 @@ class Evictor(ABC):
         """Each block's class (meaningful while it is keyed)."""
         self.owners: list[str | None] = [None] * num_blocks
         """Each non-PLAIN block's session (or `SHARED`)."""
-        self.num_evicted = dict.fromkeys(EvictionClass, 0)
-        """Blocks evicted since start, by class."""
+        self._num_evicted = [0] * len(EvictionClass)
+
+    @property
+    def num_evicted(self) -> dict[EvictionClass, int]:
+        """Blocks evicted since start, by class (any thread: a copy)."""
+        return {cls: self._num_evicted[cls] for cls in EvictionClass}
 
     # ---- classes ----
 
-    def tag(self, block_id: int, tag: ReleaseTag) -> None:
-        """A request releases a referenced block: raise its class, name its owner."""
-        cur, new = self.classes[block_id], tag.cls
+    def tag(self, block_ids: Iterable[int], tag: ReleaseTag) -> None:
+        """A request releases these referenced blocks: raise their class, name their owner."""
+        classes, owners, new, session = self.classes, self.owners, tag.cls, tag.session
         if new is EvictionClass.PLAIN:
-            if cur is not EvictionClass.PLAIN:
-                self.owners[block_id] = SHARED
+            for b in block_ids:
+                if classes[b] is not EvictionClass.PLAIN:
+                    owners[b] = SHARED
             return
-        if cur is EvictionClass.RETURNED and self.owners[block_id] == tag.session:
-            self.classes[block_id] = new  # its own session read it: history now
-        elif new > cur:
-            self.classes[block_id] = new
-        self.owners[block_id] = tag.session
+        for b in block_ids:
+            cur = classes[b]
+            if cur is EvictionClass.RETURNED and owners[b] == session:
+                classes[b] = new  # its own session read it: history now
+            elif new > cur:
+                classes[b] = new
+            owners[b] = session
 
-    def untag(self, block_id: int) -> None:
-        """The block is handed out fresh: it holds nothing of anyone's."""
-        self.classes[block_id] = EvictionClass.PLAIN
-        self.owners[block_id] = None
+    def untag(self, block_ids: Iterable[int]) -> None:
+        """The blocks are handed out fresh: they hold nothing of anyone's."""
+        classes, owners = self.classes, self.owners
+        for b in block_ids:
+            classes[b] = EvictionClass.PLAIN
+            owners[b] = None
 
     def note_session(self, session_id: str) -> None:  # noqa: B027 (only one order cares)
         """A request of `session_id` arrived: its cached blocks are wanted again."""
 
     # ---- the cached set ----
 
-    def pop(self, count: bool = True) -> int:
-        """Remove and return the next victim (there must be one); `count`: it is an
-        eviction (a reset is not)."""
-        block_id = self._pop()
+    def pop(self, num_blocks: int, count: bool = True) -> list[int]:
+        """Remove and return the next `num_blocks` victims, in order (there must be as
+        many); `count`: they are evictions (a reset's are not)."""
+        victims = self._pop(num_blocks)
         if count:
-            self.num_evicted[self.classes[block_id]] += 1
-        return block_id
+            num_evicted, classes = self._num_evicted, self.classes
+            for b in victims:
+                num_evicted[classes[b]] += 1
+        return victims
 
     @abstractmethod
-    def push(self, block_id: int) -> None:
-        """The block became CACHED (most recently released), under its class and owner."""
+    def push(self, block_ids: Sequence[int]) -> None:
+        """The blocks became CACHED (most recently released, in this order), under their
+        class and owner."""
 
     @abstractmethod
     def remove(self, block_id: int) -> None:
         """A CACHED block is referenced again (it leaves the eviction order)."""
 
     @abstractmethod
-    def _pop(self) -> int: ...
+    def _pop(self, num_blocks: int) -> list[int]: ...
 
     @abstractmethod
     def __len__(self) -> int: ...
@@ -174,14 +190,15 @@ class LRUEvictor(Evictor):
         super().__init__(num_blocks)
         self._lru: OrderedDict[int, None] = OrderedDict()
 
-    def push(self, block_id: int) -> None:
-        self._lru[block_id] = None
+    def push(self, block_ids: Sequence[int]) -> None:
+        self._lru.update(dict.fromkeys(block_ids))
 
     def remove(self, block_id: int) -> None:
         del self._lru[block_id]
 
-    def _pop(self) -> int:
-        return self._lru.popitem(last=False)[0]
+    def _pop(self, num_blocks: int) -> list[int]:
+        lru = self._lru
+        return [lru.popitem(last=False)[0] for _ in range(num_blocks)]
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -222,28 +239,36 @@ class SessionEvictor(Evictor):
 
     def note_session(self, session_id: str) -> None:
         if session_id in self._active_at:
-            self._touch(session_id)
+            self._touch(session_id, self.clock())
 
-    def _touch(self, session: str) -> None:
-        self._active_at[session] = self.clock()
+    def _touch(self, session: str, now: float) -> None:
+        self._active_at[session] = now
         for groups in self._groups.values():
             if session in groups:
                 groups.move_to_end(session)
 
-    def push(self, block_id: int) -> None:
-        cls = self.classes[block_id]
-        self._num_cached += 1
-        if cls is EvictionClass.PLAIN:
-            self._plain[block_id] = None
-            return
-        owner = self.owners[block_id]
-        assert owner is not None, f"block {block_id} is {cls.name} without an owner"
-        groups = self._groups[cls]
-        group = groups.get(owner)
-        if group is None:
-            group = groups[owner] = OrderedDict()
-        group[block_id] = None
-        self._touch(owner)
+    def push(self, block_ids: Sequence[int]) -> None:
+        classes, owners, plain = self.classes, self.owners, self._plain
+        touched: dict[str, None] = {}
+        group_cls, group_owner, group = EvictionClass.PLAIN, "", plain  # a release's last
+        for b in block_ids:
+            cls = classes[b]
+            if cls is EvictionClass.PLAIN:
+                plain[b] = None
+                continue
+            owner = owners[b]
+            assert owner is not None, f"block {b} is {cls.name} without an owner"
+            if cls is not group_cls or owner != group_owner:
+                groups = self._groups[cls]
+                group_cls, group_owner = cls, owner
+                group = groups.get(owner) or groups.setdefault(owner, OrderedDict())
+                touched[owner] = None
+            group[b] = None
+        self._num_cached += len(block_ids)
+        if touched:  # each owner once per release: its activity is now
+            now = self.clock()
+            for owner in touched:
+                self._touch(owner, now)
 
     def remove(self, block_id: int) -> None:
         cls = self.classes[block_id]
@@ -256,21 +281,29 @@ class SessionEvictor(Evictor):
             self._drop_if_empty(cls, owner)
         self._num_cached -= 1
 
-    def _pop(self) -> int:
-        if self._plain:
-            self._num_cached -= 1
-            return self._plain.popitem(last=False)[0]
-        cls, owner = self._victim_group()
-        block_id = self._groups[cls][owner].popitem(last=False)[0]
-        self._drop_if_empty(cls, owner)
-        self._num_cached -= 1
-        return block_id
+    def _pop(self, num_blocks: int) -> list[int]:
+        plain = self._plain
+        victims = [plain.popitem(last=False)[0] for _ in range(min(num_blocks, len(plain)))]
+        if len(victims) < num_blocks:
+            now = self.clock()  # one instant: a victim group stays the victim until empty
+            while len(victims) < num_blocks:
+                cls, owner = self._victim_group(now)
+                group = self._groups[cls][owner]
+                num = num_blocks - len(victims)
+                if num >= len(group):  # the whole group
+                    victims += group
+                    group.clear()
+                else:
+                    victims += [group.popitem(last=False)[0] for _ in range(num)]
+                self._drop_if_empty(cls, owner)
+        self._num_cached -= len(victims)
+        return victims
 
-    def _victim_group(self) -> tuple[EvictionClass, str]:
+    def _victim_group(self, now: float) -> tuple[EvictionClass, str]:
         """The class and session whose oldest block goes next (no PLAIN block is left)."""
         session = _first(self._groups[EvictionClass.SESSION])
         returned = _first(self._groups[EvictionClass.RETURNED])
-        idle_before = self.clock() - self.idle_s
+        idle_before = now - self.idle_s
         active = self._active_at
         # An idle session's answer, unless a session idle longer has history cached.
         if (
