@@ -71,6 +71,17 @@ STORE_METADATA_PORT = 8080
 """Port of the metadata server a Mooncake master serves itself (its default)."""
 
 
+class EvictionPolicy(enum.StrEnum):
+    """Which unreferenced cached block the KV pool evicts first (``--eviction``)."""
+
+    LRU = enum.auto()
+    """The least recently released, whatever it holds."""
+    SESSION = enum.auto()
+    """By session value: blocks of requests without a session first, then those of
+    sessions idle longer than session_idle_s, then the rest (a fresh duplex return last);
+    least recently released first within each (`kvduplex.engine.eviction`)."""
+
+
 def _at_least(name: str, value: int | float, low: int | float, note: str = "") -> None:
     if value < low:
         raise ValueError(f"{name} must be >= {low}{note}, got {value}")
@@ -122,6 +133,15 @@ class CacheConfig(ConfigSection):
     kv_store_retry_s: float = 1.0
     """Store tier: how long a failing store is left alone before it is tried again; doubles
     while it keeps failing, up to 30 s."""
+    eviction: EvictionPolicy = EvictionPolicy.SESSION
+    """Which cached blocks the pool evicts first when it needs room: session (blocks of
+    requests without a session first, then those of sessions idle longer than
+    session_idle_s, then the rest, a fresh duplex return last) or lru (least recently
+    released first, whatever they hold)."""
+    session_idle_s: float = 180.0
+    """With eviction session: seconds after its last request or released block on this
+    instance when a session counts as finished (the longest expected think time
+    between turns); its cached blocks then go before those of live sessions."""
 
     @field_validator("block_size")
     @classmethod
@@ -155,6 +175,12 @@ class CacheConfig(ConfigSection):
         host, _ = host_and_port(self.kv_store_master, "kv_store_master")
         host = f"[{host}]" if ":" in host else host
         return f"http://{host}:{STORE_METADATA_PORT}/metadata"
+
+    @field_validator("session_idle_s")
+    @classmethod
+    def _check_session_idle(cls, value: float) -> float:
+        _positive("session_idle_s", value)
+        return value
 
     @model_validator(mode="after")
     def _check_pool_size(self) -> CacheConfig:

@@ -169,6 +169,7 @@ class AsyncEngine:
                 blocks_cached=lambda: pool.stats().num_cached,
                 blocks_total=lambda: pool.stats().total,
             )
+            metrics.bind_eviction(pool.evictor)
             if engine.kv_tier is not None:
                 metrics.bind_kv_tier(engine.kv_tier.tier, engine.layout.block_size)
 

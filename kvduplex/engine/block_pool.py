@@ -1,10 +1,10 @@
-"""Paged KV blocks: reference counts, a hash-chain prefix cache, LRU eviction.
+"""Paged KV blocks: reference counts, a hash-chain prefix cache, eviction by session value.
 
 Every block is in exactly one of three states::
 
     FREE    ref 0, no key               in `_free` (FIFO)
     IN USE  ref > 0, with or without key
-    CACHED  ref 0, with key             in `_evictable` (LRU: least recently released first)
+    CACHED  ref 0, with key             in `evictor` (its eviction order)
 
     FREE ──try_allocate──► IN USE ──release (ref→0, no key)──► FREE
                              │  ▲
@@ -12,10 +12,11 @@ Every block is in exactly one of three states::
                              │                                  │
                              └──release (ref→0, keyed)──► CACHED ──evicted by try_allocate──► IN USE
 
-`try_allocate` takes FREE blocks first and evicts CACHED ones (oldest release
-first) only when it must. Invariant: free + in use + cached = total. An evicted
-block is handed to `on_evict` (the KV tier's demotion) before anyone can
-overwrite its KV.
+`try_allocate` takes FREE blocks first and evicts CACHED ones only when it must,
+in the evictor's order (`kvduplex.engine.eviction`: by session value, from the
+class a request's `release` gives its blocks, or LRU). Invariant: free + in use +
+cached = total. An evicted block is handed to `on_evict` (the KV tier's
+demotion) before anyone can overwrite its KV.
 
 Prefix-cache keys form a chain over FULL blocks only (a partial block is
 never cached)::
@@ -37,13 +38,19 @@ import hashlib
 import logging
 import os
 import struct
-from collections import OrderedDict
+import time
 from collections import deque
 from collections.abc import Callable
 from collections.abc import Iterable
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NewType
+
+from kvduplex.common.engine_config import EvictionPolicy
+from kvduplex.engine.eviction import Clock
+from kvduplex.engine.eviction import Evictor
+from kvduplex.engine.eviction import ReleaseTag
+from kvduplex.engine.eviction import make_evictor
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +123,17 @@ class BlockPool:
     to `release` exactly once. Block ids are ``0 .. num_blocks-1``.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        *,
+        eviction: EvictionPolicy = EvictionPolicy.SESSION,
+        session_idle_s: float = 180.0,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        """`eviction`, `session_idle_s`: the order in which cached blocks are evicted
+        (`kvduplex.engine.eviction`); `clock`: monotonic seconds, for sessions' idle time."""
         if num_blocks < 1:
             raise ValueError(f"the block pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -126,14 +143,15 @@ class BlockPool:
         self._keys: list[BlockHash | None] = [None] * num_blocks
         self._cached: dict[BlockHash, int] = {}
         self._free: deque[int] = deque(range(num_blocks))
-        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self.evictor: Evictor = make_evictor(eviction, num_blocks, session_idle_s, clock)
+        """The CACHED blocks in eviction order, the blocks' classes, evictions by class."""
         self.epoch = os.urandom(8).hex()
         """Names this pool's life (an instance start): `num_allocated` counts from it."""
         self.num_allocated = 0
-        """Blocks handed out by `try_allocate` since start: the pool's clock. A cached block
-        released when it read t is evicted, least recently released first, after fewer than
-        `num_blocks` more allocations; the router reads this (from /health and prefill
-        answers) to tell whether a session's blocks are likely still here."""
+        """Blocks handed out by `try_allocate` since start: the pool's clock. Under LRU a
+        cached block released when it read t is evicted after fewer than `num_blocks` more
+        allocations (a live session's later, by session value); the router reads this to
+        tell whether a session's blocks are likely still here."""
         self.on_evict: EvictHook | None = None
         """Called with each CACHED block evicted, before it is handed out again (set by
         the KV tier's link, which copies its KV down)."""
@@ -143,7 +161,7 @@ class BlockPool:
     @property
     def num_allocatable_blocks(self) -> int:
         """Blocks `try_allocate` could hand out now (free plus evictable cached)."""
-        return len(self._free) + len(self._evictable)
+        return len(self._free) + len(self.evictor)
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
@@ -154,7 +172,7 @@ class BlockPool:
 
     def is_evictable(self, block_id: int) -> bool:
         """True if the block is CACHED (unreferenced, keyed): acquiring it revives it."""
-        return block_id in self._evictable
+        return block_id in self.evictor
 
     def lookup(self, hashes: Sequence[BlockHash]) -> list[int]:
         """Block ids of the longest cached prefix of `hashes`. Takes no references."""
@@ -176,7 +194,7 @@ class BlockPool:
 
     def stats(self) -> PoolStats:
         num_free = len(self._free)
-        num_cached = len(self._evictable)
+        num_cached = len(self.evictor)
         return PoolStats(
             num_free=num_free,
             num_in_use=self.num_blocks - num_free - num_cached,
@@ -189,8 +207,8 @@ class BlockPool:
     def try_allocate(self, num_blocks: int) -> list[int] | None:
         """Take `num_blocks` fresh blocks (ref 1, no key), or None if there are not enough.
 
-        Free blocks go first; then cached ones are evicted, least recently
-        released first, and their keys leave the prefix cache. The ids come in
+        Free blocks go first; then cached ones are evicted in the evictor's order,
+        and their keys leave the prefix cache. The ids come in
         ascending order: requests release their blocks tail first, so the free
         queue and the LRU hold descending runs, and a request's consecutive
         blocks that are adjacent and ascending in the pool move several times
@@ -202,11 +220,13 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         if num_blocks > self.num_allocatable_blocks:
             return None
-        block_ids: list[int] = []
-        for _ in range(num_blocks):
-            block_id = self._free.popleft() if self._free else self._evict_oldest()
+        free = self._free
+        block_ids = [free.popleft() for _ in range(min(num_blocks, len(free)))]
+        if len(block_ids) < num_blocks:
+            block_ids += self._evict(num_blocks - len(block_ids))
+        for block_id in block_ids:
             self._ref_counts[block_id] = 1
-            block_ids.append(block_id)
+        self.evictor.untag(block_ids)
         self.num_allocated += num_blocks
         block_ids.sort()
         return block_ids
@@ -218,30 +238,44 @@ class BlockPool:
         """
         for block_id in block_ids:
             if self._ref_counts[block_id] == 0:
-                if block_id not in self._evictable:
+                if block_id not in self.evictor:
                     raise ValueError(
                         f"block {block_id} is free; only used or cached blocks can be acquired"
                     )
-                del self._evictable[block_id]
+                self.evictor.remove(block_id)
             self._ref_counts[block_id] += 1
 
-    def release(self, block_ids: Iterable[int]) -> None:
-        """Drop one reference on each block, in the order given.
+    def release(self, block_ids: Iterable[int], tag: ReleaseTag | None = None) -> None:
+        """Drop one reference on each block, in the order given; a block reaching 0 becomes
+        CACHED (most recently released) if it has a key, else FREE. Release a request's
+        blocks tail first so that its tail is evicted before its head. `tag`: the releasing
+        request's class and session, which the blocks take on (the highest class kept);
+        None (a transfer's reference) changes no block's class."""
+        released: list[int] = []
+        to_cache: list[int] = []
+        try:
+            for block_id in block_ids:
+                ref = self._ref_counts[block_id]
+                if ref <= 0:
+                    msg = f"block {block_id} released more often than it was referenced"
+                    raise ValueError(msg)
+                self._ref_counts[block_id] = ref - 1
+                if tag is not None:
+                    released.append(block_id)
+                if ref == 1:
+                    if self._keys[block_id] is None:
+                        self._free.append(block_id)
+                    else:
+                        to_cache.append(block_id)
+        finally:  # what was released is consistent even when a later block was not
+            if tag is not None:
+                self.evictor.tag(released, tag)
+            if to_cache:
+                self.evictor.push(to_cache)
 
-        A block reaching 0 becomes CACHED (most recently released) if it has a
-        key, else FREE. Release a request's blocks tail first so that its tail
-        is evicted before its head.
-        """
-        for block_id in block_ids:
-            ref = self._ref_counts[block_id]
-            if ref <= 0:
-                raise ValueError(f"block {block_id} released more often than it was referenced")
-            self._ref_counts[block_id] = ref - 1
-            if ref == 1:
-                if self._keys[block_id] is None:
-                    self._free.append(block_id)
-                else:
-                    self._evictable[block_id] = None
+    def note_session(self, session_id: str) -> None:
+        """A request of `session_id` arrived: its cached blocks count as live again."""
+        self.evictor.note_session(session_id)
 
     def insert_cached(self, block_id: int, key: BlockHash) -> int:
         """Register a filled, referenced block under `key`; return the block now cached under it.
@@ -268,36 +302,37 @@ class BlockPool:
         return block_id
 
     def evict(self, num_blocks: int) -> list[int]:
-        """Turn up to `num_blocks` CACHED blocks FREE, oldest release first; return their ids."""
-        evicted = [self._evict_oldest() for _ in range(min(num_blocks, len(self._evictable)))]
+        """Turn up to `num_blocks` CACHED blocks FREE, in eviction order; return their ids."""
+        evicted = self._evict(min(num_blocks, len(self.evictor)))
         self._free.extend(evicted)
         return evicted
 
     def reset_prefix_cache(self) -> int:
-        """Drop every unreferenced cached block (not handed to `on_evict`: a reset
-        forgets them); return how many were dropped."""
-        on_evict, self.on_evict = self.on_evict, None
-        try:
-            num_dropped = len(self.evict(len(self._evictable)))
-        finally:
-            self.on_evict = on_evict
+        """Drop every unreferenced cached block (neither handed to `on_evict` nor counted
+        as evicted: a reset forgets them); return how many were dropped."""
+        num_dropped = len(self.evictor)
+        self._free.extend(self._evict(num_dropped, is_reset=True))
         logger.info("prefix cache reset: %d cached blocks dropped", num_dropped)
         return num_dropped
 
-    def _evict_oldest(self) -> int:
-        block_id, _ = self._evictable.popitem(last=False)
-        key = self._keys[block_id]
-        assert key is not None and self._cached.get(key) == block_id, (
-            f"evictable block {block_id} not in the cache"
-        )
-        if self.on_evict is not None:
-            try:
-                self.on_evict(block_id, key)
-            except Exception:  # the block is evicted either way; only its copy is lost
-                logger.exception("eviction hook failed for block %d", block_id)
-        del self._cached[key]
-        self._keys[block_id] = None
-        return block_id
+    def _evict(self, num_blocks: int, is_reset: bool = False) -> list[int]:
+        """Take the next `num_blocks` CACHED blocks out of the cache, each handed to
+        `on_evict` first (unless `is_reset`); return them, in eviction order."""
+        victims = self.evictor.pop(num_blocks, count=not is_reset)
+        on_evict = None if is_reset else self.on_evict
+        for block_id in victims:
+            key = self._keys[block_id]
+            assert key is not None and self._cached.get(key) == block_id, (
+                f"evictable block {block_id} not in the cache"
+            )
+            if on_evict is not None:
+                try:
+                    on_evict(block_id, key)
+                except Exception:  # the block is evicted either way; only its copy is lost
+                    logger.exception("eviction hook failed for block %d", block_id)
+            del self._cached[key]
+            self._keys[block_id] = None
+        return victims
 
     # ---- integrity ----
 
@@ -312,11 +347,15 @@ class BlockPool:
         free = set(self._free)
         if len(free) != len(self._free):
             problems.append("a block appears twice in the free queue")
-        both = free & self._evictable.keys()
+        cached = set(self.evictor)
+        problems.extend(self.evictor.problems())
+        both = free & cached
         if both:
             problems.append(f"blocks both free and cached: {sorted(both)}")
         for block_id, ref in enumerate(self._ref_counts):
-            problems.extend(self._block_problems(block_id, ref, block_id in free))
+            problems.extend(
+                self._block_problems(block_id, ref, block_id in free, block_id in cached)
+            )
         for key, block_id in self._cached.items():
             if self._keys[block_id] != key:
                 problems.append(
@@ -331,11 +370,10 @@ class BlockPool:
             )
         return problems
 
-    def _block_problems(self, block_id: int, ref: int, is_free: bool) -> list[str]:
+    def _block_problems(self, block_id: int, ref: int, is_free: bool, is_cached: bool) -> list[str]:
         """One block's ref count against the free queue and the cache, and its key."""
         problems: list[str] = []
         key = self._keys[block_id]
-        is_cached = block_id in self._evictable
         if ref < 0:
             problems.append(f"block {block_id} has ref count {ref}")
         elif ref == 0 and is_free == is_cached:

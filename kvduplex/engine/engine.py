@@ -36,6 +36,7 @@ from kvduplex.common.sampling import SamplingParams
 from kvduplex.common.sampling import TokenLogprobs
 from kvduplex.engine.block_pool import BlockPool
 from kvduplex.engine.connector import KVConnector
+from kvduplex.engine.eviction import Clock
 from kvduplex.engine.kv_cache import allocate_kv_pool
 from kvduplex.engine.kv_manager import KVCacheManager
 from kvduplex.engine.outputs import OutputTracker
@@ -80,9 +81,11 @@ class LLMEngine:
         loaded: LoadedModel | None = None,
         *,
         sample_hook: SampleHook | None = None,
+        clock: Clock = time.monotonic,
     ) -> None:
         """`loaded`: the model (default: loaded from ``config.model``). `sample_hook`: see
-        `SampleHook` (default: none, the sampled tokens stand)."""
+        `SampleHook` (default: none, the sampled tokens stand). `clock`: monotonic seconds,
+        by which the pool tells idle sessions (``--session-idle-s``)."""
         self.config = config
         self.sample_hook = sample_hook
         self.loaded = loaded if loaded is not None else load_model(config.model)
@@ -101,7 +104,11 @@ class LLMEngine:
             num_blocks, config.cache.block_size, self.layout.total_bytes / 2**20,
             time.perf_counter() - t0,
         )  # fmt: skip
-        self.block_pool = BlockPool(num_blocks, enable_caching=config.cache.enable_prefix_caching)
+        self.block_pool = BlockPool(
+            num_blocks, enable_caching=config.cache.enable_prefix_caching,
+            eviction=config.cache.eviction, session_idle_s=config.cache.session_idle_s,
+            clock=clock,
+        )  # fmt: skip
         self.kv_tier = attach_tier(
             config.cache, self.layout, self.loaded.identity, self.kv_pool, self.block_pool
         )
@@ -161,6 +168,7 @@ class LLMEngine:
         if not params.extra_eos_token_ids:
             req.sampling_params = params = _with_eos(params, self.eos_token_ids)
         self.scheduler.add_request(req)
+        self.kv_manager.note_session(req.session_id)
         if params.has_penalties:
             self._penalised.add(request_id)
         if params.min_tokens > 0:

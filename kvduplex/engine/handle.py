@@ -11,6 +11,7 @@ from kvduplex.engine.async_engine import AsyncEngine
 from kvduplex.engine.async_engine import describe_call
 from kvduplex.engine.block_pool import BlockHash
 from kvduplex.engine.engine import LLMEngine
+from kvduplex.engine.eviction import ReleaseTag
 from kvduplex.engine.request import Request
 
 
@@ -56,8 +57,10 @@ class EngineHandle:
     def acquire_blocks(self, block_ids: Sequence[int]) -> None:
         self._engine.kv_manager.acquire_blocks(block_ids)
 
-    def release_blocks(self, block_ids: Sequence[int]) -> None:
-        self._engine.kv_manager.release_blocks(block_ids)
+    def release_blocks(self, block_ids: Sequence[int], tag: ReleaseTag | None = None) -> None:
+        """`tag`: the class the blocks take on (`ReleaseTag.returned` for a duplex
+        return's; None: a transfer's reference, which changes no block's class)."""
+        self._engine.kv_manager.release_blocks(block_ids, tag)
 
     def num_cached_prefix(self, keys: Sequence[BlockHash]) -> int:
         return self._engine.kv_manager.num_cached_prefix(keys)

@@ -16,7 +16,9 @@ Rules:
   must be computed to produce logits. KV that arrives from a remote sender
   (``allow_full_hit=True``) needs no local logits.
 * Blocks are released tail first, so a request's tail is evicted before its
-  head, which other requests are more likely to share.
+  head, which other requests are more likely to share. A request's release tags
+  its blocks with its session, if it names one (`ReleaseTag.of_request`): the
+  pool evicts by session value (`kvduplex.engine.eviction`).
 
 Block hashes are computed once per full block and kept on the Request
 (`Request.block_hashes`), extended as tokens arrive: O(tokens) overall.
@@ -37,6 +39,7 @@ from kvduplex.common.kv_layout import num_blocks_for_tokens
 from kvduplex.engine.block_pool import BlockHash
 from kvduplex.engine.block_pool import BlockPool
 from kvduplex.engine.block_pool import compute_block_hashes
+from kvduplex.engine.eviction import ReleaseTag
 from kvduplex.engine.request import Request
 
 if TYPE_CHECKING:
@@ -184,7 +187,7 @@ class KVCacheManager:
     def drop_tail(self, req: Request, num_blocks_kept: int) -> None:
         """Release the request's blocks after the first `num_blocks_kept`, tail first."""
         tail = req.block_ids[num_blocks_kept:]
-        self.pool.release(reversed(tail))
+        self.pool.release(reversed(tail), ReleaseTag.of_request(req.session_id))
         del req.block_ids[num_blocks_kept:]
         cached = self._num_cached_blocks.get(req.request_id)
         if cached is not None and cached > num_blocks_kept:
@@ -196,9 +199,10 @@ class KVCacheManager:
         """Take one more reference on each block (a transfer reads or fills it)."""
         self.pool.acquire(block_ids)
 
-    def release_blocks(self, block_ids: Sequence[int]) -> None:
-        """Drop one reference on each block, tail first."""
-        self.pool.release(reversed(block_ids))
+    def release_blocks(self, block_ids: Sequence[int], tag: ReleaseTag | None = None) -> None:
+        """Drop one reference on each block, tail first; `tag`: the class the blocks take
+        on (None: a transfer's reference, which changes no block's class)."""
+        self.pool.release(reversed(block_ids), tag)
 
     def num_cached_prefix(self, keys: Sequence[BlockHash]) -> int:
         """How many leading `keys` the prefix cache holds."""
@@ -218,9 +222,15 @@ class KVCacheManager:
             1 for b, k in zip(block_ids, keys, strict=True) if self.pool.insert_cached(b, k) == b
         )
 
+    def note_session(self, session_id: str | None) -> None:
+        """A request arrived: its session's cached blocks count as live again."""
+        if session_id:
+            self.pool.note_session(session_id)
+
     def free(self, req: Request) -> None:
-        """Release all of the request's blocks, tail first; cached ones stay reusable."""
-        self.pool.release(reversed(req.block_ids))
+        """Release all of the request's blocks, tail first; cached ones stay reusable,
+        tagged with the request's session (if it names one)."""
+        self.pool.release(reversed(req.block_ids), ReleaseTag.of_request(req.session_id))
         req.block_ids.clear()
         self._num_cached_blocks.pop(req.request_id, None)
 

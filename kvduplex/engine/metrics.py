@@ -16,6 +16,7 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from kvduplex.common.metrics import MetricFactory
+from kvduplex.engine.eviction import Evictor
 from kvduplex.engine.kv_tier import KVTier
 from kvduplex.engine.kv_tier_store import StoreTier
 
@@ -88,6 +89,30 @@ class EngineMetrics:
     def bind_kv_tier(self, tier: KVTier, block_size: int) -> None:
         """Export the KV tier's counters (read from the tier at scrape time)."""
         self.registry.register(KVTierCollector(tier, block_size))
+
+    def bind_eviction(self, evictor: Evictor) -> None:
+        """Export the pool's evictions by class (read from the evictor at scrape time)."""
+        self.registry.register(EvictionCollector(evictor))
+
+
+class EvictionCollector(Collector):
+    """``kvduplex_kv_evicted_blocks_total{class}``: cached blocks the pool evicted to make
+    room (each demoted into the KV tier, if there is one), by class
+    (`kvduplex.engine.eviction.EvictionClass`)."""
+
+    def __init__(self, evictor: Evictor) -> None:
+        self.evictor = evictor
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "kvduplex_kv_evicted_blocks",
+            "Prefix-cache blocks the KV pool evicted to make room, by class: plain (no "
+            "session), session (a session's history), returned (a duplex return's answer).",
+            labels=["class"],
+        )
+        for cls, num in list(self.evictor.num_evicted.items()):  # a scrape thread's copy
+            family.add_metric([cls.label], num)
+        yield family
 
 
 class KVTierCollector(Collector):

@@ -114,6 +114,9 @@ class Request:
     grammar: RequestGrammar | None = None
     """Structured output: the grammar every output token must fit (`engine.structured`);
     the engine masks this request's logits with it and it follows each appended token."""
+    session_id: str | None = None
+    """The conversation the request belongs to (the router's session, or the client's
+    ``prompt_cache_key``); its blocks are kept by session value (`engine.eviction`)."""
 
     output_token_ids: list[int] = field(default_factory=list, init=False)
     status: RequestStatus = field(default=RequestStatus.WAITING, init=False)

@@ -448,7 +448,11 @@ def _make_generation(
     if client_id is not None:
         logger.debug("request %s: the client's X-Request-ID is %r", rid, client_id)
     report = bool((body.kv_transfer_params or {}).get("report_answer"))
-    return Generation(EngineRequest(rid, ids, params), body, report_answer=report)
+    # The conversation it names (a router's session id, in kv_transfer_params, replaces
+    # this in the decode role's `prepare`): its blocks are kept by session value.
+    session = body.prompt_cache_key or body.session_id or None
+    request = EngineRequest(rid, ids, params, session_id=session)
+    return Generation(request, body, report_answer=report)
 
 
 async def _serve(state: InstanceState, raw: Request, gen: Generation, chat: bool) -> Response:

@@ -165,6 +165,7 @@ class DecodePreparer:
             raise APIError(400, f"kv_transfer_params: {exc}", param="kv_transfer_params") from None
         gen.mark_first_token = kv.mark_first_token
         if kv.session_id:
+            gen.request.session_id = kv.session_id
             target = ReturnTarget(
                 kv.session_id, ReturnMode(kv.return_mode), kv.return_to, kv.return_engine_id,
                 kv.return_from_block, kv.return_max_tokens,

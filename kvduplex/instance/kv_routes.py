@@ -106,6 +106,8 @@ class PrefillRequest(BaseModel):
     computed here (the answer gives them, and KVDone carries them to decode)."""
     grammar: GrammarBody | None = None
     """The first token is sampled under this grammar (the request's structured output)."""
+    session_id: str | None = Field(default=None, max_length=512)
+    """The router's session: the prompt's blocks are kept by session value."""
 
 
 class ReleaseRequest(BaseModel):
@@ -181,7 +183,7 @@ def make_prefill_router(
         try:
             held = Request(
                 body.xid, body.prompt_token_ids, _first_token_params(body),
-                hold_blocks_on_finish=True, grammar=grammar,
+                hold_blocks_on_finish=True, grammar=grammar, session_id=body.session_id,
             )  # fmt: skip
             info = await pull.prefill(held)
         except (RequestRejected, ValueError) as exc:
@@ -248,7 +250,7 @@ class PushPrefill:
         try:
             held = Request(
                 body.xid, body.prompt_token_ids, _first_token_params(body),
-                hold_blocks_on_finish=True, grammar=grammar,
+                hold_blocks_on_finish=True, grammar=grammar, session_id=body.session_id,
             )  # fmt: skip
             first = await self.push.prefill(held, peer)
         except (RequestRejected, ValueError) as exc:

@@ -45,6 +45,7 @@ from functools import partial
 
 from kvduplex.engine.block_pool import BlockHash
 from kvduplex.engine.block_pool import compute_block_hashes
+from kvduplex.engine.eviction import ReleaseTag
 from kvduplex.engine.handle import EngineHandle
 from kvduplex.engine.request import FinishReason
 from kvduplex.engine.request import Request
@@ -294,7 +295,7 @@ class ReturnAcceptor:
             return
         ok = self.receiver.expect(
             msg.xid, peer, blocks, num_have, msg.token_ids,
-            on_done=partial(self._on_done, blocks, missing),
+            on_done=partial(self._on_done, blocks, missing, msg.session_id),
             on_failed=partial(self._on_failed, blocks),
         )  # fmt: skip
         if not ok:
@@ -329,10 +330,12 @@ class ReturnAcceptor:
         if self.metrics is not None:
             self.metrics.return_declined.labels(reason).inc()
 
-    def _on_done(self, blocks: list[int], keys: list[BlockHash], msg: KVDone) -> None:
+    def _on_done(
+        self, blocks: list[int], keys: list[BlockHash], session_id: str, msg: KVDone
+    ) -> None:
         self.num_blocks_in_flight -= len(blocks)
         num_cached = self.engine.cache_blocks(blocks, keys)
-        self.engine.release_blocks(blocks)
+        self.engine.release_blocks(blocks, ReleaseTag.returned(session_id))
         self.stats.num_received_blocks += len(blocks)
         if self.metrics is not None:
             self.metrics.return_blocks.labels("received").inc(len(blocks))

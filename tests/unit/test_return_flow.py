@@ -9,6 +9,7 @@ import pytest
 
 from kvduplex.common.sampling import SamplingParams
 from kvduplex.engine.block_pool import compute_block_hashes
+from kvduplex.engine.eviction import EvictionClass
 from kvduplex.engine.request import Request
 from kvduplex.kvflow.messages import KVOffer
 from kvduplex.kvflow.return_pull import RetainSpec
@@ -63,6 +64,24 @@ def test_return_fills_prefills_cache_and_next_turn_matches(
     s.run(lambda: s.finished("p2"))
     assert s.outputs["p2"] == _reference(tiny, turn2, FIRST)
     assert s.last["p2"].num_cached_tokens == 28
+    s.assert_clean()
+
+
+def test_returned_blocks_are_kept_as_their_sessions_fresh_answer(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The blocks a return inserts into P's prefix cache are RETURNED, owned by the
+    session the offer names: P evicts them after live sessions' history."""
+    s = Sim(tiny, monkeypatch)
+    answer = _turn(s, "r1", PROMPT, session="s1")
+    s.run(lambda: s.pf.acceptor.stats.num_received_blocks == 3)  # the return
+    keys = compute_block_hashes(PROMPT + answer, BS, s.p.kv_manager.identity)
+    ev = s.p.block_pool.evictor
+    classes = [(ev.classes[b], ev.owners[b]) for b in s.p.block_pool.lookup(keys)]
+    # P's own prefill named no session here: its prompt blocks are PLAIN.
+    assert classes == [
+        *[(EvictionClass.PLAIN, None)] * 4, *[(EvictionClass.RETURNED, "s1")] * 3,
+    ]  # fmt: skip
     s.assert_clean()
 
 

@@ -71,6 +71,7 @@ def test_the_route_hands_the_return_target_to_the_request() -> None:
     assert directory.asked == [("http://p", "p-engine")]
     assert gen.request.connector_meta == ReturnSpec("s1", cast(Any, PEER), 2, 40)
     assert gen.request.hold_blocks_on_finish
+    assert gen.request.session_id == "s1"  # its blocks are kept as the session's
 
 
 def test_an_unreachable_return_target_leaves_the_turn_unreturned(
