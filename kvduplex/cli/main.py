@@ -87,8 +87,13 @@ def run_serve(args: ServeSettings, parts: InstanceParts | None = None) -> None:
         if problem is not None:
             raise ValueError(f"--kv-tier store: {problem}")
     code = serve(args.engine_config(), server, Environment.read(), parts)
-    if code:
-        sys.exit(code)
+    # Every part was closed in order by `serve` (engine, flows, pump, transport). The
+    # interpreter's own teardown is skipped: after a clean drain, native transport
+    # objects have crashed in it under load (SIGSEGV at exit, the work already done).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _cmd_router(args: RouterSettings) -> None:
