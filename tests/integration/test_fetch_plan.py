@@ -174,10 +174,13 @@ def test_prefill_computes_the_history_when_the_lease_runs_out_or_decode_lends_no
     assert late["prefill_computed_tokens"] > MAX_NEW_COMPUTED, f"history recomputed: {late}"
 
     # Turn decode's pool over behind the router's back: it still counts on decode for b.
+    # The fillers are sessions of their own, more recent than b's (decode evicts by
+    # session value: plain requests' blocks would go first).
     for i in range(5):
         filler = [(i * 37 + j) % 250 + 1 for j in range(300)]
         resp = httpx.post(rig.decode.url + "/v1/completions", timeout=120, json={
-            "model": "tiny", "prompt": filler, "max_tokens": 2, "temperature": 0.0})  # fmt: skip
+            "model": "tiny", "prompt": filler, "max_tokens": 2, "temperature": 0.0,
+            "prompt_cache_key": f"filler-{i}"})  # fmt: skip
         assert resp.status_code == 200, resp.text
     late_b = rig.turn("b")  # decode has nothing of it left to lend
     assert rig.counter("requests_total", mode="fetch") == fetches + 2
