@@ -10,6 +10,9 @@ restarts:
 
 Modes share P and D; the benchmark keeps them from sharing cached KV by
 giving every mode its own session texts (see `kvduplex.bench.workload`).
+A mode named ``<mode>@<MiB>[+<tier>]`` (``push+duplex@256+file``) gets prefill
+instances of its own with that pool (and KV tier), on P's core: pool sizes run
+side by side in one run, against the same decode.
 Router flags a mode needs that the router does not know (``--return-mode``,
 ``--short-append-tokens``, when the router predates them) skip that mode,
 with the reason recorded; flags that only restate a router default are
@@ -26,10 +29,36 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from dataclasses import field
+from dataclasses import replace
 
 from kvduplex.bench.kvmetrics import Instance
 from kvduplex.cluster import LocalCluster
+from kvduplex.cluster import Process
 from kvduplex.cluster import free_port
+
+
+@dataclass(frozen=True)
+class PrefillPool:
+    """A prefill pool a mode asks for by name: ``@<MiB>[+<tier>]``."""
+
+    kv_cache_mb: int
+    kv_tier: str = "none"
+
+    @classmethod
+    def parse(cls, text: str) -> PrefillPool:
+        mb, _, tier = text.partition("+")
+        if not mb.isdigit() or int(mb) <= 0 or tier not in ("", "file", "host"):
+            raise ValueError(f"a prefill pool is <MiB>[+file|+host], got {text!r}")
+        return cls(int(mb), tier or "none")
+
+    def tier_flags(self) -> list[str]:
+        if self.kv_tier == "none":
+            return []
+        return ["--kv-tier", self.kv_tier, "--kv-tier-gib", "2"]
+
+    @property
+    def label(self) -> str:
+        return f"{self.kv_cache_mb}" + ("" if self.kv_tier == "none" else f"+{self.kv_tier}")
 
 
 @dataclass(frozen=True)
@@ -44,6 +73,8 @@ class ModeSpec:
     default_flags: tuple[str, ...] = ()
     """Router flags that restate the router's default: passed only if the router knows them."""
     num_prefill: int = 1
+    prefill_pool: PrefillPool | None = None
+    """The prefill instances' own pool (a ``@`` suffix of the name); None: the run's."""
 
     @property
     def disaggregated(self) -> bool:
@@ -74,11 +105,21 @@ MODE_NAMES: tuple[str, ...] = tuple(m.name for m in MODES)
 
 
 def modes_named(names: list[str]) -> list[ModeSpec]:
+    """The modes `names` (each ``<mode>`` or ``<mode>@<MiB>[+<tier>]``, see the module)."""
     by_name = {m.name: m for m in MODES}
-    unknown = [n for n in names if n not in by_name]
+    unknown = [n for n in names if n.partition("@")[0] not in by_name]
     if unknown:
         raise ValueError(f"unknown modes {unknown}; choose from {list(MODE_NAMES)}")
-    return [by_name[n] for n in names]
+    out = []
+    for n in names:
+        base, _, pool = n.partition("@")
+        spec = by_name[base]
+        if pool:
+            if not spec.disaggregated:
+                raise ValueError(f"{n}: only a mode with prefill instances takes a pool")
+            spec = replace(spec, name=n, prefill_pool=PrefillPool.parse(pool))
+        out.append(spec)
+    return out
 
 
 def _flag_names(flags: tuple[str, ...]) -> list[str]:
@@ -168,7 +209,6 @@ def start_deployment(
         else:
             extra[m.name] = got
     run = [m for m in modes if m.name in extra]
-    num_prefill = max((m.num_prefill for m in run if m.disaggregated), default=0)
     if any(not m.disaggregated for m in run):
         colo_args = [*serve, "--role", "both", *parsing_flags]
         colo = cluster.start("colocated", colo_args, free_port(), cpus=p_cpu)
@@ -177,18 +217,16 @@ def start_deployment(
     p_serve = [*serve]
     if prefill_kv_cache_mb:
         p_serve[p_serve.index("--kv-cache-mb") + 1] = str(prefill_kv_cache_mb)
-    prefills = [
-        cluster.start(f"prefill{i}", [*p_serve, "--role", "prefill"], free_port(), cpus=p_cpu)
-        for i in range(num_prefill)
-    ]
+    prefills = _start_prefills(cluster, run, p_serve, p_cpu)
+    pools = {pool: len(ps) for pool, ps in prefills.items()}
     decode = None
-    if num_prefill:
+    if pools:
         decode = cluster.start("decode", [*serve, "--role", "decode"], free_port(), cpus=d_cpu)
     cluster.wait_healthy(timeout_s=start_timeout_s)
     for m in run:
         if not m.disaggregated or decode is None:
             continue
-        ps = prefills[: m.num_prefill]
+        ps = prefills[m.prefill_pool][: m.num_prefill]
         args = [
             "router",
             "--mode",
@@ -212,10 +250,34 @@ def start_deployment(
         dep.fronts[m.name] = router.url
         dep.instances[m.name] = [Instance(p.url, "prefill") for p in ps]
         dep.instances[m.name].append(Instance(decode.url, "decode"))
-    p_desc = "colocated, P1, P2" if num_prefill > 1 else "colocated and P"
+    p_desc = "colocated, P1, P2" if max(pools.values(), default=0) > 1 else "colocated and P"
+    own = [f"P@{p.label}" for p in pools if p is not None]
+    if own:
+        p_desc += ", " + ", ".join(own)
     routers = f"routers on cpu {p_cpu[0]}" if routers_on_p else "routers and client unpinned"
     dep.pinned = f"{p_desc} on cpu {p_cpu[0]}, D on cpu {d_cpu[0]}, 1 torch thread each; {routers}"
     return dep
+
+
+def _start_prefills(
+    cluster: LocalCluster, run: list[ModeSpec], serve: list[str], cpus: list[int]
+) -> dict[PrefillPool | None, list[Process]]:
+    """The prefill instances of each pool `run` asks for: the run's (None) and the modes' own."""
+    pools: dict[PrefillPool | None, int] = {}
+    for m in run:
+        if m.disaggregated:
+            pools[m.prefill_pool] = max(pools.get(m.prefill_pool, 0), m.num_prefill)
+    prefills = {}
+    for pool, count in pools.items():
+        args = [*serve, "--role", "prefill"]
+        if pool:
+            args[args.index("--kv-cache-mb") + 1] = str(pool.kv_cache_mb)
+            args += pool.tier_flags()
+        tag = f"-{_file_name(pool.label)}" if pool else ""
+        prefills[pool] = [
+            cluster.start(f"prefill{tag}{i}", args, free_port(), cpus=cpus) for i in range(count)
+        ]
+    return prefills
 
 
 def _file_name(mode: str) -> str:
