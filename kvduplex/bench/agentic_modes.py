@@ -10,9 +10,10 @@ restarts:
 
 Modes share P and D; the benchmark keeps them from sharing cached KV by
 giving every mode its own session texts (see `kvduplex.bench.workload`).
-A mode named ``<mode>@<MiB>[+<tier>]`` (``push+duplex@256+file``) gets prefill
-instances of its own with that pool (and KV tier), on P's core: pool sizes run
-side by side in one run, against the same decode.
+A mode named ``<mode>@<MiB>[+file|+host][+lru]`` (``push+duplex@256+file``) gets
+prefill instances of its own with that pool (and KV tier, and LRU eviction instead
+of the session-aware default), on P's core: pool sizes run side by side in one
+run, against the same decode.
 Router flags a mode needs that the router does not know (``--return-mode``,
 ``--short-append-tokens``, when the router predates them) skip that mode,
 with the reason recorded; flags that only restate a router default are
@@ -39,26 +40,39 @@ from kvduplex.cluster import free_port
 
 @dataclass(frozen=True)
 class PrefillPool:
-    """A prefill pool a mode asks for by name: ``@<MiB>[+<tier>]``."""
+    """A prefill pool a mode asks for by name: ``@<MiB>[+file|+host][+lru]``."""
 
     kv_cache_mb: int
     kv_tier: str = "none"
+    eviction: str = "session"
 
     @classmethod
     def parse(cls, text: str) -> PrefillPool:
-        mb, _, tier = text.partition("+")
-        if not mb.isdigit() or int(mb) <= 0 or tier not in ("", "file", "host"):
-            raise ValueError(f"a prefill pool is <MiB>[+file|+host], got {text!r}")
-        return cls(int(mb), tier or "none")
+        mb, *extras = text.split("+")
+        tiers = [e for e in extras if e in ("file", "host")]
+        evictions = [e for e in extras if e == "lru"]
+        if (
+            not mb.isdigit()
+            or int(mb) <= 0
+            or len(tiers) > 1
+            or len(tiers) + len(evictions) < len(extras)
+        ):
+            raise ValueError(f"a prefill pool is <MiB>[+file|+host][+lru], got {text!r}")
+        return cls(int(mb), tiers[0] if tiers else "none", "lru" if evictions else "session")
 
-    def tier_flags(self) -> list[str]:
-        if self.kv_tier == "none":
-            return []
-        return ["--kv-tier", self.kv_tier, "--kv-tier-gib", "2"]
+    def serve_flags(self) -> list[str]:
+        """Flags of a prefill instance with this pool, beside ``--kv-cache-mb``."""
+        flags = ["--eviction", self.eviction]
+        if self.kv_tier != "none":
+            flags += ["--kv-tier", self.kv_tier, "--kv-tier-gib", "2"]
+        return flags
 
     @property
     def label(self) -> str:
-        return f"{self.kv_cache_mb}" + ("" if self.kv_tier == "none" else f"+{self.kv_tier}")
+        extras = ([self.kv_tier] if self.kv_tier != "none" else []) + (
+            [self.eviction] if self.eviction != "session" else []
+        )
+        return "+".join([str(self.kv_cache_mb), *extras])
 
 
 @dataclass(frozen=True)
@@ -272,7 +286,7 @@ def _start_prefills(
         args = [*serve, "--role", "prefill"]
         if pool:
             args[args.index("--kv-cache-mb") + 1] = str(pool.kv_cache_mb)
-            args += pool.tier_flags()
+            args += pool.serve_flags()
         tag = f"-{_file_name(pool.label)}" if pool else ""
         prefills[pool] = [
             cluster.start(f"prefill{tag}{i}", args, free_port(), cpus=cpus) for i in range(count)

@@ -13,8 +13,13 @@ def test_a_pool_suffix_gives_the_mode_its_own_prefill_pool_and_tier() -> None:
     assert small.router_flags == plain.router_flags  # the mode's routing is unchanged
     assert tiered.kv_mode == "push"
     assert tiered.prefill_pool == PrefillPool(512, "file")
-    assert tiered.prefill_pool.tier_flags() == ["--kv-tier", "file", "--kv-tier-gib", "2"]
-    assert PrefillPool(256).tier_flags() == []
+    assert tiered.prefill_pool.serve_flags() == [
+        "--eviction", "session", "--kv-tier", "file", "--kv-tier-gib", "2"
+    ]  # fmt: skip
+    assert PrefillPool(256).serve_flags() == ["--eviction", "session"]
+    (lru,) = modes_named(["push+duplex@256+file+lru"])
+    assert lru.prefill_pool == PrefillPool(256, "file", "lru")
+    assert lru.prefill_pool.label == "256+file+lru"
 
 
 @pytest.mark.parametrize(
@@ -24,6 +29,7 @@ def test_a_pool_suffix_gives_the_mode_its_own_prefill_pool_and_tier() -> None:
         ("push@0", "a prefill pool is"),
         ("push@big", "a prefill pool is"),
         ("push@256+disk", "a prefill pool is"),
+        ("push@256+file+host", "a prefill pool is"),
         ("pushy@256", "unknown modes"),
     ],
 )
