@@ -65,6 +65,11 @@ class EngineHandle:
     def num_cached_prefix(self, keys: Sequence[BlockHash]) -> int:
         return self._engine.kv_manager.num_cached_prefix(keys)
 
+    def num_held_prefix(self, keys: Sequence[BlockHash]) -> int:
+        """How many leading `keys` the pool holds or a lookup would promote from the KV
+        tier (`KVCacheManager.num_held_prefix`); nothing loaded."""
+        return self._engine.kv_manager.num_held_prefix(keys)
+
     def cached_prefix(self, keys: Sequence[BlockHash]) -> list[int]:
         """Block ids of the longest cached prefix of `keys` (promoted from the KV tier if
         need be); no references taken."""

@@ -208,6 +208,26 @@ class KVCacheManager:
         """How many leading `keys` the prefix cache holds."""
         return self.pool.num_cached_prefix(keys) if self.enable_prefix_caching else 0
 
+    def num_held_prefix(self, keys: Sequence[BlockHash]) -> int:
+        """How many leading `keys` a prefix lookup (`cached_prefix`) would reach: the pool's
+        run, the KV tier's run after it, and the pool's run after that. Nothing is loaded
+        or referenced; the tier's entries found are touched (kept longer), and a store
+        tier is asked once, within its deadline::
+
+            keys     k0   k1 | k2   k3 | k4 | k5
+            held     pool    | tier    | pool | -      -> 5
+        """
+        if not self.enable_prefix_caching:
+            return 0
+        num_held = self.pool.num_cached_prefix(keys)
+        if self.tier is None or num_held == len(keys):
+            return num_held
+        num_run = self.tier.tier.find_run(keys[num_held:])
+        if num_run == 0:
+            return num_held
+        num_held += num_run
+        return num_held + self.pool.num_cached_prefix(keys[num_held:])
+
     def try_allocate_blocks(self, num_blocks: int) -> list[int] | None:
         """Fresh blocks (one reference each) for KV that arrives from elsewhere, evicting
         unreferenced cached blocks if needed; None if the pool cannot supply them now."""

@@ -120,13 +120,14 @@ class Sim:
     def __init__(
         self, tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch, *, wait_s: float = 5.0,
         transfer_timeout_s: float = 5.0, quarantine_s: float = 0.5, tick_s: float = 0.05,
-        p_budget: int = 256, lease_s: float = 30.0,
+        p_budget: int = 256, lease_s: float = 30.0, p_tier_blocks: int = 0,
     ) -> None:  # fmt: skip
+        """``p_tier_blocks``: P gets a host KV tier of that many blocks (`close` ends it)."""
         self.clock = Clock()
         for module in CLOCKED:
             monkeypatch.setattr(module, "time", self.clock)
         self.tick_s = tick_s
-        self.p, self.d = _engine(tiny, p_budget), _engine(tiny)
+        self.p, self.d = _engine(tiny, p_budget, p_tier_blocks), _engine(tiny)
         self.timers = ManualTimers(self.clock.now)
         self.fabric = fabric = InProcessFabric(self.timers)
         self.tp: InProcessTransport = fabric.endpoint(self.p.kv_pool, self.p.layout, engine_id="p")
@@ -380,6 +381,12 @@ class Sim:
     def inboxes_pending(self) -> bool:
         fronts = any(not front._inbox.empty() for front in (self.ap, self.ad))
         return fronts or any(i.has_events for i in (self.pf.inbox, self.df.inbox))
+
+    def close(self) -> None:
+        """Close what the engines hold beyond memory (a KV tier's writer thread)."""
+        for engine in (self.p, self.d):
+            if engine.kv_tier is not None:
+                engine.kv_tier.close()
 
     def finished(self, rid: str) -> bool:
         return rid in self.finish
