@@ -12,6 +12,7 @@ from kvduplex.engine.async_engine import describe_call
 from kvduplex.engine.block_pool import BlockHash
 from kvduplex.engine.engine import LLMEngine
 from kvduplex.engine.eviction import ReleaseTag
+from kvduplex.engine.kv_manager import HitSource
 from kvduplex.engine.request import Request
 
 
@@ -78,8 +79,11 @@ class EngineHandle:
     def try_allocate_blocks(self, num_blocks: int) -> list[int] | None:
         return self._engine.kv_manager.try_allocate_blocks(num_blocks)
 
-    def cache_blocks(self, block_ids: Sequence[int], keys: Sequence[BlockHash]) -> int:
-        return self._engine.kv_manager.cache_blocks(block_ids, keys)
+    def cache_blocks(
+        self, block_ids: Sequence[int], keys: Sequence[BlockHash], origin: HitSource | None = None
+    ) -> int:
+        """`origin`: where the blocks' KV came from (`KVCacheManager.cache_blocks`)."""
+        return self._engine.kv_manager.cache_blocks(block_ids, keys, origin)
 
     # ---- requests ----
 

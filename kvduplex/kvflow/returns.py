@@ -51,6 +51,7 @@ from kvduplex.engine.block_pool import BlockHash
 from kvduplex.engine.block_pool import compute_block_hashes
 from kvduplex.engine.eviction import ReleaseTag
 from kvduplex.engine.handle import EngineHandle
+from kvduplex.engine.kv_manager import HitSource
 from kvduplex.engine.request import FinishReason
 from kvduplex.engine.request import Request
 from kvduplex.kvflow.messages import KVDecline
@@ -350,7 +351,7 @@ class ReturnAcceptor:
         self, blocks: list[int], keys: list[BlockHash], session_id: str, msg: KVDone
     ) -> None:
         self.num_blocks_in_flight -= len(blocks)
-        num_cached = self.engine.cache_blocks(blocks, keys)
+        num_cached = self.engine.cache_blocks(blocks, keys, HitSource.DECODE)
         self.engine.release_blocks(blocks, ReleaseTag.returned(session_id))
         self.stats.num_received_blocks += len(blocks)
         if self.metrics is not None:

@@ -32,6 +32,7 @@ from kvduplex.common import kv_store
 from kvduplex.common.config import API_KEY_VAR
 from kvduplex.common.config import host_and_port
 from kvduplex.common.engine_config import CacheConfig
+from kvduplex.common.engine_config import KVTierKind
 from kvduplex.common.engine_config import ModelLoadConfig
 from kvduplex.common.engine_config import SchedulerConfig
 from kvduplex.common.engine_config import TransferConfig
@@ -443,7 +444,7 @@ def test_instances_put_their_tier_on_the_store() -> None:
         assert the(values, "--kv-store-metadata-url") == node_args["metadata_server"]
         assert the(values, "--kv-store-local-host") == "$(POD_IP)" and pod_ip_is_downward(c)
         config = CacheConfig(
-            kv_tier="store", kv_store_master=the(values, "--kv-store-master"),
+            kv_tier=KVTierKind.STORE, kv_store_master=the(values, "--kv-store-master"),
             kv_store_metadata_url=the(values, "--kv-store-metadata-url"),
         )  # fmt: skip
         assert config.store_metadata_url() == node_args["metadata_server"]

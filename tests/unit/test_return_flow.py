@@ -6,10 +6,13 @@ P and D are stepped in one thread (`tests.unit.flow_sim`)."""
 from __future__ import annotations
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from kvduplex.common.sampling import SamplingParams
 from kvduplex.engine.block_pool import compute_block_hashes
 from kvduplex.engine.eviction import EvictionClass
+from kvduplex.engine.kv_manager import HitSource
+from kvduplex.engine.metrics import EngineMetrics
 from kvduplex.engine.request import Request
 from kvduplex.kvflow.messages import KVOffer
 from kvduplex.kvflow.return_pull import RetainSpec
@@ -278,6 +281,11 @@ def test_return_skips_the_blocks_prefills_tier_holds(
         assert s.outputs["p2"] == _reference(tiny, turn2, FIRST)
         assert s.last["p2"].num_cached_tokens == 7 * BS
         assert tier.tier.stats.num_loaded_blocks == 2
+        registry = CollectorRegistry()
+        EngineMetrics(registry).bind_hits(s.p.kv_manager)
+        hits = {src: registry.get_sample_value("kvduplex_kv_hit_tokens_total", {"source": src})
+                for src in ("pool", "tier", "store", "decode")}  # fmt: skip
+        assert hits == {"pool": 2 * BS, "tier": 2 * BS, "store": 0, "decode": 3 * BS}
         s.assert_clean()
     finally:
         s.close()
@@ -311,6 +319,11 @@ def test_offer_whose_parent_only_the_tier_holds_is_taken(
         s.run(lambda: s.finished("p2"))
         assert s.outputs["p2"] == _reference(tiny, turn2, FIRST)
         assert s.last["p2"].num_cached_tokens == 7 * BS
+        by_source = s.p.kv_manager.num_hit_tokens_by_source
+        assert by_source == {
+            HitSource.POOL: 0, HitSource.TIER: 4 * BS, HitSource.STORE: 0,
+            HitSource.DECODE: 3 * BS,
+        }  # fmt: skip
         s.assert_clean()
     finally:
         s.close()
