@@ -256,6 +256,7 @@ class RetainedReader:
             if self.metrics is not None:
                 self.metrics.return_blocks.labels("read").inc(n)
                 self.metrics.return_bytes.labels("read").inc(handle.num_bytes)
+                self.metrics.received_bytes.labels("decode").inc(handle.num_bytes)
         else:
             logger.warning("xid=%s: READ of retained blocks failed: %s", xid, o.reason)
         done.set_result(n)

@@ -357,6 +357,8 @@ class ReturnAcceptor:
         if self.metrics is not None:
             self.metrics.return_blocks.labels("received").inc(len(blocks))
             self.metrics.returns.labels("received").inc()
+            num_bytes = len(blocks) * self.receiver.transport.layout.bytes_per_block
+            self.metrics.received_bytes.labels("decode").inc(num_bytes)
         logger.debug("xid=%s: %d returned blocks cached (%d new)", msg.xid, len(blocks), num_cached)
 
     def _on_failed(self, blocks: list[int], cause: WaitFailure, reason: str) -> None:

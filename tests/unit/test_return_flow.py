@@ -327,3 +327,28 @@ def test_offer_whose_parent_only_the_tier_holds_is_taken(
         s.assert_clean()
     finally:
         s.close()
+
+
+def test_received_bytes_are_counted_by_the_role_they_came_from(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """D counts what prefill pushed or let it pull, P what decode returned or lent."""
+    s = Sim(tiny, monkeypatch, metrics=True)
+    per_block = s.tp.layout.bytes_per_block
+
+    def received(registry: CollectorRegistry, source: str) -> float | None:
+        return registry.get_sample_value("kvduplex_kv_received_bytes_total", {"source": source})
+
+    _turn(s, "t1", PROMPT)  # P pushes the prompt's 5 blocks; D returns the answer's 3
+    s.run(lambda: s.pf.acceptor.stats.num_received_blocks > 0)
+    assert received(s.d_registry, "prefill") == 5 * per_block
+    assert received(s.p_registry, "decode") == 3 * per_block
+    assert received(s.p_registry, "prefill") is None and received(s.d_registry, "decode") is None
+
+    s.pull("pl", [*PROMPT, 90, 91, 92, 93])  # 22 tokens: 6 blocks, 4 of them in D's cache
+    s.run(lambda: s.finished("pl"))
+    s.pull_decode("pl", [*PROMPT, 90, 91, 92, 93])
+    s.run(lambda: s.finished("d-pl"))
+    assert received(s.d_registry, "prefill") == (5 + s.df.pull.stats.num_pulled_blocks) * per_block
+    assert s.df.pull.stats.num_pulled_blocks > 0
+    s.assert_clean()
