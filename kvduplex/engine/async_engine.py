@@ -170,6 +170,7 @@ class AsyncEngine:
                 blocks_total=lambda: pool.stats().total,
             )
             metrics.bind_eviction(pool.evictor)
+            metrics.bind_hits(engine.kv_manager)
             if engine.kv_tier is not None:
                 metrics.bind_kv_tier(engine.kv_tier.tier, engine.layout.block_size)
 

@@ -12,6 +12,7 @@ from kvduplex.engine.async_engine import describe_call
 from kvduplex.engine.block_pool import BlockHash
 from kvduplex.engine.engine import LLMEngine
 from kvduplex.engine.eviction import ReleaseTag
+from kvduplex.engine.kv_manager import HitSource
 from kvduplex.engine.request import Request
 
 
@@ -65,6 +66,11 @@ class EngineHandle:
     def num_cached_prefix(self, keys: Sequence[BlockHash]) -> int:
         return self._engine.kv_manager.num_cached_prefix(keys)
 
+    def num_held_prefix(self, keys: Sequence[BlockHash]) -> int:
+        """How many leading `keys` the pool holds or a lookup would promote from the KV
+        tier (`KVCacheManager.num_held_prefix`); nothing loaded."""
+        return self._engine.kv_manager.num_held_prefix(keys)
+
     def cached_prefix(self, keys: Sequence[BlockHash]) -> list[int]:
         """Block ids of the longest cached prefix of `keys` (promoted from the KV tier if
         need be); no references taken."""
@@ -73,8 +79,11 @@ class EngineHandle:
     def try_allocate_blocks(self, num_blocks: int) -> list[int] | None:
         return self._engine.kv_manager.try_allocate_blocks(num_blocks)
 
-    def cache_blocks(self, block_ids: Sequence[int], keys: Sequence[BlockHash]) -> int:
-        return self._engine.kv_manager.cache_blocks(block_ids, keys)
+    def cache_blocks(
+        self, block_ids: Sequence[int], keys: Sequence[BlockHash], origin: HitSource | None = None
+    ) -> int:
+        """`origin`: where the blocks' KV came from (`KVCacheManager.cache_blocks`)."""
+        return self._engine.kv_manager.cache_blocks(block_ids, keys, origin)
 
     # ---- requests ----
 

@@ -26,10 +26,16 @@ Block hashes are computed once per full block and kept on the Request
 With a KV tier below the pool (`kvduplex.engine.tier_link`), a lookup that stops
 at a key the pool lacks promotes the run of following keys the tier holds, and
 those blocks count as hits like any other.
+
+Hits by source (`num_hit_tokens_by_source`): a cached block that came from
+elsewhere (promoted from the tier or the store, or sent by decode: a duplex
+return, a retained turn, a fetch) carries its origin until its first hit at an
+admission, which counts it there; every other hit counts as the pool's own.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,6 +52,19 @@ if TYPE_CHECKING:
     from kvduplex.engine.tier_link import TierLink
 
 logger = logging.getLogger(__name__)
+
+
+class HitSource(enum.Enum):
+    """Where the KV of a prefix-cache hit was before the admission that used it."""
+
+    POOL = "pool"
+    """This instance's own pool (computed here, or hit before)."""
+    TIER = "tier"
+    """Promoted from this instance's host or file tier."""
+    STORE = "store"
+    """Promoted from the shared store."""
+    DECODE = "decode"
+    """Sent or lent by a decode instance (a duplex return, a retained turn, a fetch)."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +98,10 @@ class KVCacheManager:
         # Prefix-cache hit rate = num_hit_tokens / num_queried_tokens, over admissions.
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
+        self.num_hit_tokens_by_source = dict.fromkeys(HitSource, 0)
+        """`num_hit_tokens` by where the blocks were (engine thread; read at scrape)."""
+        self._origins: dict[int, HitSource] = {}
+        """Cached blocks that came from elsewhere, until their first hit (or reuse)."""
 
     @property
     def enable_prefix_caching(self) -> bool:
@@ -127,8 +150,15 @@ class KVCacheManager:
             return []
         block_ids = self.pool.lookup(keys)
         tier = self.tier
-        if tier is not None and len(block_ids) < len(keys) and tier.promote(keys, block_ids):
+        if tier is None or len(block_ids) == len(keys):
+            return block_ids
+        num_hit = len(block_ids)
+        num_promoted = tier.promote(keys, block_ids)
+        if num_promoted:
             block_ids = self.pool.lookup(keys)
+            source = HitSource.STORE if tier.is_shared else HitSource.TIER
+            for block_id in block_ids[num_hit : num_hit + num_promoted]:
+                self._origins[block_id] = source
         return block_ids
 
     def try_allocate_slots(
@@ -154,6 +184,7 @@ class KVCacheManager:
         self.pool.acquire(hit.block_ids)
         new_block_ids = self.pool.try_allocate(num_new_blocks)
         assert new_block_ids is not None, "allocation failed after the capacity check"
+        self._forget_origins(new_block_ids)
         if hit.block_ids:
             req.block_ids.extend(hit.block_ids)
             self._num_cached_blocks[req.request_id] = len(hit.block_ids)
@@ -161,7 +192,16 @@ class KVCacheManager:
         if is_admission:
             self.num_queried_tokens += req.num_tokens
             self.num_hit_tokens += hit.num_tokens
+            for block_id in hit.block_ids:
+                source = self._origins.pop(block_id, HitSource.POOL)
+                self.num_hit_tokens_by_source[source] += self.block_size
         return new_block_ids
+
+    def _forget_origins(self, block_ids: Sequence[int]) -> None:
+        """Freshly allocated blocks hold nothing from elsewhere (any more)."""
+        if self._origins:
+            for block_id in block_ids:
+                self._origins.pop(block_id, None)
 
     def cache_full_blocks(self, req: Request) -> int:
         """Insert the request's newly computed full blocks into the prefix cache.
@@ -208,19 +248,52 @@ class KVCacheManager:
         """How many leading `keys` the prefix cache holds."""
         return self.pool.num_cached_prefix(keys) if self.enable_prefix_caching else 0
 
+    def num_held_prefix(self, keys: Sequence[BlockHash]) -> int:
+        """How many leading `keys` a prefix lookup (`cached_prefix`) would reach: the pool's
+        run, the KV tier's run after it, and the pool's run after that. Nothing is loaded
+        or referenced; the tier's entries found are touched (kept longer), and a store
+        tier is asked once, within its deadline::
+
+            keys     k0   k1 | k2   k3 | k4 | k5
+            held     pool    | tier    | pool | -      -> 5
+        """
+        if not self.enable_prefix_caching:
+            return 0
+        num_held = self.pool.num_cached_prefix(keys)
+        if self.tier is None or num_held == len(keys):
+            return num_held
+        num_run = self.tier.tier.find_run(keys[num_held:])
+        if num_run == 0:
+            return num_held
+        num_held += num_run
+        return num_held + self.pool.num_cached_prefix(keys[num_held:])
+
     def try_allocate_blocks(self, num_blocks: int) -> list[int] | None:
         """Fresh blocks (one reference each) for KV that arrives from elsewhere, evicting
         unreferenced cached blocks if needed; None if the pool cannot supply them now."""
-        return self.pool.try_allocate(num_blocks)
+        block_ids = self.pool.try_allocate(num_blocks)
+        if block_ids is not None:
+            self._forget_origins(block_ids)
+        return block_ids
 
-    def cache_blocks(self, block_ids: Sequence[int], keys: Sequence[BlockHash]) -> int:
+    def cache_blocks(
+        self,
+        block_ids: Sequence[int],
+        keys: Sequence[BlockHash],
+        origin: HitSource | None = None,
+    ) -> int:
         """Insert filled blocks into the prefix cache under `keys`; the number newly cached
-        (a key another block already holds keeps that block)."""
+        (a key another block already holds keeps that block). `origin`: where their KV
+        came from, counted at their first hit (None: computed here)."""
         if not self.enable_prefix_caching:
             return 0
-        return sum(
-            1 for b, k in zip(block_ids, keys, strict=True) if self.pool.insert_cached(b, k) == b
-        )
+        num_cached = 0
+        for b, k in zip(block_ids, keys, strict=True):
+            if self.pool.insert_cached(b, k) == b:
+                num_cached += 1
+                if origin is not None:
+                    self._origins[b] = origin
+        return num_cached
 
     def note_session(self, session_id: str | None) -> None:
         """A request arrived: its session's cached blocks count as live again."""
@@ -235,4 +308,4 @@ class KVCacheManager:
         self._num_cached_blocks.pop(req.request_id, None)
 
 
-__all__ = ["KVCacheManager", "PrefixHit"]
+__all__ = ["HitSource", "KVCacheManager", "PrefixHit"]

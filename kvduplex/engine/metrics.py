@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 
 from kvduplex.common.metrics import MetricFactory
 from kvduplex.engine.eviction import Evictor
+from kvduplex.engine.kv_manager import KVCacheManager
 from kvduplex.engine.kv_tier import KVTier
 from kvduplex.engine.kv_tier_store import StoreTier
 
@@ -93,6 +94,33 @@ class EngineMetrics:
     def bind_eviction(self, evictor: Evictor) -> None:
         """Export the pool's evictions by class (read from the evictor at scrape time)."""
         self.registry.register(EvictionCollector(evictor))
+
+    def bind_hits(self, kv: KVCacheManager) -> None:
+        """Export the prefix-cache hits by source (read from the manager at scrape time)."""
+        self.registry.register(HitSourceCollector(kv))
+
+
+class HitSourceCollector(Collector):
+    """``kvduplex_kv_hit_tokens_total{source}``: prefix-cache hits at admission by where
+    their blocks were (`kvduplex.engine.kv_manager.HitSource`)."""
+
+    def __init__(self, kv: KVCacheManager) -> None:
+        self.kv = kv
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "kvduplex_kv_hit_tokens",
+            "Prompt tokens found in the prefix cache at admission instead of computed, by "
+            "where their KV was: pool (this instance's own pool: prefill's on a prefill "
+            "instance, decode's on decode), tier (promoted from its host or file tier), "
+            "store (promoted from the shared store), decode (sent or lent by a decode "
+            "instance: a duplex return, a retained turn, a fetch). A block from elsewhere "
+            "counts for its source at its first hit, as the pool's afterwards.",
+            labels=["source"],
+        )
+        for source, num in list(self.kv.num_hit_tokens_by_source.items()):
+            family.add_metric([source.value], num)
+        yield family
 
 
 class EvictionCollector(Collector):

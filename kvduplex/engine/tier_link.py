@@ -51,6 +51,8 @@ class TierLink:
         self.tier = tier
         self.kv_pool = kv_pool
         self.pool = pool
+        self.is_shared = isinstance(tier, StoreTier)
+        """The tier is the store that instances share (its hits count as the store's)."""
         pool.on_evict = self.demote
 
     def demote(self, block_id: int, key: BlockHash) -> None:

@@ -47,6 +47,14 @@ class KVFlowMetrics:
         self.received_tokens = m.counter(
             "received_tokens", "Prompt tokens whose KV arrived from another instance."
         )
+        self.received_bytes = m.counter(
+            "received_bytes",
+            "Bytes of KV that arrived into this instance's pool from another instance, by "
+            "the role of the one it came from: prefill (a push or a pull, on decode), "
+            "decode (a duplex return, a retained turn or a fetch, on prefill). What the KV "
+            "tier or the store loaded: kvduplex_kv_tier_read_bytes_total.",
+            ["source"],
+        )
 
         self.returns = m.counter(
             "returns",

@@ -287,6 +287,7 @@ class PullConnector:
             self.stats.num_pulled_blocks += num_read
             if self.metrics is not None:
                 self.metrics.received_tokens.inc(req.num_prompt_tokens - req.num_cached_tokens)
+                self.metrics.received_bytes.labels("prefill").inc(num_bytes)
         else:
             self._finished.append(KVReceiveFailed(rid, discard_blocks=discard_blocks))
 

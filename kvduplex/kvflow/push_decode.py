@@ -208,6 +208,7 @@ class PushDecode:
         self.stats.num_received_blocks += num_blocks
         if self.metrics is not None:
             self.metrics.received_tokens.inc(msg.num_tokens - req.num_cached_tokens)
+            self.metrics.received_bytes.labels("prefill").inc(num_bytes)
 
     def _on_first_token(self, rid: str, token: int) -> None:
         """Prefill sampled the first token (the router may have sent it to the client

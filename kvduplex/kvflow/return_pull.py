@@ -33,6 +33,7 @@ from kvduplex.engine.block_pool import BlockHash
 from kvduplex.engine.block_pool import compute_block_hashes
 from kvduplex.engine.engine import LLMEngine
 from kvduplex.engine.handle import EngineHandle
+from kvduplex.engine.kv_manager import HitSource
 from kvduplex.engine.request import FinishReason
 from kvduplex.engine.request import Request
 from kvduplex.kvflow.flow_io import FlowIO
@@ -249,12 +250,13 @@ class RetainedReader:
         nothing can land in them)."""
         n = 0
         if o.ok and handle is not None:
-            self.engine.cache_blocks(local, keys)
+            self.engine.cache_blocks(local, keys, HitSource.DECODE)
             n = len(local)
             self.num_read_blocks += n
             if self.metrics is not None:
                 self.metrics.return_blocks.labels("read").inc(n)
                 self.metrics.return_bytes.labels("read").inc(handle.num_bytes)
+                self.metrics.received_bytes.labels("decode").inc(handle.num_bytes)
         else:
             logger.warning("xid=%s: READ of retained blocks failed: %s", xid, o.reason)
         done.set_result(n)

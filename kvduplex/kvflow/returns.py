@@ -6,7 +6,7 @@ It is the push flow reversed, built from the same `KVSender` (on decode) and
     D: turn finished (blocks held) ── next step, after the answer went out
     D: KVOffer{session, keys, token ids, parent key} ──────────────► P
                          P: recompute the keys from the tokens (else decline);
-                            keep the leading blocks it has, allocate the rest
+                            keep the leading blocks it has (pool or tier), allocate the rest
                             (evicting unreferenced cached blocks) or decline
     D ◄── KVRegister{dst for blocks first_block..} (or KVDecline) ── P
     D: one WRITE of every layer of those blocks ──────────────────► P's blocks
@@ -27,7 +27,11 @@ computed the prompt itself: a short append, or a fallback). It ends at the
 last full block whose KV decode computed, or earlier where the request's
 ``max_tokens`` says (the router's limit: a reasoning the client will strip
 is never hit, so never sent). Prefill answers with the first
-offered block it lacks, so what it has is never sent again.
+offered block it lacks, so what it has is never sent again: a block its KV tier
+holds counts as held (its next lookup promotes it), so it is not sent either::
+
+    offered   k4   k5   k6   k7   k8
+    P holds   pool pool tier tier  -     -> KVRegister{first_block 4}: only k8 moves
 
 The routes reach this machinery only through the flow's facade,
 `return_flow` (its decode and prefill halves side by side).
@@ -47,6 +51,7 @@ from kvduplex.engine.block_pool import BlockHash
 from kvduplex.engine.block_pool import compute_block_hashes
 from kvduplex.engine.eviction import ReleaseTag
 from kvduplex.engine.handle import EngineHandle
+from kvduplex.engine.kv_manager import HitSource
 from kvduplex.engine.request import FinishReason
 from kvduplex.engine.request import Request
 from kvduplex.kvflow.messages import KVDecline
@@ -233,7 +238,8 @@ class ReturnOfferer:
 
 
 class ReturnAcceptor:
-    """Prefill's side: take the blocks of an offer its prefix cache lacks (engine thread)."""
+    """Prefill's side: take the blocks of an offer it lacks, in its prefix cache and in
+    the KV tier below it (engine thread)."""
 
     def __init__(
         self,
@@ -277,10 +283,12 @@ class ReturnAcceptor:
             self._count_refusal("unknown_peer")
             return
         problem, keys = self._check(msg)
+        num_have = 0
+        if problem is None:
+            problem, num_have = self._num_held(msg, keys)
         if problem is not None:
             self._decline(peer, msg.xid, problem)
             return
-        num_have = self.engine.num_cached_prefix(keys)
         missing = keys[num_have:]
         if not missing:
             self._decline(peer, msg.xid, "has_all", num_have)
@@ -316,10 +324,19 @@ class ReturnAcceptor:
         keys = compute_block_hashes(msg.token_ids, bs, self.engine.identity, parent)
         if [bytes(k) for k in keys] != list(msg.keys):
             return "keys_mismatch", []
-        if parent is not None and self.engine.num_cached_prefix([parent]) == 0:
-            # Blocks after a prefix we lack could never be hit: lookups stop at a miss.
-            return "prefix_missing", []
         return None, keys
+
+    def _num_held(self, msg: KVOffer, keys: list[BlockHash]) -> tuple[str | None, int]:
+        """How many leading offered blocks this instance holds, in its pool or in the KV
+        tier below it (a lookup promotes those; one question to the tier, nothing loaded),
+        or why the offer cannot be taken: its parent is held nowhere (blocks after a prefix
+        we lack could never be hit: lookups stop at a miss)."""
+        if msg.parent_key is None:
+            return None, self.engine.num_held_prefix(keys)
+        num_held = self.engine.num_held_prefix([BlockHash(msg.parent_key), *keys])
+        if num_held == 0:
+            return "prefix_missing", 0
+        return None, num_held - 1
 
     def _decline(self, peer: PeerHandle, xid: str, reason: str, num_held: int = 0) -> None:
         self._count_refusal(reason)
@@ -334,12 +351,14 @@ class ReturnAcceptor:
         self, blocks: list[int], keys: list[BlockHash], session_id: str, msg: KVDone
     ) -> None:
         self.num_blocks_in_flight -= len(blocks)
-        num_cached = self.engine.cache_blocks(blocks, keys)
+        num_cached = self.engine.cache_blocks(blocks, keys, HitSource.DECODE)
         self.engine.release_blocks(blocks, ReleaseTag.returned(session_id))
         self.stats.num_received_blocks += len(blocks)
         if self.metrics is not None:
             self.metrics.return_blocks.labels("received").inc(len(blocks))
             self.metrics.returns.labels("received").inc()
+            num_bytes = len(blocks) * self.receiver.transport.layout.bytes_per_block
+            self.metrics.received_bytes.labels("decode").inc(num_bytes)
         logger.debug("xid=%s: %d returned blocks cached (%d new)", msg.xid, len(blocks), num_cached)
 
     def _on_failed(self, blocks: list[int], cause: WaitFailure, reason: str) -> None:

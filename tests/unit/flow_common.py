@@ -7,6 +7,7 @@ import pytest
 
 from kvduplex.common.engine_config import CacheConfig
 from kvduplex.common.engine_config import EngineConfig
+from kvduplex.common.engine_config import KVTierKind
 from kvduplex.common.engine_config import ModelLoadConfig
 from kvduplex.common.engine_config import SchedulerConfig
 from kvduplex.common.sampling import SamplingParams
@@ -29,9 +30,11 @@ def tiny() -> LoadedModel:
     return load_model(ModelLoadConfig(model="tiny", seed=0))
 
 
-def _engine(tiny: LoadedModel, budget: int = 256) -> LLMEngine:
+def _engine(tiny: LoadedModel, budget: int = 256, tier_blocks: int = 0) -> LLMEngine:
+    """An engine of 64 blocks; with `tier_blocks`, a host KV tier of that many below it."""
+    tier = KVTierKind.HOST if tier_blocks else KVTierKind.NONE
     cfg = EngineConfig(
-        cache=CacheConfig(block_size=BS, num_blocks=64),
+        cache=CacheConfig(block_size=BS, num_blocks=64, kv_tier=tier, kv_tier_blocks=tier_blocks),
         scheduler=SchedulerConfig(max_num_batched_tokens=budget),
     )
     return LLMEngine(cfg, loaded=tiny)

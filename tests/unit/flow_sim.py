@@ -27,6 +27,7 @@ from collections import defaultdict
 from collections.abc import Callable
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from kvduplex.common.sampling import SamplingParams
 from kvduplex.engine.async_engine import AsyncEngine
@@ -54,6 +55,7 @@ from kvduplex.kvflow.flow_io import IORequest
 from kvduplex.kvflow.inbox import FlowInbox
 from kvduplex.kvflow.lease import LeaseTable
 from kvduplex.kvflow.messages import ids_digest
+from kvduplex.kvflow.metrics import KVFlowMetrics
 from kvduplex.kvflow.pull import PullSpec
 from kvduplex.kvflow.push_decode import PushSpec
 from kvduplex.kvflow.returns import ReturnSpec
@@ -120,13 +122,17 @@ class Sim:
     def __init__(
         self, tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch, *, wait_s: float = 5.0,
         transfer_timeout_s: float = 5.0, quarantine_s: float = 0.5, tick_s: float = 0.05,
-        p_budget: int = 256, lease_s: float = 30.0,
+        p_budget: int = 256, lease_s: float = 30.0, p_tier_blocks: int = 0,
+        metrics: bool = False,
     ) -> None:  # fmt: skip
+        """``p_tier_blocks``: P gets a host KV tier of that many blocks (`close` ends it);
+        ``metrics``: each side's flows count into a registry of its own (`p_registry`,
+        `d_registry`)."""
         self.clock = Clock()
         for module in CLOCKED:
             monkeypatch.setattr(module, "time", self.clock)
         self.tick_s = tick_s
-        self.p, self.d = _engine(tiny, p_budget), _engine(tiny)
+        self.p, self.d = _engine(tiny, p_budget, p_tier_blocks), _engine(tiny)
         self.timers = ManualTimers(self.clock.now)
         self.fabric = fabric = InProcessFabric(self.timers)
         self.tp: InProcessTransport = fabric.endpoint(self.p.kv_pool, self.p.layout, engine_id="p")
@@ -144,13 +150,16 @@ class Sim:
         self.pumps = [NotificationPump(self.tp), NotificationPump(self.td)]
         self.released: list[tuple[str, str]] = []
         """``(prefill_url, xid)`` of each release decode sent (P's route ends the lease)."""
+        self.p_registry, self.d_registry = CollectorRegistry(), CollectorRegistry()
+        p_metrics = KVFlowMetrics(self.p_registry) if metrics else None
+        d_metrics = KVFlowMetrics(self.d_registry) if metrics else None
         self.pf: PrefillFlows = prefill_flows(
-            self.tp, self.ap, self.pumps[0], self.timing, self.peers_of_p.get
+            self.tp, self.ap, self.pumps[0], self.timing, self.peers_of_p.get, p_metrics
         )
         self.leases = LeaseTable(EngineHandle(self.ap), lease_s, self.pf.inbox)
         """P's pull leases, as its prefill routes keep them (started by `pull_spec`)."""
         self.df: DecodeFlows = decode_flows(
-            self.td, self.ad, self.pumps[1], self.timing, self.peers_of_d.get,
+            self.td, self.ad, self.pumps[1], self.timing, self.peers_of_d.get, d_metrics,
             release=self._release,
         )  # fmt: skip
         self.io_log: list[IORequest] = []
@@ -380,6 +389,12 @@ class Sim:
     def inboxes_pending(self) -> bool:
         fronts = any(not front._inbox.empty() for front in (self.ap, self.ad))
         return fronts or any(i.has_events for i in (self.pf.inbox, self.df.inbox))
+
+    def close(self) -> None:
+        """Close what the engines hold beyond memory (a KV tier's writer thread)."""
+        for engine in (self.p, self.d):
+            if engine.kv_tier is not None:
+                engine.kv_tier.close()
 
     def finished(self, rid: str) -> bool:
         return rid in self.finish

@@ -28,9 +28,11 @@ from pydantic import BaseModel
 
 from kvduplex.cli.settings import RouterSettings
 from kvduplex.cli.settings import ServeSettings
+from kvduplex.common import kv_store
 from kvduplex.common.config import API_KEY_VAR
 from kvduplex.common.config import host_and_port
 from kvduplex.common.engine_config import CacheConfig
+from kvduplex.common.engine_config import KVTierKind
 from kvduplex.common.engine_config import ModelLoadConfig
 from kvduplex.common.engine_config import SchedulerConfig
 from kvduplex.common.engine_config import TransferConfig
@@ -51,7 +53,9 @@ from tests.unit.conftest import tiny_instance
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBE = ROOT / "deploy" / "kubernetes"
-OVERLAYS = ("cpu", "gpu")
+OVERLAYS = ("cpu", "gpu", "cpu-kv-store")
+KVDUPLEX_COMPONENTS = ("prefill", "decode", "router")
+"""The Deployments that run kvduplex itself (the store's run Mooncake's programs)."""
 KUBERNETES_VERSION = "1.30"
 """The Kubernetes API the manifests are validated against (the oldest supported)."""
 
@@ -81,10 +85,15 @@ def by_kind(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
     return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
 
 
+def component_of(dep: dict[str, Any]) -> str:
+    return str(dep["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"])
+
+
 def deployments(docs: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any]]]:
     """(component, Deployment) for prefill, decode and router."""
     for dep in by_kind(docs, "Deployment").values():
-        yield dep["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"], dep
+        if component_of(dep) in KVDUPLEX_COMPONENTS:
+            yield component_of(dep), dep
 
 
 def container(dep: dict[str, Any]) -> dict[str, Any]:
@@ -195,7 +204,7 @@ def test_pods_get_no_service_links(overlay: str) -> None:
     into every pod of its namespace: no pod takes service links."""
     docs = rendered(overlay)
     pods = [d["spec"]["template"]["spec"] for d in docs if "template" in d.get("spec", {})]
-    assert len(pods) == 3
+    assert len(pods) == (5 if overlay == "cpu-kv-store" else 3)
     for pod in pods:
         assert pod["enableServiceLinks"] is False
 
@@ -360,6 +369,96 @@ def test_cpu_overlay_moves_kv_over_tcp() -> None:
         if component != "router":
             env = {e["name"]: e.get("value") for e in c["env"]}
             assert env["UCX_TLS"] == "tcp"
+
+
+# --- the shared KV store (components/kv-store, opt-in) -------------------------------
+
+STORE_OVERLAY = "cpu-kv-store"
+
+
+def store_parts(docs: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The store's master and storage node Deployments."""
+    deps = {component_of(d): d for d in by_kind(docs, "Deployment").values()}
+    return deps["kv-store-master"], deps["kv-store-node"]
+
+
+def named_ports(c: dict[str, Any]) -> dict[str, int]:
+    return {p["name"]: p["containerPort"] for p in c["ports"]}
+
+
+def pod_ip_is_downward(c: dict[str, Any]) -> bool:
+    (pod_ip,) = [e for e in c["env"] if e["name"] == "POD_IP"]
+    return bool(pod_ip["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP")
+
+
+def test_store_runs_the_programs_kvduplex_up_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The master's and the node's command lines are `master_command`'s and
+    `storage_node_command`'s, the program found in the installed package as
+    `mooncake_binary` finds it; they reach each other through the master's Service."""
+    monkeypatch.setattr(kv_store, "mooncake_binary", Path)
+    docs = rendered(STORE_OVERLAY)
+    master_dep, node_dep = store_parts(docs)
+    master, node = container(master_dep), container(node_dep)
+    for c, program in ((master, "mooncake_master"), (node, "mooncake_client")):
+        shell, dash_c, script, name = c["command"]
+        assert (shell, dash_c, name) == ("/bin/sh", "-c", program)
+        assert "mooncake_binary(sys.argv[1])" in script and script.endswith('"$@"')
+        probes = [c[k]["httpGet"] for k in ("livenessProbe", "readinessProbe")]
+        assert all(p == {"path": "/health", "port": "health"} for p in probes), program
+    ports = named_ports(master)
+    assert ["mooncake_master", *master["args"]] == [str(a) for a in kv_store.master_command(
+        "0.0.0.0", ports["rpc"], ports["metadata"], ports["health"]
+    )]  # fmt: skip
+    assert master_dep["spec"]["replicas"] == 1, "two masters would be two stores"
+
+    (service,) = [s for s in by_kind(docs, "Service").values() if s["metadata"]["name"] ==
+                  "kvduplex-kv-store"]  # fmt: skip
+    assert service["spec"]["selector"]["app.kubernetes.io/component"] == "kv-store-master"
+    by_port = {p["name"]: (p["port"], p["targetPort"]) for p in service["spec"]["ports"]}
+    assert by_port == {"rpc": (ports["rpc"], "rpc"), "metadata": (ports["metadata"], "metadata")}
+    master_address = f"kvduplex-kv-store:{ports['rpc']}"
+    metadata_url = f"http://kvduplex-kv-store:{ports['metadata']}/metadata"
+
+    segment = int(next(a for a in node["args"] if a.startswith("--global_segment_size="))
+                  .partition("=")[2])  # fmt: skip
+    node_ports = named_ports(node)
+    assert [str(a) for a in kv_store.storage_node_command(
+        master_address, metadata_url, "$(POD_IP)", node_ports["transfer"],
+        node_ports["health"], segment / 2**30,
+    )] == ["mooncake_client", *node["args"]]  # fmt: skip
+    assert pod_ip_is_downward(node)
+    memory = node["resources"]["requests"]["memory"]
+    assert memory.endswith("Gi") and int(memory[:-2]) * 2**30 > segment, "room for the segment"
+
+
+def test_instances_put_their_tier_on_the_store() -> None:
+    docs = rendered(STORE_OVERLAY)
+    _, node = store_parts(docs)
+    node_args = dict(a.removeprefix("--").split("=", 1) for a in container(node)["args"])
+    deps = dict(deployments(docs))
+    for role in ("prefill", "decode"):
+        c = container(deps[role])
+        values = flag_values(c["args"])
+        assert the(values, "--kv-tier") == "store"
+        assert the(values, "--kv-store-master") == node_args["master_server_address"]
+        assert the(values, "--kv-store-metadata-url") == node_args["metadata_server"]
+        assert the(values, "--kv-store-local-host") == "$(POD_IP)" and pod_ip_is_downward(c)
+        config = CacheConfig(
+            kv_tier=KVTierKind.STORE, kv_store_master=the(values, "--kv-store-master"),
+            kv_store_metadata_url=the(values, "--kv-store-metadata-url"),
+        )  # fmt: skip
+        assert config.store_metadata_url() == node_args["metadata_server"]
+        assert c["image"] == container(node)["image"], "one image, with the store extra"
+    assert "--kv-tier" not in flag_values(container(deps["router"])["args"])
+
+
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+def test_the_store_is_opt_in(overlay: str) -> None:
+    docs = rendered(overlay)
+    components = {component_of(d) for d in by_kind(docs, "Deployment").values()}
+    assert components == set(KVDUPLEX_COMPONENTS)
+    for _, dep in deployments(docs):
+        assert "--kv-tier" not in flag_values(container(dep)["args"])
 
 
 def test_pending_flags_and_routes_have_landed(

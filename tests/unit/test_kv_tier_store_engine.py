@@ -87,6 +87,12 @@ def test_a_prompt_one_engine_demoted_the_other_serves_from_the_store(
     text = generate_latest(registry).decode()
     assert "kvduplex_kv_tier_hit_blocks_total 9.0\n" in text
     assert "kvduplex_kv_tier_store_up 1.0\n" in text
+    assert 'kvduplex_kv_hit_tokens_total{source="store"} 36.0\n' in text
+    assert 'kvduplex_kv_hit_tokens_total{source="pool"} 0.0\n' in text
+    assert run_one(second, "c", PROMPT).num_cached_tokens == 36  # now from its own pool
+    text = generate_latest(registry).decode()
+    assert 'kvduplex_kv_hit_tokens_total{source="store"} 36.0\n' in text
+    assert 'kvduplex_kv_hit_tokens_total{source="pool"} 36.0\n' in text
 
 
 @pytest.mark.parametrize("fault", ["down", "hung"])

@@ -6,17 +6,22 @@ P and D are stepped in one thread (`tests.unit.flow_sim`)."""
 from __future__ import annotations
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from kvduplex.common.sampling import SamplingParams
 from kvduplex.engine.block_pool import compute_block_hashes
 from kvduplex.engine.eviction import EvictionClass
+from kvduplex.engine.kv_manager import HitSource
+from kvduplex.engine.metrics import EngineMetrics
 from kvduplex.engine.request import Request
 from kvduplex.kvflow.messages import KVOffer
 from kvduplex.kvflow.return_pull import RetainSpec
+from kvduplex.kvflow.returns import ReturnSpec
 from kvduplex.model.loader import LoadedModel
 from tests.unit.flow_common import BS
 from tests.unit.flow_common import FIRST
 from tests.unit.flow_common import PROMPT
+from tests.unit.flow_common import Starved
 from tests.unit.flow_common import _reference
 from tests.unit.flow_common import tiny as tiny  # the module-scoped model fixture
 from tests.unit.flow_sim import Sim
@@ -225,3 +230,125 @@ def test_retained_turn_is_read_by_prefill(tiny: LoadedModel, monkeypatch: pytest
     assert _p_cached_prefix(s, history) == 28
     s.df.retainer._expire()  # nothing expired yet
     assert s.df.retainer.num_retained() == 1
+
+
+def test_return_skips_the_blocks_prefills_tier_holds(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """P's pool evicted part of the session's prompt into its KV tier before D's offer
+    came: P counts the tier's blocks as held (its next lookup promotes them), so D moves
+    only the blocks held nowhere, and the next turn is exact over pool, tier and return::
+
+        blocks    0    1  |  2    3  |  4    5    6
+        P         pool    |  tier    |  lacks: the only blocks D WRITEs
+    """
+    s = Sim(tiny, monkeypatch, p_tier_blocks=16)
+    try:
+        offers = s.intercept(s.tp, KVOffer)  # held back until P's pool evicted
+        s.push("t1", PROMPT, ANSWER, meta=ReturnSpec("s1", s.p_peer, from_block=0))
+        s.run(lambda: len(offers) == 1 and s.finished("t1"))
+        s.run(lambda: s.pf.sender.num_jobs() == 0)  # P's prefill released its blocks
+        history = PROMPT + s.outputs["d-t1"]
+        keys = compute_block_hashes(history[: 7 * BS], BS, s.p.kv_manager.identity)
+        assert s.p.block_pool.num_cached_prefix(keys) == 4  # P computed the prompt
+
+        # Two more blocks than are free: P evicts its two least recently released
+        # cached blocks, the prompt's tail (blocks 3 and 2), down into its tier.
+        hog = s.p.kv_manager.try_allocate_blocks(s.p.block_pool.stats().num_free + 2)
+        assert hog is not None
+        s.p.kv_manager.release_blocks(hog)
+        tier = s.p.kv_tier
+        assert tier is not None
+        assert s.p.block_pool.num_cached_prefix(keys) == 2
+        assert [tier.tier.contains(k) for k in keys[:4]] == [False, False, True, True]
+        assert s.p.kv_manager.num_held_prefix(keys) == 4
+
+        msg, sender = offers[0]
+        assert isinstance(msg, KVOffer) and len(msg.keys) == 7
+        s.pf.inbox.heard(msg, sender)
+        s.run(lambda: s.pf.acceptor.stats.num_received_blocks > 0)
+        rec = s.df.offerer.records()["d-t1"]
+        assert (rec["num_offered_blocks"], rec["num_sent_blocks"]) == (7, 3)
+        assert rec["num_sent_bytes"] == 3 * s.td.layout.bytes_per_block
+        assert s.pf.acceptor.stats.num_received_blocks == 3
+        assert tier.tier.stats.num_loaded_blocks == 0, "nothing loaded to answer the offer"
+        s.assert_clean()
+
+        # Next turn: the pool's blocks, the tier's promoted, then the returned ones.
+        turn2 = [*history, 40, 41, 42, 43, 44]
+        s.p.add_request(Request("p2", turn2, FIRST))
+        s.run(lambda: s.finished("p2"))
+        assert s.outputs["p2"] == _reference(tiny, turn2, FIRST)
+        assert s.last["p2"].num_cached_tokens == 7 * BS
+        assert tier.tier.stats.num_loaded_blocks == 2
+        registry = CollectorRegistry()
+        EngineMetrics(registry).bind_hits(s.p.kv_manager)
+        hits = {src: registry.get_sample_value("kvduplex_kv_hit_tokens_total", {"source": src})
+                for src in ("pool", "tier", "store", "decode")}  # fmt: skip
+        assert hits == {"pool": 2 * BS, "tier": 2 * BS, "store": 0, "decode": 3 * BS}
+        s.assert_clean()
+    finally:
+        s.close()
+
+
+def test_offer_whose_parent_only_the_tier_holds_is_taken(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The offer's first block extends a prefix P's pool evicted into its tier: P takes
+    it (a lookup promotes the prefix) instead of declining ``prefix_missing``."""
+    s = Sim(tiny, monkeypatch, p_tier_blocks=16)
+    try:
+        offers = s.intercept(s.tp, KVOffer)
+        s.push("t1", PROMPT, ANSWER, session="s1")  # offers blocks 4..6, parent block 3
+        s.run(lambda: len(offers) == 1 and s.finished("t1"))
+        s.run(lambda: s.pf.sender.num_jobs() == 0)
+        starved = Starved(s.p)  # every cached block of P goes down into its tier
+        starved.end()
+        history = PROMPT + s.outputs["d-t1"]
+        keys = compute_block_hashes(history[: 7 * BS], BS, s.p.kv_manager.identity)
+        assert s.p.block_pool.num_cached_prefix(keys) == 0
+        msg, sender = offers[0]
+        s.pf.inbox.heard(msg, sender)
+        s.run(lambda: s.pf.acceptor.stats.num_received_blocks > 0)
+        assert s.df.offerer.records()["d-t1"]["num_sent_blocks"] == 3
+        assert s.pf.acceptor.stats.num_refused == 0
+        s.assert_clean()
+
+        turn2 = [*history, 40, 41, 42, 43, 44]
+        s.p.add_request(Request("p2", turn2, FIRST))
+        s.run(lambda: s.finished("p2"))
+        assert s.outputs["p2"] == _reference(tiny, turn2, FIRST)
+        assert s.last["p2"].num_cached_tokens == 7 * BS
+        by_source = s.p.kv_manager.num_hit_tokens_by_source
+        assert by_source == {
+            HitSource.POOL: 0, HitSource.TIER: 4 * BS, HitSource.STORE: 0,
+            HitSource.DECODE: 3 * BS,
+        }  # fmt: skip
+        s.assert_clean()
+    finally:
+        s.close()
+
+
+def test_received_bytes_are_counted_by_the_role_they_came_from(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """D counts what prefill pushed or let it pull, P what decode returned or lent."""
+    s = Sim(tiny, monkeypatch, metrics=True)
+    per_block = s.tp.layout.bytes_per_block
+
+    def received(registry: CollectorRegistry, source: str) -> float | None:
+        return registry.get_sample_value("kvduplex_kv_received_bytes_total", {"source": source})
+
+    _turn(s, "t1", PROMPT)  # P pushes the prompt's 5 blocks; D returns the answer's 3
+    s.run(lambda: s.pf.acceptor.stats.num_received_blocks > 0)
+    assert received(s.d_registry, "prefill") == 5 * per_block
+    assert received(s.p_registry, "decode") == 3 * per_block
+    assert received(s.p_registry, "prefill") is None and received(s.d_registry, "decode") is None
+
+    s.pull("pl", [*PROMPT, 90, 91, 92, 93])  # 22 tokens: 6 blocks, 4 of them in D's cache
+    s.run(lambda: s.finished("pl"))
+    s.pull_decode("pl", [*PROMPT, 90, 91, 92, 93])
+    s.run(lambda: s.finished("d-pl"))
+    assert received(s.d_registry, "prefill") == (5 + s.df.pull.stats.num_pulled_blocks) * per_block
+    assert s.df.pull.stats.num_pulled_blocks > 0
+    s.assert_clean()
