@@ -25,7 +25,7 @@ from kvduplex.common.engine_config import SchedulerConfig
 from kvduplex.common.sampling import SamplingParams
 from kvduplex.engine.async_engine import IDLE_WAIT_S
 from kvduplex.engine.async_engine import AsyncEngine
-from kvduplex.engine.async_engine import EngineDeadError
+from kvduplex.engine.commands import EngineDeadError
 from kvduplex.engine.engine import LLMEngine
 from kvduplex.engine.engine import RequestOutput
 from kvduplex.engine.request import Request
