@@ -36,6 +36,7 @@ from kvduplex.instance.server import InstanceParts
 from kvduplex.instance.server import build_instance
 from kvduplex.model.loader import LoadedModel
 from kvduplex.model.loader import load_model
+from tests.support.engine_inbox import watch_inbox
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
@@ -259,35 +260,23 @@ def instance() -> Iterator[Instance]:
         inst.shutdown()
 
 
-def watch_commands(a: AsyncEngine, count: int) -> asyncio.Event:
-    """An event of the running loop, set once `count` more commands (calls, requests)
-    entered the engine's inbox (they wait in it while the engine thread is held)."""
-    loop = asyncio.get_running_loop()
-    sent = asyncio.Event()
-    send = a._send
-    num_sent = 0
-    lock = threading.Lock()
-
-    def counted(item: EngineCommand) -> bool:
-        nonlocal num_sent
-        is_queued = send(item)
-        with lock:
-            num_sent += is_queued
-            if num_sent == count:
-                loop.call_soon_threadsafe(sent.set)
-        return is_queued
-
-    a._send = counted  # type: ignore[method-assign]
-    return sent
-
-
-def test_every_route_answers_503_within_a_second_of_the_engine_dying(instance: Instance) -> None:
+def test_every_route_answers_503_within_a_second_of_the_engine_dying(
+    instance: Instance, monkeypatch: pytest.MonkeyPatch
+) -> None:
     body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0.0}
     gate = threading.Event()
     block_the_loop(instance.async_engine, gate, crash=True)
 
     async def main() -> None:
-        both_sent = watch_commands(instance.async_engine, 2)
+        queued: list[EngineCommand] = []
+        both_sent = asyncio.Event()
+
+        def seen(command: EngineCommand) -> None:  # on this loop: the routes run on it
+            queued.append(command)
+            if len(queued) == 2:
+                both_sent.set()
+
+        watch_inbox(monkeypatch, instance.async_engine, seen)
         transport = httpx.ASGITransport(app=instance.app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
             # Requests in flight, each waiting on the engine (a call, or a stream).
