@@ -2,8 +2,7 @@
 
 Threads: the HTTP server's asyncio loop, the transport's threads and the
 notification pump reach the engine only through typed commands in one inbox
-(`_Add`, `_Abort`, `_Call`); the engine thread owns the engine. One iteration
-of its loop::
+(`commands`); the engine thread owns the engine. One iteration of its loop::
 
     gate (if any) → drain the inbox → step (while there is work) → outputs to their streams
     no work, or a step that did nothing → wait for the wake event (set with every
@@ -14,7 +13,7 @@ transfers, leases or quarantine): whatever frees them reaches the engine as a
 command, so the thread waits for it rather than spinning on `step()`.
 Outputs come only from `step` (what commands changed, e.g. an abort or a transfer
 that ended, is in the next step's outputs) and travel back with
-`loop.call_soon_threadsafe`. A client that goes away
+`loop.call_soon_threadsafe` (`output_streams`). A client that goes away
 (its generator closed or cancelled) aborts its request, which frees its blocks.
 
 Failures are seen. A `call` whose function raises is logged with the function's
@@ -31,7 +30,6 @@ step; a loop waiting for work is healthy.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import queue
@@ -40,13 +38,21 @@ import time
 from collections.abc import AsyncIterator
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 from typing import TypeVar
 
 from kvduplex.common.limits import RequestRejected
+from kvduplex.engine.commands import AbortRequest
+from kvduplex.engine.commands import AddRequest
+from kvduplex.engine.commands import EngineCall
+from kvduplex.engine.commands import EngineCommand
+from kvduplex.engine.commands import EngineDeadError
+from kvduplex.engine.commands import describe_call
 from kvduplex.engine.engine import LLMEngine
 from kvduplex.engine.metrics import EngineMetrics
+from kvduplex.engine.output_streams import OutputStream
+from kvduplex.engine.output_streams import deliver
+from kvduplex.engine.output_streams import observe
 from kvduplex.engine.outputs import RequestOutput
 from kvduplex.engine.request import Request
 
@@ -63,49 +69,6 @@ makes no progress: a gate that blocks holds the loop as a wedged step would (the
 clock runs, `problem` reports it past the limit). `stopping` is set once `shutdown` began;
 a gate that blocks returns soon after it is set. An exception it raises ends the loop as
 any crash does."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped (crashed or shut down); the instance cannot serve."""
-
-
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestOutput | BaseException]
-    arrival: float
-    first_token_time: float | None = None
-
-
-@dataclass
-class _Add:
-    request: Request
-    on_admit: Callable[[], None] | None = None
-
-
-@dataclass
-class _Abort:
-    request_id: str
-
-
-@dataclass
-class _Call:
-    fn: Callable[[LLMEngine], Any]
-    future: Future[Any]
-    label: str
-    """The function's name, for logs."""
-
-
-_Command = _Add | _Abort | _Call
-
-
-def describe_call(fn: Callable[..., Any]) -> str:
-    """A name for `fn` in logs: its qualified name, with a partial's arguments (which
-    usually carry the request or transfer id)."""
-    if isinstance(fn, functools.partial):
-        args = [repr(a) for a in fn.args] + [f"{k}={v!r}" for k, v in fn.keywords.items()]
-        return f"{describe_call(fn.func)}({', '.join(args)[:200]})"
-    return str(getattr(fn, "__qualname__", None) or repr(fn))
 
 
 def _report_failure(label: str, future: Future[Any]) -> None:
@@ -145,13 +108,13 @@ class AsyncEngine:
             else stall_timeout_s
         )
         self._gate = gate
-        self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[EngineCommand] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._lock = threading.Lock()
         """Guards `_streams` and `_dead`: nothing enters the inbox or the streams after the
         loop ended, so `_die` fails every one."""
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, OutputStream] = {}
         self._dead: EngineDeadError | None = None
         self._death_listeners: list[Callable[[EngineDeadError], None]] = []
         self._thread = threading.Thread(target=self._run, name="kvduplex-engine", daemon=True)
@@ -161,18 +124,7 @@ class AsyncEngine:
         self.num_iterations = 0
         """Loop iterations so far (tests: an engine that cannot admit anything must not spin)."""
         if metrics is not None:
-            sched, pool = engine.scheduler, engine.block_pool
-            metrics.bind_gauges(
-                running=lambda: sched.num_running,
-                waiting=lambda: sched.num_waiting,
-                blocks_in_use=lambda: pool.stats().num_in_use,
-                blocks_cached=lambda: pool.stats().num_cached,
-                blocks_total=lambda: pool.stats().total,
-            )
-            metrics.bind_eviction(pool.evictor)
-            metrics.bind_hits(engine.kv_manager)
-            if engine.kv_tier is not None:
-                metrics.bind_kv_tier(engine.kv_tier.tier, engine.layout.block_size)
+            metrics.bind_engine(engine)
 
     # --------------------------------------------------------------- lifecycle
 
@@ -247,14 +199,14 @@ class AsyncEngine:
         request.arrival_time = time.monotonic()  # TTFT counts from submission
         self.core.check_request(request.num_prompt_tokens, request.sampling_params.max_tokens)
         loop = asyncio.get_running_loop()
-        stream = _Stream(loop=loop, queue=asyncio.Queue(), arrival=request.arrival_time)
+        stream = OutputStream(loop=loop, queue=asyncio.Queue(), arrival=request.arrival_time)
         with self._lock:
             if self._dead is not None:
                 raise self._dead
             if request_id in self._streams:
                 raise RequestRejected(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-        self._send(_Add(request, on_admit))
+        self._send(AddRequest(request, on_admit))
         finished = False
         try:
             while True:
@@ -291,7 +243,7 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; unknown ids are ignored."""
-        self._send(_Abort(request_id))
+        self._send(AbortRequest(request_id))
 
     def call(self, fn: Callable[[LLMEngine], T], *, label: str | None = None) -> Future[T]:
         """Run `fn(engine)` in the engine thread between steps; returns a Future.
@@ -314,12 +266,12 @@ class AsyncEngine:
 
     def _submit(self, fn: Callable[[LLMEngine], T], label: str) -> Future[T]:
         future: Future[T] = Future()
-        if not self._send(_Call(fn, future, label)):
+        if not self._send(EngineCall(fn, future, label)):
             assert self._dead is not None
             future.set_exception(self._dead)
         return future
 
-    def _send(self, item: _Command) -> bool:
+    def _send(self, item: EngineCommand) -> bool:
         """Queue a command; False (nothing queued) once the loop has ended."""
         with self._lock:
             if self._dead is not None:
@@ -366,14 +318,14 @@ class AsyncEngine:
             streams = list(self._streams.values())
             listeners, self._death_listeners = self._death_listeners, []
         for stream in streams:
-            _deliver(stream, error)
+            deliver(stream, error)
         num_calls = 0
         while True:
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(item, _Call) and item.future.set_running_or_notify_cancel():
+            if isinstance(item, EngineCall) and item.future.set_running_or_notify_cancel():
                 item.future.set_exception(error)
                 num_calls += 1
         for listener in listeners:
@@ -395,9 +347,9 @@ class AsyncEngine:
             except queue.Empty:
                 return applied
             applied = True
-            if isinstance(item, _Add):
+            if isinstance(item, AddRequest):
                 self._apply_add(item)
-            elif isinstance(item, _Abort):
+            elif isinstance(item, AbortRequest):
                 self.core.abort_request(item.request_id)
             elif item.future.set_running_or_notify_cancel():
                 try:
@@ -407,7 +359,7 @@ class AsyncEngine:
                     if not isinstance(exc, Exception):
                         raise
 
-    def _apply_add(self, add: _Add) -> None:
+    def _apply_add(self, add: AddRequest) -> None:
         with self._lock:
             stream = self._streams.get(add.request.request_id)
         if stream is None:  # the client left before the request reached the engine
@@ -423,7 +375,7 @@ class AsyncEngine:
                 add.on_admit()
             self.core.add_request(add.request)
         except ValueError as exc:
-            _deliver(stream, exc)  # what it prepared is its caller's (or a duplicate's) to undo
+            deliver(stream, exc)  # what it prepared is its caller's (or a duplicate's) to undo
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
@@ -432,28 +384,6 @@ class AsyncEngine:
                 stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            self._observe(stream, out, now)
-            _deliver(stream, out)
-
-    def _observe(self, stream: _Stream, out: RequestOutput, now: float) -> None:
-        m = self.metrics
-        if m is None:
-            return
-        if stream.first_token_time is None and out.new_token_ids:
-            stream.first_token_time = now
-            m.ttft.observe(now - stream.arrival)
-        m.generation_tokens.inc(len(out.new_token_ids))
-        if out.finished:
-            m.prompt_tokens.inc(out.num_prompt_tokens)
-            m.prefix_cache_hit_tokens.inc(out.num_local_cached_tokens)
-            m.prompt_computed_tokens.observe(out.num_prompt_computed_here)
-            m.requests_finished.labels(reason=out.finish_reason or "unknown").inc()
-            m.e2e.observe(now - stream.arrival)
-            if stream.first_token_time is not None and out.num_output_tokens > 1:
-                m.tpot.observe((now - stream.first_token_time) / (out.num_output_tokens - 1))
-
-
-def _deliver(stream: _Stream, item: RequestOutput | BaseException) -> None:
-    """Hand `item` to a stream's asyncio loop (nothing if that loop has closed)."""
-    with contextlib.suppress(RuntimeError):  # the loop closed: nobody reads the stream
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+            if self.metrics is not None:
+                observe(self.metrics, stream, out, now)
+            deliver(stream, out)

@@ -8,8 +8,8 @@ from concurrent.futures import Future
 from typing import Any
 
 from kvduplex.engine.async_engine import AsyncEngine
-from kvduplex.engine.async_engine import describe_call
 from kvduplex.engine.block_pool import BlockHash
+from kvduplex.engine.commands import describe_call
 from kvduplex.engine.engine import LLMEngine
 from kvduplex.engine.eviction import ReleaseTag
 from kvduplex.engine.kv_manager import HitSource

@@ -90,10 +90,13 @@ class StoreTier:
         timeout_s: float = 1.0,
         retry_s: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
+        make_worker: Callable[[str], StoreWorker] = StoreWorker,
     ) -> None:
         """`connect` makes the client; it runs on the reader thread (it may block long
         while the store is unreachable) at once and again after failures. `num_slots`:
-        the share of the store this instance counts on (the router's horizon)."""
+        the share of the store this instance counts on (the router's horizon).
+        `make_worker(name)`: the reader's and the writer's thread (tests pass workers that
+        tell when their calls end)."""
         if num_slots < 1:
             raise ValueError(f"a KV tier needs at least one slot, got {num_slots}")
         self.layout = layout
@@ -120,8 +123,8 @@ class StoreTier:
         """Keys whose entry failed its check: their next put replaces it."""
         self._connect = connect
         self._client: StoreClient | None = None
-        self._reader = StoreWorker("kvduplex-kv-store-read")
-        self._writer = StoreWorker("kvduplex-kv-store-write")
+        self._reader = make_worker("kvduplex-kv-store-read")
+        self._writer = make_worker("kvduplex-kv-store-write")
         self._connecting: Future[None] | None = None
         self._is_closed = False
         self._stuck: Future[Any] | None = None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily
@@ -20,6 +21,9 @@ from kvduplex.engine.eviction import Evictor
 from kvduplex.engine.kv_manager import KVCacheManager
 from kvduplex.engine.kv_tier import KVTier
 from kvduplex.engine.kv_tier_store import StoreTier
+
+if TYPE_CHECKING:
+    from kvduplex.engine.engine import LLMEngine
 
 _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
@@ -71,6 +75,22 @@ class EngineMetrics:
             "kv_blocks_cached", "Unreferenced KV blocks kept for the prefix cache."
         )
         self.blocks_total = m.gauge("kv_blocks_total", "KV blocks in the pool.")
+
+    def bind_engine(self, engine: LLMEngine) -> None:
+        """Read `engine`'s queues, pool, evictions and KV tier at scrape time (called once,
+        by `AsyncEngine`; the reads are of counters, safe off the engine thread)."""
+        sched, pool = engine.scheduler, engine.block_pool
+        self.bind_gauges(
+            running=lambda: sched.num_running,
+            waiting=lambda: sched.num_waiting,
+            blocks_in_use=lambda: pool.stats().num_in_use,
+            blocks_cached=lambda: pool.stats().num_cached,
+            blocks_total=lambda: pool.stats().total,
+        )
+        self.bind_eviction(pool.evictor)
+        self.bind_hits(engine.kv_manager)
+        if engine.kv_tier is not None:
+            self.bind_kv_tier(engine.kv_tier.tier, engine.layout.block_size)
 
     def bind_gauges(
         self,

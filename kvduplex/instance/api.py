@@ -89,7 +89,7 @@ from kvduplex.common.sampling import TokenLogprobs
 from kvduplex.common.trust import SECRET_HEADER
 from kvduplex.common.trust import secret_matches
 from kvduplex.engine.async_engine import AsyncEngine
-from kvduplex.engine.async_engine import EngineDeadError
+from kvduplex.engine.commands import EngineDeadError
 from kvduplex.engine.engine import LLMEngine
 from kvduplex.engine.engine import RequestOutput
 from kvduplex.engine.report import pool_report

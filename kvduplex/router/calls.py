@@ -27,10 +27,10 @@ from collections.abc import Coroutine
 from typing import Any
 from typing import TypeVar
 
+from kvduplex.router.backends import Backend
+from kvduplex.router.backends import Outcome
 from kvduplex.router.client import CallError
 from kvduplex.router.client import ConnectError
-from kvduplex.router.policy import Backend
-from kvduplex.router.policy import Outcome
 
 T = TypeVar("T")
 

@@ -55,12 +55,12 @@ from kvduplex.common.challenge import Refusal
 from kvduplex.common.config import Role
 from kvduplex.common.config import host_and_port
 from kvduplex.router.admission import Admission
+from kvduplex.router.backends import Backend
+from kvduplex.router.backends import BackendPool
 from kvduplex.router.client import CallError
 from kvduplex.router.client import InstanceClient
 from kvduplex.router.config import RouterConfig
 from kvduplex.router.health import note_health
-from kvduplex.router.policy import Backend
-from kvduplex.router.policy import BackendPool
 from kvduplex.router.policy import RoutingPolicy
 
 logger = logging.getLogger(__name__)

@@ -15,9 +15,9 @@ import contextlib
 import logging
 from typing import Any
 
+from kvduplex.router.backends import Backend
 from kvduplex.router.calls import until_unhealthy
 from kvduplex.router.client import CallError
-from kvduplex.router.policy import Backend
 from kvduplex.router.state import RouterState
 from kvduplex.router.state import json_body
 

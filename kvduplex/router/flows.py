@@ -71,6 +71,8 @@ from kvduplex.common.openai.protocol import error_body
 from kvduplex.router.answers import RelayedAnswer
 from kvduplex.router.answers import return_limit
 from kvduplex.router.answers import tap_answer
+from kvduplex.router.backends import Backend
+from kvduplex.router.backends import Outcome
 from kvduplex.router.calls import InstanceDown
 from kvduplex.router.calls import failed_outcome
 from kvduplex.router.calls import until_unhealthy
@@ -82,8 +84,6 @@ from kvduplex.router.parsing import parse_body
 from kvduplex.router.parsing import parse_stream
 from kvduplex.router.plans import is_return_kept
 from kvduplex.router.plans import note_turn_held
-from kvduplex.router.policy import Backend
-from kvduplex.router.policy import Outcome
 from kvduplex.router.policy import Route
 from kvduplex.router.relay import FirstToken
 from kvduplex.router.relay import RelayedResponse

@@ -40,11 +40,11 @@ import logging
 from collections.abc import Callable
 
 from kvduplex.router.admission import Admission
+from kvduplex.router.backends import Backend
+from kvduplex.router.backends import BackendPool
 from kvduplex.router.client import CallError
 from kvduplex.router.client import InstanceClient
 from kvduplex.router.client import WholeAnswer
-from kvduplex.router.policy import Backend
-from kvduplex.router.policy import BackendPool
 from kvduplex.router.policy import RoutingPolicy
 
 logger = logging.getLogger(__name__)

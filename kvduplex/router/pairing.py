@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvduplex.router.policy import Backend
-from kvduplex.router.policy import BackendPool
+from kvduplex.router.backends import Backend
+from kvduplex.router.backends import BackendPool
 from kvduplex.router.policy import RoutingPolicy
 
 ROLES = ("prefill", "decode")

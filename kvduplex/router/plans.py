@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvduplex.router.backends import Backend
 from kvduplex.router.config import RouterTuning
-from kvduplex.router.policy import Backend
 from kvduplex.router.policy import Route
 from kvduplex.router.residency import Plan
 from kvduplex.router.residency import Residency

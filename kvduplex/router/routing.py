@@ -51,6 +51,7 @@ from kvduplex.common.openai.prompt import build_prompt_ids
 from kvduplex.common.openai.prompt import placed_answers
 from kvduplex.common.openai.protocol import ChatCompletionRequest
 from kvduplex.common.openai.protocol import OpenAIRequest
+from kvduplex.router.backends import Outcome
 from kvduplex.router.flows import Answer
 from kvduplex.router.flows import DecodeUnreachable
 from kvduplex.router.flows import Forward
@@ -60,7 +61,6 @@ from kvduplex.router.flows import serve_push
 from kvduplex.router.flows import serve_short_append
 from kvduplex.router.plans import turn_plan
 from kvduplex.router.policy import NoHealthyInstance
-from kvduplex.router.policy import Outcome
 from kvduplex.router.relayed_response import ClientWatch
 from kvduplex.router.residency import Plan
 from kvduplex.router.state import RouterState

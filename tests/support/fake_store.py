@@ -8,7 +8,7 @@ instance joins the one store. Faults:
 * ``store.is_down = True``: every call answers an error code (a dead master), and
   `connect` raises.
 * ``store.gate.clear()``: every call blocks until ``store.gate.set()`` (a hung store);
-  ``store.num_blocked`` says how many are waiting.
+  ``store.num_blocked`` says how many are waiting (`wait_blocked` waits for a number).
 * ``store.delay_s``: every call takes that long (a slow store).
 * `corrupt`: flip a byte of an entry's value.
 
@@ -19,8 +19,16 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from dataclasses import field
+from typing import Any
+from typing import TypeVar
+
+from kvduplex.engine.kv_store_client import StoreWorker
+
+T = TypeVar("T")
 
 RPC_FAIL = -900
 """Mooncake's error code for a call the master did not answer."""
@@ -39,9 +47,19 @@ class FakeStore:
     num_blocked: int = 0
     num_connects: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _blocked_changed: threading.Condition = field(init=False)
 
     def __post_init__(self) -> None:
         self.gate.set()
+        self._blocked_changed = threading.Condition(self._lock)
+
+    def wait_blocked(self, num_blocked: int, timeout_s: float) -> bool:
+        """Wait at most `timeout_s` until `num_blocked` calls wait at the gate; whether
+        they do."""
+        with self._blocked_changed:
+            return self._blocked_changed.wait_for(
+                lambda: self.num_blocked == num_blocked, timeout_s
+            )
 
     def connect(self) -> FakeStoreClient:
         """A client joined to this store (what `StoreTier`'s `connect` returns)."""
@@ -61,9 +79,11 @@ class FakeStore:
         with self._lock:
             self.calls.append(call)
             self.num_blocked += 1
+            self._blocked_changed.notify_all()
         self.gate.wait()
         with self._lock:
             self.num_blocked -= 1
+            self._blocked_changed.notify_all()
         if self.delay_s:
             time.sleep(self.delay_s)  # the store's latency
 
@@ -110,3 +130,40 @@ class FakeStoreClient:
     def close(self) -> int:
         self.is_closed = True
         return 0
+
+
+class StoreCalls:
+    """The store calls of the tiers' threads (their `make_worker`): `wait_idle` waits
+    until every call submitted so far has ended (its future is done)."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._num_running = 0
+
+    def make_worker(self, name: str) -> StoreWorker:
+        return _WatchedWorker(name, self)
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        with self._changed:
+            return self._changed.wait_for(lambda: self._num_running == 0, timeout_s)
+
+    def _started(self) -> None:
+        with self._changed:
+            self._num_running += 1
+
+    def _ended(self, _future: Future[Any]) -> None:
+        with self._changed:
+            self._num_running -= 1
+            self._changed.notify_all()
+
+
+class _WatchedWorker(StoreWorker):
+    def __init__(self, name: str, calls: StoreCalls) -> None:
+        super().__init__(name)
+        self._calls = calls
+
+    def submit(self, call: Callable[[], T]) -> Future[T]:
+        self._calls._started()
+        future = super().submit(call)
+        future.add_done_callback(self._calls._ended)
+        return future

@@ -7,17 +7,18 @@ from __future__ import annotations
 import json
 import socket
 import threading
-import time
-from collections.abc import Callable
 from collections.abc import Iterator
 
 import httpx
 import pytest
 import uvicorn
 
-from kvduplex.cluster import free_port
+from kvduplex.engine.commands import AbortRequest
+from kvduplex.engine.commands import AddRequest
+from kvduplex.engine.commands import EngineCommand
 from kvduplex.engine.engine import LLMEngine
 from kvduplex.instance.server import Instance
+from tests.support.engine_inbox import watch_inbox
 
 TIMEOUT_S = 60.0
 BODY = {"model": "tiny", "prompt": "hello there", "temperature": 0.0, "return_token_ids": True}
@@ -25,25 +26,21 @@ BODY = {"model": "tiny", "prompt": "hello there", "temperature": 0.0, "return_to
 
 @pytest.fixture(scope="module")
 def base_url(instance: Instance) -> Iterator[str]:
-    port = free_port()
+    """The instance served on a socket that listens before the server starts: connections
+    wait in its backlog until the server takes them, so nobody waits for it to start."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
     server = uvicorn.Server(
         uvicorn.Config(instance.app, host="127.0.0.1", port=port, log_level="warning")
     )
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, args=([listener],), daemon=True)
     thread.start()
-    _poll(lambda: server.started, "the server never started")
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         thread.join(TIMEOUT_S)
-
-
-def _poll(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + TIMEOUT_S
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
+        listener.close()
 
 
 def _finished(instance: Instance, reason: str) -> float:
@@ -55,7 +52,7 @@ def _finished(instance: Instance, reason: str) -> float:
 
 
 def test_same_client_request_id_twice_one_aborted_the_other_untouched(
-    instance: Instance, base_url: str
+    instance: Instance, base_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two requests carry one X-Request-ID; the first one's client leaves mid-answer. The
     second is served whole, with the tokens it gets alone; both responses echo the id."""
@@ -65,6 +62,19 @@ def test_same_client_request_id_twice_one_aborted_the_other_untouched(
     assert want.status_code == 200, want.text
     engine = instance.async_engine
     num_finished = _finished(instance, "length")
+    added: list[str] = []
+    aborted: list[str] = []
+    changed = threading.Condition()
+
+    def seen(command: EngineCommand) -> None:  # on the server's thread
+        with changed:
+            if isinstance(command, AddRequest):
+                added.append(command.request.request_id)
+            elif isinstance(command, AbortRequest):
+                aborted.append(command.request_id)
+            changed.notify_all()
+
+    watch_inbox(monkeypatch, engine, seen)
     release = threading.Event()
     engine.call(lambda e: release.wait(TIMEOUT_S))  # hold the engine: both are in flight at once
     leaver = socket.create_connection(("127.0.0.1", int(base_url.rsplit(":", 1)[1])), TIMEOUT_S)
@@ -87,7 +97,10 @@ def test_same_client_request_id_twice_one_aborted_the_other_untouched(
 
         stayer = threading.Thread(target=stay)
         stayer.start()
-        _poll(lambda: len(engine._streams) == 2, "both requests should reach the engine")
+        with changed:
+            both = changed.wait_for(lambda: len(added) == 2, TIMEOUT_S)
+        assert both, "both requests should reach the engine"
+        assert len(engine._streams) == 2
         assert "same" not in engine._streams, "the engine's ids are the instance's own"
     finally:
         leaver.close()  # the first client leaves
@@ -98,7 +111,11 @@ def test_same_client_request_id_twice_one_aborted_the_other_untouched(
     assert got.headers["x-request-id"] == "same"
     assert got.json()["choices"][0]["token_ids"] == want.json()["choices"][0]["token_ids"]
     assert got.json()["id"] != "same" and got.json()["id"].startswith("cmpl-")
-    _poll(lambda: engine.call(_is_idle).result(TIMEOUT_S), "the leaver's request should end")
+    (leaver_id,) = set(added) - {got.json()["id"]}
+    with changed:
+        assert changed.wait_for(lambda: leaver_id in aborted, TIMEOUT_S), "the leaver stayed"
+    # Applied in order: this call runs after the leaver's abort.
+    assert engine.call(_is_idle).result(TIMEOUT_S), "the leaver's request should end"
     assert _finished(instance, "length") == num_finished + 1, "the leaver's was aborted"
     assert engine.call(_num_blocks_in_use).result(TIMEOUT_S) == 0
 

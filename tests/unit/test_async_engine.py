@@ -9,8 +9,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import httpx
@@ -25,7 +25,8 @@ from kvduplex.common.engine_config import SchedulerConfig
 from kvduplex.common.sampling import SamplingParams
 from kvduplex.engine.async_engine import IDLE_WAIT_S
 from kvduplex.engine.async_engine import AsyncEngine
-from kvduplex.engine.async_engine import EngineDeadError
+from kvduplex.engine.commands import EngineCommand
+from kvduplex.engine.commands import EngineDeadError
 from kvduplex.engine.engine import LLMEngine
 from kvduplex.engine.engine import RequestOutput
 from kvduplex.engine.request import Request
@@ -35,7 +36,7 @@ from kvduplex.instance.server import InstanceParts
 from kvduplex.instance.server import build_instance
 from kvduplex.model.loader import LoadedModel
 from kvduplex.model.loader import load_model
-from tests.support.faults import StallWhileFileExists
+from tests.support.engine_inbox import watch_inbox
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
@@ -60,12 +61,39 @@ def engine(tiny: LoadedModel) -> Iterator[AsyncEngine]:
         a.shutdown()
 
 
-def wait_until(cond: Callable[[], bool], what: str, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
+class LogSeen(logging.Handler):
+    """Sets `seen` once a record whose message holds every one of `parts` is logged."""
+
+    def __init__(self, *parts: str) -> None:
+        super().__init__()
+        self.parts = parts
+        self.seen = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if all(part in record.getMessage() for part in self.parts):
+            self.seen.set()
+
+
+class StallGate:
+    """A `LoopGate`: while `is_stalling` is set, each iteration stops at its start until
+    `release` is set; `began` is set at every iteration's start, `stalled` once one
+    stopped (at `stalled_at`, on the monotonic clock). The test sets `release` before
+    its engine shuts down."""
+
+    def __init__(self) -> None:
+        self.is_stalling = threading.Event()
+        self.release = threading.Event()
+        self.began = threading.Event()
+        self.stalled = threading.Event()
+        self.stalled_at = 0.0
+
+    def __call__(self, stopping: threading.Event) -> None:
+        self.began.set()
+        if not self.is_stalling.is_set():
+            return
+        self.stalled_at = time.monotonic()
+        self.stalled.set()
+        self.release.wait(10)
 
 
 def block_the_loop(a: AsyncEngine, gate: threading.Event, *, crash: bool = False) -> None:
@@ -106,16 +134,20 @@ def _fails(xid: str, _e: LLMEngine) -> None:
 def test_a_failing_call_is_logged_with_its_name_and_the_engine_goes_on(
     engine: AsyncEngine, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.ERROR, logger="kvduplex.engine.async_engine"):
-        fut = engine.call(functools.partial(_fails, "xid-7"))  # dropped by the caller
-        with pytest.raises(ValueError, match="no job xid-7"):
-            fut.result(5)
-
-        def logged() -> bool:  # the done-callback may log just after result() returned
-            lines = [r.getMessage() for r in caplog.records]
-            return any("_fails('xid-7')" in line and "no job xid-7" in line for line in lines)
-
-        wait_until(logged, "the failed call to be logged")
+    logged = LogSeen("_fails('xid-7')", "no job xid-7")
+    log = logging.getLogger()  # after caplog's handler: it has the record once `seen` is set
+    log.addHandler(logged)
+    try:
+        with caplog.at_level(logging.ERROR, logger="kvduplex.engine.async_engine"):
+            fut = engine.call(functools.partial(_fails, "xid-7"))  # dropped by the caller
+            with pytest.raises(ValueError, match="no job xid-7"):
+                fut.result(5)
+            # The done-callback may log just after result() returned.
+            assert logged.seen.wait(5), "the failed call was not logged"
+    finally:
+        log.removeHandler(logged)
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("_fails('xid-7')" in line and "no job xid-7" in line for line in lines)
     assert engine.call(lambda e: e.block_pool.stats().total).result(5) == 32
     assert engine.is_healthy
 
@@ -179,30 +211,40 @@ def test_the_gate_holds_each_iteration_and_lets_go_at_shutdown(tiny: LoadedModel
     blocks; its `stopping` event is set by `shutdown`, which then ends at once."""
     hold = threading.Event()
     holding = threading.Event()
+    release = threading.Event()
+    calls: list[Future[int]] = []
+    done_when_released: list[bool] = []
 
     def gate(stopping: threading.Event) -> None:
-        while hold.is_set():
-            holding.set()
-            if stopping.wait(0.01):
-                return
+        if not hold.is_set():
+            return
+        holding.set()
+        if not release.is_set():  # the first hold: until the test releases it
+            release.wait(10)
+            done_when_released.append(calls[0].done())  # seen on the engine thread
+        else:  # the second: until shutdown
+            stopping.wait(10)
 
     hold.set()
     core = LLMEngine(EngineConfig(cache=CacheConfig(num_blocks=16)), loaded=tiny)
     a = AsyncEngine(core, gate=gate)
     a.start()
     try:
-        wait_until(holding.is_set, "the gate to hold the loop")
+        assert holding.wait(5), "the gate never held the loop"
         held = a.call(lambda e: 1)
-        time.sleep(0.2)  # the gate holds the loop: the call waits
+        calls.append(held)
         assert not held.done()
         hold.clear()
+        release.set()  # the call waited all the time the gate held the loop
         assert held.result(5) == 1
+        assert done_when_released == [False]
         holding.clear()
         hold.set()  # the next iteration holds until shutdown sets `stopping`
         a.call(lambda e: 2)  # wakes the loop
-        wait_until(holding.is_set, "the gate to hold the loop again")
+        assert holding.wait(5), "the gate never held the loop again"
         started = time.monotonic()
     finally:
+        release.set()
         a.shutdown()
     assert time.monotonic() - started < 2.0
     assert not a.is_running
@@ -218,22 +260,29 @@ def instance() -> Iterator[Instance]:
         inst.shutdown()
 
 
-def test_every_route_answers_503_within_a_second_of_the_engine_dying(instance: Instance) -> None:
+def test_every_route_answers_503_within_a_second_of_the_engine_dying(
+    instance: Instance, monkeypatch: pytest.MonkeyPatch
+) -> None:
     body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0.0}
     gate = threading.Event()
     block_the_loop(instance.async_engine, gate, crash=True)
 
     async def main() -> None:
+        queued: list[EngineCommand] = []
+        both_sent = asyncio.Event()
+
+        def seen(command: EngineCommand) -> None:  # on this loop: the routes run on it
+            queued.append(command)
+            if len(queued) == 2:
+                both_sent.set()
+
+        watch_inbox(monkeypatch, instance.async_engine, seen)
         transport = httpx.ASGITransport(app=instance.app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
             # Requests in flight, each waiting on the engine (a call, or a stream).
             stats = asyncio.ensure_future(http.get("/internal/kv/stats"))
             completion = asyncio.ensure_future(http.post("/v1/completions", json=body))
-            inbox = instance.async_engine._inbox  # watched: both requests wait in it
-            deadline = time.monotonic() + 5
-            while inbox.qsize() < 2:
-                assert time.monotonic() < deadline, "the requests never reached the engine"
-                await asyncio.sleep(0.01)
+            await asyncio.wait_for(both_sent.wait(), 5)  # both wait in the engine's inbox
             gate.set()
             died = time.monotonic()
             answers = list(await asyncio.wait_for(asyncio.gather(stats, completion), 5))
@@ -258,16 +307,13 @@ def test_every_route_answers_503_within_a_second_of_the_engine_dying(instance: I
 # ---------------------------------------------------------- health is progress
 
 
-def test_health_turns_503_while_the_loop_is_stalled_and_200_once_it_goes_on(
-    tmp_path: Path,
-) -> None:
-    stall = tmp_path / "stall"
+def test_health_turns_503_while_the_loop_is_stalled_and_200_once_it_goes_on() -> None:
     cfg = EngineConfig(
         model=ModelLoadConfig(model="tiny"), cache=CacheConfig(kv_cache_mb=16),
         scheduler=SchedulerConfig(engine_stall_timeout_s=0.5),
     )  # fmt: skip
-    stalls = InstanceParts(loop_gate=StallWhileFileExists(stall))
-    inst = build_instance(cfg, ServerConfig(port=0), Environment(), stalls)
+    gate = StallGate()
+    inst = build_instance(cfg, ServerConfig(port=0), Environment(), InstanceParts(loop_gate=gate))
     engine = inst.async_engine
     try:
         http = TestClient(inst.app)
@@ -276,18 +322,26 @@ def test_health_turns_503_while_the_loop_is_stalled_and_200_once_it_goes_on(
         while time.monotonic() < idle_until:
             assert http.get("/health").status_code == 200
             time.sleep(0.05)
-        stall.touch()
+        gate.is_stalling.set()
         queued = engine.call(lambda e: e.block_pool.stats().total)  # wakes the loop: it stalls
-        wait_until(lambda: http.get("/health").status_code == 503, "/health to say 503", 3.0)
+        assert gate.stalled.wait(5), "the loop never reached the gate"
+        # The stall under test, past the 0.5 s limit: counted from the iteration's start,
+        # which is no later than the gate's.
+        time.sleep(max(0.0, gate.stalled_at + 0.6 - time.monotonic()))
+        assert http.get("/health").status_code == 503
         reason = http.get("/health").json()["reason"]
         assert "no progress" in reason and "limit 0.5 s" in reason
         assert not engine.is_healthy and engine.is_running  # stalled, not dead
         assert not queued.done()
-        stall.unlink()
-        wait_until(lambda: http.get("/health").status_code == 200, "/health to say 200", 3.0)
+        gate.is_stalling.clear()
+        gate.began.clear()
+        gate.release.set()
         assert queued.result(5) > 0
+        engine.wake()  # the next iteration begins at once
+        assert gate.began.wait(5), "the loop never went on"
+        assert http.get("/health").status_code == 200
     finally:
-        stall.unlink(missing_ok=True)
+        gate.release.set()
         inst.shutdown()
 
 
@@ -304,16 +358,20 @@ def test_a_request_that_cannot_be_admitted_waits_without_spinning(engine: AsyncE
     held = engine.call(take_every_block).result(5)
     results: list[list[RequestOutput]] = []
     done = threading.Event()
+    added = threading.Event()
+
+    async def generate() -> list[RequestOutput]:
+        req = Request("r-waits", [5, 6, 7, 8, 9], GREEDY)
+        return [out async for out in engine.generate(req, on_admit=added.set)]
 
     def client() -> None:
-        results.append(asyncio.run(collect(engine, Request("r-waits", [5, 6, 7, 8, 9], GREEDY))))
+        results.append(asyncio.run(generate()))
         done.set()
 
     threading.Thread(target=client, daemon=True).start()
-    wait_until(
-        lambda: engine.call(lambda e: e.scheduler.num_waiting).result(5) == 1,
-        "the request to wait for blocks",
-    )
+    assert added.wait(5), "the request never reached the engine"
+    # Commands run in order: this call's comes after the add that `on_admit` preceded.
+    assert engine.call(lambda e: e.scheduler.num_waiting).result(5) == 1
     before, cpu_before = engine.num_iterations, engine_thread_cpu_s(engine)
     time.sleep(1.0)  # the period over which the loop's iterations are counted
     spun = engine.num_iterations - before

@@ -22,10 +22,10 @@ from kvduplex.common.drain import wait_drained
 from kvduplex.common.tokenizer import ByteTokenizer
 from kvduplex.instance.server import Instance
 from kvduplex.router.app import create_router_app
+from kvduplex.router.backends import Outcome
 from kvduplex.router.config import RouterConfig
 from kvduplex.router.health import probe_all
 from kvduplex.router.health import run_prober
-from kvduplex.router.policy import Outcome
 from kvduplex.router.state import RouterState
 from tests.support.fake_instances import mock_instances
 

@@ -7,6 +7,7 @@ clients to close (``connection: close``), so that they reconnect to one that tak
 from __future__ import annotations
 
 import asyncio
+import socket
 from typing import Any
 
 import pytest
@@ -70,12 +71,11 @@ class _Peers:
 
 
 async def _serving(app: Any, port: int) -> tuple[DrainingServer, asyncio.Task[None]]:
-    """`app` served on `port` as an instance serves (its keep-alive 5 s), once started."""
+    """`app` served on `port` as an instance serves (its keep-alive 5 s). The socket
+    listens before the server starts: connections wait in its backlog until it takes them."""
+    listener = socket.create_server(("127.0.0.1", port))
     server = DrainingServer(uvicorn_config(app, "127.0.0.1", port, 5), DrainState())
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        assert not task.done(), "the server never started"
-        await asyncio.sleep(0.01)
+    task = asyncio.create_task(server.serve(sockets=[listener]))
     return server, task
 
 

@@ -26,6 +26,7 @@ from kvduplex.engine.kv_tier_store import STAGING_BUFFERS
 from kvduplex.engine.kv_tier_store import StoreTier
 from kvduplex.engine.tier_link import build_tier
 from tests.support.fake_store import FakeStore
+from tests.support.fake_store import StoreCalls
 
 LAYOUT = KVCacheLayout(num_layers=2, num_blocks=6, block_size=4, num_kv_heads=2, head_dim=8)
 IDENTITY = b"test-model\x1ffloat32"
@@ -69,14 +70,20 @@ MakeTier = Callable[..., StoreTier]
 
 
 @pytest.fixture
-def make_tier(store: FakeStore, clock: Clock) -> Iterator[MakeTier]:
+def calls() -> StoreCalls:
+    return StoreCalls()
+
+
+@pytest.fixture
+def make_tier(store: FakeStore, clock: Clock, calls: StoreCalls) -> Iterator[MakeTier]:
     """Tiers over `store`, joined when made (unless the store is down); closed after."""
     made: list[StoreTier] = []
 
     def make(identity: bytes = IDENTITY, layout: KVCacheLayout = LAYOUT) -> StoreTier:
         tier = StoreTier(
-            layout, identity, 8, store.connect, timeout_s=TIMEOUT_S, retry_s=RETRY_S, clock=clock
-        )
+            layout, identity, 8, store.connect, timeout_s=TIMEOUT_S, retry_s=RETRY_S, clock=clock,
+            make_worker=calls.make_worker,
+        )  # fmt: skip
         made.append(tier)
         tier.joined(5.0)
         return tier
@@ -85,14 +92,6 @@ def make_tier(store: FakeStore, clock: Clock) -> Iterator[MakeTier]:
     store.gate.set()
     for tier in made:
         tier.close()
-
-
-def wait_for(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    """Poll `cond` (a thread of the tier finishing a call) until it holds."""
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
 
 
 def test_a_block_one_tier_stored_another_loads_bit_exact(
@@ -177,7 +176,7 @@ def test_a_block_whose_put_is_in_flight_loads_from_its_buffer(
     store.gate.clear()  # the store hangs: the put waits in the writer thread
     kv = block(1)
     a.store(key(1), kv)
-    wait_for(lambda: store.num_blocked == 1)
+    assert store.wait_blocked(1, 5.0)
     out = torch.zeros_like(kv)
     assert a.find_run([key(1)]) == 1 and a.load(key(1), out) and torch.equal(out, kv)
     store.gate.set()
@@ -216,7 +215,7 @@ def test_a_dead_store_answers_miss_at_once_warns_once_and_is_retried_later(
 
 
 def test_a_hung_store_costs_one_deadline_then_is_left_alone_until_it_answers(
-    make_tier: MakeTier, store: FakeStore, clock: Clock
+    make_tier: MakeTier, store: FakeStore, clock: Clock, calls: StoreCalls
 ) -> None:
     a, b = make_tier(), make_tier()
     kv = block(1)
@@ -233,7 +232,8 @@ def test_a_hung_store_costs_one_deadline_then_is_left_alone_until_it_answers(
     assert time.monotonic() - started < TIMEOUT_S and store.num_blocked == 1
     assert b.stats.num_unavailable == 3
     store.gate.set()
-    wait_for(lambda: b.find_run([key(1)]) == 1)
+    assert calls.wait_idle(5.0), "the late call never ended"
+    assert b.find_run([key(1)]) == 1
     assert b.load(key(1), out) and torch.equal(out, kv)
 
 
@@ -246,9 +246,13 @@ def test_a_load_cut_short_by_its_lookup_that_never_returns_marks_the_store_down(
     assert b.find_run([key(1)]) == 1
     store.gate.clear()  # the store hangs between the lookup and the load
     assert not b.load(key(1), torch.zeros_like(block(1)))
+    cut_short_at = time.monotonic()
     # The next calls skip the store while the load runs; once it has run past the
-    # deadline, one of them marks the store down.
-    wait_for(lambda: b.find_run([key(1)]) == 0 and not b.health.is_up())
+    # deadline, one of them marks the store down. The deadline under test: the load
+    # began before it was cut short.
+    assert b.find_run([key(1)]) == 0
+    time.sleep(max(0.0, cut_short_at + TIMEOUT_S - time.monotonic()))
+    assert b.find_run([key(1)]) == 0 and not b.health.is_up()
     assert store.num_blocked == 1
 
 

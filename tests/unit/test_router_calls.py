@@ -14,10 +14,10 @@ import pytest
 
 from kvduplex.common.tokenizer import ByteTokenizer
 from kvduplex.router import flows
+from kvduplex.router.backends import BackendPool
 from kvduplex.router.calls import InstanceDown
 from kvduplex.router.calls import until_unhealthy
 from kvduplex.router.config import RouterConfig
-from kvduplex.router.policy import BackendPool
 from kvduplex.router.state import RouterState
 from tests.support.fake_instances import mock_instances
 

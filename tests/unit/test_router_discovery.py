@@ -223,8 +223,14 @@ def test_a_round_that_fails_unexpectedly_is_logged_and_the_next_one_runs(
     fleet = Fleet()
     fleet.roles = {"10.0.1.1": "decode"}
     answers = [{"not-an-address"}, {"10.0.1.1"}]
+    num_resolved = 0
+    third_round = asyncio.Event()  # set as it begins: the second one (rounds run in turn) ended
 
     async def resolve(name: str) -> set[str]:
+        nonlocal num_resolved
+        num_resolved += 1
+        if num_resolved == 3:
+            third_round.set()
         return answers.pop(0) if len(answers) > 1 else answers[0]
 
     cfg = RouterConfig(decode_dns=f"{DECODE_NAME}:8001", dns_interval_s=0.01)
@@ -234,13 +240,12 @@ def test_a_round_that_fails_unexpectedly_is_logged_and_the_next_one_runs(
     assert state.discovery is not None
     discovery = state.discovery
 
-    async def until_added() -> None:
+    async def two_rounds() -> None:
         rounds = asyncio.create_task(run_discovery(discovery, interval_s=0.01))
-        while not state.policy.decode.backends:
-            await asyncio.sleep(0.01)
+        await third_round.wait()
         rounds.cancel()
 
     with caplog.at_level(logging.ERROR, logger="kvduplex.router.discovery"):
-        asyncio.run(asyncio.wait_for(until_added(), timeout=10))
+        asyncio.run(asyncio.wait_for(two_rounds(), timeout=10))
     assert f"decode DNS {DECODE_NAME}: the round failed" in caplog.text
     assert [b.url for b in state.policy.decode.backends] == ["http://10.0.1.1:8001"]

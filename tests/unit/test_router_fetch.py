@@ -17,9 +17,9 @@ from fastapi.testclient import TestClient
 
 from kvduplex.common.tokenizer import ByteTokenizer
 from kvduplex.router.app import create_router_app
+from kvduplex.router.backends import Outcome
 from kvduplex.router.config import RouterConfig
 from kvduplex.router.plans import note_turn_held
-from kvduplex.router.policy import Outcome
 from kvduplex.router.state import RouterState
 from tests.support.fake_instances import mock_instances
 from tests.unit.test_router import D

@@ -26,11 +26,11 @@ from kvduplex.common.config import TransferMode
 from kvduplex.common.openai.render import FIRST_TOKEN_IDS_FIELD
 from kvduplex.common.tokenizer import ByteTokenizer
 from kvduplex.router.app import create_router_app
+from kvduplex.router.backends import Backend
+from kvduplex.router.backends import BackendPool
+from kvduplex.router.backends import Outcome
 from kvduplex.router.config import RouterConfig
 from kvduplex.router.health import run_prober
-from kvduplex.router.policy import Backend
-from kvduplex.router.policy import BackendPool
-from kvduplex.router.policy import Outcome
 from kvduplex.router.state import RouterState
 from tests.support.fake_instances import mock_instances
 from tests.unit.test_router import D

@@ -16,9 +16,9 @@ from fastapi.testclient import TestClient
 from kvduplex.common.config import TransferMode
 from kvduplex.common.tokenizer import ByteTokenizer
 from kvduplex.router.app import create_router_app
+from kvduplex.router.backends import Outcome
 from kvduplex.router.config import RouterConfig
 from kvduplex.router.health import probe_all
-from kvduplex.router.policy import Outcome
 from kvduplex.router.state import RouterState
 from tests.support.fake_instances import mock_instances
 from tests.unit.test_router import _metric

@@ -6,8 +6,8 @@ from collections import Counter
 
 import pytest
 
+from kvduplex.router.backends import Outcome
 from kvduplex.router.policy import NoHealthyInstance
-from kvduplex.router.policy import Outcome
 from kvduplex.router.policy import Route
 from kvduplex.router.policy import RoutingPolicy
 from kvduplex.router.sessions import PrefixIndex

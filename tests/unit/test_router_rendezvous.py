@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections import Counter
 
 from kvduplex.router import rendezvous
-from kvduplex.router.policy import Backend
-from kvduplex.router.policy import Outcome
+from kvduplex.router.backends import Backend
+from kvduplex.router.backends import Outcome
 from kvduplex.router.policy import Route
 from kvduplex.router.policy import RoutingPolicy
 

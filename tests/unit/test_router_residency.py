@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from kvduplex.router.backends import Outcome
 from kvduplex.router.config import RouterConfig
 from kvduplex.router.plans import is_return_kept
 from kvduplex.router.plans import note_turn_held
 from kvduplex.router.plans import turn_plan
-from kvduplex.router.policy import Outcome
 from kvduplex.router.policy import Route
 from kvduplex.router.policy import RoutingPolicy
 from kvduplex.router.residency import Plan
