@@ -113,8 +113,10 @@ class LayerLoad:
         self.wait_until = 0.0
         self.num_settled = 0
         self.landed_at: list[float | None] = [None] * num_layers
-        """When each layer's READ was seen to land (monotonic; tests, timings)."""
+        """When each layer's READ landed, as its transport saw it (monotonic; timings)."""
         self.posted_at = 0.0
+        self.waited_s = 0.0
+        """How long the forward's layers waited for the READs (timings)."""
 
     @property
     def num_blocks(self) -> int:
@@ -222,7 +224,7 @@ class PrefixLoads:
         def on_outcome(o: Outcome, handle: TransferHandle | None) -> None:  # engine thread
             if o.ok and handle is not None:
                 load.layers[layer] = LayerState.LANDED
-                load.landed_at[layer] = time.monotonic()
+                load.landed_at[layer] = handle.finished_at or time.monotonic()
                 if all(s is LayerState.LANDED for s in load.layers):
                     load.spec.resolve(load.num_blocks * self.engine.block_size)
             else:
@@ -246,9 +248,11 @@ class PrefixLoads:
 
         def wait_for_layer_load(layer: int) -> None:
             for load in loads:
-                if load.failed is not None:
+                if load.failed is not None or _has_ended(load, layer):
                     continue
+                t0 = time.monotonic()
                 ready = self.inbox.wait_layer(partial(_has_ended, load, layer), load.wait_until)
+                load.waited_s += time.monotonic() - t0
                 if not ready:
                     self._fail(load, f"READ of layer {layer} did not end by its deadline")
 
