@@ -289,11 +289,14 @@ class InProcessTransport(Transport):
         with self._lock:
             self._faults.append(_Fault(_FaultKind.HANG, "hang"))
 
-    def slow_next(self, delay_s: float) -> None:
+    def slow_next(self, delay_s: float, *, copy_at_post: bool = False) -> None:
         """The next transfer posted here lands (copied, DONE, its notification sent)
-        ``delay_s`` seconds after its post, as over a slow link."""
+        ``delay_s`` seconds after its post, as over a slow link. ``copy_at_post``: the
+        bytes are copied at the post, on the poster's thread, and only its end waits (a
+        NIC's copy costs the CPU nothing meanwhile; a benchmark's forward then shares it
+        with no copy)."""
         with self._lock:
-            self._faults.append(_Fault(_FaultKind.SLOW, "slow", delay_s))
+            self._faults.append(_Fault(_FaultKind.SLOW, "slow", delay_s, corrupt=copy_at_post))
 
     def land_late_next(self, late_s: float | None, *, corrupt: bool = False) -> None:
         """The next transfer posted here ends FAILED at its deadline but may still land:
@@ -419,7 +422,10 @@ class InProcessTransport(Transport):
             return
         if fault is not None and fault.kind is _FaultKind.SLOW:
             assert fault.late_s is not None
-            self._fabric.start_timer(fault.late_s, self._land_slow, post)
+            copied = fault.corrupt  # for SLOW: copied at the post
+            if copied:
+                self._copy(post, target)
+            self._fabric.start_timer(fault.late_s, self._land_slow, post, copied)
             return
         if fault is not None and fault.kind is _FaultKind.HANG:
             with self._lock:
@@ -472,12 +478,13 @@ class InProcessTransport(Transport):
         if batch:
             target._deliver(batch)
 
-    def _land_slow(self, post: Post) -> None:
+    def _land_slow(self, post: Post, copied: bool) -> None:
         target = self._target(post.peer)
         if target is None or self._closed:
             self._complete(post.handle, TransferState.FAILED, "peer is gone", FailureKind.PEER)
             return
-        self._copy(post, target)
+        if not copied:
+            self._copy(post, target)
         self._complete(post.handle, TransferState.DONE)
         self._deliver_notif(post, target)
 
