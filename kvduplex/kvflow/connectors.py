@@ -287,8 +287,9 @@ def prefill_flows(
     )  # fmt: skip
     reader = RetainedReader(transport, handle, inbox, io, timing.transfer_timeout_s, metrics)
     loads = PrefixLoads(
-        transport, handle, inbox, io, timing.transfer_timeout_s, sender.on_prefix_lost
-    )
+        transport, handle, inbox, io, timing.layer_load_s or timing.transfer_timeout_s,
+        sender.on_prefix_lost,
+    )  # fmt: skip
     flows = PrefillFlows(
         sender, receiver, acceptor, reader, loads, PrefillConnector(sender, inbox, loads),
         inbox, io,
@@ -348,3 +349,7 @@ class FlowTiming:
     confirms sooner that no WRITE can land."""
     retain_lease_s: float = 60.0
     """``--return-mode pull``: how long decode holds a session's last turn."""
+    layer_load_s: float | None = None
+    """The fetch plan: how long the engine thread waits for one layer of a fetched
+    prefix before the load fails and the request computes it (None: one transfer's
+    deadline). The wait blocks the engine, so it stays under its stall limit."""
