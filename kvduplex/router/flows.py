@@ -151,7 +151,7 @@ def _outcome(status: int) -> Outcome:
     return Outcome.OK if status < 400 else Outcome.REFUSED if status < 500 else Outcome.ERROR
 
 
-def _prefill_body(fwd: Forward, xid: str, seed: int | None) -> dict[str, Any]:
+def prefill_body(fwd: Forward, xid: str, seed: int | None) -> dict[str, Any]:
     """P samples the first token with the request's own parameters (D's, on a fallback),
     and under its grammar (structured output) when it has one (with ``min_tokens`` it
     is neither EOS nor a stop id); it computes the token's logprobs when the request
@@ -172,7 +172,7 @@ def _prefill_body(fwd: Forward, xid: str, seed: int | None) -> dict[str, Any]:
     return body
 
 
-def _decode_params(fwd: Forward, params: dict[str, Any]) -> dict[str, Any]:
+def decode_params(fwd: Forward, params: dict[str, Any]) -> dict[str, Any]:
     """D's ``kv_transfer_params``: `params`, and what every request asks of D (see the
     module docstring)."""
     out = {**params, "report_answer": True}
@@ -181,7 +181,7 @@ def _decode_params(fwd: Forward, params: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _return_to(state: RouterState, fwd: Forward, p: Backend, plan: Plan) -> dict[str, Any]:
+def return_to(state: RouterState, fwd: Forward, p: Backend, plan: Plan) -> dict[str, Any]:
     """The duplex return's params, if this turn is returned to `p` (else none): limited to
     what the next prompt will hold (`answers.return_limit`)."""
     if state.config.return_mode is not ReturnMode.PUSH:
@@ -225,7 +225,7 @@ def note_answer_hit(state: RouterState, fwd: Forward, num_cached_tokens: int) ->
     state.metrics.note_answer_hit(num_hit, num_returnable)
 
 
-async def _post_prefill(
+async def post_prefill(
     state: RouterState, fwd: Forward, path: str, req: dict[str, Any]
 ) -> dict[str, Any] | None:
     """POST to the route's P; its JSON answer, or None (logged) if it failed, or P was
@@ -284,13 +284,13 @@ async def _retained(state: RouterState, d: Backend, session_id: str) -> dict[str
 async def _push_prefill(
     state: RouterState, fwd: Forward, p_req: dict[str, Any], fetch: bool
 ) -> dict[str, Any] | None:
-    """P's push prefill call (`_post_prefill`), after D's lease of the history if `fetch`."""
+    """P's push prefill call (`post_prefill`), after D's lease of the history if `fetch`."""
     if fetch:
         route = fwd.route
         pull_from = await lease_history(state, route.decode, route.session_id, fwd.ids, p_req["xid"])
         if pull_from is not None:
             p_req = {**p_req, "pull_from": pull_from}
-    return await _post_prefill(state, fwd, "/internal/push/prefill", p_req)
+    return await post_prefill(state, fwd, "/internal/push/prefill", p_req)
 
 
 async def _cancel(state: RouterState, b: Backend, xid: str, reason: str) -> None:
@@ -306,7 +306,7 @@ async def _release(state: RouterState, b: Backend, xid: str) -> None:
         await until_unhealthy(b, state.client.post_whole(url, json_body({"xid": xid})))
 
 
-async def _open_decode(
+async def open_decode(
     state: RouterState, fwd: Forward, body: dict[str, Any], headers: dict[str, str]
 ) -> StreamedAnswer | Response:
     """D's streaming answer, or a 502 if D failed (or was marked unhealthy) before
@@ -338,7 +338,7 @@ async def _open_decode(
         return JSONResponse(error_body(message, "server_error", code="decode_failed"), 502)
 
 
-def _relay_decode(
+def relay_decode(
     state: RouterState, fwd: Forward, upstream: StreamedAnswer, parts: AsyncIterator[bytes]
 ) -> RelayedResponse:
     outcome = _outcome(upstream.status_code)
@@ -377,30 +377,30 @@ async def serve_short_append(state: RouterState, fwd: Forward) -> Answer:
     assert p is not None
     state.policy.prefill_done(fwd.route, Outcome.OK)  # not called: nothing to say of it
     params: dict[str, Any] = {"mode": "local", "session_id": fwd.route.session_id}
-    params.update(_return_to(state, fwd, p, Plan.DECODE_LOCAL))
-    body = {**fwd.body, "kv_transfer_params": _decode_params(fwd, params)}
-    upstream = await _open_decode(state, fwd, body, {})
+    params.update(return_to(state, fwd, p, Plan.DECODE_LOCAL))
+    body = {**fwd.body, "kv_transfer_params": decode_params(fwd, params)}
+    upstream = await open_decode(state, fwd, body, {})
     if isinstance(upstream, Response):
         return upstream
-    return _relay_decode(state, fwd, upstream, aiter(upstream))
+    return relay_decode(state, fwd, upstream, aiter(upstream))
 
 
 async def serve_decode_only(state: RouterState, fwd: Forward) -> Answer:
-    body = {**fwd.body, "kv_transfer_params": _decode_params(fwd, {"mode": "local"})}
-    upstream = await _open_decode(state, fwd, body, {})
+    body = {**fwd.body, "kv_transfer_params": decode_params(fwd, {"mode": "local"})}
+    upstream = await open_decode(state, fwd, body, {})
     if isinstance(upstream, Response):
         return upstream
-    return _relay_decode(state, fwd, upstream, aiter(upstream))
+    return relay_decode(state, fwd, upstream, aiter(upstream))
 
 
 async def serve_pull(state: RouterState, fwd: Forward) -> Answer:
     p = fwd.route.prefill
     assert p is not None
     xid = f"pull-{secrets.token_hex(16)}"
-    ans = await _post_prefill(
-        state, fwd, "/internal/prefill", _prefill_body(fwd, xid, fwd.request.seed)
+    ans = await post_prefill(
+        state, fwd, "/internal/prefill", prefill_body(fwd, xid, fwd.request.seed)
     )
-    body = {**fwd.body, "kv_transfer_params": _decode_params(fwd, {"mode": "local"})}
+    body = {**fwd.body, "kv_transfer_params": decode_params(fwd, {"mode": "local"})}
     if ans is not None:
         params = {
             "mode": "pull", "xid": xid, "prefill_url": p.url, "engine_id": ans.get("engine_id"),
@@ -409,9 +409,9 @@ async def serve_pull(state: RouterState, fwd: Forward) -> Answer:
             "lease_s": ans.get("lease_s"), "num_cached_tokens": ans.get("num_cached_tokens", 0),
             "session_id": fwd.route.session_id,
         }  # fmt: skip
-        body = {**body, "kv_transfer_params": _decode_params(fwd, params)}
+        body = {**body, "kv_transfer_params": decode_params(fwd, params)}
     try:
-        upstream = await _open_decode(state, fwd, body, {})
+        upstream = await open_decode(state, fwd, body, {})
     except DecodeUnreachable:
         if ans is not None:  # P's blocks are leased for a READ that will not come
             await _release(state, p, xid)
@@ -420,7 +420,7 @@ async def serve_pull(state: RouterState, fwd: Forward) -> Answer:
         return upstream  # D may have read, or be reading: the lease runs out on its own
     if ans is not None and 400 <= upstream.status_code < 500:
         await _release(state, p, xid)  # D refused the request before it read anything
-    return _relay_decode(state, fwd, upstream, aiter(upstream))
+    return relay_decode(state, fwd, upstream, aiter(upstream))
 
 
 _CANCELS: set[asyncio.Task[None]] = set()
@@ -479,7 +479,7 @@ async def serve_push(state: RouterState, fwd: Forward, plan: Plan = Plan.PUSH) -
         body = {**body, "seed": seed}
     # The engine ids the probes last saw: each side uses its connection to the other as it
     # is, or handshakes afresh if the engine changed, without asking its address first.
-    p_req = {**_prefill_body(fwd, xid, seed), "decode_url": d.url, "decode_engine_id": d.engine_id}
+    p_req = {**prefill_body(fwd, xid, seed), "decode_url": d.url, "decode_engine_id": d.engine_id}
     params: dict[str, Any] = {
         "mode": "push", "xid": xid, "prefill_url": p.url, "engine_id": p.engine_id,
         "session_id": fwd.route.session_id,
@@ -493,7 +493,7 @@ async def serve_push(state: RouterState, fwd: Forward, plan: Plan = Plan.PUSH) -
     if is_spliced:  # D names its first token's id: P's is spliced in by id, not by text
         params["mark_first_token"] = True
     mode = state.config.return_mode
-    params.update(_return_to(state, fwd, p, plan))
+    params.update(return_to(state, fwd, p, plan))
     is_fetch = plan is Plan.PREFILL_FETCH
     if mode is ReturnMode.PULL:
         params["return_mode"] = "pull"
@@ -506,8 +506,8 @@ async def serve_push(state: RouterState, fwd: Forward, plan: Plan = Plan.PUSH) -
     prefill.add_done_callback(functools.partial(_on_prefill_failed, state, d, xid))
     await asyncio.sleep(0)  # P's call goes out first: the first token waits on P's answer
     try:
-        upstream = await _open_decode(
-            state, fwd, {**body, "kv_transfer_params": _decode_params(fwd, params)}, {}
+        upstream = await open_decode(
+            state, fwd, {**body, "kv_transfer_params": decode_params(fwd, params)}, {}
         )
     except DecodeUnreachable:
         await _cancel(state, p, xid, "decode unreachable")
@@ -517,10 +517,10 @@ async def serve_push(state: RouterState, fwd: Forward, plan: Plan = Plan.PUSH) -
         await _cancel(state, p, xid, "decode refused the request")
         if isinstance(upstream, Response):
             return upstream
-        return _relay_decode(state, fwd, upstream, aiter(upstream))
+        return relay_decode(state, fwd, upstream, aiter(upstream))
     if not is_spliced:
         # Stop strings act on text: only D, which sees the whole answer, can apply them.
-        return _relay_decode(state, fwd, upstream, aiter(upstream))
+        return relay_decode(state, fwd, upstream, aiter(upstream))
     # P's token goes out under the id of D's answer, which D's X-Request-ID header names
     # (no X-Request-ID is sent to D, so the header is D's own id, not an echo).
     prefix = "chatcmpl" if fwd.is_chat else "cmpl"
@@ -530,4 +530,4 @@ async def serve_push(state: RouterState, fwd: Forward, plan: Plan = Plan.PUSH) -
         return_token_ids=fwd.request.return_token_ids,
     )  # fmt: skip
     first = FirstToken(head, state.tokenizer, xid, state.metrics.first_token_diverged.inc)
-    return _relay_decode(state, fwd, upstream, push_stream(upstream, prefill, first))
+    return relay_decode(state, fwd, upstream, push_stream(upstream, prefill, first))
