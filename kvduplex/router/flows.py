@@ -47,9 +47,7 @@ that does the same ends its answer with an error.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -224,12 +222,6 @@ async def post_prefill(
         state.policy.prefill_done(fwd.route, outcome)
 
 
-async def _release(state: RouterState, b: Backend, xid: str) -> None:
-    with contextlib.suppress(CallError):
-        url = b.url + "/internal/release"
-        await until_unhealthy(b, state.client.post_whole(url, json_body({"xid": xid})))
-
-
 async def open_decode(
     state: RouterState, fwd: Forward, body: dict[str, Any], headers: dict[str, str]
 ) -> StreamedAnswer | Response:
@@ -315,35 +307,3 @@ async def serve_decode_only(state: RouterState, fwd: Forward) -> Answer:
     if isinstance(upstream, Response):
         return upstream
     return relay_decode(state, fwd, upstream, aiter(upstream))
-
-
-async def serve_pull(state: RouterState, fwd: Forward) -> Answer:
-    p = fwd.route.prefill
-    assert p is not None
-    xid = f"pull-{secrets.token_hex(16)}"
-    ans = await post_prefill(
-        state, fwd, "/internal/prefill", prefill_body(fwd, xid, fwd.request.seed)
-    )
-    body = {**fwd.body, "kv_transfer_params": decode_params(fwd, {"mode": "local"})}
-    if ans is not None:
-        params = {
-            "mode": "pull", "xid": xid, "prefill_url": p.url, "engine_id": ans.get("engine_id"),
-            "block_ids": ans["block_ids"], "num_tokens": ans["num_tokens"],
-            "ids_digest": ans.get("ids_digest", ""),
-            "lease_s": ans.get("lease_s"), "num_cached_tokens": ans.get("num_cached_tokens", 0),
-            "session_id": fwd.route.session_id,
-        }  # fmt: skip
-        body = {**body, "kv_transfer_params": decode_params(fwd, params)}
-    try:
-        upstream = await open_decode(state, fwd, body, {})
-    except DecodeUnreachable:
-        if ans is not None:  # P's blocks are leased for a READ that will not come
-            await _release(state, p, xid)
-        raise
-    if isinstance(upstream, Response):
-        return upstream  # D may have read, or be reading: the lease runs out on its own
-    if ans is not None and 400 <= upstream.status_code < 500:
-        await _release(state, p, xid)  # D refused the request before it read anything
-    return relay_decode(state, fwd, upstream, aiter(upstream))
-
-
