@@ -1,5 +1,10 @@
 """The router's flows: how one routed request reaches its prefill (P) and decode (D).
 
+This module holds the map below, what every flow shares (`Forward`, `DecodeUnreachable`,
+P's prefill call, D's request opened and its answer relayed, the turn's return
+params) and the flows that call D alone (decode, short append). The push flow is in
+`push_flow.py` (`serve_push`), the pull flow in `pull_flow.py` (`serve_pull`).
+
 * **push** (default): ``POST /internal/push/prefill`` on P and the OpenAI
   request with ``kv_transfer_params: {mode: push, xid, prefill_url,
   session_id}`` on D, at the same time. P streams the prompt's KV into D's
@@ -31,7 +36,7 @@ returned to P (``return_to``) while the session's client sends its answers back
 as returned (`sessions` module docstring), up to what the next prompt will hold
 (``return_max_tokens``: `answers.return_limit`); at the next turn P's cached-token
 count says how much of the returned answer it still held (the answer hit,
-`note_answer_hit`).
+`push_flow.note_answer_hit`).
 
 A D that cannot be reached (the connection was refused or timed out: D never
 saw the request), or that the router marked unhealthy before the request was

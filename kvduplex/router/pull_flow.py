@@ -1,3 +1,10 @@
+"""The pull flow (`serve_pull`, the baseline): P computes the prompt and leases its
+blocks, then D READs them; see the map of the flows in `flows.py`.
+
+The router releases P's lease itself only when no READ will come (D could not be
+reached, or refused the request before reading).
+"""
+
 from __future__ import annotations
 
 import contextlib

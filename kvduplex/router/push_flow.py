@@ -1,3 +1,15 @@
+"""The push flow (`serve_push`): P streams the prompt's KV into D's blocks while both
+answer; see the map of the flows in `flows.py`.
+
+P's call and D's request go out at the same time. P's answer (its first token, spliced
+into D's stream: `relay.push_stream`) notes the answer hit of a returned turn
+(`note_answer_hit`) and where P holds the prompt; a P that fails tells D to compute the
+prompt (a cancel sent from P's task's callback), a D that refuses or cannot be reached
+tells P to stop. With ``--return-mode pull`` a session's P is told which turn D
+retained (`_retained`), to READ it; with the fetch plan P's call first leases D's
+history (`fetch.lease_history`).
+"""
+
 from __future__ import annotations
 
 import asyncio
@@ -91,7 +103,9 @@ async def _push_prefill(
     """P's push prefill call (`post_prefill`), after D's lease of the history if `fetch`."""
     if fetch:
         route = fwd.route
-        pull_from = await lease_history(state, route.decode, route.session_id, fwd.ids, p_req["xid"])
+        pull_from = await lease_history(
+            state, route.decode, route.session_id, fwd.ids, p_req["xid"]
+        )
         if pull_from is not None:
             p_req = {**p_req, "pull_from": pull_from}
     return await post_prefill(state, fwd, "/internal/push/prefill", p_req)
