@@ -101,8 +101,6 @@ from kvduplex.instance.errors import install_error_handlers
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["APIError", "AdmitRefused", "Generation", "InstanceState", "create_app"]
-
 
 @dataclass
 class Generation:
@@ -254,7 +252,7 @@ def create_app(state: InstanceState, extra_routers: Sequence[APIRouter] = ()) ->
     app = FastAPI(title="kvduplex", version="0.1.0")
     app.state.instance = state
     install_error_handlers(app)
-    _add_health(app, state)
+    add_health(app, state)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -264,6 +262,15 @@ def create_app(state: InstanceState, extra_routers: Sequence[APIRouter] = ()) ->
     async def kv_stats() -> JSONResponse:
         """Block-pool accounting, checked in the engine thread (tests, operators)."""
         return JSONResponse(asdict(await state.engine.run_in_engine(pool_report)))
+
+    add_openai_routes(app, state)
+    for router in extra_routers:
+        app.include_router(router)
+    return app
+
+
+def add_openai_routes(app: FastAPI, state: InstanceState) -> None:
+    """/v1/models, /v1/completions and /v1/chat/completions."""
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -284,7 +291,7 @@ def create_app(state: InstanceState, extra_routers: Sequence[APIRouter] = ()) ->
         _check_kv_params(state, raw, body)
         ids = _prompt_ids(state, body)
         gen = _make_generation(state, raw, body, ids, body.max_tokens, "cmpl")
-        return await _serve(state, raw, gen, chat=False)
+        return await serve_generation(state, raw, gen, chat=False)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
@@ -296,14 +303,10 @@ def create_app(state: InstanceState, extra_routers: Sequence[APIRouter] = ()) ->
             max_tokens = max(1, state.max_model_len - len(ids))
         gen = _make_generation(state, raw, body, ids, max_tokens, "chatcmpl")
         gen.parser = _chat_parser(state, raw, body, ids)
-        return await _serve(state, raw, gen, chat=True)
-
-    for router in extra_routers:
-        app.include_router(router)
-    return app
+        return await serve_generation(state, raw, gen, chat=True)
 
 
-def _add_health(app: FastAPI, state: InstanceState) -> None:
+def add_health(app: FastAPI, state: InstanceState) -> None:
     """/health, /ready, 503s for a dead engine (`DeadEngineGuard`, EngineDeadError) and
     for new work while draining (`DrainGuard`)."""
     app.add_middleware(DrainGuard, drain=state.drain)
@@ -455,7 +458,9 @@ def _make_generation(
     return Generation(request, body, report_answer=report)
 
 
-async def _serve(state: InstanceState, raw: Request, gen: Generation, chat: bool) -> Response:
+async def serve_generation(
+    state: InstanceState, raw: Request, gen: Generation, chat: bool
+) -> Response:
     spec = structured.grammar_spec_of(gen.body)
     if spec is not None:
         gen.tool_calls = structured.forced_tool_calls(gen.body)

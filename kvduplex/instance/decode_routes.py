@@ -37,10 +37,10 @@ from pydantic import Field
 from pydantic import model_validator
 
 from kvduplex.common.config import ReturnMode
+from kvduplex.common.openai.errors import APIError
 from kvduplex.engine.handle import EngineHandle
 from kvduplex.engine.request import RemoteKVSpec
 from kvduplex.instance.api import AdmitRefused
-from kvduplex.instance.api import APIError
 from kvduplex.instance.api import Generation
 from kvduplex.instance.api import InstanceState
 from kvduplex.instance.kv_routes import MAX_XID_CHARS

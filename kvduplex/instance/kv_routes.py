@@ -40,6 +40,7 @@ from pydantic import Field
 from pydantic import model_validator
 
 from kvduplex.common.limits import RequestRejected
+from kvduplex.common.openai.errors import APIError
 from kvduplex.common.openai.protocol import error_body
 from kvduplex.common.sampling import MAX_LOGPROBS
 from kvduplex.common.sampling import GrammarSpec
@@ -47,7 +48,6 @@ from kvduplex.common.sampling import SamplingParams
 from kvduplex.engine.handle import EngineHandle
 from kvduplex.engine.request import Request
 from kvduplex.engine.structured import RequestGrammar
-from kvduplex.instance.api import APIError
 from kvduplex.instance.api import InstanceState
 from kvduplex.instance.api import kv_clock
 from kvduplex.kvflow.connectors import PrefillFlows
