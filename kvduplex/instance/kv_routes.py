@@ -48,8 +48,8 @@ from kvduplex.common.sampling import SamplingParams
 from kvduplex.engine.handle import EngineHandle
 from kvduplex.engine.request import Request
 from kvduplex.engine.structured import RequestGrammar
-from kvduplex.instance.api import InstanceState
-from kvduplex.instance.api import kv_clock
+from kvduplex.instance.state import InstanceState
+from kvduplex.instance.state import kv_clock
 from kvduplex.kvflow.connectors import PrefillFlows
 from kvduplex.kvflow.flow_io import ReleaseLease
 from kvduplex.kvflow.inbox import EngineGoneError
