@@ -50,12 +50,7 @@ from fastapi.responses import Response
 from fastapi.responses import StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client import generate_latest
-from starlette.types import ASGIApp
-from starlette.types import Receive
-from starlette.types import Scope
-from starlette.types import Send
 
-from kvduplex.common.drain import DrainGuard
 from kvduplex.common.limits import RequestRejected
 from kvduplex.common.openai import render
 from kvduplex.common.openai import structured
@@ -76,12 +71,12 @@ from kvduplex.common.openai.transcript import AnswerRecord
 from kvduplex.common.openai.transcript import MessageAccumulator
 from kvduplex.common.sampling import TokenLogprobs
 from kvduplex.common.trust import SECRET_HEADER
-from kvduplex.engine.async_engine import AsyncEngine
 from kvduplex.engine.commands import EngineDeadError
 from kvduplex.engine.engine import RequestOutput
 from kvduplex.engine.report import pool_report
 from kvduplex.engine.request import Request as EngineRequest
 from kvduplex.instance.errors import install_error_handlers
+from kvduplex.instance.health import add_health
 from kvduplex.instance.state import AdmitRefused
 from kvduplex.instance.state import Generation
 from kvduplex.instance.state import InstanceState
@@ -146,67 +141,6 @@ def add_openai_routes(app: FastAPI, state: InstanceState) -> None:
         gen = _make_generation(state, raw, body, ids, max_tokens, "chatcmpl")
         gen.parser = _chat_parser(state, raw, body, ids)
         return await serve_generation(state, raw, gen, chat=True)
-
-
-def add_health(app: FastAPI, state: InstanceState) -> None:
-    """/health, /ready, 503s for a dead engine (`DeadEngineGuard`, EngineDeadError) and
-    for new work while draining (`DrainGuard`)."""
-    app.add_middleware(DrainGuard, drain=state.drain)
-    app.add_middleware(DeadEngineGuard, engine=state.engine)
-
-    @app.exception_handler(EngineDeadError)
-    async def _on_engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return engine_dead_response(str(exc))
-
-    @app.get("/health")
-    async def health(raw: Request) -> JSONResponse:
-        """200 while the engine loop runs and makes progress; 503 with the reason when it
-        ended or is stalled past its limit (``--engine-stall-timeout-s``), or a part the
-        instance needs stopped (`InstanceState.health_checks`: its KV notification pump)."""
-        problem = state.problem()
-        if problem is None:
-            return JSONResponse(state.health(state.is_member(raw)))
-        body = {"status": "unavailable", "role": state.role, "reason": problem}
-        return JSONResponse(body, status_code=503)
-
-    @app.get("/ready")
-    async def ready(raw: Request) -> JSONResponse:
-        """Readiness: 200 (/health's body, ``status: ready``) while the engine is healthy
-        and the instance takes new work; 503 ``draining`` after SIGTERM, or
-        ``unavailable`` with the reason when the engine (or a part in
-        `InstanceState.health_checks`) is not healthy."""
-        problem = state.problem()
-        if problem is not None:
-            body = {"status": "unavailable", "role": state.role, "reason": problem}
-            return JSONResponse(body, status_code=503)
-        if state.drain.is_draining:
-            reason = "shutting down: finishing the work in flight"
-            body = {"status": "draining", "role": state.role, "reason": reason}
-            return JSONResponse(body, status_code=503)
-        return JSONResponse({**state.health(state.is_member(raw)), "status": "ready"})
-
-
-def engine_dead_response(reason: str) -> JSONResponse:
-    return APIError(503, reason, code="engine_dead").response()
-
-
-class DeadEngineGuard:
-    """ASGI middleware: once the engine loop has ended, every route but /health, /ready
-    and /metrics answers 503 at once, before the route runs."""
-
-    OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
-
-    def __init__(self, app: ASGIApp, engine: AsyncEngine) -> None:
-        self.app = app
-        self.engine = engine
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in self.OPEN_PATHS:
-            reason = self.engine.dead_reason()
-            if reason is not None:
-                await engine_dead_response(reason)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 def _prompt_ids(state: InstanceState, body: OpenAIRequest) -> list[int]:
