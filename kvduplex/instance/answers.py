@@ -1,3 +1,10 @@
+"""One `Generation` served (`serve_generation`): its grammar compiled, the role's
+`prepare` hook run, the request submitted (and, with an ``on_admit``, admitted or
+refused before any answer begins), then its answer gathered whole (aborted if the
+client leaves) or streamed as SSE, in OpenAI's shape. A chat answer goes to the
+instance's answer book; the answer's ids end it when the router asked for them.
+"""
+
 from __future__ import annotations
 
 import asyncio
@@ -196,7 +203,12 @@ def _logprobs(
 
 
 def _final_body(
-    state: InstanceState, gen: Generation, text: str, ids: list[int], last: RequestOutput, chat: bool
+    state: InstanceState,
+    gen: Generation,
+    text: str,
+    ids: list[int],
+    last: RequestOutput,
+    chat: bool,
 ) -> dict[str, Any]:
     reason, message = last.finish_reason, None
     if gen.parser is not None:

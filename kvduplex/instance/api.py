@@ -1,9 +1,16 @@
-"""The OpenAI-compatible HTTP API of one instance.
+"""The OpenAI-compatible HTTP API of one instance: the app (`create_app`).
 
 Routes: /v1/completions, /v1/chat/completions (streaming SSE or not),
 /v1/models, /health (liveness), /ready (readiness: not while draining, see
 `kvduplex.common.drain`), /metrics. Extra routes (internal KV endpoints of a
 disaggregated instance) are added by the caller through `extra_routers`.
+
+The app is built here from its parts: `state.py` (`InstanceState`, what the routes
+share, and `Generation`, what a request hands the engine), `openai_routes.py` (the
+/v1 routes and the checks that turn a body into a `Generation`), `answers.py` (a
+generation served: admitted, gathered whole or streamed, rendered), `health.py`
+(/health, /ready and the dead-engine and drain guards) and `errors.py` (the OpenAI
+error JSON). /metrics and /internal/kv/stats are added here.
 
 Request ids: every request gets an engine request id of this instance's own
 making (``cmpl-``/``chatcmpl-`` and a random hex), which is the answer's `id`
@@ -33,7 +40,6 @@ fingerprint) they show to all.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import asdict
 
@@ -49,8 +55,6 @@ from kvduplex.instance.errors import install_error_handlers
 from kvduplex.instance.health import add_health
 from kvduplex.instance.openai_routes import add_openai_routes
 from kvduplex.instance.state import InstanceState
-
-logger = logging.getLogger(__name__)
 
 
 def create_app(state: InstanceState, extra_routers: Sequence[APIRouter] = ()) -> FastAPI:

@@ -1,3 +1,8 @@
+"""An instance's liveness and readiness: /health, /ready, and the 503s of a dead engine
+(`DeadEngineGuard` before a route runs, EngineDeadError while one awaits it) and of a
+draining instance (`kvduplex.common.drain.DrainGuard`).
+"""
+
 from __future__ import annotations
 
 from fastapi import FastAPI

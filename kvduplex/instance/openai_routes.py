@@ -1,3 +1,10 @@
+"""The OpenAI routes of an instance (/v1/models, /v1/completions,
+/v1/chat/completions) and the checks that turn a request's body into a `Generation`:
+the model served, the cluster secret for ``kv_transfer_params``, the prompt's ids (a
+router's own, or built here), the engine's limits, the instance's own request id, the
+chat answer's parser. `answers.serve_generation` serves it.
+"""
+
 from __future__ import annotations
 
 import logging
@@ -39,8 +46,11 @@ def add_openai_routes(app: FastAPI, state: InstanceState) -> None:
             "object": "list",
             "data": [
                 {
-                    "id": name, "object": "model", "created": state.created,
-                    "owned_by": "kvduplex", "max_model_len": state.max_model_len,
+                    "id": name,
+                    "object": "model",
+                    "created": state.created,
+                    "owned_by": "kvduplex",
+                    "max_model_len": state.max_model_len,
                 }
                 for name in state.served_model_names
             ],

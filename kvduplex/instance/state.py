@@ -1,3 +1,10 @@
+"""What an instance's routes share: `InstanceState` (its engine, its role's hooks, the
+cluster secret, the answer book, readiness) and `Generation`, what one OpenAI request
+hands the engine (a role's `prepare` hook adjusts it; `AdmitRefused` from its
+`on_admit` refuses it). `kv_clock` is the cache's size and clock that /health and the
+KV routes report.
+"""
+
 from __future__ import annotations
 
 import asyncio
