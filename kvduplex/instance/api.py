@@ -20,7 +20,7 @@ engine id (an id names what an abort or a held request's release acts on).
 
 A dead engine (its loop crashed or stopped) answers 503 in OpenAI error JSON
 (``code: engine_dead``) on every route but /health and /ready (503 with the reason) and
-/metrics: at once for new requests (`DeadEngineGuard`), and for a request in
+/metrics: at once for new requests (`health.DeadEngineGuard`), and for a request in
 flight as soon as the engine call it awaits fails with EngineDeadError.
 
 Chat answers are recorded in the instance's `AnswerBook` (their generated ids and
