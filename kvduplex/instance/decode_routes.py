@@ -37,16 +37,16 @@ from pydantic import Field
 from pydantic import model_validator
 
 from kvduplex.common.config import ReturnMode
+from kvduplex.common.openai.errors import APIError
 from kvduplex.engine.handle import EngineHandle
 from kvduplex.engine.request import RemoteKVSpec
-from kvduplex.instance.api import AdmitRefused
-from kvduplex.instance.api import APIError
-from kvduplex.instance.api import Generation
-from kvduplex.instance.api import InstanceState
 from kvduplex.instance.kv_routes import MAX_XID_CHARS
 from kvduplex.instance.kv_routes import CancelRequest
 from kvduplex.instance.kv_routes import ReleaseRequest
 from kvduplex.instance.kv_routes import not_found
+from kvduplex.instance.state import AdmitRefused
+from kvduplex.instance.state import Generation
+from kvduplex.instance.state import InstanceState
 from kvduplex.kvflow.connectors import DecodeFlows
 from kvduplex.kvflow.fetch import FetchDecodeSide
 from kvduplex.kvflow.fetch import FetchRefusal

@@ -43,6 +43,7 @@ from pydantic import Field
 from pydantic import model_validator
 
 from kvduplex.common.limits import RequestRejected
+from kvduplex.common.openai.errors import APIError
 from kvduplex.common.openai.protocol import error_body
 from kvduplex.common.sampling import MAX_LOGPROBS
 from kvduplex.common.sampling import GrammarSpec
@@ -50,9 +51,8 @@ from kvduplex.common.sampling import SamplingParams
 from kvduplex.engine.handle import EngineHandle
 from kvduplex.engine.request import Request
 from kvduplex.engine.structured import RequestGrammar
-from kvduplex.instance.api import APIError
-from kvduplex.instance.api import InstanceState
-from kvduplex.instance.api import kv_clock
+from kvduplex.instance.state import InstanceState
+from kvduplex.instance.state import kv_clock
 from kvduplex.kvflow.connectors import PrefillFlows
 from kvduplex.kvflow.flow_io import ReleaseLease
 from kvduplex.kvflow.inbox import EngineGoneError

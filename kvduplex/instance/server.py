@@ -32,10 +32,10 @@ from kvduplex.engine.async_engine import LoopGate
 from kvduplex.engine.engine import LLMEngine
 from kvduplex.engine.engine import SampleHook
 from kvduplex.engine.metrics import EngineMetrics
-from kvduplex.instance.api import InstanceState
 from kvduplex.instance.api import create_app
 from kvduplex.instance.auth_routes import make_auth_router
 from kvduplex.instance.config import ServerConfig
+from kvduplex.instance.state import InstanceState
 
 if TYPE_CHECKING:
     from kvduplex.kvflow.connectors import FlowTiming

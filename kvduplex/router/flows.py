@@ -1,5 +1,10 @@
 """The router's flows: how one routed request reaches its prefill (P) and decode (D).
 
+This module holds the map below, what every flow shares (`Forward`, `DecodeUnreachable`,
+P's prefill call, D's request opened and its answer relayed, the turn's return
+params) and the flows that call D alone (decode, short append). The push flow is in
+`push_flow.py` (`serve_push`), the pull flow in `pull_flow.py` (`serve_pull`).
+
 * **push** (default): ``POST /internal/push/prefill`` on P and the OpenAI
   request with ``kv_transfer_params: {mode: push, xid, prefill_url,
   session_id}`` on D, at the same time. P streams the prompt's KV into D's
@@ -31,7 +36,7 @@ returned to P (``return_to``) while the session's client sends its answers back
 as returned (`sessions` module docstring), up to what the next prompt will hold
 (``return_max_tokens``: `answers.return_limit`); at the next turn P's cached-token
 count says how much of the returned answer it still held (the answer hit,
-`note_answer_hit`).
+`push_flow.note_answer_hit`).
 
 A D that cannot be reached (the connection was refused or timed out: D never
 saw the request), or that the router marked unhealthy before the request was
@@ -47,12 +52,7 @@ that does the same ends its answer with an error.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import functools
 import logging
-import random
-import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -61,11 +61,9 @@ from starlette.responses import JSONResponse
 from starlette.responses import Response
 
 from kvduplex.common.config import ReturnMode
-from kvduplex.common.openai import render
 from kvduplex.common.openai import structured
 from kvduplex.common.openai.chat_output import RAW_OUTPUT_HEADER
 from kvduplex.common.openai.chat_output import ChatOutputParser
-from kvduplex.common.openai.errors import REQUEST_ID_HEADER
 from kvduplex.common.openai.protocol import OpenAIRequest
 from kvduplex.common.openai.protocol import error_body
 from kvduplex.router.answers import RelayedAnswer
@@ -79,15 +77,12 @@ from kvduplex.router.calls import until_unhealthy
 from kvduplex.router.client import CallError
 from kvduplex.router.client import ConnectError
 from kvduplex.router.client import StreamedAnswer
-from kvduplex.router.fetch import lease_history
 from kvduplex.router.parsing import parse_body
 from kvduplex.router.parsing import parse_stream
 from kvduplex.router.plans import is_return_kept
 from kvduplex.router.plans import note_turn_held
 from kvduplex.router.policy import Route
-from kvduplex.router.relay import FirstToken
 from kvduplex.router.relay import RelayedResponse
-from kvduplex.router.relay import push_stream
 from kvduplex.router.relay import relay
 from kvduplex.router.residency import Plan
 from kvduplex.router.state import RouterState
@@ -151,7 +146,7 @@ def _outcome(status: int) -> Outcome:
     return Outcome.OK if status < 400 else Outcome.REFUSED if status < 500 else Outcome.ERROR
 
 
-def _prefill_body(fwd: Forward, xid: str, seed: int | None) -> dict[str, Any]:
+def prefill_body(fwd: Forward, xid: str, seed: int | None) -> dict[str, Any]:
     """P samples the first token with the request's own parameters (D's, on a fallback),
     and under its grammar (structured output) when it has one (with ``min_tokens`` it
     is neither EOS nor a stop id); it computes the token's logprobs when the request
@@ -172,7 +167,7 @@ def _prefill_body(fwd: Forward, xid: str, seed: int | None) -> dict[str, Any]:
     return body
 
 
-def _decode_params(fwd: Forward, params: dict[str, Any]) -> dict[str, Any]:
+def decode_params(fwd: Forward, params: dict[str, Any]) -> dict[str, Any]:
     """D's ``kv_transfer_params``: `params`, and what every request asks of D (see the
     module docstring)."""
     out = {**params, "report_answer": True}
@@ -181,7 +176,7 @@ def _decode_params(fwd: Forward, params: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _return_to(state: RouterState, fwd: Forward, p: Backend, plan: Plan) -> dict[str, Any]:
+def return_to(state: RouterState, fwd: Forward, p: Backend, plan: Plan) -> dict[str, Any]:
     """The duplex return's params, if this turn is returned to `p` (else none): limited to
     what the next prompt will hold (`answers.return_limit`)."""
     if state.config.return_mode is not ReturnMode.PUSH:
@@ -203,29 +198,7 @@ def _return_to(state: RouterState, fwd: Forward, p: Backend, plan: Plan) -> dict
     return params
 
 
-def note_answer_hit(state: RouterState, fwd: Forward, num_cached_tokens: int) -> None:
-    """P had `num_cached_tokens` of this prompt cached: of the previous answer, returned to
-    it, count the tokens it could have cached (the answer but its last token, up to the
-    last full block) and those it had."""
-    prev, p = fwd.route.previous, fwd.route.prefill
-    if prev is None or p is None or not fwd.route.reuses_answer or prev.answer_end is None:
-        return
-    if not prev.is_returning or prev.prefill_url != p.url:
-        return
-    start, end = prev.num_prompt_tokens, prev.answer_end
-    if prev.return_limit is not None:
-        end = min(end, prev.return_limit)
-    if p.block_size:
-        end = end // p.block_size * p.block_size
-    num_returnable = end - start
-    if num_returnable <= 0:
-        return
-    num_hit = min(max(num_cached_tokens - start, 0), num_returnable)
-    state.policy.sessions.note_answer_hit(fwd.route.session_id, num_hit, num_returnable)
-    state.metrics.note_answer_hit(num_hit, num_returnable)
-
-
-async def _post_prefill(
+async def post_prefill(
     state: RouterState, fwd: Forward, path: str, req: dict[str, Any]
 ) -> dict[str, Any] | None:
     """POST to the route's P; its JSON answer, or None (logged) if it failed, or P was
@@ -254,59 +227,7 @@ async def _post_prefill(
         state.policy.prefill_done(fwd.route, outcome)
 
 
-async def _retained(state: RouterState, d: Backend, session_id: str) -> dict[str, Any] | None:
-    """``--return-mode pull``: the session's last turn that D retained, for P to READ."""
-    url = d.url + "/internal/kv/retained"
-    try:
-        resp = await until_unhealthy(
-            d, state.client.post_whole(url, json_body({"session_id": session_id}))
-        )
-    except CallError as exc:
-        logger.info("session %s: retained turn at %s unavailable: %s", session_id, d.url, exc)
-        return None
-    if resp.status_code != 200:
-        return None
-    try:
-        info = resp.json()
-    except ValueError:
-        info = None
-    if not isinstance(info, dict):  # not D's answer: P computes the turn over its cache
-        logger.warning("session %s: %s answered its retained turn unreadably", session_id, d.url)
-        return None
-    # D's pin counts from its answer; this goes on to P at once, as a duration.
-    pin_s = info.pop("pin_s", None)
-    out = {"decode_url": d.url, **info}
-    if isinstance(pin_s, int | float):
-        out["pin_left_s"] = max(0.0, float(pin_s))
-    return out
-
-
-async def _push_prefill(
-    state: RouterState, fwd: Forward, p_req: dict[str, Any], fetch: bool
-) -> dict[str, Any] | None:
-    """P's push prefill call (`_post_prefill`), after D's lease of the history if `fetch`."""
-    if fetch:
-        route = fwd.route
-        pull_from = await lease_history(state, route.decode, route.session_id, fwd.ids, p_req["xid"])
-        if pull_from is not None:
-            p_req = {**p_req, "pull_from": pull_from}
-    return await _post_prefill(state, fwd, "/internal/push/prefill", p_req)
-
-
-async def _cancel(state: RouterState, b: Backend, xid: str, reason: str) -> None:
-    body = {"xid": xid, "reason": reason}
-    with contextlib.suppress(CallError):
-        url = b.url + "/internal/push/cancel"
-        await until_unhealthy(b, state.client.post_whole(url, json_body(body)))
-
-
-async def _release(state: RouterState, b: Backend, xid: str) -> None:
-    with contextlib.suppress(CallError):
-        url = b.url + "/internal/release"
-        await until_unhealthy(b, state.client.post_whole(url, json_body({"xid": xid})))
-
-
-async def _open_decode(
+async def open_decode(
     state: RouterState, fwd: Forward, body: dict[str, Any], headers: dict[str, str]
 ) -> StreamedAnswer | Response:
     """D's streaming answer, or a 502 if D failed (or was marked unhealthy) before
@@ -338,7 +259,7 @@ async def _open_decode(
         return JSONResponse(error_body(message, "server_error", code="decode_failed"), 502)
 
 
-def _relay_decode(
+def relay_decode(
     state: RouterState, fwd: Forward, upstream: StreamedAnswer, parts: AsyncIterator[bytes]
 ) -> RelayedResponse:
     outcome = _outcome(upstream.status_code)
@@ -377,157 +298,17 @@ async def serve_short_append(state: RouterState, fwd: Forward) -> Answer:
     assert p is not None
     state.policy.prefill_done(fwd.route, Outcome.OK)  # not called: nothing to say of it
     params: dict[str, Any] = {"mode": "local", "session_id": fwd.route.session_id}
-    params.update(_return_to(state, fwd, p, Plan.DECODE_LOCAL))
-    body = {**fwd.body, "kv_transfer_params": _decode_params(fwd, params)}
-    upstream = await _open_decode(state, fwd, body, {})
+    params.update(return_to(state, fwd, p, Plan.DECODE_LOCAL))
+    body = {**fwd.body, "kv_transfer_params": decode_params(fwd, params)}
+    upstream = await open_decode(state, fwd, body, {})
     if isinstance(upstream, Response):
         return upstream
-    return _relay_decode(state, fwd, upstream, aiter(upstream))
+    return relay_decode(state, fwd, upstream, aiter(upstream))
 
 
 async def serve_decode_only(state: RouterState, fwd: Forward) -> Answer:
-    body = {**fwd.body, "kv_transfer_params": _decode_params(fwd, {"mode": "local"})}
-    upstream = await _open_decode(state, fwd, body, {})
+    body = {**fwd.body, "kv_transfer_params": decode_params(fwd, {"mode": "local"})}
+    upstream = await open_decode(state, fwd, body, {})
     if isinstance(upstream, Response):
         return upstream
-    return _relay_decode(state, fwd, upstream, aiter(upstream))
-
-
-async def serve_pull(state: RouterState, fwd: Forward) -> Answer:
-    p = fwd.route.prefill
-    assert p is not None
-    xid = f"pull-{secrets.token_hex(16)}"
-    ans = await _post_prefill(
-        state, fwd, "/internal/prefill", _prefill_body(fwd, xid, fwd.request.seed)
-    )
-    body = {**fwd.body, "kv_transfer_params": _decode_params(fwd, {"mode": "local"})}
-    if ans is not None:
-        params = {
-            "mode": "pull", "xid": xid, "prefill_url": p.url, "engine_id": ans.get("engine_id"),
-            "block_ids": ans["block_ids"], "num_tokens": ans["num_tokens"],
-            "ids_digest": ans.get("ids_digest", ""),
-            "lease_s": ans.get("lease_s"), "num_cached_tokens": ans.get("num_cached_tokens", 0),
-            "session_id": fwd.route.session_id,
-        }  # fmt: skip
-        body = {**body, "kv_transfer_params": _decode_params(fwd, params)}
-    try:
-        upstream = await _open_decode(state, fwd, body, {})
-    except DecodeUnreachable:
-        if ans is not None:  # P's blocks are leased for a READ that will not come
-            await _release(state, p, xid)
-        raise
-    if isinstance(upstream, Response):
-        return upstream  # D may have read, or be reading: the lease runs out on its own
-    if ans is not None and 400 <= upstream.status_code < 500:
-        await _release(state, p, xid)  # D refused the request before it read anything
-    return _relay_decode(state, fwd, upstream, aiter(upstream))
-
-
-_CANCELS: set[asyncio.Task[None]] = set()
-"""D's cancels after a failed prefill, sent from a callback: held until they end."""
-
-
-def _on_prefill_failed(
-    state: RouterState, d: Backend, xid: str, task: asyncio.Task[dict[str, Any] | None]
-) -> None:
-    """P failed: D is told to compute the prompt itself (a callback, not a task awaiting
-    P: no more turns of the loop), as soon as P fails, before D's head if need be (a
-    whole answer's head comes at its end); a cancel that reaches D before the request is
-    kept there for it."""
-    if task.cancelled() or task.exception() is not None or task.result() is not None:
-        return
-    cancel = asyncio.ensure_future(_cancel(state, d, xid, "prefill failed"))
-    _CANCELS.add(cancel)
-    cancel.add_done_callback(_CANCELS.discard)
-
-
-def _on_prefill_answer(
-    state: RouterState, fwd: Forward, plan: Plan, task: asyncio.Task[dict[str, Any] | None]
-) -> None:
-    """P answered: its hit noted (added once D took the request: a flow routed again to
-    another decode instance notes its own), and the tokens it fetched from D counted
-    (they are not hits of a returned answer)."""
-    if not task.cancelled() and task.exception() is None and (ans := task.result()):
-        num_cached = int(ans.get("num_cached_tokens", 0))
-        if plan is Plan.PREFILL_FETCH:
-            num_read = int(ans.get("num_read_tokens", 0))
-            state.metrics.fetched_tokens.inc(num_read)
-            num_cached -= num_read
-        note_answer_hit(state, fwd, num_cached)
-        p = fwd.route.prefill
-        assert p is not None
-        p.kv_clock.read(ans, state.policy.clock())
-        allocated = ans.get("kv_blocks_allocated")
-        if isinstance(allocated, int):  # P holds the prompt (released after the push)
-            state.policy.sessions.note_held(
-                fwd.route.session_id, fwd.ids, is_prefill=True,
-                stamp=p.kv_clock.stamp_of(allocated), num_tokens=len(fwd.ids),
-            )  # fmt: skip
-
-
-async def serve_push(state: RouterState, fwd: Forward, plan: Plan = Plan.PUSH) -> Answer:
-    """The push flow (`plan`: push, or the fetch plan); see the module docstring."""
-    p = fwd.route.prefill
-    d = fwd.route.decode
-    assert p is not None
-    xid = f"push-{secrets.token_hex(16)}"
-    body, seed = fwd.body, fwd.request.seed
-    if fwd.request.temperature != 0 and seed is None:
-        # P samples the first token, D the rest (or all, if it falls back): one seed
-        # keeps a fallback's first token equal to the one already streamed.
-        seed = random.getrandbits(31)
-        body = {**body, "seed": seed}
-    # The engine ids the probes last saw: each side uses its connection to the other as it
-    # is, or handshakes afresh if the engine changed, without asking its address first.
-    p_req = {**_prefill_body(fwd, xid, seed), "decode_url": d.url, "decode_engine_id": d.engine_id}
-    params: dict[str, Any] = {
-        "mode": "push", "xid": xid, "prefill_url": p.url, "engine_id": p.engine_id,
-        "session_id": fwd.route.session_id,
-    }  # fmt: skip
-    # Forced tool calls stream as tool-call deltas that only D renders: not spliced either.
-    is_spliced = (
-        bool(fwd.request.stream)
-        and not fwd.request.stop
-        and structured.forced_tool_calls(fwd.request) is None
-    )  # see below
-    if is_spliced:  # D names its first token's id: P's is spliced in by id, not by text
-        params["mark_first_token"] = True
-    mode = state.config.return_mode
-    params.update(_return_to(state, fwd, p, plan))
-    is_fetch = plan is Plan.PREFILL_FETCH
-    if mode is ReturnMode.PULL:
-        params["return_mode"] = "pull"
-        if fwd.route.is_session_hit and not is_fetch:
-            p_req["pull_from"] = await _retained(state, d, fwd.route.session_id)
-    # A fetch goes out in P's task: D's request goes out meanwhile, and D's registration
-    # waits on P (kept there) while P reads.
-    prefill = asyncio.create_task(_push_prefill(state, fwd, p_req, is_fetch))
-
-    prefill.add_done_callback(functools.partial(_on_prefill_failed, state, d, xid))
-    await asyncio.sleep(0)  # P's call goes out first: the first token waits on P's answer
-    try:
-        upstream = await _open_decode(
-            state, fwd, {**body, "kv_transfer_params": _decode_params(fwd, params)}, {}
-        )
-    except DecodeUnreachable:
-        await _cancel(state, p, xid, "decode unreachable")
-        raise
-    prefill.add_done_callback(functools.partial(_on_prefill_answer, state, fwd, plan))
-    if isinstance(upstream, Response) or upstream.status_code != 200:
-        await _cancel(state, p, xid, "decode refused the request")
-        if isinstance(upstream, Response):
-            return upstream
-        return _relay_decode(state, fwd, upstream, aiter(upstream))
-    if not is_spliced:
-        # Stop strings act on text: only D, which sees the whole answer, can apply them.
-        return _relay_decode(state, fwd, upstream, aiter(upstream))
-    # P's token goes out under the id of D's answer, which D's X-Request-ID header names
-    # (no X-Request-ID is sent to D, so the header is D's own id, not an echo).
-    prefix = "chatcmpl" if fwd.is_chat else "cmpl"
-    rid = upstream.header(REQUEST_ID_HEADER.encode()) or f"{prefix}-{secrets.token_hex(16)}"
-    head = render.ResponseHead(
-        request_id=rid, model=fwd.request.model or state.config.model, is_chat=fwd.is_chat,
-        return_token_ids=fwd.request.return_token_ids,
-    )  # fmt: skip
-    first = FirstToken(head, state.tokenizer, xid, state.metrics.first_token_diverged.inc)
-    return _relay_decode(state, fwd, upstream, push_stream(upstream, prefill, first))
+    return relay_decode(state, fwd, upstream, aiter(upstream))

@@ -56,11 +56,11 @@ from kvduplex.router.flows import Answer
 from kvduplex.router.flows import DecodeUnreachable
 from kvduplex.router.flows import Forward
 from kvduplex.router.flows import serve_decode_only
-from kvduplex.router.flows import serve_pull
-from kvduplex.router.flows import serve_push
 from kvduplex.router.flows import serve_short_append
 from kvduplex.router.plans import turn_plan
 from kvduplex.router.policy import NoHealthyInstance
+from kvduplex.router.pull_flow import serve_pull
+from kvduplex.router.push_flow import serve_push
 from kvduplex.router.relayed_response import ClientWatch
 from kvduplex.router.residency import Plan
 from kvduplex.router.state import RouterState

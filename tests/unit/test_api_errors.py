@@ -20,8 +20,8 @@ from kvduplex.common.openai.protocol import ChatMessage
 from kvduplex.common.openai.protocol import ChatTool
 from kvduplex.common.openai.protocol import FunctionDefinition
 from kvduplex.common.tokenizer import ByteTokenizer
-from kvduplex.instance.api import Generation
 from kvduplex.instance.server import Instance
+from kvduplex.instance.state import Generation
 from kvduplex.router.app import create_router_app
 from kvduplex.router.config import RouterConfig
 from kvduplex.router.state import RouterState

@@ -14,9 +14,9 @@ import pytest
 
 from kvduplex.common.sampling import SamplingParams
 from kvduplex.engine.request import Request as EngineRequest
-from kvduplex.instance.api import AdmitRefused
-from kvduplex.instance.api import Generation
 from kvduplex.instance.decode_routes import DecodePreparer
+from kvduplex.instance.state import AdmitRefused
+from kvduplex.instance.state import Generation
 from kvduplex.kvflow.inbox import XidInUseError
 from kvduplex.kvflow.pull_flow import PullDecodeSide
 from kvduplex.kvflow.push import PushDecodeSide

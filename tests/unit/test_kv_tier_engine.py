@@ -29,9 +29,9 @@ from kvduplex.engine.kv_tier import HEADER_BYTES
 from kvduplex.engine.kv_tier_file import FileTier
 from kvduplex.engine.metrics import EngineMetrics
 from kvduplex.engine.request import Request
-from kvduplex.instance.api import kv_clock
 from kvduplex.instance.config import ServerConfig
 from kvduplex.instance.server import build_instance
+from kvduplex.instance.state import kv_clock
 from kvduplex.model.loader import LoadedModel
 from kvduplex.model.loader import load_model
 

@@ -15,8 +15,8 @@ import pytest
 from kvduplex.common.config import ReturnMode
 from kvduplex.common.sampling import SamplingParams
 from kvduplex.engine.request import Request as EngineRequest
-from kvduplex.instance.api import Generation
 from kvduplex.instance.decode_routes import DecodePreparer
+from kvduplex.instance.state import Generation
 from kvduplex.kvflow.return_flow import ReturnDecodeSide
 from kvduplex.kvflow.return_flow import ReturnPrefillSide
 from kvduplex.kvflow.return_flow import ReturnTarget

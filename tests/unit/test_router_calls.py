@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from kvduplex.common.tokenizer import ByteTokenizer
-from kvduplex.router import flows
+from kvduplex.router import push_flow
 from kvduplex.router.backends import BackendPool
 from kvduplex.router.calls import InstanceDown
 from kvduplex.router.calls import until_unhealthy
@@ -129,7 +129,7 @@ def test_a_retained_turn_that_d_answers_unreadably_is_none(
         d = state.policy.decode.by_url(d_url)
         assert d is not None
         try:
-            return await flows._retained(state, d, "s")
+            return await push_flow._retained(state, d, "s")
         finally:
             await state.aclose()
 

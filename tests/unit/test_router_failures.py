@@ -87,10 +87,10 @@ def _router(
 def test_a_push_routed_again_notes_prefills_answer_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """P answers both prefills of a push whose first decode was unreachable: the answer's
     hit is noted by the flow that served it, not by the abandoned one too."""
-    from kvduplex.router import flows
+    from kvduplex.router import push_flow
 
     noted: list[int] = []
-    monkeypatch.setattr(flows, "note_answer_hit", lambda state, fwd, n: noted.append(n))
+    monkeypatch.setattr(push_flow, "note_answer_hit", lambda state, fwd, n: noted.append(n))
     fake = FailingInstances(unreachable={D})
     client, _ = _router(fake, decode=(D, D1), mode=TransferMode.PUSH)
     with client:

@@ -28,7 +28,7 @@ from aiohttp import web
 from kvduplex.common.config import TransferMode
 from kvduplex.common.tokenizer import ByteTokenizer
 from kvduplex.router import client as rc
-from kvduplex.router import flows
+from kvduplex.router import push_flow
 from kvduplex.router.app import create_router_app
 from kvduplex.router.config import RouterConfig
 from kvduplex.router.state import RouterState
@@ -136,7 +136,7 @@ async def _router(
         ) as client:
             yield client, state
     finally:
-        await _bounded(asyncio.gather(*flows._CANCELS, return_exceptions=True))
+        await _bounded(asyncio.gather(*push_flow._CANCELS, return_exceptions=True))
         await state.aclose()
         state.prompts.shutdown(wait=False)
 

@@ -1,6 +1,6 @@
 """A chat answer's text parsed into reasoning, content and tool calls, for one request.
 
-Torch-free, shared by the instance (`instance/api.py`, for what it serves
+Torch-free, shared by the instance (`instance/openai_routes.py`, for what it serves
 directly) and the router (`router/parsing.py`, for what it routes): both
 build a request's `ChatOutputParser` with `output_parser` and feed it the
 answer's text in order. Reasoning (`reasoning.py`) comes first; its content is

@@ -10,7 +10,7 @@ these as its handlers (`kvduplex.instance.errors`); the router answers them itse
 
 A client's ``X-Request-ID`` header is echoed on every response (`RequestIdEcho`
 on an instance). The header is only echoed: an instance's engine request ids
-are always its own (see `kvduplex.instance.api`).
+are always its own (see `kvduplex.instance.openai_routes`).
 """
 
 from __future__ import annotations
