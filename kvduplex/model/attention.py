@@ -11,7 +11,7 @@ sequences; each sequence contributes ``q_len`` new tokens at positions
    (``start_pos == 0``) uses its own K/V with a causal mask; a continued one
    (chunked prefill or a prefix-cache hit), on CPU, attends to its cached
    context gathered from the pool without a mask and to its own K/V causally,
-   the two merged by log-sum-exp (`_continued_prefill`); elsewhere, or under a
+   the two merged by log-sum-exp (`continued_prefill`); elsewhere, or under a
    sliding window shorter than its context, to its whole gathered context with
    an offset causal mask;
 3. decode sequences (``q_len == 1``), by default all together as `PagedDecodes`:
@@ -65,6 +65,8 @@ from kvduplex.model.flex_decode import FlexDecodeBatch
 from kvduplex.model.paged_decode import PagedDecodes
 from kvduplex.model.paged_decode import additive_mask
 from kvduplex.model.paged_decode import paged_decode_attention
+from kvduplex.model.prefill_attention import continued_prefill
+from kvduplex.model.prefill_attention import fresh_prefill
 
 
 @dataclass(frozen=True)
@@ -255,29 +257,32 @@ def paged_attention(
     Tokens that belong to neither a prefill span nor the decode set do not exist:
     the runner puts every sequence in exactly one of them.
     """
-    out = q.new_empty(q.shape)
     k_cache, v_cache = layer_pool[0], layer_pool[1]  # (num_blocks, block_size, kv_heads, head_dim)
-    gqa = q.shape[1] != k.shape[1]
+    if _is_one_fresh_prompt(q, ctx):
+        # The whole batch is one fresh prompt: the kernel's output, (1, q_len, heads, dim) in
+        # memory, is already `out`'s layout, so it is returned without a copy.
+        mask = ctx.prefill_mask(0, window, q.dtype)
+        return fresh_prefill(q, k, v, mask, scale)[0].transpose(0, 1)
+    out = q.new_empty(q.shape)
     for i, span in enumerate(ctx.prefills):
         end = span.token_start + span.q_len
-        qs = q[span.token_start:end].transpose(0, 1)  # (num_heads, q_len, head_dim)
+        rows = slice(span.token_start, end)
         if span.start_pos > 0 and can_split_prefill(q, window, span):
-            o = _continued_prefill(qs, k[span.token_start:end], v[span.token_start:end], k_cache,
-                                   v_cache, span, scale)  # fmt: skip
-            out[span.token_start:end] = o[0].transpose(0, 1)
+            continued_prefill(q[rows], k[rows], v[rows], k_cache, v_cache, span.block_table,
+                              span.start_pos, scale, out[rows].transpose(0, 1)[None])  # fmt: skip
             continue
         mask = ctx.prefill_mask(i, window, q.dtype)
         if span.start_pos == 0:
-            ks = k[span.token_start:end].transpose(0, 1)  # (num_kv_heads, q_len, head_dim)
-            vs = v[span.token_start:end].transpose(0, 1)
+            o = fresh_prefill(q[rows], k[rows], v[rows], mask, scale)
         else:
+            qs = q[rows].transpose(0, 1)  # (num_heads, q_len, head_dim)
             ks = _gather(k_cache, span.block_table, span.context_len)
             vs = _gather(v_cache, span.block_table, span.context_len)
-        # With a batch dim (4-D inputs) CPU SDPA takes the flash kernel; 3-D falls back to the math path.
-        o = F.scaled_dot_product_attention(
-            qs[None], ks[None], vs[None], attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
-        )  # (1, num_heads, q_len, head_dim)
-        out[span.token_start:end] = o[0].transpose(0, 1)
+            # With a batch dim (4-D inputs) CPU SDPA takes the flash kernel; 3-D falls back to the math path.
+            o = F.scaled_dot_product_attention(
+                qs[None], ks[None], vs[None], attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+            )  # (1, num_heads, q_len, head_dim)
+        out[rows] = o[0].transpose(0, 1)
     if ctx.kernel is not None and ctx.kernel_batch is not None:
         ctx.kernel.attend(q, layer_pool, ctx.kernel_batch, scale, window, out)
     elif ctx.paged is not None:
@@ -361,50 +366,17 @@ def _attend_ranges(
 
 
 def can_split_prefill(q: torch.Tensor, window: int | None, span: PrefillSpan) -> bool:
-    """Whether a continued prefill takes `_continued_prefill`: on CPU (the flash kernel that
+    """Whether a continued prefill takes `continued_prefill`: on CPU (the flash kernel that
     returns its log-sum-exp), when no sliding window hides part of the context."""
     return q.device.type == "cpu" and (window is None or span.context_len <= window)
 
 
-def _continued_prefill(
-    qs: torch.Tensor,  # (num_heads, q_len, head_dim)
-    k_new: torch.Tensor,  # (q_len, num_kv_heads, head_dim)
-    v_new: torch.Tensor,  # (q_len, num_kv_heads, head_dim)
-    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
-    v_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
-    span: PrefillSpan,
-    scale: float,
-) -> torch.Tensor:  # (1, num_heads, q_len, head_dim)
-    """A chunk after `span.start_pos` cached tokens, as two flash SDPAs merged by log-sum-exp.
-
-    ::
-
-        keys     [ 0 ........ start_pos | start_pos ...... context_len ]
-                   cached: every query     this chunk's own K/V: causal
-                   sees all of it, no mask (the kernel skips the blocks above
-                                            the diagonal)
-
-    One SDPA over the whole context would need a ``(q_len, context_len)`` additive mask
-    (built, then read in every layer) and computes every masked block. The cached part is
-    gathered from the pool (its blocks in table order); the chunk's own K/V come as
-    computed. Attention is a sum over keys, so the two partial outputs merge exactly, up
-    to rounding, by their log-sum-exps.
-    """
-    heads, kv_heads = qs.shape[0], k_new.shape[1]
-    group = heads // kv_heads
-    num_blocks = -(-span.start_pos // k_cache.shape[1])
-    k_old = _gather(k_cache, span.block_table[:num_blocks], span.start_pos)  # (kv_heads, start_pos, dim)
-    v_old = _gather(v_cache, span.block_table[:num_blocks], span.start_pos)
-    k_own, v_own = k_new.transpose(0, 1), v_new.transpose(0, 1)  # (kv_heads, q_len, dim)
-    if group > 1:
-        k_old, v_old = k_old.repeat_interleave(group, 0), v_old.repeat_interleave(group, 0)
-        k_own, v_own = k_own.repeat_interleave(group, 0), v_own.repeat_interleave(group, 0)
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    o_old, lse_old = flash(qs[None], k_old[None], v_old[None], 0.0, False, scale=scale)[:2]
-    o_own, lse_own = flash(qs[None], k_own[None], v_own[None], 0.0, True, scale=scale)[:2]
-    # (1, heads, q_len, dim) and (1, heads, q_len): weight of each part = exp(lse_part - lse_all)
-    w_old = torch.sigmoid(lse_old - lse_own)[..., None]
-    return torch.lerp(o_own, o_old, w_old.to(o_own.dtype))
+def _is_one_fresh_prompt(q: torch.Tensor, ctx: AttentionContext) -> bool:
+    """Whether the step's tokens are exactly one prompt's first chunk (no decodes)."""
+    if len(ctx.prefills) != 1 or ctx.num_decodes:
+        return False
+    span = ctx.prefills[0]
+    return span.start_pos == 0 and span.token_start == 0 and span.q_len == q.shape[0]
 
 
 def _gather(

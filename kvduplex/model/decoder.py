@@ -135,8 +135,12 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        # transformers' ops in its order, the result written over the squares' buffer and
+        # scaled in place (the product commutes): one fresh tensor where it allocates three.
+        buf = h.pow(2)
+        variance = buf.mean(-1, keepdim=True)
+        h = torch.mul(h, torch.rsqrt(variance + self.eps), out=buf)
+        return h.to(dtype).mul_(self.weight)
 
 
 class Attention(nn.Module):
@@ -233,8 +237,9 @@ class DecoderLayer(nn.Module):
         ctx: AttentionContext,
         on_kv_written: Callable[[int], None] | None,
     ) -> torch.Tensor:  # (num_tokens, hidden_size)
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, layer_pool, ctx, on_kv_written)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        # Residual adds in place over the sublayers' fresh outputs (the sum commutes).
+        h = self.self_attn(self.input_layernorm(x), cos, sin, layer_pool, ctx, on_kv_written).add_(x)
+        return self.mlp(self.post_attention_layernorm(h)).add_(h)
 
 
 class DecoderForCausalLM(nn.Module):

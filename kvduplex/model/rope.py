@@ -70,8 +70,17 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x` ``(num_tokens, heads, head_dim)`` by the tables from `RotaryEmbedding.cos_sin`."""
+    """Rotate `x` ``(num_tokens, heads, head_dim)`` by the tables from `RotaryEmbedding.cos_sin`.
+
+    transformers computes ``x * cos + cat(-x2, x1) * sin``; both halves of the tables are
+    equal, so per half that is ``x1 * cos - x2 * sin`` and ``x2 * cos + x1 * sin``, the
+    same roundings (negation is exact), bit for bit. Computed in place over ``x * cos``,
+    without the concatenated copy and its temporaries.
+    """
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
-    rotated = torch.cat((-x2, x1), dim=-1)  # (num_tokens, heads, head_dim)
-    return x * cos + rotated * sin
+    sin_half = sin[..., :half]
+    out = x * cos  # (num_tokens, heads, head_dim)
+    out[..., :half].sub_(x2 * sin_half)
+    out[..., half:].add_(x1 * sin_half)
+    return out

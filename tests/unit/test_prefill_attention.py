@@ -35,14 +35,17 @@ def _masked_reference(
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (8, 1)])
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("start_pos,q_len", [(1, 2), (7, 5), (16, 16), (45, 30)])
+@pytest.mark.parametrize("consecutive", [False, True], ids=["scattered", "consecutive"])
 def test_continued_prefill_matches_the_masked_sdpa(
-    heads: int, kv_heads: int, block_size: int, start_pos: int, q_len: int
+    heads: int, kv_heads: int, block_size: int, start_pos: int, q_len: int, consecutive: bool
 ) -> None:
     gen = torch.Generator().manual_seed(start_pos * 100 + q_len)
     context = start_pos + q_len
     num_blocks = -(-context // block_size)
     pool = torch.randn(2, num_blocks + 6, block_size, kv_heads, HEAD_DIM, generator=gen)
     table = torch.randperm(num_blocks + 6, generator=gen)[:num_blocks]  # scattered, any order
+    if consecutive:  # read in place from the pool
+        table = torch.arange(3, 3 + num_blocks)
     k_all = torch.randn(context, kv_heads, HEAD_DIM, generator=gen)
     v_all = torch.randn(context, kv_heads, HEAD_DIM, generator=gen)
     pos = torch.arange(context)
