@@ -7,10 +7,9 @@ gives the rest of the transport a small typed surface instead of NIXL's
 string states.
 
 UCX memory hooks. With UCX's mmap hooks on (its default), every small
-notification an agent sends keeps about 330 bytes of the sender's memory for
-good (UCX 1.23 as NIXL's wheel bundles it; docs/reliability.md): a prefill
-instance, which sends a few per request, grows by about a MiB a minute under
-load. `_import_nixl` therefore sets ``UCX_MEM_MMAP_HOOK_MODE=none`` unless the
+notification an agent sends may keep about 330 bytes of the sender's memory
+for good (UCX 1.23 as NIXL's wheel bundles it; docs/reliability.md): an
+instance that sends one or more per request grows without bound under load. `_import_nixl` therefore sets ``UCX_MEM_MMAP_HOOK_MODE=none`` unless the
 environment names a mode; UCX reads it when its libraries load, so only before
 NIXL is first imported. The pool is registered once and stays mapped until it
 is deregistered, so nothing of ours needs UCX to see memory being unmapped.
