@@ -3,14 +3,17 @@ whether the long-lived instances' memory and peer tables stay bounded.
 
     .venv/bin/python benchmarks/bench_churn.py                 # 20 minutes on tiny
     .venv/bin/python benchmarks/bench_churn.py --quick         # a 2-minute smoke run
+    .venv/bin/python benchmarks/bench_churn.py --churning 3 --churn-min-s 12 --churn-max-s 24
+                                                               # more peers: ~50 met by each long-lived one (est.)
 
 Two routers find prefill and decode instances by DNS (`tests.support.static_dns`):
-one long-lived instance of each role, and one of each role that is replaced every
-`--churn-min-s`..`--churn-max-s` seconds (seeded) by a new one on a new loopback
-address (127.0.1.N for prefill, 127.0.2.N for decode), as a rescheduled pod comes
-back on a new IP: the new one is started, DNS names it, DNS drops the old one, and
-the old one is stopped (SIGTERM, drained). Every long-lived instance thus meets a
-new peer each churn.
+one long-lived instance of each role, and `--churning` of each role that are
+replaced by new ones on new loopback addresses (127.0.1.N for prefill, 127.0.2.N
+for decode), as a rescheduled pod comes back on a new IP: the new one is started,
+DNS names it, DNS drops the old one, and the old one is stopped (SIGTERM, drained).
+Each of `--churning` churners replaces its own prefill and decode instance in turn,
+one every `--churn-min-s`..`--churn-max-s` seconds (seeded). Every long-lived
+instance thus meets a new peer at each churn of the other role.
 
 Traffic: `--sessions` multi-turn sessions (token-id prompts: the history, the last
 answer and seeded new input; greedy, fixed length), alternating between the
@@ -18,9 +21,10 @@ routers. Every answer is checked token for token against a colocated instance
 given the same prompt; a request past `--deadline-s` counts as hung.
 
 Every `--sample-s` the long-lived instances' RSS and their peer tables
-(``kvduplex_kv_peers{table}``, ``kvduplex_kv_peers_forgotten_total``) are recorded.
+(``kvduplex_kv_peers{table}``, ``kvduplex_kv_peers_forgotten_total``,
+``kvduplex_kv_peers_met_total``: the distinct peers each met) are recorded.
 Writes results/churn-<model>.json (every sample, every failure with its error, the
-RSS slope after the warm-up and the final peer counts) and .md. Exits 1 if a request
+RSS slope after the warm-up, the final peer counts and the peers met) and .md. Exits 1 if a request
 failed, hung or answered other tokens than the reference.
 """
 
@@ -72,6 +76,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--turns", type=int, default=5, help="turns per session (default 5)")
     ap.add_argument("--churn-min-s", type=float, default=30.0)
     ap.add_argument("--churn-max-s", type=float, default=60.0)
+    ap.add_argument(
+        "--churning", type=int, default=1,
+        help="churning instances of each role, each pair replaced by its own churner (default 1)",
+    )  # fmt: skip
     ap.add_argument("--peer-idle-s", type=float, default=45.0, help="instances' --peer-idle-s")
     ap.add_argument("--deadline-s", type=float, default=90.0, help="a request past it is hung")
     ap.add_argument("--sample-s", type=float, default=5.0)
@@ -79,6 +87,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-dir", default="", help="process logs (default: a temp dir)")
     args = ap.parse_args()
+    if args.churning < 1:
+        ap.error("--churning must be at least 1")
     if args.quick:
         args.minutes, args.warmup_s = 2.0, 30.0
         args.churn_min_s, args.churn_max_s, args.peer_idle_s = 20.0, 30.0, 25.0
@@ -109,13 +119,16 @@ class Churn:
         self.ports = {role: free_port() for role in ROLES}
         self.next_host = dict.fromkeys(ROLES, 1)
         self.long_lived: dict[str, Process] = {}
-        self.churning: dict[str, Process] = {}
+        self.churning: dict[str, list[Process]] = {role: [] for role in ROLES}
+        """Each role's churning instances, by churner."""
         self.num_started = 0
+        self._lock = threading.Lock()  # churners replace instances side by side
 
     def serve(self, role: str) -> Process:
-        host = f"{ROLES[role]}.{self.next_host[role]}"
-        self.next_host[role] += 1
-        self.num_started += 1
+        with self._lock:
+            host = f"{ROLES[role]}.{self.next_host[role]}"
+            self.next_host[role] += 1
+            self.num_started += 1
         args = ["serve", "--model", self.args.model, "--role", role, "--log-level", "warning",
                 "--kv-cache-mb", str(self.args.kv_cache_mb),
                 "--peer-idle-s", str(self.args.peer_idle_s)]  # fmt: skip
@@ -125,15 +138,17 @@ class Churn:
 
     def name(self) -> None:
         """DNS names each role's live instances."""
-        for role in ROLES:
-            procs = [p for p in (self.long_lived.get(role), self.churning.get(role)) if p]
-            self.dns.set(f"{role}.churn.test", [p.url.split("//")[1].split(":")[0] for p in procs])
+        with self._lock:
+            for role in ROLES:
+                procs = [self.long_lived[role], *self.churning[role]]
+                hosts = [p.url.split("//")[1].split(":")[0] for p in procs]
+                self.dns.set(f"{role}.churn.test", hosts)
 
     def start(self) -> list[str]:
         """Long-lived and first churning instances, two routers; the routers' URLs."""
         for role in ROLES:
             self.long_lived[role] = self.serve(role)
-            self.churning[role] = self.serve(role)
+            self.churning[role] = [self.serve(role) for _ in range(self.args.churning)]
         self.name()
         routers = []
         for i in range(2):
@@ -148,10 +163,11 @@ class Churn:
         self.cluster.wait_healthy(timeout_s=60, procs=routers, path="/ready")
         return [r.url for r in routers]
 
-    def replace(self, role: str) -> None:
-        """A new instance of `role` on a new address takes the churning one's place."""
+    def replace(self, role: str, slot: int) -> None:
+        """A new instance of `role` on a new address takes churner `slot`'s one's place."""
         new = self.serve(role)
-        old, self.churning[role] = self.churning[role], new
+        with self._lock:
+            old, self.churning[role][slot] = self.churning[role][slot], new
         self.name()
         time.sleep(3.0)  # the routers resolve every second: let them stop choosing `old`
         self.cluster.stop_process(old, grace_s=30.0)
@@ -208,9 +224,14 @@ async def session_worker(
 
 
 def scrape(url: str) -> dict[str, float]:
-    """An instance's peer-table gauges and forgotten counts from its /metrics."""
+    """An instance's peer-table gauges, forgotten and met counts from its /metrics."""
+    return parse_peers(httpx.get(url + "/metrics", timeout=5).text)
+
+
+def parse_peers(text: str) -> dict[str, float]:
+    """The peer-table gauges (by table), forgotten counts (``forgotten_<reason>``) and
+    peers met (``met``) in a Prometheus exposition."""
     out: dict[str, float] = {}
-    text = httpx.get(url + "/metrics", timeout=5).text
     for family in text_string_to_metric_families(text):
         if family.name in ("kvduplex_kv_peers", "kvduplex_kv_peers_forgotten"):
             for s in family.samples:
@@ -218,6 +239,8 @@ def scrape(url: str) -> dict[str, float]:
                     continue
                 key = s.labels.get("table") or "forgotten_" + s.labels.get("reason", "")
                 out[key] = s.value
+        elif family.name == "kvduplex_kv_peers_met":
+            out["met"] = sum(s.value for s in family.samples if s.name.endswith("_total"))
     return out
 
 
@@ -262,18 +285,20 @@ def summarize(samples: list[dict[str, Any]], names: list[str], warmup_s: float) 
             "peers_transport_end": last.get("transport"),
             "peers_directory_end": last.get("directory"),
             "forgotten_end": {k[10:]: v for k, v in last.items() if k.startswith("forgotten_")},
+            "peers_met": max((s.get("met", 0) for _, s in series), default=0),
         }
     return out
 
 
 HEADER = ["long-lived", "RSS end MiB", "RSS slope MiB/min", "peers max", "peers end",
-          "directory end", "forgotten"]  # fmt: skip
+          "directory end", "forgotten", "peers met"]  # fmt: skip
 
 
 def report(summary: dict[str, Any], tally: Tally, num_started: int, minutes: float) -> str:
     rows = [[name, s["rss_end_mib"], _fmt(s["rss_slope_mib_per_min"]), s["peers_transport_max"],
              s["peers_transport_end"], s["peers_directory_end"],
-             ", ".join(f"{k} {v:g}" for k, v in sorted(s["forgotten_end"].items()))]
+             ", ".join(f"{k} {v:g}" for k, v in sorted(s["forgotten_end"].items())),
+             f"{s['peers_met']:g}"]
             for name, s in summary.items()]  # fmt: skip
     lines = [
         f"# Churn soak: {minutes:g} min, {num_started} instances started\n",
@@ -309,16 +334,19 @@ def main() -> int:
         stop_at = time.monotonic() + args.minutes * 60
         rng = random.Random(args.seed)
 
-        def churner() -> None:
-            role = 0
+        def churner(slot: int, rng: random.Random) -> None:
+            role = slot  # churners start on alternate roles
             while not stop.wait(rng.uniform(args.churn_min_s, args.churn_max_s)):
                 if time.monotonic() >= stop_at:
                     return
-                churn.replace(list(ROLES)[role % 2])
+                churn.replace(list(ROLES)[role % 2], slot)
                 role += 1
 
-        churn_thread = threading.Thread(target=churner, daemon=True)
-        churn_thread.start()
+        rngs = [rng, *(random.Random(args.seed * 7919 + i) for i in range(1, args.churning))]
+        churn_threads = [threading.Thread(target=churner, args=(i, r), daemon=True)
+                         for i, r in enumerate(rngs)]  # fmt: skip
+        for t in churn_threads:
+            t.start()
         workers = [session_worker(i, routers, ref.url, args, stop_at, tally)
                    for i in range(args.sessions)]  # fmt: skip
 
@@ -327,7 +355,8 @@ def main() -> int:
 
         asyncio.run(run_all())
         stop.set()
-        churn_thread.join()
+        for t in churn_threads:
+            t.join()
         sampler.join()
     summary = summarize(samples, list(watched), args.warmup_s)
     table = report(summary, tally, churn.num_started, args.minutes)

@@ -216,14 +216,20 @@ class BackendPool:
         """Requests in flight plus recent assignments (decayed)."""
         return b.in_flight + self._recent(b, now)
 
-    def healthy(self, peer: Backend | None = None) -> list[Backend]:
-        """The healthy instances; with `peer`, only those that pair with it (`pairs_with`)."""
-        return [b for b in self.backends if b.is_healthy and (peer is None or pairs_with(b, peer))]
+    def healthy(self, peers: Sequence[Backend] | None = None) -> list[Backend]:
+        """The healthy instances; with `peers`, only those that pair with one of them at
+        least (`pairs_with`)."""
+        return [
+            b for b in self.backends
+            if b.is_healthy and (peers is None or any(pairs_with(b, p) for p in peers))
+        ]  # fmt: skip
 
-    def try_least_loaded(self, now: float, peer: Backend | None = None) -> Backend | None:
-        """The healthy instance (that pairs with `peer`, if given) with the least load,
-        equal loads (to 1/100) round-robin; None if none is."""
-        up = self.healthy(peer)
+    def try_least_loaded(
+        self, now: float, peers: Sequence[Backend] | None = None
+    ) -> Backend | None:
+        """The healthy instance (that pairs with one of `peers`, if given) with the least
+        load, equal loads (to 1/100) round-robin; None if none is."""
+        up = self.healthy(peers)
         if not up:
             return None
         n = len(self.backends)
@@ -234,21 +240,23 @@ class BackendPool:
         return best
 
     def try_rendezvous(
-        self, session_id: str, busy_margin: int, peer: Backend | None = None
+        self, session_id: str, busy_margin: int, peers: Sequence[Backend] | None = None
     ) -> Backend | None:
-        """The session's instance (`policy`'s module docstring): the first healthy instance (that
-        pairs with `peer`, if given) of its rendezvous rank that is not much busier than
-        the least busy of those; None if none is healthy."""
-        up = self.healthy(peer)
+        """The session's instance (`policy`'s module docstring): the first healthy instance
+        (that pairs with one of `peers`, if given) of its rendezvous rank that is not much
+        busier than the least busy of those; None if none is healthy."""
+        up = self.healthy(peers)
         if not up:
             return None
         limit = min(b.in_flight for b in up) + busy_margin
         return next(b for b in rendezvous.rank(session_id, up, _url) if b.in_flight <= limit)
 
-    def can_keep(self, b: Backend, busy_margin: int, peer: Backend | None = None) -> bool:
-        """Whether a session may stay on `b`: healthy (and pairs with `peer`, if given), and
-        not much busier than the least of those."""
-        up = self.healthy(peer)
+    def can_keep(
+        self, b: Backend, busy_margin: int, peers: Sequence[Backend] | None = None
+    ) -> bool:
+        """Whether a session may stay on `b`: healthy (and pairs with one of `peers`, if
+        given), and not much busier than the least of those."""
+        up = self.healthy(peers)
         return b in up and b.in_flight <= min(x.in_flight for x in up) + busy_margin
 
     def mark_failed(self, b: Backend, now: float, *, is_down: bool = True) -> None:

@@ -5,9 +5,10 @@ the prober keeps its digest (`Backend.fingerprint`). The policy pairs a prefill 
 decode instance only when their digests are equal (`policy.pairs_with`): KV computed by
 one is correct on the other only then, and their KV handshake refuses any other pair
 anyway, at the cost of a failed prefill call per request. A decode instance that no
-healthy prefill instance pairs with serves its requests alone (it computes each prompt
-itself); this module says which instances are in that state, for the router's
-``/health`` (`fingerprint_summary`) and its metrics (`unpaired`).
+healthy prefill instance pairs with gets requests only while no decode instance pairs
+with a healthy prefill instance, and serves them alone (it computes each prompt
+itself); this module says which instances are unpaired, for the router's ``/health``
+(`fingerprint_summary`) and its metrics (`unpaired`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def unpaired(policy: RoutingPolicy, role: str) -> list[Backend]:
     own, other = _pools(policy)[role]
     if not other.healthy():
         return []
-    return [b for b in own.healthy() if not other.healthy(b)]
+    return [b for b in own.healthy() if not other.healthy([b])]
 
 
 def fingerprint_summary(policy: RoutingPolicy) -> dict[str, Any]:

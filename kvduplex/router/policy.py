@@ -31,12 +31,18 @@ Which instances are members, their load and their health are `backends`'s.
 Pairing. A prefill and a decode instance are paired only when they serve the same
 model: equal fingerprint digests, as their probes showed them (`Backend.fingerprint`;
 an instance whose fingerprint is not known yet pairs with any, as the KV handshake
-still refuses a mismatch). Decode is chosen first, as above; prefill then among the
-instances that pair with it, by the same rules. If none does, the request goes to
-decode alone (`Route.is_unpaired`), which computes the prompt itself: slower, never
-refused. A decode instance is not chosen for its pairing: with prefill instances of
-one model and decode instances of two, the second model's decode instances serve
-their share of requests alone (`pairing` says which are unpaired).
+still refuses a mismatch). Decode is chosen first, as above, among the healthy
+instances that pair with a healthy prefill instance; prefill then among the instances
+that pair with the decode chosen, by the same rules. Only when no healthy decode
+instance pairs with a healthy prefill instance (or none of either is healthy) is
+decode chosen among all the healthy ones and the request goes to decode alone
+(`Route.is_unpaired`), which computes the prompt itself: slower, never refused. With
+prefill instances of one model and decode instances of two, the second model's decode
+instances thus get no requests while the first model's serve (`pairing` says which
+are unpaired)::
+
+    healthy D that pair with a healthy P ── some ──► D among them, P among D's pairs
+                                         └─ none ──► D among all healthy D, decode alone
 
 The policy is plain Python over its own counters; the flows report back
 when each call ends (`prefill_done`, `decode_done`) and whether the instance
@@ -161,15 +167,17 @@ class RoutingPolicy:
             session_id = session.session_id
         else:
             session_id = f"s-{secrets.token_hex(16)}"
+        partners = self._decode_partners()
         if session_key is not None:
-            decode = self._try_rendezvous(self.decode, session_key, now)
+            decode = self._try_rendezvous(self.decode, session_key, now, partners)
             assert decode is not None  # one is healthy (checked above)
-            prefill = self._try_rendezvous(self.prefill, session_key, now, decode)
+            prefill = self._try_rendezvous(self.prefill, session_key, now, [decode])
         else:
-            decode = self._try_choose(self.decode, session.decode_url if session else None, now)
+            pinned_decode = session.decode_url if session else None
+            decode = self._try_choose(self.decode, pinned_decode, now, partners)
             assert decode is not None  # one is healthy (checked above)
             pinned = session.prefill_url if session else None
-            prefill = self._try_choose(self.prefill, pinned, now, decode)
+            prefill = self._try_choose(self.prefill, pinned, now, [decode])
         reuses = session.reuses_answer(ids) if session is not None else None
         current = self.sessions.record(
             session_id, prefill.url if prefill else None, decode.url, ids, now, reuses
@@ -183,7 +191,15 @@ class RoutingPolicy:
     def is_unpaired(self, decode: Backend) -> bool:
         """Whether prefill instances are healthy but none pairs with `decode` (their
         fingerprints differ): its requests go decode-alone."""
-        return bool(self.prefill.healthy()) and not self.prefill.healthy(decode)
+        return bool(self.prefill.healthy()) and not self.prefill.healthy([decode])
+
+    def _decode_partners(self) -> list[Backend] | None:
+        """The healthy prefill instances that decode is chosen to pair with: decode is
+        then chosen among the healthy instances that pair with one of them. None (decode
+        among all healthy ones, to serve alone) if no healthy decode instance pairs with
+        a healthy prefill instance, or no prefill instance is healthy."""
+        partners = self.prefill.healthy()
+        return partners if partners and self.decode.healthy(partners) else None
 
     def try_reroute(self, route: Route) -> Route | None:
         """A new route for `route`'s request after its decode instance could not be reached
@@ -191,14 +207,14 @@ class RoutingPolicy:
         instance if it is still healthy. The session moves with it. None if no decode
         instance is healthy. `route` itself is released by its caller as before."""
         now = self.clock()
-        decode = self._try_choose_again(self.decode, route, now)
+        decode = self._try_choose_again(self.decode, route, now, self._decode_partners())
         if decode is None:
             return None
         prefill = route.prefill
         if prefill is not None and prefill.is_healthy and pairs_with(prefill, decode):
             self.prefill.assign(prefill, now)
         else:
-            prefill = self._try_choose_again(self.prefill, route, now, decode)
+            prefill = self._try_choose_again(self.prefill, route, now, [decode])
         self.sessions.move(route.session_id, prefill.url if prefill else None, decode.url)
         return Route(
             route.session_id, route.is_session_hit, prefill, decode, route.previous,
@@ -208,36 +224,37 @@ class RoutingPolicy:
         )  # fmt: skip
 
     def _try_choose_again(
-        self, pool: BackendPool, route: Route, now: float, peer: Backend | None = None
+        self, pool: BackendPool, route: Route, now: float, peers: Sequence[Backend] | None
     ) -> Backend | None:
-        """`route`'s session's choice among the healthy instances left (that pair with
-        `peer`, if given): its rendezvous choice if the client named it, else the least
-        loaded."""
+        """`route`'s session's choice among the healthy instances left (that pair with one
+        of `peers`, if given): its rendezvous choice if the client named it, else the
+        least loaded."""
         if route.is_named:
-            return self._try_rendezvous(pool, route.session_id, now, peer)
-        chosen = pool.try_least_loaded(now, peer)
+            return self._try_rendezvous(pool, route.session_id, now, peers)
+        chosen = pool.try_least_loaded(now, peers)
         if chosen is not None:
             pool.assign(chosen, now)
         return chosen
 
     def _try_rendezvous(
-        self, pool: BackendPool, session_id: str, now: float, peer: Backend | None = None
+        self, pool: BackendPool, session_id: str, now: float, peers: Sequence[Backend] | None
     ) -> Backend | None:
-        chosen = pool.try_rendezvous(session_id, self.busy_margin, peer)
+        chosen = pool.try_rendezvous(session_id, self.busy_margin, peers)
         if chosen is not None:
             pool.assign(chosen, now)
         return chosen
 
     def _try_choose(
-        self, pool: BackendPool, pinned_url: str | None, now: float, peer: Backend | None = None
-    ) -> Backend | None:
-        """The session's pinned instance if it may stay there (and pairs with `peer`, if
-        given), else the least loaded of those that do."""
+        self, pool: BackendPool, pinned_url: str | None, now: float,
+        peers: Sequence[Backend] | None,
+    ) -> Backend | None:  # fmt: skip
+        """The session's pinned instance if it may stay there (and pairs with one of
+        `peers`, if given), else the least loaded of those that do."""
         pinned = pool.by_url(pinned_url)
-        if pinned is not None and pool.can_keep(pinned, self.busy_margin, peer):
+        if pinned is not None and pool.can_keep(pinned, self.busy_margin, peers):
             chosen: Backend | None = pinned
         else:
-            chosen = pool.try_least_loaded(now, peer)
+            chosen = pool.try_least_loaded(now, peers)
         if chosen is not None:
             pool.assign(chosen, now)
         return chosen

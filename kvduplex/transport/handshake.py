@@ -173,6 +173,11 @@ class PeerDirectory:
         self._forgotten: OrderedDict[str, str] = OrderedDict()
         """Engine id -> URL of the latest `REMEMBERED` forgotten peers (`url_of`)."""
         self.num_forgotten = 0
+        self._met: OrderedDict[str, None] = OrderedDict()
+        """Engine ids of the latest `REMEMBERED` peers connected: one connected again (a
+        forgotten peer met again, a flow's reconnect) is no new peer."""
+        self.num_met = 0
+        """Distinct peers connected to (``kvduplex_kv_peers_met_total``)."""
 
     @staticmethod
     def _key(url: str) -> str:
@@ -260,6 +265,12 @@ class PeerDirectory:
                 return cached
             peer = self.transport.connect(info)
             self._peers[key] = peer
+            is_new = peer.engine_id not in self._met
+            remember_last(self._met, peer.engine_id, None, REMEMBERED)
+            if is_new:
+                self.num_met += 1
+        if is_new:
+            self.transport.metrics.on_peer_met()
         self._publish()
         return peer
 

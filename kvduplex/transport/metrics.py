@@ -97,6 +97,12 @@ class TransferMetrics:
             ["reason"],
         )
 
+        self.peers_met_total = m.counter(
+            "peers_met",
+            "Distinct peers connected to: a peer connected again (forgotten and met again, "
+            "or reconnected by a flow) counts once while among the latest 1024 met.",
+        )
+
     @classmethod
     def default(cls) -> TransferMetrics:
         """The process-wide set on prometheus_client's default registry."""
@@ -129,6 +135,9 @@ class TransferMetrics:
 
     def on_peer_forgotten(self, reason: ForgetReason) -> None:
         self.peers_forgotten_total.labels(reason.value).inc()
+
+    def on_peer_met(self) -> None:
+        self.peers_met_total.inc()
 
 
 _DEFAULT = TransferMetrics(REGISTRY)

@@ -5,12 +5,22 @@ worker in serialised mode: calls from several threads are fine as long as they
 never overlap. `NixlAgent` guarantees that with one lock around every call, and
 gives the rest of the transport a small typed surface instead of NIXL's
 string states.
+
+UCX memory hooks. With UCX's mmap hooks on (its default), every small
+notification an agent sends may keep about 330 bytes of the sender's memory
+for good (UCX 1.23 as NIXL's wheel bundles it; docs/reliability.md): an
+instance that sends one or more per request grows without bound under load. `_import_nixl` therefore sets ``UCX_MEM_MMAP_HOOK_MODE=none`` unless the
+environment names a mode; UCX reads it when its libraries load, so only before
+NIXL is first imported. The pool is registered once and stays mapped until it
+is deregistered, so nothing of ours needs UCX to see memory being unmapped.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import os
+import sys
 import threading
 from typing import Any
 
@@ -20,8 +30,23 @@ import numpy.typing as npt
 logger = logging.getLogger(__name__)
 
 
+UCX_HOOK_MODE_VAR = "UCX_MEM_MMAP_HOOK_MODE"
+_NIXL_MODULES = ("nixl_cu12", "nixl._api")
+
+
 def _import_nixl() -> Any:
-    """The NIXL Python API module: the nixl-cu12 wheel's, else a source build's."""
+    """The NIXL Python API module: the nixl-cu12 wheel's, else a source build's.
+
+    Sets ``UCX_MEM_MMAP_HOOK_MODE=none`` first unless the environment names a mode
+    (see the module docstring); warns if NIXL was imported before without it."""
+    if UCX_HOOK_MODE_VAR not in os.environ:
+        if any(sys.modules.get(m) is not None for m in _NIXL_MODULES):
+            logger.warning(
+                "NIXL was imported before kvduplex could set %s=none: each notification "
+                "sent keeps some memory; set it in the environment of the process",
+                UCX_HOOK_MODE_VAR,
+            )
+        os.environ[UCX_HOOK_MODE_VAR] = "none"
     try:
         return importlib.import_module("nixl_cu12")
     except ImportError:

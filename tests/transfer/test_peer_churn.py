@@ -85,6 +85,9 @@ class Rig:
         )
         return value or 0.0
 
+    def met(self) -> float:
+        return self.registry.get_sample_value("kvduplex_kv_peers_met_total") or 0.0
+
     def gauge(self, table: str) -> float | None:
         return self.registry.get_sample_value("kvduplex_kv_peers", {"table": table})
 
@@ -118,6 +121,7 @@ def test_peers_that_come_and_go_leave_the_tables_bounded() -> None:
     assert len(rig.local.peer_usage) == 0
     assert (rig.forgotten("refused"), rig.forgotten("failed"), rig.forgotten("idle")) == (12, 12, 12)
     assert rig.gauge("transport") == 0 and rig.gauge("directory") == 0
+    assert rig.met() == 36 and rig.directory.num_met == 36
 
 
 def test_a_peer_with_a_transfer_in_flight_is_kept_until_it_settles() -> None:
@@ -175,6 +179,7 @@ def test_a_forgotten_peer_that_comes_back_is_handshaken_afresh_and_works() -> No
     assert rig.write(url, "back") is TransferState.DONE
     assert bool((pool[:, :, 1] == 7.0).all())
     assert rig.gauge("directory") == 1 and rig.gauge("transport") == 1
+    assert rig.met() == 1  # the same peer, met again
 
 
 def test_a_peer_a_flow_tore_down_leaves_the_directory_too() -> None:
