@@ -19,8 +19,12 @@ Order of `SessionEvictor` (least recently released first within each step)::
     1. PLAIN blocks
     2. blocks of idle sessions (no activity for idle_s), least recently active
        session first; its RETURNED blocks (the end of its chain) before its SESSION ones
-    3. SESSION blocks of live sessions, least recently active session first
-    4. RETURNED blocks of live sessions, least recently active session first
+    3. blocks of live sessions with history cached, least recently active session
+       first; its RETURNED blocks (the end of its chain) before its SESSION ones
+    4. RETURNED blocks of the other live sessions, least recently active session first
+
+A returned answer extends its session's history: once that history is evicted, a
+lookup stops before the answer, so the answer goes with it, never after it.
 
 Every class still goes when nothing else is left: the pool never refuses an
 allocation that plain LRU would have served. `LRUEvictor` is that plain LRU
@@ -313,6 +317,9 @@ class SessionEvictor(Evictor):
         ):
             return EvictionClass.RETURNED, returned
         if session is not None:  # an idle session's history, else the least active one's
+            if session in self._groups[EvictionClass.RETURNED]:
+                # its answer first: the end of its chain, never hit once the history is gone
+                return EvictionClass.RETURNED, session
             return EvictionClass.SESSION, session
         assert returned is not None, "nothing cached to evict"
         return EvictionClass.RETURNED, returned

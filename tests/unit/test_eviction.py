@@ -299,3 +299,18 @@ def test_release_tags_must_name_a_session_exactly_when_they_have_one() -> None:
         ReleaseTag(EvictionClass.PLAIN, "a")
     with pytest.raises(ValueError, match="session_idle_s must be > 0"):
         BlockPool(2, session_idle_s=0)
+
+
+def test_a_live_sessions_answer_goes_before_its_history_never_after() -> None:
+    p = Pool(12)
+    # 1. t=0: a's history, then its returned answer; t=5: b's history. Both stay live.
+    hist = p.cache(4, A)
+    ans = p.cache(2, returned("a"))
+    p.clock.now = 5
+    b = p.cache(4, B)
+    p.allocate(2)
+    # 2. t=10: a (least recently active) goes first, the end of its chain first: an
+    #    answer kept past its history could never be hit (lookups stop at a miss).
+    p.clock.now = 10
+    assert p.take(7) == [ans[1], ans[0], *hist[::-1], b[3]]
+    assert p.num_evicted() == {"plain": 0, "session": 5, "returned": 2}
