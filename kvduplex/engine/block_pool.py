@@ -148,10 +148,14 @@ class BlockPool:
         self.epoch = os.urandom(8).hex()
         """Names this pool's life (an instance start): `num_allocated` counts from it."""
         self.num_allocated = 0
-        """Blocks handed out by `try_allocate` since start: the pool's clock. Under LRU a
-        cached block released when it read t is evicted after fewer than `num_blocks` more
-        allocations (a live session's later, by session value); the router reads this to
-        tell whether a session's blocks are likely still here."""
+        """Blocks handed out since start, fresh (`try_allocate`) or revived from the cache
+        (`acquire`): the pool's clock. Every block handed out goes back behind the others
+        when released, so a cached block released when the clock read t can be evicted only
+        after about `num_blocks` more have been handed out (under LRU; a live session's
+        later, by session value). Counting allocations alone misses the revivals: sessions
+        that take turns in a cycle larger than the pool each revive their history ahead of
+        the one released longest ago, which is then evicted after far fewer allocations.
+        The router reads this to tell whether a session's blocks are likely still here."""
         self.on_evict: EvictHook | None = None
         """Called with each CACHED block evicted, before it is handed out again (set by
         the KV tier's link, which copies its KV down)."""
@@ -243,6 +247,7 @@ class BlockPool:
                         f"block {block_id} is free; only used or cached blocks can be acquired"
                     )
                 self.evictor.remove(block_id)
+                self.num_allocated += 1  # handed out again (see `num_allocated`)
             self._ref_counts[block_id] += 1
 
     def release(self, block_ids: Iterable[int], tag: ReleaseTag | None = None) -> None:

@@ -1,9 +1,10 @@
 """Where a session's KV likely lives, and the plan of its next turn.
 
 Each instance's pool is a fixed number of blocks evicted least recently released first;
-its clock is the number of blocks it has allocated since it started (``kv_blocks_allocated``
-in its /health body and in prefill's answers). A session's blocks, last touched when
-the clock read `stamp`, are gone after about ``kv_num_blocks`` more allocations: the
+its clock is the number of blocks it has handed out since it started, fresh or revived
+from its prefix cache (``kv_blocks_allocated`` in its /health body and in prefill's
+answers). A session's blocks, last touched when the clock read `stamp`, can be gone
+after about ``kv_num_blocks`` more blocks handed out (not before): the
 router reads where the session's history still is from two numbers per instance,
 without asking anyone on the request's path::
 

@@ -314,3 +314,21 @@ def test_a_live_sessions_answer_goes_before_its_history_never_after() -> None:
     p.clock.now = 10
     assert p.take(7) == [ans[1], ans[0], *hist[::-1], b[3]]
     assert p.num_evicted() == {"plain": 0, "session": 5, "returned": 2}
+
+
+def test_the_clock_counts_cached_blocks_revived_as_handed_out() -> None:
+    # Sessions taking turns in a cycle larger than the pool revive their histories ahead
+    # of the one released longest ago: the clock must move with every block handed out,
+    # or a session looks cached long after it was evicted.
+    p = Pool(6, EvictionPolicy.LRU)
+    a = p.cache(3, A)
+    b = p.cache(3, B)
+    assert p.pool.num_allocated == 6
+    p.pool.acquire(b)  # b's next turn hits its history: 3 blocks handed out again
+    assert p.pool.num_allocated == 9
+    p.pool.release(reversed(b), B)
+    assert p.take(3) == a[::-1]  # a, released longest ago, goes first
+    assert p.pool.num_allocated == 12
+    p.pool.acquire([b[0]])
+    p.pool.acquire([b[0]])  # a block already in use is not handed out again
+    assert p.pool.num_allocated == 13
