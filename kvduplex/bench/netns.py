@@ -91,8 +91,8 @@ def tbf_args(rate_mbit: float) -> list[str]:
     """``tc qdisc ... root`` arguments shaping a device's egress to `rate_mbit`.
 
     burst: 1 ms at the rate (1.25 MB at 10 Gbit/s), at least one 64 KiB GSO
-    packet; latency 10 ms bounds the queue. Measured with one TCP stream over
-    the veth: 9.55 Gbit/s of payload at 10 Gbit/s, 0.95 at 1 Gbit/s.
+    packet; latency 10 ms bounds the queue (the payload rates it gives are in
+    docs/transfer.md).
     """
     if rate_mbit <= 0:
         raise ValueError(f"rate_mbit must be > 0, got {rate_mbit}; pass None for an unshaped link")

@@ -216,9 +216,8 @@ class BlockPool:
         ascending order: requests release their blocks tail first, so the free
         queue and the LRU hold descending runs, and a request's consecutive
         blocks that are adjacent and ascending in the pool move several times
-        faster in one KV transfer than descending or scattered ones (over
-        shared memory, 12 KiB regions: 6.4-6.9 GB/s for ascending runs of four
-        blocks against 2.1-2.8 GB/s descending or scattered).
+        faster in one KV transfer than descending or scattered ones (figures in
+        docs/transfer.md).
         """
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")

@@ -17,18 +17,9 @@ that has accepted its stop token has terminated: `scheduler_output.check_stop`
 then finishes the request ("stop") even under ``ignore_eos`` or ``min_tokens``.
 ``max_tokens`` reached first: "length", with the partial text.
 
-Library: xgrammar. Measured on this machine's CPU (one thread) before choosing,
-for a typical tool schema (nested object, enum, integer range, array of enums)::
-
-                       vocab     schema compile   mask fill per token (mean / p99)
-    xgrammar 0.2.9     byte 512        1 ms            1.0 us /   2.1 us
-                       BPE 49152      11 ms            4.7 us /  30.8 us
-    llguidance 1.9.1   byte 512        1 ms            5.9 us /  41.2 us
-                       BPE 49152       2 ms           33.5 us / 121.9 us
-    outlines-core      BPE 49152     105 ms            0.4 us / 123 us, but "any JSON
-    0.2.14                                              object" compiles in 5-6 s
-
-xgrammar fills masks 5-7x faster than llguidance (the cost that grows with the
+Library: xgrammar, chosen against llguidance and outlines-core by compile time and
+mask fill per token on a typical tool schema (figures in docs/structured_output.md):
+it fills masks several times faster than llguidance (the cost that grows with the
 batch), compiles a tool schema in milliseconds, and is the default of vLLM and
 SGLang. Compiled grammars are cached here (`GrammarCompiler`, LRU by schema). Its
 bitmask layout (int32 words, bit ``i`` of word ``j`` allows token ``32*j+i``)

@@ -2,11 +2,10 @@
 table (`csrc/paged_decode_cpu.c`): every decode of a step reads its K/V in place, once,
 whatever the pool's fragmentation; no ranges, copies, masks or merges.
 
-Design note. On one core, attention under load is bound by reading K/V (float32: 12 KiB
-per token of a 50M Llama). SDPA's flash kernel called per range of consecutive blocks
-(`paged_decode.py`) read it at ~5-6 GB/s here, the kernel at ~7.5 GB/s with the blocks in
-random order (a contiguous matrix-vector product reads ~9.7 GB/s on the same core): two
-passes (scores, then the weighted sum of V) walking the tokens in table order, all KV heads
+Design note. On one core, attention under load is bound by reading K/V. SDPA's flash
+kernel called per range of consecutive blocks (`paged_decode.py`) reads it well below the
+core's streaming rate; this kernel reads nearer it, whatever the blocks' order (figures in
+docs/hot_path.md): two passes (scores, then the weighted sum of V) walking the tokens in table order, all KV heads
 of a token being one contiguous run, with the next block prefetched. With more torch
 threads than one, a step's decodes are split over as many threads (`work_items`: by
 sequence, or by KV head when there are fewer sequences than threads), each calling the

@@ -87,10 +87,9 @@ def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor:
     many rows (a copy: the plain weight stays for single rows).
 
     Why: on CPU, MKL's sgemm on a plain weight slows down with every row added to a decode
-    batch although the weight is read once (the model's matmuls ~12 ms at 1 row, ~32 at 8
-    on this project's 50M Llama, one core); oneDNN on a pre-packed weight stays near the
-    weight-streaming time (~21 ms at 8) but is slower for a single row (~16 ms), where
-    MKL's gemv on the plain weight is fastest. vLLM's CPU backend packs the same way
+    batch although the weight is read once; oneDNN on a pre-packed weight stays near the
+    weight-streaming time but is slower for a single row, where MKL's gemv on the plain
+    weight is fastest (figures in docs/hot_path.md). vLLM's CPU backend packs the same way
     (oneDNN with a 32-row hint).
     """
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _ONEDNN_ROWS_HINT)
