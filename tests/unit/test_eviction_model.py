@@ -99,7 +99,12 @@ class EvictionMachine(RuleBasedStateMachine):
         rank = 0 if self.cls[b] is RETURNED else 1
         if t < self.now - IDLE_S:  # idle: least recently active first, its answer first
             return (1, t, rank, seq, self.cached[b])
-        return (3 - rank, t, seq, self.cached[b])  # live: history, then answers
+        has_history = any(
+            self.owner[x] == owner and self.cls[x] is SESSION for x in self.cached
+        )
+        if has_history:  # live with history: least recently active first, its answer first
+            return (2, t, seq, rank, self.cached[b])
+        return (3, t, seq, self.cached[b])  # live, answers only
 
     def _expect_victims(self, n: int) -> list[int]:
         victims: list[int] = []
