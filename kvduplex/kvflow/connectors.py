@@ -288,7 +288,7 @@ def prefill_flows(
     reader = RetainedReader(transport, handle, inbox, io, timing.transfer_timeout_s, metrics)
     loads = PrefixLoads(
         transport, handle, inbox, io, timing.layer_load_s or timing.transfer_timeout_s,
-        sender.on_prefix_lost, metrics,
+        sender.on_prefix_lost,
     )  # fmt: skip
     flows = PrefillFlows(
         sender, receiver, acceptor, reader, loads, PrefillConnector(sender, inbox, loads),

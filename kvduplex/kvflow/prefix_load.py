@@ -39,14 +39,12 @@ from dataclasses import field
 from functools import partial
 
 from kvduplex.engine.handle import EngineHandle
-from kvduplex.engine.kv_manager import HitSource
 from kvduplex.engine.request import Request
 from kvduplex.kvflow.flow_events import Granularity
 from kvduplex.kvflow.flow_io import FlowIO
 from kvduplex.kvflow.half import ReadRunner
 from kvduplex.kvflow.inbox import FlowInbox
 from kvduplex.kvflow.machines.read import Outcome
-from kvduplex.kvflow.metrics import KVFlowMetrics
 from kvduplex.transport.base import Transport
 from kvduplex.transport.protocol import PeerHandle
 from kvduplex.transport.protocol import TransferHandle
@@ -131,7 +129,6 @@ class PrefixLoads:
     def __init__(
         self, transport: Transport, engine: EngineHandle, inbox: FlowInbox, io: FlowIO,
         deadline_s: float, on_failed: Callable[[str, str], None],
-        metrics: KVFlowMetrics | None = None,
     ) -> None:  # fmt: skip
         """``deadline_s``: one READ's deadline at most; ``on_failed(request_id, reason)``:
         a load failed (the push of that request stops: its step's KV is garbage)."""
@@ -141,7 +138,6 @@ class PrefixLoads:
         self.io = io
         self.deadline_s = deadline_s
         self.on_failed = on_failed
-        self.metrics = metrics
         self.num_layers = transport.layout.num_layers
         self._planned: dict[str, LayerLoad] = {}
         self._loads: dict[str, LayerLoad] = {}
@@ -287,10 +283,6 @@ class PrefixLoads:
         self._loads.pop(load.request_id, None)
         if load.failed is None:
             self.num_loaded_blocks += load.num_blocks
-            self.engine.count_loaded(load.num_blocks, HitSource.DECODE)
-            if self.metrics is not None:
-                num_bytes = load.num_blocks * self.transport.layout.bytes_per_block
-                self.metrics.received_bytes.labels("decode").inc(num_bytes)
         load.spec.release()
 
     def num_in_flight(self) -> int:
