@@ -287,9 +287,8 @@ def prefill_flows(
     )  # fmt: skip
     reader = RetainedReader(transport, handle, inbox, io, timing.transfer_timeout_s, metrics)
     loads = PrefixLoads(
-        transport, handle, inbox, io, timing.layer_load_s or timing.transfer_timeout_s,
-        sender.on_prefix_lost,
-    )  # fmt: skip
+        transport, handle, inbox, io, timing.transfer_timeout_s, sender.on_prefix_lost
+    )
     flows = PrefillFlows(
         sender, receiver, acceptor, reader, loads, PrefillConnector(sender, inbox, loads),
         inbox, io,
@@ -349,7 +348,3 @@ class FlowTiming:
     confirms sooner that no WRITE can land."""
     retain_lease_s: float = 60.0
     """``--return-mode pull``: how long decode holds a session's last turn."""
-    layer_load_s: float | None = None
-    """The fetch plan: how long the engine thread waits for one layer of a fetched
-    prefix before the load fails and the request computes it (None: one transfer's
-    deadline). The wait blocks the engine, so it stays under its stall limit."""
