@@ -138,7 +138,7 @@ def start_vllm_colocated(
     ns = argparse.Namespace(core=cores, threads=args.vllm_threads, vllm_kv_gib=args.vllm_kv_gib,
                             seed=args.seed, vllm_bin=args.vllm_bin)  # fmt: skip
     extra = ("--enable-prefix-caching", "--num-gpu-blocks-override", str(blocks),
-             "--max-num-batched-tokens", "2048")  # fmt: skip
+             "--max-num-batched-tokens", "2048", "--enable-prompt-tokens-details")  # fmt: skip
     return start_vllm(cluster, VLLM, folder, ns, vllm_preload(args), max_num_seqs=32,
                       max_model_len=max_len, extra=extra, served_name=str(folder))  # fmt: skip
 
@@ -236,7 +236,8 @@ def vllm_ratios(summ: list[report.Stats]) -> list[list[object]]:
             continue
         for stat in ("ttft_p50_ms", "ttft_p90_ms"):
             a, b = getattr(s, stat), getattr(v, stat)
-            rows.append([mode.split()[1], stat, a, b, round(a / b, 3) if a and b else None])
+            ratio = round(a / b, 3) if a and b else None
+            rows.append([mode.split()[1], stat, round(a or 0), round(b or 0), ratio])
     return rows
 
 
