@@ -8,12 +8,15 @@ it plays::
 
     results = connector.get_finished()            # worker side: transfers that ended
     scheduler.apply_kv_results(results)           # the one place they change requests
-    out = scheduler.schedule()
+    out = scheduler.schedule()                    # admission asks the scheduler side
+                                                  # get_num_new_matched_tokens, then
+                                                  # update_state_after_alloc
     out.kv_connector_metadata = connector.build_connector_meta(out)   # scheduler side
     connector.start_load_kv(meta)                 # worker side, before the forward
     runner.execute(..., on_layer_done=connector.layer_hook(meta))     # worker side
     connector.wait_for_save(meta)                 # worker side, after the forward
-    scheduler.update(out, sampled)                # every finish: request_finished
+    void = connector.get_failed_loads()           # worker side: loads that did not land
+    scheduler.update(out, sampled, void)          # every finish: request_finished
     outputs of the step                           # the one output path
 
 `KVConnector` has a no-op default for every hook: a connector overrides only
@@ -30,6 +33,7 @@ request never changes it from a connector: it is a `KVTransferResult` that
 from __future__ import annotations
 
 from collections.abc import Callable
+from collections.abc import Sequence
 
 from kvduplex.engine.request import FinishReason
 from kvduplex.engine.request import Request
@@ -50,6 +54,23 @@ class KVConnector:
         result is ``out.kv_connector_metadata``, what the worker side gets."""
         return None
 
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        """At a new request's admission, after its local prefix hit of
+        ``num_computed_tokens``: how many more prompt tokens this connector can load
+        into fresh blocks during the request's first forward (a multiple of the block
+        size that leaves the last prompt token to compute; 0: none). May be asked
+        again at a later step if the request could not be admitted."""
+        return 0
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: Sequence[int], num_external_tokens: int
+    ) -> None:
+        """Once per admitted new request, right after its blocks were allocated:
+        ``block_ids`` (the blocks after its local hit, ``num_external_tokens`` of them
+        worth) are where the tokens `get_num_new_matched_tokens` named are to be loaded;
+        they count as computed, and the request's first forward reads them layer by
+        layer (``num_external_tokens`` 0: nothing to load, whatever was offered)."""
+
     def request_finished(self, request: Request, reason: FinishReason) -> bool:
         """Once for every finish: stop, length, a stop string, abort (also of a request
         that never reached the scheduler: its client left while it was queued for the
@@ -65,12 +86,21 @@ class KVConnector:
         """Before the forward: e.g. register the blocks remote KV goes into, or post READs."""
 
     def layer_hook(self, meta: KVConnectorMetadata | None) -> Callable[[int], None] | None:
-        """A callback the runner calls with a layer's index once its KV is in the pool."""
+        """A callback the runner calls with a layer's index once the step's new KV of
+        that layer is in the pool, before that layer's attention reads the pool: where
+        a layer's WRITEs are posted, and where a layer's loaded KV is waited for (vLLM's
+        ``save_kv_layer`` and ``wait_for_layer_load``)."""
         return None
 
     def wait_for_save(self, meta: KVConnectorMetadata | None) -> None:
         """After the forward (every step, with or without one): what this step's layer
         hook began is posted."""
+
+    def get_failed_loads(self) -> set[str]:
+        """After the forward (every step): the requests of this step whose loaded KV did
+        not land (a READ failed or ran past its deadline). Their step is void: nothing
+        sampled is kept, and they compute their prompt from their local prefix hit."""
+        return set()
 
     def get_finished(self) -> list[KVTransferResult]:
         """Results of transfers that ended since the last call (received KV and its first

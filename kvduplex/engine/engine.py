@@ -12,7 +12,8 @@ without the step knowing about prefill or decode roles::
     connector.start_load_kv(meta)             # e.g. register remote-KV blocks with P
     logits = runner.execute(inputs, on_layer_done=connector.layer_hook(meta))
     connector.wait_for_save(meta)
-    finished = scheduler.update(out, sampled) # each finish: connector.request_finished
+    void = connector.get_failed_loads()       # loads that did not land: recompute those
+    finished = scheduler.update(out, sampled, void)  # each finish: connector.request_finished
 
 One output path: every `RequestOutput` (read off its request by `outputs.py`)
 comes from `step` (tokens sampled here, first tokens that came with remote KV,
@@ -25,6 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from collections.abc import Sequence
 
 import torch
 
@@ -115,7 +117,9 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(
             self.block_pool, config.cache.block_size, self.loaded.identity, self.kv_tier
         )
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self._request_finished)
+        self.scheduler = Scheduler(
+            config.scheduler, self.kv_manager, self._request_finished, _ConnectorPrefix(self)
+        )
         self.runner = ModelRunner(
             self.loaded.model, model_cfg, self.kv_pool, self.layout, self.loaded.device,
             decode_attention=config.model.decode_attention,
@@ -230,7 +234,10 @@ class LLMEngine:
         connector.start_load_kv(meta)
         sampled = self._execute(out, meta) if out.seqs else {}
         connector.wait_for_save(meta)
-        finished = self.scheduler.update(out, sampled)
+        void = connector.get_failed_loads()
+        for rid in void:  # nothing of the step stays: a seeded draw is drawn again
+            self._generators.drop(rid)
+        finished = self.scheduler.update(out, sampled, void)
         touched = {req.request_id: req for req in finished}
         for seq in out.seqs:
             if seq.needs_sample and seq.request_id not in touched:
@@ -371,6 +378,22 @@ class LLMEngine:
                     self.step()
                 for rid in rids:
                     self.abort_request(rid)
+
+
+class _ConnectorPrefix:
+    """What the scheduler's admission asks of the engine's connector, whichever is
+    installed (`KVConnector.get_num_new_matched_tokens`, `update_state_after_alloc`)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self._engine = engine
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        return self._engine.connector.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: Sequence[int], num_external_tokens: int
+    ) -> None:
+        self._engine.connector.update_state_after_alloc(request, block_ids, num_external_tokens)
 
 
 def _with_eos(params: SamplingParams, eos: tuple[int, ...]) -> SamplingParams:

@@ -85,6 +85,10 @@ class EngineHandle:
         """`origin`: where the blocks' KV came from (`KVCacheManager.cache_blocks`)."""
         return self._engine.kv_manager.cache_blocks(block_ids, keys, origin)
 
+    def count_loaded(self, num_blocks: int, source: HitSource) -> None:
+        """Prompt blocks loaded from `source` instead of computed (`KVCacheManager`)."""
+        self._engine.kv_manager.count_loaded(num_blocks, source)
+
     # ---- requests ----
 
     def get_request(self, request_id: str) -> Request | None:

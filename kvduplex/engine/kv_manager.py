@@ -276,6 +276,11 @@ class KVCacheManager:
             self._forget_origins(block_ids)
         return block_ids
 
+    def count_loaded(self, num_blocks: int, source: HitSource) -> None:
+        """`num_blocks` of a prompt were loaded from `source` during its prefill instead of
+        computed (a fetch read layer by layer): counted as hits from there."""
+        self.num_hit_tokens_by_source[source] += num_blocks * self.block_size
+
     def cache_blocks(
         self,
         block_ids: Sequence[int],

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from collections.abc import Collection
 from collections.abc import Iterable
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -62,6 +63,7 @@ from kvduplex.engine.scheduler_output import StepBuilder
 from kvduplex.engine.scheduler_output import check_stop
 from kvduplex.engine.scheduler_remote import RemoteKVWaits
 from kvduplex.engine.scheduler_running import RunningRequests
+from kvduplex.engine.scheduler_waiting import ExternalPrefix
 from kvduplex.engine.scheduler_waiting import WaitingQueue
 
 logger = logging.getLogger(__name__)
@@ -99,7 +101,10 @@ class Scheduler:
         config: SchedulerConfig,
         kv_manager: KVCacheManager,
         request_finished: RequestFinished = holds_blocks,
+        external: ExternalPrefix | None = None,
     ) -> None:
+        """``external``: what a connector loads for new requests at admission (see
+        `ExternalPrefix`; default: nothing)."""
         self.config = config
         self.kv = kv_manager
         self.request_finished = request_finished
@@ -107,7 +112,7 @@ class Scheduler:
         self._requests: dict[str, Request] = {}  # every unfinished request
         self._held: dict[str, Request] = {}  # finished, blocks kept for a reader
         self.tables = BlockTableTracker()  # what the runner holds of each block table
-        self._waiting = WaitingQueue(config, kv_manager)
+        self._waiting = WaitingQueue(config, kv_manager, external)
         self._running = RunningRequests(config, kv_manager, self.tables, self._waiting.push_front)
         self._remote_waiting = RemoteKVWaits(kv_manager, self.tables, self._running)
 
@@ -199,16 +204,24 @@ class Scheduler:
             self._waiting.admit(step, self._running, self._remote_waiting)
         return step.build(self.tables)
 
-    def update(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> list[Request]:
+    def update(
+        self, output: SchedulerOutput, sampled: Mapping[str, int], void: Collection[str] = ()
+    ) -> list[Request]:
         """Apply a step's results; return the requests that finished in it.
 
         `sampled` holds one token per seq with ``needs_sample``. Seqs whose
-        request was aborted or finished since `schedule` are skipped.
+        request was aborted or finished since `schedule` are skipped. The requests
+        in `void` (their loaded KV did not land: the step computed them over
+        garbage) keep nothing of the step: they go back to waiting, first, as new,
+        and compute their prompt from their local prefix hit.
         """
         finished: list[Request] = []
         for seq in output.seqs:
             req = self._requests.get(seq.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
+                continue
+            if req.request_id in void:
+                self._recompute(req)
                 continue
             assert req.num_computed_tokens == seq.start_pos, (
                 f"request {req.request_id} moved mid-step"
@@ -230,6 +243,19 @@ class Scheduler:
                     self._finish(req, reason)
                     finished.append(req)
         return finished
+
+    def _recompute(self, req: Request) -> None:
+        """A step of `req` is void: free its blocks (a READ that may still land into some
+        holds its own references) without caching any, and queue it first, as new."""
+        assert req.num_output_tokens == 0, f"request {req.request_id}: a load after its first token"
+        self._running.remove(req)
+        self.tables.forget(req.request_id)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.num_cached_tokens = 0
+        req.status = RequestStatus.WAITING
+        self._waiting.push_front(req)
+        logger.info("request %s: its loaded KV did not land; computing its prompt", req.request_id)
 
     # ---- remote KV ----
 

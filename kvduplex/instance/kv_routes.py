@@ -13,11 +13,13 @@ Prefill:
   offers, as `ReturnPrefillSide` answered them); ``GET /internal/kv/flows`` sizes
   each flow table.
 
-With ``pull_from`` (``--return-mode pull``: a decode's retained turn; the router's
-fetch plan: a prompt's prefix that decode leased, `kvduplex.kvflow.fetch`), the push
-prefill first READs the blocks its prefix cache lacks, caches them, and answers how many
-tokens it read (``num_read_tokens``); a leased prefix is released on decode once the
-READ ended (``POST /internal/release`` there, from the flow I/O thread). Decode's
+With ``pull_from`` (``--return-mode pull``: a decode's retained turn), the push prefill
+first READs the blocks its prefix cache lacks, caches them, then prefills. With a
+prompt's prefix that decode leased (``pull_from`` with a ``lease_xid``: the router's
+fetch plan, `kvduplex.kvflow.fetch`), it READs them layer by layer while it prefills
+the new tokens (`kvduplex.kvflow.prefix_load`). Either answers how many tokens it read
+(``num_read_tokens``); a leased prefix is released on decode once no READ of it can
+land any more (``POST /internal/release`` there, from the flow I/O thread). Decode's
 routes are in `decode_routes`.
 """
 
@@ -28,6 +30,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import asdict
+from functools import partial
 from typing import Annotated
 from typing import Any
 from typing import Literal
@@ -55,12 +58,14 @@ from kvduplex.kvflow.flow_io import ReleaseLease
 from kvduplex.kvflow.inbox import EngineGoneError
 from kvduplex.kvflow.inbox import FlowInbox
 from kvduplex.kvflow.lease import LeaseTable
+from kvduplex.kvflow.prefix_load import PrefixLoadSpec
 from kvduplex.kvflow.pull import http_release
 from kvduplex.kvflow.pull_flow import PullPrefillSide
 from kvduplex.kvflow.push import NoFirstToken
 from kvduplex.kvflow.push import PushCancelled
 from kvduplex.kvflow.push import PushPrefillSide
 from kvduplex.kvflow.return_flow import ReturnPrefillSide
+from kvduplex.kvflow.return_pull import READ_PIN_MARGIN_S
 from kvduplex.kvflow.return_pull import RetainedReadSide
 from kvduplex.kvflow.return_pull import RetainedTurnRef
 from kvduplex.transport.base import Transport
@@ -220,6 +225,7 @@ class PushPrefill:
         self.state = state
         self.directory = directory
         self.io = flows.io
+        self.inbox = flows.inbox
         self.release = release
         self.push = PushPrefillSide(state.engine, flows.sender)
         self.retained = RetainedReadSide(state.engine, flows.reader, directory.get_peer)
@@ -239,26 +245,27 @@ class PushPrefill:
         except Exception as exc:
             self._release_lease(body.pull_from)
             raise APIError(502, f"cannot reach decode at {body.decode_url}: {exc}") from None
-        if body.pull_from is not None and body.grammar is not None:
-            # The grammar compiles (off the loop) while decode's blocks are read.
-            num_read_tokens, grammar = await asyncio.gather(
-                self._read(body, arrived), _grammar(self.state, body)
-            )
-        else:
-            grammar = await _grammar(self.state, body)
-            num_read_tokens = await self._read(body, arrived)
+        load, num_read_tokens, grammar = await self._before_prefill(body, arrived)
         try:
             held = Request(
                 body.xid, body.prompt_token_ids, _first_token_params(body),
                 hold_blocks_on_finish=True, grammar=grammar, session_id=body.session_id,
+                connector_meta=load,
             )  # fmt: skip
             first = await self.push.prefill(held, peer)
         except (RequestRejected, ValueError) as exc:
+            if load is not None:  # refused before the engine took it: the lease is ours
+                self._release_lease(body.pull_from)
             raise APIError(400, str(exc)) from None
         except PushCancelled as exc:
             raise APIError(409, str(exc)) from None
         except NoFirstToken as exc:
             raise APIError(500, str(exc)) from None
+        if load is not None:  # known once the first forward waited for every layer
+            try:
+                num_read_tokens = await asyncio.wrap_future(load.done)
+            except EngineGoneError as exc:
+                raise APIError(503, str(exc), code="engine_dead") from None
         answer: dict[str, Any] = {
             "xid": first.xid, "engine_id": self.push.sender.transport.engine_id,
             "first_token": first.first_token, "text": first.text,
@@ -270,6 +277,62 @@ class PushPrefill:
         if body.pull_from is not None:
             answer["num_read_tokens"] = num_read_tokens
         return JSONResponse(answer)
+
+    async def _before_prefill(
+        self, body: PushPrefillRequest, arrived: float
+    ) -> tuple[PrefixLoadSpec | None, int, RequestGrammar | None]:
+        """What the prefill needs first: a fetched prefix's load (READ under the prefill),
+        or the tokens a retained turn's READ cached (READ before it), and the grammar."""
+        src = body.pull_from
+        if src is not None and src.lease_xid is not None:
+            # A fetched prefix: READ layer by layer under the prefill's first forward.
+            load = await self._load_spec(src, body, arrived)
+            return load, 0, await _grammar(self.state, body)
+        if src is not None and body.grammar is not None:
+            # The grammar compiles (off the loop) while decode's blocks are read.
+            num_read_tokens, grammar = await asyncio.gather(
+                self._read(body, arrived), _grammar(self.state, body)
+            )
+            return None, num_read_tokens, grammar
+        grammar = await _grammar(self.state, body)
+        return None, await self._read(body, arrived), grammar
+
+    async def _load_spec(
+        self, src: RetainedTurn, body: PushPrefillRequest, arrived: float
+    ) -> PrefixLoadSpec | None:
+        """A fetched prefix to load layer by layer during the prefill (`PrefixLoads`);
+        None (the lease released) if decode is unreachable or its lease ran out. The
+        engine releases the lease once the load ended (or never began)."""
+        try:
+            src.tokens(body.prompt_token_ids)
+        except ValueError as exc:
+            self._release_lease(src)
+            raise APIError(400, f"pull_from: {exc}", param="pull_from") from None
+        ends_at = None
+        if src.pin_left_s is not None:
+            ends_at = arrived + src.pin_left_s - READ_PIN_MARGIN_S
+            if ends_at <= time.monotonic():
+                logger.info("xid=%s: decode's lease on the prefix ran out; not read", body.xid)
+                self._release_lease(src)
+                return None
+        try:
+            peer = await asyncio.to_thread(self.directory.get_peer, src.decode_url, src.engine_id)
+        except Exception as exc:
+            logger.warning("xid=%s: fetched prefix at %s unreachable: %s", body.xid, src.decode_url, exc)
+            self._release_lease(src)
+            return None
+        bad = [b for b in src.block_ids if b >= peer.layout.num_blocks]
+        if bad:
+            self._release_lease(src)
+            raise APIError(
+                400, f"pull_from: block {bad[0]} is out of range; {src.decode_url} has "
+                f"{peer.layout.num_blocks} blocks", param="pull_from",
+            )  # fmt: skip
+        spec = PrefixLoadSpec(
+            peer, list(src.block_ids), list(src.keys), ends_at, partial(self._release_lease, src)
+        )
+        self.inbox.track(spec.done)  # fails if the engine ends first
+        return spec
 
     async def _read(self, body: PushPrefillRequest, arrived: float) -> int:
         """READ and cache the blocks of ``pull_from`` this prefix cache lacks: the tokens

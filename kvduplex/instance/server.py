@@ -38,6 +38,7 @@ from kvduplex.instance.config import ServerConfig
 from kvduplex.instance.state import InstanceState
 
 if TYPE_CHECKING:
+    from kvduplex.kvflow.connectors import FlowTiming
     from kvduplex.transport.notify import MessageFilter
     from kvduplex.transport.notify import NotificationPump
 
@@ -135,6 +136,24 @@ def build_instance(
     return instance
 
 
+def flow_timing(config: EngineConfig) -> FlowTiming:
+    """The flows' deadlines from the transfer settings."""
+    from kvduplex.kvflow.connectors import FlowTiming
+
+    cfg = config.transfer
+    # Quarantine: a sender settles a failed WRITE within one transfer deadline after it
+    # failed (tearing its endpoint down if it must), and a WRITE fails at most one
+    # deadline after it was posted: two deadlines and a second cover both. A fetched
+    # prefix's layer READ is waited for on the engine thread: half the stall limit at
+    # most, so a hung READ fails the load (the request computes the history) before the
+    # engine would count as stalled.
+    return FlowTiming(
+        cfg.kv_wait_timeout_s, cfg.transfer_timeout_s, 2 * cfg.transfer_timeout_s + 1,
+        cfg.retain_lease_s,
+        layer_load_s=min(cfg.transfer_timeout_s, config.scheduler.engine_stall_timeout_s / 2),
+    )  # fmt: skip
+
+
 def engine_fingerprint(engine: LLMEngine, config: EngineConfig) -> ModelFingerprint:
     """What `engine` serves (`kvduplex.common.fingerprint`): computed once per instance,
     sent in its KV handshake and shown by its /health."""
@@ -160,7 +179,6 @@ def _role_routers(
     from kvduplex.instance.decode_routes import make_decode_hooks
     from kvduplex.instance.kv_routes import make_prefill_router
     from kvduplex.instance.kv_routes import make_push_prefill_router
-    from kvduplex.kvflow.connectors import FlowTiming
     from kvduplex.kvflow.connectors import decode_flows
     from kvduplex.kvflow.connectors import prefill_flows
     from kvduplex.kvflow.metrics import KVFlowMetrics
@@ -188,13 +206,7 @@ def _role_routers(
     pump = NotificationPump(transport, accept=message_filter)
     pump.every_tick(directory.tick)  # forgets peers that left (`PeerDirectory.sweep`)
     watch_pump(state, pump)
-    # Quarantine: a sender settles a failed WRITE within one transfer deadline after it
-    # failed (tearing its endpoint down if it must), and a WRITE fails at most one
-    # deadline after it was posted: two deadlines and a second cover both.
-    timing = FlowTiming(
-        cfg.kv_wait_timeout_s, cfg.transfer_timeout_s, 2 * cfg.transfer_timeout_s + 1,
-        cfg.retain_lease_s,
-    )  # fmt: skip
+    timing = flow_timing(config)
     routers = [make_handshake_router(transport)]
     # Ends a peer's lease (pull on P, fetch on D), sending the secret only to a peer that
     # proved it holds it too.

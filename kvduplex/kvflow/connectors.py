@@ -16,6 +16,7 @@ arriving mid-forward is written at once.
 from __future__ import annotations
 
 from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -31,6 +32,7 @@ from kvduplex.engine.scheduler_output import SchedulerOutput
 from kvduplex.kvflow.flow_io import FlowIO
 from kvduplex.kvflow.inbox import FlowInbox
 from kvduplex.kvflow.metrics import KVFlowMetrics
+from kvduplex.kvflow.prefix_load import PrefixLoads
 from kvduplex.kvflow.pull import PullConnector
 from kvduplex.kvflow.push_decode import PushDecode
 from kvduplex.kvflow.push_prefill import PushPlan
@@ -49,26 +51,54 @@ S = TypeVar("S", bound=KVSender)
 
 
 class PrefillConnector(KVConnector):
-    """Prefill's connector: the push sender's step hooks."""
+    """Prefill's connector: the push sender's step hooks, and the layer-wise loads of
+    fetched prefixes (`PrefixLoads`)."""
 
-    def __init__(self, sender: PushSender, inbox: FlowInbox) -> None:
+    def __init__(self, sender: PushSender, inbox: FlowInbox, loads: PrefixLoads) -> None:
         self.sender = sender
         self.inbox = inbox
+        self.loads = loads
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        return self.loads.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: Sequence[int], num_external_tokens: int
+    ) -> None:
+        self.loads.update_state_after_alloc(request, block_ids, num_external_tokens)
 
     def build_connector_meta(self, out: SchedulerOutput) -> PushPlan:
-        return self.sender.build_connector_meta(out)
+        plan = self.sender.build_connector_meta(out)
+        plan.loads = self.loads.take_planned()
+        return plan
 
     def request_finished(self, request: Request, reason: FinishReason) -> bool:
+        self.loads.request_finished(request)
         self.sender.request_finished(request, reason)
         return super().request_finished(request, reason)
 
     def start_load_kv(self, meta: KVConnectorMetadata | None) -> None:
         assert isinstance(meta, PushPlan)
+        self.loads.start(meta.loads)  # posted first: a READ fails the push it feeds at once
         self.sender.start_load_kv(meta)
 
     def layer_hook(self, meta: KVConnectorMetadata | None) -> Callable[[int], None] | None:
+        """Before each layer's attention: wait for that layer's loaded KV, then post its
+        WRITEs (the inbox's LAYER events applied)."""
         assert isinstance(meta, PushPlan)
-        return self.sender.layer_hook(meta)  # the inbox's LAYER events after each layer
+        wait = self.loads.layer_wait(meta.loads)
+        push = self.sender.layer_hook(meta)
+        if wait is None or push is None:
+            return wait or push
+
+        def on_layer_done(layer: int) -> None:
+            wait(layer)
+            push(layer)
+
+        return on_layer_done
+
+    def get_failed_loads(self) -> set[str]:
+        return self.loads.get_failed_loads()
 
     def wait_for_save(self, meta: KVConnectorMetadata | None) -> None:
         assert isinstance(meta, PushPlan)
@@ -152,13 +182,17 @@ class PrefillFlows:
     receiver: KVReceiver
     acceptor: ReturnAcceptor
     reader: RetainedReader
+    loads: PrefixLoads
     connector: PrefillConnector
     inbox: FlowInbox
     io: FlowIO
 
     def tables(self) -> dict[str, int]:
         """Every flow table's size (`tombstones` aside, all 0 on an idle instance)."""
-        return {**self.sender.tables(), "receive_waits": self.receiver.num_waiting()}
+        return {
+            **self.sender.tables(), "receive_waits": self.receiver.num_waiting(),
+            "prefix_loads": self.loads.num_in_flight(),
+        }  # fmt: skip
 
     def read_tables(self, _engine: object) -> dict[str, int]:
         """`tables`, run by the engine thread for a caller elsewhere (``_engine``: the
@@ -252,9 +286,14 @@ def prefill_flows(
         max_blocks_in_flight=quarter,
     )  # fmt: skip
     reader = RetainedReader(transport, handle, inbox, io, timing.transfer_timeout_s, metrics)
+    loads = PrefixLoads(
+        transport, handle, inbox, io, timing.layer_load_s or timing.transfer_timeout_s,
+        sender.on_prefix_lost, metrics,
+    )  # fmt: skip
     flows = PrefillFlows(
-        sender, receiver, acceptor, reader, PrefillConnector(sender, inbox), inbox, io
-    )
+        sender, receiver, acceptor, reader, loads, PrefillConnector(sender, inbox, loads),
+        inbox, io,
+    )  # fmt: skip
     inbox.attach(pump)
     engine.core.connector = flows.connector
     return flows
@@ -310,3 +349,7 @@ class FlowTiming:
     confirms sooner that no WRITE can land."""
     retain_lease_s: float = 60.0
     """``--return-mode pull``: how long decode holds a session's last turn."""
+    layer_load_s: float | None = None
+    """The fetch plan: how long the engine thread waits for one layer of a fetched
+    prefix before the load fails and the request computes it (None: one transfer's
+    deadline). The wait blocks the engine, so it stays under its stall limit."""

@@ -6,7 +6,7 @@ codec, the instance's flow inbox (their messages, ticks and transfer ends come
 through it, on the engine thread) and its flow I/O thread; both tell their
 peer things that need no answer, where a peer that cannot be reached is only
 logged (its own deadline covers the lost message). `ReadRunner` runs one READ
-(pull, retained turn).
+(pull, retained turn, one layer of a fetched prefix).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from kvduplex.kvflow.flow_io import FlowIO
 from kvduplex.kvflow.flow_io import Notify
 from kvduplex.kvflow.flow_io import TearDownEndpoint
 from kvduplex.kvflow.inbox import FlowInbox
+from kvduplex.kvflow.inbox import Granularity
 from kvduplex.kvflow.machines.actions import AcquireBlocks
 from kvduplex.kvflow.machines.actions import ReleaseBlocks
 from kvduplex.kvflow.machines.actions import TearDown
@@ -84,8 +85,11 @@ class ReadRunner:
         self, transport: Transport, engine: EngineHandle, inbox: FlowInbox, io: FlowIO,
         peer: PeerHandle, xid: str, targets: list[int], remote: list[int], deadline_s: float,
         after_s: float, on_outcome: Callable[[Outcome, TransferHandle | None], None],
-        on_settled: Callable[[], None] | None = None,
+        on_settled: Callable[[], None] | None = None, *, layers: tuple[int, ...] | None = None,
+        at: Granularity = Granularity.STEP,
     ) -> None:  # fmt: skip
+        """``layers``: READ only those layers (None: all); ``at``: where the inbox applies
+        the READ's end (LAYER: also between two layers of a forward that waits for it)."""
         self.transport = transport
         self.engine = engine
         self.inbox = inbox
@@ -96,6 +100,8 @@ class ReadRunner:
         self.deadline_s = deadline_s
         self.on_outcome = on_outcome
         self.on_settled = on_settled
+        self.layers = layers
+        self.at = at
         self.machine = ReadMachine(tuple(targets), after_s)
         self.handle: TransferHandle | None = None
 
@@ -132,13 +138,13 @@ class ReadRunner:
         try:
             handle = self.transport.transfer(
                 TransferOp.READ, self.peer, self.xid, list(self.machine.targets), self.remote,
-                deadline_s=self.deadline_s,
+                layers=self.layers, deadline_s=self.deadline_s,
             )  # fmt: skip
         except Exception as exc:  # validation or a dead peer
             self._feed(PostFailed(f"post failed: {exc}"))
             return
         self.handle = handle
-        self.inbox.watch(handle, self)
+        self.inbox.watch(handle, self, at=self.at)
 
     # ---- inbox events (engine thread) ----
 

@@ -16,7 +16,9 @@ before each step) applies every event. `drain_layer` (prefill's layer hook,
 after each layer of a forward that streams a push) applies only the LAYER
 ones: those a push must see between two layers, a registration (written at
 once from the finished layers) and the end of a WRITE (a failed one stops the
-next layer's); the STEP ones it meets wait, in their order, for the next
+next layer's); `wait_layer` (the layer hook of a forward that reads a loaded
+prefix) applies them too, blocking until the READ of that layer has ended. The
+STEP ones they meet wait, in their order, for the next
 `drain`, ahead of what is queued after them. A handler's messages are LAYER
 if it says so (`on(..., at=LAYER)`), a transfer's end if its watch says so
 (`watch(..., at=LAYER)`); ticks, sender checks and specs are STEP.
@@ -260,6 +262,34 @@ class FlowInbox:
                     logger.exception("flow timer %r failed", timer.target)
         self.num_drained += count
         return count
+
+    def wait_layer(self, is_ready: Callable[[], bool], until: float) -> bool:
+        """Between two layers of a forward that reads loaded KV: apply the LAYER events as
+        they come (STEP ones are deferred, as by `drain_layer`), blocking for each, until
+        ``is_ready()`` or the clock reaches ``until``; whether ``is_ready()``.
+
+        The one place the engine thread blocks on the inbox: a load's READ ends through
+        it (its transport callback puts the event), so no other wake-up is needed."""
+        while not is_ready():
+            left = until - self.clock()
+            if left <= 0:
+                return False
+            event = self._next_event(left)
+            if event is None:
+                continue
+            if self.granularity(event) is Granularity.LAYER:
+                self.num_drained += 1
+                self._apply_logged(event)
+            else:
+                self._deferred.append(event)
+        return True
+
+    def _next_event(self, timeout_s: float) -> FlowEvent | None:
+        """The next event put, waiting at most ``timeout_s``; None if none came."""
+        try:
+            return self._events.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
 
     def drain_layer(self) -> int:
         """Between two layers of a forward: apply the LAYER events queued, in order, and

@@ -39,6 +39,7 @@ from kvduplex.kvflow.machines.send import PrefillAborted
 from kvduplex.kvflow.machines.send import PrefillSource
 from kvduplex.kvflow.machines.send import StepEnded
 from kvduplex.kvflow.machines.send import StepPlanned
+from kvduplex.kvflow.prefix_load import LayerLoad
 from kvduplex.kvflow.sender import KVSender
 from kvduplex.kvflow.sender import SendJob
 from kvduplex.transport.protocol import PeerHandle
@@ -48,13 +49,16 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class PushPlan(KVConnectorMetadata):
-    """One step's pushes on prefill, for the worker side (plain data): which jobs' send
-    machines planned a chunk of this step (each machine holds its own plan)."""
+    """One step's transfers on prefill, for the worker side: which jobs' send machines
+    planned a chunk of this step (each machine holds its own plan), and the prefix loads
+    its forward reads."""
 
     is_computing: bool
     """The step runs a forward (the transport yields the CPU meanwhile)."""
     xids: list[str] = field(default_factory=list)
     """The jobs whose prefills this step computes, in step order."""
+    loads: list[LayerLoad] = field(default_factory=list)
+    """The prefix loads this step's forward waits for, layer by layer (`PrefixLoads`)."""
 
 
 class PushSender(KVSender):
@@ -78,6 +82,14 @@ class PushSender(KVSender):
         num_blocks = num_blocks_for_tokens(len(prompt_ids), self.block_size)
         source = PrefillSource(self.transport.layout.num_layers)
         self._add(self._new_job(xid, peer, prompt_ids, num_blocks, source))
+
+    def on_prefix_lost(self, xid: str, reason: str) -> None:
+        """Engine thread: the prefill ``xid``'s loaded prefix did not land, so this step's
+        KV of its later layers is garbage: stop its job (decode hears KVFailed once
+        nothing can land, and computes the prompt itself); the prefill recomputes."""
+        job = self._jobs.get(xid)
+        if job is not None:
+            self._feed(job, PrefillAborted(reason))
 
     def on_request_aborted(self, xid: str) -> None:
         """Engine thread: the prefill request `xid` was aborted (its caller left, or the

@@ -11,6 +11,7 @@ injection for tests of the flows built on top::
     peer = p.connect(d.local_metadata())
     p.fail_next("boom")          # next transfer ends FAILED, nothing copied
     p.hang_next()                # next transfer stays PENDING until its deadline
+    p.slow_next(0.2)             # next transfer lands (DONE) 0.2 s after its post
     p.land_late_next(0.5)        # next transfer FAILs at its deadline, then lands 0.5 s later
     p.land_late_next(None, corrupt=True); ...; p.land_late()   # ... lands (garbage) when told
     p.forge_next_sender("x")     # next notification's envelope claims engine "x"
@@ -173,6 +174,9 @@ class _FaultKind(enum.Enum):
     """Stay PENDING until the deadline, then FAILED and settled (cleanly cancelled)."""
     LATE = "late"
     """FAILED at the deadline while it may still land; lands ``late_s`` later, then settles."""
+    SLOW = "slow"
+    """Lands and ends DONE ``late_s`` after its post (a slow link), unless its peer goes
+    first (then FAILED, nothing copied)."""
 
 
 @dataclass
@@ -284,6 +288,15 @@ class InProcessTransport(Transport):
         """The next transfer posted here never completes: it fails at its deadline."""
         with self._lock:
             self._faults.append(_Fault(_FaultKind.HANG, "hang"))
+
+    def slow_next(self, delay_s: float, *, copy_at_post: bool = False) -> None:
+        """The next transfer posted here lands (copied, DONE, its notification sent)
+        ``delay_s`` seconds after its post, as over a slow link. ``copy_at_post``: the
+        bytes are copied at the post, on the poster's thread, and only its end waits (a
+        NIC's copy costs the CPU nothing meanwhile; a benchmark's forward then shares it
+        with no copy)."""
+        with self._lock:
+            self._faults.append(_Fault(_FaultKind.SLOW, "slow", delay_s, corrupt=copy_at_post))
 
     def land_late_next(self, late_s: float | None, *, corrupt: bool = False) -> None:
         """The next transfer posted here ends FAILED at its deadline but may still land:
@@ -407,6 +420,13 @@ class InProcessTransport(Transport):
         if target is None:
             self._complete(handle, TransferState.FAILED, "peer is gone", FailureKind.PEER)
             return
+        if fault is not None and fault.kind is _FaultKind.SLOW:
+            assert fault.late_s is not None
+            copied = fault.corrupt  # for SLOW: copied at the post
+            if copied:
+                self._copy(post, target)
+            self._fabric.start_timer(fault.late_s, self._land_slow, post, copied)
+            return
         if fault is not None and fault.kind is _FaultKind.HANG:
             with self._lock:
                 timer = self._fabric.start_timer(handle.deadline_s, self._expire, handle)
@@ -457,6 +477,16 @@ class InProcessTransport(Transport):
         batch = [incoming] if target.chaos is None else target.chaos.apply(incoming)
         if batch:
             target._deliver(batch)
+
+    def _land_slow(self, post: Post, copied: bool) -> None:
+        target = self._target(post.peer)
+        if target is None or self._closed:
+            self._complete(post.handle, TransferState.FAILED, "peer is gone", FailureKind.PEER)
+            return
+        if not copied:
+            self._copy(post, target)
+        self._complete(post.handle, TransferState.DONE)
+        self._deliver_notif(post, target)
 
     def _expire_late(self, late: _Late, late_s: float | None) -> None:
         """A LATE transfer's deadline: it fails, and lands `late_s` from now."""

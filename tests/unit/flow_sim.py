@@ -23,6 +23,7 @@ every late landing's target blocks (`late_problems`, asserted by `assert_clean`)
 
 from __future__ import annotations
 
+import queue
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -39,6 +40,7 @@ from kvduplex.engine.request import Request
 from kvduplex.kvflow import fetch as fetch_module
 from kvduplex.kvflow import inbox as inbox_module
 from kvduplex.kvflow import lease as lease_module
+from kvduplex.kvflow import prefix_load as prefix_load_module
 from kvduplex.kvflow import pull as pull_module
 from kvduplex.kvflow import push_decode as push_decode_module
 from kvduplex.kvflow import push_prefill as push_prefill_module
@@ -50,6 +52,7 @@ from kvduplex.kvflow.connectors import FlowTiming
 from kvduplex.kvflow.connectors import PrefillFlows
 from kvduplex.kvflow.connectors import decode_flows
 from kvduplex.kvflow.connectors import prefill_flows
+from kvduplex.kvflow.flow_events import FlowEvent
 from kvduplex.kvflow.flow_io import FlowIO
 from kvduplex.kvflow.flow_io import IORequest
 from kvduplex.kvflow.inbox import FlowInbox
@@ -78,8 +81,8 @@ from tests.unit.flow_common import _engine
 from tests.unit.flow_common import landing_problems
 
 CLOCKED = (
-    fetch_module, inbox_module, lease_module, pull_module, push_decode_module, push_prefill_module, receiver_module,
-    return_pull_module, sender_module, transport_base_module,
+    fetch_module, inbox_module, lease_module, prefix_load_module, pull_module, push_decode_module,
+    push_prefill_module, receiver_module, return_pull_module, sender_module, transport_base_module,
 )  # fmt: skip
 """The flow modules, and the transport's (a stranger's notification held for its grace),
 that read the clock (``time.monotonic``)."""
@@ -168,6 +171,8 @@ class Sim:
         """The flow I/O thread's work is being done (by `_carry_out_here`)."""
         self._carry_out_here(self.pf.io)
         self._carry_out_here(self.df.io)
+        self._wait_here(self.pf.inbox)
+        self._wait_here(self.df.inbox)
         self.codec = MessageCodec()
         self.outputs: dict[str, list[int]] = defaultdict(list)
         self.last: dict[str, RequestOutput] = {}
@@ -206,6 +211,25 @@ class Sim:
                 self.in_flow_io = was
 
         io.submit = submit  # type: ignore[method-assign]
+
+    def _wait_here(self, inbox: FlowInbox) -> None:
+        """The engine thread's blocking wait on its inbox (a layer waiting for its loaded
+        KV): the clock moves by a tick while nothing is queued, instead of sleeping."""
+
+        def next_event(timeout_s: float) -> FlowEvent | None:
+            try:
+                return inbox._events.get_nowait()
+            except queue.Empty:
+                pass
+            on = self.on
+            self.tick(min(self.tick_s, timeout_s))
+            self.on = on
+            try:
+                return inbox._events.get_nowait()
+            except queue.Empty:
+                return None
+
+        inbox._next_event = next_event  # type: ignore[method-assign]
 
     # ---- what the router, the routes and the clients do ----
 

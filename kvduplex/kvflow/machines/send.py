@@ -177,8 +177,8 @@ class SendMachine(SendStream):
         if self.ended or self.error is not None:
             return []
         return [
-            Log(logging.INFO, "prefill request aborted; cancelling its push"),
-            *self._fail("the prefill request was aborted"),
+            Log(logging.INFO, f"{event.reason}; cancelling its push"),
+            *self._fail(event.reason),
         ]
 
     def _waiting(self, event: Waiting) -> list[SendAction]:

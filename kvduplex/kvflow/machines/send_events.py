@@ -140,7 +140,10 @@ class Declined:
 
 @dataclass(frozen=True)
 class PrefillAborted:
-    """Push: the prefill request was aborted."""
+    """Push: the prefill request was aborted, or its computed KV cannot be trusted (a
+    loaded prefix did not land): nothing more is written."""
+
+    reason: str = "the prefill request was aborted"
 
 
 @dataclass(frozen=True)
