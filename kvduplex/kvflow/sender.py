@@ -123,8 +123,9 @@ class KVSender(SendRunner):
         (blocking; the flow I/O thread's), so that its KVFailed still reaches it."""
         self._early = EarlyRegistrations()
         self._layer: int | None = None
-        """The last layer a running forward computed (None between steps): a registration
-        drained mid-forward writes the layers up to it at once."""
+        """The last layer a running forward computed (None between steps, and before the
+        first layer's hook): a registration drained mid-forward writes the layers up to
+        it at once, and the step's chunk from the next one."""
         # A registration lands between two layers of a forward (its finished layers are
         # written at once); the rest waits for the step's end.
         inbox.on(KVRegister, self._on_register_notif, at=Granularity.LAYER)

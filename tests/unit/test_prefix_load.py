@@ -17,10 +17,13 @@ import torch
 from kvduplex.engine.block_pool import compute_block_hashes
 from kvduplex.engine.kv_manager import HitSource
 from kvduplex.engine.request import Request
+from kvduplex.kvflow.flow_events import FlowEvent
+from kvduplex.kvflow.messages import KVRegister
 from kvduplex.kvflow.prefix_load import PrefixLoadSpec
 from kvduplex.model import decoder
 from kvduplex.model.loader import LoadedModel
 from kvduplex.transport.base import Post
+from kvduplex.transport.messages import ControlMessage
 from kvduplex.transport.protocol import TransferOp
 from tests.unit.flow_common import BS
 from tests.unit.flow_common import FIRST
@@ -224,5 +227,65 @@ def test_a_prompt_that_differs_from_the_lease_loads_nothing(
     assert spec.done.result() == 0
     assert s.pf.loads.num_failed == 0
     assert s.outputs["x1"] == _reference(tiny, other, FIRST)
+    s.assert_clean()
+    assert released == ["x1"]
+
+
+def test_a_registration_that_arrives_while_layer_0_waits_is_served(
+    tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch  # noqa: F811
+) -> None:
+    """1. Decode admits first: its KVRegister is on its way to prefill.
+    2. Prefill's first forward waits for the READ of layer 0; the registration arrives
+       then (the pump runs while the engine thread blocks), before any layer's WRITE.
+    3. The push still WRITEs the step's blocks layer by layer: decode hears KVDone and
+       its answer is the colocated engine's; nothing is recomputed; no flow table keeps
+       an entry (a push that never ends holds prefill's send job and decode's receive
+       wait for as long as their heartbeats go)."""
+    ref = _reference(tiny, PROMPT, GREEDY)
+    s = Sim(tiny, monkeypatch, tick_s=0.01)
+    _history_on_decode(s)
+    timeline = Timeline(s, monkeypatch)
+    released: list[str] = []
+    held: list[tuple[ControlMessage, str]] = []
+    arrived = "held"
+
+    def on_register(msg: ControlMessage, sender: str) -> None:
+        if arrived == "held":
+            held.append((msg, sender))
+        else:
+            s.pf.inbox.heard(msg, sender)
+
+    s.intercept(s.tp, KVRegister, on_register)
+    spec = _fetch(s, "x1", released)
+    s.push_decode("x1", PROMPT)
+    s.step()  # decode admits and registers; prefill has nothing yet
+    s.deliver()
+    assert len(held) == 1, "decode registered"
+
+    wait = s.pf.inbox._next_event
+
+    def next_event(timeout_s: float) -> FlowEvent | None:  # prefill's layer waits
+        nonlocal arrived
+        if held:
+            landed = sum(1 for kind, _, _ in timeline.events if kind == "landed")
+            arrived = f"with {landed} layers landed"
+            for msg, sender in held:
+                s.pf.inbox.heard(msg, sender)
+            held.clear()
+        return wait(timeout_s)
+
+    monkeypatch.setattr(s.pf.inbox, "_next_event", next_event)
+    _slow_reads(s, lambda layer: 0.1 * (layer + 1))
+    s.pf.sender.expect("x1", s.d_peer, PROMPT)
+    s.p.add_request(Request("x1", PROMPT, FIRST, hold_blocks_on_finish=True, connector_meta=spec))
+    give_up_at = s.clock.now + 2 * s.timing.wait_s  # past decode's wait, but for heartbeats
+    s.run(lambda: s.finished("x1") and (s.finished("d-x1") or s.clock.now > give_up_at))
+
+    assert arrived == "with 0 layers landed", arrived
+    assert s.finished("d-x1"), f"the push never ended: {s.busy_tables()}"
+    assert s.outputs["x1"] == ref[:1]
+    assert s.outputs["d-x1"] == ref
+    assert spec.done.result() == len(HISTORY)
+    assert s.pf.loads.num_failed == 0
     s.assert_clean()
     assert released == ["x1"]

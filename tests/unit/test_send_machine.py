@@ -171,14 +171,24 @@ class SendMachineTest(RuleBasedStateMachine):
         good_size=st.sampled_from([True, True, True, False]),
         right_sender=st.sampled_from([True, True, True, False]),
         delay=st.sampled_from([0.0, 0.0, 4.0]),
+        in_wait=st.booleans(),
     )  # fmt: skip
     def register(
-        self, first_block: int, time_left: float, good_size: bool, right_sender: bool, delay: float
-    ) -> None:
+        self, first_block: int, time_left: float, good_size: bool, right_sender: bool,
+        delay: float, in_wait: bool,
+    ) -> None:  # fmt: skip
         msg = self._registration(first_block, time_left, good_size)
         sender = PEER if right_sender else OTHER
         # In a forward, the registration is applied by a layer's hook, which then posts
-        # that layer; between steps, by an engine call.
+        # that layer, or (``in_wait``) while the hook waits for that layer's loaded
+        # prefix, before the layer's WRITEs: the layers before it are the ones done
+        # (none before layer 0), and the layer is posted later; between steps, by an
+        # engine call.
+        if self.in_step is not None and in_wait:
+            done = self.next_layer - 1
+            self.feed(Registered(msg, sender, self.now - delay, self.now,
+                                 self._progress(None if done < 0 else done)))  # fmt: skip
+            return
         layer = self.next_layer if self.in_step is not None else None
         self.feed(Registered(msg, sender, self.now - delay, self.now, self._progress(layer)))
         if layer is not None:
@@ -298,6 +308,17 @@ class SendMachineTest(RuleBasedStateMachine):
                 assert self.refs[b] > 0, f"block {b} of WRITE {wid} unreferenced while it may land"
 
     @invariant()
+    def a_served_push_ends(self) -> None:
+        """A registered push whose first token is known, with no failure and no WRITE
+        that may land, has ended: nothing else would end it (the receiver's heartbeats
+        keep both sides waiting)."""
+        if (
+            self.push and self.first_token_sent and self.m.reg is not None
+            and self.m.error is None and not self.writes
+        ):  # fmt: skip
+            assert self.m.ended, f"sent {self.m.sent} of {self.m.num_blocks} blocks, not ended"
+
+    @invariant()
     def ends_once(self) -> None:
         assert len(self.end_msgs) <= 1 and self.num_ended <= 1
         if self.writes and self.m.error is not None:
@@ -362,3 +383,38 @@ def test_a_refused_teardown_is_tried_again_backing_off() -> None:
     for w in writes:
         m.handle(WriteSettled(w.write_id, False, 0, now + 3.5))
     assert _teardowns(m.handle(Tick(now + 60.0, True))) == 0, "settled: nothing to tear down"
+
+
+def test_a_registration_before_the_first_layers_writes_streams_the_step() -> None:
+    """1. A push's prefill plans its only step (the whole prompt) before any registration.
+    2. The registration is applied in that step's forward before any layer's WRITEs (a
+       layer hook waiting for a loaded prefix: no layer done, ``progress.layer`` None).
+    3. Each layer's hook WRITEs that layer of the step's blocks; the step ends; the
+       first token is sampled.
+    4. Once every WRITE settled, the transfer ends with KVDone and lets its blocks go
+       (planned as between steps instead, the step's blocks would never be written and
+       the transfer would wait for them for as long as the receiver's heartbeats go)."""
+    now = 100.0
+    src = (100, 101)
+    peer = PeerHandle(PEER, "agent-" + PEER, None)  # type: ignore[arg-type]
+    m = SendMachine("x", peer, 8, ids_digest(range(8)), 2, BLOCK_SIZE, DEADLINE_S, PrefillSource(NUM_LAYERS),
+                    expires_at=now + WAIT_S)  # fmt: skip
+    assert m.handle(StepPlanned(0, 8, src)) == []
+    reg = KVRegister("x", [500, 501], 0, 8, WAIT_S, WAIT_S, ids_digest(range(8)))
+    actions = m.handle(Registered(reg, PEER, now, now, PrefillProgress(0, src, None)))
+    assert AcquireBlocks(src) in actions
+    assert not any(isinstance(a, PostWrite) for a in actions), "no layer is done yet"
+    posts = [a for layer in range(NUM_LAYERS) for a in m.handle(LayerDone(layer, now))]
+    assert [(p.layers, p.src, p.dst) for p in posts if isinstance(p, PostWrite)] == [
+        ((layer,), src, (500, 501)) for layer in range(NUM_LAYERS)
+    ]
+    assert m.handle(StepEnded()) == []
+    assert m.handle(FirstToken(7, 0, now)) == [], "WRITEs may still land"
+    ends: list[SendAction] = []
+    for p in posts:
+        assert isinstance(p, PostWrite)
+        ends += m.handle(WriteEnded(p.write_id, True, False, None, now))
+        ends += m.handle(WriteSettled(p.write_id, True, 64, now))
+    assert m.phase is SendPhase.DONE
+    assert [type(a.msg) for a in ends if isinstance(a, Tell)] == [KVDone]
+    assert ReleaseBlocks(src) in ends

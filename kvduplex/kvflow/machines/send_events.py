@@ -25,7 +25,9 @@ class PrefillProgress:
     block_ids: Sequence[int]
     """The request's blocks, in token order."""
     layer: int | None = None
-    """The last layer the running forward finished, when applied between two layers."""
+    """The last layer whose WRITEs the running forward posted, when applied between two
+    layers (None between steps, or in a forward before its first layer's WRITEs: a
+    layer hook waiting for a loaded prefix)."""
 
 
 @dataclass(frozen=True)

@@ -171,22 +171,29 @@ class SendStream:
         return []
 
     def _catch_up_prefill(self, progress: PrefillProgress, now: float) -> list[SendAction]:
-        """Registration after the prefill began: WRITE what it computed at once; between
-        two layers of a forward, this chunk's finished layers at once, the rest as they end."""
+        """Registration after the prefill began: WRITE what it computed at once. In a
+        planned step (its forward running), the step's chunk is planned as well: the
+        layers whose WRITEs were due already at once, the rest as they end. The step may
+        not have posted any layer yet (``progress.layer`` None: a layer's hook waiting
+        for a loaded prefix before layer 0's WRITEs); its chunk is then WRITTEN from
+        layer 0 on, as if the registration had come before the step."""
         assert isinstance(self.source, PrefillSource)
-        if self.step is None or progress.layer is None:
+        if self.step is None:
             hi = self._blocks_done(progress.num_computed_tokens)
             return self._catch_up(hi, progress.block_ids, now)
         start, end = self.step
         out = self._catch_up(self._blocks_done(start), progress.block_ids, now)
         hi = self._blocks_done(end)
         if hi > self.sent:
-            layer = progress.layer
-            chunk = self._plan(hi, progress.block_ids, self.source.num_layers - layer)
-            chunk.from_layer = layer + 1
+            done = 0 if progress.layer is None else progress.layer + 1
+            # One WRITE of layers [0, done) now (if any), then one per later layer.
+            num_pending = self.source.num_layers - done + (1 if done else 0)
+            chunk = self._plan(hi, progress.block_ids, num_pending)
+            chunk.from_layer = done
             self.chunk = chunk
             out += [AcquireBlocks(chunk.src)]
-            out += self._post(chunk, tuple(range(layer + 1)), now)
+            if done:
+                out += self._post(chunk, tuple(range(done)), now)
         return out
 
     def _blocks_done(self, num_computed: int) -> int:
