@@ -17,6 +17,9 @@ Test endpoints (bodies are JSON):
   notification; with ``claim``, its envelope names that engine id as the sender
   (a forged sender).
 * ``GET /test/notifs?timeout=s&min=n``: notifications received so far.
+* ``POST /test/transfer {"engine_id", "op": "write"|"read", "local": [...], "remote": [...]}``:
+  move those blocks (all layers, K and V) to or from a peer connected with
+  ``/test/connect``; answers ``{"state": ...}`` once the transfer ended.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from kvduplex.transport.metrics import TransferMetrics
 from kvduplex.transport.nixl import NixlTransport
 from kvduplex.transport.protocol import Notification
 from kvduplex.transport.protocol import PeerHandle
+from kvduplex.transport.protocol import TransferOp
 from kvduplex.transport.regions import block_region_indices
 
 READY_PREFIX = "KVDUPLEX_PEER_READY"
@@ -110,6 +114,13 @@ def build_app(transport: NixlTransport, pool: torch.Tensor) -> FastAPI:
             env = Envelope(EnvelopeKind.USER, claim, body["xid"], payload)
             transport._agent.send_notif(peer.agent_name, encode_envelope(env))
         return {}
+
+    @app.post("/test/transfer")
+    def transfer(body: dict[str, Any]) -> dict[str, Any]:
+        op = TransferOp(body["op"])
+        peer = peers[body["engine_id"]]
+        handle = transport.transfer(op, peer, f"peer-{op.name}", body["local"], body["remote"])
+        return {"state": handle.wait(10).name}
 
     @app.get("/test/notifs")
     def notifs(timeout: float = 0.0, min: int = 0) -> list[dict[str, Any]]:
