@@ -148,7 +148,13 @@ def run(args: argparse.Namespace, folder: Path, log_dir: Path) -> dict[str, Any]
     block = CacheConfig().block_size
     p_tokens = args.kv_cache_mb * 2**20 // bytes_per_token // block * block
     configs, notes = sized_configs(args, p_tokens)
-    max_len = max_context(configs) + 512
+    longest = max_context(configs)
+    max_len = longest + 512
+    if longest > p_tokens:
+        raise SystemExit(
+            f"a session reaches {longest} tokens, more than P's pool ({p_tokens}): a request "
+            "cannot outgrow the pool; raise --kv-cache-mb or lower --turns/--length-scale"
+        )
     vllm_blocks = 2 * args.kv_cache_mb * 2**20 // bytes_per_token // args.vllm_block_size
     notes.append(f"kvduplex: P's pool {p_tokens} tokens ({args.kv_cache_mb} MiB), D's the same, "
                  f"mode {args.mode}; vLLM: {vllm_blocks} blocks of {args.vllm_block_size} "
@@ -257,10 +263,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument(
         "--mode", default="", help="kvduplex mode (default push+duplex@<kv-cache-mb>+file)"
     )
-    ap.add_argument("--kv-cache-mb", type=int, default=64, help="kvduplex P's and D's pools each")
+    ap.add_argument("--kv-cache-mb", type=int, default=128, help="kvduplex P's and D's pools each")
     ap.add_argument("--factors", default="1,2,4", help="KV of the sessions over P's pool")
     ap.add_argument("--length-scale", type=float, default=0.1)
-    ap.add_argument("--turns", type=int, default=10, help="0: the shape's 20-40")
+    ap.add_argument("--turns", type=int, default=20, help="0: the shape's 20-40")
     ap.add_argument("--think-min", type=float, default=0.5)
     ap.add_argument("--think-max", type=float, default=3.0)
     ap.add_argument("--repetitions", type=int, default=1)
