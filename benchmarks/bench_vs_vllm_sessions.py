@@ -5,13 +5,14 @@ Deployments, all resident, on one Llama-shaped HF folder (`llama_folder.py`, ran
 weights, float32, `--max-positions` positions):
 
     kvduplex P (pool --kv-cache-mb, its KV tier)   cpu A, one thread
-    kvduplex D (pool --kv-cache-mb)                cpu B, one thread
+    kvduplex D (pool --kv-cache-mb, its KV tier)   cpu B, one thread
     kvduplex router, client                        unpinned
     vLLM, colocated, prefix caching                cpus A and B, two threads; its pool twice
                                                    --kv-cache-mb (``--num-gpu-blocks-override``)
 
 so both systems have the same cores and the same KV memory (P's pool and D's against
-vLLM's one pool); kvduplex's tier (``+file``: a local file) is storage, not memory. The
+vLLM's one pool); kvduplex's tiers (``+file`` for P, `--decode-kv-tier` for D: a local
+file each) are storage, not memory, though on this box the files sit in the page cache. The
 session count of each factor F is the fewest sessions of the `coding_agent` shape whose
 KV reaches F times P's pool (`agentic_sizing.size_for_oversubscription`); at 4x P's pool,
 vLLM's pool is 2x over. Each factor runs every system once per repetition, the order
@@ -23,7 +24,7 @@ times) with its own words, so none hits another's KV.
     .venv/bin/python benchmarks/bench_vs_vllm_sessions.py --quick    # kvduplex only, small
 
 Report: the agentic benchmark's (summary over turns >= 3 and per turn index, TTFT p50/p90
-and prompt tokens computed), prompt tokens by source per request (P's hits by
+and prompt tokens computed), prompt tokens by source per request (P's and D's hits by
 ``kvduplex_kv_hit_tokens_total{source}``: pool, tier, decode; vLLM's
 ``prompt_tokens_by_source``), and kvduplex / vLLM TTFT p50 per factor. Writes
 results/vs-vllm-sessions[-<tag>].json (every request) and .md.
@@ -143,6 +144,13 @@ def start_vllm_colocated(
                       max_model_len=max_len, extra=extra, served_name=str(folder))  # fmt: skip
 
 
+def decode_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    """D's KV tier (`--decode-kv-tier`), as a mode's ``+file`` gives P its own."""
+    if args.decode_kv_tier == "none":
+        return ()
+    return ("--kv-tier", args.decode_kv_tier, "--kv-tier-gib", "2")
+
+
 def run(args: argparse.Namespace, folder: Path, log_dir: Path) -> dict[str, Any]:
     bytes_per_token = kv_bytes_per_token(folder)
     block = CacheConfig().block_size
@@ -157,16 +165,17 @@ def run(args: argparse.Namespace, folder: Path, log_dir: Path) -> dict[str, Any]
         )
     vllm_blocks = 2 * args.kv_cache_mb * 2**20 // bytes_per_token // args.vllm_block_size
     notes.append(f"kvduplex: P's pool {p_tokens} tokens ({args.kv_cache_mb} MiB), D's the same, "
-                 f"mode {args.mode}; vLLM: {vllm_blocks} blocks of {args.vllm_block_size} "
+                 f"mode {args.mode}, D's tier {args.decode_kv_tier}; vLLM: {vllm_blocks} blocks of {args.vllm_block_size} "
                  f"({vllm_blocks * args.vllm_block_size} tokens), max_model_len {max_len}")  # fmt: skip
     records: list[TurnRecord] = []
     runs: list[dict[str, Any]] = []
     with LocalCluster(log_dir=log_dir, env={"OMP_NUM_THREADS": "1"}) as cluster:
         dep = start_deployment(cluster, modes_named([args.mode]), model=str(folder),
                                kv_cache_mb=args.kv_cache_mb, echo=lambda s: print(s, flush=True),
-                               start_timeout_s=args.start_timeout)  # fmt: skip
+                               start_timeout_s=args.start_timeout, decode_flags=decode_flags(args))  # fmt: skip
         fronts = dict(dep.fronts)
         prefill = next(i.url for i in dep.instances[args.mode] if i.role == "prefill")
+        decode = next(i.url for i in dep.instances[args.mode] if i.role == "decode")
         scraped = {args.mode: [i.url for i in dep.instances[args.mode]]}
         vllm: list[Process] = []
         if args.vllm_bin:
@@ -198,11 +207,14 @@ def run(args: argparse.Namespace, folder: Path, log_dir: Path) -> dict[str, Any]
                                                           repetition=rep, progress=False))  # fmt: skip
                     after = {u: try_scrape(u) for u in scraped[system]}
                     sources = {u: prompt_sources(before[u], after[u]) for u in scraped[system]}
-                    hits = hits_by_source(before[prefill], after[prefill]) if system != VLLM else {}
+                    is_kvd = system != VLLM
+                    hits = hits_by_source(before[prefill], after[prefill]) if is_kvd else {}
+                    d_hits = hits_by_source(before[decode], after[decode]) if is_kvd else {}
                     records += recs
                     runs.append({"system": label, "factor": factor, "repetition": rep, "wall_s": wall,
                                  "requests": len(recs), "sessions": config.num_sessions,
-                                 "sources": sources, "p_hits_by_source": hits})  # fmt: skip
+                                 "sources": sources, "p_hits_by_source": hits,
+                                 "d_hits_by_source": d_hits})  # fmt: skip
                     failed = [r.result.error for r in recs if not r.result.ok]
                     print(f"rep {rep} {label}: {len(recs) - len(failed)}/{len(recs)} ok, "
                           f"{wall:.1f} s {failed[:1]}", flush=True)  # fmt: skip
@@ -222,12 +234,15 @@ def sources_table(runs: list[dict[str, Any]]) -> str:
             for source, tokens in got.items():
                 total[source] = total.get(source, 0.0) + tokens
         cells = ", ".join(f"{s} {v / n:.0f}" for s, v in sorted(total.items()))
-        hits = ", ".join(f"{s} {v / n:.0f}" for s, v in r["p_hits_by_source"].items() if v)
+        hits = "; ".join(
+            role + " " + (", ".join(f"{s} {v / n:.0f}" for s, v in r[key].items() if v) or "-")
+            for role, key in (("P:", "p_hits_by_source"), ("D:", "d_hits_by_source"))
+        )
         rows.append(
             [r["system"], r["repetition"], r["sessions"], r["requests"], cells, hits or "-"]
         )
     return md_table(["system", "rep", "sessions", "requests", "prompt tokens by source, per request",
-                     "P's hits by where, per request"], rows)  # fmt: skip
+                     "hits by where the blocks were, per request"], rows)  # fmt: skip
 
 
 def vllm_ratios(summ: list[report.Stats]) -> list[list[object]]:
@@ -264,6 +279,9 @@ def parse_args() -> argparse.Namespace:
         "--mode", default="", help="kvduplex mode (default push+duplex@<kv-cache-mb>+file)"
     )
     ap.add_argument("--kv-cache-mb", type=int, default=128, help="kvduplex P's and D's pools each")
+    ap.add_argument(
+        "--decode-kv-tier", default="file", choices=("none", "file", "host"), help="D's KV tier"
+    )
     ap.add_argument("--factors", default="1,2,4", help="KV of the sessions over P's pool")
     ap.add_argument("--length-scale", type=float, default=0.1)
     ap.add_argument("--turns", type=int, default=20, help="0: the shape's 20-40")

@@ -198,12 +198,14 @@ def start_deployment(
     parsing_flags: tuple[str, ...] = (),
     routers_on_p: bool = False,
     prefill_kv_cache_mb: int | None = None,
+    decode_flags: tuple[str, ...] = (),
 ) -> Deployment:
     """Start the instances and routers `modes` need; modes the router cannot serve are skipped.
     `parsing_flags` (tool-call and reasoning parsers) go to the servers that answer clients:
     the routers and the colocated instance. `routers_on_p` pins the routers to P's core
     (else they run anywhere, D's core included). `prefill_kv_cache_mb`: the prefill
-    instances' pool, if not `kv_cache_mb`."""
+    instances' pool, if not `kv_cache_mb`; `decode_flags`: more flags of the decode
+    instance (its KV tier, say)."""
     serve = ["serve", "--model", model, "--num-threads", "1", "--kv-cache-mb", str(kv_cache_mb)]
     serve += ["--log-level", "warning", "--kv-wait-timeout-s", "120", "--transfer-timeout-s", "120"]
     serve += ["--pull-lease-s", "300"]
@@ -235,7 +237,9 @@ def start_deployment(
     pools = {pool: len(ps) for pool, ps in prefills.items()}
     decode = None
     if pools:
-        decode = cluster.start("decode", [*serve, "--role", "decode"], free_port(), cpus=d_cpu)
+        decode = cluster.start(
+            "decode", [*serve, "--role", "decode", *decode_flags], free_port(), cpus=d_cpu
+        )
     cluster.wait_healthy(timeout_s=start_timeout_s)
     for m in run:
         if not m.disaggregated or decode is None:
