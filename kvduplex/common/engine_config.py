@@ -117,6 +117,11 @@ class CacheConfig(ConfigSection):
     """Directory of the file tier's file, on local storage (empty: the system's temporary
     directory). The file has no name (removed as soon as it is open), so it never outlives
     the instance and no two instances share one; its contents do not survive a restart."""
+    kv_tier_overlap_blocks: int = 4
+    """Host and file tiers: a tier hit of at least this many blocks after a new request's
+    pool hit is read layer by layer while the request's first forward runs (each layer's
+    attention waits only for that layer); a shorter one, and every store tier hit, is
+    loaded whole before the step. 0: always before."""
     kv_store_master: str = ""
     """Store tier: HOST:PORT of the Mooncake master (its RPC port)."""
     kv_store_metadata_url: str = ""
@@ -160,6 +165,12 @@ class CacheConfig(ConfigSection):
     @classmethod
     def _check_tier_blocks(cls, value: int) -> int:
         _at_least("kv_tier_blocks", value, 0, " (0 = size from kv_tier_gib)")
+        return value
+
+    @field_validator("kv_tier_overlap_blocks")
+    @classmethod
+    def _check_overlap_blocks(cls, value: int) -> int:
+        _at_least("kv_tier_overlap_blocks", value, 0, " (0 = load every tier hit before the step)")
         return value
 
     @field_validator("kv_store_timeout_s", "kv_store_retry_s")

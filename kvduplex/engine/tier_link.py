@@ -16,6 +16,9 @@ registers them in the prefix cache, so the lookup goes on through them::
 The hit blocks are referenced while the run is allocated, so that allocation
 (which may evict, and so demote, other blocks) cannot evict them. A load that
 fails its check ends the run there: the rest is computed.
+
+A new request's lookup may leave a long run in the tier instead (``defer_from``):
+its first forward reads it layer by layer (`kvduplex.engine.tier_load`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -40,6 +44,9 @@ from kvduplex.engine.kv_tier import slot_bytes
 from kvduplex.engine.kv_tier_file import FileTier
 from kvduplex.engine.kv_tier_store import StoreTier
 
+if TYPE_CHECKING:
+    from kvduplex.engine.tier_load import TierLoads
+
 logger = logging.getLogger(__name__)
 
 
@@ -53,21 +60,24 @@ class TierLink:
         self.pool = pool
         self.is_shared = isinstance(tier, StoreTier)
         """The tier is the store that instances share (its hits count as the store's)."""
+        self.loads: TierLoads | None = None
+        """The layer-wise loads of long hits, if this tier serves them (the engine's)."""
         pool.on_evict = self.demote
 
     def demote(self, block_id: int, key: BlockHash) -> None:
         """Copy an evicted block's KV into the tier (the pool's eviction hook)."""
         self.tier.store(key, self.kv_pool[:, :, block_id])
 
-    def promote(self, keys: Sequence[BlockHash], hit: Sequence[int]) -> int:
+    def promote(self, keys: Sequence[BlockHash], hit: Sequence[int], *, defer_from: int = 0) -> int:
         """Load the keys after the cached prefix `hit` (block ids of ``keys[:len(hit)]``)
         that the tier holds, in order, into fresh blocks cached under them; return how
         many were loaded. The blocks are left CACHED and unreferenced, right after `hit`
-        in the chain, like any prefix-cache hit."""
+        in the chain, like any prefix-cache hit. A run of `defer_from` blocks or more
+        (0: none) is left in the tier, touched, for a layer-wise load."""
         following = keys[len(hit) :]
         # Touched by the lookup: outlives the demotions the allocation below may cause.
         run = following[: self.tier.find_run(following)]
-        if not run:
+        if not run or (defer_from and len(run) >= defer_from):
             return 0
         pool = self.pool
         pool.acquire(hit)
@@ -87,8 +97,11 @@ class TierLink:
         return num_loaded
 
     def close(self) -> None:
-        """Detach from the pool and close the tier (pending writes finish first)."""
+        """Detach from the pool, stop the layer-wise loader and close the tier (pending
+        writes finish first)."""
         self.pool.on_evict = None
+        if self.loads is not None:
+            self.loads.close()
         self.tier.close()
 
 
