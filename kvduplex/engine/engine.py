@@ -253,10 +253,12 @@ class LLMEngine:
         connector.start_load_kv(meta)
         loads = self.tier_loads
         job = loads.start(loads.take_planned()) if loads is not None else None
+        is_forward_done = False
         try:
             sampled = self._execute(out, meta, job) if out.seqs else {}
+            is_forward_done = True
         finally:  # the loader lets go of the pool and the tier before anything else
-            void = loads.finish(job) if loads is not None else set()
+            void = loads.finish(job, is_forward_done=is_forward_done) if loads else set()
         connector.wait_for_save(meta)
         void |= connector.get_failed_loads()
         for rid in void:  # nothing of the step stays: a seeded draw is drawn again

@@ -190,19 +190,23 @@ class TierLoads:
 
         return wait_for_layer_load
 
-    def finish(self, job: TierJob | None) -> set[str]:
-        """After the forward (also one that raised): stop and join the loader, unpin, drop
-        the unusable entries; the requests whose load failed (their step is void)."""
+    def finish(self, job: TierJob | None, *, is_forward_done: bool = True) -> set[str]:
+        """After the forward (also one that raised: not `is_forward_done`): stop and join the
+        loader, unpin, drop the unusable entries; the requests whose load failed (their
+        step is void). Only loads of a forward that ended count as loaded."""
         if job is None:
             return set()
         with job.cond:
             job.is_cancelled = True
+            job.cond.notify_all()
         if job.future is not None:
             job.future.result()  # `_run` catches everything: this only joins
         failed: set[str] = set()
         for load in job.loads:
             if load.failed is None and job.num_layers_done < self.num_layers:
                 load.failed = "the forward ended before the load"
+            if load.failed is None and not is_forward_done:
+                load.failed = "the forward failed"
             self.tier.unpin(load.sources, load.problems)
             if load.failed is not None:
                 failed.add(load.request_id)
@@ -229,6 +233,8 @@ class TierLoads:
             for layer in range(self.num_layers):
                 for load in job.loads:
                     self._read(job, load, layer)
+                if job.is_cancelled or self.is_closed:  # a layer cut short is not done
+                    break
                 with job.cond:
                     job.num_layers_done = layer + 1
                     job.layer_done_at.append(time.monotonic())
