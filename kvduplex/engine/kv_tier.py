@@ -44,6 +44,8 @@ from dataclasses import dataclass
 from typing import Any
 from typing import Protocol
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from kvduplex.common.kv_layout import KVCacheLayout
@@ -139,6 +141,9 @@ class KVTier(Protocol):
         ...
 
 
+Bytes = npt.NDArray[np.uint8]
+"""Host bytes a layer is read into (a contiguous array)."""
+
 WRITE_FAILED = "its write failed"
 """`read_layer`'s answer for an entry whose write raised (the writer counted it)."""
 
@@ -187,8 +192,7 @@ class SlotTier(abc.ABC):
         self._unpinned_free: set[int] = set()
         """Pinned slots whose entry was dropped: free once unpinned."""
         self.layer_bytes = self.payload_bytes // layout.num_layers
-        self._layer_buffer: torch.Tensor | None = None  # loader thread: a device pool's layer
-        self._layer_stream: Any = None  # loader thread: its copies to a CUDA pool
+        """Bytes of one layer's K and V of a block (a contiguous slice of the payload)."""
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvduplex-kv-tier")
 
     # ---- what a subclass provides ----
@@ -216,9 +220,9 @@ class SlotTier(abc.ABC):
         """Loader thread: the header fields found in `slot` (shorter if cut short)."""
 
     @abc.abstractmethod
-    def _read_layer(self, slot: int, layer: int, parts: Sequence[torch.Tensor]) -> int:
-        """Loader thread: fill `parts` (uint8 host tensors, layer_bytes in all) with `layer`'s
-        bytes of the payload in `slot`, in order; the bytes filled (fewer if cut short)."""
+    def _read_layer(self, slot: int, layer: int, parts: Sequence[Bytes]) -> int:
+        """Loader thread: fill `parts` (layer_bytes in all) with `layer`'s bytes of the
+        payload in `slot`, in order; the bytes filled (fewer if cut short)."""
 
     def _release(self) -> None:  # noqa: B027 - optional: only a file has something to free
         """Free the storage (after the last write)."""
@@ -364,12 +368,12 @@ class SlotTier(abc.ABC):
             sources.append(LayerSource(key, entry.slot, entry.write))
         return sources
 
-    def read_layer(self, source: LayerSource, layer: int, out: torch.Tensor) -> str | None:
-        """Loader thread: copy `layer` of the pinned entry `source` into `out`, that layer of
-        one pool block ((2, block_size, num_kv_heads, head_dim)); why it cannot be used, or
-        None. Layer 0 waits for the entry's write and checks the slot's header first; a
-        layer read into a host pool is checked where it landed (in `out`), so what is
-        checked is what is used. After an answer other than None, `out` holds garbage."""
+    def read_layer(self, source: LayerSource, layer: int, parts: Sequence[Bytes]) -> str | None:
+        """Loader thread: read `layer` of the pinned entry `source` into `parts` (host bytes,
+        in order, `layer_bytes` in all: the layer's K then V; e.g. a host pool's own K and
+        V of one block, so that what is checked is what attention reads) and check it;
+        why it cannot be used, or None. Layer 0 waits for the entry's write and checks
+        the slot's header first. After an answer other than None, `parts` hold garbage."""
         try:
             if layer == 0:
                 if settle(source.write) is not None:
@@ -378,25 +382,13 @@ class SlotTier(abc.ABC):
                 problem = header_problem(source.key, self.layout_id, self.payload_bytes, header)
                 if problem is not None:
                     return problem
-            on_host = out.device.type == "cpu"
-            if on_host:
-                parts = [out[0].view(torch.uint8).view(-1), out[1].view(torch.uint8).view(-1)]
-            else:
-                if self._layer_buffer is None:
-                    self._layer_buffer = torch.empty(self.layer_bytes, dtype=torch.uint8)
-                    self._layer_stream = torch.cuda.Stream(out.device)
-                parts = [self._layer_buffer]
             if self._read_layer(source.slot, layer, parts) < self.layer_bytes:
                 return "cut short"
-            views = [part.numpy().data for part in parts]
-            if layer_crc(source.key, self.layout_id, layer, views) != source.write.result()[layer]:
-                return "checksum mismatch"
-            if not on_host:
-                with torch.cuda.stream(self._layer_stream):
-                    out.copy_(parts[0].view(self.dtype).view(out.shape))
-                self._layer_stream.synchronize()
         except OSError as exc:
             return f"unreadable: {exc}"
+        views = [part.data for part in parts]
+        if layer_crc(source.key, self.layout_id, layer, views) != source.write.result()[layer]:
+            return "checksum mismatch"
         return None
 
     def unpin(self, sources: Sequence[LayerSource], problems: dict[BlockHash, str]) -> None:
@@ -437,6 +429,7 @@ class HostTier(SlotTier):
             num_slots, self.slot_bytes, dtype=torch.uint8, pin_memory=pin_memory
         )
         """The tier's memory: row ``slot`` is one slot."""
+        self._slots_bytes = self.slots.numpy()
 
     def _staging(self, slot: int) -> torch.Tensor:
         return self.slots[slot, HEADER_BYTES : HEADER_BYTES + self.payload_bytes]
@@ -455,15 +448,18 @@ class HostTier(SlotTier):
     def _read_header(self, slot: int) -> bytes:
         return self.slots[slot, :HEADER_FIELDS_BYTES].numpy().tobytes()
 
-    def _read_layer(self, slot: int, layer: int, parts: Sequence[torch.Tensor]) -> int:
+    def _read_layer(self, slot: int, layer: int, parts: Sequence[Bytes]) -> int:
+        row = self._slots_bytes[slot]
         offset = HEADER_BYTES + layer * self.layer_bytes
         for part in parts:
-            part.copy_(self.slots[slot, offset : offset + part.numel()])
-            offset += part.numel()
+            flat = part.reshape(-1)
+            np.copyto(flat, row[offset : offset + flat.size])  # releases the GIL
+            offset += flat.size
         return self.layer_bytes
 
     def _release(self) -> None:
         self.slots = torch.empty(0, dtype=torch.uint8)
+        self._slots_bytes = self.slots.numpy()
 
 
 def settle(write: Future[Any]) -> BaseException | None:

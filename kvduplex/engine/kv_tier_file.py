@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from kvduplex.common.kv_layout import KVCacheLayout
+from kvduplex.engine.kv_tier import Bytes
 from kvduplex.engine.kv_tier import SlotTier
 from kvduplex.engine.kv_tier import settle
 from kvduplex.engine.kv_tier_format import HEADER_BYTES
@@ -90,9 +91,9 @@ class FileTier(SlotTier):
     def _read_header(self, slot: int) -> bytes:
         return os.pread(self._fd, HEADER_FIELDS_BYTES, slot * self.slot_bytes)
 
-    def _read_layer(self, slot: int, layer: int, parts: Sequence[torch.Tensor]) -> int:
+    def _read_layer(self, slot: int, layer: int, parts: Sequence[Bytes]) -> int:
         offset = slot * self.slot_bytes + HEADER_BYTES + layer * self.layer_bytes
-        return os.preadv(self._fd, [part.numpy().data for part in parts], offset)
+        return os.preadv(self._fd, [part.data for part in parts], offset)
 
     def _release(self) -> None:
         self._file.close()

@@ -47,6 +47,7 @@ import torch
 from kvduplex.engine.block_pool import BlockHash
 from kvduplex.engine.kv_manager import HitSource
 from kvduplex.engine.kv_manager import KVCacheManager
+from kvduplex.engine.kv_tier import Bytes
 from kvduplex.engine.kv_tier import LayerSource
 from kvduplex.engine.kv_tier import SlotTier
 from kvduplex.engine.request import Request
@@ -103,6 +104,17 @@ class TierLoads:
         self.kv = kv
         self.min_blocks = min_blocks
         self.num_layers = kv_pool.shape[0]
+        # A host pool is read into in place, through its bytes (numpy views cost the loader
+        # far less than tensor views); a device pool through one host layer and a side
+        # stream.
+        self._pool_bytes: Bytes | None = None
+        self._staging: Bytes | None = None
+        self._stream: torch.cuda.Stream | None = None
+        if kv_pool.device.type == "cpu":
+            self._pool_bytes = kv_pool.view(torch.uint8).numpy()
+        else:
+            self._staging = torch.empty(tier.layer_bytes, dtype=torch.uint8).numpy()
+            self._stream = torch.cuda.Stream(kv_pool.device)
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvduplex-tier-load")
         self._offered: dict[str, int] = {}
         self._planned: list[TierLoad] = []
@@ -256,10 +268,29 @@ class TierLoads:
             if job.is_cancelled or self.is_closed:
                 load.failed = "stopped before its last layer"
                 return
-            problem = self.tier.read_layer(source, layer, self.kv_pool[layer, :, block_id])
+            pool = self._pool_bytes
+            if pool is not None:
+                problem = self.tier.read_layer(
+                    source, layer, (pool[layer, 0, block_id], pool[layer, 1, block_id])
+                )
+            else:
+                problem = self._read_to_device(source, layer, block_id)
             if problem is not None:
                 load.problems[source.key] = problem
                 load.failed = f"slot of block {source.key.hex()[:12]}, layer {layer}: {problem}"
+
+    def _read_to_device(self, source: LayerSource, layer: int, block_id: int) -> str | None:
+        """One layer of one block into a device pool: read and checked in host memory, then
+        copied on the loader's own stream (waited for: the forward reads it next)."""
+        assert self._staging is not None and self._stream is not None
+        problem = self.tier.read_layer(source, layer, (self._staging,))
+        if problem is None:
+            out = self.kv_pool[layer, :, block_id]  # (2, block_size, heads, dim)
+            data = torch.from_numpy(self._staging).view(out.dtype).view(out.shape)
+            with torch.cuda.stream(self._stream):
+                out.copy_(data)
+            self._stream.synchronize()
+        return problem
 
 
 __all__ = ["TierJob", "TierLoad", "TierLoads"]

@@ -250,13 +250,13 @@ def test_a_forward_that_raises_mid_load_leaves_nothing_behind(
     assert loads is not None
     read_layer = tier.read_layer
 
-    def gated_read(source: Any, layer: int, out: torch.Tensor) -> str | None:
+    def gated_read(source: Any, layer: int, parts: Any) -> str | None:
         job = loads.last
         assert job is not None
         if layer == 1:  # mid-load until the step lets go of it
             with job.cond:
                 job.cond.wait_for(lambda: job.is_cancelled)
-        return read_layer(source, layer, out)
+        return read_layer(source, layer, parts)
 
     tier.read_layer = gated_read  # type: ignore[method-assign]
 
@@ -298,10 +298,10 @@ def test_a_tier_closed_mid_load_stops_the_loader_and_the_prompt_is_computed(
     closing = threading.Event()
     read_layer, shutdown = tier.read_layer, loads._loader.shutdown
 
-    def gated_read(source: Any, layer: int, out: torch.Tensor) -> str | None:
+    def gated_read(source: Any, layer: int, parts: Any) -> str | None:
         if layer == 2:
             closing.wait()
-        return read_layer(source, layer, out)
+        return read_layer(source, layer, parts)
 
     def signalled_shutdown(wait: bool = True, *, cancel_futures: bool = False) -> None:
         closing.set()
@@ -352,12 +352,17 @@ def test_layer_reads_are_checked_and_pinned_slots_are_not_reused(tmp_path: Path)
         (source,) = tier.pin([a, c, b])  # stops at the first absent
         tier.store(d, block + 2)  # evicts b's entry, not the pinned one
         assert tier.contains(a) and not tier.contains(b)
+        pool_bytes = pool.view(torch.uint8).numpy()
         for layer in range(3):
-            assert tier.read_layer(source, layer, pool[layer, :, 1]) is None
+            parts = (pool_bytes[layer, 0, 1], pool_bytes[layer, 1, 1])
+            assert tier.read_layer(source, layer, parts) is None
         assert torch.equal(pool[:, :, 1], block)
         flip(tier, source.slot * tier.slot_bytes + HEADER_BYTES + 2 * tier.layer_bytes + 1)
-        assert tier.read_layer(source, 2, pool[2, :, 0]) == "checksum mismatch"
-        assert tier.read_layer(source, 1, pool[1, :, 0]) is None  # its own CRC holds
+        assert tier.read_layer(source, 2, (pool_bytes[2, 0, 0], pool_bytes[2, 1, 0])) == (
+            "checksum mismatch"
+        )
+        # its own CRC holds; one buffer for K and V is read alike
+        assert tier.read_layer(source, 1, (pool_bytes[1, :, 0].copy(),)) is None
         tier.unpin([source], {source.key: "checksum mismatch"})
         assert not tier.contains(a) and tier.stats.num_corrupt_blocks == 1
         assert not tier._pins
