@@ -198,6 +198,8 @@ def run_tier(
     link = p.kv_tier
     assert link is not None
     try:
+        # Every mode's P has run one forward before (a fresh engine's first is slower).
+        _first_token(p, Request("warmup", prompt[history : history + args.new], FIRST))
         if mode == "cached":
             _first_token(p, Request("warm", prompt[: history + 1], FIRST))
             token, ttft = _first_token(p, Request("x", prompt, FIRST))
