@@ -136,13 +136,9 @@ class LLMEngine:
             config.scheduler, self.kv_manager, self._request_finished, _ConnectorPrefix(self)
         )
         self.runner = ModelRunner(
-            self.loaded.model,
-            model_cfg,
-            self.kv_pool,
-            self.layout,
-            self.loaded.device,
+            self.loaded.model, model_cfg, self.kv_pool, self.layout, self.loaded.device,
             decode_attention=config.model.decode_attention,
-        )
+        )  # fmt: skip
         self.max_model_len = min(
             model_cfg.max_position_embeddings, num_blocks * config.cache.block_size
         )
