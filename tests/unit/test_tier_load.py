@@ -240,6 +240,38 @@ def test_a_slot_found_bad_mid_load_voids_the_step_and_is_recomputed(
     assert_let_go(engine, tier)
 
 
+@pytest.mark.parametrize("corrupt", [False, True], ids=["sound", "corrupt"])
+def test_two_requests_of_one_step_read_the_same_run(
+    tiny: LoadedModel, engines: list[LLMEngine], tmp_path: Path,
+    references: dict[str, Served], corrupt: bool,
+) -> None:  # fmt: skip
+    """Both loads pin the same slots; a bad one fails both and is dropped once."""
+    engine, tier = tiered(tiny, engines, KVTierKind.FILE, tmp_path)
+    keys = prompt_keys(engine)
+    if corrupt:
+        slot = tier.slot_of(keys[5])
+        assert slot is not None
+        flip(tier, slot * tier.slot_bytes + HEADER_BYTES + 2 * tier.layer_bytes + 7)
+    for rid in ("x", "y"):
+        engine.add_request(Request(rid, PROMPT, GREEDY))
+    answers: dict[str, list[int]] = {"x": [], "y": []}
+    while engine.has_unfinished():
+        for out in engine.step():
+            answers[out.request_id].extend(out.new_token_ids)
+    loads = engine.tier_loads
+    assert loads is not None
+    first = loads.last if not corrupt else None
+    assert answers["x"] == answers["y"] == references["scratch"].token_ids
+    assert tier.stats.num_corrupt_blocks == int(corrupt)
+    if corrupt:  # both computed again, each loading the 5 blocks before the bad one
+        assert loads.num_failed == 2 and not tier.contains(keys[5])
+        assert loads.num_loaded_blocks == 2 * 5
+    else:
+        assert first is not None and [len(x.block_ids) for x in first.loads] == [NUM_RUN] * 2
+        assert loads.num_loaded_blocks == 2 * NUM_RUN
+    assert_let_go(engine, tier)
+
+
 def test_a_forward_that_raises_mid_load_leaves_nothing_behind(
     tiny: LoadedModel, engines: list[LLMEngine], kind: KVTierKind, tmp_path: Path,
     references: dict[str, Served],
