@@ -73,11 +73,12 @@ class TierLink:
         that the tier holds, in order, into fresh blocks cached under them; return how
         many were loaded. The blocks are left CACHED and unreferenced, right after `hit`
         in the chain, like any prefix-cache hit. A run of `defer_from` blocks or more
-        (0: none) is left in the tier, touched, for a layer-wise load."""
+        (0: none) is left in the tier, touched, for a layer-wise load, unless the pool
+        holds the key after it (`is_deferrable`)."""
         following = keys[len(hit) :]
         # Touched by the lookup: outlives the demotions the allocation below may cause.
         run = following[: self.tier.find_run(following)]
-        if not run or (defer_from and len(run) >= defer_from):
+        if not run or (defer_from and is_deferrable(run, following, self.pool, defer_from)):
             return 0
         pool = self.pool
         pool.acquire(hit)
@@ -103,6 +104,20 @@ class TierLink:
         if self.loads is not None:
             self.loads.close()
         self.tier.close()
+
+
+def is_deferrable(
+    run: Sequence[BlockHash], following: Sequence[BlockHash], pool: BlockPool, min_blocks: int
+) -> bool:
+    """Whether the tier's `run` (the head of `following`, the keys after a pool hit) is
+    for a layer-wise load: `min_blocks` long or longer, and neither it nor the key after
+    it held by the pool too. A layer-wise load ends the hit where the run ends, so a pool
+    run after it (a duplex return's blocks after the part the tier kept) would be
+    computed again: such a run is promoted whole, and the lookup goes on through the
+    pool's blocks after it."""
+    if len(run) < min_blocks:
+        return False
+    return not any(pool.num_cached_prefix([key]) for key in following[: len(run) + 1])
 
 
 def build_tier(
@@ -175,4 +190,4 @@ def attach_tier(
     return None if tier is None else TierLink(tier, kv_pool, pool)
 
 
-__all__ = ["TierLink", "attach_tier", "build_tier"]
+__all__ = ["TierLink", "attach_tier", "build_tier", "is_deferrable"]

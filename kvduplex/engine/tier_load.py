@@ -51,6 +51,7 @@ from kvduplex.engine.kv_tier import Bytes
 from kvduplex.engine.kv_tier import LayerSource
 from kvduplex.engine.kv_tier import SlotTier
 from kvduplex.engine.request import Request
+from kvduplex.engine.tier_link import is_deferrable
 
 logger = logging.getLogger(__name__)
 
@@ -128,12 +129,12 @@ class TierLoads:
 
     def get_num_new_matched_tokens(self, req: Request, num_computed_tokens: int) -> int:
         """The tier's run right after the local hit (the prompt's last token left out), if
-        it is `min_blocks` long or longer; 0 otherwise."""
+        the lookup left it for a layer-wise load (`is_deferrable`); 0 otherwise."""
         bs = self.kv.block_size
         first = num_computed_tokens // bs
         keys = req.block_hashes[first : (req.num_tokens - 1) // bs]
         num_run = self.tier.find_run(keys) if keys and not self.is_closed else 0
-        if num_run < self.min_blocks:
+        if not is_deferrable(keys[:num_run], keys, self.kv.pool, self.min_blocks):
             return 0
         self._offered[req.request_id] = num_run * bs
         return num_run * bs

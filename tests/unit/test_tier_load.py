@@ -1,8 +1,9 @@
 """A long KV tier hit read layer by layer during the first forward (`TierLoads`), under a
 real engine (tiny preset, greedy): token-exact against the pool's own hit and the
-synchronous promotion, bit for bit; a slot found corrupt or cut short mid-load voids
-the step and the prompt is computed (exact answer, counters, nothing leaked); a forward
-that raises, or a tier closed, mid-load leaves nothing pinned, referenced or running."""
+synchronous promotion, bit for bit; a short run, or one the pool goes on after, is
+promoted whole; a slot found corrupt or cut short mid-load voids the step and the prompt
+is computed (exact answer, counters, nothing leaked); a forward that raises, or a tier
+closed, mid-load leaves nothing pinned, referenced or running."""
 
 from __future__ import annotations
 
@@ -179,6 +180,33 @@ def test_a_run_shorter_than_the_threshold_is_promoted_before_the_step(
     assert again.logprobs == references["sync"].logprobs
     assert engine.tier_loads is not None and engine.tier_loads.last is None
     assert tier.stats.num_loaded_blocks == NUM_RUN
+
+
+def test_a_run_the_pool_continues_is_promoted_whole(
+    tiny: LoadedModel, engines: list[LLMEngine], kind: KVTierKind, tmp_path: Path,
+    references: dict[str, Served],
+) -> None:  # fmt: skip
+    """The tier holds the prompt, the pool its tail too (as after a duplex return of the
+    blocks after the tier's): the run is promoted at the lookup, so the hit goes on
+    through the pool's blocks instead of ending where a layer-wise load would::
+
+        blocks   0 .. 4 | 5 .. 8
+                 tier   | tier, pool
+    """
+    engine, tier = tiered(tiny, engines, kind, tmp_path)
+    keys = prompt_keys(engine)
+    tail = engine.kv_manager.try_allocate_blocks(4)
+    assert tail is not None
+    for block_id, key in zip(tail, keys[5:], strict=True):
+        assert tier.load(key, engine.kv_pool[:, :, block_id])
+    assert engine.kv_manager.cache_blocks(tail, keys[5:]) == 4
+    engine.kv_manager.release_blocks(tail)
+
+    again = run_one(engine, "a2", PROMPT)
+
+    assert again.logprobs == references["pool"].logprobs
+    assert again.num_cached_tokens == NUM_RUN * BS
+    assert engine.tier_loads is not None and engine.tier_loads.last is None
 
 
 class RecordingConnector(KVConnector):
