@@ -176,7 +176,12 @@ class TierLoads:
                 load.failed = load.failed or "the tier is closed"
             job.is_ended = True
             return job
-        job.future = self._loader.submit(self._run, job)
+        try:
+            job.future = self._loader.submit(self._run, job)
+        except RuntimeError:  # closed meanwhile (from another thread)
+            for load in loads:
+                load.failed = load.failed or "the tier is closed"
+            job.is_ended = True
         return job
 
     def layer_wait(
@@ -235,9 +240,10 @@ class TierLoads:
         return failed
 
     def close(self) -> None:
-        """Stop the loader thread (a job under way stops at its next block)."""
+        """Stop the loader thread (a job under way, or queued, stops at its next block and
+        ends, so no forward waits for it in vain)."""
         self.is_closed = True
-        self._loader.shutdown(wait=True, cancel_futures=True)
+        self._loader.shutdown(wait=True)
 
     # ---- loader thread ----
 
