@@ -126,6 +126,8 @@ class LLMEngine:
         """Long tier hits read layer by layer during the first forward (host and file tiers;
         the store's, one call per block and its own deadline, are promoted whole)."""
         overlap_blocks = config.cache.kv_tier_overlap_blocks
+        if overlap_blocks is None:  # GPU pools only: on a CPU the loader takes the forward's cores
+            overlap_blocks = 4 if self.loaded.device.type == "cuda" else 0
         if self.kv_tier is not None and isinstance(self.kv_tier.tier, SlotTier) and overlap_blocks:
             self.tier_loads = TierLoads(
                 self.kv_tier.tier, self.kv_pool, self.kv_manager, overlap_blocks

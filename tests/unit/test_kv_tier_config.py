@@ -42,7 +42,7 @@ def test_tier_flags_reach_the_engine_config(tmp_path: Path) -> None:
         KVTierKind.FILE, str(tmp_path), 0.5,
     )  # fmt: skip
     assert cache_of(["serve", "--kv-tier", "host", "--kv-tier-blocks", "100"]).kv_tier_blocks == 100
-    assert cache_of(["serve"]).kv_tier_overlap_blocks == 4
+    assert cache_of(["serve"]).kv_tier_overlap_blocks is None  # by the pool's device
     overlap = ["serve", "--kv-tier", "file", "--kv-tier-overlap-blocks", "0"]
     assert cache_of(overlap).kv_tier_overlap_blocks == 0
 
