@@ -14,6 +14,7 @@ it plays::
     out.kv_connector_metadata = connector.build_connector_meta(out)   # scheduler side
     connector.start_load_kv(meta)                 # worker side, before the forward
     runner.execute(..., on_layer_done=connector.layer_hook(meta))     # worker side
+                                                  # (and load_failed, for a tier load)
     connector.wait_for_save(meta)                 # worker side, after the forward
     void = connector.get_failed_loads()           # worker side: loads that did not land
     scheduler.update(out, sampled, void)          # every finish: request_finished
@@ -91,6 +92,12 @@ class KVConnector:
         a layer's WRITEs are posted, and where a layer's loaded KV is waited for (vLLM's
         ``save_kv_layer`` and ``wait_for_layer_load``)."""
         return None
+
+    def load_failed(self, request_id: str, reason: str) -> None:
+        """During the forward, before a layer's hook: a load of this step that is not the
+        connector's own (a KV tier hit read layer by layer) failed for `request_id`, so
+        this step's KV of that layer and later ones is garbage for it; the step is void
+        (`get_failed_loads` need not name it). E.g. stop a push that streams it."""
 
     def wait_for_save(self, meta: KVConnectorMetadata | None) -> None:
         """After the forward (every step, with or without one): what this step's layer

@@ -10,9 +10,11 @@ without the step knowing about prefill or decode roles::
     out = scheduler.schedule()
     meta = out.kv_connector_metadata = connector.build_connector_meta(out)
     connector.start_load_kv(meta)             # e.g. register remote-KV blocks with P
-    logits = runner.execute(inputs, on_layer_done=connector.layer_hook(meta))
+    job = tier_loads.start(tier_loads.take_planned())   # long KV tier hits, layer by layer
+    logits = runner.execute(inputs, on_layer_done=tier wait, then connector.layer_hook(meta))
+    void = tier_loads.finish(job)             # the loader joined: its failed loads
     connector.wait_for_save(meta)
-    void = connector.get_failed_loads()       # loads that did not land: recompute those
+    void |= connector.get_failed_loads()      # loads that did not land: recompute those
     finished = scheduler.update(out, sampled, void)  # each finish: connector.request_finished
 
 One output path: every `RequestOutput` (read off its request by `outputs.py`)
@@ -41,6 +43,7 @@ from kvduplex.engine.connector import KVConnector
 from kvduplex.engine.eviction import Clock
 from kvduplex.engine.kv_cache import allocate_kv_pool
 from kvduplex.engine.kv_manager import KVCacheManager
+from kvduplex.engine.kv_tier import SlotTier
 from kvduplex.engine.outputs import OutputTracker
 from kvduplex.engine.outputs import RequestOutput
 from kvduplex.engine.request import FinishReason
@@ -60,6 +63,8 @@ from kvduplex.engine.scheduler import SchedulerOutput
 from kvduplex.engine.scheduler_output import KVConnectorMetadata
 from kvduplex.engine.structured import fill_bitmask
 from kvduplex.engine.tier_link import attach_tier
+from kvduplex.engine.tier_load import TierJob
+from kvduplex.engine.tier_load import TierLoads
 from kvduplex.model.loader import LoadedModel
 from kvduplex.model.loader import load_model
 
@@ -117,13 +122,25 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(
             self.block_pool, config.cache.block_size, self.loaded.identity, self.kv_tier
         )
+        self.tier_loads: TierLoads | None = None
+        """Long tier hits read layer by layer during the first forward (host and file tiers;
+        the store's, one call per block and its own deadline, are promoted whole)."""
+        overlap_blocks = config.cache.kv_tier_overlap_blocks
+        if overlap_blocks is None:  # GPU pools only: on a CPU the loader takes the forward's cores
+            overlap_blocks = 4 if self.loaded.device.type == "cuda" else 0
+        if self.kv_tier is not None and isinstance(self.kv_tier.tier, SlotTier) and overlap_blocks:
+            self.tier_loads = TierLoads(
+                self.kv_tier.tier, self.kv_pool, self.kv_manager, overlap_blocks
+            )
+            self.kv_tier.loads = self.tier_loads
+            self.kv_manager.tier_overlap_blocks = overlap_blocks
         self.scheduler = Scheduler(
             config.scheduler, self.kv_manager, self._request_finished, _ConnectorPrefix(self)
         )
         self.runner = ModelRunner(
             self.loaded.model, model_cfg, self.kv_pool, self.layout, self.loaded.device,
             decode_attention=config.model.decode_attention,
-        )
+        )  # fmt: skip
         self.max_model_len = min(
             model_cfg.max_position_embeddings, num_blocks * config.cache.block_size
         )
@@ -232,9 +249,16 @@ class LLMEngine:
         meta = out.kv_connector_metadata = connector.build_connector_meta(out)
         self.runner.drop_tables(out.dropped_table_ids)
         connector.start_load_kv(meta)
-        sampled = self._execute(out, meta) if out.seqs else {}
+        loads = self.tier_loads
+        job = loads.start(loads.take_planned()) if loads is not None else None
+        is_forward_done = False
+        try:
+            sampled = self._execute(out, meta, job) if out.seqs else {}
+            is_forward_done = True
+        finally:  # the loader lets go of the pool and the tier before anything else
+            void = loads.finish(job, is_forward_done=is_forward_done) if loads else set()
         connector.wait_for_save(meta)
-        void = connector.get_failed_loads()
+        void |= connector.get_failed_loads()
         for rid in void:  # nothing of the step stays: a seeded draw is drawn again
             self._generators.drop(rid)
         finished = self.scheduler.update(out, sampled, void)
@@ -273,7 +297,28 @@ class LLMEngine:
         """The runner forgets at once the tables of requests that stopped running."""
         self.runner.drop_tables(self.scheduler.tables.take_dropped())
 
-    def _execute(self, out: SchedulerOutput, meta: KVConnectorMetadata | None) -> dict[str, int]:
+    def _layer_hook(
+        self, meta: KVConnectorMetadata | None, job: TierJob | None
+    ) -> Callable[[int], None] | None:
+        """Before each layer's attention: wait for that layer of the step's tier loads, then
+        the connector's hook (its push of the layer must see the loaded KV)."""
+        connector = self.connector
+        push = connector.layer_hook(meta)
+        wait = None
+        if self.tier_loads is not None:
+            wait = self.tier_loads.layer_wait(job, connector.load_failed)
+        if wait is None or push is None:
+            return wait or push
+
+        def on_layer_done(layer: int) -> None:
+            wait(layer)
+            push(layer)
+
+        return on_layer_done
+
+    def _execute(
+        self, out: SchedulerOutput, meta: KVConnectorMetadata | None, job: TierJob | None = None
+    ) -> dict[str, int]:
         runner = self.runner
         requests = self.scheduler.get_request
         inputs: list[SeqInput] = []
@@ -292,7 +337,7 @@ class LLMEngine:
         constrained = [i for i, req in enumerate(sampling) if req.grammar is not None]
         vocab_size = self.loaded.config.vocab_size
         bitmask = fill_bitmask([sampling[i].grammar for i in constrained], vocab_size)
-        logits = runner.execute(inputs, on_layer_done=self.connector.layer_hook(meta))
+        logits = runner.execute(inputs, on_layer_done=self._layer_hook(meta, job))
         if not sampling:
             return {}
         if bitmask is not None:
@@ -381,19 +426,36 @@ class LLMEngine:
 
 
 class _ConnectorPrefix:
-    """What the scheduler's admission asks of the engine's connector, whichever is
-    installed (`KVConnector.get_num_new_matched_tokens`, `update_state_after_alloc`)."""
+    """What the scheduler's admission asks of the tokens loaded during a new request's first
+    forward: a long KV tier run first (`TierLoads`), then what the engine's connector,
+    whichever is installed, loads after it (`KVConnector.get_num_new_matched_tokens`,
+    `update_state_after_alloc`)::
+
+        prompt   [ pool hit | tier run | connector's | new tokens ... ]
+    """
 
     def __init__(self, engine: LLMEngine) -> None:
         self._engine = engine
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
-        return self._engine.connector.get_num_new_matched_tokens(request, num_computed_tokens)
+        loads = self._engine.tier_loads
+        num_tier = loads.get_num_new_matched_tokens(request, num_computed_tokens) if loads else 0
+        connector = self._engine.connector
+        return num_tier + connector.get_num_new_matched_tokens(
+            request, num_computed_tokens + num_tier
+        )
 
     def update_state_after_alloc(
         self, request: Request, block_ids: Sequence[int], num_external_tokens: int
     ) -> None:
-        self._engine.connector.update_state_after_alloc(request, block_ids, num_external_tokens)
+        loads = self._engine.tier_loads
+        num_tier = min(loads.offered(request), num_external_tokens) if loads else 0
+        num_tier_blocks = num_tier // self._engine.kv_manager.block_size
+        if loads is not None:
+            loads.update_state_after_alloc(request, block_ids[:num_tier_blocks], num_tier)
+        self._engine.connector.update_state_after_alloc(
+            request, block_ids[num_tier_blocks:], num_external_tokens - num_tier
+        )
 
 
 def _with_eos(params: SamplingParams, eos: tuple[int, ...]) -> SamplingParams:

@@ -25,7 +25,9 @@ Block hashes are computed once per full block and kept on the Request
 
 With a KV tier below the pool (`kvduplex.engine.tier_link`), a lookup that stops
 at a key the pool lacks promotes the run of following keys the tier holds, and
-those blocks count as hits like any other.
+those blocks count as hits like any other; a new request's lookup leaves a run of
+`tier_overlap_blocks` or more to its first forward, which reads it layer by layer
+(`kvduplex.engine.tier_load`; counted as the tier's hits once loaded).
 
 Hits by source (`num_hit_tokens_by_source`): a cached block that came from
 elsewhere (promoted from the tier or the store, or sent by decode: a duplex
@@ -102,6 +104,9 @@ class KVCacheManager:
         """`num_hit_tokens` by where the blocks were (engine thread; read at scrape)."""
         self._origins: dict[int, HitSource] = {}
         """Cached blocks that came from elsewhere, until their first hit (or reuse)."""
+        self.tier_overlap_blocks = 0
+        """A tier run this long or longer is left in the tier by a lookup that may defer it
+        (a new request's admission: its layer-wise load takes it); 0: always promoted."""
 
     @property
     def enable_prefix_caching(self) -> bool:
@@ -127,25 +132,33 @@ class KVCacheManager:
             compute_block_hashes(tokens, self.block_size, self.identity, parent)
         )
 
-    def find_prefix_hit(self, req: Request, *, allow_full_hit: bool = False) -> PrefixHit:
+    def find_prefix_hit(
+        self, req: Request, *, allow_full_hit: bool = False, defer_tier_run: bool = False
+    ) -> PrefixHit:
         """The cached prefix of ``req.all_token_ids`` usable at admission.
 
         Without `allow_full_hit` at least the last token is left to compute.
         Takes no references: pass the hit to `try_allocate_slots` in the same step.
         Blocks promoted from the KV tier are left cached and unreferenced, like the rest
-        of the hit (promoting them may evict other cached blocks).
+        of the hit (promoting them may evict other cached blocks). With
+        `defer_tier_run`, a tier run of `tier_overlap_blocks` or more stays in the tier
+        (the hit ends before it).
         """
         if not self.enable_prefix_caching:
             return _NO_HIT
         self.update_block_hashes(req)
         max_tokens = req.num_tokens if allow_full_hit else req.num_tokens - 1
-        block_ids = self.cached_prefix(req.block_hashes[: max_tokens // self.block_size])
+        keys = req.block_hashes[: max_tokens // self.block_size]
+        block_ids = self.cached_prefix(keys, defer_tier_run=defer_tier_run)
         return PrefixHit(tuple(block_ids), len(block_ids) * self.block_size)
 
-    def cached_prefix(self, keys: Sequence[BlockHash]) -> list[int]:
+    def cached_prefix(
+        self, keys: Sequence[BlockHash], *, defer_tier_run: bool = False
+    ) -> list[int]:
         """Block ids of the longest cached prefix of `keys`, the run that follows it in the
-        KV tier promoted first (if there is a tier). Takes no references; empty with
-        prefix caching off."""
+        KV tier promoted first (if there is a tier; with `defer_tier_run`, not if it is
+        `tier_overlap_blocks` long or longer). Takes no references; empty with prefix
+        caching off."""
         if not self.enable_prefix_caching:
             return []
         block_ids = self.pool.lookup(keys)
@@ -153,7 +166,8 @@ class KVCacheManager:
         if tier is None or len(block_ids) == len(keys):
             return block_ids
         num_hit = len(block_ids)
-        num_promoted = tier.promote(keys, block_ids)
+        defer_from = self.tier_overlap_blocks if defer_tier_run else 0
+        num_promoted = tier.promote(keys, block_ids, defer_from=defer_from)
         if num_promoted:
             block_ids = self.pool.lookup(keys)
             source = HitSource.STORE if tier.is_shared else HitSource.TIER

@@ -6,7 +6,7 @@ preallocated file of fixed-size slots, the tier of CPU instances) and `StoreTier
 (`kv_tier_store.py`: a distributed KV store that instances share). The first two
 hold a bounded number of slots, reused least recently used first. One slot holds one
 block, every layer's K and V as laid out in the pool (``pool[:, :, block]``),
-and a header written with it::
+and a header written with it (`kvduplex.engine.kv_tier_format`)::
 
     slot     [ header (128 B) | payload: bytes_per_block | padding to the slot size ]
     header   magic 8 | key 32 | layout id 16 | payload length u64 LE | crc32 u32 LE
@@ -16,6 +16,12 @@ that finds a torn, truncated, overwritten or foreign slot drops the entry
 (`TierStats.num_corrupt_blocks`) and reports a miss: its tokens are recomputed,
 never read from a bad slot. A store entry carries the same header (`entry_header`,
 `entry_problem`).
+
+Two ways back into the pool: `load`, a whole block on the engine thread (its header
+CRC checked), and `read_layer`, one layer of a block on a loader's thread while the
+forward runs (`kvduplex.engine.tier_load`): the slots read are pinned (`pin`) so that
+no store reuses them meanwhile, and each layer is checked against its own CRC, which
+the writer computed with the header's and the index keeps.
 
 Threads: the engine thread owns the index (key -> slot, LRU order) and copies a
 block out of the pool when it is stored (a plain, synchronous ``copy_``, also
@@ -28,31 +34,34 @@ slot's write (its future), and `flush` for all of them.
 from __future__ import annotations
 
 import abc
-import hashlib
 import logging
-import struct
-import zlib
+from collections import Counter
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 from typing import Protocol
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from kvduplex.common.kv_layout import KVCacheLayout
 from kvduplex.engine.block_pool import BlockHash
+from kvduplex.engine.kv_tier_format import HEADER_BYTES
+from kvduplex.engine.kv_tier_format import HEADER_FIELDS_BYTES
+from kvduplex.engine.kv_tier_format import entry_header
+from kvduplex.engine.kv_tier_format import entry_problem
+from kvduplex.engine.kv_tier_format import header_problem
+from kvduplex.engine.kv_tier_format import layer_crc
+from kvduplex.engine.kv_tier_format import layer_crcs
+from kvduplex.engine.kv_tier_format import layout_id_of
+from kvduplex.engine.kv_tier_format import slot_bytes
 from kvduplex.model.dtypes import dtype_from_name
 
 logger = logging.getLogger(__name__)
-
-HEADER_BYTES = 128
-"""Bytes of a slot's header; the payload follows."""
-_MAGIC = b"KVTIER\x00\x01"
-_HEADER = struct.Struct("<8s32s16sQI")  # magic, key, layout id, payload length, crc32
-HEADER_FIELDS_BYTES = _HEADER.size
-"""Bytes of the header that carry fields (the rest is zero)."""
 
 
 @dataclass
@@ -132,10 +141,27 @@ class KVTier(Protocol):
         ...
 
 
+Bytes = npt.NDArray[np.uint8]
+"""Host bytes a layer is read into (a contiguous array)."""
+
+WRITE_FAILED = "its write failed"
+"""`read_layer`'s answer for an entry whose write raised (the writer counted it)."""
+
+
 @dataclass
 class _Entry:
     slot: int
-    write: Future[None]
+    write: Future[tuple[int, ...]]
+    """Ends with the entry persisted; its result is the payload's layer CRCs."""
+
+
+@dataclass(frozen=True)
+class LayerSource:
+    """One pinned entry that a layer-wise load reads (`SlotTier.pin`)."""
+
+    key: BlockHash
+    slot: int
+    write: Future[tuple[int, ...]]
 
 
 class SlotTier(abc.ABC):
@@ -160,7 +186,13 @@ class SlotTier(abc.ABC):
         self._num_slots = num_slots
         self._index: OrderedDict[BlockHash, _Entry] = OrderedDict()  # oldest use first
         self._free_slots = list(range(num_slots - 1, -1, -1))
-        self._slot_writes: list[Future[None] | None] = [None] * num_slots
+        self._slot_writes: list[Future[Any] | None] = [None] * num_slots
+        self._pins: Counter[int] = Counter()
+        """Slots a layer-wise load reads now: no store reuses them."""
+        self._unpinned_free: set[int] = set()
+        """Pinned slots whose entry was dropped: free once unpinned."""
+        self.layer_bytes = self.payload_bytes // layout.num_layers
+        """Bytes of one layer's K and V of a block (a contiguous slice of the payload)."""
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvduplex-kv-tier")
 
     # ---- what a subclass provides ----
@@ -171,7 +203,7 @@ class SlotTier(abc.ABC):
         free once this returns (a previous write from it is done)."""
 
     @abc.abstractmethod
-    def _staged(self, write: Future[None]) -> None:
+    def _staged(self, write: Future[Any]) -> None:
         """The buffer `_staging` gave is in use until `write` is done."""
 
     @abc.abstractmethod
@@ -182,6 +214,15 @@ class SlotTier(abc.ABC):
     def _read(self, slot: int) -> tuple[bytes, torch.Tensor]:
         """The header and payload (uint8 host tensor) found in `slot`; shorter than
         written if the storage was cut short. Valid until the next `_read`."""
+
+    @abc.abstractmethod
+    def _read_header(self, slot: int) -> bytes:
+        """Loader thread: the header fields found in `slot` (shorter if cut short)."""
+
+    @abc.abstractmethod
+    def _read_layer(self, slot: int, layer: int, parts: Sequence[Bytes]) -> int:
+        """Loader thread: fill `parts` (layer_bytes in all) with `layer`'s bytes of the
+        payload in `slot`, in order; the bytes filled (fewer if cut short)."""
 
     def _release(self) -> None:  # noqa: B027 - optional: only a file has something to free
         """Free the storage (after the last write)."""
@@ -217,6 +258,8 @@ class SlotTier(abc.ABC):
             self._index.move_to_end(key)
             return
         slot = self._free_slots.pop() if self._free_slots else self._evict_oldest()
+        if slot is None:  # every slot is read by a load now: this block is not kept
+            return
         previous = self._slot_writes[slot]
         if previous is not None:  # an evicted entry's write into the slot ends first
             settle(previous)
@@ -264,16 +307,20 @@ class SlotTier(abc.ABC):
 
     # ---- internals ----
 
-    def _write(self, slot: int, key: BlockHash, payload: torch.Tensor) -> None:
-        """Writer thread: checksum the staged copy and persist header and payload."""
+    def _write(self, slot: int, key: BlockHash, payload: torch.Tensor) -> tuple[int, ...]:
+        """Writer thread: checksum the staged copy (whole, and layer by layer) and persist
+        header and payload; the layer CRCs."""
         try:
-            header = entry_header(key, self.layout_id, payload.numpy().data)
+            data = payload.numpy().data
+            header = entry_header(key, self.layout_id, data)
+            crcs = layer_crcs(key, self.layout_id, data, self.layout.num_layers)
             self._persist(slot, header, payload)
         except Exception:
             self.stats.num_write_failures += 1
             logger.exception("KV tier: writing block %s into slot %d failed", key.hex()[:12], slot)
             raise
         self.stats.num_written_bytes += HEADER_BYTES + self.payload_bytes
+        return crcs
 
     def _check(self, key: BlockHash, header: bytes, payload: torch.Tensor) -> str | None:
         """Why the slot read for `key` cannot be used, or None if it can."""
@@ -292,12 +339,82 @@ class SlotTier(abc.ABC):
 
     def _drop(self, key: BlockHash) -> None:
         entry = self._index.pop(key)
-        self._free_slots.append(entry.slot)
+        if self._pins[entry.slot]:
+            self._unpinned_free.add(entry.slot)
+        else:
+            self._free_slots.append(entry.slot)
 
-    def _evict_oldest(self) -> int:
-        _, entry = self._index.popitem(last=False)
-        self.stats.num_evicted_blocks += 1
-        return entry.slot
+    def _evict_oldest(self) -> int | None:
+        """The slot of the least recently used entry no load reads (dropped); None if none."""
+        for key, entry in self._index.items():
+            if not self._pins[entry.slot]:
+                del self._index[key]
+                self.stats.num_evicted_blocks += 1
+                return entry.slot
+        return None
+
+    # ---- layer-wise loads ----
+
+    def pin(self, keys: Sequence[BlockHash]) -> list[LayerSource]:
+        """Engine thread: the entries of the leading `keys` the tier holds (stopping at the
+        first it lacks), pinned until `unpin`: their slots are not reused meanwhile."""
+        sources = []
+        for key in keys:
+            entry = self._index.get(key)
+            if entry is None:
+                break
+            self._index.move_to_end(key)
+            self._pins[entry.slot] += 1
+            sources.append(LayerSource(key, entry.slot, entry.write))
+        return sources
+
+    def read_layer(self, source: LayerSource, layer: int, parts: Sequence[Bytes]) -> str | None:
+        """Loader thread: read `layer` of the pinned entry `source` into `parts` (host bytes,
+        in order, `layer_bytes` in all: the layer's K then V; e.g. a host pool's own K and
+        V of one block, so that what is checked is what attention reads) and check it;
+        why it cannot be used, or None. Layer 0 waits for the entry's write and checks
+        the slot's header first. After an answer other than None, `parts` hold garbage."""
+        try:
+            if layer == 0:
+                if settle(source.write) is not None:
+                    return WRITE_FAILED
+                header = self._read_header(source.slot)
+                problem = header_problem(source.key, self.layout_id, self.payload_bytes, header)
+                if problem is not None:
+                    return problem
+            if self._read_layer(source.slot, layer, parts) < self.layer_bytes:
+                return "cut short"
+        except OSError as exc:
+            return f"unreadable: {exc}"
+        views = [part.data for part in parts]
+        if layer_crc(source.key, self.layout_id, layer, views) != source.write.result()[layer]:
+            return "checksum mismatch"
+        return None
+
+    def unpin(self, sources: Sequence[LayerSource], problems: dict[BlockHash, str]) -> None:
+        """Engine thread, once the loader is done with `sources`: unpin them, and drop the
+        entries found unusable (`problems`, by key: counted corrupt unless their write
+        failed). Entries a store replaced meanwhile are left alone."""
+        for source in sources:
+            self._pins[source.slot] -= 1
+            if self._pins[source.slot] == 0:
+                del self._pins[source.slot]
+                if source.slot in self._unpinned_free:
+                    self._unpinned_free.discard(source.slot)
+                    self._free_slots.append(source.slot)
+        for key, problem in problems.items():
+            entry = self._index.get(key)
+            if entry is None or entry.write is not next(s.write for s in sources if s.key == key):
+                continue
+            if problem == WRITE_FAILED:
+                self._drop(key)
+            else:
+                self._corrupt(key, entry.slot, problem)
+
+    def count_loaded(self, num_blocks: int) -> None:
+        """Engine thread: `num_blocks` blocks were loaded layer by layer, every layer checked."""
+        self.stats.num_loaded_blocks += num_blocks
+        self.stats.num_read_bytes += num_blocks * (HEADER_BYTES + self.payload_bytes)
 
 
 class HostTier(SlotTier):
@@ -312,11 +429,12 @@ class HostTier(SlotTier):
             num_slots, self.slot_bytes, dtype=torch.uint8, pin_memory=pin_memory
         )
         """The tier's memory: row ``slot`` is one slot."""
+        self._slots_bytes = self.slots.numpy()
 
     def _staging(self, slot: int) -> torch.Tensor:
         return self.slots[slot, HEADER_BYTES : HEADER_BYTES + self.payload_bytes]
 
-    def _staged(self, write: Future[None]) -> None:
+    def _staged(self, write: Future[Any]) -> None:
         pass  # the slot is the buffer: `store` waits for a slot's last write before reuse
 
     def _persist(self, slot: int, header: bytes, payload: torch.Tensor) -> None:
@@ -324,60 +442,27 @@ class HostTier(SlotTier):
 
     def _read(self, slot: int) -> tuple[bytes, torch.Tensor]:
         row = self.slots[slot]
-        header = row[: _HEADER.size].numpy().tobytes()
+        header = row[:HEADER_FIELDS_BYTES].numpy().tobytes()
         return header, row[HEADER_BYTES : HEADER_BYTES + self.payload_bytes]
+
+    def _read_header(self, slot: int) -> bytes:
+        return self.slots[slot, :HEADER_FIELDS_BYTES].numpy().tobytes()
+
+    def _read_layer(self, slot: int, layer: int, parts: Sequence[Bytes]) -> int:
+        row = self._slots_bytes[slot]
+        offset = HEADER_BYTES + layer * self.layer_bytes
+        for part in parts:
+            flat = part.reshape(-1)
+            np.copyto(flat, row[offset : offset + flat.size])  # releases the GIL
+            offset += flat.size
+        return self.layer_bytes
 
     def _release(self) -> None:
         self.slots = torch.empty(0, dtype=torch.uint8)
+        self._slots_bytes = self.slots.numpy()
 
 
-def slot_bytes(layout: KVCacheLayout, align: int) -> int:
-    """Bytes of one slot holding a block of `layout`: header and payload, rounded up."""
-    return -(-(HEADER_BYTES + layout.bytes_per_block) // align) * align
-
-
-def entry_header(key: BlockHash, layout_id: bytes, payload: bytes | memoryview) -> bytes:
-    """The header fields (`HEADER_FIELDS_BYTES`) of an entry holding `payload` under `key`,
-    its CRC-32 included."""
-    length = memoryview(payload).nbytes
-    crc = zlib.crc32(payload, zlib.crc32(_covered_fields(key, layout_id, length)))
-    return _HEADER.pack(_MAGIC, key, layout_id, length, crc)
-
-
-def entry_problem(
-    key: BlockHash, layout_id: bytes, payload_bytes: int, header: bytes, payload: bytes | memoryview
-) -> str | None:
-    """Why an entry read for `key` (`header`, then `payload`) cannot be used as a block of
-    `payload_bytes` bytes written with `layout_id`; None if it can."""
-    if len(header) < _HEADER.size or memoryview(payload).nbytes != payload_bytes:
-        return "cut short"
-    magic, stored_key, stored_layout_id, length, crc = _HEADER.unpack_from(header)
-    if magic != _MAGIC:
-        return "no slot header"
-    if stored_key != key:
-        return f"holds block {stored_key.hex()[:12]}"
-    if stored_layout_id != layout_id or length != payload_bytes:
-        return "written for another model or layout"
-    if zlib.crc32(payload, zlib.crc32(_covered_fields(key, layout_id, length))) != crc:
-        return "checksum mismatch"
-    return None
-
-
-def _covered_fields(key: BlockHash, layout_id: bytes, length: int) -> bytes:
-    return key + layout_id + length.to_bytes(8, "little")
-
-
-def layout_id_of(layout: KVCacheLayout, identity: bytes) -> bytes:
-    """What every entry's header names as its model and layout: `identity` (the model's,
-    as in block keys) and the layout's shapes and dtype, its block count aside."""
-    fields = (layout.num_layers, layout.block_size, layout.num_kv_heads, layout.head_dim)
-    h = hashlib.blake2b(digest_size=16)
-    h.update(struct.pack("<I", len(identity)) + identity)
-    h.update(struct.pack("<4I", *fields) + layout.dtype.encode())
-    return h.digest()
-
-
-def settle(write: Future[None]) -> BaseException | None:
+def settle(write: Future[Any]) -> BaseException | None:
     """Wait for a write; its exception, if it failed."""
     return write.exception()
 
@@ -385,8 +470,10 @@ def settle(write: Future[None]) -> BaseException | None:
 __all__ = [
     "HEADER_BYTES",
     "HEADER_FIELDS_BYTES",
+    "WRITE_FAILED",
     "HostTier",
     "KVTier",
+    "LayerSource",
     "SlotTier",
     "TierStats",
     "entry_header",

@@ -3,7 +3,8 @@
 
 Blocks are copied out of the pool into a few staging buffers on the engine thread,
 then written with ``pwritev`` by the writer thread; loads read a slot with
-``preadv``. The page cache does the rest: recently written slots are read from
+``preadv`` (a whole slot, or one layer of its payload straight into the pool, for a
+layer-wise load). The page cache does the rest: recently written slots are read from
 memory, older ones from the device.
 """
 
@@ -11,15 +12,18 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Sequence
 from concurrent.futures import Future
+from typing import Any
 
 import torch
 
 from kvduplex.common.kv_layout import KVCacheLayout
-from kvduplex.engine.kv_tier import HEADER_BYTES
-from kvduplex.engine.kv_tier import HEADER_FIELDS_BYTES
+from kvduplex.engine.kv_tier import Bytes
 from kvduplex.engine.kv_tier import SlotTier
 from kvduplex.engine.kv_tier import settle
+from kvduplex.engine.kv_tier_format import HEADER_BYTES
+from kvduplex.engine.kv_tier_format import HEADER_FIELDS_BYTES
 
 _STAGING_BUFFERS = 8
 """Blocks copied out of the pool and not yet written, at most (the engine thread waits
@@ -69,7 +73,7 @@ class FileTier(SlotTier):
             settle(write)
         return self._buffers[self._next_buffer]
 
-    def _staged(self, write: Future[None]) -> None:
+    def _staged(self, write: Future[Any]) -> None:
         self._buffer_writes[self._next_buffer] = write
         self._next_buffer = (self._next_buffer + 1) % _STAGING_BUFFERS
 
@@ -83,6 +87,13 @@ class FileTier(SlotTier):
         num_read = os.preadv(self._fd, [buffer.numpy().data], slot * self.slot_bytes)
         header = buffer[: min(num_read, HEADER_FIELDS_BYTES)].numpy().tobytes()
         return header, buffer[HEADER_BYTES : max(num_read, HEADER_BYTES)]
+
+    def _read_header(self, slot: int) -> bytes:
+        return os.pread(self._fd, HEADER_FIELDS_BYTES, slot * self.slot_bytes)
+
+    def _read_layer(self, slot: int, layer: int, parts: Sequence[Bytes]) -> int:
+        offset = slot * self.slot_bytes + HEADER_BYTES + layer * self.layer_bytes
+        return os.preadv(self._fd, [part.data for part in parts], offset)
 
     def _release(self) -> None:
         self._file.close()

@@ -51,12 +51,12 @@ from kvduplex.engine.kv_store_client import StoreHealth
 from kvduplex.engine.kv_store_client import StoreWorker
 from kvduplex.engine.kv_store_client import exist_flags
 from kvduplex.engine.kv_store_client import wait_at_most
-from kvduplex.engine.kv_tier import HEADER_BYTES
-from kvduplex.engine.kv_tier import HEADER_FIELDS_BYTES
 from kvduplex.engine.kv_tier import TierStats
-from kvduplex.engine.kv_tier import entry_header
-from kvduplex.engine.kv_tier import entry_problem
-from kvduplex.engine.kv_tier import layout_id_of
+from kvduplex.engine.kv_tier_format import HEADER_BYTES
+from kvduplex.engine.kv_tier_format import HEADER_FIELDS_BYTES
+from kvduplex.engine.kv_tier_format import entry_header
+from kvduplex.engine.kv_tier_format import entry_problem
+from kvduplex.engine.kv_tier_format import layout_id_of
 from kvduplex.model.dtypes import dtype_from_name
 
 logger = logging.getLogger(__name__)

@@ -2,9 +2,10 @@
 their admission, first come first served, while seats, token budget and blocks last.
 
 A request admitted to compute here takes its prefix-cache hit and its first chunk
-and joins the running requests; a new one may also take tokens its connector loads
-during its first forward (`ExternalPrefix`: blocks allocated with the chunk's, counted
-computed, loaded layer by layer)::
+and joins the running requests; a new one may also take tokens loaded during its
+first forward (`ExternalPrefix`: a long KV tier run its lookup left in the tier, then
+what its connector fetches; blocks allocated with the chunk's, counted computed,
+loaded layer by layer)::
 
     prompt   [ local hit | loaded (external) | chunk ...... | rest ]
              0           hit           num_computed      +n
@@ -97,9 +98,11 @@ class WaitingQueue:
                 continue
             if step.budget_left == 0:
                 return
-            hit = self.kv.find_prefix_hit(req)
             is_new = req.status is RequestStatus.WAITING
-            num_external = self.external.get_num_new_matched_tokens(req, hit.num_tokens) if is_new else 0
+            hit = self.kv.find_prefix_hit(req, defer_tier_run=is_new)  # the rest: external
+            num_external = (
+                self.external.get_num_new_matched_tokens(req, hit.num_tokens) if is_new else 0
+            )
             num_computed = hit.num_tokens + num_external
             assert num_external % self.kv.block_size == 0 and num_computed < req.num_tokens, (
                 f"request {req.request_id}: {num_external} tokens to load after {hit.num_tokens}"

@@ -16,6 +16,9 @@ registers them in the prefix cache, so the lookup goes on through them::
 The hit blocks are referenced while the run is allocated, so that allocation
 (which may evict, and so demote, other blocks) cannot evict them. A load that
 fails its check ends the run there: the rest is computed.
+
+A new request's lookup may leave a long run in the tier instead (``defer_from``):
+its first forward reads it layer by layer (`kvduplex.engine.tier_load`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -40,6 +44,9 @@ from kvduplex.engine.kv_tier import slot_bytes
 from kvduplex.engine.kv_tier_file import FileTier
 from kvduplex.engine.kv_tier_store import StoreTier
 
+if TYPE_CHECKING:
+    from kvduplex.engine.tier_load import TierLoads
+
 logger = logging.getLogger(__name__)
 
 
@@ -53,21 +60,25 @@ class TierLink:
         self.pool = pool
         self.is_shared = isinstance(tier, StoreTier)
         """The tier is the store that instances share (its hits count as the store's)."""
+        self.loads: TierLoads | None = None
+        """The layer-wise loads of long hits, if this tier serves them (the engine's)."""
         pool.on_evict = self.demote
 
     def demote(self, block_id: int, key: BlockHash) -> None:
         """Copy an evicted block's KV into the tier (the pool's eviction hook)."""
         self.tier.store(key, self.kv_pool[:, :, block_id])
 
-    def promote(self, keys: Sequence[BlockHash], hit: Sequence[int]) -> int:
+    def promote(self, keys: Sequence[BlockHash], hit: Sequence[int], *, defer_from: int = 0) -> int:
         """Load the keys after the cached prefix `hit` (block ids of ``keys[:len(hit)]``)
         that the tier holds, in order, into fresh blocks cached under them; return how
         many were loaded. The blocks are left CACHED and unreferenced, right after `hit`
-        in the chain, like any prefix-cache hit."""
+        in the chain, like any prefix-cache hit. A run of `defer_from` blocks or more
+        (0: none) is left in the tier, touched, for a layer-wise load, unless the pool
+        holds the key after it (`is_deferrable`)."""
         following = keys[len(hit) :]
         # Touched by the lookup: outlives the demotions the allocation below may cause.
         run = following[: self.tier.find_run(following)]
-        if not run:
+        if not run or (defer_from and is_deferrable(run, following, self.pool, defer_from)):
             return 0
         pool = self.pool
         pool.acquire(hit)
@@ -87,9 +98,26 @@ class TierLink:
         return num_loaded
 
     def close(self) -> None:
-        """Detach from the pool and close the tier (pending writes finish first)."""
+        """Detach from the pool, stop the layer-wise loader and close the tier (pending
+        writes finish first)."""
         self.pool.on_evict = None
+        if self.loads is not None:
+            self.loads.close()
         self.tier.close()
+
+
+def is_deferrable(
+    run: Sequence[BlockHash], following: Sequence[BlockHash], pool: BlockPool, min_blocks: int
+) -> bool:
+    """Whether the tier's `run` (the head of `following`, the keys after a pool hit) is
+    for a layer-wise load: `min_blocks` long or longer, and neither it nor the key after
+    it held by the pool too. A layer-wise load ends the hit where the run ends, so a pool
+    run after it (a duplex return's blocks after the part the tier kept) would be
+    computed again: such a run is promoted whole, and the lookup goes on through the
+    pool's blocks after it."""
+    if len(run) < min_blocks:
+        return False
+    return not any(pool.num_cached_prefix([key]) for key in following[: len(run) + 1])
 
 
 def build_tier(
@@ -162,4 +190,4 @@ def attach_tier(
     return None if tier is None else TierLink(tier, kv_pool, pool)
 
 
-__all__ = ["TierLink", "attach_tier", "build_tier"]
+__all__ = ["TierLink", "attach_tier", "build_tier", "is_deferrable"]

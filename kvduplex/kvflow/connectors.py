@@ -100,6 +100,10 @@ class PrefillConnector(KVConnector):
     def get_failed_loads(self) -> set[str]:
         return self.loads.get_failed_loads()
 
+    def load_failed(self, request_id: str, reason: str) -> None:
+        """A tier load failed mid-forward: its push stops before this layer's WRITEs."""
+        self.sender.on_prefix_lost(request_id, f"its KV tier hit did not load ({reason})")
+
     def wait_for_save(self, meta: KVConnectorMetadata | None) -> None:
         assert isinstance(meta, PushPlan)
         self.sender.wait_for_save(meta)

@@ -42,6 +42,9 @@ def test_tier_flags_reach_the_engine_config(tmp_path: Path) -> None:
         KVTierKind.FILE, str(tmp_path), 0.5,
     )  # fmt: skip
     assert cache_of(["serve", "--kv-tier", "host", "--kv-tier-blocks", "100"]).kv_tier_blocks == 100
+    assert cache_of(["serve"]).kv_tier_overlap_blocks is None  # by the pool's device
+    overlap = ["serve", "--kv-tier", "file", "--kv-tier-overlap-blocks", "0"]
+    assert cache_of(overlap).kv_tier_overlap_blocks == 0
 
 
 def test_tier_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -67,6 +70,10 @@ def test_tier_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
             r"kv_tier_gib must be > 0 \(or set kv_tier_blocks\)",
         ),
         (["--kv-tier", "host", "--kv-tier-blocks", "-1"], "kv_tier_blocks must be >= 0"),
+        (
+            ["--kv-tier", "host", "--kv-tier-overlap-blocks", "-1"],
+            "kv_tier_overlap_blocks must be >= 0",
+        ),
     ],
 )
 def test_bad_tier_settings_say_what_to_change(argv: list[str], match: str) -> None:
