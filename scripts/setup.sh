@@ -2,7 +2,7 @@
 # Creates .venv and installs kvduplex with an extra set of dependencies:
 #   bash scripts/setup.sh [EXTRAS]      (or KVDUPLEX_EXTRAS=...; default: nixl,bench)
 # nixl: the KV transport (prefill and decode roles); bench: plots of `kvduplex bench`;
-# dev: the test and lint tools (scripts/test.sh asks for nixl,bench,dev); store: the
+# dev: the test and lint tools (scripts/test.sh asks for nixl,bench,dev,store); store: the
 # shared KV store tier (Mooncake; it also needs the system's libibverbs1).
 # Idempotent per extra set: a second run with nothing changed only checks, and a run
 # that asks for another set (run.sh, then test.sh) installs what that set adds.

@@ -3,7 +3,7 @@
 # the import layers (import-linter, pyproject.toml) and the whole test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh nixl,bench,dev
+bash scripts/setup.sh nixl,bench,dev,store
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 .venv/bin/ruff check kvduplex tests benchmarks
 .venv/bin/mypy
