@@ -43,6 +43,22 @@ from kvduplex.engine.scheduler_output import KVConnectorMetadata
 from kvduplex.engine.scheduler_output import KVTransferResult
 from kvduplex.engine.scheduler_output import SchedulerOutput
 
+LayerHook = Callable[[int], None]
+"""Called with a layer's index before that layer's attention runs."""
+
+
+def chain_layer_hooks(first: LayerHook | None, then: LayerHook | None) -> LayerHook | None:
+    """One hook that runs `first`, then `then`, for each layer (either may be None): a wait
+    for the layer's loaded KV before the push of it, which must see that KV."""
+    if first is None or then is None:
+        return first or then
+
+    def on_layer(layer: int) -> None:
+        first(layer)
+        then(layer)
+
+    return on_layer
+
 
 class KVConnector:
     """Base and colocated connector: every hook does nothing."""

@@ -40,6 +40,7 @@ from kvduplex.common.sampling import SamplingParams
 from kvduplex.common.sampling import TokenLogprobs
 from kvduplex.engine.block_pool import BlockPool
 from kvduplex.engine.connector import KVConnector
+from kvduplex.engine.connector import chain_layer_hooks
 from kvduplex.engine.eviction import Clock
 from kvduplex.engine.kv_cache import allocate_kv_pool
 from kvduplex.engine.kv_manager import KVCacheManager
@@ -307,14 +308,7 @@ class LLMEngine:
         wait = None
         if self.tier_loads is not None:
             wait = self.tier_loads.layer_wait(job, connector.load_failed)
-        if wait is None or push is None:
-            return wait or push
-
-        def on_layer_done(layer: int) -> None:
-            wait(layer)
-            push(layer)
-
-        return on_layer_done
+        return chain_layer_hooks(wait, push)
 
     def _execute(
         self, out: SchedulerOutput, meta: KVConnectorMetadata | None, job: TierJob | None = None

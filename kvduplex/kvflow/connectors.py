@@ -22,6 +22,7 @@ from typing import TypeVar
 
 from kvduplex.engine.async_engine import AsyncEngine
 from kvduplex.engine.connector import KVConnector
+from kvduplex.engine.connector import chain_layer_hooks
 from kvduplex.engine.handle import EngineHandle
 from kvduplex.engine.request import FinishReason
 from kvduplex.engine.request import Request
@@ -88,14 +89,7 @@ class PrefillConnector(KVConnector):
         assert isinstance(meta, PushPlan)
         wait = self.loads.layer_wait(meta.loads)
         push = self.sender.layer_hook(meta)
-        if wait is None or push is None:
-            return wait or push
-
-        def on_layer_done(layer: int) -> None:
-            wait(layer)
-            push(layer)
-
-        return on_layer_done
+        return chain_layer_hooks(wait, push)
 
     def get_failed_loads(self) -> set[str]:
         return self.loads.get_failed_loads()
