@@ -50,7 +50,7 @@ def _setup(checkout: Path, *args: str, env: dict[str, str] | None = None) -> lis
 def test_run_sh_installs_no_test_tools_and_test_sh_then_adds_them(checkout: Path) -> None:
     run_sh = (checkout / "scripts" / "run.sh").read_text()
     test_sh = (checkout / "scripts" / "test.sh").read_text()
-    assert "setup.sh nixl,bench\n" in run_sh and "setup.sh nixl,bench,dev\n" in test_sh
+    assert "setup.sh nixl,bench\n" in run_sh and "setup.sh nixl,bench,dev,store\n" in test_sh
     assert _setup(checkout, "nixl,bench") == [
         "-m pip install --disable-pip-version-check -q -e .[nixl,bench]"
     ]
