@@ -47,10 +47,15 @@ def tiny() -> LoadedModel:
     return load_model(ModelLoadConfig(model="tiny", seed=0))
 
 
-def make_engine(tiny: LoadedModel, tier: KVTierKind, path: str = "") -> LLMEngine:
+def make_engine(
+    tiny: LoadedModel, tier: KVTierKind, path: str = "", overlap: int | None = None
+) -> LLMEngine:
+    """An engine on `tiny` over a small pool and a 64-block tier; `overlap`: its
+    ``kv_tier_overlap_blocks`` (None: the device's default)."""
     cache = CacheConfig(
-        block_size=BS, num_blocks=NUM_BLOCKS, kv_tier=tier, kv_tier_blocks=64, kv_tier_path=path
-    )
+        block_size=BS, num_blocks=NUM_BLOCKS, kv_tier=tier, kv_tier_blocks=64,
+        kv_tier_path=path, kv_tier_overlap_blocks=overlap,
+    )  # fmt: skip
     cfg = EngineConfig(
         model=ModelLoadConfig(model="tiny"),
         cache=cache,

@@ -17,11 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from kvduplex.common.engine_config import CacheConfig
-from kvduplex.common.engine_config import EngineConfig
 from kvduplex.common.engine_config import KVTierKind
 from kvduplex.common.engine_config import ModelLoadConfig
-from kvduplex.common.engine_config import SchedulerConfig
 from kvduplex.common.kv_layout import KVCacheLayout
 from kvduplex.engine.block_pool import BlockHash
 from kvduplex.engine.block_pool import compute_block_hashes
@@ -39,6 +36,7 @@ from tests.unit.test_kv_tier_engine import GREEDY
 from tests.unit.test_kv_tier_engine import OTHERS
 from tests.unit.test_kv_tier_engine import PROMPT
 from tests.unit.test_kv_tier_engine import Served
+from tests.unit.test_kv_tier_engine import make_engine as tier_engine
 from tests.unit.test_kv_tier_engine import run_one
 
 BS = 4
@@ -52,16 +50,9 @@ def tiny() -> LoadedModel:
 
 
 def make_engine(tiny: LoadedModel, tier: KVTierKind, path: str = "", overlap: int = 4) -> LLMEngine:
-    cache = CacheConfig(
-        block_size=BS, num_blocks=NUM_BLOCKS, kv_tier=tier, kv_tier_blocks=64,
-        kv_tier_path=path, kv_tier_overlap_blocks=overlap,
-    )  # fmt: skip
-    cfg = EngineConfig(
-        model=ModelLoadConfig(model="tiny"),
-        cache=cache,
-        scheduler=SchedulerConfig(max_num_batched_tokens=64),
-    )
-    return LLMEngine(cfg, loaded=tiny)
+    """`test_kv_tier_engine`'s engine, a tier run of `overlap` blocks or more loaded layer
+    by layer."""
+    return tier_engine(tiny, tier, path, overlap)
 
 
 @pytest.fixture
