@@ -59,6 +59,7 @@ from kvduplex.bench.agentic import run_workload
 from kvduplex.bench.agentic_modes import modes_named
 from kvduplex.bench.agentic_modes import start_deployment
 from kvduplex.bench.agentic_sizing import size_for_oversubscription
+from kvduplex.bench.gauges import GaugeSampler
 from kvduplex.bench.prompt_sources import prompt_sources
 from kvduplex.bench.prompt_sources import try_scrape
 from kvduplex.bench.report import Samples
@@ -154,24 +155,31 @@ def decode_flags(args: argparse.Namespace) -> tuple[str, ...]:
 def run(args: argparse.Namespace, folder: Path, log_dir: Path) -> dict[str, Any]:
     bytes_per_token = kv_bytes_per_token(folder)
     block = CacheConfig().block_size
-    p_tokens = args.kv_cache_mb * 2**20 // bytes_per_token // block * block
-    configs, notes = sized_configs(args, p_tokens)
+
+    def pool_tokens(mib: int) -> int:
+        return mib * 2**20 // bytes_per_token // block * block
+
+    configs, notes = sized_configs(args, pool_tokens(args.kv_cache_mb))
     longest = max_context(configs)
     max_len = longest + 512
-    if longest > p_tokens:
+    smallest = min(args.prefill_kv_cache_mb, args.decode_kv_cache_mb)
+    if longest > pool_tokens(smallest):
         raise SystemExit(
-            f"a session reaches {longest} tokens, more than P's pool ({p_tokens}): a request "
-            "cannot outgrow the pool; raise --kv-cache-mb or lower --turns/--length-scale"
+            f"a session reaches {longest} tokens, more than a pool of {smallest} MiB "
+            f"({pool_tokens(smallest)}): a request cannot outgrow its pool; raise the pools or "
+            "lower --turns/--length-scale"
         )
-    vllm_blocks = 2 * args.kv_cache_mb * 2**20 // bytes_per_token // args.vllm_block_size
-    notes.append(f"kvduplex: P's pool {p_tokens} tokens ({args.kv_cache_mb} MiB), D's the same, "
+    total_mib = args.prefill_kv_cache_mb + args.decode_kv_cache_mb
+    vllm_blocks = total_mib * 2**20 // bytes_per_token // args.vllm_block_size
+    notes.append(f"kvduplex: P's pool {pool_tokens(args.prefill_kv_cache_mb)} tokens ({args.prefill_kv_cache_mb} MiB), "
+                 f"D's {pool_tokens(args.decode_kv_cache_mb)} ({args.decode_kv_cache_mb} MiB), "
                  f"mode {args.mode}, D's tier {args.decode_kv_tier}; vLLM: {vllm_blocks} blocks of {args.vllm_block_size} "
                  f"({vllm_blocks * args.vllm_block_size} tokens), max_model_len {max_len}")  # fmt: skip
     records: list[TurnRecord] = []
     runs: list[dict[str, Any]] = []
     with LocalCluster(log_dir=log_dir, env={"OMP_NUM_THREADS": "1"}) as cluster:
         dep = start_deployment(cluster, modes_named([args.mode]), model=str(folder),
-                               kv_cache_mb=args.kv_cache_mb, echo=lambda s: print(s, flush=True),
+                               kv_cache_mb=args.decode_kv_cache_mb, echo=lambda s: print(s, flush=True),
                                start_timeout_s=args.start_timeout, decode_flags=decode_flags(args))  # fmt: skip
         fronts = dict(dep.fronts)
         prefill = next(i.url for i in dep.instances[args.mode] if i.role == "prefill")
@@ -203,8 +211,12 @@ def run(args: argparse.Namespace, folder: Path, log_dir: Path) -> dict[str, Any]
                     label = f"{'kvduplex' if system != VLLM else VLLM} {factor:g}x"
                     target = RunTarget(url=fronts[system], model=str(folder), mode=label)
                     before = {u: try_scrape(u) for u in scraped[system]}
-                    recs, wall = asyncio.run(run_workload(target, config, salt=f"{label}-r{rep}",
-                                                          repetition=rep, progress=False))  # fmt: skip
+                    servers = (
+                        {"P": prefill, "D": decode} if system != VLLM else {VLLM: fronts[VLLM]}
+                    )
+                    with GaugeSampler(servers) as gauges:
+                        recs, wall = asyncio.run(run_workload(target, config, salt=f"{label}-r{rep}",
+                                                              repetition=rep, progress=False))  # fmt: skip
                     after = {u: try_scrape(u) for u in scraped[system]}
                     sources = {u: prompt_sources(before[u], after[u]) for u in scraped[system]}
                     is_kvd = system != VLLM
@@ -214,7 +226,7 @@ def run(args: argparse.Namespace, folder: Path, log_dir: Path) -> dict[str, Any]
                     runs.append({"system": label, "factor": factor, "repetition": rep, "wall_s": wall,
                                  "requests": len(recs), "sessions": config.num_sessions,
                                  "sources": sources, "p_hits_by_source": hits,
-                                 "d_hits_by_source": d_hits})  # fmt: skip
+                                 "d_hits_by_source": d_hits, "gauges": gauges.summary()})  # fmt: skip
                     failed = [r.result.error for r in recs if not r.result.ok]
                     print(f"rep {rep} {label}: {len(recs) - len(failed)}/{len(recs)} ok, "
                           f"{wall:.1f} s {failed[:1]}", flush=True)  # fmt: skip
@@ -243,6 +255,32 @@ def sources_table(runs: list[dict[str, Any]]) -> str:
         )
     return md_table(["system", "rep", "sessions", "requests", "prompt tokens by source, per request",
                      "hits by where the blocks were, per request"], rows)  # fmt: skip
+
+
+def queues_table(runs: list[dict[str, Any]]) -> str:
+    """Each server's queues and pool while a run went (gauges sampled every 0.5 s): mean
+    (share of samples above 0) of the requests running, waiting for admission (on decode:
+    for blocks) and, admitted, waiting for their KV from prefill; KV in use."""
+    rows = []
+    for r in runs:
+        for server, got in r.get("gauges", {}).items():
+
+            def cell(gauge: str, got: dict[str, dict[str, float]] = got) -> str:
+                g = got.get(gauge)
+                return "-" if g is None else f"{g['mean']:.2f} ({g['busy']:.0%}), max {g['max']:g}"
+
+            prefix = "vllm:" if server == VLLM else "kvduplex_"
+            pool = "-"
+            if "vllm:kv_cache_usage_perc" in got:
+                pool = f"{got['vllm:kv_cache_usage_perc']['mean']:.0%}"
+            elif "kvduplex_kv_blocks_in_use" in got and "kvduplex_kv_blocks_total" in got:
+                used, total = got["kvduplex_kv_blocks_in_use"], got["kvduplex_kv_blocks_total"]
+                pool = f"{used['mean'] / total['max']:.0%}"
+            rows.append([r["system"], r["repetition"], server, cell(prefix + "num_requests_running"),
+                         cell(prefix + "num_requests_waiting"),
+                         cell("kvduplex_num_requests_waiting_for_remote_kv"), pool])  # fmt: skip
+    return md_table(["system", "rep", "server", "running", "waiting (for blocks)",
+                     "holding blocks for KV from P", "KV in use, mean"], rows)  # fmt: skip
 
 
 def vllm_ratios(summ: list[report.Stats]) -> list[list[object]]:
@@ -278,7 +316,16 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument(
         "--mode", default="", help="kvduplex mode (default push+duplex@<kv-cache-mb>+file)"
     )
-    ap.add_argument("--kv-cache-mb", type=int, default=128, help="kvduplex P's and D's pools each")
+    ap.add_argument(
+        "--kv-cache-mb",
+        type=int,
+        default=128,
+        help="P's pool the session counts are sized against; P's and D's pools unless set apart",
+    )
+    ap.add_argument(
+        "--prefill-kv-cache-mb", type=int, default=0, help="P's pool (0: --kv-cache-mb)"
+    )
+    ap.add_argument("--decode-kv-cache-mb", type=int, default=0, help="D's pool (0: --kv-cache-mb)")
     ap.add_argument(
         "--decode-kv-tier", default="file", choices=("none", "file", "host"), help="D's KV tier"
     )
@@ -308,7 +355,9 @@ def parse_args() -> argparse.Namespace:
         args.factors, args.turns, args.length_scale, args.kv_cache_mb = "1,2", 4, 0.02, 8
         args.think_min, args.think_max = 0.0, 0.1
     args.factors = [float(f) for f in args.factors.split(",") if f.strip()]
-    args.mode = args.mode or f"push+duplex@{args.kv_cache_mb}+file"
+    args.prefill_kv_cache_mb = args.prefill_kv_cache_mb or args.kv_cache_mb
+    args.decode_kv_cache_mb = args.decode_kv_cache_mb or args.kv_cache_mb
+    args.mode = args.mode or f"push+duplex@{args.prefill_kv_cache_mb}+file"
     return args
 
 
@@ -327,6 +376,7 @@ def main() -> None:
     summ = report.summary(got["records"], disagg)
     table = report.markdown(turns, summ, {}, {}, got["notes"])
     table += "\n\nWhere prompt tokens came from:\n\n" + sources_table(got["runs"])
+    table += "\n\nQueues while each run went:\n\n" + queues_table(got["runs"])
     ratio_rows = vllm_ratios(summ)
     if ratio_rows:
         table += "\n\nkvduplex / vLLM, turns >= 3 (ms):\n\n" + md_table(

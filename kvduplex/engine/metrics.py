@@ -70,6 +70,10 @@ class EngineMetrics:
             "num_requests_waiting",
             "Requests queued for admission (new or preempted); not those waiting for remote KV.",
         )
+        self.waiting_for_remote_kv = m.gauge(
+            "num_requests_waiting_for_remote_kv",
+            "Admitted requests whose prompt KV another instance is sending (their blocks held).",
+        )
         self.blocks_in_use = m.gauge("kv_blocks_in_use", "KV blocks held by live requests.")
         self.blocks_cached = m.gauge(
             "kv_blocks_cached", "Unreferenced KV blocks kept for the prefix cache."
@@ -83,6 +87,7 @@ class EngineMetrics:
         self.bind_gauges(
             running=lambda: sched.num_running,
             waiting=lambda: sched.num_waiting,
+            waiting_for_remote_kv=lambda: sched.num_waiting_for_remote_kv,
             blocks_in_use=lambda: pool.stats().num_in_use,
             blocks_cached=lambda: pool.stats().num_cached,
             blocks_total=lambda: pool.stats().total,
@@ -96,6 +101,7 @@ class EngineMetrics:
         self,
         running: Callable[[], float],
         waiting: Callable[[], float],
+        waiting_for_remote_kv: Callable[[], float],
         blocks_in_use: Callable[[], float],
         blocks_cached: Callable[[], float],
         blocks_total: Callable[[], float],
@@ -103,6 +109,7 @@ class EngineMetrics:
         """Make the gauges read live values at scrape time."""
         self.running.set_function(running)
         self.waiting.set_function(waiting)
+        self.waiting_for_remote_kv.set_function(waiting_for_remote_kv)
         self.blocks_in_use.set_function(blocks_in_use)
         self.blocks_cached.set_function(blocks_cached)
         self.blocks_total.set_function(blocks_total)

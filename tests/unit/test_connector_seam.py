@@ -11,6 +11,7 @@ import pickle
 from collections.abc import Callable
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from kvduplex.common.engine_config import CacheConfig
 from kvduplex.common.engine_config import EngineConfig
@@ -20,6 +21,7 @@ from kvduplex.common.sampling import SamplingParams
 from kvduplex.engine.connector import KVConnector
 from kvduplex.engine.engine import LLMEngine
 from kvduplex.engine.engine import RequestOutput
+from kvduplex.engine.metrics import EngineMetrics
 from kvduplex.engine.request import FinishReason
 from kvduplex.engine.request import RemoteKVSpec
 from kvduplex.engine.request import Request
@@ -203,6 +205,35 @@ def test_received_kv_and_its_first_token_come_out_of_the_next_step(tiny: LoadedM
     rest = drain(engine)["r"]
     assert rest[-1].finished and req.num_output_tokens == GREEDY.max_tokens
     assert engine.block_pool.stats().num_in_use == 0
+
+
+def test_the_gauges_tell_requests_waiting_for_blocks_from_those_holding_them_for_remote_kv(
+    tiny: LoadedModel,
+) -> None:
+    engine, conn = make_engine(tiny, num_blocks=8)  # one prompt's 5 blocks, not two
+    registry = CollectorRegistry()
+    EngineMetrics(registry).bind_engine(engine)
+
+    def gauges() -> tuple[float | None, ...]:
+        names = ("waiting_for_remote_kv", "waiting", "running")
+        return tuple(registry.get_sample_value(f"kvduplex_num_requests_{n}") for n in names)
+
+    engine.add_request(Request("r", PROMPT, GREEDY, remote_kv=RemoteKVSpec("xr")))
+    other = list(reversed(PROMPT))  # no prefix of r's
+    engine.add_request(Request("s", other, GREEDY, remote_kv=RemoteKVSpec("xs")))
+    engine.step()
+    assert gauges() == (1.0, 1.0, 0.0)  # r holds its blocks, s waits for blocks
+    conn.results.append(KVReceived("r", 42, num_remote_cached_tokens=0, num_remote_kv_bytes=1))
+    engine.step()
+    assert gauges() == (0.0, 1.0, 1.0)
+    for _ in range(4 * GREEDY.max_tokens):  # r finishes, its blocks free, s is admitted
+        if not engine.scheduler.num_waiting:
+            break
+        engine.step()
+    assert gauges() == (1.0, 0.0, 0.0)
+    conn.results.append(KVReceived("s", 42, num_remote_cached_tokens=0, num_remote_kv_bytes=1))
+    drain(engine)
+    assert gauges() == (0.0, 0.0, 0.0)
 
 
 def test_a_receive_that_failed_prefills_here(tiny: LoadedModel) -> None:
