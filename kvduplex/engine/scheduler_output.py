@@ -135,6 +135,9 @@ class SchedulerOutput:
     """Requests whose block tables the runner drops before this step (finished,
     aborted or preempted since it last saw them)."""
     num_batched_tokens: int = 0
+    blocks_short: bool = False
+    """A request could not get blocks this step (one waits for admission, or a running
+    one was preempted): blocks that finished requests hold for a transfer are wanted."""
     kv_connector_metadata: KVConnectorMetadata | None = None
     """What the connector's scheduler side planned for this step (set by the engine
     after `schedule`), for its worker side."""
@@ -186,6 +189,8 @@ class StepBuilder:
         self.seqs: dict[str, tuple[Request, int]] = {}
         self.preempted_ids: list[str] = []
         self.remote_kv_allocated: list[RemoteKVAllocation] = []
+        self.blocks_short = False
+        """Admission stopped at a request the pool had no blocks for."""
         self._num_tokens = 0
 
     @property
@@ -208,6 +213,7 @@ class StepBuilder:
             preempted_ids=self.preempted_ids,
             remote_kv_allocated=self.remote_kv_allocated,
             dropped_table_ids=tables.take_dropped(),
+            blocks_short=self.blocks_short or bool(self.preempted_ids),
         )
         for req, n in self.seqs.values():
             start = req.num_computed_tokens

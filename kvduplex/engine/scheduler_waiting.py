@@ -93,6 +93,7 @@ class WaitingQueue:
             req = self._queue[0]
             if req.remote_kv is not None and req.status is RequestStatus.WAITING:
                 if not remote.try_admit(req, step):
+                    step.blocks_short = True
                     return
                 self._queue.popleft()
                 continue
@@ -108,7 +109,10 @@ class WaitingQueue:
                 f"request {req.request_id}: {num_external} tokens to load after {hit.num_tokens}"
             )
             n = chunk_size(self.config, req.num_tokens - num_computed, step)
-            if n == 0 or self.kv.try_allocate_slots(req, num_external + n, hit) is None:
+            if n == 0:
+                return
+            if self.kv.try_allocate_slots(req, num_external + n, hit) is None:
+                step.blocks_short = True
                 return
             self._queue.popleft()
             req.num_computed_tokens = num_computed

@@ -38,6 +38,7 @@ from kvduplex.engine.scheduler_output import RemoteKVAllocation
 from kvduplex.kvflow.inbox import XidInUseError
 from kvduplex.kvflow.messages import KVCancel
 from kvduplex.kvflow.messages import KVDone
+from kvduplex.kvflow.messages import KVFailed
 from kvduplex.kvflow.messages import KVWaiting
 from kvduplex.kvflow.metrics import KVFlowMetrics
 from kvduplex.kvflow.receiver import KVReceiver
@@ -93,8 +94,10 @@ class PushDecode:
         self._spec_waiting_at: dict[str, float] = {}  # xid -> last KVWaiting to its prefill
         self._early_cancels: dict[str, float] = {}  # xid -> when, for a request still to come
         self._cancelled: set[str] = set()  # specs whose prefill failed: compute locally
+        self._first_tokens: dict[str, int] = {}  # cancelled specs' first tokens, from P
         self._finished: list[KVTransferResult] = []
         receiver.inbox.every_tick(self._tick)
+        receiver.on_unexpected_end = self._ended_before_admission
 
     def submit(self, spec: PushSpec) -> Future[None]:
         """Any thread: `register` on the engine thread; the future has its error."""
@@ -135,7 +138,10 @@ class PushDecode:
         self._spec_waiting_at.pop(xid, None)
         cancelled = xid in self._cancelled
         self._cancelled.discard(xid)
+        first_token = self._first_tokens.pop(xid, None)
         if cancelled:  # P failed: no registration
+            if first_token is not None:  # the prompt computed here continues from it
+                self._finished.append(KVFirstToken(rid, first_token))
             self._fall_back(rid, "cancelled", discard_blocks=False)
             return
         if spec is None:
@@ -175,6 +181,21 @@ class PushDecode:
         self._early_cancels[xid] = time.monotonic()
         return False
 
+    def _ended_before_admission(self, msg: KVDone | KVFailed, sender: str) -> bool:
+        """Prefill gave up a push that this decode queues for room (its pool needed the
+        blocks): the request computes its prompt here when admitted, from prefill's first
+        token (the client may have it). Any other end of a transfer not waited for is not
+        this flow's."""
+        spec = self._specs.get(msg.xid)
+        if not isinstance(msg, KVFailed) or spec is None or spec.peer.engine_id != sender:
+            return False
+        logger.info("xid=%s: prefill gave it up before admission (%s); computing locally",
+                    msg.xid, msg.reason)  # fmt: skip
+        self._cancelled.add(msg.xid)
+        if msg.first_token is not None:
+            self._first_tokens[msg.xid] = msg.first_token
+        return True
+
     def on_aborted(self, xid: str) -> None:
         """Engine thread: decode's request for `xid` was aborted. Before admission its
         spec goes and prefill is told to stop (KVCancel); after, the wait is cancelled
@@ -182,6 +203,7 @@ class PushDecode:
         confirms that nothing can land)."""
         spec = self._specs.pop(xid, None)
         self._spec_waiting_at.pop(xid, None)
+        self._first_tokens.pop(xid, None)
         if xid in self._cancelled:  # its prefill failed: nothing to tell
             self._cancelled.discard(xid)
             return
@@ -232,12 +254,15 @@ class PushDecode:
         """Forget specs whose request left before admission (aborted, or never added), so
         that their heartbeats stop; prefill's own wait for the registration then ends the
         job."""
-        gone = [s.xid for s in specs if s.request_id and self.engine.get_request(s.request_id) is None]
+        gone = [
+            s.xid for s in specs if s.request_id and self.engine.get_request(s.request_id) is None
+        ]
         for xid in gone:
             if self._specs.pop(xid, None) is not None:
                 logger.info("xid=%s: decode request gone before admission", xid)
             self._spec_waiting_at.pop(xid, None)
             self._cancelled.discard(xid)
+            self._first_tokens.pop(xid, None)
 
     def _tick(self, now: float) -> None:
         while self._early_cancels:  # in the order they came

@@ -37,6 +37,7 @@ from kvduplex.kvflow.machines.send import FirstToken
 from kvduplex.kvflow.machines.send import LayerDone
 from kvduplex.kvflow.machines.send import PrefillAborted
 from kvduplex.kvflow.machines.send import PrefillSource
+from kvduplex.kvflow.machines.send import Reclaimed
 from kvduplex.kvflow.machines.send import StepEnded
 from kvduplex.kvflow.machines.send import StepPlanned
 from kvduplex.kvflow.prefix_load import LayerLoad
@@ -103,11 +104,14 @@ class PushSender(KVSender):
     # ---- connector hooks (engine thread) ----
 
     def build_connector_meta(self, out: SchedulerOutput) -> PushPlan:
-        """Scheduler side: each job whose prefill this step computes plans its chunk."""
+        """Scheduler side: each job whose prefill this step computes plans its chunk; when
+        the pool was short, finished pushes still unregistered give their blocks back."""
         self._step_jobs.clear()
         plan = PushPlan(is_computing=bool(out.seqs))
         if not self._jobs:
             return plan
+        if out.blocks_short:
+            self._reclaim_unregistered()
         for seq in out.seqs:
             job = self._jobs.get(seq.request_id)
             req = self.engine.get_request(seq.request_id)
@@ -118,6 +122,19 @@ class PushSender(KVSender):
             end = seq.start_pos + seq.num_new_tokens
             self._feed(job, StepPlanned(seq.start_pos, end, list(req.block_ids)))
         return plan
+
+    def _reclaim_unregistered(self) -> None:
+        """Give up every finished push whose receiver has not registered yet.
+
+        Such a prefill holds its blocks until decode makes room for the request, while
+        decode may hold blocks for another request that waits for this prefill's pool:
+        each side's pool waits on the other's, and without this only the transfers'
+        deadlines would end the wait. Decode computes a given-up prompt itself, from the
+        first token already sampled (usually just the new tokens: it holds the history).
+        """
+        reason = "the pool needs the blocks of this finished prefill, not registered yet"
+        for job in list(self._jobs.values()):
+            self._feed(job, Reclaimed(reason))
 
     def start_load_kv(self, plan: PushPlan) -> None:
         if plan.is_computing:

@@ -163,6 +163,9 @@ class KVReceiver(FlowHalf):
         self.reconnect = reconnect
         self.stats = KVReceiverStats()
         self._waits: dict[str, _Wait] = {}
+        self.on_unexpected_end: Callable[[KVDone | KVFailed, str], bool] | None = None
+        """Offered an end for a transfer this receiver has not registered (a flow that
+        keeps specs before admission takes it); returns whether it was taken."""
         inbox.on(KVDone, self._on_end_notif)
         inbox.on(KVFailed, self._on_end_notif)
         inbox.on(KVAlive, self._on_alive_notif)
@@ -269,7 +272,9 @@ class KVReceiver(FlowHalf):
         """The sender is done with ``msg.xid``: no WRITE can land any more."""
         wait = self._waits.get(msg.xid)
         if wait is None:
-            logger.info("xid=%s: message from %s for no pending transfer", msg.xid, sender)
+            taken = self.on_unexpected_end is not None and self.on_unexpected_end(msg, sender)
+            if not taken:
+                logger.info("xid=%s: message from %s for no pending transfer", msg.xid, sender)
             return
         self._feed(wait, SenderEnded(msg, sender))
 

@@ -36,6 +36,8 @@ class KVSenderStats:
     """Registrations answered with KVFailed (wrong engine, sizes, cancelled, ended)."""
     num_prompt_mismatches: int = 0
     """Registrations refused because they named other token ids than the job's."""
+    num_reclaimed: int = 0
+    """Finished pushes given up before the receiver registered, their blocks needed here."""
 
     def count(self, counter: SendCounter) -> None:
         """Add one to the statistic a machine's `Count` names."""
@@ -52,13 +54,13 @@ class KVSenderStats:
                 self.num_waiting_received += 1
             case SendCounter.PROMPT_MISMATCHES:
                 self.num_prompt_mismatches += 1
+            case SendCounter.RECLAIMED:
+                self.num_reclaimed += 1
             case _:
                 assert_never(counter)
 
 
-def account(
-    s: KVSenderStats, job: SendMachine, end: float, metrics: KVFlowMetrics | None
-) -> None:
+def account(s: KVSenderStats, job: SendMachine, end: float, metrics: KVFlowMetrics | None) -> None:
     """Add ``job``, which ended at ``end``, to ``s`` (and a push's to ``metrics``)."""
     transfer_s = exposed_s = 0.0
     if job.first_post_at is not None and job.last_done_at is not None:

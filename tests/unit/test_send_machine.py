@@ -43,6 +43,7 @@ from kvduplex.kvflow.machines.send import PostWrite
 from kvduplex.kvflow.machines.send import PrefillAborted
 from kvduplex.kvflow.machines.send import PrefillProgress
 from kvduplex.kvflow.machines.send import PrefillSource
+from kvduplex.kvflow.machines.send import Reclaimed
 from kvduplex.kvflow.machines.send import Registered
 from kvduplex.kvflow.machines.send import ReleasePrefill
 from kvduplex.kvflow.machines.send import SendAction
@@ -275,7 +276,7 @@ class SendMachineTest(RuleBasedStateMachine):
     @precondition(lambda self: not self.forgotten)
     @rule(
         what=st.sampled_from(["cancel", "cancel_by_peer", "cancel_by_other", "declined",
-                              "prefill_aborted"])
+                              "prefill_aborted", "reclaimed"])
     )  # fmt: skip
     def interrupt(self, what: str) -> None:
         """One rule for every way a transfer is stopped (each would end most runs early)."""
@@ -286,6 +287,8 @@ class SendMachineTest(RuleBasedStateMachine):
             self.feed(Declined("has_all"))
         elif what == "prefill_aborted" and self.push:
             self.feed(PrefillAborted())
+        elif what == "reclaimed":
+            self.feed(Reclaimed("the pool is short"))
 
     @precondition(lambda self: not self.forgotten)
     @rule(sender=st.sampled_from([PEER, OTHER]), back=st.sampled_from([0.0, 2.0, -50.0]))
@@ -418,3 +421,34 @@ def test_a_registration_before_the_first_layers_writes_streams_the_step() -> Non
     assert m.phase is SendPhase.DONE
     assert [type(a.msg) for a in ends if isinstance(a, Tell)] == [KVDone]
     assert ReleaseBlocks(src) in ends
+
+
+def test_a_finished_push_not_registered_is_given_up_for_the_pool_and_tells_its_first_token() -> None:
+    """1. A push's prefill is still computing: reclaiming it does nothing.
+    2. Its first token is sampled, no registration came: reclaimed, it fails and tells
+       the receiver (which queues a request for it) KVFailed with the first token, then
+       releases the prefill.
+    3. A push whose receiver registered is never reclaimed."""
+    now = 100.0
+    peer = PeerHandle(PEER, "agent-" + PEER, None)  # type: ignore[arg-type]
+
+    def machine() -> SendMachine:
+        return SendMachine("x", peer, 8, ids_digest(range(8)), 2, BLOCK_SIZE, DEADLINE_S,
+                           PrefillSource(NUM_LAYERS), expires_at=now + WAIT_S)  # fmt: skip
+
+    m = machine()
+    m.handle(StepPlanned(0, 8, (100, 101)))
+    assert m.handle(Reclaimed("short")) == []
+    m.handle(StepEnded())
+    assert m.handle(FirstToken(7, 0, now)) == []  # waits for the registration
+    actions = m.handle(Reclaimed("short"))
+    assert m.phase is SendPhase.FAILED
+    told = [a.msg for a in actions if isinstance(a, Tell)]
+    assert len(told) == 1 and isinstance(told[0], KVFailed) and told[0].first_token == 7
+    assert actions[-2:] == [Ended(False), ReleasePrefill()]
+    registered = machine()
+    reg = KVRegister("x", [500, 501], 0, 8, WAIT_S, WAIT_S, ids_digest(range(8)))
+    registered.handle(Registered(reg, PEER, now, now, None))
+    registered.handle(FirstToken(7, 0, now))
+    assert registered.handle(Reclaimed("short")) == []
+    assert registered.error is None

@@ -64,6 +64,7 @@ from kvduplex.kvflow.machines.send_events import PostWrite
 from kvduplex.kvflow.machines.send_events import PrefillAborted
 from kvduplex.kvflow.machines.send_events import PrefillProgress
 from kvduplex.kvflow.machines.send_events import PrefillSource
+from kvduplex.kvflow.machines.send_events import Reclaimed
 from kvduplex.kvflow.machines.send_events import Refuse
 from kvduplex.kvflow.machines.send_events import Registered
 from kvduplex.kvflow.machines.send_events import ReleasePrefill
@@ -112,6 +113,8 @@ class SendMachine(SendStream):
                 return self._on_prefill(event)
             case Registered() | Waiting() | AliveAck() | Cancelled() | Declined():
                 return self._on_receiver(event)
+            case Reclaimed():
+                return self._reclaimed(event)
             case _:
                 assert_never(event)
 
@@ -172,6 +175,22 @@ class SendMachine(SendStream):
             return []
         self.declined = True
         return self._fail(event.reason, notify=False)
+
+    def _reclaimed(self, event: Reclaimed) -> list[SendAction]:
+        """Give up a finished push that the receiver has not registered, so that prefill's
+        pool gets its blocks back; a registration or a WRITE under way keeps it."""
+        if self.reg is not None or self.ended or self.error is not None:
+            return []
+        if not self.source.streams or self.first_token is None or self.in_flight > 0:
+            return []
+        # The receiver queues a request for this transfer: it hears the end (KVFailed, with
+        # the first token the client may have) and computes the prompt from that token.
+        self.confirm_end = True
+        return [
+            Count(SendCounter.RECLAIMED),
+            Log(logging.INFO, f"{event.reason}; decode computes the prompt"),
+            *self._fail(event.reason),
+        ]
 
     def _prefill_aborted(self, event: PrefillAborted) -> list[SendAction]:
         if self.ended or self.error is not None:
@@ -324,11 +343,10 @@ class SendMachine(SendStream):
         return out + self._on_cancelled(Cancelled(what))
 
 
-
 __all__ = [
     "HEARTBEATS_PER_WAIT", "TRANSITIONS", "AbortPrefill", "AliveAck", "Begin", "Cancelled",
     "Chunk", "Count", "Declined", "Ended", "FirstToken", "HeldSource", "LayerDone", "PostWrite",
-    "PrefillAborted", "PrefillProgress", "PrefillSource", "Refuse", "Registered",
+    "PrefillAborted", "PrefillProgress", "PrefillSource", "Reclaimed", "Refuse", "Registered",
     "ReleasePrefill", "SendAction", "SendCounter", "SendEvent", "SendMachine", "SendPhase",
     "Source", "StepEnded", "StepPlanned", "Tick", "Tombstone", "Waiting", "WriteEnded",
     "WriteSettled",

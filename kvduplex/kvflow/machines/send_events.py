@@ -134,6 +134,15 @@ class Cancelled:
 
 
 @dataclass(frozen=True)
+class Reclaimed:
+    """Push: prefill's pool needs the blocks its finished prefill holds for a receiver that
+    has not registered (the receiver queues the request for room): give the transfer up;
+    the receiver hears KVFailed with the first token and computes the prompt itself."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
 class Declined:
     """Return: the receiver takes nothing (ignored once registered)."""
 
@@ -176,7 +185,8 @@ class Tick:
 
 SendEvent = (
     Begin | Registered | StepPlanned | LayerDone | StepEnded | FirstToken | WriteEnded
-    | WriteSettled | Cancelled | Declined | PrefillAborted | Waiting | AliveAck | Tick
+    | WriteSettled | Cancelled | Reclaimed | Declined | PrefillAborted | Waiting | AliveAck
+    | Tick
 )  # fmt: skip
 
 
@@ -237,6 +247,7 @@ class SendCounter(enum.Enum):
     ALIVE_SENT = "num_alive_sent"
     WAITING_RECEIVED = "num_waiting_received"
     PROMPT_MISMATCHES = "num_prompt_mismatches"
+    RECLAIMED = "num_reclaimed"
 
 
 @dataclass(frozen=True)
@@ -267,6 +278,7 @@ __all__ = [
     "PrefillAborted",
     "PrefillProgress",
     "PrefillSource",
+    "Reclaimed",
     "Refuse",
     "Registered",
     "ReleasePrefill",
