@@ -291,27 +291,26 @@ def slope_mib_per_min(points: list[tuple[float, float]]) -> float | None:
 
 
 def by_class(series: list[tuple[float, dict[str, Any]]], warmup_s: float) -> dict[str, Any]:
-    """Per mapping class (and ``private_dirty``: all classes' Private_Dirty): its RSS at
-    the end, its slope after the warm-up, and its mappings at the end."""
+    """Per mapping class, and ``all`` of them: RSS at the end, the RSS and Private_Dirty
+    slopes after the warm-up, and the mappings at the end."""
     after = [(t, s["smaps"]) for t, s in series if t >= warmup_s and "smaps" in s]
     if not after:
         return {}
+    rows_by_class = {c: [(t, sm[c]) for t, sm in after if c in sm] for c in MAPPING_CLASSES}
+    rows_by_class["all"] = [
+        (t, {k: sum(u[k] for u in sm.values()) for k in ("n", "rss_mib", "private_dirty_mib")})
+        for t, sm in after
+    ]
     out: dict[str, Any] = {}
-    for c in MAPPING_CLASSES:
-        rows = [(t, sm[c]) for t, sm in after if c in sm]
+    for c, rows in rows_by_class.items():
         out[c] = {
-            "rss_end_mib": rows[-1][1]["rss_mib"] if rows else None,
+            "rss_end_mib": round(rows[-1][1]["rss_mib"], 2) if rows else None,
             "rss_slope_mib_per_min": slope_mib_per_min([(t, u["rss_mib"]) for t, u in rows]),
             "private_dirty_slope_mib_per_min": slope_mib_per_min(
                 [(t, u["private_dirty_mib"]) for t, u in rows]
             ),
             "mappings_end": rows[-1][1]["n"] if rows else None,
         }
-    dirty = [(t, sum(u["private_dirty_mib"] for u in sm.values())) for t, sm in after]
-    out["private_dirty"] = {
-        "rss_end_mib": round(dirty[-1][1], 1),
-        "rss_slope_mib_per_min": slope_mib_per_min(dirty),
-    }
     return out
 
 
@@ -358,7 +357,7 @@ def report(summary: dict[str, Any], tally: Tally, num_started: int, minutes: flo
     ]
     class_rows = [
         [name, c, u["rss_end_mib"], _fmt(u["rss_slope_mib_per_min"]),
-         _fmt(u.get("private_dirty_slope_mib_per_min")), u.get("mappings_end", "")]
+         _fmt(u["private_dirty_slope_mib_per_min"]), u["mappings_end"]]
         for name, s in summary.items() for c, u in s.get("by_class", {}).items()
     ]  # fmt: skip
     if class_rows:

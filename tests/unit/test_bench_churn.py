@@ -116,7 +116,8 @@ def test_the_report_gives_each_classs_slope_after_the_warm_up() -> None:
     assert abs(s["by_class"]["anon"]["rss_slope_mib_per_min"] - 2.0) < 1e-9
     assert abs(s["by_class"]["anon"]["private_dirty_slope_mib_per_min"] - 2.0) < 1e-9
     assert abs(s["by_class"]["heap"]["rss_slope_mib_per_min"]) < 1e-9
-    assert abs(s["by_class"]["private_dirty"]["rss_slope_mib_per_min"] - 2.0) < 1e-9
+    assert abs(s["by_class"]["all"]["private_dirty_slope_mib_per_min"] - 2.0) < 1e-9
+    assert s["by_class"]["all"]["mappings_end"] == 3 * (len(MAPPING_CLASSES) - 1) + 9
     assert s["by_class"]["anon"]["mappings_end"] == 9
     assert s["threads_end"] == 30
     table = report({"prefill-long-lived": s}, Tally(), num_started=2, minutes=6)
