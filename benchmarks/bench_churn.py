@@ -411,11 +411,13 @@ def main() -> int:
         async def run_all() -> None:
             await asyncio.gather(*workers)
 
-        asyncio.run(run_all())
-        stop.set()
-        for t in churn_threads:
-            t.join()
-        sampler.join()
+        try:
+            asyncio.run(run_all())
+        finally:  # on SIGTERM too: no churner starts an instance while the cluster stops
+            stop.set()
+            for t in churn_threads:
+                t.join()
+            sampler.join()
     summary = summarize(samples, list(watched), args.warmup_s)
     table = report(summary, tally, churn.num_started, args.minutes)
     data = {"config": vars(args), "summary": summary, "requests_ok": tally.num_ok,
