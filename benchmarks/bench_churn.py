@@ -20,12 +20,18 @@ answer and seeded new input; greedy, fixed length), alternating between the
 routers. Every answer is checked token for token against a colocated instance
 given the same prompt; a request past `--deadline-s` counts as hung.
 
-Every `--sample-s` the long-lived instances' RSS and their peer tables
-(``kvduplex_kv_peers{table}``, ``kvduplex_kv_peers_forgotten_total``,
+`--churning 0` runs the same traffic on the long-lived pair alone: no peer comes or
+goes, which tells growth that follows requests from growth that follows peers.
+
+Every `--sample-s` the long-lived instances' RSS, their RSS and Private_Dirty by
+mapping class (``/proc/PID/smaps``: heap, anonymous, shared libraries, other files,
+shared memory, stack; see `benchmarks.soak.parse_smaps`), their threads, and their
+peer tables (``kvduplex_kv_peers{table}``, ``kvduplex_kv_peers_forgotten_total``,
 ``kvduplex_kv_peers_met_total``: the distinct peers each met) are recorded.
 Writes results/churn-<model>.json (every sample, every failure with its error, the
-RSS slope after the warm-up, the final peer counts and the peers met) and .md. Exits 1 if a request
-failed, hung or answered other tokens than the reference.
+RSS slope after the warm-up in all and by mapping class, the final peer counts and
+the peers met) and .md. Exits 1 if a request failed, hung or answered other tokens
+than the reference.
 """
 
 from __future__ import annotations
@@ -51,7 +57,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import md_table
 from benchmarks.common import write_results
+from benchmarks.soak import MAPPING_CLASSES
 from benchmarks.soak import read_rss_bytes
+from benchmarks.soak import read_smaps_by_class
+from benchmarks.soak import read_threads
 from kvduplex.cluster import LocalCluster
 from kvduplex.cluster import Process
 from kvduplex.cluster import free_port
@@ -78,7 +87,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--churn-max-s", type=float, default=60.0)
     ap.add_argument(
         "--churning", type=int, default=1,
-        help="churning instances of each role, each pair replaced by its own churner (default 1)",
+        help="churning instances of each role, each pair replaced by its own churner; 0: "
+        "the long-lived pair alone (default 1)",
     )  # fmt: skip
     ap.add_argument("--peer-idle-s", type=float, default=45.0, help="instances' --peer-idle-s")
     ap.add_argument("--deadline-s", type=float, default=90.0, help="a request past it is hung")
@@ -87,8 +97,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log-dir", default="", help="process logs (default: a temp dir)")
     args = ap.parse_args()
-    if args.churning < 1:
-        ap.error("--churning must be at least 1")
+    if args.churning < 0:
+        ap.error("--churning must be 0 (no churn) or more")
     if args.quick:
         args.minutes, args.warmup_s = 2.0, 30.0
         args.churn_min_s, args.churn_max_s, args.peer_idle_s = 20.0, 30.0, 25.0
@@ -255,7 +265,15 @@ def sample_loop(procs: dict[str, Process], every_s: float, stop: threading.Event
                 peers = scrape(p.url)
             except httpx.HTTPError as exc:
                 peers = {"error": str(exc)}  # type: ignore[dict-item]
-            row[name] = {"rss_mib": None if rss is None else round(rss / 2**20, 1), **peers}
+            row[name] = {"rss_mib": None if rss is None else round(rss / 2**20, 1),
+                         "threads": read_threads(p.popen.pid), **peers}  # fmt: skip
+            smaps = read_smaps_by_class(p.popen.pid)
+            if smaps is not None:
+                row[name]["smaps"] = {
+                    c: {"n": u.num_mappings, "rss_mib": round(u.rss_kib / 1024, 2),
+                        "private_dirty_mib": round(u.private_dirty_kib / 1024, 2)}
+                    for c, u in smaps.items()
+                }  # fmt: skip
         samples.append(row)
         if stop.wait(every_s):
             return
@@ -272,6 +290,30 @@ def slope_mib_per_min(points: list[tuple[float, float]]) -> float | None:
     return None if den == 0 else 60 * sum((t - mt) * (v - mv) for t, v in points) / den
 
 
+def by_class(series: list[tuple[float, dict[str, Any]]], warmup_s: float) -> dict[str, Any]:
+    """Per mapping class, and ``all`` of them: RSS at the end, the RSS and Private_Dirty
+    slopes after the warm-up, and the mappings at the end."""
+    after = [(t, s["smaps"]) for t, s in series if t >= warmup_s and "smaps" in s]
+    if not after:
+        return {}
+    rows_by_class = {c: [(t, sm[c]) for t, sm in after if c in sm] for c in MAPPING_CLASSES}
+    rows_by_class["all"] = [
+        (t, {k: sum(u[k] for u in sm.values()) for k in ("n", "rss_mib", "private_dirty_mib")})
+        for t, sm in after
+    ]
+    out: dict[str, Any] = {}
+    for c, rows in rows_by_class.items():
+        out[c] = {
+            "rss_end_mib": round(rows[-1][1]["rss_mib"], 2) if rows else None,
+            "rss_slope_mib_per_min": slope_mib_per_min([(t, u["rss_mib"]) for t, u in rows]),
+            "private_dirty_slope_mib_per_min": slope_mib_per_min(
+                [(t, u["private_dirty_mib"]) for t, u in rows]
+            ),
+            "mappings_end": rows[-1][1]["n"] if rows else None,
+        }
+    return out
+
+
 def summarize(samples: list[dict[str, Any]], names: list[str], warmup_s: float) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in names:
@@ -281,6 +323,8 @@ def summarize(samples: list[dict[str, Any]], names: list[str], warmup_s: float) 
         out[name] = {
             "rss_slope_mib_per_min": slope_mib_per_min(rss),
             "rss_end_mib": last.get("rss_mib"),
+            "threads_end": last.get("threads"),
+            "by_class": by_class(series, warmup_s),
             "peers_transport_max": max((s.get("transport", 0) for _, s in series), default=0),
             "peers_transport_end": last.get("transport"),
             "peers_directory_end": last.get("directory"),
@@ -290,12 +334,17 @@ def summarize(samples: list[dict[str, Any]], names: list[str], warmup_s: float) 
     return out
 
 
-HEADER = ["long-lived", "RSS end MiB", "RSS slope MiB/min", "peers max", "peers end",
+HEADER = ["long-lived", "RSS end MiB", "RSS slope MiB/min", "threads end", "peers max", "peers end",
           "directory end", "forgotten", "peers met"]  # fmt: skip
 
 
+CLASS_HEADER = ["long-lived", "class", "RSS end MiB", "RSS slope MiB/min",
+                "Private_Dirty slope MiB/min", "mappings end"]  # fmt: skip
+
+
 def report(summary: dict[str, Any], tally: Tally, num_started: int, minutes: float) -> str:
-    rows = [[name, s["rss_end_mib"], _fmt(s["rss_slope_mib_per_min"]), s["peers_transport_max"],
+    rows = [[name, s["rss_end_mib"], _fmt(s["rss_slope_mib_per_min"]), s.get("threads_end"),
+             s["peers_transport_max"],
              s["peers_transport_end"], s["peers_directory_end"],
              ", ".join(f"{k} {v:g}" for k, v in sorted(s["forgotten_end"].items())),
              f"{s['peers_met']:g}"]
@@ -306,6 +355,14 @@ def report(summary: dict[str, Any], tally: Tally, num_started: int, minutes: flo
         f"hung {tally.num_hung}, failed {sum(tally.errors.values())}\n",
         md_table(HEADER, rows),
     ]
+    class_rows = [
+        [name, c, u["rss_end_mib"], _fmt(u["rss_slope_mib_per_min"]),
+         _fmt(u["private_dirty_slope_mib_per_min"]), u["mappings_end"]]
+        for name, s in summary.items() for c, u in s.get("by_class", {}).items()
+    ]  # fmt: skip
+    if class_rows:
+        lines += ["", "## RSS by mapping class (slopes after the warm-up)\n",
+                  md_table(CLASS_HEADER, class_rows)]  # fmt: skip
     if tally.errors:
         lines += ["", "## Failures", *(f"* {n} x {e}" for e, n in tally.errors.most_common(20))]
     return "\n".join(lines)
@@ -343,6 +400,7 @@ def main() -> int:
                 role += 1
 
         rngs = [rng, *(random.Random(args.seed * 7919 + i) for i in range(1, args.churning))]
+        rngs = rngs[: args.churning]
         churn_threads = [threading.Thread(target=churner, args=(i, r), daemon=True)
                          for i, r in enumerate(rngs)]  # fmt: skip
         for t in churn_threads:
@@ -353,11 +411,13 @@ def main() -> int:
         async def run_all() -> None:
             await asyncio.gather(*workers)
 
-        asyncio.run(run_all())
-        stop.set()
-        for t in churn_threads:
-            t.join()
-        sampler.join()
+        try:
+            asyncio.run(run_all())
+        finally:  # on SIGTERM too: no churner starts an instance while the cluster stops
+            stop.set()
+            for t in churn_threads:
+                t.join()
+            sampler.join()
     summary = summarize(samples, list(watched), args.warmup_s)
     table = report(summary, tally, churn.num_started, args.minutes)
     data = {"config": vars(args), "summary": summary, "requests_ok": tally.num_ok,

@@ -161,6 +161,83 @@ def read_rss_bytes(pid: int) -> int | None:
     return None
 
 
+MAPPING_CLASSES = ("heap", "anon", "lib", "file", "shm", "stack", "other")
+"""The classes `parse_smaps` sorts a process's mappings into: the brk heap, anonymous
+mappings (malloc's mmap'd chunks and arenas, thread stacks, torch's and UCX's own
+allocations), shared libraries (``*.so*``), other files, shared memory (``/dev/shm``,
+memfd, SysV), the main thread's stack, and the kernel's (``[vdso]``, ``[vvar]``...)."""
+
+
+@dataclass
+class MappingClassUsage:
+    """One class of mappings of a process: how many, their resident and private dirty KiB."""
+
+    num_mappings: int = 0
+    rss_kib: int = 0
+    private_dirty_kib: int = 0
+
+
+def mapping_class(path: str) -> str:
+    """The class (one of `MAPPING_CLASSES`) of a mapping named `path` in ``/proc/PID/maps``."""
+    if not path or path.startswith("[anon:"):
+        return "anon"
+    if path == "[heap]":
+        return "heap"
+    if path == "[stack]" or path.startswith("[stack:"):
+        return "stack"
+    if path.startswith("["):
+        return "other"
+    if path.startswith(("/dev/shm/", "/memfd:", "/SYSV")):
+        return "shm"
+    name = path.rsplit("/", 1)[-1].removesuffix(" (deleted)")
+    return "lib" if name.endswith(".so") or ".so." in name else "file"
+
+
+def parse_smaps(text: str) -> dict[str, MappingClassUsage]:
+    """Sum a ``/proc/PID/smaps`` text's Rss and Private_Dirty by mapping class.
+
+    Every class of `MAPPING_CLASSES` is in the result, a class without mappings at 0.
+    """
+    out = {c: MappingClassUsage() for c in MAPPING_CLASSES}
+    cur: MappingClassUsage | None = None
+    for line in text.splitlines():
+        key, _, rest = line.partition(" ")
+        if key.endswith(":"):  # a field of the current mapping: "Rss:   12 kB"
+            if cur is not None and key in ("Rss:", "Private_Dirty:"):
+                kib = int(rest.split()[0])
+                if key == "Rss:":
+                    cur.rss_kib += kib
+                else:
+                    cur.private_dirty_kib += kib
+            continue
+        # A mapping's header: "start-end perms offset dev inode [path]".
+        cols = line.split(maxsplit=5)
+        if len(cols) < 5 or "-" not in cols[0]:
+            continue
+        cur = out[mapping_class(cols[5].strip() if len(cols) == 6 else "")]
+        cur.num_mappings += 1
+    return out
+
+
+def read_smaps_by_class(pid: int) -> dict[str, MappingClassUsage] | None:
+    """`parse_smaps` of `pid`'s ``/proc/PID/smaps``, or None once it is gone."""
+    try:
+        return parse_smaps(Path(f"/proc/{pid}/smaps").read_text())
+    except OSError:
+        return None
+
+
+def read_threads(pid: int) -> int | None:
+    """Threads of `pid` (Threads in ``/proc/<pid>/status``), or None once it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("Threads:"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 @dataclass
 class ProcessSampler:
     """Samples the RSS and the CLOSE-WAIT connections of named processes every `every_s`
