@@ -5,6 +5,9 @@ whether the long-lived instances' memory and peer tables stay bounded.
     .venv/bin/python benchmarks/bench_churn.py --quick         # a 2-minute smoke run
     .venv/bin/python benchmarks/bench_churn.py --churning 3 --churn-min-s 12 --churn-max-s 24
                                                                # more peers: ~50 met by each long-lived one (est.)
+    .venv/bin/python benchmarks/bench_churn.py --churning 4 --churn-min-s 30 --churn-max-s 60 \
+        --churn-after-s 120 --warmup-s 180       # the long-lived pair alone first: RSS at
+                                                 # its working set before the churn begins
 
 Two routers find prefill and decode instances by DNS (`tests.support.static_dns`):
 one long-lived instance of each role, and `--churning` of each role that are
@@ -92,6 +95,13 @@ def parse_args() -> argparse.Namespace:
     )  # fmt: skip
     ap.add_argument("--peer-idle-s", type=float, default=45.0, help="instances' --peer-idle-s")
     ap.add_argument("--deadline-s", type=float, default=90.0, help="a request past it is hung")
+    ap.add_argument(
+        "--churn-after-s",
+        type=float,
+        default=0.0,
+        help="the churning instances join (and churn) only after this long: the long-lived "
+        "pair takes all the traffic first and reaches its working set",
+    )
     ap.add_argument("--sample-s", type=float, default=5.0)
     ap.add_argument("--kv-cache-mb", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
@@ -158,7 +168,8 @@ class Churn:
         """Long-lived and first churning instances, two routers; the routers' URLs."""
         for role in ROLES:
             self.long_lived[role] = self.serve(role)
-            self.churning[role] = [self.serve(role) for _ in range(self.args.churning)]
+        if not self.args.churn_after_s:
+            self.start_churning()
         self.name()
         routers = []
         for i in range(2):
@@ -172,6 +183,14 @@ class Churn:
             routers.append(r)
         self.cluster.wait_healthy(timeout_s=60, procs=routers, path="/ready")
         return [r.url for r in routers]
+
+    def start_churning(self) -> None:
+        """The first churning instances of each role, named at once."""
+        for role in ROLES:
+            started = [self.serve(role) for _ in range(self.args.churning)]
+            with self._lock:
+                self.churning[role] = started
+        self.name()
 
     def replace(self, role: str, slot: int) -> None:
         """A new instance of `role` on a new address takes churner `slot`'s one's place."""
@@ -403,8 +422,17 @@ def main() -> int:
         rngs = rngs[: args.churning]
         churn_threads = [threading.Thread(target=churner, args=(i, r), daemon=True)
                          for i, r in enumerate(rngs)]  # fmt: skip
-        for t in churn_threads:
-            t.start()
+
+        def begin_churn() -> None:
+            if args.churn_after_s:
+                if stop.wait(args.churn_after_s):
+                    return
+                churn.start_churning()
+            for t in churn_threads:
+                t.start()
+
+        beginner = threading.Thread(target=begin_churn, daemon=True)
+        beginner.start()
         workers = [session_worker(i, routers, ref.url, args, stop_at, tally)
                    for i in range(args.sessions)]  # fmt: skip
 
@@ -415,8 +443,10 @@ def main() -> int:
             asyncio.run(run_all())
         finally:  # on SIGTERM too: no churner starts an instance while the cluster stops
             stop.set()
+            beginner.join()
             for t in churn_threads:
-                t.join()
+                if t.is_alive():
+                    t.join()
             sampler.join()
     summary = summarize(samples, list(watched), args.warmup_s)
     table = report(summary, tally, churn.num_started, args.minutes)
