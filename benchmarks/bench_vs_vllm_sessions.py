@@ -257,6 +257,18 @@ def sources_table(runs: list[dict[str, Any]]) -> str:
                      "hits by where the blocks were, per request"], rows)  # fmt: skip
 
 
+def _gauge_cell(got: dict[str, dict[str, float]], gauge: str) -> str:
+    g = got.get(gauge)
+    return "-" if g is None else f"{g['mean']:.2f} ({g['busy']:.0%}), max {g['max']:g}"
+
+
+def _pool_cell(got: dict[str, dict[str, float]]) -> str:
+    if "vllm:kv_cache_usage_perc" in got:
+        return f"{got['vllm:kv_cache_usage_perc']['mean']:.0%}"
+    used, total = got.get("kvduplex_kv_blocks_in_use"), got.get("kvduplex_kv_blocks_total")
+    return "-" if used is None or total is None else f"{used['mean'] / total['max']:.0%}"
+
+
 def queues_table(runs: list[dict[str, Any]]) -> str:
     """Each server's queues and pool while a run went (gauges sampled every 0.5 s): mean
     (share of samples above 0) of the requests running, waiting for admission (on decode:
@@ -264,21 +276,12 @@ def queues_table(runs: list[dict[str, Any]]) -> str:
     rows = []
     for r in runs:
         for server, got in r.get("gauges", {}).items():
-
-            def cell(gauge: str, got: dict[str, dict[str, float]] = got) -> str:
-                g = got.get(gauge)
-                return "-" if g is None else f"{g['mean']:.2f} ({g['busy']:.0%}), max {g['max']:g}"
-
             prefix = "vllm:" if server == VLLM else "kvduplex_"
-            pool = "-"
-            if "vllm:kv_cache_usage_perc" in got:
-                pool = f"{got['vllm:kv_cache_usage_perc']['mean']:.0%}"
-            elif "kvduplex_kv_blocks_in_use" in got and "kvduplex_kv_blocks_total" in got:
-                used, total = got["kvduplex_kv_blocks_in_use"], got["kvduplex_kv_blocks_total"]
-                pool = f"{used['mean'] / total['max']:.0%}"
-            rows.append([r["system"], r["repetition"], server, cell(prefix + "num_requests_running"),
-                         cell(prefix + "num_requests_waiting"),
-                         cell("kvduplex_num_requests_waiting_for_remote_kv"), pool])  # fmt: skip
+            rows.append([r["system"], r["repetition"], server,
+                         _gauge_cell(got, prefix + "num_requests_running"),
+                         _gauge_cell(got, prefix + "num_requests_waiting"),
+                         _gauge_cell(got, "kvduplex_num_requests_waiting_for_remote_kv"),
+                         _pool_cell(got)])  # fmt: skip
     return md_table(["system", "rep", "server", "running", "waiting (for blocks)",
                      "holding blocks for KV from P", "KV in use, mean"], rows)  # fmt: skip
 

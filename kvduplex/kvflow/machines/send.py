@@ -183,8 +183,8 @@ class SendMachine(SendStream):
             return []
         if not self.source.streams or self.first_token is None or self.in_flight > 0:
             return []
-        # The receiver queues a request for this transfer: it hears the end (KVFailed, with
-        # the first token the client may have) and computes the prompt from that token.
+        # The receiver queues a request for this transfer: it must hear the end (KVFailed,
+        # with the first token the client may have) to compute the prompt from that token.
         self.confirm_end = True
         return [
             Count(SendCounter.RECLAIMED),

@@ -117,7 +117,8 @@ class SendStream:
     declined: bool = False
     """The receiver took nothing (a return offer it did not need or had no room for)."""
     confirm_end: bool = False
-    """The receiver cancelled: it hears how the transfer ended even if it never registered."""
+    """The receiver hears how the transfer ended even if it never registered: it cancelled,
+    or it queues a request for this transfer, which the sender gave up (`Reclaimed`)."""
     first_token: int | None = None
     first_token_logprobs: TokenLogprobs | None = None
     num_cached_tokens: int = 0
