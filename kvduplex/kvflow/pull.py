@@ -303,11 +303,13 @@ def http_release(
     xid: str,
     secret: str | None = None,
     verify: Callable[[str], None] | None = None,
+    client: httpx.Client | None = None,
 ) -> None:
     """Tell the peer that lent blocks (prefill for a pull, decode for a fetch) to drop its
     lease on `xid` (best effort: the lease expires anyway), sending the cluster `secret` if
     there is one, once `verify(peer_url)` returned (`PeerVerifier.ensure`: the peer proved
-    it holds the secret too; if it did not, nothing is sent and the lease expires)."""
+    it holds the secret too; if it did not, nothing is sent and the lease expires).
+    `client`: the instance's HTTP client for its peers (None: a one-off client)."""
     if verify is not None:
         try:
             verify(peer_url)
@@ -315,7 +317,8 @@ def http_release(
             logger.warning("xid=%s: release not sent: %s", xid, exc)
             return
     try:
-        resp = httpx.post(
+        post = httpx.post if client is None else client.post
+        resp = post(
             peer_url.rstrip("/") + RELEASE_PATH, json={"xid": xid}, timeout=5.0,
             headers=secret_headers(secret),
         )  # fmt: skip

@@ -89,10 +89,12 @@ def fetch_handshake(
     client: httpx.Client | None = None,
     secret: str | None = None,
 ) -> HandshakeInfo:
-    """GET a peer's handshake (sending the cluster ``secret``, if any); raises
-    PeerUnavailableError saying why it failed.
+    """GET a peer's handshake (sending the cluster ``secret``, if any) within ``timeout``
+    seconds; raises PeerUnavailableError saying why it failed.
 
-    With ``client`` given, its own timeout applies and ``timeout`` is ignored.
+    ``client``: the instance's HTTP client for its peers (None: a one-off client, for
+    tools and tests; building one costs tens of milliseconds and, called often, glibc
+    arenas that keep its SSL context's memory).
     """
     url = base_url.rstrip("/") + HANDSHAKE_PATH
     headers = secret_headers(secret)
@@ -100,7 +102,7 @@ def fetch_handshake(
         if client is None:
             resp = httpx.get(url, timeout=timeout, headers=headers)
         else:
-            resp = client.get(url, headers=headers)
+            resp = client.get(url, headers=headers, timeout=timeout)
     except httpx.HTTPError as exc:
         raise PeerUnavailableError(
             f"handshake with {base_url} failed: {type(exc).__name__}: {exc}"
@@ -369,7 +371,7 @@ class PeerDirectory:
         try:
             if self._verifier is not None:
                 self._verifier.ensure(url)
-            info = fetch_handshake(url, self.timeout_s, None, self._secret)
+            info = fetch_handshake(url, self.timeout_s, self._client, self._secret)
         except PeerUnavailableError as exc:
             cause = exc.__cause__
             gone = isinstance(cause, Refused) or (  # Refused: whoever holds it is no member

@@ -43,8 +43,9 @@ class PeerVerifier:
         ttl_s: float = PROOF_TTL_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """`client`: the HTTP client of the exchange (its own timeout applies; None: one
-        call each, within `timeout_s`)."""
+        """`client`: the HTTP client of the exchange (the instance's client for its peers;
+        None: a one-off client per call, for tools and tests); each POST waits at most
+        `timeout_s`."""
         self._secret = secret
         self._timeout_s = timeout_s
         self._client = client
@@ -59,7 +60,7 @@ class PeerVerifier:
         """Return once the peer at `url` proved the secret (now, or within ``ttl_s``);
         raise `PeerUnavailableError` saying why it did not (its cause: the `Refused`,
         `NotAnswered` or httpx error). `timeout_s`: each POST's deadline, in place of
-        the verifier's (not with a `client`, whose own applies)."""
+        the verifier's."""
         key = url.rstrip("/")
         with self._lock:
             proved_at = self._proved_at.get(key)
@@ -110,7 +111,7 @@ class PeerVerifier:
         if self._client is None:
             resp = httpx.post(url, content=content, headers=headers, timeout=timeout_s)
         else:
-            resp = self._client.post(url, content=content, headers=headers)
+            resp = self._client.post(url, content=content, headers=headers, timeout=timeout_s)
         return resp.status_code, resp.content
 
 

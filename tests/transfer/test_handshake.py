@@ -194,3 +194,17 @@ def test_fetch_handshake_sends_the_secret_and_says_when_it_is_refused() -> None:
     with pytest.raises(PeerUnavailableError):
         fetch_handshake(URL, client=TestClient(app))
     assert seen == ["a-cluster-secret-0123", None]
+
+
+def test_whether_a_forgotten_engine_is_gone_is_asked_through_the_directorys_client() -> None:
+    """The question a receiver asks about a sender it forgot goes through the instance's
+    one client for its peers, like every other call to a peer (a one-off client costs
+    tens of milliseconds and leaves memory in the calling thread's malloc arena)."""
+    fabric, _, first, sb, directory = _directory_of_one_peer()
+    directory.get_peer(URL)
+    directory.forget(URL)
+    assert directory.url_of(first.engine_id, forgotten=True) == URL
+    assert not directory.is_gone(first.engine_id)  # the same engine still answers there
+    first.close()
+    sb.serve(endpoint(fabric))  # another process took its address
+    assert directory.is_gone(first.engine_id)

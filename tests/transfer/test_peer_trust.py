@@ -109,6 +109,24 @@ def test_a_pull_release_goes_only_to_a_prefill_that_proved_itself() -> None:
     assert released == []
 
 
+def test_a_release_goes_through_the_instances_client_with_the_secret() -> None:
+    """A member that proved itself gets the release, with the secret, through the one
+    client the instance keeps for its peers (not a one-off client per call)."""
+    peer = _peer(InProcessFabric(), Responder(SECRET, "prefill"))
+    released: list[str] = []
+
+    @peer.app.post("/internal/release")
+    async def release(raw: Request) -> Response:
+        released.append((await raw.json())["xid"])
+        return Response(status_code=200)
+
+    client = TestClient(peer)
+    verifier = PeerVerifier(SECRET, client=client)
+    http_release(URL, "xid-3", SECRET, verify=verifier.ensure, client=client)
+    assert released == ["xid-3"]
+    assert peer.secrets_received() == ["/internal/release"]
+
+
 def test_a_proof_is_asked_again_after_its_ttl_or_once_forgotten() -> None:
     now = [0.0]
     peer = _peer(InProcessFabric(), Responder(SECRET, "prefill"))
