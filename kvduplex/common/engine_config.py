@@ -328,9 +328,9 @@ class ModelLoadConfig(ConfigSection):
     compiles at start-up)."""
     cpu_packed_weights: bool = True
     """On CPU, also keep every float32 linear weight packed for oneDNN and use it for
-    matmuls of 2 to 64 rows (decode batches); a single row (MKL's gemv) and longer inputs
-    (prefill chunks) use the plain weight. Doubles the memory of the linear weights; off
-    keeps one copy."""
+    matmuls of two rows or more (decode batches whole, prefill chunks in tiles of 256
+    rows); a single row uses the plain weight (MKL's gemv). Doubles the memory of the
+    linear weights; off keeps one copy (MKL for every matmul)."""
 
     @field_validator("dtype")
     @classmethod

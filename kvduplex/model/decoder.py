@@ -97,19 +97,57 @@ def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor:
 
 _ONEDNN_ROWS_HINT = 32
 ONEDNN_MAX_ROWS = 64
-"""Inputs of more rows (prefill chunks) stay on MKL: there the two are on a par, and oneDNN
-keeps a primitive per distinct row count, so prefills of every length grew an instance's
-memory (+40% RSS in the soak test before this bound)."""
+"""Inputs of up to this many rows (decode batches) go to oneDNN whole; larger ones (prefill
+chunks) in tiles (`onednn_linear_tiled`)."""
+PREFILL_TILE_ROWS = 256
+"""Rows per oneDNN call for a prefill chunk: oneDNN keeps a primitive (and its buffers, which
+grow with the rows) per distinct row count, so a chunk of any length is cut into tiles of
+this size and a last tile padded to a multiple of `ONEDNN_MAX_ROWS`: a handful of row counts
+per weight shape, whatever the prompts' lengths."""
 
 
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
 ) -> torch.Tensor:
-    """``x @ weight.T + bias``: on the oneDNN-packed copy for 2 to `ONEDNN_MAX_ROWS` rows when
-    there is one, else `F.linear` on the plain weight."""
-    if packed is not None and x.dim() == 2 and 1 < x.shape[0] <= ONEDNN_MAX_ROWS and not torch.is_grad_enabled():
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+    """``x @ weight.T + bias``: on the oneDNN-packed copy for two rows or more when there is
+    one (in tiles past `ONEDNN_MAX_ROWS`), else `F.linear` on the plain weight."""
+    if packed is None or x.dim() != 2 or x.shape[0] < 2 or torch.is_grad_enabled():
+        return F.linear(x, weight, bias)
+    if x.shape[0] <= ONEDNN_MAX_ROWS:
+        return _onednn_linear(x, packed, bias)
+    return onednn_linear_tiled(x, packed, bias)
+
+
+def _onednn_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def onednn_linear_tiled(
+    x: torch.Tensor,  # (num_rows, in_features)
+    packed: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:  # (num_rows, out_features)
+    """`x` times the packed weight, `PREFILL_TILE_ROWS` rows per oneDNN call::
+
+        rows  |<- 256 ->|<- 256 ->| ... |<- r ->|0 ... 0|   last tile: r rows, zero-padded
+                                                          to a multiple of 64 when r > 64
+
+    Each row's result does not depend on the rows beside it; padding rows are dropped.
+    """
+    num_rows = x.shape[0]
+    tiles = []
+    for start in range(0, num_rows, PREFILL_TILE_ROWS):
+        tile = x[start : start + PREFILL_TILE_ROWS]
+        n = tile.shape[0]
+        if n == PREFILL_TILE_ROWS or n <= ONEDNN_MAX_ROWS:
+            tiles.append(_onednn_linear(tile, packed, bias))
+            continue
+        padded = x.new_zeros(-(-n // ONEDNN_MAX_ROWS) * ONEDNN_MAX_ROWS, x.shape[1])
+        padded[:n] = tile
+        tiles.append(_onednn_linear(padded, packed, bias)[:n])
+    return tiles[0] if len(tiles) == 1 else torch.cat(tiles)
 
 
 class Embedding(nn.Module):

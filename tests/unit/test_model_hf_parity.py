@@ -201,3 +201,15 @@ def test_greedy_token_exact(family: Family) -> None:
         assert _greedy(runner, [list(prompt)], chunk=5) == [expected[i]], "chunked prefill"
     runner.kv_pool.zero_()
     assert _greedy(runner, [list(p) for p in PROMPTS], chunk=4) == expected, "batch of two"
+
+
+def test_logits_match_for_a_prompt_of_several_matmul_tiles(family: Family) -> None:
+    """A prompt longer than a decode batch: its matmuls run on the oneDNN-packed weights in
+    tiles (`decoder.onednn_linear_tiled`, a padded last tile) when the weights are packed."""
+    prompt = [(i * 37 + 11) % VOCAB for i in range(150)]
+    with torch.no_grad():
+        ref = family.hf(torch.tensor([prompt])).logits[0].float()  # (len, vocab)
+    runner = _runner(family.ours)
+    table = list(range(NUM_BLOCKS - 1, -1, -1))  # 192 tokens' room, scattered
+    got = runner.execute([SeqInput(prompt, 0, table, True)])[0]
+    torch.testing.assert_close(got, ref[-1], atol=1e-4, rtol=1e-4)
