@@ -316,6 +316,9 @@ def http_release(
         except PeerUnavailableError as exc:
             logger.warning("xid=%s: release not sent: %s", xid, exc)
             return
+    if client is not None and client.is_closed:  # the instance is shutting down
+        logger.info("xid=%s: release not sent to %s: this instance is stopping", xid, peer_url)
+        return
     try:
         post = httpx.post if client is None else client.post
         resp = post(

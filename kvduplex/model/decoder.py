@@ -137,17 +137,23 @@ def onednn_linear_tiled(
     Each row's result does not depend on the rows beside it; padding rows are dropped.
     """
     num_rows = x.shape[0]
-    tiles = []
+    out: torch.Tensor | None = None  # (num_rows, out_features): one tile's result at a time beside it
     for start in range(0, num_rows, PREFILL_TILE_ROWS):
         tile = x[start : start + PREFILL_TILE_ROWS]
         n = tile.shape[0]
         if n == PREFILL_TILE_ROWS or n <= ONEDNN_MAX_ROWS:
-            tiles.append(_onednn_linear(tile, packed, bias))
-            continue
-        padded = x.new_zeros(-(-n // ONEDNN_MAX_ROWS) * ONEDNN_MAX_ROWS, x.shape[1])
-        padded[:n] = tile
-        tiles.append(_onednn_linear(padded, packed, bias)[:n])
-    return tiles[0] if len(tiles) == 1 else torch.cat(tiles)
+            result = _onednn_linear(tile, packed, bias)
+        else:
+            padded = x.new_zeros(-(-n // ONEDNN_MAX_ROWS) * ONEDNN_MAX_ROWS, x.shape[1])
+            padded[:n] = tile
+            result = _onednn_linear(padded, packed, bias)[:n]
+        if n == num_rows:
+            return result
+        if out is None:
+            out = result.new_empty(num_rows, result.shape[1])
+        out[start : start + n] = result
+    assert out is not None
+    return out
 
 
 class Embedding(nn.Module):

@@ -98,6 +98,8 @@ def fetch_handshake(
     """
     url = base_url.rstrip("/") + HANDSHAKE_PATH
     headers = secret_headers(secret)
+    if client is not None and client.is_closed:
+        raise PeerUnavailableError(f"handshake with {base_url} not tried: this instance is stopping")
     try:
         if client is None:
             resp = httpx.get(url, timeout=timeout, headers=headers)

@@ -108,6 +108,8 @@ class PeerVerifier:
 
     def _post(self, url: str, content: bytes, timeout_s: float) -> tuple[int, bytes]:
         headers = {"content-type": "application/json"}
+        if self._client is not None and self._client.is_closed:
+            raise NotAnswered("not asked: this instance is stopping")
         if self._client is None:
             resp = httpx.post(url, content=content, headers=headers, timeout=timeout_s)
         else:

@@ -139,3 +139,17 @@ def test_a_proof_is_asked_again_after_its_ttl_or_once_forgotten() -> None:
     verifier.forget(URL)
     verifier.ensure(URL)
     assert peer.paths().count(CHALLENGE_PATH) == 3
+
+
+def test_nothing_is_sent_through_the_instances_client_once_it_is_closed() -> None:
+    """At shutdown the instance closes its client while flow I/O may still carry out a
+    queued release or reconnect: each says why it was not sent, none raises another error."""
+    peer = _peer(InProcessFabric(), Responder(SECRET, "prefill"))
+    client = TestClient(peer)
+    client.close()
+    verifier = PeerVerifier(SECRET, client=client)
+    http_release(URL, "xid-4", SECRET, verify=verifier.ensure, client=client)
+    directory = PeerDirectory(endpoint(InProcessFabric()), client=client, secret=SECRET)
+    with pytest.raises(PeerUnavailableError, match="stopping"):
+        directory.get_peer(URL)
+    assert peer.requests == []

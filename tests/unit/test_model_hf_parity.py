@@ -22,6 +22,9 @@ from kvduplex.engine.kv_cache import allocate_kv_pool
 from kvduplex.engine.runner import ModelRunner
 from kvduplex.engine.runner import SeqInput
 from kvduplex.engine.runner import kv_layout_for
+from kvduplex.model import decoder
+from kvduplex.model.decoder import Linear
+from kvduplex.model.decoder import can_pack_for_onednn
 from kvduplex.model.loader import LoadedModel
 from kvduplex.model.loader import load_model
 from tests.unit.test_tokenizer import write_hf_tokenizer
@@ -203,9 +206,16 @@ def test_greedy_token_exact(family: Family) -> None:
     assert _greedy(runner, [list(p) for p in PROMPTS], chunk=4) == expected, "batch of two"
 
 
-def test_logits_match_for_a_prompt_of_several_matmul_tiles(family: Family) -> None:
+@pytest.mark.parametrize("tile_rows", [64, 256], ids=["three-tiles", "one-padded-tile"])
+def test_logits_match_for_a_prompt_of_several_matmul_tiles(
+    family: Family, tile_rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A prompt longer than a decode batch: its matmuls run on the oneDNN-packed weights in
-    tiles (`decoder.onednn_linear_tiled`, a padded last tile) when the weights are packed."""
+    tiles (`decoder.onednn_linear_tiled`): 64 + 64 + 22 rows, or one tile of 150 rows padded
+    to 192."""
+    if can_pack_for_onednn(torch.empty(2, 2)):
+        assert all(m.packed is not None for m in family.ours.model.modules() if isinstance(m, Linear))
+    monkeypatch.setattr(decoder, "PREFILL_TILE_ROWS", tile_rows)
     prompt = [(i * 37 + 11) % VOCAB for i in range(150)]
     with torch.no_grad():
         ref = family.hf(torch.tensor([prompt])).logits[0].float()  # (len, vocab)
