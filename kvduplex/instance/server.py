@@ -201,8 +201,7 @@ def _role_routers(
     metrics = KVFlowMetrics(state.registry)
     # One client, its connections kept alive, for every call to a peer (handshakes and
     # their rechecks, proofs of the secret, lease releases): building one per call costs
-    # tens of milliseconds of CPU and leaves its SSL context's memory in the calling
-    # thread's glibc arena.
+    # tens of milliseconds of CPU (its SSL context) and memory the process keeps.
     peer_client = httpx.Client()
     verifier = None if secret is None else PeerVerifier(secret, client=peer_client)
     directory = PeerDirectory(

@@ -93,8 +93,8 @@ def fetch_handshake(
     seconds; raises PeerUnavailableError saying why it failed.
 
     ``client``: the instance's HTTP client for its peers (None: a one-off client, for
-    tools and tests; building one costs tens of milliseconds and, called often, glibc
-    arenas that keep its SSL context's memory).
+    tools and tests; building one costs tens of milliseconds of CPU and memory the
+    process keeps).
     """
     url = base_url.rstrip("/") + HANDSHAKE_PATH
     headers = secret_headers(secret)
