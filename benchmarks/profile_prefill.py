@@ -13,9 +13,13 @@ work shares the core. In the same process, alternating with the engine's prefill
 
 * matmul floor: `F.linear` on plain weights of the same shapes, the same chunks of rows
   (fresh matrices per layer, so nothing stays cached that the engine's would not);
-* attention floor: one causal SDPA per layer over the whole prompt's dense q/k/v
-  (``(1, heads, L, head_dim)`` query, K/V expanded to all heads), the kernel without
-  paging, chunking or masks.
+* SDPA floor: one causal SDPA per layer over the whole prompt's dense q/k/v
+  (``(1, heads, L, head_dim)`` query, K/V expanded to all heads), torch's kernel without
+  paging, chunking or masks;
+* peak floor: the prefill's matmul and attention FLOPs at the core's float32 FMA peak,
+  measured in the same run by a loop of independent FMAs (`csrc/fma_peak.c`).
+
+Each `--prefill-attention` path (the CPU kernel, SDPA) is its own engine, taking turns.
 
     .venv/bin/python benchmarks/profile_prefill.py --contexts 4096 16384
     .venv/bin/python benchmarks/profile_prefill.py --budget 512 1024 2048 --contexts 4096
@@ -61,15 +65,19 @@ _clock = time.thread_time
 machine it moves far less than wall time when other work takes turns on the core."""
 
 
-def make_engine(model: str, budget: int, kv_mb: int) -> Any:
+def make_engine(model: str, budget: int, kv_mb: int, prefill_attention: str = "auto") -> Any:
     from kvduplex.common.engine_config import CacheConfig
     from kvduplex.common.engine_config import EngineConfig
     from kvduplex.common.engine_config import ModelLoadConfig
+    from kvduplex.common.engine_config import PrefillAttention
     from kvduplex.common.engine_config import SchedulerConfig
     from kvduplex.engine.engine import LLMEngine
 
     cfg = EngineConfig(
-        model=ModelLoadConfig(model=model, dtype="float32", device="cpu", num_threads=1),
+        model=ModelLoadConfig(
+            model=model, dtype="float32", device="cpu", num_threads=1,
+            prefill_attention=PrefillAttention(prefill_attention),
+        ),
         cache=CacheConfig(block_size=16, kv_cache_mb=kv_mb),
         scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=budget),
     )
@@ -131,7 +139,7 @@ def engine_prefill(engine: Any, length: int, rng: random.Random, tag: str, maske
     hooks = Hooks(engine.runner.model)
     split = attention.can_split_prefill
     if masked:
-        attention.can_split_prefill = lambda *_: False  # type: ignore[assignment]
+        attention.can_split_prefill = lambda *_: False
     try:
         t0 = _clock()
         engine.add_request(Request(tag, ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)))
@@ -205,6 +213,18 @@ def attention_floor(cfg: Any, length: int) -> float:
     return _clock() - t0
 
 
+def fma_peak() -> float:
+    """This core's float32 FMA peak, GFLOP/s (`csrc/fma_peak.c`, best of three)."""
+    import ctypes
+
+    from kvduplex.model.cpu_build import build_library
+
+    lib = ctypes.CDLL(str(build_library(Path(__file__).with_name("csrc") / "fma_peak.c", {})))
+    lib.kvd_fma_gflops.restype = ctypes.c_double
+    lib.kvd_fma_gflops.argtypes = [ctypes.c_int64]
+    return max(lib.kvd_fma_gflops(50_000_000) for _ in range(3))
+
+
 def gflop(cfg: Any, length: int) -> tuple[float, float]:
     """(matmul, causal attention) GFLOP of one prefill of `length` tokens."""
     per_token = 2 * cfg.num_layers * cfg.hidden_size * (
@@ -223,6 +243,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--cpus", default="1", help="cpus to pin to")
     ap.add_argument("--kv-mb", type=int, default=2048)
     ap.add_argument("--vllm-bin", default="", help="also time kvduplex and vLLM servers (see above)")
+    ap.add_argument("--prefill-attention", nargs="+", default=["kernel", "sdpa"], choices=["kernel", "sdpa"],
+                    help="prefill attention paths, each its own engine, alternating")
     ap.add_argument("--compare-masked", action="store_true",
                     help="also each prefill with continued chunks on the masked SDPA, alternating")
     ap.add_argument("--seed", type=int, default=0)
@@ -235,22 +257,27 @@ Raw = dict[str, list[dict[str, float]]]
 
 def measure(args: argparse.Namespace, folder: Path, servers: dict[str, Any], rng: random.Random) -> tuple[Raw, Any]:
     """Engine prefills with their floors, then the servers', rep by rep; (raw figures, model config)."""
-    engines = {b: make_engine(str(folder), b, args.kv_mb) for b in args.budget}
-    cfg = engines[args.budget[0]].loaded.config
-    for b, eng in engines.items():  # warm-up: every chunk shape once
-        engine_prefill(eng, min(args.contexts), rng, f"warm-{b}")
+    engines = {
+        (b, path): make_engine(str(folder), b, args.kv_mb, path) for b in args.budget for path in args.prefill_attention
+    }
+    cfg = next(iter(engines.values())).loaded.config
+    for (b, path), eng in engines.items():  # warm-up: every chunk shape once
+        engine_prefill(eng, min(args.contexts), rng, f"warm-{b}-{path}")
     for proc in servers.values():
         server_prefill(proc.url, proc.popen.pid, min(args.contexts), rng)
     raw: Raw = defaultdict(list)
     for rep in range(args.reps):
         for length in args.contexts:
-            for b, eng in engines.items():
-                for masked in [False, True] if args.compare_masked else [False]:
-                    got = engine_prefill(eng, length, rng, f"p{rep}-{length}-{b}-{masked}", masked)
+            got_peak = fma_peak()
+            for (b, path), eng in engines.items():
+                for masked in [False, True] if args.compare_masked and path == "sdpa" else [False]:
+                    how = "masked" if masked else "split"
+                    got = engine_prefill(eng, length, rng, f"p{rep}-{length}-{b}-{path}-{masked}", masked)
                     got["matmul floor"] = matmul_floor(cfg, length, b)
                     got["attention floor"] = attention_floor(cfg, length)
-                    raw[f"{length}/{b}/{'masked' if masked else 'split'}"].append(got)
-                    print(f"rep {rep} L {length} budget {b} {'masked' if masked else 'split'}: " + ", ".join(f"{k} {v * 1e3:.0f}" if k != "steps" else f"steps {v:.0f}" for k, v in got.items()), flush=True)  # fmt: skip
+                    got["peak"] = got_peak / 1e3  # GFLOP/ms, so that the tables' * 1e3 gives GFLOP/s
+                    raw[f"{length}/{b}/{path}/{how}"].append(got)
+                    print(f"rep {rep} L {length} budget {b} {path} {how}: " + ", ".join(f"{k} {v * 1e3:.0f}" if k != "steps" else f"steps {v:.0f}" for k, v in got.items()), flush=True)  # fmt: skip
             for name in list(servers) if rep % 2 == 0 else list(servers)[::-1]:
                 got = server_prefill(servers[name].url, servers[name].popen.pid, length, rng)
                 got["load_avg"] = os.getloadavg()[0]
@@ -264,16 +291,20 @@ def engine_table(raw: Raw, cfg: Any) -> str:
     for key, runs in raw.items():
         if key.startswith("server/"):
             continue
-        length, b, path = int(key.split("/")[0]), int(key.split("/")[1]), key.split("/")[2]
+        length, b, attn, path = key.split("/")
         med = {k: statistics.median(r[k] for r in runs) * 1e3 for k in runs[0] if k != "steps"}
-        mm, at = gflop(cfg, length)
+        mm, at = gflop(cfg, int(length))
+        peak = med["peak"]  # GFLOP/s
         floor = med["matmul floor"] + med["attention floor"]
-        rows.append([length, b, path, f"{med['total']:.0f}", f"{med['matmuls']:.0f}", f"{med['attention core']:.0f}",
+        rows.append([length, b, attn, path, f"{med['total']:.0f}", f"{med['matmuls']:.0f}",
+                     f"{med['attention core']:.0f} ({at / med['attention core'] * 1e3:.0f} GFLOP/s)",
                      f"{med['rest']:.0f}", f"{med['matmul floor']:.0f} ({mm / med['matmul floor'] * 1e3:.0f} GFLOP/s)",
                      f"{med['attention floor']:.0f} ({at / med['attention floor'] * 1e3:.0f} GFLOP/s)",
-                     f"**{med['total'] / floor:.2f}**"])  # fmt: skip
-    header = ["context", "budget", "continued chunks", "prefill ms", "matmuls ms", "attention core ms", "rest ms",
-              "matmul floor ms", "attention floor ms", "prefill / (sum of floors)"]  # fmt: skip
+                     f"{peak:.0f}", f"{(mm + at) / peak * 1e3:.0f}",
+                     f"**{med['total'] / floor:.2f}**", f"**{med['total'] / ((mm + at) / peak * 1e3):.2f}**"])  # fmt: skip
+    header = ["context", "budget", "prefill attention", "continued chunks", "prefill ms", "matmuls ms",
+              "attention core ms", "rest ms", "matmul floor ms", "SDPA floor ms", "FMA peak GFLOP/s",
+              "peak floor ms", "prefill / (matmul + SDPA floors)", "prefill / peak floor"]  # fmt: skip
     return md_table(header, rows)
 
 
@@ -285,7 +316,7 @@ def server_table(raw: Raw, contexts: list[int], reps: int) -> str:
         if not all(got.values()):
             continue
         med = {n: {k: statistics.median(r[k] for r in rs) * 1e3 for k in ("wall", "cpu")} for n, rs in got.items()}
-        floors = [r for k, rs in raw.items() if k.startswith(f"{length}/") and k.endswith("/split") for r in rs]
+        floors = [r for k, rs in raw.items() if k.startswith(f"{length}/") and k.endswith("/split") for r in rs]  # fmt: skip
         floor = statistics.median(r["matmul floor"] + r["attention floor"] for r in floors) * 1e3
         ours, theirs = med["kvduplex"], med["vllm"]
         rows.append([length, f"{ours['wall']:.0f}", f"{theirs['wall']:.0f}", f"**{ours['wall'] / theirs['wall']:.2f}**",

@@ -53,6 +53,19 @@ class DecodeAttention(enum.StrEnum):
             raise ValueError(f"decode_attention must be one of {choices}, got {value!r}") from None
 
 
+class PrefillAttention(enum.StrEnum):
+    """How prefill chunks attend (``--prefill-attention``)."""
+
+    AUTO = enum.auto()
+    """``kernel`` where it applies (CPU, float32) and builds; else ``sdpa``."""
+    KERNEL = enum.auto()
+    """CPU, float32: a C kernel, built at first use, reads each chunk's keys in place
+    through its block table, split over torch's threads (`model/cpu_prefill.py`)."""
+    SDPA = enum.auto()
+    """torch's scaled_dot_product_attention (its flash kernel on CPU) over the chunk's
+    own K/V and its cached context copied out of the pool."""
+
+
 class KVTierKind(enum.StrEnum):
     """Where the prefix-cache blocks the KV pool evicts are kept (``--kv-tier``)."""
 
@@ -326,6 +339,9 @@ class ModelLoadConfig(ConfigSection):
     walking each block table), paged (read the KV pool in place where blocks run), copy
     (blocks copied per length group, then SDPA) or flex (compiled FlexAttention in place;
     compiles at start-up)."""
+    prefill_attention: PrefillAttention = PrefillAttention.AUTO
+    """Prefill attention: auto (kernel where it applies and builds, else sdpa), kernel (a
+    compiled CPU kernel reading each chunk's keys in place) or sdpa (torch's SDPA)."""
     cpu_packed_weights: bool = True
     """On CPU, also keep every float32 linear weight packed for oneDNN and use it for
     matmuls of two rows or more (decode batches whole, prefill chunks in tiles of 256

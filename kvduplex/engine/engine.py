@@ -141,6 +141,7 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.loaded.model, model_cfg, self.kv_pool, self.layout, self.loaded.device,
             decode_attention=config.model.decode_attention,
+            prefill_attention=config.model.prefill_attention,
         )  # fmt: skip
         self.max_model_len = min(
             model_cfg.max_position_embeddings, num_blocks * config.cache.block_size

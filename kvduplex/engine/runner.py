@@ -24,6 +24,7 @@ from collections.abc import Iterable
 import torch
 
 from kvduplex.common.engine_config import DecodeAttention
+from kvduplex.common.engine_config import PrefillAttention
 from kvduplex.common.kv_layout import KVCacheLayout
 from kvduplex.common.model_config import DecoderConfig
 from kvduplex.engine.block_table import BlockTables
@@ -32,6 +33,7 @@ from kvduplex.engine.runner_inputs import InputBuilder
 from kvduplex.engine.runner_inputs import SeqInput
 from kvduplex.engine.runner_inputs import group_by_length
 from kvduplex.model import cpu_decode
+from kvduplex.model import cpu_prefill
 from kvduplex.model.decoder import DecoderForCausalLM
 from kvduplex.model.dtypes import dtype_from_name
 from kvduplex.model.flex_decode import FlexDecode
@@ -87,10 +89,12 @@ class ModelRunner:
         layout: KVCacheLayout,
         device: torch.device | str,
         decode_attention: str = "auto",
+        prefill_attention: str = "auto",
     ) -> None:
         """ValueError if the pool does not match `layout`, or `layout` does not fit `config`.
 
-        `decode_attention`: a `DecodeAttention` name (see `set_decode_attention`).
+        `decode_attention`: a `DecodeAttention` name (see `set_decode_attention`);
+        `prefill_attention`: a `PrefillAttention` name (see `set_prefill_attention`).
         """
         expected = kv_layout_for(config, layout.block_size, layout.num_blocks, layout.dtype)
         if expected != layout:
@@ -115,7 +119,40 @@ class ModelRunner:
         self.decode_attention = ""
         self.inputs = InputBuilder(layout, self.device)
         self._builders: dict[str, InputBuilder] = {}  # by decode attention path, kept when switching
+        self.prefill_attention = ""
+        self._prefill_kernel: cpu_prefill.PrefillKernel | None = None
         self.set_decode_attention(decode_attention)
+        self.set_prefill_attention(prefill_attention)
+
+    def set_prefill_attention(self, name: str) -> None:
+        """Switch the prefill attention path (between steps); ValueError for an unknown name,
+        or for ``kernel`` where it does not apply or cannot be built.
+
+        ``kernel``: a compiled CPU kernel reading each chunk's keys in place through its block
+        table (`cpu_prefill.py`); ``sdpa``: torch's SDPA over copies (`prefill_attention.py`);
+        ``auto``: ``kernel`` where it applies and builds, else ``sdpa``. `prefill_attention`
+        holds the path taken.
+        """
+        try:
+            choice = PrefillAttention(name)
+        except ValueError:
+            choices = ", ".join(m.value for m in PrefillAttention)
+            raise ValueError(f"prefill_attention must be one of {choices}, got {name!r}") from None
+        kernel = None
+        if choice is not PrefillAttention.SDPA:
+            cfg = self.config
+            if cpu_prefill.supports(cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, self.kv_pool.dtype, self.device):
+                kernel = cpu_prefill.load_kernel(cfg.head_dim, cfg.num_heads // cfg.num_kv_heads)
+            if kernel is None and choice is PrefillAttention.KERNEL:
+                raise ValueError(
+                    "prefill attention 'kernel' needs a float32 pool on CPU, a head size that is a "
+                    f"multiple of 8 up to {cpu_prefill.MAX_HEAD_DIM}, at most {cpu_prefill.MAX_GROUP} "
+                    "query heads per KV head and a C compiler (see the log): use --prefill-attention auto"
+                )
+        self._prefill_kernel = kernel
+        for builder in self._builders.values():
+            builder.prefill_kernel = kernel
+        self.prefill_attention = (PrefillAttention.KERNEL if kernel is not None else PrefillAttention.SDPA).value
 
     def set_decode_attention(self, name: str) -> None:
         """Switch the decode attention path (between steps); ValueError for an unknown name,
@@ -166,6 +203,7 @@ class ModelRunner:
                 flex = FlexDecode(self.layout.num_blocks, self.layout.block_size, self.device)
             paged = choice is DecodeAttention.PAGED
             self._builders[path] = InputBuilder(self.layout, self.device, flex, paged=paged, kernel=kernel)
+            self._builders[path].prefill_kernel = self._prefill_kernel
         self.decode_attention = path
         self.inputs = self._builders[path]
 

@@ -41,6 +41,7 @@ from kvduplex.model.attention import PoolRuns
 from kvduplex.model.attention import PrefillSpan
 from kvduplex.model.cpu_decode import KernelDecodes
 from kvduplex.model.cpu_decode import PagedDecodeKernel
+from kvduplex.model.cpu_prefill import PrefillKernel
 from kvduplex.model.dtypes import dtype_from_name
 from kvduplex.model.flex_decode import FlexDecode
 from kvduplex.model.paged_decode import GatheredRows
@@ -93,6 +94,8 @@ class InputBuilder:
         self.flex = flex
         self.paged = paged
         self.kernel = kernel
+        self.prefill_kernel: PrefillKernel | None = None
+        """Every prefill span attends through this CPU kernel (None: SDPA); the runner sets it."""
         self._min_range_blocks = max(1, -(-IN_PLACE_MIN_RANGE_TOKENS // layout.block_size))
         self.device = device
         self._pin = device.type == "cuda"
@@ -188,6 +191,7 @@ class InputBuilder:
             paged=paged,
             kernel=self.kernel if kernel_batch is not None else None,
             kernel_batch=kernel_batch,
+            prefill_kernel=self.prefill_kernel if prefills else None,
         )
         return StepBatch(
             input_ids=staged[0], positions=staged[1], logits_index=self._tensor(logits_index), ctx=ctx

@@ -7,7 +7,9 @@ sequences; each sequence contributes ``q_len`` new tokens at positions
 
 1. the new K and V are scattered into the pool at ``slot_mapping``
    (``slot = block_table[pos // block_size] * block_size + pos % block_size``);
-2. prefill sequences (``q_len > 1``) are attended one by one: a fresh prompt
+2. prefill sequences (``q_len > 1``) are attended one by one. On CPU with the
+   prefill kernel (`cpu_prefill.py`), each reads all its keys, its own included, in
+   place through its block table, causally (and within a sliding window). Else a fresh prompt
    (``start_pos == 0``) uses its own K/V with a causal mask; a continued one
    (chunked prefill or a prefix-cache hit), on CPU, attends to its cached
    context gathered from the pool without a mask and to its own K/V causally,
@@ -60,6 +62,7 @@ import torch.nn.functional as F
 
 from kvduplex.model.cpu_decode import KernelDecodes
 from kvduplex.model.cpu_decode import PagedDecodeKernel
+from kvduplex.model.cpu_prefill import PrefillKernel
 from kvduplex.model.flex_decode import FlexDecode
 from kvduplex.model.flex_decode import FlexDecodeBatch
 from kvduplex.model.paged_decode import PagedDecodes
@@ -160,6 +163,8 @@ class AttentionContext:
     """The CPU decode kernel; with `kernel_batch`, used for all decodes."""
     kernel_batch: KernelDecodes | None = None
     """This step's decodes for `kernel`."""
+    prefill_kernel: PrefillKernel | None = None
+    """The CPU prefill kernel: every prefill span attends through it (None: SDPA)."""
     _masks: dict[tuple[str, int, int | None], torch.Tensor | None] = field(default_factory=dict)
     _ranges: dict[tuple[int, int | None], list[tuple[int, int, int]]] = field(default_factory=dict)
 
@@ -257,13 +262,45 @@ def paged_attention(
     Tokens that belong to neither a prefill span nor the decode set do not exist:
     the runner puts every sequence in exactly one of them.
     """
-    k_cache, v_cache = layer_pool[0], layer_pool[1]  # (num_blocks, block_size, kv_heads, head_dim)
-    if _is_one_fresh_prompt(q, ctx):
+    if ctx.prefill_kernel is not None:
+        out = q.new_empty(q.shape)
+        for span in ctx.prefills:
+            rows = slice(span.token_start, span.token_start + span.q_len)
+            ctx.prefill_kernel.attend(q[rows], layer_pool, span.block_table, span.start_pos, scale, window, out[rows])
+    elif _is_one_fresh_prompt(q, ctx):
         # The whole batch is one fresh prompt: the kernel's output, (1, q_len, heads, dim) in
         # memory, is already `out`'s layout, so it is returned without a copy.
         mask = ctx.prefill_mask(0, window, q.dtype)
         return fresh_prefill(q, k, v, mask, scale)[0].transpose(0, 1)
-    out = q.new_empty(q.shape)
+    else:
+        out = q.new_empty(q.shape)
+        _sdpa_prefills(q, k, v, layer_pool, ctx, scale, window, out)
+    if ctx.kernel is not None and ctx.kernel_batch is not None:
+        ctx.kernel.attend(q, layer_pool, ctx.kernel_batch, scale, window, out)
+    elif ctx.paged is not None:
+        assert window is None, "paged decodes are built only for models without sliding windows"
+        paged_decode_attention(q, layer_pool, ctx.paged, ctx.decode_kv, scale, out)
+    elif ctx.flex is not None and ctx.flex_batch is not None:
+        assert window is None, "in-place decode attention has no sliding window"
+        ctx.flex.attend(q, layer_pool, ctx.flex_batch, scale, out)
+    elif ctx.decode_groups:
+        _decode_attention(q, layer_pool, ctx, scale, window, out)
+    return out
+
+
+def _sdpa_prefills(
+    q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
+    k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+    v: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+    layer_pool: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim)
+    ctx: AttentionContext,
+    scale: float,
+    window: int | None,
+    out: torch.Tensor,  # (num_tokens, num_heads, head_dim), written at the prefill tokens
+) -> None:
+    """Every prefill span by SDPA: a fresh prompt over its own K/V, a continued one split
+    (`continued_prefill`) or over its whole context gathered from the pool."""
+    k_cache, v_cache = layer_pool[0], layer_pool[1]  # (num_blocks, block_size, kv_heads, head_dim)
     for i, span in enumerate(ctx.prefills):
         end = span.token_start + span.q_len
         rows = slice(span.token_start, end)
@@ -283,17 +320,6 @@ def paged_attention(
                 qs[None], ks[None], vs[None], attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
             )  # (1, num_heads, q_len, head_dim)
         out[rows] = o[0].transpose(0, 1)
-    if ctx.kernel is not None and ctx.kernel_batch is not None:
-        ctx.kernel.attend(q, layer_pool, ctx.kernel_batch, scale, window, out)
-    elif ctx.paged is not None:
-        assert window is None, "paged decodes are built only for models without sliding windows"
-        paged_decode_attention(q, layer_pool, ctx.paged, ctx.decode_kv, scale, out)
-    elif ctx.flex is not None and ctx.flex_batch is not None:
-        assert window is None, "in-place decode attention has no sliding window"
-        ctx.flex.attend(q, layer_pool, ctx.flex_batch, scale, out)
-    elif ctx.decode_groups:
-        _decode_attention(q, layer_pool, ctx, scale, window, out)
-    return out
 
 
 def _decode_attention(

@@ -11,10 +11,8 @@ threads than one, a step's decodes are split over as many threads (`work_items`:
 sequence, or by KV head when there are fewer sequences than threads), each calling the
 kernel on its share.
 
-The kernel is C, compiled at first use with the system C compiler (``cc`` or ``$CC``) for
-this CPU (``-O3 -march=native``), once per head size and query heads per KV head, into
-``$KVDUPLEX_CACHE_DIR`` (default ``~/.cache/kvduplex``), keyed by a hash of the source,
-the flags and the CPU; loaded with `ctypes`, which releases the GIL during the call. No
+The kernel is C, compiled at first use for this CPU (`cpu_build.py`), once per head size
+and query heads per KV head; loaded with `ctypes`, which releases the GIL during the call. No
 compiler, or a failed build: `load_kernel` returns None (logged with the compiler's
 error) and the runner keeps ``paged`` (``copy`` for sliding-window models).
 """
@@ -23,29 +21,21 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import itertools
 import logging
-import os
-import platform
-import shlex
-import shutil
 import subprocess
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from kvduplex.common.config import CACHE_DIR_VAR
+from kvduplex.model.cpu_build import CSRC
+from kvduplex.model.cpu_build import build_library
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode_cpu.c"
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast", "-shared", "-fPIC")
-X86_FLAGS = ("-mprefer-vector-width=512",)
-"""x86 compilers only: use 512-bit vectors where the CPU has them (GCC prefers 256)."""
+SOURCE = CSRC / "paged_decode_cpu.c"
 LANES = 16
 """The kernel's vector width in floats: head sizes must be a multiple of it."""
 MAX_HEADS = 1024
@@ -187,49 +177,9 @@ def load_kernel(head_dim: int, group: int) -> PagedDecodeKernel | None:
     """The kernel for `head_dim` and `group`, built now if not cached; None (logged once)
     when it cannot be built here."""
     try:
-        return PagedDecodeKernel(_build(head_dim, group), head_dim, group)
+        return PagedDecodeKernel(
+            build_library(SOURCE, {"KVD_HEAD_DIM": head_dim, "KVD_GROUP": group}), head_dim, group
+        )
     except (OSError, RuntimeError, ValueError, subprocess.SubprocessError) as exc:
         logger.warning("CPU decode kernel unavailable (%s); decode attention stays on SDPA", exc)
         return None
-
-
-def _build(head_dim: int, group: int) -> Path:
-    cc = os.environ.get("CC")
-    compiler = shlex.split(cc) if cc else [c for c in (shutil.which("cc") or shutil.which("gcc"),) if c]
-    if not compiler:
-        raise OSError("no C compiler (cc, gcc or $CC)")
-    source = SOURCE.read_bytes()
-    x86 = platform.machine().lower() in ("x86_64", "amd64")
-    flags = (*FLAGS, *(X86_FLAGS if x86 else ()), f"-DKVD_HEAD_DIM={head_dim}", f"-DKVD_GROUP={group}")
-    parts = [source, *(c.encode() for c in compiler), *(f.encode() for f in flags), _cpu_id()]
-    key = hashlib.sha256(b"\0".join(parts))
-    cache = Path(os.environ.get(CACHE_DIR_VAR) or Path.home() / ".cache" / "kvduplex") / "kernels"
-    target = cache / f"paged_decode_cpu-{head_dim}-{group}-{key.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    cache.mkdir(mode=0o700, parents=True, exist_ok=True)  # a library loaded from here must be ours
-    with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        built = Path(tmp) / target.name
-        result = subprocess.run(
-            [*compiler, *flags, "-o", str(built), str(SOURCE)], capture_output=True, text=True, timeout=120
-        )
-        if result.returncode != 0:
-            raise OSError(f"{' '.join(compiler)} failed: {result.stderr.strip()[-500:]}")
-        os.replace(built, target)  # atomic: processes building at once each land a whole file
-    logger.info("built the CPU decode kernel for head size %d, group %d: %s", head_dim, group, target)
-    return target
-
-
-def _cpu_id() -> bytes:
-    """What `-march=native` depends on: the machine and its CPU's flags."""
-    flags = b""
-    try:
-        with open("/proc/cpuinfo", "rb") as f:
-            for line in f:
-                if line.startswith((b"flags", b"Features", b"model name")):
-                    flags += line
-                if line.strip() == b"":
-                    break
-    except OSError:
-        pass
-    return platform.machine().encode() + b"\0" + flags
