@@ -66,10 +66,12 @@ class PrefillKernel:
         lib = ctypes.CDLL(str(library))
         self._fn = lib.kvd_prefill_f32
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64, i64, ptr, i64]
+        self._fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, i64, i64, ptr, i64, ptr]
         self._fn.restype = ctypes.c_int
         lib.kvd_prefill_tile_tokens.restype = i64
+        lib.kvd_prefill_key_tile.restype = i64
         self.tile_tokens = int(lib.kvd_prefill_tile_tokens())
+        self.key_tile = int(lib.kvd_prefill_key_tile())
         self._pool: ThreadPoolExecutor | None = None
         self._workers = 0
 
@@ -103,22 +105,26 @@ class PrefillKernel:
         if block_table.shape[0] * block_size < start_pos + q_len:
             raise ValueError(f"a block table of {block_table.shape[0]} blocks cannot hold {start_pos + q_len} tokens")
         tiles = -(-q_len // self.tile_tokens)
+        bounds = work_ranges(kv_heads, tiles, self.tile_tokens, start_pos, window, torch.get_num_threads())
+        # per share, the keys of one KV head packed for the scores (1 MiB per 4,096 keys of a
+        # 64-dim head); per call, as one kernel serves every engine of the process
+        scratch = torch.empty(len(bounds), dim * (start_pos + q_len + self.key_tile), dtype=torch.float32)
 
-        def run(lo: int, hi: int) -> None:
+        def run(share: int) -> None:
+            lo, hi = bounds[share]
             status = self._fn(
                 q.data_ptr(), q.stride(0), layer_pool[0].data_ptr(), layer_pool[1].data_ptr(),
                 block_table.data_ptr(), start_pos, q_len, kv_heads, block_size, window or 0, scale,
-                lo, hi, out.data_ptr(), out.stride(0),
+                lo, hi, out.data_ptr(), out.stride(0), scratch[share].data_ptr(),
             )  # fmt: skip
             assert status == 0, "the kernel refused a unit range work_ranges made"
 
-        bounds = work_ranges(kv_heads, tiles, self.tile_tokens, start_pos, window, torch.get_num_threads())
         if len(bounds) == 1:
-            run(*bounds[0])
+            run(0)
             return
-        futures = [self._threads(len(bounds) - 1).submit(run, *b) for b in bounds[1:]]
+        futures = [self._threads(len(bounds) - 1).submit(run, i) for i in range(1, len(bounds))]
         try:
-            run(*bounds[0])  # this thread takes the first share
+            run(0)  # this thread takes the first share
         finally:
             for f in futures:
                 f.result()
