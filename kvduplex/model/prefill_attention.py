@@ -1,4 +1,6 @@
-"""Prefill attention on CPU's flash SDPA: a prompt's first chunk, and a continued chunk.
+"""Prefill attention on SDPA: a prompt's first chunk, and a continued chunk. On CPU in
+float32 the compiled kernel (`cpu_prefill.py`) is the default; this is the path with
+``--prefill-attention sdpa``, in other dtypes, and where the kernel cannot be built.
 
 Design note. The CPU flash kernel (`_scaled_dot_product_flash_attention_for_cpu`) reads
 grouped query heads' shared K/V head in place, skips the blocks above the diagonal of a
