@@ -57,7 +57,8 @@ class PrefillAttention(enum.StrEnum):
     """How prefill chunks attend (``--prefill-attention``)."""
 
     AUTO = enum.auto()
-    """``kernel`` where it applies (CPU, float32) and builds; else ``sdpa``."""
+    """``kernel`` where it applies (CPU, float32), the CPU has AVX-512 (where it was
+    measured) and it builds; else ``sdpa``."""
     KERNEL = enum.auto()
     """CPU, float32: a C kernel, built at first use, reads each chunk's keys in place
     through its block table, split over torch's threads (`model/cpu_prefill.py`)."""
@@ -340,8 +341,9 @@ class ModelLoadConfig(ConfigSection):
     (blocks copied per length group, then SDPA) or flex (compiled FlexAttention in place;
     compiles at start-up)."""
     prefill_attention: PrefillAttention = PrefillAttention.AUTO
-    """Prefill attention: auto (kernel where it applies and builds, else sdpa), kernel (a
-    compiled CPU kernel reading each chunk's keys in place) or sdpa (torch's SDPA)."""
+    """Prefill attention: auto (kernel on CPUs with AVX-512 where it applies and builds, else
+    sdpa), kernel (a compiled CPU kernel reading each chunk's keys in place) or sdpa (torch's
+    SDPA)."""
     cpu_packed_weights: bool = True
     """On CPU, also keep every float32 linear weight packed for oneDNN and use it for
     matmuls of two rows or more (decode batches whole, prefill chunks in tiles of 256

@@ -34,6 +34,7 @@ from kvduplex.engine.runner_inputs import SeqInput
 from kvduplex.engine.runner_inputs import group_by_length
 from kvduplex.model import cpu_decode
 from kvduplex.model import cpu_prefill
+from kvduplex.model.cpu_build import has_avx512
 from kvduplex.model.decoder import DecoderForCausalLM
 from kvduplex.model.dtypes import dtype_from_name
 from kvduplex.model.flex_decode import FlexDecode
@@ -130,7 +131,7 @@ class ModelRunner:
 
         ``kernel``: a compiled CPU kernel reading each chunk's keys in place through its block
         table (`cpu_prefill.py`); ``sdpa``: torch's SDPA over copies (`prefill_attention.py`);
-        ``auto``: ``kernel`` where it applies and builds, else ``sdpa``. `prefill_attention`
+        ``auto``: ``kernel`` on a CPU with AVX-512 where it applies and builds, else ``sdpa``. `prefill_attention`
         holds the path taken.
         """
         try:
@@ -139,7 +140,9 @@ class ModelRunner:
             choices = ", ".join(m.value for m in PrefillAttention)
             raise ValueError(f"prefill_attention must be one of {choices}, got {name!r}") from None
         kernel = None
-        if choice is not PrefillAttention.SDPA:
+        # auto: only where the kernel was measured faster than SDPA, on AVX-512 (its 16-float
+        # vectors are one register there; elsewhere two, and its micro-tiles would spill)
+        if choice is PrefillAttention.KERNEL or (choice is PrefillAttention.AUTO and has_avx512()):
             cfg = self.config
             if cpu_prefill.supports(cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, self.kv_pool.dtype, self.device):
                 kernel = cpu_prefill.load_kernel(cfg.head_dim, cfg.num_heads // cfg.num_kv_heads)

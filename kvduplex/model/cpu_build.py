@@ -73,3 +73,10 @@ def cpu_id() -> bytes:
     except OSError:
         pass
     return platform.machine().encode() + b"\0" + flags
+
+
+def has_avx512() -> bool:
+    """Whether this CPU has AVX-512F (x86 only), which the kernels' 16-float vectors map onto."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    return any(line.startswith(b"flags") and b" avx512f" in line for line in cpu_id().split(b"\n"))

@@ -17,7 +17,9 @@ many threads, in runs of about equal work (a causal tile's work grows with its p
 
 The kernel is C, compiled at first use for this CPU (`cpu_build.py`), once per head size
 and query heads per KV head. No compiler, or a failed build: `load_kernel` returns None
-(logged) and prefill stays on SDPA (`prefill_attention.py`).
+(logged) and prefill stays on SDPA (`prefill_attention.py`). ``--prefill-attention auto``
+takes it on CPUs with AVX-512 only, where it was measured (elsewhere its 16-float vectors
+are two registers and its micro-tiles would spill); ``kernel`` forces it anywhere.
 """
 
 from __future__ import annotations
@@ -70,8 +72,10 @@ class PrefillKernel:
         self._fn.restype = ctypes.c_int
         lib.kvd_prefill_tile_tokens.restype = i64
         lib.kvd_prefill_key_tile.restype = i64
+        lib.kvd_prefill_tile_floats.restype = i64
         self.tile_tokens = int(lib.kvd_prefill_tile_tokens())
         self.key_tile = int(lib.kvd_prefill_key_tile())
+        self.tile_floats = int(lib.kvd_prefill_tile_floats())
         self._pool: ThreadPoolExecutor | None = None
         self._workers = 0
 
@@ -88,27 +92,16 @@ class PrefillKernel:
         """Attention of the chunk's tokens at ``start_pos ..`` over the sequence's keys in
         `layer_pool` (its own K/V already written there); a sliding `window` sees its last
         `window` keys."""
+        self._check(q, layer_pool, block_table, start_pos, window, out)
         _, _, block_size, kv_heads, dim = layer_pool.shape
-        q_len, heads = q.shape[0], q.shape[1]
-        if not layer_pool.is_contiguous() or layer_pool.dtype != torch.float32:
-            raise ValueError("the CPU prefill kernel needs a contiguous float32 pool")
-        for name, t in (("queries", q), ("output", out)):
-            if t.dtype != torch.float32 or t.stride(2) != 1 or t.stride(1) != dim:
-                raise ValueError(f"the CPU prefill kernel needs float32 {name} with each token's heads contiguous")
-        if dim != self.head_dim or heads != kv_heads * self.group or out.shape != q.shape:
-            raise ValueError(
-                f"this CPU prefill kernel is built for head size {self.head_dim} and {self.group} query "
-                f"heads per KV head, not {dim} and {heads} / {kv_heads}"
-            )
-        if block_table.dtype != torch.int64 or not block_table.is_contiguous():
-            raise ValueError("the CPU prefill kernel needs a contiguous int64 block table")
-        if block_table.shape[0] * block_size < start_pos + q_len:
-            raise ValueError(f"a block table of {block_table.shape[0]} blocks cannot hold {start_pos + q_len} tokens")
+        q_len = q.shape[0]
         tiles = -(-q_len // self.tile_tokens)
         bounds = work_ranges(kv_heads, tiles, self.tile_tokens, start_pos, window, torch.get_num_threads())
-        # per share, the keys of one KV head packed for the scores (1 MiB per 4,096 keys of a
-        # 64-dim head); per call, as one kernel serves every engine of the process
-        scratch = torch.empty(len(bounds), dim * (start_pos + q_len + self.key_tile), dtype=torch.float32)
+        # per share, its tiles, then the keys of one KV head packed for the scores (1 MiB per
+        # 4,096 keys of a 64-dim head); per call, as one kernel serves every engine of the
+        # process; rows a multiple of 16 floats, so each stays 64-byte aligned
+        floats = self.tile_floats + dim * (start_pos + q_len + self.key_tile)
+        scratch = torch.empty(len(bounds), -(-floats // 16) * 16, dtype=torch.float32)
 
         def run(share: int) -> None:
             lo, hi = bounds[share]
@@ -128,6 +121,41 @@ class PrefillKernel:
         finally:
             for f in futures:
                 f.result()
+
+    def _check(
+        self,
+        q: torch.Tensor,
+        layer_pool: torch.Tensor,
+        block_table: torch.Tensor,
+        start_pos: int,
+        window: int | None,
+        out: torch.Tensor,
+    ) -> None:
+        """ValueError for anything the kernel cannot read or write safely."""
+        _, _, block_size, kv_heads, dim = layer_pool.shape
+        q_len, heads = q.shape[0], q.shape[1]
+        if not layer_pool.is_contiguous() or layer_pool.dtype != torch.float32:
+            raise ValueError("the CPU prefill kernel needs a contiguous float32 pool")
+        for t in (q, out, layer_pool, block_table):
+            if t.device.type != "cpu":
+                raise ValueError(f"the CPU prefill kernel reads CPU tensors, not {t.device}")
+        if dim != self.head_dim or q.shape[2] != dim or heads != kv_heads * self.group or out.shape != q.shape:
+            raise ValueError(
+                f"this CPU prefill kernel is built for head size {self.head_dim} and {self.group} query "
+                f"heads per KV head, not {dim} and {heads} / {kv_heads}"
+            )
+        for name, t in (("queries", q), ("output", out)):
+            if t.dtype != torch.float32 or t.stride(2) != 1 or t.stride(1) != dim:
+                raise ValueError(f"the CPU prefill kernel needs float32 {name} with each token's heads contiguous")
+        if start_pos < 0 or (window is not None and window < 1):
+            raise ValueError(f"start_pos must be >= 0 and window None or >= 1, got {start_pos} and {window}")
+        if block_table.dtype != torch.int64 or not block_table.is_contiguous():
+            raise ValueError("the CPU prefill kernel needs a contiguous int64 block table")
+        if block_table.shape[0] * block_size < start_pos + q_len:
+            raise ValueError(f"a block table of {block_table.shape[0]} blocks cannot hold {start_pos + q_len} tokens")
+        used = block_table[: -(-(start_pos + q_len) // block_size)]
+        if q_len and (int(used.min()) < 0 or int(used.max()) >= layer_pool.shape[1]):
+            raise ValueError(f"block ids outside the pool's {layer_pool.shape[1]} blocks")
 
     def _threads(self, workers: int) -> ThreadPoolExecutor:
         """Threads for all but the calling thread's share. Grown by replacing the pool, never

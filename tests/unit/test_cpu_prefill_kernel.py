@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -26,6 +28,7 @@ from kvduplex.engine.runner import ModelRunner
 from kvduplex.engine.runner import kv_layout_for
 from kvduplex.engine.runner_inputs import SeqInput
 from kvduplex.model import cpu_prefill
+from kvduplex.model.cpu_build import has_avx512
 from kvduplex.model.decoder import DecoderForCausalLM
 from kvduplex.model.loader import init_random_weights
 
@@ -116,7 +119,9 @@ def test_large_scores_neither_overflow_nor_lose_the_maximum() -> None:
     torch.testing.assert_close(out.double(), _reference(q, pool, table, 200, None), atol=2e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize(("start_pos", "q_len", "window"), [(0, 700, None), (900, 300, None), (0, 500, 64)])
+@pytest.mark.parametrize(
+    ("start_pos", "q_len", "window"), [(0, 700, None), (900, 300, None), (0, 500, 64), (700, 400, 300)]
+)
 def test_threads_split_the_work_and_give_the_same_output(start_pos: int, q_len: int, window: int | None) -> None:
     pool, table, q = _chunk(4, 2, 64, start_pos, q_len, seed=q_len)
     kernel = cpu_prefill.load_kernel(64, 2)
@@ -147,6 +152,54 @@ def test_work_is_split_in_runs_of_about_equal_keys() -> None:
         assert covered == list(range(heads * tiles))
 
 
+def test_positions_past_float32s_exact_integers_stay_causal() -> None:
+    """Tokens at positions around 2**24 (where float32 stops telling neighbours apart), a
+    window of 16: each sees exactly its last 16 keys. The table repeats 8 blocks."""
+    bs, start, q_len, window = 16, 2**24 - 8, 20, 16
+    torch.manual_seed(3)
+    pool = torch.randn(2, 8, bs, 2, 32)
+    table = torch.arange(-(-(start + q_len) // bs)) % 8
+    q = torch.randn(q_len, 4, 32)
+    kernel = cpu_prefill.load_kernel(32, 2)
+    assert kernel is not None
+    out = torch.empty_like(q)
+    kernel.attend(q, pool, table, start, 32**-0.5, window, out)
+    for t in range(q_len):
+        pos = start + t
+        keys = torch.arange(pos - window + 1, pos + 1)
+        k = pool[0][table[keys // bs], keys % bs].double()  # (16, kv_heads, dim)
+        v = pool[1][table[keys // bs], keys % bs].double()
+        for h in range(4):
+            w = torch.softmax(k[:, h // 2] @ q[t, h].double() * 32**-0.5, 0)
+            torch.testing.assert_close(out[t, h].double(), w @ v[:, h // 2], atol=2e-6, rtol=1e-5)
+
+
+def test_a_nan_score_comes_through_as_sdpa_gives_it() -> None:
+    pool, table, q = _chunk(2, 2, 64, 100, 30, seed=5)
+    pool[0].view(-1, 2, 64)[table[3] * 16 + 5, 1, 7] = float("nan")  # key 53 of KV head 1
+    kernel = cpu_prefill.load_kernel(64, 2)
+    assert kernel is not None
+    out = torch.empty_like(q)
+    kernel.attend(q, pool, table, 100, 0.125, None, out)
+    assert out[:, 2:].isnan().all(), "every row of KV head 1 sees key 53"
+    assert not out[:, :2].isnan().any()
+
+
+def test_the_largest_tiles_run_on_a_small_thread_stack() -> None:
+    """Head size 256, group 8: the tiles live in the call's scratch, not on the stack (a
+    256 KiB thread stack held them once they were; musl's default is 128 KiB)."""
+    code = (
+        "import threading, torch; from kvduplex.model import cpu_prefill\n"
+        "k = cpu_prefill.load_kernel(256, 8); assert k is not None\n"
+        "pool = torch.randn(2, 4, 16, 1, 256); q = torch.randn(40, 8, 256); out = torch.empty_like(q)\n"
+        "threading.stack_size(128 * 1024)\n"
+        "t = threading.Thread(target=k.attend, args=(q, pool, torch.arange(4), 10, 0.06, None, out)); t.start(); t.join()\n"
+        "assert not out.isnan().any()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_the_kernel_refuses_what_it_cannot_read() -> None:
     kernel = cpu_prefill.load_kernel(32, 2)
     assert kernel is not None
@@ -163,6 +216,17 @@ def test_the_kernel_refuses_what_it_cannot_read() -> None:
         kernel.attend(q, pool, table.int(), 0, 0.1, None, torch.empty_like(q))
     with pytest.raises(ValueError, match="cannot hold 70 tokens"):
         kernel.attend(q, pool, table, 60, 0.1, None, torch.empty_like(q))
+    with pytest.raises(ValueError, match="outside the pool's 4 blocks"):
+        kernel.attend(q, pool, torch.tensor([99, 1, 2, 3]), 0, 0.1, None, torch.empty_like(q))
+    with pytest.raises(ValueError, match="window None or >= 1"):
+        kernel.attend(q, pool, table, 0, 0.1, 0, torch.empty_like(q))
+    with pytest.raises(ValueError, match="start_pos must be >= 0"):
+        kernel.attend(q, pool, table, -5, 0.1, None, torch.empty_like(q))
+    narrow = torch.randn(10, 4, 32)[:, :, :16]  # head size 16 in a 32-wide buffer
+    with pytest.raises(ValueError, match="head size 32"):
+        kernel.attend(narrow, pool, table, 0, 0.1, None, torch.empty(10, 4, 32)[:, :, :16])
+    with pytest.raises(ValueError, match="reads CPU tensors, not meta"):
+        kernel.attend(q, pool, table.to("meta"), 0, 0.1, None, torch.empty_like(q))
     assert not cpu_prefill.supports(30, 4, 2, torch.float32, torch.device("cpu"))
     assert not cpu_prefill.supports(32, 4, 2, torch.bfloat16, torch.device("cpu"))
     assert not cpu_prefill.supports(32, 32, 2, torch.float32, torch.device("cpu"))  # group 16
@@ -224,8 +288,8 @@ def test_a_windowed_model_prefills_the_same_tokens_with_the_kernel_as_with_sdpa(
     assert torch.equal(logits["kernel"].argmax(-1), logits["sdpa"].argmax(-1))
 
 
-def test_auto_takes_the_kernel_and_the_kernel_flag_is_refused_where_it_cannot_run() -> None:
-    assert LLMEngine(_config("auto", 512)).runner.prefill_attention == "kernel"
+def test_auto_takes_the_kernel_on_avx512_and_the_kernel_flag_is_refused_where_it_cannot_run() -> None:
+    assert LLMEngine(_config("auto", 512)).runner.prefill_attention == ("kernel" if has_avx512() else "sdpa")
     cfg = EngineConfig(model=ModelLoadConfig(model="tiny", dtype="bfloat16", prefill_attention=PrefillAttention.KERNEL))
     with pytest.raises(ValueError, match="prefill attention 'kernel' needs a float32 pool"):
         LLMEngine(cfg)

@@ -40,6 +40,8 @@
 #define KEYS 128                  /* keys per tile */
 #define KG 8                      /* keys per micro-tile of the scores */
 #define CG 8                      /* output dims per micro-tile of V^T St */
+#define TILE_PAD 16               /* floats between the tiles in the scratch: one line, so that
+                                     they do not start on the same L1 set */
 #define RV 2                      /* vectors of rows per micro-tile: each broadcast feeds RV FMAs */
 
 #if DIM % CG != 0
@@ -64,7 +66,8 @@ static inline vf select_gt(vf a, vf b) { /* max(a, b), -inf aware */
 #include <immintrin.h>
 static inline vf exp2_nonpositive(vf x) {
     /* below -150, 2^n * p(f) rounds to 0 (scalef rounds as a multiply would) */
-    const __m512 xc = _mm512_max_ps((__m512)x, _mm512_set1_ps(-150.0f));
+    /* max(-150, x): a NaN x comes through (MAXPS returns its second operand on NaN) */
+    const __m512 xc = _mm512_max_ps(_mm512_set1_ps(-150.0f), (__m512)x);
     const __m512 n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const vf f = (vf)_mm512_sub_ps(xc, n);
     vf p = splat(1.535336188319500e-4f);
@@ -100,9 +103,9 @@ static const float zero_row[DIM] __attribute__((aligned(64))); /* the V of keys 
 /* Which keys each query row may not see: none, or some (causal diagonal, window edge). */
 struct mask {
     int any;          /* whether this key tile hides any key from any row */
-    int64_t k0;       /* position of the tile's first key */
+    int64_t k0;       /* the tile's first key, relative to the query tile's first token */
     int64_t window;   /* 0: none */
-    const vf *qpos;   /* position of each row's token, per vector of rows */
+    const vf *qpos;   /* each row's token relative to the query tile's first (0 .. MT - 1) */
 };
 
 /* St[n][v0 .. v0 + nv) for keys n0 .. n0 + KG of a packed key tile kt[c][KEYS], hidden
@@ -125,7 +128,8 @@ static inline __attribute__((always_inline)) void scores_tile(
     if (m.any) {
         const vi ninf = (vi)splat(-__builtin_inff());
         for (int i = 0; i < KG; i++) {
-            const vf kpos = splat((float)(m.k0 + n0 + i));
+            const vf kpos = splat((float)(m.k0 + n0 + i)); /* exact: a masked tile is near the
+                                                             diagonal or the window's edge */
             for (int r = 0; r < nv; r++) {
                 vi hide = kpos > m.qpos[v0 + r];
                 if (m.window > 0) hide |= kpos <= m.qpos[v0 + r] - (float)m.window;
@@ -200,11 +204,11 @@ static void attend_tile(
     const float *q, int64_t q_stride, const float *k_pool, const float *v_pool,
     const int64_t *table, int64_t start_pos, int64_t t0, int64_t nt, int64_t kv_heads,
     int64_t head, int64_t block_size, int64_t window, float scale, const float *kpack,
-    int64_t kpack_first, float *out, int64_t out_stride)
+    int64_t kpack_first, float *tiles, float *out, int64_t out_stride)
 {
-    float qt[DIM * ROWS] __attribute__((aligned(64)));
-    float ot[DIM * ROWS] __attribute__((aligned(64)));
-    float st[KEYS * ROWS] __attribute__((aligned(64)));
+    /* the query, output and score tiles, in the caller's scratch (not the stack: up to
+     * 320 KiB at head size 256 and group 8), each 64-byte aligned */
+    float *qt = tiles, *ot = qt + DIM * ROWS + TILE_PAD, *st = ot + DIM * ROWS + TILE_PAD;
     vf mx[VECS], sum[VECS], qpos[VECS];
     const float *vp[KEYS];
     const float qscale = scale * 1.44269504088896341f;
@@ -216,11 +220,11 @@ static void attend_tile(
             for (int c = 0; c < DIM; c++)
                 qt[c * ROWS + g * MT + t] = t < nt ? qh[(t0 + t) * q_stride + c] * qscale : 0.0f;
     }
-    memset(ot, 0, sizeof ot);
+    memset(ot, 0, sizeof(float) * DIM * ROWS);
     for (int v = 0; v < VECS; v++) {
         mx[v] = splat(-__builtin_inff());
         sum[v] = (vf){};
-        for (int l = 0; l < LANES; l++) qpos[v][l] = (float)(start_pos + t0 + (v * LANES) % MT + l);
+        for (int l = 0; l < LANES; l++) qpos[v][l] = (float)((v * LANES) % MT + l);
     }
     const int64_t p_first = start_pos + t0, p_last = start_pos + t0 + nt - 1;
     for (int64_t k0 = first_key(p_first, window); k0 <= p_last; k0 += KEYS) {
@@ -237,7 +241,8 @@ static void attend_tile(
         for (int n = nk; n < nk8; n++) vp[n] = zero_row;
         const float *kt = kpack + (k0 - kpack_first / KEYS * KEYS) / KEYS * DIM * KEYS;
         /* keys past the first query, or at or before last query - window, are hidden somewhere */
-        const struct mask m = {k0 + nk8 - 1 > p_first || (window > 0 && k0 <= p_last - window), k0, window, qpos};
+        const struct mask m = {k0 + nk8 - 1 > p_first || (window > 0 && k0 <= p_last - window), k0 - p_first,
+                               window, qpos};
         vf tmax[VECS];
         for (int v = 0; v < VECS; v++) tmax[v] = splat(-__builtin_inff());
         for (int n0 = 0; n0 < nk8; n0 += KG) {
@@ -286,13 +291,16 @@ static void attend_tile(
  * the scratch. */
 int64_t kvd_prefill_tile_tokens(void) { return MT; }
 int64_t kvd_prefill_key_tile(void) { return KEYS; }
+/* Floats of a share's scratch before its packed keys: the query, output and score tiles. */
+int64_t kvd_prefill_tile_floats(void) { return 2 * DIM * ROWS + KEYS * ROWS + 3 * TILE_PAD; }
 
 /* Returns 0, or -1 for a bad range. The chunk's q_len new tokens sit at positions
  * start_pos .. start_pos + q_len - 1 and their K/V are in the pool already; token i sees
  * keys max(0, pos - window + 1) .. pos (window 0: from 0). The work is kv_heads x tiles
  * units (unit = head * tiles + tile, a tile being kvd_prefill_tile_tokens() tokens); only
  * units [unit_lo, unit_hi) are computed and written, so callers may split one chunk over
- * threads. kpack is this call's scratch: DIM * (start_pos + q_len + KEYS) floats. */
+ * threads. scratch is this call's own, 64-byte aligned: kvd_prefill_tile_floats() floats for
+ * the tiles, then DIM * (start_pos + q_len + KEYS) for the packed keys. */
 int kvd_prefill_f32(
     const float *q,          /* (q_len, kv_heads * GROUP, DIM), token stride q_stride floats */
     int64_t q_stride,
@@ -302,12 +310,13 @@ int kvd_prefill_f32(
     int64_t start_pos, int64_t q_len, int64_t kv_heads, int64_t block_size, int64_t window,
     float scale, int64_t unit_lo, int64_t unit_hi,
     float *out,              /* (q_len, kv_heads * GROUP, DIM), token stride out_stride floats */
-    int64_t out_stride, float *kpack)
+    int64_t out_stride, float *scratch)
 {
     const int64_t tiles = (q_len + MT - 1) / MT;
     if (unit_lo < 0 || unit_hi > kv_heads * tiles || unit_lo > unit_hi || start_pos < 0 || window < 0
         || block_size <= 0)
         return -1;
+    float *tile_scratch = scratch, *kpack = scratch + kvd_prefill_tile_floats();
     int64_t packed_head = -1, kpack_first = 0;
     for (int64_t unit = unit_lo; unit < unit_hi; unit++) {
         const int64_t head = unit / tiles, tile = unit % tiles;
@@ -321,7 +330,7 @@ int kvd_prefill_f32(
             packed_head = head;
         }
         attend_tile(q, q_stride, k_pool, v_pool, table, start_pos, t0, nt, kv_heads, head, block_size,
-                    window, scale, kpack, kpack_first, out, out_stride);
+                    window, scale, kpack, kpack_first, tile_scratch, out, out_stride);
     }
     return 0;
 }
