@@ -17,11 +17,17 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 from kvduplex.common.config import CACHE_DIR_VAR
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 CSRC = Path(__file__).with_name("csrc")
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast", "-shared", "-fPIC")
@@ -80,3 +86,34 @@ def has_avx512() -> bool:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
     return any(line.startswith(b"flags") and b" avx512f" in line for line in cpu_id().split(b"\n"))
+
+
+class Shares:
+    """Runs one call's shares of a kernel's work: the first on the calling thread, the
+    others on helper threads (`ctypes` releases the GIL during each kernel call)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._pool: ThreadPoolExecutor | None = None
+        self._workers = 0
+
+    def run(self, fn: Callable[[T], None], shares: Sequence[T]) -> None:
+        """``fn(share)`` for every share, all done (or the first error raised) on return."""
+        if len(shares) == 1:
+            fn(shares[0])
+            return
+        futures = [self._threads(len(shares) - 1).submit(fn, share) for share in shares[1:]]
+        try:
+            fn(shares[0])  # this thread takes the first share
+        finally:
+            for f in futures:
+                f.result()
+
+    def _threads(self, workers: int) -> ThreadPoolExecutor:
+        """Grown by replacing the pool, never shut down here: another engine in the process
+        may still be submitting to the old one."""
+        pool = self._pool
+        if pool is None or self._workers < workers:
+            pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"kvduplex-{self._name}")
+            self._pool, self._workers = pool, workers
+        return pool

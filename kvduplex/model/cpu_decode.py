@@ -24,13 +24,13 @@ import functools
 import itertools
 import logging
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from kvduplex.model.cpu_build import CSRC
+from kvduplex.model.cpu_build import Shares
 from kvduplex.model.cpu_build import build_library
 
 logger = logging.getLogger(__name__)
@@ -78,8 +78,7 @@ class PagedDecodeKernel:
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         self._fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr, ptr]
         self._fn.restype = ctypes.c_int
-        self._pool: ThreadPoolExecutor | None = None
-        self._workers = 0
+        self._shares = Shares("decode")
 
     def attend(
         self,
@@ -125,27 +124,9 @@ class PagedDecodeKernel:
             )  # fmt: skip
             assert status == 0, "the kernel refused a head range work_items made"
 
-        items = work_items(widths, kv_heads, torch.get_num_threads())
-        if len(items) == 1:
-            run(items[0])
-        else:
-            futures = [self._threads(len(items) - 1).submit(run, item) for item in items[1:]]
-            try:
-                run(items[0])  # this thread takes the first share
-            finally:
-                for f in futures:
-                    f.result()
+        self._shares.run(run, work_items(widths, kv_heads, torch.get_num_threads()))
         if res is not out:
             out.index_copy_(0, batch.token_index, res)
-
-    def _threads(self, workers: int) -> ThreadPoolExecutor:
-        """Threads for all but the calling thread's share. Grown by replacing the pool, never
-        shut down here: another engine in the process may still be submitting to the old one."""
-        pool = self._pool
-        if pool is None or self._workers < workers:
-            pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvduplex-decode")
-            self._pool, self._workers = pool, workers
-        return pool
 
 
 def work_items(widths: list[int], kv_heads: int, threads: int) -> list[tuple[int, int, int, int]]:

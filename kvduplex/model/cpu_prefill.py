@@ -29,12 +29,12 @@ import functools
 import itertools
 import logging
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from kvduplex.model.cpu_build import CSRC
+from kvduplex.model.cpu_build import Shares
 from kvduplex.model.cpu_build import build_library
 
 logger = logging.getLogger(__name__)
@@ -76,8 +76,7 @@ class PrefillKernel:
         self.tile_tokens = int(lib.kvd_prefill_tile_tokens())
         self.key_tile = int(lib.kvd_prefill_key_tile())
         self.tile_floats = int(lib.kvd_prefill_tile_floats())
-        self._pool: ThreadPoolExecutor | None = None
-        self._workers = 0
+        self._shares = Shares("prefill")
 
     def attend(
         self,
@@ -112,15 +111,7 @@ class PrefillKernel:
             )  # fmt: skip
             assert status == 0, "the kernel refused a unit range work_ranges made"
 
-        if len(bounds) == 1:
-            run(0)
-            return
-        futures = [self._threads(len(bounds) - 1).submit(run, i) for i in range(1, len(bounds))]
-        try:
-            run(0)  # this thread takes the first share
-        finally:
-            for f in futures:
-                f.result()
+        self._shares.run(run, range(len(bounds)))
 
     def _check(
         self,
@@ -156,15 +147,6 @@ class PrefillKernel:
         used = block_table[: -(-(start_pos + q_len) // block_size)]
         if q_len and (int(used.min()) < 0 or int(used.max()) >= layer_pool.shape[1]):
             raise ValueError(f"block ids outside the pool's {layer_pool.shape[1]} blocks")
-
-    def _threads(self, workers: int) -> ThreadPoolExecutor:
-        """Threads for all but the calling thread's share. Grown by replacing the pool, never
-        shut down here: another engine in the process may still be submitting to the old one."""
-        pool = self._pool
-        if pool is None or self._workers < workers:
-            pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvduplex-prefill")
-            self._pool, self._workers = pool, workers
-        return pool
 
 
 def work_ranges(

@@ -62,6 +62,16 @@ static inline vf select_gt(vf a, vf b) { /* max(a, b), -inf aware */
 
 /* 2^x lane-wise for x <= 0 (or -inf): 2^n * p(f), n the nearest integer, f in [-0.5, 0.5];
  * masked keys (-inf) give exactly 0. */
+static inline vf exp2_fraction(vf f) { /* 2^f for f in [-0.5, 0.5], degree 6 */
+    vf p = splat(1.535336188319500e-4f);
+    p = p * f + 1.339887440266574e-3f;
+    p = p * f + 9.618437357674640e-3f;
+    p = p * f + 5.550332471162809e-2f;
+    p = p * f + 2.402264791363012e-1f;
+    p = p * f + 6.931472028550421e-1f;
+    return p * f + 1.0f;
+}
+
 #if defined(__AVX512F__) && LANES == 16
 #include <immintrin.h>
 static inline vf exp2_nonpositive(vf x) {
@@ -70,13 +80,7 @@ static inline vf exp2_nonpositive(vf x) {
     const __m512 xc = _mm512_max_ps(_mm512_set1_ps(-150.0f), (__m512)x);
     const __m512 n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const vf f = (vf)_mm512_sub_ps(xc, n);
-    vf p = splat(1.535336188319500e-4f);
-    p = p * f + 1.339887440266574e-3f;
-    p = p * f + 9.618437357674640e-3f;
-    p = p * f + 5.550332471162809e-2f;
-    p = p * f + 2.402264791363012e-1f;
-    p = p * f + 6.931472028550421e-1f;
-    p = p * f + 1.0f;
+    const vf p = exp2_fraction(f);
     return (vf)_mm512_scalef_ps((__m512)p, n);
 }
 #else
@@ -86,13 +90,7 @@ static inline vf exp2_nonpositive(vf x) {
     vf xc = (vf)((keep & (vi)x) | (tiny & (vi)splat(-126.0f)));
     vf n = (xc + splat(12582912.0f)) - splat(12582912.0f); /* round to nearest */
     vf f = xc - n;
-    vf p = splat(1.535336188319500e-4f);
-    p = p * f + 1.339887440266574e-3f;
-    p = p * f + 9.618437357674640e-3f;
-    p = p * f + 5.550332471162809e-2f;
-    p = p * f + 2.402264791363012e-1f;
-    p = p * f + 6.931472028550421e-1f;
-    p = p * f + 1.0f;
+    const vf p = exp2_fraction(f);
     vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
     return (vf)(keep & (vi)(p * (vf)bits));
 }
